@@ -1,0 +1,181 @@
+"""The Backend interface: the short, enumerated list of ops a device must provide.
+
+A backend is one object per device. It works on *backend-native* arrays (numpy
+arrays for the reference backend, device buffers for OpenCL) and converts only at
+the edges, with ``asarray`` and ``to_numpy``.
+
+Every layer op comes as a forward/backward pair with a uniform contract
+(CS231n style)::
+
+    y, cache = backend.op_forward(x, ...)
+    dx, ... = backend.op_backward(dy, cache)
+
+``cache`` is opaque: only the backend that made it reads it. Conventions:
+
+* tensors are NCHW float32; conv weights are (C_out, C_in, KH, KW), biases (C_out,);
+* linear weights are (D_out, D_in) as in PyTorch; a linear input of any shape
+  (N, ...) is flattened to (N, D_in);
+* labels are a host ``numpy`` int array of shape (N,);
+* ops never modify their inputs, except ``sgd_update`` (params and velocity) and
+  ``batchnorm_forward`` in training mode (running statistics), which are
+  documented as in-place.
+
+The numpy backend (``backends/numpy_backend.py``) is the reference; every other
+backend is checked op by op against it by ``tinyconv.testing``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+Array = Any  # a backend-native array
+Cache = Any  # whatever a forward op keeps for its backward
+
+
+class Backend(ABC):
+    """Abstract device. Subclasses set ``name`` and implement every abstract op."""
+
+    name: str = "abstract"
+
+    # ---- edges -----------------------------------------------------------
+    @abstractmethod
+    def asarray(self, x: np.ndarray) -> Array:
+        """Host float32/int array -> backend array (a copy on devices)."""
+
+    @abstractmethod
+    def to_numpy(self, x: Array) -> np.ndarray:
+        """Backend array -> host numpy array."""
+
+    @abstractmethod
+    def zeros(self, shape: tuple[int, ...]) -> Array:
+        """A float32 array of zeros of the given shape."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Device facts for the worker handshake and run metadata.
+
+        Keys: ``backend`` (str), ``device`` (str), ``kind`` ("cpu", "gpu", ...),
+        ``compute_units`` (int).
+        """
+
+    def synchronize(self) -> None:
+        """Block until queued device work is done (for honest timings)."""
+
+    # ---- convolution -------------------------------------------------------
+    @abstractmethod
+    def conv2d_forward(
+        self, x: Array, w: Array, b: Array, stride: int = 1, padding: int = 0
+    ) -> tuple[Array, Cache]:
+        """x (N, C, H, W), w (F, C, KH, KW), b (F,) -> y (N, F, OH, OW).
+
+        OH = (H + 2*padding - KH) // stride + 1, likewise OW.
+        y[n, f] = b[f] + sum_c x_pad[n, c] (cross-correlated with) w[f, c].
+        """
+
+    @abstractmethod
+    def conv2d_backward(
+        self, dy: Array, cache: Cache, need_dx: bool = True
+    ) -> tuple[Array | None, Array, Array]:
+        """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None, dw (F, C, KH, KW), db (F,))."""
+
+    # ---- elementwise and normalisation --------------------------------------
+    @abstractmethod
+    def relu_forward(self, x: Array) -> tuple[Array, Cache]:
+        """y = max(x, 0), any shape."""
+
+    @abstractmethod
+    def relu_backward(self, dy: Array, cache: Cache) -> Array:
+        """dx = dy * [x > 0]."""
+
+    @abstractmethod
+    def lrn_forward(
+        self, x: Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 2.0
+    ) -> tuple[Array, Cache]:
+        """Cross-channel local response norm, torch.nn.LocalResponseNorm semantics.
+
+        x (N, C, H, W) -> y = x / (k + alpha/size * sum_{c' in window(c)} x[c']^2)^beta,
+        window(c) = [c - size//2, c + (size-1)//2], clipped to [0, C).
+        """
+
+    @abstractmethod
+    def lrn_backward(self, dy: Array, cache: Cache) -> Array:
+        """dx (N, C, H, W) for lrn_forward."""
+
+    @abstractmethod
+    def batchnorm_forward(
+        self,
+        x: Array,
+        gamma: Array,
+        beta: Array,
+        running_mean: Array,
+        running_var: Array,
+        training: bool,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+    ) -> tuple[Array, Cache]:
+        """Per-channel batch norm over (N, H, W). x (N, C, H, W), gamma/beta (C,).
+
+        Training: normalise with the batch statistics (biased variance) and update
+        running_mean / running_var *in place*, PyTorch style:
+        r <- (1 - momentum) r + momentum * batch_stat (unbiased variance for r).
+        Eval: normalise with the running statistics.
+        """
+
+    @abstractmethod
+    def batchnorm_backward(self, dy: Array, cache: Cache) -> tuple[Array, Array, Array]:
+        """dy (N, C, H, W) -> (dx, dgamma (C,), dbeta (C,))."""
+
+    # ---- pooling ----------------------------------------------------------
+    @abstractmethod
+    def maxpool_forward(
+        self, x: Array, kernel: int = 2, stride: int = 2, padding: int = 0
+    ) -> tuple[Array, Cache]:
+        """x (N, C, H, W) -> y (N, C, OH, OW), OH = (H + 2*padding - kernel)//stride + 1.
+
+        Padding is -inf (never selected). Ties go to the first maximum in
+        row-major window order.
+        """
+
+    @abstractmethod
+    def maxpool_backward(self, dy: Array, cache: Cache) -> Array:
+        """dx (N, C, H, W): each dy goes to its window's selected input, summed."""
+
+    # ---- dense ------------------------------------------------------------
+    @abstractmethod
+    def linear_forward(self, x: Array, w: Array, b: Array) -> tuple[Array, Cache]:
+        """x (N, ...) flattened to (N, D), w (M, D), b (M,) -> y (N, M) = x w^T + b."""
+
+    @abstractmethod
+    def linear_backward(self, dy: Array, cache: Cache) -> tuple[Array, Array, Array]:
+        """dy (N, M) -> (dx in x's original shape, dw (M, D), db (M,))."""
+
+    @abstractmethod
+    def softmax_cross_entropy(self, logits: Array, labels: np.ndarray) -> tuple[float, Array]:
+        """logits (N, K), labels (N,) ints in [0, K) -> (mean loss, dlogits (N, K))."""
+
+    # ---- optimiser ----------------------------------------------------------
+    @abstractmethod
+    def sgd_update(
+        self,
+        param: Array,
+        grad: Array,
+        velocity: Array,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+    ) -> None:
+        """In place, PyTorch SGD semantics:
+        g = grad + weight_decay * param;  v = momentum * v + g;  param -= lr * v.
+        """
+
+    # ---- small helpers used by the sharded convolution ----------------------
+    def take_kernels(self, w: Array, start: int, stop: int) -> Array:
+        """Rows [start, stop) of a (F, ...) weight or (F,) bias array."""
+        return w[start:stop]
+
+    def __repr__(self) -> str:
+        d = self.describe()
+        return f"<{type(self).__name__} {d.get('device', '?')}>"

@@ -1,0 +1,1 @@
+"""OpenCL backend (in progress)."""
