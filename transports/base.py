@@ -1,0 +1,109 @@
+"""The Transport interface: the master's view of a pool of workers.
+
+A transport moves :class:`Message` objects between the master and N workers. It
+knows nothing about convolutions: the worker side is a *handler* (a callable
+``Message -> Message``) supplied by ``tinyconv.worker``, so this package never
+imports ``tinyconv``.
+
+Lifecycle, as the master sees it::
+
+    workers = transport.start(n_workers, timeout)   # wait for every hello
+    transport.send(k, msg)                          # a task to worker k
+    k, reply = transport.recv(timeout)              # the next reply, from anyone
+    transport.close()                               # "train over": workers exit
+
+``recv`` raises :class:`TimeoutError` when nothing arrives in time and
+:class:`WorkerLost` when a worker is known to be gone; nothing blocks forever.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Message kinds. Master -> worker: calibrate, conv_forward, conv_backward, shutdown.
+# Worker -> master: hello (first), result, error. Either way: heartbeat.
+KINDS = (
+    "hello",
+    "welcome",
+    "calibrate",
+    "conv_forward",
+    "conv_backward",
+    "result",
+    "error",
+    "heartbeat",
+    "shutdown",
+)
+
+
+@dataclass
+class Message:
+    """One message: a kind, a small header of plain values, and named arrays.
+
+    ``header`` holds only msgpack-able scalars, strings, lists and dicts (task id,
+    step, layer, stride, padding, timings, ...). ``arrays`` holds numpy arrays,
+    which cross a process boundary as raw frames, never pickled.
+    """
+
+    kind: str
+    header: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker said in its hello: its index here, backend and device facts."""
+
+    index: int
+    backend: str
+    device: dict[str, Any]
+    address: str = ""
+
+
+class WorkerLost(RuntimeError):
+    """A worker stopped answering heartbeats or disconnected."""
+
+    def __init__(self, worker: int, reason: str) -> None:
+        super().__init__(f"worker {worker} lost: {reason}")
+        self.worker = worker
+        self.reason = reason
+
+
+class Transport(ABC):
+    """Abstract master-side transport. Subclasses set ``name``."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
+        """Wait until ``n_workers`` workers said hello; raise TimeoutError with a clear message otherwise."""
+
+    @abstractmethod
+    def send(self, worker: int, msg: Message) -> None:
+        """Queue ``msg`` for worker ``worker`` (0-based). Never blocks indefinitely."""
+
+    @abstractmethod
+    def recv(self, timeout: float) -> tuple[int, Message]:
+        """The next message from any worker, as (worker index, message)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Tell every worker the training is over and release all resources. Idempotent."""
+
+    def traffic(self) -> dict[int, tuple[int, int]]:
+        """Bytes (sent to, received from) each worker since start."""
+        return {}
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
