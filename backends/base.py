@@ -61,7 +61,7 @@ class Backend(ABC):
         ``compute_units`` (int).
         """
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 -- a no-op is right for host backends
         """Block until queued device work is done (for honest timings)."""
 
     # ---- convolution -------------------------------------------------------

@@ -61,9 +61,7 @@ def im2col(x: np.ndarray, kh: int, kw: int, stride: int, padding: int) -> np.nda
     if padding:
         x = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
     sn, sc, sh, sw = x.strides
-    view = as_strided(
-        x, (c, kh, kw, n, oh, ow), (sc, sh, sw, sn, sh * stride, sw * stride), writeable=False
-    )
+    view = as_strided(x, (c, kh, kw, n, oh, ow), (sc, sh, sw, sn, sh * stride, sw * stride), writeable=False)
     return view.reshape(c * kh * kw, n * oh * ow)
 
 
@@ -231,9 +229,7 @@ class NumpyBackend(Backend):
         t = _channel_window_sum(dy * y / s, after, before)
         return dy * p - F32(2.0 * alpha * beta / size) * x * t
 
-    def batchnorm_forward(
-        self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5
-    ):
+    def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if training:
             m = x.shape[0] * x.shape[2] * x.shape[3]
             mean = x.mean(axis=(0, 2, 3))
@@ -287,7 +283,9 @@ class NumpyBackend(Backend):
     def linear_forward(self, x, w, b):
         x2 = x.reshape(x.shape[0], -1)
         if x2.shape[1] != w.shape[1]:
-            raise ValueError(f"linear: input {x.shape} flattens to {x2.shape[1]}, weights expect {w.shape[1]}")
+            raise ValueError(
+                f"linear: input {x.shape} flattens to {x2.shape[1]}, weights expect {w.shape[1]}"
+            )
         return x2 @ w.T + b, (x.shape, x2, w)
 
     def linear_backward(self, dy, cache):

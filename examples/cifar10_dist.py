@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Train the paper's CNN on CIFAR-10, with its convolutions split by kernels across workers.
+
+    python examples/cifar10_dist.py --transport zmq --backend opencl        # the main job
+    python examples/cifar10_dist.py --dataset synthetic --steps 50          # a 30-second smoke run
+    python examples/cifar10_dist.py --workers 0                             # the master alone
+
+Reproduces Marques, Falcao & Alexandre, "Distributed learning of CNNs on
+heterogeneous CPU/GPU architectures": the master trains every layer but the
+convolutions, whose kernels are shared among workers in proportion to their speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+# runnable from a source checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+import tinyconv  # noqa: E402
+from backends import available_backends, get_backend  # noqa: E402
+from tinyconv.cifar10 import DataError  # noqa: E402
+from tinyconv.data import load_dataset  # noqa: E402
+from tinyconv.metrics import MetricsWriter  # noqa: E402
+from tinyconv.model import NORMS, PAPER_ARCHS, paper_net, parse_arch  # noqa: E402
+from tinyconv.schedule import SCHEDULES  # noqa: E402
+from tinyconv.trainer import TrainConfig, Trainer, summary_table  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("network")
+    g.add_argument(
+        "--arch",
+        default="50:500",
+        help=f"kernel counts C1:C2 of the two conv layers; the paper's are {', '.join(PAPER_ARCHS)} "
+        "(default %(default)s)",
+    )
+    g.add_argument("--conv1", type=int, help="kernels of conv layer 1 (overrides --arch)")
+    g.add_argument("--conv2", type=int, help="kernels of conv layer 2 (overrides --arch)")
+    g.add_argument(
+        "--norm",
+        choices=NORMS,
+        default="lrn",
+        help="normalisation after each conv (default %(default)s, as the paper)",
+    )
+    g.add_argument(
+        "--pool",
+        type=int,
+        choices=(2, 3),
+        default=3,
+        help="max-pool window: 3 (3x3 stride 2, overlapping) or 2 (2x2 stride 2)",
+    )
+
+    g = p.add_argument_group("compute")
+    g.add_argument(
+        "--backend",
+        default="numpy",
+        help=f"master's backend: {', '.join(available_backends())} (default %(default)s)",
+    )
+    g.add_argument(
+        "--device",
+        help="OpenCL device: PLATFORM:DEVICE index or a name substring "
+        "(default $TINYCONV_OPENCL_DEVICE, else the first GPU)",
+    )
+
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=10, help="epochs (default %(default)s)")
+    g.add_argument(
+        "--steps", type=int, help="stop after N steps in total, then evaluate (smoke runs, quick checks)"
+    )
+    g.add_argument("--batch-size", type=int, default=64, help="default %(default)s")
+    g.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default %(default)s)")
+    g.add_argument("--momentum", type=float, default=0.9, help="default %(default)s")
+    g.add_argument(
+        "--weight-decay", type=float, default=5e-4, help="on conv and linear weights (default %(default)s)"
+    )
+    g.add_argument(
+        "--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (default %(default)s)"
+    )
+    g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up (default %(default)s)")
+    g.add_argument("--no-augment", action="store_true", help="no random crop / horizontal flip")
+    g.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffle and the augmentation")
+
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="default %(default)s"
+    )
+    g.add_argument(
+        "--data-dir",
+        help="folder holding cifar-10-batches-py/ (default $TINYCONV_DATA, else ~/.cache/tinyconv)",
+    )
+    g.add_argument(
+        "--no-download", action="store_true", help="fail instead of downloading CIFAR-10 when missing"
+    )
+
+    g = p.add_argument_group("output")
+    g.add_argument("--metrics-out", help="write JSON-lines metrics (run, step, epoch, summary events) here")
+    g.add_argument("--checkpoint", help="save a checkpoint here at each epoch end and at the stop")
+    g.add_argument("--resume", help="resume bit-identically from this checkpoint")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        c1, c2 = parse_arch(args.arch)
+        c1, c2 = args.conv1 or c1, args.conv2 or c2
+        options = {"device": args.device} if args.device else {}
+        backend = get_backend(args.backend, **options)
+        data = load_dataset(
+            args.dataset,
+            data_dir=args.data_dir,
+            download=not args.no_download,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except (DataError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    net = paper_net(backend, c1, c2, args.norm, seed=args.seed, pool_kernel=args.pool)
+    config = TrainConfig(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        schedule=args.schedule,
+        warmup_epochs=args.warmup_epochs,
+        max_steps=args.steps,
+        augment=not args.no_augment,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+        progress=not args.no_progress,
+    )
+    metrics = MetricsWriter(args.metrics_out, append=bool(args.resume))
+    metrics.write(
+        "run",
+        argv=sys.argv if argv is None else ["cifar10_dist.py", *argv],
+        seed=args.seed,
+        backend=backend.describe(),
+        transport=None,
+        workers=[],
+        arch=net.config,
+        dataset=args.dataset,
+        batch_size=args.batch_size,
+        train_config=vars(args),
+        versions={
+            "tinyconv": tinyconv.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+    )
+    print(net)
+    print(f"{net.num_params():,} parameters on {backend.describe()['device']} ({args.backend})")
+    try:
+        trainer = Trainer(net, data, config, metrics)
+        if args.resume:
+            trainer.resume(args.resume)
+            print(f"resumed from {args.resume} at step {trainer.step}")
+        summary = trainer.fit()
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        metrics.close()
+    print(summary_table(summary))
+    if args.metrics_out:
+        print(f"metrics: {args.metrics_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
