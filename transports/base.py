@@ -19,8 +19,9 @@ Lifecycle, as the master sees it::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -66,6 +67,30 @@ class WorkerInfo:
     backend: str
     device: dict[str, Any]
     address: str = ""
+    hostname: str = ""
+    pid: int = 0
+
+
+@runtime_checkable
+class Handler(Protocol):
+    """The worker side of every transport: what actually serves tasks.
+
+    ``hello()`` returns the header of the worker's ``hello`` message
+    (``protocol``, ``backend``, ``device``, ``pid``, ``hostname``); ``handle(msg)``
+    answers one task (``calibrate``, ``conv_forward``, ``conv_backward``) with a
+    ``result`` or ``error`` message, or None for no reply. Transports turn an
+    exception from ``handle`` into an ``error`` reply, so a worker never dies of
+    a bad task. ``tinyconv.worker.ConvWorker`` is the implementation.
+    """
+
+    def hello(self) -> dict[str, Any]: ...
+
+    def handle(self, msg: Message) -> Message | None: ...
+
+
+# Builds worker i's handler. The in-process transport calls it in worker i's own
+# thread, so each worker creates its own Backend there.
+HandlerFactory = Callable[[int], Handler]
 
 
 class WorkerLost(RuntimeError):

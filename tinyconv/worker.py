@@ -1,0 +1,458 @@
+"""The worker: computes the convolution kernels a master hands it, on one Backend.
+
+Two parts:
+
+* :class:`ConvWorker`, the handler every transport serves (``hello()`` and
+  ``handle(msg)``, see ``transports.base.Handler``). It answers ``calibrate``
+  (time this layer shape here), ``conv_forward`` (keeping the backend's cache per
+  layer) and ``conv_backward`` (using it). Any problem becomes an ``error`` reply.
+* The command line, ``tinyconv worker --connect tcp://HOST:5555 ...`` (also
+  ``python -m tinyconv.worker``), which serves a ConvWorker over ZeroMQ until the
+  master says the training is over; plus :func:`spawn_local_workers` /
+  :func:`stop_workers` for a master that runs its workers on the same machine.
+
+Why this module imports nothing heavy at the top: ``--threads N`` limits BLAS /
+OpenMP threads through environment variables, which those libraries read once,
+when numpy is first imported. ``main()`` therefore parses its arguments and sets
+the variables *before* importing numpy, the backends or the transports; methods
+below import them where they are used (Python caches the imports, so that is free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+    from transports.base import Message
+
+# The variables the common BLAS / OpenMP builds read for their thread count.
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+DEFAULT_MAX_CALIBRATE_BYTES = 1 << 30
+# = transports.zmq_transport.EXIT_INTERRUPTED; not imported from there, which would load numpy
+EXIT_INTERRUPTED = 130
+
+
+class TaskError(ValueError):
+    """A task the worker cannot run as asked; the text goes back to the master."""
+
+
+@dataclass
+class _Forward:
+    """What a conv_forward leaves for the matching conv_backward."""
+
+    step: int
+    cache: Any
+    need_dx: bool
+    y_shape: tuple[int, ...]
+
+
+def _out_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    out = (size + 2 * padding - kernel) // stride + 1
+    if out <= 0:
+        raise TaskError(
+            f"a {kernel}-wide kernel with stride {stride} and padding {padding} "
+            f"does not fit an input of {size}"
+        )
+    return out
+
+
+class ConvWorker:
+    """Serves convolution tasks on ``backend``; the handler behind every transport.
+
+    ``slowdown`` F >= 1 is a testing aid that emulates a slower device: after each
+    task the worker waits an extra (F - 1) x its compute time and reports F x
+    that time (calibration times included), so a master balances it as slower.
+    """
+
+    def __init__(
+        self, backend: Backend, slowdown: float = 1.0, max_calibrate_bytes: int = DEFAULT_MAX_CALIBRATE_BYTES
+    ) -> None:
+        if not (isinstance(slowdown, (int, float)) and math.isfinite(slowdown) and slowdown >= 1):
+            raise ValueError(f"slowdown must be a finite number >= 1, got {slowdown!r}")
+        self.backend = backend
+        self.slowdown = float(slowdown)
+        self.max_calibrate_bytes = int(max_calibrate_bytes)
+        self._forwards: dict[int, _Forward] = {}  # layer -> its last forward
+        self._idle = threading.Event()  # never set: waiting on it is how slowdown passes time
+
+    def hello(self) -> dict[str, Any]:
+        """The ``hello`` header: protocol, backend, device facts, pid, hostname."""
+        from transports.base import PROTOCOL_VERSION
+
+        device = dict(self.backend.describe())
+        if self.slowdown != 1.0:
+            device["slowdown"] = self.slowdown
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "backend": self.backend.name,
+            "device": device,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
+
+    def handle(self, msg: Message) -> Message:
+        """Answer one task with a ``result``, or an ``error`` naming what was wrong. Never raises."""
+        from transports.wire import error_reply
+
+        handlers = {
+            "conv_forward": self._conv_forward,
+            "conv_backward": self._conv_backward,
+            "calibrate": self._calibrate,
+        }
+        if msg.kind not in handlers:
+            return error_reply(
+                msg, f"a worker does not handle {msg.kind!r} messages; send one of {list(handlers)}"
+            )
+        try:
+            return handlers[msg.kind](msg)
+        except TaskError as e:
+            return error_reply(msg, f"{msg.kind}: {e}")
+        except Exception as e:  # a backend failure: report it, keep serving
+            return error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
+
+    # ---- tasks ----------------------------------------------------------------------
+    def _conv_forward(self, msg: Message) -> Message:
+        from transports.base import Message
+
+        h, a = msg.header, msg.arrays
+        x, w, b = a["x"], a["w"], a["b"]
+        where = f"layer {h['layer']} step {h['step']}"
+        _check_float32(where, x=x, w=w, b=b)
+        if x.ndim != 4 or w.ndim != 4 or b.ndim != 1 or x.shape[1] != w.shape[1] or b.shape[0] != w.shape[0]:
+            raise TaskError(
+                f"{where}: expected x (N, C, H, W), w (F, C, KH, KW), b (F,) with matching C and F; "
+                f"got x {x.shape}, w {w.shape}, b {b.shape}"
+            )
+        stride, padding = h["stride"], h["padding"]
+        if stride < 1 or padding < 0:
+            raise TaskError(f"{where}: need stride >= 1 and padding >= 0, got {stride} and {padding}")
+        _out_size(x.shape[2], w.shape[2], stride, padding)
+        _out_size(x.shape[3], w.shape[3], stride, padding)
+
+        be = self.backend
+        t0 = time.perf_counter()
+        y, cache = be.conv2d_forward(be.asarray(x), be.asarray(w), be.asarray(b), stride, padding)
+        y = be.to_numpy(y)
+        be.synchronize()
+        compute_s = self._emulate(time.perf_counter() - t0)
+        self._forwards[h["layer"]] = _Forward(h["step"], cache, h["need_dx"], tuple(y.shape))
+        header = {"task": h["task"], "step": h["step"], "layer": h["layer"], "compute_s": compute_s}
+        return Message("result", header, {"y": y})
+
+    def _conv_backward(self, msg: Message) -> Message:
+        from transports.base import Message
+
+        h, dy = msg.header, msg.arrays["dy"]
+        layer, step = h["layer"], h["step"]
+        fwd = self._forwards.get(layer)
+        if fwd is None:
+            raise TaskError(
+                f"layer {layer} step {step}: no conv_forward of this layer to go back through; "
+                "send conv_forward first (or again, if this worker was restarted)"
+            )
+        if fwd.step != step:
+            raise TaskError(
+                f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}"
+            )
+        _check_float32(f"layer {layer} step {step}", dy=dy)
+        if tuple(dy.shape) != fwd.y_shape:
+            raise TaskError(
+                f"layer {layer} step {step}: dy has shape {dy.shape}, the forward output was {fwd.y_shape}"
+            )
+        del self._forwards[layer]  # one backward per forward; frees the cache
+
+        be = self.backend
+        t0 = time.perf_counter()
+        dx, dw, db = be.conv2d_backward(be.asarray(dy), fwd.cache, fwd.need_dx)
+        arrays = {"dw": be.to_numpy(dw), "db": be.to_numpy(db)}
+        if fwd.need_dx:
+            arrays["dx"] = be.to_numpy(dx)
+        be.synchronize()
+        compute_s = self._emulate(time.perf_counter() - t0)
+        return Message(
+            "result", {"task": h["task"], "step": step, "layer": layer, "compute_s": compute_s}, arrays
+        )
+
+    def _calibrate(self, msg: Message) -> Message:
+        """Time forward + backward of each layer's exact shape on seeded random values."""
+        import numpy as np
+
+        from transports.base import Message
+
+        repeats, specs = msg.header["repeats"], msg.header["layers"]
+        if not 1 <= repeats <= 1000:
+            raise TaskError(f"repeats must be in 1..1000, got {repeats}")
+        if not specs:
+            raise TaskError("layers is empty: nothing to calibrate")
+        shapes = [self._calibration_shape(i, spec) for i, spec in enumerate(specs)]
+
+        be = self.backend
+        t_start = time.perf_counter()
+        times = []
+        for layer, xs, ws, ys, stride, padding, need_dx in shapes:
+            rng = np.random.default_rng(layer)  # same values on every worker: only the device differs
+            x = be.asarray(rng.standard_normal(xs, dtype=np.float32))
+            w = be.asarray(rng.standard_normal(ws, dtype=np.float32) * np.float32(0.1))
+            b = be.asarray(rng.standard_normal(ws[0], dtype=np.float32))
+            dy = be.asarray(rng.standard_normal(ys, dtype=np.float32))
+
+            args = (x, w, b, dy, stride, padding, need_dx)
+            self._time_once(*args)  # warm-up: first-call costs (allocation, kernel compilation) are not speed
+            times.append(statistics.median(self._time_once(*args) for _ in range(repeats)) * self.slowdown)
+        compute_s = self._emulate(time.perf_counter() - t_start)
+        return Message("result", {"task": msg.header["task"], "times": times, "compute_s": compute_s})
+
+    def _time_once(self, x: Any, w: Any, b: Any, dy: Any, stride: int, padding: int, need_dx: bool) -> float:
+        be = self.backend
+        t0 = time.perf_counter()
+        _, cache = be.conv2d_forward(x, w, b, stride, padding)
+        be.conv2d_backward(dy, cache, need_dx)
+        be.synchronize()
+        return time.perf_counter() - t0
+
+    def _calibration_shape(self, i: int, spec: Any) -> tuple:
+        """Check one calibrate layer spec -> (layer, x, w, y shapes, stride, padding, need_dx)."""
+        allowed = {"layer", "x", "w", "stride", "padding", "need_dx"}
+        if not isinstance(spec, dict) or not {"layer", "x", "w", "stride", "padding"} <= set(spec) <= allowed:
+            raise TaskError(
+                f"layers[{i}] must be a map with layer, x [N,C,H,W], w [F,C,K,K], stride, padding "
+                f"(and optionally need_dx); got {spec!r:.200}"
+            )
+        layer, xs, ws = spec["layer"], spec["x"], spec["w"]
+        stride, padding, need_dx = spec["stride"], spec["padding"], spec.get("need_dx", True)
+        for name, shape in (("x", xs), ("w", ws)):
+            if not (isinstance(shape, list) and len(shape) == 4 and all(_is_int(s) and s > 0 for s in shape)):
+                raise TaskError(f"layers[{i}].{name} must be 4 positive ints, got {shape!r:.100}")
+        if not (_is_int(layer) and _is_int(stride) and _is_int(padding) and isinstance(need_dx, bool)):
+            raise TaskError(f"layers[{i}]: layer, stride, padding must be ints and need_dx a bool")
+        if xs[1] != ws[1] or stride < 1 or padding < 0:
+            raise TaskError(f"layers[{i}]: x {xs} and w {ws} need the same C, stride >= 1, padding >= 0")
+        n, c, hgt, wid = xs
+        f, _, kh, kw = ws
+        oh, ow = _out_size(hgt, kh, stride, padding), _out_size(wid, kw, stride, padding)
+        ys = [n, f, oh, ow]
+        # the im2col columns dominate: C*KH*KW x N*OH*OW, next to x, dx, w, y and dy
+        floats = c * kh * kw * n * oh * ow + 2 * math.prod(xs) + math.prod(ws) + 2 * math.prod(ys)
+        if 4 * floats > self.max_calibrate_bytes:
+            raise TaskError(
+                f"layers[{i}]: timing x {xs}, w {ws} needs about {4 * floats} bytes, over this worker's "
+                f"limit of {self.max_calibrate_bytes}"
+            )
+        return layer, tuple(xs), tuple(ws), tuple(ys), stride, padding, need_dx
+
+    def _emulate(self, compute_s: float) -> float:
+        """Apply the slowdown factor: wait the extra time, return the time to report."""
+        if self.slowdown > 1.0:
+            self._idle.wait((self.slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
+        return compute_s * self.slowdown
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_float32(where: str, **arrays: Any) -> None:
+    for name, a in arrays.items():
+        if a.dtype.name != "float32":
+            raise TaskError(f"{where}: {name} must be float32, got {a.dtype}")
+
+
+# ---- command line --------------------------------------------------------------------
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a{'n int' if kind is int else ' number'}"
+            ) from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+
+    return parse
+
+
+def _slowdown(text: str) -> float:
+    value = _positive(float)(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"slowdown {text!r} must be >= 1 (1 = full speed, 2 = half speed)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tinyconv worker",
+        description="Serve convolution kernels to a tinyconv master until it says the training is over.",
+    )
+    p.add_argument(
+        "--connect",
+        required=True,
+        metavar="ADDR",
+        help="the master's address: tcp://HOST:5555 or ipc:///path",
+    )
+    p.add_argument("--backend", default="numpy", help="compute backend: numpy or opencl (default: numpy)")
+    p.add_argument("--device", metavar="SPEC", help="which device the backend should use (backend-specific)")
+    p.add_argument(
+        "--threads",
+        type=_positive(int),
+        metavar="N",
+        help="limit BLAS/OpenMP threads to N (sets OMP/OPENBLAS/MKL_NUM_THREADS before numpy loads)",
+    )
+    p.add_argument(
+        "--slowdown",
+        type=_slowdown,
+        default=1.0,
+        metavar="F",
+        help="testing aid: emulate a device F times slower (default: 1)",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=_positive(float),
+        default=1.0,
+        metavar="S",
+        help="send a heartbeat after S idle seconds (at least as often as the master asks; default: 1)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=10.0,
+        metavar="S",
+        help="exit when the master has been silent for S seconds (default: 10)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=_positive(float),
+        default=60.0,
+        metavar="S",
+        help="give up when no master has welcomed this worker within S seconds (default: 60)",
+    )
+    p.add_argument("--quiet", action="store_true", help="print only problems, not progress")
+    return p
+
+
+def limit_threads(n: int) -> None:
+    """Ask BLAS / OpenMP for ``n`` threads. Only works before numpy is imported."""
+    if "numpy" in sys.modules:
+        print(
+            "tinyconv worker: warning: numpy was already imported, so --threads may not take effect; "
+            "start the worker with `tinyconv worker` or `python -m tinyconv.worker`",
+            file=sys.stderr,
+        )
+    for var in THREAD_ENV_VARS:
+        os.environ[var] = str(n)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the worker the same clean way as Ctrl-C
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tinyconv worker ...``: returns 0 after the master's shutdown, non-zero with a message otherwise."""
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        limit_threads(args.threads)  # before the imports below load numpy
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # during start-up; once serving, serve() handles it the same way
+        print("tinyconv worker: interrupted; worker stopping", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from backends import get_backend
+    from transports.zmq_transport import EXIT_FAILED, serve
+
+    options = {"device": args.device} if args.device else {}
+    try:
+        backend = get_backend(args.backend, **options)
+    except Exception as e:  # unknown name, missing driver, no such device: one line, no traceback
+        print(f"tinyconv worker: cannot start backend {args.backend!r}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    return serve(
+        args.connect,
+        ConvWorker(backend, slowdown=args.slowdown),
+        heartbeat_s=args.heartbeat,
+        peer_timeout_s=args.timeout,
+        welcome_timeout_s=args.connect_timeout,
+        log_line=lambda line: print(f"tinyconv worker: {line}", file=sys.stderr, flush=True),
+        quiet=args.quiet,
+    )
+
+
+# ---- local workers for a master ---------------------------------------------------------
+
+
+def spawn_local_workers(
+    n: int,
+    connect: str,
+    backend: str = "numpy",
+    extra_args: Sequence[str] = (),
+    threads: int | None = None,
+    quiet: bool = True,
+) -> list[subprocess.Popen]:
+    """Start ``n`` worker processes on this machine that connect to ``connect``.
+
+    They stay in this process's group, so a Ctrl-C reaches them too; and each
+    exits on its own within its ``--timeout`` if this process dies. Stop them with
+    :func:`stop_workers` after closing the transport.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    cmd = [sys.executable, "-m", "tinyconv.worker", "--connect", connect, "--backend", backend]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if quiet:
+        cmd.append("--quiet")
+    cmd += list(extra_args)
+    return [subprocess.Popen(cmd) for _ in range(n)]
+
+
+def stop_workers(procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> list[int]:
+    """Wait up to ``timeout`` s for the workers to exit, then terminate, then kill. Returns exit codes."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""In-process transport: every worker is a thread of the master's process.
+
+No serialisation at all: a task's arrays reach the worker's handler as the very
+same numpy objects, and so do the replies. Messages are still checked against the
+wire schema (:func:`transports.wire.check_message`), so code that works here
+sends messages the zmq transport accepts too.
+
+Each worker thread calls ``handler_factory(i)`` once, in its own thread (so it
+builds its own Backend there), says hello with ``handler.hello()``, waits for the
+master's welcome, then serves tasks with ``handler.handle(msg)`` until shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from transports.base import PROTOCOL_VERSION, HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
+from transports.wire import ProtocolError, call_handler, check_header, check_message
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5  # how often an idle worker thread checks whether the transport closed
+_JOIN_TIMEOUT_S = 5.0
+
+
+class InprocTransport(Transport):
+    """Workers as threads; ``handler_factory(i)`` builds worker i's :class:`~transports.base.Handler`."""
+
+    name = "inproc"
+
+    def __init__(self, handler_factory: HandlerFactory, heartbeat_s: float = 1.0, **_: Any) -> None:
+        if not callable(handler_factory):
+            raise TypeError(
+                "InprocTransport needs handler_factory: a callable i -> handler with .hello() and "
+                f".handle(msg), e.g. lambda i: ConvWorker(get_backend('numpy')); got {handler_factory!r}"
+            )
+        self._factory = handler_factory
+        self._heartbeat_s = float(heartbeat_s)
+        # worker threads -> master: ("hello" | "reply" | "lost", worker index, payload)
+        self._inbox: queue.Queue[tuple[str, int, Any]] = queue.Queue()
+        self._tasks: list[queue.Queue[Message]] = []
+        self._threads: list[threading.Thread] = []
+        self._lost: dict[int, str] = {}
+        self._traffic: dict[int, list[int]] = {}
+        self._closing = threading.Event()
+        self._started = False
+        self._closed = False
+
+    # ---- master side -------------------------------------------------------------
+    def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
+        if self._started or self._closed:
+            raise RuntimeError("start() can be called once, on a transport that is not closed")
+        if not isinstance(n_workers, int) or n_workers < 1:
+            raise ValueError(f"n_workers must be a positive int, got {n_workers!r}")
+        self._started = True
+        for i in range(n_workers):
+            self._tasks.append(queue.Queue())
+            self._traffic[i] = [0, 0]
+            t = threading.Thread(
+                target=self._serve, args=(i,), name=f"tinyconv-inproc-worker-{i}", daemon=True
+            )
+            self._threads.append(t)
+            t.start()
+        deadline = time.monotonic() + timeout
+        infos: dict[int, WorkerInfo] = {}
+        while len(infos) < n_workers:
+            try:
+                kind, i, payload = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"only {len(infos)} of {n_workers} in-process workers said hello within {timeout:g} s; "
+                    "a handler factory is slow or stuck"
+                ) from None
+            if kind == "hello":
+                infos[i] = self._worker_info(i, payload)
+            elif kind == "reply" and payload.kind == "error":
+                raise RuntimeError(f"in-process worker {i} could not start: {payload.header['message']}")
+            else:
+                raise RuntimeError(f"in-process worker {i} sent {kind!r} before its hello")
+        for i in range(n_workers):
+            self._tasks[i].put(Message("welcome", {"index": i, "heartbeat_s": self._heartbeat_s}))
+        return [infos[i] for i in range(n_workers)]
+
+    @staticmethod
+    def _worker_info(i: int, hello: dict[str, Any]) -> WorkerInfo:
+        check_header("hello", hello)
+        if hello["protocol"] != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"in-process worker {i} speaks protocol {hello['protocol']}, the master {PROTOCOL_VERSION}"
+            )
+        return WorkerInfo(
+            index=i,
+            backend=hello["backend"],
+            device=hello["device"],
+            address="inproc",
+            hostname=hello["hostname"],
+            pid=hello["pid"],
+        )
+
+    def send(self, worker: int, msg: Message) -> None:
+        self._check_worker(worker)
+        if worker in self._lost:
+            raise WorkerLost(worker, self._lost[worker])
+        check_message(msg)
+        self._traffic[worker][0] += msg.nbytes()
+        self._tasks[worker].put(msg)
+
+    def recv(self, timeout: float) -> tuple[int, Message]:
+        if not self._started or self._closed:
+            raise RuntimeError("recv() needs a started, open transport")
+        try:
+            kind, i, payload = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no reply from any in-process worker within {timeout:g} s") from None
+        if kind == "lost":
+            self._lost[i] = payload
+            raise WorkerLost(i, payload)
+        self._traffic[i][1] += payload.nbytes()
+        return i, payload
+
+    def traffic(self) -> dict[int, tuple[int, int]]:
+        """Array bytes handed to and received from each worker (nothing is copied in-process)."""
+        return {i: (s, r) for i, (s, r) in self._traffic.items()}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        for q in self._tasks:
+            q.put(Message("shutdown", {"reason": "train over"}))
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if t.is_alive():  # a handler still computing; the thread is a daemon and ends with it
+                log.warning("%s still busy after %.0f s; leaving it to finish", t.name, _JOIN_TIMEOUT_S)
+
+    def _check_worker(self, worker: int) -> None:
+        if not self._started or self._closed:
+            raise RuntimeError("send() needs a started, open transport")
+        if not isinstance(worker, int) or not 0 <= worker < len(self._tasks):
+            raise ValueError(f"no worker {worker!r}; workers are 0..{len(self._tasks) - 1}")
+
+    # ---- worker side (runs in worker i's thread) ------------------------------------
+    def _serve(self, i: int) -> None:
+        reason = "its thread ended unexpectedly"
+        try:
+            try:
+                handler = self._factory(i)
+                hello = handler.hello()
+            except Exception as e:
+                reason = f"could not start: {type(e).__name__}: {e}"
+                self._inbox.put(("reply", i, Message("error", {"message": reason})))
+                return
+            self._inbox.put(("hello", i, hello))
+            while True:
+                try:
+                    msg = self._tasks[i].get(timeout=_IDLE_POLL_S)
+                except queue.Empty:
+                    if self._closing.is_set():
+                        return
+                    continue
+                if msg.kind == "shutdown":
+                    return
+                if msg.kind in ("welcome", "heartbeat"):
+                    continue
+                reply = call_handler(handler, msg)
+                if reply is not None:
+                    self._inbox.put(("reply", i, reply))
+        except BaseException as e:  # e.g. SystemExit from a handler: tell the master, don't vanish
+            reason = f"its thread died: {type(e).__name__}: {e}"
+            raise
+        finally:
+            if not self._closing.is_set():
+                self._inbox.put(("lost", i, reason))
