@@ -1,0 +1,402 @@
+"""ShardedConv: a convolution split by kernels gives the unsharded numbers, and balances itself.
+
+In-process workers (threads running ConvWorker on the numpy backend) for almost
+everything; one test with two real worker processes over ZeroMQ on loopback.
+Every wait is bounded by a timeout; no test sleeps.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from backends.numpy_backend import NumpyBackend
+from tinyconv.balance import Rebalancer, kernel_counts
+from tinyconv.data import synthetic_dataset
+from tinyconv.distributed import ShardedConv, conv_input_shapes
+from tinyconv.layers import Conv2D
+from tinyconv.metrics import MetricsWriter, read_metrics
+from tinyconv.model import Network, paper_net
+from tinyconv.trainer import TrainConfig, Trainer
+from tinyconv.worker import ConvWorker, spawn_local_workers, stop_workers
+from transports.base import Message
+from transports.inproc import InprocTransport
+from transports.zmq_transport import ZmqTransport
+
+TIMEOUT = 20.0  # generous upper bound for a busy machine; passing tests return long before
+F4 = 4  # bytes per float32
+
+
+@contextmanager
+def inproc_pool(n: int, make=None):
+    """n in-process workers, each ``make(i)`` (default: a ConvWorker on numpy); closed afterwards."""
+    transport = InprocTransport(make or (lambda i: ConvWorker(NumpyBackend())))
+    try:
+        yield transport, transport.start(n, timeout=TIMEOUT)
+    finally:
+        transport.close()
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray) -> None:
+    """Equal to float32 round-off: max |got - ref| <= 1e-5 * max |ref| + 1e-7 (as tinyconv.testing)."""
+    assert got.shape == ref.shape and got.dtype == np.float32, (got.shape, got.dtype, ref.shape)
+    err, tol = float(np.abs(got - ref).max()), 1e-5 * float(np.abs(ref).max()) + 1e-7
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+
+
+def conv_and_reference(rng, c_in=3, c_out=7, kernel=3, stride=1, padding=1, need_dx=True):
+    """A Conv2D with random weights inside a one-layer Network, and the same weights as arrays."""
+    be = NumpyBackend()
+    conv = Conv2D(be, c_in, c_out, kernel, stride, padding, need_dx)
+    conv.params["w"] = rng.standard_normal((c_out, c_in, kernel, kernel), dtype=np.float32)
+    conv.params["b"] = rng.standard_normal((c_out,), dtype=np.float32)
+    return conv, Network(be, [conv], {})
+
+
+# ---- sharded == unsharded ----------------------------------------------------------------------
+
+CASES = [
+    # workers, master_share, plan (None: the equal split), need_dx, stride, padding
+    (1, "0", None, True, 1, 1),
+    (1, "auto", [3, 4], True, 1, 2),
+    (2, "auto", [1, 5, 1], True, 1, 1),
+    (3, "0", [2, 0, 5], True, 1, 0),
+    (3, "auto", [0, 3, 3, 1], True, 1, 1),
+    (2, "auto", [2, 2, 3], False, 2, 1),
+    (2, "0", [4, 3], False, 2, 0),
+    (1, "auto", [7, 0], True, 2, 2),  # the master computes every kernel
+]
+
+
+@pytest.mark.parametrize("n, master_share, plan, need_dx, stride, padding", CASES)
+def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stride, padding):
+    conv, net = conv_and_reference(rng, stride=stride, padding=padding, need_dx=need_dx)
+    be = conv.backend
+    x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
+    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], stride, padding)
+    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    dx_ref, dw_ref, db_ref = be.conv2d_backward(dy, cache, need_dx)
+
+    with inproc_pool(n) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        if plan is not None:
+            sharded.set_plan("conv1", plan)
+        for _ in range(2):  # a second step reuses the workers' state the right way
+            t0 = time.perf_counter()
+            assert_close(conv.forward(x), y_ref)
+            dx = conv.backward(dy)
+            assert_close(conv.grads["w"], dw_ref)
+            assert_close(conv.grads["b"], db_ref)
+            if need_dx:
+                assert_close(dx, dx_ref)
+            else:
+                assert dx is None
+            record = sharded.end_step()
+            wall = time.perf_counter() - t0
+            # each op's conv is a compute inside it, its comm the rest: together no more than the wall time
+            assert record["conv_s"] > 0 and record["comm_s"] >= 0
+            assert record["comm_s"] + record["conv_s"] <= wall
+
+    participants = n + (master_share == "auto")
+    counts = plan or kernel_counts([1.0] * participants, 7)
+    assert record["shares"] == {"conv1": counts}
+    assert record["participants"] == (["master"] if master_share == "auto" else []) + [
+        f"worker{i}" for i in range(n)
+    ]
+    # bytes: every worker with kernels gets x, its w and b rows and its dy channels, and returns
+    # its y channels, dw and db rows, and a whole partial dx if the layer needs one
+    worker_counts = counts[1:] if master_share == "auto" else counts
+    oh = ow = y_ref.shape[2]
+    sent = recv = 0
+    for k in worker_counts:
+        if k:
+            sent += x.nbytes + k * 3 * 9 * F4 + k * F4 + 2 * k * oh * ow * F4
+            recv += 2 * k * oh * ow * F4 + k * 3 * 9 * F4 + k * F4 + (x.nbytes if need_dx else 0)
+    assert (record["bytes_sent"], record["bytes_recv"]) == (sent, recv)
+    assert len(record["participant_conv_s"]) == len(counts)
+    assert all((s > 0) == (c > 0) for s, c in zip(record["participant_conv_s"], counts, strict=True))
+
+
+def test_default_plan_is_an_equal_split(rng):
+    conv, net = conv_and_reference(rng, c_out=10)
+    with inproc_pool(2) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        conv.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
+        assert sharded.plans["conv1"] == [4, 3, 3]
+
+
+def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
+    conv, net = conv_and_reference(rng)
+    be = conv.backend
+    x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
+    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
+    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    with inproc_pool(2) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        sharded.set_plan("conv1", [1, 2, 4])
+        conv.forward(x)
+        sharded.set_plan("conv1", [5, 1, 1])  # takes effect at the next forward
+        assert_close(conv.backward(dy), dx_ref)
+        assert_close(conv.grads["w"], dw_ref)
+        assert sharded.end_step()["shares"]["conv1"] == [1, 2, 4]
+
+
+def test_a_forward_without_backward_is_not_counted_in_a_step(rng):
+    conv, net = conv_and_reference(rng)
+    with inproc_pool(1) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        conv.forward(rng.standard_normal((2, 3, 6, 6), dtype=np.float32), training=False)  # evaluation
+        record = sharded.end_step()
+    assert (record["comm_s"], record["conv_s"], record["bytes_sent"], record["bytes_recv"]) == (0, 0, 0, 0)
+    assert record["shares"] == {"conv1": [4, 3]} and record["rebalanced"] == {}
+
+
+# ---- the whole network, trained ------------------------------------------------------------------
+
+
+def train_three_steps(tmp_path, name, distributor_for=None):
+    """3 SGD steps of paper_net 6:10 on 16x16 synthetic images, batch 4; returns the metrics events."""
+    be = NumpyBackend()
+    net = paper_net(be, 6, 10, seed=0, image_size=16)
+    data = synthetic_dataset(n_train=16, n_test=8, image_size=16, seed=0)
+    config = TrainConfig(
+        epochs=1, batch_size=4, lr=0.05, max_steps=3, augment=False, eval_batch_size=8, progress=False
+    )
+    distributor = distributor_for(net) if distributor_for else None
+    metrics = MetricsWriter(tmp_path / f"{name}.jsonl")
+    try:
+        Trainer(net, data, config, metrics, distributor=distributor).fit()
+    finally:
+        metrics.close()
+    return read_metrics(tmp_path / f"{name}.jsonl")
+
+
+def test_training_sharded_gives_the_unsharded_losses(tmp_path):
+    plain = train_three_steps(tmp_path, "plain")
+    with inproc_pool(2) as (transport, workers):
+
+        def sharded_for(net):
+            sharded = ShardedConv(transport, workers, net.backend, recv_timeout=TIMEOUT)
+            calibration = sharded.calibrate(net, batch_size=4, image_size=16)
+            assert calibration["shapes"]["conv2"] == {"x": [4, 6, 8, 8], "w": [10, 6, 5, 5]}
+            assert all(t > 0 for times in calibration["times"].values() for t in times)
+            return sharded
+
+        sharded = train_three_steps(tmp_path, "sharded", sharded_for)
+
+    steps = [e for e in plain if e["event"] == "step"]
+    sharded_steps = [e for e in sharded if e["event"] == "step"]
+    assert len(steps) == len(sharded_steps) == 3
+    for a, b in zip(steps, sharded_steps, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert a["shares"] == {} and a["bytes_sent"] == 0
+        assert sum(b["shares"]["conv1"]) == 6 and sum(b["shares"]["conv2"]) == 10
+        assert b["participants"] == ["master", "worker0", "worker1"]
+        assert b["bytes_sent"] > 0 and b["bytes_recv"] > 0 and b["conv_s"] > 0
+        assert b["comp_s"] >= 0 and b["comm_s"] >= 0
+    test_loss = [e["test_loss"] for e in plain if e["event"] == "epoch"]
+    assert [e["test_loss"] for e in sharded if e["event"] == "epoch"] == pytest.approx(test_loss, rel=1e-5)
+
+
+def test_conv_input_shapes_follow_the_network():
+    be = NumpyBackend()
+    assert conv_input_shapes(paper_net(be, 6, 10), 8) == [(8, 3, 32, 32), (8, 6, 16, 16)]
+    assert conv_input_shapes(paper_net(be, 6, 10, pool_kernel=2, image_size=16), 2, 16) == [
+        (2, 3, 16, 16),
+        (2, 6, 8, 8),
+    ]
+
+
+# ---- failures are clear -------------------------------------------------------------------------
+
+
+class FailOnceBackend(NumpyBackend):
+    """A device whose first convolution fails, like a GPU out of memory."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def conv2d_forward(self, x, w, b, stride=1, padding=0):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of device memory")
+        return super().conv2d_forward(x, w, b, stride, padding)
+
+
+def test_a_worker_error_is_a_clear_exception_and_the_next_step_works(rng):
+    conv, net = conv_and_reference(rng)
+    be = conv.backend
+    x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
+    y_ref, _ = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
+    make = lambda i: ConvWorker(FailOnceBackend() if i == 1 else NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        with pytest.raises(RuntimeError) as info:
+            conv.forward(x)
+        text = str(info.value)
+        assert text.startswith("worker 1 (numpy on ") and "failed conv_forward of conv1" in text
+        assert "RuntimeError: out of device memory" in text
+        # worker 0's answer to the failed op arrives late and is ignored; the retry is right
+        assert_close(conv.forward(x), y_ref)
+
+
+class SilentWorker(ConvWorker):
+    """Never answers a conv_forward, like a hung device."""
+
+    def handle(self, msg: Message) -> Message | None:
+        return None if msg.kind == "conv_forward" else super().handle(msg)
+
+
+def test_a_silent_worker_is_a_timeout_naming_it(rng):
+    conv, net = conv_and_reference(rng)
+    make = lambda i: SilentWorker(NumpyBackend()) if i == 1 else ConvWorker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=0.3)
+        sharded.attach(net)
+        with pytest.raises(
+            TimeoutError, match=r"conv_forward of conv1: no result from worker 1 \(.*within 0.3 s"
+        ):
+            conv.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
+
+
+def test_bad_configuration_is_refused(rng):
+    conv, net = conv_and_reference(rng)
+    with inproc_pool(1) as (transport, workers):
+        with pytest.raises(ValueError, match="master_share must be 'auto'.* or '0'"):
+            ShardedConv(transport, workers, conv.backend, master_share="half")
+        with pytest.raises(ValueError, match="nobody would compute"):
+            ShardedConv(transport, [], conv.backend, master_share="0")
+        sharded = ShardedConv(transport, workers, conv.backend)
+        with pytest.raises(RuntimeError, match="not attached.*attach\\(net\\)"):
+            sharded.forward(conv, np.zeros((1, 3, 5, 5), np.float32))
+        sharded.attach(net)
+        with pytest.raises(ValueError, match="needs 2 counts >= 0 \\(master, worker0\\) summing to its 7"):
+            sharded.set_plan("conv1", [3, 3])
+        with pytest.raises(ValueError, match="no attached layer 'conv2'"):
+            sharded.set_plan("conv2", [3, 4])
+        sharded.detach(net)
+        assert conv.distributor is None
+
+
+# ---- balancing ----------------------------------------------------------------------------------
+
+
+class MeteredWorker(ConvWorker):
+    """A ConvWorker whose reported times follow a cost model: slowdown x 1 ms per kernel.
+
+    The numbers and the slowdown's extra wait are the real ConvWorker's; only the
+    reported compute_s (and calibration times) are replaced, so what the master
+    balances on does not depend on how busy this machine is.
+    """
+
+    def handle(self, msg: Message) -> Message:
+        reply = super().handle(msg)
+        if reply.kind != "result":
+            return reply
+        if msg.kind == "calibrate":
+            reply.header["times"] = [self.slowdown * spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
+        else:
+            kernels = msg.arrays["w"].shape[0] if msg.kind == "conv_forward" else msg.arrays["dy"].shape[1]
+            reply.header["compute_s"] = self.slowdown * kernels * 1e-3
+        return reply
+
+
+def metered_pool(slowdowns):
+    return inproc_pool(len(slowdowns), lambda i: MeteredWorker(NumpyBackend(), slowdown=slowdowns[i]))
+
+
+def test_calibration_splits_by_eq1(rng):
+    be = NumpyBackend()
+    net = paper_net(be, 6, 48, seed=0, image_size=8)
+    with metered_pool([1.0, 2.0, 4.0]) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        result = sharded.calibrate(net, batch_size=2, image_size=8)
+    assert result["participants"] == ["worker0", "worker1", "worker2"]
+    assert result["times"]["conv2"] == pytest.approx([0.048, 0.096, 0.192])
+    # speeds 1 : 1/2 : 1/4 -> 4/7, 2/7, 1/7 of the kernels: quotas 3.43, 1.71, 0.86 of 6 and
+    # 27.43, 13.71, 6.86 of 48, rounded by largest remainder
+    assert result["shares"] == {"conv1": [3, 2, 1], "conv2": [27, 14, 7]}
+    assert sharded.plans == result["shares"]
+
+
+def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
+    conv, net = conv_and_reference(rng, c_in=4, c_out=48)
+    be = conv.backend
+    x = rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
+    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
+    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    _, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    shares = []
+    with metered_pool([1.0, 2.0]) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        sharded.attach(net)  # no calibration: starts from the equal split
+        for _ in range(12):
+            assert_close(conv.forward(x), y_ref)
+            conv.backward(dy)
+            assert_close(conv.grads["w"], dw_ref)
+            record = sharded.end_step()
+            shares.append(record["shares"]["conv1"])
+            if record["rebalanced"]:
+                assert record["rebalanced"] == {"conv1": sharded.plans["conv1"]}
+    assert shares[0] == [24, 24]
+    assert record["participant_conv_s"] == pytest.approx([2 * 32e-3, 2 * 2 * 16e-3])
+    settled = shares.index(shares[-1])
+    assert settled <= 5, shares  # patience 3: the move comes after the third lagging step
+    assert abs(shares[-1][1] - 16) <= 2 and shares[-1] == [32, 16], shares
+    assert all(s == shares[-1] for s in shares[settled:]), shares  # no flapping once balanced
+
+
+def test_rebalance_off_keeps_the_plan(rng):
+    conv, net = conv_and_reference(rng, c_in=2, c_out=12)
+    x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
+    with metered_pool([1.0, 3.0]) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", rebalance=False)
+        sharded.attach(net)
+        for _ in range(5):
+            y = conv.forward(x)
+            conv.backward(np.ones_like(y))
+            assert sharded.end_step()["shares"]["conv1"] == [6, 6]
+        eager = ShardedConv(
+            transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1)
+        )
+        eager.attach(net)
+        y = conv.forward(x)
+        conv.backward(np.ones_like(y))
+        assert eager.end_step()["rebalanced"] == {"conv1": [9, 3]}
+
+
+# ---- real worker processes --------------------------------------------------------------------
+
+
+def test_sharded_conv_over_zmq_with_worker_processes(rng):
+    conv, net = conv_and_reference(rng, c_in=3, c_out=8, stride=2, padding=1)
+    be = conv.backend
+    x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
+    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 2, 1)
+    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    dx_ref, dw_ref, db_ref = be.conv2d_backward(dy, cache, True)
+    with ZmqTransport(bind="tcp://127.0.0.1:0", heartbeat_s=0.2, peer_timeout_s=10.0) as transport:
+        procs = spawn_local_workers(2, transport.bound_address, threads=1)
+        try:
+            workers = transport.start(2, timeout=TIMEOUT)
+            sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
+            sharded.attach(net)
+            sharded.set_plan("conv1", [2, 4, 2])
+            assert_close(conv.forward(x), y_ref)
+            assert_close(conv.backward(dy), dx_ref)
+            assert_close(conv.grads["w"], dw_ref)
+            assert_close(conv.grads["b"], db_ref)
+            record = sharded.end_step()
+            assert record["shares"] == {"conv1": [2, 4, 2]} and record["bytes_recv"] > 2 * x.nbytes
+            transport.close()
+        finally:
+            stop_workers(procs, timeout=5.0)

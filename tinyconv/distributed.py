@@ -1,0 +1,548 @@
+"""The sharded convolution: one Conv2D computed by kernels across the master and its workers.
+
+Splitting a convolution by kernels (output channels) changes who computes a
+feature map, not what it is. With the F kernels cut into contiguous slices
+[s_i, e_i), one per participant i::
+
+    forward   y[:, s_i:e_i]  = conv(x, w[s_i:e_i], b[s_i:e_i])          every participant gets all of x
+    backward  dw[s_i:e_i], db[s_i:e_i] = from dy[:, s_i:e_i]            rows of dw, db: concatenate
+              dx = sum_i conv_backward_x(dy[:, s_i:e_i], w[s_i:e_i])    dx = W^T dY splits into a sum
+
+so the master sends every worker the same x and its slice of w and b, computes
+its own slice meanwhile (if it takes part), and concatenates the slices along the
+channel axis in plan order; backward sends each worker its slice of dy,
+concatenates dw and db and sums the partial dx (none for the first layer). The
+optimiser then updates all weights on the master, so a new split is simply a
+different slicing at the next step.
+
+Participants, in this order everywhere (plans, ``shares``, times): the master
+first if it takes part, then the workers by index. Names: "master", "worker0", ...
+
+How many kernels each gets (``tinyconv/balance.py``): :meth:`ShardedConv.calibrate`
+times a forward + backward of each layer's exact shape on every participant and
+splits by the paper's eq. 1; with ``rebalance`` a :class:`~tinyconv.balance.Rebalancer`
+then adjusts the split from each step's measured compute times. Before any
+calibration every participant gets an equal share.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from backends.base import Array, Backend
+from tinyconv.balance import Rebalancer, kernel_counts, slices, speed_weights
+from tinyconv.layers import Conv2D, Linear, MaxPool2D
+from tinyconv.model import Network
+from transports.base import Message, Transport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+MASTER = -1  # the master's place in a participant list; workers are their transport indices
+MASTER_SHARES = ("auto", "0")
+
+
+def _out_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """Output length of a convolution or pool along one axis."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> list[tuple[int, int, int, int]]:
+    """The input shape (N, C, H, W) each Conv2D of ``net`` sees, in order, for square images.
+
+    Walks the layers: a Conv2D or MaxPool2D changes (H, W) by (size + 2 pad - k) // stride + 1,
+    a Conv2D also the channels; every other layer keeps the shape until the first Linear.
+    The input has the first convolution's in_channels.
+    """
+    convs = net.conv_layers()
+    if not convs:
+        raise ValueError("the network has no Conv2D layer: there is nothing to distribute")
+    n, c, h, w = batch_size, convs[0].in_channels, image_size, image_size
+    shapes = []
+    for layer in net.layers:
+        if isinstance(layer, Conv2D):
+            shapes.append((n, c, h, w))
+            h = _out_size(h, layer.kernel, layer.stride, layer.padding)
+            w = _out_size(w, layer.kernel, layer.stride, layer.padding)
+            c = layer.out_channels
+        elif isinstance(layer, MaxPool2D):
+            h = _out_size(h, layer.kernel, layer.stride, layer.padding)
+            w = _out_size(w, layer.kernel, layer.stride, layer.padding)
+        elif isinstance(layer, Linear):
+            break
+        if h <= 0 or w <= 0:
+            raise ValueError(f"{image_size}x{image_size} images shrink to nothing at {layer!r}")
+    return shapes
+
+
+@dataclass
+class _OpStats:
+    """One distributed forward or backward of one layer."""
+
+    wall_s: float  # from the start of the op to its assembled result, on the master
+    compute_s: list[float]  # per participant (0 for those without kernels)
+    bytes_sent: int
+    bytes_recv: int
+
+    @property
+    def conv_s(self) -> float:
+        """The slowest participant's compute: the part of the op the paper calls conv."""
+        return max(self.compute_s)
+
+    @property
+    def comm_s(self) -> float:
+        """Everything else the op took: transfers, waiting, slicing and concatenating."""
+        return max(0.0, self.wall_s - self.conv_s)
+
+
+@dataclass
+class _ShardCache:
+    """What a sharded forward keeps for its backward."""
+
+    step: int
+    counts: list[int]  # the plan this forward used; its backward uses the same
+    master_cache: Any  # the master's own backend cache, or None
+    x_shape: tuple[int, ...] | None  # the input's shape, when it went to a worker
+    forward: _OpStats
+
+
+class ShardedConv:
+    """Computes Conv2D layers by kernel slices across the master and ``workers``.
+
+    Set as every Conv2D's ``distributor`` by :meth:`attach`; then
+    ``Conv2D.forward`` calls :meth:`forward` and ``Conv2D.backward`` :meth:`backward`.
+    The trainer calls :meth:`end_step` after each step for the step's accounting.
+
+    ``master_share``: "auto" -- the master computes a slice too, sized by its
+    calibrated speed like any worker; "0" -- the master only coordinates.
+    ``rebalance``: adjust the split from measured compute times (see
+    :class:`~tinyconv.balance.Rebalancer`; pass ``rebalancer`` to tune it).
+    ``recv_timeout``: seconds every worker has to answer one conv op or calibration.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: list[WorkerInfo],
+        backend: Backend,
+        master_share: str = "auto",
+        rebalance: bool = True,
+        recv_timeout: float = 120.0,
+        calibration_repeats: int = 3,
+        rebalancer: Rebalancer | None = None,
+    ) -> None:
+        if master_share not in MASTER_SHARES:
+            raise ValueError(
+                f"master_share must be 'auto' (the master computes kernels too) or '0' (it only "
+                f"coordinates), got {master_share!r}"
+            )
+        if not workers and master_share == "0":
+            raise ValueError("no workers and master_share '0': nobody would compute the convolutions")
+        if not recv_timeout > 0:
+            raise ValueError(f"recv_timeout must be > 0 seconds, got {recv_timeout!r}")
+        if not (isinstance(calibration_repeats, int) and calibration_repeats >= 1):
+            raise ValueError(f"calibration_repeats must be an int >= 1, got {calibration_repeats!r}")
+        self.transport = transport
+        self.backend = backend
+        self.workers = {w.index: w for w in workers}
+        self.master_share = master_share
+        self.recv_timeout = float(recv_timeout)
+        self.calibration_repeats = calibration_repeats
+        self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
+        # participants: the master first if it takes part, then workers by index
+        self.who: list[int] = ([MASTER] if master_share == "auto" else []) + sorted(self.workers)
+        self.plans: dict[str, list[int]] = {}  # layer name -> kernels per participant
+        self.calibration: dict[str, Any] | None = None
+        self.step = 0  # training steps finished (end_step calls); sent as each task's "step"
+        self._layers: dict[int, tuple[int, str, Conv2D]] = {}  # id(layer) -> (index, name, layer)
+        self._next_task = 0
+        self._done: list[tuple[str, list[int], _OpStats, _OpStats]] = []  # this step's forward+backward pairs
+
+    # ---- set-up -------------------------------------------------------------------
+    @property
+    def participants(self) -> list[str]:
+        """Participant names in plan order: "master" (if it takes part), "worker0", ..."""
+        return ["master" if k == MASTER else f"worker{k}" for k in self.who]
+
+    def attach(self, net: Network) -> None:
+        """Make this the distributor of every Conv2D of ``net``; they are named conv1, conv2, ..."""
+        for i, conv in enumerate(net.conv_layers()):
+            conv.distributor = self
+            self._layers[id(conv)] = (i, f"conv{i + 1}", conv)
+
+    def detach(self, net: Network) -> None:
+        """Compute ``net``'s convolutions on the master's backend alone again."""
+        for conv in net.conv_layers():
+            if self._layers.pop(id(conv), None) is not None:
+                conv.distributor = None
+
+    def set_plan(self, layer: str, counts: list[int]) -> None:
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from the next forward on."""
+        convs = {name: conv for _, name, conv in self._layers.values()}
+        if layer not in convs:
+            raise ValueError(f"no attached layer {layer!r}; attached: {', '.join(sorted(convs)) or 'none'}")
+        total = convs[layer].out_channels
+        if len(counts) != len(self.who) or any(c < 0 for c in counts) or sum(counts) != total:
+            raise ValueError(
+                f"a plan for {layer} needs {len(self.who)} counts >= 0 ({', '.join(self.participants)}) "
+                f"summing to its {total} kernels, got {counts}"
+            )
+        self.plans[layer] = [int(c) for c in counts]
+
+    def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
+        """Benchmark every participant on each conv layer's exact shape; set the initial plan.
+
+        Each worker, then the master (if it takes part), times a forward + backward of
+        every layer on random values of its shape for ``batch_size`` images of
+        ``image_size`` x ``image_size`` (median of ``calibration_repeats`` after a
+        warm-up: the master runs the very code the workers run). One participant at
+        a time, so devices sharing a host do not slow each other's benchmark.
+        Each layer's plan is then eq. 1 on those times, apportioned by largest
+        remainder. Attaches to ``net`` (see :meth:`attach`) if it was not already.
+        Returns (and keeps in ``self.calibration``)::
+
+            {"participants": [...], "times": {"conv1": [s, ...], ...},
+             "shares": {"conv1": [kernels, ...], ...}, "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
+        """
+        from tinyconv.worker import ConvWorker  # the master benchmarks itself exactly as a worker does
+
+        self.attach(net)
+        convs = net.conv_layers()
+        specs = []
+        for i, (conv, x_shape) in enumerate(
+            zip(convs, conv_input_shapes(net, batch_size, image_size), strict=True)
+        ):
+            w_shape = [conv.out_channels, conv.in_channels, conv.kernel, conv.kernel]
+            specs.append(
+                {
+                    "layer": i,
+                    "x": list(x_shape),
+                    "w": w_shape,
+                    "stride": conv.stride,
+                    "padding": conv.padding,
+                    "need_dx": conv.need_dx,
+                }
+            )
+        header = {"layers": specs, "repeats": self.calibration_repeats}
+
+        times: dict[int, list[float]] = {}
+        for k in sorted(self.workers):
+            msg = Message("calibrate", {"task": 0, **header})
+            replies, _, _ = self._scatter_gather("calibrate", "every conv layer", {k: msg}, None)
+            times[k] = self._calibration_times(k, replies[k], len(specs))
+        if MASTER in self.who:
+            reply = ConvWorker(self.backend).handle(Message("calibrate", {"task": 0, **header}))
+            if reply.kind == "error":
+                raise RuntimeError(
+                    f"the master could not benchmark its own backend: {reply.header['message']}"
+                )
+            times[MASTER] = self._calibration_times(MASTER, reply, len(specs))
+
+        result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "shapes": {}}
+        for i, (conv, spec) in enumerate(zip(convs, specs, strict=True)):
+            name = f"conv{i + 1}"
+            layer_times = [times[k][i] for k in self.who]
+            self.plans[name] = kernel_counts(speed_weights(layer_times), conv.out_channels)
+            result["times"][name] = layer_times
+            result["shares"][name] = list(self.plans[name])
+            result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
+        self.calibration = result
+        return result
+
+    def _calibration_times(self, k: int, reply: Message, n_layers: int) -> list[float]:
+        times = reply.header.get("times")
+        if not (isinstance(times, list) and len(times) == n_layers and all(t > 0 for t in times)):
+            raise RuntimeError(
+                f"{self._describe(k)} answered calibrate with times {times!r}, expected {n_layers} "
+                "positive seconds (one per conv layer); is it running the same tinyconv version?"
+            )
+        return [float(t) for t in times]
+
+    # ---- the distributed ops --------------------------------------------------------
+    def forward(self, layer: Conv2D, x: Array) -> tuple[Array, _ShardCache]:
+        """x (N, C, H, W) -> y (N, F, OH, OW), each participant computing its kernel slice."""
+        index, name = self._lookup(layer)
+        be = self.backend
+        w, b = layer.params["w"], layer.params["b"]
+        counts = self._plan(name, layer.out_channels)
+        spans = slices(counts)
+        t0 = time.perf_counter()
+
+        x_host = None
+        messages = {}
+        for k, (s, e) in zip(self.who, spans, strict=True):
+            if k == MASTER or s == e:
+                continue
+            if x_host is None:  # one host copy, sent to every worker
+                x_host = np.ascontiguousarray(be.to_numpy(x), dtype=np.float32)
+            header = {
+                "task": 0,
+                "step": self.step,
+                "layer": index,
+                "stride": layer.stride,
+                "padding": layer.padding,
+                "need_dx": layer.need_dx,
+            }
+            arrays = {
+                "x": x_host,
+                "w": self._host(be.take_kernels(w, s, e)),
+                "b": self._host(be.take_kernels(b, s, e)),
+            }
+            messages[k] = Message("conv_forward", header, arrays)
+
+        local = None  # the master's own slice, computed while the workers compute theirs
+        if (span := self._master_span(spans)) is not None:
+            w_m, b_m = be.take_kernels(w, *span), be.take_kernels(b, *span)
+            local = partial(be.conv2d_forward, x, w_m, b_m, layer.stride, layer.padding)
+        replies, mine, master_s = self._scatter_gather("conv_forward", name, messages, local)
+
+        if not messages:  # the master computed every kernel
+            y, master_cache = mine
+        else:
+            n, _, h, wd = x_host.shape
+            oh = _out_size(h, layer.kernel, layer.stride, layer.padding)
+            ow = _out_size(wd, layer.kernel, layer.stride, layer.padding)
+            parts = []
+            for k, (s, e) in zip(self.who, spans, strict=True):
+                if s == e:
+                    continue
+                if k == MASTER:
+                    parts.append(be.to_numpy(mine[0]))
+                else:
+                    parts.append(self._reply_array(k, replies[k], "y", (n, e - s, oh, ow)))
+            y = be.asarray(np.concatenate(parts, axis=1))
+            master_cache = mine[1] if mine is not None else None
+        stats = self._stats(t0, messages, replies, master_s)
+        x_shape = None if x_host is None else tuple(x_host.shape)
+        return y, _ShardCache(self.step, counts, master_cache, x_shape, stats)
+
+    def backward(self, layer: Conv2D, dy: Array, cache: _ShardCache) -> tuple[Array | None, Array, Array]:
+        """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None if not layer.need_dx, dw (F, C, K, K), db (F,))."""
+        index, name = self._lookup(layer)
+        be = self.backend
+        spans = slices(cache.counts)
+        t0 = time.perf_counter()
+
+        master_only = all(s == e for k, (s, e) in zip(self.who, spans, strict=True) if k != MASTER)
+        dy_host = None if master_only else be.to_numpy(dy)
+        messages = {}
+        for k, (s, e) in zip(self.who, spans, strict=True):
+            if k != MASTER and s < e:
+                dy_k = np.ascontiguousarray(dy_host[:, s:e], dtype=np.float32)
+                messages[k] = Message(
+                    "conv_backward", {"task": 0, "step": cache.step, "layer": index}, {"dy": dy_k}
+                )
+
+        local = None
+        if (span := self._master_span(spans)) is not None:
+            s, e = span
+            dy_m = dy if master_only else be.asarray(np.ascontiguousarray(dy_host[:, s:e]))
+            local = partial(be.conv2d_backward, dy_m, cache.master_cache, layer.need_dx)
+        replies, mine, master_s = self._scatter_gather("conv_backward", name, messages, local)
+
+        if master_only:
+            dx, dw, db = mine
+        else:
+            w_shape = (layer.in_channels, layer.kernel, layer.kernel)
+            dws, dbs, dxs = [], [], []
+            for k, (s, e) in zip(self.who, spans, strict=True):
+                if s == e:
+                    continue
+                if k == MASTER:
+                    dx_k, dw_k, db_k = mine
+                    dws.append(be.to_numpy(dw_k))
+                    dbs.append(be.to_numpy(db_k))
+                    if layer.need_dx:
+                        dxs.append(be.to_numpy(dx_k))
+                else:
+                    dws.append(self._reply_array(k, replies[k], "dw", (e - s, *w_shape)))
+                    dbs.append(self._reply_array(k, replies[k], "db", (e - s,)))
+                    if layer.need_dx:
+                        dxs.append(self._reply_array(k, replies[k], "dx", cache.x_shape))
+            dw = be.asarray(np.concatenate(dws, axis=0))
+            db = be.asarray(np.concatenate(dbs, axis=0))
+            dx = None
+            if layer.need_dx:
+                total = np.array(dxs[0], dtype=np.float32, copy=True)
+                for part in dxs[1:]:
+                    if part.shape != total.shape:
+                        raise RuntimeError(
+                            f"{name}: partial dx shapes differ: {total.shape} and {part.shape}"
+                        )
+                    total += part
+                dx = be.asarray(total)
+        stats = self._stats(t0, messages, replies, master_s)
+        self._done.append((name, cache.counts, cache.forward, stats))
+        return dx, dw, db
+
+    # ---- per-step accounting -----------------------------------------------------------
+    def end_step(self) -> dict[str, Any]:
+        """The finished step's accounting; feeds the rebalancer; a new plan applies from the next step.
+
+        Counted: every conv forward that was followed by its backward since the last
+        call (a forward without backward, as in evaluation, is not part of a step).
+        For each op (one forward or one backward of one layer): conv = the slowest
+        participant's compute seconds (workers' reported compute_s, the master's own
+        measured time), comm = the op's wall time on the master minus that (transfers,
+        waiting, slicing and concatenating), at least 0. Returns::
+
+            {"comm_s": float, "conv_s": float,            # summed over the step's ops
+             "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers
+             "shares": {"conv1": [kernels per participant], ...},   # the plan this step used
+             "participants": ["master", "worker0", ...],  # the order of every list here
+             "participant_conv_s": [s, ...],              # each one's conv compute this step
+             "rebalanced": {"conv2": [new counts], ...}}  # plans changed for the next step ({} if none)
+
+        Bytes are the arrays of the conv_forward / conv_backward tasks and of their
+        results (``Message.nbytes``), counted the same for every transport: the
+        in-process transport moves no bytes over a wire but they are counted anyway,
+        as what a network would carry. Message headers, framing, heartbeats and
+        calibration are not included (``transport.traffic()`` has the zmq totals).
+        """
+        ops = [op for _, _, fwd, bwd in self._done for op in (fwd, bwd)]
+        per_participant = [sum(op.compute_s[i] for op in ops) for i in range(len(self.who))]
+        shares = {name: list(self.plans[name]) for name in self._layer_names() if name in self.plans}
+        layer_times: dict[str, tuple[list[int], list[float]]] = {}
+        for name, counts, fwd, bwd in self._done:
+            shares[name] = list(counts)
+            _, times = layer_times.setdefault(name, (counts, [0.0] * len(self.who)))
+            for i in range(len(self.who)):
+                times[i] += fwd.compute_s[i] + bwd.compute_s[i]
+
+        rebalanced = {}
+        if self.rebalancer is not None:
+            for name, (counts, times) in layer_times.items():
+                proposal = self.rebalancer.observe(name, counts, times)
+                if proposal is not None:
+                    log.info(
+                        "rebalancing %s: %s -> %s (%s)", name, counts, proposal, ", ".join(self.participants)
+                    )
+                    self.plans[name] = proposal
+                    rebalanced[name] = list(proposal)
+
+        record = {
+            "comm_s": sum(op.comm_s for op in ops),
+            "conv_s": sum(op.conv_s for op in ops),
+            "bytes_sent": sum(op.bytes_sent for op in ops),
+            "bytes_recv": sum(op.bytes_recv for op in ops),
+            "shares": shares,
+            "participants": self.participants,
+            "participant_conv_s": per_participant,
+            "rebalanced": rebalanced,
+        }
+        self._done = []
+        self.step += 1
+        return record
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _lookup(self, layer: Conv2D) -> tuple[int, str]:
+        entry = self._layers.get(id(layer))
+        if entry is None or entry[2] is not layer:
+            raise RuntimeError(f"{layer!r} is not attached to this ShardedConv: call attach(net) first")
+        return entry[0], entry[1]
+
+    def _layer_names(self) -> list[str]:
+        return [name for _, name, _ in sorted(self._layers.values(), key=lambda v: v[0])]
+
+    def _plan(self, name: str, total: int) -> list[int]:
+        """This layer's current plan; an equal split until calibrate or set_plan says otherwise."""
+        if name not in self.plans:
+            self.plans[name] = kernel_counts([1.0] * len(self.who), total)
+        counts = self.plans[name]
+        if sum(counts) != total:
+            raise RuntimeError(f"the plan for {name} has {sum(counts)} kernels, the layer {total}")
+        return counts
+
+    def _master_span(self, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
+        if self.who[0] == MASTER and spans[0][0] < spans[0][1]:
+            return spans[0]
+        return None
+
+    def _host(self, a: Array) -> np.ndarray:
+        """A backend array as a C-contiguous float32 host array (a view when already one)."""
+        return np.ascontiguousarray(self.backend.to_numpy(a), dtype=np.float32)
+
+    def _describe(self, k: int) -> str:
+        if k == MASTER:
+            return "the master"
+        info = self.workers[k]
+        where = info.hostname or info.address or "?"
+        return f"worker {k} ({info.backend} on {info.device.get('device', '?')} at {where})"
+
+    def _scatter_gather(
+        self, kind: str, layer: str, messages: dict[int, Message], local: Callable[[], Any] | None
+    ) -> tuple[dict[int, Message], Any, float]:
+        """Send each worker its message, run ``local`` on the master meanwhile, gather every result.
+
+        Returns (worker -> result, local's return value or None, local's seconds).
+        Raises TimeoutError naming the workers that did not answer within
+        ``recv_timeout``, RuntimeError with a worker's message when it replies ``error``.
+        """
+        pending: dict[int, int] = {}  # task id -> worker
+        for k, msg in messages.items():
+            self._next_task += 1
+            msg.header["task"] = self._next_task
+            pending[self._next_task] = k
+            self.transport.send(k, msg)
+        deadline = time.monotonic() + self.recv_timeout
+
+        result, local_s = None, 0.0
+        if local is not None:
+            t = time.perf_counter()
+            result = local()
+            self.backend.synchronize()
+            local_s = time.perf_counter() - t
+
+        replies: dict[int, Message] = {}
+        while pending:
+            try:
+                k, reply = self.transport.recv(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                late = ", ".join(self._describe(w) for w in sorted(pending.values()))
+                raise TimeoutError(
+                    f"{kind} of {layer}: no result from {late} within {self.recv_timeout:g} s; the worker "
+                    "may be overloaded, stuck or gone: check its log, or raise recv_timeout"
+                ) from None
+            task = reply.header.get("task")
+            if reply.kind == "error" and (task is None or pending.get(task) == k):
+                raise RuntimeError(f"{self._describe(k)} failed {kind} of {layer}: {reply.header['message']}")
+            if pending.get(task) != k:  # a late answer to an op given up on (after an error)
+                log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
+                continue
+            if reply.kind != "result":
+                raise RuntimeError(f"{self._describe(k)} answered {kind} of {layer} with a {reply.kind!r}")
+            replies[k] = reply
+            del pending[task]
+        return replies, result, local_s
+
+    def _reply_array(self, k: int, reply: Message, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
+        a = reply.arrays.get(name)
+        if a is None or (shape is not None and tuple(a.shape) != shape):
+            got = "nothing" if a is None else f"shape {tuple(a.shape)}"
+            raise RuntimeError(
+                f"{self._describe(k)} returned {got} for {name!r}, expected shape {shape}; "
+                "is it running the same tinyconv version?"
+            )
+        return a
+
+    def _stats(
+        self, t0: float, messages: dict[int, Message], replies: dict[int, Message], master_s: float
+    ) -> _OpStats:
+        compute = []
+        for k in self.who:
+            if k == MASTER:
+                compute.append(master_s)
+            else:  # a worker without kernels this op did not compute
+                compute.append(float(replies[k].header["compute_s"]) if k in replies else 0.0)
+        return _OpStats(
+            wall_s=time.perf_counter() - t0,
+            compute_s=compute,
+            bytes_sent=sum(m.nbytes() for m in messages.values()),
+            bytes_recv=sum(r.nbytes() for r in replies.values()),
+        )
