@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) examples/cifar10_dist.py --transport zmq --backend opencl $(ARGS)

@@ -25,11 +25,14 @@ import numpy as np  # noqa: E402
 import tinyconv  # noqa: E402
 from backends import available_backends, get_backend  # noqa: E402
 from tinyconv.cifar10 import DataError  # noqa: E402
+from tinyconv.cluster import worker_pool  # noqa: E402
 from tinyconv.data import load_dataset  # noqa: E402
+from tinyconv.distributed import ShardedConv  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, paper_net, parse_arch  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, summary_table  # noqa: E402
+from transports import available_transports  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +74,51 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         help="OpenCL device: PLATFORM:DEVICE index or a name substring "
         "(default $TINYCONV_OPENCL_DEVICE, else the first GPU)",
+    )
+
+    g = p.add_argument_group("distribution (the paper's technique: conv kernels split across workers)")
+    g.add_argument(
+        "--transport",
+        default="inproc",
+        help=f"how the master reaches its workers: {', '.join(available_transports())} (default %(default)s)",
+    )
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="workers (default %(default)s; 0: the master alone, the baseline)",
+    )
+    g.add_argument(
+        "--worker-backend", help="the workers' backend, may differ from the master's (default: --backend)"
+    )
+    g.add_argument("--worker-device", help="the workers' OpenCL device (default: their own first GPU/device)")
+    g.add_argument("--worker-threads", type=int, help="BLAS/OpenMP threads per local worker process")
+    g.add_argument(
+        "--bind",
+        help="zmq: the master's address (default tcp://127.0.0.1:<free port> for local workers, "
+        "tcp://*:5555 with --external-workers); ipc:///path works too",
+    )
+    g.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="zmq: don't start workers here; print the command to run on each worker machine and wait for them",
+    )
+    g.add_argument(
+        "--master-share",
+        choices=("auto", "0"),
+        default="auto",
+        help="auto: the master computes a share of kernels too, by its speed; 0: it only coordinates",
+    )
+    g.add_argument(
+        "--rebalance",
+        choices=("on", "off"),
+        default="on",
+        help="re-split kernels from measured step times when a worker lags (default %(default)s)",
+    )
+    g.add_argument(
+        "--start-timeout",
+        type=float,
+        help="seconds to wait for every worker's hello (default 60; 600 with --external-workers)",
     )
 
     g = p.add_argument_group("training")
@@ -145,34 +193,67 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     metrics = MetricsWriter(args.metrics_out, append=bool(args.resume))
-    metrics.write(
-        "run",
-        argv=sys.argv if argv is None else ["cifar10_dist.py", *argv],
-        seed=args.seed,
-        backend=backend.describe(),
-        transport=None,
-        workers=[],
-        arch=net.config,
-        dataset=args.dataset,
-        batch_size=args.batch_size,
-        train_config=vars(args),
-        versions={
-            "tinyconv": tinyconv.__version__,
-            "numpy": np.__version__,
-            "python": platform.python_version(),
-        },
-    )
     print(net)
-    print(f"{net.num_params():,} parameters on {backend.describe()['device']} ({args.backend})")
+    print(f"{net.num_params():,} parameters; master: {backend.describe()['device']} ({args.backend})")
     try:
-        trainer = Trainer(net, data, config, metrics)
-        if args.resume:
-            trainer.resume(args.resume)
-            print(f"resumed from {args.resume} at step {trainer.step}")
-        summary = trainer.fit()
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        with worker_pool(
+            args.transport,
+            args.workers,
+            worker_backend=args.worker_backend or args.backend,
+            worker_device=args.worker_device,
+            bind=args.bind,
+            external=args.external_workers,
+            worker_threads=args.worker_threads,
+            start_timeout=args.start_timeout or (600.0 if args.external_workers else 60.0),
+        ) as (transport, workers):
+            distributor = None
+            if workers:
+                for w in workers:
+                    print(
+                        f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})"
+                    )
+                distributor = ShardedConv(
+                    transport,
+                    workers,
+                    backend,
+                    master_share=args.master_share,
+                    rebalance=args.rebalance == "on",
+                )
+            metrics.write(
+                "run",
+                argv=sys.argv if argv is None else ["cifar10_dist.py", *argv],
+                seed=args.seed,
+                backend=backend.describe(),
+                transport=args.transport if workers else None,
+                workers=[
+                    {"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname}
+                    for w in workers
+                ],
+                arch=net.config,
+                dataset=args.dataset,
+                batch_size=args.batch_size,
+                train_config=vars(args),
+                versions={
+                    "tinyconv": tinyconv.__version__,
+                    "numpy": np.__version__,
+                    "python": platform.python_version(),
+                },
+            )
+            if distributor is not None:
+                calibration = distributor.calibrate(net, args.batch_size)
+                metrics.write("calibration", **calibration)
+                print(f"calibrated shares ({', '.join(distributor.participants)}): {calibration['shares']}")
+            trainer = Trainer(net, data, config, metrics, distributor=distributor)
+            if args.resume:
+                trainer.resume(args.resume)
+                print(f"resumed from {args.resume} at step {trainer.step}")
+            summary = trainer.fit()
+    except (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: workers stopped", file=sys.stderr)
+        return 130
     finally:
         metrics.close()
     print(summary_table(summary))

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> str:
-    """A plain-text table with right-aligned numbers, for terminals and logs."""
+    """A plain-text table for terminals and logs: numeric columns right-aligned, others left."""
 
     def cell(v: Any) -> str:
         if isinstance(v, float):
@@ -15,6 +15,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
         return str(v)
 
     cells = [[cell(v) for v in row] for row in rows]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     out = []
@@ -22,6 +23,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
         out.append(title)
     out += [line, "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |", line]
     for r in cells:
-        out.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
+        padded = (c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric, strict=True))
+        out.append("| " + " | ".join(padded) + " |")
     out.append(line)
     return "\n".join(out)

@@ -1,0 +1,103 @@
+"""The main job, examples/cifar10_dist.py, end to end as a user runs it (small synthetic runs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tinyconv.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "cifar10_dist.py"
+
+
+def run_example(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+SMOKE = ("--dataset", "synthetic", "--arch", "4:8", "--batch-size", "32")
+
+
+def test_help_describes_every_option():
+    out = run_example("--help")
+    assert out.returncode == 0
+    for flag in ("--transport", "--workers", "--backend", "--arch", "--steps", "--metrics-out", "--resume"):
+        assert flag in out.stdout
+
+
+def test_master_alone_runs_and_writes_metrics(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    out = run_example(*SMOKE, "--steps", "5", "--workers", "0", "--metrics-out", str(metrics))
+    assert out.returncode == 0, out.stderr
+    assert "Summary" in out.stdout and "test_acc" in out.stdout
+    events = read_metrics(metrics)
+    assert events[0]["event"] == "run" and events[0]["transport"] is None and events[0]["workers"] == []
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4, 5]
+    assert [e["event"] for e in events[-2:]] == ["epoch", "summary"]
+
+
+def test_inproc_workers_share_the_kernels(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    out = run_example(*SMOKE, "--steps", "3", "--transport", "inproc", "--workers", "2", "--metrics-out", str(metrics))
+    assert out.returncode == 0, out.stderr
+    events = read_metrics(metrics)
+    run = events[0]
+    assert run["transport"] == "inproc" and len(run["workers"]) == 2
+    steps = [e for e in events if e["event"] == "step"]
+    for s in steps:
+        assert sum(s["shares"]["conv1"]) == 4 and sum(s["shares"]["conv2"]) == 8
+        assert len(s["shares"]["conv2"]) == 3  # the master and two workers
+        assert s["conv_s"] > 0 and s["bytes_sent"] > 0 and s["bytes_recv"] > 0
+
+
+def _processes_with(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for left-over worker processes")
+def test_zmq_workers_run_and_leave_nothing_behind(tmp_path):
+    sock = f"ipc:///tmp/tinyconv-test-{uuid.uuid4().hex[:12]}.sock"  # ipc paths must stay short
+    metrics = tmp_path / "run.jsonl"
+    out = run_example(*SMOKE, "--steps", "3", "--transport", "zmq", "--workers", "2", "--bind", sock,
+                      "--metrics-out", str(metrics))
+    assert out.returncode == 0, out.stderr
+    events = read_metrics(metrics)
+    assert events[0]["transport"] == "zmq" and len(events[0]["workers"]) == 2
+    assert any(e["event"] == "calibration" for e in events)
+    assert _processes_with(sock) == []  # every local worker exited with the master
+
+
+def test_missing_data_is_one_clear_message(tmp_path):
+    out = run_example("--dataset", "cifar10", "--data-dir", str(tmp_path / "nowhere"), "--no-download", "--steps", "1")
+    assert out.returncode == 2
+    assert "error:" in out.stderr and "Traceback" not in out.stderr
+    assert "cifar-10" in out.stderr.lower()
+
+
+def test_unknown_backend_lists_the_choices():
+    out = run_example(*SMOKE, "--backend", "cuda", "--steps", "1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "available: " in out.stderr and "numpy" in out.stderr

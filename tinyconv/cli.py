@@ -1,0 +1,84 @@
+"""The ``tinyconv`` command: one entry point for the things a user runs by hand.
+
+    tinyconv worker --connect tcp://HOST:5555 --backend opencl   # serve a master's convolutions
+    tinyconv devices                                           # backends and OpenCL devices seen here
+    tinyconv conformance --backend NAME                        # check a backend op by op against numpy
+    tinyconv plot run.jsonl -o plots/                          # loss/accuracy and comm/conv/comp charts
+
+Training itself is ``python examples/cifar10_dist.py``. Nothing heavy is imported
+before the subcommand is known: ``worker --threads`` must set BLAS thread counts
+before numpy loads.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+COMMANDS = {
+    "worker": "serve convolution shards for a master (see `tinyconv worker --help`)",
+    "devices": "list the backends and every OpenCL platform/device this machine can see",
+    "backends": "the same as devices",
+    "conformance": "run the backend conformance suite (see `tinyconv conformance --help`)",
+    "plot": "draw charts from a metrics file (see `tinyconv plot --help`)",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tinyconv COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:12s} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def devices() -> int:
+    """Print every registered backend and every OpenCL device; never a traceback."""
+    from backends import available_backends
+
+    print("backends:", ", ".join(available_backends()))
+    try:
+        from backends.opencl.device import list_devices
+    except ImportError as e:
+        print(f"OpenCL: unavailable ({e}); install pyopencl, and a runtime such as pocl-binary-distribution")
+        return 0
+    try:
+        found = list_devices()
+    except RuntimeError as e:
+        print(f"OpenCL: {e}")
+        return 0
+    if not found:
+        print("OpenCL: no devices; `pip install pocl-binary-distribution` gives a CPU device, a GPU needs its driver")
+    for d in found:
+        print(
+            f"  {d['platform_index']}:{d['device_index']}  {d['name']}  [{d['kind']}, {d['compute_units']} CUs, "
+            f"{d['global_mem_bytes'] / 2**30:.1f} GiB]  platform: {d['platform']}"
+        )
+    print("choose one with --device P:D (or a name substring), or TINYCONV_OPENCL_DEVICE")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "worker":
+        from tinyconv.worker import main as worker_main
+
+        return worker_main(rest)
+    if command in ("devices", "backends"):
+        return devices()
+    if command == "conformance":
+        from tinyconv.testing import main as conformance_main
+
+        return conformance_main(rest)
+    if command == "plot":
+        from tinyconv.plot import main as plot_main
+
+        return plot_main(rest)
+    print(f"tinyconv: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
