@@ -81,8 +81,9 @@ def _processes_with(marker: str) -> list[str]:
 def test_zmq_workers_run_and_leave_nothing_behind(tmp_path):
     sock = f"ipc:///tmp/tinyconv-test-{uuid.uuid4().hex[:12]}.sock"  # ipc paths must stay short
     metrics = tmp_path / "run.jsonl"
-    out = run_example(*SMOKE, "--steps", "3", "--transport", "zmq", "--workers", "2", "--bind", sock,
-                      "--metrics-out", str(metrics))
+    out = run_example(
+        *SMOKE, "--steps", "3", "--transport", "zmq", "--workers", "2", "--bind", sock, "--metrics-out", str(metrics)
+    )
     assert out.returncode == 0, out.stderr
     events = read_metrics(metrics)
     assert events[0]["transport"] == "zmq" and len(events[0]["workers"]) == 2

@@ -14,7 +14,7 @@ from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import PAPER_ARCHS, paper_net, parse_arch
 from tinyconv.optim import SGD
 from tinyconv.schedule import learning_rate
-from tinyconv.trainer import Trainer, TrainConfig, summary_table
+from tinyconv.trainer import TrainConfig, Trainer, summary_table
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +150,7 @@ def test_resume_is_bit_identical(numpy_backend, tiny_data, tmp_path):
 def test_resume_refuses_another_architecture(numpy_backend, tiny_data, tmp_path):
     t = _trainer(numpy_backend, tiny_data, epochs=1, max_steps=1, checkpoint=str(tmp_path / "c.npz"))
     t.fit()
-    other = Trainer(
-        paper_net(numpy_backend, 4, 8, "lrn"), tiny_data, TrainConfig(batch_size=32, progress=False)
-    )
+    other = Trainer(paper_net(numpy_backend, 4, 8, "lrn"), tiny_data, TrainConfig(batch_size=32, progress=False))
     with pytest.raises(ValueError, match="same --arch/--norm"):
         other.resume(tmp_path / "c.npz")
 
