@@ -102,3 +102,72 @@ def test_unknown_backend_lists_the_choices():
     out = run_example(*SMOKE, "--backend", "cuda", "--steps", "1")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "available: " in out.stderr and "numpy" in out.stderr
+
+
+def test_a_worker_that_dies_before_hello_is_a_clear_error():
+    out = run_example(
+        *SMOKE,
+        "--steps",
+        "1",
+        "--transport",
+        "zmq",
+        "--workers",
+        "1",
+        "--worker-backend",
+        "nosuch",
+        "--start-timeout",
+        "8",
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "died before saying hello" in out.stderr and "exited with code 1" in out.stderr
+    assert "unknown backend 'nosuch'" in out.stderr  # the worker's own message reaches the user
+
+
+def test_ctrl_c_stops_the_run_and_its_workers():
+    import selectors
+    import signal
+    import time
+
+    sock = f"ipc:///tmp/tinyconv-test-{uuid.uuid4().hex[:12]}.sock"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--no-progress",
+            *SMOKE,
+            "--epochs",
+            "50",
+            "--transport",
+            "zmq",
+            "--workers",
+            "2",
+            "--bind",
+            sock,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        # read the master's output until the workers are calibrated, i.e. it is training
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "calibrated shares" not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0 and sel.select(timeout=left), f"no calibration within 120 s: {seen}"
+            line = proc.stdout.readline()
+            assert line, proc.communicate()[1]
+            seen += line
+        assert len(_processes_with(sock)) == 3  # the master and its two workers
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err
+    assert _processes_with(sock) == []

@@ -52,9 +52,7 @@ def worker_pool(
     if transport == "inproc":
         if external:
             raise ValueError("--external-workers needs --transport zmq: in-process workers are threads here")
-        pool = get_transport(
-            "inproc", handler_factory=lambda i: ConvWorker(get_backend(worker_backend, **device_opts))
-        )
+        pool = get_transport("inproc", handler_factory=lambda i: ConvWorker(get_backend(worker_backend, **device_opts)))
     else:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout)
@@ -67,13 +65,20 @@ def worker_pool(
             if external:
                 from transports.zmq_transport import connect_hint
 
-                cmd = (
-                    f"tinyconv worker --connect {connect_hint(pool.bound_address)} --backend {worker_backend}"
-                )
+                cmd = f"tinyconv worker --connect {connect_hint(pool.bound_address)} --backend {worker_backend}"
                 announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {cmd}")
             else:
                 procs = spawn_local_workers(n_workers, connect, worker_backend, extra, threads=worker_threads)
-        infos = pool.start(n_workers, timeout=start_timeout)
+        try:
+            infos = pool.start(n_workers, timeout=start_timeout)
+        except TimeoutError as e:
+            dead = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:  # say why, rather than only that they were not heard from
+                codes = ", ".join(f"process {i} exited with code {code}" for i, code in dead)
+                raise TimeoutError(
+                    f"{e}; local workers died before saying hello ({codes}; see their message above)"
+                ) from e
+            raise
         yield pool, infos
     finally:
         pool.close()
