@@ -1,5 +1,8 @@
 """The numpy reference backend: every op vectorised, convolution as im2col + one GEMM.
 
+Ops compute in their inputs' dtype (float32 in training; float64 arrays passed
+straight to the ops stay float64, which is how tinyconv/gradcheck.py checks them).
+
 No Python loop here runs over the batch, pixels or channels; the only loops run
 over the few offsets of a kernel window (at most KH*KW strided copies or adds).
 
@@ -143,7 +146,7 @@ def _max_stage(x: np.ndarray, out_shape, taps, axis: int) -> tuple[np.ndarray, n
 
 def _max_stage_backward(dy: np.ndarray, arg: np.ndarray, in_shape, taps, axis: int) -> np.ndarray:
     """Adjoint of _max_stage: each dy goes to the input its winning offset read."""
-    dx = np.zeros(in_shape, dtype=np.float32)
+    dx = np.zeros(in_shape, dtype=dy.dtype)
     for t, (out_s, in_s) in enumerate(taps):
         o = _axis_index(axis, out_s)
         dx[_axis_index(axis, in_s)] += dy[o] * (arg[o] == t)
@@ -216,8 +219,8 @@ class NumpyBackend(Backend):
     def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=2.0):
         before, after = size // 2, (size - 1) // 2
         s = _channel_window_sum(x * x, before, after)
-        s *= F32(alpha / size)
-        s += F32(k)
+        s *= alpha / size
+        s += k
         p = _neg_pow(s, beta)  # s^-beta
         y = x * p
         return y, (x, y, s, p, size, alpha, beta, before, after)
@@ -227,7 +230,7 @@ class NumpyBackend(Backend):
         # y_i depends on x_j for every j in window(i); the transposed window swaps
         # before/after: sum over i with j in window(i) of dy_i * y_i / s_i.
         t = _channel_window_sum(dy * y / s, after, before)
-        return dy * p - F32(2.0 * alpha * beta / size) * x * t
+        return dy * p - (2.0 * alpha * beta / size) * x * t
 
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if training:
@@ -235,14 +238,14 @@ class NumpyBackend(Backend):
             mean = x.mean(axis=(0, 2, 3))
             xc = x - mean[None, :, None, None]
             var = (xc * xc).mean(axis=(0, 2, 3))
-            running_mean *= F32(1 - momentum)
-            running_mean += F32(momentum) * mean
-            running_var *= F32(1 - momentum)
-            running_var += F32(momentum * m / max(m - 1, 1)) * var
+            running_mean *= 1 - momentum
+            running_mean += momentum * mean
+            running_var *= 1 - momentum
+            running_var += (momentum * m / max(m - 1, 1)) * var
         else:
             mean, var = running_mean, running_var
             xc = x - mean[None, :, None, None]
-        invstd = (1.0 / np.sqrt(var + F32(eps))).astype(F32)
+        invstd = 1.0 / np.sqrt(var + eps)
         xhat = xc * invstd[None, :, None, None]
         y = xhat * gamma[None, :, None, None] + beta[None, :, None, None]
         return y, (xhat, gamma, invstd, training)
@@ -305,12 +308,12 @@ class NumpyBackend(Backend):
         d = e / se
         d[rows, labels] -= 1
         d /= n
-        return loss, d.astype(F32, copy=False)
+        return loss, d
 
     # ---- optimiser ---------------------------------------------------------------
     def sgd_update(self, param, grad, velocity, lr, momentum, weight_decay):
-        velocity *= F32(momentum)
+        velocity *= momentum
         velocity += grad
         if weight_decay:
-            velocity += F32(weight_decay) * param
-        param -= F32(lr) * velocity
+            velocity += weight_decay * param
+        param -= lr * velocity

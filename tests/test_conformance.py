@@ -1,0 +1,235 @@
+"""The conformance suite (tinyconv.testing): that it runs every op, that it fails on broken
+backends, and its verdict on the real ones -- numpy (against itself), OpenCL, and the
+out-of-tree example backend in examples/threaded_backend/."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends.opencl
+from backends import get_backend
+from backends.base import Backend
+from backends.numpy_backend import NumpyBackend, _channel_window_sum
+from tinyconv.testing import (
+    CASES,
+    CheckResult,
+    assert_conforms,
+    conformance_tests,
+    format_table,
+    main,
+    run_conformance,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ------------------------------------------------------------------ the suite on real backends
+
+test_numpy_conforms = conformance_tests("numpy")
+
+
+def opencl_backend() -> Backend:
+    """The OpenCL backend, or a skip that says why there is none on this machine."""
+    if not hasattr(backends.opencl, "OpenCLBackend"):
+        pytest.skip("backends.opencl does not define OpenCLBackend yet (the OpenCL backend is unfinished)")
+    try:
+        return get_backend("opencl")
+    except RuntimeError as e:  # backends.opencl.NoOpenCLDevice
+        pytest.skip(f"no OpenCL device: {e}")
+
+
+test_opencl_conforms = conformance_tests(opencl_backend)  # one instance for every case
+
+
+def load_example_backend() -> type[Backend]:
+    """examples/threaded_backend/tinyconv_threaded.py by path: no installation needed."""
+    path = ROOT / "examples" / "threaded_backend" / "tinyconv_threaded.py"
+    spec = importlib.util.spec_from_file_location("_example_threaded_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.ThreadedBackend
+
+
+test_threaded_example_conforms = conformance_tests(lambda: load_example_backend()(threads=3))
+
+
+def test_threaded_example_describes_itself_and_rejects_bad_options():
+    cls = load_example_backend()
+    d = cls(threads=2).describe()
+    assert d["backend"] == "threaded" and d["threads"] == 2
+    with pytest.raises(ValueError, match="threads"):
+        cls(threads=0)
+
+
+# ------------------------------------------------------------------ the suite covers every op
+
+
+OPS = sorted(Backend.__abstractmethods__ | {"take_kernels"})
+
+
+class Spy(NumpyBackend):
+    """The reference, recording which Backend methods the suite calls."""
+
+    def __init__(self) -> None:
+        self.called: set[str] = set()
+
+
+def _spied(name: str):
+    def method(self, *args, **kwargs):
+        self.called.add(name)
+        return getattr(NumpyBackend, name)(self, *args, **kwargs)
+
+    return method
+
+
+for _name in OPS:
+    setattr(Spy, _name, _spied(_name))
+
+
+def test_suite_calls_every_op_of_the_interface():
+    spy = Spy()
+    results = run_conformance(spy)
+    assert all(r.passed for r in results), format_table([r for r in results if not r.passed])
+    assert spy.called == set(OPS), f"never called: {set(OPS) - spy.called}"
+    ops = {c.op for c in CASES}
+    stems = {n.removesuffix("_forward").removesuffix("_backward") for n in OPS} - {"to_numpy"}
+    assert stems <= ops  # each op has cases of its own, named after it
+
+
+def test_case_ids_are_unique_and_every_case_checks_something():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+    assert len(run_conformance("numpy")) > 2 * len(CASES)
+
+
+def test_shapes_cover_the_edges():
+    labels = " | ".join(c.label for c in CASES if c.op in ("conv2d", "maxpool"))
+    for needle in ("N1 ", "s2", "p0", "p1", "p2", "ties", "no-dx"):
+        assert needle in labels
+
+
+# ------------------------------------------------------------------ the suite fails broken backends
+
+
+class DiagonalLRN(NumpyBackend):
+    """lrn_backward without the cross-channel term: the classic wrong LRN gradient."""
+
+    def lrn_backward(self, dy, cache):
+        x, y, s, p, size, alpha, beta, before, after = cache
+        return dy * p - np.float32(2.0 * alpha * beta / size) * x * (dy * y / s)
+
+
+class UnmirroredLRN(NumpyBackend):
+    """lrn_backward summing over window(j) instead of {i : j in window(i)}: wrong for even sizes."""
+
+    def lrn_backward(self, dy, cache):
+        x, y, s, p, size, alpha, beta, before, after = cache
+        t = _channel_window_sum(dy * y / s, before, after)
+        return dy * p - np.float32(2.0 * alpha * beta / size) * x * t
+
+
+class TiesToEveryMax(NumpyBackend):
+    """maxpool_backward that gives dy to every input equal to the window's max."""
+
+    def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
+        y, _ = super().maxpool_forward(x, kernel, stride, padding)
+        return y, (x, y, kernel, stride, padding)
+
+    def maxpool_backward(self, dy, cache):
+        x, y, k, s, p = cache
+        h, w = x.shape[2:]
+        oh, ow = y.shape[2:]
+        xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=-np.inf)
+        dxp = np.zeros(xp.shape, np.float32)
+        for i in range(k):
+            for j in range(k):
+                window = (slice(None), slice(None), slice(i, i + s * oh, s), slice(j, j + s * ow, s))
+                dxp[window] += dy * (xp[window] == y)
+        return dxp[:, :, p : p + h, p : p + w]
+
+
+class InPlaceReLU(NumpyBackend):
+    """relu_forward that overwrites its input: right values, broken contract."""
+
+    def relu_forward(self, x):
+        np.maximum(x, 0, out=x)
+        return x, x
+
+
+class Float64Linear(NumpyBackend):
+    """linear_forward that returns float64: right values, wrong dtype."""
+
+    def linear_forward(self, x, w, b):
+        y, cache = super().linear_forward(x, w, b)
+        return y.astype(np.float64), cache
+
+
+class BrokenConv(NumpyBackend):
+    def conv2d_backward(self, dy, cache, need_dx=True):
+        raise NotImplementedError("dx is on my list")
+
+
+def failures(backend: Backend) -> list[CheckResult]:
+    return [r for r in run_conformance(backend) if not r.passed]
+
+
+def test_fails_a_diagonal_only_lrn_backward():
+    failed = failures(DiagonalLRN())
+    assert failed and {(r.op, r.output) for r in failed} == {("lrn", "dx")}
+    large_alpha = {c.label for c in CASES if c.op == "lrn" and "alpha0.01" in c.label}
+    assert large_alpha <= {r.case for r in failed}
+
+
+def test_fails_an_unmirrored_lrn_window_on_even_sizes_only():
+    failed = failures(UnmirroredLRN())
+    assert failed and {(r.op, r.output) for r in failed} == {("lrn", "dx")}
+    assert all("size4" in r.case for r in failed)
+
+
+def test_fails_maxpool_ties_routed_to_every_maximum():
+    failed = failures(TiesToEveryMax())
+    assert failed and {(r.op, r.output) for r in failed} == {("maxpool", "dx")}
+    assert all(r.case.endswith("ties") for r in failed)  # without ties it is right
+
+
+def test_fails_an_op_that_modifies_its_input():
+    failed = failures(InPlaceReLU())
+    assert failed and {(r.op, r.output) for r in failed} == {("relu", "inputs kept")}
+    assert all(r.note == "modified: x" for r in failed)
+
+
+def test_fails_a_wrong_dtype_and_a_raising_op_and_keeps_going():
+    failed = failures(Float64Linear())
+    assert failed and {(r.op, r.output) for r in failed} == {("linear", "y")}
+    assert "dtype float64" in failed[0].note
+    failed = failures(BrokenConv())
+    assert {(r.op, r.output) for r in failed} == {("conv2d", "raised")}
+    assert len(failed) == sum(c.op == "conv2d" for c in CASES)
+    assert "NotImplementedError: dx is on my list" in failed[0].note
+
+
+def test_assert_conforms_prints_the_table_and_raises(capsys):
+    assert_conforms(NumpyBackend())
+    assert "passed, 0 failed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="lrn .* dx"):
+        assert_conforms(DiagonalLRN())
+    assert "FAIL" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_main_exits_0_with_the_table(capsys):
+    assert main(["--backend", "numpy"]) == 0
+    out = capsys.readouterr().out
+    assert "max abs err" in out and "conv2d" in out and ", 0 failed" in out
+
+
+def test_main_exits_1_on_an_unknown_backend(capsys):
+    assert main(["--backend", "no-such-backend"]) == 1
+    assert "unknown backend 'no-such-backend'" in capsys.readouterr().err
