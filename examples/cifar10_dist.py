@@ -88,9 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="workers (default %(default)s; 0: the master alone, the baseline)",
     )
-    g.add_argument(
-        "--worker-backend", help="the workers' backend, may differ from the master's (default: --backend)"
-    )
+    g.add_argument("--worker-backend", help="the workers' backend, may differ from the master's (default: --backend)")
     g.add_argument("--worker-device", help="the workers' OpenCL device (default: their own first GPU/device)")
     g.add_argument("--worker-threads", type=int, help="BLAS/OpenMP threads per local worker process")
     g.add_argument(
@@ -123,33 +121,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=10, help="epochs (default %(default)s)")
-    g.add_argument(
-        "--steps", type=int, help="stop after N steps in total, then evaluate (smoke runs, quick checks)"
-    )
+    g.add_argument("--steps", type=int, help="stop after N steps in total, then evaluate (smoke runs, quick checks)")
     g.add_argument("--batch-size", type=int, default=64, help="default %(default)s")
-    g.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default %(default)s)")
-    g.add_argument("--momentum", type=float, default=0.9, help="default %(default)s")
     g.add_argument(
-        "--weight-decay", type=float, default=5e-4, help="on conv and linear weights (default %(default)s)"
+        "--lr",
+        type=float,
+        default=0.01,
+        help="peak learning rate (default %(default)s; much higher diverges early)",
     )
+    g.add_argument("--momentum", type=float, default=0.9, help="default %(default)s")
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="on conv and linear weights (default %(default)s)")
     g.add_argument(
         "--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (default %(default)s)"
     )
-    g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up (default %(default)s)")
+    g.add_argument(
+        "--warmup-epochs", type=float, default=1.0, help="linear warm-up from 0 to --lr (default %(default)s)"
+    )
     g.add_argument("--no-augment", action="store_true", help="no random crop / horizontal flip")
     g.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffle and the augmentation")
 
     g = p.add_argument_group("data")
-    g.add_argument(
-        "--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="default %(default)s"
-    )
+    g.add_argument("--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="default %(default)s")
     g.add_argument(
         "--data-dir",
         help="folder holding cifar-10-batches-py/ (default $TINYCONV_DATA, else ~/.cache/tinyconv)",
     )
-    g.add_argument(
-        "--no-download", action="store_true", help="fail instead of downloading CIFAR-10 when missing"
-    )
+    g.add_argument("--no-download", action="store_true", help="fail instead of downloading CIFAR-10 when missing")
 
     g = p.add_argument_group("output")
     g.add_argument("--metrics-out", help="write JSON-lines metrics (run, step, epoch, summary events) here")
@@ -209,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             distributor = None
             if workers:
                 for w in workers:
-                    print(
-                        f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})"
-                    )
+                    print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})")
                 distributor = ShardedConv(
                     transport,
                     workers,
@@ -226,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 backend=backend.describe(),
                 transport=args.transport if workers else None,
                 workers=[
-                    {"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname}
-                    for w in workers
+                    {"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname} for w in workers
                 ],
                 arch=net.config,
                 dataset=args.dataset,

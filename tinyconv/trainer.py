@@ -33,11 +33,11 @@ from tinyconv.schedule import learning_rate
 class TrainConfig:
     epochs: int = 10
     batch_size: int = 64
-    lr: float = 0.05
+    lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 5e-4
     schedule: str = "cosine"
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = 1.0
     max_steps: int | None = None  # stop after this many steps in total (smoke runs)
     augment: bool = True
     eval_batch_size: int = 500
