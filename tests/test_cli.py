@@ -1,0 +1,30 @@
+"""The `tinyconv` command: dispatch, help, and a device listing that never tracebacks."""
+
+from __future__ import annotations
+
+from tinyconv.cli import main
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("worker", "devices", "conformance", "plot"):
+        assert command in out
+
+
+def test_no_command_and_unknown_command_are_usage_errors(capsys):
+    assert main([]) == 2
+    assert main(["train-everything"]) == 2
+    assert "unknown command 'train-everything'" in capsys.readouterr().err
+
+
+def test_devices_lists_backends_and_opencl(capsys):
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("backends:") and "numpy" in out and "opencl" in out
+    assert "OpenCL" in out or "--device P:D" in out  # either the devices or why there are none
+
+
+def test_conformance_dispatches_to_the_suite(capsys):
+    assert main(["conformance", "--backend", "numpy"]) == 0
+    assert "0 failed" in capsys.readouterr().out
