@@ -1,0 +1,357 @@
+"""The one GEMM every convolution and linear layer of the OpenCL backend runs on.
+
+    C (M x N) = A (M x K) @ B (K x N) [+ bias per row]
+
+A and C are strided views of existing buffers (``AView``, ``CView``); B comes
+packed in column panels of width NB by a callback, because the best NB depends
+on the kernel variant (see the header of gemm.cl for the index maps).
+
+Variants (gemm.cl) and how one is chosen
+----------------------------------------
+* ``VecConfig``   register blocking with explicit float vectors, no local memory.
+  What CPUs need: PoCL only vectorises a work-item loop whose body has no loop
+  of its own, so a GEMM written per scalar runs at ~1 GFLOP/s there.
+* ``TiledConfig`` the GPU classic with local-memory tiles and a WM x WN register
+  block per work-item. Correct everywhere, but ~60x slower than VecConfig on
+  PoCL (1 vs 65 GFLOP/s: CPU "local memory" is ordinary cache and the scalar
+  work-items run one after another), so on CPUs it is not even tried.
+
+Every configuration that fits the device's limits (work-group size, local
+memory, preferred vector width) is a candidate. A GEMM big enough for the choice
+to matter (>= ``TUNE_MIN_FLOP``) is timed with each candidate the first time its
+shape is seen, and the winner is kept per device in a small JSON file in the user
+cache directory, so later runs start tuned. Smaller GEMMs use the device's default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+
+log = logging.getLogger(__name__)
+
+TUNE_MIN_FLOP = 1e8  # below this a GEMM takes milliseconds: not worth timing variants
+ENV_AUTOTUNE = "TINYCONV_OPENCL_AUTOTUNE"  # "0" turns autotuning off
+ENV_TUNE_FILE = "TINYCONV_OPENCL_TUNE_FILE"  # where the tuned choices are kept
+
+i32 = np.int32
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the kernel configurations must fit, read once from the device."""
+
+    key: str  # platform | device | driver: tuned choices are only reused on the same one
+    kind: str  # "cpu", "gpu", ...
+    compute_units: int
+    max_work_group_size: int
+    local_mem_bytes: int
+    vector_width: int  # preferred float vector width, clamped to 4..16
+
+    @classmethod
+    def of(cls, device: cl.Device, kind: str) -> DeviceLimits:
+        vw = int(device.preferred_vector_width_float or 1)
+        vw = min(16, max(4, 1 << (vw.bit_length() - 1)))  # a power of two; 1 (GPUs) -> 4
+        return cls(
+            key=f"{device.platform.name.strip()} | {device.name.strip()} | {device.driver_version.strip()}",
+            kind=kind,
+            compute_units=int(device.max_compute_units),
+            max_work_group_size=int(device.max_work_group_size),
+            local_mem_bytes=int(device.local_mem_size),
+            vector_width=vw,
+        )
+
+
+@dataclass(frozen=True)
+class VecConfig:
+    """gemm_vec: a work-item computes rm rows x (vw*rn) columns; ``local`` work-items per group."""
+
+    rm: int
+    vw: int
+    rn: int
+    local: int = 1
+    kind = "vec"
+
+    @property
+    def nb(self) -> int:
+        return self.vw * self.rn
+
+    def options(self) -> str:
+        return f"-DRM={self.rm} -DVW={self.vw} -DRN={self.rn}"
+
+    def tiles(self, m: int, n: int) -> int:
+        return cdiv(m, self.rm) * cdiv(n, self.nb)
+
+    def grid(self, m: int, n: int, splits: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        rows = cdiv(cdiv(m, self.rm), self.local) * self.local
+        return (rows, cdiv(n, self.nb), splits), (self.local, 1, 1)
+
+    def fits(self, d: DeviceLimits) -> bool:
+        return self.local <= d.max_work_group_size
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    """gemm_tiled: a (tx, ty) work-group computes a (ty*wm) x (tx*wn) tile, tsk deep per step."""
+
+    tx: int
+    ty: int
+    wm: int
+    wn: int
+    tsk: int
+    kind = "tiled"
+
+    @property
+    def nb(self) -> int:
+        return self.tx * self.wn
+
+    def options(self) -> str:
+        return f"-DTX={self.tx} -DTY={self.ty} -DWM={self.wm} -DWN={self.wn} -DTSK={self.tsk}"
+
+    def tiles(self, m: int, n: int) -> int:
+        return cdiv(m, self.ty * self.wm) * cdiv(n, self.nb)
+
+    def grid(self, m: int, n: int, splits: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        groups = (cdiv(n, self.nb), cdiv(m, self.ty * self.wm), splits)
+        return (self.tx * groups[0], self.ty * groups[1], splits), (self.tx, self.ty, 1)
+
+    def local_bytes(self) -> int:
+        return 4 * self.tsk * (self.ty * self.wm + 1 + self.nb)
+
+    def fits(self, d: DeviceLimits) -> bool:
+        return self.tx * self.ty <= d.max_work_group_size and self.local_bytes() <= d.local_mem_bytes
+
+
+Config = VecConfig | TiledConfig
+
+
+def config_to_json(cfg: Config) -> dict[str, Any]:
+    return {"kind": cfg.kind, **asdict(cfg)}
+
+
+def config_from_json(d: dict[str, Any]) -> Config | None:
+    """The config a tune file names, or None if the entry is not one (an old or edited file)."""
+    try:
+        fields = {k: int(v) for k, v in d.items() if k not in ("kind", "ms")}
+        return {"vec": VecConfig, "tiled": TiledConfig}[d["kind"]](**fields)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# Register blocks (rm, rn) worth trying; with vw = 16 (AVX-512) the largest keeps
+# 24 accumulators in the 32 vector registers.
+VEC_BLOCKS = ((8, 2), (12, 2), (6, 3), (4, 2))
+# (tx, ty, wm, wn, tsk): from a 256-item 64x64 tile down to one any device can run.
+TILED = ((16, 16, 4, 4, 16), (16, 8, 4, 4, 16), (8, 8, 4, 4, 16), (16, 16, 2, 2, 16), (4, 4, 2, 2, 8))
+
+
+def candidates(d: DeviceLimits) -> list[Config]:
+    """Every configuration worth timing on this device, the default first."""
+    local = 1 if d.kind == "cpu" else min(64, d.max_work_group_size)
+    vec: list[Config] = [VecConfig(rm, d.vector_width, rn, local) for rm, rn in VEC_BLOCKS]
+    if d.kind == "cpu":  # gemm_tiled is ~60x slower on a CPU runtime (see the module docstring)
+        return [c for c in vec if c.fits(d)]
+    tiled: list[Config] = [TiledConfig(*t) for t in TILED]
+    return [c for c in tiled + vec[:1] if c.fits(d)]
+
+
+@dataclass(frozen=True)
+class AView:
+    """A(m, k) = buf[m*sm + (k // ki)*skb + (k % ki)*sk]: a strided matrix whose k axis may be
+    two axes of the buffer (ki = K when it is not)."""
+
+    buf: cl.Buffer
+    sm: int
+    sk: int
+    ki: int
+    skb: int = 0
+
+
+@dataclass(frozen=True)
+class CView:
+    """C(m, n) -> buf[m*sm + (n // ni)*snb + (n % ni)*sn]."""
+
+    buf: cl.Buffer
+    sm: int
+    sn: int
+    ni: int
+    snb: int = 0
+
+    @staticmethod
+    def rows(buf: cl.Buffer, n: int) -> CView:
+        """A plain row-major (M, n) matrix."""
+        return CView(buf, n, 1, n, 0)
+
+
+def default_tune_file() -> Path:
+    """$TINYCONV_OPENCL_TUNE_FILE, else tinyconv/opencl-gemm.json in the user cache directory."""
+    if os.environ.get(ENV_TUNE_FILE):
+        return Path(os.environ[ENV_TUNE_FILE])
+    try:
+        import platformdirs  # a dependency of pyopencl
+
+        base = Path(platformdirs.user_cache_dir("tinyconv", False))
+    except ImportError:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinyconv"
+    return base / "opencl-gemm.json"
+
+
+class Gemm:
+    """Runs C = A @ B (+ bias) on one context and queue, choosing and remembering the variant."""
+
+    def __init__(
+        self,
+        program: Callable[[str, str], cl.Program],
+        queue: cl.CommandQueue,
+        limits: DeviceLimits,
+        empty: Callable[[int], cla.Array],
+        autotune: bool,
+        tune_file: Path,
+    ) -> None:
+        self.program, self.queue, self.limits, self.empty = program, queue, limits, empty
+        self.autotune, self.tune_file = autotune, tune_file
+        self.candidates = candidates(limits)
+        if not self.candidates:
+            raise RuntimeError(f"no GEMM configuration fits the device limits {limits}")
+        self.chosen: dict[str, Config] = {}  # shape key -> config, this process
+        self._kernels: dict[tuple[str, str], cl.Kernel] = {}
+
+    # ---- running ------------------------------------------------------------------
+    def __call__(
+        self,
+        tag: str,
+        m: int,
+        n: int,
+        k: int,
+        a: AView,
+        pack_b: Callable[[int], cla.Array],
+        c: CView,
+        bias: cla.Array | None = None,
+    ) -> None:
+        """C = A @ B (+ bias[m]). ``pack_b(nb)`` returns B in panels of width nb. ``tag`` names the
+        call site (the layout of A and C) for the tune file."""
+        cfg = self.config(tag, m, n, k, a, pack_b, c, bias)
+        self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+
+    def kernel(self, options: str, name: str) -> cl.Kernel:
+        key = (options, name)
+        if key not in self._kernels:
+            self._kernels[key] = cl.Kernel(self.program("gemm.cl", options), name)
+        return self._kernels[key]
+
+    def splits(self, cfg: Config, m: int, n: int, k: int) -> int:
+        """How many slices of the k axis to sum separately: enough work-groups to fill the device,
+        and (gemm_vec) a B chunk of at most 256 KiB so it stays in a CPU's L2 while rows of A stream."""
+        want = cdiv(4 * self.limits.compute_units, cfg.tiles(m, n))
+        if cfg.kind == "vec":
+            want = max(want, cdiv(k, (256 * 1024) // (4 * cfg.nb)))
+        return max(1, min(want, k // 256, 64))
+
+    def run(
+        self, cfg: Config, m: int, n: int, k: int, a: AView, b: cla.Array, c: CView, bias: cla.Array | None
+    ) -> None:
+        """One GEMM with a given configuration (B already packed with width cfg.nb)."""
+        s = self.splits(cfg, m, n, k)
+        kc = cdiv(k, s)
+        s = cdiv(k, kc)
+        knl = self.kernel(cfg.options(), f"gemm_{cfg.kind}")
+        gsize, lsize = cfg.grid(m, n, s)
+        a_args = (a.buf, i32(a.sm), i32(a.sk), i32(a.ki), i32(a.skb))
+        if s == 1:
+            c_args = (c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb))
+            knl(self.queue, gsize, lsize, i32(m), i32(n), i32(k), i32(kc), *a_args, b.data, *c_args,
+                None if bias is None else bias.data, i32(bias is not None))
+            return
+        partial = self.empty(s * m * n)  # (s, m, n) row-major, summed into C below
+        knl(self.queue, gsize, lsize, i32(m), i32(n), i32(k), i32(kc), *a_args, b.data,
+            partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0))
+        wg = min(64, self.limits.max_work_group_size)
+        total = self.kernel("", "gemm_sum_splits")
+        total(self.queue, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data,
+              c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb),
+              None if bias is None else bias.data, i32(bias is not None))
+
+    # ---- choosing -----------------------------------------------------------------
+    def config(
+        self, tag: str, m: int, n: int, k: int, a: AView, pack_b: Callable[[int], cla.Array], c: CView,
+        bias: cla.Array | None,
+    ) -> Config:
+        key = f"{tag} M{m} N{n} K{k} KI{min(a.ki, k)}"
+        if key in self.chosen:
+            return self.chosen[key]
+        cfg = self.candidates[0]
+        if self.autotune and 2.0 * m * n * k >= TUNE_MIN_FLOP and len(self.candidates) > 1:
+            cfg = self._load(key) or self._tune(key, m, n, k, a, pack_b, c, bias)
+        self.chosen[key] = cfg
+        return cfg
+
+    def _tune(
+        self, key: str, m: int, n: int, k: int, a: AView, pack_b: Callable[[int], cla.Array], c: CView,
+        bias: cla.Array | None,
+    ) -> Config:
+        """Time every candidate (packing included: it depends on NB) and keep the fastest.
+
+        Each candidate runs once to compile (PoCL builds work-group code on first launch), then
+        the candidates take turns, best of several rounds, so a burst of load from another
+        process does not decide the choice.
+        """
+
+        def once(cfg: Config) -> float:
+            t0 = time.perf_counter()
+            self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+            self.queue.finish()
+            return time.perf_counter() - t0
+
+        warm = max(once(cfg) for cfg in self.candidates)
+        rounds = 2 if warm > 0.05 else 5
+        times = {cfg: once(cfg) for cfg in self.candidates}
+        for _ in range(rounds - 1):  # interleaved rounds: every candidate sees the same load
+            times = {cfg: min(t, once(cfg)) for cfg, t in times.items()}
+        best = min(times, key=times.__getitem__)
+        log.info("gemm %s: %s (%s)", key, best,
+                 ", ".join(f"{cf.options()} {t * 1e3:.1f} ms" for cf, t in times.items()))
+        self._save(key, best, times[best])
+        return best
+
+    def _read_file(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.tune_file.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _load(self, key: str) -> Config | None:
+        entry = self._read_file().get(self.limits.key, {}).get(key)
+        cfg = config_from_json(entry) if isinstance(entry, dict) else None
+        return cfg if cfg in self.candidates else None  # only choices this device can still run
+
+    def _save(self, key: str, cfg: Config, seconds: float) -> None:
+        """Merge one choice into the tune file (re-read first: other processes share it)."""
+        data = self._read_file()
+        device = data.get(self.limits.key)
+        if not isinstance(device, dict):
+            device = data[self.limits.key] = {}
+        device[key] = {**config_to_json(cfg), "ms": round(seconds * 1e3, 3)}
+        try:
+            self.tune_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.tune_file.parent, prefix=self.tune_file.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.tune_file)  # atomic: a reader never sees half a file
+        except OSError as e:  # a read-only home is no reason to fail a training run
+            log.warning("could not save GEMM tuning to %s: %s", self.tune_file, e)

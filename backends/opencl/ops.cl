@@ -1,0 +1,437 @@
+// Every op of the OpenCL backend except the GEMM (gemm.cl), in the order of
+// backends/base.py. OpenCL C 1.2, float32, NCHW.
+//
+// One work-item per output element wherever possible: PoCL turns the loop over a
+// work-group's items into SIMD code only when the kernel body has no loop of its
+// own (nor a call it cannot inline), and GPUs want many small items anyway. Grids
+// are 1-3 dimensional so no work-item has to split a flat index by division
+// (slow on CPUs); they are rounded up to whole work-groups, so every kernel starts
+// with a bounds check. The kernels whose loops depend on a layer's window (col2im,
+// LRN, max pool) are built per window, with it compiled in, so those loops unroll.
+//
+// Arithmetic follows backends/numpy_backend.py operation by operation (same
+// order, same float32 roundings), and contraction of a*b+c into a fused
+// multiply-add is off, so the elementwise ops agree with numpy to the last bit or
+// two; reductions differ only in summation order.
+
+#pragma OPENCL FP_CONTRACT OFF
+
+// ------------------------------------------------------------------ convolution data layout
+//
+// im2col reads x_pad[n, c, oh*s + i - pad, ow*s + j - pad] for column p = (n, oh, ow)
+// and row k = (c, i, j). Splitting a flat index into (n, oh, ow) takes integer
+// divisions, which cost more than the copy itself (measured: ~10x slower on PoCL),
+// so each side is split once into a small table and the copy adds table entries:
+//   pixel[p] = (n*C*H*W, oh*s - pad, ow*s - pad)     tap[k] = (c*H*W, i, j)
+// (PoCL leaves this copy scalar: its loads of int4 do not vectorise. Planar tables
+// make it vectorise -- into AVX-512 gathers, which measured no faster.)
+
+__kernel void pixel_table(const int C, const int H, const int W, const int OH, const int OW,
+                          const int stride, const int pad, const int NP, __global int4* pixel)
+{
+    const int p = get_global_id(0);
+    if (p >= NP) return;
+    const int ow = p % OW, oh = (p / OW) % OH, n = p / (OW * OH);
+    pixel[p] = (int4)(n * C * H * W, oh * stride - pad, ow * stride - pad, 0);
+}
+
+__kernel void tap_table(const int H, const int W, const int kh, const int kw, const int Kdim,
+                        __global int4* tap)
+{
+    const int k = get_global_id(0);
+    if (k >= Kdim) return;
+    const int j = k % kw, i = (k / kw) % kh, c = k / (kw * kh);
+    tap[k] = (int4)(c * H * W, i, j, 0);
+}
+
+inline float im2col_at(__global const float* x, const int4 px, const int4 tp, const int H, const int W)
+{
+    const int h = px.y + tp.y, w = px.z + tp.z;
+    return (h >= 0 && h < H && w >= 0 && w < W) ? x[px.x + tp.x + h * W + w] : 0.0f;
+}
+
+// cols (Kdim, NP) in the GEMM's B-panel layout (gemm.cl): panel q holds columns
+// [q*NB, (q+1)*NB) as a (Kdim, NB) row-major block, zero past NP.
+// global (NB, Kdim, n_panels): work-item (t, k, q) writes column p = q*NB + t of row k.
+__kernel void im2col_panels(__global const float* x, __global const int4* pixel,
+                            __global const int4* tap, const int H, const int W, const int NP,
+                            const int Kdim, const int NB, __global float* out)
+{
+    const int t = get_global_id(0), k = get_global_id(1), q = get_global_id(2);
+    if (t >= NB || k >= Kdim || q * NB >= NP) return;
+    const int p = q * NB + t;
+    out[((size_t)q * Kdim + k) * NB + t] = p < NP ? im2col_at(x, pixel[p], tap[k], H, W) : 0.0f;
+}
+
+// [cols^T | 1] (NP, Kdim + 1) in the B-panel layout: the B of [dW | db] = dY [cols^T | 1].
+// Column Kdim is all ones, so the same GEMM also sums dY over (n, oh, ow): the bias
+// gradient, at no cost when it falls in the panel padding. Panel q holds columns
+// [q*NB, (q+1)*NB) as a (NP, NB) row-major block, zero past Kdim. global (NB, NP, n_panels).
+__kernel void im2row_panels(__global const float* x, __global const int4* pixel,
+                            __global const int4* tap, const int H, const int W, const int NP,
+                            const int Kdim, const int NB, __global float* out)
+{
+    const int t = get_global_id(0), p = get_global_id(1), q = get_global_id(2);
+    if (t >= NB || p >= NP || q * NB > Kdim) return;
+    const int k = q * NB + t;
+    float v = k == Kdim ? 1.0f : 0.0f;
+    if (k < Kdim) v = im2col_at(x, pixel[p], tap[k], H, W);
+    out[((size_t)q * NP + p) * NB + t] = v;
+}
+
+// A strided (K, N) matrix, B(k, n) = src[k*sk + n*sn], in the B-panel layout.
+// global (NB, K, n_panels).
+__kernel void pack_panels(__global const float* src, const int K, const int N, const int sk,
+                          const int sn, const int NB, __global float* out)
+{
+    const int t = get_global_id(0), k = get_global_id(1), q = get_global_id(2);
+    if (t >= NB || k >= K || q * NB >= N) return;
+    const int n = q * NB + t;
+    out[((size_t)q * K + k) * NB + t] = n < N ? src[k * sk + n * sn] : 0.0f;
+}
+
+// src (R, C + 1) -> its first C columns into first (R, C) and its last into last (R,).
+// global (C + 1, R).
+__kernel void split_last_column(__global const float* src, const int R, const int C,
+                                __global float* first, __global float* last)
+{
+    const int c = get_global_id(0), r = get_global_id(1);
+    if (c > C || r >= R) return;
+    if (c < C)
+        first[r * C + c] = src[r * (C + 1) + c];
+    else
+        last[r] = src[r * (C + 1) + c];
+}
+
+// dst (C, R) = src (R, C)^T. global (C, R).
+__kernel void transpose(__global const float* src, const int R, const int C, __global float* dst)
+{
+    const int c = get_global_id(0), r = get_global_id(1);
+    if (c < C && r < R) dst[c * R + r] = src[r * C + c];
+}
+
+#ifdef KH  // ------------------------------------------------ col2im, built per (KH, KW, STRIDE, PAD)
+
+// Adjoint of im2col: dx[n, c, h, w] = sum of dcols[(c, i, j), (n, oh, ow)] over the
+// windows that read x[n, c, h, w]. A gather, one work-item per dx element: no atomics.
+// The geometry is compiled in so the tap loops unroll and divide by a constant:
+// PoCL then vectorises across work-items (3x faster than with runtime loops).
+// Window oh covers h when i = h + PAD - oh*STRIDE is in [0, KH); the last such oh is
+// (h + PAD) / STRIDE and the others step back by one, at most ceil(KH/STRIDE) of them.
+// dcols is row-major (C*KH*KW, NP). global (W, H, N*C).
+__kernel void col2im(__global const float* dcols, const int C, const int H, const int W,
+                     const int OH, const int OW, const int NP, const int planes, __global float* dx)
+{
+    const int w = get_global_id(0), h = get_global_id(1), plane = get_global_id(2);
+    if (w >= W || h >= H || plane >= planes) return;
+    const int c = plane % C, n = plane / C;
+    const int oh_last = (h + PAD) / STRIDE, ow_last = (w + PAD) / STRIDE;
+    float s = 0.0f;
+    // taps in ascending (i, j), numpy's col2im summation order
+#pragma unroll
+    for (int ti = 0; ti < (KH + STRIDE - 1) / STRIDE; ti++) {
+        const int oh = oh_last - ti, i = h + PAD - oh * STRIDE;
+        if (oh < 0 || oh >= OH || i >= KH) continue;
+#pragma unroll
+        for (int tj = 0; tj < (KW + STRIDE - 1) / STRIDE; tj++) {
+            const int ow = ow_last - tj, j = w + PAD - ow * STRIDE;
+            if (ow < 0 || ow >= OW || j >= KW) continue;
+            s += dcols[(size_t)((c * KH + i) * KW + j) * NP + (n * OH + oh) * OW + ow];
+        }
+    }
+    dx[((size_t)plane * H + h) * W + w] = s;
+}
+
+#endif  // KH
+
+// ------------------------------------------------------------------ per-channel reductions
+
+// out[m] = (sum over a < NA, b < NB of f(src[m*s0 + a*s1 + b*s2])) / divisor, with
+// f = x (mode 0), x * src2[same index] (mode 1), (x - center[m])^2 (mode 2).
+// One work-group of RL (a power of two) work-items per m, a tree in local memory.
+// Used for the linear bias gradient and batchnorm's statistics and gradients (the conv
+// bias gradient comes out of the dW GEMM, see im2row_panels).
+__kernel void reduce_rows(__global const float* src, __global const float* src2,
+                          __global const float* center, const int mode, const int NA, const int NB,
+                          const int s0, const int s1, const int s2, const float divisor,
+                          __global float* out)
+{
+    __local float part[RL];
+    const int m = get_group_id(0), l = get_local_id(0);
+    float s = 0.0f;
+    // e = l, l + RL, ... as (a, b) = (e / NB, e % NB), stepped without a division per element
+    const int da = RL / NB, db = RL % NB;
+    for (int a = l / NB, b = l % NB; a < NA; a += da, b += db) {
+        if (b >= NB) {
+            b -= NB;
+            a++;
+            if (a >= NA) break;
+        }
+        const int idx = m * s0 + a * s1 + b * s2;
+        const float v = src[idx];
+        if (mode == 0) {
+            s += v;
+        } else if (mode == 1) {
+            s += v * src2[idx];
+        } else {
+            const float d = v - center[m];
+            s += d * d;
+        }
+    }
+    part[l] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int width = RL / 2; width > 0; width /= 2) {
+        if (l < width) part[l] += part[l + width];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (l == 0) out[m] = part[0] / divisor;
+}
+
+// ------------------------------------------------------------------ elementwise
+
+// NaN stays NaN, as with np.maximum, so a diverging run shows it.
+__kernel void relu_forward(__global const float* x, const int total, __global float* y)
+{
+    const int e = get_global_id(0);
+    if (e < total) y[e] = isnan(x[e]) ? x[e] : fmax(x[e], 0.0f);
+}
+
+// numpy: dy * (y > 0), where y is the forward output (y > 0 exactly when x > 0).
+__kernel void relu_backward(__global const float* dy, __global const float* y, const int total,
+                            __global float* dx)
+{
+    const int e = get_global_id(0);
+    if (e < total) dx[e] = dy[e] * (y[e] > 0.0f ? 1.0f : 0.0f);
+}
+
+// s ** -beta, with beta = 0.75 done by square roots as numpy's _neg_pow does.
+inline float neg_pow(const float s, const float beta)
+{
+    if (beta == 0.75f) {
+        const float r = 1.0f / sqrt(s);
+        return r * sqrt(r);
+    }
+    return pow(s, -beta);
+}
+
+#ifdef LRN_BEFORE  // ------------------------------- LRN, built per window (LRN_BEFORE, LRN_AFTER)
+
+// out = a(c) + a(c-1) + ... + a(c-before) + a(c+1) + ... + a(c+after), clipped to [0, C):
+// numpy's _channel_window_sum, same order. a(cc) reads channel cc of this pixel. The
+// window is compiled in so the loops unroll and PoCL vectorises across work-items.
+#define CHANNEL_WINDOW_SUM(out, a, c, C, before, after)                   \
+    do {                                                                   \
+        out = a(c);                                                        \
+        _Pragma("unroll") for (int d = 1; d <= (before); d++)              \
+            if ((c) - d >= 0) out += a((c) - d);                           \
+        _Pragma("unroll") for (int d = 1; d <= (after); d++)               \
+            if ((c) + d < (C)) out += a((c) + d);                          \
+    } while (0)
+
+// y = x * s^-beta, s = k + alpha/size * sum over the channel window of x^2.
+// Keeps s and p = s^-beta for the backward, as numpy does. global (H*W, C, N).
+__kernel void lrn_forward(__global const float* x, const int C, const int HW, const int N,
+                          const float alpha_over_size, const float k, const float beta,
+                          __global float* y, __global float* s_out, __global float* p_out)
+{
+    const int q = get_global_id(0), c = get_global_id(1), n = get_global_id(2);
+    if (q >= HW || c >= C || n >= N) return;
+    const int e = (n * C + c) * HW + q;
+    __global const float* xn = x + n * C * HW + q;
+#define SQ(cc) (xn[(cc) * HW] * xn[(cc) * HW])
+    float s;
+    CHANNEL_WINDOW_SUM(s, SQ, c, C, LRN_BEFORE, LRN_AFTER);
+#undef SQ
+    s = s * alpha_over_size;
+    s = s + k;
+    const float p = neg_pow(s, beta);
+    y[e] = x[e] * p;
+    s_out[e] = s;
+    p_out[e] = p;
+}
+
+// dx_j = dy_j p_j - (2 alpha beta / size) x_j * sum over the mirrored window of dy_i y_i / s_i
+// (see LocalResponseNorm in tinyconv/layers.py for the derivation). global (H*W, C, N).
+__kernel void lrn_backward(__global const float* dy, __global const float* x,
+                           __global const float* y, __global const float* s,
+                           __global const float* p, const int C, const int HW, const int N,
+                           const float coef, __global float* dx)
+{
+    const int q = get_global_id(0), c = get_global_id(1), n = get_global_id(2);
+    if (q >= HW || c >= C || n >= N) return;
+    const int e = (n * C + c) * HW + q;
+    const int base = n * C * HW + q;
+#define U(cc) (dy[base + (cc) * HW] * y[base + (cc) * HW] / s[base + (cc) * HW])
+    float t;
+    CHANNEL_WINDOW_SUM(t, U, c, C, LRN_AFTER, LRN_BEFORE);  // the mirrored window
+#undef U
+    dx[e] = dy[e] * p[e] - coef * x[e] * t;
+}
+
+#endif  // LRN_BEFORE
+
+// ------------------------------------------------------------------ batch norm
+
+// r <- (1 - momentum) r + momentum * stat, for the running mean and (unbiased) variance.
+__kernel void bn_update_running(__global float* rmean, __global float* rvar,
+                                __global const float* mean, __global const float* var, const int C,
+                                const float keep, const float momentum, const float var_factor)
+{
+    const int c = get_global_id(0);
+    if (c >= C) return;
+    rmean[c] = rmean[c] * keep + momentum * mean[c];
+    rvar[c] = rvar[c] * keep + var_factor * var[c];
+}
+
+__kernel void bn_invstd(__global const float* var, const float eps, const int C,
+                        __global float* invstd)
+{
+    const int c = get_global_id(0);
+    if (c < C) invstd[c] = 1.0f / sqrt(var[c] + eps);
+}
+
+// xhat = (x - mean) * invstd, y = xhat * gamma + beta. global (H*W, C, N).
+__kernel void bn_forward(__global const float* x, __global const float* mean,
+                         __global const float* invstd, __global const float* gamma,
+                         __global const float* beta, const int C, const int HW, const int N,
+                         __global float* xhat, __global float* y)
+{
+    const int q = get_global_id(0), c = get_global_id(1), n = get_global_id(2);
+    if (q >= HW || c >= C || n >= N) return;
+    const int e = (n * C + c) * HW + q;
+    const float xh = (x[e] - mean[c]) * invstd[c];
+    xhat[e] = xh;
+    y[e] = xh * gamma[c] + beta[c];
+}
+
+// training: dx = g * (dy - dbeta/m - xhat * dgamma/m);  eval: dx = g * dy;  g = gamma * invstd.
+// global (H*W, C, N).
+__kernel void bn_backward(__global const float* dy, __global const float* xhat,
+                          __global const float* gamma, __global const float* invstd,
+                          __global const float* dgamma, __global const float* dbeta,
+                          const int training, const float m, const int C, const int HW,
+                          const int N, __global float* dx)
+{
+    const int q = get_global_id(0), c = get_global_id(1), n = get_global_id(2);
+    if (q >= HW || c >= C || n >= N) return;
+    const int e = (n * C + c) * HW + q;
+    const float g = gamma[c] * invstd[c];
+    if (training)
+        dx[e] = g * (dy[e] - dbeta[c] / m - xhat[e] * (dgamma[c] / m));
+    else
+        dx[e] = dy[e] * g;
+}
+
+// ------------------------------------------------------------------ max pool
+
+#ifdef POOL  // --------------------------------------- built per (POOL = window, STRIDE, PAD)
+
+// y = the max over the window, arg = its position h*W + w in the input plane: the
+// first maximum in row-major window order (strict >), as numpy's separable max picks.
+// Padding is skipped, which is the same as padding with -inf. global (OW, OH, N*C).
+__kernel void maxpool_forward(__global const float* x, const int H, const int W, const int OH,
+                              const int OW, const int planes, __global float* y, __global int* arg)
+{
+    const int ow = get_global_id(0), oh = get_global_id(1), plane = get_global_id(2);
+    if (ow >= OW || oh >= OH || plane >= planes) return;
+    __global const float* xp = x + plane * H * W;
+    const int h0 = oh * STRIDE - PAD, w0 = ow * STRIDE - PAD;
+    int best = max(h0, 0) * W + max(w0, 0);  // the first element inside the input
+    float v = xp[best];
+#pragma unroll
+    for (int i = 0; i < POOL; i++) {
+        const int h = h0 + i;
+        if (h < 0 || h >= H) continue;
+#pragma unroll
+        for (int j = 0; j < POOL; j++) {
+            const int w = w0 + j;
+            if (w >= 0 && w < W && xp[h * W + w] > v) {
+                v = xp[h * W + w];
+                best = h * W + w;
+            }
+        }
+    }
+    const int e = (plane * OH + oh) * OW + ow;
+    y[e] = v;
+    arg[e] = best;
+}
+
+// dx[h, w] = sum of dy over the windows that selected (h, w): a gather over the at most
+// ceil(POOL/STRIDE)^2 windows that contain it, so overlaps sum without atomics. Window oh
+// covers h when h - (oh*STRIDE - PAD) is in [0, POOL): the last is (h + PAD) / STRIDE.
+// global (W, H, N*C).
+__kernel void maxpool_backward(__global const float* dy, __global const int* arg, const int H,
+                               const int W, const int OH, const int OW, const int planes,
+                               __global float* dx)
+{
+    const int w = get_global_id(0), h = get_global_id(1), plane = get_global_id(2);
+    if (w >= W || h >= H || plane >= planes) return;
+    const int here = h * W + w;
+    const int oh_last = (h + PAD) / STRIDE, ow_last = (w + PAD) / STRIDE;
+    float s = 0.0f;
+#pragma unroll
+    for (int ti = 0; ti < (POOL + STRIDE - 1) / STRIDE; ti++) {
+        const int oh = oh_last - ti;
+        if (oh < 0 || oh >= OH || h + PAD - oh * STRIDE >= POOL) continue;
+#pragma unroll
+        for (int tj = 0; tj < (POOL + STRIDE - 1) / STRIDE; tj++) {
+            const int ow = ow_last - tj;
+            if (ow < 0 || ow >= OW || w + PAD - ow * STRIDE >= POOL) continue;
+            const int o = (plane * OH + oh) * OW + ow;
+            if (arg[o] == here) s += dy[o];
+        }
+    }
+    dx[(plane * H + h) * W + w] = s;
+}
+
+#endif  // POOL
+
+// ------------------------------------------------------------------ loss
+
+// Per row: z = logits - max, loss = log(sum e^z) - z[label], d = (softmax - onehot) / N.
+__kernel void softmax_xent(__global const float* logits, __global const int* labels, const int N,
+                           const int K, __global float* dlogits, __global float* row_loss)
+{
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const float* z = logits + r * K;
+    __global float* d = dlogits + r * K;
+    float mx = z[0];
+    for (int k = 1; k < K; k++) mx = fmax(mx, z[k]);
+    float se = 0.0f;
+    for (int k = 0; k < K; k++) {
+        const float ek = exp(z[k] - mx);
+        d[k] = ek;
+        se += ek;
+    }
+    const int y = labels[r];
+    row_loss[r] = log(se) - (z[y] - mx);
+    for (int k = 0; k < K; k++) d[k] = d[k] / se;
+    d[y] = d[y] - 1.0f;
+    for (int k = 0; k < K; k++) d[k] = d[k] / (float)N;
+}
+
+// out[0] = mean of the N row losses (a single work-item: N is a batch size).
+__kernel void mean_of(__global const float* v, const int N, __global float* out)
+{
+    if (get_global_id(0) != 0) return;
+    float s = 0.0f;
+    for (int i = 0; i < N; i++) s += v[i];
+    out[0] = s / (float)N;
+}
+
+// ------------------------------------------------------------------ optimiser
+
+// PyTorch SGD, numpy's order: v = momentum*v + g (+ weight_decay*param); param -= lr*v.
+__kernel void sgd_update(__global float* param, __global const float* grad, __global float* velocity,
+                         const float lr, const float momentum, const float weight_decay,
+                         const int total)
+{
+    const int e = get_global_id(0);
+    if (e >= total) return;
+    float v = velocity[e] * momentum;
+    v = v + grad[e];
+    if (weight_decay != 0.0f) v = v + weight_decay * param[e];
+    velocity[e] = v;
+    param[e] = param[e] - lr * v;
+}

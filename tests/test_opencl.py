@@ -1,0 +1,400 @@
+"""The OpenCL backend, op by op against the numpy reference, plus its GEMM variants, tuning and
+device choice, and a few training steps of a small paper_net giving numpy's losses.
+
+Skipped as a whole (with the reason) only when the machine has no OpenCL device.
+
+Tolerances. A check passes when max|got - ref| <= RTOL * max|ref| + ATOL, i.e. the error is
+measured against the scale of the reference output, not entry by entry. That is how float32
+error arises in a backend that sums the K terms of a dot product (a conv output, a dW entry, a
+batchnorm mean) in another order -- tiled, split, with fused multiply-adds: it differs by about
+sqrt(K) * 6e-8 * (the size of the terms), proportional to the terms, not to their possibly
+cancelled sum. For the shapes here (K <= 700) that is below 2e-6 * max|ref|, so RTOL = 1e-5
+leaves room while a real bug (a dropped term, a misrouted gradient, an off-by-one window) is off
+by 1e-2 * max|ref| or more. ATOL only makes an all-zero reference comparable. Data movement and
+elementwise ops that do the same float32 operations as numpy (relu, the max of maxpool, sgd,
+asarray/take_kernels) must match exactly. Training compounds round-off over steps, so the losses
+of the small network get RTOL_TRAIN = 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+cl = pytest.importorskip("pyopencl")
+cla = pytest.importorskip("pyopencl.array")
+
+from backends import get_backend  # noqa: E402
+from backends.numpy_backend import NumpyBackend  # noqa: E402
+from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, list_devices, select_device  # noqa: E402
+from backends.opencl import gemm as gemm_module  # noqa: E402
+from backends.opencl.gemm import AView, CView, TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-7
+RTOL_TRAIN = 1e-4
+REF = NumpyBackend()
+F32 = np.float32
+
+
+@pytest.fixture(scope="module")
+def be(tmp_path_factory) -> OpenCLBackend:
+    """One backend for the whole file (kernels compile once); no autotuning, no user cache writes."""
+    try:
+        return OpenCLBackend(autotune=False, tune_file=tmp_path_factory.mktemp("tune") / "gemm.json")
+    except NoOpenCLDevice as e:
+        pytest.skip(f"no OpenCL device on this machine: {e}")
+
+
+def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(F32)
+
+
+def check(be: OpenCLBackend, got, ref: np.ndarray, rtol: float = RTOL, what: str = "") -> None:
+    """got (a device array) matches ref to rtol * max|ref| + ATOL, with the right shape and dtype."""
+    assert isinstance(got, cla.Array), f"{what}: returned {type(got).__name__}, not a device array"
+    host = be.to_numpy(got)
+    assert host.shape == ref.shape and host.dtype == ref.dtype, f"{what}: {host.shape} {host.dtype}"
+    tol = rtol * float(np.max(np.abs(ref), initial=0.0)) + (ATOL if rtol else 0.0)
+    err = float(np.max(np.abs(host.astype(np.float64) - ref), initial=0.0))
+    assert err <= tol, f"{what}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+# ------------------------------------------------------------------ convolution
+
+
+@pytest.mark.parametrize(
+    "n, c, h, w, f, k, stride, pad, need_dx",
+    [
+        (1, 3, 7, 9, 5, 3, 1, 0, True),  # batch 1, odd sizes, no padding
+        (2, 4, 8, 8, 6, 5, 1, 2, True),  # the paper's 5x5 "same" convolution
+        (3, 2, 9, 7, 4, 3, 2, 1, True),  # stride 2
+        (2, 3, 11, 10, 3, 5, 2, 2, True),  # stride 2, pad 2, odd output
+        (2, 5, 6, 6, 4, 1, 1, 0, True),  # 1x1
+        (1, 1, 5, 5, 1, 5, 2, 0, True),  # one output pixel
+        (2, 3, 7, 7, 33, 3, 1, 1, False),  # the first layer: no dx; F not a multiple of any block
+        (3, 7, 13, 11, 17, 5, 1, 2, True),  # columns (3*13*11) cross panel and image edges
+    ],
+)
+def test_conv2d_matches_numpy(be, rng, n, c, h, w, f, k, stride, pad, need_dx):
+    x, wt, b = normal(rng, n, c, h, w), normal(rng, f, c, k, k, scale=0.3), normal(rng, f)
+    y_ref, cache_ref = REF.conv2d_forward(x, wt, b, stride, pad)
+    xd, wd, bd = be.asarray(x), be.asarray(wt), be.asarray(b)
+    y, cache = be.conv2d_forward(xd, wd, bd, stride, pad)
+    check(be, y, y_ref, what="y")
+    dy = normal(rng, *y_ref.shape)
+    dx_ref, dw_ref, db_ref = REF.conv2d_backward(dy, cache_ref, need_dx)
+    dx, dw, db = be.conv2d_backward(be.asarray(dy), cache, need_dx)
+    check(be, dw, dw_ref, what="dw")
+    check(be, db, db_ref, what="db")
+    if need_dx:
+        check(be, dx, dx_ref, what="dx")
+    else:
+        assert dx is None
+    for dev, host in ((xd, x), (wd, wt), (bd, b)):  # inputs are not modified
+        assert np.array_equal(be.to_numpy(dev), host)
+
+
+def test_conv2d_with_a_kernel_slice(be, rng):
+    """The sharded convolution runs the master's share with take_kernels' rows as weights."""
+    x, wt, b = normal(rng, 2, 3, 6, 6), normal(rng, 7, 3, 3, 3), normal(rng, 7)
+    wd, bd = be.asarray(wt), be.asarray(b)
+    w_part, b_part = be.take_kernels(wd, 2, 5), be.take_kernels(bd, 2, 5)
+    assert np.array_equal(be.to_numpy(w_part), wt[2:5]) and np.array_equal(be.to_numpy(b_part), b[2:5])
+    y, _ = be.conv2d_forward(be.asarray(x), w_part, b_part, 1, 1)
+    check(be, y, REF.conv2d_forward(x, wt[2:5], b[2:5], 1, 1)[0])
+    y, _ = be.conv2d_forward(be.asarray(x), wd[2:5], bd[2:5], 1, 1)  # a raw view at an offset works too
+    check(be, y, REF.conv2d_forward(x, wt[2:5], b[2:5], 1, 1)[0])
+
+
+# ------------------------------------------------------------------ the GEMM and its variants
+
+
+def every_config(be: OpenCLBackend) -> list:
+    """The device's candidates plus the GPU-style tiled kernel, which a CPU never tunes to but
+    a GPU will run: it must be right here too."""
+    extra = [TiledConfig(4, 4, 2, 2, 8), TiledConfig(8, 8, 4, 4, 16), VecConfig(3, 4, 1, 2)]
+    return list(dict.fromkeys(candidates(be.limits) + [c for c in extra if c.fits(be.limits)]))
+
+
+@pytest.mark.parametrize("m, n, k", [(7, 13, 5), (50, 75, 300), (13, 100, 1), (1, 1, 700)])
+def test_every_gemm_variant_with_and_without_splits(be, rng, monkeypatch, m, n, k):
+    """C = A B + bias for every variant and both split-K paths, with A read through a split k axis
+    (as dW reads dY in NCHW) and C written both row-major and image by image (as the conv output)."""
+    a, b, bias = normal(rng, m, k), normal(rng, k, n), normal(rng, m)
+    ref = (a @ b + bias[:, None]).astype(F32)
+    ki = k // 3 if k % 3 == 0 else k  # A stored as (k // ki, m, ki): a two-level k walk when k allows
+    a_buf = be.asarray(np.ascontiguousarray(a.reshape(m, k // ki, ki).transpose(1, 0, 2)))
+    a_view = AView(a_buf.data, ki, 1, ki, m * ki)
+    ni = 6  # C as (groups, m, ni) "images" of ni columns: C(m, n) -> [(n // ni)*m*ni + m*ni + n % ni]
+    groups = cdiv(n, ni)
+    bias_d = be.asarray(bias)
+    for cfg in every_config(be):
+        b_d = be._pack(be.asarray(b), k, n, n, 1, cfg.nb)
+        for splits in (1, min(4, k)):
+            with monkeypatch.context() as mp:
+                mp.setattr(be.gemm, "splits", lambda *_, s=splits: s)
+                rows = be.zeros((m, n))
+                be.gemm.run(cfg, m, n, k, a_view, b_d, CView.rows(rows.data, n), bias_d)
+                check(be, rows, ref, what=f"{cfg} splits={splits} row-major")
+                images = be.zeros((groups * m * ni,))
+                be.gemm.run(cfg, m, n, k, a_view, b_d, CView(images.data, ni, 1, ni, m * ni), bias_d)
+            got = be.to_numpy(images).reshape(groups, m, ni).transpose(1, 0, 2).reshape(m, groups * ni)[:, :n]
+            check(be, be.asarray(np.ascontiguousarray(got)), ref, what=f"{cfg} splits={splits} by image")
+
+
+def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm_module, "TUNE_MIN_FLOP", 0)  # tune even this small shape
+    tune_file = tmp_path / "tune.json"
+    tuner = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
+    m, n, k = 20, 70, 40
+    a, b = normal(rng, m, k), normal(rng, k, n)
+    a_d, b_d, c_d = be.asarray(a), be.asarray(b), be.zeros((m, n))
+
+    def pack(nb):
+        return be._pack(b_d, k, n, n, 1, nb)
+
+    tuner("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
+    check(be, c_d, a @ b)
+    saved = json.loads(tune_file.read_text())
+    entry = saved[be.limits.key][f"test M{m} N{n} K{k} KI{k}"]
+    assert gemm_module.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
+
+    again = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
+    monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
+    assert again.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None) == tuner.chosen[
+        f"test M{m} N{n} K{k} KI{k}"
+    ]
+
+    tune_file.write_text("{not json")  # a damaged file is ignored (and rewritten), not fatal
+    third = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
+    third("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
+    check(be, c_d, a @ b)
+    assert json.loads(tune_file.read_text())[be.limits.key]
+
+
+def test_gemm_candidates_respect_the_device_limits(be):
+    small = gemm_module.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096,
+                                     vector_width=4)
+    cands = candidates(small)
+    assert cands and all(c.fits(small) for c in cands)
+    assert all(c.tx * c.ty <= 64 and c.local_bytes() <= 4096 for c in cands if isinstance(c, TiledConfig))
+    cpu = gemm_module.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
+    assert all(isinstance(c, VecConfig) and c.vw == 16 for c in candidates(cpu))
+
+
+# ------------------------------------------------------------------ elementwise, norms, pooling
+
+
+def test_relu_is_exact(be, rng):
+    x, dy = normal(rng, 2, 3, 5, 7), normal(rng, 2, 3, 5, 7)
+    y, cache = be.relu_forward(be.asarray(x))
+    y_ref, cache_ref = REF.relu_forward(x)
+    check(be, y, y_ref, rtol=0)
+    check(be, be.relu_backward(be.asarray(dy), cache), REF.relu_backward(dy, cache_ref), rtol=0)
+
+
+@pytest.mark.parametrize("size", [3, 4, 5])
+@pytest.mark.parametrize("alpha, beta, k, scale", [(1e-4, 0.75, 2.0, 1.0), (2e-2, 0.6, 1.0, 5.0)])
+def test_lrn_matches_numpy(be, rng, size, alpha, beta, k, scale):
+    """Large alpha makes the cross-channel term of the gradient matter; even sizes have an
+    asymmetric window; 3 channels is fewer than the window of 4 and 5."""
+    for shape in ((2, 7, 3, 5), (1, 3, 4, 4)):
+        x, dy = normal(rng, *shape, scale=scale), normal(rng, *shape)
+        y_ref, cache_ref = REF.lrn_forward(x, size, alpha, beta, k)
+        y, cache = be.lrn_forward(be.asarray(x), size, alpha, beta, k)
+        check(be, y, y_ref, what="y")
+        check(be, be.lrn_backward(be.asarray(dy), cache), REF.lrn_backward(dy, cache_ref), what="dx")
+
+
+@pytest.mark.parametrize("shape, momentum", [((2, 4, 5, 5), 0.1), ((1, 3, 4, 3), 0.2), ((4, 6, 1, 1), 0.1)])
+def test_batchnorm_train_then_eval_with_running_stats(be, rng, shape, momentum):
+    c = shape[1]
+    gamma, beta = normal(rng, c), normal(rng, c)
+    rm, rv = normal(rng, c), (rng.random(c) + 0.5).astype(F32)
+    rm_d, rv_d = be.asarray(rm), be.asarray(rv)
+    g_d, b_d = be.asarray(gamma), be.asarray(beta)
+    for training in (True, True, False):  # two updates of the running stats, then use them
+        x, dy = normal(rng, *shape, scale=2.0) + F32(0.5), normal(rng, *shape)
+        y_ref, cache_ref = REF.batchnorm_forward(x, gamma, beta, rm, rv, training, momentum, 1e-5)
+        y, cache = be.batchnorm_forward(be.asarray(x), g_d, b_d, rm_d, rv_d, training, momentum, 1e-5)
+        check(be, y, y_ref, what="y")
+        check(be, rm_d, rm, what="running_mean")
+        check(be, rv_d, rv, what="running_var")
+        dx_ref, dgamma_ref, dbeta_ref = REF.batchnorm_backward(dy, cache_ref)
+        dx, dgamma, dbeta = be.batchnorm_backward(be.asarray(dy), cache)
+        check(be, dx, dx_ref, what="dx")
+        check(be, dgamma, dgamma_ref, what="dgamma")
+        check(be, dbeta, dbeta_ref, what="dbeta")
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, stride, pad",
+    [((2, 3, 9, 7), 2, 2, 0), ((2, 3, 9, 7), 3, 2, 1), ((1, 2, 8, 8), 3, 1, 1), ((1, 1, 16, 16), 3, 2, 1)],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_maxpool_matches_numpy_including_ties(be, rng, shape, kernel, stride, pad, ties):
+    """With few distinct values many windows hold several maxima: the gradient must go to the
+    first in row-major order (numpy's choice), and overlapping windows must sum."""
+    x = rng.integers(0, 3, size=shape).astype(F32) if ties else normal(rng, *shape)
+    y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, pad)
+    y, cache = be.maxpool_forward(be.asarray(x), kernel, stride, pad)
+    check(be, y, y_ref, rtol=0, what="y")
+    dy = normal(rng, *y_ref.shape)
+    check(be, be.maxpool_backward(be.asarray(dy), cache), REF.maxpool_backward(dy, cache_ref), what="dx")
+
+
+# ------------------------------------------------------------------ dense, loss, optimiser
+
+
+@pytest.mark.parametrize("x_shape, m", [((2, 3, 4, 4), 5), ((1, 10), 3), ((4, 6, 3, 3), 7), ((3, 700), 2)])
+def test_linear_matches_numpy(be, rng, x_shape, m):
+    d = int(np.prod(x_shape[1:]))
+    x, w, b = normal(rng, *x_shape), normal(rng, m, d, scale=0.3), normal(rng, m)
+    y_ref, cache_ref = REF.linear_forward(x, w, b)
+    y, cache = be.linear_forward(be.asarray(x), be.asarray(w), be.asarray(b))
+    check(be, y, y_ref, what="y")
+    dy = normal(rng, x_shape[0], m)
+    dx_ref, dw_ref, db_ref = REF.linear_backward(dy, cache_ref)
+    dx, dw, db = be.linear_backward(be.asarray(dy), cache)
+    check(be, dx, dx_ref, what="dx")  # in x's original shape
+    check(be, dw, dw_ref, what="dw")
+    check(be, db, db_ref, what="db")
+
+
+@pytest.mark.parametrize("n, k, scale", [(4, 10, 1.0), (1, 3, 1.0), (5, 7, 30.0)])
+def test_softmax_cross_entropy_matches_numpy(be, rng, n, k, scale):
+    logits, labels = normal(rng, n, k, scale=scale), rng.integers(0, k, size=n)
+    loss_ref, d_ref = REF.softmax_cross_entropy(logits, labels)
+    loss, d = be.softmax_cross_entropy(be.asarray(logits), labels)
+    assert isinstance(loss, float) and abs(loss - loss_ref) <= RTOL * abs(loss_ref) + ATOL
+    check(be, d, d_ref)
+
+
+def test_sgd_update_is_numpys_arithmetic(be, rng):
+    for lr, momentum, wd in ((0.05, 0.9, 5e-4), (0.1, 0.0, 0.0)):
+        p, v = normal(rng, 6, 3, 5, 5), np.zeros((6, 3, 5, 5), F32)
+        p_d, v_d = be.asarray(p), be.asarray(v)
+        for _ in range(3):
+            g = normal(rng, *p.shape)
+            REF.sgd_update(p, g, v, lr, momentum, wd)
+            assert be.sgd_update(p_d, be.asarray(g), v_d, lr, momentum, wd) is None  # in place
+        check(be, p_d, p, rtol=0, what="param")
+        check(be, v_d, v, rtol=0, what="velocity")
+
+
+# ------------------------------------------------------------------ a small network trains like numpy
+
+
+@pytest.mark.parametrize("norm, pool_kernel", [("lrn", 3), ("batch", 2)])
+def test_small_paper_net_trains_like_numpy(be, norm, pool_kernel):
+    from tinyconv.model import paper_net
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 3, 32, 32)).astype(F32)
+    labels = rng.integers(0, 10, size=4)
+    losses = {}
+    for name, backend in (("numpy", REF), ("opencl", be)):
+        net = paper_net(backend, 8, 16, norm, seed=3, pool_kernel=pool_kernel)
+        velocity = {key: backend.zeros(layer.params[p].shape) for key, layer, p in net.named_params()}
+        xd, out = backend.asarray(x), []
+        for _ in range(4):
+            loss, _ = net.train_step_grads(xd, labels)
+            out.append(loss)
+            for key, layer, p in net.named_params():
+                wd = 5e-4 if p in layer.decay else 0.0
+                backend.sgd_update(layer.params[p], layer.grads[p], velocity[key], 0.05, 0.9, wd)
+        losses[name] = np.array(out)
+        if name == "opencl":  # the weights stayed on the device the whole time
+            assert all(isinstance(layer.params[p], cla.Array) for _, layer, p in net.named_params())
+    assert losses["numpy"][-1] < losses["numpy"][0]  # it does learn this batch
+    np.testing.assert_allclose(losses["opencl"], losses["numpy"], rtol=RTOL_TRAIN)
+
+
+# ------------------------------------------------------------------ edges, errors, description
+
+
+def test_edges_and_describe(be, rng):
+    a = rng.standard_normal((3, 5)).astype(np.float64).T  # float64 and not contiguous
+    got = be.to_numpy(be.asarray(a))
+    assert got.dtype == F32 and np.array_equal(got, a.astype(F32))
+    ints = rng.integers(0, 10, size=6)
+    assert np.array_equal(be.to_numpy(be.asarray(ints)), ints)
+    assert np.array_equal(be.to_numpy(be.zeros((2, 3))), np.zeros((2, 3), F32))
+    d = be.describe()
+    assert d["backend"] == "opencl" == be.name and d["kind"] in ("cpu", "gpu", "accelerator", "other")
+    for key in ("device", "platform", "opencl_version", "driver"):
+        assert isinstance(d[key], str) and d[key]
+    assert isinstance(d["compute_units"], int) and d["compute_units"] >= 1
+    be.synchronize()
+
+
+def test_bad_input_gets_a_clear_error(be, rng):
+    x = normal(rng, 1, 3, 8, 8)
+    w, b = be.asarray(normal(rng, 4, 3, 3, 3)), be.zeros((4,))
+    with pytest.raises(TypeError, match="backend.asarray"):
+        be.conv2d_forward(x, w, b, 1, 1)  # a host array
+    with pytest.raises(ValueError, match="does not match weights"):
+        be.conv2d_forward(be.asarray(normal(rng, 1, 2, 8, 8)), w, b, 1, 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        be.conv2d_forward(be.asarray(normal(rng, 1, 3, 2, 2)), w, b, 1, 0)
+    with pytest.raises(ValueError, match=r"labels must be 2 ints in \[0, 3\)"):
+        be.softmax_cross_entropy(be.asarray(normal(rng, 2, 3)), np.array([0, 3]))
+    p = be.asarray(normal(rng, 6))
+    with pytest.raises(ValueError, match="in place"):
+        be.sgd_update(p[1:4], be.zeros((3,)), be.zeros((3,)), 0.1, 0.9, 0.0)
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        be.take_kernels(w, 3, 9)
+
+
+def test_registry_builds_the_backend(be):
+    other = get_backend("opencl", device=be.describe()["device"], autotune=False)
+    assert isinstance(other, OpenCLBackend) and other.device == be.device
+    with pytest.raises(ValueError, match="another OpenCL context"):
+        other.relu_forward(be.zeros((3,)))
+
+
+# ------------------------------------------------------------------ device listing and choice
+
+
+def test_list_and_select_devices(monkeypatch):
+    devices = list_devices()
+    assert devices and {"spec", "platform_index", "device_index", "name", "kind", "compute_units",
+                        "platform", "global_mem_bytes"} <= set(devices[0])
+    first = devices[0]
+    assert select_device(first["spec"]).name.strip() == first["name"]
+    assert select_device(first["name"][:12].swapcase()).name.strip() == first["name"]  # a name substring
+    assert device.device_kind(select_device(first["kind"])) == first["kind"]
+    monkeypatch.setenv(device.ENV_DEVICE, first["spec"])
+    assert select_device().name.strip() == first["name"]
+    monkeypatch.delenv(device.ENV_DEVICE)
+    gpus = [d for d in devices if d["kind"] == "gpu"]
+    assert select_device().name.strip() == (gpus or devices)[0]["name"]  # first GPU, else first device
+    with pytest.raises(ValueError, match=f"matches 'no-such-device'.*Devices: {first['spec']}"):
+        select_device("no-such-device")
+    with pytest.raises(ValueError, match="no OpenCL device '9:9'"):
+        select_device("9:9")
+
+
+def test_no_opencl_runtime_says_how_to_install_one(monkeypatch):
+    def no_platform():
+        raise cl.LogicError("clGetPlatformIDs failed: PLATFORM_NOT_FOUND_KHR")
+
+    monkeypatch.setattr(device.cl, "get_platforms", no_platform)
+    with pytest.raises(NoOpenCLDevice, match="pip install pocl-binary-distribution") as info:
+        OpenCLBackend()
+    assert isinstance(info.value, RuntimeError) and "ICD" in str(info.value)
+    monkeypatch.setattr(device.cl, "get_platforms", lambda: [])
+    with pytest.raises(NoOpenCLDevice, match="no devices"):
+        list_devices()
+
+
+def test_pack_layout_is_panels(be, rng):
+    """The B-panel layout every GEMM reads: panel q is rows x [q*nb, (q+1)*nb), zero-padded."""
+    k, n, nb = 3, 10, 4
+    b = normal(rng, k, n)
+    panels = be.to_numpy(be._pack(be.asarray(b), k, n, n, 1, nb)).reshape(cdiv(n, nb), k, nb)
+    padded = np.zeros((k, cdiv(n, nb) * nb), F32)
+    padded[:, :n] = b
+    assert np.array_equal(panels, padded.reshape(k, cdiv(n, nb), nb).transpose(1, 0, 2))
