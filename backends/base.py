@@ -12,6 +12,7 @@ Every layer op comes as a forward/backward pair with a uniform contract
 
 ``cache`` is opaque: only the backend that made it reads it. Conventions:
 
+* backend arrays expose ``.shape`` (a tuple of ints), so shapes never need a host copy;
 * tensors are NCHW float32; conv weights are (C_out, C_in, KH, KW), biases (C_out,);
 * linear weights are (D_out, D_in) as in PyTorch; a linear input of any shape
   (N, ...) is flattened to (N, D_in);

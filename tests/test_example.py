@@ -171,3 +171,30 @@ def test_ctrl_c_stops_the_run_and_its_workers():
             proc.kill()
     assert proc.returncode == 130 and "interrupted" in err
     assert _processes_with(sock) == []
+
+
+def test_opencl_master_and_worker_match_the_numpy_losses(tmp_path):
+    """The main job's configuration (zmq, opencl) learns the same as the numpy reference.
+
+    Tolerance: relative 1e-3 on each step's loss. Both compute in float32 but sum in
+    different orders (tiled GEMM, split kernels), and three SGD steps amplify the
+    ~1e-6 per-op differences; a wrong op would be off by far more.
+    """
+    pytest.importorskip("pyopencl")
+    from backends.opencl import NoOpenCLDevice, OpenCLBackend
+
+    try:
+        OpenCLBackend()
+    except NoOpenCLDevice as e:
+        pytest.skip(str(e))
+    common = (*SMOKE, "--steps", "3", "--no-augment")
+    ref, ocl = tmp_path / "numpy.jsonl", tmp_path / "opencl.jsonl"
+    out = run_example(*common, "--workers", "0", "--metrics-out", str(ref))
+    assert out.returncode == 0, out.stderr
+    out = run_example(*common, "--backend", "opencl", "--transport", "zmq", "--workers", "1",
+                      "--worker-backend", "opencl", "--metrics-out", str(ocl))
+    assert out.returncode == 0, out.stderr
+    events = read_metrics(ocl)
+    assert events[0]["backend"]["backend"] == "opencl" and events[0]["workers"][0]["backend"] == "opencl"
+    losses = [[e["loss"] for e in read_metrics(p) if e["event"] == "step"] for p in (ref, ocl)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-3)

@@ -95,22 +95,16 @@ class Network:
                 for name, arr in table.items():
                     key = f"{i}.{name}"
                     if key not in state:
-                        raise ValueError(
-                            f"state has no entry {key!r}: was it saved from another architecture?"
-                        )
-                    if tuple(state[key].shape) != tuple(self.backend.to_numpy(arr).shape):
+                        raise ValueError(f"state has no entry {key!r}: was it saved from another architecture?")
+                    if tuple(state[key].shape) != tuple(arr.shape):
                         raise ValueError(
                             f"state entry {key!r} has shape {state[key].shape}, the network expects "
-                            f"{self.backend.to_numpy(arr).shape}: was it saved from another architecture?"
+                            f"{tuple(arr.shape)}: was it saved from another architecture?"
                         )
                     table[name] = self.backend.asarray(state[key].astype(np.float32))
 
     def num_params(self) -> int:
-        return sum(
-            int(np.prod(self.backend.to_numpy(a).shape))
-            for layer in self.layers
-            for a in layer.params.values()
-        )
+        return sum(int(np.prod(a.shape)) for layer in self.layers for a in layer.params.values())
 
     def __repr__(self) -> str:
         return "Network(\n  " + "\n  ".join(map(repr, self.layers)) + "\n)"
@@ -168,9 +162,7 @@ def paper_net(
     for layer in layers:
         if isinstance(layer, Conv2D):
             fan_in = layer.in_channels * layer.kernel * layer.kernel
-            layer.params["w"] = backend.asarray(
-                he_init(rng, (layer.out_channels, layer.in_channels, 5, 5), fan_in)
-            )
+            layer.params["w"] = backend.asarray(he_init(rng, (layer.out_channels, layer.in_channels, 5, 5), fan_in))
         elif isinstance(layer, Linear):
             # the classifier gets the variance-1/fan_in scale: no ReLU follows it
             w = he_init(rng, (num_classes, features), features) / np.float32(np.sqrt(2.0))

@@ -19,10 +19,7 @@ class SGD:
         self.momentum = momentum
         self.weight_decay = weight_decay
         be = net.backend
-        self.velocity = {
-            key: be.zeros(tuple(be.to_numpy(layer.params[name]).shape))
-            for key, layer, name in net.named_params()
-        }
+        self.velocity = {key: be.zeros(tuple(layer.params[name].shape)) for key, layer, name in net.named_params()}
 
     def step(self, lr: float) -> None:
         """Apply one update with learning rate ``lr`` from the grads the last backward left."""
