@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Median time of the numpy backend's non-convolution ops on the paper's 300:1000 maps.
+
+    taskset -c 1 env OPENBLAS_NUM_THREADS=1 python benchmarks/bench_numpy_ops.py
+    python benchmarks/bench_numpy_ops.py --baseline /tmp/old_numpy_backend.py   # side by side
+
+The shapes are those of a batch-64 training step of the 300:1000 network: the
+conv1 map 64x300x32x32 and the conv2 map 64x1000x16x16, each through ReLU,
+LRN (or batch norm) and a 3x3 stride-2 pad-1 max pool. Every call allocates its
+outputs afresh, as in training. ``--baseline FILE`` loads ``NumpyBackend`` from
+another copy of numpy_backend.py (e.g. ``git show HEAD:backends/numpy_backend.py
+> /tmp/old.py``) and times it on the same inputs, so a before/after table is one
+command. Not a test: no asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from backends.numpy_backend import NumpyBackend  # noqa: E402
+from tinyconv.report import format_table  # noqa: E402
+
+SHAPES = {"conv1 map": (64, 300, 32, 32), "conv2 map": (64, 1000, 16, 16)}
+
+
+def load_backend(path: str):
+    """NumpyBackend from another copy of numpy_backend.py."""
+    spec = importlib.util.spec_from_file_location("baseline_numpy_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.NumpyBackend()
+
+
+def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each function; calls interleave, so all share the machine's noise alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            gc.collect()
+            t = time.perf_counter()
+            out = fn()
+            times[name].append(time.perf_counter() - t)
+            del out  # free before the next call, as a training step frees its temporaries
+    return {name: 1e3 * float(np.median(ts)) for name, ts in times.items()}
+
+
+def op_calls(be, x: np.ndarray, dy: np.ndarray, dy_pool: np.ndarray) -> dict[str, Callable[[], object]]:
+    """{"relu fwd": call, "relu bwd": call, ...} on one input map; backward calls get their cache now."""
+    c = x.shape[1]
+    gamma, beta = np.ones(c, np.float32), np.zeros(c, np.float32)
+    rm, rv = np.zeros(c, np.float32), np.ones(c, np.float32)
+    forwards = {
+        "relu": (lambda: be.relu_forward(x), be.relu_backward, dy),
+        "lrn": (lambda: be.lrn_forward(x), be.lrn_backward, dy),
+        "batchnorm": (lambda: be.batchnorm_forward(x, gamma, beta, rm, rv, True), be.batchnorm_backward, dy),
+        "maxpool": (lambda: be.maxpool_forward(x, 3, 2, 1), be.maxpool_backward, dy_pool),
+    }
+    calls = {}
+    for op, (forward, backward, grad) in forwards.items():
+        cache = forward()[1]
+        calls[f"{op} fwd"] = forward
+        calls[f"{op} bwd"] = lambda backward=backward, grad=grad, cache=cache: backward(grad, cache)
+    return calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--baseline", metavar="FILE", help="another numpy_backend.py to time side by side")
+    args = p.parse_args()
+
+    backends = {"now": NumpyBackend()}
+    if args.baseline:
+        backends = {"baseline": load_backend(args.baseline), **backends}
+
+    rng = np.random.default_rng(0)
+    rows = []
+    totals = dict.fromkeys(backends, 0.0)
+    for label, shape in SHAPES.items():
+        x = rng.standard_normal(shape, dtype=np.float32)
+        dy = rng.standard_normal(shape, dtype=np.float32)
+        n, c, h, w = shape
+        dy_pool = rng.standard_normal((n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1), dtype=np.float32)
+        calls = {name: op_calls(be, x, dy, dy_pool) for name, be in backends.items()}
+        for op in calls["now"]:
+            ms = medians_ms({name: calls[name][op] for name in backends}, args.repeats)
+            if not op.startswith("batchnorm"):  # the LRN network's layers: the Amdahl part
+                for name in backends:
+                    totals[name] += ms[name]
+            row = (label, op, *(round(ms[name], 1) for name in backends))
+            if args.baseline:
+                row += (f"{ms['baseline'] / ms['now']:.2f}x",)
+            rows.append(row)
+        del calls
+        del x, dy, dy_pool
+    total_row = ("both maps", "relu+lrn+maxpool", *(round(totals[name], 1) for name in backends))
+    if args.baseline:
+        total_row += (f"{totals['baseline'] / totals['now']:.2f}x",)
+    rows.append(total_row)
+
+    header = ("map", "op", *(f"{name} ms" for name in backends))
+    if args.baseline:
+        header += ("speedup",)
+    print(f"numpy {np.__version__}, median of {args.repeats} interleaved calls, outputs allocated afresh")
+    print(format_table(header, rows, title="numpy backend, non-convolution ops (lower is better)"))
+
+
+if __name__ == "__main__":
+    main()
