@@ -160,12 +160,8 @@ def _valid_rows() -> np.ndarray:
 BAD_BATCHES = {
     "truncated": lambda: pickle.dumps(_batch_dict(_valid_rows(), [0] * ROWS), protocol=2)[:5000],
     "garbage": lambda: b"this is not a pickle at all",
-    "wrong shape": lambda: pickle.dumps(
-        _batch_dict(np.zeros((ROWS, 3000), np.uint8), [0] * ROWS), protocol=2
-    ),
-    "wrong dtype": lambda: pickle.dumps(
-        _batch_dict(np.zeros((ROWS, 3072), np.float32), [0] * ROWS), protocol=2
-    ),
+    "wrong shape": lambda: pickle.dumps(_batch_dict(np.zeros((ROWS, 3000), np.uint8), [0] * ROWS), protocol=2),
+    "wrong dtype": lambda: pickle.dumps(_batch_dict(np.zeros((ROWS, 3072), np.float32), [0] * ROWS), protocol=2),
     "label out of range": lambda: pickle.dumps(_batch_dict(_valid_rows(), [0, 1, 10, 2]), protocol=2),
     "negative label": lambda: pickle.dumps(_batch_dict(_valid_rows(), [0, -1, 3, 2]), protocol=2),
     "label count": lambda: pickle.dumps(_batch_dict(_valid_rows(), [0, 1]), protocol=2),
@@ -258,9 +254,7 @@ def test_download_verifies_extracts_and_loads(tmp_path, http_dir):
     assert (data_dir / cifar10.BATCHES_DIRNAME / "test_batch").is_file()
     assert (data_dir / cifar10.TARBALL_NAME).is_file()
     assert not (data_dir / (cifar10.TARBALL_NAME + ".part")).exists()
-    assert sorted(p.name for p in data_dir.iterdir()) == sorted(
-        [cifar10.TARBALL_NAME, cifar10.BATCHES_DIRNAME]
-    )
+    assert sorted(p.name for p in data_dir.iterdir()) == sorted([cifar10.TARBALL_NAME, cifar10.BATCHES_DIRNAME])
     _assert_same(load_cifar10(data_dir, download=False), expected)  # now found locally
 
 

@@ -181,9 +181,7 @@ def test_iterate_batches_covers_each_sample_once_per_epoch(drop_last):
     y = np.arange(n)
     batches = list(iterate_batches(x, y, bs, np.random.default_rng(0), drop_last=drop_last))
     sizes = [len(yb) for _, yb in batches]
-    assert sizes == ([3, 3, 3] if drop_last else [3, 3, 3, 1]) and len(batches) == num_batches(
-        n, bs, drop_last
-    )
+    assert sizes == ([3, 3, 3] if drop_last else [3, 3, 3, 1]) and len(batches) == num_batches(n, bs, drop_last)
     seen = np.concatenate([yb for _, yb in batches])
     for xb, yb in batches:
         np.testing.assert_array_equal(xb[:, 0], yb)  # x and y stay aligned

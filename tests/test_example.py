@@ -191,8 +191,19 @@ def test_opencl_master_and_worker_match_the_numpy_losses(tmp_path):
     ref, ocl = tmp_path / "numpy.jsonl", tmp_path / "opencl.jsonl"
     out = run_example(*common, "--workers", "0", "--metrics-out", str(ref))
     assert out.returncode == 0, out.stderr
-    out = run_example(*common, "--backend", "opencl", "--transport", "zmq", "--workers", "1",
-                      "--worker-backend", "opencl", "--metrics-out", str(ocl))
+    out = run_example(
+        *common,
+        "--backend",
+        "opencl",
+        "--transport",
+        "zmq",
+        "--workers",
+        "1",
+        "--worker-backend",
+        "opencl",
+        "--metrics-out",
+        str(ocl),
+    )
     assert out.returncode == 0, out.stderr
     events = read_metrics(ocl)
     assert events[0]["backend"]["backend"] == "opencl" and events[0]["workers"][0]["backend"] == "opencl"

@@ -163,9 +163,10 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
 
     again = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
     monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
-    assert again.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None) == tuner.chosen[
-        f"test M{m} N{n} K{k} KI{k}"
-    ]
+    assert (
+        again.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
+        == tuner.chosen[f"test M{m} N{n} K{k} KI{k}"]
+    )
 
     tune_file.write_text("{not json")  # a damaged file is ignored (and rewritten), not fatal
     third = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
@@ -175,8 +176,7 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
 
 
 def test_gemm_candidates_respect_the_device_limits(be):
-    small = gemm_module.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096,
-                                     vector_width=4)
+    small = gemm_module.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096, vector_width=4)
     cands = candidates(small)
     assert cands and all(c.fits(small) for c in cands)
     assert all(c.tx * c.ty <= 64 and c.local_bytes() <= 4096 for c in cands if isinstance(c, TiledConfig))
@@ -360,8 +360,16 @@ def test_registry_builds_the_backend(be):
 
 def test_list_and_select_devices(monkeypatch):
     devices = list_devices()
-    assert devices and {"spec", "platform_index", "device_index", "name", "kind", "compute_units",
-                        "platform", "global_mem_bytes"} <= set(devices[0])
+    assert devices and {
+        "spec",
+        "platform_index",
+        "device_index",
+        "name",
+        "kind",
+        "compute_units",
+        "platform",
+        "global_mem_bytes",
+    } <= set(devices[0])
     first = devices[0]
     assert select_device(first["spec"]).name.strip() == first["name"]
     assert select_device(first["name"][:12].swapcase()).name.strip() == first["name"]  # a name substring

@@ -68,9 +68,7 @@ def check_sharded_conv(transport, n: int) -> None:
     for k in range(n):
         transport.send(k, forward(100 + k, W[cuts[k] : cuts[k + 1]], B[cuts[k] : cuts[k + 1]]))
     ys = recv_all(transport, n)
-    np.testing.assert_allclose(
-        np.concatenate([ys[k].arrays["y"] for k in range(n)], axis=1), y_ref, rtol=1e-6
-    )
+    np.testing.assert_allclose(np.concatenate([ys[k].arrays["y"] for k in range(n)], axis=1), y_ref, rtol=1e-6)
     assert all(ys[k].header["task"] == 100 + k for k in range(n))
 
     for k in range(n):
@@ -155,9 +153,7 @@ def test_inproc_handler_exception_is_an_error_reply_and_worker_keeps_serving():
         t.start(1, timeout=TIMEOUT)
         t.send(0, backward(41, X))
         k, reply = t.recv(TIMEOUT)
-        assert (
-            reply.kind == "error" and "flaky device" in reply.header["message"] and reply.header["task"] == 41
-        )
+        assert reply.kind == "error" and "flaky device" in reply.header["message"] and reply.header["task"] == 41
         t.send(0, backward(42, X))
         assert t.recv(TIMEOUT)[1].header == {"task": 42, "compute_s": 0.0}
 
@@ -240,9 +236,7 @@ def test_zmq_master_refuses_a_worker_of_another_protocol_version():
             d = raw_dealer(ctx, t.bound_address)
             future = {"v": PROTOCOL_VERSION + 1, "kind": "hello", "header": HELLO, "arrays": []}
             d.send(msgpack.packb(future))
-            with pytest.raises(
-                ProtocolError, match=f"version {PROTOCOL_VERSION + 1}.*version {PROTOCOL_VERSION}"
-            ):
+            with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION + 1}.*version {PROTOCOL_VERSION}"):
                 t.start(1, timeout=TIMEOUT)
             reply = recv_msg(d)  # the worker is told why, too
             assert reply.kind == "error" and "protocol version mismatch" in reply.header["message"]

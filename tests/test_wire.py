@@ -173,9 +173,7 @@ def test_malformed_envelopes(frames, complaint):
 
 
 def conv_backward(desc: dict, *frames: bytes) -> list[bytes]:
-    return raw(
-        envelope(kind="conv_backward", header={"task": 1, "step": 0, "layer": 0}, arrays=[desc]), *frames
-    )
+    return raw(envelope(kind="conv_backward", header={"task": 1, "step": 0, "layer": 0}, arrays=[desc]), *frames)
 
 
 DY = {"name": "dy", "dtype": "float32", "shape": [2, 3]}

@@ -112,9 +112,7 @@ def test_need_dx_false_returns_no_dx_and_layers_keep_separate_caches():
                     "calibrate",
                     {
                         "task": 1,
-                        "layers": [
-                            {"layer": 0, "x": [1, 3, 8], "w": [1, 3, 3, 3], "stride": 1, "padding": 0}
-                        ],
+                        "layers": [{"layer": 0, "x": [1, 3, 8], "w": [1, 3, 3, 3], "stride": 1, "padding": 0}],
                         "repeats": 1,
                     },
                 )
