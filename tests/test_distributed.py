@@ -104,9 +104,7 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     participants = n + (master_share == "auto")
     counts = plan or kernel_counts([1.0] * participants, 7)
     assert record["shares"] == {"conv1": counts}
-    assert record["participants"] == (["master"] if master_share == "auto" else []) + [
-        f"worker{i}" for i in range(n)
-    ]
+    assert record["participants"] == (["master"] if master_share == "auto" else []) + [f"worker{i}" for i in range(n)]
     # bytes: every worker with kernels gets x, its w and b rows and its dy channels, and returns
     # its y channels, dw and db rows, and a whole partial dx if the layer needs one
     worker_counts = counts[1:] if master_share == "auto" else counts
@@ -167,9 +165,7 @@ def train_three_steps(tmp_path, name, distributor_for=None):
     be = NumpyBackend()
     net = paper_net(be, 6, 10, seed=0, image_size=16)
     data = synthetic_dataset(n_train=16, n_test=8, image_size=16, seed=0)
-    config = TrainConfig(
-        epochs=1, batch_size=4, lr=0.05, max_steps=3, augment=False, eval_batch_size=8, progress=False
-    )
+    config = TrainConfig(epochs=1, batch_size=4, lr=0.05, max_steps=3, augment=False, eval_batch_size=8, progress=False)
     distributor = distributor_for(net) if distributor_for else None
     metrics = MetricsWriter(tmp_path / f"{name}.jsonl")
     try:
@@ -262,9 +258,7 @@ def test_a_silent_worker_is_a_timeout_naming_it(rng):
     with inproc_pool(2, make) as (transport, workers):
         sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=0.3)
         sharded.attach(net)
-        with pytest.raises(
-            TimeoutError, match=r"conv_forward of conv1: no result from worker 1 \(.*within 0.3 s"
-        ):
+        with pytest.raises(TimeoutError, match=r"conv_forward of conv1: no result from worker 1 \(.*within 0.3 s"):
             conv.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
 
 
@@ -328,6 +322,58 @@ def test_calibration_splits_by_eq1(rng):
     assert sharded.plans == result["shares"]
 
 
+class AffineMeteredWorker(ConvWorker):
+    """A ConvWorker whose reported times have a fixed part: fixed_s + per_kernel_s x kernels per op.
+
+    Every conv_forward and conv_backward of k kernels reports fixed_s + per_kernel_s * k
+    seconds, and calibration (a forward and a backward of all F kernels of a layer) twice
+    that at k = F, so calibration and steps measure the same cost. The numbers are the real
+    ConvWorker's; only the reported times are modelled.
+    """
+
+    def __init__(self, backend: NumpyBackend, fixed_s: float, per_kernel_s: float) -> None:
+        super().__init__(backend)
+        self.fixed_s, self.per_kernel_s = fixed_s, per_kernel_s
+
+    def handle(self, msg: Message) -> Message:
+        reply = super().handle(msg)
+        if reply.kind != "result":
+            return reply
+        if msg.kind == "calibrate":
+            reply.header["times"] = [
+                2 * (self.fixed_s + self.per_kernel_s * spec["w"][0]) for spec in msg.header["layers"]
+            ]
+        else:
+            kernels = msg.arrays["w"].shape[0] if msg.kind == "conv_forward" else msg.arrays["dy"].shape[1]
+            reply.header["compute_s"] = self.fixed_s + self.per_kernel_s * kernels
+        return reply
+
+
+def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
+    # per layer (forward + backward) t = 0.05 + 0.001 k on worker 0 and twice that on worker 1:
+    # a fixed part worth 50 kernels, as when every participant builds im2col of the whole input
+    conv, net = conv_and_reference(rng, c_in=2, c_out=96)
+    x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
+    costs = [(0.025, 0.0005), (0.05, 0.001)]  # per op
+    with inproc_pool(2, lambda i: AffineMeteredWorker(NumpyBackend(), *costs[i])) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        result = sharded.calibrate(net, batch_size=1, image_size=5)
+        assert result["times"]["conv1"] == pytest.approx([0.146, 0.292])
+        assert result["shares"]["conv1"] == [64, 32]  # eq. 1
+        # the calibration is each participant's first measurement: all 96 kernels; one k, so proportional
+        seeded = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
+        assert seeded == pytest.approx([0.0, 0.146 / 96, 0.0, 0.292 / 96])
+        shares = []
+        for _ in range(12):
+            y = conv.forward(x)
+            conv.backward(np.ones_like(y))
+            shares.append(sharded.end_step()["shares"]["conv1"])
+        fitted = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
+    assert fitted == pytest.approx([0.05, 0.001, 0.1, 0.002])
+    # T = (96 + 50 + 50) / (1000 + 500) s: k = [80.67, 15.33]; moved after patience (3 steps), then kept
+    assert shares == [[64, 32]] * 3 + [[81, 15]] * 9, shares
+
+
 def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     conv, net = conv_and_reference(rng, c_in=4, c_out=48)
     be = conv.backend
@@ -365,9 +411,7 @@ def test_rebalance_off_keeps_the_plan(rng):
             y = conv.forward(x)
             conv.backward(np.ones_like(y))
             assert sharded.end_step()["shares"]["conv1"] == [6, 6]
-        eager = ShardedConv(
-            transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1)
-        )
+        eager = ShardedConv(transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1))
         eager.attach(net)
         y = conv.forward(x)
         conv.backward(np.ones_like(y))

@@ -16,14 +16,23 @@ part, and each worker.
    contiguous ranges [start, stop) of the weight tensor's rows.
 3. :class:`Rebalancer` -- goes beyond the paper, whose split is fixed after the
    benchmark: it watches each step's measured compute times and moves kernels
-   when one participant keeps finishing late.
+   when one participant keeps finishing late. It models a participant's time as
+   affine in its kernels, t_i(k) = a_i + b_i k (a fixed part a_i: every
+   participant builds the im2col columns of the whole input whatever its k),
+   fitted by :func:`fit_affine_cost`, and aims for the split that makes everyone
+   finish together (:func:`equal_finish_kernels`)::
+
+       T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
+
+   which is eq. 1 again when every a_i = 0.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 
 
@@ -108,11 +117,127 @@ def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+MIN_SLOPE_SHARE = 0.05  # a fitted b is at least this share of the time per kernel now, t0 / k0
+SLOPE_CONFIDENCE = 2.0  # the slope used is the fitted one plus this many standard errors
+
+
+def fit_affine_cost(samples: Sequence[tuple[int, float]], smoothing: float) -> tuple[float, float] | None:
+    """Fit t = a + b k to one participant's measurements (k kernels, t seconds), oldest first.
+
+    Weights: the newest measurement weighs 1 and each older one ``1 - smoothing``
+    times the next newer (smoothing 1: only the newest counts).
+
+    *Where the line passes:* through (k0, t0), the newest measurement's kernel
+    count k0 and the weighted mean time t0 of the measurements at k0. That is the
+    plan now in use, so the line predicts the current plan's time as it is being
+    measured (smoothed), and only the slope comes from the other k.
+
+    *Its slope:* exponentially weighted least squares over all the measurements,
+    with weights w_j, W = sum_j w_j and weighted means k_bar, t_bar::
+
+        S_kk = sum_j w_j (k_j - k_bar)^2,     b_ls = sum_j w_j (k_j - k_bar)(t_j - t_bar) / S_kk
+
+    A slope is uncertain when the k are close together and the times noisy, and
+    one too small makes kernels look nearly free, so the target would pile them
+    onto (or strip them from) one participant. So the slope used is the steepest
+    the measurements allow, b = b_ls + SLOPE_CONFIDENCE * se(b_ls): a steeper line
+    moves fewer kernels (a = 0 the fewest), and a move that falls short is
+    completed at the next rebalance, which also has another k to fit::
+
+        se(b_ls)^2 = s^2 sum_j w_j^2 (k_j - k_bar)^2 / S_kk^2
+        s^2 = (sum_j w_j r_j^2 / W) n / (n - 2),   r_j = t_j - t_bar - b_ls (k_j - k_bar),   n = W^2 / sum_j w_j^2
+
+    (s^2 estimates the noise variance from the residuals and n is the effective
+    number of measurements. Exact measurements give se = 0, the least-squares
+    slope itself. With n <= 2 no residual is left to judge the noise by: the
+    slope counts as uncertain, and b = p0, the steepest the clamp allows.)
+
+    *Clamped* to sane values with p0 = t0 / k0, the time per kernel now:
+    b in [MIN_SLOPE_SHARE * p0, p0], then a = t0 - b k0. So a >= 0 (time does
+    not shrink as kernels are added) and b >= 5 % of p0 (kernels are never
+    nearly free). With fewer than two distinct k of positive weight there is no
+    slope, and the fit is the proportional model (0, p0); an uncertain slope
+    lands there too.
+
+    Returns (a, b), or None with no measurement, or no time (t0 <= 0).
+    """
+    weighted = [((1.0 - smoothing) ** age, k, t) for age, (k, t) in enumerate(reversed(samples))]
+    weighted = [(w, k, t) for w, k, t in weighted if w > 0]
+    if not weighted:
+        return None
+    k0 = weighted[0][1]
+    t0 = sum(w * t for w, k, t in weighted if k == k0) / sum(w for w, k, _ in weighted if k == k0)
+    if not t0 > 0:
+        return None
+    p0 = t0 / k0
+    if len({k for _, k, _ in weighted}) < 2:
+        return 0.0, p0
+    total = sum(w for w, _, _ in weighted)
+    k_bar = sum(w * k for w, k, _ in weighted) / total
+    t_bar = sum(w * t for w, _, t in weighted) / total
+    s_kk = sum(w * (k - k_bar) ** 2 for w, k, _ in weighted)
+    b = sum(w * (k - k_bar) * (t - t_bar) for w, k, t in weighted) / s_kk
+    n_eff = total**2 / sum(w * w for w, _, _ in weighted)
+    if n_eff > 2:
+        residual = sum(w * (t - t_bar - b * (k - k_bar)) ** 2 for w, k, t in weighted) / total
+        s2 = residual * n_eff / (n_eff - 2)
+        b += SLOPE_CONFIDENCE * math.sqrt(s2 * sum(w * w * (k - k_bar) ** 2 for w, k, _ in weighted)) / s_kk
+    else:
+        b = p0
+    b = min(max(b, MIN_SLOPE_SHARE * p0), p0)
+    return max(0.0, t0 - b * k0), b
+
+
+def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: int) -> list[float]:
+    """Real-valued kernel counts that make participants with costs t_i(k) = a_i + b_i k finish together.
+
+    ``costs[i]`` is (a_i, b_i): fixed seconds a_i >= 0, seconds per kernel b_i > 0.
+    Finishing together at T with k_i = (T - a_i) / b_i and sum_i k_i = F gives::
+
+        T = (F + sum_i a_i / b_i) / sum_i (1 / b_i)
+
+    A floor: every participant gets at least 1 kernel when F >= the number of
+    participants (so it keeps being measured; see :class:`Rebalancer`), else at
+    least 0. Whoever's k_i falls below the floor is held at it, and T is solved
+    again for the others with the floor's kernels taken out; repeat until nobody
+    falls below (each pass can only lower T, so the held stay held). With every
+    a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1.
+
+    The counts sum to F (up to float round-off); :func:`kernel_counts` makes them
+    whole. Example: costs [(0.05, 0.001), (0.1, 0.002)], F = 96 -> T = 196 / 1500 s,
+    counts [80.67, 15.33].
+    """
+    if len(costs) == 0:
+        raise ValueError("equal_finish_kernels needs at least one participant")
+    if not isinstance(total_kernels, int) or isinstance(total_kernels, bool) or total_kernels < 0:
+        raise ValueError(f"total_kernels must be an int >= 0, got {total_kernels!r}")
+    for i, (a, b) in enumerate(costs):
+        if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b > 0):
+            raise ValueError(f"cost {i} is ({a!r}, {b!r}): need fixed seconds >= 0 and seconds per kernel > 0")
+    n = len(costs)
+    if total_kernels == 0:
+        return [0.0] * n
+    floor = 1.0 if total_kernels >= n else 0.0
+    held = [False] * n
+    while True:
+        free = [i for i in range(n) if not held[i]]
+        if not free:  # everyone at the floor: F = n
+            return [floor] * n
+        rest = total_kernels - floor * (n - len(free))
+        finish = (rest + sum(costs[i][0] / costs[i][1] for i in free)) / sum(1 / costs[i][1] for i in free)
+        below = [i for i in free if (finish - costs[i][0]) / costs[i][1] < floor - 1e-9]
+        if not below:
+            break
+        for i in below:
+            held[i] = True
+    return [floor if held[i] else max(0.0, (finish - a) / b) for i, (a, b) in enumerate(costs)]
+
+
 @dataclass
 class _LayerState:
     """What the Rebalancer remembers about one layer."""
 
-    per_kernel: list[float | None] = field(default_factory=list)  # smoothed seconds per kernel
+    samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
     late_steps: int = 0  # consecutive steps the slowest participant lagged
     cooldown: int = 0  # steps left before another rebalance may be proposed
 
@@ -120,28 +245,62 @@ class _LayerState:
 class Rebalancer:
     """Proposes a new kernel split when measured compute times say the current one is off.
 
-    Fed once per step and layer with each participant's kernel count c_i and its
-    measured compute time t_i for that layer (forward + backward), it keeps an
-    exponentially smoothed time per kernel::
+    **Cost model.** A participant's time for one layer (forward + backward) is
+    affine in its kernel count k::
 
-        p_i <- smoothing * (t_i / c_i) + (1 - smoothing) * p_i
+        t_i(k) = a_i + b_i k          a_i >= 0: fixed seconds, b_i > 0: seconds per kernel
 
-    (participants with no kernels this step keep their estimate). With the
-    current counts, participant i is predicted to finish after f_i = c_i p_i.
-    When the slowest lags the mean of those finishing times by more than
-    ``threshold``, (max f - mean f) / mean f > threshold, for ``patience``
-    consecutive steps, it proposes counts from eq. 1 applied to the per-kernel
-    times p_i (that is, shares proportional to 1/p_i), which equalises the f_i.
+    The fixed part is real: every participant builds the im2col columns of the
+    whole input x and the col2im of the whole dx whatever its k, and a GPU adds
+    launch and transfer latency. For each layer and participant the Rebalancer
+    keeps its last ``window`` measurements (k, t): from :meth:`observe`, and from
+    :meth:`record`, which :meth:`ShardedConv.calibrate
+    <tinyconv.distributed.ShardedConv.calibrate>` uses to file its whole-layer
+    times at k = F. :func:`fit_affine_cost` fits the line: through the smoothed
+    time at the participant's current k (the newest measurement weighs 1, each
+    older one ``1 - smoothing`` times the next newer), with the slope of a
+    weighted least-squares fit over all its k, made steeper by two standard
+    errors where noise leaves it uncertain, and clamped so that a_i >= 0 and
+    b_i >= 5 % of the current time per kernel. Until a participant has been
+    measured at two different k, it is the proportional model a_i = 0,
+    b_i = (smoothed t) / k, the model of the paper's eq. 1.
 
-    Hysteresis, so noise does not make the split flap: the smoothing, the
-    patience, a proposal must move at least ``min_move`` kernels (one layer's
-    counts change by sum |new - old| / 2 kernels), and after a rebalance the layer
-    waits ``cooldown`` steps (its streak and proposals start again from zero).
+    **Target.** The split that makes every participant finish together
+    (:func:`equal_finish_kernels`)::
 
-    Per-kernel time assumes a participant's time grows in proportion to its
-    kernels. Costs that do not (each participant builds im2col columns of the
-    whole input) make a proposal over-correct a little; the next measurements
-    correct it back.
+        T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
+
+    where a participant with k_i below the floor (1 kernel when F >= number of
+    participants, else 0) is held at the floor and T is solved again for the
+    others. The real k_i are rounded by largest remainder (:func:`kernel_counts`).
+    With every a_i = 0 this is eq. 1, k_i = F (1/b_i) / sum_j (1/b_j).
+
+    **When to move.** With the current counts c_i, participant i finishes after
+    f_i = a_i + b_i c_i, its smoothed measured time (the line passes there;
+    participants with no kernels are left out). When the slowest lags the mean
+    of those finishing times by more than ``threshold``,
+    (max f - mean f) / mean f > threshold, for ``patience`` consecutive steps,
+    the target is proposed, provided that it moves at least ``min_move`` kernels
+    (a layer's counts change by sum |new - old| / 2 kernels) and is predicted to
+    end the layer sooner: max_i f_i(new) < max_i f_i(current). After a move the
+    layer waits ``cooldown`` steps (measuring, not judging; its streak starts
+    again from zero). These, and the smoothing, keep noise from making the split
+    flap; the threshold is also the imbalance accepted for good.
+
+    **Convergence.** After calibration the first step is measured at a second k
+    (the calibrated split), so the first move already aims at where the lines
+    cross a common T; exact affine times get there in one move, and stay. Without
+    calibration the first move is proportional, and measures the second k. The
+    proportional model alone reads a fixed part as per-kernel cost: a slow
+    participant's time per kernel (a + b k) / k grows as its k shrinks, so each
+    move falls short, and the split creeps one move (patience + cool-down steps)
+    at a time towards balance, stopping where the lag first drops under the
+    threshold, short of it.
+
+    **The floor** of one kernel keeps every participant measured, so one that
+    was slow for a while (another job on its machine) can win kernels back. Its
+    price: a participant whose fixed cost alone exceeds what the others need for
+    the whole layer (a_i + b_i > T) still makes every step wait a_i + b_i.
     """
 
     def __init__(
@@ -151,6 +310,7 @@ class Rebalancer:
         smoothing: float = 0.3,
         cooldown: int = 5,
         min_move: int = 1,
+        window: int = 20,
     ) -> None:
         if not threshold >= 0:
             raise ValueError(
@@ -159,21 +319,39 @@ class Rebalancer:
         if not (isinstance(patience, int) and patience >= 1):
             raise ValueError(f"patience must be an int >= 1 (steps), got {patience!r}")
         if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1] (1 = no smoothing), got {smoothing!r}")
+            raise ValueError(f"smoothing must be in (0, 1] (1 = no memory), got {smoothing!r}")
         if not (isinstance(cooldown, int) and cooldown >= 0):
             raise ValueError(f"cooldown must be an int >= 0 (steps), got {cooldown!r}")
         if not (isinstance(min_move, int) and min_move >= 1):
             raise ValueError(f"min_move must be an int >= 1 (kernels), got {min_move!r}")
+        if not (isinstance(window, int) and window >= 2):
+            raise ValueError(f"window must be an int >= 2 (measurements kept per participant), got {window!r}")
         self.threshold = threshold
         self.patience = patience
         self.smoothing = smoothing
         self.cooldown = cooldown
         self.min_move = min_move
+        self.window = window
         self._layers: dict[str, _LayerState] = {}
 
-    def per_kernel_times(self, layer: str) -> list[float | None]:
-        """The smoothed seconds per kernel of each participant (None: never measured)."""
-        return list(self._layers[layer].per_kernel) if layer in self._layers else []
+    def cost_models(self, layer: str) -> list[tuple[float, float] | None]:
+        """Each participant's fitted (a_i seconds, b_i seconds per kernel); None: never measured."""
+        if layer not in self._layers:
+            return []
+        return [fit_affine_cost(s, self.smoothing) for s in self._layers[layer].samples]
+
+    def record(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> None:
+        """File one measurement per participant of ``layer`` without judging the plan.
+
+        ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
+        counts[i] is 0). Neither the patience streak nor the cool-down advances:
+        this is for measurements that are not a training step, such as the
+        calibration's whole-layer times (counts all F).
+        """
+        state = self._state(layer, counts, times)
+        for samples, c, t in zip(state.samples, counts, times, strict=True):
+            if c > 0:
+                samples.append((int(c), float(t)))
 
     def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
         """Record one step of ``layer``; return new counts to use from the next step, or None.
@@ -181,33 +359,16 @@ class Rebalancer:
         ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
         counts[i] is 0). A returned plan sums to sum(counts) and has the same length.
         """
-        if len(counts) != len(times) or len(counts) == 0:
-            raise ValueError(
-                f"need one time per participant, got counts {list(counts)} and times {list(times)}"
-            )
-        for i, (c, t) in enumerate(zip(counts, times, strict=True)):
-            if c < 0 or (c > 0 and not (math.isfinite(t) and t >= 0)):
-                raise ValueError(f"participant {i}: {c} kernels in {t!r} s is not a measurement")
-        state = self._layers.setdefault(layer, _LayerState(per_kernel=[None] * len(counts)))
-        if len(state.per_kernel) != len(counts):
-            raise ValueError(
-                f"layer {layer!r} had {len(state.per_kernel)} participants, now {len(counts)}; "
-                "use a new Rebalancer when the set of participants changes"
-            )
-
-        for i, (c, t) in enumerate(zip(counts, times, strict=True)):
-            if c > 0:
-                p = t / c
-                old = state.per_kernel[i]
-                state.per_kernel[i] = p if old is None else self.smoothing * p + (1 - self.smoothing) * old
-
+        self.record(layer, counts, times)
+        state = self._layers[layer]
         if state.cooldown > 0:
             state.cooldown -= 1
             return None
-        if any(p is None or p <= 0 for p in state.per_kernel):
+        fitted = self.cost_models(layer)
+        if any(m is None for m in fitted):
             return None  # someone has never been measured (or reports no time): nothing to compare
-        per_kernel = [p for p in state.per_kernel if p is not None]
-        finish = [c * p for c, p in zip(counts, per_kernel, strict=True) if c > 0]
+        models = [m for m in fitted if m is not None]
+        finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
         mean = sum(finish) / len(finish)
         lag = (max(finish) - mean) / mean if mean > 0 else 0.0
         state.late_steps = state.late_steps + 1 if lag > self.threshold else 0
@@ -215,9 +376,34 @@ class Rebalancer:
             return None
 
         state.late_steps = 0
-        proposal = kernel_counts(speed_weights(per_kernel), sum(counts))
-        moved = sum(abs(a - b) for a, b in zip(proposal, counts, strict=True)) // 2
-        if moved < self.min_move:
+        total = sum(counts)
+        proposal = kernel_counts(equal_finish_kernels(models, total), total)
+        moved = sum(abs(new - old) for new, old in zip(proposal, counts, strict=True)) // 2
+        if moved < self.min_move or _makespan(models, proposal) >= _makespan(models, counts) * (1 - 1e-9):
             return None
         state.cooldown = self.cooldown
         return proposal
+
+    def _state(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> _LayerState:
+        """Check one measurement per participant; this layer's state (created on first use)."""
+        if len(counts) != len(times) or len(counts) == 0:
+            raise ValueError(
+                f"need one time per participant, got counts {list(counts)} and times {list(times)}"
+            )
+        for i, (c, t) in enumerate(zip(counts, times, strict=True)):
+            if c < 0 or (c > 0 and not (math.isfinite(t) and t >= 0)):
+                raise ValueError(f"participant {i}: {c} kernels in {t!r} s is not a measurement")
+        if layer not in self._layers:
+            self._layers[layer] = _LayerState(samples=[deque(maxlen=self.window) for _ in counts])
+        state = self._layers[layer]
+        if len(state.samples) != len(counts):
+            raise ValueError(
+                f"layer {layer!r} had {len(state.samples)} participants, now {len(counts)}; "
+                "use a new Rebalancer when the set of participants changes"
+            )
+        return state
+
+
+def _makespan(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> float:
+    """Predicted time of a layer: the latest finish a_i + b_i c_i over participants with kernels."""
+    return max(a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0)

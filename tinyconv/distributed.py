@@ -21,7 +21,8 @@ first if it takes part, then the workers by index. Names: "master", "worker0", .
 How many kernels each gets (``tinyconv/balance.py``): :meth:`ShardedConv.calibrate`
 times a forward + backward of each layer's exact shape on every participant and
 splits by the paper's eq. 1; with ``rebalance`` a :class:`~tinyconv.balance.Rebalancer`
-then adjusts the split from each step's measured compute times. Before any
+then adjusts the split from the calibration times and each step's measured compute
+times, fitting each participant's fixed and per-kernel cost. Before any
 calibration every participant gets an equal share.
 """
 
@@ -204,7 +205,11 @@ class ShardedConv:
         warm-up: the master runs the very code the workers run). One participant at
         a time, so devices sharing a host do not slow each other's benchmark.
         Each layer's plan is then eq. 1 on those times, apportioned by largest
-        remainder. Attaches to ``net`` (see :meth:`attach`) if it was not already.
+        remainder. The times also go to the rebalancer, if any, as each participant's
+        time for all F kernels of the layer: with the first step's, at the calibrated
+        split, it has two kernel counts per participant to fit its fixed and
+        per-kernel cost (:class:`~tinyconv.balance.Rebalancer`).
+        Attaches to ``net`` (see :meth:`attach`) if it was not already.
         Returns (and keeps in ``self.calibration``)::
 
             {"participants": [...], "times": {"conv1": [s, ...], ...},
@@ -249,6 +254,8 @@ class ShardedConv:
             name = f"conv{i + 1}"
             layer_times = [times[k][i] for k in self.who]
             self.plans[name] = kernel_counts(speed_weights(layer_times), conv.out_channels)
+            if self.rebalancer is not None:  # each participant measured on all F kernels: its first (k, t)
+                self.rebalancer.record(name, [conv.out_channels] * len(self.who), layer_times)
             result["times"][name] = layer_times
             result["shares"][name] = list(self.plans[name])
             result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
