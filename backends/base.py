@@ -36,6 +36,17 @@ Array = Any  # a backend-native array
 Cache = Any  # whatever a forward op keeps for its backward
 
 
+def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """Output length of a window of ``kernel`` sliding with ``stride`` over ``size + 2*padding``."""
+    out = (size + 2 * padding - kernel) // stride + 1
+    if out <= 0:
+        raise ValueError(
+            f"a {kernel}x{kernel} window with stride {stride} and padding {padding} does not fit "
+            f"an input of size {size}; use a smaller kernel, more padding or a larger input"
+        )
+    return out
+
+
 class Backend(ABC):
     """Abstract device. Subclasses set ``name`` and implement every abstract op."""
 
@@ -67,9 +78,7 @@ class Backend(ABC):
 
     # ---- convolution -------------------------------------------------------
     @abstractmethod
-    def conv2d_forward(
-        self, x: Array, w: Array, b: Array, stride: int = 1, padding: int = 0
-    ) -> tuple[Array, Cache]:
+    def conv2d_forward(self, x: Array, w: Array, b: Array, stride: int = 1, padding: int = 0) -> tuple[Array, Cache]:
         """x (N, C, H, W), w (F, C, KH, KW), b (F,) -> y (N, F, OH, OW).
 
         OH = (H + 2*padding - KH) // stride + 1, likewise OW.
@@ -77,9 +86,7 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def conv2d_backward(
-        self, dy: Array, cache: Cache, need_dx: bool = True
-    ) -> tuple[Array | None, Array, Array]:
+    def conv2d_backward(self, dy: Array, cache: Cache, need_dx: bool = True) -> tuple[Array | None, Array, Array]:
         """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None, dw (F, C, KH, KW), db (F,))."""
 
     # ---- elementwise and normalisation --------------------------------------
@@ -131,9 +138,7 @@ class Backend(ABC):
 
     # ---- pooling ----------------------------------------------------------
     @abstractmethod
-    def maxpool_forward(
-        self, x: Array, kernel: int = 2, stride: int = 2, padding: int = 0
-    ) -> tuple[Array, Cache]:
+    def maxpool_forward(self, x: Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[Array, Cache]:
         """x (N, C, H, W) -> y (N, C, OH, OW), OH = (H + 2*padding - kernel)//stride + 1.
 
         Padding is -inf (never selected). Ties go to the first maximum in

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from backends.base import Backend
+from backends.base import Backend, conv_output_size
 
 F32 = np.float32
 
@@ -40,17 +40,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
-    """Output length of a window of ``kernel`` sliding with ``stride`` over ``size + 2*padding``."""
-    out = (size + 2 * padding - kernel) // stride + 1
-    if out <= 0:
-        raise ValueError(
-            f"a {kernel}x{kernel} window with stride {stride} and padding {padding} does not fit "
-            f"an input of size {size}; use a smaller kernel, more padding or a larger input"
-        )
-    return out
 
 
 def im2col(x: np.ndarray, kh: int, kw: int, stride: int, padding: int) -> np.ndarray:

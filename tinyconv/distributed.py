@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Array, Backend
+from backends.base import Array, Backend, conv_output_size
 from tinyconv.balance import Rebalancer, kernel_counts, slices, speed_weights
 from tinyconv.layers import Conv2D, Linear, MaxPool2D
 from tinyconv.model import Network
@@ -47,11 +47,6 @@ log = logging.getLogger(__name__)
 
 MASTER = -1  # the master's place in a participant list; workers are their transport indices
 MASTER_SHARES = ("auto", "0")
-
-
-def _out_size(size: int, kernel: int, stride: int, padding: int) -> int:
-    """Output length of a convolution or pool along one axis."""
-    return (size + 2 * padding - kernel) // stride + 1
 
 
 def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> list[tuple[int, int, int, int]]:
@@ -69,12 +64,12 @@ def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> li
     for layer in net.layers:
         if isinstance(layer, Conv2D):
             shapes.append((n, c, h, w))
-            h = _out_size(h, layer.kernel, layer.stride, layer.padding)
-            w = _out_size(w, layer.kernel, layer.stride, layer.padding)
+            h = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
+            w = conv_output_size(w, layer.kernel, layer.stride, layer.padding)
             c = layer.out_channels
         elif isinstance(layer, MaxPool2D):
-            h = _out_size(h, layer.kernel, layer.stride, layer.padding)
-            w = _out_size(w, layer.kernel, layer.stride, layer.padding)
+            h = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
+            w = conv_output_size(w, layer.kernel, layer.stride, layer.padding)
         elif isinstance(layer, Linear):
             break
         if h <= 0 or w <= 0:
@@ -313,8 +308,8 @@ class ShardedConv:
             y, master_cache = mine
         else:
             n, _, h, wd = x_host.shape
-            oh = _out_size(h, layer.kernel, layer.stride, layer.padding)
-            ow = _out_size(wd, layer.kernel, layer.stride, layer.padding)
+            oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
+            ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
             parts = []
             for k, (s, e) in zip(self.who, spans, strict=True):
                 if s == e:

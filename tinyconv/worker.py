@@ -65,16 +65,6 @@ class _Forward:
     y_shape: tuple[int, ...]
 
 
-def _out_size(size: int, kernel: int, stride: int, padding: int) -> int:
-    out = (size + 2 * padding - kernel) // stride + 1
-    if out <= 0:
-        raise TaskError(
-            f"a {kernel}-wide kernel with stride {stride} and padding {padding} "
-            f"does not fit an input of {size}"
-        )
-    return out
-
-
 class ConvWorker:
     """Serves convolution tasks on ``backend``; the handler behind every transport.
 
@@ -119,9 +109,7 @@ class ConvWorker:
             "calibrate": self._calibrate,
         }
         if msg.kind not in handlers:
-            return error_reply(
-                msg, f"a worker does not handle {msg.kind!r} messages; send one of {list(handlers)}"
-            )
+            return error_reply(msg, f"a worker does not handle {msg.kind!r} messages; send one of {list(handlers)}")
         try:
             return handlers[msg.kind](msg)
         except TaskError as e:
@@ -145,8 +133,7 @@ class ConvWorker:
         stride, padding = h["stride"], h["padding"]
         if stride < 1 or padding < 0:
             raise TaskError(f"{where}: need stride >= 1 and padding >= 0, got {stride} and {padding}")
-        _out_size(x.shape[2], w.shape[2], stride, padding)
-        _out_size(x.shape[3], w.shape[3], stride, padding)
+        _fits(x.shape[2:], w.shape[2:], stride, padding)
 
         be = self.backend
         t0 = time.perf_counter()
@@ -170,14 +157,10 @@ class ConvWorker:
                 "send conv_forward first (or again, if this worker was restarted)"
             )
         if fwd.step != step:
-            raise TaskError(
-                f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}"
-            )
+            raise TaskError(f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}")
         _check_float32(f"layer {layer} step {step}", dy=dy)
         if tuple(dy.shape) != fwd.y_shape:
-            raise TaskError(
-                f"layer {layer} step {step}: dy has shape {dy.shape}, the forward output was {fwd.y_shape}"
-            )
+            raise TaskError(f"layer {layer} step {step}: dy has shape {dy.shape}, the forward output was {fwd.y_shape}")
         del self._forwards[layer]  # one backward per forward; frees the cache
 
         be = self.backend
@@ -188,9 +171,7 @@ class ConvWorker:
             arrays["dx"] = be.to_numpy(dx)
         be.synchronize()
         compute_s = self._emulate(time.perf_counter() - t0)
-        return Message(
-            "result", {"task": h["task"], "step": step, "layer": layer, "compute_s": compute_s}, arrays
-        )
+        return Message("result", {"task": h["task"], "step": step, "layer": layer, "compute_s": compute_s}, arrays)
 
     def _calibrate(self, msg: Message) -> Message:
         """Time forward + backward of each layer's exact shape on seeded random values."""
@@ -248,7 +229,7 @@ class ConvWorker:
             raise TaskError(f"layers[{i}]: x {xs} and w {ws} need the same C, stride >= 1, padding >= 0")
         n, c, hgt, wid = xs
         f, _, kh, kw = ws
-        oh, ow = _out_size(hgt, kh, stride, padding), _out_size(wid, kw, stride, padding)
+        oh, ow = _fits((hgt, wid), (kh, kw), stride, padding)
         ys = [n, f, oh, ow]
         # the im2col columns dominate: C*KH*KW x N*OH*OW, next to x, dx, w, y and dy
         floats = c * kh * kw * n * oh * ow + 2 * math.prod(xs) + math.prod(ws) + 2 * math.prod(ys)
@@ -264,6 +245,16 @@ class ConvWorker:
         if self.slowdown > 1.0:
             self._idle.wait((self.slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
         return compute_s * self.slowdown
+
+
+def _fits(size: Sequence[int], kernel: Sequence[int], stride: int, padding: int) -> tuple[int, int]:
+    """(OH, OW) of a convolution, or a TaskError naming why the kernel does not fit."""
+    from backends.base import conv_output_size
+
+    try:
+        return tuple(conv_output_size(s, k, stride, padding) for s, k in zip(size, kernel, strict=True))
+    except ValueError as e:
+        raise TaskError(str(e)) from None
 
 
 def _is_int(v: Any) -> bool:
@@ -284,9 +275,7 @@ def _positive(kind: type) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a{'n int' if kind is int else ' number'}"
-            ) from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n int' if kind is int else ' number'}") from None
         if not (math.isfinite(value) and value > 0):
             raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
         return value

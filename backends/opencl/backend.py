@@ -39,8 +39,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 import pyopencl.tools as cl_tools
 
-from backends.base import Backend
-from backends.numpy_backend import conv_output_size
+from backends.base import Backend, conv_output_size
 from backends.opencl.device import describe_device, device_kind, select_device
 from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, DeviceLimits, Gemm, cdiv, default_tune_file
 
