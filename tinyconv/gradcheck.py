@@ -85,6 +85,17 @@ def rel_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(1e-8, float(np.max(np.abs(a) + np.abs(b)))))
 
 
+def _plus_minus(x: np.ndarray, i: tuple[int, ...], h: float, g: Callable[[], Any]) -> tuple[Any, Any]:
+    """(g() with x[i] + h, g() with x[i] - h); x[i] is restored afterwards."""
+    old = x[i]
+    x[i] = old + h
+    plus = g()
+    x[i] = old - h
+    minus = g()
+    x[i] = old
+    return plus, minus
+
+
 def numeric_grad(
     f: Callable[[np.ndarray], Any], x: np.ndarray, df: np.ndarray | None = None, h: float = 1e-5
 ) -> np.ndarray:
@@ -115,12 +126,7 @@ def numeric_grad(
     it = np.nditer(x, flags=["multi_index"])
     for _ in it:
         i = it.multi_index
-        old = x[i]
-        x[i] = old + h
-        plus = g()
-        x[i] = old - h
-        minus = g()
-        x[i] = old
+        plus, minus = _plus_minus(x, i, h, g)
         # difference first, then weight: outputs that x_i does not reach cancel exactly,
         # so the round-off is that of the few outputs it does reach, not of the whole sum
         diff = plus - minus
@@ -280,12 +286,7 @@ def check_network(
         a, n = [], []
         for flat in picks:
             i = np.unravel_index(flat, p.shape)
-            old = p[i]
-            p[i] = old + h
-            plus = loss()
-            p[i] = old - h
-            minus = loss()
-            p[i] = old
+            plus, minus = _plus_minus(p, i, h, loss)
             n.append((plus - minus) / (2 * h))
             a.append(analytic[key][i])
         errors[key] = rel_error(np.array(a), np.array(n))
