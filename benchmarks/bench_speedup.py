@@ -32,9 +32,11 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
 from tinyconv.distributed import ShardedConv  # noqa: E402
+from tinyconv.layers import Conv2D  # noqa: E402
 from tinyconv.model import paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
@@ -42,38 +44,42 @@ from tinyconv.worker import stop_workers  # noqa: E402
 from transports.zmq_transport import ZmqTransport  # noqa: E402
 
 
-def time_steps(dist: ShardedConv, net, batch: int, steps: int, warmup: int) -> list[dict]:
-    """Run warmup + steps training steps; return each timed step's split."""
+def one_step(net, opt, x, y, dist: ShardedConv | None) -> dict:
+    """One training step (forward, loss, backward, SGD); its time and the paper's split."""
+    t = time.perf_counter()
+    net.train_step_grads(x, y)
+    opt.step(0.001)
+    net.backend.synchronize()
+    dt = time.perf_counter() - t
+    split = dist.end_step() if dist is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
+    return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
+
+
+def solo_split(net, x, y) -> dict:
+    """The master alone, layer by layer: conv (the conv layers) vs comp (everything else)."""
     be = net.backend
-    opt = SGD(net)
-    rng = np.random.default_rng(0)
-    x = be.asarray(rng.standard_normal((batch, 3, 32, 32)).astype(np.float32))
-    y = rng.integers(0, 10, batch)
-    records = []
-    for i in range(warmup + steps):
+    conv_s = 0.0
+    t0 = time.perf_counter()
+    a = x
+    for layer in net.layers:
         t = time.perf_counter()
-        net.train_step_grads(x, y)
-        opt.step(0.001)
-        be.synchronize()
-        dt = time.perf_counter() - t
-        split = dist.end_step()
-        if i >= warmup:
-            records.append({"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])})
-    return records
+        a = layer.forward(a)
+        if isinstance(layer, Conv2D):
+            conv_s += time.perf_counter() - t
+    _, d = net.loss_fn(a, y)
+    for layer in reversed(net.layers):
+        t = time.perf_counter()
+        d = layer.backward(d)
+        if isinstance(layer, Conv2D):
+            conv_s += time.perf_counter() - t
+        if d is None:
+            break
+    be.synchronize()
+    return {"conv_s": conv_s, "time_s": time.perf_counter() - t0}
 
 
-def median_row(name: str, recs: list[dict], base: float | None) -> tuple:
-    med = {k: statistics.median(r[k] for r in recs) for k in ("time_s", "comm_s", "conv_s", "comp_s")}
-    shares = recs[-1]["shares"]
-    return (
-        name,
-        med["time_s"],
-        med["comm_s"],
-        med["conv_s"],
-        med["comp_s"],
-        (base / med["time_s"]) if base else 1.0,
-        str(shares),
-    ), med
+def med(recs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in recs)
 
 
 def main() -> None:
@@ -82,8 +88,14 @@ def main() -> None:
     p.add_argument("--norm", default="lrn", choices=("lrn", "batch", "none"))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (rebalancing settles here)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed distributed steps first (rebalancing settles)")
     p.add_argument("--backend", default="numpy", help="backend of the master and the worker")
+    p.add_argument(
+        "--fuse",
+        choices=("on", "off"),
+        default="on",
+        help="on: the worker also runs each conv's ReLU/LRN/pool on its channels; off: the paper's conv-only split",
+    )
     args = p.parse_args()
     c1, c2 = parse_arch(args.arch)
     taskset = shutil.which("taskset")
@@ -91,18 +103,16 @@ def main() -> None:
         os.sched_setaffinity(0, {0})  # the master: core 0
     be = get_backend(args.backend)
     print(
-        f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, "
+        f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, fuse {args.fuse}, "
         f"1 BLAS thread per process, master on core 0, worker on core 1 ({'taskset' if taskset else 'unpinned'})"
     )
-
-    # 1. the master alone: a ShardedConv with no workers computes every kernel itself,
-    #    which times the conv layers with the same code path as the distributed run
+    rng = np.random.default_rng(0)
+    x = be.asarray(rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32))
+    y = rng.integers(0, 10, args.batch)
     net = paper_net(be, c1, c2, args.norm, seed=0)
-    solo = ShardedConv(None, [], be, master_share="auto", rebalance=False)  # type: ignore[arg-type]
-    solo.attach(net)
-    solo_recs = time_steps(solo, net, args.batch, args.steps, args.warmup)
+    opt = SGD(net)
 
-    # 2. master + 1 worker over zmq on loopback; the worker started as a user would, pinned to core 1
+    # the worker, started as a user would, pinned to core 1, over TCP on loopback
     transport = ZmqTransport(bind="tcp://127.0.0.1:0", peer_timeout_s=60.0)
     cmd = [
         sys.executable,
@@ -121,29 +131,60 @@ def main() -> None:
     proc = subprocess.Popen(([taskset, "-c", "1"] if taskset else []) + cmd)
     try:
         workers = transport.start(1, timeout=60)
-        net = paper_net(be, c1, c2, args.norm, seed=0)
-        dist = ShardedConv(transport, workers, be, master_share="auto", rebalance=True, recv_timeout=600)
+        dist = ShardedConv(
+            transport, workers, be, master_share="auto", rebalance=True, recv_timeout=600, fuse=args.fuse == "on"
+        )
         calib = dist.calibrate(net, args.batch)
         print(f"calibrated times (s, master/worker per layer): {calib['times']} -> shares {calib['shares']}")
-        dist_recs = time_steps(dist, net, args.batch, args.steps, args.warmup)
+        for _ in tqdm(range(args.warmup), desc="warm-up", disable=None):
+            one_step(net, opt, x, y, dist)
+        # Alternate the two configurations step by step, so that a drift in the shared
+        # machine's speed hits both alike: solo = the same network with no distributor
+        # (what --workers 0 runs), while the worker waits on the other core.
+        solo_recs, dist_recs = [], []
+        for _ in tqdm(range(args.steps), desc="solo / distributed steps", disable=None):
+            dist.detach(net)
+            solo_recs.append(one_step(net, opt, x, y, None))
+            dist.attach(net)
+            dist_recs.append(one_step(net, opt, x, y, dist))
+        dist.detach(net)
+        split = solo_split(net, x, y)  # one extra solo step, timed layer by layer for the Amdahl bound
     finally:
         transport.close()
         stop_workers([proc])
 
-    row_solo, med_solo = median_row("master alone", solo_recs, None)
-    row_dist, med_dist = median_row("master + 1 worker (zmq)", dist_recs, med_solo["time_s"])
-    f = med_solo["conv_s"] / med_solo["time_s"]
+    solo_t, dist_t = med(solo_recs, "time_s"), med(dist_recs, "time_s")
+    f = split["conv_s"] / split["time_s"]
+    per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(dist.who))]
+    rows = [
+        ("master alone", solo_t, 0.0, f * solo_t, (1 - f) * solo_t, 1.0, "-"),
+        (
+            "master + 1 worker (zmq)",
+            dist_t,
+            med(dist_recs, "comm_s"),
+            med(dist_recs, "conv_s"),
+            med(dist_recs, "comp_s"),
+            solo_t / dist_t,
+            str(dist_recs[-1]["shares"]),
+        ),
+    ]
     print(
         format_table(
             ("configuration", "step s", "comm s", "conv s", "comp s", "speedup", "kernels per participant"),
-            [row_solo, row_dist],
-            title=f"median of {args.steps} training steps",
+            rows,
+            title=f"median of {args.steps} training steps each, alternated",
         )
     )
     print(
-        f"conv fraction of the solo step f = {f:.3f}; Amdahl bound for 2 devices 1/((1-f)+f/2) = "
-        f"{1 / ((1 - f) + f / 2):.2f}x; measured {med_solo['time_s'] / med_dist['time_s']:.2f}x "
-        f"(paper, 2 CPUs: 1.69x on 300:1000, 1.98x on 500:1500)"
+        "master alone: conv and comp split by the fraction of one step timed layer by layer "
+        f"(f = conv / step = {f:.3f}); distributed: conv = slowest participant"
+        + (" (conv + its fused ReLU/LRN/pool)" if args.fuse == "on" else "")
+        + "; each participant's conv compute per step: "
+        + ", ".join(f"{n} {t:.2f} s" for n, t in zip(dist.participants, per, strict=True))
+    )
+    print(
+        f"Amdahl bound for 2 devices 1/((1-f)+f/2) = {1 / ((1 - f) + f / 2):.2f}x with conv alone parallel; "
+        f"measured {solo_t / dist_t:.2f}x (paper, 2 CPUs: 1.69x on 300:1000, 1.98x on 500:1500)"
     )
 
 

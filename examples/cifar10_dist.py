@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-split kernels from measured step times when a worker lags (default %(default)s)",
     )
     g.add_argument(
+        "--fuse",
+        choices=("on", "off"),
+        default="on",
+        help="on: workers also run the ReLU/LRN/max pool after each conv on their own channels (with a "
+        "2-channel halo for LRN) and return pooled maps; off: the paper's split, conv only, the rest on "
+        "the master (default %(default)s)",
+    )
+    g.add_argument(
         "--start-timeout",
         type=float,
         help="seconds to wait for every worker's hello (default 60; 600 with --external-workers)",
@@ -213,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                     backend,
                     master_share=args.master_share,
                     rebalance=args.rebalance == "on",
+                    fuse=args.fuse == "on",
                 )
             metrics.write(
                 "run",

@@ -17,7 +17,7 @@ from backends.numpy_backend import NumpyBackend
 from tinyconv.balance import Rebalancer, kernel_counts
 from tinyconv.data import synthetic_dataset
 from tinyconv.distributed import ShardedConv, conv_input_shapes
-from tinyconv.layers import Conv2D
+from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import Network, paper_net
 from tinyconv.trainer import TrainConfig, Trainer
@@ -441,6 +441,24 @@ def test_sharded_conv_over_zmq_with_worker_processes(rng):
             assert_close(conv.grads["b"], db_ref)
             record = sharded.end_step()
             assert record["shares"] == {"conv1": [2, 4, 2]} and record["bytes_recv"] > 2 * x.nbytes
+
+            # a fused tail over the wire: each process computes its slice's ReLU/LRN/pool with the halo
+            block = Network(be, [conv, ReLU(be), LocalResponseNorm(be, alpha=1.0), MaxPool2D(be, 2, 2)], {})
+            sharded.detach(net)
+            out_ref = block.forward(x)
+            g = rng.standard_normal(out_ref.shape, dtype=np.float32)
+            dx_ref = g
+            for layer in reversed(block.layers):
+                dx_ref = layer.backward(dx_ref)
+            dw_ref, db_ref = np.copy(conv.grads["w"]), np.copy(conv.grads["b"])
+            fused = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
+            fused.attach(block)
+            fused.set_plan("conv1", [2, 4, 2])
+            assert_close(block.forward(x), out_ref)
+            assert_close(conv.backward(g), dx_ref)  # the whole block is the conv's: it takes the pool's dy
+            assert_close(conv.grads["w"], dw_ref)
+            assert_close(conv.grads["b"], db_ref)
+            assert fused.end_step()["bytes_sent"] > 0
             transport.close()
         finally:
             stop_workers(procs, timeout=5.0)

@@ -39,6 +39,7 @@ import numpy as np
 
 from backends.base import Array, Backend, conv_output_size
 from tinyconv.balance import Rebalancer, kernel_counts, slices, speed_weights
+from tinyconv.block import block_backward, block_forward, extended, grad_span, tail_of, tail_output_hw
 from tinyconv.layers import Conv2D, Linear, MaxPool2D
 from tinyconv.model import Network
 from transports.base import Message, Transport, WorkerInfo
@@ -120,6 +121,8 @@ class ShardedConv:
     ``rebalance``: adjust the split from measured compute times (see
     :class:`~tinyconv.balance.Rebalancer`; pass ``rebalancer`` to tune it).
     ``recv_timeout``: seconds every worker has to answer one conv op or calibration.
+    ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on
+    its own channels (see :meth:`attach`); False is the paper's split, conv only.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class ShardedConv:
         recv_timeout: float = 120.0,
         calibration_repeats: int = 3,
         rebalancer: Rebalancer | None = None,
+        fuse: bool = True,
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -151,6 +155,8 @@ class ShardedConv:
         self.recv_timeout = float(recv_timeout)
         self.calibration_repeats = calibration_repeats
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
+        self.fuse = fuse
+        self._tails: dict[str, list[dict[str, Any]]] = {}  # layer name -> its fused tail (tinyconv/block.py)
         # participants: the master first if it takes part, then workers by index
         self.who: list[int] = ([MASTER] if master_share == "auto" else []) + sorted(self.workers)
         self.plans: dict[str, list[int]] = {}  # layer name -> kernels per participant
@@ -167,16 +173,35 @@ class ShardedConv:
         return ["master" if k == MASTER else f"worker{k}" for k in self.who]
 
     def attach(self, net: Network) -> None:
-        """Make this the distributor of every Conv2D of ``net``; they are named conv1, conv2, ..."""
-        for i, conv in enumerate(net.conv_layers()):
+        """Make this the distributor of every Conv2D of ``net``; they are named conv1, conv2, ...
+
+        With ``fuse``, the ReLU / LRN / max pool layers right after each conv become its
+        *tail*: they are marked ``fused``, so the network skips them, and each participant
+        runs them on its own channels (``tinyconv/block.py``).
+        """
+        i = 0
+        for pos, conv in enumerate(net.layers):
+            if not isinstance(conv, Conv2D):
+                continue
+            name = f"conv{i + 1}"
             conv.distributor = self
-            self._layers[id(conv)] = (i, f"conv{i + 1}", conv)
+            self._layers[id(conv)] = (i, name, conv)
+            i += 1
+            tail = tail_of(net.layers[pos + 1 :]) if self.fuse else []
+            self._tails[name] = tail
+            for layer in net.layers[pos + 1 : pos + 1 + len(tail)]:
+                layer.fused = True
 
     def detach(self, net: Network) -> None:
-        """Compute ``net``'s convolutions on the master's backend alone again."""
-        for conv in net.conv_layers():
-            if self._layers.pop(id(conv), None) is not None:
-                conv.distributor = None
+        """Compute ``net``'s convolutions (and their tails) on the master's backend alone again."""
+        for pos, conv in enumerate(net.layers):
+            entry = self._layers.get(id(conv))
+            if not isinstance(conv, Conv2D) or entry is None:
+                continue
+            for layer in net.layers[pos + 1 : pos + 1 + len(self._tails.pop(entry[1], []))]:
+                layer.fused = False
+            del self._layers[id(conv)]
+            conv.distributor = None
 
     def set_plan(self, layer: str, counts: list[int]) -> None:
         """Use ``counts`` kernels per participant (plan order) for ``layer`` from the next forward on."""
@@ -227,6 +252,7 @@ class ShardedConv:
                     "stride": conv.stride,
                     "padding": conv.padding,
                     "need_dx": conv.need_dx,
+                    "tail": self._tails.get(f"conv{i + 1}", []),
                 }
             )
         header = {"layers": specs, "repeats": self.calibration_repeats}
@@ -268,11 +294,17 @@ class ShardedConv:
 
     # ---- the distributed ops --------------------------------------------------------
     def forward(self, layer: Conv2D, x: Array) -> tuple[Array, _ShardCache]:
-        """x (N, C, H, W) -> y (N, F, OH, OW), each participant computing its kernel slice."""
+        """x (N, C, H, W) -> y (N, F, OH, OW), each participant computing its kernel slice.
+
+        With a fused tail (see :meth:`attach`) y is the tail's output, each participant
+        computing its slice's conv and tail with the halo of ``tinyconv/block.py``.
+        """
         index, name = self._lookup(layer)
         be = self.backend
         w, b = layer.params["w"], layer.params["b"]
-        counts = self._plan(name, layer.out_channels)
+        total = layer.out_channels
+        tail = self._tails.get(name, [])
+        counts = self._plan(name, total)
         spans = slices(counts)
         t0 = time.perf_counter()
 
@@ -283,6 +315,7 @@ class ShardedConv:
                 continue
             if x_host is None:  # one host copy, sent to every worker
                 x_host = np.ascontiguousarray(be.to_numpy(x), dtype=np.float32)
+            cs, ce = extended(s, e, total, tail)
             header = {
                 "task": 0,
                 "step": self.step,
@@ -291,25 +324,32 @@ class ShardedConv:
                 "padding": layer.padding,
                 "need_dx": layer.need_dx,
             }
+            if tail:
+                header.update(tail=tail, own=[s - cs, e - cs])
             arrays = {
                 "x": x_host,
-                "w": self._host(be.take_kernels(w, s, e)),
-                "b": self._host(be.take_kernels(b, s, e)),
+                "w": self._host(be.take_kernels(w, cs, ce)),
+                "b": self._host(be.take_kernels(b, cs, ce)),
             }
             messages[k] = Message("conv_forward", header, arrays)
 
         local = None  # the master's own slice, computed while the workers compute theirs
         if (span := self._master_span(spans)) is not None:
-            w_m, b_m = be.take_kernels(w, *span), be.take_kernels(b, *span)
-            local = partial(be.conv2d_forward, x, w_m, b_m, layer.stride, layer.padding)
+            s, e = span
+            cs, ce = extended(s, e, total, tail)
+            w_m, b_m = be.take_kernels(w, cs, ce), be.take_kernels(b, cs, ce)
+            local = partial(block_forward, be, x, w_m, b_m, layer.stride, layer.padding, tail, (s - cs, e - cs))
         replies, mine, master_s = self._scatter_gather("conv_forward", name, messages, local)
 
         if not messages:  # the master computed every kernel
             y, master_cache = mine
         else:
             n, _, h, wd = x_host.shape
-            oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
-            ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
+            oh, ow = tail_output_hw(
+                conv_output_size(h, layer.kernel, layer.stride, layer.padding),
+                conv_output_size(wd, layer.kernel, layer.stride, layer.padding),
+                tail,
+            )
             parts = []
             for k, (s, e) in zip(self.who, spans, strict=True):
                 if s == e:
@@ -325,9 +365,15 @@ class ShardedConv:
         return y, _ShardCache(self.step, counts, master_cache, x_shape, stats)
 
     def backward(self, layer: Conv2D, dy: Array, cache: _ShardCache) -> tuple[Array | None, Array, Array]:
-        """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None if not layer.need_dx, dw (F, C, K, K), db (F,))."""
+        """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None if not layer.need_dx, dw (F, C, K, K), db (F,)).
+
+        With a fused tail dy is the gradient of the tail's output; each participant gets
+        the channels its slice's tail backward reads (``tinyconv.block.grad_span``).
+        """
         index, name = self._lookup(layer)
         be = self.backend
+        total = layer.out_channels
+        tail = self._tails.get(name, [])
         spans = slices(cache.counts)
         t0 = time.perf_counter()
 
@@ -336,16 +382,22 @@ class ShardedConv:
         messages = {}
         for k, (s, e) in zip(self.who, spans, strict=True):
             if k != MASTER and s < e:
-                dy_k = np.ascontiguousarray(dy_host[:, s:e], dtype=np.float32)
-                messages[k] = Message(
-                    "conv_backward", {"task": 0, "step": cache.step, "layer": index}, {"dy": dy_k}
-                )
+                gs, ge = grad_span(s, e, total, tail)
+                dy_k = np.ascontiguousarray(dy_host[:, gs:ge], dtype=np.float32)
+                header = {"task": 0, "step": cache.step, "layer": index}
+                if tail:
+                    header["dy_from"] = gs - extended(s, e, total, tail)[0]
+                messages[k] = Message("conv_backward", header, {"dy": dy_k})
 
         local = None
         if (span := self._master_span(spans)) is not None:
             s, e = span
-            dy_m = dy if master_only else be.asarray(np.ascontiguousarray(dy_host[:, s:e]))
-            local = partial(be.conv2d_backward, dy_m, cache.master_cache, layer.need_dx)
+            if master_only:
+                dy_m, dy_from = dy, 0
+            else:
+                gs, ge = grad_span(s, e, total, tail)
+                dy_m, dy_from = be.asarray(np.ascontiguousarray(dy_host[:, gs:ge])), gs - extended(s, e, total, tail)[0]
+            local = partial(block_backward, be, dy_m, cache.master_cache, dy_from, layer.need_dx)
         replies, mine, master_s = self._scatter_gather("conv_backward", name, messages, local)
 
         if master_only:

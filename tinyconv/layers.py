@@ -30,6 +30,9 @@ class Layer:
         self.buffers: dict[str, Array] = {}  # state that is saved but not trained
         self.decay: set[str] = set()  # parameter names that get weight decay
         self.cache: Any = None
+        # True when a distributed Conv2D before it computes this layer on each worker's
+        # channels (tinyconv/distributed.py, "fused tail"); the network then skips it
+        self.fused = False
 
     def forward(self, x: Array, training: bool = True) -> Array:
         raise NotImplementedError

@@ -54,13 +54,16 @@ class Network:
     def forward(self, x: Array, training: bool = True) -> Array:
         """x (N, 3, 32, 32) backend array -> logits (N, classes)."""
         for layer in self.layers:
-            x = layer.forward(x, training)
+            if not layer.fused:  # a fused layer was computed inside the conv before it
+                x = layer.forward(x, training)
         return x
 
     def backward(self, dlogits: Array) -> None:
         """Backprop dloss/dlogits through every layer, filling each layer's grads."""
         d = dlogits
         for layer in reversed(self.layers):
+            if layer.fused:
+                continue
             d = layer.backward(d)
             if d is None:  # the first conv does not compute dX
                 break

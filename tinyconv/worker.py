@@ -46,7 +46,7 @@ THREAD_ENV_VARS = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
 )
-DEFAULT_MAX_CALIBRATE_BYTES = 1 << 30
+DEFAULT_MAX_CALIBRATE_BYTES = 1 << 31  # 500:1500 with its tail at batch 64 needs about 1.6 GB
 # = transports.zmq_transport.EXIT_INTERRUPTED; not imported from there, which would load numpy
 EXIT_INTERRUPTED = 130
 
@@ -60,9 +60,8 @@ class _Forward:
     """What a conv_forward leaves for the matching conv_backward."""
 
     step: int
-    cache: Any
+    cache: Any  # a tinyconv.block.BlockCache
     need_dx: bool
-    y_shape: tuple[int, ...]
 
 
 class ConvWorker:
@@ -119,6 +118,9 @@ class ConvWorker:
 
     # ---- tasks ----------------------------------------------------------------------
     def _conv_forward(self, msg: Message) -> Message:
+        import numpy as np
+
+        from tinyconv.block import block_forward
         from transports.base import Message
 
         h, a = msg.header, msg.arrays
@@ -133,19 +135,23 @@ class ConvWorker:
         stride, padding = h["stride"], h["padding"]
         if stride < 1 or padding < 0:
             raise TaskError(f"{where}: need stride >= 1 and padding >= 0, got {stride} and {padding}")
-        _fits(x.shape[2:], w.shape[2:], stride, padding)
+        oh, ow = _fits(x.shape[2:], w.shape[2:], stride, padding)
+        tail, own = self._tail(where, h.get("tail", []), (oh, ow)), h.get("own", [0, w.shape[0]])
+        if not (len(own) == 2 and all(_is_int(v) for v in own) and 0 <= own[0] < own[1] <= w.shape[0]):
+            raise TaskError(f"{where}: own must be [lo, hi] with 0 <= lo < hi <= {w.shape[0]} kernels, got {own}")
 
         be = self.backend
         t0 = time.perf_counter()
-        y, cache = be.conv2d_forward(be.asarray(x), be.asarray(w), be.asarray(b), stride, padding)
-        y = be.to_numpy(y)
+        y, cache = block_forward(be, be.asarray(x), be.asarray(w), be.asarray(b), stride, padding, tail, tuple(own))
+        y = np.ascontiguousarray(be.to_numpy(y))
         be.synchronize()
         compute_s = self._emulate(time.perf_counter() - t0)
-        self._forwards[h["layer"]] = _Forward(h["step"], cache, h["need_dx"], tuple(y.shape))
+        self._forwards[h["layer"]] = _Forward(h["step"], cache, h["need_dx"])
         header = {"task": h["task"], "step": h["step"], "layer": h["layer"], "compute_s": compute_s}
         return Message("result", header, {"y": y})
 
     def _conv_backward(self, msg: Message) -> Message:
+        from tinyconv.block import block_backward
         from transports.base import Message
 
         h, dy = msg.header, msg.arrays["dy"]
@@ -159,19 +165,31 @@ class ConvWorker:
         if fwd.step != step:
             raise TaskError(f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}")
         _check_float32(f"layer {layer} step {step}", dy=dy)
-        if tuple(dy.shape) != fwd.y_shape:
-            raise TaskError(f"layer {layer} step {step}: dy has shape {dy.shape}, the forward output was {fwd.y_shape}")
-        del self._forwards[layer]  # one backward per forward; frees the cache
-
         be = self.backend
         t0 = time.perf_counter()
-        dx, dw, db = be.conv2d_backward(be.asarray(dy), fwd.cache, fwd.need_dx)
+        try:
+            dx, dw, db = block_backward(be, be.asarray(dy), fwd.cache, h.get("dy_from", 0), fwd.need_dx)
+        except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
+            raise TaskError(f"layer {layer} step {step}: {e}") from None
+        del self._forwards[layer]  # one backward per forward; frees the cache
         arrays = {"dw": be.to_numpy(dw), "db": be.to_numpy(db)}
         if fwd.need_dx:
             arrays["dx"] = be.to_numpy(dx)
         be.synchronize()
         compute_s = self._emulate(time.perf_counter() - t0)
         return Message("result", {"task": h["task"], "step": step, "layer": layer, "compute_s": compute_s}, arrays)
+
+    @staticmethod
+    def _tail(where: str, tail: Any, hw: tuple[int, int]) -> list[dict[str, Any]]:
+        """A checked tail spec list (see tinyconv.block) for a conv output of size ``hw``."""
+        from tinyconv.block import check_tail, tail_output_hw
+
+        try:
+            check_tail(tail)
+            tail_output_hw(*hw, tail)
+        except ValueError as e:
+            raise TaskError(f"{where}: {e}") from None
+        return tail
 
     def _calibrate(self, msg: Message) -> Message:
         """Time forward + backward of each layer's exact shape on seeded random values."""
@@ -189,34 +207,41 @@ class ConvWorker:
         be = self.backend
         t_start = time.perf_counter()
         times = []
-        for layer, xs, ws, ys, stride, padding, need_dx in shapes:
+        for layer, xs, ws, ys, stride, padding, need_dx, tail in shapes:
             rng = np.random.default_rng(layer)  # same values on every worker: only the device differs
             x = be.asarray(rng.standard_normal(xs, dtype=np.float32))
             w = be.asarray(rng.standard_normal(ws, dtype=np.float32) * np.float32(0.1))
             b = be.asarray(rng.standard_normal(ws[0], dtype=np.float32))
             dy = be.asarray(rng.standard_normal(ys, dtype=np.float32))
 
-            args = (x, w, b, dy, stride, padding, need_dx)
+            args = (x, w, b, dy, stride, padding, need_dx, tail)
             self._time_once(*args)  # warm-up: first-call costs (allocation, kernel compilation) are not speed
             times.append(statistics.median(self._time_once(*args) for _ in range(repeats)) * self.slowdown)
         compute_s = self._emulate(time.perf_counter() - t_start)
         return Message("result", {"task": msg.header["task"], "times": times, "compute_s": compute_s})
 
-    def _time_once(self, x: Any, w: Any, b: Any, dy: Any, stride: int, padding: int, need_dx: bool) -> float:
+    def _time_once(
+        self, x: Any, w: Any, b: Any, dy: Any, stride: int, padding: int, need_dx: bool, tail: list
+    ) -> float:
+        from tinyconv.block import block_backward, block_forward
+
         be = self.backend
         t0 = time.perf_counter()
-        _, cache = be.conv2d_forward(x, w, b, stride, padding)
-        be.conv2d_backward(dy, cache, need_dx)
+        _, cache = block_forward(be, x, w, b, stride, padding, tail)
+        block_backward(be, dy, cache, 0, need_dx)
         be.synchronize()
         return time.perf_counter() - t0
 
     def _calibration_shape(self, i: int, spec: Any) -> tuple:
-        """Check one calibrate layer spec -> (layer, x, w, y shapes, stride, padding, need_dx)."""
-        allowed = {"layer", "x", "w", "stride", "padding", "need_dx"}
+        """Check one calibrate layer spec -> (layer, x, w, y shapes, stride, padding, need_dx, tail).
+
+        y is the shape of the block's output: after the tail (tinyconv.block), if one is given.
+        """
+        allowed = {"layer", "x", "w", "stride", "padding", "need_dx", "tail"}
         if not isinstance(spec, dict) or not {"layer", "x", "w", "stride", "padding"} <= set(spec) <= allowed:
             raise TaskError(
                 f"layers[{i}] must be a map with layer, x [N,C,H,W], w [F,C,K,K], stride, padding "
-                f"(and optionally need_dx); got {spec!r:.200}"
+                f"(and optionally need_dx, tail); got {spec!r:.200}"
             )
         layer, xs, ws = spec["layer"], spec["x"], spec["w"]
         stride, padding, need_dx = spec["stride"], spec["padding"], spec.get("need_dx", True)
@@ -230,15 +255,18 @@ class ConvWorker:
         n, c, hgt, wid = xs
         f, _, kh, kw = ws
         oh, ow = _fits((hgt, wid), (kh, kw), stride, padding)
-        ys = [n, f, oh, ow]
+        tail = self._tail(f"layers[{i}]", spec.get("tail", []), (oh, ow))
+        from tinyconv.block import tail_output_hw
+
+        ys = [n, f, *tail_output_hw(oh, ow, tail)]
         # the im2col columns dominate: C*KH*KW x N*OH*OW, next to x, dx, w, y and dy
-        floats = c * kh * kw * n * oh * ow + 2 * math.prod(xs) + math.prod(ws) + 2 * math.prod(ys)
+        floats = c * kh * kw * n * oh * ow + 2 * math.prod(xs) + math.prod(ws) + 6 * n * f * oh * ow
         if 4 * floats > self.max_calibrate_bytes:
             raise TaskError(
                 f"layers[{i}]: timing x {xs}, w {ws} needs about {4 * floats} bytes, over this worker's "
                 f"limit of {self.max_calibrate_bytes}"
             )
-        return layer, tuple(xs), tuple(ws), tuple(ys), stride, padding, need_dx
+        return layer, tuple(xs), tuple(ws), tuple(ys), stride, padding, need_dx, tail
 
     def _emulate(self, compute_s: float) -> float:
         """Apply the slowdown factor: wait the extra time, return the time to report."""

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: conv_forward may carry a fused tail (tinyconv/block.py)
 
 # Message kinds. Master -> worker: calibrate, conv_forward, conv_backward, shutdown.
 # Worker -> master: hello (first), result, error. Either way: heartbeat.

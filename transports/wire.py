@@ -104,9 +104,9 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
     "calibrate": ({"task": _Int, "layers": list, "repeats": _Int}, {}),
     "conv_forward": (
         {"task": _Int, "step": _Int, "layer": _Int, "stride": _Int, "padding": _Int, "need_dx": bool},
-        {},
+        {"tail": list, "own": _NumList},  # a fused tail (tinyconv/block.py); the worker checks it
     ),
-    "conv_backward": ({"task": _Int, "step": _Int, "layer": _Int}, {}),
+    "conv_backward": ({"task": _Int, "step": _Int, "layer": _Int}, {"dy_from": _Int}),
     "result": ({"task": _Int, "compute_s": _Num}, {"step": _Int, "layer": _Int, "times": _NumList}),
     "error": ({"message": str}, {"task": _Int, "step": _Int, "layer": _Int}),
     "heartbeat": ({}, {}),

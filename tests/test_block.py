@@ -1,0 +1,182 @@
+"""Conv blocks on kernel slices (tinyconv/block.py): with the halo, slices give the unsharded numbers.
+
+The reference is the plain layer sequence conv -> tail on all kernels; each case cuts
+the kernels into slices (some narrower than the halo, some at the edges), computes each
+slice's block on its own, and checks the concatenated outputs, the concatenated dW/db
+rows and the summed partial dX against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends.numpy_backend import NumpyBackend
+from tinyconv.balance import slices
+from tinyconv.block import block_backward, block_forward, check_tail, extended, grad_span, halo, tail_of
+from tinyconv.distributed import ShardedConv
+from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.model import Network, paper_net
+from tinyconv.worker import ConvWorker
+from transports.inproc import InprocTransport
+
+TIMEOUT = 20.0
+RELU = {"op": "relu"}
+POOL = {"op": "maxpool", "kernel": 3, "stride": 2, "padding": 1}
+
+
+def lrn(size: int) -> dict:
+    # a large alpha makes the cross-channel terms matter: a wrong halo would show
+    return {"op": "lrn", "size": size, "alpha": 2.0, "beta": 0.75, "k": 1.0}
+
+
+def assert_close(got, ref):
+    got = np.asarray(got)
+    err, tol = float(np.abs(got - ref).max()), 1e-5 * float(np.abs(ref).max()) + 1e-7
+    assert got.shape == ref.shape and err <= tol, (got.shape, ref.shape, err, tol)
+
+
+def reference(be, x, w, b, tail, g):
+    """The unsharded block, layer by layer: (y, dx, dw, db) for upstream gradient g."""
+    y, conv_cache = be.conv2d_forward(x, w, b, 1, 1)
+    caches = []
+    for spec in tail:
+        if spec["op"] == "relu":
+            y, c = be.relu_forward(y)
+        elif spec["op"] == "lrn":
+            y, c = be.lrn_forward(y, spec["size"], spec["alpha"], spec["beta"], spec["k"])
+        else:
+            y, c = be.maxpool_forward(y, spec["kernel"], spec["stride"], spec["padding"])
+        caches.append((spec, c))
+    if g is None:
+        return y
+    d = g
+    for spec, c in reversed(caches):
+        d = {"relu": be.relu_backward, "lrn": be.lrn_backward, "maxpool": be.maxpool_backward}[spec["op"]](d, c)
+    dx, dw, db = be.conv2d_backward(d, conv_cache, True)
+    return y, dx, dw, db
+
+
+TAILS = [
+    [],
+    [RELU, POOL],
+    [RELU, lrn(5), POOL],  # the paper's block
+    [lrn(4)],  # an even window: 2 channels before, 1 after
+    [lrn(3), RELU, lrn(5)],  # two cross-channel layers: the halos add up
+]
+
+
+@pytest.mark.parametrize("tail", TAILS, ids=lambda t: "+".join(s["op"] + str(s.get("size", "")) for s in t) or "none")
+@pytest.mark.parametrize("counts", [[11], [5, 6], [1, 9, 1], [3, 0, 2, 6], [1, 1, 1, 8]])
+def test_slices_with_halo_equal_the_whole_block(rng, tail, counts):
+    be = NumpyBackend()
+    total = sum(counts)
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    w = rng.standard_normal((total, 3, 3, 3), dtype=np.float32)
+    b = rng.standard_normal(total, dtype=np.float32)
+    y_ref = reference(be, x, w, b, tail, None)
+    g = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    y_ref, dx_ref, dw_ref, db_ref = reference(be, x, w, b, tail, g)
+
+    ys, dws, dbs, dx = [], [], [], np.zeros_like(x)
+    for s, e in slices(counts):
+        if s == e:
+            continue
+        cs, ce = extended(s, e, total, tail)
+        y, cache = block_forward(be, x, w[cs:ce], b[cs:ce], 1, 1, tail, (s - cs, e - cs))
+        ys.append(np.asarray(y))
+        gs, ge = grad_span(s, e, total, tail)
+        dx_k, dw_k, db_k = block_backward(be, np.ascontiguousarray(g[:, gs:ge]), cache, gs - cs, True)
+        dws.append(dw_k)
+        dbs.append(db_k)
+        dx += dx_k
+    assert_close(np.concatenate(ys, axis=1), y_ref)
+    assert_close(np.concatenate(dws), dw_ref)
+    assert_close(np.concatenate(dbs), db_ref)
+    assert_close(dx, dx_ref)
+
+
+def test_halo_sizes():
+    assert halo([]) == (0, 0, 0)
+    assert halo([RELU, lrn(5), POOL]) == (4, 2, 2)
+    assert halo([lrn(4)]) == (3, 1, 2)  # window [i - 2, i + 1]: backward reads [j - 1, j + 2]
+    assert extended(0, 3, 10, [lrn(5)]) == (0, 7)
+    assert extended(4, 6, 10, [lrn(5)]) == (0, 10)
+    assert grad_span(4, 6, 10, [lrn(4)]) == (3, 8)
+
+
+def test_a_gradient_that_misses_the_halo_is_refused(rng):
+    be = NumpyBackend()
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    w = rng.standard_normal((9, 3, 3, 3), dtype=np.float32)
+    _, cache = block_forward(be, x, w, np.zeros(9, np.float32), 1, 1, [lrn(5)], (4, 5))
+    with pytest.raises(ValueError, match=r"covering computed channels \[2, 7\) of 9"):
+        block_backward(be, np.zeros((2, 3, 8, 8), np.float32), cache, 3)  # channels [3, 6) only
+
+
+@pytest.mark.parametrize(
+    "tail, complaint",
+    [
+        ({"op": "relu"}, "must be a list"),
+        ([{"op": "softmax"}], "op one of"),
+        ([{"op": "lrn", "size": 5}], "needs exactly the keys"),
+        ([{"op": "maxpool", "kernel": 3, "stride": True, "padding": 1}], "stride must be an int"),
+        ([{"op": "lrn", "size": 0, "alpha": 1.0, "beta": 0.75, "k": 2.0}], "1 <= size <= 64"),
+        ([{"op": "maxpool", "kernel": 2, "stride": 2, "padding": 2}], "padding < kernel"),
+    ],
+)
+def test_bad_tails_are_refused_with_the_reason(tail, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        check_tail(tail)
+
+
+def test_tail_of_takes_the_per_channel_run_after_a_conv():
+    be = NumpyBackend()
+    net = paper_net(be, 4, 6)
+    assert [s["op"] for s in tail_of(net.layers[1:])] == ["relu", "lrn", "maxpool"]
+    assert tail_of(paper_net(be, 4, 6, norm="batch").layers[1:]) == [RELU]  # batch norm has parameters: not fused
+    assert tail_of([]) == []
+
+
+def test_a_fused_network_gives_the_plain_numbers_and_detach_restores_it(rng):
+    be = NumpyBackend()
+    layers = [
+        Conv2D(be, 3, 9, 3, 1, 1, need_dx=False),
+        ReLU(be),
+        LocalResponseNorm(be, alpha=1.0),
+        MaxPool2D(be, 2, 2),
+        Conv2D(be, 9, 7, 3, 1, 1),
+        ReLU(be),
+    ]
+    for conv in (layers[0], layers[4]):
+        conv.params["w"] = rng.standard_normal(conv.params["w"].shape, dtype=np.float32)
+        conv.params["b"] = rng.standard_normal(conv.params["b"].shape, dtype=np.float32)
+    net = Network(be, layers, {})
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    y_ref = net.forward(x)
+    g = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    net.backward(g)
+    ref = [np.copy(layer.grads[k]) for layer in (layers[0], layers[4]) for k in ("w", "b")]
+
+    transport = InprocTransport(lambda i: ConvWorker(NumpyBackend()))
+    try:
+        workers = transport.start(2, timeout=TIMEOUT)
+        sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        assert [layer.fused for layer in layers] == [False, True, True, True, False, True]
+        sharded.set_plan("conv1", [2, 1, 6])
+        sharded.set_plan("conv2", [0, 4, 3])
+        for _ in range(2):
+            assert_close(net.forward(x), y_ref)
+            net.backward(g)
+            got = [layer.grads[k] for layer in (layers[0], layers[4]) for k in ("w", "b")]
+            for a, r in zip(got, ref, strict=True):
+                assert_close(a, r)
+            record = sharded.end_step()
+            # each worker got its slice plus the halo, and returned only its own channels
+            assert record["shares"] == {"conv1": [2, 1, 6], "conv2": [0, 4, 3]}
+        sharded.detach(net)
+        assert not any(layer.fused for layer in layers) and layers[0].distributor is None
+        assert_close(net.forward(x), y_ref)
+    finally:
+        transport.close()
