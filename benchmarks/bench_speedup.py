@@ -88,13 +88,19 @@ def main() -> None:
     p.add_argument("--norm", default="lrn", choices=("lrn", "batch", "none"))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=3, help="untimed distributed steps first (rebalancing settles)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed distributed steps first (rebalancing settles)")
     p.add_argument("--backend", default="numpy", help="backend of the master and the worker")
     p.add_argument(
         "--fuse",
         choices=("on", "off"),
         default="on",
         help="on: the worker also runs each conv's ReLU/LRN/pool on its channels; off: the paper's conv-only split",
+    )
+    p.add_argument(
+        "--dx",
+        choices=("auto", "channels", "split"),
+        default="auto",
+        help="how dX is split: by input channels from the gathered conv gradient, or by kernels (split, the paper's)",
     )
     args = p.parse_args()
     c1, c2 = parse_arch(args.arch)
@@ -103,7 +109,7 @@ def main() -> None:
         os.sched_setaffinity(0, {0})  # the master: core 0
     be = get_backend(args.backend)
     print(
-        f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, fuse {args.fuse}, "
+        f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, fuse {args.fuse}, dx {args.dx}, "
         f"1 BLAS thread per process, master on core 0, worker on core 1 ({'taskset' if taskset else 'unpinned'})"
     )
     rng = np.random.default_rng(0)
@@ -132,7 +138,14 @@ def main() -> None:
     try:
         workers = transport.start(1, timeout=60)
         dist = ShardedConv(
-            transport, workers, be, master_share="auto", rebalance=True, recv_timeout=600, fuse=args.fuse == "on"
+            transport,
+            workers,
+            be,
+            master_share="auto",
+            rebalance=True,
+            recv_timeout=600,
+            fuse=args.fuse == "on",
+            dx=args.dx,
         )
         calib = dist.calibrate(net, args.batch)
         print(f"calibrated times (s, master/worker per layer): {calib['times']} -> shares {calib['shares']}")

@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the master (default %(default)s)",
     )
     g.add_argument(
+        "--dx",
+        choices=("auto", "channels", "split"),
+        default="auto",
+        help="how each conv's input gradient is split: split = by kernels, every participant a full-size "
+        "partial dX, summed (the paper's way); channels = the conv-output gradient is gathered and each "
+        "participant computes dX for its share of the input channels (no duplicated work, more bytes); "
+        "auto = channels with at most 2 workers, else split (default %(default)s)",
+    )
+    g.add_argument(
         "--start-timeout",
         type=float,
         help="seconds to wait for every worker's hello (default 60; 600 with --external-workers)",
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     master_share=args.master_share,
                     rebalance=args.rebalance == "on",
                     fuse=args.fuse == "on",
+                    dx=args.dx,
                 )
             metrics.write(
                 "run",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.balance import Rebalancer, kernel_counts
+from tinyconv.balance import Rebalancer, kernel_counts, slices
 from tinyconv.data import synthetic_dataset
 from tinyconv.distributed import ShardedConv, conv_input_shapes
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
@@ -71,8 +71,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dx_mode", ["split", "channels"])
 @pytest.mark.parametrize("n, master_share, plan, need_dx, stride, padding", CASES)
-def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stride, padding):
+def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stride, padding, dx_mode):
     conv, net = conv_and_reference(rng, stride=stride, padding=padding, need_dx=need_dx)
     be = conv.backend
     x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
@@ -81,7 +82,7 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     dx_ref, dw_ref, db_ref = be.conv2d_backward(dy, cache, need_dx)
 
     with inproc_pool(n) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT)
+        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, dx=dx_mode)
         sharded.attach(net)
         if plan is not None:
             sharded.set_plan("conv1", plan)
@@ -106,17 +107,27 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     assert record["shares"] == {"conv1": counts}
     assert record["participants"] == (["master"] if master_share == "auto" else []) + [f"worker{i}" for i in range(n)]
     # bytes: every worker with kernels gets x, its w and b rows and its dy channels, and returns
-    # its y channels, dw and db rows, and a whole partial dx if the layer needs one
-    worker_counts = counts[1:] if master_share == "auto" else counts
+    # its y channels, dw and db rows, and a whole partial dx if the layer needs one -- or, with dX
+    # split by channels, its conv-output gradient (the size of its y channels), then gets all of it
+    # and the weights of its input channels, and returns dx of those channels
+    channels = slices(kernel_counts([float(k) for k in counts], 3))
+    worker = slice(1, None) if master_share == "auto" else slice(None)
     oh = ow = y_ref.shape[2]
     sent = recv = 0
-    for k in worker_counts:
+    for k, (c0, c1) in zip(counts[worker], channels[worker], strict=True):
         if k:
             sent += x.nbytes + k * 3 * 9 * F4 + k * F4 + 2 * k * oh * ow * F4
-            recv += 2 * k * oh * ow * F4 + k * 3 * 9 * F4 + k * F4 + (x.nbytes if need_dx else 0)
+            recv += 2 * k * oh * ow * F4 + k * 3 * 9 * F4 + k * F4
+            if need_dx and dx_mode == "split":
+                recv += x.nbytes
+            elif need_dx:
+                recv += 2 * k * oh * ow * F4
+                if c1 > c0:
+                    sent += y_ref.nbytes + 7 * (c1 - c0) * 9 * F4
+                    recv += 2 * (c1 - c0) * 9 * 9 * F4
     assert (record["bytes_sent"], record["bytes_recv"]) == (sent, recv)
     assert len(record["participant_conv_s"]) == len(counts)
-    assert all((s > 0) == (c > 0) for s, c in zip(record["participant_conv_s"], counts, strict=True))
+    assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in counts]
 
 
 def test_default_plan_is_an_equal_split(rng):
@@ -312,7 +323,7 @@ def test_calibration_splits_by_eq1(rng):
     be = NumpyBackend()
     net = paper_net(be, 6, 48, seed=0, image_size=8)
     with metered_pool([1.0, 2.0, 4.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, dx="split")
         result = sharded.calibrate(net, batch_size=2, image_size=8)
     assert result["participants"] == ["worker0", "worker1", "worker2"]
     assert result["times"]["conv2"] == pytest.approx([0.048, 0.096, 0.192])
@@ -356,7 +367,7 @@ def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
     x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
     costs = [(0.025, 0.0005), (0.05, 0.001)]  # per op
     with inproc_pool(2, lambda i: AffineMeteredWorker(NumpyBackend(), *costs[i])) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, dx="split")
         result = sharded.calibrate(net, batch_size=1, image_size=5)
         assert result["times"]["conv1"] == pytest.approx([0.146, 0.292])
         assert result["shares"]["conv1"] == [64, 32]  # eq. 1
@@ -383,7 +394,7 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     _, dw_ref, _ = be.conv2d_backward(dy, cache, True)
     shares = []
     with metered_pool([1.0, 2.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, dx="split")
         sharded.attach(net)  # no calibration: starts from the equal split
         for _ in range(12):
             assert_close(conv.forward(x), y_ref)
@@ -405,13 +416,15 @@ def test_rebalance_off_keeps_the_plan(rng):
     conv, net = conv_and_reference(rng, c_in=2, c_out=12)
     x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
     with metered_pool([1.0, 3.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", rebalance=False)
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", rebalance=False, dx="split")
         sharded.attach(net)
         for _ in range(5):
             y = conv.forward(x)
             conv.backward(np.ones_like(y))
             assert sharded.end_step()["shares"]["conv1"] == [6, 6]
-        eager = ShardedConv(transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1))
+        eager = ShardedConv(
+            transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1), dx="split"
+        )
         eager.attach(net)
         y = conv.forward(x)
         conv.backward(np.ones_like(y))
@@ -432,7 +445,7 @@ def test_sharded_conv_over_zmq_with_worker_processes(rng):
         procs = spawn_local_workers(2, transport.bound_address, threads=1)
         try:
             workers = transport.start(2, timeout=TIMEOUT)
-            sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
+            sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, dx="split")
             sharded.attach(net)
             sharded.set_plan("conv1", [2, 4, 2])
             assert_close(conv.forward(x), y_ref)
@@ -451,7 +464,7 @@ def test_sharded_conv_over_zmq_with_worker_processes(rng):
             for layer in reversed(block.layers):
                 dx_ref = layer.backward(dx_ref)
             dw_ref, db_ref = np.copy(conv.grads["w"]), np.copy(conv.grads["b"])
-            fused = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
+            fused = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, dx="channels")
             fused.attach(block)
             fused.set_plan("conv1", [2, 4, 2])
             assert_close(block.forward(x), out_ref)

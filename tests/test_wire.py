@@ -198,7 +198,7 @@ DY = {"name": "dy", "dtype": "float32", "shape": [2, 3]}
         (conv_backward({**DY, "shape": [1] * 7}, bytes(4)), "at most 6"),
         (conv_backward({**DY, "shape": "2,3"}, bytes(24)), "at most 6"),
         (conv_backward({**DY, "name": ""}, bytes(24)), "non-empty str name"),
-        (conv_backward({**DY, "name": "dz"}, bytes(24)), "missing array\\(s\\) dy"),
+        (conv_backward({**DY, "name": "dz"}, bytes(24)), "unexpected array\\(s\\) dz; allowed: dy"),
         (conv_backward({"name": "dy", "dtype": "float32"}, bytes(24)), "keys name, dtype, shape"),
         (conv_backward(["dy", "float32", [2, 3]], bytes(24)), "keys name, dtype, shape"),
         (raw(envelope(kind="error", header={"message": "x"}, arrays=[DY]), bytes(24)), "carries no arrays"),

@@ -37,8 +37,9 @@ def forward(task=1, step=0, layer=0, x=X, w=W, b=B, stride=1, padding=1, need_dx
     return Message("conv_forward", header, {"x": x, "w": w, "b": b})
 
 
-def backward(dy, task=2, step=0, layer=0) -> Message:
-    return Message("conv_backward", {"task": task, "step": step, "layer": layer}, {"dy": dy})
+def backward(dy, task=2, step=0, layer=0, part=None) -> Message:
+    header = {"task": task, "step": step, "layer": layer} | ({"part": part} if part else {})
+    return Message("conv_backward", header, {} if dy is None else {"dy": dy})
 
 
 def error_text(reply: Message) -> str:
@@ -90,9 +91,51 @@ def test_need_dx_false_returns_no_dx_and_layers_keep_separate_caches():
     assert set(r0.arrays) == {"dw", "db"} and r0.arrays["dw"].shape == W.shape
 
 
+def test_a_backward_in_two_parts_gives_the_conv_gradient_then_the_weights():
+    be = NumpyBackend()
+    worker = ConvWorker(NumpyBackend())
+    _, cache = be.conv2d_forward(X, W, B, 1, 1)
+    dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
+    _, dw_ref, db_ref = be.conv2d_backward(dy, cache, True)
+    worker.handle(forward())
+    r = worker.handle(backward(dy, part="dyc"))
+    check_message(r)
+    assert set(r.arrays) == {"dyc"}
+    np.testing.assert_array_equal(r.arrays["dyc"], dy)  # no tail: the conv-output gradient is dy itself
+    r = worker.handle(backward(None, task=3, part="weights"))
+    assert set(r.arrays) == {"dw", "db"}  # no dx: the master computes it
+    np.testing.assert_array_equal(r.arrays["dw"], dw_ref)
+    np.testing.assert_array_equal(r.arrays["db"], db_ref)
+    assert "no conv_forward" in error_text(worker.handle(backward(None, part="weights")))
+
+
+def test_the_weights_part_can_compute_dx_of_some_input_channels():
+    be = NumpyBackend()
+    worker = ConvWorker(NumpyBackend())
+    _, cache = be.conv2d_forward(X, W, B, 1, 1)
+    dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
+    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    worker.handle(forward())
+    worker.handle(backward(dy, part="dyc"))
+    msg = backward(None, task=3, part="weights")
+    msg.header["dx_channels"] = [1, 3]
+    msg.arrays.update(dyc=dy, w=np.ascontiguousarray(W[:, 1:3]))
+    r = worker.handle(msg)
+    assert set(r.arrays) == {"dx", "dw", "db"}
+    np.testing.assert_allclose(r.arrays["dx"], dx_ref[:, 1:3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(r.arrays["dw"], dw_ref)
+    worker.handle(forward())
+    worker.handle(backward(dy, part="dyc"))
+    msg.arrays["w"] = np.ascontiguousarray(W[:, :1])  # one channel of weights for two channels of dx
+    assert "needs w (F, 2, 3, 3)" in error_text(worker.handle(msg))
+
+
 @pytest.mark.parametrize(
     ("steps", "complaint"),
     [
+        ([forward(), backward(None, part="weights")], "send part 'dyc' first"),
+        ([forward(), backward(None)], r"part whole takes the arrays \['dy'\], got none"),
+        ([forward(), backward(np.ones((2, 5, 8, 8), np.float32), part="all")], "part must be 'dyc' or 'weights'"),
         ([backward(np.ones((2, 5, 8, 8), np.float32))], "no conv_forward of this layer"),
         ([forward(step=1), backward(np.ones((2, 5, 8, 8), np.float32), step=2)], "last forward was step 1"),
         ([forward(), backward(np.ones((2, 5, 7, 8), np.float32))], r"dy \(2, 5, 7, 8\) from channel 0 does not fit"),

@@ -191,7 +191,16 @@ def block_backward(
 ) -> tuple[Array | None, Array, Array]:
     """dy: the tail-output gradient for computed kernels [dy_from, dy_from + dy.shape[1]), which must
     cover :func:`grad_span` of the owned ones. Returns (partial dx (N, C, H, W) or None,
-    dw (hi - lo, C, K, K), db (hi - lo,)) for the owned kernels [lo, hi)."""
+    dw (hi - lo, C, K, K), db (hi - lo,)) for the owned kernels [lo, hi).
+
+    The two halves, :func:`tail_backward` and :func:`conv_backward`, can run apart: with dX
+    split by input channels (ShardedConv's ``dx="channels"``) a worker returns the conv-output
+    gradient between them, for the master to gather."""
+    return conv_backward(be, tail_backward(be, dy, cache, dy_from), cache, need_dx)
+
+
+def tail_backward(be: Backend, dy: Array, cache: BlockCache, dy_from: int = 0) -> Array:
+    """The tail's backward: the conv-output gradient (N, computed, OH, OW), zero outside the owned kernels."""
     lo, hi = cache.own
     n, computed, oh, ow = cache.out_shape
     _, before, after = halo(cache.specs)
@@ -226,7 +235,20 @@ def block_backward(
         host[:, :lo] = 0
         host[:, hi:] = 0
         d = be.asarray(host)
+    return d
+
+
+def owned(be: Backend, d: Array, cache: BlockCache) -> np.ndarray:
+    """The owned kernels' channels [lo, hi) of a conv-output gradient from :func:`tail_backward` (host)."""
+    lo, hi = cache.own
+    return be.to_numpy(d)[:, lo:hi]
+
+
+def conv_backward(be: Backend, d: Array, cache: BlockCache, need_dx: bool = True) -> tuple[Array | None, Array, Array]:
+    """The convolution's backward from :func:`tail_backward`'s gradient: (partial dx or None, dw, db)
+    with dw, db the owned kernels' rows."""
+    lo, hi = cache.own
     dx, dw, db = be.conv2d_backward(d, cache.conv, need_dx)
-    if (lo, hi) != (0, computed):
+    if (lo, hi) != (0, cache.computed):
         dw, db = be.take_kernels(dw, lo, hi), be.take_kernels(db, lo, hi)
     return dx, dw, db

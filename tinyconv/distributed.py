@@ -39,7 +39,17 @@ import numpy as np
 
 from backends.base import Array, Backend, conv_output_size
 from tinyconv.balance import Rebalancer, kernel_counts, slices, speed_weights
-from tinyconv.block import block_backward, block_forward, extended, grad_span, tail_of, tail_output_hw
+from tinyconv.block import (
+    block_backward,
+    block_forward,
+    conv_backward,
+    extended,
+    grad_span,
+    owned,
+    tail_backward,
+    tail_of,
+    tail_output_hw,
+)
 from tinyconv.layers import Conv2D, Linear, MaxPool2D
 from tinyconv.model import Network
 from transports.base import Message, Transport, WorkerInfo
@@ -48,6 +58,7 @@ log = logging.getLogger(__name__)
 
 MASTER = -1  # the master's place in a participant list; workers are their transport indices
 MASTER_SHARES = ("auto", "0")
+DX_MODES = ("auto", "channels", "split")
 
 
 def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> list[tuple[int, int, int, int]]:
@@ -123,6 +134,12 @@ class ShardedConv:
     ``recv_timeout``: seconds every worker has to answer one conv op or calibration.
     ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on
     its own channels (see :meth:`attach`); False is the paper's split, conv only.
+    ``dx``: how a layer's input gradient is split. "split" -- each participant its
+    kernels' full-size partial dX, summed on the master (the paper's way: every participant
+    pays a whole col2im). "channels" -- the conv-output gradient is gathered and every
+    participant computes dX for a slice of the *input* channels, sized like its kernel
+    share (:meth:`_backward_dx_by_channels`): no duplicated work, more bytes on the wire.
+    "auto" -- "channels" with at most 2 workers, else "split".
     """
 
     def __init__(
@@ -136,6 +153,7 @@ class ShardedConv:
         calibration_repeats: int = 3,
         rebalancer: Rebalancer | None = None,
         fuse: bool = True,
+        dx: str = "auto",
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -156,6 +174,11 @@ class ShardedConv:
         self.calibration_repeats = calibration_repeats
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
         self.fuse = fuse
+        if dx not in DX_MODES:
+            raise ValueError(f"dx must be one of {', '.join(DX_MODES)}, got {dx!r}")
+        # "auto": gathering the conv-output gradient costs every worker the whole of it in bytes,
+        # which a LAN feels with many workers
+        self.dx_by_channels = dx == "channels" or (dx == "auto" and len(workers) <= 2)
         self._tails: dict[str, list[dict[str, Any]]] = {}  # layer name -> its fused tail (tinyconv/block.py)
         # participants: the master first if it takes part, then workers by index
         self.who: list[int] = ([MASTER] if master_share == "auto" else []) + sorted(self.workers)
@@ -240,9 +263,7 @@ class ShardedConv:
         self.attach(net)
         convs = net.conv_layers()
         specs = []
-        for i, (conv, x_shape) in enumerate(
-            zip(convs, conv_input_shapes(net, batch_size, image_size), strict=True)
-        ):
+        for i, (conv, x_shape) in enumerate(zip(convs, conv_input_shapes(net, batch_size, image_size), strict=True)):
             w_shape = [conv.out_channels, conv.in_channels, conv.kernel, conv.kernel]
             specs.append(
                 {
@@ -265,9 +286,7 @@ class ShardedConv:
         if MASTER in self.who:
             reply = ConvWorker(self.backend).handle(Message("calibrate", {"task": 0, **header}))
             if reply.kind == "error":
-                raise RuntimeError(
-                    f"the master could not benchmark its own backend: {reply.header['message']}"
-                )
+                raise RuntimeError(f"the master could not benchmark its own backend: {reply.header['message']}")
             times[MASTER] = self._calibration_times(MASTER, reply, len(specs))
 
         result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "shapes": {}}
@@ -389,51 +408,135 @@ class ShardedConv:
                     header["dy_from"] = gs - extended(s, e, total, tail)[0]
                 messages[k] = Message("conv_backward", header, {"dy": dy_k})
 
-        local = None
+        dy_m = dy_from_m = None
         if (span := self._master_span(spans)) is not None:
             s, e = span
             if master_only:
-                dy_m, dy_from = dy, 0
+                dy_m, dy_from_m = dy, 0
             else:
                 gs, ge = grad_span(s, e, total, tail)
-                dy_m, dy_from = be.asarray(np.ascontiguousarray(dy_host[:, gs:ge])), gs - extended(s, e, total, tail)[0]
-            local = partial(block_backward, be, dy_m, cache.master_cache, dy_from, layer.need_dx)
-        replies, mine, master_s = self._scatter_gather("conv_backward", name, messages, local)
+                dy_m = be.asarray(np.ascontiguousarray(dy_host[:, gs:ge]))
+                dy_from_m = gs - extended(s, e, total, tail)[0]
 
-        if master_only:
-            dx, dw, db = mine
-        else:
-            w_shape = (layer.in_channels, layer.kernel, layer.kernel)
-            dws, dbs, dxs = [], [], []
-            for k, (s, e) in zip(self.who, spans, strict=True):
-                if s == e:
-                    continue
-                if k == MASTER:
-                    dx_k, dw_k, db_k = mine
-                    dws.append(be.to_numpy(dw_k))
-                    dbs.append(be.to_numpy(db_k))
-                    if layer.need_dx:
-                        dxs.append(be.to_numpy(dx_k))
-                else:
-                    dws.append(self._reply_array(k, replies[k], "dw", (e - s, *w_shape)))
-                    dbs.append(self._reply_array(k, replies[k], "db", (e - s,)))
-                    if layer.need_dx:
-                        dxs.append(self._reply_array(k, replies[k], "dx", cache.x_shape))
-            dw = be.asarray(np.concatenate(dws, axis=0))
-            db = be.asarray(np.concatenate(dbs, axis=0))
+        if master_only or not (layer.need_dx and self.dx_by_channels):
+            local = None
+            if dy_m is not None:
+                local = partial(block_backward, be, dy_m, cache.master_cache, dy_from_m, layer.need_dx)
+            replies, mine, master_s = self._scatter_gather("conv_backward", name, messages, local)
+            stats = self._stats(t0, messages, replies, master_s)
+            if master_only:
+                dx, dw, db = mine
+                self._done.append((name, cache.counts, cache.forward, stats))
+                return dx, dw, db
             dx = None
-            if layer.need_dx:
-                total = np.array(dxs[0], dtype=np.float32, copy=True)
-                for part in dxs[1:]:
-                    if part.shape != total.shape:
-                        raise RuntimeError(
-                            f"{name}: partial dx shapes differ: {total.shape} and {part.shape}"
+            if layer.need_dx:  # the partial dX of every participant, summed
+                dx = np.zeros(cache.x_shape, np.float32)
+                for k, (s, e) in zip(self.who, spans, strict=True):
+                    if s < e:
+                        dx += (
+                            be.to_numpy(mine[0])
+                            if k == MASTER
+                            else self._reply_array(k, replies[k], "dx", cache.x_shape)
                         )
-                    total += part
-                dx = be.asarray(total)
-        stats = self._stats(t0, messages, replies, master_s)
+                dx = be.asarray(dx)
+        else:
+            dx, mine, replies, stats = self._backward_dx_by_channels(
+                layer, name, cache, spans, messages, dy_m, dy_from_m, t0
+            )
+
+        w_shape = (layer.in_channels, layer.kernel, layer.kernel)
+        dws, dbs = [], []
+        for k, (s, e) in zip(self.who, spans, strict=True):
+            if s == e:
+                continue
+            if k == MASTER:
+                dws.append(be.to_numpy(mine[1]))
+                dbs.append(be.to_numpy(mine[2]))
+            else:
+                dws.append(self._reply_array(k, replies[k], "dw", (e - s, *w_shape)))
+                dbs.append(self._reply_array(k, replies[k], "db", (e - s,)))
+        dw = be.asarray(np.concatenate(dws, axis=0))
+        db = be.asarray(np.concatenate(dbs, axis=0))
         self._done.append((name, cache.counts, cache.forward, stats))
         return dx, dw, db
+
+    def _backward_dx_by_channels(self, layer, name, cache, spans, messages, dy_m, dy_from_m, t0):
+        """Backward with dX split by input channels, in two rounds.
+
+        1. Every participant runs its tail's backward; workers send back their kernels'
+           conv-output gradient ("dyc"), and the master assembles dY_conv (N, F, OH, OW).
+        2. Every participant computes dW, db of its kernels and dX[:, c0:c1] for its slice
+           of the C input channels (as many as its share of the kernels), from all of
+           dY_conv and W[:, c0:c1]: ``conv2d_backward_input``, a GEMM with all F kernels as
+           its inner dimension and a col2im of C/P channels. Split by kernels instead,
+           every participant would compute a full-size partial dX (GEMM output and col2im
+           of all C channels) to be summed: duplicated work that is mostly memory traffic.
+        Returns (dx, the master's (None, dw, db) or None, the workers' round-2 replies, stats).
+        """
+        be = self.backend
+        for msg in messages.values():
+            msg.header["part"] = "dyc"
+        local = None if dy_m is None else partial(tail_backward, be, dy_m, cache.master_cache, dy_from_m)
+        replies1, d_m, master_s1 = self._scatter_gather("conv_backward", name, messages, local)
+        stats1 = self._stats(t0, messages, replies1, master_s1)
+
+        n, c, h, wd = cache.x_shape
+        oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
+        ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
+        parts = []
+        for k, (s, e) in zip(self.who, spans, strict=True):
+            if s < e:
+                if k == MASTER:
+                    parts.append(owned(be, d_m, cache.master_cache))
+                else:
+                    parts.append(self._reply_array(k, replies1[k], "dyc", (n, e - s, oh, ow)))
+        dyc = np.concatenate(parts, axis=1)  # (N, F, OH, OW) on the host, sent as is to every worker
+
+        t1 = time.perf_counter()
+        counts = [e - s for s, e in spans]
+        channels = slices(kernel_counts([float(k) for k in counts], c))
+        w = layer.params["w"]
+        w_host = self._host(w)
+        second = {}
+        for k, (c0, c1) in zip(self.who, channels, strict=True):
+            if k in messages:
+                header = {"task": 0, "step": cache.step, "layer": messages[k].header["layer"], "part": "weights"}
+                arrays = {}
+                if c0 < c1:
+                    header["dx_channels"] = [c0, c1]
+                    arrays = {"dyc": dyc, "w": np.ascontiguousarray(w_host[:, c0:c1])}
+                second[k] = Message("conv_backward", header, arrays)
+        stride, padding = layer.stride, layer.padding
+        mine_channels = channels[0] if self.who[0] == MASTER else (0, 0)
+
+        def local2():
+            mine = None if d_m is None else conv_backward(be, d_m, cache.master_cache, need_dx=False)
+            c0, c1 = mine_channels
+            dx_m = None
+            if c0 < c1:
+                w_c = be.asarray(np.ascontiguousarray(w_host[:, c0:c1]))
+                dx_m = be.conv2d_backward_input(be.asarray(dyc), w_c, (n, c1 - c0, h, wd), stride, padding)
+            return mine, dx_m
+
+        busy = d_m is not None or mine_channels[0] < mine_channels[1]
+        replies2, result, master_s2 = self._scatter_gather("conv_backward", name, second, local2 if busy else None)
+        mine, dx_m = result if busy else (None, None)
+        stats2 = self._stats(t1, second, replies2, master_s2)
+        dx_parts = []
+        for k, (c0, c1) in zip(self.who, channels, strict=True):
+            if c0 < c1:
+                if k == MASTER:
+                    dx_parts.append(be.to_numpy(dx_m))
+                else:
+                    dx_parts.append(self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd)))
+        dx = be.asarray(np.concatenate(dx_parts, axis=1))
+        stats = _OpStats(
+            wall_s=time.perf_counter() - t0,
+            compute_s=[a + b for a, b in zip(stats1.compute_s, stats2.compute_s, strict=True)],
+            bytes_sent=stats1.bytes_sent + stats2.bytes_sent,
+            bytes_recv=stats1.bytes_recv + stats2.bytes_recv,
+        )
+        return dx, mine, replies2, stats
 
     # ---- per-step accounting -----------------------------------------------------------
     def end_step(self) -> dict[str, Any]:
@@ -474,9 +577,7 @@ class ShardedConv:
             for name, (counts, times) in layer_times.items():
                 proposal = self.rebalancer.observe(name, counts, times)
                 if proposal is not None:
-                    log.info(
-                        "rebalancing %s: %s -> %s (%s)", name, counts, proposal, ", ".join(self.participants)
-                    )
+                    log.info("rebalancing %s: %s -> %s (%s)", name, counts, proposal, ", ".join(self.participants))
                     self.plans[name] = proposal
                     rebalanced[name] = list(proposal)
 
@@ -585,9 +686,7 @@ class ShardedConv:
             )
         return a
 
-    def _stats(
-        self, t0: float, messages: dict[int, Message], replies: dict[int, Message], master_s: float
-    ) -> _OpStats:
+    def _stats(self, t0: float, messages: dict[int, Message], replies: dict[int, Message], master_s: float) -> _OpStats:
         compute = []
         for k in self.who:
             if k == MASTER:

@@ -62,6 +62,11 @@ class _Forward:
     step: int
     cache: Any  # a tinyconv.block.BlockCache
     need_dx: bool
+    x_shape: tuple[int, ...]
+    w_shape: tuple[int, ...]  # the computed kernels' weights (own and halo)
+    stride: int
+    padding: int
+    d: Any = None  # the conv-output gradient, between the parts "dyc" and "weights" of a backward
 
 
 class ConvWorker:
@@ -146,38 +151,91 @@ class ConvWorker:
         y = np.ascontiguousarray(be.to_numpy(y))
         be.synchronize()
         compute_s = self._emulate(time.perf_counter() - t0)
-        self._forwards[h["layer"]] = _Forward(h["step"], cache, h["need_dx"])
+        self._forwards[h["layer"]] = _Forward(
+            h["step"], cache, h["need_dx"], tuple(x.shape), tuple(w.shape), stride, padding
+        )
         header = {"task": h["task"], "step": h["step"], "layer": h["layer"], "compute_s": compute_s}
         return Message("result", header, {"y": y})
 
     def _conv_backward(self, msg: Message) -> Message:
-        from tinyconv.block import block_backward
+        """Backward of the last forward of a layer, whole or in two parts (``part`` in the header):
+
+        * none: the tail's and the conv's backward; replies dw, db and (if need_dx) a partial dx.
+        * "dyc": the tail's backward only; replies this worker's kernels' conv-output gradient
+          and keeps it for the second part.
+        * "weights": dw, db from the kept gradient; with ``dx_channels`` [c0, c1] and the arrays
+          dyc (the whole layer's conv-output gradient) and w (all kernels, channels c0:c1),
+          also dx[:, c0:c1] (the master splits dX by input channels).
+        """
+        import numpy as np
+
+        from tinyconv.block import conv_backward, owned, tail_backward
         from transports.base import Message
 
-        h, dy = msg.header, msg.arrays["dy"]
-        layer, step = h["layer"], h["step"]
+        h, a = msg.header, msg.arrays
+        layer, step, part = h["layer"], h["step"], h.get("part")
+        where = f"layer {layer} step {step}"
+        if part not in (None, "dyc", "weights"):
+            raise TaskError(f"{where}: part must be 'dyc' or 'weights' (or absent for both), got {part!r}")
         fwd = self._forwards.get(layer)
         if fwd is None:
             raise TaskError(
-                f"layer {layer} step {step}: no conv_forward of this layer to go back through; "
+                f"{where}: no conv_forward of this layer to go back through; "
                 "send conv_forward first (or again, if this worker was restarted)"
             )
         if fwd.step != step:
             raise TaskError(f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}")
-        _check_float32(f"layer {layer} step {step}", dy=dy)
+        expected = {"dyc", "w"} if "dx_channels" in h else set() if part == "weights" else {"dy"}
+        if set(a) != expected:
+            raise TaskError(
+                f"{where}: part {part or 'whole'}{' with dx_channels' if 'dx_channels' in h else ''} takes "
+                f"the arrays {sorted(expected) or 'none'}, got {sorted(a) or 'none'}"
+            )
+        if part == "weights" and fwd.d is None:
+            raise TaskError(f"{where}: part 'weights' needs the conv-output gradient: send part 'dyc' first")
+        _check_float32(where, **a)
         be = self.backend
         t0 = time.perf_counter()
-        try:
-            dx, dw, db = block_backward(be, be.asarray(dy), fwd.cache, h.get("dy_from", 0), fwd.need_dx)
-        except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
-            raise TaskError(f"layer {layer} step {step}: {e}") from None
+        header = {"task": h["task"], "step": step, "layer": layer}
+        if part != "weights":
+            try:
+                d = tail_backward(be, be.asarray(a["dy"]), fwd.cache, h.get("dy_from", 0))
+            except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
+                raise TaskError(f"{where}: {e}") from None
+            if part == "dyc":
+                fwd.d = d
+                dyc = np.ascontiguousarray(owned(be, d, fwd.cache))
+                be.synchronize()
+                return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, {"dyc": dyc})
+        else:
+            d = fwd.d
+        arrays = {}
+        if "dx_channels" in h:
+            arrays["dx"] = be.to_numpy(self._dx_channels(where, fwd, h["dx_channels"], a["dyc"], a["w"]))
+        need_dx = fwd.need_dx and part is None
+        dx, dw, db = conv_backward(be, d, fwd.cache, need_dx)
         del self._forwards[layer]  # one backward per forward; frees the cache
-        arrays = {"dw": be.to_numpy(dw), "db": be.to_numpy(db)}
-        if fwd.need_dx:
+        arrays.update(dw=be.to_numpy(dw), db=be.to_numpy(db))
+        if need_dx:
             arrays["dx"] = be.to_numpy(dx)
         be.synchronize()
-        compute_s = self._emulate(time.perf_counter() - t0)
-        return Message("result", {"task": h["task"], "step": step, "layer": layer, "compute_s": compute_s}, arrays)
+        return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, arrays)
+
+    def _dx_channels(self, where: str, fwd: _Forward, span: Any, dyc: Any, w: Any) -> Any:
+        """dx[:, c0:c1] from the whole conv-output gradient dyc (N, F, OH, OW) and w (F, c1 - c0, KH, KW)."""
+        n, c, hgt, wid = fwd.x_shape
+        kh, kw = fwd.w_shape[2:]
+        if not (len(span) == 2 and all(_is_int(v) for v in span) and 0 <= span[0] < span[1] <= c):
+            raise TaskError(f"{where}: dx_channels must be [c0, c1] with 0 <= c0 < c1 <= {c}, got {span}")
+        c0, c1 = span
+        oh, ow = _fits((hgt, wid), (kh, kw), fwd.stride, fwd.padding)
+        if w.ndim != 4 or tuple(w.shape[1:]) != (c1 - c0, kh, kw) or tuple(dyc.shape) != (n, w.shape[0], oh, ow):
+            raise TaskError(
+                f"{where}: dx of channels [{c0}, {c1}) needs w (F, {c1 - c0}, {kh}, {kw}) and dyc "
+                f"({n}, F, {oh}, {ow}); got w {tuple(w.shape)}, dyc {tuple(dyc.shape)}"
+            )
+        be = self.backend
+        return be.conv2d_backward_input(be.asarray(dyc), be.asarray(w), (n, c1 - c0, hgt, wid), fwd.stride, fwd.padding)
 
     @staticmethod
     def _tail(where: str, tail: Any, hw: tuple[int, int]) -> list[dict[str, Any]]:

@@ -106,7 +106,10 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
         {"task": _Int, "step": _Int, "layer": _Int, "stride": _Int, "padding": _Int, "need_dx": bool},
         {"tail": list, "own": _NumList},  # a fused tail (tinyconv/block.py); the worker checks it
     ),
-    "conv_backward": ({"task": _Int, "step": _Int, "layer": _Int}, {"dy_from": _Int}),
+    "conv_backward": (
+        {"task": _Int, "step": _Int, "layer": _Int},
+        {"dy_from": _Int, "part": str, "dx_channels": _NumList},
+    ),
     "result": ({"task": _Int, "compute_s": _Num}, {"step": _Int, "layer": _Int, "times": _NumList}),
     "error": ({"message": str}, {"task": _Int, "step": _Int, "layer": _Int}),
     "heartbeat": ({}, {}),
@@ -116,8 +119,8 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
 # kind -> (required array names, allowed array names)
 ARRAY_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "conv_forward": (frozenset({"x", "w", "b"}), frozenset({"x", "w", "b"})),
-    "conv_backward": (frozenset({"dy"}), frozenset({"dy"})),
-    "result": (frozenset(), frozenset({"y", "dw", "db", "dx"})),
+    "conv_backward": (frozenset(), frozenset({"dy", "dyc", "w"})),  # part "weights": dyc, w (or nothing)
+    "result": (frozenset(), frozenset({"y", "dw", "db", "dx", "dyc"})),
 }
 _NO_ARRAYS = (frozenset(), frozenset())
 
@@ -153,9 +156,7 @@ def check_header(kind: str, header: Any) -> None:
     for key, value in header.items():
         spec = required.get(key) or optional[key]
         if not _type_ok(value, spec):
-            raise ProtocolError(
-                f"{kind}: header {key!r} must be {_TYPE_NAMES[spec]}, got {type(value).__name__}"
-            )
+            raise ProtocolError(f"{kind}: header {key!r} must be {_TYPE_NAMES[spec]}, got {type(value).__name__}")
 
 
 def _check_array_names(kind: str, names: Sequence[str]) -> None:
@@ -233,9 +234,7 @@ def _buffer(frame: Any) -> memoryview:
         view = memoryview(buf)
         return view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
     except TypeError as e:
-        raise ProtocolError(
-            f"a frame must be a contiguous bytes-like object, got {type(frame).__name__}"
-        ) from e
+        raise ProtocolError(f"a frame must be a contiguous bytes-like object, got {type(frame).__name__}") from e
 
 
 def _parse_envelope(head: memoryview) -> dict:
@@ -244,9 +243,7 @@ def _parse_envelope(head: memoryview) -> dict:
     try:
         env = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
     except Exception as e:  # the parser's many error types all mean one thing here: not our header
-        raise ProtocolError(
-            f"header frame is not valid msgpack within limits: {type(e).__name__}: {e}"
-        ) from e
+        raise ProtocolError(f"header frame is not valid msgpack within limits: {type(e).__name__}: {e}") from e
     if not isinstance(env, dict):
         raise ProtocolError(f"header frame must be a msgpack map, got {type(env).__name__}")
     # the version first: a future version may have another layout, and deserves a clear message

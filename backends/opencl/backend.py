@@ -309,7 +309,23 @@ class OpenCLBackend(Backend):
         self._launch("split_last_column", (kdim + 1, f), dwb.data, i32(f), i32(kdim), dw.data, db.data)
         if not need_dx:
             return None, dw, db
+        return self._conv_dx(dy, w, x.shape, stride, padding), dw, db
 
+    def conv2d_backward_input(self, dy, w, x_shape, stride=1, padding=0):
+        dy, w = self._dev(dy, "conv2d_backward_input dy"), self._dev(w, "conv2d_backward_input w")
+        f, c, kh, kw = w.shape
+        n, _, h, wd = x_shape
+        y_shape = (n, f, conv_output_size(h, kh, stride, padding), conv_output_size(wd, kw, stride, padding))
+        if dy.shape != y_shape or x_shape[1] != c:
+            raise ValueError(f"conv2d_backward_input: dy {dy.shape} and w {w.shape} do not fit x {tuple(x_shape)}")
+        return self._conv_dx(dy, w, tuple(x_shape), stride, padding)
+
+    def _conv_dx(self, dy, w, x_shape, stride, padding):
+        """dx = col2im(W^T dY) for dy (N, F, OH, OW), w (F, C, KH, KW) on the device."""
+        n, c, h, wd = x_shape
+        f, _, kh, kw = w.shape
+        oh, ow = dy.shape[2], dy.shape[3]
+        kdim, npix = c * kh * kw, n * oh * ow
         dy_pixel, dy_tap = self._im2col_tables(dy.shape, 1, 1, 1, 0, oh, ow)
 
         def dy_panels(nb: int) -> cla.Array:  # B(f, p) = dy[n, f, q]: im2col of dy with a 1x1 kernel
@@ -323,11 +339,11 @@ class OpenCLBackend(Backend):
         w_t = self._transpose(w, f, kdim)
         dcols = self._empty((kdim * npix,))
         self.gemm("conv_dx", kdim, npix, f, AView(w_t.data, f, 1, f), dy_panels, CView.rows(dcols.data, npix))
-        dx = self._empty(x.shape)
+        dx = self._empty(x_shape)
         window = f"-DKH={kh} -DKW={kw} -DSTRIDE={stride} -DPAD={padding}"
         self._launch("col2im", (wd, h, n * c), dcols.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow),
                      i32(npix), i32(n * c), dx.data, defines=window)
-        return dx, dw, db
+        return dx
 
     # ---- elementwise and normalisation ----------------------------------------------
     def relu_forward(self, x):
