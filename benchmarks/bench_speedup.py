@@ -35,7 +35,9 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
+from tinyconv.balance import Rebalancer  # noqa: E402
 from tinyconv.distributed import ShardedConv  # noqa: E402
+from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import Conv2D  # noqa: E402
 from tinyconv.model import paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
@@ -88,7 +90,7 @@ def main() -> None:
     p.add_argument("--norm", default="lrn", choices=("lrn", "batch", "none"))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=5, help="untimed distributed steps first (rebalancing settles)")
+    p.add_argument("--warmup", type=int, default=6, help="untimed distributed steps first (rebalancing settles)")
     p.add_argument("--backend", default="numpy", help="backend of the master and the worker")
     p.add_argument(
         "--fuse",
@@ -102,7 +104,15 @@ def main() -> None:
         default="auto",
         help="how dX is split: by input channels from the gathered conv gradient, or by kernels (split, the paper's)",
     )
+    p.add_argument(
+        "--rebalance-threshold",
+        type=float,
+        default=0.03,
+        help="rebalance when the slowest participant lags the mean finish time by more than this fraction "
+        "for 3 steps (default %(default)s; the example's default is 0.10, for noisier real clusters)",
+    )
     args = p.parse_args()
+    keep_freed_memory()  # as the example and the worker do (tinyconv/heap.py)
     c1, c2 = parse_arch(args.arch)
     taskset = shutil.which("taskset")
     if hasattr(os, "sched_setaffinity"):
@@ -142,7 +152,7 @@ def main() -> None:
             workers,
             be,
             master_share="auto",
-            rebalance=True,
+            rebalancer=Rebalancer(threshold=args.rebalance_threshold),
             recv_timeout=600,
             fuse=args.fuse == "on",
             dx=args.dx,

@@ -24,10 +24,12 @@ import numpy as np  # noqa: E402
 
 import tinyconv  # noqa: E402
 from backends import available_backends, get_backend  # noqa: E402
+from tinyconv.balance import Rebalancer  # noqa: E402
 from tinyconv.cifar10 import DataError  # noqa: E402
 from tinyconv.cluster import worker_pool  # noqa: E402
 from tinyconv.data import load_dataset  # noqa: E402
 from tinyconv.distributed import ShardedConv  # noqa: E402
+from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, paper_net, parse_arch  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
@@ -114,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-split kernels from measured step times when a worker lags (default %(default)s)",
     )
     g.add_argument(
+        "--rebalance-threshold",
+        type=float,
+        default=0.10,
+        help="rebalance when the slowest participant lags the mean finish time by more than this fraction for "
+        "3 steps in a row (default %(default)s; lower follows small imbalances, higher ignores more noise)",
+    )
+    g.add_argument(
         "--fuse",
         choices=("on", "off"),
         default="on",
@@ -175,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
     try:
         c1, c2 = parse_arch(args.arch)
         c1, c2 = args.conv1 or c1, args.conv2 or c2
@@ -230,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     backend,
                     master_share=args.master_share,
                     rebalance=args.rebalance == "on",
+                    rebalancer=Rebalancer(threshold=args.rebalance_threshold),
                     fuse=args.fuse == "on",
                     dx=args.dx,
                 )

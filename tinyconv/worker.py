@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tinyconv.heap import keep_freed_memory
+
 if TYPE_CHECKING:
     from backends.base import Backend
     from transports.base import Message
@@ -448,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         limit_threads(args.threads)  # before the imports below load numpy
+    keep_freed_memory()  # before the compute thread starts: it shares the main heap
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
     try:

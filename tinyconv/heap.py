@@ -1,0 +1,48 @@
+"""Keep freed memory in the process, so every training step reuses the last step's pages.
+
+A step allocates and frees the same large arrays each time: im2col columns of hundreds
+of MB, feature maps of tens. glibc returns any block over 32 MB to the kernel when it is
+freed (munmap), so the next step's allocation faults in fresh zeroed pages, one 4 KiB page
+at a time. Measured on the development machine (a 2-core VM): writing a fresh 491 MB array
+took 0.14-1.07 s against 0.05 s for a reused one, and two processes faulting at once slowed
+each other down, so a conv block on half the kernels took 6-7.5 s on each core against
+4.9-6 s with its memory kept (``benchmarks/bench_speedup.py`` measures the effect on a whole step).
+
+:func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap
+(``M_MMAP_MAX`` = 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` at its
+maximum), and to use one arena for all threads (``M_ARENA_MAX`` = 1, so a worker's compute
+thread shares it). A freed block is then reused by the next allocation of its size. The
+price is that the process keeps its peak memory for its lifetime -- which a training
+process reaches again at every step anyway. The master and the worker call it at start;
+``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+# mallopt parameters, from glibc's malloc.h
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+_MAX_INT = 2**31 - 1
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse; True if it applied. Call before big allocations and threads."""
+    if os.environ.get("TINYCONV_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    # mallopt returns 1 on success, 0 on error
+    return all(
+        mallopt(param, value) == 1 for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _MAX_INT), (M_ARENA_MAX, 1))
+    )
