@@ -2,15 +2,19 @@
 """The paper's speedup on one machine: the master alone, then master + 1 worker over ZeroMQ.
 
     python benchmarks/bench_speedup.py                      # 300:1000, batch 64
+    python benchmarks/bench_speedup.py --fuse off --dx split   # the paper's conv-only split
     python benchmarks/bench_speedup.py --arch 500:1500 --steps 4
 
 One device = one process pinned to one core with one BLAS thread, as the paper's
 CPUs: the master runs on core 0, the worker (started here under ``taskset -c 1``, the
 way a user starts one by hand) on core 1, and they talk over TCP on loopback.
-Training steps (forward, loss, backward, SGD) are timed on random CIFAR-shaped data,
-after --warmup steps. Printed per configuration: the median step and its split into
-comm / conv / comp (the paper's Fig. 6), the speedup, and the Amdahl bound implied by
-the solo run's split, 1 / ((1 - f) + f / 2) with f = conv / step. No asserts.
+Training steps (forward, loss, backward, SGD) are timed on random CIFAR-shaped data:
+after calibration and --warmup distributed steps (rebalancing settles), solo and
+distributed steps alternate, so that a drift in the shared machine's speed hits both.
+Printed: the median step of each and its split into comm / conv / comp (the paper's
+Fig. 6), each participant's compute, the speedup, and the Amdahl bound implied by the
+solo step's split, 1 / ((1 - f) + f / 2) with f = conv / step -- the bound for the
+paper's split, which the fused tails (--fuse on) go past. No asserts.
 """
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ def main() -> None:
     p.add_argument("--norm", default="lrn", choices=("lrn", "batch", "none"))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
-    p.add_argument("--warmup", type=int, default=6, help="untimed distributed steps first (rebalancing settles)")
+    p.add_argument(
+        "--warmup", type=int, default=12, help="untimed distributed steps first, for the rebalancer to settle"
+    )
     p.add_argument("--backend", default="numpy", help="backend of the master and the worker")
     p.add_argument(
         "--fuse",

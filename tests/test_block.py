@@ -37,24 +37,24 @@ def assert_close(got, ref):
 
 
 def reference(be, x, w, b, tail, g):
-    """The unsharded block, layer by layer: (y, dx, dw, db) for upstream gradient g."""
-    y, conv_cache = be.conv2d_forward(x, w, b, 1, 1)
-    caches = []
-    for spec in tail:
-        if spec["op"] == "relu":
-            y, c = be.relu_forward(y)
-        elif spec["op"] == "lrn":
-            y, c = be.lrn_forward(y, spec["size"], spec["alpha"], spec["beta"], spec["k"])
-        else:
-            y, c = be.maxpool_forward(y, spec["kernel"], spec["stride"], spec["padding"])
-        caches.append((spec, c))
+    """The unsharded block, through the plain layers: (y, dx, dw, db) for upstream gradient g."""
+    conv = Conv2D(be, x.shape[1], w.shape[0], w.shape[2], 1, 1)
+    conv.params.update(w=w, b=b)
+    make = {
+        "relu": lambda s: ReLU(be),
+        "lrn": lambda s: LocalResponseNorm(be, s["size"], s["alpha"], s["beta"], s["k"]),
+        "maxpool": lambda s: MaxPool2D(be, s["kernel"], s["stride"], s["padding"]),
+    }
+    layers = [conv] + [make[spec["op"]](spec) for spec in tail]
+    y = x
+    for layer in layers:
+        y = layer.forward(y)
     if g is None:
         return y
     d = g
-    for spec, c in reversed(caches):
-        d = {"relu": be.relu_backward, "lrn": be.lrn_backward, "maxpool": be.maxpool_backward}[spec["op"]](d, c)
-    dx, dw, db = be.conv2d_backward(d, conv_cache, True)
-    return y, dx, dw, db
+    for layer in reversed(layers):
+        d = layer.backward(d)
+    return y, d, conv.grads["w"], conv.grads["b"]
 
 
 TAILS = [
