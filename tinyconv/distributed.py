@@ -15,6 +15,16 @@ concatenates dw and db and sums the partial dx (none for the first layer). The
 optimiser then updates all weights on the master, so a new split is simply a
 different slicing at the next step.
 
+That is the paper's split (``fuse=False, dx="split"``). Beyond it, by default:
+
+* ``fuse``: the ReLU / LRN / max pool after each conv (its *tail*) run on each
+  participant's own channels too, with a halo of neighbouring kernels for LRN
+  (``tinyconv/block.py``); y and dy are then the tail's output and its gradient.
+* ``dx="channels"`` (auto with at most 2 workers): dx is split by *input* channels
+  instead of summed from full-size partials: the conv-output gradient is gathered on
+  the master, then each participant computes dx[:, c0:c1] for its share of the channels
+  (:meth:`ShardedConv._backward_dx_by_channels`).
+
 Participants, in this order everywhere (plans, ``shares``, times): the master
 first if it takes part, then the workers by index. Names: "master", "worker0", ...
 
