@@ -91,30 +91,32 @@ def test_need_dx_false_returns_no_dx_and_layers_keep_separate_caches():
     assert set(r0.arrays) == {"dw", "db"} and r0.arrays["dw"].shape == W.shape
 
 
-def test_a_backward_in_two_parts_gives_the_conv_gradient_then_the_weights():
+def reference_backward() -> tuple[np.ndarray, ...]:
+    """A random dy for forward()'s output and the reference (dy, dx, dw, db) from the numpy backend."""
     be = NumpyBackend()
-    worker = ConvWorker(NumpyBackend())
     _, cache = be.conv2d_forward(X, W, B, 1, 1)
     dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
-    _, dw_ref, db_ref = be.conv2d_backward(dy, cache, True)
+    return (dy, *be.conv2d_backward(dy, cache, True))
+
+
+def test_a_backward_in_two_parts_gives_the_conv_gradient_then_the_weights():
+    worker = ConvWorker(NumpyBackend())
+    dy, _, dw_ref, db_ref = reference_backward()
     worker.handle(forward())
     r = worker.handle(backward(dy, part="dyc"))
     check_message(r)
     assert set(r.arrays) == {"dyc"}
     np.testing.assert_array_equal(r.arrays["dyc"], dy)  # no tail: the conv-output gradient is dy itself
     r = worker.handle(backward(None, task=3, part="weights"))
-    assert set(r.arrays) == {"dw", "db"}  # no dx: the master computes it
+    assert set(r.arrays) == {"dw", "db"}  # no dx_channels asked for: no dx
     np.testing.assert_array_equal(r.arrays["dw"], dw_ref)
     np.testing.assert_array_equal(r.arrays["db"], db_ref)
     assert "no conv_forward" in error_text(worker.handle(backward(None, part="weights")))
 
 
 def test_the_weights_part_can_compute_dx_of_some_input_channels():
-    be = NumpyBackend()
     worker = ConvWorker(NumpyBackend())
-    _, cache = be.conv2d_forward(X, W, B, 1, 1)
-    dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
-    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    dy, dx_ref, dw_ref, _ = reference_backward()
     worker.handle(forward())
     worker.handle(backward(dy, part="dyc"))
     msg = backward(None, task=3, part="weights")

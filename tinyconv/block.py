@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array, Backend, conv_output_size
+from tinyconv.layers import LocalResponseNorm, MaxPool2D, ReLU
 
 TAIL_OPS = {  # op -> its parameters and their types
     "relu": {},
@@ -59,8 +60,6 @@ TAIL_OPS = {  # op -> its parameters and their types
 
 def tail_of(layers: list[Any]) -> list[dict[str, Any]]:
     """Specs for the leading run of ReLU / LocalResponseNorm / MaxPool2D in ``layers``."""
-    from tinyconv.layers import LocalResponseNorm, MaxPool2D, ReLU
-
     tail: list[dict[str, Any]] = []
     for layer in layers:
         if isinstance(layer, ReLU):

@@ -409,24 +409,27 @@ class ShardedConv:
         master_only = all(s == e for k, (s, e) in zip(self.who, spans, strict=True) if k != MASTER)
         dy_host = None if master_only else be.to_numpy(dy)
         messages = {}
+
+        def grad_part(s: int, e: int) -> tuple[np.ndarray, int]:
+            """The dy channels kernels [s, e) need, and where they start among the kernels they computed."""
+            gs, ge = grad_span(s, e, total, tail)
+            return np.ascontiguousarray(dy_host[:, gs:ge], dtype=np.float32), gs - extended(s, e, total, tail)[0]
+
         for k, (s, e) in zip(self.who, spans, strict=True):
             if k != MASTER and s < e:
-                gs, ge = grad_span(s, e, total, tail)
-                dy_k = np.ascontiguousarray(dy_host[:, gs:ge], dtype=np.float32)
+                dy_k, dy_from = grad_part(s, e)
                 header = {"task": 0, "step": cache.step, "layer": index}
                 if tail:
-                    header["dy_from"] = gs - extended(s, e, total, tail)[0]
+                    header["dy_from"] = dy_from
                 messages[k] = Message("conv_backward", header, {"dy": dy_k})
 
         dy_m = dy_from_m = None
         if (span := self._master_span(spans)) is not None:
-            s, e = span
             if master_only:
                 dy_m, dy_from_m = dy, 0
             else:
-                gs, ge = grad_span(s, e, total, tail)
-                dy_m = be.asarray(np.ascontiguousarray(dy_host[:, gs:ge]))
-                dy_from_m = gs - extended(s, e, total, tail)[0]
+                dy_host_m, dy_from_m = grad_part(*span)
+                dy_m = be.asarray(dy_host_m)
 
         if master_only or not (layer.need_dx and self.dx_by_channels):
             local = None
@@ -505,8 +508,7 @@ class ShardedConv:
         t1 = time.perf_counter()
         counts = [e - s for s, e in spans]
         channels = slices(kernel_counts([float(k) for k in counts], c))
-        w = layer.params["w"]
-        w_host = self._host(w)
+        w_host = self._host(layer.params["w"])
         second = {}
         for k, (c0, c1) in zip(self.who, channels, strict=True):
             if k in messages:
