@@ -108,8 +108,8 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     assert record["participants"] == (["master"] if master_share == "auto" else []) + [f"worker{i}" for i in range(n)]
     # bytes: every worker with kernels gets x, its w and b rows and its dy channels, and returns
     # its y channels, dw and db rows, and a whole partial dx if the layer needs one -- or, with dX
-    # split by channels, its conv-output gradient (the size of its y channels), then gets all of it
-    # and the weights of its input channels, and returns dx of those channels
+    # split by channels, its conv-output gradient (the size of its y channels), then gets the rest
+    # of it (all but its own channels) and the weights of its input channels, and returns dx of those
     channels = slices(kernel_counts([float(k) for k in counts], 3))
     worker = slice(1, None) if master_share == "auto" else slice(None)
     oh = ow = y_ref.shape[2]
@@ -123,7 +123,7 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
             elif need_dx:
                 recv += 2 * k * oh * ow * F4
                 if c1 > c0:
-                    sent += y_ref.nbytes + 7 * (c1 - c0) * 9 * F4
+                    sent += y_ref.nbytes - 2 * k * oh * ow * F4 + 7 * (c1 - c0) * 9 * F4
                     recv += 2 * (c1 - c0) * 9 * 9 * F4
     assert (record["bytes_sent"], record["bytes_recv"]) == (sent, recv)
     assert len(record["participant_conv_s"]) == len(counts)

@@ -37,9 +37,9 @@ def forward(task=1, step=0, layer=0, x=X, w=W, b=B, stride=1, padding=1, need_dx
     return Message("conv_forward", header, {"x": x, "w": w, "b": b})
 
 
-def backward(dy, task=2, step=0, layer=0, part=None) -> Message:
+def backward(dy, task=2, step=0, layer=0, part=None, arrays=None) -> Message:
     header = {"task": task, "step": step, "layer": layer} | ({"part": part} if part else {})
-    return Message("conv_backward", header, {} if dy is None else {"dy": dy})
+    return Message("conv_backward", header, (arrays or {}) if dy is None else {"dy": dy})
 
 
 def error_text(reply: Message) -> str:
@@ -99,45 +99,54 @@ def reference_backward() -> tuple[np.ndarray, ...]:
     return (dy, *be.conv2d_backward(dy, cache, True))
 
 
-def test_a_backward_in_two_parts_gives_the_conv_gradient_then_the_weights():
+def test_a_backward_in_two_parts_gives_the_weights_and_conv_gradient_then_dx_of_some_channels():
     worker = ConvWorker(NumpyBackend())
-    dy, _, dw_ref, db_ref = reference_backward()
+    dy, dx_ref, dw_ref, db_ref = reference_backward()
     worker.handle(forward())
     r = worker.handle(backward(dy, part="dyc"))
     check_message(r)
-    assert set(r.arrays) == {"dyc"}
+    assert set(r.arrays) == {"dyc", "dw", "db"}
     np.testing.assert_array_equal(r.arrays["dyc"], dy)  # no tail: the conv-output gradient is dy itself
-    r = worker.handle(backward(None, task=3, part="weights"))
-    assert set(r.arrays) == {"dw", "db"}  # no dx_channels asked for: no dx
     np.testing.assert_array_equal(r.arrays["dw"], dw_ref)
     np.testing.assert_array_equal(r.arrays["db"], db_ref)
-    assert "no conv_forward" in error_text(worker.handle(backward(None, part="weights")))
-
-
-def test_the_weights_part_can_compute_dx_of_some_input_channels():
-    worker = ConvWorker(NumpyBackend())
-    dy, dx_ref, dw_ref, _ = reference_backward()
-    worker.handle(forward())
-    worker.handle(backward(dy, part="dyc"))
-    msg = backward(None, task=3, part="weights")
+    # as if this worker owned kernels [2, 4) of 5: the others' gradients come around its own
+    msg = backward(None, task=3, part="dx")
     msg.header["dx_channels"] = [1, 3]
-    msg.arrays.update(dyc=dy, w=np.ascontiguousarray(W[:, 1:3]))
+    msg.arrays.update(w=np.ascontiguousarray(W[:, 1:3]), dyc_lo=dy[:, :2], dyc_hi=dy[:, 4:])
+    worker.handle(forward(w=W[2:4], b=B[2:4]))
+    r = worker.handle(backward(np.ascontiguousarray(dy[:, 2:4]), part="dyc"))
+    np.testing.assert_allclose(r.arrays["dw"], dw_ref[2:4], rtol=1e-5, atol=1e-5)
     r = worker.handle(msg)
-    assert set(r.arrays) == {"dx", "dw", "db"}
+    check_message(r)
+    assert set(r.arrays) == {"dx"}
     np.testing.assert_allclose(r.arrays["dx"], dx_ref[:, 1:3], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(r.arrays["dw"], dw_ref)
+    assert "no conv_forward" in error_text(worker.handle(msg))  # the backward is complete
+
+
+def test_the_dx_part_refuses_gradients_that_do_not_add_up_to_the_weights():
+    worker = ConvWorker(NumpyBackend())
+    dy, *_ = reference_backward()
     worker.handle(forward())
     worker.handle(backward(dy, part="dyc"))
-    msg.arrays["w"] = np.ascontiguousarray(W[:, :1])  # one channel of weights for two channels of dx
-    assert "needs w (F, 2, 3, 3)" in error_text(worker.handle(msg))
+    msg = backward(None, task=3, part="dx")
+    msg.header["dx_channels"] = [1, 3]
+    msg.arrays.update(w=np.ascontiguousarray(W[:, :1]))  # one channel of weights for two channels of dx
+    assert "needs w (5, 2, 3, 3)" in error_text(worker.handle(msg))
+    msg.arrays.update(w=np.ascontiguousarray(W[:, 1:3]), dyc_hi=dy[:, :1])  # 6 kernels' gradients for 5
+    assert "from 6 kernels' gradients" in error_text(worker.handle(msg))
+    msg.arrays.update(dyc_hi=dy[:1, :1])
+    assert "dyc_lo and dyc_hi must be (2, kernels, 8, 8)" in error_text(worker.handle(msg))
+    del msg.header["dx_channels"]
+    assert "needs dx_channels" in error_text(worker.handle(msg))
+    assert "part 'dyc' of this forward already ran" in error_text(worker.handle(backward(dy, part="dyc")))
 
 
 @pytest.mark.parametrize(
     ("steps", "complaint"),
     [
-        ([forward(), backward(None, part="weights")], "send part 'dyc' first"),
+        ([forward(), backward(None, part="dx", arrays={"w": W})], "send part 'dyc' first"),
         ([forward(), backward(None)], r"part whole takes the arrays \['dy'\], got none"),
-        ([forward(), backward(np.ones((2, 5, 8, 8), np.float32), part="all")], "part must be 'dyc' or 'weights'"),
+        ([forward(), backward(np.ones((2, 5, 8, 8), np.float32), part="all")], "part must be 'dyc' or 'dx'"),
         ([backward(np.ones((2, 5, 8, 8), np.float32))], "no conv_forward of this layer"),
         ([forward(step=1), backward(np.ones((2, 5, 8, 8), np.float32), step=2)], "last forward was step 1"),
         ([forward(), backward(np.ones((2, 5, 7, 8), np.float32))], r"dy \(2, 5, 7, 8\) from channel 0 does not fit"),

@@ -474,81 +474,100 @@ class ShardedConv:
         return dx, dw, db
 
     def _backward_dx_by_channels(self, layer, name, cache, spans, messages, dy_m, dy_from_m, t0):
-        """Backward with dX split by input channels, in two rounds.
+        """Backward with dX split by input channels, in two parts per participant.
 
-        1. Every participant runs its tail's backward; workers send back their kernels'
-           conv-output gradient ("dyc"), and the master assembles dY_conv (N, F, OH, OW).
-        2. Every participant computes dW, db of its kernels and dX[:, c0:c1] for its slice
-           of the C input channels (as many as its share of the kernels), from all of
-           dY_conv and W[:, c0:c1]: ``conv2d_backward_input``, a GEMM with all F kernels as
-           its inner dimension and a col2im of C/P channels. Split by kernels instead,
-           every participant would compute a full-size partial dX (GEMM output and col2im
-           of all C channels) to be summed: duplicated work that is mostly memory traffic.
-        Returns (dx, the master's (None, dw, db) or None, the workers' round-2 replies, stats).
+        1. "dyc": every participant runs its tail's backward and computes dW, db of its
+           kernels; workers send back their kernels' conv-output gradient (dyc) with them.
+        2. "dx": every participant computes dX[:, c0:c1] for its slice of the C input channels
+           (as many as its share of the kernels), from all of dY_conv (N, F, OH, OW) and
+           W[:, c0:c1]: ``conv2d_backward_input``, a GEMM with all F kernels as its inner
+           dimension and a col2im of C/P channels. Split by kernels instead, every participant
+           would compute a full-size partial dX (GEMM output and col2im of all C channels) to
+           be summed: duplicated work that is mostly memory traffic.
+        A worker's part 2 carries only the other participants' dyc (it kept its own), and goes
+        out as soon as the master has them: with one worker, right after the master's own tail
+        backward, so the transfer overlaps both participants' dW and nobody waits between parts.
+        Returns (dx, the master's (None, dw, db) or None, the workers' part-1 replies, stats).
         """
         be = self.backend
         for msg in messages.values():
             msg.header["part"] = "dyc"
-        local = None if dy_m is None else partial(tail_backward, be, dy_m, cache.master_cache, dy_from_m)
-        replies1, d_m, master_s1 = self._scatter_gather("conv_backward", name, messages, local)
-        stats1 = self._stats(t0, messages, replies1, master_s1)
+        pending1 = self._send(messages)
+        deadline = time.monotonic() + self.recv_timeout
 
         n, c, h, wd = cache.x_shape
         oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
         ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
-        parts = []
-        for k, (s, e) in zip(self.who, spans, strict=True):
-            if s < e:
-                if k == MASTER:
-                    parts.append(owned(be, d_m, cache.master_cache))
-                else:
-                    parts.append(self._reply_array(k, replies1[k], "dyc", (n, e - s, oh, ow)))
-        dyc = np.concatenate(parts, axis=1)  # (N, F, OH, OW) on the host, sent as is to every worker
-
-        t1 = time.perf_counter()
-        counts = [e - s for s, e in spans]
-        channels = slices(kernel_counts([float(k) for k in counts], c))
+        channels = slices(kernel_counts([float(e - s) for s, e in spans], c))
         w_host = self._host(layer.params["w"])
-        second = {}
-        for k, (c0, c1) in zip(self.who, channels, strict=True):
-            if k in messages:
-                header = {"task": 0, "step": cache.step, "layer": messages[k].header["layer"], "part": "weights"}
-                arrays = {}
-                if c0 < c1:
-                    header["dx_channels"] = [c0, c1]
-                    arrays = {"dyc": dyc, "w": np.ascontiguousarray(w_host[:, c0:c1])}
-                second[k] = Message("conv_backward", header, arrays)
-        stride, padding = layer.stride, layer.padding
-        mine_channels = channels[0] if self.who[0] == MASTER else (0, 0)
+        dyc: dict[int, np.ndarray] = {}  # participant -> its kernels' conv-output gradient (N, e - s, OH, OW)
+        second: dict[int, Message] = {}
+        pending2: dict[int, int] = {}
 
-        def local2():
-            mine = None if d_m is None else conv_backward(be, d_m, cache.master_cache, need_dx=False)
-            c0, c1 = mine_channels
-            dx_m = None
-            if c0 < c1:
-                w_c = be.asarray(np.ascontiguousarray(w_host[:, c0:c1]))
-                dx_m = be.conv2d_backward_input(be.asarray(dyc), w_c, (n, c1 - c0, h, wd), stride, padding)
-            return mine, dx_m
+        def send_ready() -> None:
+            """Part 2 to every worker with input channels whose missing dyc the master now has."""
+            for k, (s, e), (c0, c1) in zip(self.who, spans, channels, strict=True):
+                others = [j for j, (s2, e2) in zip(self.who, spans, strict=True) if j != k and s2 < e2]
+                if k == MASTER or c0 == c1 or k in second or not all(j in dyc for j in others):
+                    continue
+                arrays = {"w": np.ascontiguousarray(w_host[:, c0:c1])}
+                lo = [dyc[j] for j, (s2, e2) in zip(self.who, spans, strict=True) if s2 < e2 <= s]
+                hi = [dyc[j] for j, (s2, e2) in zip(self.who, spans, strict=True) if e <= s2 < e2]
+                for key, around in (("dyc_lo", lo), ("dyc_hi", hi)):
+                    if around:  # the kernels before this worker's, and after
+                        arrays[key] = around[0] if len(around) == 1 else np.concatenate(around, axis=1)
+                header = {"task": 0, "step": cache.step, "layer": messages[k].header["layer"], "part": "dx"}
+                second[k] = Message("conv_backward", {**header, "dx_channels": [c0, c1]}, arrays)
+                pending2.update(self._send({k: second[k]}))
 
-        busy = d_m is not None or mine_channels[0] < mine_channels[1]
-        replies2, result, master_s2 = self._scatter_gather("conv_backward", name, second, local2 if busy else None)
-        mine, dx_m = result if busy else (None, None)
-        stats2 = self._stats(t1, second, replies2, master_s2)
-        dx_parts = []
+        master_s, mine, d_m = 0.0, None, None
+        if dy_m is not None:
+            t = time.perf_counter()
+            d_m = tail_backward(be, dy_m, cache.master_cache, dy_from_m)
+            dyc[MASTER] = np.ascontiguousarray(owned(be, d_m, cache.master_cache))
+            master_s += time.perf_counter() - t
+        send_ready()
+        if d_m is not None:  # the master's dW while the part-2 messages travel
+            t = time.perf_counter()
+            mine = conv_backward(be, d_m, cache.master_cache, need_dx=False)
+            be.synchronize()
+            master_s += time.perf_counter() - t
+            d_m = None
+
+        replies1 = self._gather("conv_backward", name, pending1, deadline)
+        for k, (s, e) in zip(self.who, spans, strict=True):
+            if k != MASTER and s < e:
+                dyc[k] = self._reply_array(k, replies1[k], "dyc", (n, e - s, oh, ow))
+        send_ready()
+
+        dx_parts: dict[int, Any] = {}
+        c0, c1 = channels[0]
+        if self.who[0] == MASTER and c0 < c1:
+            t = time.perf_counter()
+            whole = np.concatenate([dyc[k] for k, (s, e) in zip(self.who, spans, strict=True) if s < e], axis=1)
+            w_c = be.asarray(np.ascontiguousarray(w_host[:, c0:c1]))
+            dx_m = be.conv2d_backward_input(be.asarray(whole), w_c, (n, c1 - c0, h, wd), layer.stride, layer.padding)
+            dx_parts[MASTER] = be.to_numpy(dx_m)
+            master_s += time.perf_counter() - t
+        replies2 = self._gather("conv_backward", name, pending2, time.monotonic() + self.recv_timeout)
         for k, (c0, c1) in zip(self.who, channels, strict=True):
-            if c0 < c1:
-                if k == MASTER:
-                    dx_parts.append(be.to_numpy(dx_m))
-                else:
-                    dx_parts.append(self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd)))
-        dx = be.asarray(np.concatenate(dx_parts, axis=1))
+            if k != MASTER and c0 < c1:
+                dx_parts[k] = self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd))
+        dx = be.asarray(np.concatenate([dx_parts[k] for k in self.who if k in dx_parts], axis=1))
+
+        compute = []
+        for k in self.who:
+            if k == MASTER:
+                compute.append(master_s)
+            else:
+                compute.append(sum(float(r[k].header["compute_s"]) for r in (replies1, replies2) if k in r))
         stats = _OpStats(
             wall_s=time.perf_counter() - t0,
-            compute_s=[a + b for a, b in zip(stats1.compute_s, stats2.compute_s, strict=True)],
-            bytes_sent=stats1.bytes_sent + stats2.bytes_sent,
-            bytes_recv=stats1.bytes_recv + stats2.bytes_recv,
+            compute_s=compute,
+            bytes_sent=sum(m.nbytes() for m in (*messages.values(), *second.values())),
+            bytes_recv=sum(r.nbytes() for r in (*replies1.values(), *replies2.values())),
         )
-        return dx, mine, replies2, stats
+        return dx, mine, replies1, stats
 
     # ---- per-step accounting -----------------------------------------------------------
     def end_step(self) -> dict[str, Any]:
@@ -651,21 +670,28 @@ class ShardedConv:
         Raises TimeoutError naming the workers that did not answer within
         ``recv_timeout``, RuntimeError with a worker's message when it replies ``error``.
         """
-        pending: dict[int, int] = {}  # task id -> worker
-        for k, msg in messages.items():
-            self._next_task += 1
-            msg.header["task"] = self._next_task
-            pending[self._next_task] = k
-            self.transport.send(k, msg)
+        pending = self._send(messages)
         deadline = time.monotonic() + self.recv_timeout
-
         result, local_s = None, 0.0
         if local is not None:
             t = time.perf_counter()
             result = local()
             self.backend.synchronize()
             local_s = time.perf_counter() - t
+        return self._gather(kind, layer, pending, deadline), result, local_s
 
+    def _send(self, messages: dict[int, Message]) -> dict[int, int]:
+        """Give each message a task id and send it to its worker; returns task id -> worker."""
+        pending: dict[int, int] = {}
+        for k, msg in messages.items():
+            self._next_task += 1
+            msg.header["task"] = self._next_task
+            pending[self._next_task] = k
+            self.transport.send(k, msg)
+        return pending
+
+    def _gather(self, kind: str, layer: str, pending: dict[int, int], deadline: float) -> dict[int, Message]:
+        """Receive the result of every task in ``pending`` (emptied) by ``deadline`` (time.monotonic)."""
         replies: dict[int, Message] = {}
         while pending:
             try:
@@ -686,7 +712,7 @@ class ShardedConv:
                 raise RuntimeError(f"{self._describe(k)} answered {kind} of {layer} with a {reply.kind!r}")
             replies[k] = reply
             del pending[task]
-        return replies, result, local_s
+        return replies
 
     def _reply_array(self, k: int, reply: Message, name: str, shape: tuple[int, ...] | None) -> np.ndarray:
         a = reply.arrays.get(name)

@@ -68,7 +68,7 @@ class _Forward:
     w_shape: tuple[int, ...]  # the computed kernels' weights (own and halo)
     stride: int
     padding: int
-    d: Any = None  # the conv-output gradient, between the parts "dyc" and "weights" of a backward
+    d: Any = None  # the own kernels' conv-output gradient (host), between the parts "dyc" and "dx" of a backward
 
 
 class ConvWorker:
@@ -163,11 +163,12 @@ class ConvWorker:
         """Backward of the last forward of a layer, whole or in two parts (``part`` in the header):
 
         * none: the tail's and the conv's backward; replies dw, db and (if need_dx) a partial dx.
-        * "dyc": the tail's backward only; replies this worker's kernels' conv-output gradient
-          and keeps it for the second part.
-        * "weights": dw, db from the kept gradient; with ``dx_channels`` [c0, c1] and the arrays
-          dyc (the whole layer's conv-output gradient) and w (all kernels, channels c0:c1),
-          also dx[:, c0:c1] (the master splits dX by input channels).
+        * "dyc": the tail's and the weights' backward; replies dw, db and this worker's kernels'
+          conv-output gradient dyc, which it keeps for the part "dx".
+        * "dx": dx[:, c0:c1] for ``dx_channels`` [c0, c1] from w (all F kernels, channels c0:c1)
+          and the whole layer's conv-output gradient: the arrays dyc_lo and dyc_hi (the other
+          participants' kernels before and after this worker's; either absent when there are none)
+          around the kept one (the master splits dX by input channels).
         """
         import numpy as np
 
@@ -177,8 +178,8 @@ class ConvWorker:
         h, a = msg.header, msg.arrays
         layer, step, part = h["layer"], h["step"], h.get("part")
         where = f"layer {layer} step {step}"
-        if part not in (None, "dyc", "weights"):
-            raise TaskError(f"{where}: part must be 'dyc' or 'weights' (or absent for both), got {part!r}")
+        if part not in (None, "dyc", "dx"):
+            raise TaskError(f"{where}: part must be 'dyc' or 'dx' (or absent for the whole backward), got {part!r}")
         fwd = self._forwards.get(layer)
         if fwd is None:
             raise TaskError(
@@ -187,55 +188,71 @@ class ConvWorker:
             )
         if fwd.step != step:
             raise TaskError(f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}")
-        expected = {"dyc", "w"} if "dx_channels" in h else set() if part == "weights" else {"dy"}
-        if set(a) != expected:
+        required, allowed = ({"w"}, {"w", "dyc_lo", "dyc_hi"}) if part == "dx" else ({"dy"}, {"dy"})
+        if not required <= set(a) <= allowed:
             raise TaskError(
-                f"{where}: part {part or 'whole'}{' with dx_channels' if 'dx_channels' in h else ''} takes "
-                f"the arrays {sorted(expected) or 'none'}, got {sorted(a) or 'none'}"
+                f"{where}: part {part or 'whole'} takes the arrays {sorted(required)}"
+                f"{f' and optionally {sorted(allowed - required)}' if allowed != required else ''}, "
+                f"got {sorted(a) or 'none'}"
             )
-        if part == "weights" and fwd.d is None:
-            raise TaskError(f"{where}: part 'weights' needs the conv-output gradient: send part 'dyc' first")
         _check_float32(where, **a)
         be = self.backend
         t0 = time.perf_counter()
         header = {"task": h["task"], "step": step, "layer": layer}
-        if part != "weights":
-            try:
-                d = tail_backward(be, be.asarray(a["dy"]), fwd.cache, h.get("dy_from", 0))
-            except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
-                raise TaskError(f"{where}: {e}") from None
-            if part == "dyc":
-                fwd.d = d
-                dyc = np.ascontiguousarray(owned(be, d, fwd.cache))
-                be.synchronize()
-                return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, {"dyc": dyc})
-        else:
-            d = fwd.d
-        arrays = {}
-        if "dx_channels" in h:
-            arrays["dx"] = be.to_numpy(self._dx_channels(where, fwd, h["dx_channels"], a["dyc"], a["w"]))
+        if part == "dx":
+            if fwd.d is None:
+                raise TaskError(f"{where}: part 'dx' needs this worker's conv-output gradient: send part 'dyc' first")
+            if "dx_channels" not in h:
+                raise TaskError(f"{where}: part 'dx' needs dx_channels [c0, c1] in its header")
+            dx = self._dx_channels(where, fwd, h["dx_channels"], a.get("dyc_lo"), a.get("dyc_hi"), a["w"])
+            del self._forwards[layer]  # the backward is complete; frees the kept gradient
+            arrays = {"dx": be.to_numpy(dx)}
+            be.synchronize()
+            return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, arrays)
+
+        if fwd.cache is None:
+            raise TaskError(f"{where}: part 'dyc' of this forward already ran; send part 'dx', or conv_forward again")
+        try:
+            d = tail_backward(be, be.asarray(a["dy"]), fwd.cache, h.get("dy_from", 0))
+        except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
+            raise TaskError(f"{where}: {e}") from None
         need_dx = fwd.need_dx and part is None
         dx, dw, db = conv_backward(be, d, fwd.cache, need_dx)
-        del self._forwards[layer]  # one backward per forward; frees the cache
-        arrays.update(dw=be.to_numpy(dw), db=be.to_numpy(db))
+        arrays = {"dw": be.to_numpy(dw), "db": be.to_numpy(db)}
         if need_dx:
             arrays["dx"] = be.to_numpy(dx)
+        if part == "dyc":  # keep only the own channels: the forward's columns are no longer needed
+            fwd.d = arrays["dyc"] = np.ascontiguousarray(owned(be, d, fwd.cache))
+            fwd.cache = None
+        else:
+            del self._forwards[layer]  # one backward per forward; frees the cache
         be.synchronize()
         return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, arrays)
 
-    def _dx_channels(self, where: str, fwd: _Forward, span: Any, dyc: Any, w: Any) -> Any:
-        """dx[:, c0:c1] from the whole conv-output gradient dyc (N, F, OH, OW) and w (F, c1 - c0, KH, KW)."""
+    def _dx_channels(self, where: str, fwd: _Forward, span: Any, lo: Any, hi: Any, w: Any) -> Any:
+        """dx[:, c0:c1] from w (F, c1 - c0, KH, KW) and the conv-output gradient (N, F, OH, OW)
+        assembled as [lo, the kept own channels, hi] (lo, hi: (N, *, OH, OW) or None)."""
+        import numpy as np
+
         n, c, hgt, wid = fwd.x_shape
         kh, kw = fwd.w_shape[2:]
         if not (len(span) == 2 and all(_is_int(v) for v in span) and 0 <= span[0] < span[1] <= c):
             raise TaskError(f"{where}: dx_channels must be [c0, c1] with 0 <= c0 < c1 <= {c}, got {span}")
         c0, c1 = span
         oh, ow = _fits((hgt, wid), (kh, kw), fwd.stride, fwd.padding)
-        if w.ndim != 4 or tuple(w.shape[1:]) != (c1 - c0, kh, kw) or tuple(dyc.shape) != (n, w.shape[0], oh, ow):
+        parts = [p for p in (lo, fwd.d, hi) if p is not None]
+        if any(p.ndim != 4 or (p.shape[0], *p.shape[2:]) != (n, oh, ow) for p in parts):
             raise TaskError(
-                f"{where}: dx of channels [{c0}, {c1}) needs w (F, {c1 - c0}, {kh}, {kw}) and dyc "
-                f"({n}, F, {oh}, {ow}); got w {tuple(w.shape)}, dyc {tuple(dyc.shape)}"
+                f"{where}: dyc_lo and dyc_hi must be ({n}, kernels, {oh}, {ow}); got "
+                f"{[tuple(p.shape) for p in (lo, hi) if p is not None]}"
             )
+        f = sum(p.shape[1] for p in parts)
+        if w.ndim != 4 or tuple(w.shape) != (f, c1 - c0, kh, kw):
+            raise TaskError(
+                f"{where}: dx of channels [{c0}, {c1}) from {f} kernels' gradients (dyc_lo, this worker's "
+                f"{fwd.d.shape[1]}, dyc_hi) needs w ({f}, {c1 - c0}, {kh}, {kw}); got w {tuple(w.shape)}"
+            )
+        dyc = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         be = self.backend
         return be.conv2d_backward_input(be.asarray(dyc), be.asarray(w), (n, c1 - c0, hgt, wid), fwd.stride, fwd.padding)
 
