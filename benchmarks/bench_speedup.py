@@ -10,7 +10,8 @@ CPUs: the master runs on core 0, the worker (started here under ``taskset -c 1``
 way a user starts one by hand) on core 1, and they talk over TCP on loopback.
 Training steps (forward, loss, backward, SGD) are timed on random CIFAR-shaped data:
 after calibration and --warmup distributed steps (rebalancing settles), solo and
-distributed steps alternate, so that a drift in the shared machine's speed hits both.
+distributed steps alternate, so that a drift in the shared machine's speed hits both; after
+each switch --settle untimed steps run first, so that each timed step is a steady one.
 Printed: the median step of each and its split into comm / conv / comp (the paper's
 Fig. 6), each participant's compute, the speedup, and the Amdahl bound implied by the
 solo step's split, 1 / ((1 - f) + f / 2) with f = conv / step -- the bound for the
@@ -97,6 +98,14 @@ def main() -> None:
     p.add_argument(
         "--warmup", type=int, default=12, help="untimed distributed steps first, for the rebalancer to settle"
     )
+    p.add_argument(
+        "--settle",
+        type=int,
+        default=1,
+        help="untimed steps of each configuration after every switch between them (default %(default)s): "
+        "a step right after a switch runs on the caches and memory the other configuration left behind, "
+        "which a real training run never does",
+    )
     p.add_argument("--backend", default="numpy", help="backend of the master and the worker")
     p.add_argument(
         "--fuse",
@@ -173,8 +182,12 @@ def main() -> None:
         solo_recs, dist_recs = [], []
         for _ in tqdm(range(args.steps), desc="solo / distributed steps", disable=None):
             dist.detach(net)
+            for _ in range(args.settle):
+                one_step(net, opt, x, y, None)
             solo_recs.append(one_step(net, opt, x, y, None))
             dist.attach(net)
+            for _ in range(args.settle):
+                one_step(net, opt, x, y, dist)
             dist_recs.append(one_step(net, opt, x, y, dist))
         dist.detach(net)
         split = solo_split(net, x, y)  # one extra solo step, timed layer by layer for the Amdahl bound
