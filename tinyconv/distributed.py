@@ -555,17 +555,12 @@ class ShardedConv:
                 dx_parts[k] = self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd))
         dx = be.asarray(np.concatenate([dx_parts[k] for k in self.who if k in dx_parts], axis=1))
 
-        compute = []
-        for k in self.who:
-            if k == MASTER:
-                compute.append(master_s)
-            else:
-                compute.append(sum(float(r[k].header["compute_s"]) for r in (replies1, replies2) if k in r))
+        first, then = self._stats(t0, messages, replies1, master_s), self._stats(t0, second, replies2, 0.0)
         stats = _OpStats(
-            wall_s=time.perf_counter() - t0,
-            compute_s=compute,
-            bytes_sent=sum(m.nbytes() for m in (*messages.values(), *second.values())),
-            bytes_recv=sum(r.nbytes() for r in (*replies1.values(), *replies2.values())),
+            wall_s=then.wall_s,
+            compute_s=[a + b for a, b in zip(first.compute_s, then.compute_s, strict=True)],
+            bytes_sent=first.bytes_sent + then.bytes_sent,
+            bytes_recv=first.bytes_recv + then.bytes_recv,
         )
         return dx, mine, replies1, stats
 

@@ -62,7 +62,7 @@ class _Forward:
     """What a conv_forward leaves for the matching conv_backward."""
 
     step: int
-    cache: Any  # a tinyconv.block.BlockCache
+    cache: Any  # a tinyconv.block.BlockCache; None once part "dyc" has used it (frees the columns)
     need_dx: bool
     x_shape: tuple[int, ...]
     w_shape: tuple[int, ...]  # the computed kernels' weights (own and halo)
