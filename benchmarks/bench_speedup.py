@@ -207,7 +207,8 @@ def main() -> None:
             med(dist_recs, "conv_s"),
             med(dist_recs, "comp_s"),
             solo_t / dist_t,
-            str(dist_recs[-1]["shares"]),
+            str(dist_recs[-1]["shares"])
+            + "".join(f", {name} dX channels {c}" for name, c in dist_recs[-1].get("dx_shares", {}).items()),
         ),
     ]
     print(

@@ -157,6 +157,50 @@ def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
         assert sharded.end_step()["shares"]["conv1"] == [1, 2, 4]
 
 
+@pytest.mark.parametrize(
+    "n, master_share, plan, dx_channels",
+    [
+        (1, "auto", [3, 4], [3, 0]),  # the master computes all of dX
+        (2, "auto", [1, 5, 1], [0, 1, 2]),
+        (3, "0", [2, 0, 5], [1, 0, 2]),  # a worker without kernels gets no channels
+    ],
+)
+def test_the_channel_split_of_dx_is_its_own(rng, n, master_share, plan, dx_channels):
+    conv, net = conv_and_reference(rng)
+    be = conv.backend
+    x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
+    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
+    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    with inproc_pool(n) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, dx="channels")
+        sharded.attach(net)
+        sharded.set_plan("conv1", plan, dx_channels)
+        assert_close(conv.forward(x), y_ref)
+        assert_close(conv.backward(dy), dx_ref)
+        assert_close(conv.grads["w"], dw_ref)
+        record = sharded.end_step()
+    assert record["shares"] == {"conv1": plan} and record["dx_shares"] == {"conv1": dx_channels}
+
+
+def test_a_channel_split_that_does_not_fit_is_refused_or_replaced(rng):
+    conv, net = conv_and_reference(rng)
+    x = rng.standard_normal((1, 3, 5, 5), dtype=np.float32)
+    with inproc_pool(2) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        for bad in ([3, 1], [1, 1], [2, 1, 0], [-1, 4]):
+            with pytest.raises(ValueError, match="dx_channels for conv1 needs 2 counts"):
+                sharded.set_plan("conv1", [4, 3], bad)
+        with pytest.raises(ValueError, match="0 wherever the kernels are 0"):
+            sharded.set_plan("conv1", [7, 0], [2, 1])
+        sharded.set_plan("conv1", [4, 3], [0, 3])
+        sharded.set_plan("conv1", [7, 0])  # the kept channel split gives worker1 channels: replaced
+        y = conv.forward(x)
+        conv.backward(np.ones_like(y))
+        assert sharded.end_step()["dx_shares"] == {"conv1": [3, 0]}
+
+
 def test_a_forward_without_backward_is_not_counted_in_a_step(rng):
     conv, net = conv_and_reference(rng)
     with inproc_pool(1) as (transport, workers):
@@ -410,6 +454,70 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     assert settled <= 5, shares  # patience 3: the move comes after the third lagging step
     assert abs(shares[-1][1] - 16) <= 2 and shares[-1] == [32, 16], shares
     assert all(s == shares[-1] for s in shares[settled:]), shares  # no flapping once balanced
+
+
+class PartMeteredWorker(ConvWorker):
+    """A ConvWorker whose reported times follow a cost model per op, for dX split by channels:
+    the forward and the backward's part "dyc" 1 ms per kernel, the part "dx" ``dx_ms`` per input
+    channel; calibration: ``calibrate_s`` for each layer, its forward alone 1 ms per kernel."""
+
+    def __init__(self, backend: NumpyBackend, dx_ms: float, calibrate_s: float = 1.0) -> None:
+        super().__init__(backend)
+        self.dx_ms, self.calibrate_s = dx_ms, calibrate_s
+
+    def handle(self, msg: Message) -> Message:
+        reply = super().handle(msg)
+        if reply.kind != "result":
+            return reply
+        if msg.kind == "calibrate":
+            reply.header["times"] = [self.calibrate_s for _ in msg.header["layers"]]
+            reply.header["forward_times"] = [spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
+        elif msg.kind == "conv_forward":
+            reply.header["compute_s"] = msg.arrays["w"].shape[0] * 1e-3
+        elif msg.header.get("part") == "dx":
+            c0, c1 = msg.header["dx_channels"]
+            reply.header["compute_s"] = (c1 - c0) * self.dx_ms * 1e-3
+        else:
+            reply.header["compute_s"] = msg.arrays["dy"].shape[1] * 1e-3
+        return reply
+
+
+def test_the_channel_split_is_balanced_on_the_backward_and_the_kernels_on_the_forward(rng):
+    # equal forwards, worker1's dX 3 ms per channel against 1: the kernels stay [12, 12]; the
+    # backward, 12 ms + c0 against 12 ms + 3 c1 with c0 + c1 = 12, finishes together at [9, 3]
+    conv, net = conv_and_reference(rng, c_in=12, c_out=24)
+    x = rng.standard_normal((1, 12, 5, 5), dtype=np.float32)
+    with inproc_pool(2, lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=[1.0, 3.0][i])) as (transport, workers):
+        sharded = ShardedConv(
+            transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, rebalancer=Rebalancer(0.02)
+        )
+        sharded.attach(net)
+        records = []
+        for _ in range(20):
+            y = conv.forward(x)
+            conv.backward(np.ones_like(y))
+            records.append(sharded.end_step())
+    assert all(r["shares"] == {"conv1": [12, 12]} for r in records)
+    channels = [r["dx_shares"]["conv1"] for r in records]
+    # proportional first (the backward's fixed part read as per-channel cost: [8, 4], short of it),
+    # then, with two channel counts measured, the affine fit lands on [9, 3]
+    assert channels[0] == [6, 6] and [8, 4] in channels and channels[-1] == [9, 3], channels
+    settled = channels.index([9, 3])
+    assert all(c == [9, 3] for c in channels[settled:]), channels  # no flapping once balanced
+    moves = [r["rebalanced"] for r in records if r["rebalanced"]]
+    assert moves and all(set(m) == {"conv1.dx"} for m in moves), moves
+
+
+def test_calibration_gives_the_kernel_split_the_forward_times_when_dx_goes_by_channels(rng):
+    conv, net = conv_and_reference(rng, c_in=4, c_out=24)
+    make = lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, calibrate_s=[1.0, 2.0][i])  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        result = sharded.calibrate(net, batch_size=1, image_size=5)
+        # eq. 1 on the whole layer's times; the rebalancer's first point is the forward alone
+        assert result["shares"] == {"conv1": [16, 8]}
+        models = sharded.rebalancer.cost_models("conv1")
+    assert [v for model in models for v in model] == pytest.approx([0.0, 1e-3, 0.0, 1e-3])
 
 
 def test_rebalance_off_keeps_the_plan(rng):

@@ -207,6 +207,9 @@ def test_calibrate_times_each_layer():
     assert r.kind == "result" and r.header["task"] == 7
     assert len(r.header["times"]) == 2 and all(t > 0 for t in r.header["times"])
     assert r.header["compute_s"] >= sum(r.header["times"])
+    # the forward alone, timed inside each of the same runs: more than nothing, less than the whole
+    forward_times = r.header["forward_times"]
+    assert len(forward_times) == 2 and all(0 < f < t for f, t in zip(forward_times, r.header["times"], strict=True))
 
 
 def test_calibrate_refuses_shapes_over_its_memory_limit():
@@ -241,8 +244,8 @@ def test_slowdown_scales_the_reported_time_and_the_wall_time():
                 "repeats": 1,
             },
         )
-    ).header["times"]
-    assert times[0] >= 3 * 0.02
+    ).header
+    assert times["times"][0] >= 3 * 0.02 and times["forward_times"][0] >= 3 * 0.02  # the forward is the slow op
 
 
 def test_slowdown_below_one_is_refused():

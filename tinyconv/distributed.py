@@ -99,6 +99,17 @@ def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> li
     return shapes
 
 
+def _fits_kernels(dx_counts: list[int], counts: list[int], channels: int) -> bool:
+    """A channel split of dX that works with the kernel split ``counts``: one count >= 0 per
+    participant, summing to ``channels``, and 0 for a participant without kernels."""
+    return (
+        len(dx_counts) == len(counts)
+        and all(isinstance(c, (int, np.integer)) and c >= 0 for c in dx_counts)
+        and sum(dx_counts) == channels
+        and all(c == 0 for c, k in zip(dx_counts, counts, strict=True) if k == 0)
+    )
+
+
 @dataclass
 class _OpStats:
     """One distributed forward or backward of one layer."""
@@ -117,6 +128,17 @@ class _OpStats:
     def comm_s(self) -> float:
         """Everything else the op took: transfers, waiting, slicing and concatenating."""
         return max(0.0, self.wall_s - self.conv_s)
+
+
+@dataclass
+class _LayerStep:
+    """One layer's forward and backward in a training step, for :meth:`ShardedConv.end_step`."""
+
+    name: str
+    counts: list[int]  # kernels per participant
+    dx_counts: list[int] | None  # input channels of dX per participant, when dX went by channels
+    forward: _OpStats
+    backward: _OpStats
 
 
 @dataclass
@@ -193,11 +215,12 @@ class ShardedConv:
         # participants: the master first if it takes part, then workers by index
         self.who: list[int] = ([MASTER] if master_share == "auto" else []) + sorted(self.workers)
         self.plans: dict[str, list[int]] = {}  # layer name -> kernels per participant
+        self.dx_plans: dict[str, list[int]] = {}  # layer name -> input channels of dX per participant
         self.calibration: dict[str, Any] | None = None
         self.step = 0  # training steps finished (end_step calls); sent as each task's "step"
         self._layers: dict[int, tuple[int, str, Conv2D]] = {}  # id(layer) -> (index, name, layer)
         self._next_task = 0
-        self._done: list[tuple[str, list[int], _OpStats, _OpStats]] = []  # this step's forward+backward pairs
+        self._done: list[_LayerStep] = []  # this step's forward + backward of each layer
 
     # ---- set-up -------------------------------------------------------------------
     @property
@@ -236,8 +259,14 @@ class ShardedConv:
             del self._layers[id(conv)]
             conv.distributor = None
 
-    def set_plan(self, layer: str, counts: list[int]) -> None:
-        """Use ``counts`` kernels per participant (plan order) for ``layer`` from the next forward on."""
+    def set_plan(self, layer: str, counts: list[int], dx_channels: list[int] | None = None) -> None:
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from the next forward on.
+
+        ``dx_channels``: input channels of dX per participant, for a backward with dX split by
+        channels (a participant without kernels gets none: it holds no gradient to start from).
+        Without it the layer keeps its channel split, or, if that does not fit ``counts``, gets
+        one proportional to them.
+        """
         convs = {name: conv for _, name, conv in self._layers.values()}
         if layer not in convs:
             raise ValueError(f"no attached layer {layer!r}; attached: {', '.join(sorted(convs)) or 'none'}")
@@ -247,7 +276,15 @@ class ShardedConv:
                 f"a plan for {layer} needs {len(self.who)} counts >= 0 ({', '.join(self.participants)}) "
                 f"summing to its {total} kernels, got {counts}"
             )
+        if dx_channels is not None and not _fits_kernels(dx_channels, counts, convs[layer].in_channels):
+            raise ValueError(
+                f"dx_channels for {layer} needs {len(self.who)} counts >= 0 summing to its "
+                f"{convs[layer].in_channels} input channels, 0 wherever the kernels are 0 ({counts}); "
+                f"got {dx_channels}"
+            )
         self.plans[layer] = [int(c) for c in counts]
+        if dx_channels is not None:
+            self.dx_plans[layer] = [int(c) for c in dx_channels]
 
     def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
         """Benchmark every participant on each conv layer's exact shape; set the initial plan.
@@ -259,13 +296,14 @@ class ShardedConv:
         a time, so devices sharing a host do not slow each other's benchmark.
         Each layer's plan is then eq. 1 on those times, apportioned by largest
         remainder. The times also go to the rebalancer, if any, as each participant's
-        time for all F kernels of the layer: with the first step's, at the calibrated
+        time for all F kernels of the layer (the forward's alone where dX goes by input
+        channels: see :meth:`end_step`): with the first step's, at the calibrated
         split, it has two kernel counts per participant to fit its fixed and
         per-kernel cost (:class:`~tinyconv.balance.Rebalancer`).
         Attaches to ``net`` (see :meth:`attach`) if it was not already.
         Returns (and keeps in ``self.calibration``)::
 
-            {"participants": [...], "times": {"conv1": [s, ...], ...},
+            {"participants": [...], "times": {"conv1": [s, ...], ...}, "forward_times": {...},
              "shares": {"conv1": [kernels, ...], ...}, "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
         """
         from tinyconv.worker import ConvWorker  # the master benchmarks itself exactly as a worker does
@@ -289,34 +327,47 @@ class ShardedConv:
         header = {"layers": specs, "repeats": self.calibration_repeats}
 
         times: dict[int, list[float]] = {}
+        forward_times: dict[int, list[float]] = {}
         for k in sorted(self.workers):
             msg = Message("calibrate", {"task": 0, **header})
             replies, _, _ = self._scatter_gather("calibrate", "every conv layer", {k: msg}, None)
             times[k] = self._calibration_times(k, replies[k], len(specs))
+            forward_times[k] = self._calibration_times(k, replies[k], len(specs), "forward_times")
         if MASTER in self.who:
             reply = ConvWorker(self.backend).handle(Message("calibrate", {"task": 0, **header}))
             if reply.kind == "error":
                 raise RuntimeError(f"the master could not benchmark its own backend: {reply.header['message']}")
             times[MASTER] = self._calibration_times(MASTER, reply, len(specs))
+            forward_times[MASTER] = self._calibration_times(MASTER, reply, len(specs), "forward_times")
 
-        result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "shapes": {}}
+        result: dict[str, Any] = {
+            "participants": self.participants,
+            "times": {},
+            "forward_times": {},
+            "shares": {},
+            "shapes": {},
+        }
         for i, (conv, spec) in enumerate(zip(convs, specs, strict=True)):
             name = f"conv{i + 1}"
             layer_times = [times[k][i] for k in self.who]
+            layer_forward_times = [forward_times[k][i] for k in self.who]
             self.plans[name] = kernel_counts(speed_weights(layer_times), conv.out_channels)
             if self.rebalancer is not None:  # each participant measured on all F kernels: its first (k, t)
-                self.rebalancer.record(name, [conv.out_channels] * len(self.who), layer_times)
+                # with dX by channels the kernel split is balanced on the forward alone (see end_step)
+                measured = layer_forward_times if self._dx_by_channels(conv) else layer_times
+                self.rebalancer.record(name, [conv.out_channels] * len(self.who), measured)
             result["times"][name] = layer_times
+            result["forward_times"][name] = layer_forward_times
             result["shares"][name] = list(self.plans[name])
             result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
         self.calibration = result
         return result
 
-    def _calibration_times(self, k: int, reply: Message, n_layers: int) -> list[float]:
-        times = reply.header.get("times")
+    def _calibration_times(self, k: int, reply: Message, n_layers: int, key: str = "times") -> list[float]:
+        times = reply.header.get(key)
         if not (isinstance(times, list) and len(times) == n_layers and all(t > 0 for t in times)):
             raise RuntimeError(
-                f"{self._describe(k)} answered calibrate with times {times!r}, expected {n_layers} "
+                f"{self._describe(k)} answered calibrate with {key} {times!r}, expected {n_layers} "
                 "positive seconds (one per conv layer); is it running the same tinyconv version?"
             )
         return [float(t) for t in times]
@@ -431,7 +482,7 @@ class ShardedConv:
                 dy_host_m, dy_from_m = grad_part(*span)
                 dy_m = be.asarray(dy_host_m)
 
-        if master_only or not (layer.need_dx and self.dx_by_channels):
+        if master_only or not self._dx_by_channels(layer):
             local = None
             if dy_m is not None:
                 local = partial(block_backward, be, dy_m, cache.master_cache, dy_from_m, layer.need_dx)
@@ -439,7 +490,7 @@ class ShardedConv:
             stats = self._stats(t0, messages, replies, master_s)
             if master_only:
                 dx, dw, db = mine
-                self._done.append((name, cache.counts, cache.forward, stats))
+                self._done.append(_LayerStep(name, cache.counts, None, cache.forward, stats))
                 return dx, dw, db
             dx = None
             if layer.need_dx:  # the partial dX of every participant, summed
@@ -452,9 +503,11 @@ class ShardedConv:
                             else self._reply_array(k, replies[k], "dx", cache.x_shape)
                         )
                 dx = be.asarray(dx)
+            dx_counts = None
         else:
+            dx_counts = self._dx_plan(name, layer.in_channels, cache.counts)
             dx, mine, replies, stats = self._backward_dx_by_channels(
-                layer, name, cache, spans, messages, dy_m, dy_from_m, t0
+                layer, name, cache, spans, slices(dx_counts), messages, dy_m, dy_from_m, t0
             )
 
         w_shape = (layer.in_channels, layer.kernel, layer.kernel)
@@ -470,16 +523,16 @@ class ShardedConv:
                 dbs.append(self._reply_array(k, replies[k], "db", (e - s,)))
         dw = be.asarray(np.concatenate(dws, axis=0))
         db = be.asarray(np.concatenate(dbs, axis=0))
-        self._done.append((name, cache.counts, cache.forward, stats))
+        self._done.append(_LayerStep(name, cache.counts, dx_counts, cache.forward, stats))
         return dx, dw, db
 
-    def _backward_dx_by_channels(self, layer, name, cache, spans, messages, dy_m, dy_from_m, t0):
+    def _backward_dx_by_channels(self, layer, name, cache, spans, channels, messages, dy_m, dy_from_m, t0):
         """Backward with dX split by input channels, in two parts per participant.
 
         1. "dyc": every participant runs its tail's backward and computes dW, db of its
            kernels; workers send back their kernels' conv-output gradient (dyc) with them.
-        2. "dx": every participant computes dX[:, c0:c1] for its slice of the C input channels
-           (as many as its share of the kernels), from all of dY_conv (N, F, OH, OW) and
+        2. "dx": every participant computes dX[:, c0:c1] for its slice ``channels`` of the C input
+           channels (``dx_plans``, balanced apart from the kernels), from all of dY_conv (N, F, OH, OW) and
            W[:, c0:c1]: ``conv2d_backward_input``, a GEMM with all F kernels as its inner
            dimension and a col2im of C/P channels. Split by kernels instead, every participant
            would compute a full-size partial dX (GEMM output and col2im of all C channels) to
@@ -498,7 +551,6 @@ class ShardedConv:
         n, c, h, wd = cache.x_shape
         oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
         ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
-        channels = slices(kernel_counts([float(e - s) for s, e in spans], c))
         w_host = self._host(layer.params["w"])
         dyc: dict[int, np.ndarray] = {}  # participant -> its kernels' conv-output gradient (N, e - s, OH, OW)
         second: dict[int, Message] = {}
@@ -578,9 +630,17 @@ class ShardedConv:
             {"comm_s": float, "conv_s": float,            # summed over the step's ops
              "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers
              "shares": {"conv1": [kernels per participant], ...},   # the plan this step used
+             "dx_shares": {"conv2": [input channels per participant], ...},  # dX by channels only
              "participants": ["master", "worker0", ...],  # the order of every list here
              "participant_conv_s": [s, ...],              # each one's conv compute this step
-             "rebalanced": {"conv2": [new counts], ...}}  # plans changed for the next step ({} if none)
+             "rebalanced": {"conv2": [new counts], "conv2.dx": [new channels], ...}}  # next step's ({} if none)
+
+        What the rebalancer balances: a layer's step waits for the slowest participant of
+        each op, so each op should be balanced on its own. With dX split by input channels a
+        layer has two knobs: the kernel split ("conv2") is balanced on the forward's times, and
+        the channel split ("conv2.dx") on the backward's, which take what the kernel split
+        leaves there (the tail's backward and dW) as a fixed part. Otherwise forward and
+        backward both scale with the kernels and the kernel split is balanced on their sum.
 
         Bytes are the arrays of the conv_forward / conv_backward tasks and of their
         results (``Message.nbytes``), counted the same for every transport: the
@@ -588,24 +648,37 @@ class ShardedConv:
         as what a network would carry. Message headers, framing, heartbeats and
         calibration are not included (``transport.traffic()`` has the zmq totals).
         """
-        ops = [op for _, _, fwd, bwd in self._done for op in (fwd, bwd)]
+        ops = [op for done in self._done for op in (done.forward, done.backward)]
         per_participant = [sum(op.compute_s[i] for op in ops) for i in range(len(self.who))]
         shares = {name: list(self.plans[name]) for name in self._layer_names() if name in self.plans}
-        layer_times: dict[str, tuple[list[int], list[float]]] = {}
-        for name, counts, fwd, bwd in self._done:
-            shares[name] = list(counts)
-            _, times = layer_times.setdefault(name, (counts, [0.0] * len(self.who)))
+        dx_shares = {}
+        measured: dict[str, tuple[list[int], list[float]]] = {}  # rebalancer key -> (counts, seconds)
+
+        def add(key: str, counts: list[int], ops: list[_OpStats]) -> None:
+            _, times = measured.setdefault(key, (counts, [0.0] * len(self.who)))
             for i in range(len(self.who)):
-                times[i] += fwd.compute_s[i] + bwd.compute_s[i]
+                times[i] += sum(op.compute_s[i] for op in ops)
+
+        for done in self._done:
+            shares[done.name] = list(done.counts)
+            if done.dx_counts is None:
+                add(done.name, done.counts, [done.forward, done.backward])
+            else:
+                dx_shares[done.name] = list(done.dx_counts)
+                add(done.name, done.counts, [done.forward])
+                add(f"{done.name}.dx", done.dx_counts, [done.backward])
 
         rebalanced = {}
         if self.rebalancer is not None:
-            for name, (counts, times) in layer_times.items():
-                proposal = self.rebalancer.observe(name, counts, times)
+            for key, (counts, times) in measured.items():
+                proposal = self.rebalancer.observe(key, counts, times)
                 if proposal is not None:
-                    log.info("rebalancing %s: %s -> %s (%s)", name, counts, proposal, ", ".join(self.participants))
-                    self.plans[name] = proposal
-                    rebalanced[name] = list(proposal)
+                    log.info("rebalancing %s: %s -> %s (%s)", key, counts, proposal, ", ".join(self.participants))
+                    if key.endswith(".dx"):
+                        self.dx_plans[key[: -len(".dx")]] = proposal
+                    else:
+                        self.plans[key] = proposal
+                    rebalanced[key] = list(proposal)
 
         record = {
             "comm_s": sum(op.comm_s for op in ops),
@@ -613,6 +686,7 @@ class ShardedConv:
             "bytes_sent": sum(op.bytes_sent for op in ops),
             "bytes_recv": sum(op.bytes_recv for op in ops),
             "shares": shares,
+            "dx_shares": dx_shares,
             "participants": self.participants,
             "participant_conv_s": per_participant,
             "rebalanced": rebalanced,
@@ -639,6 +713,18 @@ class ShardedConv:
         if sum(counts) != total:
             raise RuntimeError(f"the plan for {name} has {sum(counts)} kernels, the layer {total}")
         return counts
+
+    def _dx_by_channels(self, layer: Conv2D) -> bool:
+        """Whether ``layer``'s dX is split by input channels (when a worker has kernels)."""
+        return layer.need_dx and self.dx_by_channels and bool(self.workers)
+
+    def _dx_plan(self, name: str, channels: int, counts: list[int]) -> list[int]:
+        """This layer's input channels of dX per participant; proportional to ``counts`` at first,
+        and again whenever the kept split no longer fits them (someone without kernels has channels)."""
+        plan = self.dx_plans.get(name)
+        if plan is None or not _fits_kernels(plan, counts, channels):
+            plan = self.dx_plans[name] = kernel_counts([float(k) for k in counts], channels)
+        return plan
 
     def _master_span(self, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
         if self.who[0] == MASTER and spans[0][0] < spans[0][1]:

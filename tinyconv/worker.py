@@ -269,7 +269,10 @@ class ConvWorker:
         return tail
 
     def _calibrate(self, msg: Message) -> Message:
-        """Time forward + backward of each layer's exact shape on seeded random values."""
+        """Time forward + backward of each layer's exact shape on seeded random values.
+
+        Replies ``times`` (forward + backward) and ``forward_times`` (the forward alone, in the
+        same runs): seconds per layer, each the median of ``repeats`` runs after a warm-up."""
         import numpy as np
 
         from transports.base import Message
@@ -283,7 +286,7 @@ class ConvWorker:
 
         be = self.backend
         t_start = time.perf_counter()
-        times = []
+        times, forward_times = [], []
         for layer, xs, ws, ys, stride, padding, need_dx, tail in shapes:
             rng = np.random.default_rng(layer)  # same values on every worker: only the device differs
             x = be.asarray(rng.standard_normal(xs, dtype=np.float32))
@@ -293,21 +296,27 @@ class ConvWorker:
 
             args = (x, w, b, dy, stride, padding, need_dx, tail)
             self._time_once(*args)  # warm-up: first-call costs (allocation, kernel compilation) are not speed
-            times.append(statistics.median(self._time_once(*args) for _ in range(repeats)) * self.slowdown)
+            runs = [self._time_once(*args) for _ in range(repeats)]
+            times.append(statistics.median(t for _, t in runs) * self.slowdown)
+            forward_times.append(statistics.median(t for t, _ in runs) * self.slowdown)
         compute_s = self._emulate(time.perf_counter() - t_start)
-        return Message("result", {"task": msg.header["task"], "times": times, "compute_s": compute_s})
+        header = {"task": msg.header["task"], "times": times, "forward_times": forward_times, "compute_s": compute_s}
+        return Message("result", header)
 
     def _time_once(
         self, x: Any, w: Any, b: Any, dy: Any, stride: int, padding: int, need_dx: bool, tail: list
-    ) -> float:
+    ) -> tuple[float, float]:
+        """(seconds of the forward, seconds of forward + backward) of one block."""
         from tinyconv.block import block_backward, block_forward
 
         be = self.backend
         t0 = time.perf_counter()
         _, cache = block_forward(be, x, w, b, stride, padding, tail)
+        be.synchronize()
+        t_forward = time.perf_counter() - t0
         block_backward(be, dy, cache, 0, need_dx)
         be.synchronize()
-        return time.perf_counter() - t0
+        return t_forward, time.perf_counter() - t0
 
     def _calibration_shape(self, i: int, spec: Any) -> tuple:
         """Check one calibrate layer spec -> (layer, x, w, y shapes, stride, padding, need_dx, tail).

@@ -26,8 +26,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 # 2: conv_forward may carry a fused tail (tinyconv/block.py); 3: conv_backward's two parts
-# are "dyc" (dW, db and the conv-output gradient) and "dx" (dX of some input channels)
-PROTOCOL_VERSION = 3
+# are "dyc" (dW, db and the conv-output gradient) and "dx" (dX of some input channels);
+# 4: calibrate's result also gives each layer's forward time alone ("forward_times")
+PROTOCOL_VERSION = 4
 
 # Message kinds. Master -> worker: calibrate, conv_forward, conv_backward, shutdown.
 # Worker -> master: hello (first), result, error. Either way: heartbeat.

@@ -110,7 +110,10 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
         {"task": _Int, "step": _Int, "layer": _Int},
         {"dy_from": _Int, "part": str, "dx_channels": _NumList},
     ),
-    "result": ({"task": _Int, "compute_s": _Num}, {"step": _Int, "layer": _Int, "times": _NumList}),
+    "result": (
+        {"task": _Int, "compute_s": _Num},
+        {"step": _Int, "layer": _Int, "times": _NumList, "forward_times": _NumList},
+    ),
     "error": ({"message": str}, {"task": _Int, "step": _Int, "layer": _Int}),
     "heartbeat": ({}, {}),
     "shutdown": ({"reason": str}, {}),
