@@ -253,6 +253,11 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
         assert b["participants"] == ["master", "worker0", "worker1"]
         assert b["bytes_sent"] > 0 and b["bytes_recv"] > 0 and b["conv_s"] > 0
         assert b["comp_s"] >= 0 and b["comm_s"] >= 0
+        # 2 workers: dX by input channels (auto), for conv2 only (conv1 has no dX): 6 channels split
+        assert list(b["dx_shares"]) == ["conv2"] and sum(b["dx_shares"]["conv2"]) == 6
+    summary = next(e for e in sharded if e["event"] == "summary")
+    assert summary["final_shares"] == sharded_steps[-1]["shares"]
+    assert summary["final_dx_shares"] == sharded_steps[-1]["dx_shares"]
     test_loss = [e["test_loss"] for e in plain if e["event"] == "epoch"]
     assert [e["test_loss"] for e in sharded if e["event"] == "epoch"] == pytest.approx(test_loss, rel=1e-5)
 
