@@ -363,18 +363,70 @@ def test_uncertain_slopes_do_not_throw_kernels_around():
         assert min(min(c) for c in history) >= 16 and len(history) <= 5, (seed, history)
 
 
-def test_a_participant_whose_fixed_cost_exceeds_the_others_whole_time_keeps_one_kernel():
-    # 0.3 s fixed against 0.01 + 0.001 * 96 = 0.106 s for the whole layer on the other: it can only
-    # slow the layer down; it keeps the one kernel of the floor, so it keeps being measured
+def test_a_participant_that_can_only_slow_the_layer_sits_out_and_is_re_probed():
+    # 0.3 s fixed against 0.01 + 0.001 * 96 = 0.106 s for the whole layer on the other: held at
+    # the floor it would make every step wait 0.302 s; without it the layer takes 0.106 s
     fixed, per_kernel = [0.01, 0.3], [0.001, 0.002]
     assert equal_finish_kernels(list(zip(fixed, per_kernel, strict=True)), 96) == pytest.approx([95, 1])
-    counts, history = run(Rebalancer(), per_kernel, [48, 48], steps=100, fixed=fixed, calibrate=True)
-    assert history == [[79, 17], [95, 1]]  # and, lagging for ever, is never moved again
+    rebalancer, counts, changes = Rebalancer(), [79, 17], []
+    rebalancer.record("c", [96, 96], [0.106, 0.492])  # as after calibration
+    for step in range(400):
+        times = [a + b * c if c else 0.0 for a, b, c in zip(fixed, per_kernel, counts, strict=True)]
+        if (proposal := rebalancer.observe("c", counts, times)) is not None:
+            counts = proposal
+            changes.append((step, counts))
+    # out after patience (3 steps); back with one kernel for one step after 50 steps without
+    # any, judged at once and out again, then after 100, then after 200 steps
+    assert changes == [
+        (2, [96, 0]),
+        (52, [95, 1]),  # idle in steps 3..52
+        (53, [96, 0]),
+        (153, [95, 1]),  # idle in steps 54..153
+        (154, [96, 0]),
+        (354, [95, 1]),
+        (355, [96, 0]),
+    ], changes
     rng = np.random.default_rng(3)
     counts, history = run(
         Rebalancer(), per_kernel, [48, 48], steps=100, noise=0.10, rng=rng, fixed=fixed, calibrate=True
     )
-    assert counts == [95, 1] and len(history) <= 3, history
+    assert counts == [96, 0] and history[1] == [96, 0] and len(history) <= 4, history
+    # reprobe=0: out for good
+    assert run(Rebalancer(reprobe=0), per_kernel, [48, 48], steps=300, fixed=fixed, calibrate=True)[1] == [
+        [79, 17],
+        [96, 0],
+    ]
+
+
+def test_a_participant_that_became_fast_wins_kernels_back_at_its_re_probe():
+    rebalancer, counts = Rebalancer(reprobe=10), [48, 48]
+    fixed = [0.01, 0.3]  # participant 1 is hopeless at first ...
+    history = []
+    for step in range(80):
+        if step == 20:
+            fixed = [0.01, 0.01]  # ... then whatever slowed it down is gone
+        times = [a + 0.001 * c if c else 0.0 for a, c in zip(fixed, counts, strict=True)]
+        if (proposal := rebalancer.observe("c", counts, times)) is not None:
+            counts = proposal
+            history.append(counts)
+    # proportional first (one k each), then out; re-probed 10 steps later, it is measured fast
+    assert history[:3] == [[82, 14], [96, 0], [95, 1]], history
+    assert history[3][1] > 1 and abs(counts[1] - 48) <= 3, history  # and wins back about its half
+
+
+def test_only_available_participants_are_planned_for_or_re_probed():
+    # three participants, the third may not take work (no kernels, say, for a dX channel split):
+    # the first two share everything by speed, and the third is never given any back
+    r = Rebalancer(patience=1, smoothing=1.0, reprobe=2)
+    available = [True, True, False]
+    assert r.observe("c", [6, 3, 3], [6.0, 6.0, 3.0], available) == [8, 4, 0]
+    history = [r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0], available) for _ in range(10)]
+    assert history == [None] * 10  # balanced, and no re-probe of the unavailable one
+    assert r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0]) == [7, 4, 1]  # available again: re-probed at once
+    with pytest.raises(ValueError, match="available needs 3 flags"):
+        r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0], [True, True])
+    with pytest.raises(ValueError, match="at least one true"):
+        r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0], [False] * 3)
 
 
 def test_record_files_measurements_without_judging():
@@ -410,6 +462,8 @@ def test_participants_without_kernels_keep_their_estimate():
 
 
 def test_rebalancer_rejects_bad_input():
+    with pytest.raises(ValueError, match="reprobe must be"):
+        Rebalancer(reprobe=-1)
     r = Rebalancer()
     with pytest.raises(ValueError, match="one time per participant"):
         r.observe("c", [1, 2], [1.0])

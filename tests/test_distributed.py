@@ -463,12 +463,13 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
 
 class PartMeteredWorker(ConvWorker):
     """A ConvWorker whose reported times follow a cost model per op, for dX split by channels:
-    the forward and the backward's part "dyc" 1 ms per kernel, the part "dx" ``dx_ms`` per input
-    channel; calibration: ``calibrate_s`` for each layer, its forward alone 1 ms per kernel."""
+    the forward ``fixed_s`` + 1 ms per kernel, the backward's part "dyc" 1 ms per kernel, the part
+    "dx" ``dx_ms`` per input channel; calibration: ``calibrate_s`` for each layer, its forward
+    alone 1 ms per kernel."""
 
-    def __init__(self, backend: NumpyBackend, dx_ms: float, calibrate_s: float = 1.0) -> None:
+    def __init__(self, backend: NumpyBackend, dx_ms: float, calibrate_s: float = 1.0, fixed_s: float = 0.0) -> None:
         super().__init__(backend)
-        self.dx_ms, self.calibrate_s = dx_ms, calibrate_s
+        self.dx_ms, self.calibrate_s, self.fixed_s = dx_ms, calibrate_s, fixed_s
 
     def handle(self, msg: Message) -> Message:
         reply = super().handle(msg)
@@ -478,7 +479,7 @@ class PartMeteredWorker(ConvWorker):
             reply.header["times"] = [self.calibrate_s for _ in msg.header["layers"]]
             reply.header["forward_times"] = [spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
         elif msg.kind == "conv_forward":
-            reply.header["compute_s"] = msg.arrays["w"].shape[0] * 1e-3
+            reply.header["compute_s"] = self.fixed_s + msg.arrays["w"].shape[0] * 1e-3
         elif msg.header.get("part") == "dx":
             c0, c1 = msg.header["dx_channels"]
             reply.header["compute_s"] = (c1 - c0) * self.dx_ms * 1e-3
@@ -511,6 +512,31 @@ def test_the_channel_split_is_balanced_on_the_backward_and_the_kernels_on_the_fo
     assert all(c == [9, 3] for c in channels[settled:]), channels  # no flapping once balanced
     moves = [r["rebalanced"] for r in records if r["rebalanced"]]
     assert moves and all(set(m) == {"conv1.dx"} for m in moves), moves
+
+
+def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_exact(rng):
+    # worker1's forward has 0.3 s of fixed cost: one kernel there takes longer than all 24 on worker0
+    conv, net = conv_and_reference(rng, c_in=4, c_out=24)
+    be = conv.backend
+    x = rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
+    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
+    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    make = lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, fixed_s=[0.0, 0.3][i])  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        records = []
+        for _ in range(6):
+            assert_close(conv.forward(x), y_ref)
+            assert_close(conv.backward(dy), dx_ref)
+            assert_close(conv.grads["w"], dw_ref)
+            records.append(sharded.end_step())
+    assert [r["shares"]["conv1"] for r in records] == [[12, 12]] * 3 + [[24, 0]] * 3
+    assert records[2]["rebalanced"]["conv1"] == [24, 0]
+    # no kernels, no gradient to start dX from: its channels go to worker0
+    assert [r["dx_shares"]["conv1"] for r in records][3:] == [[4, 0]] * 3
+    assert records[-1]["participant_conv_s"][1] == 0  # sent nothing, computed nothing
 
 
 def test_calibration_gives_the_kernel_split_the_forward_times_when_dx_goes_by_channels(rng):

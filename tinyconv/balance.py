@@ -238,8 +238,11 @@ class _LayerState:
     """What the Rebalancer remembers about one layer."""
 
     samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
+    idle: list[int]  # per participant: consecutive steps without kernels
+    reprobe_in: list[int]  # per participant: steps without kernels before it is measured again
     late_steps: int = 0  # consecutive steps the slowest participant lagged
     cooldown: int = 0  # steps left before another rebalance may be proposed
+    probing: int | None = None  # the participant given one kernel back to be measured, this step
 
 
 class Rebalancer:
@@ -299,9 +302,16 @@ class Rebalancer:
     threshold, short of it.
 
     **The floor** of one kernel keeps every participant measured, so one that
-    was slow for a while (another job on its machine) can win kernels back. Its
-    price: a participant whose fixed cost alone exceeds what the others need for
-    the whole layer (a_i + b_i > T) still makes every step wait a_i + b_i.
+    was slow for a while (another job on its machine) can win kernels back.
+
+    **Sitting out.** A participant held at the floor whose one kernel alone ends
+    after the others would finish the whole layer without it (its fixed cost a_i is
+    more than their T) can only slow the layer down: a proposal gives it 0 kernels
+    instead, when that is predicted to end the layer sooner (slowest first, one at a
+    time). Without kernels it is not measured, so after ``reprobe`` steps it gets one
+    kernel back for one step, judged at once (no patience, no cool-down): it stays if
+    it has become fast enough, else it sits out again for twice as long as before.
+    ``reprobe=0`` keeps it out for good. A re-probe costs one step at its pace.
     """
 
     def __init__(
@@ -312,6 +322,7 @@ class Rebalancer:
         cooldown: int = 5,
         min_move: int = 1,
         window: int = 20,
+        reprobe: int = 50,
     ) -> None:
         if not threshold >= 0:
             raise ValueError(
@@ -327,12 +338,15 @@ class Rebalancer:
             raise ValueError(f"min_move must be an int >= 1 (kernels), got {min_move!r}")
         if not (isinstance(window, int) and window >= 2):
             raise ValueError(f"window must be an int >= 2 (measurements kept per participant), got {window!r}")
+        if not (isinstance(reprobe, int) and reprobe >= 0):
+            raise ValueError(f"reprobe must be an int >= 0 (steps; 0: never), got {reprobe!r}")
         self.threshold = threshold
         self.patience = patience
         self.smoothing = smoothing
         self.cooldown = cooldown
         self.min_move = min_move
         self.window = window
+        self.reprobe = reprobe
         self._layers: dict[str, _LayerState] = {}
 
     def cost_models(self, layer: str) -> list[tuple[float, float] | None]:
@@ -354,48 +368,96 @@ class Rebalancer:
             if c > 0:
                 samples.append((int(c), float(t)))
 
-    def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
+    def observe(
+        self, layer: str, counts: Sequence[int], times: Sequence[float], available: Sequence[bool] | None = None
+    ) -> list[int] | None:
         """Record one step of ``layer``; return new counts to use from the next step, or None.
 
         ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
         counts[i] is 0). A returned plan sums to sum(counts) and has the same length.
+        ``available``: who may be given work next step (default: everyone); the others
+        get 0 and are neither planned for nor re-probed. The sharded convolution passes it
+        for the split of dX by input channels, which only participants with kernels can take.
         """
+        n = len(counts)
+        available = [True] * n if available is None else [bool(a) for a in available]
+        if len(available) != n or not any(available):
+            raise ValueError(f"available needs {n} flags, at least one true; got {available}")
         self.record(layer, counts, times)
         state = self._layers[layer]
-        if state.cooldown > 0:
-            state.cooldown -= 1
-            return None
+        total = sum(counts)
+        for i, c in enumerate(counts):
+            state.idle[i] = 0 if c > 0 else state.idle[i] + 1
+        probed, state.probing = state.probing, None
+        # judged at once: the step after a re-probe, and a plan that gives work to someone unavailable
+        infeasible = any(c > 0 and not ok for c, ok in zip(counts, available, strict=True))
+        judge_now = probed is not None or infeasible
+        if not judge_now:
+            if (probe := self._reprobe(state, counts, available)) is not None:
+                return probe
+            if state.cooldown > 0:
+                state.cooldown -= 1
+                return None
         fitted = self.cost_models(layer)
-        if any(m is None for m in fitted):
+        if any(m is None for m, ok in zip(fitted, available, strict=True) if ok):
             return None  # someone has never been measured (or reports no time): nothing to compare
-        models = [m for m in fitted if m is not None]
-        finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
-        mean = sum(finish) / len(finish)
-        lag = (max(finish) - mean) / mean if mean > 0 else 0.0
-        state.late_steps = state.late_steps + 1 if lag > self.threshold else 0
-        if state.late_steps < self.patience:
-            return None
+        models = [m or (0.0, 1.0) for m in fitted]  # the placeholder is never planned for: not available
+        if not judge_now:
+            finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
+            mean = sum(finish) / len(finish)
+            lag = (max(finish) - mean) / mean if mean > 0 else 0.0
+            state.late_steps = state.late_steps + 1 if lag > self.threshold else 0
+            if state.late_steps < self.patience:
+                return None
 
         state.late_steps = 0
-        total = sum(counts)
-        proposal = kernel_counts(equal_finish_kernels(models, total), total)
+        who = [i for i in range(n) if available[i]]
+        split = _sit_out(
+            [models[i] for i in who], kernel_counts(equal_finish_kernels([models[i] for i in who], total), total)
+        )
+        proposal = [0] * n
+        for i, c in zip(who, split, strict=True):
+            proposal[i] = c
+        if probed is not None:  # out again: twice as long before the next try; kept: back to the start
+            state.reprobe_in[probed] = 2 * state.reprobe_in[probed] if proposal[probed] == 0 else self.reprobe
         moved = sum(abs(new - old) for new, old in zip(proposal, counts, strict=True)) // 2
-        if moved < self.min_move or _makespan(models, proposal) >= _makespan(models, counts) * (1 - 1e-9):
+        if not infeasible and (
+            moved < self.min_move or _makespan(models, proposal) >= _makespan(models, counts) * (1 - 1e-9)
+        ):
             return None
         state.cooldown = self.cooldown
         return proposal
 
+    def _reprobe(self, state: _LayerState, counts: Sequence[int], available: list[bool]) -> list[int] | None:
+        """One kernel back, from whoever has the most, for the available participant longest
+        without any once that is ``reprobe_in`` steps or more; None if nobody is due."""
+        if not self.reprobe or sum(counts) < sum(available):  # fewer kernels than participants: some must sit out
+            return None
+        due = [i for i, c in enumerate(counts) if c == 0 and available[i] and state.idle[i] >= state.reprobe_in[i]]
+        donor = max(range(len(counts)), key=lambda j: (counts[j], -j))
+        if not due or counts[donor] < 2:
+            return None
+        i = max(due, key=lambda j: (state.idle[j], -j))
+        probe = list(counts)
+        probe[donor] -= 1
+        probe[i] = 1
+        state.probing = i
+        state.late_steps = 0
+        return probe
+
     def _state(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> _LayerState:
         """Check one measurement per participant; this layer's state (created on first use)."""
         if len(counts) != len(times) or len(counts) == 0:
-            raise ValueError(
-                f"need one time per participant, got counts {list(counts)} and times {list(times)}"
-            )
+            raise ValueError(f"need one time per participant, got counts {list(counts)} and times {list(times)}")
         for i, (c, t) in enumerate(zip(counts, times, strict=True)):
             if c < 0 or (c > 0 and not (math.isfinite(t) and t >= 0)):
                 raise ValueError(f"participant {i}: {c} kernels in {t!r} s is not a measurement")
         if layer not in self._layers:
-            self._layers[layer] = _LayerState(samples=[deque(maxlen=self.window) for _ in counts])
+            self._layers[layer] = _LayerState(
+                samples=[deque(maxlen=self.window) for _ in counts],
+                idle=[0] * len(counts),
+                reprobe_in=[self.reprobe] * len(counts),
+            )
         state = self._layers[layer]
         if len(state.samples) != len(counts):
             raise ValueError(
@@ -403,6 +465,30 @@ class Rebalancer:
                 "use a new Rebalancer when the set of participants changes"
             )
         return state
+
+
+def _sit_out(models: Sequence[tuple[float, float]], counts: list[int]) -> list[int]:
+    """``counts`` with participants that can only slow the layer down given 0 kernels.
+
+    Such a participant is held at one kernel, and the layer ends sooner without it: the
+    others split all F kernels among themselves (:func:`equal_finish_kernels`) and finish
+    before its one kernel would. Tried slowest first (largest a_i + b_i), one at a time.
+    """
+    total = sum(counts)
+    while True:
+        active = [i for i, c in enumerate(counts) if c > 0]
+        held = [i for i in active if counts[i] == 1]
+        if len(active) < 2 or not held:
+            return counts
+        slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
+        rest = [i for i in active if i != slowest]
+        split = kernel_counts(equal_finish_kernels([models[i] for i in rest], total), total)
+        without = [0] * len(counts)
+        for i, c in zip(rest, split, strict=True):
+            without[i] = c
+        if _makespan(models, without) >= _makespan(models, counts):
+            return counts
+        counts = without
 
 
 def _makespan(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> float:

@@ -670,12 +670,15 @@ class ShardedConv:
 
         rebalanced = {}
         if self.rebalancer is not None:
-            for key, (counts, times) in measured.items():
-                proposal = self.rebalancer.observe(key, counts, times)
+            for key, (counts, times) in measured.items():  # a layer's kernels first, then its dX channels
+                # channels of dX only for those with kernels next step: they hold a gradient to start from
+                layer = key.removesuffix(".dx")
+                available = [c > 0 for c in self.plans[layer]] if key.endswith(".dx") else None
+                proposal = self.rebalancer.observe(key, counts, times, available)
                 if proposal is not None:
                     log.info("rebalancing %s: %s -> %s (%s)", key, counts, proposal, ", ".join(self.participants))
                     if key.endswith(".dx"):
-                        self.dx_plans[key[: -len(".dx")]] = proposal
+                        self.dx_plans[layer] = proposal
                     else:
                         self.plans[key] = proposal
                     rebalanced[key] = list(proposal)
