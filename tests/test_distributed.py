@@ -463,9 +463,9 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
 
 class PartMeteredWorker(ConvWorker):
     """A ConvWorker whose reported times follow a cost model per op, for dX split by channels:
-    the forward ``fixed_s`` + 1 ms per kernel, the backward's part "dyc" 1 ms per kernel, the part
-    "dx" ``dx_ms`` per input channel; calibration: ``calibrate_s`` for each layer, its forward
-    alone 1 ms per kernel."""
+    the forward ``fixed_s`` + 1 ms per kernel, the backward's part "dyc" nothing, "dw" 1 ms per
+    kernel, "dx" ``dx_ms`` per input channel; calibration: ``calibrate_s`` for each layer, its
+    forward alone 1 ms per kernel."""
 
     def __init__(self, backend: NumpyBackend, dx_ms: float, calibrate_s: float = 1.0, fixed_s: float = 0.0) -> None:
         super().__init__(backend)
@@ -483,8 +483,11 @@ class PartMeteredWorker(ConvWorker):
         elif msg.header.get("part") == "dx":
             c0, c1 = msg.header["dx_channels"]
             reply.header["compute_s"] = (c1 - c0) * self.dx_ms * 1e-3
-        else:
-            reply.header["compute_s"] = msg.arrays["dy"].shape[1] * 1e-3
+        elif msg.header.get("part") == "dyc":  # the tail's backward: none here
+            self.kernels = msg.arrays["dy"].shape[1]
+            reply.header["compute_s"] = 0.0
+        else:  # "dw"
+            reply.header["compute_s"] = self.kernels * 1e-3
         return reply
 
 

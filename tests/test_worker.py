@@ -99,27 +99,33 @@ def reference_backward() -> tuple[np.ndarray, ...]:
     return (dy, *be.conv2d_backward(dy, cache, True))
 
 
-def test_a_backward_in_two_parts_gives_the_weights_and_conv_gradient_then_dx_of_some_channels():
+def test_a_backward_in_three_parts_gives_the_conv_gradient_then_the_weights_then_dx_of_some_channels():
     worker = ConvWorker(NumpyBackend())
     dy, dx_ref, dw_ref, db_ref = reference_backward()
     worker.handle(forward())
     r = worker.handle(backward(dy, part="dyc"))
     check_message(r)
-    assert set(r.arrays) == {"dyc", "dw", "db"}
+    assert set(r.arrays) == {"dyc"}
     np.testing.assert_array_equal(r.arrays["dyc"], dy)  # no tail: the conv-output gradient is dy itself
+    r = worker.handle(backward(None, part="dw"))
+    check_message(r)
+    assert set(r.arrays) == {"dw", "db"}
     np.testing.assert_array_equal(r.arrays["dw"], dw_ref)
     np.testing.assert_array_equal(r.arrays["db"], db_ref)
-    # as if this worker owned kernels [2, 4) of 5: the others' gradients come around its own
+    # as if this worker owned kernels [2, 4) of 5: the others' gradients come around its own;
+    # dx before dw works too (dx needs only the kept gradient)
     msg = backward(None, task=3, part="dx")
     msg.header["dx_channels"] = [1, 3]
     msg.arrays.update(w=np.ascontiguousarray(W[:, 1:3]), dyc_lo=dy[:, :2], dyc_hi=dy[:, 4:])
     worker.handle(forward(w=W[2:4], b=B[2:4]))
     r = worker.handle(backward(np.ascontiguousarray(dy[:, 2:4]), part="dyc"))
-    np.testing.assert_allclose(r.arrays["dw"], dw_ref[2:4], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(r.arrays["dyc"], dy[:, 2:4])
     r = worker.handle(msg)
     check_message(r)
     assert set(r.arrays) == {"dx"}
     np.testing.assert_allclose(r.arrays["dx"], dx_ref[:, 1:3], rtol=1e-5, atol=1e-5)
+    r = worker.handle(backward(None, part="dw"))
+    np.testing.assert_allclose(r.arrays["dw"], dw_ref[2:4], rtol=1e-5, atol=1e-5)
     assert "no conv_forward" in error_text(worker.handle(msg))  # the backward is complete
 
 
@@ -139,14 +145,19 @@ def test_the_dx_part_refuses_gradients_that_do_not_add_up_to_the_weights():
     del msg.header["dx_channels"]
     assert "needs dx_channels" in error_text(worker.handle(msg))
     assert "part 'dyc' of this forward already ran" in error_text(worker.handle(backward(dy, part="dyc")))
+    assert "running in parts" in error_text(worker.handle(backward(dy)))
+    worker.handle(backward(None, part="dw"))
+    assert "part 'dw' of this forward already ran" in error_text(worker.handle(backward(None, part="dw")))
 
 
 @pytest.mark.parametrize(
     ("steps", "complaint"),
     [
         ([forward(), backward(None, part="dx", arrays={"w": W})], "send part 'dyc' first"),
+        ([forward(), backward(None, part="dw")], "send part 'dyc' first"),
+        ([forward(), backward(None, part="dw", arrays={"dy": np.ones((2, 5, 8, 8), np.float32)})], "takes the arrays"),
         ([forward(), backward(None)], r"part whole takes the arrays \['dy'\], got none"),
-        ([forward(), backward(np.ones((2, 5, 8, 8), np.float32), part="all")], "part must be 'dyc' or 'dx'"),
+        ([forward(), backward(np.ones((2, 5, 8, 8), np.float32), part="all")], "part must be 'dyc', 'dw' or 'dx'"),
         ([backward(np.ones((2, 5, 8, 8), np.float32))], "no conv_forward of this layer"),
         ([forward(step=1), backward(np.ones((2, 5, 8, 8), np.float32), step=2)], "last forward was step 1"),
         ([forward(), backward(np.ones((2, 5, 7, 8), np.float32))], r"dy \(2, 5, 7, 8\) from channel 0 does not fit"),

@@ -220,6 +220,7 @@ class ShardedConv:
         self.step = 0  # training steps finished (end_step calls); sent as each task's "step"
         self._layers: dict[int, tuple[int, str, Conv2D]] = {}  # id(layer) -> (index, name, layer)
         self._next_task = 0
+        self._early: dict[int, Message] = {}  # task -> a result that came before its gather (see _gather)
         self._done: list[_LayerStep] = []  # this step's forward + backward of each layer
 
     # ---- set-up -------------------------------------------------------------------
@@ -527,25 +528,32 @@ class ShardedConv:
         return dx, dw, db
 
     def _backward_dx_by_channels(self, layer, name, cache, spans, channels, messages, dy_m, dy_from_m, t0):
-        """Backward with dX split by input channels, in two parts per participant.
+        """Backward with dX split by input channels, in three parts per worker.
 
-        1. "dyc": every participant runs its tail's backward and computes dW, db of its
-           kernels; workers send back their kernels' conv-output gradient (dyc) with them.
-        2. "dx": every participant computes dX[:, c0:c1] for its slice ``channels`` of the C input
+        1. "dyc": every participant runs its tail's backward; workers send back their kernels'
+           conv-output gradient (dyc) at once.
+        2. "dw": dW, db of its kernels, from its dyc (sent with part 1, so a worker goes on to it
+           without waiting).
+        3. "dx": every participant computes dX[:, c0:c1] for its slice ``channels`` of the C input
            channels (``dx_plans``, balanced apart from the kernels), from all of dY_conv (N, F, OH, OW) and
            W[:, c0:c1]: ``conv2d_backward_input``, a GEMM with all F kernels as its inner
            dimension and a col2im of C/P channels. Split by kernels instead, every participant
            would compute a full-size partial dX (GEMM output and col2im of all C channels) to
            be summed: duplicated work that is mostly memory traffic.
-        A worker's part 2 carries only the other participants' dyc (it kept its own), and goes
+        A worker's part 3 carries only the other participants' dyc (it kept its own), and goes
         out as soon as the master has them: with one worker, right after the master's own tail
-        backward, so the transfer overlaps both participants' dW and nobody waits between parts.
-        Returns (dx, the master's (None, dw, db) or None, the workers' part-1 replies, stats).
+        backward. So the gradients travel while everyone computes dW, and nobody waits for
+        another's dW before its dX.
+        Returns (dx, the master's (None, dw, db) or None, the workers' part-2 replies, stats).
         """
         be = self.backend
-        for msg in messages.values():
+        weights = {}
+        for k, msg in messages.items():
             msg.header["part"] = "dyc"
+            weights[k] = Message("conv_backward", {**msg.header, "part": "dw"})
+            weights[k].header.pop("dy_from", None)
         pending1 = self._send(messages)
+        pending_w = self._send(weights)
         deadline = time.monotonic() + self.recv_timeout
 
         n, c, h, wd = cache.x_shape
@@ -557,7 +565,7 @@ class ShardedConv:
         pending2: dict[int, int] = {}
 
         def send_ready() -> None:
-            """Part 2 to every worker with input channels whose missing dyc the master now has."""
+            """Part 3 to every worker with input channels whose missing dyc the master now has."""
             for k, (s, e), (c0, c1) in zip(self.who, spans, channels, strict=True):
                 others = [j for j, (s2, e2) in zip(self.who, spans, strict=True) if j != k and s2 < e2]
                 if k == MASTER or c0 == c1 or k in second or not all(j in dyc for j in others):
@@ -579,14 +587,15 @@ class ShardedConv:
             dyc[MASTER] = np.ascontiguousarray(owned(be, d_m, cache.master_cache))
             master_s += time.perf_counter() - t
         send_ready()
-        if d_m is not None:  # the master's dW while the part-2 messages travel
+        if d_m is not None:  # the master's dW while the part-3 messages travel
             t = time.perf_counter()
             mine = conv_backward(be, d_m, cache.master_cache, need_dx=False)
             be.synchronize()
             master_s += time.perf_counter() - t
             d_m = None
 
-        replies1 = self._gather("conv_backward", name, pending1, deadline)
+        # the workers' dW results may come in meanwhile: kept for their gather, not dropped
+        replies1 = self._gather("conv_backward", name, pending1, deadline, later=pending_w)
         for k, (s, e) in zip(self.who, spans, strict=True):
             if k != MASTER and s < e:
                 dyc[k] = self._reply_array(k, replies1[k], "dyc", (n, e - s, oh, ow))
@@ -601,20 +610,26 @@ class ShardedConv:
             dx_m = be.conv2d_backward_input(be.asarray(whole), w_c, (n, c1 - c0, h, wd), layer.stride, layer.padding)
             dx_parts[MASTER] = be.to_numpy(dx_m)
             master_s += time.perf_counter() - t
-        replies2 = self._gather("conv_backward", name, pending2, time.monotonic() + self.recv_timeout)
+        deadline = time.monotonic() + self.recv_timeout
+        replies_w = self._gather("conv_backward", name, pending_w, deadline, later=pending2)
+        replies2 = self._gather("conv_backward", name, pending2, deadline)
         for k, (c0, c1) in zip(self.who, channels, strict=True):
             if k != MASTER and c0 < c1:
                 dx_parts[k] = self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd))
         dx = be.asarray(np.concatenate([dx_parts[k] for k in self.who if k in dx_parts], axis=1))
 
-        first, then = self._stats(t0, messages, replies1, master_s), self._stats(t0, second, replies2, 0.0)
+        parts = [
+            self._stats(t0, messages, replies1, master_s),
+            self._stats(t0, weights, replies_w, 0.0),
+            self._stats(t0, second, replies2, 0.0),
+        ]
         stats = _OpStats(
-            wall_s=then.wall_s,
-            compute_s=[a + b for a, b in zip(first.compute_s, then.compute_s, strict=True)],
-            bytes_sent=first.bytes_sent + then.bytes_sent,
-            bytes_recv=first.bytes_recv + then.bytes_recv,
+            wall_s=parts[-1].wall_s,
+            compute_s=[sum(p.compute_s[i] for p in parts) for i in range(len(self.who))],
+            bytes_sent=sum(p.bytes_sent for p in parts),
+            bytes_recv=sum(p.bytes_recv for p in parts),
         )
-        return dx, mine, replies1, stats
+        return dx, mine, replies_w, stats
 
     # ---- per-step accounting -----------------------------------------------------------
     def end_step(self) -> dict[str, Any]:
@@ -774,9 +789,18 @@ class ShardedConv:
             self.transport.send(k, msg)
         return pending
 
-    def _gather(self, kind: str, layer: str, pending: dict[int, int], deadline: float) -> dict[int, Message]:
-        """Receive the result of every task in ``pending`` (emptied) by ``deadline`` (time.monotonic)."""
+    def _gather(
+        self, kind: str, layer: str, pending: dict[int, int], deadline: float, later: dict[int, int] | None = None
+    ) -> dict[int, Message]:
+        """Receive the result of every task in ``pending`` (emptied) by ``deadline`` (time.monotonic).
+
+        ``later``: tasks (task -> worker) whose results a later call gathers; any of them that
+        arrive meanwhile are kept for it rather than dropped as stale.
+        """
         replies: dict[int, Message] = {}
+        for task in [t for t in pending if t in self._early]:
+            k = pending.pop(task)
+            replies[k] = self._early.pop(task)
         while pending:
             try:
                 k, reply = self.transport.recv(timeout=max(0.0, deadline - time.monotonic()))
@@ -787,8 +811,12 @@ class ShardedConv:
                     "may be overloaded, stuck or gone: check its log, or raise recv_timeout"
                 ) from None
             task = reply.header.get("task")
-            if reply.kind == "error" and (task is None or pending.get(task) == k):
+            ours = pending.get(task) == k or (later is not None and later.get(task) == k)
+            if reply.kind == "error" and (task is None or ours):
                 raise RuntimeError(f"{self._describe(k)} failed {kind} of {layer}: {reply.header['message']}")
+            if later is not None and later.get(task) == k and reply.kind == "result":
+                self._early[task] = reply
+                continue
             if pending.get(task) != k:  # a late answer to an op given up on (after an error)
                 log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
                 continue

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tinyconv.heap import keep_freed_memory
@@ -62,13 +62,17 @@ class _Forward:
     """What a conv_forward leaves for the matching conv_backward."""
 
     step: int
-    cache: Any  # a tinyconv.block.BlockCache; None once part "dyc" has used it (frees the columns)
+    cache: Any  # a tinyconv.block.BlockCache; None once part "dw" has used it (frees the columns)
     need_dx: bool
     x_shape: tuple[int, ...]
     w_shape: tuple[int, ...]  # the computed kernels' weights (own and halo)
     stride: int
     padding: int
-    d: Any = None  # the own kernels' conv-output gradient (host), between the parts "dyc" and "dx" of a backward
+    # a backward in parts: "dyc" leaves the conv-output gradient of the computed kernels (for "dw")
+    # and of the own ones (host, for "dx"); each part runs once
+    d_conv: Any = None
+    d: Any = None
+    parts: set[str] = field(default_factory=set)
 
 
 class ConvWorker:
@@ -160,15 +164,18 @@ class ConvWorker:
         return Message("result", header, {"y": y})
 
     def _conv_backward(self, msg: Message) -> Message:
-        """Backward of the last forward of a layer, whole or in two parts (``part`` in the header):
+        """Backward of the last forward of a layer, whole or in three parts (``part`` in the header):
 
         * none: the tail's and the conv's backward; replies dw, db and (if need_dx) a partial dx.
-        * "dyc": the tail's and the weights' backward; replies dw, db and this worker's kernels'
-          conv-output gradient dyc, which it keeps for the part "dx".
+        * "dyc" (first): the tail's backward; replies this worker's kernels' conv-output gradient
+          dyc, and keeps it for the other two parts.
+        * "dw": the weights' backward from it; replies dw, db.
         * "dx": dx[:, c0:c1] for ``dx_channels`` [c0, c1] from w (all F kernels, channels c0:c1)
           and the whole layer's conv-output gradient: the arrays dyc_lo and dyc_hi (the other
           participants' kernels before and after this worker's; either absent when there are none)
           around the kept one (the master splits dX by input channels).
+        The master sends "dyc" and "dw" together, so the gradient goes back before this worker
+        spends time on dW, and "dx" once it has the other participants' gradients.
         """
         import numpy as np
 
@@ -178,8 +185,10 @@ class ConvWorker:
         h, a = msg.header, msg.arrays
         layer, step, part = h["layer"], h["step"], h.get("part")
         where = f"layer {layer} step {step}"
-        if part not in (None, "dyc", "dx"):
-            raise TaskError(f"{where}: part must be 'dyc' or 'dx' (or absent for the whole backward), got {part!r}")
+        if part not in (None, "dyc", "dw", "dx"):
+            raise TaskError(
+                f"{where}: part must be 'dyc', 'dw' or 'dx' (or absent for the whole backward), got {part!r}"
+            )
         fwd = self._forwards.get(layer)
         if fwd is None:
             raise TaskError(
@@ -188,7 +197,7 @@ class ConvWorker:
             )
         if fwd.step != step:
             raise TaskError(f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}")
-        required, allowed = ({"w"}, {"w", "dyc_lo", "dyc_hi"}) if part == "dx" else ({"dy"}, {"dy"})
+        required, allowed = {"dx": ({"w"}, {"w", "dyc_lo", "dyc_hi"}), "dw": (set(), set())}.get(part, ({"dy"}, {"dy"}))
         if not required <= set(a) <= allowed:
             raise TaskError(
                 f"{where}: part {part or 'whole'} takes the arrays {sorted(required)}"
@@ -199,33 +208,38 @@ class ConvWorker:
         be = self.backend
         t0 = time.perf_counter()
         header = {"task": h["task"], "step": step, "layer": layer}
+        if part in fwd.parts:
+            raise TaskError(f"{where}: part {part!r} of this forward already ran; send conv_forward again")
+        if part in ("dw", "dx") and "dyc" not in fwd.parts:
+            raise TaskError(f"{where}: part {part!r} needs this worker's conv-output gradient: send part 'dyc' first")
         if part == "dx":
-            if fwd.d is None:
-                raise TaskError(f"{where}: part 'dx' needs this worker's conv-output gradient: send part 'dyc' first")
             if "dx_channels" not in h:
                 raise TaskError(f"{where}: part 'dx' needs dx_channels [c0, c1] in its header")
-            dx = self._dx_channels(where, fwd, h["dx_channels"], a.get("dyc_lo"), a.get("dyc_hi"), a["w"])
-            del self._forwards[layer]  # the backward is complete; frees the kept gradient
-            arrays = {"dx": be.to_numpy(dx)}
-            be.synchronize()
-            return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, arrays)
-
-        if fwd.cache is None:
-            raise TaskError(f"{where}: part 'dyc' of this forward already ran; send part 'dx', or conv_forward again")
-        try:
-            d = tail_backward(be, be.asarray(a["dy"]), fwd.cache, h.get("dy_from", 0))
-        except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
-            raise TaskError(f"{where}: {e}") from None
-        need_dx = fwd.need_dx and part is None
-        dx, dw, db = conv_backward(be, d, fwd.cache, need_dx)
-        arrays = {"dw": be.to_numpy(dw), "db": be.to_numpy(db)}
-        if need_dx:
-            arrays["dx"] = be.to_numpy(dx)
-        if part == "dyc":  # keep only the own channels: the forward's columns are no longer needed
-            fwd.d = arrays["dyc"] = np.ascontiguousarray(owned(be, d, fwd.cache))
-            fwd.cache = None
+            arrays = {"dx": self._dx_channels(where, fwd, h["dx_channels"], a.get("dyc_lo"), a.get("dyc_hi"), a["w"])}
+            fwd.d = None
+        elif part == "dw":
+            _, dw, db = conv_backward(be, fwd.d_conv, fwd.cache, need_dx=False)
+            arrays = {"dw": dw, "db": db}
+            fwd.d_conv = fwd.cache = None  # frees the forward's columns
         else:
-            del self._forwards[layer]  # one backward per forward; frees the cache
+            if part is None and fwd.parts:
+                raise TaskError(f"{where}: this forward's backward is running in parts; send the other parts")
+            try:
+                d = tail_backward(be, be.asarray(a["dy"]), fwd.cache, h.get("dy_from", 0))
+            except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
+                raise TaskError(f"{where}: {e}") from None
+            if part == "dyc":
+                fwd.d_conv = d
+                fwd.d = np.ascontiguousarray(owned(be, d, fwd.cache))
+                arrays = {"dyc": fwd.d}
+            else:
+                dx, dw, db = conv_backward(be, d, fwd.cache, fwd.need_dx)
+                arrays = {"dw": dw, "db": db} | ({"dx": dx} if fwd.need_dx else {})
+        if part is not None:
+            fwd.parts.add(part)
+        if part is None or fwd.parts == {"dyc", "dw", "dx"}:
+            del self._forwards[layer]  # one backward per forward; frees what it kept
+        arrays = {name: be.to_numpy(v) for name, v in arrays.items()}
         be.synchronize()
         return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, arrays)
 

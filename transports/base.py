@@ -25,9 +25,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-# 2: conv_forward may carry a fused tail (tinyconv/block.py); 3: conv_backward's two parts
-# are "dyc" (dW, db and the conv-output gradient) and "dx" (dX of some input channels);
-# 4: calibrate's result also gives each layer's forward time alone ("forward_times")
+# 2: conv_forward may carry a fused tail (tinyconv/block.py); 3: conv_backward in parts;
+# 4: its parts are "dyc" (the conv-output gradient), "dw" (dW, db) and "dx" (dX of some input
+# channels), and calibrate's result also gives each layer's forward time alone ("forward_times")
 PROTOCOL_VERSION = 4
 
 # Message kinds. Master -> worker: calibrate, conv_forward, conv_backward, shutdown.

@@ -122,7 +122,7 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
 # kind -> (required array names, allowed array names)
 ARRAY_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "conv_forward": (frozenset({"x", "w", "b"}), frozenset({"x", "w", "b"})),
-    "conv_backward": (frozenset(), frozenset({"dy", "w", "dyc_lo", "dyc_hi"})),  # part "dx": w, dyc_lo/hi
+    "conv_backward": (frozenset(), frozenset({"dy", "w", "dyc_lo", "dyc_hi"})),  # "dw": none; "dx": w, dyc_lo/hi
     "result": (frozenset(), frozenset({"y", "dw", "db", "dx", "dyc"})),
 }
 _NO_ARRAYS = (frozenset(), frozenset())
