@@ -542,6 +542,39 @@ def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_
     assert records[-1]["participant_conv_s"][1] == 0  # sent nothing, computed nothing
 
 
+class SpyRebalancer(Rebalancer):
+    """A Rebalancer that records what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[int], list[float]]] = []
+
+    def observe(self, layer, counts, times, available=None):
+        self.calls.append((layer, list(counts), list(times)))
+        return super().observe(layer, counts, times, available)
+
+
+def test_the_kernel_split_is_measured_on_the_forward_even_while_the_master_works_alone(rng):
+    # the only worker sits out: the master computes the layer alone, and the kernel split's
+    # measurements stay the forward's, as before (a sum of both ops would read as a jump in time)
+    conv, net = conv_and_reference(rng, c_in=4, c_out=24)
+    x = rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
+    spy = SpyRebalancer()
+    with inproc_pool(1, lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, fixed_s=0.3)) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT, rebalancer=spy)
+        sharded.attach(net)
+        records = []
+        for _ in range(6):
+            y = conv.forward(x)
+            conv.backward(np.ones_like(y))
+            records.append(sharded.end_step())
+    assert records[2]["rebalanced"]["conv1"] == [24, 0] and records[-1]["shares"]["conv1"] == [24, 0]
+    alone = [(call, r) for call, r in zip(spy.calls[-3:], records[3:], strict=True)]
+    for (layer, counts, times), record in alone:
+        assert layer == "conv1" and counts == [24, 0] and record["dx_shares"] == {}
+        assert 0 < times[0] < record["participant_conv_s"][0]  # the forward only, not forward + backward
+
+
 def test_calibration_gives_the_kernel_split_the_forward_times_when_dx_goes_by_channels(rng):
     conv, net = conv_and_reference(rng, c_in=4, c_out=24)
     make = lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, calibrate_s=[1.0, 2.0][i])  # noqa: E731

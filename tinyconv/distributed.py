@@ -136,6 +136,7 @@ class _LayerStep:
 
     name: str
     counts: list[int]  # kernels per participant
+    by_channels: bool  # the layer's dX goes by input channels (when a worker has kernels)
     dx_counts: list[int] | None  # input channels of dX per participant, when dX went by channels
     forward: _OpStats
     backward: _OpStats
@@ -491,7 +492,9 @@ class ShardedConv:
             stats = self._stats(t0, messages, replies, master_s)
             if master_only:
                 dx, dw, db = mine
-                self._done.append(_LayerStep(name, cache.counts, None, cache.forward, stats))
+                self._done.append(
+                    _LayerStep(name, cache.counts, self._dx_by_channels(layer), None, cache.forward, stats)
+                )
                 return dx, dw, db
             dx = None
             if layer.need_dx:  # the partial dX of every participant, summed
@@ -524,7 +527,9 @@ class ShardedConv:
                 dbs.append(self._reply_array(k, replies[k], "db", (e - s,)))
         dw = be.asarray(np.concatenate(dws, axis=0))
         db = be.asarray(np.concatenate(dbs, axis=0))
-        self._done.append(_LayerStep(name, cache.counts, dx_counts, cache.forward, stats))
+        self._done.append(
+            _LayerStep(name, cache.counts, self._dx_by_channels(layer), dx_counts, cache.forward, stats)
+        )
         return dx, dw, db
 
     def _backward_dx_by_channels(self, layer, name, cache, spans, channels, messages, dy_m, dy_from_m, t0):
@@ -676,11 +681,12 @@ class ShardedConv:
 
         for done in self._done:
             shares[done.name] = list(done.counts)
-            if done.dx_counts is None:
+            if not done.by_channels:
                 add(done.name, done.counts, [done.forward, done.backward])
-            else:
+                continue
+            add(done.name, done.counts, [done.forward])  # measured alike while the master works alone
+            if done.dx_counts is not None:
                 dx_shares[done.name] = list(done.dx_counts)
-                add(done.name, done.counts, [done.forward])
                 add(f"{done.name}.dx", done.dx_counts, [done.backward])
 
         rebalanced = {}
