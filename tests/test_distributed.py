@@ -56,6 +56,16 @@ def conv_and_reference(rng, c_in=3, c_out=7, kernel=3, stride=1, padding=1, need
     return conv, Network(be, [conv], {})
 
 
+def unsharded(rng, conv, x_shape):
+    """A random input of ``x_shape`` and gradient for ``conv``'s output, and the unsharded layer's
+    numbers: (x, y, dy, dx or None, dw, db) from its backend alone."""
+    be = conv.backend
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    y, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], conv.stride, conv.padding)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    return (x, y, dy, *be.conv2d_backward(dy, cache, conv.need_dx))
+
+
 # ---- sharded == unsharded ----------------------------------------------------------------------
 
 CASES = [
@@ -76,10 +86,7 @@ CASES = [
 def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stride, padding, dx_mode):
     conv, net = conv_and_reference(rng, stride=stride, padding=padding, need_dx=need_dx)
     be = conv.backend
-    x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
-    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], stride, padding)
-    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
-    dx_ref, dw_ref, db_ref = be.conv2d_backward(dy, cache, need_dx)
+    x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 3, 9, 9))
 
     with inproc_pool(n) as (transport, workers):
         sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, dx=dx_mode)
@@ -142,10 +149,7 @@ def test_default_plan_is_an_equal_split(rng):
 def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
     conv, net = conv_and_reference(rng)
     be = conv.backend
-    x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
-    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
-    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
-    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 3, 6, 6))
     with inproc_pool(2) as (transport, workers):
         sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
         sharded.attach(net)
@@ -168,10 +172,7 @@ def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
 def test_the_channel_split_of_dx_is_its_own(rng, n, master_share, plan, dx_channels):
     conv, net = conv_and_reference(rng)
     be = conv.backend
-    x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
-    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
-    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
-    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 3, 9, 9))
     with inproc_pool(n) as (transport, workers):
         sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, dx="channels")
         sharded.attach(net)
@@ -437,10 +438,7 @@ def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
 def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     conv, net = conv_and_reference(rng, c_in=4, c_out=48)
     be = conv.backend
-    x = rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
-    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
-    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
-    _, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    x, y_ref, dy, _, dw_ref, _ = unsharded(rng, conv, (2, 4, 6, 6))
     shares = []
     with metered_pool([1.0, 2.0]) as (transport, workers):
         sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, dx="split")
@@ -521,10 +519,7 @@ def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_
     # worker1's forward has 0.3 s of fixed cost: one kernel there takes longer than all 24 on worker0
     conv, net = conv_and_reference(rng, c_in=4, c_out=24)
     be = conv.backend
-    x = rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
-    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
-    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
-    dx_ref, dw_ref, _ = be.conv2d_backward(dy, cache, True)
+    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 4, 6, 6))
     make = lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, fixed_s=[0.0, 0.3][i])  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
         sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
@@ -612,10 +607,7 @@ def test_rebalance_off_keeps_the_plan(rng):
 def test_sharded_conv_over_zmq_with_worker_processes(rng):
     conv, net = conv_and_reference(rng, c_in=3, c_out=8, stride=2, padding=1)
     be = conv.backend
-    x = rng.standard_normal((2, 3, 9, 9), dtype=np.float32)
-    y_ref, cache = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 2, 1)
-    dy = rng.standard_normal(y_ref.shape, dtype=np.float32)
-    dx_ref, dw_ref, db_ref = be.conv2d_backward(dy, cache, True)
+    x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 3, 9, 9))
     with ZmqTransport(bind="tcp://127.0.0.1:0", heartbeat_s=0.2, peer_timeout_s=10.0) as transport:
         procs = spawn_local_workers(2, transport.bound_address, threads=1)
         try:
