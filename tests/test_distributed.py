@@ -66,6 +66,16 @@ def unsharded(rng, conv, x_shape):
     return (x, y, dy, *be.conv2d_backward(dy, cache, conv.need_dx))
 
 
+def train_steps(conv, sharded, x, n):
+    """n steps of ``conv`` alone (forward of x, backward of ones); each step's end_step record."""
+    records = []
+    for _ in range(n):
+        y = conv.forward(x)
+        conv.backward(np.ones_like(y))
+        records.append(sharded.end_step())
+    return records
+
+
 # ---- sharded == unsharded ----------------------------------------------------------------------
 
 CASES = [
@@ -499,11 +509,7 @@ def test_the_channel_split_is_balanced_on_the_backward_and_the_kernels_on_the_fo
             transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, rebalancer=Rebalancer(0.02)
         )
         sharded.attach(net)
-        records = []
-        for _ in range(20):
-            y = conv.forward(x)
-            conv.backward(np.ones_like(y))
-            records.append(sharded.end_step())
+        records = train_steps(conv, sharded, x, 20)
     assert all(r["shares"] == {"conv1": [12, 12]} for r in records)
     channels = [r["dx_shares"]["conv1"] for r in records]
     # proportional first (the backward's fixed part read as per-channel cost: [8, 4], short of it),
@@ -558,11 +564,7 @@ def test_the_kernel_split_is_measured_on_the_forward_even_while_the_master_works
     with inproc_pool(1, lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, fixed_s=0.3)) as (transport, workers):
         sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT, rebalancer=spy)
         sharded.attach(net)
-        records = []
-        for _ in range(6):
-            y = conv.forward(x)
-            conv.backward(np.ones_like(y))
-            records.append(sharded.end_step())
+        records = train_steps(conv, sharded, x, 6)
     assert records[2]["rebalanced"]["conv1"] == [24, 0] and records[-1]["shares"]["conv1"] == [24, 0]
     alone = [(call, r) for call, r in zip(spy.calls[-3:], records[3:], strict=True)]
     for (layer, counts, times), record in alone:
