@@ -225,6 +225,28 @@ def main() -> None:
         + "; each participant's conv compute per step: "
         + ", ".join(f"{n} {t:.2f} s" for n, t in zip(dist.participants, per, strict=True))
     )
+    # where the distributed step goes, op by op (medians): a step waits for the slowest participant
+    # of each op, then for the transfers ("wait" = wall - slowest compute)
+    op_rows = []
+    for j, op in enumerate(dist_recs[0]["ops"]):
+        walls = [r["ops"][j]["wall_s"] for r in dist_recs]
+        computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(dist.who))]
+        waits = [r["ops"][j]["wall_s"] - max(r["ops"][j]["compute_s"]) for r in dist_recs]
+        op_rows.append(
+            (
+                f"{op['layer']} {op['op']}",
+                statistics.median(walls),
+                *(statistics.median(c) for c in computes),
+                statistics.median(waits),
+            )
+        )
+    print(
+        format_table(
+            ("op", "wall s", *(f"{n} compute s" for n in dist.participants), "wait s"),
+            op_rows,
+            title="master + 1 worker, op by op (medians)",
+        )
+    )
     print(
         f"Amdahl bound for 2 devices 1/((1-f)+f/2) = {1 / ((1 - f) + f / 2):.2f}x with conv alone parallel; "
         f"measured {solo_t / dist_t:.2f}x (paper, 2 CPUs: 1.69x on 300:1000, 1.98x on 500:1500)"

@@ -145,6 +145,13 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     assert (record["bytes_sent"], record["bytes_recv"]) == (sent, recv)
     assert len(record["participant_conv_s"]) == len(counts)
     assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in counts]
+    # the step's ops, each within the step: their compute adds up to each participant's, and no
+    # participant computes longer than the op's wall time on the master
+    assert [(op["layer"], op["op"]) for op in record["ops"]] == [("conv1", "forward"), ("conv1", "backward")]
+    per = [sum(op["compute_s"][i] for op in record["ops"]) for i in range(len(counts))]
+    assert per == pytest.approx(record["participant_conv_s"])
+    assert all(max(op["compute_s"]) <= op["wall_s"] for op in record["ops"])
+    assert sum(op["wall_s"] for op in record["ops"]) == pytest.approx(record["comm_s"] + record["conv_s"])
 
 
 def test_default_plan_is_an_equal_split(rng):
@@ -266,6 +273,8 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
         assert b["comp_s"] >= 0 and b["comm_s"] >= 0
         # 2 workers: dX by input channels (auto), for conv2 only (conv1 has no dX): 6 channels split
         assert list(b["dx_shares"]) == ["conv2"] and sum(b["dx_shares"]["conv2"]) == 6
+        ran = [(op["layer"], op["op"]) for op in b["ops"]]  # in the order they ran
+        assert ran == [("conv1", "forward"), ("conv2", "forward"), ("conv2", "backward"), ("conv1", "backward")]
     summary = next(e for e in sharded if e["event"] == "summary")
     assert summary["final_shares"] == sharded_steps[-1]["shares"]
     assert summary["final_dx_shares"] == sharded_steps[-1]["dx_shares"]

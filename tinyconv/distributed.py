@@ -653,6 +653,7 @@ class ShardedConv:
              "dx_shares": {"conv2": [input channels per participant], ...},  # dX by channels only
              "participants": ["master", "worker0", ...],  # the order of every list here
              "participant_conv_s": [s, ...],              # each one's conv compute this step
+             "ops": [{"layer": "conv1", "op": "forward", "wall_s": s, "compute_s": [s, ...]}, ...],  # each op
              "rebalanced": {"conv2": [new counts], "conv2.dx": [new channels], ...}}  # next step's ({} if none)
 
         What the rebalancer balances: a layer's step waits for the slowest participant of
@@ -713,6 +714,11 @@ class ShardedConv:
             "dx_shares": dx_shares,
             "participants": self.participants,
             "participant_conv_s": per_participant,
+            "ops": [  # as they ran: the forwards, then the backwards (the layers' backwards come in reverse)
+                {"layer": done.name, "op": op, "wall_s": stats.wall_s, "compute_s": list(stats.compute_s)}
+                for op, order in (("forward", self._done[::-1]), ("backward", self._done))
+                for done, stats in ((d, d.forward if op == "forward" else d.backward) for d in order)
+            ],
             "rebalanced": rebalanced,
         }
         self._done = []
