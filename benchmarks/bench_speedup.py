@@ -13,9 +13,10 @@ after calibration and --warmup distributed steps (rebalancing settles), solo and
 distributed steps alternate, so that a drift in the shared machine's speed hits both; after
 each switch --settle untimed steps run first, so that each timed step is a steady one.
 Printed: the median step of each and its split into comm / conv / comp (the paper's
-Fig. 6), each participant's compute, the speedup, and the Amdahl bound implied by the
-solo step's split, 1 / ((1 - f) + f / 2) with f = conv / step -- the bound for the
-paper's split, which the fused tails (--fuse on) go past. No asserts.
+Fig. 6), each participant's compute, the distributed step op by op (each participant's
+compute and what the op waited beyond the slowest), the speedup, and the Amdahl bound
+implied by the solo step's split, 1 / ((1 - f) + f / 2) with f = conv / step -- the bound
+for the paper's split, which the fused tails (--fuse on) go past. No asserts.
 """
 
 from __future__ import annotations
