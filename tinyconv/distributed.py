@@ -690,6 +690,10 @@ class ShardedConv:
                 dx_shares[done.name] = list(done.dx_counts)
                 add(f"{done.name}.dx", done.dx_counts, [done.backward])
 
+        # the ops as they ran: the forwards, then the backwards (which finish the layers in reverse)
+        ran = [(d.name, "forward", d.forward) for d in reversed(self._done)]
+        ran += [(d.name, "backward", d.backward) for d in self._done]
+
         rebalanced = {}
         if self.rebalancer is not None:
             for key, (counts, times) in measured.items():  # a layer's kernels first, then its dX channels
@@ -714,10 +718,9 @@ class ShardedConv:
             "dx_shares": dx_shares,
             "participants": self.participants,
             "participant_conv_s": per_participant,
-            "ops": [  # as they ran: the forwards, then the backwards (the layers' backwards come in reverse)
-                {"layer": done.name, "op": op, "wall_s": stats.wall_s, "compute_s": list(stats.compute_s)}
-                for op, order in (("forward", self._done[::-1]), ("backward", self._done))
-                for done, stats in ((d, d.forward if op == "forward" else d.backward) for d in order)
+            "ops": [
+                {"layer": name, "op": op, "wall_s": stats.wall_s, "compute_s": list(stats.compute_s)}
+                for name, op, stats in ran
             ],
             "rebalanced": rebalanced,
         }
