@@ -378,6 +378,8 @@ class Rebalancer:
         ``available``: who may be given work next step (default: everyone); the others
         get 0 and are neither planned for nor re-probed. The sharded convolution passes it
         for the split of dX by input channels, which only participants with kernels can take.
+        A plan that gives work to someone unavailable is replaced at once (no patience, no
+        cool-down), as is judged the step after a re-probe.
         """
         n = len(counts)
         available = [True] * n if available is None else [bool(a) for a in available]
