@@ -209,7 +209,7 @@ def main() -> None:
             med(dist_recs, "comp_s"),
             solo_t / dist_t,
             str(dist_recs[-1]["shares"])
-            + "".join(f", {name} dX channels {c}" for name, c in dist_recs[-1].get("dx_shares", {}).items()),
+            + "".join(f", {name} dX channels {c}" for name, c in dist_recs[-1]["dx_shares"].items()),
         ),
     ]
     print(

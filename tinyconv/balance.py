@@ -413,13 +413,7 @@ class Rebalancer:
                 return None
 
         state.late_steps = 0
-        who = [i for i in range(n) if available[i]]
-        split = _sit_out(
-            [models[i] for i in who], kernel_counts(equal_finish_kernels([models[i] for i in who], total), total)
-        )
-        proposal = [0] * n
-        for i, c in zip(who, split, strict=True):
-            proposal[i] = c
+        proposal = _sit_out(models, _equal_finish_among(models, [i for i in range(n) if available[i]], total))
         if probed is not None:  # out again: twice as long before the next try; kept: back to the start
             state.reprobe_in[probed] = 2 * state.reprobe_in[probed] if proposal[probed] == 0 else self.reprobe
         moved = sum(abs(new - old) for new, old in zip(proposal, counts, strict=True)) // 2
@@ -450,7 +444,9 @@ class Rebalancer:
     def _state(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> _LayerState:
         """Check one measurement per participant; this layer's state (created on first use)."""
         if len(counts) != len(times) or len(counts) == 0:
-            raise ValueError(f"need one time per participant, got counts {list(counts)} and times {list(times)}")
+            raise ValueError(
+                f"need one time per participant, got counts {list(counts)} and times {list(times)}"
+            )
         for i, (c, t) in enumerate(zip(counts, times, strict=True)):
             if c < 0 or (c > 0 and not (math.isfinite(t) and t >= 0)):
                 raise ValueError(f"participant {i}: {c} kernels in {t!r} s is not a measurement")
@@ -469,6 +465,16 @@ class Rebalancer:
         return state
 
 
+def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
+    """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
+    (:func:`equal_finish_kernels`, largest remainder), 0 for the others."""
+    counts = [0] * len(models)
+    split = kernel_counts(equal_finish_kernels([models[i] for i in who], total), total)
+    for i, c in zip(who, split, strict=True):
+        counts[i] = c
+    return counts
+
+
 def _sit_out(models: Sequence[tuple[float, float]], counts: list[int]) -> list[int]:
     """``counts`` with participants that can only slow the layer down given 0 kernels.
 
@@ -483,11 +489,7 @@ def _sit_out(models: Sequence[tuple[float, float]], counts: list[int]) -> list[i
         if len(active) < 2 or not held:
             return counts
         slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
-        rest = [i for i in active if i != slowest]
-        split = kernel_counts(equal_finish_kernels([models[i] for i in rest], total), total)
-        without = [0] * len(counts)
-        for i, c in zip(rest, split, strict=True):
-            without[i] = c
+        without = _equal_finish_among(models, [i for i in active if i != slowest], total)
         if _makespan(models, without) >= _makespan(models, counts):
             return counts
         counts = without

@@ -278,15 +278,15 @@ class ShardedConv:
                 f"a plan for {layer} needs {len(self.who)} counts >= 0 ({', '.join(self.participants)}) "
                 f"summing to its {total} kernels, got {counts}"
             )
-        if dx_channels is not None and not _fits_kernels(dx_channels, counts, convs[layer].in_channels):
-            raise ValueError(
-                f"dx_channels for {layer} needs {len(self.who)} counts >= 0 summing to its "
-                f"{convs[layer].in_channels} input channels, 0 wherever the kernels are 0 ({counts}); "
-                f"got {dx_channels}"
-            )
-        self.plans[layer] = [int(c) for c in counts]
         if dx_channels is not None:
+            if not _fits_kernels(dx_channels, counts, convs[layer].in_channels):
+                raise ValueError(
+                    f"dx_channels for {layer} needs {len(self.who)} counts >= 0 summing to its "
+                    f"{convs[layer].in_channels} input channels, 0 wherever the kernels are 0 ({counts}); "
+                    f"got {dx_channels}"
+                )
             self.dx_plans[layer] = [int(c) for c in dx_channels]
+        self.plans[layer] = [int(c) for c in counts]
 
     def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
         """Benchmark every participant on each conv layer's exact shape; set the initial plan.
@@ -555,8 +555,8 @@ class ShardedConv:
         weights = {}
         for k, msg in messages.items():
             msg.header["part"] = "dyc"
-            weights[k] = Message("conv_backward", {**msg.header, "part": "dw"})
-            weights[k].header.pop("dy_from", None)
+            header = {"task": 0, "step": cache.step, "layer": msg.header["layer"], "part": "dw"}
+            weights[k] = Message("conv_backward", header)
         pending1 = self._send(messages)
         pending_w = self._send(weights)
         deadline = time.monotonic() + self.recv_timeout
