@@ -18,6 +18,7 @@ of the small network get RTOL_TRAIN = 1e-4.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -112,10 +113,10 @@ def test_conv2d_with_a_kernel_slice(be, rng):
 
 
 def every_config(be: OpenCLBackend) -> list:
-    """The device's candidates plus the GPU-style tiled kernel, which a CPU never tunes to but
-    a GPU will run: it must be right here too."""
+    """The device's candidates (those its compiler builds) plus the GPU-style tiled kernel, which a
+    CPU never tunes to but a GPU will run: it must be right here too."""
     extra = [TiledConfig(4, 4, 2, 2, 8), TiledConfig(8, 8, 4, 4, 16), VecConfig(3, 4, 1, 2)]
-    return list(dict.fromkeys(candidates(be.limits) + [c for c in extra if c.fits(be.limits)]))
+    return list(dict.fromkeys(be.gemm.candidates + [c for c in extra if c.fits(be.limits)]))
 
 
 @pytest.mark.parametrize("m, n, k", [(7, 13, 5), (50, 75, 300), (13, 100, 1), (1, 1, 700)])
@@ -182,6 +183,21 @@ def test_gemm_candidates_respect_the_device_limits(be):
     assert all(c.tx * c.ty <= 64 and c.local_bytes() <= 4096 for c in cands if isinstance(c, TiledConfig))
     cpu = gemm_module.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
     assert all(isinstance(c, VecConfig) and c.vw == 16 for c in candidates(cpu))
+    assert all(c.vw == 8 for c in candidates(cpu, 8))
+
+
+def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):
+    # as PoCL 3.0 on an AMD Zen 4 does: it reports 16-wide floats and builds no float16 kernel
+    wide = dataclasses.replace(be.limits, vector_width=16)
+
+    def gemm(builds):
+        monkeypatch.setattr(gemm_module.Gemm, "_builds", lambda self, cfg: builds(cfg))
+        return gemm_module.Gemm(be.program, be.queue, wide, lambda n: be._empty((n,)), False, tmp_path / "gemm.json")
+
+    assert {c.vw for c in gemm(lambda cfg: cfg.vw < 16).candidates} == {8}
+    assert {c.vw for c in gemm(lambda cfg: True).candidates} == {16}
+    with pytest.raises(RuntimeError, match=r"no GEMM configuration builds on this device .* -DVW=4"):
+        gemm(lambda cfg: False)
 
 
 # ------------------------------------------------------------------ elementwise, norms, pooling

@@ -160,10 +160,12 @@ VEC_BLOCKS = ((8, 2), (12, 2), (6, 3), (4, 2))
 TILED = ((16, 16, 4, 4, 16), (16, 8, 4, 4, 16), (8, 8, 4, 4, 16), (16, 16, 2, 2, 16), (4, 4, 2, 2, 8))
 
 
-def candidates(d: DeviceLimits) -> list[Config]:
-    """Every configuration worth timing on this device, the default first."""
+def candidates(d: DeviceLimits, vector_width: int | None = None) -> list[Config]:
+    """Every configuration worth timing on this device (with float vectors of ``vector_width``,
+    default the device's preferred one), the default first."""
     local = 1 if d.kind == "cpu" else min(64, d.max_work_group_size)
-    vec: list[Config] = [VecConfig(rm, d.vector_width, rn, local) for rm, rn in VEC_BLOCKS]
+    vw = vector_width or d.vector_width
+    vec: list[Config] = [VecConfig(rm, vw, rn, local) for rm, rn in VEC_BLOCKS]
     if d.kind == "cpu":  # gemm_tiled is ~60x slower on a CPU runtime (see the module docstring)
         return [c for c in vec if c.fits(d)]
     tiled: list[Config] = [TiledConfig(*t) for t in TILED]
@@ -225,11 +227,33 @@ class Gemm:
     ) -> None:
         self.program, self.queue, self.limits, self.empty = program, queue, limits, empty
         self.autotune, self.tune_file = autotune, tune_file
-        self.candidates = candidates(limits)
-        if not self.candidates:
-            raise RuntimeError(f"no GEMM configuration fits the device limits {limits}")
         self.chosen: dict[str, Config] = {}  # shape key -> config, this process
         self._kernels: dict[tuple[str, str], cl.Kernel] = {}
+        # the device's preferred vector width first, narrower ones only if none of those builds
+        tried: list[Config] = []
+        self.candidates: list[Config] = []
+        vw = limits.vector_width
+        while not self.candidates and vw >= 4:
+            fitting = candidates(limits, vw)
+            self.candidates = [cfg for cfg in fitting if self._builds(cfg)]
+            tried += fitting
+            vw //= 2
+        if not self.candidates:
+            raise RuntimeError(
+                f"no GEMM configuration builds on this device ({limits.key}); tried "
+                f"{', '.join(cfg.options() for cfg in tried) or 'none: none fits its limits'}"
+            )
+
+    def _builds(self, cfg: Config) -> bool:
+        """Whether the device's compiler builds ``cfg``'s kernel. Not every one does: PoCL 3.0 on an
+        AMD Zen 4 reports 16-wide float vectors but compiles for Zen 3 (no AVX-512), and returns a
+        program without the kernel (INVALID_KERNEL_NAME) for float16."""
+        try:
+            self.kernel(cfg.options(), f"gemm_{cfg.kind}")
+        except (cl.Error, RuntimeError) as e:
+            log.warning("GEMM %s does not build on this device, skipped: %s", cfg.options(), e)
+            return False
+        return True
 
     # ---- running ------------------------------------------------------------------
     def __call__(
