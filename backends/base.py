@@ -182,21 +182,6 @@ class Backend(ABC):
         """Rows [start, stop) of a (F, ...) weight or (F,) bias array."""
         return w[start:stop]
 
-    def conv2d_backward_input(
-        self, dy: Array, w: Array, x_shape: tuple[int, ...], stride: int = 1, padding: int = 0
-    ) -> Array:
-        """dx (N, C, H, W) of a convolution with weights w (F, C, KH, KW), from dy (N, F, OH, OW) alone.
-
-        The sharded convolution splits dX by input channels with this (``dx="channels"``:
-        dx[:, c0:c1] is this op on w[:, c0:c1]). This default runs a forward on
-        zeros for a cache and the full backward, so every backend has it; numpy and opencl
-        override it with just the dX half (dcols = W^T dY, then col2im).
-        """
-        x = self.zeros(tuple(x_shape))
-        _, cache = self.conv2d_forward(x, w, self.zeros((w.shape[0],)), stride, padding)
-        dx, _, _ = self.conv2d_backward(dy, cache, True)
-        return dx
-
     def __repr__(self) -> str:
         d = self.describe()
         return f"<{type(self).__name__} {d.get('device', '?')}>"

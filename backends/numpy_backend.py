@@ -231,15 +231,6 @@ class NumpyBackend(Backend):
             dx = col2im(w.reshape(f, -1).T @ dy2, x_shape, kh, kw, stride, padding)
         return dx, dw, db
 
-    def conv2d_backward_input(self, dy, w, x_shape, stride=1, padding=0):
-        f, c, kh, kw = w.shape
-        n, _, h, wd = x_shape
-        y_shape = (n, f, conv_output_size(h, kh, stride, padding), conv_output_size(wd, kw, stride, padding))
-        if tuple(dy.shape) != y_shape or x_shape[1] != c:
-            raise ValueError(f"conv2d_backward_input: dy {dy.shape} and w {w.shape} do not fit x {x_shape}")
-        dy2 = dy.transpose(1, 0, 2, 3).reshape(f, -1)
-        return col2im(w.reshape(f, -1).T @ dy2, tuple(x_shape), kh, kw, stride, padding)
-
     # ---- elementwise and normalisation ----------------------------------------
     def relu_forward(self, x):
         y = np.maximum(x, 0)

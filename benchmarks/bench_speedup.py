@@ -2,7 +2,7 @@
 """The paper's speedup on one machine: the master alone, then master + 1 worker over ZeroMQ.
 
     python benchmarks/bench_speedup.py                      # 300:1000, batch 64
-    python benchmarks/bench_speedup.py --fuse off --dx split   # the paper's conv-only split
+    python benchmarks/bench_speedup.py --fuse off --split kernels   # the paper's conv-only split
     python benchmarks/bench_speedup.py --arch 500:1500 --steps 4
 
 One device = one process pinned to one core with one BLAS thread, as the paper's
@@ -115,10 +115,10 @@ def main() -> None:
         help="on: the worker also runs each conv's ReLU/LRN/pool on its channels; off: the paper's conv-only split",
     )
     p.add_argument(
-        "--dx",
-        choices=("auto", "channels", "split"),
+        "--split",
+        choices=("auto", "channels", "kernels"),
         default="auto",
-        help="how dX is split: by input channels from the gathered conv gradient, or by kernels (split, the paper's)",
+        help="how conv2 is split: its GEMMs by input channels, or everything by kernels (the paper's)",
     )
     p.add_argument(
         "--rebalance-threshold",
@@ -135,8 +135,9 @@ def main() -> None:
         os.sched_setaffinity(0, {0})  # the master: core 0
     be = get_backend(args.backend)
     print(
-        f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, fuse {args.fuse}, dx {args.dx}, "
-        f"1 BLAS thread per process, master on core 0, worker on core 1 ({'taskset' if taskset else 'unpinned'})"
+        f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, fuse {args.fuse}, "
+        f"split {args.split}, 1 BLAS thread per process, master on core 0, "
+        f"worker on core 1 ({'taskset' if taskset else 'unpinned'})"
     )
     rng = np.random.default_rng(0)
     x = be.asarray(rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32))
@@ -171,7 +172,7 @@ def main() -> None:
             rebalancer=Rebalancer(threshold=args.rebalance_threshold),
             recv_timeout=600,
             fuse=args.fuse == "on",
-            dx=args.dx,
+            split=args.split,
         )
         calib = dist.calibrate(net, args.batch)
         print(f"calibrated times (s, master/worker per layer): {calib['times']} -> shares {calib['shares']}")
@@ -209,7 +210,7 @@ def main() -> None:
             med(dist_recs, "comp_s"),
             solo_t / dist_t,
             str(dist_recs[-1]["shares"])
-            + "".join(f", {name} dX channels {c}" for name, c in dist_recs[-1]["dx_shares"].items()),
+            + "".join(f", {name} input channels {c}" for name, c in dist_recs[-1]["channel_shares"].items()),
         ),
     ]
     print(

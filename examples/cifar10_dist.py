@@ -131,13 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the master (default %(default)s)",
     )
     g.add_argument(
-        "--dx",
-        choices=("auto", "channels", "split"),
+        "--split",
+        choices=("auto", "channels", "kernels"),
         default="auto",
-        help="how each conv's input gradient is split: split = by kernels, every participant a full-size "
-        "partial dX, summed (the paper's way); channels = the conv-output gradient is gathered and each "
-        "participant computes dX for its share of the input channels (no duplicated work, more bytes); "
-        "auto = channels with at most 2 workers, else split (default %(default)s)",
+        help="how each conv after the first is split: kernels = the paper's way, every participant its "
+        "kernels on all of the input (each builds the whole im2col and a full-size partial dX, summed); "
+        "channels = the convolution by input channels (each the partial sums of its channels, added up "
+        "where the tails run; its channels' dX and dW): nothing done twice, more bytes; "
+        "auto = channels with at most 2 workers, else kernels (default %(default)s)",
     )
     g.add_argument(
         "--start-timeout",
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     rebalance=args.rebalance == "on",
                     rebalancer=Rebalancer(threshold=args.rebalance_threshold),
                     fuse=args.fuse == "on",
-                    dx=args.dx,
+                    split=args.split,
                 )
             metrics.write(
                 "run",
@@ -266,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             if distributor is not None:
                 calibration = distributor.calibrate(net, args.batch_size)
                 metrics.write("calibration", **calibration)
-                print(f"calibrated shares ({', '.join(distributor.participants)}): {calibration['shares']}")
+                print(
+                    f"calibrated shares ({', '.join(distributor.participants)}): kernels {calibration['shares']}"
+                    + (f", input channels {calibration['channel_shares']}" if calibration["channel_shares"] else "")
+                )
             trainer = Trainer(net, data, config, metrics, distributor=distributor)
             if args.resume:
                 trainer.resume(args.resume)

@@ -414,21 +414,6 @@ def test_a_participant_that_became_fast_wins_kernels_back_at_its_re_probe():
     assert history[3][1] > 1 and abs(counts[1] - 48) <= 3, history  # and wins back about its half
 
 
-def test_only_available_participants_are_planned_for_or_re_probed():
-    # three participants, the third may not take work (no kernels, say, for a dX channel split):
-    # the first two share everything by speed, and the third is never given any back
-    r = Rebalancer(patience=3, smoothing=1.0, reprobe=2)
-    available = [True, True, False]
-    # the plan gives the unavailable one work: replaced at once, without waiting for patience
-    assert r.observe("c", [6, 3, 3], [6.0, 6.0, 3.0], available) == [8, 4, 0]
-    history = [r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0], available) for _ in range(10)]
-    assert history == [None] * 10  # balanced, and no re-probe of the unavailable one
-    assert r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0]) == [7, 4, 1]  # available again: re-probed at once
-    with pytest.raises(ValueError, match="available needs 3 flags"):
-        r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0], [True, True])
-    with pytest.raises(ValueError, match="at least one true"):
-        r.observe("c", [8, 4, 0], [8.0, 8.0, 0.0], [False] * 3)
-
 
 def test_record_files_measurements_without_judging():
     r = Rebalancer(patience=1, smoothing=1.0, cooldown=2)

@@ -3,7 +3,8 @@
 The reference is the plain layer sequence conv -> tail on all kernels; each case cuts
 the kernels into slices (some narrower than the halo, some at the edges), computes each
 slice's block on its own, and checks the concatenated outputs, the concatenated dW/db
-rows and the summed partial dX against it.
+rows and the summed partial dX against it; and likewise for the convolution cut by input channels
+into partial sums, with the tails run on kernel slices of their total.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ import pytest
 
 from backends.numpy_backend import NumpyBackend
 from tinyconv.balance import slices
-from tinyconv.block import block_backward, block_forward, check_tail, extended, grad_span, halo, tail_of
+from tinyconv.block import (
+    block_backward,
+    block_forward,
+    check_tail,
+    extended,
+    grad_span,
+    halo,
+    owned,
+    tail_backward,
+    tail_forward,
+    tail_of,
+)
 from tinyconv.distributed import ShardedConv
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network, paper_net
@@ -94,6 +106,39 @@ def test_slices_with_halo_equal_the_whole_block(rng, tail, counts):
     assert_close(np.concatenate(dws), dw_ref)
     assert_close(np.concatenate(dbs), db_ref)
     assert_close(dx, dx_ref)
+
+
+@pytest.mark.parametrize("tail", TAILS, ids=lambda t: "+".join(s["op"] + str(s.get("size", "")) for s in t) or "none")
+@pytest.mark.parametrize("channels", [[4], [1, 3], [2, 0, 2]])
+def test_partial_convolutions_by_input_channels_summed_under_the_tails_equal_the_whole_block(rng, tail, channels):
+    # ShardedConv's split by input channels: a partial convolution of each channel slice (no bias),
+    # summed on each kernel slice's extended range, where tail_forward runs; backward, the kernel
+    # slices' conv-output gradients together go back through each partial: dx and dw of its channels
+    be = NumpyBackend()
+    x = rng.standard_normal((2, 4, 8, 8), dtype=np.float32)
+    w = rng.standard_normal((11, 4, 3, 3), dtype=np.float32)
+    b = rng.standard_normal(11, dtype=np.float32)
+    y_ref = reference(be, x, w, b, tail, None)
+    g = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    y_ref, dx_ref, dw_ref, db_ref = reference(be, x, w, b, tail, g)
+
+    cspans = [(c0, c1) for c0, c1 in slices(channels) if c0 < c1]
+    partials = [be.conv2d_forward(x[:, c0:c1], w[:, c0:c1], np.zeros(11, np.float32), 1, 1) for c0, c1 in cspans]
+    conv_sum = sum(p for p, _ in partials) + b[None, :, None, None]
+    ys, dycs = [], []
+    for s, e in slices([2, 6, 3]):
+        cs, ce = extended(s, e, 11, tail)
+        y, cache = tail_forward(be, conv_sum[:, cs:ce], partials[0][1], tail, (s - cs, e - cs))
+        ys.append(np.asarray(y))
+        gs, ge = grad_span(s, e, 11, tail)
+        dycs.append(owned(be, tail_backward(be, np.ascontiguousarray(g[:, gs:ge]), cache, gs - cs), cache))
+    assert_close(np.concatenate(ys, axis=1), y_ref)
+    dyc = np.concatenate(dycs, axis=1)
+    for (c0, c1), (_, conv_cache) in zip(cspans, partials, strict=True):
+        dx, dw, db = be.conv2d_backward(dyc, conv_cache, True)
+        assert_close(dx, dx_ref[:, c0:c1])
+        assert_close(dw, dw_ref[:, c0:c1])
+        assert_close(db, db_ref)
 
 
 def test_halo_sizes():

@@ -1,4 +1,5 @@
-"""ShardedConv: a convolution split by kernels gives the unsharded numbers, and balances itself.
+"""ShardedConv: a convolution split by kernels or by input channels gives the unsharded numbers,
+and balances itself.
 
 In-process workers (threads running ConvWorker on the numpy backend) for almost
 everything; one test with two real worker processes over ZeroMQ on loopback.
@@ -7,6 +8,7 @@ Every wait is bounded by a timeout; no test sleeps.
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import contextmanager
 
@@ -66,12 +68,38 @@ def unsharded(rng, conv, x_shape):
     return (x, y, dy, *be.conv2d_backward(dy, cache, conv.need_dx))
 
 
+def block_reference(rng, conv, x):
+    """``conv`` followed by ReLU, LRN and a max pool -- a tail with a halo -- as a Network, and its
+    unsharded numbers through the plain layers: (net, y, a random gradient g of y, dx, dw, db)."""
+    be = conv.backend
+    net = Network(be, [conv, ReLU(be), LocalResponseNorm(be, alpha=1.0), MaxPool2D(be, 2, 2)], {})
+    y = net.forward(x)
+    g = rng.standard_normal(y.shape, dtype=np.float32)
+    d = g
+    for layer in reversed(net.layers):
+        d = layer.backward(d)
+    return net, y, g, d, np.copy(conv.grads["w"]), np.copy(conv.grads["b"])
+
+
 def train_steps(conv, sharded, x, n):
     """n steps of ``conv`` alone (forward of x, backward of ones); each step's end_step record."""
     records = []
     for _ in range(n):
         y = conv.forward(x)
         conv.backward(np.ones_like(y))
+        records.append(sharded.end_step())
+    return records
+
+
+def exact_steps(conv, sharded, reference, n):
+    """n steps of ``conv`` alone on ``reference`` = (x, y, dy, dx, dw, db) from :func:`unsharded`, each
+    checked against it; each step's end_step record."""
+    x, y_ref, dy, dx_ref, dw_ref, _ = reference
+    records = []
+    for _ in range(n):
+        assert_close(conv.forward(x), y_ref)
+        assert_close(conv.backward(dy), dx_ref)
+        assert_close(conv.grads["w"], dw_ref)
         records.append(sharded.end_step())
     return records
 
@@ -91,15 +119,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dx_mode", ["split", "channels"])
+@pytest.mark.parametrize("split", ["kernels", "channels"])
 @pytest.mark.parametrize("n, master_share, plan, need_dx, stride, padding", CASES)
-def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stride, padding, dx_mode):
+def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stride, padding, split):
     conv, net = conv_and_reference(rng, stride=stride, padding=padding, need_dx=need_dx)
     be = conv.backend
     x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 3, 9, 9))
 
     with inproc_pool(n) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, dx=dx_mode)
+        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, split=split)
         sharded.attach(net)
         if plan is not None:
             sharded.set_plan("conv1", plan)
@@ -123,25 +151,36 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     counts = plan or kernel_counts([1.0] * participants, 7)
     assert record["shares"] == {"conv1": counts}
     assert record["participants"] == (["master"] if master_share == "auto" else []) + [f"worker{i}" for i in range(n)]
-    # bytes: every worker with kernels gets x, its w and b rows and its dy channels, and returns
-    # its y channels, dw and db rows, and a whole partial dx if the layer needs one -- or, with dX
-    # split by channels, its conv-output gradient (the size of its y channels), then gets the rest
-    # of it (all but its own channels) and the weights of its input channels, and returns dx of those
-    channels = slices(kernel_counts([float(k) for k in counts], 3))
+    # the first layer (no dX) goes by kernels whatever the split, and so does a layer with fewer input
+    # channels (3) than participants; one the master computes alone keeps all of its input channels there
+    layer_by_channels = split == "channels" and need_dx and participants <= 3
+    channels = kernel_counts([float(k) for k in counts], 3)  # proportional to the kernels
+    assert record["channel_shares"] == ({"conv1": channels} if layer_by_channels else {})
+    by_channels = layer_by_channels and any(counts[master_share == "auto" :])
+    # bytes, split by kernels: every worker with kernels gets x, its w and b rows and its dy channels,
+    # and returns its y channels, dw and db rows, and a whole partial dx if the layer needs one.
+    # By input channels: it gets x and w of its channels (part conv), returns the other kernels'
+    # maps of its partial convolution, gets those others' partials summed on its kernels and its
+    # b rows (part tail) and returns its y channels; backward, it gets its dy channels and returns
+    # its conv-output gradient (the size of its y channels, part tail), gets the others' (part conv)
+    # and returns dx and dw of its input channels and all of db
     worker = slice(1, None) if master_share == "auto" else slice(None)
-    oh = ow = y_ref.shape[2]
+    y_k = y_ref.nbytes // 7  # one kernel's maps
     sent = recv = 0
-    for k, (c0, c1) in zip(counts[worker], channels[worker], strict=True):
-        if k:
-            sent += x.nbytes + k * 3 * 9 * F4 + k * F4 + 2 * k * oh * ow * F4
-            recv += 2 * k * oh * ow * F4 + k * 3 * 9 * F4 + k * F4
-            if need_dx and dx_mode == "split":
+    for k, (c0, c1) in zip(counts[worker], slices(channels)[worker], strict=True):
+        if k and by_channels:
+            c = c1 - c0
+            others = y_ref.nbytes - k * y_k
+            sent += x.nbytes // 3 * c + 7 * c * 9 * F4  # part conv
+            sent += k * F4 + (k * y_k if others else 0)  # part tail: b, and the sum if anyone else has kernels
+            sent += k * y_k + others  # backward: dy of its kernels, then the others' dyc
+            recv += others + k * y_k  # p_lo and p_hi; y
+            recv += k * y_k + 7 * c * 9 * F4 + 7 * F4 + x.nbytes // 3 * c  # dyc; dw, db, dx
+        elif k:
+            sent += x.nbytes + k * 3 * 9 * F4 + k * F4 + k * y_k
+            recv += k * y_k + k * 3 * 9 * F4 + k * F4
+            if need_dx:
                 recv += x.nbytes
-            elif need_dx:
-                recv += 2 * k * oh * ow * F4
-                if c1 > c0:
-                    sent += y_ref.nbytes - 2 * k * oh * ow * F4 + 7 * (c1 - c0) * 9 * F4
-                    recv += 2 * (c1 - c0) * 9 * 9 * F4
     assert (record["bytes_sent"], record["bytes_recv"]) == (sent, recv)
     assert len(record["participant_conv_s"]) == len(counts)
     assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in counts]
@@ -178,45 +217,77 @@ def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
         assert sharded.end_step()["shares"]["conv1"] == [1, 2, 4]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["conv", "conv+relu+lrn+pool"])
 @pytest.mark.parametrize(
-    "n, master_share, plan, dx_channels",
+    "n, master_share, plan, channels",
     [
-        (1, "auto", [3, 4], [3, 0]),  # the master computes all of dX
-        (2, "auto", [1, 5, 1], [0, 1, 2]),
-        (3, "0", [2, 0, 5], [1, 0, 2]),  # a worker without kernels gets no channels
+        (1, "auto", [3, 6], [5, 1]),  # the master most of the input channels, the worker most of the kernels
+        (1, "0", [9], [6]),  # a worker alone: nobody else's partial to add
+        (2, "auto", [1, 7, 1], [2, 1, 3]),  # slices narrower than the LRN's halo of 4
+        (3, "0", [2, 0, 7], [1, 0, 5]),  # a worker without kernels has no channels
+        (3, "auto", [0, 4, 4, 1], [0, 3, 2, 1]),  # the master only coordinates this layer
     ],
 )
-def test_the_channel_split_of_dx_is_its_own(rng, n, master_share, plan, dx_channels):
-    conv, net = conv_and_reference(rng)
+def test_a_channel_split_of_its_own_gives_the_unsharded_numbers(rng, n, master_share, plan, channels, fused):
+    conv, net = conv_and_reference(rng, c_in=6, c_out=9)
     be = conv.backend
-    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 3, 9, 9))
+    x = rng.standard_normal((2, 6, 8, 8), dtype=np.float32)
+    if fused:
+        net, y_ref, dy, dx_ref, dw_ref, db_ref = block_reference(rng, conv, x)
+    else:
+        x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, x.shape)
     with inproc_pool(n) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, dx="channels")
+        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, split="channels")
         sharded.attach(net)
-        sharded.set_plan("conv1", plan, dx_channels)
-        assert_close(conv.forward(x), y_ref)
-        assert_close(conv.backward(dy), dx_ref)
-        assert_close(conv.grads["w"], dw_ref)
-        record = sharded.end_step()
-    assert record["shares"] == {"conv1": plan} and record["dx_shares"] == {"conv1": dx_channels}
+        sharded.set_plan("conv1", plan, channels)
+        for _ in range(2):  # the second step starts from the kept plans
+            assert_close(net.forward(x), y_ref)
+            assert_close(conv.backward(dy), dx_ref)  # the conv's backward covers its fused tail's
+            assert_close(conv.grads["w"], dw_ref)
+            assert_close(conv.grads["b"], db_ref)
+            record = sharded.end_step()
+            assert record["shares"] == {"conv1": plan} and record["channel_shares"] == {"conv1": channels}
+            assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in plan]
 
 
 def test_a_channel_split_that_does_not_fit_is_refused_or_replaced(rng):
     conv, net = conv_and_reference(rng)
-    x = rng.standard_normal((1, 3, 5, 5), dtype=np.float32)
+    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (1, 3, 5, 5))
     with inproc_pool(2) as (transport, workers):
         sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
         sharded.attach(net)
-        for bad in ([3, 1], [1, 1], [2, 1, 0], [-1, 4]):
-            with pytest.raises(ValueError, match="dx_channels for conv1 needs 2 counts"):
-                sharded.set_plan("conv1", [4, 3], bad)
-        with pytest.raises(ValueError, match="0 wherever the kernels are 0"):
-            sharded.set_plan("conv1", [7, 0], [2, 1])
-        sharded.set_plan("conv1", [4, 3], [0, 3])
-        sharded.set_plan("conv1", [7, 0])  # the kept channel split gives worker1 channels: replaced
-        y = conv.forward(x)
-        conv.backward(np.ones_like(y))
-        assert sharded.end_step()["dx_shares"] == {"conv1": [3, 0]}
+        for counts, bad in (([4, 3], [3, 1]), ([4, 3], [1, 1]), ([4, 3], [2, 1, 0]), ([4, 3], [-1, 4])):
+            with pytest.raises(ValueError, match="channels for conv1 needs 2 counts >= 0 summing to its 3 input"):
+                sharded.set_plan("conv1", counts, bad)
+        # a partial convolution needs someone's tail to add it to, and a tail someone's partial
+        for counts, bad in (([4, 3], [0, 3]), ([4, 3], [3, 0]), ([7, 0], [2, 1])):
+            with pytest.raises(ValueError, match=re.escape(f"0 exactly where the kernels are 0 ({counts}); got {bad}")):
+                sharded.set_plan("conv1", counts, bad)
+        sharded.set_plan("conv1", [4, 3], [1, 2])
+        sharded.set_plan("conv1", [5, 2])  # the kept channel split still fits: kept
+        shares = []
+        for counts in ([5, 2], [7, 0]):  # then one the kept split gives worker1 channels for: replaced
+            sharded.set_plan("conv1", counts)
+            assert_close(conv.forward(x), y_ref)
+            assert_close(conv.backward(dy), dx_ref)
+            assert_close(conv.grads["w"], dw_ref)
+            shares.append(sharded.end_step()["channel_shares"])
+    assert shares == [{"conv1": [1, 2]}, {"conv1": [3, 0]}]
+
+
+def test_a_layer_with_fewer_input_channels_than_participants_goes_by_kernels(rng):
+    # 2 input channels cannot give the master and 2 workers one each: every kernel must still be computed
+    conv, net = conv_and_reference(rng, c_in=2, c_out=7)
+    x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 2, 6, 6))
+    with inproc_pool(2) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT, split="channels")
+        sharded.attach(net)
+        assert_close(conv.forward(x), y_ref)
+        assert_close(conv.backward(dy), dx_ref)
+        assert_close(conv.grads["w"], dw_ref)
+        assert_close(conv.grads["b"], db_ref)
+        record = sharded.end_step()
+    assert record["shares"] == {"conv1": [3, 2, 2]} and record["channel_shares"] == {}
 
 
 def test_a_forward_without_backward_is_not_counted_in_a_step(rng):
@@ -271,13 +342,13 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
         assert b["participants"] == ["master", "worker0", "worker1"]
         assert b["bytes_sent"] > 0 and b["bytes_recv"] > 0 and b["conv_s"] > 0
         assert b["comp_s"] >= 0 and b["comm_s"] >= 0
-        # 2 workers: dX by input channels (auto), for conv2 only (conv1 has no dX): 6 channels split
-        assert list(b["dx_shares"]) == ["conv2"] and sum(b["dx_shares"]["conv2"]) == 6
+        # 2 workers: by input channels (auto), for conv2 only (conv1 has no dX): 6 channels split
+        assert list(b["channel_shares"]) == ["conv2"] and sum(b["channel_shares"]["conv2"]) == 6
         ran = [(op["layer"], op["op"]) for op in b["ops"]]  # in the order they ran
         assert ran == [("conv1", "forward"), ("conv2", "forward"), ("conv2", "backward"), ("conv1", "backward")]
     summary = next(e for e in sharded if e["event"] == "summary")
     assert summary["final_shares"] == sharded_steps[-1]["shares"]
-    assert summary["final_dx_shares"] == sharded_steps[-1]["dx_shares"]
+    assert summary["final_channel_shares"] == sharded_steps[-1]["channel_shares"]
     test_loss = [e["test_loss"] for e in plain if e["event"] == "epoch"]
     assert [e["test_loss"] for e in sharded if e["event"] == "epoch"] == pytest.approx(test_loss, rel=1e-5)
 
@@ -349,6 +420,8 @@ def test_bad_configuration_is_refused(rng):
             ShardedConv(transport, workers, conv.backend, master_share="half")
         with pytest.raises(ValueError, match="nobody would compute"):
             ShardedConv(transport, [], conv.backend, master_share="0")
+        with pytest.raises(ValueError, match="split must be one of auto, channels, kernels, got 'split'"):
+            ShardedConv(transport, workers, conv.backend, split="split")  # the old name of "kernels"
         sharded = ShardedConv(transport, workers, conv.backend)
         with pytest.raises(RuntimeError, match="not attached.*attach\\(net\\)"):
             sharded.forward(conv, np.zeros((1, 3, 5, 5), np.float32))
@@ -388,18 +461,27 @@ def metered_pool(slowdowns):
     return inproc_pool(len(slowdowns), lambda i: MeteredWorker(NumpyBackend(), slowdown=slowdowns[i]))
 
 
-def test_calibration_splits_by_eq1(rng):
+@pytest.mark.parametrize("split", ["kernels", "channels"])
+def test_calibration_splits_by_eq1(rng, split):
     be = NumpyBackend()
     net = paper_net(be, 6, 48, seed=0, image_size=8)
     with metered_pool([1.0, 2.0, 4.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, dx="split")
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split=split)
         result = sharded.calibrate(net, batch_size=2, image_size=8)
+    assert set(result) == {"participants", "times", "shares", "channel_shares", "shapes"}
     assert result["participants"] == ["worker0", "worker1", "worker2"]
     assert result["times"]["conv2"] == pytest.approx([0.048, 0.096, 0.192])
     # speeds 1 : 1/2 : 1/4 -> 4/7, 2/7, 1/7 of the kernels: quotas 3.43, 1.71, 0.86 of 6 and
     # 27.43, 13.71, 6.86 of 48, rounded by largest remainder
     assert result["shares"] == {"conv1": [3, 2, 1], "conv2": [27, 14, 7]}
     assert sharded.plans == result["shares"]
+    # conv2 split by input channels: its 6 channels alike (conv1, without dX, goes by kernels)
+    assert result["channel_shares"] == ({"conv2": [3, 2, 1]} if split == "channels" else {})
+    assert sharded.channel_plans == result["channel_shares"]
+    # the rebalancer's first point: each participant's time for all of what the layer is split by
+    unit = 6 if split == "channels" else 48
+    models = [v for model in sharded.rebalancer.cost_models("conv2") for v in model]
+    assert models == pytest.approx([0.0, 0.048 / unit, 0.0, 0.096 / unit, 0.0, 0.192 / unit])
 
 
 class AffineMeteredWorker(ConvWorker):
@@ -436,18 +518,14 @@ def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
     x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
     costs = [(0.025, 0.0005), (0.05, 0.001)]  # per op
     with inproc_pool(2, lambda i: AffineMeteredWorker(NumpyBackend(), *costs[i])) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, dx="split")
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, split="kernels")
         result = sharded.calibrate(net, batch_size=1, image_size=5)
         assert result["times"]["conv1"] == pytest.approx([0.146, 0.292])
         assert result["shares"]["conv1"] == [64, 32]  # eq. 1
         # the calibration is each participant's first measurement: all 96 kernels; one k, so proportional
         seeded = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
         assert seeded == pytest.approx([0.0, 0.146 / 96, 0.0, 0.292 / 96])
-        shares = []
-        for _ in range(12):
-            y = conv.forward(x)
-            conv.backward(np.ones_like(y))
-            shares.append(sharded.end_step()["shares"]["conv1"])
+        shares = [r["shares"]["conv1"] for r in train_steps(conv, sharded, x, 12)]
         fitted = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
     assert fitted == pytest.approx([0.05, 0.001, 0.1, 0.002])
     # T = (96 + 50 + 50) / (1000 + 500) s: k = [80.67, 15.33]; moved after patience (3 steps), then kept
@@ -460,7 +538,7 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     x, y_ref, dy, _, dw_ref, _ = unsharded(rng, conv, (2, 4, 6, 6))
     shares = []
     with metered_pool([1.0, 2.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, dx="split")
+        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split="kernels")
         sharded.attach(net)  # no calibration: starts from the equal split
         for _ in range(12):
             assert_close(conv.forward(x), y_ref)
@@ -479,76 +557,75 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
 
 
 class PartMeteredWorker(ConvWorker):
-    """A ConvWorker whose reported times follow a cost model per op, for dX split by channels:
-    the forward ``fixed_s`` + 1 ms per kernel, the backward's part "dyc" nothing, "dw" 1 ms per
-    kernel, "dx" ``dx_ms`` per input channel; calibration: ``calibrate_s`` for each layer, its
-    forward alone 1 ms per kernel."""
+    """A ConvWorker whose reported times follow a cost model per op, for a layer split by input
+    channels: its partial convolution, forward (part "conv", plus ``fixed_s``) and backward (part
+    "conv"), ``ms`` per input channel each; the tail's parts nothing. Whole ops (split by kernels)
+    ``ms`` per kernel; calibration, a forward and a backward of all C channels, 2 ``ms`` per channel."""
 
-    def __init__(self, backend: NumpyBackend, dx_ms: float, calibrate_s: float = 1.0, fixed_s: float = 0.0) -> None:
+    def __init__(self, backend: NumpyBackend, ms: float, fixed_s: float = 0.0) -> None:
         super().__init__(backend)
-        self.dx_ms, self.calibrate_s, self.fixed_s = dx_ms, calibrate_s, fixed_s
+        self.ms, self.fixed_s = ms, fixed_s
+        self.channels = 0  # of the last forward part "conv", for its backward
 
     def handle(self, msg: Message) -> Message:
         reply = super().handle(msg)
         if reply.kind != "result":
             return reply
+        part = msg.header.get("part")
         if msg.kind == "calibrate":
-            reply.header["times"] = [self.calibrate_s for _ in msg.header["layers"]]
-            reply.header["forward_times"] = [spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
-        elif msg.kind == "conv_forward":
-            reply.header["compute_s"] = self.fixed_s + msg.arrays["w"].shape[0] * 1e-3
-        elif msg.header.get("part") == "dx":
-            c0, c1 = msg.header["dx_channels"]
-            reply.header["compute_s"] = (c1 - c0) * self.dx_ms * 1e-3
-        elif msg.header.get("part") == "dyc":  # the tail's backward: none here
-            self.kernels = msg.arrays["dy"].shape[1]
+            reply.header["times"] = [2 * self.ms * spec["x"][1] * 1e-3 for spec in msg.header["layers"]]
+        elif part == "tail":
             reply.header["compute_s"] = 0.0
-        else:  # "dw"
-            reply.header["compute_s"] = self.kernels * 1e-3
+        elif part == "conv" and msg.kind == "conv_forward":
+            self.channels = msg.arrays["x"].shape[1]
+            reply.header["compute_s"] = self.fixed_s + self.channels * self.ms * 1e-3
+        elif part == "conv":
+            reply.header["compute_s"] = self.channels * self.ms * 1e-3
+        else:
+            kernels = msg.arrays["w"].shape[0] if msg.kind == "conv_forward" else msg.arrays["dy"].shape[1]
+            reply.header["compute_s"] = kernels * self.ms * 1e-3
         return reply
 
 
-def test_the_channel_split_is_balanced_on_the_backward_and_the_kernels_on_the_forward(rng):
-    # equal forwards, worker1's dX 3 ms per channel against 1: the kernels stay [12, 12]; the
-    # backward, 12 ms + c0 against 12 ms + 3 c1 with c0 + c1 = 12, finishes together at [9, 3]
+def test_a_two_times_slower_worker_ends_with_a_third_of_the_input_channels(rng):
+    # split by input channels, the rebalancer moves channels: 2 ms per channel and step on worker0,
+    # 4 on worker1, so [8, 4] of 12 finish together; the kernels (which carry only the tail) follow
     conv, net = conv_and_reference(rng, c_in=12, c_out=24)
-    x = rng.standard_normal((1, 12, 5, 5), dtype=np.float32)
-    with inproc_pool(2, lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=[1.0, 3.0][i])) as (transport, workers):
-        sharded = ShardedConv(
-            transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, rebalancer=Rebalancer(0.02)
-        )
-        sharded.attach(net)
-        records = train_steps(conv, sharded, x, 20)
-    assert all(r["shares"] == {"conv1": [12, 12]} for r in records)
-    channels = [r["dx_shares"]["conv1"] for r in records]
-    # proportional first (the backward's fixed part read as per-channel cost: [8, 4], short of it),
-    # then, with two channel counts measured, the affine fit lands on [9, 3]
-    assert channels[0] == [6, 6] and [8, 4] in channels and channels[-1] == [9, 3], channels
-    settled = channels.index([9, 3])
-    assert all(c == [9, 3] for c in channels[settled:]), channels  # no flapping once balanced
-    moves = [r["rebalanced"] for r in records if r["rebalanced"]]
-    assert moves and all(set(m) == {"conv1.dx"} for m in moves), moves
-
-
-def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_exact(rng):
-    # worker1's forward has 0.3 s of fixed cost: one kernel there takes longer than all 24 on worker0
-    conv, net = conv_and_reference(rng, c_in=4, c_out=24)
-    be = conv.backend
-    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 4, 6, 6))
-    make = lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, fixed_s=[0.0, 0.3][i])  # noqa: E731
-    with inproc_pool(2, make) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
-        sharded.attach(net)
-        records = []
-        for _ in range(6):
+    x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 12, 5, 5))
+    records = []
+    with inproc_pool(2, lambda i: PartMeteredWorker(NumpyBackend(), ms=[1.0, 2.0][i])) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        sharded.attach(net)  # no calibration: starts from the equal split
+        for _ in range(10):
             assert_close(conv.forward(x), y_ref)
             assert_close(conv.backward(dy), dx_ref)
             assert_close(conv.grads["w"], dw_ref)
             records.append(sharded.end_step())
+        assert sharded.channel_plans["conv1"] == [8, 4] and sharded.plans["conv1"] == [16, 8]
+    channels = [r["channel_shares"]["conv1"] for r in records]
+    kernels = [r["shares"]["conv1"] for r in records]
+    # patience 3: the move comes after the third lagging step, then stays
+    assert channels == [[6, 6]] * 3 + [[8, 4]] * 7, channels
+    assert kernels == [[12, 12]] * 3 + [[16, 8]] * 7, kernels
+    assert records[0]["participant_conv_s"] == pytest.approx([2 * 6e-3, 2 * 2 * 6e-3])
+    assert records[-1]["participant_conv_s"] == pytest.approx([2 * 8e-3, 2 * 2 * 4e-3])
+    # what "rebalanced" names: the new kernel counts, once, under the layer's name
+    assert [r["rebalanced"] for r in records] == [{}] * 2 + [{"conv1": [16, 8]}] + [{}] * 7
+
+
+def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_exact(rng):
+    # worker1's partial convolution has 0.3 s of fixed cost: one channel there takes longer than all 4 on worker0
+    conv, net = conv_and_reference(rng, c_in=4, c_out=24)
+    reference = unsharded(rng, conv, (2, 4, 6, 6))
+    make = lambda i: PartMeteredWorker(NumpyBackend(), ms=1.0, fixed_s=[0.0, 0.3][i])  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        sharded.attach(net)
+        records = exact_steps(conv, sharded, reference, 6)
+    assert [r["channel_shares"]["conv1"] for r in records] == [[2, 2]] * 3 + [[4, 0]] * 3
+    # no channels, no partial to add to anyone's tail: no kernels either
     assert [r["shares"]["conv1"] for r in records] == [[12, 12]] * 3 + [[24, 0]] * 3
-    assert records[2]["rebalanced"]["conv1"] == [24, 0]
-    # no kernels, no gradient to start dX from: its channels go to worker0
-    assert [r["dx_shares"]["conv1"] for r in records][3:] == [[4, 0]] * 3
+    assert records[2]["rebalanced"] == {"conv1": [24, 0]}
     assert records[-1]["participant_conv_s"][1] == 0  # sent nothing, computed nothing
 
 
@@ -559,57 +636,42 @@ class SpyRebalancer(Rebalancer):
         super().__init__()
         self.calls: list[tuple[str, list[int], list[float]]] = []
 
-    def observe(self, layer, counts, times, available=None):
+    def observe(self, layer, counts, times):
         self.calls.append((layer, list(counts), list(times)))
-        return super().observe(layer, counts, times, available)
+        return super().observe(layer, counts, times)
 
 
-def test_the_kernel_split_is_measured_on_the_forward_even_while_the_master_works_alone(rng):
-    # the only worker sits out: the master computes the layer alone, and the kernel split's
-    # measurements stay the forward's, as before (a sum of both ops would read as a jump in time)
+def test_a_channel_split_layer_the_master_computes_alone_keeps_its_channels_on_the_master(rng):
+    # the only worker sits out: the master computes the layer alone (as a split by kernels would), and
+    # the rebalancer goes on measuring the layer's input channels, all on the master, forward + backward
     conv, net = conv_and_reference(rng, c_in=4, c_out=24)
-    x = rng.standard_normal((2, 4, 6, 6), dtype=np.float32)
+    reference = unsharded(rng, conv, (2, 4, 6, 6))
     spy = SpyRebalancer()
-    with inproc_pool(1, lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, fixed_s=0.3)) as (transport, workers):
+    with inproc_pool(1, lambda i: PartMeteredWorker(NumpyBackend(), ms=1.0, fixed_s=0.3)) as (transport, workers):
         sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT, rebalancer=spy)
         sharded.attach(net)
-        records = train_steps(conv, sharded, x, 6)
-    assert records[2]["rebalanced"]["conv1"] == [24, 0] and records[-1]["shares"]["conv1"] == [24, 0]
-    alone = [(call, r) for call, r in zip(spy.calls[-3:], records[3:], strict=True)]
-    for (layer, counts, times), record in alone:
-        assert layer == "conv1" and counts == [24, 0] and record["dx_shares"] == {}
-        assert 0 < times[0] < record["participant_conv_s"][0]  # the forward only, not forward + backward
-
-
-def test_calibration_gives_the_kernel_split_the_forward_times_when_dx_goes_by_channels(rng):
-    conv, net = conv_and_reference(rng, c_in=4, c_out=24)
-    make = lambda i: PartMeteredWorker(NumpyBackend(), dx_ms=1.0, calibrate_s=[1.0, 2.0][i])  # noqa: E731
-    with inproc_pool(2, make) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
-        result = sharded.calibrate(net, batch_size=1, image_size=5)
-        # eq. 1 on the whole layer's times; the rebalancer's first point is the forward alone
-        assert result["shares"] == {"conv1": [16, 8]}
-        models = sharded.rebalancer.cost_models("conv1")
-    assert [v for model in models for v in model] == pytest.approx([0.0, 1e-3, 0.0, 1e-3])
+        records = exact_steps(conv, sharded, reference, 6)
+    assert [r["channel_shares"]["conv1"] for r in records] == [[2, 2]] * 3 + [[4, 0]] * 3
+    assert [r["shares"]["conv1"] for r in records] == [[12, 12]] * 3 + [[24, 0]] * 3
+    assert all(r["bytes_sent"] == r["bytes_recv"] == 0 for r in records[3:])  # the worker got nothing
+    assert len(spy.calls) == 6
+    for (layer, counts, times), record in zip(spy.calls, records, strict=True):
+        assert layer == "conv1" and counts == record["channel_shares"]["conv1"]
+        assert times == pytest.approx(record["participant_conv_s"])  # the forward and the backward
 
 
 def test_rebalance_off_keeps_the_plan(rng):
     conv, net = conv_and_reference(rng, c_in=2, c_out=12)
     x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
     with metered_pool([1.0, 3.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", rebalance=False, dx="split")
+        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", rebalance=False, split="kernels")
         sharded.attach(net)
-        for _ in range(5):
-            y = conv.forward(x)
-            conv.backward(np.ones_like(y))
-            assert sharded.end_step()["shares"]["conv1"] == [6, 6]
+        assert [r["shares"]["conv1"] for r in train_steps(conv, sharded, x, 5)] == [[6, 6]] * 5
         eager = ShardedConv(
-            transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1), dx="split"
+            transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1), split="kernels"
         )
         eager.attach(net)
-        y = conv.forward(x)
-        conv.backward(np.ones_like(y))
-        assert eager.end_step()["rebalanced"] == {"conv1": [9, 3]}
+        assert train_steps(conv, eager, x, 1)[0]["rebalanced"] == {"conv1": [9, 3]}
 
 
 # ---- real worker processes --------------------------------------------------------------------
@@ -623,7 +685,7 @@ def test_sharded_conv_over_zmq_with_worker_processes(rng):
         procs = spawn_local_workers(2, transport.bound_address, threads=1)
         try:
             workers = transport.start(2, timeout=TIMEOUT)
-            sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, dx="split")
+            sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, split="kernels")
             sharded.attach(net)
             sharded.set_plan("conv1", [2, 4, 2])
             assert_close(conv.forward(x), y_ref)
@@ -634,22 +696,18 @@ def test_sharded_conv_over_zmq_with_worker_processes(rng):
             assert record["shares"] == {"conv1": [2, 4, 2]} and record["bytes_recv"] > 2 * x.nbytes
 
             # a fused tail over the wire: each process computes its slice's ReLU/LRN/pool with the halo
-            block = Network(be, [conv, ReLU(be), LocalResponseNorm(be, alpha=1.0), MaxPool2D(be, 2, 2)], {})
+            # -- and the convolution split by input channels: the partials cross the wire
             sharded.detach(net)
-            out_ref = block.forward(x)
-            g = rng.standard_normal(out_ref.shape, dtype=np.float32)
-            dx_ref = g
-            for layer in reversed(block.layers):
-                dx_ref = layer.backward(dx_ref)
-            dw_ref, db_ref = np.copy(conv.grads["w"]), np.copy(conv.grads["b"])
-            fused = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, dx="channels")
+            block, out_ref, g, dx_ref, dw_ref, db_ref = block_reference(rng, conv, x)
+            fused = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, split="channels")
             fused.attach(block)
-            fused.set_plan("conv1", [2, 4, 2])
+            fused.set_plan("conv1", [2, 4, 2], [1, 1, 1])
             assert_close(block.forward(x), out_ref)
             assert_close(conv.backward(g), dx_ref)  # the whole block is the conv's: it takes the pool's dy
             assert_close(conv.grads["w"], dw_ref)
             assert_close(conv.grads["b"], db_ref)
-            assert fused.end_step()["bytes_sent"] > 0
+            record = fused.end_step()
+            assert record["channel_shares"] == {"conv1": [1, 1, 1]} and record["bytes_sent"] > 0
             transport.close()
         finally:
             stop_workers(procs, timeout=5.0)

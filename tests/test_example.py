@@ -34,7 +34,7 @@ SMOKE = ("--dataset", "synthetic", "--arch", "4:8", "--batch-size", "32")
 def test_help_describes_every_option():
     out = run_example("--help")
     assert out.returncode == 0
-    for flag in ("--transport", "--workers", "--backend", "--arch", "--steps", "--metrics-out", "--resume"):
+    for flag in ("--transport", "--workers", "--backend", "--arch", "--steps", "--split", "--metrics-out", "--resume"):
         assert flag in out.stdout
 
 
@@ -49,9 +49,11 @@ def test_master_alone_runs_and_writes_metrics(tmp_path):
     assert [e["event"] for e in events[-2:]] == ["epoch", "summary"]
 
 
-def test_inproc_workers_share_the_kernels(tmp_path):
+@pytest.mark.parametrize("split", ["auto", "kernels"])
+def test_inproc_workers_share_the_kernels(tmp_path, split):
     metrics = tmp_path / "run.jsonl"
-    out = run_example(*SMOKE, "--steps", "3", "--transport", "inproc", "--workers", "2", "--metrics-out", str(metrics))
+    args = ("--steps", "3", "--transport", "inproc", "--workers", "2", "--split", split, "--metrics-out", str(metrics))
+    out = run_example(*SMOKE, *args)
     assert out.returncode == 0, out.stderr
     events = read_metrics(metrics)
     run = events[0]
@@ -61,6 +63,10 @@ def test_inproc_workers_share_the_kernels(tmp_path):
         assert sum(s["shares"]["conv1"]) == 4 and sum(s["shares"]["conv2"]) == 8
         assert len(s["shares"]["conv2"]) == 3  # the master and two workers
         assert s["conv_s"] > 0 and s["bytes_sent"] > 0 and s["bytes_recv"] > 0
+        if split == "kernels":
+            assert s["channel_shares"] == {}
+        else:  # auto with two workers: conv2 (conv1 has no dX) by its 4 input channels
+            assert list(s["channel_shares"]) == ["conv2"] and sum(s["channel_shares"]["conv2"]) == 4
 
 
 def _processes_with(marker: str) -> list[str]:

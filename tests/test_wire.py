@@ -124,6 +124,52 @@ def test_byte_counting():
     assert message_nbytes(msg) == frames_nbytes(frames)
 
 
+FORWARD = {"task": 2, "step": 5, "layer": 1, "stride": 1, "padding": 2, "need_dx": True}
+
+
+def test_the_parts_of_a_layer_split_by_input_channels_round_trip():
+    messages = [
+        Message(
+            "conv_forward", FORWARD | {"part": "conv", "ext": [0, 3], "own": [0, 2], "give": [0, 2]}, {"x": X, "w": W}
+        ),
+        Message("result", {"task": 2, "compute_s": 0.1}, {"p_hi": X}),
+        Message("conv_forward", FORWARD | {"part": "tail"}, {"b": B, "sum": X}),
+        Message("result", {"task": 3, "compute_s": 0.1}, {"y": X}),
+        Message("conv_backward", {"task": 4, "step": 5, "layer": 1, "part": "tail", "dy_from": 1}, {"dy": X}),
+        Message("result", {"task": 4, "compute_s": 0.1}, {"dyc": X}),
+        Message("conv_backward", {"task": 5, "step": 5, "layer": 1, "part": "conv"}, {"dyc_lo": X, "dyc_hi": X}),
+        Message("result", {"task": 5, "compute_s": 0.1}, {"dx": X, "dw": W, "db": B}),
+    ]
+    for msg in messages:
+        got = decode(encode(msg))
+        assert got.kind == msg.kind and got.header == msg.header and list(got.arrays) == list(msg.arrays)
+
+
+@pytest.mark.parametrize(
+    ("msg", "complaint"),
+    [
+        (
+            Message("conv_backward", {"task": 1, "step": 0, "layer": 0, "part": "dx", "dx_channels": [0, 1]}),
+            r"unexpected header key\(s\) dx_channels",
+        ),
+        (
+            Message("conv_backward", {"task": 1, "step": 0, "layer": 0, "part": "conv"}, {"w": W}),
+            r"unexpected array\(s\) w; allowed: dy, dyc_hi, dyc_lo",
+        ),
+        (
+            Message("result", {"task": 1, "compute_s": 0.1, "times": [1.0], "forward_times": [0.5]}),
+            r"unexpected header key\(s\) forward_times",
+        ),
+        (Message("result", {"task": 1, "compute_s": 0.1}, {"partial": X}), r"unexpected array\(s\) partial"),
+        (Message("conv_forward", FORWARD | {"part": "conv", "ext": "0:3"}, {"x": X, "w": W}), "'ext' must be list"),
+        (Message("conv_forward", FORWARD | {"give": [0, None]}, {"x": X, "w": W}), "'give' must be list of numbers"),
+    ],
+)
+def test_the_wire_refuses_fields_the_parts_do_not_have(msg, complaint):
+    with pytest.raises(ProtocolError, match=complaint):
+        encode(msg)
+
+
 # ---- what the decoder refuses -----------------------------------------------------------
 
 

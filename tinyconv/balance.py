@@ -368,42 +368,30 @@ class Rebalancer:
             if c > 0:
                 samples.append((int(c), float(t)))
 
-    def observe(
-        self, layer: str, counts: Sequence[int], times: Sequence[float], available: Sequence[bool] | None = None
-    ) -> list[int] | None:
+    def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
         """Record one step of ``layer``; return new counts to use from the next step, or None.
 
         ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
         counts[i] is 0). A returned plan sums to sum(counts) and has the same length.
-        ``available``: who may be given work next step (default: everyone); the others
-        get 0 and are neither planned for nor re-probed. The sharded convolution passes it
-        for the split of dX by input channels, which only participants with kernels can take.
-        A plan that gives work to someone unavailable is replaced at once (no patience, no
-        cool-down), as is judged the step after a re-probe.
+        The step after a re-probe is judged at once (no patience, no cool-down).
         """
         n = len(counts)
-        available = [True] * n if available is None else [bool(a) for a in available]
-        if len(available) != n or not any(available):
-            raise ValueError(f"available needs {n} flags, at least one true; got {available}")
         self.record(layer, counts, times)
         state = self._layers[layer]
         total = sum(counts)
         for i, c in enumerate(counts):
             state.idle[i] = 0 if c > 0 else state.idle[i] + 1
         probed, state.probing = state.probing, None
-        # judged at once: the step after a re-probe, and a plan that gives work to someone unavailable
-        infeasible = any(c > 0 and not ok for c, ok in zip(counts, available, strict=True))
-        judge_now = probed is not None or infeasible
+        judge_now = probed is not None
         if not judge_now:
-            if (probe := self._reprobe(state, counts, available)) is not None:
+            if (probe := self._reprobe(state, counts)) is not None:
                 return probe
             if state.cooldown > 0:
                 state.cooldown -= 1
                 return None
-        fitted = self.cost_models(layer)
-        if any(m is None for m, ok in zip(fitted, available, strict=True) if ok):
+        models = self.cost_models(layer)
+        if any(m is None for m in models):
             return None  # someone has never been measured (or reports no time): nothing to compare
-        models = [m or (0.0, 1.0) for m in fitted]  # the placeholder is never planned for: not available
         if not judge_now:
             finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
             mean = sum(finish) / len(finish)
@@ -413,23 +401,21 @@ class Rebalancer:
                 return None
 
         state.late_steps = 0
-        proposal = _sit_out(models, _equal_finish_among(models, [i for i in range(n) if available[i]], total))
+        proposal = _sit_out(models, _equal_finish_among(models, list(range(n)), total))
         if probed is not None:  # out again: twice as long before the next try; kept: back to the start
             state.reprobe_in[probed] = 2 * state.reprobe_in[probed] if proposal[probed] == 0 else self.reprobe
         moved = sum(abs(new - old) for new, old in zip(proposal, counts, strict=True)) // 2
-        if not infeasible and (
-            moved < self.min_move or _makespan(models, proposal) >= _makespan(models, counts) * (1 - 1e-9)
-        ):
+        if moved < self.min_move or _makespan(models, proposal) >= _makespan(models, counts) * (1 - 1e-9):
             return None
         state.cooldown = self.cooldown
         return proposal
 
-    def _reprobe(self, state: _LayerState, counts: Sequence[int], available: list[bool]) -> list[int] | None:
-        """One kernel back, from whoever has the most, for the available participant longest
-        without any once that is ``reprobe_in`` steps or more; None if nobody is due."""
-        if not self.reprobe or sum(counts) < sum(available):  # fewer kernels than participants: some must sit out
+    def _reprobe(self, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
+        """One kernel back, from whoever has the most, for the participant longest without any
+        once that is ``reprobe_in`` steps or more; None if nobody is due."""
+        if not self.reprobe or sum(counts) < len(counts):  # fewer kernels than participants: some must sit out
             return None
-        due = [i for i, c in enumerate(counts) if c == 0 and available[i] and state.idle[i] >= state.reprobe_in[i]]
+        due = [i for i, c in enumerate(counts) if c == 0 and state.idle[i] >= state.reprobe_in[i]]
         donor = max(range(len(counts)), key=lambda j: (counts[j], -j))
         if not due or counts[donor] < 2:
             return None

@@ -165,11 +165,22 @@ def block_forward(
     Returns y (N, hi - lo, OH, OW) -- a backend array, the whole output when ``own``
     is all F' kernels, else a host array -- and the cache for :func:`block_backward`.
     """
-    computed = w.shape[0]
-    lo, hi = own if own is not None else (0, computed)
+    y, conv_cache = be.conv2d_forward(x, w, b, stride, padding)
+    return tail_forward(be, y, conv_cache, tail, own if own is not None else (0, w.shape[0]))
+
+
+def tail_forward(
+    be: Backend, y: Array, conv_cache: Any, tail: list[dict[str, Any]], own: tuple[int, int]
+) -> tuple[Array, BlockCache]:
+    """The tail over a conv output y (N, computed, OH, OW) -> its output for kernels ``own`` = [lo, hi).
+
+    ``conv_cache`` is kept for the backward: the backend's cache of the convolution that made y
+    (for a layer split by input channels, ShardedConv's ``split="channels"``, the cache of this
+    participant's partial convolution, and y the sum of every participant's partial)."""
+    computed = y.shape[1]
+    lo, hi = own
     if not 0 <= lo < hi <= computed:
         raise ValueError(f"own kernels [{lo}, {hi}) are not a non-empty range of the {computed} computed")
-    y, conv_cache = be.conv2d_forward(x, w, b, stride, padding)
     caches = []
     for spec in tail:
         if spec["op"] == "relu":
@@ -192,9 +203,9 @@ def block_backward(
     cover :func:`grad_span` of the owned ones. Returns (partial dx (N, C, H, W) or None,
     dw (hi - lo, C, K, K), db (hi - lo,)) for the owned kernels [lo, hi).
 
-    The two halves, :func:`tail_backward` and :func:`conv_backward`, can run apart: with dX
-    split by input channels (ShardedConv's ``dx="channels"``) a worker returns the conv-output
-    gradient between them, for the master to gather."""
+    For a layer split by input channels (ShardedConv's ``split="channels"``) only the first half,
+    :func:`tail_backward`, runs here: the conv-output gradients of every participant's kernels
+    are then gathered, and each runs the conv's backward through its partial convolution."""
     return conv_backward(be, tail_backward(be, dy, cache, dy_from), cache, need_dx)
 
 

@@ -15,15 +15,19 @@ concatenates dw and db and sums the partial dx (none for the first layer). The
 optimiser then updates all weights on the master, so a new split is simply a
 different slicing at the next step.
 
-That is the paper's split (``fuse=False, dx="split"``). Beyond it, by default:
+That is the paper's split (``fuse=False, split="kernels"``). Beyond it, by default:
 
 * ``fuse``: the ReLU / LRN / max pool after each conv (its *tail*) run on each
   participant's own channels too, with a halo of neighbouring kernels for LRN
   (``tinyconv/block.py``); y and dy are then the tail's output and its gradient.
-* ``dx="channels"`` (auto with at most 2 workers): dx is split by *input* channels
-  instead of summed from full-size partials: the conv-output gradient is gathered on
-  the master, then each participant computes dx[:, c0:c1] for its share of the channels
-  (:meth:`ShardedConv._backward_dx_by_channels`).
+* ``split="channels"`` (auto with at most 2 workers): a layer that needs dX has its
+  convolution split by *input* channels instead: participant i computes the partial
+  convolution of its channels [c0_i, c1_i), all F kernels; the partials are summed by
+  kernels where the tails run, and backward gives dx[:, c0_i:c1_i] and dw[:, c0_i:c1_i]
+  (:meth:`ShardedConv._forward_by_channels`, :meth:`ShardedConv._backward_by_channels`).
+  Split by kernels, every participant builds the im2col columns of the whole input and
+  reads all of them in two GEMMs, and computes a full-size partial dX: split by channels,
+  nothing is done twice.
 
 Participants, in this order everywhere (plans, ``shares``, times): the master
 first if it takes part, then the workers by index. Names: "master", "worker0", ...
@@ -52,11 +56,11 @@ from tinyconv.balance import Rebalancer, kernel_counts, slices, speed_weights
 from tinyconv.block import (
     block_backward,
     block_forward,
-    conv_backward,
     extended,
     grad_span,
     owned,
     tail_backward,
+    tail_forward,
     tail_of,
     tail_output_hw,
 )
@@ -68,7 +72,7 @@ log = logging.getLogger(__name__)
 
 MASTER = -1  # the master's place in a participant list; workers are their transport indices
 MASTER_SHARES = ("auto", "0")
-DX_MODES = ("auto", "channels", "split")
+SPLITS = ("auto", "channels", "kernels")
 
 
 def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> list[tuple[int, int, int, int]]:
@@ -99,14 +103,15 @@ def conv_input_shapes(net: Network, batch_size: int, image_size: int = 32) -> li
     return shapes
 
 
-def _fits_kernels(dx_counts: list[int], counts: list[int], channels: int) -> bool:
-    """A channel split of dX that works with the kernel split ``counts``: one count >= 0 per
-    participant, summing to ``channels``, and 0 for a participant without kernels."""
+def _fits_kernels(channel_counts: list[int], counts: list[int], channels: int) -> bool:
+    """A split of the input channels that works with the kernel split ``counts``: one count >= 0
+    per participant, summing to ``channels``, and 0 exactly for the participants without kernels
+    (a partial convolution needs someone to sum it, a tail someone's partial)."""
     return (
-        len(dx_counts) == len(counts)
-        and all(isinstance(c, (int, np.integer)) and c >= 0 for c in dx_counts)
-        and sum(dx_counts) == channels
-        and all(c == 0 for c, k in zip(dx_counts, counts, strict=True) if k == 0)
+        len(channel_counts) == len(counts)
+        and all(isinstance(c, (int, np.integer)) and c >= 0 for c in channel_counts)
+        and sum(channel_counts) == channels
+        and all((c == 0) == (k == 0) for c, k in zip(channel_counts, counts, strict=True))
     )
 
 
@@ -136,8 +141,7 @@ class _LayerStep:
 
     name: str
     counts: list[int]  # kernels per participant
-    by_channels: bool  # the layer's dX goes by input channels (when a worker has kernels)
-    dx_counts: list[int] | None  # input channels of dX per participant, when dX went by channels
+    channels: list[int] | None  # input channels per participant, for a layer split by them
     forward: _OpStats
     backward: _OpStats
 
@@ -148,9 +152,28 @@ class _ShardCache:
 
     step: int
     counts: list[int]  # the plan this forward used; its backward uses the same
-    master_cache: Any  # the master's own backend cache, or None
-    x_shape: tuple[int, ...] | None  # the input's shape, when it went to a worker
+    channels: list[int] | None  # and its input channels, for a layer split by them
+    master_cache: Any  # the master's own BlockCache, or None
+    x_shape: tuple[int, ...]
     forward: _OpStats
+
+
+def _piece(lo: np.ndarray | None, hi: np.ndarray | None, hi_start: int, a: int, b: int) -> np.ndarray:
+    """Kernels [a, b) of a worker's partial convolution from the two parts it gave: lo = [0, lo_end)
+    and hi = [hi_start, F). A range that ends within lo is an earlier participant's, else a later one's."""
+    if lo is not None and b <= lo.shape[1]:
+        return lo[:, a:b]
+    return hi[:, a - hi_start : b - hi_start]
+
+
+def _combined(parts: list[_OpStats]) -> _OpStats:
+    """One op run in parts (each timed from the op's start): the last part's wall time, the sums of the rest."""
+    return _OpStats(
+        wall_s=parts[-1].wall_s,
+        compute_s=[sum(p.compute_s[i] for p in parts) for i in range(len(parts[0].compute_s))],
+        bytes_sent=sum(p.bytes_sent for p in parts),
+        bytes_recv=sum(p.bytes_recv for p in parts),
+    )
 
 
 class ShardedConv:
@@ -167,12 +190,13 @@ class ShardedConv:
     ``recv_timeout``: seconds every worker has to answer one conv op or calibration.
     ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on
     its own channels (see :meth:`attach`); False is the paper's split, conv only.
-    ``dx``: how a layer's input gradient is split. "split" -- each participant its
-    kernels' full-size partial dX, summed on the master (the paper's way: every participant
-    pays a whole col2im). "channels" -- the conv-output gradient is gathered and every
-    participant computes dX for a slice of the *input* channels, sized like its kernel
-    share (:meth:`_backward_dx_by_channels`): no duplicated work, more bytes on the wire.
-    "auto" -- "channels" with at most 2 workers, else "split".
+    ``split``: how a layer that needs dX (every conv but the first) is split. "kernels" -- the
+    paper's way: each participant its kernels, on all of the input, and a full-size partial dX
+    summed on the master (every participant pays a whole im2col and col2im). "channels" -- the
+    convolution's GEMMs by the layer's *input* channels and only its tail by kernels
+    (:meth:`_forward_by_channels`, :meth:`_backward_by_channels`): nothing is computed twice, but
+    the partial sums and the conv-output gradient cross the wire. "auto" -- "channels" with at
+    most 2 workers, else "kernels". The first layer (3 input channels, no dX) always goes by kernels.
     """
 
     def __init__(
@@ -186,7 +210,7 @@ class ShardedConv:
         calibration_repeats: int = 3,
         rebalancer: Rebalancer | None = None,
         fuse: bool = True,
-        dx: str = "auto",
+        split: str = "auto",
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -207,16 +231,16 @@ class ShardedConv:
         self.calibration_repeats = calibration_repeats
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
         self.fuse = fuse
-        if dx not in DX_MODES:
-            raise ValueError(f"dx must be one of {', '.join(DX_MODES)}, got {dx!r}")
-        # "auto": gathering the conv-output gradient costs every worker the whole of it in bytes,
-        # which a LAN feels with many workers
-        self.dx_by_channels = dx == "channels" or (dx == "auto" and len(workers) <= 2)
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        # "auto": the partial sums and the gathered conv-output gradient cost every worker about
+        # its share of the layer's output in bytes, each way, which a LAN feels with many workers
+        self.by_channels = split == "channels" or (split == "auto" and len(workers) <= 2)
         self._tails: dict[str, list[dict[str, Any]]] = {}  # layer name -> its fused tail (tinyconv/block.py)
         # participants: the master first if it takes part, then workers by index
         self.who: list[int] = ([MASTER] if master_share == "auto" else []) + sorted(self.workers)
         self.plans: dict[str, list[int]] = {}  # layer name -> kernels per participant
-        self.dx_plans: dict[str, list[int]] = {}  # layer name -> input channels of dX per participant
+        self.channel_plans: dict[str, list[int]] = {}  # layer name -> input channels per participant
         self.calibration: dict[str, Any] | None = None
         self.step = 0  # training steps finished (end_step calls); sent as each task's "step"
         self._layers: dict[int, tuple[int, str, Conv2D]] = {}  # id(layer) -> (index, name, layer)
@@ -261,13 +285,12 @@ class ShardedConv:
             del self._layers[id(conv)]
             conv.distributor = None
 
-    def set_plan(self, layer: str, counts: list[int], dx_channels: list[int] | None = None) -> None:
+    def set_plan(self, layer: str, counts: list[int], channels: list[int] | None = None) -> None:
         """Use ``counts`` kernels per participant (plan order) for ``layer`` from the next forward on.
 
-        ``dx_channels``: input channels of dX per participant, for a backward with dX split by
-        channels (a participant without kernels gets none: it holds no gradient to start from).
-        Without it the layer keeps its channel split, or, if that does not fit ``counts``, gets
-        one proportional to them.
+        ``channels``: input channels per participant, for a layer split by them (> 0 exactly
+        where the kernels are). Without it the layer keeps its channel split, or, if that does
+        not fit ``counts``, gets one proportional to them.
         """
         convs = {name: conv for _, name, conv in self._layers.values()}
         if layer not in convs:
@@ -278,14 +301,14 @@ class ShardedConv:
                 f"a plan for {layer} needs {len(self.who)} counts >= 0 ({', '.join(self.participants)}) "
                 f"summing to its {total} kernels, got {counts}"
             )
-        if dx_channels is not None:
-            if not _fits_kernels(dx_channels, counts, convs[layer].in_channels):
+        if channels is not None:
+            if not _fits_kernels(channels, counts, convs[layer].in_channels):
                 raise ValueError(
-                    f"dx_channels for {layer} needs {len(self.who)} counts >= 0 summing to its "
-                    f"{convs[layer].in_channels} input channels, 0 wherever the kernels are 0 ({counts}); "
-                    f"got {dx_channels}"
+                    f"channels for {layer} needs {len(self.who)} counts >= 0 summing to its "
+                    f"{convs[layer].in_channels} input channels, 0 exactly where the kernels are 0 ({counts}); "
+                    f"got {channels}"
                 )
-            self.dx_plans[layer] = [int(c) for c in dx_channels]
+            self.channel_plans[layer] = [int(c) for c in channels]
         self.plans[layer] = [int(c) for c in counts]
 
     def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
@@ -297,16 +320,17 @@ class ShardedConv:
         warm-up: the master runs the very code the workers run). One participant at
         a time, so devices sharing a host do not slow each other's benchmark.
         Each layer's plan is then eq. 1 on those times, apportioned by largest
-        remainder. The times also go to the rebalancer, if any, as each participant's
-        time for all F kernels of the layer (the forward's alone where dX goes by input
-        channels: see :meth:`end_step`): with the first step's, at the calibrated
-        split, it has two kernel counts per participant to fit its fixed and
-        per-kernel cost (:class:`~tinyconv.balance.Rebalancer`).
+        remainder (and, for a layer split by input channels, its channels alike). The times
+        also go to the rebalancer, if any, as each participant's time for all F kernels (all
+        C channels) of the layer: with the first step's, at the calibrated split, it has two
+        counts per participant to fit its fixed and per-unit cost
+        (:class:`~tinyconv.balance.Rebalancer`).
         Attaches to ``net`` (see :meth:`attach`) if it was not already.
         Returns (and keeps in ``self.calibration``)::
 
-            {"participants": [...], "times": {"conv1": [s, ...], ...}, "forward_times": {...},
-             "shares": {"conv1": [kernels, ...], ...}, "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
+            {"participants": [...], "times": {"conv1": [s, ...], ...},
+             "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
+             "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
         """
         from tinyconv.worker import ConvWorker  # the master benchmarks itself exactly as a worker does
 
@@ -329,47 +353,47 @@ class ShardedConv:
         header = {"layers": specs, "repeats": self.calibration_repeats}
 
         times: dict[int, list[float]] = {}
-        forward_times: dict[int, list[float]] = {}
         for k in sorted(self.workers):
             msg = Message("calibrate", {"task": 0, **header})
             replies, _, _ = self._scatter_gather("calibrate", "every conv layer", {k: msg}, None)
             times[k] = self._calibration_times(k, replies[k], len(specs))
-            forward_times[k] = self._calibration_times(k, replies[k], len(specs), "forward_times")
         if MASTER in self.who:
             reply = ConvWorker(self.backend).handle(Message("calibrate", {"task": 0, **header}))
             if reply.kind == "error":
                 raise RuntimeError(f"the master could not benchmark its own backend: {reply.header['message']}")
             times[MASTER] = self._calibration_times(MASTER, reply, len(specs))
-            forward_times[MASTER] = self._calibration_times(MASTER, reply, len(specs), "forward_times")
 
         result: dict[str, Any] = {
             "participants": self.participants,
             "times": {},
-            "forward_times": {},
             "shares": {},
+            "channel_shares": {},
             "shapes": {},
         }
         for i, (conv, spec) in enumerate(zip(convs, specs, strict=True)):
             name = f"conv{i + 1}"
             layer_times = [times[k][i] for k in self.who]
-            layer_forward_times = [forward_times[k][i] for k in self.who]
-            self.plans[name] = kernel_counts(speed_weights(layer_times), conv.out_channels)
-            if self.rebalancer is not None:  # each participant measured on all F kernels: its first (k, t)
-                # with dX by channels the kernel split is balanced on the forward alone (see end_step)
-                measured = layer_forward_times if self._dx_by_channels(conv) else layer_times
-                self.rebalancer.record(name, [conv.out_channels] * len(self.who), measured)
+            weights = speed_weights(layer_times)
+            self.plans[name] = kernel_counts(weights, conv.out_channels)
+            # what the rebalancer moves: the input channels of a layer split by them, else its kernels
+            unit = conv.out_channels
+            if self._by_channels(conv):
+                self.channel_plans[name] = kernel_counts(weights, conv.in_channels)
+                result["channel_shares"][name] = list(self.channel_plans[name])
+                unit = conv.in_channels
+            if self.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
+                self.rebalancer.record(name, [unit] * len(self.who), layer_times)
             result["times"][name] = layer_times
-            result["forward_times"][name] = layer_forward_times
             result["shares"][name] = list(self.plans[name])
             result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
         self.calibration = result
         return result
 
-    def _calibration_times(self, k: int, reply: Message, n_layers: int, key: str = "times") -> list[float]:
-        times = reply.header.get(key)
+    def _calibration_times(self, k: int, reply: Message, n_layers: int) -> list[float]:
+        times = reply.header.get("times")
         if not (isinstance(times, list) and len(times) == n_layers and all(t > 0 for t in times)):
             raise RuntimeError(
-                f"{self._describe(k)} answered calibrate with {key} {times!r}, expected {n_layers} "
+                f"{self._describe(k)} answered calibrate with times {times!r}, expected {n_layers} "
                 "positive seconds (one per conv layer); is it running the same tinyconv version?"
             )
         return [float(t) for t in times]
@@ -379,7 +403,8 @@ class ShardedConv:
         """x (N, C, H, W) -> y (N, F, OH, OW), each participant computing its kernel slice.
 
         With a fused tail (see :meth:`attach`) y is the tail's output, each participant
-        computing its slice's conv and tail with the halo of ``tinyconv/block.py``.
+        computing its slice's conv and tail with the halo of ``tinyconv/block.py``. A layer
+        split by input channels goes through :meth:`_forward_by_channels`.
         """
         index, name = self._lookup(layer)
         be = self.backend
@@ -389,6 +414,11 @@ class ShardedConv:
         counts = self._plan(name, total)
         spans = slices(counts)
         t0 = time.perf_counter()
+        master_only = all(s == e for k, (s, e) in zip(self.who, spans, strict=True) if k != MASTER)
+        channels = self._channel_plan(name, layer.in_channels, counts) if self._by_channels(layer) else None
+        if channels is not None and not master_only:
+            y, master_cache, stats = self._forward_by_channels(layer, index, name, x, spans, slices(channels), t0)
+            return y, _ShardCache(self.step, counts, channels, master_cache, tuple(x.shape), stats)
 
         x_host = None
         messages = {}
@@ -396,16 +426,9 @@ class ShardedConv:
             if k == MASTER or s == e:
                 continue
             if x_host is None:  # one host copy, sent to every worker
-                x_host = np.ascontiguousarray(be.to_numpy(x), dtype=np.float32)
+                x_host = self._host(x)
             cs, ce = extended(s, e, total, tail)
-            header = {
-                "task": 0,
-                "step": self.step,
-                "layer": index,
-                "stride": layer.stride,
-                "padding": layer.padding,
-                "need_dx": layer.need_dx,
-            }
+            header = self._task_header(layer, index)
             if tail:
                 header.update(tail=tail, own=[s - cs, e - cs])
             arrays = {
@@ -443,8 +466,113 @@ class ShardedConv:
             y = be.asarray(np.concatenate(parts, axis=1))
             master_cache = mine[1] if mine is not None else None
         stats = self._stats(t0, messages, replies, master_s)
-        x_shape = None if x_host is None else tuple(x_host.shape)
-        return y, _ShardCache(self.step, counts, master_cache, x_shape, stats)
+        return y, _ShardCache(self.step, counts, channels, master_cache, tuple(x.shape), stats)
+
+    def _forward_by_channels(self, layer, index, name, x, spans, cspans, t0):
+        """Forward of a layer split by input channels, in two parts per worker.
+
+        A convolution is a sum over its input channels, so participant i, holding the input
+        channels [c0_i, c1_i), computes the *partial* convolution of all F kernels over them::
+
+            P_i = conv(x[:, c0_i:c1_i], W[:, c0_i:c1_i])        (N, F, OH, OW),   y_conv = sum_i P_i + b
+
+        (part "conv": an im2col and GEMMs of its channels only -- nothing is computed twice). Then
+        each participant runs the tail of its kernels [s_i, e_i) with the halo, ext_i = [cs_i, ce_i),
+        on sum_j P_j[:, ext_i] + b (part "tail"): every worker sends the master the parts of its
+        partial that the others' ext need, and the master sends each worker the others' sum on its
+        ext as soon as it has them -- with one worker, right after its own partial, so the two
+        transfers cross while the master adds. Returns (y, the master's BlockCache or None, stats).
+        """
+        be = self.backend
+        total, tail = layer.out_channels, self._tails.get(name, [])
+        x_host, w_host, b_host = self._host(x), self._host(layer.params["w"]), self._host(layer.params["b"])
+        on = [i for i, (c0, c1) in enumerate(cspans) if c0 < c1]  # who has channels (and so kernels)
+        ext = {i: extended(*spans[i], total, tail) for i in on}
+        messages = {}
+        for i in on:
+            k, (s, e), (c0, c1) = self.who[i], spans[i], cspans[i]
+            if k == MASTER:
+                continue
+            # what the others' ext need of its partial: the kernels up to the end of the earlier
+            # participants' ext, and from the start of the later ones'
+            give = [max((ext[j][1] for j in on if j < i), default=0)]
+            give.append(min((ext[j][0] for j in on if j > i), default=total))
+            cs, ce = ext[i]
+            header = self._task_header(layer, index, "conv") | {"ext": [cs, ce], "own": [s - cs, e - cs], "give": give}
+            if tail:
+                header["tail"] = tail
+            arrays = {"x": np.ascontiguousarray(x_host[:, c0:c1]), "w": np.ascontiguousarray(w_host[:, c0:c1])}
+            messages[k] = Message("conv_forward", header, arrays)
+        pending1 = self._send(messages)
+        deadline = time.monotonic() + self.recv_timeout
+
+        partials: dict[int, Callable[[int, int], np.ndarray]] = {}  # participant -> its partial on [a, b)
+        tails: dict[int, Message] = {}
+        pending2: dict[int, int] = {}
+
+        def others(i: int) -> list[np.ndarray]:
+            """P_j[:, ext_i] of the other participants j with channels (views)."""
+            return [partials[j](*ext[i]) for j in on if j != i]
+
+        def send_ready() -> None:
+            """Part "tail" to every worker whose ext the others' partials now cover."""
+            for i in on:
+                k = self.who[i]
+                if k == MASTER or k in tails or not all(j in partials for j in on if j != i):
+                    continue
+                arrays = {"b": np.ascontiguousarray(b_host[ext[i][0] : ext[i][1]])}
+                if terms := others(i):
+                    arrays["sum"] = np.array(terms[0])  # a copy, contiguous, to add the others to
+                    for term in terms[1:]:
+                        arrays["sum"] += term
+                header = self._task_header(layer, index, "tail")
+                tails[k] = Message("conv_forward", header, arrays)
+                pending2.update(self._send({k: tails[k]}))
+
+        master_s, master_cache = 0.0, None
+        m = 0 if self.who[0] == MASTER and 0 in on else None
+        if m is not None:
+            c0, c1 = cspans[m]
+            t = time.perf_counter()
+            x_m, w_m = be.asarray(x_host[:, c0:c1]), be.asarray(w_host[:, c0:c1])
+            p_m, conv_m = be.conv2d_forward(x_m, w_m, be.zeros((total,)), layer.stride, layer.padding)
+            p_m = be.to_numpy(p_m)
+            partials[m] = lambda a, b: p_m[:, a:b]
+            master_s += time.perf_counter() - t
+        send_ready()
+        replies1 = self._gather("conv_forward", name, pending1, deadline, later=pending2)
+        n, _, h, wd = x_host.shape
+        oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
+        ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
+        for i in on:
+            k = self.who[i]
+            if k == MASTER:
+                continue
+            lo_end, hi_start = messages[k].header["give"]
+            lo = self._reply_array(k, replies1[k], "p_lo", (n, lo_end, oh, ow)) if lo_end > 0 else None
+            hi = self._reply_array(k, replies1[k], "p_hi", (n, total - hi_start, oh, ow)) if hi_start < total else None
+            partials[i] = partial(_piece, lo, hi, hi_start)
+        send_ready()
+
+        if m is not None:
+            t = time.perf_counter()
+            cs, ce = ext[m]
+            s_m = p_m[:, cs:ce] + b_host[cs:ce, None, None]
+            for term in others(m):
+                s_m += term
+            s, e = spans[m]
+            y_m, master_cache = tail_forward(be, be.asarray(s_m), conv_m, tail, (s - cs, e - cs))
+            y_m = be.to_numpy(y_m)
+            master_s += time.perf_counter() - t
+        replies2 = self._gather("conv_forward", name, pending2, time.monotonic() + self.recv_timeout)
+        oh2, ow2 = tail_output_hw(oh, ow, tail)
+        parts = []
+        for i in on:
+            k, (s, e) = self.who[i], spans[i]
+            parts.append(y_m if k == MASTER else self._reply_array(k, replies2[k], "y", (n, e - s, oh2, ow2)))
+        y = be.asarray(np.concatenate(parts, axis=1))
+        stats = _combined([self._stats(t0, messages, replies1, master_s), self._stats(t0, tails, replies2, 0.0)])
+        return y, master_cache, stats
 
     def backward(self, layer: Conv2D, dy: Array, cache: _ShardCache) -> tuple[Array | None, Array, Array]:
         """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None if not layer.need_dx, dw (F, C, K, K), db (F,)).
@@ -484,36 +612,28 @@ class ShardedConv:
                 dy_host_m, dy_from_m = grad_part(*span)
                 dy_m = be.asarray(dy_host_m)
 
-        if master_only or not self._dx_by_channels(layer):
-            local = None
-            if dy_m is not None:
-                local = partial(block_backward, be, dy_m, cache.master_cache, dy_from_m, layer.need_dx)
-            replies, mine, master_s = self._scatter_gather("conv_backward", name, messages, local)
-            stats = self._stats(t0, messages, replies, master_s)
-            if master_only:
-                dx, dw, db = mine
-                self._done.append(
-                    _LayerStep(name, cache.counts, self._dx_by_channels(layer), None, cache.forward, stats)
-                )
-                return dx, dw, db
-            dx = None
-            if layer.need_dx:  # the partial dX of every participant, summed
-                dx = np.zeros(cache.x_shape, np.float32)
-                for k, (s, e) in zip(self.who, spans, strict=True):
-                    if s < e:
-                        dx += (
-                            be.to_numpy(mine[0])
-                            if k == MASTER
-                            else self._reply_array(k, replies[k], "dx", cache.x_shape)
-                        )
-                dx = be.asarray(dx)
-            dx_counts = None
-        else:
-            dx_counts = self._dx_plan(name, layer.in_channels, cache.counts)
-            dx, mine, replies, stats = self._backward_dx_by_channels(
-                layer, name, cache, spans, slices(dx_counts), messages, dy_m, dy_from_m, t0
+        if cache.channels is not None and not master_only:
+            dx, dw, db, stats = self._backward_by_channels(
+                layer, index, name, cache, spans, slices(cache.channels), messages, dy_m, dy_from_m, t0
             )
+            self._done.append(_LayerStep(name, cache.counts, cache.channels, cache.forward, stats))
+            return dx, dw, db
 
+        local = None
+        if dy_m is not None:
+            local = partial(block_backward, be, dy_m, cache.master_cache, dy_from_m, layer.need_dx)
+        replies, mine, master_s = self._scatter_gather("conv_backward", name, messages, local)
+        stats = self._stats(t0, messages, replies, master_s)
+        self._done.append(_LayerStep(name, cache.counts, cache.channels, cache.forward, stats))
+        if master_only:
+            return mine
+        dx = None
+        if layer.need_dx:  # the partial dX of every participant, summed
+            dx = np.zeros(cache.x_shape, np.float32)
+            for k, (s, e) in zip(self.who, spans, strict=True):
+                if s < e:
+                    dx += be.to_numpy(mine[0]) if k == MASTER else self._reply_array(k, replies[k], "dx", cache.x_shape)
+            dx = be.asarray(dx)
         w_shape = (layer.in_channels, layer.kernel, layer.kernel)
         dws, dbs = [], []
         for k, (s, e) in zip(self.who, spans, strict=True):
@@ -525,116 +645,88 @@ class ShardedConv:
             else:
                 dws.append(self._reply_array(k, replies[k], "dw", (e - s, *w_shape)))
                 dbs.append(self._reply_array(k, replies[k], "db", (e - s,)))
-        dw = be.asarray(np.concatenate(dws, axis=0))
-        db = be.asarray(np.concatenate(dbs, axis=0))
-        self._done.append(
-            _LayerStep(name, cache.counts, self._dx_by_channels(layer), dx_counts, cache.forward, stats)
-        )
-        return dx, dw, db
+        return dx, be.asarray(np.concatenate(dws, axis=0)), be.asarray(np.concatenate(dbs, axis=0))
 
-    def _backward_dx_by_channels(self, layer, name, cache, spans, channels, messages, dy_m, dy_from_m, t0):
-        """Backward with dX split by input channels, in three parts per worker.
+    def _backward_by_channels(self, layer, index, name, cache, spans, cspans, messages, dy_m, dy_from_m, t0):
+        """Backward of a layer split by input channels, in two parts per worker.
 
-        1. "dyc": every participant runs its tail's backward; workers send back their kernels'
-           conv-output gradient (dyc) at once.
-        2. "dw": dW, db of its kernels, from its dyc (sent with part 1, so a worker goes on to it
-           without waiting).
-        3. "dx": every participant computes dX[:, c0:c1] for its slice ``channels`` of the C input
-           channels (``dx_plans``, balanced apart from the kernels), from all of dY_conv (N, F, OH, OW) and
-           W[:, c0:c1]: ``conv2d_backward_input``, a GEMM with all F kernels as its inner
-           dimension and a col2im of C/P channels. Split by kernels instead, every participant
-           would compute a full-size partial dX (GEMM output and col2im of all C channels) to
-           be summed: duplicated work that is mostly memory traffic.
-        A worker's part 3 carries only the other participants' dyc (it kept its own), and goes
-        out as soon as the master has them: with one worker, right after the master's own tail
-        backward. So the gradients travel while everyone computes dW, and nobody waits for
-        another's dW before its dX.
-        Returns (dx, the master's (None, dw, db) or None, the workers' part-2 replies, stats).
+        1. "tail": every participant runs its tail's backward; workers send back their kernels'
+           conv-output gradient dyc (N, e - s, OH, OW) at once.
+        2. "conv": with all of dY_conv (N, F, OH, OW) -- its own dyc, which it kept, and the others'
+           (``dyc_lo``, ``dyc_hi``: the kernels before and after its own) -- each participant runs
+           the conv's backward through its partial convolution: dx[:, c0:c1] of its input
+           channels, dW[:, c0:c1] and db (the same on everyone: the first participant's is taken).
+        A worker's part 2 goes out as soon as the master has the others' dyc: with one worker,
+        right after the master's own tail backward, so the gradients cross while the master
+        assembles its dY.
+        Returns (dx, dw, db, stats).
         """
         be = self.backend
-        weights = {}
-        for k, msg in messages.items():
-            msg.header["part"] = "dyc"
-            header = {"task": 0, "step": cache.step, "layer": msg.header["layer"], "part": "dw"}
-            weights[k] = Message("conv_backward", header)
+        on = [i for i, (c0, c1) in enumerate(cspans) if c0 < c1]
+        for msg in messages.values():
+            msg.header["part"] = "tail"
         pending1 = self._send(messages)
-        pending_w = self._send(weights)
         deadline = time.monotonic() + self.recv_timeout
-
         n, c, h, wd = cache.x_shape
         oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
         ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
-        w_host = self._host(layer.params["w"])
         dyc: dict[int, np.ndarray] = {}  # participant -> its kernels' conv-output gradient (N, e - s, OH, OW)
-        second: dict[int, Message] = {}
+        convs: dict[int, Message] = {}
         pending2: dict[int, int] = {}
 
         def send_ready() -> None:
-            """Part 3 to every worker with input channels whose missing dyc the master now has."""
-            for k, (s, e), (c0, c1) in zip(self.who, spans, channels, strict=True):
-                others = [j for j, (s2, e2) in zip(self.who, spans, strict=True) if j != k and s2 < e2]
-                if k == MASTER or c0 == c1 or k in second or not all(j in dyc for j in others):
+            """Part "conv" to every worker whose missing dyc the master now has."""
+            for i in on:
+                k = self.who[i]
+                if k == MASTER or k in convs or not all(j in dyc for j in on if j != i):
                     continue
-                arrays = {"w": np.ascontiguousarray(w_host[:, c0:c1])}
-                lo = [dyc[j] for j, (s2, e2) in zip(self.who, spans, strict=True) if s2 < e2 <= s]
-                hi = [dyc[j] for j, (s2, e2) in zip(self.who, spans, strict=True) if e <= s2 < e2]
-                for key, around in (("dyc_lo", lo), ("dyc_hi", hi)):
+                arrays = {}
+                for key, before in (("dyc_lo", True), ("dyc_hi", False)):
+                    around = [dyc[j] for j in on if (j < i) == before and j != i]
                     if around:  # the kernels before this worker's, and after
                         arrays[key] = around[0] if len(around) == 1 else np.concatenate(around, axis=1)
-                header = {"task": 0, "step": cache.step, "layer": messages[k].header["layer"], "part": "dx"}
-                second[k] = Message("conv_backward", {**header, "dx_channels": [c0, c1]}, arrays)
-                pending2.update(self._send({k: second[k]}))
+                header = {"task": 0, "step": cache.step, "layer": index, "part": "conv"}
+                convs[k] = Message("conv_backward", header, arrays)
+                pending2.update(self._send({k: convs[k]}))
 
-        master_s, mine, d_m = 0.0, None, None
-        if dy_m is not None:
+        master_s, mine = 0.0, None
+        m = 0 if self.who[0] == MASTER and 0 in on else None
+        if m is not None:
             t = time.perf_counter()
             d_m = tail_backward(be, dy_m, cache.master_cache, dy_from_m)
-            dyc[MASTER] = np.ascontiguousarray(owned(be, d_m, cache.master_cache))
+            dyc[m] = np.ascontiguousarray(owned(be, d_m, cache.master_cache))
             master_s += time.perf_counter() - t
         send_ready()
-        if d_m is not None:  # the master's dW while the part-3 messages travel
-            t = time.perf_counter()
-            mine = conv_backward(be, d_m, cache.master_cache, need_dx=False)
-            be.synchronize()
-            master_s += time.perf_counter() - t
-            d_m = None
-
-        # the workers' dW results may come in meanwhile: kept for their gather, not dropped
-        replies1 = self._gather("conv_backward", name, pending1, deadline, later=pending_w)
-        for k, (s, e) in zip(self.who, spans, strict=True):
-            if k != MASTER and s < e:
-                dyc[k] = self._reply_array(k, replies1[k], "dyc", (n, e - s, oh, ow))
+        replies1 = self._gather("conv_backward", name, pending1, deadline, later=pending2)
+        for i in on:
+            k, (s, e) = self.who[i], spans[i]
+            if k != MASTER:
+                dyc[i] = self._reply_array(k, replies1[k], "dyc", (n, e - s, oh, ow))
         send_ready()
-
-        dx_parts: dict[int, Any] = {}
-        c0, c1 = channels[0]
-        if self.who[0] == MASTER and c0 < c1:
+        if m is not None:
             t = time.perf_counter()
-            whole = np.concatenate([dyc[k] for k, (s, e) in zip(self.who, spans, strict=True) if s < e], axis=1)
-            w_c = be.asarray(np.ascontiguousarray(w_host[:, c0:c1]))
-            dx_m = be.conv2d_backward_input(be.asarray(whole), w_c, (n, c1 - c0, h, wd), layer.stride, layer.padding)
-            dx_parts[MASTER] = be.to_numpy(dx_m)
+            whole = be.asarray(np.concatenate([dyc[i] for i in on], axis=1))
+            dx_m, dw_m, db_m = be.conv2d_backward(whole, cache.master_cache.conv, layer.need_dx)
+            mine = (be.to_numpy(dx_m) if layer.need_dx else None, be.to_numpy(dw_m), be.to_numpy(db_m))
             master_s += time.perf_counter() - t
-        deadline = time.monotonic() + self.recv_timeout
-        replies_w = self._gather("conv_backward", name, pending_w, deadline, later=pending2)
-        replies2 = self._gather("conv_backward", name, pending2, deadline)
-        for k, (c0, c1) in zip(self.who, channels, strict=True):
-            if k != MASTER and c0 < c1:
-                dx_parts[k] = self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd))
-        dx = be.asarray(np.concatenate([dx_parts[k] for k in self.who if k in dx_parts], axis=1))
+        replies2 = self._gather("conv_backward", name, pending2, time.monotonic() + self.recv_timeout)
 
-        parts = [
-            self._stats(t0, messages, replies1, master_s),
-            self._stats(t0, weights, replies_w, 0.0),
-            self._stats(t0, second, replies2, 0.0),
-        ]
-        stats = _OpStats(
-            wall_s=parts[-1].wall_s,
-            compute_s=[sum(p.compute_s[i] for p in parts) for i in range(len(self.who))],
-            bytes_sent=sum(p.bytes_sent for p in parts),
-            bytes_recv=sum(p.bytes_recv for p in parts),
-        )
-        return dx, mine, replies_w, stats
+        dxs, dws, db = [], [], None
+        k_shape = (layer.kernel, layer.kernel)
+        for i in on:
+            k, (c0, c1) = self.who[i], cspans[i]
+            if k == MASTER:
+                dx_i, dw_i, db_i = mine
+            else:
+                dx_i = self._reply_array(k, replies2[k], "dx", (n, c1 - c0, h, wd)) if layer.need_dx else None
+                dw_i = self._reply_array(k, replies2[k], "dw", (layer.out_channels, c1 - c0, *k_shape))
+                db_i = self._reply_array(k, replies2[k], "db", (layer.out_channels,))
+            dxs.append(dx_i)
+            dws.append(dw_i)
+            db = db_i if db is None else db
+        dx = be.asarray(np.concatenate(dxs, axis=1)) if layer.need_dx else None
+        stats = _combined([self._stats(t0, messages, replies1, master_s), self._stats(t0, convs, replies2, 0.0)])
+        return dx, be.asarray(np.concatenate(dws, axis=1)), be.asarray(db), stats
 
     # ---- per-step accounting -----------------------------------------------------------
     def end_step(self) -> dict[str, Any]:
@@ -650,18 +742,15 @@ class ShardedConv:
             {"comm_s": float, "conv_s": float,            # summed over the step's ops
              "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers
              "shares": {"conv1": [kernels per participant], ...},   # the plan this step used
-             "dx_shares": {"conv2": [input channels per participant], ...},  # dX by channels only
+             "channel_shares": {"conv2": [input channels per participant]},  # layers split by them
              "participants": ["master", "worker0", ...],  # the order of every list here
              "participant_conv_s": [s, ...],              # each one's conv compute this step
              "ops": [{"layer": "conv1", "op": "forward", "wall_s": s, "compute_s": [s, ...]}, ...],  # each op
-             "rebalanced": {"conv2": [new counts], "conv2.dx": [new channels], ...}}  # next step's ({} if none)
+             "rebalanced": {"conv2": [new kernels], ...}}  # next step's split where it changes ({} if none)
 
-        What the rebalancer balances: a layer's step waits for the slowest participant of
-        each op, so each op should be balanced on its own. With dX split by input channels a
-        layer has two knobs: the kernel split ("conv2") is balanced on the forward's times, and
-        the channel split ("conv2.dx") on the backward's, which take what the kernel split
-        leaves there (the tail's backward and dW) as a fixed part. Otherwise forward and
-        backward both scale with the kernels and the kernel split is balanced on their sum.
+        What the rebalancer balances: each layer's forward + backward time per participant,
+        against what the layer is split by -- its kernels, or, for a layer split by input
+        channels, those (its kernels then follow them in proportion: they carry only the tail).
 
         Bytes are the arrays of the conv_forward / conv_backward tasks and of their
         results (``Message.nbytes``), counted the same for every transport: the
@@ -672,42 +761,29 @@ class ShardedConv:
         ops = [op for done in self._done for op in (done.forward, done.backward)]
         per_participant = [sum(op.compute_s[i] for op in ops) for i in range(len(self.who))]
         shares = {name: list(self.plans[name]) for name in self._layer_names() if name in self.plans}
-        dx_shares = {}
-        measured: dict[str, tuple[list[int], list[float]]] = {}  # rebalancer key -> (counts, seconds)
-
-        def add(key: str, counts: list[int], ops: list[_OpStats]) -> None:
-            _, times = measured.setdefault(key, (counts, [0.0] * len(self.who)))
-            for i in range(len(self.who)):
-                times[i] += sum(op.compute_s[i] for op in ops)
-
+        channel_shares = {}
         for done in self._done:
             shares[done.name] = list(done.counts)
-            if not done.by_channels:
-                add(done.name, done.counts, [done.forward, done.backward])
-                continue
-            add(done.name, done.counts, [done.forward])  # measured alike while the master works alone
-            if done.dx_counts is not None:
-                dx_shares[done.name] = list(done.dx_counts)
-                add(f"{done.name}.dx", done.dx_counts, [done.backward])
-
+            if done.channels is not None:
+                channel_shares[done.name] = list(done.channels)
         # the ops as they ran: the forwards, then the backwards (which finish the layers in reverse)
         ran = [(d.name, "forward", d.forward) for d in reversed(self._done)]
         ran += [(d.name, "backward", d.backward) for d in self._done]
 
         rebalanced = {}
-        if self.rebalancer is not None:
-            for key, (counts, times) in measured.items():  # a layer's kernels first, then its dX channels
-                # channels of dX only for those with kernels next step: they hold a gradient to start from
-                layer = key.removesuffix(".dx")
-                available = [c > 0 for c in self.plans[layer]] if key.endswith(".dx") else None
-                proposal = self.rebalancer.observe(key, counts, times, available)
-                if proposal is not None:
-                    log.info("rebalancing %s: %s -> %s (%s)", key, counts, proposal, ", ".join(self.participants))
-                    if key.endswith(".dx"):
-                        self.dx_plans[layer] = proposal
-                    else:
-                        self.plans[key] = proposal
-                    rebalanced[key] = list(proposal)
+        for done in self._done if self.rebalancer is not None else []:
+            units = done.counts if done.channels is None else done.channels
+            times = [f + b for f, b in zip(done.forward.compute_s, done.backward.compute_s, strict=True)]
+            proposal = self.rebalancer.observe(done.name, units, times)
+            if proposal is None:
+                continue
+            what = "kernels" if done.channels is None else "input channels"
+            log.info("rebalancing %s %s: %s -> %s (%s)", done.name, what, units, proposal, ", ".join(self.participants))
+            if done.channels is not None:
+                self.channel_plans[done.name] = proposal
+                proposal = kernel_counts([float(c) for c in proposal], sum(done.counts))
+            self.plans[done.name] = proposal
+            rebalanced[done.name] = list(proposal)
 
         record = {
             "comm_s": sum(op.comm_s for op in ops),
@@ -715,7 +791,7 @@ class ShardedConv:
             "bytes_sent": sum(op.bytes_sent for op in ops),
             "bytes_recv": sum(op.bytes_recv for op in ops),
             "shares": shares,
-            "dx_shares": dx_shares,
+            "channel_shares": channel_shares,
             "participants": self.participants,
             "participant_conv_s": per_participant,
             "ops": [
@@ -747,17 +823,31 @@ class ShardedConv:
             raise RuntimeError(f"the plan for {name} has {sum(counts)} kernels, the layer {total}")
         return counts
 
-    def _dx_by_channels(self, layer: Conv2D) -> bool:
-        """Whether ``layer``'s dX is split by input channels (when a worker has kernels)."""
-        return layer.need_dx and self.dx_by_channels and bool(self.workers)
+    def _by_channels(self, layer: Conv2D) -> bool:
+        """Whether ``layer`` is split by input channels (when a worker has some): a layer with fewer
+        input channels or kernels than participants cannot give each one of both, so it is not."""
+        enough = min(layer.in_channels, layer.out_channels) >= len(self.who)
+        return layer.need_dx and self.by_channels and bool(self.workers) and enough
 
-    def _dx_plan(self, name: str, channels: int, counts: list[int]) -> list[int]:
-        """This layer's input channels of dX per participant; proportional to ``counts`` at first,
-        and again whenever the kept split no longer fits them (someone without kernels has channels)."""
-        plan = self.dx_plans.get(name)
+    def _channel_plan(self, name: str, channels: int, counts: list[int]) -> list[int]:
+        """This layer's input channels per participant; proportional to ``counts`` at first, and
+        again whenever the kept split no longer fits them (see :func:`_fits_kernels`)."""
+        plan = self.channel_plans.get(name)
         if plan is None or not _fits_kernels(plan, counts, channels):
-            plan = self.dx_plans[name] = kernel_counts([float(k) for k in counts], channels)
+            plan = self.channel_plans[name] = kernel_counts([float(k) for k in counts], channels)
         return plan
+
+    def _task_header(self, layer: Conv2D, index: int, part: str | None = None) -> dict[str, Any]:
+        """The header of a conv_forward task of ``layer`` (its "task" is set when it is sent)."""
+        header = {
+            "task": 0,
+            "step": self.step,
+            "layer": index,
+            "stride": layer.stride,
+            "padding": layer.padding,
+            "need_dx": layer.need_dx,
+        }
+        return header | ({"part": part} if part else {})
 
     def _master_span(self, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
         if self.who[0] == MASTER and spans[0][0] < spans[0][1]:

@@ -163,8 +163,6 @@ def _conv(
         dx, dw, db = t.backend.conv2d_backward(dyd, cache, need_dx)
         if need_dx:
             t.compare("dx", dx, dx_ref)
-            # the same dx from dy and w alone, as the sharded convolution's master computes it
-            t.compare("dx from dy, w", t.backend.conv2d_backward_input(dyd, wd, x.shape, stride, padding), dx_ref)
         else:
             note = "" if dx is None else "need_dx=False must return dx=None"
             t.add("dx is None", 0.0, 0.0, dx is None, note)

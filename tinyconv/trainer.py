@@ -243,8 +243,8 @@ class Trainer:
             out["bytes_sent"] = int(sum(s["bytes_sent"] for s in self.step_splits))
             out["bytes_recv"] = int(sum(s["bytes_recv"] for s in self.step_splits))
             out["final_shares"] = self.step_splits[-1]["shares"]
-            if self.step_splits[-1].get("dx_shares"):  # input channels of dX, where split by channels
-                out["final_dx_shares"] = self.step_splits[-1]["dx_shares"]
+            if self.step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
+                out["final_channel_shares"] = self.step_splits[-1]["channel_shares"]
         return out
 
 

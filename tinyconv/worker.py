@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tinyconv.heap import keep_freed_memory
@@ -62,17 +62,20 @@ class _Forward:
     """What a conv_forward leaves for the matching conv_backward."""
 
     step: int
-    cache: Any  # a tinyconv.block.BlockCache; None once part "dw" has used it (frees the columns)
     need_dx: bool
     x_shape: tuple[int, ...]
-    w_shape: tuple[int, ...]  # the computed kernels' weights (own and halo)
+    w_shape: tuple[int, ...]  # the weights it got: computed kernels (split by kernels) or all (by channels)
     stride: int
     padding: int
-    # a backward in parts: "dyc" leaves the conv-output gradient of the computed kernels (for "dw")
-    # and of the own ones (host, for "dx"); each part runs once
-    d_conv: Any = None
-    d: Any = None
-    parts: set[str] = field(default_factory=set)
+    tail: list[dict[str, Any]]
+    own: tuple[int, int]  # the own kernels, as offsets into the computed ones
+    ext: list[int]  # the computed kernels [cs, ce) of the layer's F (own and halo)
+    cache: Any = None  # a tinyconv.block.BlockCache once the tail ran
+    # split by input channels: the backend's cache of the partial convolution; its computed
+    # kernels' part (N, ce - cs, OH, OW) until part "tail"; the own kernels' conv-output gradient
+    conv: Any = None
+    partial: Any = None
+    dyc: Any = None
 
 
 class ConvWorker:
@@ -129,53 +132,137 @@ class ConvWorker:
 
     # ---- tasks ----------------------------------------------------------------------
     def _conv_forward(self, msg: Message) -> Message:
+        """Forward of one layer's slice, whole or in two parts (``part`` in the header):
+
+        * none (split by kernels): x (N, C, H, W), w and b of the computed kernels (own and halo);
+          the conv and its tail; replies y, the tail's output for the ``own`` kernels.
+        * "conv" (split by input channels, first): x (N, c, H, W) -- this worker's input channels --
+          and w (F, c, KH, KW) -- all F kernels on those channels; the *partial* convolution
+          P = sum over its channels (N, F, OH, OW), no bias. Replies the parts of P that the other
+          participants' kernels need, ``give`` = [lo_end, hi_start]: p_lo = P[:, :lo_end] and
+          p_hi = P[:, hi_start:] (each absent when empty), and keeps P[:, ext] for ``ext`` = [cs, ce),
+          the kernels it computes the tail of (own and halo).
+        * "tail" (then): ``sum``, the other participants' partials summed over ext (absent when
+          nobody else has channels), and b (ce - cs,); y = tail(P[:, ext] + sum + b) for the
+          ``own`` kernels (offsets into ext).
+        """
         import numpy as np
 
         from tinyconv.block import block_forward
         from transports.base import Message
 
         h, a = msg.header, msg.arrays
-        x, w, b = a["x"], a["w"], a["b"]
-        where = f"layer {h['layer']} step {h['step']}"
-        _check_float32(where, x=x, w=w, b=b)
-        if x.ndim != 4 or w.ndim != 4 or b.ndim != 1 or x.shape[1] != w.shape[1] or b.shape[0] != w.shape[0]:
+        layer, step, part = h["layer"], h["step"], h.get("part")
+        where = f"layer {layer} step {step}"
+        if part not in (None, "conv", "tail"):
+            raise TaskError(f"{where}: forward part must be 'conv' or 'tail' (or absent for the whole), got {part!r}")
+        arrays_of = {None: ({"x", "w", "b"},) * 2, "conv": ({"x", "w"},) * 2, "tail": ({"b"}, {"b", "sum"})}
+        required, allowed = arrays_of[part]
+        _check_arrays(where, f"forward part {part or 'whole'}", a, required, allowed)
+        be = self.backend
+        if part == "tail":
+            return self._forward_tail(where, h, a)
+
+        x, w, b = a["x"], a["w"], a.get("b")
+        if x.ndim != 4 or w.ndim != 4 or x.shape[1] != w.shape[1] or (b is not None and b.shape != w.shape[:1]):
             raise TaskError(
-                f"{where}: expected x (N, C, H, W), w (F, C, KH, KW), b (F,) with matching C and F; "
-                f"got x {x.shape}, w {w.shape}, b {b.shape}"
+                f"{where}: expected x (N, C, H, W), w (F, C, KH, KW) and (whole) b (F,) with matching C and F; "
+                f"got x {x.shape}, w {w.shape}" + (f", b {b.shape}" if b is not None else "")
             )
         stride, padding = h["stride"], h["padding"]
         if stride < 1 or padding < 0:
             raise TaskError(f"{where}: need stride >= 1 and padding >= 0, got {stride} and {padding}")
         oh, ow = _fits(x.shape[2:], w.shape[2:], stride, padding)
-        tail, own = self._tail(where, h.get("tail", []), (oh, ow)), h.get("own", [0, w.shape[0]])
-        if not (len(own) == 2 and all(_is_int(v) for v in own) and 0 <= own[0] < own[1] <= w.shape[0]):
-            raise TaskError(f"{where}: own must be [lo, hi] with 0 <= lo < hi <= {w.shape[0]} kernels, got {own}")
+        tail = self._tail(where, h.get("tail", []), (oh, ow))
+        f = w.shape[0]
+        if part is None:
+            ext = [0, f]
+        else:
+            ext = h.get("ext")
+            if not _span(ext, 0, f):
+                raise TaskError(f"{where}: part 'conv' needs ext [cs, ce] with 0 <= cs < ce <= {f} kernels, got {ext}")
+        own = h.get("own", [0, ext[1] - ext[0]])
+        if not _span(own, 0, ext[1] - ext[0]):
+            raise TaskError(f"{where}: own must be [lo, hi] with 0 <= lo < hi <= {ext[1] - ext[0]} kernels, got {own}")
+        fwd = _Forward(step, h["need_dx"], tuple(x.shape), tuple(w.shape), stride, padding, tail, tuple(own), ext)
 
+        t0 = time.perf_counter()
+        if part is None:
+            x, w, b = be.asarray(x), be.asarray(w), be.asarray(b)
+            y, fwd.cache = block_forward(be, x, w, b, stride, padding, tail, fwd.own)
+            arrays = {"y": np.ascontiguousarray(be.to_numpy(y))}
+        else:
+            give = h.get("give", [0, f])
+            if not (isinstance(give, list) and len(give) == 2 and all(_is_int(v) and 0 <= v <= f for v in give)):
+                raise TaskError(f"{where}: give must be [lo_end, hi_start] within [0, {f}], got {give}")
+            p, fwd.conv = be.conv2d_forward(be.asarray(x), be.asarray(w), be.zeros((f,)), stride, padding)
+            p = be.to_numpy(p)
+            fwd.partial = p[:, ext[0] : ext[1]]
+            arrays = {}
+            if give[0] > 0:
+                arrays["p_lo"] = np.ascontiguousarray(p[:, : give[0]])
+            if give[1] < f:
+                arrays["p_hi"] = np.ascontiguousarray(p[:, give[1] :])
+        be.synchronize()
+        compute_s = self._emulate(time.perf_counter() - t0)
+        self._forwards[layer] = fwd
+        return Message("result", {"task": h["task"], "step": step, "layer": layer, "compute_s": compute_s}, arrays)
+
+    def _forward_tail(self, where: str, h: dict[str, Any], a: dict[str, Any]) -> Message:
+        """Part "tail" of a forward split by input channels (see :meth:`_conv_forward`)."""
+        import numpy as np
+
+        from tinyconv.block import tail_forward
+        from transports.base import Message
+
+        fwd = self._kept(where, h["layer"], h["step"])
+        if fwd.partial is None:
+            raise TaskError(f"{where}: part 'tail' needs this worker's partial convolution: send part 'conv' first")
+        n, computed, oh, ow = fwd.partial.shape
+        b, total = a["b"], a.get("sum")
+        if b.shape != (computed,) or (total is not None and total.shape != fwd.partial.shape):
+            raise TaskError(
+                f"{where}: part 'tail' takes b ({computed},) and sum {fwd.partial.shape}; got b {b.shape}"
+                + (f", sum {total.shape}" if total is not None else "")
+            )
         be = self.backend
         t0 = time.perf_counter()
-        y, cache = block_forward(be, be.asarray(x), be.asarray(w), be.asarray(b), stride, padding, tail, tuple(own))
+        s = fwd.partial + b[None, :, None, None]
+        if total is not None:
+            s += total
+        fwd.partial = None
+        y, fwd.cache = tail_forward(be, be.asarray(s), fwd.conv, fwd.tail, fwd.own)
         y = np.ascontiguousarray(be.to_numpy(y))
         be.synchronize()
         compute_s = self._emulate(time.perf_counter() - t0)
-        self._forwards[h["layer"]] = _Forward(
-            h["step"], cache, h["need_dx"], tuple(x.shape), tuple(w.shape), stride, padding
-        )
         header = {"task": h["task"], "step": h["step"], "layer": h["layer"], "compute_s": compute_s}
         return Message("result", header, {"y": y})
 
-    def _conv_backward(self, msg: Message) -> Message:
-        """Backward of the last forward of a layer, whole or in three parts (``part`` in the header):
+    def _kept(self, where: str, layer: int, step: int) -> _Forward:
+        """The last forward of ``layer``, which must be of ``step``."""
+        fwd = self._forwards.get(layer)
+        if fwd is None:
+            raise TaskError(
+                f"{where}: no conv_forward of this layer to go on from; "
+                "send conv_forward first (or again, if this worker was restarted)"
+            )
+        if fwd.step != step:
+            raise TaskError(f"layer {layer}: a task of step {step}, but the last forward was step {fwd.step}")
+        return fwd
 
-        * none: the tail's and the conv's backward; replies dw, db and (if need_dx) a partial dx.
-        * "dyc" (first): the tail's backward; replies this worker's kernels' conv-output gradient
-          dyc, and keeps it for the other two parts.
-        * "dw": the weights' backward from it; replies dw, db.
-        * "dx": dx[:, c0:c1] for ``dx_channels`` [c0, c1] from w (all F kernels, channels c0:c1)
-          and the whole layer's conv-output gradient: the arrays dyc_lo and dyc_hi (the other
-          participants' kernels before and after this worker's; either absent when there are none)
-          around the kept one (the master splits dX by input channels).
-        The master sends "dyc" and "dw" together, so the gradient goes back before this worker
-        spends time on dW, and "dx" once it has the other participants' gradients.
+    def _conv_backward(self, msg: Message) -> Message:
+        """Backward of the last forward of a layer, whole or in two parts (``part`` in the header):
+
+        * none (split by kernels): dy, the tail-output gradient from channel ``dy_from`` of the
+          computed kernels; the tail's and the conv's backward; replies dw, db of the own kernels
+          and (if need_dx) a partial dx of all input channels.
+        * "tail" (split by input channels, first): dy as above; the tail's backward; replies dyc,
+          the own kernels' conv-output gradient (N, own, OH, OW), and keeps it.
+        * "conv" (then): dyc_lo and dyc_hi, the other participants' conv-output gradients for the
+          kernels before and after the own ones (either absent when there are none); with the
+          kept one they make all of dY (N, F, OH, OW), and the conv's backward through this
+          worker's partial gives dx (N, c, H, W) of its input channels (if need_dx),
+          dw (F, c, KH, KW) and db (F,).
         """
         import numpy as np
 
@@ -185,90 +272,63 @@ class ConvWorker:
         h, a = msg.header, msg.arrays
         layer, step, part = h["layer"], h["step"], h.get("part")
         where = f"layer {layer} step {step}"
-        if part not in (None, "dyc", "dw", "dx"):
+        if part not in (None, "tail", "conv"):
+            raise TaskError(f"{where}: backward part must be 'tail' or 'conv' (or absent for the whole), got {part!r}")
+        fwd = self._kept(where, layer, step)
+        if fwd.cache is None:
+            raise TaskError(f"{where}: the forward of this layer is not finished: send its part 'tail' first")
+        by_channels = fwd.conv is not None
+        if by_channels != (part is not None):
             raise TaskError(
-                f"{where}: part must be 'dyc', 'dw' or 'dx' (or absent for the whole backward), got {part!r}"
+                f"{where}: this layer's forward was split by {'input channels' if by_channels else 'kernels'}: "
+                f"its backward goes {'in parts tail, conv' if by_channels else 'whole (no part)'}, got part {part!r}"
             )
-        fwd = self._forwards.get(layer)
-        if fwd is None:
-            raise TaskError(
-                f"{where}: no conv_forward of this layer to go back through; "
-                "send conv_forward first (or again, if this worker was restarted)"
-            )
-        if fwd.step != step:
-            raise TaskError(f"layer {layer}: backward of step {step}, but the last forward was step {fwd.step}")
-        required, allowed = {"dx": ({"w"}, {"w", "dyc_lo", "dyc_hi"}), "dw": (set(), set())}.get(part, ({"dy"}, {"dy"}))
-        if not required <= set(a) <= allowed:
-            raise TaskError(
-                f"{where}: part {part or 'whole'} takes the arrays {sorted(required)}"
-                f"{f' and optionally {sorted(allowed - required)}' if allowed != required else ''}, "
-                f"got {sorted(a) or 'none'}"
-            )
-        _check_float32(where, **a)
+        if part == "conv":
+            _check_arrays(where, "backward part conv", a, set(), {"dyc_lo", "dyc_hi"})
+        else:
+            _check_arrays(where, f"backward part {part or 'whole'}", a, {"dy"}, {"dy"})
+        if part == "tail" and fwd.dyc is not None:
+            raise TaskError(f"{where}: part 'tail' of this backward already ran; send part 'conv'")
+        if part == "conv" and fwd.dyc is None:
+            raise TaskError(f"{where}: part 'conv' needs this worker's conv-output gradient: send part 'tail' first")
         be = self.backend
         t0 = time.perf_counter()
-        header = {"task": h["task"], "step": step, "layer": layer}
-        if part in fwd.parts:
-            raise TaskError(f"{where}: part {part!r} of this forward already ran; send conv_forward again")
-        if part in ("dw", "dx") and "dyc" not in fwd.parts:
-            raise TaskError(f"{where}: part {part!r} needs this worker's conv-output gradient: send part 'dyc' first")
-        if part == "dx":
-            if "dx_channels" not in h:
-                raise TaskError(f"{where}: part 'dx' needs dx_channels [c0, c1] in its header")
-            arrays = {"dx": self._dx_channels(where, fwd, h["dx_channels"], a.get("dyc_lo"), a.get("dyc_hi"), a["w"])}
-            fwd.d = None
-        elif part == "dw":
-            _, dw, db = conv_backward(be, fwd.d_conv, fwd.cache, need_dx=False)
-            arrays = {"dw": dw, "db": db}
-            fwd.d_conv = fwd.cache = None  # frees the forward's columns
+        if part == "conv":
+            dx, dw, db = be.conv2d_backward(be.asarray(self._whole_dy(where, fwd, a)), fwd.conv, fwd.need_dx)
+            arrays = {"dw": dw, "db": db} | ({"dx": dx} if fwd.need_dx else {})
         else:
-            if part is None and fwd.parts:
-                raise TaskError(f"{where}: this forward's backward is running in parts; send the other parts")
             try:
                 d = tail_backward(be, be.asarray(a["dy"]), fwd.cache, h.get("dy_from", 0))
             except ValueError as e:  # a dy that does not match the forward; the forward stays for a good one
                 raise TaskError(f"{where}: {e}") from None
-            if part == "dyc":
-                fwd.d_conv = d
-                fwd.d = np.ascontiguousarray(owned(be, d, fwd.cache))
-                arrays = {"dyc": fwd.d}
+            if part == "tail":
+                fwd.dyc = np.ascontiguousarray(owned(be, d, fwd.cache))
+                arrays = {"dyc": fwd.dyc}
             else:
                 dx, dw, db = conv_backward(be, d, fwd.cache, fwd.need_dx)
                 arrays = {"dw": dw, "db": db} | ({"dx": dx} if fwd.need_dx else {})
-        if part is not None:
-            fwd.parts.add(part)
-        if part is None or fwd.parts == {"dyc", "dw", "dx"}:
+        if part != "tail":
             del self._forwards[layer]  # one backward per forward; frees what it kept
         arrays = {name: be.to_numpy(v) for name, v in arrays.items()}
         be.synchronize()
+        header = {"task": h["task"], "step": step, "layer": layer}
         return Message("result", {**header, "compute_s": self._emulate(time.perf_counter() - t0)}, arrays)
 
-    def _dx_channels(self, where: str, fwd: _Forward, span: Any, lo: Any, hi: Any, w: Any) -> Any:
-        """dx[:, c0:c1] from w (F, c1 - c0, KH, KW) and the conv-output gradient (N, F, OH, OW)
-        assembled as [lo, the kept own channels, hi] (lo, hi: (N, *, OH, OW) or None)."""
+    @staticmethod
+    def _whole_dy(where: str, fwd: _Forward, a: dict[str, Any]) -> Any:
+        """All of dY (N, F, OH, OW): dyc_lo, the kept own kernels' gradient, dyc_hi."""
         import numpy as np
 
-        n, c, hgt, wid = fwd.x_shape
-        kh, kw = fwd.w_shape[2:]
-        if not (len(span) == 2 and all(_is_int(v) for v in span) and 0 <= span[0] < span[1] <= c):
-            raise TaskError(f"{where}: dx_channels must be [c0, c1] with 0 <= c0 < c1 <= {c}, got {span}")
-        c0, c1 = span
-        oh, ow = _fits((hgt, wid), (kh, kw), fwd.stride, fwd.padding)
-        parts = [p for p in (lo, fwd.d, hi) if p is not None]
-        if any(p.ndim != 4 or (p.shape[0], *p.shape[2:]) != (n, oh, ow) for p in parts):
+        f = fwd.w_shape[0]
+        parts = [p for p in (a.get("dyc_lo"), fwd.dyc, a.get("dyc_hi")) if p is not None]
+        n, _, oh, ow = fwd.dyc.shape
+        fits = all(p.ndim == 4 and (p.shape[0], *p.shape[2:]) == (n, oh, ow) for p in parts)
+        if not fits or sum(p.shape[1] for p in parts) != f:
             raise TaskError(
-                f"{where}: dyc_lo and dyc_hi must be ({n}, kernels, {oh}, {ow}); got "
-                f"{[tuple(p.shape) for p in (lo, hi) if p is not None]}"
+                f"{where}: dyc_lo, this worker's {fwd.dyc.shape[1]} kernels' gradient and dyc_hi must make "
+                f"({n}, {f}, {oh}, {ow}); got {[tuple(p.shape) for p in parts]}"
             )
-        f = sum(p.shape[1] for p in parts)
-        if w.ndim != 4 or tuple(w.shape) != (f, c1 - c0, kh, kw):
-            raise TaskError(
-                f"{where}: dx of channels [{c0}, {c1}) from {f} kernels' gradients (dyc_lo, this worker's "
-                f"{fwd.d.shape[1]}, dyc_hi) needs w ({f}, {c1 - c0}, {kh}, {kw}); got w {tuple(w.shape)}"
-            )
-        dyc = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        be = self.backend
-        return be.conv2d_backward_input(be.asarray(dyc), be.asarray(w), (n, c1 - c0, hgt, wid), fwd.stride, fwd.padding)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
     @staticmethod
     def _tail(where: str, tail: Any, hw: tuple[int, int]) -> list[dict[str, Any]]:
@@ -285,8 +345,7 @@ class ConvWorker:
     def _calibrate(self, msg: Message) -> Message:
         """Time forward + backward of each layer's exact shape on seeded random values.
 
-        Replies ``times`` (forward + backward) and ``forward_times`` (the forward alone, in the
-        same runs): seconds per layer, each the median of ``repeats`` runs after a warm-up."""
+        Replies ``times``: seconds per layer, each the median of ``repeats`` runs after a warm-up."""
         import numpy as np
 
         from transports.base import Message
@@ -300,7 +359,7 @@ class ConvWorker:
 
         be = self.backend
         t_start = time.perf_counter()
-        times, forward_times = [], []
+        times = []
         for layer, xs, ws, ys, stride, padding, need_dx, tail in shapes:
             rng = np.random.default_rng(layer)  # same values on every worker: only the device differs
             x = be.asarray(rng.standard_normal(xs, dtype=np.float32))
@@ -311,26 +370,23 @@ class ConvWorker:
             args = (x, w, b, dy, stride, padding, need_dx, tail)
             self._time_once(*args)  # warm-up: first-call costs (allocation, kernel compilation) are not speed
             runs = [self._time_once(*args) for _ in range(repeats)]
-            times.append(statistics.median(t for _, t in runs) * self.slowdown)
-            forward_times.append(statistics.median(t for t, _ in runs) * self.slowdown)
+            times.append(statistics.median(runs) * self.slowdown)
         compute_s = self._emulate(time.perf_counter() - t_start)
-        header = {"task": msg.header["task"], "times": times, "forward_times": forward_times, "compute_s": compute_s}
+        header = {"task": msg.header["task"], "times": times, "compute_s": compute_s}
         return Message("result", header)
 
     def _time_once(
         self, x: Any, w: Any, b: Any, dy: Any, stride: int, padding: int, need_dx: bool, tail: list
-    ) -> tuple[float, float]:
-        """(seconds of the forward, seconds of forward + backward) of one block."""
+    ) -> float:
+        """Seconds of forward + backward of one block."""
         from tinyconv.block import block_backward, block_forward
 
         be = self.backend
         t0 = time.perf_counter()
         _, cache = block_forward(be, x, w, b, stride, padding, tail)
-        be.synchronize()
-        t_forward = time.perf_counter() - t0
         block_backward(be, dy, cache, 0, need_dx)
         be.synchronize()
-        return t_forward, time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def _calibration_shape(self, i: int, spec: Any) -> tuple:
         """Check one calibrate layer spec -> (layer, x, w, y shapes, stride, padding, need_dx, tail).
@@ -387,6 +443,22 @@ def _fits(size: Sequence[int], kernel: Sequence[int], stride: int, padding: int)
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _span(v: Any, lo: int, hi: int) -> bool:
+    """v is [a, b] with lo <= a < b <= hi."""
+    return isinstance(v, list) and len(v) == 2 and all(_is_int(x) for x in v) and lo <= v[0] < v[1] <= hi
+
+
+def _check_arrays(where: str, what: str, arrays: dict[str, Any], required: set[str], allowed: set[str]) -> None:
+    """The task's arrays are ``required`` plus some of ``allowed``, all float32."""
+    if not required <= set(arrays) <= allowed:
+        optional = allowed - required
+        raise TaskError(
+            f"{where}: {what} takes the arrays {sorted(required)}"
+            f"{f' and optionally {sorted(optional)}' if optional else ''}, got {sorted(arrays) or 'none'}"
+        )
+    _check_float32(where, **arrays)
 
 
 def _check_float32(where: str, **arrays: Any) -> None:

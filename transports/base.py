@@ -25,10 +25,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-# 2: conv_forward may carry a fused tail (tinyconv/block.py); 3: conv_backward in parts;
-# 4: its parts are "dyc" (the conv-output gradient), "dw" (dW, db) and "dx" (dX of some input
-# channels), and calibrate's result also gives each layer's forward time alone ("forward_times")
-PROTOCOL_VERSION = 4
+# 2: conv_forward may carry a fused tail (tinyconv/block.py); 3, 4: conv_backward in parts;
+# 5: a layer split by input channels goes in parts both ways: forward "conv" (a partial
+# convolution) and "tail", backward "tail" and "conv" (see tinyconv/worker.py)
+PROTOCOL_VERSION = 5
 
 # Message kinds. Master -> worker: calibrate, conv_forward, conv_backward, shutdown.
 # Worker -> master: hello (first), result, error. Either way: heartbeat.

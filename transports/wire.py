@@ -104,15 +104,16 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
     "calibrate": ({"task": _Int, "layers": list, "repeats": _Int}, {}),
     "conv_forward": (
         {"task": _Int, "step": _Int, "layer": _Int, "stride": _Int, "padding": _Int, "need_dx": bool},
-        {"tail": list, "own": _NumList},  # a fused tail (tinyconv/block.py); the worker checks it
+        # a fused tail (tinyconv/block.py), the worker checks it; part "conv" / "tail" when split by input channels
+        {"tail": list, "own": _NumList, "part": str, "ext": _NumList, "give": _NumList},
     ),
     "conv_backward": (
         {"task": _Int, "step": _Int, "layer": _Int},
-        {"dy_from": _Int, "part": str, "dx_channels": _NumList},
+        {"dy_from": _Int, "part": str},
     ),
     "result": (
         {"task": _Int, "compute_s": _Num},
-        {"step": _Int, "layer": _Int, "times": _NumList, "forward_times": _NumList},
+        {"step": _Int, "layer": _Int, "times": _NumList},
     ),
     "error": ({"message": str}, {"task": _Int, "step": _Int, "layer": _Int}),
     "heartbeat": ({}, {}),
@@ -121,9 +122,10 @@ HEADER_SCHEMA: dict[str, tuple[dict[str, type], dict[str, type]]] = {
 
 # kind -> (required array names, allowed array names)
 ARRAY_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "conv_forward": (frozenset({"x", "w", "b"}), frozenset({"x", "w", "b"})),
-    "conv_backward": (frozenset(), frozenset({"dy", "w", "dyc_lo", "dyc_hi"})),  # "dw": none; "dx": w, dyc_lo/hi
-    "result": (frozenset(), frozenset({"y", "dw", "db", "dx", "dyc"})),
+    # which arrays each part takes, the worker checks (tinyconv/worker.py)
+    "conv_forward": (frozenset(), frozenset({"x", "w", "b", "sum"})),
+    "conv_backward": (frozenset(), frozenset({"dy", "dyc_lo", "dyc_hi"})),
+    "result": (frozenset(), frozenset({"y", "p_lo", "p_hi", "dw", "db", "dx", "dyc"})),
 }
 _NO_ARRAYS = (frozenset(), frozenset())
 

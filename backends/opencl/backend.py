@@ -311,15 +311,6 @@ class OpenCLBackend(Backend):
             return None, dw, db
         return self._conv_dx(dy, w, x.shape, stride, padding), dw, db
 
-    def conv2d_backward_input(self, dy, w, x_shape, stride=1, padding=0):
-        dy, w = self._dev(dy, "conv2d_backward_input dy"), self._dev(w, "conv2d_backward_input w")
-        f, c, kh, kw = w.shape
-        n, _, h, wd = x_shape
-        y_shape = (n, f, conv_output_size(h, kh, stride, padding), conv_output_size(wd, kw, stride, padding))
-        if dy.shape != y_shape or x_shape[1] != c:
-            raise ValueError(f"conv2d_backward_input: dy {dy.shape} and w {w.shape} do not fit x {tuple(x_shape)}")
-        return self._conv_dx(dy, w, tuple(x_shape), stride, padding)
-
     def _conv_dx(self, dy, w, x_shape, stride, padding):
         """dx = col2im(W^T dY) for dy (N, F, OH, OW), w (F, C, KH, KW) on the device."""
         n, c, h, wd = x_shape
