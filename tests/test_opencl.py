@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -184,6 +185,23 @@ def test_gemm_candidates_respect_the_device_limits(be):
     cpu = gemm_module.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
     assert all(isinstance(c, VecConfig) and c.vw == 16 for c in candidates(cpu))
     assert all(c.vw == 8 for c in candidates(cpu, 8))
+
+
+def test_pocl_compiling_for_a_cpu_without_avx512_gets_8_wide_vectors():
+    def device(version: str, width: int = 16) -> SimpleNamespace:
+        platform = SimpleNamespace(name="Portable Computing Language")
+        return SimpleNamespace(
+            preferred_vector_width_float=width, version=version, platform=platform, name="cpu", driver_version="3.0",
+            max_compute_units=2, max_work_group_size=4096, local_mem_size=1 << 20,
+        )
+
+    hstr = "OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-"
+    assert gemm_module.pocl_llvm_cpu(hstr + "skylake-avx512") == "skylake-avx512"
+    assert gemm_module.pocl_llvm_cpu("OpenCL 3.0 CUDA") is None
+    widths = {cpu: gemm_module.DeviceLimits.of(device(hstr + cpu), "cpu").vector_width for cpu in ("znver3", "znver4")}
+    assert widths == {"znver3": 8, "znver4": 16}  # Zen 4 hosts are compiled for as Zen 3 by PoCL 3.0's wheels
+    assert gemm_module.DeviceLimits.of(device("OpenCL 3.0 other"), "cpu").vector_width == 16  # not PoCL: trusted
+    assert gemm_module.DeviceLimits.of(device(hstr + "znver3", 4), "cpu").vector_width == 4
 
 
 def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,6 +53,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# LLVM's names of the x86 CPUs with AVX-512. PoCL's binary builds compile for the nearest CPU
+# they know, which may lack what the host has (Zen 4 is compiled for as Zen 3), yet report the
+# host's 16-wide floats: its float16 kernels then fail to build -- a program without the kernel
+# (INVALID_KERNEL_NAME), and an abort at exit ("still have references to IRs").
+AVX512_LLVM_CPUS = frozenset(
+    "skylake-avx512 cascadelake cooperlake cannonlake icelake-client icelake-server tigerlake rocketlake "
+    "sapphirerapids emeraldrapids graniterapids graniterapids-d diamondrapids znver4 znver5 x86-64-v4 knl knm".split()
+)
+
+
+def pocl_llvm_cpu(version: str) -> str | None:
+    """The CPU PoCL compiles for, from its device version ("... HSTR: pthread-x86_64-unknown-linux-gnu-znver3");
+    None for another runtime or another host."""
+    m = re.search(r"HSTR: \w+-x86_64-[^-\s]+-[^-\s]+-[^-\s]+-(\S+)", version)
+    return m.group(1) if m else None
+
+
 @dataclass(frozen=True)
 class DeviceLimits:
     """What the kernel configurations must fit, read once from the device."""
@@ -67,6 +85,8 @@ class DeviceLimits:
     def of(cls, device: cl.Device, kind: str) -> DeviceLimits:
         vw = int(device.preferred_vector_width_float or 1)
         vw = min(16, max(4, 1 << (vw.bit_length() - 1)))  # a power of two; 1 (GPUs) -> 4
+        if vw == 16 and (cpu := pocl_llvm_cpu(device.version)) is not None and cpu not in AVX512_LLVM_CPUS:
+            vw = 8  # PoCL reads 16 from the host, but compiles for a CPU without AVX-512 (see below)
         return cls(
             key=f"{device.platform.name.strip()} | {device.name.strip()} | {device.driver_version.strip()}",
             kind=kind,
@@ -245,9 +265,9 @@ class Gemm:
             )
 
     def _builds(self, cfg: Config) -> bool:
-        """Whether the device's compiler builds ``cfg``'s kernel. Not every one does: PoCL 3.0 on an
-        AMD Zen 4 reports 16-wide float vectors but compiles for Zen 3 (no AVX-512), and returns a
-        program without the kernel (INVALID_KERNEL_NAME) for float16."""
+        """Whether the device's compiler builds ``cfg``'s kernel. Not every one does: a runtime may
+        return a program without the kernel (INVALID_KERNEL_NAME), as PoCL does for float16 on a
+        host it compiles for without AVX-512 (see AVX512_LLVM_CPUS)."""
         try:
             self.kernel(cfg.options(), f"gemm_{cfg.kind}")
         except (cl.Error, RuntimeError) as e:
