@@ -667,7 +667,7 @@ class ShardedConv:
             msg.header["part"] = "tail"
         pending1 = self._send(messages)
         deadline = time.monotonic() + self.recv_timeout
-        n, c, h, wd = cache.x_shape
+        n, _, h, wd = cache.x_shape
         oh = conv_output_size(h, layer.kernel, layer.stride, layer.padding)
         ow = conv_output_size(wd, layer.kernel, layer.stride, layer.padding)
         dyc: dict[int, np.ndarray] = {}  # participant -> its kernels' conv-output gradient (N, e - s, OH, OW)
@@ -681,10 +681,10 @@ class ShardedConv:
                 if k == MASTER or k in convs or not all(j in dyc for j in on if j != i):
                     continue
                 arrays = {}
-                for key, before in (("dyc_lo", True), ("dyc_hi", False)):
-                    around = [dyc[j] for j in on if (j < i) == before and j != i]
-                    if around:  # the kernels before this worker's, and after
-                        arrays[key] = around[0] if len(around) == 1 else np.concatenate(around, axis=1)
+                for key, around in (("dyc_lo", [j for j in on if j < i]), ("dyc_hi", [j for j in on if j > i])):
+                    if around:  # the kernels before this worker's, and after (one: no copy)
+                        parts = [dyc[j] for j in around]
+                        arrays[key] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
                 header = {"task": 0, "step": cache.step, "layer": index, "part": "conv"}
                 convs[k] = Message("conv_backward", header, arrays)
                 pending2.update(self._send({k: convs[k]}))
