@@ -253,10 +253,10 @@ class Rebalancer:
 
         t_i(k) = a_i + b_i k          a_i >= 0: fixed seconds, b_i > 0: seconds per kernel
 
-    The fixed part is real: every participant builds the im2col columns of the
-    whole input x whatever its k (and, with dX split by kernels, the col2im of the
-    whole dx), and a GPU adds
-    launch and transfer latency. For each layer and participant the Rebalancer
+    The fixed part is real: split by kernels, every participant builds the im2col
+    columns of the whole input x and the col2im of the whole dx whatever its k; split
+    by input channels (k counts those), the halo's tail and the copies remain; and a
+    GPU adds launch and transfer latency. For each layer and participant the Rebalancer
     keeps its last ``window`` measurements (k, t): from :meth:`observe`, and from
     :meth:`record`, which :meth:`ShardedConv.calibrate
     <tinyconv.distributed.ShardedConv.calibrate>` uses to file its whole-layer
