@@ -166,22 +166,27 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     # and returns dx and dw of its input channels and all of db
     worker = slice(1, None) if master_share == "auto" else slice(None)
     y_k = y_ref.nbytes // 7  # one kernel's maps
-    sent = recv = 0
+    sent, recv = [], []  # per worker
     for k, (c0, c1) in zip(counts[worker], slices(channels)[worker], strict=True):
+        to = back = 0
         if k and by_channels:
             c = c1 - c0
             others = y_ref.nbytes - k * y_k
-            sent += x.nbytes // 3 * c + 7 * c * 9 * F4  # part conv
-            sent += k * F4 + (k * y_k if others else 0)  # part tail: b, and the sum if anyone else has kernels
-            sent += k * y_k + others  # backward: dy of its kernels, then the others' dyc
-            recv += others + k * y_k  # p_lo and p_hi; y
-            recv += k * y_k + 7 * c * 9 * F4 + 7 * F4 + x.nbytes // 3 * c  # dyc; dw, db, dx
+            to += x.nbytes // 3 * c + 7 * c * 9 * F4  # part conv
+            to += k * F4 + (k * y_k if others else 0)  # part tail: b, and the sum if anyone else has kernels
+            to += k * y_k + others  # backward: dy of its kernels, then the others' dyc
+            back += others + k * y_k  # p_lo and p_hi; y
+            back += k * y_k + 7 * c * 9 * F4 + 7 * F4 + x.nbytes // 3 * c  # dyc; dw, db, dx
         elif k:
-            sent += x.nbytes + k * 3 * 9 * F4 + k * F4 + k * y_k
-            recv += k * y_k + k * 3 * 9 * F4 + k * F4
+            to += x.nbytes + k * 3 * 9 * F4 + k * F4 + k * y_k
+            back += k * y_k + k * 3 * 9 * F4 + k * F4
             if need_dx:
-                recv += x.nbytes
-    assert (record["bytes_sent"], record["bytes_recv"]) == (sent, recv)
+                back += x.nbytes
+        sent.append(to)
+        recv.append(back)
+    assert (record["bytes_sent"], record["bytes_recv"]) == (sum(sent), sum(recv))
+    master = [0] if master_share == "auto" else []  # the master sends itself nothing
+    assert (record["participant_bytes_sent"], record["participant_bytes_recv"]) == (master + sent, master + recv)
     assert len(record["participant_conv_s"]) == len(counts)
     assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in counts]
     # the step's ops, each within the step: their compute adds up to each participant's, and no
@@ -349,6 +354,10 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
     summary = next(e for e in sharded if e["event"] == "summary")
     assert summary["final_shares"] == sharded_steps[-1]["shares"]
     assert summary["final_channel_shares"] == sharded_steps[-1]["channel_shares"]
+    for key in ("bytes_sent", "bytes_recv"):  # each participant's over the run, by name
+        per = summary[f"participant_{key}"]
+        assert list(per) == sharded_steps[-1]["participants"] and sum(per.values()) == summary[key]
+        assert per["master"] == 0 and all(per[w] > 0 for w in ("worker0", "worker1"))
     test_loss = [e["test_loss"] for e in plain if e["event"] == "epoch"]
     assert [e["test_loss"] for e in sharded if e["event"] == "epoch"] == pytest.approx(test_loss, rel=1e-5)
 

@@ -121,8 +121,8 @@ class _OpStats:
 
     wall_s: float  # from the start of the op to its assembled result, on the master
     compute_s: list[float]  # per participant (0 for those without kernels)
-    bytes_sent: int
-    bytes_recv: int
+    sent: list[int]  # array bytes to each participant (0 for the master)
+    recv: list[int]  # and from it
 
     @property
     def conv_s(self) -> float:
@@ -171,8 +171,8 @@ def _combined(parts: list[_OpStats]) -> _OpStats:
     return _OpStats(
         wall_s=parts[-1].wall_s,
         compute_s=[sum(p.compute_s[i] for p in parts) for i in range(len(parts[0].compute_s))],
-        bytes_sent=sum(p.bytes_sent for p in parts),
-        bytes_recv=sum(p.bytes_recv for p in parts),
+        sent=[sum(p.sent[i] for p in parts) for i in range(len(parts[0].sent))],
+        recv=[sum(p.recv[i] for p in parts) for i in range(len(parts[0].recv))],
     )
 
 
@@ -741,6 +741,7 @@ class ShardedConv:
 
             {"comm_s": float, "conv_s": float,            # summed over the step's ops
              "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers
+             "participant_bytes_sent": [int, ...], "participant_bytes_recv": [int, ...],  # the same, each
              "shares": {"conv1": [kernels per participant], ...},   # the plan this step used
              "channel_shares": {"conv2": [input channels per participant]},  # layers split by them
              "participants": ["master", "worker0", ...],  # the order of every list here
@@ -788,8 +789,10 @@ class ShardedConv:
         record = {
             "comm_s": sum(op.comm_s for op in ops),
             "conv_s": sum(op.conv_s for op in ops),
-            "bytes_sent": sum(op.bytes_sent for op in ops),
-            "bytes_recv": sum(op.bytes_recv for op in ops),
+            "bytes_sent": sum(sum(op.sent) for op in ops),
+            "bytes_recv": sum(sum(op.recv) for op in ops),
+            "participant_bytes_sent": [sum(op.sent[i] for op in ops) for i in range(len(self.who))],
+            "participant_bytes_recv": [sum(op.recv[i] for op in ops) for i in range(len(self.who))],
             "shares": shares,
             "channel_shares": channel_shares,
             "participants": self.participants,
@@ -951,6 +954,6 @@ class ShardedConv:
         return _OpStats(
             wall_s=time.perf_counter() - t0,
             compute_s=compute,
-            bytes_sent=sum(m.nbytes() for m in messages.values()),
-            bytes_recv=sum(r.nbytes() for r in replies.values()),
+            sent=[messages[k].nbytes() if k in messages else 0 for k in self.who],
+            recv=[replies[k].nbytes() if k in replies else 0 for k in self.who],
         )

@@ -242,6 +242,11 @@ class Trainer:
                 out[f"median_{k}"] = float(np.median([s[k] for s in self.step_splits]))
             out["bytes_sent"] = int(sum(s["bytes_sent"] for s in self.step_splits))
             out["bytes_recv"] = int(sum(s["bytes_recv"] for s in self.step_splits))
+            # each participant's, by name: the master's are 0 (it keeps its share)
+            names = self.step_splits[-1]["participants"]
+            for key in ("bytes_sent", "bytes_recv"):
+                per = np.sum([s[f"participant_{key}"] for s in self.step_splits], axis=0)
+                out[f"participant_{key}"] = {name: int(b) for name, b in zip(names, per, strict=True)}
             out["final_shares"] = self.step_splits[-1]["shares"]
             if self.step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
                 out["final_channel_shares"] = self.step_splits[-1]["channel_shares"]
