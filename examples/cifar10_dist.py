@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels on all of the input (each builds the whole im2col and a full-size partial dX, summed); "
         "channels = the convolution by input channels (each the partial sums of its channels, added up "
         "where the tails run; its channels' dX and dW): nothing done twice, more bytes; "
-        "auto = channels with at most 2 workers, else kernels (default %(default)s)",
+        "auto = channels with at most 2 workers, all on this machine, else kernels (default %(default)s)",
     )
     g.add_argument(
         "--start-timeout",

@@ -8,6 +8,7 @@ Every wait is bounded by a timeout; no test sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from contextlib import contextmanager
@@ -293,6 +294,19 @@ def test_a_layer_with_fewer_input_channels_than_participants_goes_by_kernels(rng
         assert_close(conv.grads["b"], db_ref)
         record = sharded.end_step()
     assert record["shares"] == {"conv1": [3, 2, 2]} and record["channel_shares"] == {}
+
+
+def test_auto_splits_by_channels_only_for_up_to_two_workers_on_the_masters_host():
+    with inproc_pool(3) as (transport, workers):
+        away = dataclasses.replace(workers[1], hostname=workers[1].hostname + "-elsewhere")
+
+        def by_channels(pool: list, split: str = "auto") -> bool:
+            return ShardedConv(transport, pool, NumpyBackend(), split=split).by_channels
+
+        assert by_channels(workers[:1]) and by_channels(workers[:2])  # here: bytes are cheap
+        assert not by_channels(workers)  # three workers: the master's link carries every partial
+        assert not by_channels([workers[0], away])  # over a LAN the kernel split moves far fewer bytes
+        assert by_channels([workers[0], away], "channels") and not by_channels(workers[:1], "kernels")
 
 
 def test_a_forward_without_backward_is_not_counted_in_a_step(rng):
