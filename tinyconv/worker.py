@@ -63,13 +63,9 @@ class _Forward:
 
     step: int
     need_dx: bool
-    x_shape: tuple[int, ...]
-    w_shape: tuple[int, ...]  # the weights it got: computed kernels (split by kernels) or all (by channels)
-    stride: int
-    padding: int
+    kernels: int  # the kernels of the weights it got: the computed ones, or (by input channels) all F
     tail: list[dict[str, Any]]
     own: tuple[int, int]  # the own kernels, as offsets into the computed ones
-    ext: list[int]  # the computed kernels [cs, ce) of the layer's F (own and halo)
     cache: Any = None  # a tinyconv.block.BlockCache once the tail ran
     # split by input channels: the backend's cache of the partial convolution; its computed
     # kernels' part (N, ce - cs, OH, OW) until part "tail"; the own kernels' conv-output gradient
@@ -184,7 +180,7 @@ class ConvWorker:
         own = h.get("own", [0, ext[1] - ext[0]])
         if not _span(own, 0, ext[1] - ext[0]):
             raise TaskError(f"{where}: own must be [lo, hi] with 0 <= lo < hi <= {ext[1] - ext[0]} kernels, got {own}")
-        fwd = _Forward(step, h["need_dx"], tuple(x.shape), tuple(w.shape), stride, padding, tail, tuple(own), ext)
+        fwd = _Forward(step, h["need_dx"], f, tail, tuple(own))
 
         t0 = time.perf_counter()
         if part is None:
@@ -319,7 +315,7 @@ class ConvWorker:
         """All of dY (N, F, OH, OW): dyc_lo, the kept own kernels' gradient, dyc_hi."""
         import numpy as np
 
-        f = fwd.w_shape[0]
+        f = fwd.kernels
         parts = [p for p in (a.get("dyc_lo"), fwd.dyc, a.get("dyc_hi")) if p is not None]
         n, _, oh, ow = fwd.dyc.shape
         fits = all(p.ndim == 4 and (p.shape[0], *p.shape[2:]) == (n, oh, ow) for p in parts)

@@ -17,7 +17,7 @@ Variants (gemm.cl) and how one is chosen
   work-items run one after another), so on CPUs it is not even tried.
 
 Every configuration that fits the device's limits (work-group size, local
-memory, preferred vector width) is a candidate. A GEMM big enough for the choice
+memory, preferred vector width) and that its compiler builds is a candidate. A GEMM big enough for the choice
 to matter (>= ``TUNE_MIN_FLOP``) is timed with each candidate the first time its
 shape is seen, and the winner is kept per device in a small JSON file in the user
 cache directory, so later runs start tuned. Smaller GEMMs use the device's default.
