@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from backends import get_backend  # noqa: E402
 from tinyconv.model import paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.plugins import get_backend  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import backends.opencl
-from backends import get_backend
 from backends.base import Backend
 from backends.numpy_backend import NumpyBackend, _channel_window_sum
+from tinyconv.plugins import get_backend
 from tinyconv.testing import (
     CASES,
     CheckResult,

@@ -28,11 +28,11 @@ import pytest
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
 
-from backends import get_backend  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
 from backends.opencl.gemm import AView, CView, TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
+from tinyconv.plugins import get_backend  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-7
 RTOL_TRAIN = 1e-4

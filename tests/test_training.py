@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from backends import get_backend
 from tinyconv.checkpoint import load_checkpoint, save_checkpoint
 from tinyconv.data import synthetic_dataset
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import PAPER_ARCHS, paper_net, parse_arch
 from tinyconv.optim import SGD
+from tinyconv.plugins import get_backend
 from tinyconv.schedule import learning_rate
 from tinyconv.trainer import TrainConfig, Trainer, summary_table
 

@@ -17,15 +17,9 @@ import pytest
 import zmq
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.plugins import available_transports, get_transport
 from tinyconv.worker import ConvWorker, spawn_local_workers, stop_workers
-from transports import (
-    PROTOCOL_VERSION,
-    Message,
-    ProtocolError,
-    WorkerLost,
-    available_transports,
-    get_transport,
-)
+from transports import PROTOCOL_VERSION, Message, ProtocolError, WorkerLost
 from transports.inproc import InprocTransport
 from transports.wire import decode, encode
 from transports.zmq_transport import EXIT_FAILED, EXIT_OK, ZmqTransport, serve

@@ -32,7 +32,7 @@ def _usage() -> str:
 
 def devices() -> int:
     """Print every registered backend and every OpenCL device; never a traceback."""
-    from backends import available_backends
+    from tinyconv.plugins import available_backends
 
     print("backends:", ", ".join(available_backends()))
     try:

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from backends import get_backend
+from tinyconv.plugins import get_backend, get_transport
 from tinyconv.worker import ConvWorker, spawn_local_workers, stop_workers
-from transports import get_transport
 from transports.base import Transport, WorkerInfo
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"

@@ -52,9 +52,9 @@ from typing import Any
 
 import numpy as np
 
-from backends import get_backend
 from backends.base import Backend
 from backends.numpy_backend import NumpyBackend
+from tinyconv.plugins import get_backend
 
 REF = NumpyBackend()
 F32 = np.float32

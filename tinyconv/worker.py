@@ -572,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from backends import get_backend
+    from tinyconv.plugins import get_backend
     from transports.zmq_transport import EXIT_FAILED, serve
 
     options = {"device": args.device} if args.device else {}
