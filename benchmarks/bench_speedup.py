@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tinyconv.balance import Rebalancer  # noqa: E402
 from tinyconv.distributed import ShardedConv  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import Conv2D  # noqa: E402
@@ -48,6 +47,7 @@ from tinyconv.model import paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
+from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 from tinyconv.worker import stop_workers  # noqa: E402
 from transports.zmq_transport import ZmqTransport  # noqa: E402
 

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyconv  # noqa: E402
-from tinyconv.balance import Rebalancer  # noqa: E402
 from tinyconv.cifar10 import DataError  # noqa: E402
 from tinyconv.cluster import worker_pool  # noqa: E402
 from tinyconv.data import load_dataset  # noqa: E402
@@ -33,6 +32,7 @@ from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, paper_net, parse_arch  # noqa: E402
 from tinyconv.plugins import available_backends, available_transports, get_backend  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
+from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, summary_table  # noqa: E402
 
 

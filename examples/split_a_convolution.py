@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from tinyconv.balance import kernel_counts, speed_weights  # noqa: E402
 from tinyconv.distributed import ShardedConv  # noqa: E402
 from tinyconv.layers import Conv2D  # noqa: E402
 from tinyconv.model import Network  # noqa: E402
 from tinyconv.plugins import get_backend, get_transport  # noqa: E402
+from tinyconv.shard.balance import kernel_counts, speed_weights  # noqa: E402
 from tinyconv.worker import ConvWorker  # noqa: E402
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.balance import slices
 from tinyconv.block import (
     block_backward,
     block_forward,
@@ -29,6 +28,7 @@ from tinyconv.block import (
 from tinyconv.distributed import ShardedConv
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network, paper_net
+from tinyconv.shard.balance import slices
 from tinyconv.worker import ConvWorker
 from transports.inproc import InprocTransport
 

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.balance import Rebalancer, kernel_counts, slices
 from tinyconv.data import synthetic_dataset
 from tinyconv.distributed import ShardedConv, conv_input_shapes
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import Network, paper_net
+from tinyconv.shard.balance import kernel_counts, slices
+from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.trainer import TrainConfig, Trainer
 from tinyconv.worker import ConvWorker, spawn_local_workers, stop_workers
 from transports.base import Message

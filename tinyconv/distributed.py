@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array, Backend, conv_output_size
-from tinyconv.balance import Rebalancer, kernel_counts, slices, speed_weights
 from tinyconv.block import (
     block_backward,
     block_forward,
@@ -67,6 +66,8 @@ from tinyconv.block import (
 )
 from tinyconv.layers import Conv2D, Linear, MaxPool2D
 from tinyconv.model import Network
+from tinyconv.shard.balance import kernel_counts, slices, speed_weights
+from tinyconv.shard.rebalance import Rebalancer
 from transports.base import Message, Transport, WorkerInfo
 
 log = logging.getLogger(__name__)

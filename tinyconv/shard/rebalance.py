@@ -1,30 +1,8 @@
-"""How many kernels each participant gets: the paper's speed weights, and rebalancing.
+"""Beyond the paper: moving kernels as the measured step times change (:class:`Rebalancer`).
 
-Everything here is pure arithmetic on small lists (no I/O, no clocks), so the
-sharded convolution (``tinyconv/distributed.py``) can be read and tested apart
-from it. A *participant* is anyone computing kernels: the master, if it takes
-part, and each worker.
-
-1. :func:`speed_weights` -- the paper's eq. 1. From each participant's time t_i
-   for the same benchmark (a convolution of the layer's own shape)::
-
-       w_i = (max_j t_j / t_i) / sum_k (max_j t_j / t_k)
-
-   i.e. shares proportional to speed 1/t_i, normalised to sum to 1.
-2. :func:`kernel_counts` -- turns weights into whole kernels that add up to the
-   layer's F exactly (largest-remainder apportionment), and :func:`slices` into
-   contiguous ranges [start, stop) of the weight tensor's rows.
-3. :class:`Rebalancer` -- goes beyond the paper, whose split is fixed after the
-   benchmark: it watches each step's measured compute times and moves kernels
-   when one participant keeps finishing late. It models a participant's time as
-   affine in its kernels, t_i(k) = a_i + b_i k (a fixed part a_i: every
-   participant builds the im2col columns of the whole input whatever its k),
-   fitted by :func:`fit_affine_cost`, and aims for the split that makes everyone
-   finish together (:func:`equal_finish_kernels`)::
-
-       T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
-
-   which is eq. 1 again when every a_i = 0.
+The paper's split (:mod:`tinyconv.shard.balance`) is fixed after its benchmark; here each
+participant's time is an affine function of its kernels, and the split aims to make everyone
+finish together. Pure arithmetic on small lists, like the paper's split: no I/O, no clocks.
 """
 
 from __future__ import annotations
@@ -33,89 +11,9 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
+from enum import Enum
 
-
-def speed_weights(times: Sequence[float]) -> list[float]:
-    """The paper's eq. 1: times (seconds, one per participant) -> weights summing to 1.
-
-    w_i = (max t / t_i) / sum_j (max t / t_j). A participant twice as slow gets
-    half the weight: times [1, 2] -> weights [2/3, 1/3].
-    """
-    if len(times) == 0:
-        raise ValueError("speed_weights needs at least one time")
-    for i, t in enumerate(times):
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
-            raise ValueError(
-                f"time {i} is {t!r}: every benchmark time must be a finite number of seconds > 0"
-            )
-    t_max = max(times)
-    ratios = [t_max / t for t in times]
-    total = sum(ratios)
-    return [r / total for r in ratios]
-
-
-def kernel_counts(weights: Sequence[float], total_kernels: int) -> list[int]:
-    """Split ``total_kernels`` in proportion to ``weights``; the counts sum to it exactly.
-
-    Largest remainder (Hamilton's method): participant i's quota is
-    q_i = total * w_i / sum(w); each gets floor(q_i), and the kernels left over go,
-    one each, to the largest fractional parts q_i - floor(q_i). Ties go to the
-    larger weight, then to the lower index, so the result is deterministic. The
-    arithmetic is exact (fractions), so float noise cannot break a tie.
-
-    Zeros: a participant with weight 0 gets 0 kernels. Every participant with a
-    positive weight gets at least 1 kernel whenever there are at least as many
-    kernels as such participants (otherwise some must get 0): a participant at 0
-    would never be timed again, so a later rebalance could never give it work back.
-    Such a kernel is taken from whoever holds the most above its quota.
-    """
-    if not isinstance(total_kernels, int) or isinstance(total_kernels, bool) or total_kernels < 0:
-        raise ValueError(f"total_kernels must be an int >= 0, got {total_kernels!r}")
-    if len(weights) == 0:
-        raise ValueError("kernel_counts needs at least one weight")
-    for i, w in enumerate(weights):
-        if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-            raise ValueError(f"weight {i} is {w!r}: weights must be finite numbers >= 0")
-    exact = [Fraction(w) for w in weights]
-    weight_sum = sum(exact)
-    if weight_sum == 0:
-        raise ValueError("all weights are 0: at least one participant must be able to take kernels")
-
-    quotas = [total_kernels * w / weight_sum for w in exact]
-    counts = [math.floor(q) for q in quotas]
-    left = total_kernels - sum(counts)
-    by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), -exact[i], i))
-    for i in by_remainder[:left]:
-        counts[i] += 1
-
-    positive = [i for i, w in enumerate(exact) if w > 0]
-    if total_kernels >= len(positive):
-        for i in positive:
-            if counts[i] == 0:
-                donor = max(
-                    (j for j in range(len(counts)) if counts[j] >= 2),
-                    key=lambda j: (counts[j] - quotas[j], -j),
-                )
-                counts[donor] -= 1
-                counts[i] = 1
-    return counts
-
-
-def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
-    """Kernel counts -> contiguous [start, stop) row ranges, in participant order.
-
-    [3, 0, 2] -> [(0, 3), (3, 3), (3, 5)].
-    """
-    out = []
-    start = 0
-    for c in counts:
-        if c < 0:
-            raise ValueError(f"kernel counts must be >= 0, got {list(counts)}")
-        out.append((start, start + c))
-        start += c
-    return out
-
+from tinyconv.shard.balance import kernel_counts
 
 MIN_SLOPE_SHARE = 0.05  # a fitted b is at least this share of the time per kernel now, t0 / k0
 SLOPE_CONFIDENCE = 2.0  # the slope used is the fitted one plus this many standard errors
@@ -172,20 +70,25 @@ def fit_affine_cost(samples: Sequence[tuple[int, float]], smoothing: float) -> t
     p0 = t0 / k0
     if len({k for _, k, _ in weighted}) < 2:
         return 0.0, p0
+    b = _steepest_slope(weighted)
+    b = min(max(p0 if b is None else b, MIN_SLOPE_SHARE * p0), p0)
+    return max(0.0, t0 - b * k0), b
+
+
+def _steepest_slope(weighted: Sequence[tuple[float, int, float]]) -> float | None:
+    """The slope of :func:`fit_affine_cost`: b_ls + SLOPE_CONFIDENCE * se(b_ls), from (w_j, k_j, t_j)
+    with at least two distinct k; None when n <= 2 leaves no residual to judge the noise by."""
     total = sum(w for w, _, _ in weighted)
     k_bar = sum(w * k for w, k, _ in weighted) / total
     t_bar = sum(w * t for w, _, t in weighted) / total
     s_kk = sum(w * (k - k_bar) ** 2 for w, k, _ in weighted)
-    b = sum(w * (k - k_bar) * (t - t_bar) for w, k, t in weighted) / s_kk
+    b_ls = sum(w * (k - k_bar) * (t - t_bar) for w, k, t in weighted) / s_kk
     n_eff = total**2 / sum(w * w for w, _, _ in weighted)
-    if n_eff > 2:
-        residual = sum(w * (t - t_bar - b * (k - k_bar)) ** 2 for w, k, t in weighted) / total
-        s2 = residual * n_eff / (n_eff - 2)
-        b += SLOPE_CONFIDENCE * math.sqrt(s2 * sum(w * w * (k - k_bar) ** 2 for w, k, _ in weighted)) / s_kk
-    else:
-        b = p0
-    b = min(max(b, MIN_SLOPE_SHARE * p0), p0)
-    return max(0.0, t0 - b * k0), b
+    if n_eff <= 2:
+        return None
+    residual = sum(w * (t - t_bar - b_ls * (k - k_bar)) ** 2 for w, k, t in weighted) / total
+    s2 = residual * n_eff / (n_eff - 2)
+    return b_ls + SLOPE_CONFIDENCE * math.sqrt(s2 * sum(w * w * (k - k_bar) ** 2 for w, k, _ in weighted)) / s_kk
 
 
 def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: int) -> list[float]:
@@ -203,9 +106,9 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
     falls below (each pass can only lower T, so the held stay held). With every
     a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1.
 
-    The counts sum to F (up to float round-off); :func:`kernel_counts` makes them
-    whole. Example: costs [(0.05, 0.001), (0.1, 0.002)], F = 96 -> T = 196 / 1500 s,
-    counts [80.67, 15.33].
+    The counts sum to F (up to float round-off);
+    :func:`~tinyconv.shard.balance.kernel_counts` makes them whole. Example: costs
+    [(0.05, 0.001), (0.1, 0.002)], F = 96 -> T = 196 / 1500 s, counts [80.67, 15.33].
     """
     if len(costs) == 0:
         raise ValueError("equal_finish_kernels needs at least one participant")
@@ -233,6 +136,14 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
     return [floor if held[i] else max(0.0, (finish - a) / b) for i, (a, b) in enumerate(costs)]
 
 
+class Phase(Enum):
+    """Where one layer of a :class:`Rebalancer` is between steps (the transitions: its docstring)."""
+
+    WATCHING = "watching"  # judging each step: counting the steps in a row that the slowest lags
+    COOLING = "cooling"  # after a move: measuring, not judging, for ``cooldown`` steps
+    PROBING = "probing"  # a participant that sat out has one kernel back for this step, judged at once
+
+
 @dataclass
 class _LayerState:
     """What the Rebalancer remembers about one layer."""
@@ -240,9 +151,10 @@ class _LayerState:
     samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
     idle: list[int]  # per participant: consecutive steps without kernels
     reprobe_in: list[int]  # per participant: steps without kernels before it is measured again
-    late_steps: int = 0  # consecutive steps the slowest participant lagged
-    cooldown: int = 0  # steps left before another rebalance may be proposed
-    probing: int | None = None  # the participant given one kernel back to be measured, this step
+    phase: Phase = Phase.WATCHING
+    late_steps: int = 0  # WATCHING: consecutive steps the slowest participant lagged
+    cooldown_left: int = 0  # COOLING: steps before the layer is judged again (a re-probe pauses it)
+    probing: int | None = None  # PROBING: the participant given one kernel back, this step
 
 
 class Rebalancer:
@@ -260,24 +172,17 @@ class Rebalancer:
     keeps its last ``window`` measurements (k, t): from :meth:`observe`, and from
     :meth:`record`, which :meth:`ShardedConv.calibrate
     <tinyconv.distributed.ShardedConv.calibrate>` uses to file its whole-layer
-    times at k = F. :func:`fit_affine_cost` fits the line: through the smoothed
-    time at the participant's current k (the newest measurement weighs 1, each
-    older one ``1 - smoothing`` times the next newer), with the slope of a
-    weighted least-squares fit over all its k, made steeper by two standard
-    errors where noise leaves it uncertain, and clamped so that a_i >= 0 and
-    b_i >= 5 % of the current time per kernel. Until a participant has been
-    measured at two different k, it is the proportional model a_i = 0,
+    times at k = F. :func:`fit_affine_cost` fits the line through the smoothed time
+    at the participant's current k, its slope from all its k (made steeper where
+    noise leaves it uncertain, and clamped so that a_i >= 0). Until a participant has
+    been measured at two different k, it is the proportional model a_i = 0,
     b_i = (smoothed t) / k, the model of the paper's eq. 1.
 
-    **Target.** The split that makes every participant finish together
-    (:func:`equal_finish_kernels`)::
+    **Target.** The split that makes every participant finish together, with a floor
+    of one kernel (:func:`equal_finish_kernels`; eq. 1 when every a_i = 0), rounded by
+    largest remainder (:func:`~tinyconv.shard.balance.kernel_counts`)::
 
         T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
-
-    where a participant with k_i below the floor (1 kernel when F >= number of
-    participants, else 0) is held at the floor and T is solved again for the
-    others. The real k_i are rounded by largest remainder (:func:`kernel_counts`).
-    With every a_i = 0 this is eq. 1, k_i = F (1/b_i) / sum_j (1/b_j).
 
     **When to move.** With the current counts c_i, participant i finishes after
     f_i = a_i + b_i c_i, its smoothed measured time (the line passes there;
@@ -312,6 +217,22 @@ class Rebalancer:
     kernel back for one step, judged at once (no patience, no cool-down): it stays if
     it has become fast enough, else it sits out again for twice as long as before.
     ``reprobe=0`` keeps it out for good. A re-probe costs one step at its pace.
+
+    **Phases.** Each layer is in one :class:`Phase` between steps; a step
+    (:meth:`observe`) files its measurements, then does what its phase says::
+
+        phase     a step in it                                             next phase
+        --------  -------------------------------------------------------  --------------------------
+        WATCHING  a re-probe is due: one kernel back to whoever sat out    PROBING
+                  longest, from whoever has the most
+                  else the streak +1 if the slowest lags, else 0; at       COOLING after a move
+                  ``patience`` it is 0 again, and the target is proposed   (WATCHING if ``cooldown``
+                  if it moves >= ``min_move`` kernels and ends sooner      is 0), else WATCHING
+        COOLING   a re-probe is due: as in WATCHING (the cool-down waits)  PROBING
+                  else one step of the cool-down counted off               COOLING, WATCHING after
+                                                                           its last step
+        PROBING   judged at once: the probed one sits out again if the     COOLING after a move, else
+                  target gives it 0; the target proposed as in WATCHING    the phase it broke into
     """
 
     def __init__(
@@ -325,9 +246,7 @@ class Rebalancer:
         reprobe: int = 50,
     ) -> None:
         if not threshold >= 0:
-            raise ValueError(
-                f"threshold must be >= 0 (a fraction of the mean finish time), got {threshold!r}"
-            )
+            raise ValueError(f"threshold must be >= 0 (a fraction of the mean finish time), got {threshold!r}")
         if not (isinstance(patience, int) and patience >= 1):
             raise ValueError(f"patience must be an int >= 1 (steps), got {patience!r}")
         if not 0 < smoothing <= 1:
@@ -373,46 +292,79 @@ class Rebalancer:
 
         ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
         counts[i] is 0). A returned plan sums to sum(counts) and has the same length.
-        The step after a re-probe is judged at once (no patience, no cool-down).
+        What the step does is its layer's phase's row of the table above.
         """
-        n = len(counts)
         self.record(layer, counts, times)
         state = self._layers[layer]
-        total = sum(counts)
         for i, c in enumerate(counts):
             state.idle[i] = 0 if c > 0 else state.idle[i] + 1
+        if state.phase is Phase.PROBING:
+            return self._judge_probe(layer, state, counts)
+        if (probe := self._reprobe(state, counts)) is not None:  # due: WATCHING or COOLING alike
+            return probe
+        if state.phase is Phase.COOLING:
+            self._cool(state)
+            return None
+        return self._watch(layer, state, counts)
+
+    def phase(self, layer: str) -> Phase:
+        """Where ``layer`` is between steps (WATCHING before its first)."""
+        return self._layers[layer].phase if layer in self._layers else Phase.WATCHING
+
+    def _watch(self, layer: str, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
+        """WATCHING: extend or end the streak of lagging steps; at ``patience``, propose the target."""
+        models = self._fitted(layer)
+        if models is None:
+            return None
+        finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
+        mean = sum(finish) / len(finish)
+        lag = (max(finish) - mean) / mean if mean > 0 else 0.0
+        state.late_steps = state.late_steps + 1 if lag > self.threshold else 0
+        if state.late_steps < self.patience:
+            return None
+        state.late_steps = 0
+        return self._move(state, models, counts, _target(models, counts))
+
+    def _cool(self, state: _LayerState) -> None:
+        """COOLING: count one step of the cool-down off; after the last, the layer is WATCHING."""
+        state.cooldown_left -= 1
+        if state.cooldown_left == 0:
+            state.phase = Phase.WATCHING
+
+    def _judge_probe(self, layer: str, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
+        """PROBING: judge the step at once (no streak); the probed participant keeps its kernels
+        if the target gives it some, else sits out again, for twice as long as before."""
         probed, state.probing = state.probing, None
-        judge_now = probed is not None
-        if not judge_now:
-            if (probe := self._reprobe(state, counts)) is not None:
-                return probe
-            if state.cooldown > 0:
-                state.cooldown -= 1
-                return None
+        state.phase = Phase.COOLING if state.cooldown_left > 0 else Phase.WATCHING  # where the probe broke in
+        models = self._fitted(layer)
+        if models is None:
+            return None
+        target = _target(models, counts)
+        # out again: twice as long before the next try; kept: back to the start
+        state.reprobe_in[probed] = 2 * state.reprobe_in[probed] if target[probed] == 0 else self.reprobe
+        return self._move(state, models, counts, target)
+
+    def _move(
+        self, state: _LayerState, models: list[tuple[float, float]], counts: Sequence[int], target: list[int]
+    ) -> list[int] | None:
+        """``target`` if it moves at least ``min_move`` kernels and ends the layer sooner; else None."""
+        moved = sum(abs(new - old) for new, old in zip(target, counts, strict=True)) // 2
+        if moved < self.min_move or _makespan(models, target) >= _makespan(models, counts) * (1 - 1e-9):
+            return None
+        state.cooldown_left = self.cooldown
+        state.phase = Phase.COOLING if self.cooldown > 0 else Phase.WATCHING
+        return target
+
+    def _fitted(self, layer: str) -> list[tuple[float, float]] | None:
+        """Every participant's cost model; None if one was never measured: nothing to compare."""
         models = self.cost_models(layer)
         if any(m is None for m in models):
-            return None  # someone has never been measured (or reports no time): nothing to compare
-        if not judge_now:
-            finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
-            mean = sum(finish) / len(finish)
-            lag = (max(finish) - mean) / mean if mean > 0 else 0.0
-            state.late_steps = state.late_steps + 1 if lag > self.threshold else 0
-            if state.late_steps < self.patience:
-                return None
-
-        state.late_steps = 0
-        proposal = _sit_out(models, _equal_finish_among(models, list(range(n)), total))
-        if probed is not None:  # out again: twice as long before the next try; kept: back to the start
-            state.reprobe_in[probed] = 2 * state.reprobe_in[probed] if proposal[probed] == 0 else self.reprobe
-        moved = sum(abs(new - old) for new, old in zip(proposal, counts, strict=True)) // 2
-        if moved < self.min_move or _makespan(models, proposal) >= _makespan(models, counts) * (1 - 1e-9):
             return None
-        state.cooldown = self.cooldown
-        return proposal
+        return [m for m in models if m is not None]
 
     def _reprobe(self, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
         """One kernel back, from whoever has the most, for the participant longest without any
-        once that is ``reprobe_in`` steps or more; None if nobody is due."""
+        once that is ``reprobe_in`` steps or more (the layer goes PROBING); None if nobody is due."""
         if not self.reprobe or sum(counts) < len(counts):  # fewer kernels than participants: some must sit out
             return None
         due = [i for i, c in enumerate(counts) if c == 0 and state.idle[i] >= state.reprobe_in[i]]
@@ -423,6 +375,7 @@ class Rebalancer:
         probe = list(counts)
         probe[donor] -= 1
         probe[i] = 1
+        state.phase = Phase.PROBING
         state.probing = i
         state.late_steps = 0
         return probe
@@ -430,9 +383,7 @@ class Rebalancer:
     def _state(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> _LayerState:
         """Check one measurement per participant; this layer's state (created on first use)."""
         if len(counts) != len(times) or len(counts) == 0:
-            raise ValueError(
-                f"need one time per participant, got counts {list(counts)} and times {list(times)}"
-            )
+            raise ValueError(f"need one time per participant, got counts {list(counts)} and times {list(times)}")
         for i, (c, t) in enumerate(zip(counts, times, strict=True)):
             if c < 0 or (c > 0 and not (math.isfinite(t) and t >= 0)):
                 raise ValueError(f"participant {i}: {c} kernels in {t!r} s is not a measurement")
@@ -449,6 +400,11 @@ class Rebalancer:
                 "use a new Rebalancer when the set of participants changes"
             )
         return state
+
+
+def _target(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> list[int]:
+    """The split a proposal aims for: finishing together, whoever can only slow it sitting out."""
+    return _sit_out(models, _equal_finish_among(models, list(range(len(counts))), sum(counts)))
 
 
 def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
