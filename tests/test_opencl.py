@@ -117,7 +117,7 @@ def every_config(be: OpenCLBackend) -> list:
     """The device's candidates (those its compiler builds) plus the GPU-style tiled kernel, which a
     CPU never tunes to but a GPU will run: it must be right here too."""
     extra = [TiledConfig(4, 4, 2, 2, 8), TiledConfig(8, 8, 4, 4, 16), VecConfig(3, 4, 1, 2)]
-    return list(dict.fromkeys(be.gemm.candidates + [c for c in extra if c.fits(be.limits)]))
+    return list(dict.fromkeys(be.rt.gemm.candidates + [c for c in extra if c.fits(be.rt.limits)]))
 
 
 @pytest.mark.parametrize("m, n, k", [(7, 13, 5), (50, 75, 300), (13, 100, 1), (1, 1, 700)])
@@ -133,37 +133,37 @@ def test_every_gemm_variant_with_and_without_splits(be, rng, monkeypatch, m, n, 
     groups = cdiv(n, ni)
     bias_d = be.asarray(bias)
     for cfg in every_config(be):
-        b_d = be._pack(be.asarray(b), k, n, n, 1, cfg.nb)
+        b_d = be.rt.pack(be.asarray(b), k, n, n, 1, cfg.nb)
         for splits in (1, min(4, k)):
             with monkeypatch.context() as mp:
-                mp.setattr(be.gemm, "splits", lambda *_, s=splits: s)
+                mp.setattr(be.rt.gemm, "splits", lambda *_, s=splits: s)
                 rows = be.zeros((m, n))
-                be.gemm.run(cfg, m, n, k, a_view, b_d, CView.rows(rows.data, n), bias_d)
+                be.rt.gemm.run(cfg, m, n, k, a_view, b_d, CView.rows(rows.data, n), bias_d)
                 check(be, rows, ref, what=f"{cfg} splits={splits} row-major")
                 images = be.zeros((groups * m * ni,))
-                be.gemm.run(cfg, m, n, k, a_view, b_d, CView(images.data, ni, 1, ni, m * ni), bias_d)
+                be.rt.gemm.run(cfg, m, n, k, a_view, b_d, CView(images.data, ni, 1, ni, m * ni), bias_d)
             got = be.to_numpy(images).reshape(groups, m, ni).transpose(1, 0, 2).reshape(m, groups * ni)[:, :n]
             check(be, be.asarray(np.ascontiguousarray(got)), ref, what=f"{cfg} splits={splits} by image")
 
 
 def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_module, "TUNE_MIN_FLOP", 0)  # tune even this small shape
-    tune_file = tmp_path / "tune.json"
-    tuner = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
+    tune_file, rt = tmp_path / "tune.json", be.rt
+    tuner = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     m, n, k = 20, 70, 40
     a, b = normal(rng, m, k), normal(rng, k, n)
     a_d, b_d, c_d = be.asarray(a), be.asarray(b), be.zeros((m, n))
 
     def pack(nb):
-        return be._pack(b_d, k, n, n, 1, nb)
+        return be.rt.pack(b_d, k, n, n, 1, nb)
 
     tuner("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
     check(be, c_d, a @ b)
     saved = json.loads(tune_file.read_text())
-    entry = saved[be.limits.key][f"test M{m} N{n} K{k} KI{k}"]
+    entry = saved[be.rt.limits.key][f"test M{m} N{n} K{k} KI{k}"]
     assert gemm_module.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
 
-    again = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
+    again = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
     assert (
         again.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
@@ -171,10 +171,10 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     )
 
     tune_file.write_text("{not json")  # a damaged file is ignored (and rewritten), not fatal
-    third = gemm_module.Gemm(be.program, be.queue, be.limits, lambda n: be._empty((n,)), True, tune_file)
+    third = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     third("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
     check(be, c_d, a @ b)
-    assert json.loads(tune_file.read_text())[be.limits.key]
+    assert json.loads(tune_file.read_text())[be.rt.limits.key]
 
 
 def test_gemm_candidates_respect_the_device_limits(be):
@@ -206,11 +206,12 @@ def test_pocl_compiling_for_a_cpu_without_avx512_gets_8_wide_vectors():
 
 def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):
     # as PoCL 3.0 on an AMD Zen 4 does: it reports 16-wide floats and builds no float16 kernel
-    wide = dataclasses.replace(be.limits, vector_width=16)
+    rt = be.rt
+    wide = dataclasses.replace(rt.limits, vector_width=16)
 
     def gemm(builds):
         monkeypatch.setattr(gemm_module.Gemm, "_builds", lambda self, cfg: builds(cfg))
-        return gemm_module.Gemm(be.program, be.queue, wide, lambda n: be._empty((n,)), False, tmp_path / "gemm.json")
+        return gemm_module.Gemm(rt.program, rt.queue, wide, lambda n: rt.empty((n,)), False, tmp_path / "gemm.json")
 
     assert {c.vw for c in gemm(lambda cfg: cfg.vw < 16).candidates} == {8}
     assert {c.vw for c in gemm(lambda cfg: True).candidates} == {16}
@@ -384,7 +385,7 @@ def test_bad_input_gets_a_clear_error(be, rng):
 
 def test_registry_builds_the_backend(be):
     other = get_backend("opencl", device=be.describe()["device"], autotune=False)
-    assert isinstance(other, OpenCLBackend) and other.device == be.device
+    assert isinstance(other, OpenCLBackend) and other.rt.device == be.rt.device
     with pytest.raises(ValueError, match="another OpenCL context"):
         other.relu_forward(be.zeros((3,)))
 
@@ -436,7 +437,7 @@ def test_pack_layout_is_panels(be, rng):
     """The B-panel layout every GEMM reads: panel q is rows x [q*nb, (q+1)*nb), zero-padded."""
     k, n, nb = 3, 10, 4
     b = normal(rng, k, n)
-    panels = be.to_numpy(be._pack(be.asarray(b), k, n, n, 1, nb)).reshape(cdiv(n, nb), k, nb)
+    panels = be.to_numpy(be.rt.pack(be.asarray(b), k, n, n, 1, nb)).reshape(cdiv(n, nb), k, nb)
     padded = np.zeros((k, cdiv(n, nb) * nb), F32)
     padded[:, :n] = b
     assert np.array_equal(panels, padded.reshape(k, cdiv(n, nb), nb).transpose(1, 0, 2))

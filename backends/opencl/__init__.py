@@ -4,7 +4,9 @@
 
 ``OpenCLBackend(device=None)`` runs on ``select_device(device)``; ``list_devices()``
 lists what this machine has (for a CLI's device table). See backend.py for the
-ops, gemm.py for the GEMM and its per-device tuning, device.py for device choice.
+ops, conv.py for the convolution, gemm.py for the GEMM and its per-device tuning,
+runtime.py for the device plumbing (programs, launches, buffers), device.py for
+device choice.
 """
 
 from backends.opencl.backend import OpenCLBackend

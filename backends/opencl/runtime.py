@@ -1,0 +1,175 @@
+"""The device plumbing of the OpenCL backend: one device's context, queue, buffers and kernels.
+
+    rt = Runtime(device, autotune, tune_file)
+    y = rt.empty((n, c, h, w))                               # a float32 buffer from the pool
+    rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # an ops.cl kernel on a grid
+    rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
+
+The ops themselves are in backend.py (and the convolution in conv.py); this module only
+builds programs, looks up and launches kernels, allocates and checks buffers, and runs the
+few data-movement kernels several ops share (row reductions, GEMM panel packing, transposes).
+
+Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a memory pool.
+All work goes to one in-order queue, so kernels never wait for each other on the host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pyopencl.tools as cl_tools
+
+from backends.opencl.device import device_kind
+from backends.opencl.gemm import DeviceLimits, Gemm, cdiv
+
+F32 = np.float32
+i32 = np.int32
+HERE = Path(__file__).resolve().parent
+MAX_ELEMENTS = 2**31 - 1  # kernels index with 32-bit ints
+
+
+class Runtime:
+    """One OpenCL device: context, in-order queue, buffer pool, built programs, and its GEMM.
+
+    ``autotune``: time the GEMM variants on first use of each large shape; ``tune_file``:
+    where the choices are kept (see gemm.py).
+    """
+
+    def __init__(self, device: cl.Device, autotune: bool, tune_file: Path) -> None:
+        self.device = device
+        self.context = cl.Context([device])
+        self.queue = cl.CommandQueue(self.context)
+        # Allocating a buffer is slow on some drivers; the pool reuses freed ones. Safe
+        # with one in-order queue: a reused buffer's next writer queues after its last reader.
+        self.pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+        self.limits = DeviceLimits.of(device, device_kind(device))
+        self.wg = min(256, self.limits.max_work_group_size)  # 1-D launches: many items, any device
+        self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
+        self._programs: dict[tuple[str, str], cl.Program] = {}
+        self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
+        self.gemm = Gemm(self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file)
+
+    # ---- programs and launches ---------------------------------------------------
+    def program(self, filename: str, options: str = "") -> cl.Program:
+        """``filename`` (beside this module) built once per context with ``options``.
+
+        The build itself is cached on disk between runs: by pyopencl's binary cache on most
+        platforms, and on PoCL (which pyopencl leaves to it) by PoCL's own kernel cache.
+        """
+        key = (filename, options)
+        if key not in self._programs:
+            source = (HERE / filename).read_text()
+            try:
+                self._programs[key] = cl.Program(self.context, source).build(
+                    options=["-cl-std=CL1.2", *options.split()]
+                )
+            except cl.RuntimeError as e:
+                raise RuntimeError(
+                    f"OpenCL could not compile {filename} ({options or 'no options'}) for "
+                    f"{self.device.name.strip()}: {e}"
+                ) from None
+        return self._programs[key]
+
+    def kernel(self, name: str, defines: str = "") -> tuple[cl.Kernel, int]:
+        """The ops.cl kernel ``name`` (built with ``defines``) and the work-group size to launch it with."""
+        key = f"{name} {defines}"
+        if key not in self._kernels:
+            knl = cl.Kernel(self.program("ops.cl", f"-DRL={self.rl} {defines}".strip()), name)
+            limit = int(knl.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.device))
+            if name == "reduce_rows" and limit < self.rl:  # its group size is compiled in: rebuild smaller
+                self.rl = 1 << (limit.bit_length() - 1)
+                return self.kernel(name, defines)
+            self._kernels[key] = (knl, min(self.wg, limit))
+        return self._kernels[key]
+
+    def launch(self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "") -> None:
+        """Run the ops.cl kernel ``name`` over a 1-3 dimensional grid of ``dims`` work-items.
+
+        Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
+        up to whole groups and every kernel checks its bounds. ``defines`` selects a build of
+        ops.cl with a layer's window compiled in (see the header of ops.cl).
+        """
+        knl, wg = self.kernel(name, defines)
+        dims = (dims,) if isinstance(dims, int) else dims
+        if min(dims) <= 0:
+            return
+        local: list[int] = []
+        for d in dims:
+            room = wg // int(np.prod(local or [1]))
+            local.append(min(1 << (d - 1).bit_length(), room))
+        grid = tuple(cdiv(d, lo) * lo for d, lo in zip(dims, local, strict=True))
+        knl(self.queue, grid, tuple(local), *args)
+
+    # ---- buffers -------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...], dtype: type = F32) -> cla.Array:
+        """An uninitialised array from the pool; refused past the kernels' 32-bit indexing."""
+        size = int(np.prod(shape))
+        if size > MAX_ELEMENTS:
+            raise ValueError(
+                f"an array of {size} elements {shape} is past the kernels' 32-bit indexing; "
+                f"use a smaller batch"
+            )
+        return cla.empty(self.queue, shape, dtype, allocator=self.pool)
+
+    def operand(self, a: Any, what: str, in_place: bool = False) -> cla.Array:
+        """Check that ``a`` is a float32 array of this context; views are made contiguous."""
+        if not isinstance(a, cla.Array):
+            raise TypeError(
+                f"{what}: expected an array of this OpenCL backend, got {type(a).__name__}; "
+                f"convert host arrays with backend.asarray()"
+            )
+        if a.context != self.context:
+            raise ValueError(
+                f"{what}: the array belongs to another OpenCL context (another backend instance); "
+                f"move it with backend.asarray(other_backend.to_numpy(a))"
+            )
+        if a.dtype != F32:
+            raise TypeError(f"{what}: expected float32, got {a.dtype}")
+        if a.offset == 0 and a.flags.c_contiguous:
+            return a
+        if in_place:
+            raise ValueError(f"{what} is updated in place, so it must be a whole array, not a view or slice")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{what}: a non-contiguous view; pass a contiguous array")
+        return a.copy()  # a slice at an offset (e.g. rows of a weight): kernels take whole buffers
+
+    # ---- data movement shared by several ops -----------------------------------------
+    def reduce_rows(
+        self,
+        src: cla.Array,
+        rows: int,
+        na: int,
+        nb: int,
+        strides: tuple[int, int, int],
+        mode: int = 0,
+        src2: cla.Array | None = None,
+        center: cla.Array | None = None,
+        divisor: float = 1.0,
+    ) -> cla.Array:
+        """out[m] = sum_{a<na, b<nb} f(src[m*s0 + a*s1 + b*s2]) / divisor (f: see reduce_rows in ops.cl)."""
+        out = self.empty((rows,))
+        if rows == 0:
+            return out
+        knl, _ = self.kernel("reduce_rows")
+        s0, s1, s2 = strides
+        knl(self.queue, (rows * self.rl,), (self.rl,), src.data, None if src2 is None else src2.data,
+            None if center is None else center.data, i32(mode), i32(na), i32(nb), i32(s0), i32(s1), i32(s2),
+            F32(divisor), out.data)
+        return out
+
+    def pack(self, src: cla.Array, k: int, n: int, sk: int, sn: int, nb: int) -> cla.Array:
+        """B(k, n) = src[k*sk + n*sn] in the GEMM's panel layout of width nb."""
+        out = self.empty((cdiv(n, nb) * k * nb,))
+        self.launch("pack_panels", (nb, k, cdiv(n, nb)), src.data, i32(k), i32(n), i32(sk), i32(sn), i32(nb),
+                    out.data)
+        return out
+
+    def transpose(self, src: cla.Array, rows: int, cols: int) -> cla.Array:
+        """A (rows, cols) row-major matrix -> its (cols, rows) transpose."""
+        out = self.empty((cols * rows,))
+        self.launch("transpose", (cols, rows), src.data, i32(rows), i32(cols), out.data)
+        return out
