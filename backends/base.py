@@ -100,9 +100,9 @@ class Backend(ABC):
 
     @abstractmethod
     def lrn_forward(
-        self, x: Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 2.0
+        self, x: Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
     ) -> tuple[Array, Cache]:
-        """Cross-channel local response norm, torch.nn.LocalResponseNorm semantics.
+        """Cross-channel local response norm, torch.nn.LocalResponseNorm semantics and defaults.
 
         x (N, C, H, W) -> y = x / (k + alpha/size * sum_{c' in window(c)} x[c']^2)^beta,
         window(c) = [c - size//2, c + (size-1)//2], clipped to [0, C).

@@ -239,7 +239,7 @@ class NumpyBackend(Backend):
     def relu_backward(self, dy, cache):
         return dy * (cache > 0)
 
-    def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=2.0):
+    def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
         before, after = size // 2, (size - 1) // 2
         s, p, y, scratch = (np.empty_like(x) for _ in range(4))
         _lrn_forward_into(x, s, p, y, scratch, size, alpha, beta, k, before, after)

@@ -109,7 +109,7 @@ class OpenCLBackend(Backend):
         self.rt.launch("relu_backward", dy.size, dy.data, cache.data, i32(dy.size), dx.data)
         return dx
 
-    def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=2.0):
+    def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
         x = self.rt.operand(x, "lrn x")
         if x.ndim != 4 or size < 1:
             raise ValueError(f"lrn: expected an (N, C, H, W) input and size >= 1, got {x.shape} and {size}")
