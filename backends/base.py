@@ -36,6 +36,22 @@ Array = Any  # a backend-native array
 Cache = Any  # whatever a forward op keeps for its backward
 
 
+def require_batch_statistics(x_shape: tuple[int, ...]) -> None:
+    """Refuse training-mode batch norm of an (N, C, H, W) input with one value per channel.
+
+    With m = N*H*W = 1 the batch variance is 0, so every output would be beta and no
+    gradient would reach x or gamma; torch refuses it too ("Expected more than 1 value
+    per channel when training").
+    """
+    n, _, h, w = x_shape
+    if n * h * w == 1:
+        raise ValueError(
+            f"batchnorm: expected more than 1 value per channel when training, got an input of shape "
+            f"{tuple(x_shape)} (N*H*W = 1), whose batch variance is 0: every output would be beta and no "
+            f"gradient would flow; train with a batch of 2 or more, or use eval mode (training=False)"
+        )
+
+
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
     """Output length of a window of ``kernel`` sliding with ``stride`` over ``size + 2*padding``."""
     out = (size + 2 * padding - kernel) // stride + 1
@@ -129,7 +145,9 @@ class Backend(ABC):
         Training: normalise with the batch statistics (biased variance) and update
         running_mean / running_var *in place*, PyTorch style:
         r <- (1 - momentum) r + momentum * batch_stat (unbiased variance for r).
-        Eval: normalise with the running statistics.
+        Training with one value per channel (N*H*W == 1) raises ValueError before
+        touching anything, as torch does (see ``require_batch_statistics``).
+        Eval: normalise with the running statistics (any N*H*W).
         """
 
     @abstractmethod

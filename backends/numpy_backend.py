@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from backends.base import Backend, conv_output_size
+from backends.base import Backend, conv_output_size, require_batch_statistics
 
 F32 = np.float32
 
@@ -253,6 +253,7 @@ class NumpyBackend(Backend):
 
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if training:
+            require_batch_statistics(x.shape)
             m = x.shape[0] * x.shape[2] * x.shape[3]
             mean = x.mean(axis=(0, 2, 3))
             xc = x - mean[None, :, None, None]

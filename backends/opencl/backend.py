@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyopencl.array as cla
 
-from backends.base import Backend, conv_output_size
+from backends.base import Backend, conv_output_size, require_batch_statistics
 from backends.opencl import conv
 from backends.opencl.device import describe_device, select_device
 from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, default_tune_file
@@ -148,6 +148,7 @@ class OpenCLBackend(Backend):
             )
         hw, m = h * w, n * h * w
         if training:
+            require_batch_statistics(x.shape)
             mean = self.rt.reduce_rows(x, c, n, hw, (hw, c * hw, 1), divisor=m)
             var = self.rt.reduce_rows(x, c, n, hw, (hw, c * hw, 1), mode=2, center=mean, divisor=m)
             unbiased = momentum * m / max(m - 1, 1)  # the running variance is the unbiased one
