@@ -160,12 +160,15 @@ class Backend(ABC):
         """x (N, C, H, W) -> y (N, C, OH, OW), OH = (H + 2*padding - kernel)//stride + 1.
 
         Padding is -inf (never selected). Ties go to the first maximum in
-        row-major window order.
+        row-major window order. NaN propagates as in torch's max_pool2d: a window
+        holding a NaN outputs NaN and selects its *last* NaN in row-major order
+        (torch's loop: ``if (val > maxval || isnan(val)) select val``).
         """
 
     @abstractmethod
     def maxpool_backward(self, dy: Array, cache: Cache) -> Array:
-        """dx (N, C, H, W): each dy goes to its window's selected input, summed."""
+        """dx (N, C, H, W): each dy goes to its window's selected input, summed (a NaN
+        window's dy to its last NaN)."""
 
     # ---- dense ------------------------------------------------------------
     @abstractmethod

@@ -3,10 +3,13 @@
 
     taskset -c 1 env OPENBLAS_NUM_THREADS=1 python benchmarks/bench_numpy_ops.py
     python benchmarks/bench_numpy_ops.py --baseline /tmp/old_numpy_backend.py   # side by side
+    python benchmarks/bench_numpy_ops.py --ops maxpool,maxpool-nan --repeats 15  # some ops only
 
 The shapes are those of a batch-64 training step of the 300:1000 network: the
 conv1 map 64x300x32x32 and the conv2 map 64x1000x16x16, each through ReLU,
-LRN (or batch norm) and a 3x3 stride-2 pad-1 max pool. Every call allocates its
+LRN (or batch norm) and a 3x3 stride-2 pad-1 max pool; "maxpool-nan" is the max
+pool of the same map with one NaN in about 10^4 values (the path a diverging run
+takes), not counted in the total. Every call allocates its
 outputs afresh, as in training. ``--baseline FILE`` loads ``NumpyBackend`` from
 another copy of numpy_backend.py (e.g. ``git show HEAD:backends/numpy_backend.py
 > /tmp/old.py``) and times it on the same inputs, so a before/after table is one
@@ -56,7 +59,13 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {name: 1e3 * float(np.median(ts)) for name, ts in times.items()}
 
 
-def op_calls(be, x: np.ndarray, dy: np.ndarray, dy_pool: np.ndarray) -> dict[str, Callable[[], object]]:
+OPS = ("relu", "lrn", "batchnorm", "maxpool", "maxpool-nan")
+TOTAL_OPS = ("relu", "lrn", "maxpool")  # the LRN network's layers: the Amdahl part
+
+
+def op_calls(
+    be, x: np.ndarray, x_nan: np.ndarray, dy: np.ndarray, dy_pool: np.ndarray, ops: list[str]
+) -> dict[str, Callable[[], object]]:
     """{"relu fwd": call, "relu bwd": call, ...} on one input map; backward calls get their cache now."""
     c = x.shape[1]
     gamma, beta = np.ones(c, np.float32), np.zeros(c, np.float32)
@@ -66,9 +75,11 @@ def op_calls(be, x: np.ndarray, dy: np.ndarray, dy_pool: np.ndarray) -> dict[str
         "lrn": (lambda: be.lrn_forward(x), be.lrn_backward, dy),
         "batchnorm": (lambda: be.batchnorm_forward(x, gamma, beta, rm, rv, True), be.batchnorm_backward, dy),
         "maxpool": (lambda: be.maxpool_forward(x, 3, 2, 1), be.maxpool_backward, dy_pool),
+        "maxpool-nan": (lambda: be.maxpool_forward(x_nan, 3, 2, 1), be.maxpool_backward, dy_pool),
     }
     calls = {}
-    for op, (forward, backward, grad) in forwards.items():
+    for op in ops:
+        forward, backward, grad = forwards[op]
         cache = forward()[1]
         calls[f"{op} fwd"] = forward
         calls[f"{op} bwd"] = lambda backward=backward, grad=grad, cache=cache: backward(grad, cache)
@@ -79,7 +90,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline", metavar="FILE", help="another numpy_backend.py to time side by side")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)} (default: all)")
     args = p.parse_args()
+    ops = args.ops.split(",")
+    if not set(ops) <= set(OPS):
+        p.error(f"unknown ops {sorted(set(ops) - set(OPS))}; choose from {', '.join(OPS)}")
 
     backends = {"now": NumpyBackend()}
     if args.baseline:
@@ -90,13 +105,14 @@ def main() -> None:
     totals = dict.fromkeys(backends, 0.0)
     for label, shape in SHAPES.items():
         x = rng.standard_normal(shape, dtype=np.float32)
+        x_nan = np.where(rng.random(shape, dtype=np.float32) < 1e-4, np.float32(np.nan), x)
         dy = rng.standard_normal(shape, dtype=np.float32)
         n, c, h, w = shape
         dy_pool = rng.standard_normal((n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1), dtype=np.float32)
-        calls = {name: op_calls(be, x, dy, dy_pool) for name, be in backends.items()}
+        calls = {name: op_calls(be, x, x_nan, dy, dy_pool, ops) for name, be in backends.items()}
         for op in calls["now"]:
             ms = medians_ms({name: calls[name][op] for name in backends}, args.repeats)
-            if not op.startswith("batchnorm"):  # the LRN network's layers: the Amdahl part
+            if op.rsplit(" ", 1)[0] in TOTAL_OPS:
                 for name in backends:
                     totals[name] += ms[name]
             row = (label, op, *(round(ms[name], 1) for name in backends))
@@ -104,8 +120,9 @@ def main() -> None:
                 row += (f"{ms['baseline'] / ms['now']:.2f}x",)
             rows.append(row)
         del calls
-        del x, dy, dy_pool
-    total_row = ("both maps", "relu+lrn+maxpool", *(round(totals[name], 1) for name in backends))
+        del x, x_nan, dy, dy_pool
+    summed = "+".join(op for op in TOTAL_OPS if op in ops)
+    total_row = ("both maps", summed, *(round(totals[name], 1) for name in backends))
     if args.baseline:
         total_row += (f"{totals['baseline'] / totals['now']:.2f}x",)
     rows.append(total_row)

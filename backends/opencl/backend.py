@@ -177,8 +177,9 @@ class OpenCLBackend(Backend):
 
     # ---- pooling -----------------------------------------------------------------------
     # One work-item per output scans its window and keeps the first strict maximum in
-    # row-major order -- the element numpy's separable max selects -- and its position;
-    # backward is a gather over the windows that contain each input.
+    # row-major order -- the element numpy's separable max selects -- or its last NaN, as
+    # torch does, and its position; backward is a gather over the windows that contain
+    # each input.
     def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
         x = self.rt.operand(x, "maxpool x")
         if x.ndim != 4:

@@ -327,7 +327,8 @@ __kernel void bn_backward(__global const float* dy, __global const float* xhat,
 #ifdef POOL  // --------------------------------------- built per (POOL = window, STRIDE, PAD)
 
 // y = the max over the window, arg = its position h*W + w in the input plane: the
-// first maximum in row-major window order (strict >), as numpy's separable max picks.
+// first maximum in row-major window order (strict >), as numpy's separable max picks,
+// or, if the window holds a NaN, its last NaN (y = NaN): torch's max_pool2d loop.
 // Padding is skipped, which is the same as padding with -inf. global (OW, OH, N*C).
 __kernel void maxpool_forward(__global const float* x, const int H, const int W, const int OH,
                               const int OW, const int planes, __global float* y, __global int* arg)
@@ -345,8 +346,10 @@ __kernel void maxpool_forward(__global const float* x, const int H, const int W,
 #pragma unroll
         for (int j = 0; j < POOL; j++) {
             const int w = w0 + j;
-            if (w >= 0 && w < W && xp[h * W + w] > v) {
-                v = xp[h * W + w];
+            if (w < 0 || w >= W) continue;
+            const float xv = xp[h * W + w];
+            if (xv > v || isnan(xv)) {  // once v is NaN, only a later NaN replaces it
+                v = xv;
                 best = h * W + w;
             }
         }
