@@ -426,6 +426,59 @@ def test_maxpool_matches_torch(kernel, stride, padding, torch, rng):
     close(b.maxpool_backward(dy, cache), tx.grad)
 
 
+def with_nans(rng: np.random.Generator, kernel: int, stride: int, padding: int, ties: bool) -> tuple:
+    """A (2, 3, 7, 9) input holding NaNs, and the (row, col) of two NaNs that share the window
+    at output (1, 1) of plane (0, 0): the first and the last corner of that window."""
+    shape = (2, 3, 7, 9)
+    x = rng.integers(0, 3, size=shape).astype(f32) if ties else spaced(rng, shape).astype(f32)
+    x[1][rng.random(shape[1:]) < 0.1] = np.nan  # a few at random, some in overlapping windows
+    first = (stride - padding, stride - padding)
+    last = (first[0] + kernel - 1, first[1] + kernel - 1)
+    x[0, 0][first], x[0, 0][last] = np.nan, np.nan
+    return x, first, last
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("kernel,stride,padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
+def test_maxpool_with_nans_matches_torch(kernel, stride, padding, ties, torch, rng):
+    """A window holding a NaN outputs NaN and its gradient goes to its last NaN (row-major)."""
+    x, first, last = with_nans(rng, kernel, stride, padding, ties)
+    b = NumpyBackend()
+    y, cache = b.maxpool_forward(x, kernel, stride, padding)
+    dy = rng.standard_normal(y.shape).astype(f32)
+    tx = t(torch, x)
+    ty = torch.nn.functional.max_pool2d(tx, kernel, stride, padding)
+    ty.backward(torch.from_numpy(dy))
+    assert np.isnan(y).any() and not np.isnan(y).all()
+    np.testing.assert_array_equal(y, ty.detach().numpy())  # NaN exactly where torch has it, values equal
+    close(b.maxpool_backward(dy, cache), tx.grad)
+    one = np.zeros_like(dy)
+    one[0, 0, 1, 1] = 1.0  # the gradient of the window holding both NaNs alone
+    dx = b.maxpool_backward(one, cache)
+    assert dx[0, 0][last] == 1.0 and dx.sum() == 1.0
+
+
+def test_batchnorm_refuses_one_value_per_channel_in_training_as_torch_does(torch, rng):
+    x = rng.standard_normal((1, 3, 1, 1)).astype(f32)
+    gamma, beta = rng.standard_normal(3).astype(f32), rng.standard_normal(3).astype(f32)
+    rm, rv = rng.standard_normal(3).astype(f32), (rng.random(3) + 0.5).astype(f32)
+    args = (torch.from_numpy(x), torch.from_numpy(rm.copy()), torch.from_numpy(rv.copy()))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        torch.nn.functional.batch_norm(*args, training=True)
+    b, before = NumpyBackend(), (rm.copy(), rv.copy())
+    with pytest.raises(ValueError, match=r"more than 1 value per channel.*batch of 2 or more, or use eval mode"):
+        b.batchnorm_forward(x, gamma, beta, rm, rv, True)
+    assert np.array_equal(rm, before[0]) and np.array_equal(rv, before[1])  # refused before the update
+    y, _ = b.batchnorm_forward(x, gamma, beta, rm, rv, False)  # eval mode takes it
+    ty = torch.nn.functional.batch_norm(*args, torch.from_numpy(gamma), torch.from_numpy(beta), training=False)
+    close(y, ty)
+
+
+def test_lrn_defaults_are_torchs(torch, rng):
+    x = (rng.standard_normal((2, 7, 3, 4)) * 10).astype(f32)
+    close(NumpyBackend().lrn_forward(x)[0], torch.nn.LocalResponseNorm(5)(torch.from_numpy(x)))
+
+
 def test_linear_matches_torch(torch, rng):
     x, w, bias = (rng.standard_normal(s).astype(f32) for s in ((3, 2, 3, 3), (5, 18), (5,)))
     b = NumpyBackend()
