@@ -30,7 +30,7 @@ BUILTIN = {
     },
     "transport": {
         "inproc": "transports.inproc:InprocTransport",
-        "zmq": "transports.zmq_transport:ZmqTransport",
+        "zmq": "transports.zmq_master:ZmqTransport",
     },
 }
 

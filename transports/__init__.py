@@ -1,23 +1,19 @@
 """Transports: the Transport interface (``transports/base.py``), the wire (``transports/wire.py``)
-and the ways a master reaches its workers.
+and the ways a master reaches its workers: threads (``inproc.py``) and ZeroMQ
+(``zmq_master.py``, ``zmq_worker.py``).
 
-Find one by name with ``tinyconv.plugins.get_transport("zmq", ...)``; a separate package
-registers its own under the entry-point group ``tinyconv.transports``.
+A transport moves envelopes and admits workers by the version of the task
+protocol they speak; what the tasks mean is the application's business. The
+application finds a transport by name through an entry-point registry
+(docs/writing-a-transport.md); this package never imports the application.
 """
 
-from transports.base import (
-    PROTOCOL_VERSION,
-    Handler,
-    HandlerFactory,
-    Message,
-    Transport,
-    WorkerInfo,
-    WorkerLost,
-)
-from transports.wire import ProtocolError, VersionMismatch
+from transports.base import Handler, HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
+from transports.wire import SESSION_KINDS, WIRE_VERSION, ProtocolError, VersionMismatch
 
 __all__ = [
-    "PROTOCOL_VERSION",
+    "SESSION_KINDS",
+    "WIRE_VERSION",
     "Handler",
     "HandlerFactory",
     "Message",

@@ -1,9 +1,10 @@
 """The Transport interface: the master's view of a pool of workers.
 
 A transport moves :class:`Message` objects between the master and N workers. It
-knows nothing about convolutions: the worker side is a *handler* (a callable
-``Message -> Message``) supplied by ``tinyconv.worker``, so this package never
-imports ``tinyconv``.
+knows nothing about the tasks it carries: the worker side is a *handler*
+(:class:`Handler`) supplied by the application, and a task's kind, header and
+arrays mean something only to the handler and the master's code. This package
+never imports the application.
 
 Lifecycle, as the master sees it::
 
@@ -25,33 +26,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-# 2: conv_forward may carry a fused tail (tinyconv/block.py); 3, 4: conv_backward in parts;
-# 5: a layer split by input channels goes in parts both ways: forward "conv" (a partial
-# convolution) and "tail", backward "tail" and "conv" (see tinyconv/worker.py)
-PROTOCOL_VERSION = 5
-
-# Message kinds. Master -> worker: calibrate, conv_forward, conv_backward, shutdown.
-# Worker -> master: hello (first), result, error. Either way: heartbeat.
-KINDS = (
-    "hello",
-    "welcome",
-    "calibrate",
-    "conv_forward",
-    "conv_backward",
-    "result",
-    "error",
-    "heartbeat",
-    "shutdown",
-)
-
 
 @dataclass
 class Message:
     """One message: a kind, a small header of plain values, and named arrays.
 
-    ``header`` holds only msgpack-able scalars, strings, lists and dicts (task id,
-    step, layer, stride, padding, timings, ...). ``arrays`` holds numpy arrays,
-    which cross a process boundary as raw frames, never pickled.
+    ``header`` holds only plain data: str keys; None, bool, int, float, str,
+    lists and maps as values (task id, step, timings, ...). ``arrays`` holds
+    numpy arrays, which cross a process boundary as raw frames, never pickled.
     """
 
     kind: str
@@ -78,12 +60,13 @@ class WorkerInfo:
 class Handler(Protocol):
     """The worker side of every transport: what actually serves tasks.
 
-    ``hello()`` returns the header of the worker's ``hello`` message
-    (``protocol``, ``backend``, ``device``, ``pid``, ``hostname``); ``handle(msg)``
-    answers one task (``calibrate``, ``conv_forward``, ``conv_backward``) with a
-    ``result`` or ``error`` message, or None for no reply. Transports turn an
-    exception from ``handle`` into an ``error`` reply, so a worker never dies of
-    a bad task. ``tinyconv.worker.ConvWorker`` is the implementation.
+    ``hello()`` returns the header of the worker's ``hello`` message:
+    ``protocol`` (the version of the task protocol it speaks, which the master
+    compares with its own), ``backend``, ``device``, ``pid``, ``hostname``.
+    ``handle(msg)`` answers one task -- any message whose kind is not one of the
+    transport's session kinds (``transports.wire.SESSION_KINDS``) -- with a reply
+    message, or None for no reply. Transports turn an exception from ``handle``
+    into an ``error`` reply, so a worker never dies of a bad task.
     """
 
     def hello(self) -> dict[str, Any]: ...
@@ -120,7 +103,7 @@ class Transport(ABC):
 
     @abstractmethod
     def recv(self, timeout: float) -> tuple[int, Message]:
-        """The next message from any worker, as (worker index, message)."""
+        """The next message from any worker, as (worker index, message): any task reply, or an ``error``."""
 
     @abstractmethod
     def close(self) -> None:

@@ -8,6 +8,8 @@ sends messages the zmq transport accepts too.
 Each worker thread calls ``handler_factory(i)`` once, in its own thread (so it
 builds its own Backend there), says hello with ``handler.hello()``, waits for the
 master's welcome, then serves tasks with ``handler.handle(msg)`` until shutdown.
+A task is any message whose kind is not a session kind
+(:data:`transports.wire.SESSION_KINDS`); the session kinds are the transport's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import threading
 import time
 from typing import Any
 
-from transports.base import PROTOCOL_VERSION, HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
-from transports.wire import ProtocolError, call_handler, check_header, check_message
+from transports.base import HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
+from transports.wire import SESSION_KINDS, Int, VersionMismatch, call_handler, check_message, error_reply
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +30,24 @@ _JOIN_TIMEOUT_S = 5.0
 
 
 class InprocTransport(Transport):
-    """Workers as threads; ``handler_factory(i)`` builds worker i's :class:`~transports.base.Handler`."""
+    """Workers as threads; ``handler_factory(i)`` builds worker i's :class:`~transports.base.Handler`.
+
+    ``protocol`` is the version of the task protocol the master speaks; a worker
+    whose hello says another is refused.
+    """
 
     name = "inproc"
 
-    def __init__(self, handler_factory: HandlerFactory, heartbeat_s: float = 1.0, **_: Any) -> None:
+    def __init__(self, handler_factory: HandlerFactory, *, protocol: int, heartbeat_s: float = 1.0, **_: Any) -> None:
         if not callable(handler_factory):
             raise TypeError(
                 "InprocTransport needs handler_factory: a callable i -> handler with .hello() and "
-                f".handle(msg), e.g. lambda i: ConvWorker(get_backend('numpy')); got {handler_factory!r}"
+                f".handle(msg); got {handler_factory!r}"
             )
+        if not Int.accepts(protocol):
+            raise TypeError(f"protocol must be an int, the version of the task protocol; got {protocol!r}")
         self._factory = handler_factory
+        self._protocol = protocol
         self._heartbeat_s = float(heartbeat_s)
         # worker threads -> master: ("hello" | "reply" | "lost", worker index, payload)
         self._inbox: queue.Queue[tuple[str, int, Any]] = queue.Queue()
@@ -61,7 +70,7 @@ class InprocTransport(Transport):
             self._tasks.append(queue.Queue())
             self._traffic[i] = [0, 0]
             t = threading.Thread(
-                target=self._serve, args=(i,), name=f"tinyconv-inproc-worker-{i}", daemon=True
+                target=self._serve, args=(i,), name=f"inproc-worker-{i}", daemon=True
             )
             self._threads.append(t)
             t.start()
@@ -85,12 +94,11 @@ class InprocTransport(Transport):
             self._tasks[i].put(Message("welcome", {"index": i, "heartbeat_s": self._heartbeat_s}))
         return [infos[i] for i in range(n_workers)]
 
-    @staticmethod
-    def _worker_info(i: int, hello: dict[str, Any]) -> WorkerInfo:
-        check_header("hello", hello)
-        if hello["protocol"] != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"in-process worker {i} speaks protocol {hello['protocol']}, the master {PROTOCOL_VERSION}"
+    def _worker_info(self, i: int, hello: dict[str, Any]) -> WorkerInfo:
+        check_message(Message("hello", hello))
+        if hello["protocol"] != self._protocol:
+            raise VersionMismatch(
+                "task protocol", hello["protocol"], self._protocol, peer=f"in-process worker {i}", here="the master"
             )
         return WorkerInfo(
             index=i,
@@ -166,9 +174,12 @@ class InprocTransport(Transport):
                     continue
                 if msg.kind == "shutdown":
                     return
-                if msg.kind in ("welcome", "heartbeat"):
+                if msg.kind == "hello":
+                    reply = error_reply(msg, "a worker does not accept 'hello' messages")
+                elif msg.kind in SESSION_KINDS:  # welcome, heartbeat, an error from the master
                     continue
-                reply = call_handler(handler, msg)
+                else:
+                    reply = call_handler(handler, msg)
                 if reply is not None:
                     self._inbox.put(("reply", i, reply))
         except BaseException as e:  # e.g. SystemExit from a handler: tell the master, don't vanish

@@ -1,0 +1,43 @@
+"""A way to wake an I/O thread that is waiting in ``zmq.Poller.poll``.
+
+A zmq socket belongs to one thread, so another thread that has something to send
+cannot touch it; it queues the message and calls :meth:`Wakeup.wake`. The I/O
+thread polls :meth:`Wakeup.fileno` next to its zmq socket (zmq polls plain file
+descriptors too), and calls :meth:`Wakeup.drain` when it fired.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+class Wakeup:
+    """A non-blocking socketpair: one end to poll, the other to nudge."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+
+    def fileno(self) -> int:
+        """The descriptor to register with a ``zmq.Poller`` (``zmq.POLLIN``)."""
+        return self._r.fileno()
+
+    def wake(self) -> None:
+        """Nudge the poller. Safe from any thread; a full buffer already means 'awake'."""
+        try:
+            self._w.send(b"\0")
+        except OSError:  # BlockingIOError when full; closed at shutdown: nothing left to wake
+            pass
+
+    def drain(self) -> None:
+        """Empty the pair, so the next poll waits again."""
+        try:
+            while self._r.recv(4096):
+                pass
+        except OSError:  # BlockingIOError: drained
+            pass
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
