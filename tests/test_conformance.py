@@ -22,6 +22,7 @@ from tinyconv.testing import (
     conformance_tests,
     format_table,
     main,
+    run_case,
     run_conformance,
 )
 
@@ -109,8 +110,36 @@ def test_case_ids_are_unique_and_every_case_checks_something():
 
 def test_shapes_cover_the_edges():
     labels = " | ".join(c.label for c in CASES if c.op in ("conv2d", "maxpool"))
-    for needle in ("N1 ", "s2", "p0", "p1", "p2", "ties", "no-dx"):
+    for needle in ("N1 ", "s2", "p0", "p1", "p2", "ties", "nan", "no-dx"):
         assert needle in labels
+    assert any(c.op == "batchnorm" and c.label.endswith("refused") for c in CASES)
+
+
+def test_nan_cases_hold_nan_windows_with_two_nans_and_nan_free_ones():
+    """What the NaN cases are for: the reference's y has NaNs and numbers, and one window's two
+    NaNs (its first and last corner) send its gradient to the last one."""
+    for case in (c for c in CASES if c.label.endswith(" nan")):
+        rec = RecordingReference()
+        assert all(r.passed for r in run_case(rec, case))
+        x, y, dx = rec.x, rec.y, rec.dx_of_window_1_1
+        assert np.isnan(y).any() and not np.isnan(y).all()
+        kernel, stride, padding = (int(v[1:]) for v in case.label.split()[3:6])
+        top = stride - padding
+        first, last = (0, 0, top, top), (0, 0, top + kernel - 1, top + kernel - 1)
+        assert np.isnan(x[first]) and np.isnan(x[last]) and np.isnan(y[0, 0, 1, 1])
+        assert dx[last] == 1 and dx.sum() == 1
+
+
+class RecordingReference(NumpyBackend):
+    """The reference, keeping the max pool's input and output, and the gradient that output (1, 1) of
+    image 0, channel 0 alone sends back."""
+
+    def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
+        y, cache = super().maxpool_forward(x, kernel, stride, padding)
+        one = np.zeros_like(y)
+        one[0, 0, 1, 1] = 1
+        self.x, self.y, self.dx_of_window_1_1 = x.copy(), y.copy(), super().maxpool_backward(one, cache)
+        return y, cache
 
 
 # ------------------------------------------------------------------ the suite fails broken backends
@@ -151,6 +180,55 @@ class TiesToEveryMax(NumpyBackend):
                 window = (slice(None), slice(None), slice(i, i + s * oh, s), slice(j, j + s * ow, s))
                 dxp[window] += dy * (xp[window] == y)
         return dxp[:, :, p : p + h, p : p + w]
+
+
+class NaNDropped(NumpyBackend):
+    """A max pool that skips NaNs (as np.fmax would): every window outputs its largest number."""
+
+    def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
+        return super().maxpool_forward(np.where(np.isnan(x), np.float32(-np.inf), x), kernel, stride, padding)
+
+
+class NaNGradientToTheMax(NumpyBackend):
+    """A max pool whose NaN windows output NaN but send their gradient to the window's largest number."""
+
+    def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
+        y, _ = super().maxpool_forward(x, kernel, stride, padding)
+        _, cache = super().maxpool_forward(np.where(np.isnan(x), np.float32(-np.inf), x), kernel, stride, padding)
+        return y, cache
+
+
+class NaNGradientToTheFirstNaN(NumpyBackend):
+    """A max pool routing a NaN window's gradient to its first NaN (torch: the last)."""
+
+    def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
+        y, cache = super().maxpool_forward(x, kernel, stride, padding)
+        return y, (cache, x, kernel, stride, padding)
+
+    def maxpool_backward(self, dy, cache):
+        cache, x, k, s, p = cache
+        dx = super().maxpool_backward(dy, cache)
+        h, w = x.shape[2:]
+        for n, c, oh, ow in np.ndindex(*dy.shape):
+            r0, q0 = oh * s - p, ow * s - p
+            window = [(r, q) for r in range(max(r0, 0), min(r0 + k, h)) for q in range(max(q0, 0), min(q0 + k, w))]
+            nans = [rq for rq in window if np.isnan(x[(n, c, *rq)])]
+            if nans:  # move this window's gradient from its last NaN to its first
+                dx[(n, c, *nans[-1])] -= dy[n, c, oh, ow]
+                dx[(n, c, *nans[0])] += dy[n, c, oh, ow]
+        return dx
+
+
+class OneValueBatchNorm(NumpyBackend):
+    """batchnorm_forward that trains on one value per channel instead of refusing: every output is
+    beta (the value minus its own mean), and the running statistics move."""
+
+    def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
+        if training and x.shape[0] * x.shape[2] * x.shape[3] == 1:
+            twice = np.concatenate([x, x])  # the same batch statistics, without the refusal
+            y, cache = super().batchnorm_forward(twice, gamma, beta, running_mean, running_var, True, momentum, eps)
+            return y[:1], cache
+        return super().batchnorm_forward(x, gamma, beta, running_mean, running_var, training, momentum, eps)
 
 
 class InPlaceReLU(NumpyBackend):
@@ -194,7 +272,52 @@ def test_fails_an_unmirrored_lrn_window_on_even_sizes_only():
 def test_fails_maxpool_ties_routed_to_every_maximum():
     failed = failures(TiesToEveryMax())
     assert failed and {(r.op, r.output) for r in failed} == {("maxpool", "dx")}
-    assert all(r.case.endswith("ties") for r in failed)  # without ties it is right
+    ties = {c.label for c in CASES if c.op == "maxpool" and c.label.endswith("ties")}
+    assert ties <= {r.case for r in failed}
+    # without ties it is right, but for NaN windows, where x == max never holds
+    assert all(r.case.endswith(("ties", "nan")) for r in failed)
+
+
+NAN_CASES = {c.label for c in CASES if c.op == "maxpool" and c.label.endswith(" nan")}
+
+
+def test_fails_a_maxpool_that_drops_nan():
+    failed = failures(NaNDropped())
+    assert {(r.op, r.output) for r in failed} == {("maxpool", "y"), ("maxpool", "dx")}
+    assert {r.case for r in failed} == NAN_CASES
+    assert all(r.note.startswith("NaN differs from the reference") for r in failed if r.output == "y")
+
+
+@pytest.mark.parametrize("broken", [NaNGradientToTheMax, NaNGradientToTheFirstNaN])
+def test_fails_a_maxpool_that_routes_a_nan_windows_gradient_elsewhere(broken):
+    """To the largest number, or to the first of the window with two NaNs: only dx is wrong."""
+    failed = failures(broken())
+    assert {(r.op, r.output) for r in failed} == {("maxpool", "dx")}
+    assert {r.case for r in failed} == NAN_CASES
+
+
+def test_fails_a_batchnorm_that_trains_on_one_value_per_channel():
+    failed = failures(OneValueBatchNorm())
+    refused = [c.label for c in CASES if c.op == "batchnorm" and c.label.endswith("refused")]
+    assert {(r.op, r.case) for r in failed} == {("batchnorm", label) for label in refused}
+    assert {r.output for r in failed} == {"refuses", "running_mean kept", "running_var kept"}
+    assert "returned instead of raising ValueError" in {r.note for r in failed}
+
+
+class RaisingBatchNorm(NumpyBackend):
+    """Refuses one value per channel with the wrong exception type."""
+
+    def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
+        if training and x.shape[0] * x.shape[2] * x.shape[3] == 1:
+            raise ZeroDivisionError("variance of one value")
+        return super().batchnorm_forward(x, gamma, beta, running_mean, running_var, training, momentum, eps)
+
+
+def test_a_refusal_must_be_a_value_error():
+    failed = failures(RaisingBatchNorm())
+    assert [(r.op, r.output, r.note) for r in failed] == [
+        ("batchnorm", "raised", "ZeroDivisionError: variance of one value")
+    ]
 
 
 def test_fails_an_op_that_modifies_its_input():

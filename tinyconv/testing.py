@@ -1,15 +1,15 @@
 """Running the conformance suite: any Backend, op by op, against the numpy reference.
 
 Every op of ``backends/base.py`` is run forward and backward on random inputs of
-random-looking shapes (odd sizes, stride 2, padding 0/1/2, batch 1, ties in a max,
-an LRN whose cross-channel term matters), on the backend under test and on the
-reference, and the results are compared output by output. Also checked: the
-running statistics batchnorm updates in place, ``sgd_update`` (in place, three
-steps), ``take_kernels``, the ``asarray``/``to_numpy``/``zeros`` edges,
-``describe()``'s keys, that outputs are float32 of the right shape, and that no op
-modifies its inputs (other than those documented as in place). The cases and how
-outputs are compared (tolerances) are in ``tinyconv.conformance``; this module
-runs them.
+random-looking shapes (odd sizes, stride 2, padding 0/1/2, batch 1, ties and NaNs
+in a max pool, an LRN whose cross-channel term matters), on the backend under test
+and on the reference, and the results are compared output by output. Also checked:
+the running statistics batchnorm updates in place and its refusal of one value per
+channel in training, ``sgd_update`` (in place, three steps), ``take_kernels``, the
+``asarray``/``to_numpy``/``zeros`` edges, ``describe()``'s keys, that outputs are
+float32 of the right shape, and that no op modifies its inputs (other than those
+documented as in place). The cases and how outputs are compared (tolerances, NaN)
+are in ``tinyconv.conformance``; this module runs them.
 
 How to run it
 -------------

@@ -1,6 +1,6 @@
 """The conformance suite's checks and cases: any Backend, op by op, against the numpy reference.
 
-    checks.py   how an output is compared (tolerances), CheckResult, Trial, Case
+    checks.py   how an output is compared (tolerances, NaN-aware), CheckResult, Trial, Case
     cases.py    what is compared: CASES, every op on the shapes and values that catch bugs
 
 Running them -- ``run_conformance``, ``assert_conforms``, ``conformance_tests``, the command
@@ -8,6 +8,6 @@ line -- is ``tinyconv.testing``, which re-exports these names.
 """
 
 from tinyconv.conformance.cases import CASES
-from tinyconv.conformance.checks import EXACT, REF, TOLERANCES, Case, CheckResult, Tolerance, Trial
+from tinyconv.conformance.checks import EXACT, REF, TOLERANCES, Case, CheckResult, Tolerance, Trial, max_error
 
-__all__ = ["CASES", "Case", "CheckResult", "EXACT", "REF", "TOLERANCES", "Tolerance", "Trial"]
+__all__ = ["CASES", "Case", "CheckResult", "EXACT", "REF", "TOLERANCES", "Tolerance", "Trial", "max_error"]

@@ -1,10 +1,11 @@
 """The conformance cases: every op of ``backends/base.py`` on the shapes and values that catch bugs.
 
-Odd sizes, stride 2, padding 0/1/2, batch 1, ties in a max, an LRN whose
-cross-channel term matters, batch norm's running statistics, three
-``sgd_update`` steps, ``take_kernels``, the edges and ``describe()``. Each case
-runs the backend under test and the reference on the same inputs and records one
-CheckResult per output (see checks.py).
+Odd sizes, stride 2, padding 0/1/2, batch 1, ties in a max and NaNs in a max pool
+(a window with two, windows that overlap), an LRN whose cross-channel term
+matters, batch norm's running statistics and its refusal of one value per channel
+in training, three ``sgd_update`` steps, ``take_kernels``, the edges and
+``describe()``. Each case runs the backend under test and the reference on the
+same inputs and records one CheckResult per output (see checks.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 import numpy as np
 
+from backends.base import Backend
 from tinyconv.conformance.checks import EXACT, F32, REF, TOLERANCES, Case, Trial
 
 
@@ -98,23 +100,61 @@ def _batchnorm(n: int, c: int, h: int, w: int, training: bool, momentum: float =
     return Case("batchnorm", f"N{n} C{c} {h}x{w} {mode} momentum{momentum:g}", run)
 
 
-def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: int, ties: bool) -> Case:
+def _batchnorm_refuses(n: int, c: int, h: int, w: int) -> Case:
+    """Training with one value per channel (N*H*W == 1) must raise ValueError, as in torch, and
+    leave the running statistics alone; another exception fails as "raised"."""
+
+    def refuses(backend: Backend, *args: object) -> bool:
+        try:
+            backend.batchnorm_forward(*args, True, 0.1, 1e-5)
+        except ValueError:
+            return True
+        return False
+
     def run(t: Trial) -> None:
-        if ties:  # few distinct values: many windows hold several equal maxima
-            x = t.rng.integers(0, 3, size=(n, c, h, w)).astype(F32)
-        else:
-            x = t.normal(n, c, h, w)
+        x, gamma, beta = t.normal(n, c, h, w), t.normal(c), t.normal(c)
+        rm, rv = t.normal(c), (t.rng.random(c) + 0.5).astype(F32)
+        xd, gd, bd, rmd, rvd = t.dev(x), t.dev(gamma), t.dev(beta), t.dev(rm), t.dev(rv)
+        ok = refuses(REF, x, gamma, beta, rm.copy(), rv.copy())
+        t.check("reference refuses", ok, "the reference returned instead of raising ValueError")
+        ok = refuses(t.backend, xd, gd, bd, rmd, rvd)
+        t.check("refuses", ok, "returned instead of raising ValueError")
+        t.compare("running_mean kept", rmd, rm, EXACT)
+        t.compare("running_var kept", rvd, rv, EXACT)
+        t.unchanged(x=(xd, x), gamma=(gd, gamma), beta=(bd, beta))
+
+    return Case("batchnorm", f"N{n} C{c} {h}x{w} train refused", run)
+
+
+def _pool_input(t: Trial, shape: tuple[int, ...], kernel: int, stride: int, padding: int, values: str) -> np.ndarray:
+    """Normal values; "ties": few distinct values, so many windows hold several equal maxima;
+    "nan": normal values with NaNs -- two in the window at output (1, 1) of image 0, channel 0
+    (its first and last corner: torch routes the gradient to the last), and about one in ten
+    entries of the last channel, in windows that overlap when stride < kernel."""
+    if values == "ties":
+        return t.rng.integers(0, 3, size=shape).astype(F32)
+    x = t.normal(*shape)
+    if values == "nan":
+        top = stride - padding
+        x[0, 0, top, top] = x[0, 0, top + kernel - 1, top + kernel - 1] = np.nan
+        last = x[:, -1]
+        last[t.rng.random(last.shape) < 0.1] = np.nan
+    return x
+
+
+def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: int, values: str = "") -> Case:
+    def run(t: Trial) -> None:
+        x = _pool_input(t, (n, c, h, w), kernel, stride, padding, values)
         xd = t.dev(x)
         y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, padding)
         y, cache = t.backend.maxpool_forward(xd, kernel, stride, padding)
-        t.compare("y", y, y_ref, EXACT)
+        t.compare("y", y, y_ref, EXACT)  # NaN exactly where the reference has it
         dy = t.normal(*y_ref.shape)
         dyd = t.dev(dy)
         t.compare("dx", t.backend.maxpool_backward(dyd, cache), REF.maxpool_backward(dy, cache_ref))
         t.unchanged(x=(xd, x), dy=(dyd, dy))
 
-    kind = " ties" if ties else ""
-    return Case("maxpool", f"N{n} C{c} {h}x{w} k{kernel} s{stride} p{padding}{kind}", run)
+    return Case("maxpool", f"N{n} C{c} {h}x{w} k{kernel} s{stride} p{padding} {values}".rstrip(), run)
 
 
 def _linear(x_shape: tuple[int, ...], m: int) -> Case:
@@ -248,11 +288,16 @@ CASES: list[Case] = [
     _batchnorm(2, 4, 5, 5, training=True),
     _batchnorm(1, 3, 4, 3, training=True, momentum=0.2),  # batch 1
     _batchnorm(2, 4, 5, 5, training=False),
-    _maxpool(2, 3, 9, 7, 2, 2, 0, ties=False),
-    _maxpool(2, 3, 9, 7, 3, 2, 1, ties=False),  # overlapping windows
-    _maxpool(1, 2, 8, 8, 3, 1, 1, ties=False),
-    _maxpool(2, 2, 6, 7, 2, 2, 0, ties=True),
-    _maxpool(2, 2, 7, 7, 3, 2, 1, ties=True),  # ties and overlap: first maximum, summed
+    _batchnorm_refuses(1, 3, 1, 1),  # one value per channel: no batch statistics to train with
+    _batchnorm(1, 3, 1, 1, training=False),  # ... which eval mode does not need
+    _maxpool(2, 3, 9, 7, 2, 2, 0),
+    _maxpool(2, 3, 9, 7, 3, 2, 1),  # overlapping windows
+    _maxpool(1, 2, 8, 8, 3, 1, 1),
+    _maxpool(2, 2, 6, 7, 2, 2, 0, "ties"),
+    _maxpool(2, 2, 7, 7, 3, 2, 1, "ties"),  # ties and overlap: first maximum, summed
+    _maxpool(2, 3, 9, 7, 2, 2, 0, "nan"),  # a NaN window outputs NaN; its gradient goes to its last NaN
+    _maxpool(2, 3, 9, 7, 3, 2, 1, "nan"),  # ... and a NaN shared by overlapping windows
+    _maxpool(1, 2, 8, 8, 3, 1, 1, "nan"),
     _linear((2, 3, 4, 4), 5),  # a 4-D input, flattened
     _linear((1, 10), 3),
     _linear((4, 6, 3, 3), 7),

@@ -18,6 +18,9 @@ off-by-one window) is off by 1e-2 * max|ref| or more. atol only makes an
 all-zero reference comparable. Data movement (asarray/to_numpy, take_kernels,
 relu, the max of maxpool forward) must be exact: tol = 0.
 
+NaN. Where the reference output is NaN (a max pool window holding a NaN), the
+backend's must be NaN too, and nowhere else; the error and the scale are taken
+over the other entries. Equal entries (infinities included) differ by 0.
 """
 
 from __future__ import annotations
@@ -38,18 +41,31 @@ F32 = np.float32
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Pass iff max|got - ref| <= rtol * max|ref| + atol (see the module docstring)."""
+    """Pass iff max|got - ref| <= rtol * max|ref| + atol, over ref's finite entries (see above)."""
 
     rtol: float
     atol: float
 
     def of(self, ref: np.ndarray) -> float:
-        scale = float(np.max(np.abs(ref))) if np.size(ref) else 0.0
+        finite = np.abs(ref[np.isfinite(ref)])
+        scale = float(np.max(finite)) if finite.size else 0.0
         return self.rtol * scale + self.atol
 
 
 TOLERANCES: dict[str, Tolerance] = {"float32": Tolerance(rtol=1e-5, atol=1e-7)}
 EXACT = Tolerance(rtol=0.0, atol=0.0)
+
+
+def max_error(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| over the entries where ref is not NaN (0 where they are equal, infinities
+    included); NaN if got is NaN anywhere else or not NaN somewhere ref is. Same shapes."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    nan = np.isnan(ref)
+    if not np.array_equal(nan, np.isnan(got)):
+        return math.nan
+    diff = np.abs(got - ref)
+    diff[nan | (got == ref)] = 0.0
+    return float(np.max(diff)) if diff.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,7 @@ class Trial:
         self.add(output, 0.0 if passed else math.nan, 0.0, passed, "" if passed else note)
 
     def compare(self, output: str, got: Any, ref: np.ndarray, tolerance: Tolerance | None = None) -> None:
-        """Check one backend output (still on the device) against the reference's."""
+        """Check one backend output (still on the device) against the reference's, NaN-aware."""
         ref = np.asarray(ref)
         if got is None:
             return self.add(output, math.nan, 0.0, False, "returned None")
@@ -98,16 +114,21 @@ class Trial:
         if host.dtype != ref.dtype:
             return self.add(output, math.nan, 0.0, False, f"dtype {host.dtype}, expected {ref.dtype}")
         tol = (tolerance or TOLERANCES[ref.dtype.name]).of(ref)
-        err = float(np.max(np.abs(host.astype(np.float64) - ref))) if ref.size else 0.0
-        self.add(output, err, tol, err <= tol)  # a NaN err fails here too
+        wrong_nan = int(np.count_nonzero(np.isnan(host) != np.isnan(ref)))
+        if wrong_nan:
+            note = f"NaN differs from the reference at {wrong_nan} of {ref.size} entries"
+            return self.add(output, math.nan, tol, False, note)
+        err = max_error(host, ref)
+        self.add(output, err, tol, err <= tol)
 
     def unchanged(self, **pairs: tuple[Any, np.ndarray]) -> None:
         """The contract: ops do not modify their inputs. name=(device array, host original)."""
         worst, changed = 0.0, []
         for name, (dev, host) in pairs.items():
-            d = float(np.max(np.abs(np.asarray(self.backend.to_numpy(dev), np.float64) - host)))
-            if not d == 0.0:
+            got = np.asarray(self.backend.to_numpy(dev))
+            if not np.array_equal(got, host, equal_nan=True):
                 changed.append(name)
+                d = max_error(got, host)
                 worst = max(worst, d) if not math.isnan(d) else math.nan
         self.add("inputs kept", worst, 0.0, not changed, f"modified: {', '.join(changed)}" if changed else "")
 
