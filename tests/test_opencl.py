@@ -243,6 +243,12 @@ def test_lrn_matches_numpy(be, rng, size, alpha, beta, k, scale):
         check(be, be.lrn_backward(be.asarray(dy), cache), REF.lrn_backward(dy, cache_ref), what="dx")
 
 
+def test_lrn_defaults_are_numpys(be, rng):
+    """torch.nn.LocalResponseNorm's: size 5, alpha 1e-4, beta 0.75, k 1."""
+    x = normal(rng, 2, 7, 3, 5, scale=30.0)  # large enough that k = 1 vs 2 shows
+    check(be, be.lrn_forward(be.asarray(x))[0], REF.lrn_forward(x, 5, 1e-4, 0.75, 1.0)[0])
+
+
 @pytest.mark.parametrize("shape, momentum", [((2, 4, 5, 5), 0.1), ((1, 3, 4, 3), 0.2), ((4, 6, 1, 1), 0.1)])
 def test_batchnorm_train_then_eval_with_running_stats(be, rng, shape, momentum):
     c = shape[1]
@@ -278,6 +284,55 @@ def test_maxpool_matches_numpy_including_ties(be, rng, shape, kernel, stride, pa
     check(be, y, y_ref, rtol=0, what="y")
     dy = normal(rng, *y_ref.shape)
     check(be, be.maxpool_backward(be.asarray(dy), cache), REF.maxpool_backward(dy, cache_ref), what="dx")
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, stride, pad",
+    [((2, 3, 9, 7), 2, 2, 0), ((2, 3, 9, 7), 3, 2, 1), ((1, 2, 8, 8), 3, 1, 1), ((1, 1, 16, 16), 3, 2, 1)],
+)
+def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, stride, pad):
+    """A window holding a NaN outputs NaN and its gradient goes to its last NaN in row-major order;
+    window (1, 1) of the first plane holds two (its first and last corner), others share one."""
+    x = normal(rng, *shape)
+    x[rng.random(shape) < 0.1] = np.nan
+    top = stride - pad
+    first, last = (0, 0, top, top), (0, 0, top + kernel - 1, top + kernel - 1)
+    x[first] = x[last] = np.nan
+    y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, pad)
+    y, cache = be.maxpool_forward(be.asarray(x), kernel, stride, pad)
+    got = be.to_numpy(y)
+    assert np.isnan(y_ref).any() and not np.isnan(y_ref).all()
+    assert np.array_equal(np.isnan(got), np.isnan(y_ref)) and np.array_equal(got, y_ref, equal_nan=True)
+    dy = normal(rng, *y_ref.shape)
+    check(be, be.maxpool_backward(be.asarray(dy), cache), REF.maxpool_backward(dy, cache_ref), what="dx")
+    one = np.zeros(y_ref.shape, F32)
+    one[0, 0, 1, 1] = 1.0  # that window's gradient alone
+    dx = be.to_numpy(be.maxpool_backward(be.asarray(one), cache))
+    assert dx[last] == 1.0 and dx.sum() == 1.0
+
+
+def test_batchnorm_refuses_one_value_per_channel_in_training(be, rng):
+    """N*H*W == 1 has no batch variance: training raises ValueError (as torch does) before the
+    running statistics move; eval mode takes it; N*H*W == 2 trains, whichever axis holds the 2."""
+    c = 3
+    gamma, beta = normal(rng, c), normal(rng, c)
+    rm, rv = normal(rng, c), (rng.random(c) + 0.5).astype(F32)
+    g_d, b_d, rm_d, rv_d = be.asarray(gamma), be.asarray(beta), be.asarray(rm), be.asarray(rv)
+    x = normal(rng, 1, c, 1, 1)
+    with pytest.raises(ValueError, match=r"more than 1 value per channel.*batch of 2 or more, or use eval mode"):
+        be.batchnorm_forward(be.asarray(x), g_d, b_d, rm_d, rv_d, True)
+    check(be, rm_d, rm, rtol=0, what="running_mean")
+    check(be, rv_d, rv, rtol=0, what="running_var")
+    for shape, training in (((1, c, 1, 1), False), ((2, c, 1, 1), True), ((1, c, 1, 2), True)):
+        x, dy = normal(rng, *shape), normal(rng, *shape)
+        y_ref, cache_ref = REF.batchnorm_forward(x, gamma, beta, rm, rv, training)
+        y, cache = be.batchnorm_forward(be.asarray(x), g_d, b_d, rm_d, rv_d, training)
+        check(be, y, y_ref, what=f"y {shape}")
+        check(be, rv_d, rv, what=f"running_var {shape}")
+        dx_ref, dgamma_ref, _ = REF.batchnorm_backward(dy, cache_ref)
+        dx, dgamma, _ = be.batchnorm_backward(be.asarray(dy), cache)
+        check(be, dx, dx_ref, what=f"dx {shape}")
+        check(be, dgamma, dgamma_ref, what=f"dgamma {shape}")
 
 
 # ------------------------------------------------------------------ dense, loss, optimiser
