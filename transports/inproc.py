@@ -1,8 +1,8 @@
 """In-process transport: every worker is a thread of the master's process.
 
 No serialisation at all: a task's arrays reach the worker's handler as the very
-same numpy objects, and so do the replies. Messages are still checked against the
-wire schema (:func:`transports.wire.check_message`), so code that works here
+same numpy objects, and so do the replies. Messages are still checked as the wire
+checks them (:func:`transports.wire.check_message`), so code that works here
 sends messages the zmq transport accepts too.
 
 Each worker thread calls ``handler_factory(i)`` once, in its own thread (so it
