@@ -14,7 +14,7 @@ columns are rebuilt from x in backward rather than kept from forward: that costs
 one cheap pass over x and saves holding K*N*OH*OW floats per conv layer between
 forward and backward. Integer division is slow on CPUs, so the kernels never
 split a flat index per element: im2col adds entries of two small tables, and
-col2im is compiled per window (see ops.cl).
+col2im is compiled per window (see layout.cl, where the kernels are).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ i32 = np.int32
 def im2col_tables(
     rt: Runtime, x_shape: tuple[int, ...], kh: int, kw: int, stride: int, padding: int, oh: int, ow: int
 ) -> tuple[cla.Array, cla.Array]:
-    """The pixel and tap tables of ops.cl's im2col: (N*OH*OW, 4) and (C*KH*KW, 4) int32."""
+    """The pixel and tap tables of layout.cl's im2col: (N*OH*OW, 4) and (C*KH*KW, 4) int32."""
     n, c, h, w = x_shape
     npix, kdim = n * oh * ow, c * kh * kw
     pixel, tap = rt.empty((npix, 4), np.int32), rt.empty((kdim, 4), np.int32)

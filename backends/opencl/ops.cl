@@ -1,4 +1,5 @@
-// Every op of the OpenCL backend except the GEMM (gemm.cl), in the order of
+// Every op of the OpenCL backend except the convolution's data layout (layout.cl,
+// built into the same program) and the GEMM (gemm.cl), in the order of
 // backends/base.py. OpenCL C 1.2, float32, NCHW.
 //
 // One work-item per output element wherever possible: PoCL turns the loop over a
@@ -6,8 +7,9 @@
 // own (nor a call it cannot inline), and GPUs want many small items anyway. Grids
 // are 1-3 dimensional so no work-item has to split a flat index by division
 // (slow on CPUs); they are rounded up to whole work-groups, so every kernel starts
-// with a bounds check. The kernels whose loops depend on a layer's window (col2im,
-// LRN, max pool) are built per window, with it compiled in, so those loops unroll.
+// with a bounds check. The kernels whose loops depend on a layer's window (col2im in
+// layout.cl, LRN, max pool) are built per window, with it compiled in, so those loops
+// unroll.
 //
 // Arithmetic follows backends/numpy_backend.py operation by operation (same
 // order, same float32 roundings), and contraction of a*b+c into a fused
@@ -16,141 +18,13 @@
 
 #pragma OPENCL FP_CONTRACT OFF
 
-// ------------------------------------------------------------------ convolution data layout
-//
-// im2col reads x_pad[n, c, oh*s + i - pad, ow*s + j - pad] for column p = (n, oh, ow)
-// and row k = (c, i, j). Splitting a flat index into (n, oh, ow) takes integer
-// divisions, which cost more than the copy itself (measured: ~10x slower on PoCL),
-// so each side is split once into a small table and the copy adds table entries:
-//   pixel[p] = (n*C*H*W, oh*s - pad, ow*s - pad)     tap[k] = (c*H*W, i, j)
-// (PoCL leaves this copy scalar: its loads of int4 do not vectorise. Planar tables
-// make it vectorise -- into AVX-512 gathers, which measured no faster.)
-
-__kernel void pixel_table(const int C, const int H, const int W, const int OH, const int OW,
-                          const int stride, const int pad, const int NP, __global int4* pixel)
-{
-    const int p = get_global_id(0);
-    if (p >= NP) return;
-    const int ow = p % OW, oh = (p / OW) % OH, n = p / (OW * OH);
-    pixel[p] = (int4)(n * C * H * W, oh * stride - pad, ow * stride - pad, 0);
-}
-
-__kernel void tap_table(const int H, const int W, const int kh, const int kw, const int Kdim,
-                        __global int4* tap)
-{
-    const int k = get_global_id(0);
-    if (k >= Kdim) return;
-    const int j = k % kw, i = (k / kw) % kh, c = k / (kw * kh);
-    tap[k] = (int4)(c * H * W, i, j, 0);
-}
-
-inline float im2col_at(__global const float* x, const int4 px, const int4 tp, const int H, const int W)
-{
-    const int h = px.y + tp.y, w = px.z + tp.z;
-    return (h >= 0 && h < H && w >= 0 && w < W) ? x[px.x + tp.x + h * W + w] : 0.0f;
-}
-
-// cols (Kdim, NP) in the GEMM's B-panel layout (gemm.cl): panel q holds columns
-// [q*NB, (q+1)*NB) as a (Kdim, NB) row-major block, zero past NP.
-// global (NB, Kdim, n_panels): work-item (t, k, q) writes column p = q*NB + t of row k.
-__kernel void im2col_panels(__global const float* x, __global const int4* pixel,
-                            __global const int4* tap, const int H, const int W, const int NP,
-                            const int Kdim, const int NB, __global float* out)
-{
-    const int t = get_global_id(0), k = get_global_id(1), q = get_global_id(2);
-    if (t >= NB || k >= Kdim || q * NB >= NP) return;
-    const int p = q * NB + t;
-    out[((size_t)q * Kdim + k) * NB + t] = p < NP ? im2col_at(x, pixel[p], tap[k], H, W) : 0.0f;
-}
-
-// [cols^T | 1] (NP, Kdim + 1) in the B-panel layout: the B of [dW | db] = dY [cols^T | 1].
-// Column Kdim is all ones, so the same GEMM also sums dY over (n, oh, ow): the bias
-// gradient, at no cost when it falls in the panel padding. Panel q holds columns
-// [q*NB, (q+1)*NB) as a (NP, NB) row-major block, zero past Kdim. global (NB, NP, n_panels).
-__kernel void im2row_panels(__global const float* x, __global const int4* pixel,
-                            __global const int4* tap, const int H, const int W, const int NP,
-                            const int Kdim, const int NB, __global float* out)
-{
-    const int t = get_global_id(0), p = get_global_id(1), q = get_global_id(2);
-    if (t >= NB || p >= NP || q * NB > Kdim) return;
-    const int k = q * NB + t;
-    float v = k == Kdim ? 1.0f : 0.0f;
-    if (k < Kdim) v = im2col_at(x, pixel[p], tap[k], H, W);
-    out[((size_t)q * NP + p) * NB + t] = v;
-}
-
-// A strided (K, N) matrix, B(k, n) = src[k*sk + n*sn], in the B-panel layout.
-// global (NB, K, n_panels).
-__kernel void pack_panels(__global const float* src, const int K, const int N, const int sk,
-                          const int sn, const int NB, __global float* out)
-{
-    const int t = get_global_id(0), k = get_global_id(1), q = get_global_id(2);
-    if (t >= NB || k >= K || q * NB >= N) return;
-    const int n = q * NB + t;
-    out[((size_t)q * K + k) * NB + t] = n < N ? src[k * sk + n * sn] : 0.0f;
-}
-
-// src (R, C + 1) -> its first C columns into first (R, C) and its last into last (R,).
-// global (C + 1, R).
-__kernel void split_last_column(__global const float* src, const int R, const int C,
-                                __global float* first, __global float* last)
-{
-    const int c = get_global_id(0), r = get_global_id(1);
-    if (c > C || r >= R) return;
-    if (c < C)
-        first[r * C + c] = src[r * (C + 1) + c];
-    else
-        last[r] = src[r * (C + 1) + c];
-}
-
-// dst (C, R) = src (R, C)^T. global (C, R).
-__kernel void transpose(__global const float* src, const int R, const int C, __global float* dst)
-{
-    const int c = get_global_id(0), r = get_global_id(1);
-    if (c < C && r < R) dst[c * R + r] = src[r * C + c];
-}
-
-#ifdef KH  // ------------------------------------------------ col2im, built per (KH, KW, STRIDE, PAD)
-
-// Adjoint of im2col: dx[n, c, h, w] = sum of dcols[(c, i, j), (n, oh, ow)] over the
-// windows that read x[n, c, h, w]. A gather, one work-item per dx element: no atomics.
-// The geometry is compiled in so the tap loops unroll and divide by a constant:
-// PoCL then vectorises across work-items (3x faster than with runtime loops).
-// Window oh covers h when i = h + PAD - oh*STRIDE is in [0, KH); the last such oh is
-// (h + PAD) / STRIDE and the others step back by one, at most ceil(KH/STRIDE) of them.
-// dcols is row-major (C*KH*KW, NP). global (W, H, N*C).
-__kernel void col2im(__global const float* dcols, const int C, const int H, const int W,
-                     const int OH, const int OW, const int NP, const int planes, __global float* dx)
-{
-    const int w = get_global_id(0), h = get_global_id(1), plane = get_global_id(2);
-    if (w >= W || h >= H || plane >= planes) return;
-    const int c = plane % C, n = plane / C;
-    const int oh_last = (h + PAD) / STRIDE, ow_last = (w + PAD) / STRIDE;
-    float s = 0.0f;
-    // taps in ascending (i, j), numpy's col2im summation order
-#pragma unroll
-    for (int ti = 0; ti < (KH + STRIDE - 1) / STRIDE; ti++) {
-        const int oh = oh_last - ti, i = h + PAD - oh * STRIDE;
-        if (oh < 0 || oh >= OH || i >= KH) continue;
-#pragma unroll
-        for (int tj = 0; tj < (KW + STRIDE - 1) / STRIDE; tj++) {
-            const int ow = ow_last - tj, j = w + PAD - ow * STRIDE;
-            if (ow < 0 || ow >= OW || j >= KW) continue;
-            s += dcols[(size_t)((c * KH + i) * KW + j) * NP + (n * OH + oh) * OW + ow];
-        }
-    }
-    dx[((size_t)plane * H + h) * W + w] = s;
-}
-
-#endif  // KH
-
 // ------------------------------------------------------------------ per-channel reductions
 
 // out[m] = (sum over a < NA, b < NB of f(src[m*s0 + a*s1 + b*s2])) / divisor, with
 // f = x (mode 0), x * src2[same index] (mode 1), (x - center[m])^2 (mode 2).
 // One work-group of RL (a power of two) work-items per m, a tree in local memory.
 // Used for the linear bias gradient and batchnorm's statistics and gradients (the conv
-// bias gradient comes out of the dW GEMM, see im2row_panels).
+// bias gradient comes out of the dW GEMM, see im2row_panels in layout.cl).
 __kernel void reduce_rows(__global const float* src, __global const float* src2,
                           __global const float* center, const int mode, const int NA, const int NB,
                           const int s0, const int s1, const int s2, const float divisor,

@@ -2,7 +2,7 @@
 
     rt = Runtime(device, autotune, tune_file)
     y = rt.empty((n, c, h, w))                               # a float32 buffer from the pool
-    rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # an ops.cl kernel on a grid
+    rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # a kernel on a grid
     rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
 
 The ops themselves are in backend.py (and the convolution in conv.py); this module only
@@ -30,6 +30,7 @@ F32 = np.float32
 i32 = np.int32
 HERE = Path(__file__).resolve().parent
 MAX_ELEMENTS = 2**31 - 1  # kernels index with 32-bit ints
+OPS_SOURCES = ("layout.cl", "ops.cl")  # one program: every kernel but the GEMM's
 
 
 class Runtime:
@@ -49,36 +50,36 @@ class Runtime:
         self.limits = DeviceLimits.of(device, device_kind(device))
         self.wg = min(256, self.limits.max_work_group_size)  # 1-D launches: many items, any device
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
-        self._programs: dict[tuple[str, str], cl.Program] = {}
+        self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
         self.gemm = Gemm(self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file)
 
     # ---- programs and launches ---------------------------------------------------
-    def program(self, filename: str, options: str = "") -> cl.Program:
-        """``filename`` (beside this module) built once per context with ``options``.
+    def program(self, filenames: str | tuple[str, ...], options: str = "") -> cl.Program:
+        """The file(s) beside this module, concatenated, built once per context with ``options``.
 
         The build itself is cached on disk between runs: by pyopencl's binary cache on most
         platforms, and on PoCL (which pyopencl leaves to it) by PoCL's own kernel cache.
         """
-        key = (filename, options)
+        key = ((filenames,) if isinstance(filenames, str) else tuple(filenames), options)
         if key not in self._programs:
-            source = (HERE / filename).read_text()
+            source = "\n".join((HERE / name).read_text() for name in key[0])
             try:
                 self._programs[key] = cl.Program(self.context, source).build(
                     options=["-cl-std=CL1.2", *options.split()]
                 )
             except cl.RuntimeError as e:
                 raise RuntimeError(
-                    f"OpenCL could not compile {filename} ({options or 'no options'}) for "
+                    f"OpenCL could not compile {' + '.join(key[0])} ({options or 'no options'}) for "
                     f"{self.device.name.strip()}: {e}"
                 ) from None
         return self._programs[key]
 
     def kernel(self, name: str, defines: str = "") -> tuple[cl.Kernel, int]:
-        """The ops.cl kernel ``name`` (built with ``defines``) and the work-group size to launch it with."""
+        """The kernel ``name`` of OPS_SOURCES (built with ``defines``) and the work-group size to launch it with."""
         key = f"{name} {defines}"
         if key not in self._kernels:
-            knl = cl.Kernel(self.program("ops.cl", f"-DRL={self.rl} {defines}".strip()), name)
+            knl = cl.Kernel(self.program(OPS_SOURCES, f"-DRL={self.rl} {defines}".strip()), name)
             limit = int(knl.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.device))
             if name == "reduce_rows" and limit < self.rl:  # its group size is compiled in: rebuild smaller
                 self.rl = 1 << (limit.bit_length() - 1)
@@ -87,11 +88,11 @@ class Runtime:
         return self._kernels[key]
 
     def launch(self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "") -> None:
-        """Run the ops.cl kernel ``name`` over a 1-3 dimensional grid of ``dims`` work-items.
+        """Run the kernel ``name`` of OPS_SOURCES over a 1-3 dimensional grid of ``dims`` work-items.
 
         Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
         up to whole groups and every kernel checks its bounds. ``defines`` selects a build of
-        ops.cl with a layer's window compiled in (see the header of ops.cl).
+        the kernels with a layer's window compiled in (see the header of ops.cl).
         """
         knl, wg = self.kernel(name, defines)
         dims = (dims,) if isinstance(dims, int) else dims
