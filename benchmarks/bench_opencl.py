@@ -152,10 +152,10 @@ def bench_step(backends: dict[str, Backend], arch: str, batch: int, repeats: int
     labels = rng.integers(0, 10, size=batch)
     rows, times = [], {}
     for name, be in backends.items():
-        net = paper_net(be, c1, c2, "lrn")
+        net = paper_net((c1, c2), be, "lrn")
         xd = be.asarray(x)
         def step(net=net, xd=xd):
-            return net.train_step_grads(xd, labels)
+            return net.train_step(xd, labels)
 
         times[name] = median_time(step, be.synchronize, repeats)
         rows.append(f"train step {arch} lrn   {name:<8} {times[name] * 1e3:9.1f} ms")

@@ -40,26 +40,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tinyconv.distributed import ShardedConv  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import Conv2D  # noqa: E402
 from tinyconv.model import paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
+from tinyconv.shard.cluster import Cluster  # noqa: E402
+from tinyconv.shard.protocol import VERSION  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
-from tinyconv.worker import stop_workers  # noqa: E402
-from transports.zmq_transport import ZmqTransport  # noqa: E402
+from tinyconv.worker.pool import stop_workers  # noqa: E402
+from transports.zmq_master import ZmqTransport  # noqa: E402
 
 
-def one_step(net, opt, x, y, dist: ShardedConv | None) -> dict:
+def one_step(net, opt, x, y, cluster: Cluster | None) -> dict:
     """One training step (forward, loss, backward, SGD); its time and the paper's split."""
     t = time.perf_counter()
-    net.train_step_grads(x, y)
-    opt.step(0.001)
+    net.train_step(x, y)
+    opt.step()
     net.backend.synchronize()
     dt = time.perf_counter() - t
-    split = dist.end_step() if dist is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
+    split = cluster.last_step if cluster is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
     return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
 
 
@@ -71,7 +72,7 @@ def solo_split(net, x, y) -> dict:
     a = x
     for layer in net.layers:
         t = time.perf_counter()
-        a = layer.forward(a)
+        a = layer.forward(a, training=True)
         if isinstance(layer, Conv2D):
             conv_s += time.perf_counter() - t
     _, d = net.loss_fn(a, y)
@@ -142,11 +143,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = be.asarray(rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32))
     y = rng.integers(0, 10, args.batch)
-    net = paper_net(be, c1, c2, args.norm, seed=0)
-    opt = SGD(net)
+    net = paper_net((c1, c2), be, args.norm, seed=0)
+    opt = SGD(net, 0.001, momentum=0.9, weight_decay=5e-4)
 
     # the worker, started as a user would, pinned to core 1, over TCP on loopback
-    transport = ZmqTransport(bind="tcp://127.0.0.1:0", peer_timeout_s=60.0)
+    transport = ZmqTransport(bind="tcp://127.0.0.1:0", peer_timeout_s=60.0, protocol=VERSION)
     cmd = [
         sys.executable,
         "-m",
@@ -164,7 +165,7 @@ def main() -> None:
     proc = subprocess.Popen(([taskset, "-c", "1"] if taskset else []) + cmd)
     try:
         workers = transport.start(1, timeout=60)
-        dist = ShardedConv(
+        cluster = Cluster(
             transport,
             workers,
             be,
@@ -174,24 +175,24 @@ def main() -> None:
             fuse=args.fuse == "on",
             split=args.split,
         )
-        calib = dist.calibrate(net, args.batch)
+        calib = cluster.calibrate(net, args.batch)
         print(f"calibrated times (s, master/worker per layer): {calib['times']} -> shares {calib['shares']}")
         for _ in tqdm(range(args.warmup), desc="warm-up", disable=None):
-            one_step(net, opt, x, y, dist)
+            one_step(net, opt, x, y, cluster)
         # Alternate the two configurations step by step, so that a drift in the shared
-        # machine's speed hits both alike: solo = the same network with no distributor
+        # machine's speed hits both alike: solo = the same network with its own layers back
         # (what --workers 0 runs), while the worker waits on the other core.
         solo_recs, dist_recs = [], []
         for _ in tqdm(range(args.steps), desc="solo / distributed steps", disable=None):
-            dist.detach(net)
+            cluster.detach(net)
             for _ in range(args.settle):
                 one_step(net, opt, x, y, None)
             solo_recs.append(one_step(net, opt, x, y, None))
-            dist.attach(net)
+            cluster.attach(net)
             for _ in range(args.settle):
-                one_step(net, opt, x, y, dist)
-            dist_recs.append(one_step(net, opt, x, y, dist))
-        dist.detach(net)
+                one_step(net, opt, x, y, cluster)
+            dist_recs.append(one_step(net, opt, x, y, cluster))
+        cluster.detach(net)
         split = solo_split(net, x, y)  # one extra solo step, timed layer by layer for the Amdahl bound
     finally:
         transport.close()
@@ -199,7 +200,7 @@ def main() -> None:
 
     solo_t, dist_t = med(solo_recs, "time_s"), med(dist_recs, "time_s")
     f = split["conv_s"] / split["time_s"]
-    per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(dist.who))]
+    per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(cluster.seats))]
     rows = [
         ("master alone", solo_t, 0.0, f * solo_t, (1 - f) * solo_t, 1.0, "-"),
         (
@@ -225,14 +226,14 @@ def main() -> None:
         f"(f = conv / step = {f:.3f}); distributed: conv = slowest participant"
         + (" (conv + its fused ReLU/LRN/pool)" if args.fuse == "on" else "")
         + "; each participant's conv compute per step: "
-        + ", ".join(f"{n} {t:.2f} s" for n, t in zip(dist.participants, per, strict=True))
+        + ", ".join(f"{n} {t:.2f} s" for n, t in zip(cluster.participants, per, strict=True))
     )
     # where the distributed step goes, op by op (medians): a step waits for the slowest participant
     # of each op, then for the transfers ("wait" = wall - slowest compute)
     op_rows = []
     for j, op in enumerate(dist_recs[0]["ops"]):
         walls = [r["ops"][j]["wall_s"] for r in dist_recs]
-        computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(dist.who))]
+        computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(cluster.seats))]
         waits = [r["ops"][j]["wall_s"] - max(r["ops"][j]["compute_s"]) for r in dist_recs]
         op_rows.append(
             (
@@ -244,7 +245,7 @@ def main() -> None:
         )
     print(
         format_table(
-            ("op", "wall s", *(f"{n} compute s" for n in dist.participants), "wait s"),
+            ("op", "wall s", *(f"{n} compute s" for n in cluster.participants), "wait s"),
             op_rows,
             title="master + 1 worker, op by op (medians)",
         )

@@ -45,7 +45,7 @@ def main() -> None:
         print(f"  {layer!r:55s} " + "  ".join(f"d{k}: {v:.1e}" for k, v in errors.items()))
     print(f"  {'SoftmaxCrossEntropy':55s} dlogits: {check_loss(rng.standard_normal((4, 10)), np.arange(4)):.1e}")
 
-    net = paper_net(be, 3, 4, "lrn", seed=0, image_size=12)
+    net = paper_net("3:4", be, "lrn", seed=0, image_size=12)
     errors = check_network(net, rng.standard_normal((2, 3, 12, 12)), np.array([1, 7]))
     print(f"  whole network, d loss / d w:  worst {max(errors.values()):.1e}")
 

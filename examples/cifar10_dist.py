@@ -22,15 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-import tinyconv  # noqa: E402
+import tinyconv as tc  # noqa: E402
 from tinyconv.cifar10 import DataError  # noqa: E402
-from tinyconv.cluster import worker_pool  # noqa: E402
 from tinyconv.data import load_dataset  # noqa: E402
-from tinyconv.distributed import ShardedConv  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
-from tinyconv.model import NORMS, PAPER_ARCHS, paper_net, parse_arch  # noqa: E402
-from tinyconv.plugins import available_backends, available_transports, get_backend  # noqa: E402
+from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
+from tinyconv.plugins import available_backends, available_transports  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, summary_table  # noqa: E402
@@ -182,27 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
-    try:
-        c1, c2 = parse_arch(args.arch)
-        c1, c2 = args.conv1 or c1, args.conv2 or c2
-        options = {"device": args.device} if args.device else {}
-        backend = get_backend(args.backend, **options)
-        data = load_dataset(
-            args.dataset,
-            data_dir=args.data_dir,
-            download=not args.no_download,
-            seed=args.seed,
-            progress=not args.no_progress,
-        )
-    except (DataError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    net = paper_net(backend, c1, c2, args.norm, seed=args.seed, pool_kernel=args.pool)
-    config = TrainConfig(
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -216,65 +195,93 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint=args.checkpoint,
         progress=not args.no_progress,
     )
+
+
+def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | None:
+    """The workers and the cluster sharing net's convolutions with them (None with --workers 0)."""
+    if args.workers == 0:
+        return None
+    cluster = tc.distribute(
+        net,
+        args.transport,
+        args.workers,
+        worker_backend=args.worker_backend or args.backend,
+        worker_device=args.worker_device,
+        bind=args.bind,
+        external=args.external_workers,
+        worker_threads=args.worker_threads,
+        start_timeout=args.start_timeout or (600.0 if args.external_workers else 60.0),
+        calibrate=False,  # below, once the workers are printed and the run recorded
+        master_share=args.master_share,
+        rebalance=args.rebalance == "on",
+        rebalancer=Rebalancer(threshold=args.rebalance_threshold),
+        fuse=args.fuse == "on",
+        split=args.split,
+    )
+    for w in cluster.workers:
+        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})")
+    return cluster
+
+
+def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str] | None, net, backend, cluster) -> None:
+    workers = cluster.workers if cluster is not None else []
+    metrics.write(
+        "run",
+        argv=sys.argv if argv is None else ["cifar10_dist.py", *argv],
+        seed=args.seed,
+        backend=backend.describe(),
+        transport=args.transport if workers else None,
+        workers=[{"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname} for w in workers],
+        arch=net.config,
+        dataset=args.dataset,
+        batch_size=args.batch_size,
+        train_config=vars(args),
+        versions={"tinyconv": tc.__version__, "numpy": np.__version__, "python": platform.python_version()},
+    )
+
+
+def train(args: argparse.Namespace, argv: list[str] | None, net, backend, data, metrics) -> dict:
+    """Start the workers, calibrate, train; the workers stop whatever happens."""
+    cluster = start_cluster(args, net)
+    try:
+        record_run(metrics, args, argv, net, backend, cluster)
+        if cluster is not None:
+            calibration = cluster.calibrate(net, args.batch_size)
+            metrics.write("calibration", **calibration)
+            channels = calibration["channel_shares"]
+            print(
+                f"calibrated shares ({', '.join(cluster.participants)}): kernels {calibration['shares']}"
+                + (f", input channels {channels}" if channels else "")
+            )
+        trainer = Trainer(net, data, train_config(args), metrics, cluster=cluster)
+        if args.resume:
+            trainer.resume(args.resume)
+            print(f"resumed from {args.resume} at step {trainer.step}")
+        return trainer.fit()
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
+    try:
+        c1, c2 = parse_arch(args.arch)
+        backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
+        data = load_dataset(
+            args.dataset, data_dir=args.data_dir, download=not args.no_download, seed=args.seed,
+            progress=not args.no_progress,
+        )  # fmt: skip
+    except (DataError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    net = tc.paper_net((args.conv1 or c1, args.conv2 or c2), backend, args.norm, seed=args.seed, pool_kernel=args.pool)
     metrics = MetricsWriter(args.metrics_out, append=bool(args.resume))
     print(net)
     print(f"{net.num_params():,} parameters; master: {backend.describe()['device']} ({args.backend})")
     try:
-        with worker_pool(
-            args.transport,
-            args.workers,
-            worker_backend=args.worker_backend or args.backend,
-            worker_device=args.worker_device,
-            bind=args.bind,
-            external=args.external_workers,
-            worker_threads=args.worker_threads,
-            start_timeout=args.start_timeout or (600.0 if args.external_workers else 60.0),
-        ) as (transport, workers):
-            distributor = None
-            if workers:
-                for w in workers:
-                    print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})")
-                distributor = ShardedConv(
-                    transport,
-                    workers,
-                    backend,
-                    master_share=args.master_share,
-                    rebalance=args.rebalance == "on",
-                    rebalancer=Rebalancer(threshold=args.rebalance_threshold),
-                    fuse=args.fuse == "on",
-                    split=args.split,
-                )
-            metrics.write(
-                "run",
-                argv=sys.argv if argv is None else ["cifar10_dist.py", *argv],
-                seed=args.seed,
-                backend=backend.describe(),
-                transport=args.transport if workers else None,
-                workers=[
-                    {"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname} for w in workers
-                ],
-                arch=net.config,
-                dataset=args.dataset,
-                batch_size=args.batch_size,
-                train_config=vars(args),
-                versions={
-                    "tinyconv": tinyconv.__version__,
-                    "numpy": np.__version__,
-                    "python": platform.python_version(),
-                },
-            )
-            if distributor is not None:
-                calibration = distributor.calibrate(net, args.batch_size)
-                metrics.write("calibration", **calibration)
-                print(
-                    f"calibrated shares ({', '.join(distributor.participants)}): kernels {calibration['shares']}"
-                    + (f", input channels {calibration['channel_shares']}" if calibration["channel_shares"] else "")
-                )
-            trainer = Trainer(net, data, config, metrics, distributor=distributor)
-            if args.resume:
-                trainer.resume(args.resume)
-                print(f"resumed from {args.resume} at step {trainer.step}")
-            summary = trainer.fit()
+        summary = train(args, argv, net, backend, data, metrics)
     except (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

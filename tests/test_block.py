@@ -1,4 +1,4 @@
-"""Conv blocks on kernel slices (tinyconv/block.py): with the halo, slices give the unsharded numbers.
+"""Conv blocks on kernel slices (tinyconv/shard/block.py): with the halo, slices give the unsharded numbers.
 
 The reference is the plain layer sequence conv -> tail on all kernels; each case cuts
 the kernels into slices (some narrower than the halo, some at the edges), computes each
@@ -13,23 +13,24 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.block import (
+from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.model import Network, paper_net
+from tinyconv.shard.balance import slices
+from tinyconv.shard.block import (
     block_backward,
     block_forward,
     check_tail,
-    extended,
-    grad_span,
-    halo,
+    halo_span,
+    halo_width,
     owned,
     tail_backward,
     tail_forward,
     tail_of,
 )
-from tinyconv.distributed import ShardedConv
-from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
-from tinyconv.model import Network, paper_net
-from tinyconv.shard.balance import slices
-from tinyconv.worker import ConvWorker
+from tinyconv.shard.cluster import Cluster
+from tinyconv.shard.layer import ShardedBlock
+from tinyconv.shard.protocol import VERSION
+from tinyconv.worker.handler import Worker
 from transports.inproc import InprocTransport
 
 TIMEOUT = 20.0
@@ -94,11 +95,11 @@ def test_slices_with_halo_equal_the_whole_block(rng, tail, counts):
     for s, e in slices(counts):
         if s == e:
             continue
-        cs, ce = extended(s, e, total, tail)
-        y, cache = block_forward(be, x, w[cs:ce], b[cs:ce], 1, 1, tail, (s - cs, e - cs))
+        h = halo_span(s, e, total, tail)
+        y, cache = block_forward(be, x, w[h], b[h], 1, 1, tail, (s - h.start, e - h.start))
         ys.append(np.asarray(y))
-        gs, ge = grad_span(s, e, total, tail)
-        dx_k, dw_k, db_k = block_backward(be, np.ascontiguousarray(g[:, gs:ge]), cache, gs - cs, True)
+        # the gradient of every kernel it computed: what the halo kernels get of it is dropped
+        dx_k, dw_k, db_k = block_backward(be, np.ascontiguousarray(g[:, h]), cache, True)
         dws.append(dw_k)
         dbs.append(db_k)
         dx += dx_k
@@ -111,8 +112,8 @@ def test_slices_with_halo_equal_the_whole_block(rng, tail, counts):
 @pytest.mark.parametrize("tail", TAILS, ids=lambda t: "+".join(s["op"] + str(s.get("size", "")) for s in t) or "none")
 @pytest.mark.parametrize("channels", [[4], [1, 3], [2, 0, 2]])
 def test_partial_convolutions_by_input_channels_summed_under_the_tails_equal_the_whole_block(rng, tail, channels):
-    # ShardedConv's split by input channels: a partial convolution of each channel slice (no bias),
-    # summed on each kernel slice's extended range, where tail_forward runs; backward, the kernel
+    # by_channels.py's split: a partial convolution of each channel slice (no bias), summed on
+    # each kernel slice's halo, where tail_forward runs; backward, the kernel
     # slices' conv-output gradients together go back through each partial: dx and dw of its channels
     be = NumpyBackend()
     x = rng.standard_normal((2, 4, 8, 8), dtype=np.float32)
@@ -127,11 +128,10 @@ def test_partial_convolutions_by_input_channels_summed_under_the_tails_equal_the
     conv_sum = sum(p for p, _ in partials) + b[None, :, None, None]
     ys, dycs = [], []
     for s, e in slices([2, 6, 3]):
-        cs, ce = extended(s, e, 11, tail)
-        y, cache = tail_forward(be, conv_sum[:, cs:ce], partials[0][1], tail, (s - cs, e - cs))
+        h = halo_span(s, e, 11, tail)
+        y, cache = tail_forward(be, conv_sum[:, h], partials[0][1], tail, (s - h.start, e - h.start))
         ys.append(np.asarray(y))
-        gs, ge = grad_span(s, e, 11, tail)
-        dycs.append(owned(be, tail_backward(be, np.ascontiguousarray(g[:, gs:ge]), cache, gs - cs), cache))
+        dycs.append(owned(be, tail_backward(be, np.ascontiguousarray(g[:, h]), cache), cache))
     assert_close(np.concatenate(ys, axis=1), y_ref)
     dyc = np.concatenate(dycs, axis=1)
     for (c0, c1), (_, conv_cache) in zip(cspans, partials, strict=True):
@@ -142,21 +142,22 @@ def test_partial_convolutions_by_input_channels_summed_under_the_tails_equal_the
 
 
 def test_halo_sizes():
-    assert halo([]) == (0, 0, 0)
-    assert halo([RELU, lrn(5), POOL]) == (4, 2, 2)
-    assert halo([lrn(4)]) == (3, 1, 2)  # window [i - 2, i + 1]: backward reads [j - 1, j + 2]
-    assert extended(0, 3, 10, [lrn(5)]) == (0, 7)
-    assert extended(4, 6, 10, [lrn(5)]) == (0, 10)
-    assert grad_span(4, 6, 10, [lrn(4)]) == (3, 8)
+    assert halo_width([]) == 0
+    assert halo_width([RELU, lrn(5), POOL]) == 4  # 2 channels before, 2 after, once forward and once backward
+    assert halo_width([lrn(4)]) == 3  # window [i - 2, i + 1]: backward reads [j - 1, j + 2]
+    assert halo_width([lrn(3), RELU, lrn(5)]) == 6  # the halos of two cross-channel layers add up
+    assert halo_span(0, 3, 10, [lrn(5)]) == slice(0, 7)
+    assert halo_span(4, 6, 10, [lrn(5)]) == slice(0, 10)
+    assert halo_span(4, 4, 10, [lrn(5)]) == slice(4, 4)  # no kernels, nothing computed
 
 
-def test_a_gradient_that_misses_the_halo_is_refused(rng):
+def test_a_gradient_that_does_not_cover_the_computed_kernels_is_refused(rng):
     be = NumpyBackend()
     x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
     w = rng.standard_normal((9, 3, 3, 3), dtype=np.float32)
     _, cache = block_forward(be, x, w, np.zeros(9, np.float32), 1, 1, [lrn(5)], (4, 5))
-    with pytest.raises(ValueError, match=r"covering computed channels \[2, 7\) of 9"):
-        block_backward(be, np.zeros((2, 3, 8, 8), np.float32), cache, 3)  # channels [3, 6) only
+    with pytest.raises(ValueError, match=r"over every computed kernel, \(2, 9, 8, 8\)"):
+        block_backward(be, np.zeros((2, 3, 8, 8), np.float32), cache)
 
 
 @pytest.mark.parametrize(
@@ -177,51 +178,53 @@ def test_bad_tails_are_refused_with_the_reason(tail, complaint):
 
 def test_tail_of_takes_the_per_channel_run_after_a_conv():
     be = NumpyBackend()
-    net = paper_net(be, 4, 6)
+    net = paper_net("4:6", be)
     assert [s["op"] for s in tail_of(net.layers[1:])] == ["relu", "lrn", "maxpool"]
-    assert tail_of(paper_net(be, 4, 6, norm="batch").layers[1:]) == [RELU]  # batch norm has parameters: not fused
+    assert tail_of(paper_net("4:6", be, norm="batch").layers[1:]) == [RELU]  # batch norm has parameters: not fused
     assert tail_of([]) == []
 
 
 def test_a_fused_network_gives_the_plain_numbers_and_detach_restores_it(rng):
     be = NumpyBackend()
     layers = [
-        Conv2D(be, 3, 9, 3, 1, 1, need_dx=False),
+        Conv2D(be, 3, 9, 3, 1, 1, need_dx=False, rng=rng),
         ReLU(be),
         LocalResponseNorm(be, alpha=1.0),
         MaxPool2D(be, 2, 2),
-        Conv2D(be, 9, 7, 3, 1, 1),
+        Conv2D(be, 9, 7, 3, 1, 1, rng=rng),
         ReLU(be),
     ]
     for conv in (layers[0], layers[4]):
-        conv.params["w"] = rng.standard_normal(conv.params["w"].shape, dtype=np.float32)
         conv.params["b"] = rng.standard_normal(conv.params["b"].shape, dtype=np.float32)
-    net = Network(be, layers, {})
+    net = Network(be, list(layers))
     x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
     y_ref = net.forward(x)
     g = rng.standard_normal(y_ref.shape, dtype=np.float32)
     net.backward(g)
     ref = [np.copy(layer.grads[k]) for layer in (layers[0], layers[4]) for k in ("w", "b")]
+    keys = [key for key, _, _ in net.named_params()]
 
-    transport = InprocTransport(lambda i: ConvWorker(NumpyBackend()))
+    transport = InprocTransport(lambda i: Worker(NumpyBackend()), protocol=VERSION)
     try:
-        workers = transport.start(2, timeout=TIMEOUT)
-        sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
-        sharded.attach(net)
-        assert [layer.fused for layer in layers] == [False, True, True, True, False, True]
-        sharded.set_plan("conv1", [2, 1, 6])
-        sharded.set_plan("conv2", [0, 4, 3])
+        cluster = Cluster(transport, transport.start(2, timeout=TIMEOUT), be, recv_timeout=TIMEOUT)
+        cluster.attach(net)
+        # each conv and the ReLU / LRN / pool after it became one sharded block in the list
+        assert [type(layer) for layer in net.layers] == [ShardedBlock, ShardedBlock]
+        assert net.layers[0].layers == layers[:4] and net.layers[1].layers == layers[4:]
+        assert [key for key, _, _ in net.named_params()] == keys  # the same names, the same arrays
+        assert all(net.layers[i].params is layers[j].params for i, j in ((0, 0), (1, 4)))
+        cluster.set_plan("conv1", [2, 1, 6])
+        cluster.set_plan("conv2", [0, 4, 3])
         for _ in range(2):
             assert_close(net.forward(x), y_ref)
             net.backward(g)
             got = [layer.grads[k] for layer in (layers[0], layers[4]) for k in ("w", "b")]
             for a, r in zip(got, ref, strict=True):
                 assert_close(a, r)
-            record = sharded.end_step()
             # each worker got its slice plus the halo, and returned only its own channels
-            assert record["shares"] == {"conv1": [2, 1, 6], "conv2": [0, 4, 3]}
-        sharded.detach(net)
-        assert not any(layer.fused for layer in layers) and layers[0].distributor is None
+            assert cluster.last_step["shares"] == {"conv1": [2, 1, 6], "conv2": [0, 4, 3]}
+        cluster.detach(net)
+        assert net.layers == layers
         assert_close(net.forward(x), y_ref)
     finally:
         transport.close()

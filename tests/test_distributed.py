@@ -1,7 +1,7 @@
-"""ShardedConv: a convolution split by kernels or by input channels gives the unsharded numbers,
+"""The cluster: a convolution split by kernels or by input channels gives the unsharded numbers,
 and balances itself.
 
-In-process workers (threads running ConvWorker on the numpy backend) for almost
+In-process workers (threads running the Worker on the numpy backend) for almost
 everything; one test with two real worker processes over ZeroMQ on loopback.
 Every wait is bounded by a timeout; no test sleeps.
 """
@@ -18,17 +18,20 @@ import pytest
 
 from backends.numpy_backend import NumpyBackend
 from tinyconv.data import synthetic_dataset
-from tinyconv.distributed import ShardedConv, conv_input_shapes
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import Network, paper_net
 from tinyconv.shard.balance import kernel_counts, slices
+from tinyconv.shard.calibrate import block_inputs
+from tinyconv.shard.cluster import Cluster
+from tinyconv.shard.protocol import VERSION
 from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.trainer import TrainConfig, Trainer
-from tinyconv.worker import ConvWorker, spawn_local_workers, stop_workers
+from tinyconv.worker.handler import Worker
+from tinyconv.worker.pool import spawn_local_workers, stop_workers
 from transports.base import Message
 from transports.inproc import InprocTransport
-from transports.zmq_transport import ZmqTransport
+from transports.zmq_master import ZmqTransport
 
 TIMEOUT = 20.0  # generous upper bound for a busy machine; passing tests return long before
 F4 = 4  # bytes per float32
@@ -36,8 +39,8 @@ F4 = 4  # bytes per float32
 
 @contextmanager
 def inproc_pool(n: int, make=None):
-    """n in-process workers, each ``make(i)`` (default: a ConvWorker on numpy); closed afterwards."""
-    transport = InprocTransport(make or (lambda i: ConvWorker(NumpyBackend())))
+    """n in-process workers, each ``make(i)`` (default: a Worker on numpy); closed afterwards."""
+    transport = InprocTransport(make or (lambda i: Worker(NumpyBackend())), protocol=VERSION)
     try:
         yield transport, transport.start(n, timeout=TIMEOUT)
     finally:
@@ -52,12 +55,17 @@ def assert_close(got: np.ndarray, ref: np.ndarray) -> None:
 
 
 def conv_and_reference(rng, c_in=3, c_out=7, kernel=3, stride=1, padding=1, need_dx=True):
-    """A Conv2D with random weights inside a one-layer Network, and the same weights as arrays."""
+    """A Conv2D with random weights inside a one-layer Network (its conv1)."""
     be = NumpyBackend()
-    conv = Conv2D(be, c_in, c_out, kernel, stride, padding, need_dx)
-    conv.params["w"] = rng.standard_normal((c_out, c_in, kernel, kernel), dtype=np.float32)
+    conv = Conv2D(be, c_in, c_out, kernel, stride, padding, need_dx, rng=rng)
     conv.params["b"] = rng.standard_normal((c_out,), dtype=np.float32)
-    return conv, Network(be, [conv], {})
+    return conv, Network(be, [conv])
+
+
+def attached(cluster: Cluster, net: Network):
+    """Attach ``net`` to ``cluster``; its first (sharded) layer."""
+    cluster.attach(net)
+    return net.layers[0]
 
 
 def unsharded(rng, conv, x_shape):
@@ -74,7 +82,7 @@ def block_reference(rng, conv, x):
     """``conv`` followed by ReLU, LRN and a max pool -- a tail with a halo -- as a Network, and its
     unsharded numbers through the plain layers: (net, y, a random gradient g of y, dx, dw, db)."""
     be = conv.backend
-    net = Network(be, [conv, ReLU(be), LocalResponseNorm(be, alpha=1.0), MaxPool2D(be, 2, 2)], {})
+    net = Network(be, [conv, ReLU(be), LocalResponseNorm(be, alpha=1.0), MaxPool2D(be, 2, 2)])
     y = net.forward(x)
     g = rng.standard_normal(y.shape, dtype=np.float32)
     d = g
@@ -83,26 +91,26 @@ def block_reference(rng, conv, x):
     return net, y, g, d, np.copy(conv.grads["w"]), np.copy(conv.grads["b"])
 
 
-def train_steps(conv, sharded, x, n):
-    """n steps of ``conv`` alone (forward of x, backward of ones); each step's end_step record."""
+def train_steps(block, cluster, x, n):
+    """n steps of ``block`` alone (forward of x, backward of ones); each step's record."""
     records = []
     for _ in range(n):
-        y = conv.forward(x)
-        conv.backward(np.ones_like(y))
-        records.append(sharded.end_step())
+        y = block.forward(x)
+        block.backward(np.ones_like(y))
+        records.append(cluster.last_step)
     return records
 
 
-def exact_steps(conv, sharded, reference, n):
-    """n steps of ``conv`` alone on ``reference`` = (x, y, dy, dx, dw, db) from :func:`unsharded`, each
-    checked against it; each step's end_step record."""
+def exact_steps(block, cluster, reference, n):
+    """n steps of ``block`` alone on ``reference`` = (x, y, dy, dx, dw, db) from :func:`unsharded`, each
+    checked against it; each step's record."""
     x, y_ref, dy, dx_ref, dw_ref, _ = reference
     records = []
     for _ in range(n):
-        assert_close(conv.forward(x), y_ref)
-        assert_close(conv.backward(dy), dx_ref)
-        assert_close(conv.grads["w"], dw_ref)
-        records.append(sharded.end_step())
+        assert_close(block.forward(x), y_ref)
+        assert_close(block.backward(dy), dx_ref)
+        assert_close(block.grads["w"], dw_ref)
+        records.append(cluster.last_step)
     return records
 
 
@@ -129,21 +137,21 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 3, 9, 9))
 
     with inproc_pool(n) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, split=split)
-        sharded.attach(net)
+        sharded = Cluster(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, split=split)
+        block = attached(sharded, net)
         if plan is not None:
             sharded.set_plan("conv1", plan)
         for _ in range(2):  # a second step reuses the workers' state the right way
             t0 = time.perf_counter()
-            assert_close(conv.forward(x), y_ref)
-            dx = conv.backward(dy)
+            assert_close(block.forward(x), y_ref)
+            dx = block.backward(dy)
             assert_close(conv.grads["w"], dw_ref)
             assert_close(conv.grads["b"], db_ref)
             if need_dx:
                 assert_close(dx, dx_ref)
             else:
                 assert dx is None
-            record = sharded.end_step()
+            record = sharded.last_step
             wall = time.perf_counter() - t0
             # each op's conv is a compute inside it, its comm the rest: together no more than the wall time
             assert record["conv_s"] > 0 and record["comm_s"] >= 0
@@ -161,11 +169,11 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     by_channels = layer_by_channels and any(counts[master_share == "auto" :])
     # bytes, split by kernels: every worker with kernels gets x, its w and b rows and its dy channels,
     # and returns its y channels, dw and db rows, and a whole partial dx if the layer needs one.
-    # By input channels: it gets x and w of its channels (part conv), returns the other kernels'
+    # By input channels: it gets x and w of its channels (partial_forward), returns the other kernels'
     # maps of its partial convolution, gets those others' partials summed on its kernels and its
-    # b rows (part tail) and returns its y channels; backward, it gets its dy channels and returns
-    # its conv-output gradient (the size of its y channels, part tail), gets the others' (part conv)
-    # and returns dx and dw of its input channels and all of db
+    # b rows (tail_forward) and returns its y channels; backward, it gets its dy channels and returns
+    # its conv-output gradient (the size of its y channels, tail_backward), gets the others'
+    # (partial_backward) and returns dx and dw of its input channels and all of db
     worker = slice(1, None) if master_share == "auto" else slice(None)
     y_k = y_ref.nbytes // 7  # one kernel's maps
     sent, recv = [], []  # per worker
@@ -174,8 +182,8 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
         if k and by_channels:
             c = c1 - c0
             others = y_ref.nbytes - k * y_k
-            to += x.nbytes // 3 * c + 7 * c * 9 * F4  # part conv
-            to += k * F4 + (k * y_k if others else 0)  # part tail: b, and the sum if anyone else has kernels
+            to += x.nbytes // 3 * c + 7 * c * 9 * F4  # partial_forward
+            to += k * F4 + (k * y_k if others else 0)  # tail_forward: b, and the sum if anyone else has kernels
             to += k * y_k + others  # backward: dy of its kernels, then the others' dyc
             back += others + k * y_k  # p_lo and p_hi; y
             back += k * y_k + 7 * c * 9 * F4 + 7 * F4 + x.nbytes // 3 * c  # dyc; dw, db, dx
@@ -203,10 +211,10 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
 def test_default_plan_is_an_equal_split(rng):
     conv, net = conv_and_reference(rng, c_out=10)
     with inproc_pool(2) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT)
-        sharded.attach(net)
-        conv.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
-        assert sharded.plans["conv1"] == [4, 3, 3]
+        sharded = Cluster(transport, workers, conv.backend, recv_timeout=TIMEOUT)
+        block = attached(sharded, net)
+        block.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
+        assert sharded.counts["conv1"] == [4, 3, 3]
 
 
 def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
@@ -214,14 +222,14 @@ def test_a_new_plan_never_splits_a_forward_from_its_backward(rng):
     be = conv.backend
     x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 3, 6, 6))
     with inproc_pool(2) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT)
-        sharded.attach(net)
+        sharded = Cluster(transport, workers, be, recv_timeout=TIMEOUT)
+        block = attached(sharded, net)
         sharded.set_plan("conv1", [1, 2, 4])
-        conv.forward(x)
+        block.forward(x)
         sharded.set_plan("conv1", [5, 1, 1])  # takes effect at the next forward
-        assert_close(conv.backward(dy), dx_ref)
+        assert_close(block.backward(dy), dx_ref)
         assert_close(conv.grads["w"], dw_ref)
-        assert sharded.end_step()["shares"]["conv1"] == [1, 2, 4]
+        assert sharded.last_step["shares"]["conv1"] == [1, 2, 4]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["conv", "conv+relu+lrn+pool"])
@@ -244,15 +252,15 @@ def test_a_channel_split_of_its_own_gives_the_unsharded_numbers(rng, n, master_s
     else:
         x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, x.shape)
     with inproc_pool(n) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, split="channels")
-        sharded.attach(net)
+        sharded = Cluster(transport, workers, be, master_share=master_share, recv_timeout=TIMEOUT, split="channels")
+        block = attached(sharded, net)
         sharded.set_plan("conv1", plan, channels)
         for _ in range(2):  # the second step starts from the kept plans
             assert_close(net.forward(x), y_ref)
-            assert_close(conv.backward(dy), dx_ref)  # the conv's backward covers its fused tail's
+            assert_close(block.backward(dy), dx_ref)  # the conv's backward covers its fused tail's
             assert_close(conv.grads["w"], dw_ref)
             assert_close(conv.grads["b"], db_ref)
-            record = sharded.end_step()
+            record = sharded.last_step
             assert record["shares"] == {"conv1": plan} and record["channel_shares"] == {"conv1": channels}
             assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in plan]
 
@@ -261,8 +269,8 @@ def test_a_channel_split_that_does_not_fit_is_refused_or_replaced(rng):
     conv, net = conv_and_reference(rng)
     x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (1, 3, 5, 5))
     with inproc_pool(2) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
-        sharded.attach(net)
+        sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        block = attached(sharded, net)
         for counts, bad in (([4, 3], [3, 1]), ([4, 3], [1, 1]), ([4, 3], [2, 1, 0]), ([4, 3], [-1, 4])):
             with pytest.raises(ValueError, match="channels for conv1 needs 2 counts >= 0 summing to its 3 input"):
                 sharded.set_plan("conv1", counts, bad)
@@ -275,10 +283,10 @@ def test_a_channel_split_that_does_not_fit_is_refused_or_replaced(rng):
         shares = []
         for counts in ([5, 2], [7, 0]):  # then one the kept split gives worker1 channels for: replaced
             sharded.set_plan("conv1", counts)
-            assert_close(conv.forward(x), y_ref)
-            assert_close(conv.backward(dy), dx_ref)
+            assert_close(block.forward(x), y_ref)
+            assert_close(block.backward(dy), dx_ref)
             assert_close(conv.grads["w"], dw_ref)
-            shares.append(sharded.end_step()["channel_shares"])
+            shares.append(sharded.last_step["channel_shares"])
     assert shares == [{"conv1": [1, 2]}, {"conv1": [3, 0]}]
 
 
@@ -287,13 +295,13 @@ def test_a_layer_with_fewer_input_channels_than_participants_goes_by_kernels(rng
     conv, net = conv_and_reference(rng, c_in=2, c_out=7)
     x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 2, 6, 6))
     with inproc_pool(2) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT, split="channels")
-        sharded.attach(net)
-        assert_close(conv.forward(x), y_ref)
-        assert_close(conv.backward(dy), dx_ref)
+        sharded = Cluster(transport, workers, conv.backend, recv_timeout=TIMEOUT, split="channels")
+        block = attached(sharded, net)
+        assert_close(block.forward(x), y_ref)
+        assert_close(block.backward(dy), dx_ref)
         assert_close(conv.grads["w"], dw_ref)
         assert_close(conv.grads["b"], db_ref)
-        record = sharded.end_step()
+        record = sharded.last_step
     assert record["shares"] == {"conv1": [3, 2, 2]} and record["channel_shares"] == {}
 
 
@@ -302,7 +310,7 @@ def test_auto_splits_by_channels_only_for_up_to_two_workers_on_the_masters_host(
         away = dataclasses.replace(workers[1], hostname=workers[1].hostname + "-elsewhere")
 
         def by_channels(pool: list, split: str = "auto") -> bool:
-            return ShardedConv(transport, pool, NumpyBackend(), split=split).by_channels
+            return Cluster(transport, pool, NumpyBackend(), split=split).split_by_channels
 
         assert by_channels(workers[:1]) and by_channels(workers[:2])  # here: bytes are cheap
         assert not by_channels(workers)  # three workers: the master's link carries every partial
@@ -312,28 +320,35 @@ def test_auto_splits_by_channels_only_for_up_to_two_workers_on_the_masters_host(
 
 def test_a_forward_without_backward_is_not_counted_in_a_step(rng):
     conv, net = conv_and_reference(rng)
+    x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
     with inproc_pool(1) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT)
-        sharded.attach(net)
-        conv.forward(rng.standard_normal((2, 3, 6, 6), dtype=np.float32), training=False)  # evaluation
-        record = sharded.end_step()
-    assert (record["comm_s"], record["conv_s"], record["bytes_sent"], record["bytes_recv"]) == (0, 0, 0, 0)
-    assert record["shares"] == {"conv1": [4, 3]} and record["rebalanced"] == {}
+        sharded = Cluster(transport, workers, conv.backend, recv_timeout=TIMEOUT)
+        block = attached(sharded, net)
+        block.forward(x)  # evaluation: no backward follows
+        assert sharded.last_step is None and sharded.step == 0
+        records = []
+        for _ in range(2):  # training steps
+            y = block.forward(x)
+            block.backward(np.ones_like(y))
+            records.append(sharded.last_step)
+    assert sharded.step == 2 and records[0]["shares"] == {"conv1": [4, 3]} and records[0]["rebalanced"] == {}
+    assert [(op["layer"], op["op"]) for op in records[0]["ops"]] == [("conv1", "forward"), ("conv1", "backward")]
+    assert records[0]["bytes_sent"] == records[1]["bytes_sent"]  # the evaluation's forward is in neither
 
 
 # ---- the whole network, trained ------------------------------------------------------------------
 
 
-def train_three_steps(tmp_path, name, distributor_for=None):
+def train_three_steps(tmp_path, name, cluster_for=None):
     """3 SGD steps of paper_net 6:10 on 16x16 synthetic images, batch 4; returns the metrics events."""
     be = NumpyBackend()
-    net = paper_net(be, 6, 10, seed=0, image_size=16)
+    net = paper_net("6:10", be, seed=0, image_size=16)
     data = synthetic_dataset(n_train=16, n_test=8, image_size=16, seed=0)
     config = TrainConfig(epochs=1, batch_size=4, lr=0.05, max_steps=3, augment=False, eval_batch_size=8, progress=False)
-    distributor = distributor_for(net) if distributor_for else None
+    cluster = cluster_for(net) if cluster_for else None
     metrics = MetricsWriter(tmp_path / f"{name}.jsonl")
     try:
-        Trainer(net, data, config, metrics, distributor=distributor).fit()
+        Trainer(net, data, config, metrics, cluster=cluster).fit()
     finally:
         metrics.close()
     return read_metrics(tmp_path / f"{name}.jsonl")
@@ -344,7 +359,7 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
     with inproc_pool(2) as (transport, workers):
 
         def sharded_for(net):
-            sharded = ShardedConv(transport, workers, net.backend, recv_timeout=TIMEOUT)
+            sharded = Cluster(transport, workers, net.backend, recv_timeout=TIMEOUT)
             calibration = sharded.calibrate(net, batch_size=4, image_size=16)
             assert calibration["shapes"]["conv2"] == {"x": [4, 6, 8, 8], "w": [10, 6, 5, 5]}
             assert all(t > 0 for times in calibration["times"].values() for t in times)
@@ -377,10 +392,18 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
     assert [e["test_loss"] for e in sharded if e["event"] == "epoch"] == pytest.approx(test_loss, rel=1e-5)
 
 
-def test_conv_input_shapes_follow_the_network():
+def test_block_inputs_follow_the_network():
     be = NumpyBackend()
-    assert conv_input_shapes(paper_net(be, 6, 10), 8) == [(8, 3, 32, 32), (8, 6, 16, 16)]
-    assert conv_input_shapes(paper_net(be, 6, 10, pool_kernel=2, image_size=16), 2, 16) == [
+    with inproc_pool(1) as (transport, workers):
+        cluster = Cluster(transport, workers, be)
+        net = paper_net("6:10", be)
+        cluster.attach(net)
+        assert block_inputs(net, 8, 32) == [(8, 3, 32, 32), (8, 6, 16, 16)]
+        cluster.detach(net)
+        net = paper_net("6:10", be, pool_kernel=2, image_size=16)
+        cluster.attach(net)
+        shapes = block_inputs(net, 2, 16)
+    assert shapes == [
         (2, 3, 16, 16),
         (2, 6, 8, 8),
     ]
@@ -407,64 +430,68 @@ def test_a_worker_error_is_a_clear_exception_and_the_next_step_works(rng):
     be = conv.backend
     x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
     y_ref, _ = be.conv2d_forward(x, conv.params["w"], conv.params["b"], 1, 1)
-    make = lambda i: ConvWorker(FailOnceBackend() if i == 1 else NumpyBackend())  # noqa: E731
+    make = lambda i: Worker(FailOnceBackend() if i == 1 else NumpyBackend())  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
-        sharded.attach(net)
+        sharded = Cluster(transport, workers, be, master_share="0", recv_timeout=TIMEOUT)
+        block = attached(sharded, net)
         with pytest.raises(RuntimeError) as info:
-            conv.forward(x)
+            block.forward(x)
         text = str(info.value)
-        assert text.startswith("worker 1 (numpy on ") and "failed conv_forward of conv1" in text
+        assert text.startswith("worker 1 (numpy on ") and "failed the forward of conv1" in text
         assert "RuntimeError: out of device memory" in text
         # worker 0's answer to the failed op arrives late and is ignored; the retry is right
-        assert_close(conv.forward(x), y_ref)
+        assert_close(block.forward(x), y_ref)
 
 
-class SilentWorker(ConvWorker):
-    """Never answers a conv_forward, like a hung device."""
+class SilentWorker(Worker):
+    """Never answers a task, like a hung device."""
 
     def handle(self, msg: Message) -> Message | None:
-        return None if msg.kind == "conv_forward" else super().handle(msg)
+        return None
 
 
 def test_a_silent_worker_is_a_timeout_naming_it(rng):
     conv, net = conv_and_reference(rng)
-    make = lambda i: SilentWorker(NumpyBackend()) if i == 1 else ConvWorker(NumpyBackend())  # noqa: E731
+    make = lambda i: SilentWorker(NumpyBackend()) if i == 1 else Worker(NumpyBackend())  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=0.3)
-        sharded.attach(net)
-        with pytest.raises(TimeoutError, match=r"conv_forward of conv1: no result from worker 1 \(.*within 0.3 s"):
-            conv.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
+        sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=0.3)
+        block = attached(sharded, net)
+        with pytest.raises(TimeoutError, match=r"forward of conv1: no result from worker 1 \(.*within 0.3 s"):
+            block.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
 
 
 def test_bad_configuration_is_refused(rng):
     conv, net = conv_and_reference(rng)
     with inproc_pool(1) as (transport, workers):
         with pytest.raises(ValueError, match="master_share must be 'auto'.* or '0'"):
-            ShardedConv(transport, workers, conv.backend, master_share="half")
+            Cluster(transport, workers, conv.backend, master_share="half")
         with pytest.raises(ValueError, match="nobody would compute"):
-            ShardedConv(transport, [], conv.backend, master_share="0")
+            Cluster(transport, [], conv.backend, master_share="0")
         with pytest.raises(ValueError, match="split must be one of auto, channels, kernels, got 'split'"):
-            ShardedConv(transport, workers, conv.backend, split="split")  # the old name of "kernels"
-        sharded = ShardedConv(transport, workers, conv.backend)
-        with pytest.raises(RuntimeError, match="not attached.*attach\\(net\\)"):
-            sharded.forward(conv, np.zeros((1, 3, 5, 5), np.float32))
-        sharded.attach(net)
+            Cluster(transport, workers, conv.backend, split="split")  # the old name of "kernels"
+        sharded = Cluster(transport, workers, conv.backend)
+        with pytest.raises(ValueError, match="no attached layer 'conv1'; attached: none"):
+            sharded.set_plan("conv1", [3, 4])
+        with pytest.raises(ValueError, match="no Conv2D layer: there is nothing to distribute"):
+            sharded.attach(Network(conv.backend, [ReLU(conv.backend)]))
+        attached(sharded, net)
+        with pytest.raises(ValueError, match="already serves another network: detach it first"):
+            sharded.attach(conv_and_reference(rng)[1])
         with pytest.raises(ValueError, match="needs 2 counts >= 0 \\(master, worker0\\) summing to its 7"):
             sharded.set_plan("conv1", [3, 3])
         with pytest.raises(ValueError, match="no attached layer 'conv2'"):
             sharded.set_plan("conv2", [3, 4])
         sharded.detach(net)
-        assert conv.distributor is None
+        assert net.layers == [conv]
 
 
 # ---- balancing ----------------------------------------------------------------------------------
 
 
-class MeteredWorker(ConvWorker):
-    """A ConvWorker whose reported times follow a cost model: slowdown x 1 ms per kernel.
+class MeteredWorker(Worker):
+    """A Worker whose reported times follow a cost model: slowdown x 1 ms per kernel.
 
-    The numbers and the slowdown's extra wait are the real ConvWorker's; only the
+    The numbers and the slowdown's extra wait are the real Worker's; only the
     reported compute_s (and calibration times) are replaced, so what the master
     balances on does not depend on how busy this machine is.
     """
@@ -476,7 +503,7 @@ class MeteredWorker(ConvWorker):
         if msg.kind == "calibrate":
             reply.header["times"] = [self.slowdown * spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
         else:
-            kernels = msg.arrays["w"].shape[0] if msg.kind == "conv_forward" else msg.arrays["dy"].shape[1]
+            kernels = msg.arrays["w"].shape[0] if msg.kind == "block_forward" else msg.arrays["dy"].shape[1]
             reply.header["compute_s"] = self.slowdown * kernels * 1e-3
         return reply
 
@@ -488,9 +515,9 @@ def metered_pool(slowdowns):
 @pytest.mark.parametrize("split", ["kernels", "channels"])
 def test_calibration_splits_by_eq1(rng, split):
     be = NumpyBackend()
-    net = paper_net(be, 6, 48, seed=0, image_size=8)
+    net = paper_net("6:48", be, seed=0, image_size=8)
     with metered_pool([1.0, 2.0, 4.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split=split)
+        sharded = Cluster(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split=split)
         result = sharded.calibrate(net, batch_size=2, image_size=8)
     assert set(result) == {"participants", "times", "shares", "channel_shares", "shapes"}
     assert result["participants"] == ["worker0", "worker1", "worker2"]
@@ -498,23 +525,23 @@ def test_calibration_splits_by_eq1(rng, split):
     # speeds 1 : 1/2 : 1/4 -> 4/7, 2/7, 1/7 of the kernels: quotas 3.43, 1.71, 0.86 of 6 and
     # 27.43, 13.71, 6.86 of 48, rounded by largest remainder
     assert result["shares"] == {"conv1": [3, 2, 1], "conv2": [27, 14, 7]}
-    assert sharded.plans == result["shares"]
+    assert sharded.counts == result["shares"]
     # conv2 split by input channels: its 6 channels alike (conv1, without dX, goes by kernels)
     assert result["channel_shares"] == ({"conv2": [3, 2, 1]} if split == "channels" else {})
-    assert sharded.channel_plans == result["channel_shares"]
+    assert sharded.channel_counts == result["channel_shares"]
     # the rebalancer's first point: each participant's time for all of what the layer is split by
     unit = 6 if split == "channels" else 48
     models = [v for model in sharded.rebalancer.cost_models("conv2") for v in model]
     assert models == pytest.approx([0.0, 0.048 / unit, 0.0, 0.096 / unit, 0.0, 0.192 / unit])
 
 
-class AffineMeteredWorker(ConvWorker):
-    """A ConvWorker whose reported times have a fixed part: fixed_s + per_kernel_s x kernels per op.
+class AffineMeteredWorker(Worker):
+    """A Worker whose reported times have a fixed part: fixed_s + per_kernel_s x kernels per op.
 
-    Every conv_forward and conv_backward of k kernels reports fixed_s + per_kernel_s * k
+    Every block_forward and block_backward of k kernels reports fixed_s + per_kernel_s * k
     seconds, and calibration (a forward and a backward of all F kernels of a layer) twice
     that at k = F, so calibration and steps measure the same cost. The numbers are the real
-    ConvWorker's; only the reported times are modelled.
+    Worker's; only the reported times are modelled.
     """
 
     def __init__(self, backend: NumpyBackend, fixed_s: float, per_kernel_s: float) -> None:
@@ -530,7 +557,7 @@ class AffineMeteredWorker(ConvWorker):
                 2 * (self.fixed_s + self.per_kernel_s * spec["w"][0]) for spec in msg.header["layers"]
             ]
         else:
-            kernels = msg.arrays["w"].shape[0] if msg.kind == "conv_forward" else msg.arrays["dy"].shape[1]
+            kernels = msg.arrays["w"].shape[0] if msg.kind == "block_forward" else msg.arrays["dy"].shape[1]
             reply.header["compute_s"] = self.fixed_s + self.per_kernel_s * kernels
         return reply
 
@@ -542,14 +569,14 @@ def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
     x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
     costs = [(0.025, 0.0005), (0.05, 0.001)]  # per op
     with inproc_pool(2, lambda i: AffineMeteredWorker(NumpyBackend(), *costs[i])) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, split="kernels")
+        sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, split="kernels")
         result = sharded.calibrate(net, batch_size=1, image_size=5)
         assert result["times"]["conv1"] == pytest.approx([0.146, 0.292])
         assert result["shares"]["conv1"] == [64, 32]  # eq. 1
         # the calibration is each participant's first measurement: all 96 kernels; one k, so proportional
         seeded = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
         assert seeded == pytest.approx([0.0, 0.146 / 96, 0.0, 0.292 / 96])
-        shares = [r["shares"]["conv1"] for r in train_steps(conv, sharded, x, 12)]
+        shares = [r["shares"]["conv1"] for r in train_steps(net.layers[0], sharded, x, 12)]
         fitted = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
     assert fitted == pytest.approx([0.05, 0.001, 0.1, 0.002])
     # T = (96 + 50 + 50) / (1000 + 500) s: k = [80.67, 15.33]; moved after patience (3 steps), then kept
@@ -562,16 +589,16 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     x, y_ref, dy, _, dw_ref, _ = unsharded(rng, conv, (2, 4, 6, 6))
     shares = []
     with metered_pool([1.0, 2.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split="kernels")
-        sharded.attach(net)  # no calibration: starts from the equal split
+        sharded = Cluster(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split="kernels")
+        block = attached(sharded, net)  # no calibration: starts from the equal split
         for _ in range(12):
-            assert_close(conv.forward(x), y_ref)
-            conv.backward(dy)
+            assert_close(block.forward(x), y_ref)
+            block.backward(dy)
             assert_close(conv.grads["w"], dw_ref)
-            record = sharded.end_step()
+            record = sharded.last_step
             shares.append(record["shares"]["conv1"])
             if record["rebalanced"]:
-                assert record["rebalanced"] == {"conv1": sharded.plans["conv1"]}
+                assert record["rebalanced"] == {"conv1": sharded.counts["conv1"]}
     assert shares[0] == [24, 24]
     assert record["participant_conv_s"] == pytest.approx([2 * 32e-3, 2 * 2 * 16e-3])
     settled = shares.index(shares[-1])
@@ -580,33 +607,32 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     assert all(s == shares[-1] for s in shares[settled:]), shares  # no flapping once balanced
 
 
-class PartMeteredWorker(ConvWorker):
-    """A ConvWorker whose reported times follow a cost model per op, for a layer split by input
-    channels: its partial convolution, forward (part "conv", plus ``fixed_s``) and backward (part
-    "conv"), ``ms`` per input channel each; the tail's parts nothing. Whole ops (split by kernels)
-    ``ms`` per kernel; calibration, a forward and a backward of all C channels, 2 ``ms`` per channel."""
+class PartMeteredWorker(Worker):
+    """A Worker whose reported times follow a cost model per op, for a layer split by input
+    channels: its partial convolution, forward (plus ``fixed_s``) and backward, ``ms`` per input
+    channel each; the tail's tasks nothing. Blocks (split by kernels) ``ms`` per kernel;
+    calibration, a forward and a backward of all C channels, 2 ``ms`` per channel."""
 
     def __init__(self, backend: NumpyBackend, ms: float, fixed_s: float = 0.0) -> None:
         super().__init__(backend)
         self.ms, self.fixed_s = ms, fixed_s
-        self.channels = 0  # of the last forward part "conv", for its backward
+        self.channels = 0  # of the last partial_forward, for its backward
 
     def handle(self, msg: Message) -> Message:
         reply = super().handle(msg)
         if reply.kind != "result":
             return reply
-        part = msg.header.get("part")
         if msg.kind == "calibrate":
             reply.header["times"] = [2 * self.ms * spec["x"][1] * 1e-3 for spec in msg.header["layers"]]
-        elif part == "tail":
+        elif msg.kind in ("tail_forward", "tail_backward"):
             reply.header["compute_s"] = 0.0
-        elif part == "conv" and msg.kind == "conv_forward":
+        elif msg.kind == "partial_forward":
             self.channels = msg.arrays["x"].shape[1]
             reply.header["compute_s"] = self.fixed_s + self.channels * self.ms * 1e-3
-        elif part == "conv":
+        elif msg.kind == "partial_backward":
             reply.header["compute_s"] = self.channels * self.ms * 1e-3
         else:
-            kernels = msg.arrays["w"].shape[0] if msg.kind == "conv_forward" else msg.arrays["dy"].shape[1]
+            kernels = msg.arrays["w"].shape[0] if msg.kind == "block_forward" else msg.arrays["dy"].shape[1]
             reply.header["compute_s"] = kernels * self.ms * 1e-3
         return reply
 
@@ -618,14 +644,14 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_input_channels(rng):
     x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (2, 12, 5, 5))
     records = []
     with inproc_pool(2, lambda i: PartMeteredWorker(NumpyBackend(), ms=[1.0, 2.0][i])) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
-        sharded.attach(net)  # no calibration: starts from the equal split
+        sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        block = attached(sharded, net)  # no calibration: starts from the equal split
         for _ in range(10):
-            assert_close(conv.forward(x), y_ref)
-            assert_close(conv.backward(dy), dx_ref)
+            assert_close(block.forward(x), y_ref)
+            assert_close(block.backward(dy), dx_ref)
             assert_close(conv.grads["w"], dw_ref)
-            records.append(sharded.end_step())
-        assert sharded.channel_plans["conv1"] == [8, 4] and sharded.plans["conv1"] == [16, 8]
+            records.append(sharded.last_step)
+        assert sharded.channel_counts["conv1"] == [8, 4] and sharded.counts["conv1"] == [16, 8]
     channels = [r["channel_shares"]["conv1"] for r in records]
     kernels = [r["shares"]["conv1"] for r in records]
     # patience 3: the move comes after the third lagging step, then stays
@@ -643,9 +669,9 @@ def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_
     reference = unsharded(rng, conv, (2, 4, 6, 6))
     make = lambda i: PartMeteredWorker(NumpyBackend(), ms=1.0, fixed_s=[0.0, 0.3][i])  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
-        sharded.attach(net)
-        records = exact_steps(conv, sharded, reference, 6)
+        sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        block = attached(sharded, net)
+        records = exact_steps(block, sharded, reference, 6)
     assert [r["channel_shares"]["conv1"] for r in records] == [[2, 2]] * 3 + [[4, 0]] * 3
     # no channels, no partial to add to anyone's tail: no kernels either
     assert [r["shares"]["conv1"] for r in records] == [[12, 12]] * 3 + [[24, 0]] * 3
@@ -672,9 +698,9 @@ def test_a_channel_split_layer_the_master_computes_alone_keeps_its_channels_on_t
     reference = unsharded(rng, conv, (2, 4, 6, 6))
     spy = SpyRebalancer()
     with inproc_pool(1, lambda i: PartMeteredWorker(NumpyBackend(), ms=1.0, fixed_s=0.3)) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, recv_timeout=TIMEOUT, rebalancer=spy)
-        sharded.attach(net)
-        records = exact_steps(conv, sharded, reference, 6)
+        sharded = Cluster(transport, workers, conv.backend, recv_timeout=TIMEOUT, rebalancer=spy)
+        block = attached(sharded, net)
+        records = exact_steps(block, sharded, reference, 6)
     assert [r["channel_shares"]["conv1"] for r in records] == [[2, 2]] * 3 + [[4, 0]] * 3
     assert [r["shares"]["conv1"] for r in records] == [[12, 12]] * 3 + [[24, 0]] * 3
     assert all(r["bytes_sent"] == r["bytes_recv"] == 0 for r in records[3:])  # the worker got nothing
@@ -688,14 +714,15 @@ def test_rebalance_off_keeps_the_plan(rng):
     conv, net = conv_and_reference(rng, c_in=2, c_out=12)
     x = rng.standard_normal((1, 2, 5, 5), dtype=np.float32)
     with metered_pool([1.0, 3.0]) as (transport, workers):
-        sharded = ShardedConv(transport, workers, conv.backend, master_share="0", rebalance=False, split="kernels")
-        sharded.attach(net)
-        assert [r["shares"]["conv1"] for r in train_steps(conv, sharded, x, 5)] == [[6, 6]] * 5
-        eager = ShardedConv(
+        sharded = Cluster(transport, workers, conv.backend, master_share="0", rebalance=False, split="kernels")
+        block = attached(sharded, net)
+        assert [r["shares"]["conv1"] for r in train_steps(block, sharded, x, 5)] == [[6, 6]] * 5
+        sharded.detach(net)
+        eager = Cluster(
             transport, workers, conv.backend, master_share="0", rebalancer=Rebalancer(patience=1), split="kernels"
         )
-        eager.attach(net)
-        assert train_steps(conv, eager, x, 1)[0]["rebalanced"] == {"conv1": [9, 3]}
+        block = attached(eager, net)
+        assert train_steps(block, eager, x, 1)[0]["rebalanced"] == {"conv1": [9, 3]}
 
 
 # ---- real worker processes --------------------------------------------------------------------
@@ -705,32 +732,32 @@ def test_sharded_conv_over_zmq_with_worker_processes(rng):
     conv, net = conv_and_reference(rng, c_in=3, c_out=8, stride=2, padding=1)
     be = conv.backend
     x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, (2, 3, 9, 9))
-    with ZmqTransport(bind="tcp://127.0.0.1:0", heartbeat_s=0.2, peer_timeout_s=10.0) as transport:
+    with ZmqTransport(bind="tcp://127.0.0.1:0", protocol=VERSION, heartbeat_s=0.2, peer_timeout_s=10.0) as transport:
         procs = spawn_local_workers(2, transport.bound_address, threads=1)
         try:
             workers = transport.start(2, timeout=TIMEOUT)
-            sharded = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, split="kernels")
-            sharded.attach(net)
+            sharded = Cluster(transport, workers, be, recv_timeout=TIMEOUT, split="kernels")
+            block = attached(sharded, net)
             sharded.set_plan("conv1", [2, 4, 2])
-            assert_close(conv.forward(x), y_ref)
-            assert_close(conv.backward(dy), dx_ref)
+            assert_close(block.forward(x), y_ref)
+            assert_close(block.backward(dy), dx_ref)
             assert_close(conv.grads["w"], dw_ref)
             assert_close(conv.grads["b"], db_ref)
-            record = sharded.end_step()
+            record = sharded.last_step
             assert record["shares"] == {"conv1": [2, 4, 2]} and record["bytes_recv"] > 2 * x.nbytes
 
             # a fused tail over the wire: each process computes its slice's ReLU/LRN/pool with the halo
             # -- and the convolution split by input channels: the partials cross the wire
             sharded.detach(net)
-            block, out_ref, g, dx_ref, dw_ref, db_ref = block_reference(rng, conv, x)
-            fused = ShardedConv(transport, workers, be, recv_timeout=TIMEOUT, split="channels")
-            fused.attach(block)
+            fused_net, out_ref, g, dx_ref, dw_ref, db_ref = block_reference(rng, conv, x)
+            fused = Cluster(transport, workers, be, recv_timeout=TIMEOUT, split="channels")
+            block = attached(fused, fused_net)
             fused.set_plan("conv1", [2, 4, 2], [1, 1, 1])
-            assert_close(block.forward(x), out_ref)
-            assert_close(conv.backward(g), dx_ref)  # the whole block is the conv's: it takes the pool's dy
+            assert_close(fused_net.forward(x), out_ref)
+            assert_close(block.backward(g), dx_ref)  # the whole block is the conv's: it takes the pool's dy
             assert_close(conv.grads["w"], dw_ref)
             assert_close(conv.grads["b"], db_ref)
-            record = fused.end_step()
+            record = fused.last_step
             assert record["channel_shares"] == {"conv1": [1, 1, 1]} and record["bytes_sent"] > 0
             transport.close()
         finally:

@@ -319,7 +319,7 @@ def test_check_layer(make, rng):
 
 @pytest.mark.parametrize("norm", ["lrn", "batch"])
 def test_paper_net_end_to_end(norm, rng):
-    net = paper_net(NumpyBackend(), 4, 6, norm=norm, seed=0, image_size=12)
+    net = paper_net("4:6", NumpyBackend(), norm=norm, seed=0, image_size=12)
     x = rng.standard_normal((3, 3, 12, 12))
     errors = check_network(net, x, np.array([1, 5, 9]), per_param=3, seed=0)
     expected = {key for key, _, _ in net.named_params()}

@@ -386,11 +386,11 @@ def test_small_paper_net_trains_like_numpy(be, norm, pool_kernel):
     labels = rng.integers(0, 10, size=4)
     losses = {}
     for name, backend in (("numpy", REF), ("opencl", be)):
-        net = paper_net(backend, 8, 16, norm, seed=3, pool_kernel=pool_kernel)
+        net = paper_net("8:16", backend, norm, seed=3, pool_kernel=pool_kernel)
         velocity = {key: backend.zeros(layer.params[p].shape) for key, layer, p in net.named_params()}
         xd, out = backend.asarray(x), []
         for _ in range(4):
-            loss, _ = net.train_step_grads(xd, labels)
+            loss = net.train_step(xd, labels)
             out.append(loss)
             for key, layer, p in net.named_params():
                 wd = 5e-4 if p in layer.decay else 0.0

@@ -30,7 +30,7 @@ def tiny_data():
 # ---- the preset ------------------------------------------------------------------
 def test_paper_archs_parse_and_build(numpy_backend):
     assert [parse_arch(a) for a in PAPER_ARCHS] == [(50, 500), (150, 800), (300, 1000), (500, 1500)]
-    net = paper_net(numpy_backend, 50, 500, "lrn")
+    net = paper_net("50:500", numpy_backend, "lrn")
     shapes = [tuple(np.shape(p)) for _, layer, n in net.named_params() for p in [layer.params[n]]]
     assert shapes[:2] == [(50, 3, 5, 5), (50,)]
     assert shapes[2:4] == [(500, 50, 5, 5), (500,)]
@@ -44,37 +44,37 @@ def test_parse_arch_rejects_bad_names(bad):
 
 
 def test_same_seed_same_weights_different_seed_different(numpy_backend):
-    a = paper_net(numpy_backend, 4, 6, "batch", seed=7).state_dict()
-    b = paper_net(numpy_backend, 4, 6, "batch", seed=7).state_dict()
-    c = paper_net(numpy_backend, 4, 6, "batch", seed=8).state_dict()
+    a = paper_net("4:6", numpy_backend, "batch", seed=7).state_dict()
+    b = paper_net("4:6", numpy_backend, "batch", seed=7).state_dict()
+    c = paper_net("4:6", numpy_backend, "batch", seed=8).state_dict()
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["0.w"], c["0.w"])
+    assert not np.array_equal(a["conv1.w"], c["conv1.w"])
     # He initialisation: std of conv weights is sqrt(2 / fan_in)
-    w = paper_net(numpy_backend, 64, 64, "lrn", seed=0).state_dict()["4.w"]
+    w = paper_net("64:64", numpy_backend, "lrn", seed=0).state_dict()["conv2.w"]
     assert w.std() == pytest.approx(np.sqrt(2 / (64 * 25)), rel=0.05)
 
 
 def test_state_dict_rejects_other_architecture(numpy_backend):
-    state = paper_net(numpy_backend, 4, 6, "lrn").state_dict()
+    state = paper_net("4:6", numpy_backend, "lrn").state_dict()
     with pytest.raises(ValueError, match="another architecture"):
-        paper_net(numpy_backend, 4, 8, "lrn").load_state_dict(state)
+        paper_net("4:8", numpy_backend, "lrn").load_state_dict(state)
 
 
 # ---- optimiser and schedule ------------------------------------------------------------
 def test_sgd_matches_pytorch_semantics(numpy_backend):
-    net = paper_net(numpy_backend, 2, 3, "none", seed=0, image_size=8)
-    opt = SGD(net, momentum=0.9, weight_decay=0.1)
+    net = paper_net("2:3", numpy_backend, "none", seed=0, image_size=8)
+    opt = SGD(net, lr=0.1, momentum=0.9, weight_decay=0.1)
     layer = net.layers[0]
     w0 = layer.params["w"].copy()
     g = np.full_like(w0, 0.5)
     for _, lay, name in net.named_params():
         lay.grads[name] = np.zeros_like(lay.params[name])
     layer.grads["w"] = g
-    opt.step(lr=0.1)
+    opt.step()
     v1 = g + 0.1 * w0
     np.testing.assert_allclose(layer.params["w"], w0 - 0.1 * v1, rtol=1e-6)
     w1 = layer.params["w"].copy()
-    opt.step(lr=0.1)
+    opt.step()
     v2 = 0.9 * v1 + g + 0.1 * w1
     np.testing.assert_allclose(layer.params["w"], w1 - 0.1 * v2, rtol=1e-6)
     # biases get no weight decay
@@ -113,14 +113,14 @@ def test_checkpoint_round_trip_and_bad_files(tmp_path):
 
 # ---- the trainer ----------------------------------------------------------------
 def _trainer(backend, data, tmp_path=None, **cfg) -> Trainer:
-    net = paper_net(backend, 4, 8, "batch", seed=1)
+    net = paper_net("4:8", backend, "batch", seed=1)
     config = TrainConfig(batch_size=32, lr=0.02, schedule="constant", progress=False, **cfg)
     return Trainer(net, data, config, MetricsWriter(tmp_path / "m.jsonl" if tmp_path else None))
 
 
 def test_loss_decreases_on_synthetic_data(numpy_backend):
     data = synthetic_dataset(n_train=512, n_test=128, seed=0)
-    net = paper_net(numpy_backend, 6, 12, "lrn", seed=0)
+    net = paper_net("6:12", numpy_backend, "lrn", seed=0)
     trainer = Trainer(net, data, TrainConfig(epochs=3, batch_size=32, lr=0.01, progress=False))
     loss0, acc0 = trainer.evaluate(data.x_test, data.y_test)
     summary = trainer.fit()
@@ -150,7 +150,7 @@ def test_resume_is_bit_identical(numpy_backend, tiny_data, tmp_path):
 def test_resume_refuses_another_architecture(numpy_backend, tiny_data, tmp_path):
     t = _trainer(numpy_backend, tiny_data, epochs=1, max_steps=1, checkpoint=str(tmp_path / "c.npz"))
     t.fit()
-    other = Trainer(paper_net(numpy_backend, 4, 8, "lrn"), tiny_data, TrainConfig(batch_size=32, progress=False))
+    other = Trainer(paper_net("4:8", numpy_backend, "lrn"), tiny_data, TrainConfig(batch_size=32, progress=False))
     with pytest.raises(ValueError, match="same --arch/--norm"):
         other.resume(tmp_path / "c.npz")
 
@@ -179,6 +179,6 @@ def test_metrics_file_follows_the_schema(numpy_backend, tiny_data, tmp_path):
 
 
 def test_batch_larger_than_dataset_is_a_clear_error(numpy_backend, tiny_data):
-    net = paper_net(numpy_backend, 4, 8, "lrn")
+    net = paper_net("4:8", numpy_backend, "lrn")
     with pytest.raises(ValueError, match="larger than the 128 training images"):
         Trainer(net, tiny_data, TrainConfig(batch_size=1000, progress=False))

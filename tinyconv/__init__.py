@@ -1,3 +1,68 @@
-"""tinyconv: a small, readable CNN framework with convolutions split by kernels across machines."""
+"""tinyconv: a small, readable CNN framework whose convolutions are split across machines.
+
+In a shell or a notebook::
+
+    import tinyconv as tc
+    net = tc.paper_net("50:500", backend="numpy")      # the paper's network, He-initialised from seed 0
+    opt = tc.SGD(net, lr=0.01, momentum=0.9)
+    loss = net.train_step(x, y)                         # x (N, 3, 32, 32) float32, y (N,) ints
+    opt.step()
+    net.forward(x)                                      # inference: batch norm uses its running statistics
+
+    cluster = tc.distribute(net, transport="zmq", workers=2)   # two local worker processes
+    loss = net.train_step(x, y)                         # now the convolutions run in shards
+    cluster.last_step["shares"]                         # who computed how many kernels
+    cluster.close()                                     # the network's own layers back, workers stopped
+
+Each name is imported on its first use, so that ``tinyconv worker --threads N`` can set
+the BLAS thread count before anything loads numpy.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
+
+_API = {
+    # the network
+    "paper_net": "tinyconv.model",
+    "parse_arch": "tinyconv.model",
+    "PAPER_ARCHS": "tinyconv.model",
+    "Network": "tinyconv.model",
+    "Conv2D": "tinyconv.layers",
+    "ReLU": "tinyconv.layers",
+    "LocalResponseNorm": "tinyconv.layers",
+    "BatchNorm2D": "tinyconv.layers",
+    "MaxPool2D": "tinyconv.layers",
+    "Linear": "tinyconv.layers",
+    "SoftmaxCrossEntropy": "tinyconv.layers",
+    # training
+    "SGD": "tinyconv.optim",
+    "Trainer": "tinyconv.trainer",
+    "TrainConfig": "tinyconv.trainer",
+    "load_dataset": "tinyconv.data",
+    "synthetic_dataset": "tinyconv.data",
+    "check_layer": "tinyconv.gradcheck",
+    "check_network": "tinyconv.gradcheck",
+    # devices and distribution
+    "get_backend": "tinyconv.plugins",
+    "available_backends": "tinyconv.plugins",
+    "get_transport": "tinyconv.plugins",
+    "available_transports": "tinyconv.plugins",
+    "distribute": "tinyconv.shard.distribute",
+    "Cluster": "tinyconv.shard.cluster",
+}
+__all__ = ["__version__", *_API]
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'tinyconv' has no attribute {name!r}")
+    value = getattr(import_module(_API[name]), name)
+    globals()[name] = value  # the next use is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "worker":
-        from tinyconv.worker import main as worker_main
+        from tinyconv.worker.main import main as worker_main
 
         return worker_main(rest)
     if command in ("devices", "backends"):

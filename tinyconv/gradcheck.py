@@ -218,19 +218,17 @@ def check_loss(logits: np.ndarray, labels: np.ndarray, h: float = 1e-5) -> float
 
 def _float64_copy(layer: Layer) -> Layer:
     """A shallow copy of ``layer`` on the float64 reference with float64 copies of its arrays."""
+    if hasattr(layer, "cluster"):
+        raise ValueError(f"{layer!r} is computed in shards: check its plain layers (its .layers) instead")
     twin = copy.copy(layer)
     twin.backend = NumpyBackend()
-    if getattr(twin, "distributor", None) is not None:
-        twin.distributor = None  # check the math, here, not the workers
     twin.params = {k: np.array(layer.backend.to_numpy(v), dtype=F64) for k, v in layer.params.items()}
     twin.buffers = {k: np.array(layer.backend.to_numpy(v), dtype=F64) for k, v in layer.buffers.items()}
     twin.grads = {}
     return twin
 
 
-def check_layer(
-    layer: Layer, x: np.ndarray, training: bool = True, h: float = 1e-5, seed: int = 0
-) -> dict[str, float]:
+def check_layer(layer: Layer, x: np.ndarray, training: bool = True, h: float = 1e-5, seed: int = 0) -> dict[str, float]:
     """Check a layer's backward (dx and every parameter gradient) in float64.
 
     The layer itself is left alone: a float64 copy on the numpy reference is
@@ -262,19 +260,19 @@ def check_network(
 
     ``net`` is a tinyconv.model.Network on the numpy backend; it is converted to
     float64 *in place* (build a fresh one for the check). Returns
-    {"<layer index>.<param>": rel_error over the sampled entries}.
+    {"<layer name>.<param>": rel_error over the sampled entries}.
     """
     if not isinstance(net.backend, NumpyBackend):
         raise ValueError(f"check_network runs on the numpy reference, got {type(net.backend).__name__}")
-    if any(getattr(layer, "distributor", None) is not None for layer in net.layers):
-        raise ValueError("check_network needs a network without a distributor: build a fresh one")
+    if any(hasattr(layer, "cluster") for layer in net.layers):
+        raise ValueError("check_network needs a network without sharded layers: build a fresh one")
     for layer in net.layers:
         layer.params = {k: np.array(v, dtype=F64) for k, v in layer.params.items()}
         layer.buffers = {k: np.array(v, dtype=F64) for k, v in layer.buffers.items()}
     x64 = np.array(x, dtype=F64)
     rng = np.random.default_rng(seed)
     errors = {}
-    net.train_step_grads(x64, labels)
+    net.backward(net.loss_fn(net.forward(x64, training=True), labels)[1])  # float64 throughout
     analytic = {key: np.array(layer.grads[name]) for key, layer, name in net.named_params()}
 
     def loss() -> float:

@@ -2,8 +2,9 @@
 
 The uniform contract (CS231n's layers.py, made stateful so a network is a list):
 
-    y  = layer.forward(x, training)   # keeps what backward needs
+    y  = layer.forward(x, training)   # keeps what backward needs; training=False by default
     dx = layer.backward(dy)           # fills layer.grads, same keys as layer.params
+    layer.output_shape(x_shape)       # y's shape, without computing it
 
 Shapes are NCHW float32. Each backward's math is written in the docstring of its
 backend op pair here, next to the forward it differentiates; the numbers are
@@ -17,28 +18,43 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Array, Backend
+from backends.base import Array, Backend, conv_output_size
+
+
+def he_init(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+    """He (Kaiming) normal initialisation, N(0, 2 / fan_in), float32: keeps the variance of
+    activations through a ReLU from one layer to the next."""
+    return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
 
 
 class Layer:
-    """Base: no parameters, no state. ``params``/``grads`` map names to backend arrays."""
+    """Base: no parameters, no state. ``params``/``grads`` map names to backend arrays.
+
+    ``name`` keys the layer's parameters in optimisers and checkpoints ("conv1.w");
+    a :class:`~tinyconv.model.Network` names its layers by kind and order ("conv1",
+    "relu1", "fc1") unless they were given one.
+    """
+
+    kind = "layer"  # the stem of the name a Network gives it
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self.name = ""
         self.params: dict[str, Array] = {}
         self.grads: dict[str, Array] = {}
         self.buffers: dict[str, Array] = {}  # state that is saved but not trained
         self.decay: set[str] = set()  # parameter names that get weight decay
         self.cache: Any = None
-        # True when a distributed Conv2D before it computes this layer on each worker's
-        # channels (tinyconv/distributed.py, "fused tail"); the network then skips it
-        self.fused = False
 
-    def forward(self, x: Array, training: bool = True) -> Array:
+    def forward(self, x: Array, training: bool = False) -> Array:
         raise NotImplementedError
 
     def backward(self, dy: Array) -> Array | None:
         raise NotImplementedError
+
+    def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The output's shape for an input of ``x_shape``: the same, unless the layer says otherwise."""
+        return tuple(x_shape)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -57,9 +73,12 @@ class Conv2D(Layer):
     dcols = W^T dY, and dx = col2im(dcols).
 
     ``need_dx=False`` (the first layer) skips the dX GEMM entirely.
-    ``distributor``, when set, computes the forward and backward on kernel
-    shards across workers instead of on ``backend`` alone; the numbers are the same.
+    Weights start He-initialised from ``rng`` (a fresh generator if None), biases at 0.
+    (To compute it in shards across machines, ``tinyconv.distribute`` puts a
+    ``ShardedBlock`` in its place in the network; the numbers stay the same.)
     """
+
+    kind = "conv"
 
     def __init__(
         self,
@@ -70,34 +89,32 @@ class Conv2D(Layer):
         stride: int = 1,
         padding: int = 0,
         need_dx: bool = True,
+        rng: np.random.Generator | None = None,
     ) -> None:
         super().__init__(backend)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel, self.stride, self.padding = kernel, stride, padding
         self.need_dx = need_dx
+        rng = rng if rng is not None else np.random.default_rng()
+        fan_in = in_channels * kernel * kernel
         self.params = {
-            "w": backend.zeros((out_channels, in_channels, kernel, kernel)),
+            "w": backend.asarray(he_init(rng, (out_channels, in_channels, kernel, kernel), fan_in)),
             "b": backend.zeros((out_channels,)),
         }
         self.decay = {"w"}
-        self.distributor: Any = None
 
-    def forward(self, x, training=True):
-        if self.distributor is not None:
-            y, self.cache = self.distributor.forward(self, x)
-            return y
-        y, self.cache = self.backend.conv2d_forward(
-            x, self.params["w"], self.params["b"], self.stride, self.padding
-        )
+    def forward(self, x, training=False):
+        y, self.cache = self.backend.conv2d_forward(x, self.params["w"], self.params["b"], self.stride, self.padding)
         return y
 
     def backward(self, dy):
-        if self.distributor is not None:
-            dx, dw, db = self.distributor.backward(self, dy, self.cache)
-        else:
-            dx, dw, db = self.backend.conv2d_backward(dy, self.cache, self.need_dx)
+        dx, dw, db = self.backend.conv2d_backward(dy, self.cache, self.need_dx)
         self.grads = {"w": dw, "b": db}
         return dx
+
+    def output_shape(self, x_shape):
+        n, _, h, w = x_shape
+        return (n, self.out_channels, *(conv_output_size(s, self.kernel, self.stride, self.padding) for s in (h, w)))
 
     def __repr__(self):
         return (
@@ -109,7 +126,9 @@ class Conv2D(Layer):
 class ReLU(Layer):
     """y = max(x, 0).  Backward: dx = dy * [x > 0] (the subgradient 0 at x = 0)."""
 
-    def forward(self, x, training=True):
+    kind = "relu"
+
+    def forward(self, x, training=False):
         y, self.cache = self.backend.relu_forward(x)
         return y
 
@@ -118,7 +137,8 @@ class ReLU(Layer):
 
 
 class LocalResponseNorm(Layer):
-    """Cross-channel LRN with torch.nn.LocalResponseNorm's semantics and defaults.
+    """Cross-channel LRN with torch.nn.LocalResponseNorm's semantics and defaults
+    (alpha 1e-4, beta 0.75, k 1; torch has no default size, this layer's is 5).
 
     Forward, for channel i with window W(i) = [i - n//2, i + (n-1)//2] (clipped):
         s_i = k + (alpha / n) * sum_{j in W(i)} x_j^2,      y_i = x_i * s_i^(-beta)
@@ -132,11 +152,13 @@ class LocalResponseNorm(Layer):
     mirrored, [j - (n-1)//2, j + n//2]; for odd n it is W(j) itself.
     """
 
-    def __init__(self, backend, size=5, alpha=1e-4, beta=0.75, k=2.0):
+    kind = "lrn"
+
+    def __init__(self, backend, size=5, alpha=1e-4, beta=0.75, k=1.0):
         super().__init__(backend)
         self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
 
-    def forward(self, x, training=True):
+    def forward(self, x, training=False):
         y, self.cache = self.backend.lrn_forward(x, self.size, self.alpha, self.beta, self.k)
         return y
 
@@ -159,7 +181,12 @@ class BatchNorm2D(Layer):
         dbeta  = sum dy,    dgamma = sum dy * xhat
         dx     = gamma / sqrt(var + eps) * (dy - dbeta/m - xhat * dgamma/m)
     Eval: dx = gamma / sqrt(running_var + eps) * dy.
+
+    As in torch, a training batch with one value per channel (N*H*W = 1) is refused: its
+    variance is 0 and xhat would be 0/0.
     """
+
+    kind = "bn"
 
     def __init__(self, backend, channels, momentum=0.1, eps=1e-5):
         super().__init__(backend)
@@ -173,7 +200,7 @@ class BatchNorm2D(Layer):
             "running_var": backend.asarray(np.ones(channels, np.float32)),
         }
 
-    def forward(self, x, training=True):
+    def forward(self, x, training=False):
         y, self.cache = self.backend.batchnorm_forward(
             x,
             self.params["gamma"],
@@ -202,18 +229,25 @@ class MaxPool2D(Layer):
     to the input that was selected (the first maximum on ties) and nowhere else.
     With overlapping windows (kernel > stride) one input can win several windows
     and then receives the *sum* of their gradients -- the case a weak test misses.
+    A NaN wins its window, as in torch: the output is NaN and the gradient goes to it.
     """
+
+    kind = "pool"
 
     def __init__(self, backend, kernel=2, stride=2, padding=0):
         super().__init__(backend)
         self.kernel, self.stride, self.padding = kernel, stride, padding
 
-    def forward(self, x, training=True):
+    def forward(self, x, training=False):
         y, self.cache = self.backend.maxpool_forward(x, self.kernel, self.stride, self.padding)
         return y
 
     def backward(self, dy):
         return self.backend.maxpool_backward(dy, self.cache)
+
+    def output_shape(self, x_shape):
+        n, c, h, w = x_shape
+        return (n, c, *(conv_output_size(s, self.kernel, self.stride, self.padding) for s in (h, w)))
 
     def __repr__(self):
         return f"MaxPool2D({self.kernel}x{self.kernel}, stride {self.stride}, pad {self.padding})"
@@ -223,18 +257,22 @@ class Linear(Layer):
     """x (N, ...) flattened to (N, D) -> y (N, M) = x w^T + b, w (M, D), b (M,).
 
     Backward: dx = dy w (reshaped to x's shape), dw = dy^T x, db = sum_n dy.
+    Weights start He-initialised from ``rng`` (a fresh generator if None), biases at 0.
     """
 
-    def __init__(self, backend, in_features, out_features):
+    kind = "fc"
+
+    def __init__(self, backend, in_features, out_features, rng=None):
         super().__init__(backend)
         self.in_features, self.out_features = in_features, out_features
+        rng = rng if rng is not None else np.random.default_rng()
         self.params = {
-            "w": backend.zeros((out_features, in_features)),
+            "w": backend.asarray(he_init(rng, (out_features, in_features), in_features)),
             "b": backend.zeros((out_features,)),
         }
         self.decay = {"w"}
 
-    def forward(self, x, training=True):
+    def forward(self, x, training=False):
         y, self.cache = self.backend.linear_forward(x, self.params["w"], self.params["b"])
         return y
 
@@ -242,6 +280,9 @@ class Linear(Layer):
         dx, dw, db = self.backend.linear_backward(dy, self.cache)
         self.grads = {"w": dw, "b": db}
         return dx
+
+    def output_shape(self, x_shape):
+        return (x_shape[0], self.out_features)
 
     def __repr__(self):
         return f"Linear({self.in_features}->{self.out_features})"

@@ -1,9 +1,16 @@
 """SGD with momentum and weight decay, on the backend (velocities live on the device).
 
-PyTorch's semantics, so runs compare 1:1:
-    g = grad + weight_decay * w        (decay only on weights, not biases or norm params)
-    v = momentum * v + g
+torch.optim.SGD's update, so runs compare 1:1 (dampening 0, no Nesterov)::
+
+    g = grad + weight_decay * w
+    v = momentum * v + g            (v starts at 0, so the first v is g, as torch's buffer)
     w = w - lr * v
+
+One difference, on purpose: weight decay applies only to the weights of convolutions and
+fully connected layers (each layer's ``decay`` set), never to biases or batch-norm
+parameters, where torch decays every parameter it is given. To get the same numbers from
+torch, give it two parameter groups: the weights with ``weight_decay``, the rest with 0
+(``benchmarks/bench_train_step.py`` does).
 """
 
 from __future__ import annotations
@@ -14,21 +21,30 @@ from tinyconv.model import Network
 
 
 class SGD:
-    def __init__(self, net: Network, momentum: float = 0.9, weight_decay: float = 5e-4) -> None:
-        self.net = net
-        self.momentum = momentum
-        self.weight_decay = weight_decay
+    """``SGD(net, lr, momentum=0, weight_decay=0)``; ``step()`` applies the grads the last backward left.
+
+    Parameters are found through ``net.named_params()`` at every step, so the optimiser
+    keeps working when ``tinyconv.distribute`` swaps layers for sharded ones (their
+    parameters are the same arrays, under the same names). ``lr`` may be changed between
+    steps (a schedule does).
+    """
+
+    def __init__(self, net: Network, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        self.net, self.lr, self.momentum, self.weight_decay = net, lr, momentum, weight_decay
         be = net.backend
         self.velocity = {key: be.zeros(tuple(layer.params[name].shape)) for key, layer, name in net.named_params()}
 
-    def step(self, lr: float) -> None:
-        """Apply one update with learning rate ``lr`` from the grads the last backward left."""
+    def step(self) -> None:
+        """One update with learning rate ``self.lr`` from the grads the last backward left."""
         be = self.net.backend
         for key, layer, name in self.net.named_params():
             if name not in layer.grads:
-                raise RuntimeError(f"no gradient for parameter {key}: call backward before step")
+                raise RuntimeError(f"no gradient for parameter {key}: call backward (or net.train_step) before step")
             wd = self.weight_decay if name in layer.decay else 0.0
-            be.sgd_update(layer.params[name], layer.grads[name], self.velocity[key], lr, self.momentum, wd)
+            be.sgd_update(layer.params[name], layer.grads[name], self.velocity[key], self.lr, self.momentum, wd)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         be = self.net.backend

@@ -2,8 +2,9 @@
 
 One step: take a batch of uint8 images, augment (random crop + flip), normalise per
 channel, move to the backend, forward + loss + backward, SGD update. Convolutions
-may be distributed (``distributor``); the loop is the same either way, it only
-asks the distributor for the step's comm/conv split to record.
+may be distributed (``tinyconv.distribute`` puts sharded layers in the network); the
+loop is the same either way, it only asks the cluster for the step's comm/conv split
+to record.
 
 Resuming is bit-identical: the checkpoint keeps the parameters, the momentum
 buffers, the global step, the position within the epoch, and the state of both
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -27,6 +28,9 @@ from tinyconv.model import Network
 from tinyconv.optim import SGD
 from tinyconv.report import format_table
 from tinyconv.schedule import learning_rate
+
+if TYPE_CHECKING:
+    from tinyconv.shard.cluster import Cluster
 
 
 @dataclass
@@ -53,13 +57,13 @@ class Trainer:
         data: Dataset,
         config: TrainConfig,
         metrics: MetricsWriter | None = None,
-        distributor: Any = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self.net, self.data, self.cfg = net, data, config
         self.metrics = metrics or MetricsWriter(None)
-        self.distributor = distributor
+        self.cluster = cluster
         self.normalize = Normalizer(*channel_stats(data.x_train))
-        self.opt = SGD(net, config.momentum, config.weight_decay)
+        self.opt = SGD(net, config.lr, config.momentum, config.weight_decay)
         # separate streams, so turning augmentation on/off does not change the order
         self.shuffle_rng = np.random.default_rng([config.seed, 1])
         self.augment_rng = np.random.default_rng([config.seed, 2])
@@ -87,22 +91,23 @@ class Trainer:
         t0 = time.perf_counter()
         if self.cfg.augment:
             xb = augment(xb, self.augment_rng)
-        x = be.asarray(self.normalize(xb))
-        loss, logits = self.net.train_step_grads(x, yb)
-        lr = learning_rate(self.step, self.total_steps, self.cfg.lr, self.cfg.schedule, self.warmup_steps)
-        self.opt.step(lr)
+        logits = self.net.forward(be.asarray(self.normalize(xb)), training=True)
+        loss, dlogits = self.net.loss_fn(logits, yb)
+        self.net.backward(dlogits)
+        self.opt.lr = learning_rate(self.step, self.total_steps, self.cfg.lr, self.cfg.schedule, self.warmup_steps)
+        self.opt.step()
         acc = float(np.mean(be.to_numpy(logits).argmax(axis=1) == yb))
         be.synchronize()
         dt = time.perf_counter() - t0
         split = {"comm_s": 0.0, "conv_s": 0.0, "bytes_sent": 0, "bytes_recv": 0, "shares": {}}
-        if self.distributor is not None:
-            split.update(self.distributor.end_step())
-        split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"]) if self.distributor else dt
+        if self.cluster is not None:
+            split.update(self.cluster.last_step)
+        split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"])
         if not np.isfinite(loss):
             raise FloatingPointError(
                 f"loss became {loss} at step {self.step}: lower --lr (now {self.cfg.lr}) or use --norm batch"
             )
-        return loss, acc, {"lr": lr, "time_s": dt, **split}
+        return loss, acc, {"lr": self.opt.lr, "time_s": dt, **split}
 
     # ---- evaluation -------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -146,9 +151,7 @@ class Trainer:
                 accs.append(acc)
                 self.step_times.append(rec["time_s"])
                 self.step_splits.append(rec)
-                self.metrics.write(
-                    "step", epoch=self.epoch + 1, step=self.step + 1, loss=loss, acc=acc, **rec
-                )
+                self.metrics.write("step", epoch=self.epoch + 1, step=self.step + 1, loss=loss, acc=acc, **rec)
                 self.step += 1
                 self.batch_in_epoch = b + 1
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{rec['lr']:.3g}")
@@ -237,7 +240,7 @@ class Trainer:
             "time_per_epoch_s": float(np.mean(full)) if full else None,
             "median_step_s": float(np.median(self.step_times)) if self.step_times else None,
         }
-        if self.distributor is not None and self.step_splits:
+        if self.cluster is not None and self.step_splits:
             for k in ("comm_s", "conv_s", "comp_s"):
                 out[f"median_{k}"] = float(np.median([s[k] for s in self.step_splits]))
             out["bytes_sent"] = int(sum(s["bytes_sent"] for s in self.step_splits))

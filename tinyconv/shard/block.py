@@ -18,19 +18,20 @@ The halo, for one cross-channel layer whose output i reads inputs
 
 With E = sum over the tail of (before + after), a participant owning [s, e):
 
-1. computes the convolution for kernels [s - E, e + E), clipped to [0, F);
+1. computes the convolution for kernels [s - E, e + E), clipped to [0, F) (:func:`halo_span`);
 2. runs the tail over all of them. Each layer's output is exact wherever its
    window stayed inside the computed range or hit the true edge 0 or F; that
    range shrinks by (before, after) per layer and stays a superset of what
    backward reads, [s - A, e + B) with A = sum(after), B = sum(before);
 3. returns the tail output for [s, e), which is exact.
 
-Backward receives the gradient of the tail output on [s - A, e + B), pads it with
-zeros to the computed range, runs the tail backward (the gradient it gives for
-[s, e) is exact: it reads only given values), zeroes the conv gradient outside
-[s, e) and runs the conv backward: dW and db rows for [s, e) and this
-participant's partial dX = W[s:e]^T-convolution of dY[s:e]. The halo costs 2E
-extra kernels in the forward convolution and in dW (8 of 500 for LRN size 5).
+Backward receives the gradient of the tail output over every computed kernel, runs
+the tail backward (the gradient it gives for [s, e) is exact: it reads only
+[s - A, e + B), where the saved outputs are), zeroes the conv gradient outside
+[s, e) -- the halo kernels' gradients are their owners' to give -- and runs the conv
+backward: dW and db rows for [s, e) and this participant's partial dX =
+W[s:e]^T-convolution of dY[s:e]. The halo costs 2E extra kernels in the forward
+convolution and in dW (8 of 500 for LRN size 5).
 
 A tail is a list of specs, the form they travel in over the wire::
 
@@ -105,18 +106,17 @@ def check_tail(tail: Any) -> list[dict[str, Any]]:
     return tail
 
 
-def _window(spec: dict[str, Any]) -> tuple[int, int]:
-    """(before, after): how many neighbouring channels one output channel reads on each side."""
-    if spec["op"] == "lrn":
-        return spec["size"] // 2, (spec["size"] - 1) // 2
-    return 0, 0
+def halo_width(tail: list[dict[str, Any]]) -> int:
+    """E: the kernels computed beyond each end of a slice, the sum of the windows' reach."""
+    return sum(spec["size"] - 1 for spec in tail if spec["op"] == "lrn")  # before + after = size - 1
 
 
-def halo(tail: list[dict[str, Any]]) -> tuple[int, int, int]:
-    """(E, A, B): kernels computed beyond each end of a slice, and the output-gradient
-    channels backward needs before (A) and after (B) it."""
-    windows = [_window(spec) for spec in tail]
-    return sum(b + a for b, a in windows), sum(a for _, a in windows), sum(b for b, _ in windows)
+def halo_span(s: int, e: int, total: int, tail: list[dict[str, Any]]) -> slice:
+    """The kernels a participant owning [s, e) of ``total`` computes: [s - E, e + E) in [0, total)."""
+    if s == e:
+        return slice(s, s)
+    width = halo_width(tail)
+    return slice(max(0, s - width), min(total, e + width))
 
 
 def tail_output_hw(h: int, w: int, tail: list[dict[str, Any]]) -> tuple[int, int]:
@@ -128,25 +128,12 @@ def tail_output_hw(h: int, w: int, tail: list[dict[str, Any]]) -> tuple[int, int
     return h, w
 
 
-def extended(s: int, e: int, total: int, tail: list[dict[str, Any]]) -> tuple[int, int]:
-    """The kernels a participant owning [s, e) of ``total`` computes forward: [s - E, e + E) in [0, total)."""
-    ext, _, _ = halo(tail)
-    return max(0, s - ext), min(total, e + ext)
-
-
-def grad_span(s: int, e: int, total: int, tail: list[dict[str, Any]]) -> tuple[int, int]:
-    """The tail-output gradient channels backward of [s, e) needs: [s - A, e + B) in [0, total)."""
-    _, before, after = halo(tail)
-    return max(0, s - before), min(total, e + after)
-
-
 @dataclass
 class BlockCache:
     conv: Any  # the backend's conv cache, for all computed kernels
     specs: list[dict[str, Any]]  # the tail
     tail: list[Any]  # each tail layer's backend cache
     own: tuple[int, int]  # the owned kernels, as offsets into the computed ones
-    computed: int  # how many kernels were computed (own plus halo)
     out_shape: tuple[int, ...]  # the tail's output over all computed kernels
 
 
@@ -175,8 +162,8 @@ def tail_forward(
     """The tail over a conv output y (N, computed, OH, OW) -> its output for kernels ``own`` = [lo, hi).
 
     ``conv_cache`` is kept for the backward: the backend's cache of the convolution that made y
-    (for a layer split by input channels, ShardedConv's ``split="channels"``, the cache of this
-    participant's partial convolution, and y the sum of every participant's partial)."""
+    (for a layer split by input channels, ``by_channels.py``, the cache of this participant's
+    partial convolution, and y the sum of every participant's partial)."""
     computed = y.shape[1]
     lo, hi = own
     if not 0 <= lo < hi <= computed:
@@ -190,47 +177,33 @@ def tail_forward(
         else:
             y, c = be.maxpool_forward(y, spec["kernel"], spec["stride"], spec["padding"])
         caches.append(c)
-    cache = BlockCache(conv_cache, tail, caches, (lo, hi), computed, tuple(y.shape))
+    cache = BlockCache(conv_cache, tail, caches, (lo, hi), tuple(y.shape))
     if (lo, hi) != (0, computed):
         y = be.to_numpy(y)[:, lo:hi]
     return y, cache
 
 
 def block_backward(
-    be: Backend, dy: Array, cache: BlockCache, dy_from: int = 0, need_dx: bool = True
+    be: Backend, dy: Array, cache: BlockCache, need_dx: bool = True
 ) -> tuple[Array | None, Array, Array]:
-    """dy: the tail-output gradient for computed kernels [dy_from, dy_from + dy.shape[1]), which must
-    cover :func:`grad_span` of the owned ones. Returns (partial dx (N, C, H, W) or None,
-    dw (hi - lo, C, K, K), db (hi - lo,)) for the owned kernels [lo, hi).
+    """dy (N, computed, OH, OW): the tail-output gradient of every kernel the forward computed.
+    Returns (partial dx (N, C, H, W) or None, dw (hi - lo, C, K, K), db (hi - lo,)) for the owned
+    kernels [lo, hi).
 
-    For a layer split by input channels (ShardedConv's ``split="channels"``) only the first half,
-    :func:`tail_backward`, runs here: the conv-output gradients of every participant's kernels
-    are then gathered, and each runs the conv's backward through its partial convolution."""
-    return conv_backward(be, tail_backward(be, dy, cache, dy_from), cache, need_dx)
+    A layer split by input channels (``by_channels.py``) runs the two halves apart: the tail's
+    backward here, then, with every participant's conv-output gradient, the conv's backward
+    through its partial convolution."""
+    return conv_backward(be, tail_backward(be, dy, cache), cache, need_dx)
 
 
-def tail_backward(be: Backend, dy: Array, cache: BlockCache, dy_from: int = 0) -> Array:
+def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
     """The tail's backward: the conv-output gradient (N, computed, OH, OW), zero outside the owned kernels."""
-    lo, hi = cache.own
-    n, computed, oh, ow = cache.out_shape
-    _, before, after = halo(cache.specs)
-    need = (max(0, lo - before), min(computed, hi + after))
-    if not (
-        len(dy.shape) == 4
-        and (dy.shape[0], *dy.shape[2:]) == (n, oh, ow)
-        and 0 <= dy_from <= need[0]
-        and need[1] <= dy_from + dy.shape[1] <= computed
-    ):
+    if tuple(dy.shape) != cache.out_shape:
         raise ValueError(
-            f"dy {tuple(dy.shape)} from channel {dy_from} does not fit the forward: it needs shape "
-            f"(N={n}, C, {oh}, {ow}) covering computed channels [{need[0]}, {need[1]}) of {computed}"
+            f"dy {tuple(dy.shape)} does not fit the forward: it needs the shape of its output over "
+            f"every computed kernel, {cache.out_shape}"
         )
-    if dy.shape[1] == computed:
-        d = dy
-    else:  # zeros where no gradient was sent: it reaches only the halo, which is discarded
-        full = np.zeros(cache.out_shape, np.float32)
-        full[:, dy_from : dy_from + dy.shape[1]] = be.to_numpy(dy)
-        d = be.asarray(full)
+    d = dy
     for spec, c in zip(reversed(cache.specs), reversed(cache.tail), strict=True):
         if spec["op"] == "relu":
             d = be.relu_backward(d, c)
@@ -238,9 +211,10 @@ def tail_backward(be: Backend, dy: Array, cache: BlockCache, dy_from: int = 0) -
             d = be.lrn_backward(d, c)
         else:
             d = be.maxpool_backward(d, c)
-    if (lo, hi) != (0, computed):  # the halo kernels' gradient is not this participant's to give
+    lo, hi = cache.own
+    if (lo, hi) != (0, cache.out_shape[1]):  # the halo kernels' gradient is not this participant's to give
         host = be.to_numpy(d)
-        if d is dy:  # not ours to overwrite
+        if d is dy:  # an empty tail passed dy through: not ours to overwrite
             host = host.copy()
         host[:, :lo] = 0
         host[:, hi:] = 0
@@ -259,6 +233,6 @@ def conv_backward(be: Backend, d: Array, cache: BlockCache, need_dx: bool = True
     with dw, db the owned kernels' rows."""
     lo, hi = cache.own
     dx, dw, db = be.conv2d_backward(d, cache.conv, need_dx)
-    if (lo, hi) != (0, cache.computed):
+    if (lo, hi) != (0, cache.out_shape[1]):
         dw, db = be.take_kernels(dw, lo, hi), be.take_kernels(db, lo, hi)
     return dx, dw, db

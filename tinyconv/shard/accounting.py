@@ -1,0 +1,92 @@
+"""What a distributed step cost: the paper's comm / conv split, bytes, and each participant's time.
+
+Every list here is in participant order (the master first if it takes part, then the
+workers). For one *op* -- the forward or the backward of one sharded layer:
+
+    conv_s = the slowest participant's compute (what the paper calls conv)
+    comm_s = the op's wall time on the master minus that: transfers, waiting, slicing and
+             concatenating, at least 0
+
+A step's record (:func:`step_record`) sums them over its ops. Bytes are the arrays of the
+tasks and results (``Message.nbytes``), counted the same for every transport: the in-process
+one moves nothing over a wire, but what a network would carry is counted anyway. Headers,
+framing, heartbeats and calibration are not (``transport.traffic()`` has the zmq totals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class OpStats:
+    """One distributed forward or backward of one layer."""
+
+    wall_s: float  # from the start of the op to its assembled result, on the master
+    compute_s: list[float]  # per participant (0 for those without kernels)
+    sent: list[int]  # array bytes to each participant (0 for the master)
+    recv: list[int]  # and from it
+
+    @property
+    def conv_s(self) -> float:
+        return max(self.compute_s)
+
+    @property
+    def comm_s(self) -> float:
+        return max(0.0, self.wall_s - self.conv_s)
+
+
+@dataclass
+class LayerStep:
+    """One layer's forward and backward in a training step."""
+
+    name: str
+    counts: list[int]  # kernels per participant
+    channels: list[int] | None  # input channels per participant, for a layer split by them
+    forward: OpStats
+    backward: OpStats
+
+    @property
+    def units(self) -> list[int]:
+        """What the layer is split by: its input channels when it is split by them, else its kernels."""
+        return self.counts if self.channels is None else self.channels
+
+    @property
+    def compute_s(self) -> list[float]:
+        """Each participant's forward + backward compute: what the rebalancer balances."""
+        return [f + b for f, b in zip(self.forward.compute_s, self.backward.compute_s, strict=True)]
+
+
+def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, Any]:
+    """The step's accounting, from its layers in the order their backwards finished::
+
+        {"comm_s": float, "conv_s": float,            # summed over the step's ops
+         "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers
+         "participant_bytes_sent": [int, ...], "participant_bytes_recv": [int, ...],  # the same, each
+         "shares": {"conv1": [kernels per participant], ...},
+         "channel_shares": {"conv2": [input channels per participant]},  # layers split by them
+         "participants": ["master", "worker0", ...],  # the order of every list here
+         "participant_conv_s": [s, ...],              # each one's compute this step
+         "ops": [{"layer": "conv1", "op": "forward", "wall_s": s, "compute_s": [s, ...]}, ...]}
+
+    ``ops`` are in the order they ran: the forwards, then the backwards, which finish the
+    layers in reverse.
+    """
+    ran = [(d.name, "forward", d.forward) for d in reversed(layers)]
+    ran += [(d.name, "backward", d.backward) for d in layers]
+    ops = [stats for _, _, stats in ran]
+    each = range(len(participants))
+    return {
+        "comm_s": sum(op.comm_s for op in ops),
+        "conv_s": sum(op.conv_s for op in ops),
+        "bytes_sent": sum(sum(op.sent) for op in ops),
+        "bytes_recv": sum(sum(op.recv) for op in ops),
+        "participant_bytes_sent": [sum(op.sent[i] for op in ops) for i in each],
+        "participant_bytes_recv": [sum(op.recv[i] for op in ops) for i in each],
+        "shares": {d.name: list(d.counts) for d in reversed(layers)},
+        "channel_shares": {d.name: list(d.channels) for d in reversed(layers) if d.channels is not None},
+        "participants": list(participants),
+        "participant_conv_s": [sum(op.compute_s[i] for op in ops) for i in each],
+        "ops": [{"layer": name, "op": op, "wall_s": s.wall_s, "compute_s": list(s.compute_s)} for name, op, s in ran],
+    }

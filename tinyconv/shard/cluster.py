@@ -1,0 +1,250 @@
+"""The cluster: the master and its workers, and how each sharded layer is split among them.
+
+    cluster = Cluster(transport, workers, backend)   # workers: the transport's hellos
+    cluster.calibrate(net, batch_size=64)            # attaches, times everyone, eq. 1 (calibrate.py)
+    ... train: net.forward, net.backward ...         # each ShardedBlock asks plan() and runs its split
+    cluster.last_step                                # the finished step's comm/conv split, bytes, shares
+
+Participants, in this order everywhere (plans, shares, times): the master first if it
+takes part (``master_share="auto"``), then the workers by index; named "master",
+"worker0", .... A step ends when the gradient has come back through every sharded
+layer, i.e. with the backward of the first one: the cluster then records it
+(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which
+changes, if at all, from the next step on -- never between a forward and its backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from backends.base import Backend
+from tinyconv.layers import Conv2D
+from tinyconv.model import Network
+from tinyconv.shard.accounting import LayerStep, step_record
+from tinyconv.shard.balance import kernel_counts
+from tinyconv.shard.block import tail_of
+from tinyconv.shard.layer import ShardedBlock
+from tinyconv.shard.plan import Plan
+from tinyconv.shard.rebalance import Rebalancer
+from tinyconv.shard.rpc import Rpc
+from transports.base import Transport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+MASTER_SHARES = ("auto", "0")
+SPLITS = ("auto", "channels", "kernels")
+
+
+class Cluster:
+    """The master (on ``backend``) and ``workers`` (on ``transport``), sharing the network's convolutions.
+
+    ``master_share``: "auto" -- the master computes a share too, sized by its speed like any
+    worker's; "0" -- it only coordinates.
+    ``split``: how a layer that needs dX (every conv but the first) is split. "kernels" -- the
+    paper's way (``by_kernels.py``); "channels" -- the convolution by input channels and its tail
+    by kernels (``by_channels.py``): nothing is computed twice, but partial sums cross the wire;
+    "auto" -- "channels" with at most 2 workers that all run on the master's host (bytes are
+    cheap there), else "kernels", which a LAN carries better.
+    ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
+    channels (``block.py``); False is the paper's split, the convolution alone.
+    ``rebalance``: follow the measured compute times (``rebalancer`` to tune it).
+    ``recv_timeout``: seconds every worker has to answer one op or its calibration.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: Sequence[WorkerInfo],
+        backend: Backend,
+        master_share: str = "auto",
+        split: str = "auto",
+        fuse: bool = True,
+        rebalance: bool = True,
+        rebalancer: Rebalancer | None = None,
+        recv_timeout: float = 120.0,
+        calibration_repeats: int = 3,
+    ) -> None:
+        if master_share not in MASTER_SHARES:
+            raise ValueError(
+                f"master_share must be 'auto' (the master computes kernels too) or '0' (it only "
+                f"coordinates), got {master_share!r}"
+            )
+        if not workers and master_share == "0":
+            raise ValueError("no workers and master_share '0': nobody would compute the convolutions")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        if not (isinstance(calibration_repeats, int) and calibration_repeats >= 1):
+            raise ValueError(f"calibration_repeats must be an int >= 1, got {calibration_repeats!r}")
+        self.transport, self.backend, self.workers = transport, backend, sorted(workers, key=lambda w: w.index)
+        self.rpc = Rpc(transport, self.workers, recv_timeout)
+        self.seats: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
+        self.seats += [(f"worker{w.index}", w.index) for w in self.workers]
+        here = socket.gethostname()
+        local = all(w.hostname == here for w in self.workers)
+        self.split_by_channels = split == "channels" or (split == "auto" and len(self.workers) <= 2 and local)
+        self.fuse = fuse
+        self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
+        self.calibration_repeats = calibration_repeats
+        self.counts: dict[str, list[int]] = {}  # layer -> kernels per participant
+        self.channel_counts: dict[str, list[int]] = {}  # layer -> input channels per participant
+        self.blocks: list[ShardedBlock] = []  # of the attached network, in order
+        self.step = 0  # finished training steps
+        self.last_step: dict[str, Any] | None = None  # the last finished step's record
+        self.calibration: dict[str, Any] | None = None
+        self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers that distribute() started
+        self._net: Network | None = None
+        self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
+
+    @property
+    def participants(self) -> list[str]:
+        """Participant names in plan order: "master" (if it takes part), "worker0", ..."""
+        return [name for name, _ in self.seats]
+
+    # ---- the network ----------------------------------------------------------------------
+    def attach(self, net: Network) -> None:
+        """Replace each Conv2D of ``net`` -- with ``fuse``, and the ReLU / LRN / max pool right after
+        it -- by one :class:`ShardedBlock` computed on this cluster. The parameters stay the same arrays."""
+        if self._net is net:
+            return
+        if self._net is not None:
+            raise ValueError("this cluster already serves another network: detach it first")
+        layers = []
+        i = 0
+        while i < len(net.layers):
+            layer = net.layers[i]
+            if not isinstance(layer, Conv2D):
+                layers.append(layer)
+                i += 1
+                continue
+            tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
+            block = ShardedBlock(self, len(self.blocks), layer, tail, self._by_channels(layer))
+            self.blocks.append(block)
+            layers.append(block)
+            i += 1 + len(tail)
+        if not self.blocks:
+            raise ValueError("the network has no Conv2D layer: there is nothing to distribute")
+        net.layers = layers
+        self._net = net
+
+    def detach(self, net: Network) -> None:
+        """Put ``net``'s own layers back: its convolutions are computed on the master alone again."""
+        if self._net is not net:
+            return
+        net.layers = [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
+        self.blocks, self._net, self._done = [], None, []
+
+    def close(self) -> None:
+        """Detach the network, then ``on_close`` (stops the workers :func:`~tinyconv.shard.distribute` started)."""
+        if self._net is not None:
+            self.detach(self._net)
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
+        """Attach ``net``, time every participant on each sharded layer's shape, split by eq. 1."""
+        from tinyconv.shard.calibrate import calibrate
+
+        self.attach(net)
+        self.calibration = calibrate(self, net, batch_size, image_size)
+        return self.calibration
+
+    # ---- plans ------------------------------------------------------------------------------
+    def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on.
+
+        ``channels``: input channels per participant, for a layer split by them (> 0 exactly
+        where the kernels are). Without it the layer keeps its channel split, or, if that does
+        not fit ``counts``, gets one proportional to them.
+        """
+        block = next((b for b in self.blocks if b.name == layer), None)
+        if block is None:
+            attached = ", ".join(b.name for b in self.blocks) or "none"
+            raise ValueError(f"no attached layer {layer!r}; attached: {attached}")
+        total, n = block.conv.out_channels, len(self.seats)
+        if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != total:
+            raise ValueError(
+                f"a plan for {layer} needs {n} counts >= 0 ({', '.join(self.participants)}) "
+                f"summing to its {total} kernels, got {list(counts)}"
+            )
+        if channels is not None:
+            if not _fits(channels, counts, block.conv.in_channels):
+                raise ValueError(
+                    f"channels for {layer} needs {n} counts >= 0 summing to its {block.conv.in_channels} input "
+                    f"channels, 0 exactly where the kernels are 0 ({list(counts)}); got {list(channels)}"
+                )
+            self.channel_counts[layer] = [int(c) for c in channels]
+        self.counts[layer] = [int(c) for c in counts]
+
+    def plan(self, block: ShardedBlock) -> Plan:
+        """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
+        total = block.conv.out_channels
+        counts = self.counts.setdefault(block.name, kernel_counts([1.0] * len(self.seats), total))
+        if sum(counts) != total:
+            raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
+        channels = None
+        if block.by_channels:  # proportional to the kernels at first, and whenever the kept split does not fit
+            c_in = block.conv.in_channels
+            channels = self.channel_counts.get(block.name)
+            if channels is None or not _fits(channels, counts, c_in):
+                channels = self.channel_counts[block.name] = kernel_counts([float(k) for k in counts], c_in)
+        return Plan.of(self.seats, counts, block.tail, channels)
+
+    def _by_channels(self, conv: Conv2D) -> bool:
+        """Whether ``conv`` is split by input channels: it needs dX, and has at least one input
+        channel and one kernel for every participant."""
+        enough = min(conv.in_channels, conv.out_channels) >= len(self.seats)
+        return conv.need_dx and self.split_by_channels and bool(self.workers) and enough
+
+    # ---- steps ------------------------------------------------------------------------------
+    def finished(self, block: ShardedBlock, done: LayerStep) -> None:
+        """``block``'s backward is done; with the first block's, the step is."""
+        self._done.append(done)
+        if block is not self.blocks[0]:
+            return
+        record = step_record(self._done, self.participants)
+        record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
+        self._done = []
+        self.step += 1
+        self.last_step = record
+
+    def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
+        """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
+
+        It balances forward + backward time against what a layer is split by: its kernels, or its
+        input channels -- its kernels, which then carry only the tail, follow those in proportion."""
+        rebalanced = {}
+        for d in done:
+            proposal = self.rebalancer.observe(d.name, d.units, d.compute_s)
+            if proposal is None:
+                continue
+            what = "kernels" if d.channels is None else "input channels"
+            log.info("rebalancing %s %s: %s -> %s (%s)", d.name, what, d.units, proposal, ", ".join(self.participants))
+            if d.channels is not None:
+                self.channel_counts[d.name] = proposal
+                proposal = kernel_counts([float(c) for c in proposal], sum(d.counts))
+            self.counts[d.name] = proposal
+            rebalanced[d.name] = list(proposal)
+        return rebalanced
+
+
+def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:
+    """A split of the input channels that works with the kernel split ``counts``: one count >= 0
+    per participant, summing to ``channels``, and 0 exactly for the participants without kernels
+    (a partial convolution needs someone to sum it, a tail someone's partial)."""
+    return (
+        len(channel_counts) == len(counts)
+        and all(isinstance(c, numbers.Integral) and c >= 0 for c in channel_counts)
+        and sum(channel_counts) == channels
+        and all((c == 0) == (k == 0) for c, k in zip(channel_counts, counts, strict=True))
+    )

@@ -1,0 +1,130 @@
+"""The task protocol: what the master asks a worker to compute, and what comes back.
+
+A transport moves messages without knowing what they mean (``transports/wire.py``
+checks the envelope: kind, plain header, array dtypes and sizes); this file says what
+they mean. One task kind per operation on the worker, each answered by a ``result``
+carrying the seconds it computed (``compute_s``) and the arrays below, or by an
+``error`` naming what was wrong. Every task header has ``task``, the id its reply
+echoes; the layer's tasks also ``step`` and ``layer`` (its index), which tie the
+parts of one layer's step together on the worker.
+
+Split by kernels, the paper's way (``by_kernels.py``)::
+
+    block_forward     stride, padding, tail, own     x (N, C, H, W), w (F', C, K, K), b (F',)
+                      -> y (N, own, OH', OW'): the block of F' kernels (own and halo), the own ones' output
+    block_backward    need_dx                        dy (N, F', OH', OW'), over every computed kernel
+                      -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,)
+
+Split by input channels, the optimisation (``by_channels.py``); a participant holds
+c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into them)::
+
+    partial_forward   stride, padding, tail, halo, own, give = [lo_end, hi_start]
+                                                     x (N, c, H, W), w (F, c, K, K)
+                      -> p_lo (N, lo_end, OH, OW), p_hi (N, F - hi_start, OH, OW): the parts of
+                         its partial convolution the others need (each absent when empty)
+    tail_forward      -                              b (ce - cs,), sum (N, ce - cs, OH, OW) if any
+                      -> y (N, own, OH', OW'): the tail on its partial + sum + b
+    tail_backward     -                              dy (N, ce - cs, OH', OW')
+                      -> dyc (N, own, OH, OW): the own kernels' conv-output gradient
+    partial_backward  need_dx                        dyc_lo, dyc_hi: the others' dyc, before and
+                                                     after its own (each absent when empty)
+                      -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
+
+And once, before training (``calibrate.py``)::
+
+    calibrate         layers, repeats                -> times: seconds per layer, no arrays
+
+All arrays are float32. Which task may follow which on one layer is the worker's
+business (``tinyconv/worker/handler.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transports.base import Message
+from transports.wire import Int, Num, ProtocolError, check_fields
+
+VERSION = 1  # of this task protocol; a worker's hello says which it speaks, the transport admits equals
+
+
+class TaskError(ValueError):
+    """A task the worker cannot run as asked; the text goes back to the master."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The header keys (name -> type) and array names of one message kind."""
+
+    header: dict[str, type]
+    arrays: frozenset[str] = frozenset()
+    optional_arrays: frozenset[str] = frozenset()
+
+
+_LAYER = {"task": Int, "step": Int, "layer": Int}
+_CONV = {"stride": Int, "padding": Int, "tail": list}
+
+TASKS: dict[str, Schema] = {
+    "calibrate": Schema({"task": Int, "layers": list, "repeats": Int}),
+    "block_forward": Schema({**_LAYER, **_CONV, "own": list}, frozenset({"x", "w", "b"})),
+    "block_backward": Schema({**_LAYER, "need_dx": bool}, frozenset({"dy"})),
+    "partial_forward": Schema({**_LAYER, **_CONV, "halo": list, "own": list, "give": list}, frozenset({"x", "w"})),
+    "tail_forward": Schema(_LAYER, frozenset({"b"}), frozenset({"sum"})),
+    "tail_backward": Schema(_LAYER, frozenset({"dy"})),
+    "partial_backward": Schema({**_LAYER, "need_dx": bool}, optional_arrays=frozenset({"dyc_lo", "dyc_hi"})),
+}
+
+# what each task's result may carry (the master checks their shapes as it reads them)
+RESULT_ARRAYS: dict[str, frozenset[str]] = {
+    "calibrate": frozenset(),
+    "block_forward": frozenset({"y"}),
+    "block_backward": frozenset({"dx", "dw", "db"}),
+    "partial_forward": frozenset({"p_lo", "p_hi"}),
+    "tail_forward": frozenset({"y"}),
+    "tail_backward": frozenset({"dyc"}),
+    "partial_backward": frozenset({"dx", "dw", "db"}),
+}
+RESULT = {"task": Int, "compute_s": Num}
+CALIBRATE_RESULT = {**RESULT, "times": list}
+
+
+def check_task(msg: Message) -> Schema:
+    """Raise TaskError unless ``msg`` is a known task with exactly its header keys, its arrays, float32.
+
+    Returns the kind's schema. Values are checked for type only; their meaning (spans that fit,
+    shapes that match) is each handler's to check.
+    """
+    schema = TASKS.get(msg.kind)
+    if schema is None:
+        raise TaskError(f"a worker does not handle {msg.kind!r} messages; send one of {', '.join(TASKS)}")
+    try:
+        check_fields(msg.kind, msg.header, schema.header, {})
+    except ProtocolError as e:
+        raise TaskError(str(e)) from None
+    _check_arrays(msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError)
+    return schema
+
+
+def check_result(msg: Message, task_kind: str) -> None:
+    """Raise RuntimeError unless ``msg`` is a well-formed result of a ``task_kind`` task."""
+    fields = CALIBRATE_RESULT if task_kind == "calibrate" else RESULT
+    try:
+        check_fields("result", msg.header, fields, {})
+    except ProtocolError as e:
+        raise RuntimeError(f"a malformed result of {task_kind}: {e}") from None
+    if not msg.header["compute_s"] >= 0:
+        raise RuntimeError(f"a result of {task_kind} reports compute_s {msg.header['compute_s']!r}, not seconds >= 0")
+    _check_arrays(msg, frozenset(), RESULT_ARRAYS[task_kind], RuntimeError)
+
+
+def _check_arrays(msg: Message, required: frozenset[str], allowed: frozenset[str], error: type[Exception]) -> None:
+    names = set(msg.arrays)
+    if not required <= names <= allowed:
+        optional = sorted(allowed - required)
+        raise error(
+            f"{msg.kind} takes the arrays {sorted(required)}{f' and optionally {optional}' if optional else ''}, "
+            f"got {sorted(names) or 'none'}"
+        )
+    for name, a in msg.arrays.items():
+        if a.dtype.name != "float32":
+            raise error(f"{msg.kind}: {name} must be float32, got {a.dtype}")

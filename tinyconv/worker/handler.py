@@ -1,0 +1,305 @@
+"""The worker: answers the master's tasks (``tinyconv/shard/protocol.py``) on one Backend.
+
+:class:`Worker` is the handler every transport serves: ``hello()`` and ``handle(msg)``
+(``transports.base.Handler``). Each task kind has one small method below. Any problem
+becomes an ``error`` reply naming it, and the worker keeps serving.
+
+Between the tasks of one layer's step a worker keeps what its forward computed. Which
+task may come next is explicit, one row per task kind (:data:`STAGES`)::
+
+    task              the layer must be at     it leaves the layer at
+    block_forward     anything                 "block"    the block's cache       (split by kernels)
+    block_backward    "block"                  nothing
+    partial_forward   anything                 "partial"  its partial convolution (split by input channels)
+    tail_forward      "partial"                "tail"     the tail's cache
+    tail_backward     "tail"                   "dyc"      its kernels' conv-output gradient
+    partial_backward  "dyc"                    nothing
+
+A task that continues a layer must also be of the step its forward was. A refused task
+changes nothing, so the right one can follow.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend, conv_output_size
+from tinyconv.shard.block import (
+    BlockCache,
+    block_backward,
+    block_forward,
+    check_tail,
+    owned,
+    tail_backward,
+    tail_output_hw,
+)
+from tinyconv.shard.block import tail_forward as run_tail
+from tinyconv.shard.calibrate import parse_spec, time_block
+from tinyconv.shard.protocol import VERSION, TaskError, check_task
+from transports.base import Message
+from transports.wire import error_reply
+
+DEFAULT_MAX_CALIBRATE_BYTES = 1 << 31  # 500:1500 with its tail at batch 64 needs about 1.6 GB
+
+# task kind -> (the stage the layer must be at, None: anything; the stage it leaves, None: nothing kept)
+STAGES: dict[str, tuple[str | None, str | None]] = {
+    "block_forward": (None, "block"),
+    "block_backward": ("block", None),
+    "partial_forward": (None, "partial"),
+    "tail_forward": ("partial", "tail"),
+    "tail_backward": ("tail", "dyc"),
+    "partial_backward": ("dyc", None),
+}
+_LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
+
+
+@dataclass
+class Kept:
+    """What one layer's forward left on this worker for the rest of its step."""
+
+    stage: str
+    step: int
+    cache: BlockCache | None = None  # "block", "tail", "dyc": the block's (or the tail's) cache
+    conv: Any = None  # "partial" on: the backend's cache of the partial convolution
+    partial: np.ndarray | None = None  # "partial": the partial convolution on the computed kernels
+    tail: list[dict[str, Any]] = field(default_factory=list)
+    own: tuple[int, int] = (0, 0)  # the own kernels, as offsets into the computed ones
+    dyc: np.ndarray | None = None  # "dyc": the own kernels' conv-output gradient
+    kernels: int = 0  # all F kernels of a layer split by input channels
+
+
+class Worker:
+    """Serves the task protocol on ``backend``.
+
+    ``slowdown`` F >= 1 is a testing aid that emulates a slower device: after each task the
+    worker waits an extra (F - 1) x its compute time and reports F x that time (calibration
+    times included), so a master balances it as slower. ``max_calibrate_bytes`` refuses to
+    time a layer that would need more memory.
+    """
+
+    def __init__(
+        self, backend: Backend, slowdown: float = 1.0, max_calibrate_bytes: int = DEFAULT_MAX_CALIBRATE_BYTES
+    ) -> None:
+        if not (isinstance(slowdown, (int, float)) and math.isfinite(slowdown) and slowdown >= 1):
+            raise ValueError(f"slowdown must be a finite number >= 1, got {slowdown!r}")
+        self.backend = backend
+        self.slowdown = float(slowdown)
+        self.max_calibrate_bytes = int(max_calibrate_bytes)
+        self.layers: dict[int, Kept] = {}  # layer index -> what its last forward left
+        self._idle = threading.Event()  # never set: waiting on it is how slowdown passes time
+        self._handlers: dict[str, Callable[..., dict[str, Any]]] = {
+            "calibrate": self.calibrate,
+            "block_forward": self.block_forward,
+            "block_backward": self.block_backward,
+            "partial_forward": self.partial_forward,
+            "tail_forward": self.tail_forward,
+            "tail_backward": self.tail_backward,
+            "partial_backward": self.partial_backward,
+        }
+
+    def hello(self) -> dict[str, Any]:
+        """The ``hello`` header: protocol version, backend, device facts, pid, hostname."""
+        device = dict(self.backend.describe())
+        if self.slowdown != 1.0:
+            device["slowdown"] = self.slowdown
+        return {
+            "protocol": VERSION,
+            "backend": self.backend.name,
+            "device": device,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
+
+    def handle(self, msg: Message) -> Message:
+        """Answer one task with a ``result``, or an ``error`` naming what was wrong. Never raises."""
+        try:
+            check_task(msg)
+            kept = self._expect(msg)
+            t0 = time.perf_counter()
+            reply = self._handlers[msg.kind](msg.header, msg.arrays, kept)
+            times = reply.pop("times", None)
+            arrays = {name: np.ascontiguousarray(self.backend.to_numpy(a)) for name, a in reply.items()}
+            self.backend.synchronize()
+            header = {"task": msg.header["task"], "compute_s": self._emulate(time.perf_counter() - t0)}
+            return Message("result", header | ({"times": times} if times is not None else {}), arrays)
+        except TaskError as e:
+            return error_reply(msg, f"{msg.kind}: {e}")
+        except Exception as e:  # a backend failure: report it, keep serving
+            return error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
+
+    def _expect(self, msg: Message) -> Kept | None:
+        """The layer's kept forward, if this task continues one; a TaskError if it cannot."""
+        if msg.kind not in STAGES or STAGES[msg.kind][0] is None:
+            return None
+        h = msg.header
+        where, needs = f"layer {h['layer']} step {h['step']}", STAGES[msg.kind][0]
+        kept = self.layers.get(h["layer"])
+        if kept is None:
+            raise TaskError(
+                f"{where}: nothing kept of this layer's forward: send {_LEFT_BY[needs]} first "
+                "(or again, if this worker was restarted)"
+            )
+        if kept.step != h["step"]:
+            raise TaskError(f"{where}: this layer's kept forward is of step {kept.step}")
+        if kept.stage != needs:
+            raise TaskError(
+                f"{where}: {msg.kind} follows {_LEFT_BY[needs]}, but this layer's last task was {_LEFT_BY[kept.stage]}"
+            )
+        return kept
+
+    def _advance(self, h: dict[str, Any], kind: str, kept: Kept | None) -> None:
+        """The layer moves on to the stage ``kind`` leaves it at (forgotten at the end of its step)."""
+        leaves = STAGES[kind][1]
+        if leaves is None:
+            del self.layers[h["layer"]]  # one backward per forward; frees what it kept
+        else:
+            kept.stage = leaves
+            self.layers[h["layer"]] = kept
+
+    # ---- split by kernels ---------------------------------------------------------------------
+    def block_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """The block (conv and tail) of the F' kernels it got; y of the ``own`` ones."""
+        x, w, b = a["x"], a["w"], a["b"]
+        if x.ndim != 4 or w.ndim != 4 or x.shape[1] != w.shape[1] or b.shape != w.shape[:1]:
+            raise TaskError(
+                f"layer {h['layer']}: expected x (N, C, H, W), w (F, C, KH, KW) and b (F,) with matching C and F; "
+                f"got x {x.shape}, w {w.shape}, b {b.shape}"
+            )
+        tail = self._tail(h, x.shape[2:], w.shape[2:])
+        own = _span(h, "own", w.shape[0])
+        be = self.backend
+        y, cache = block_forward(be, be.asarray(x), be.asarray(w), be.asarray(b), h["stride"], h["padding"], tail, own)
+        self._advance(h, "block_forward", Kept("block", h["step"], cache=cache))
+        return {"y": y}
+
+    def block_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+        """dw, db of its own kernels and a partial dx, from dy over every kernel its forward computed."""
+        be = self.backend
+        try:
+            dx, dw, db = block_backward(be, be.asarray(a["dy"]), kept.cache, h["need_dx"])
+        except ValueError as e:  # a dy that does not fit the forward, which stays for a good one
+            raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
+        self._advance(h, "block_backward", kept)
+        return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {})
+
+    # ---- split by input channels ------------------------------------------------------------
+    def partial_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """P, the partial convolution of its input channels for all F kernels; returns the parts the
+        others need (p_lo = P[:, :lo_end], p_hi = P[:, hi_start:]) and keeps P over its halo."""
+        x, w = a["x"], a["w"]
+        if x.ndim != 4 or w.ndim != 4 or x.shape[1] != w.shape[1]:
+            raise TaskError(
+                f"layer {h['layer']}: expected x (N, c, H, W) and w (F, c, KH, KW), got {x.shape}, {w.shape}"
+            )
+        f = w.shape[0]
+        tail = self._tail(h, x.shape[2:], w.shape[2:])
+        cs, ce = _span(h, "halo", f)
+        own = _span(h, "own", ce - cs)
+        give = h["give"]
+        if not (isinstance(give, list) and len(give) == 2 and all(_is_int(v) and 0 <= v <= f for v in give)):
+            raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
+        lo_end, hi_start = give
+        be = self.backend
+        p, conv = be.conv2d_forward(be.asarray(x), be.asarray(w), be.zeros((f,)), h["stride"], h["padding"])
+        p = be.to_numpy(p)
+        kept = Kept("partial", h["step"], conv=conv, partial=p[:, cs:ce], tail=tail, own=own, kernels=f)
+        self._advance(h, "partial_forward", kept)
+        return ({"p_lo": p[:, :lo_end]} if lo_end > 0 else {}) | ({"p_hi": p[:, hi_start:]} if hi_start < f else {})
+
+    def tail_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+        """y = tail(P[:, halo] + sum + b) of its own kernels; ``sum`` is the others' partials on its halo."""
+        b, others = a["b"], a.get("sum")
+        n, computed, oh, ow = kept.partial.shape
+        if b.shape != (computed,) or (others is not None and others.shape != kept.partial.shape):
+            got = f"b {b.shape}" + (f", sum {others.shape}" if others is not None else "")
+            raise TaskError(
+                f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {kept.partial.shape}; got {got}"
+            )
+        s = kept.partial + b[None, :, None, None]
+        if others is not None:
+            s += others
+        y, kept.cache = run_tail(self.backend, self.backend.asarray(s), kept.conv, kept.tail, kept.own)
+        kept.partial = None
+        self._advance(h, "tail_forward", kept)
+        return {"y": y}
+
+    def tail_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+        """dyc, its own kernels' conv-output gradient, from dy over its halo; kept for partial_backward."""
+        be = self.backend
+        try:
+            d = tail_backward(be, be.asarray(a["dy"]), kept.cache)
+        except ValueError as e:
+            raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
+        kept.dyc = np.ascontiguousarray(owned(be, d, kept.cache))
+        self._advance(h, "tail_backward", kept)
+        return {"dyc": kept.dyc}
+
+    def partial_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+        """With the others' dyc before and after its own (all of dY, N x F), the conv backward through
+        its partial: dx of its input channels (if need_dx), dw (F, c, K, K), db (F,)."""
+        parts = [p for p in (a.get("dyc_lo"), kept.dyc, a.get("dyc_hi")) if p is not None]
+        n, _, oh, ow = kept.dyc.shape
+        if not all(p.ndim == 4 and (p.shape[0], *p.shape[2:]) == (n, oh, ow) for p in parts) or (
+            sum(p.shape[1] for p in parts) != kept.kernels
+        ):
+            raise TaskError(
+                f"layer {h['layer']}: dyc_lo, this worker's {kept.dyc.shape[1]} kernels' gradient and dyc_hi must make "
+                f"({n}, {kept.kernels}, {oh}, {ow}); got {[tuple(p.shape) for p in parts]}"
+            )
+        be = self.backend
+        whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv, h["need_dx"])
+        self._advance(h, "partial_backward", kept)
+        return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {})
+
+    # ---- calibration -------------------------------------------------------------------------
+    def calibrate(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """``times``: seconds per layer, each the median of ``repeats`` runs after a warm-up."""
+        if not 1 <= h["repeats"] <= 1000:
+            raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+        if not h["layers"]:
+            raise TaskError("layers is empty: nothing to calibrate")
+        specs = [parse_spec(i, spec, self.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
+        return {"times": [time_block(self.backend, spec, h["repeats"]) * self.slowdown for spec in specs]}
+
+    # ---- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _tail(h: dict[str, Any], size: tuple[int, ...], kernel: tuple[int, ...]) -> list[dict[str, Any]]:
+        """The task's tail, checked against the convolution's output size."""
+        if h["stride"] < 1 or h["padding"] < 0:
+            raise TaskError(
+                f"layer {h['layer']}: need stride >= 1 and padding >= 0, got {h['stride']} and {h['padding']}"
+            )
+        try:
+            oh, ow = (conv_output_size(s, k, h["stride"], h["padding"]) for s, k in zip(size, kernel, strict=True))
+            tail_output_hw(oh, ow, check_tail(h["tail"]))
+        except ValueError as e:
+            raise TaskError(f"layer {h['layer']}: {e}") from None
+        return h["tail"]
+
+    def _emulate(self, compute_s: float) -> float:
+        """Apply the slowdown factor: wait the extra time, return the time to report."""
+        if self.slowdown > 1.0:
+            self._idle.wait((self.slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
+        return compute_s * self.slowdown
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
+    """Header ``key``, a non-empty range [a, b] with 0 <= a < b <= limit, as a tuple."""
+    v = h[key]
+    if not (isinstance(v, list) and len(v) == 2 and all(_is_int(i) for i in v) and 0 <= v[0] < v[1] <= limit):
+        raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
+    return v[0], v[1]
