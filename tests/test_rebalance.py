@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tinyconv.shard.balance import kernel_counts, speed_weights
-from tinyconv.shard.rebalance import Phase, Rebalancer, equal_finish_kernels, fit_affine_cost
+from tinyconv.shard.cost import equal_finish_kernels, fit_affine_cost
+from tinyconv.shard.rebalance import Phase, Rebalancer
 
 # ---- the affine cost model: fit and target -------------------------------------------------
 

@@ -125,72 +125,80 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train until ``epochs`` or ``max_steps``; evaluate each epoch; return the summary."""
-        x, y = self.data.x_train, self.data.y_train
-        bs = self.cfg.batch_size
         n_epochs = -(-self.total_steps // self.steps_per_epoch)
         epochs_bar = tqdm(
             total=n_epochs, initial=self.epoch, desc="epochs", unit="epoch", disable=not self.cfg.progress
         )
         while self.step < self.total_steps:
-            self.shuffle_rng.bit_generator.state = self.epoch_shuffle_state
-            order = self.shuffle_rng.permutation(len(x))
-            last = min(self.steps_per_epoch, self.batch_in_epoch + self.total_steps - self.step)
-            losses, accs = [], []
             t_epoch = time.perf_counter()
-            bar = tqdm(
-                range(self.batch_in_epoch, last),
-                desc=f"epoch {self.epoch + 1}/{n_epochs}",
-                unit="step",
-                leave=False,
-                disable=not self.cfg.progress,
-            )
-            for b in bar:
-                idx = order[b * bs : (b + 1) * bs]
-                loss, acc, rec = self.train_step(x[idx], y[idx])
-                losses.append(loss)
-                accs.append(acc)
-                self.step_times.append(rec["time_s"])
-                self.step_splits.append(rec)
-                self.metrics.write("step", epoch=self.epoch + 1, step=self.step + 1, loss=loss, acc=acc, **rec)
-                self.step += 1
-                self.batch_in_epoch = b + 1
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{rec['lr']:.3g}")
-            bar.close()
-            train_s = time.perf_counter() - t_epoch
-            finished = self.batch_in_epoch == self.steps_per_epoch
-            if finished:  # the next epoch starts from a fresh shuffle
-                self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
-            t_eval = time.perf_counter()
-            test_loss, test_acc = self.evaluate(self.data.x_test, self.data.y_test)
-            record = {
-                "epoch": self.epoch + 1,
-                "steps": self.step,
-                "complete": finished,
-                "train_loss": float(np.mean(losses)) if losses else None,
-                "train_acc": float(np.mean(accs)) if accs else None,
-                "test_loss": test_loss,
-                "test_acc": test_acc,
-                "time_s": train_s,
-                "eval_s": time.perf_counter() - t_eval,
-            }
-            self.history.append(record)
-            self.metrics.write("epoch", **record)
+            losses, accs = self._train_epoch(n_epochs)
+            record = self._end_epoch(losses, accs, time.perf_counter() - t_epoch)
             epochs_bar.update(1)
-            epochs_bar.set_postfix(test_acc=f"{test_acc:.3f}")
-            train_loss = record["train_loss"] if losses else float("nan")
-            tqdm.write(
-                f"epoch {record['epoch']}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-                f"test acc {test_acc:.2%}  ({train_s:.1f} s train, {record['eval_s']:.1f} s eval)"
-            )
-            if finished:
-                self.epoch += 1
-                self.batch_in_epoch = 0
-            if self.cfg.checkpoint:
-                self.save(self.cfg.checkpoint)
+            epochs_bar.set_postfix(test_acc=f"{record['test_acc']:.3f}")
         epochs_bar.close()
         summary = self.summary()
         self.metrics.write("summary", **summary)
         return summary
+
+    def _train_epoch(self, n_epochs: int) -> tuple[list[float], list[float]]:
+        """The steps of the epoch in course, from where it stands to its end or to ``total_steps``."""
+        x, y, bs = self.data.x_train, self.data.y_train, self.cfg.batch_size
+        self.shuffle_rng.bit_generator.state = self.epoch_shuffle_state
+        order = self.shuffle_rng.permutation(len(x))
+        last = min(self.steps_per_epoch, self.batch_in_epoch + self.total_steps - self.step)
+        losses, accs = [], []
+        bar = tqdm(
+            range(self.batch_in_epoch, last),
+            desc=f"epoch {self.epoch + 1}/{n_epochs}",
+            unit="step",
+            leave=False,
+            disable=not self.cfg.progress,
+        )
+        for b in bar:
+            idx = order[b * bs : (b + 1) * bs]
+            loss, acc, rec = self.train_step(x[idx], y[idx])
+            losses.append(loss)
+            accs.append(acc)
+            self.step_times.append(rec["time_s"])
+            self.step_splits.append(rec)
+            self.metrics.write("step", epoch=self.epoch + 1, step=self.step + 1, loss=loss, acc=acc, **rec)
+            self.step += 1
+            self.batch_in_epoch = b + 1
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{rec['lr']:.3g}")
+        bar.close()
+        return losses, accs
+
+    def _end_epoch(self, losses: list[float], accs: list[float], train_s: float) -> dict[str, Any]:
+        """Evaluate, record and report the epoch (or the part of it that ran); checkpoint."""
+        finished = self.batch_in_epoch == self.steps_per_epoch
+        if finished:  # the next epoch starts from a fresh shuffle
+            self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
+        t_eval = time.perf_counter()
+        test_loss, test_acc = self.evaluate(self.data.x_test, self.data.y_test)
+        record = {
+            "epoch": self.epoch + 1,
+            "steps": self.step,
+            "complete": finished,
+            "train_loss": float(np.mean(losses)) if losses else None,
+            "train_acc": float(np.mean(accs)) if accs else None,
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "time_s": train_s,
+            "eval_s": time.perf_counter() - t_eval,
+        }
+        self.history.append(record)
+        self.metrics.write("epoch", **record)
+        train_loss = record["train_loss"] if losses else float("nan")
+        tqdm.write(
+            f"epoch {record['epoch']}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
+            f"test acc {test_acc:.2%}  ({train_s:.1f} s train, {record['eval_s']:.1f} s eval)"
+        )
+        if finished:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        if self.cfg.checkpoint:
+            self.save(self.cfg.checkpoint)
+        return record
 
     # ---- checkpoints ----------------------------------------------------------------
     def save(self, path: str | Path) -> None:

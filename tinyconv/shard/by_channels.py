@@ -71,6 +71,20 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
 
+def _summed(terms: list[np.ndarray]) -> np.ndarray:
+    """The sum of ``terms`` in a new contiguous array."""
+    total = np.array(terms[0])
+    for term in terms[1:]:
+        total += term
+    return total
+
+
+def _give(busy: list[Participant], i: int, total: int) -> list[int]:
+    """What the others need of participant i's partial, [lo_end, hi_start]: the kernels up to the
+    end of the earlier participants' halos, and from the start of the later ones'."""
+    return [max((q.halo.stop for q in busy[:i]), default=0), min((q.halo.start for q in busy[i + 1 :]), default=total)]
+
+
 def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpStats]:
     """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels."""
     be, conv, op = layer.backend, layer.conv, layer.op("forward")
@@ -78,16 +92,7 @@ def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpS
     x_h, w_h, b_h = layer.host(x), layer.host(conv.params["w"]), layer.host(conv.params["b"])
     n, _, oh, ow = layer.conv_shape(x_h.shape)
     worker = {p.worker: p for p in plan.workers}
-    # what the others need of participant i's partial: the kernels up to the end of the earlier
-    # participants' halos, and from the start of the later ones'
-    give = {
-        p.worker: [
-            max((q.halo.stop for q in busy[:i]), default=0),
-            min((q.halo.start for q in busy[i + 1 :]), default=total),
-        ]
-        for i, p in enumerate(busy)
-        if p.worker is not None
-    }
+    give = {p.worker: _give(busy, i, total) for i, p in enumerate(busy) if p.worker is not None}
     partials: dict[str, Partial] = {}
 
     def others_on(p: Participant) -> list[np.ndarray]:
@@ -114,11 +119,8 @@ def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpS
 
     def tail_task(k: int) -> Message:
         p = worker[k]
-        arrays = {"b": np.ascontiguousarray(b_h[p.halo])}
-        if terms := others_on(p):
-            arrays["sum"] = np.array(terms[0])  # a contiguous copy, to add the others to
-            for term in terms[1:]:
-                arrays["sum"] += term
+        terms = others_on(p)
+        arrays = {"b": np.ascontiguousarray(b_h[p.halo])} | ({"sum": _summed(terms)} if terms else {})
         return Message("tail_forward", layer.header(), arrays)
 
     # round 2: each worker the others' partials summed over its halo, as soon as the master has them
