@@ -101,7 +101,7 @@ def check_task(msg: Message) -> Schema:
         check_fields(msg.kind, msg.header, schema.header, {})
     except ProtocolError as e:
         raise TaskError(str(e)) from None
-    _check_arrays(msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError)
+    _check_arrays(msg.kind, msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError)
     return schema
 
 
@@ -114,17 +114,19 @@ def check_result(msg: Message, task_kind: str) -> None:
         raise RuntimeError(f"a malformed result of {task_kind}: {e}") from None
     if not msg.header["compute_s"] >= 0:
         raise RuntimeError(f"a result of {task_kind} reports compute_s {msg.header['compute_s']!r}, not seconds >= 0")
-    _check_arrays(msg, frozenset(), RESULT_ARRAYS[task_kind], RuntimeError)
+    _check_arrays(f"a result of {task_kind}", msg, frozenset(), RESULT_ARRAYS[task_kind], RuntimeError)
 
 
-def _check_arrays(msg: Message, required: frozenset[str], allowed: frozenset[str], error: type[Exception]) -> None:
+def _check_arrays(
+    what: str, msg: Message, required: frozenset[str], allowed: frozenset[str], error: type[Exception]
+) -> None:
     names = set(msg.arrays)
     if not required <= names <= allowed:
         optional = sorted(allowed - required)
         raise error(
-            f"{msg.kind} takes the arrays {sorted(required)}{f' and optionally {optional}' if optional else ''}, "
+            f"{what} takes the arrays {sorted(required)}{f' and optionally {optional}' if optional else ''}, "
             f"got {sorted(names) or 'none'}"
         )
     for name, a in msg.arrays.items():
         if a.dtype.name != "float32":
-            raise error(f"{msg.kind}: {name} must be float32, got {a.dtype}")
+            raise error(f"{what}: {name} must be float32, got {a.dtype}")

@@ -1,0 +1,136 @@
+"""Scatter/gather: task ids, early and stale replies, errors and timeouts that name who, and the relay
+that sends a second round as soon as it can -- against a scripted transport, no workers."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from tinyconv.shard.rpc import Rpc
+from transports.base import Message, Transport, WorkerInfo
+
+WORKERS = [WorkerInfo(0, "numpy", {"device": "cpu0"}, hostname="a"), WorkerInfo(1, "numpy", {"device": "cpu1"})]
+
+
+class Scripted(Transport):
+    """A transport whose workers answer by a script: ``answer(worker, msg)`` -> replies to queue.
+
+    ``held`` keeps a worker's replies back until ``release(worker)``, to play out an order."""
+
+    name = "scripted"
+
+    def __init__(self, answer) -> None:
+        self.answer, self.sent, self.inbox, self.held = answer, [], deque(), {}
+
+    def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
+        return WORKERS[:n_workers]
+
+    def send(self, worker: int, msg: Message) -> None:
+        self.sent.append((worker, msg.kind, msg.header["task"]))
+        for reply in self.answer(worker, msg):
+            (self.held[worker] if worker in self.held else self.inbox).append((worker, reply))
+
+    def recv(self, timeout: float) -> tuple[int, Message]:
+        if not self.inbox:
+            raise TimeoutError("nothing")
+        return self.inbox.popleft()
+
+    def close(self) -> None:
+        pass
+
+    def release(self, worker: int) -> None:
+        self.inbox.extend(self.held.pop(worker))
+
+
+def result(msg: Message, **arrays) -> Message:
+    return Message("result", {"task": msg.header["task"], "compute_s": 0.5}, arrays)
+
+
+def echo(worker: int, msg: Message) -> list[Message]:
+    """A result carrying y = [worker, worker] for a forward of a block or tail, else nothing."""
+    y = {"y": np.full((2,), worker, np.float32)} if msg.kind in ("block_forward", "tail_forward") else {}
+    return [result(msg, **y)]
+
+
+def test_gather_returns_each_workers_result_and_counts_the_bytes_and_compute():
+    rpc = Rpc(Scripted(echo), WORKERS, timeout=1.0)
+    op = rpc.op("forward of conv1")
+    tasks = [op.send(k, Message("block_forward", {}, {"x": np.zeros(3, np.float32)})) for k in (0, 1)]
+    assert tasks == [1, 2]  # ids, in the order sent
+    replies = op.gather(tasks)
+    assert [float(replies[k].arrays["y"][0]) for k in (0, 1)] == [0.0, 1.0]
+    stats = op.stats([("master", None), ("worker0", 0), ("worker1", 1)])
+    assert stats.sent == [0, 12, 12] and stats.recv == [0, 8, 8] and stats.compute_s == [0.0, 0.5, 0.5]
+
+
+def test_a_result_that_comes_before_its_gather_is_kept_for_it():
+    transport = Scripted(echo)
+    transport.held[0] = deque()  # worker 0's first answer comes after worker 1's second
+    op = Rpc(transport, WORKERS, timeout=1.0).op("backward of conv2")
+    first = op.send(0, Message("tail_backward", {}))
+    second = op.send(1, Message("partial_backward", {}))
+    transport.release(0)
+    transport.inbox.rotate(1)  # worker 0's answer last
+    assert set(op.gather([second])) == {1}
+    assert set(op.gather([first])) == {0}  # from the transport, not lost while the other was gathered
+
+
+def test_a_late_result_of_an_abandoned_op_is_dropped():
+    transport = Scripted(echo)
+    rpc = Rpc(transport, WORKERS, timeout=1.0)
+    rpc.op("forward of conv1").send(0, Message("block_forward", {}))  # given up on: never gathered
+    op = rpc.op("forward of conv1")
+    task = op.send(0, Message("block_forward", {}))
+    assert op.gather([task])[0].header["task"] == task  # the stale one went by
+
+
+@pytest.mark.parametrize(
+    "answer, error, text",
+    [
+        (lambda k, m: [Message("error", {"message": "out of memory", "task": m.header["task"]})], RuntimeError,
+         r"worker 1 \(numpy on cpu1 at \?\) failed the forward of conv1: out of memory"),
+        (lambda k, m: [Message("error", {"message": "unreadable"})], RuntimeError, "failed the forward of conv1"),
+        (lambda k, m: [Message("hello", {"task": m.header["task"]})], RuntimeError, "answered .* with a 'hello'"),
+        (lambda k, m: [Message("result", {"task": m.header["task"]})], RuntimeError, "malformed result.*compute_s"),
+        (lambda k, m: [result(m, z=np.zeros(1, np.float32))], RuntimeError, "a result of block_forward takes"),
+        (lambda k, m: [], TimeoutError, r"forward of conv1: no result from worker 1 \(.*\) within 0.01 s"),
+    ],
+)  # fmt: skip
+def test_what_goes_wrong_is_an_error_naming_the_worker_and_the_op(answer, error, text):
+    op = Rpc(Scripted(answer), WORKERS, timeout=0.01).op("forward of conv1")
+    with pytest.raises(error, match=text):
+        op.gather([op.send(1, Message("block_forward", {}))])
+
+
+def test_a_reply_array_of_another_shape_is_refused_with_a_hint():
+    op = Rpc(Scripted(echo), WORKERS, timeout=1.0).op("forward of conv2")
+    reply = op.gather([op.send(0, Message("block_forward", {}))])[0]
+    assert op.array(0, reply, "y", (2,)).shape == (2,)
+    with pytest.raises(RuntimeError, match=r"returned shape \(2,\) for 'y' in the forward of conv2, expected shape"):
+        op.array(0, reply, "y", (3,))
+
+
+def test_relay_sends_each_second_round_task_as_soon_as_it_is_ready():
+    # worker 0's second task needs worker 1's first result, worker 1's needs worker 0's:
+    # worker 0 answers late, so worker 0's second task goes out before its own first result is in
+    transport = Scripted(echo)
+    transport.held[0] = deque()
+    op = Rpc(transport, WORKERS, timeout=1.0).op("forward of conv2")
+    first = {k: op.send(k, Message("partial_forward", {})) for k in (0, 1)}
+    have = set()
+
+    def arrived(k: int, reply: Message) -> None:
+        have.add(k)
+        if k == 1:
+            transport.release(0)  # worker 0 answers only now
+
+    second = op.relay(first, lambda k: (1 - k) in have, lambda k: Message("tail_forward", {}), arrived)
+    assert transport.sent == [
+        (0, "partial_forward", 1),
+        (1, "partial_forward", 2),
+        (0, "tail_forward", 3),  # as soon as worker 1's partial is in
+        (1, "tail_forward", 4),
+    ]
+    assert set(op.gather(second.values())) == {0, 1}
