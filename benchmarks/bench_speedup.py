@@ -45,11 +45,11 @@ from tinyconv.layers import Conv2D  # noqa: E402
 from tinyconv.model import paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
+from tinyconv.pool import stop_workers  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 from tinyconv.shard.cluster import Cluster  # noqa: E402
 from tinyconv.shard.protocol import VERSION  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
-from tinyconv.worker.pool import stop_workers  # noqa: E402
 from transports.zmq_master import ZmqTransport  # noqa: E402
 
 

@@ -21,14 +21,14 @@ from tinyconv.data import synthetic_dataset
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import Network, paper_net
+from tinyconv.pool import spawn_local_workers, stop_workers
 from tinyconv.shard.balance import kernel_counts, slices
-from tinyconv.shard.calibrate import block_inputs
 from tinyconv.shard.cluster import Cluster
+from tinyconv.shard.layer import block_inputs
 from tinyconv.shard.protocol import VERSION
 from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.trainer import TrainConfig, Trainer
 from tinyconv.worker.handler import Worker
-from tinyconv.worker.pool import spawn_local_workers, stop_workers
 from transports.base import Message
 from transports.inproc import InprocTransport
 from transports.zmq_master import ZmqTransport
@@ -398,11 +398,11 @@ def test_block_inputs_follow_the_network():
         cluster = Cluster(transport, workers, be)
         net = paper_net("6:10", be)
         cluster.attach(net)
-        assert block_inputs(net, 8, 32) == [(8, 3, 32, 32), (8, 6, 16, 16)]
+        assert block_inputs(net.layers, 8, 32) == [(8, 3, 32, 32), (8, 6, 16, 16)]
         cluster.detach(net)
         net = paper_net("6:10", be, pool_kernel=2, image_size=16)
         cluster.attach(net)
-        shapes = block_inputs(net, 2, 16)
+        shapes = block_inputs(net.layers, 2, 16)
     assert shapes == [
         (2, 3, 16, 16),
         (2, 6, 8, 8),

@@ -8,9 +8,11 @@ from collections import deque
 import numpy as np
 import pytest
 
+from backends.numpy_backend import NumpyBackend
 from tinyconv.shard.rpc import Rpc
 from transports.base import Message, Transport, WorkerInfo
 
+BE = NumpyBackend()
 WORKERS = [WorkerInfo(0, "numpy", {"device": "cpu0"}, hostname="a"), WorkerInfo(1, "numpy", {"device": "cpu1"})]
 
 
@@ -56,7 +58,7 @@ def echo(worker: int, msg: Message) -> list[Message]:
 
 def test_gather_returns_each_workers_result_and_counts_the_bytes_and_compute():
     rpc = Rpc(Scripted(echo), WORKERS, timeout=1.0)
-    op = rpc.op("forward of conv1")
+    op = rpc.op("forward of conv1", BE)
     tasks = [op.send(k, Message("block_forward", {}, {"x": np.zeros(3, np.float32)})) for k in (0, 1)]
     assert tasks == [1, 2]  # ids, in the order sent
     replies = op.gather(tasks)
@@ -68,7 +70,7 @@ def test_gather_returns_each_workers_result_and_counts_the_bytes_and_compute():
 def test_a_result_that_comes_before_its_gather_is_kept_for_it():
     transport = Scripted(echo)
     transport.held[0] = deque()  # worker 0's first answer comes after worker 1's second
-    op = Rpc(transport, WORKERS, timeout=1.0).op("backward of conv2")
+    op = Rpc(transport, WORKERS, timeout=1.0).op("backward of conv2", BE)
     first = op.send(0, Message("tail_backward", {}))
     second = op.send(1, Message("partial_backward", {}))
     transport.release(0)
@@ -80,8 +82,8 @@ def test_a_result_that_comes_before_its_gather_is_kept_for_it():
 def test_a_late_result_of_an_abandoned_op_is_dropped():
     transport = Scripted(echo)
     rpc = Rpc(transport, WORKERS, timeout=1.0)
-    rpc.op("forward of conv1").send(0, Message("block_forward", {}))  # given up on: never gathered
-    op = rpc.op("forward of conv1")
+    rpc.op("forward of conv1", BE).send(0, Message("block_forward", {}))  # given up on: never gathered
+    op = rpc.op("forward of conv1", BE)
     task = op.send(0, Message("block_forward", {}))
     assert op.gather([task])[0].header["task"] == task  # the stale one went by
 
@@ -99,13 +101,13 @@ def test_a_late_result_of_an_abandoned_op_is_dropped():
     ],
 )  # fmt: skip
 def test_what_goes_wrong_is_an_error_naming_the_worker_and_the_op(answer, error, text):
-    op = Rpc(Scripted(answer), WORKERS, timeout=0.01).op("forward of conv1")
+    op = Rpc(Scripted(answer), WORKERS, timeout=0.01).op("forward of conv1", BE)
     with pytest.raises(error, match=text):
         op.gather([op.send(1, Message("block_forward", {}))])
 
 
 def test_a_reply_array_of_another_shape_is_refused_with_a_hint():
-    op = Rpc(Scripted(echo), WORKERS, timeout=1.0).op("forward of conv2")
+    op = Rpc(Scripted(echo), WORKERS, timeout=1.0).op("forward of conv2", BE)
     reply = op.gather([op.send(0, Message("block_forward", {}))])[0]
     assert op.array(0, reply, "y", (2,)).shape == (2,)
     with pytest.raises(RuntimeError, match=r"returned shape \(2,\) for 'y' in the forward of conv2, expected shape"):
@@ -117,7 +119,7 @@ def test_relay_sends_each_second_round_task_as_soon_as_it_is_ready():
     # worker 0 answers late, so worker 0's second task goes out before its own first result is in
     transport = Scripted(echo)
     transport.held[0] = deque()
-    op = Rpc(transport, WORKERS, timeout=1.0).op("forward of conv2")
+    op = Rpc(transport, WORKERS, timeout=1.0).op("forward of conv2", BE)
     first = {k: op.send(k, Message("partial_forward", {})) for k in (0, 1)}
     have = set()
 

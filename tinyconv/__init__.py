@@ -51,7 +51,7 @@ _API = {
     "available_backends": "tinyconv.plugins",
     "get_transport": "tinyconv.plugins",
     "available_transports": "tinyconv.plugins",
-    "distribute": "tinyconv.shard.distribute",
+    "distribute": "tinyconv.pool",
     "Cluster": "tinyconv.shard.cluster",
 }
 __all__ = ["__version__", *_API]

@@ -29,18 +29,16 @@ round 2 goes out as soon as the others' round 1 is in (:meth:`~tinyconv.shard.rp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from backends.base import Array
-from tinyconv.shard.accounting import OpStats
+from tinyconv.layers import Conv2D
 from tinyconv.shard.block import BlockCache, owned, tail_backward, tail_forward, tail_output_hw
 from tinyconv.shard.plan import Participant, Plan
+from tinyconv.shard.rpc import Op
 from transports.base import Message
-
-if TYPE_CHECKING:
-    from tinyconv.shard.layer import ShardedBlock
 
 
 @dataclass
@@ -85,12 +83,11 @@ def _give(busy: list[Participant], i: int, total: int) -> list[int]:
     return [max((q.halo.stop for q in busy[:i]), default=0), min((q.halo.start for q in busy[i + 1 :]), default=total)]
 
 
-def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpStats]:
+def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array) -> tuple[Array, Kept]:
     """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels."""
-    be, conv, op = layer.backend, layer.conv, layer.op("forward")
-    total, busy, m = conv.out_channels, plan.busy, plan.master
-    x_h, w_h, b_h = layer.host(x), layer.host(conv.params["w"]), layer.host(conv.params["b"])
-    n, _, oh, ow = layer.conv_shape(x_h.shape)
+    be, total, busy, m = op.backend, conv.out_channels, plan.busy, plan.master
+    x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
+    n, _, oh, ow = conv.output_shape(x_h.shape)
     worker = {p.worker: p for p in plan.workers}
     give = {p.worker: _give(busy, i, total) for i, p in enumerate(busy) if p.worker is not None}
     partials: dict[str, Partial] = {}
@@ -101,7 +98,7 @@ def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpS
     # round 1: each worker's partial convolution; the master's meanwhile
     first = {}
     for k, p in worker.items():
-        header = layer.header() | {"stride": conv.stride, "padding": conv.padding, "tail": layer.tail}
+        header = {"stride": conv.stride, "padding": conv.padding, "tail": tail}
         header |= {"halo": [p.halo.start, p.halo.stop], "own": list(p.own), "give": give[k]}
         arrays = {"x": np.ascontiguousarray(x_h[:, p.channels]), "w": np.ascontiguousarray(w_h[:, p.channels])}
         first[k] = op.send(k, Message("partial_forward", header, arrays))
@@ -121,7 +118,7 @@ def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpS
         p = worker[k]
         terms = others_on(p)
         arrays = {"b": np.ascontiguousarray(b_h[p.halo])} | ({"sum": _summed(terms)} if terms else {})
-        return Message("tail_forward", layer.header(), arrays)
+        return Message("tail_forward", {}, arrays)
 
     # round 2: each worker the others' partials summed over its halo, as soon as the master has them
     ready = lambda k: all(q.name in partials for q in busy if q.worker != k)  # noqa: E731
@@ -132,21 +129,20 @@ def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpS
             s = partials[m.name].on(m.halo) + b_h[m.halo, None, None]
             for term in others_on(m):
                 s += term
-            y_m, cache = tail_forward(be, be.asarray(s), conv_m, layer.tail, m.own)
+            y_m, cache = tail_forward(be, be.asarray(s), conv_m, tail, m.own)
             y_m = be.to_numpy(y_m)
     results = op.gather(second.values())
-    oh2, ow2 = tail_output_hw(oh, ow, layer.tail)
+    oh2, ow2 = tail_output_hw(oh, ow, tail)
     parts = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in busy]
-    return be.asarray(np.concatenate(parts, axis=1)), Kept(cache, x_h.shape), op.stats(layer.seats)
+    return be.asarray(np.concatenate(parts, axis=1)), Kept(cache, x_h.shape)
 
 
-def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array, OpStats]:
+def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array]:
     """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
-    be, conv, op = layer.backend, layer.conv, layer.op("backward")
-    busy, m = plan.busy, plan.master
+    be, busy, m = op.backend, plan.busy, plan.master
     dy_h = be.to_numpy(dy)
     n, _, h, wd = kept.x_shape
-    _, total, oh, ow = layer.conv_shape(kept.x_shape)
+    _, total, oh, ow = conv.output_shape(kept.x_shape)
     worker = {p.worker: p for p in plan.workers}
     dyc: dict[str, np.ndarray] = {}  # participant -> its own kernels' conv-output gradient (N, own, OH, OW)
 
@@ -154,7 +150,7 @@ def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Ar
     first = {}
     for k, p in worker.items():
         arrays = {"dy": np.ascontiguousarray(dy_h[:, p.halo], dtype=np.float32)}
-        first[k] = op.send(k, Message("tail_backward", layer.header(), arrays))
+        first[k] = op.send(k, Message("tail_backward", {}, arrays))
     if m is not None:
         with op.local():
             d_m = tail_backward(be, be.asarray(dy_h[:, m.halo]), kept.master)
@@ -169,7 +165,7 @@ def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Ar
         for key, around in (("dyc_lo", busy[:i]), ("dyc_hi", busy[i + 1 :])):
             if around:  # the kernels before this worker's, and after
                 arrays[key] = _joined([dyc[q.name] for q in around])
-        return Message("partial_backward", layer.header() | {"need_dx": conv.need_dx}, arrays)
+        return Message("partial_backward", {"need_dx": conv.need_dx}, arrays)
 
     # round 2: each worker the others' conv-output gradients, as soon as the master has them;
     # with all of dY_conv, the conv backward through its partial
@@ -193,4 +189,4 @@ def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Ar
         dx = be.asarray(np.concatenate([part(p, "dx", (n, width[p.name], h, wd)) for p in busy], axis=1))
     dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in busy], axis=1)
     db = part(busy[0], "db", (total,))  # every participant's is the same: the first's
-    return dx, be.asarray(dw), be.asarray(db), op.stats(layer.seats)
+    return dx, be.asarray(dw), be.asarray(db)

@@ -23,18 +23,16 @@ dy over h_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from backends.base import Array
-from tinyconv.shard.accounting import OpStats
-from tinyconv.shard.block import BlockCache, block_backward, block_forward
+from tinyconv.layers import Conv2D
+from tinyconv.shard.block import BlockCache, block_backward, block_forward, tail_output_hw
 from tinyconv.shard.plan import Plan
+from tinyconv.shard.rpc import Op
 from transports.base import Message
-
-if TYPE_CHECKING:
-    from tinyconv.shard.layer import ShardedBlock
 
 
 @dataclass
@@ -45,52 +43,45 @@ class Kept:
     x_shape: tuple[int, ...]
 
 
-def forward(layer: ShardedBlock, plan: Plan, x: Array) -> tuple[Array, Kept, OpStats]:
+def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array) -> tuple[Array, Kept]:
     """x (N, C, H, W) -> y (N, F, OH, OW), the block of kernels k_i computed by participant i."""
-    be, conv, op = layer.backend, layer.conv, layer.op("forward")
-    w, b = conv.params["w"], conv.params["b"]
-    x_host = layer.host(x) if plan.workers else None  # one host copy, sent to every worker
+    be, w, b = op.backend, conv.params["w"], conv.params["b"]
+    x_host = op.host(x) if plan.workers else None  # one host copy, sent to every worker
     tasks = {}
     for p in plan.workers:
-        header = layer.header() | {
-            "stride": conv.stride,
-            "padding": conv.padding,
-            "tail": layer.tail,
-            "own": list(p.own),
-        }
+        header = {"stride": conv.stride, "padding": conv.padding, "tail": tail, "own": list(p.own)}
         w_i, b_i = be.take_kernels(w, p.halo.start, p.halo.stop), be.take_kernels(b, p.halo.start, p.halo.stop)
-        arrays = {"x": x_host, "w": layer.host(w_i), "b": layer.host(b_i)}
+        arrays = {"x": x_host, "w": op.host(w_i), "b": op.host(b_i)}
         tasks[p.worker] = op.send(p.worker, Message("block_forward", header, arrays))
 
     y_master = cache = None  # the master's own kernels, computed while the workers compute theirs
     if (m := plan.master) is not None:
         with op.local():
             w_m, b_m = be.take_kernels(w, m.halo.start, m.halo.stop), be.take_kernels(b, m.halo.start, m.halo.stop)
-            y_master, cache = block_forward(be, x, w_m, b_m, conv.stride, conv.padding, layer.tail, m.own)
+            y_master, cache = block_forward(be, x, w_m, b_m, conv.stride, conv.padding, tail, m.own)
     results = op.gather(tasks.values())
 
     if not tasks:  # the master computed every kernel: y stays on its device
-        return y_master, Kept(cache, tuple(x.shape)), op.stats(layer.seats)
-    n, _, oh, ow = layer.output_shape(tuple(x.shape))
-    parts = [
-        be.to_numpy(y_master)
-        if p.worker is None
-        else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh, ow))
-        for p in plan.busy
-    ]
-    return be.asarray(np.concatenate(parts, axis=1)), Kept(cache, tuple(x.shape)), op.stats(layer.seats)
+        return y_master, Kept(cache, tuple(x.shape))
+    n, _, oh, ow = conv.output_shape(tuple(x.shape))
+    oh, ow = tail_output_hw(oh, ow, tail)
+    parts = []
+    for p in plan.busy:  # in order: the concatenation is y
+        if p.worker is None:
+            parts.append(be.to_numpy(y_master))
+        else:
+            parts.append(op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh, ow)))
+    return be.asarray(np.concatenate(parts, axis=1)), Kept(cache, tuple(x.shape))
 
 
-def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array, OpStats]:
+def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array]:
     """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
-    be, conv, op = layer.backend, layer.conv, layer.op("backward")
+    be = op.backend
     dy_host = be.to_numpy(dy) if plan.workers else None
     tasks = {}
     for p in plan.workers:
         arrays = {"dy": np.ascontiguousarray(dy_host[:, p.halo], dtype=np.float32)}
-        tasks[p.worker] = op.send(
-            p.worker, Message("block_backward", layer.header() | {"need_dx": conv.need_dx}, arrays)
-        )
+        tasks[p.worker] = op.send(p.worker, Message("block_backward", {"need_dx": conv.need_dx}, arrays))
 
     mine = None
     if (m := plan.master) is not None:
@@ -99,7 +90,7 @@ def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Ar
             mine = block_backward(be, dy_m, kept.master, conv.need_dx)
     results = op.gather(tasks.values())
     if not tasks:
-        return (*mine, op.stats(layer.seats))
+        return mine
 
     def part(p, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """``name`` (dx, dw or db) of participant p's kernels."""
@@ -116,4 +107,4 @@ def backward(layer: ShardedBlock, plan: Plan, dy: Array, kept: Kept) -> tuple[Ar
     w_shape = (conv.in_channels, conv.kernel, conv.kernel)
     dw = np.concatenate([part(p, "dw", (p.n_kernels, *w_shape)) for p in plan.busy], axis=0)
     db = np.concatenate([part(p, "db", (p.n_kernels,)) for p in plan.busy], axis=0)
-    return dx, be.asarray(dw), be.asarray(db), op.stats(layer.seats)
+    return dx, be.asarray(dw), be.asarray(db)

@@ -1,13 +1,12 @@
-"""Calibration: time every participant on each sharded layer's exact shape, split by the paper's eq. 1.
+"""Calibration: time every participant on each sharded layer's exact shape.
 
 The paper measures each device once, on "a convolution of the layer's own shape with
-random values", and gives it kernels in proportion to its speed. Here every participant
-times a forward + backward of each sharded block -- the convolution and its fused tail --
-on the same seeded random values (median of ``repeats`` runs after a warm-up), one
-participant at a time so that devices sharing a host do not slow each other's benchmark;
-the master runs the very code the workers run (:func:`time_block`). Then, per layer,
-eq. 1 (``balance.py``) turns the times into weights and largest remainder into counts --
-of kernels, and for a layer split by input channels of those too.
+random values", and gives it kernels in proportion to its speed (eq. 1, ``balance.py``;
+``Cluster.calibrate`` applies it). Here every participant times a forward + backward of
+each sharded block -- the convolution and its fused tail -- on the same seeded random
+values (median of ``repeats`` runs after a warm-up), one participant at a time so that
+devices sharing a host do not slow each other's benchmark (:func:`time_everyone`); the
+master runs the very code the workers run (:func:`time_block`).
 
 A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain values::
 
@@ -21,20 +20,15 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from backends.base import Backend, conv_output_size
-from tinyconv.layers import Linear
-from tinyconv.shard.balance import kernel_counts, speed_weights
 from tinyconv.shard.block import block_backward, block_forward, check_tail, tail_output_hw
 from tinyconv.shard.protocol import TaskError
+from tinyconv.shard.rpc import Rpc
 from transports.base import Message
-
-if TYPE_CHECKING:
-    from tinyconv.model import Network
-    from tinyconv.shard.cluster import Cluster
 
 
 @dataclass(frozen=True)
@@ -128,76 +122,25 @@ def time_block(be: Backend, spec: Spec, repeats: int) -> float:
     return statistics.median(once() for _ in range(repeats))
 
 
-def block_inputs(net: Network, batch_size: int, image_size: int) -> list[tuple[int, ...]]:
-    """The input shape (N, C, H, W) of each sharded block of ``net``, for square images."""
-    from tinyconv.shard.layer import ShardedBlock
-
-    blocks = [layer for layer in net.layers if isinstance(layer, ShardedBlock)]
-    shape: tuple[int, ...] = (batch_size, blocks[0].conv.in_channels, image_size, image_size)
-    inputs = []
-    for layer in net.layers:
-        if isinstance(layer, Linear):
-            break
-        if isinstance(layer, ShardedBlock):
-            inputs.append(shape)
-        shape = layer.output_shape(shape)
-    return inputs
-
-
-def calibrate(cluster: Cluster, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
-    """Time every participant on each of ``net``'s sharded layers; set each layer's plan by eq. 1.
-
-    The times also go to the rebalancer, if any, as each participant's time for all F kernels
-    (all C channels) of the layer: with the first step's, at the calibrated split, it has two
-    counts per participant to fit its fixed and per-unit cost (``rebalance.py``). Returns::
-
-        {"participants": [...], "times": {"conv1": [s, ...], ...},
-         "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
-         "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
-    """
-    specs = []
-    for block, x in zip(cluster.blocks, block_inputs(net, batch_size, image_size), strict=True):
-        c = block.conv
-        w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
-        specs.append({"layer": block.index, "x": list(x), "w": w, "stride": c.stride, "padding": c.padding,
-                      "need_dx": c.need_dx, "tail": block.tail})  # fmt: skip
-    repeats = cluster.calibration_repeats
+def time_everyone(
+    rpc: Rpc, backend: Backend | None, specs: list[dict[str, Any]], repeats: int
+) -> dict[int | None, list[float]]:
+    """Seconds per layer of ``specs`` for each worker of ``rpc`` (by index), one at a time, and for
+    the master (key None) on ``backend`` if it takes part (not None)."""
     times: dict[int | None, list[float]] = {}
-    for w in cluster.workers:  # one at a time
-        op = cluster.rpc.op("calibration")
-        task = op.send(w.index, Message("calibrate", {"layers": specs, "repeats": repeats}))
-        reply = op.gather([task])[w.index]
-        times[w.index] = _times(cluster, w.index, reply.header["times"], len(specs))
-    if ("master", None) in cluster.seats:
-        times[None] = [time_block(cluster.backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
-
-    result: dict[str, Any] = {"participants": cluster.participants, "times": {}, "shares": {}, "channel_shares": {}}
-    result["shapes"] = {}
-    for i, (block, spec) in enumerate(zip(cluster.blocks, specs, strict=True)):
-        name, c = block.name, block.conv
-        layer_times = [times[k][i] for _, k in cluster.seats]
-        weights = speed_weights(layer_times)
-        cluster.counts[name] = kernel_counts(weights, c.out_channels)
-        unit = c.out_channels  # what the rebalancer moves: the input channels of a layer split by them
-        if block.by_channels:
-            cluster.channel_counts[name] = kernel_counts(weights, c.in_channels)
-            result["channel_shares"][name] = list(cluster.channel_counts[name])
-            unit = c.in_channels
-        if cluster.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
-            cluster.rebalancer.record(name, [unit] * len(cluster.seats), layer_times)
-        result["times"][name] = layer_times
-        result["shares"][name] = list(cluster.counts[name])
-        result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
-    return result
-
-
-def _times(cluster: Cluster, k: int, times: Any, n_layers: int) -> list[float]:
-    if not (isinstance(times, list) and len(times) == n_layers and all(_positive(t) for t in times)):
-        raise RuntimeError(
-            f"{cluster.rpc.describe(k)} answered calibrate with times {times!r:.200}, expected {n_layers} "
-            "positive seconds (one per sharded layer); is it running the same tinyconv version?"
-        )
-    return [float(t) for t in times]
+    for k in sorted(rpc.workers):
+        op = rpc.op("calibration", backend)
+        reply = op.gather([op.send(k, Message("calibrate", {"layers": specs, "repeats": repeats}))])[k]
+        got = reply.header["times"]
+        if not (isinstance(got, list) and len(got) == len(specs) and all(map(_positive, got))):
+            raise RuntimeError(
+                f"{rpc.describe(k)} answered calibrate with times {got!r:.200}, expected {len(specs)} "
+                "positive seconds (one per sharded layer); is it running the same tinyconv version?"
+            )
+        times[k] = [float(t) for t in got]
+    if backend is not None:
+        times[None] = [time_block(backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
+    return times
 
 
 def _positive(t: Any) -> bool:

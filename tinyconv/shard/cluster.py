@@ -1,7 +1,7 @@
 """The cluster: the master and its workers, and how each sharded layer is split among them.
 
     cluster = Cluster(transport, workers, backend)   # workers: the transport's hellos
-    cluster.calibrate(net, batch_size=64)            # attaches, times everyone, eq. 1 (calibrate.py)
+    cluster.calibrate(net, batch_size=64)            # attaches, times everyone (calibrate.py), eq. 1
     ... train: net.forward, net.backward ...         # each ShardedBlock asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
@@ -25,9 +25,10 @@ from backends.base import Backend
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
 from tinyconv.shard.accounting import LayerStep, step_record
-from tinyconv.shard.balance import kernel_counts
+from tinyconv.shard.balance import kernel_counts, speed_weights
 from tinyconv.shard.block import tail_of
-from tinyconv.shard.layer import ShardedBlock
+from tinyconv.shard.calibrate import time_everyone
+from tinyconv.shard.layer import ShardedBlock, block_inputs
 from tinyconv.shard.plan import Plan
 from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.shard.rpc import Rpc
@@ -95,7 +96,7 @@ class Cluster:
         self.step = 0  # finished training steps
         self.last_step: dict[str, Any] | None = None  # the last finished step's record
         self.calibration: dict[str, Any] | None = None
-        self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers that distribute() started
+        self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
 
@@ -138,7 +139,7 @@ class Cluster:
         self.blocks, self._net, self._done = [], None, []
 
     def close(self) -> None:
-        """Detach the network, then ``on_close`` (stops the workers :func:`~tinyconv.shard.distribute` started)."""
+        """Detach the network, then ``on_close`` (stops the workers :func:`~tinyconv.pool.distribute` started)."""
         if self._net is not None:
             self.detach(self._net)
         if self.on_close is not None:
@@ -152,12 +153,38 @@ class Cluster:
         self.close()
 
     def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
-        """Attach ``net``, time every participant on each sharded layer's shape, split by eq. 1."""
-        from tinyconv.shard.calibrate import calibrate
+        """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
+        ``batch_size`` images of ``image_size`` pixels, and split each layer by the paper's eq. 1.
 
+        The times also go to the rebalancer, if any, as each participant's time for all F kernels
+        (all C channels) of the layer: with the first step's, at the calibrated split, it has two
+        counts per participant to fit its fixed and per-unit cost (``cost.py``). Returns, and keeps::
+
+            {"participants": [...], "times": {"conv1": [s, ...], ...},
+             "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
+             "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
+        """
         self.attach(net)
-        self.calibration = calibrate(self, net, batch_size, image_size)
-        return self.calibration
+        inputs = block_inputs(net.layers, batch_size, image_size)
+        specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
+        master = self.backend if ("master", None) in self.seats else None
+        times = time_everyone(self.rpc, master, specs, self.calibration_repeats)
+        result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
+        result["shapes"] = {}
+        for i, (block, spec) in enumerate(zip(self.blocks, specs, strict=True)):
+            name, layer_times = block.name, [times[k][i] for _, k in self.seats]
+            result["times"][name] = layer_times
+            result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
+            weights = speed_weights(layer_times)  # eq. 1
+            result["shares"][name] = self.counts[name] = kernel_counts(weights, block.conv.out_channels)
+            unit = block.conv.out_channels  # what the rebalancer moves: input channels of a layer split by them
+            if block.by_channels:
+                unit = block.conv.in_channels
+                result["channel_shares"][name] = self.channel_counts[name] = kernel_counts(weights, unit)
+            if self.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
+                self.rebalancer.record(name, [unit] * len(self.seats), layer_times)
+        self.calibration = result
+        return result
 
     # ---- plans ------------------------------------------------------------------------------
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
@@ -236,6 +263,14 @@ class Cluster:
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
+
+
+def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
+    """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
+    c = block.conv
+    w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
+    return {"layer": block.index, "x": list(x_shape), "w": w, "stride": c.stride, "padding": c.padding,
+            "need_dx": c.need_dx, "tail": block.tail}  # fmt: skip
 
 
 def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:

@@ -2,32 +2,41 @@
 
 :meth:`Cluster.attach <tinyconv.shard.cluster.Cluster.attach>` replaces each Conv2D of a
 network, and the ReLU / LRN / max pool right after it (its *tail*, with ``fuse``), by one
-ShardedBlock in the network's list of layers, and :meth:`~tinyconv.shard.cluster.Cluster.detach`
-puts them back. The block owns the very same parameter arrays as its Conv2D, so the
-optimiser, the checkpoints and the numbers do not change; only who computes them does.
+ShardedBlock in the network's list of layers, and ``detach`` puts them back. The block owns
+the very same parameter arrays as its Conv2D, so the optimiser, the checkpoints and the
+numbers do not change; only who computes them does.
 
 Each forward asks the cluster for the layer's plan (``plan.py``) and runs the split it
 calls for: by kernels, the paper's (``by_kernels.py``), or by input channels
-(``by_channels.py``); its backward runs the same split with the same plan.
+(``by_channels.py``); its backward runs the same split with the same plan, then tells
+the cluster the layer's step is done, with what it cost (``accounting.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import numpy as np
-
-from backends.base import Array, conv_output_size
-from tinyconv.layers import Conv2D, Layer
+from backends.base import Array, Backend
+from tinyconv.layers import Conv2D, Layer, Linear
 from tinyconv.shard import by_channels, by_kernels
 from tinyconv.shard.accounting import LayerStep, OpStats
 from tinyconv.shard.block import tail_of, tail_output_hw
 from tinyconv.shard.plan import Plan
-from tinyconv.shard.rpc import Op
+from tinyconv.shard.rpc import Rpc
 
-if TYPE_CHECKING:
-    from tinyconv.shard.cluster import Cluster
+
+class Coordinator(Protocol):
+    """What a sharded layer needs of the cluster that attached it (``cluster.py``)."""
+
+    backend: Backend  # the master's
+    rpc: Rpc
+    seats: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
+    step: int  # training steps finished
+
+    def plan(self, block: ShardedBlock) -> Plan: ...
+
+    def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
 
 @dataclass
@@ -44,12 +53,12 @@ class _Forward:
 class ShardedBlock(Layer):
     """x (N, C, H, W) -> the tail's output (N, F, OH', OW'): ``conv`` and ``tail`` on the cluster's shards.
 
-    ``index``: the block's place among the network's sharded layers, which workers key
-    their state by. ``by_channels``: whether the convolution is split by input channels
-    (when a worker has any) rather than by kernels.
+    ``index``: the block's place among the network's sharded layers, by which the workers keep
+    its state. ``by_channels``: the convolution goes by input channels (when a worker has any)
+    rather than by kernels.
     """
 
-    def __init__(self, cluster: Cluster, index: int, conv: Conv2D, tail: list[Layer], by_channels: bool) -> None:
+    def __init__(self, cluster: Coordinator, index: int, conv: Conv2D, tail: list[Layer], by_channels: bool) -> None:
         super().__init__(cluster.backend)
         self.cluster, self.index, self.conv, self.layers = cluster, index, conv, [conv, *tail]
         self.name = conv.name
@@ -57,50 +66,45 @@ class ShardedBlock(Layer):
         self.by_channels = by_channels
         self.params = conv.params  # the same dict: the optimiser and the checkpoints see the conv's arrays
         self.decay = conv.decay
-        self.step = 0  # the training step of the task being run, which the workers check
 
     def forward(self, x: Array, training: bool = False) -> Array:
-        self.step = self.cluster.step
-        plan = self.cluster.plan(self)
+        step, plan = self.cluster.step, self.cluster.plan(self)
         split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
-        y, kept, stats = split.forward(self, plan, x)
-        self.cache = _Forward(self.step, plan, split, kept, stats)
+        op = self._op("forward", step)
+        y, kept = split.forward(op, self.conv, self.tail, plan, x)
+        self.cache = _Forward(step, plan, split, kept, op.stats(self.cluster.seats))
         return y
 
     def backward(self, dy: Array) -> Array | None:
         fwd = self.cache
-        self.step = fwd.step
-        dx, dw, db, stats = fwd.split.backward(self, fwd.plan, dy, fwd.kept)
+        op = self._op("backward", fwd.step)
+        dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
         self.grads = self.conv.grads = {"w": dw, "b": db}
-        self.cluster.finished(self, LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, stats))
+        done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, op.stats(self.cluster.seats))
+        self.cluster.finished(self, done)
         return dx
 
-    # ---- for the splits -----------------------------------------------------------------
-    @property
-    def seats(self) -> list[tuple[str, int | None]]:
-        return self.cluster.seats
-
-    def op(self, what: str) -> Op:
-        """A new distributed op of this layer ("forward" or "backward")."""
-        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend.synchronize)
-
-    def header(self) -> dict[str, int]:
-        """The fields every task of this layer carries."""
-        return {"step": self.step, "layer": self.index}
-
-    def host(self, a: Array) -> np.ndarray:
-        """A backend array as a C-contiguous float32 host array (a view when already one)."""
-        return np.ascontiguousarray(self.backend.to_numpy(a), dtype=np.float32)
-
-    def conv_shape(self, x_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-        """(N, F, OH, OW) of the convolution's output for an input of ``x_shape``."""
-        c = self.conv
-        n, _, h, w = x_shape
-        return n, c.out_channels, *(conv_output_size(s, c.kernel, c.stride, c.padding) for s in (h, w))
+    def _op(self, what: str, step: int):
+        """A distributed op of this layer; its tasks carry the step and the layer's index."""
+        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, {"step": step, "layer": self.index})
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
-        n, f, oh, ow = self.conv_shape(x_shape)
+        n, f, oh, ow = self.conv.output_shape(x_shape)
         return (n, f, *tail_output_hw(oh, ow, self.tail))
 
     def __repr__(self) -> str:
         return f"ShardedBlock({' -> '.join(map(repr, self.layers))})"
+
+
+def block_inputs(layers: list[Layer], batch_size: int, image_size: int) -> list[tuple[int, ...]]:
+    """The input shape (N, C, H, W) of each ShardedBlock among a network's ``layers``, for square images."""
+    blocks = [layer for layer in layers if isinstance(layer, ShardedBlock)]
+    shape: tuple[int, ...] = (batch_size, blocks[0].conv.in_channels, image_size, image_size)
+    inputs = []
+    for layer in layers:
+        if isinstance(layer, Linear):
+            break
+        if isinstance(layer, ShardedBlock):
+            inputs.append(shape)
+        shape = layer.output_shape(shape)
+    return inputs

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from backends.base import Array, Backend
 from tinyconv.shard.accounting import OpStats
 from tinyconv.shard.protocol import check_result
 from transports.base import Message, Transport, WorkerInfo
@@ -41,10 +42,10 @@ class Rpc:
         self.timeout = float(timeout)
         self._next_task = 0
 
-    def op(self, what: str, synchronize: Callable[[], None] = lambda: None) -> Op:
-        """A new op, ``what`` naming it in errors ("forward of conv2"); ``synchronize`` waits for the
-        master's device, so that its own compute is timed honestly."""
-        return Op(self, what, synchronize)
+    def op(self, what: str, backend: Backend, fields: dict[str, int] | None = None) -> Op:
+        """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
+        share on ``backend``; every task it sends carries ``fields`` (a layer's step and index)."""
+        return Op(self, what, backend, fields or {})
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -61,8 +62,8 @@ class Rpc:
 class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
-    def __init__(self, rpc: Rpc, what: str, synchronize: Callable[[], None]) -> None:
-        self.rpc, self.what, self._synchronize = rpc, what, synchronize
+    def __init__(self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int]) -> None:
+        self.rpc, self.what, self.backend, self.fields = rpc, what, backend, fields
         self.t0 = time.perf_counter()
         self._pending: dict[int, tuple[int, str]] = {}  # task -> (worker, kind), sent and not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
@@ -72,9 +73,9 @@ class Op:
         self.master_s = 0.0
 
     def send(self, worker: int, msg: Message) -> int:
-        """Send ``msg`` to ``worker`` as a new task; returns its task id."""
+        """Send ``msg`` to ``worker`` as a new task, with the op's fields; returns its task id."""
         task = self.rpc.new_task_id()
-        msg.header["task"] = task
+        msg.header.update(self.fields, task=task)
         self.rpc.transport.send(worker, msg)
         self._pending[task] = (worker, msg.kind)
         self.sent[worker] = self.sent.get(worker, 0) + msg.nbytes()
@@ -85,8 +86,12 @@ class Op:
         """Time the master's own share of the op (computed while the workers compute theirs)."""
         t = time.perf_counter()
         yield
-        self._synchronize()
+        self.backend.synchronize()
         self.master_s += time.perf_counter() - t
+
+    def host(self, a: Array) -> np.ndarray:
+        """A master's backend array as a C-contiguous float32 host array, to send (a view when it is one)."""
+        return np.ascontiguousarray(self.backend.to_numpy(a), dtype=np.float32)
 
     def gather(self, tasks: Iterable[int], each: Callable[[int, Message], None] | None = None) -> dict[int, Message]:
         """The result of every task in ``tasks``, by worker; ``each(worker, result)`` as each arrives."""

@@ -1,4 +1,15 @@
-"""A master's pool of workers for one run: the transport, the local workers, the handshake; stopping them all.
+"""The master's pool of workers: starting them, stopping them, and :func:`distribute`.
+
+    import tinyconv as tc
+    net = tc.paper_net("50:500")
+    with tc.distribute(net, transport="zmq", workers=2) as cluster:   # two local worker processes
+        loss = net.train_step(x, y)                                  # the convolutions run in shards
+        print(cluster.last_step["shares"])
+
+:func:`distribute` starts the workers (:func:`worker_pool`), builds the
+:class:`~tinyconv.shard.cluster.Cluster`, times every participant and splits each layer by
+the paper's eq. 1, and puts a ShardedBlock in the network for each convolution. Closing the
+cluster puts the network's own layers back and stops the workers.
 
 :func:`worker_pool` is a context manager, so the workers go away whatever happens (a
 finished run, an exception, Ctrl-C): the transport tells every worker the training is
@@ -12,15 +23,70 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
+from tinyconv.model import Network
 from tinyconv.plugins import get_backend, get_transport
+from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.protocol import VERSION
 from tinyconv.worker.handler import Worker
 from transports.base import Transport, WorkerInfo
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"
 LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this process starts
+
+
+def distribute(
+    net: Network,
+    transport: str = "inproc",
+    workers: int = 2,
+    *,
+    worker_backend: str | None = None,
+    worker_device: str | None = None,
+    bind: str | None = None,
+    external: bool = False,
+    worker_threads: int | None = None,
+    start_timeout: float = 60.0,
+    batch_size: int = 64,
+    image_size: int = 32,
+    calibrate: bool = True,
+    announce: Callable[[str], None] = print,
+    **options: Any,
+) -> Cluster:
+    """Start ``workers`` workers over ``transport`` ("inproc" threads, or "zmq" processes -- with
+    ``external``, on other machines) and shard ``net``'s convolutions across them and the master.
+
+    ``worker_backend`` defaults to the master's. ``calibrate``: time everyone on ``batch_size``
+    images of ``image_size`` pixels and split by eq. 1; otherwise start from an equal split.
+    ``options`` go to :class:`Cluster` (master_share, split, fuse, rebalance, rebalancer,
+    recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
+    """
+    stack = ExitStack()
+    try:
+        pool, infos = stack.enter_context(
+            worker_pool(
+                transport,
+                workers,
+                worker_backend=worker_backend or net.backend.name,
+                worker_device=worker_device,
+                bind=bind,
+                external=external,
+                worker_threads=worker_threads,
+                start_timeout=start_timeout,
+                announce=announce,
+            )
+        )
+        cluster = Cluster(pool, infos, net.backend, **options)
+        cluster.on_close = stack.close
+        if calibrate:
+            cluster.calibrate(net, batch_size, image_size)
+        else:
+            cluster.attach(net)
+    except BaseException:
+        stack.close()
+        raise
+    return cluster
 
 
 @contextmanager
