@@ -158,7 +158,13 @@ def _max_stage(x: np.ndarray, out_shape, taps, axis: int) -> tuple[np.ndarray, n
     offset ignores NaNs: _route_to_last_nan then corrects it where that matters.
     """
     y = np.full(out_shape, -np.inf, dtype=x.dtype)
-    arg = np.zeros(out_shape, dtype=np.int8)
+    # every output starts at the first offset that reaches it, as torch's does, so that a window
+    # holding nothing but -inf routes its gradient to its first input, not into the padding
+    first = np.zeros(out_shape[axis], dtype=np.int8)
+    for t, (out_s, _) in reversed(list(enumerate(taps))):
+        first[out_s] = t
+    arg = np.empty(out_shape, dtype=np.int8)
+    arg[...] = first.reshape([-1 if a == axis else 1 for a in range(len(out_shape))])
     for t, (out_s, in_s) in enumerate(taps):
         target = y[_axis_index(axis, out_s)]
         v = x[_axis_index(axis, in_s)]

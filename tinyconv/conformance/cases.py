@@ -130,10 +130,14 @@ def _pool_input(t: Trial, shape: tuple[int, ...], kernel: int, stride: int, padd
     """Normal values; "ties": few distinct values, so many windows hold several equal maxima;
     "nan": normal values with NaNs -- two in the window at output (1, 1) of image 0, channel 0
     (its first and last corner: torch routes the gradient to the last), and about one in ten
-    entries of the last channel, in windows that overlap when stride < kernel."""
+    entries of the last channel, in windows that overlap when stride < kernel; "-inf": normal
+    values with the first channel all -inf, so windows that start in the padding hold nothing
+    else (the gradient goes to the window's first input)."""
     if values == "ties":
         return t.rng.integers(0, 3, size=shape).astype(F32)
     x = t.normal(*shape)
+    if values == "-inf":
+        x[:, 0] = -np.inf
     if values == "nan":
         top = stride - padding
         x[0, 0, top, top] = x[0, 0, top + kernel - 1, top + kernel - 1] = np.nan
@@ -298,6 +302,7 @@ CASES: list[Case] = [
     _maxpool(2, 3, 9, 7, 2, 2, 0, "nan"),  # a NaN window outputs NaN; its gradient goes to its last NaN
     _maxpool(2, 3, 9, 7, 3, 2, 1, "nan"),  # ... and a NaN shared by overlapping windows
     _maxpool(1, 2, 8, 8, 3, 1, 1, "nan"),
+    _maxpool(2, 2, 5, 5, 3, 2, 1, "-inf"),  # windows of -inf alone, some starting in the padding
     _linear((2, 3, 4, 4), 5),  # a 4-D input, flattened
     _linear((1, 10), 3),
     _linear((4, 6, 3, 3), 7),
