@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = "tinyconv-checkpoint-1"
+FORMAT = "tinyconv-checkpoint-2"  # parameters keyed by layer name ("conv1.w")
 
 
 def save_checkpoint(
