@@ -32,6 +32,7 @@ from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.protocol import VERSION
 from tinyconv.worker.handler import Worker
 from transports.base import Transport, WorkerInfo
+from transports.zmq_master import connect_hint
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"
 LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this process starts
@@ -122,11 +123,17 @@ def worker_pool(
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION)
     procs: list[subprocess.Popen] = []
+    command = ""  # how a worker joins this master, for the messages
     try:
         if transport != "inproc":
-            procs = _start_workers(pool, n_workers, worker_backend, worker_device, external, worker_threads,
-                                   peer_timeout, announce)  # fmt: skip
-        yield pool, _handshake(pool, n_workers, start_timeout, procs)
+            command = f"tinyconv worker --connect {connect_hint(pool.bound_address)} --backend {worker_backend}"
+        if external:
+            announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
+        elif transport != "inproc":
+            extra = (["--device", worker_device] if worker_device else []) + ["--timeout", str(peer_timeout)]
+            connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
+            procs = spawn_local_workers(n_workers, connect, worker_backend, extra, worker_threads)
+        yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
         if procs:
@@ -135,22 +142,10 @@ def worker_pool(
                 print(f"note: local workers exited with codes {codes}", file=sys.stderr)
 
 
-def _start_workers(
-    pool: Transport, n: int, backend: str, device: str | None, external: bool, threads: int | None,
-    peer_timeout: float, announce: Callable[[str], None],
-) -> list[subprocess.Popen]:  # fmt: skip
-    """Start the local worker processes, or say what to run on the other machines."""
-    from transports.zmq_master import connect_hint
-
-    if external:
-        cmd = f"tinyconv worker --connect {connect_hint(pool.bound_address)} --backend {backend}"
-        announce(f"waiting for {n} worker(s); on each worker machine run:\n    {cmd}")
-        return []
-    extra = (["--device", device] if device else []) + ["--timeout", str(peer_timeout)]
-    return spawn_local_workers(n, pool.bound_address.replace("0.0.0.0", "127.0.0.1"), backend, extra, threads)
-
-
-def _handshake(pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen]) -> list[WorkerInfo]:
+def _handshake(
+    pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], command: str
+) -> list[WorkerInfo]:
+    """Every worker's hello; a timeout says why, if a local worker died, or how a worker joins."""
     try:
         return pool.start(n, timeout=timeout)
     except TimeoutError as e:
@@ -158,7 +153,7 @@ def _handshake(pool: Transport, n: int, timeout: float, procs: list[subprocess.P
         if dead:  # say why, rather than only that they were not heard from
             codes = ", ".join(f"process {i} exited with code {code}" for i, code in dead)
             raise TimeoutError(f"{e}; local workers died before saying hello ({codes}; see their message above)") from e
-        raise
+        raise TimeoutError(f"{e}; a worker joins with: {command}" if command else str(e)) from e
 
 
 def spawn_local_workers(
