@@ -97,8 +97,14 @@ class Cluster:
         self.last_step: dict[str, Any] | None = None  # the last finished step's record
         self.calibration: dict[str, Any] | None = None
         self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
+        self.events: list[dict[str, Any]] = []  # what happened to the cluster, for the metrics file
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
+
+    def pop_events(self) -> list[dict[str, Any]]:
+        """The events recorded since the last call (each a dict with an "event" key), oldest first."""
+        events, self.events = self.events, []
+        return events
 
     @property
     def participants(self) -> list[str]:

@@ -160,7 +160,7 @@ class Op:
             recv=[0 if k is None else self.recv.get(k, 0) for _, k in seats],
         )
 
-    def _receive(self, deadline: float, waiting: set[int]) -> tuple[int | None, Message]:
+    def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
         """The next result for one of this op's tasks; one of ``waiting`` or kept as early."""
         transport = self.rpc.transport
         while True:

@@ -107,7 +107,9 @@ class Worker:
         }
 
     def hello(self) -> dict[str, Any]:
-        """The ``hello`` header: protocol version, backend, device facts, pid, hostname."""
+        """The ``hello`` header: protocol version, backend, device facts, pid, hostname. A hello
+        starts a session with a (new) master: nothing kept from an earlier one."""
+        self.layers.clear()
         device = dict(self.backend.describe())
         if self.slowdown != 1.0:
             device["slowdown"] = self.slowdown
