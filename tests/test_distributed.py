@@ -443,23 +443,6 @@ def test_a_worker_error_is_a_clear_exception_and_the_next_step_works(rng):
         assert_close(block.forward(x), y_ref)
 
 
-class SilentWorker(Worker):
-    """Never answers a task, like a hung device."""
-
-    def handle(self, msg: Message) -> Message | None:
-        return None
-
-
-def test_a_silent_worker_is_a_timeout_naming_it(rng):
-    conv, net = conv_and_reference(rng)
-    make = lambda i: SilentWorker(NumpyBackend()) if i == 1 else Worker(NumpyBackend())  # noqa: E731
-    with inproc_pool(2, make) as (transport, workers):
-        sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=0.3)
-        block = attached(sharded, net)
-        with pytest.raises(TimeoutError, match=r"forward of conv1: no result from worker 1 \(.*within 0.3 s"):
-            block.forward(rng.standard_normal((1, 3, 5, 5), dtype=np.float32))
-
-
 def test_bad_configuration_is_refused(rng):
     conv, net = conv_and_reference(rng)
     with inproc_pool(1) as (transport, workers):

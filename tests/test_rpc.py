@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.shard.rpc import Rpc
-from transports.base import Message, Transport, WorkerInfo
+from tinyconv.shard.rpc import Lost, Rpc
+from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 BE = NumpyBackend()
 WORKERS = [WorkerInfo(0, "numpy", {"device": "cpu0"}, hostname="a"), WorkerInfo(1, "numpy", {"device": "cpu1"})]
@@ -97,7 +97,7 @@ def test_a_late_result_of_an_abandoned_op_is_dropped():
         (lambda k, m: [Message("hello", {"task": m.header["task"]})], RuntimeError, "answered .* with a 'hello'"),
         (lambda k, m: [Message("result", {"task": m.header["task"]})], RuntimeError, "malformed result.*compute_s"),
         (lambda k, m: [result(m, z=np.zeros(1, np.float32))], RuntimeError, "a result of block_forward takes"),
-        (lambda k, m: [], TimeoutError, r"forward of conv1: no result from worker 1 \(.*\) within 0.01 s"),
+        (lambda k, m: [], Lost, r"worker 1: no result for the forward of conv1 within 0.01 s"),
     ],
 )  # fmt: skip
 def test_what_goes_wrong_is_an_error_naming_the_worker_and_the_op(answer, error, text):
@@ -136,3 +136,32 @@ def test_relay_sends_each_second_round_task_as_soon_as_it_is_ready():
         (1, "tail_forward", 4),
     ]
     assert set(op.gather(second.values())) == {0, 1}
+
+
+def test_a_worker_the_transport_lost_ends_the_op_with_lost():
+    class Gone(Scripted):
+        def recv(self, timeout: float):
+            raise WorkerLost(0, "disconnected")
+
+    op = Rpc(Gone(echo), WORKERS, timeout=1.0).op("forward of conv1", BE)
+    with pytest.raises(Lost) as info:
+        op.gather([op.send(0, Message("block_forward", {}))])
+    assert info.value.workers == {0: "disconnected"}
+
+
+def nan_echo(worker: int, msg: Message) -> list[Message]:
+    return [result(msg, y=np.array([np.nan, 1.0], np.float32))]
+
+
+def test_non_finite_results_from_finite_inputs_end_the_op_with_lost():
+    op = Rpc(Scripted(nan_echo), WORKERS, timeout=1.0).op("forward of conv2", BE)
+    task = op.send(1, Message("block_forward", {}, {"x": np.ones(3, np.float32)}))
+    with pytest.raises(Lost, match="worker 1: returned non-finite values in y for the forward of conv2"):
+        op.gather([task])
+
+
+def test_non_finite_results_from_non_finite_inputs_go_through():
+    # a diverged model: the master's own numbers are no better, the trainer says so
+    op = Rpc(Scripted(nan_echo), WORKERS, timeout=1.0).op("forward of conv2", BE)
+    task = op.send(1, Message("block_forward", {}, {"x": np.array([np.inf], np.float32)}))
+    assert np.isnan(op.gather([task])[1].arrays["y"][0])

@@ -1,7 +1,8 @@
 """What a distributed step cost: the paper's comm / conv split, bytes, and each participant's time.
 
 Every list here is in participant order (the master first if it takes part, then the
-workers). For one *op* -- the forward or the backward of one sharded layer:
+workers), the order of ``names``. For one *op* -- the forward or the backward of one
+sharded layer:
 
     conv_s = the slowest participant's compute (what the paper calls conv)
     comm_s = the op's wall time on the master minus that: transfers, waiting, slicing and
@@ -23,10 +24,15 @@ from typing import Any
 class OpStats:
     """One distributed forward or backward of one layer."""
 
+    names: list[str]  # the participants, in order
     wall_s: float  # from the start of the op to its assembled result, on the master
     compute_s: list[float]  # per participant (0 for those without kernels)
     sent: list[int]  # array bytes to each participant (0 for the master)
     recv: list[int]  # and from it
+
+    def of(self, name: str, field: str) -> float:
+        """``field`` (compute_s, sent or recv) of participant ``name``; 0 if it had no part in the op."""
+        return getattr(self, field)[self.names.index(name)] if name in self.names else 0
 
     @property
     def conv_s(self) -> float:
@@ -57,6 +63,10 @@ class LayerStep:
         """Each participant's forward + backward compute: what the rebalancer balances."""
         return [f + b for f, b in zip(self.forward.compute_s, self.backward.compute_s, strict=True)]
 
+    @property
+    def participants(self) -> list[str]:
+        return self.forward.names
+
 
 def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, Any]:
     """The step's accounting, from its layers in the order their backwards finished::
@@ -71,22 +81,33 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
          "ops": [{"layer": "conv1", "op": "forward", "wall_s": s, "compute_s": [s, ...]}, ...]}
 
     ``ops`` are in the order they ran: the forwards, then the backwards, which finish the
-    layers in reverse.
+    layers in reverse. The lists are for ``participants``, those of the cluster when the step
+    ended: a worker lost during the step no longer counts, one that joined counts 0.
     """
     ran = [(d.name, "forward", d.forward) for d in reversed(layers)]
     ran += [(d.name, "backward", d.backward) for d in layers]
     ops = [stats for _, _, stats in ran]
-    each = range(len(participants))
+
+    def each(field: str, op_list: list[OpStats] = ops) -> list:
+        return [sum(op.of(name, field) for op in op_list) for name in participants]
+
+    def shares(d: LayerStep, counts: list[int]) -> list[int]:
+        by_name = dict(zip(d.participants, counts, strict=True))
+        return [by_name.get(name, 0) for name in participants]
+
     return {
         "comm_s": sum(op.comm_s for op in ops),
         "conv_s": sum(op.conv_s for op in ops),
         "bytes_sent": sum(sum(op.sent) for op in ops),
         "bytes_recv": sum(sum(op.recv) for op in ops),
-        "participant_bytes_sent": [sum(op.sent[i] for op in ops) for i in each],
-        "participant_bytes_recv": [sum(op.recv[i] for op in ops) for i in each],
-        "shares": {d.name: list(d.counts) for d in reversed(layers)},
-        "channel_shares": {d.name: list(d.channels) for d in reversed(layers) if d.channels is not None},
+        "participant_bytes_sent": each("sent"),
+        "participant_bytes_recv": each("recv"),
+        "shares": {d.name: shares(d, d.counts) for d in reversed(layers)},
+        "channel_shares": {d.name: shares(d, d.channels) for d in reversed(layers) if d.channels is not None},
         "participants": list(participants),
-        "participant_conv_s": [sum(op.compute_s[i] for op in ops) for i in each],
-        "ops": [{"layer": name, "op": op, "wall_s": s.wall_s, "compute_s": list(s.compute_s)} for name, op, s in ran],
+        "participant_conv_s": each("compute_s"),
+        "ops": [
+            {"layer": name, "op": op, "wall_s": stats.wall_s, "compute_s": each("compute_s", [stats])}
+            for name, op, stats in ran
+        ],
     }

@@ -123,12 +123,12 @@ def time_block(be: Backend, spec: Spec, repeats: int) -> float:
 
 
 def time_everyone(
-    rpc: Rpc, backend: Backend | None, specs: list[dict[str, Any]], repeats: int
+    rpc: Rpc, backend: Backend | None, specs: list[dict[str, Any]], repeats: int, workers: list[int]
 ) -> dict[int | None, list[float]]:
-    """Seconds per layer of ``specs`` for each worker of ``rpc`` (by index), one at a time, and for
-    the master (key None) on ``backend`` if it takes part (not None)."""
+    """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and for the
+    master (key None) on ``backend`` if it takes part (not None)."""
     times: dict[int | None, list[float]] = {}
-    for k in sorted(rpc.workers):
+    for k in workers:
         op = rpc.op("calibration", backend)
         reply = op.gather([op.send(k, Message("calibrate", {"layers": specs, "repeats": repeats}))])[k]
         got = reply.header["times"]

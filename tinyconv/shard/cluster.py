@@ -11,6 +11,14 @@ takes part (``master_share="auto"``), then the workers by index; named "master",
 layer, i.e. with the backward of the first one: the cluster then records it
 (``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which
 changes, if at all, from the next step on -- never between a forward and its backward.
+
+Workers come and go. One that is gone, silent past its op's timeout or returning
+non-finite numbers from finite inputs is *lost*: its share goes to the others (the master
+included, which holds every weight and can always finish alone) and the op runs again
+(:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
+the layers' shapes and given a share at the next step boundary. Either way each layer is
+split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
+records it.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from tinyconv.shard.calibrate import time_everyone
 from tinyconv.shard.layer import ShardedBlock, block_inputs
 from tinyconv.shard.plan import Plan
 from tinyconv.shard.rebalance import Rebalancer
-from tinyconv.shard.rpc import Rpc
+from tinyconv.shard.rpc import Lost, Rpc
 from transports.base import Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -96,6 +104,10 @@ class Cluster:
         self.step = 0  # finished training steps
         self.last_step: dict[str, Any] | None = None  # the last finished step's record
         self.calibration: dict[str, Any] | None = None
+        self.recv_timeout = float(recv_timeout)
+        self.timings: dict[str, dict[str, float]] = {}  # participant -> layer -> calibrated seconds
+        self.lost: dict[int, str] = {}  # worker index -> why it is no longer a participant
+        self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
         self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
         self.events: list[dict[str, Any]] = []  # what happened to the cluster, for the metrics file
         self._net: Network | None = None
@@ -172,9 +184,11 @@ class Cluster:
         """
         self.attach(net)
         inputs = block_inputs(net.layers, batch_size, image_size)
-        specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
+        specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
         master = self.backend if ("master", None) in self.seats else None
-        times = time_everyone(self.rpc, master, specs, self.calibration_repeats)
+        times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
+        for name, k in self.seats:
+            self.timings[name] = {b.name: times[k][i] for i, b in enumerate(self.blocks)}
         result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
         result["shapes"] = {}
         for i, (block, spec) in enumerate(zip(self.blocks, specs, strict=True)):
@@ -184,7 +198,7 @@ class Cluster:
             weights = speed_weights(layer_times)  # eq. 1
             result["shares"][name] = self.counts[name] = kernel_counts(weights, block.conv.out_channels)
             unit = block.conv.out_channels  # what the rebalancer moves: input channels of a layer split by them
-            if block.by_channels:
+            if self._split_by_channels(block):
                 unit = block.conv.in_channels
                 result["channel_shares"][name] = self.channel_counts[name] = kernel_counts(weights, unit)
             if self.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
@@ -226,18 +240,30 @@ class Cluster:
         if sum(counts) != total:
             raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
         channels = None
-        if block.by_channels:  # proportional to the kernels at first, and whenever the kept split does not fit
-            c_in = block.conv.in_channels
+        if self._split_by_channels(block):  # proportional to the kernels at first, and whenever the kept one
+            c_in = block.conv.in_channels  # does not fit them
             channels = self.channel_counts.get(block.name)
             if channels is None or not _fits(channels, counts, c_in):
                 channels = self.channel_counts[block.name] = kernel_counts([float(k) for k in counts], c_in)
         return Plan.of(self.seats, counts, block.tail, channels)
 
     def _by_channels(self, conv: Conv2D) -> bool:
-        """Whether ``conv`` is split by input channels: it needs dX, and has at least one input
+        """Whether ``conv`` goes by input channels when it can (see _split_by_channels): it needs dX."""
+        return conv.need_dx and self.split_by_channels
+
+    def _split_by_channels(self, block: ShardedBlock) -> bool:
+        """Whether ``block`` is split by input channels now: it goes so, and has at least one input
         channel and one kernel for every participant."""
-        enough = min(conv.in_channels, conv.out_channels) >= len(self.seats)
-        return conv.need_dx and self.split_by_channels and bool(self.workers) and enough
+        enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.seats)
+        return block.by_channels and enough and any(k is not None for _, k in self.seats)
+
+    def timeout(self, block: ShardedBlock) -> float:
+        """Seconds a worker has to answer one of ``block``'s ops: ten times the slowest participant's
+        calibrated time for the whole layer, at least 10 s, at most ``recv_timeout``."""
+        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
+        if not known or None in known:
+            return self.recv_timeout
+        return min(self.recv_timeout, max(10.0, 10 * max(known)))
 
     # ---- steps ------------------------------------------------------------------------------
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:
@@ -250,6 +276,8 @@ class Cluster:
         self._done = []
         self.step += 1
         self.last_step = record
+        for info in getattr(self.transport, "joined", list)():  # XXX until transports have joined()
+            self._join(info)
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
         """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
@@ -258,6 +286,8 @@ class Cluster:
         input channels -- its kernels, which then carry only the tail, follow those in proportion."""
         rebalanced = {}
         for d in done:
+            if d.participants != self.participants:  # someone was lost during this step: start afresh
+                continue
             proposal = self.rebalancer.observe(d.name, d.units, d.compute_s)
             if proposal is None:
                 continue
@@ -269,6 +299,63 @@ class Cluster:
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
+
+
+    # ---- membership -------------------------------------------------------------------------
+    def lose(self, workers: dict[int, str]) -> None:
+        """``workers`` (index -> why) are no longer participants: their shares go to the others."""
+        for k, why in workers.items():
+            if k in self.lost:
+                continue
+            self.lost[k] = why
+            log.warning("%s lost: %s; its share goes to the others", self.rpc.describe(k), why)
+            self.seats = [seat for seat in self.seats if seat[1] != k]
+            self.workers = [w for w in self.workers if w.index != k]
+            if not self.seats:  # the master holds every weight: it can always finish alone
+                self.seats = [("master", None)]
+            self._replan()
+            self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{k}", "reason": why,
+                                "shares": {name: list(c) for name, c in self.counts.items()}})  # fmt: skip
+
+    def lost_any(self, plan: Plan) -> bool:
+        """Whether a worker with a share in ``plan`` is lost."""
+        return any(p.worker in self.lost for p in plan.workers)
+
+    def _join(self, info: WorkerInfo) -> None:
+        """A worker that joined the transport late: timed on the layers' shapes, then given a share."""
+        name = f"worker{info.index}"
+        self.rpc.workers[info.index] = info
+        if self._specs is not None:
+            try:
+                times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [info.index])
+            except Lost as e:
+                log.warning("%s joined but could not be timed (%s); it is left out", name, e)
+                return
+            self.timings[name] = {b.name: times[info.index][i] for i, b in enumerate(self.blocks)}
+        self.workers.append(info)
+        self.seats.append((name, info.index))
+        self._replan()
+        log.info("%s joined: %s on %s", name, info.backend, info.device.get("device", "?"))
+        self.events.append({"event": "worker_joined", "step": self.step, "worker": name, "backend": info.backend,
+                            "device": info.device.get("device", "?"), "host": info.hostname,
+                            "shares": {n: list(c) for n, c in self.counts.items()}})  # fmt: skip
+
+    def _replan(self) -> None:
+        """Every attached layer split among the participants now by eq. 1 on their calibrated times
+        (equally where a time is missing), and a rebalancer that starts afresh from those times."""
+        if self.rebalancer is not None:
+            self.rebalancer = self.rebalancer.fresh()
+        for block in self.blocks:
+            times = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
+            weights = speed_weights(times) if None not in times else [1.0] * len(times)
+            self.counts[block.name] = kernel_counts(weights, block.conv.out_channels)
+            self.channel_counts.pop(block.name, None)
+            unit = block.conv.out_channels
+            if self._split_by_channels(block):
+                unit = block.conv.in_channels
+                self.channel_counts[block.name] = kernel_counts(weights, unit)
+            if self.rebalancer is not None and None not in times:
+                self.rebalancer.record(block.name, [unit] * len(times), times)
 
 
 def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:

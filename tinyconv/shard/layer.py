@@ -9,7 +9,10 @@ numbers do not change; only who computes them does.
 Each forward asks the cluster for the layer's plan (``plan.py``) and runs the split it
 calls for: by kernels, the paper's (``by_kernels.py``), or by input channels
 (``by_channels.py``); its backward runs the same split with the same plan, then tells
-the cluster the layer's step is done, with what it cost (``accounting.py``).
+the cluster the layer's step is done, with what it cost (``accounting.py``). When a worker
+is lost during either, the cluster shares its kernels among the others and the layer runs
+again -- a backward whose forward had the lost worker runs that forward again first, on the
+input it kept.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from tinyconv.shard import by_channels, by_kernels
 from tinyconv.shard.accounting import LayerStep, OpStats
 from tinyconv.shard.block import tail_of, tail_output_hw
 from tinyconv.shard.plan import Plan
-from tinyconv.shard.rpc import Rpc
+from tinyconv.shard.rpc import Lost, Op, Rpc
 
 
 class Coordinator(Protocol):
@@ -36,6 +39,12 @@ class Coordinator(Protocol):
 
     def plan(self, block: ShardedBlock) -> Plan: ...
 
+    def timeout(self, block: ShardedBlock) -> float: ...
+
+    def lose(self, workers: dict[int, str]) -> None: ...
+
+    def lost_any(self, plan: Plan) -> bool: ...
+
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
 
@@ -44,6 +53,7 @@ class _Forward:
     """What a forward keeps for the backward: the plan and split it ran, and what they kept."""
 
     step: int
+    x: Array  # its input, to run it again if a worker of its plan is lost before the backward
     plan: Plan
     split: Any  # the module: by_kernels or by_channels
     kept: Any
@@ -68,25 +78,43 @@ class ShardedBlock(Layer):
         self.decay = conv.decay
 
     def forward(self, x: Array, training: bool = False) -> Array:
-        step, plan = self.cluster.step, self.cluster.plan(self)
-        split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
-        op = self._op("forward", step)
-        y, kept = split.forward(op, self.conv, self.tail, plan, x)
-        self.cache = _Forward(step, plan, split, kept, op.stats(self.cluster.seats))
+        y, self.cache = self._forward(x, self.cluster.step)
         return y
+
+    def _forward(self, x: Array, step: int) -> tuple[Array, _Forward]:
+        """The forward on the current plan -- again on the next one while workers are lost."""
+        while True:
+            plan = self.cluster.plan(self)
+            split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
+            op = self._op("forward", step)
+            try:
+                y, kept = split.forward(op, self.conv, self.tail, plan, x)
+            except Lost as e:
+                self.cluster.lose(e.workers)
+                continue
+            return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.seats))
 
     def backward(self, dy: Array) -> Array | None:
         fwd = self.cache
-        op = self._op("backward", fwd.step)
-        dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
+        while True:
+            if self.cluster.lost_any(fwd.plan):  # its forward's kept state is gone with the worker
+                _, fwd = self._forward(fwd.x, fwd.step)
+            op = self._op("backward", fwd.step)
+            try:
+                dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
+                break
+            except Lost as e:
+                self.cluster.lose(e.workers)
+        self.cache = None
         self.grads = self.conv.grads = {"w": dw, "b": db}
         done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, op.stats(self.cluster.seats))
         self.cluster.finished(self, done)
         return dx
 
-    def _op(self, what: str, step: int):
+    def _op(self, what: str, step: int) -> Op:
         """A distributed op of this layer; its tasks carry the step and the layer's index."""
-        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, {"step": step, "layer": self.index})
+        fields = {"step": step, "layer": self.index}
+        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, self.cluster.timeout(self))
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         n, f, oh, ow = self.conv.output_shape(x_shape)

@@ -7,6 +7,7 @@ finish together. Pure arithmetic on small lists, like the paper's split: no I/O,
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -148,6 +149,12 @@ class Rebalancer:
         self.window = window
         self.reprobe = reprobe
         self._layers: dict[str, _LayerState] = {}
+
+    def fresh(self) -> Rebalancer:
+        """The same settings with nothing remembered: for a new set of participants."""
+        new = copy.copy(self)
+        new._layers = {}
+        return new
 
     def cost_models(self, layer: str) -> list[tuple[float, float] | None]:
         """Each participant's fitted (a_i seconds, b_i seconds per kernel); None: never measured."""

@@ -4,9 +4,12 @@ Each distributed op (the forward or the backward of one sharded layer) opens an
 :class:`Op`. It numbers every task it sends; :meth:`Op.gather` waits for the results of
 some of them, each within the timeout, and keeps any result of the op's other tasks that
 comes first for the gather that wants it. A result of a task no open op is waiting for
--- one an op gave up on after an error -- is stale and dropped. A worker's ``error``
-becomes a RuntimeError naming the worker and the op; silence, a TimeoutError naming
-who did not answer. On the way the op counts what it cost (:meth:`Op.stats`).
+-- one an op gave up on -- is stale and dropped. A worker's ``error`` becomes a
+RuntimeError naming the worker and the op. A worker the op cannot count on -- gone
+(the transport's WorkerLost), silent past the timeout, or answering finite inputs with
+non-finite numbers -- ends the op with :class:`Lost`, naming each and why, so that the
+cluster can share its kernels among the others and run the op again. On the way the op
+counts what it cost (:meth:`Op.stats`).
 
 The one optimisation here is :meth:`Op.relay`: a second round of tasks that each go out
 as soon as what they need has come back, while the rest of the first round is still
@@ -26,9 +29,17 @@ import numpy as np
 from backends.base import Array, Backend
 from tinyconv.shard.accounting import OpStats
 from tinyconv.shard.protocol import check_result
-from transports.base import Message, Transport, WorkerInfo
+from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 log = logging.getLogger(__name__)
+
+
+class Lost(Exception):
+    """Workers an op could not count on: worker index -> why."""
+
+    def __init__(self, workers: dict[int, str]) -> None:
+        super().__init__("; ".join(f"worker {k}: {why}" for k, why in workers.items()))
+        self.workers = workers
 
 
 class Rpc:
@@ -42,10 +53,13 @@ class Rpc:
         self.timeout = float(timeout)
         self._next_task = 0
 
-    def op(self, what: str, backend: Backend, fields: dict[str, int] | None = None) -> Op:
+    def op(
+        self, what: str, backend: Backend, fields: dict[str, int] | None = None, timeout: float | None = None
+    ) -> Op:
         """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
-        share on ``backend``; every task it sends carries ``fields`` (a layer's step and index)."""
-        return Op(self, what, backend, fields or {})
+        share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
+        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather."""
+        return Op(self, what, backend, fields or {}, timeout or self.timeout)
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -62,10 +76,10 @@ class Rpc:
 class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
-    def __init__(self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int]) -> None:
-        self.rpc, self.what, self.backend, self.fields = rpc, what, backend, fields
+    def __init__(self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float) -> None:
+        self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
         self.t0 = time.perf_counter()
-        self._pending: dict[int, tuple[int, str]] = {}  # task -> (worker, kind), sent and not yet gathered
+        self._pending: dict[int, tuple[int, Message]] = {}  # task -> (worker, the task), sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
         self.sent: dict[int, int] = {}  # worker -> array bytes sent to it
         self.recv: dict[int, int] = {}
@@ -76,8 +90,11 @@ class Op:
         """Send ``msg`` to ``worker`` as a new task, with the op's fields; returns its task id."""
         task = self.rpc.new_task_id()
         msg.header.update(self.fields, task=task)
-        self.rpc.transport.send(worker, msg)
-        self._pending[task] = (worker, msg.kind)
+        try:
+            self.rpc.transport.send(worker, msg)
+        except WorkerLost as e:
+            raise Lost({worker: e.reason}) from None
+        self._pending[task] = (worker, msg)
         self.sent[worker] = self.sent.get(worker, 0) + msg.nbytes()
         return task
 
@@ -97,7 +114,7 @@ class Op:
         """The result of every task in ``tasks``, by worker; ``each(worker, result)`` as each arrives."""
         waiting = set(tasks)
         results: dict[int, Message] = {}
-        deadline = time.monotonic() + self.rpc.timeout
+        deadline = time.monotonic() + self.timeout
         while waiting:
             task = next((t for t in waiting if t in self._early), None)
             if task is not None:
@@ -154,6 +171,7 @@ class Op:
     def stats(self, seats: list[tuple[str, int | None]]) -> OpStats:
         """What the op cost so far, in participant order (seats: (name, worker index or None))."""
         return OpStats(
+            names=[name for name, _ in seats],
             wall_s=time.perf_counter() - self.t0,
             compute_s=[self.master_s if k is None else self.compute.get(k, 0.0) for _, k in seats],
             sent=[0 if k is None else self.sent.get(k, 0) for _, k in seats],
@@ -162,28 +180,36 @@ class Op:
 
     def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
         """The next result for one of this op's tasks; one of ``waiting`` or kept as early."""
-        transport = self.rpc.transport
         while True:
             try:
-                k, reply = transport.recv(timeout=max(0.0, deadline - time.monotonic()))
+                k, reply = self.rpc.transport.recv(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                late = ", ".join(self.rpc.describe(w) for w in sorted({self._pending[t][0] for t in waiting}))
-                raise TimeoutError(
-                    f"{self.what}: no result from {late} within {self.rpc.timeout:g} s; the worker may be "
-                    "overloaded, stuck or gone: check its log, or raise recv_timeout"
-                ) from None
+                why = f"no result for the {self.what} within {self.timeout:g} s"
+                raise Lost({self._pending[t][0]: why for t in waiting}) from None
+            except WorkerLost as e:
+                raise Lost({e.worker: e.reason}) from None
             task = reply.header.get("task")
             ours = task in self._pending and self._pending[task][0] == k
             if reply.kind == "error" and (task is None or ours):
                 raise RuntimeError(f"{self.rpc.describe(k)} failed the {self.what}: {reply.header['message']}")
-            if not ours:  # a late answer to an op given up on (after an error)
+            if not ours:  # a late answer to an op given up on
                 log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
                 continue
             if reply.kind != "result":
                 raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
-            check_result(reply, self._pending[task][1])
+            sent = self._pending[task][1]
+            check_result(reply, sent.kind)
+            _check_finite(k, reply, sent, self.what)
             self.recv[k] = self.recv.get(k, 0) + reply.nbytes()
             self.compute[k] = self.compute.get(k, 0.0) + float(reply.header["compute_s"])
             if task not in waiting:
                 self._early[task] = reply
             return task, reply
+
+
+def _check_finite(k: int, reply: Message, sent: Message, what: str) -> None:
+    """A worker that answers finite inputs with a NaN or an infinity is not to be trusted: Lost. (From
+    non-finite inputs -- a diverged model -- the master's own numbers are no better: let them through.)"""
+    bad = [name for name, a in reply.arrays.items() if not np.isfinite(a).all()]
+    if bad and all(np.isfinite(a).all() for a in sent.arrays.values()):
+        raise Lost({k: f"returned non-finite values in {', '.join(bad)} for the {what}, from finite inputs"})
