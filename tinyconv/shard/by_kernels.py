@@ -30,7 +30,7 @@ import numpy as np
 from backends.base import Array
 from tinyconv.layers import Conv2D
 from tinyconv.shard.block import BlockCache, block_backward, block_forward, tail_output_hw
-from tinyconv.shard.plan import Plan
+from tinyconv.shard.plan import Participant, Plan
 from tinyconv.shard.rpc import Op
 from transports.base import Message
 
@@ -92,7 +92,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
     if not tasks:
         return mine
 
-    def part(p, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def part(p: Participant, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """``name`` (dx, dw or db) of participant p's kernels."""
         if p.worker is None:
             return be.to_numpy(mine[("dx", "dw", "db").index(name)])
