@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
 
-from tinyconv.checkpoint import load_checkpoint, save_checkpoint
+from tinyconv.checkpoint import load_checkpoint
 from tinyconv.data import synthetic_dataset
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import PAPER_ARCHS, paper_net, parse_arch
 from tinyconv.optim import SGD
 from tinyconv.plugins import get_backend
 from tinyconv.schedule import learning_rate
-from tinyconv.trainer import TrainConfig, Trainer, summary_table
+from tinyconv.trainer import Stopped, TrainConfig, Trainer, step_memory_bytes, summary_table
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +98,6 @@ def test_learning_rate_schedules():
         learning_rate(0, 10, 0.1, "linear")
 
 
-# ---- checkpoints ----------------------------------------------------------------
-def test_checkpoint_round_trip_and_bad_files(tmp_path):
-    path = tmp_path / "c.npz"
-    save_checkpoint(path, {"0.w": np.ones((2, 2), np.float32)}, {"0.w": np.zeros(3, np.float32)}, {"step": 5})
-    model, optim, meta = load_checkpoint(path)
-    assert np.array_equal(model["0.w"], np.ones((2, 2))) and optim["0.w"].shape == (3,) and meta["step"] == 5
-    assert not (tmp_path / "c.npz.tmp").exists()
-    garbage = tmp_path / "garbage.npz"
-    garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable tinyconv checkpoint"):
-        load_checkpoint(garbage)
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        load_checkpoint(tmp_path / "missing.npz")
-
-
 # ---- the trainer ----------------------------------------------------------------
 def _trainer(backend, data, tmp_path=None, **cfg) -> Trainer:
     net = paper_net("4:8", backend, "batch", seed=1)
@@ -151,7 +138,7 @@ def test_resume_refuses_another_architecture(numpy_backend, tiny_data, tmp_path)
     t = _trainer(numpy_backend, tiny_data, epochs=1, max_steps=1, checkpoint=str(tmp_path / "c.npz"))
     t.fit()
     other = Trainer(paper_net("4:8", numpy_backend, "lrn"), tiny_data, TrainConfig(batch_size=32, progress=False))
-    with pytest.raises(ValueError, match="same --arch/--norm"):
+    with pytest.raises(ValueError, match="--norm batch there, lrn here"):
         other.resume(tmp_path / "c.npz")
 
 
@@ -182,3 +169,196 @@ def test_batch_larger_than_dataset_is_a_clear_error(numpy_backend, tiny_data):
     net = paper_net("4:8", numpy_backend, "lrn")
     with pytest.raises(ValueError, match="larger than the 128 training images"):
         Trainer(net, tiny_data, TrainConfig(batch_size=1000, progress=False))
+
+
+# ---- checkpoints while training, and on the way out ---------------------------------------------
+def _saves(monkeypatch) -> list[int]:
+    """The step of every checkpoint any Trainer writes from now on."""
+    steps: list[int] = []
+    save = Trainer.save
+
+    def spy(self, path):
+        steps.append(self.step)
+        return save(self, path)
+
+    monkeypatch.setattr(Trainer, "save", spy)
+    return steps
+
+
+def _same_state(a: Trainer, b: Trainer) -> None:
+    sa, sb = a.net.state_dict(), b.net.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:  # parameters and batch-norm running statistics
+        assert np.array_equal(sa[k], sb[k]), k
+    oa, ob = a.opt.state_dict(), b.opt.state_dict()
+    assert all(np.array_equal(oa[k], ob[k]) for k in oa)
+
+
+def test_checkpoint_every_n_steps_and_at_each_epoch_end(numpy_backend, tiny_data, tmp_path, monkeypatch):
+    saves = _saves(monkeypatch)
+    _trainer(numpy_backend, tiny_data, epochs=3, checkpoint=str(tmp_path / "c.npz"), checkpoint_every=3).fit()
+    # 4 steps per epoch: every 3 steps, and each epoch's end (step 12, the last, only once)
+    assert saves == [3, 4, 6, 8, 9, 12]
+    assert load_checkpoint(tmp_path / "c.npz")[2]["step"] == 12
+
+
+def test_checkpoint_every_m_minutes(numpy_backend, tiny_data, tmp_path, monkeypatch):
+    saves = _saves(monkeypatch)
+    _trainer(numpy_backend, tiny_data, epochs=2, checkpoint=str(tmp_path / "c.npz"), checkpoint_minutes=1e-9).fit()
+    assert saves == [1, 2, 3, 4, 5, 6, 7, 8]  # always late: after every step
+    saves.clear()
+    _trainer(numpy_backend, tiny_data, epochs=2, checkpoint=str(tmp_path / "d.npz"), checkpoint_minutes=60).fit()
+    assert saves == [4, 8]  # never late: the epoch ends only
+
+
+def _fail_in_step(trainer: Trainer, at: int, error: BaseException | None = None, signum: int | None = None) -> None:
+    """Make step ``at + 1`` fail (or be signalled) after its forward and backward, before its update."""
+    real = trainer._forward_backward
+
+    def forward_backward(xb, yb):
+        out = real(xb, yb)  # the augmentation's generator and batch-norm's statistics have moved
+        if trainer.step == at:
+            if signum is not None:
+                os.kill(os.getpid(), signum)
+            if error is not None:
+                raise error
+        return out
+
+    trainer._forward_backward = forward_backward
+
+
+def test_an_error_checkpoints_the_last_whole_step_and_resumes_bit_identically(numpy_backend, tiny_data, tmp_path):
+    straight = _trainer(numpy_backend, tiny_data, epochs=2)
+    straight.fit()
+    path = tmp_path / "c.npz"
+    failing = _trainer(numpy_backend, tiny_data, epochs=2, checkpoint=str(path))
+    _fail_in_step(failing, 5, error=TimeoutError("worker 1 silent"))  # in epoch 2, after its first step
+    with pytest.raises(TimeoutError, match="worker 1 silent"):
+        failing.fit()
+    assert failing.saved == (5, str(path))
+    resumed = _trainer(numpy_backend, tiny_data, epochs=2)
+    resumed.resume(path)
+    assert (resumed.step, resumed.epoch, resumed.batch_in_epoch) == (5, 1, 1)
+    resumed.fit()
+    _same_state(straight, resumed)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_step_checkpoints_the_step_before(numpy_backend, tiny_data, tmp_path, signum):
+    straight = _trainer(numpy_backend, tiny_data, epochs=2)
+    straight.fit()
+    path = tmp_path / "c.npz"
+    signalled = _trainer(numpy_backend, tiny_data, epochs=2, checkpoint=str(path))
+    _fail_in_step(signalled, 2, signum=signum)
+    with pytest.raises(Stopped) as info:
+        signalled.fit()
+    assert info.value.signum == signum and isinstance(info.value, KeyboardInterrupt)
+    assert signalled.saved == (2, str(path))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = _trainer(numpy_backend, tiny_data, epochs=2)
+    resumed.resume(path)
+    resumed.fit()
+    _same_state(straight, resumed)
+
+
+def test_a_signal_during_the_update_waits_for_its_end(numpy_backend, tiny_data, tmp_path):
+    path = tmp_path / "c.npz"
+    t = _trainer(numpy_backend, tiny_data, tmp_path, epochs=2, checkpoint=str(path))
+    real = t._update
+
+    def update():
+        if t.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real()
+
+    t._update = update
+    with pytest.raises(Stopped):
+        t.fit()
+    t.metrics.close()
+    assert t.saved == (3, str(path))  # the update, its count and its metrics line made it
+    assert [e["step"] for e in read_metrics(tmp_path / "m.jsonl") if e["event"] == "step"] == [1, 2, 3]
+
+
+def test_an_update_cut_short_is_not_checkpointed(numpy_backend, tiny_data, tmp_path):
+    path = tmp_path / "c.npz"
+    t = _trainer(numpy_backend, tiny_data, epochs=2, checkpoint=str(path))
+    real = t.opt.step
+
+    def step():
+        if t.step == 5:
+            raise MemoryError("half the parameters updated")
+        real()
+
+    t.opt.step = step
+    with pytest.raises(MemoryError):
+        t.fit()
+    assert t.saved == (4, str(path))  # the epoch's end; never the half-updated step 6
+    assert load_checkpoint(path)[2]["step"] == 4
+
+
+def test_a_nan_loss_is_refused_before_the_update(numpy_backend, tiny_data, tmp_path):
+    t = _trainer(numpy_backend, tiny_data, epochs=1, checkpoint=str(tmp_path / "c.npz"))
+    t.net.loss_fn = lambda logits, y: (float("nan"), None)
+    with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
+        t.fit()
+    assert all(np.isfinite(v).all() for v in load_checkpoint(tmp_path / "c.npz")[0].values())
+
+
+# ---- the metrics file --------------------------------------------------------------------------------
+def test_cluster_events_follow_their_step(numpy_backend, tiny_data, tmp_path):
+    import tinyconv as tc
+
+    t = _trainer(numpy_backend, tiny_data, tmp_path, epochs=1, max_steps=2)
+    cluster = tc.distribute(t.net, "inproc", 1, calibrate=False, announce=lambda s: None)
+    try:
+        t.cluster = cluster
+        lost = {"event": "worker_lost", "step": 0, "worker": "worker0", "reason": "test", "shares": {"conv1": [4]}}
+        cluster.events.append(lost)
+        t.fit()
+    finally:
+        cluster.close()
+        t.metrics.close()
+    events = read_metrics(tmp_path / "m.jsonl")
+    assert [e["event"] for e in events[:3]] == ["step", "worker_lost", "step"]
+    assert events[1] == lost
+
+
+def test_metrics_file_is_untouched_until_the_first_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"event": "run"}\n{"event": "step", "step": 1}\n')
+    before = path.read_bytes()
+    m = MetricsWriter(path)
+    m.write("run", seed=0)
+    m.write("calibration", shares={})
+    m.close()  # the run failed before training: the old file stays
+    assert path.read_bytes() == before
+    m = MetricsWriter(path)
+    m.write("run", seed=1)
+    m.write("step", step=1)
+    m.close()
+    assert [e["event"] for e in read_metrics(path)] == ["run", "step"] and read_metrics(path)[0]["seed"] == 1
+
+
+def test_a_resume_drops_the_steps_after_its_checkpoint(tmp_path):
+    path = tmp_path / "m.jsonl"
+    lines = [{"event": "run"}, *({"event": "step", "step": s} for s in (1, 2, 3)), {"event": "epoch", "steps": 3}]
+    lines += [{"event": "step", "step": 4}, {"event": "worker_lost", "step": 4}, {"event": "step", "step": 5}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"event": "step", "st')  # a crash mid-line
+    before = path.read_bytes()
+    m = MetricsWriter(path, append=True, resume_step=3)
+    m.write("run", resumed=True)
+    assert path.read_bytes() == before  # not touched before the first step
+    m.write("step", step=4)
+    m.close()
+    assert m.dropped == 4
+    events = read_metrics(path)
+    assert [e["event"] for e in events] == ["run", "step", "step", "step", "epoch", "run", "step"]
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
+
+
+def test_step_memory_estimate():
+    mib = step_memory_bytes(50, 500, 64) / 2**20
+    assert 300 < mib < 700  # measured: 559 MiB of peak RSS for a numpy step
+    assert step_memory_bytes(50, 500, 128) > 1.9 * step_memory_bytes(50, 500, 64) * 0.99
+    assert step_memory_bytes(50, 500, 64, columns=False) < step_memory_bytes(50, 500, 64)

@@ -2,50 +2,193 @@
 
 Nothing is pickled: arrays are stored as arrays and the rest as one JSON string,
 so a checkpoint from anywhere is safe to load (``allow_pickle=False``).
-Writes are atomic (temporary file, then rename): a crash never leaves half a file.
+
+Writes are atomic: the arrays go to a temporary file in the checkpoint's folder, which is
+flushed and fsynced, then renamed over the old checkpoint, and the folder is fsynced so
+that the rename itself survives a power cut. A crash at any moment leaves the old
+checkpoint or the new one, never half of one; the temporary file a crashed save left
+behind is removed by the next save.
+
+Reading checks everything before a run relies on it: a truncated, corrupted or empty
+file, a missing or wrong-typed field, and (:func:`check_compatible`) a checkpoint of
+another network or batch size each give one ValueError that says what is wrong.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 FORMAT = "tinyconv-checkpoint-2"  # parameters keyed by layer name ("conv1.w")
+TMP_SUFFIX = ".tmp"
+
+# meta fields a checkpoint must have, and their JSON types
+META_FIELDS: dict[str, type] = {
+    "step": int,
+    "epoch": int,
+    "batch_in_epoch": int,
+    "epoch_shuffle_state": dict,
+    "augment_state": dict,
+    "model_config": dict,
+    "train_config": dict,
+}
+MODEL_FIELDS: dict[str, type] = {"arch": str, "norm": str, "pool_kernel": int}
+# what a run must share with the checkpoint it resumes: (where, field, option)
+SAME = (("model_config", "arch", "--arch"), ("model_config", "norm", "--norm"),
+        ("model_config", "pool_kernel", "--pool"), ("train_config", "batch_size", "--batch-size"))  # fmt: skip
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint as read: model and optimizer arrays by key, and the meta fields."""
+
+    path: Path
+    model: dict[str, np.ndarray]
+    optim: dict[str, np.ndarray]
+    meta: dict[str, Any]
 
 
 def save_checkpoint(
     path: str | Path, model: dict[str, np.ndarray], optimizer: dict[str, np.ndarray], meta: dict[str, Any]
-) -> None:
-    """Write model and optimizer arrays plus JSON-able ``meta`` (epoch, step, rng states...)."""
+) -> int:
+    """Write model and optimizer arrays plus JSON-able ``meta`` (epoch, step, rng states...) atomically.
+    Returns the checkpoint's size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     arrays = {f"model/{k}": v for k, v in model.items()}
     arrays.update({f"optim/{k}": v for k, v in optimizer.items()})
     arrays["meta"] = np.array(json.dumps({"format": FORMAT, **meta}))
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+    return path.stat().st_size
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Delete the temporary files an interrupted save of ``path`` left in its folder; returns them."""
+    stale = [*path.parent.glob(f".{path.name}.*{TMP_SUFFIX}")]
+    stale += [p for p in [path.with_name(path.name + TMP_SUFFIX)] if p.exists()]  # older tinyconv's name
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; elsewhere a folder cannot be opened, nor needs it)."""
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """-> (model arrays, optimizer arrays, meta). Clear ValueError if it isn't one of ours."""
+    """-> (model arrays, optimizer arrays, meta). Clear ValueError if it isn't a sound one of ours."""
+    c = read_checkpoint(path)
+    return c.model, c.optim, c.meta
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and check a checkpoint: FileNotFoundError if there is none at ``path``, ValueError (one line,
+    saying what is wrong) if it is empty, truncated, corrupted, of another format or missing a field."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; check --resume, or train without it first")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty, not a checkpoint: its save never finished; resume from another one")
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             model = {k[6:]: z[k] for k in z.files if k.startswith("model/")}
             optim = {k[6:]: z[k] for k in z.files if k.startswith("optim/")}
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+    except Exception as e:  # BadZipFile, EOFError, KeyError, ValueError, zlib errors...: any is a bad file
         raise ValueError(
-            f"{path} is not a readable tinyconv checkpoint ({e}); was it written by tinyconv?"
+            f"{path} is not a readable tinyconv checkpoint ({type(e).__name__}: {e}); "
+            "it may be truncated or corrupted -- was it written by tinyconv?"
         ) from e
+    check_meta(meta, path)
+    return Checkpoint(path, model, optim, meta)
+
+
+def check_meta(meta: Any, path: str | Path) -> None:
+    """Raise ValueError unless ``meta`` has every field resuming needs, each of its type."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a tinyconv checkpoint: its meta is a {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} has format {meta.get('format')!r}, this tinyconv reads {FORMAT!r}")
-    return model, optim, meta
+    _check_fields(meta, META_FIELDS, path, "")
+    _check_fields(meta["model_config"], MODEL_FIELDS, path, "model_config.")
+    _check_fields(meta["train_config"], {"batch_size": int}, path, "train_config.")
+    for key in ("step", "epoch", "batch_in_epoch"):
+        if meta[key] < 0:
+            raise ValueError(f"{path} is damaged: its meta field {key!r} is {meta[key]}, below 0")
+    for key in ("epoch_shuffle_state", "augment_state"):
+        try:
+            np.random.PCG64().state = meta[key]
+        except Exception as e:
+            raise ValueError(f"{path} is damaged: its meta field {key!r} is not a generator state ({e})") from e
+    if not isinstance(meta.get("history", []), list):
+        raise ValueError(f"{path} is damaged: its meta field 'history' is not a list")
+    _check_plan(meta.get("plan"), path)
+
+
+def _check_fields(table: dict[str, Any], fields: dict[str, type], path: str | Path, prefix: str) -> None:
+    for key, kind in fields.items():
+        if key not in table:
+            raise ValueError(f"{path} is damaged or too old: its meta has no field '{prefix}{key}'")
+        value = table[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(
+                f"{path} is damaged: its meta field '{prefix}{key}' is {value!r} ({type(value).__name__}), "
+                f"not a{'n' if kind is int else ''} {kind.__name__}"
+            )
+
+
+def _check_plan(plan: Any, path: str | Path) -> None:
+    """The split a distributed run saved (None when nothing was distributed)."""
+    if plan is None:
+        return
+    ok = isinstance(plan, dict) and isinstance(plan.get("participants"), list)
+    ok = ok and all(isinstance(p, str) for p in plan["participants"])
+    for key in ("counts", "channel_counts"):
+        table = plan.get(key) if ok else None
+        ok = ok and isinstance(table, dict) and all(_counts(v) for v in table.values())
+    if not ok:
+        raise ValueError(f"{path} is damaged: its meta field 'plan' is not a split ({plan!r:.200})")
+
+
+def _counts(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value)
+
+
+def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], batch_size: int, path: str | Path) -> None:
+    """Raise ValueError, naming each option that differs and both values, unless a run of the network
+    ``model_config`` with ``batch_size`` can resume from a checkpoint with ``meta``."""
+    here = {"model_config": model_config, "train_config": {"batch_size": batch_size}}
+    differ = [
+        f"{option} {meta[where][key]} there, {here[where][key]} here"
+        for where, key, option in SAME
+        if meta[where][key] != here[where][key]
+    ]
+    if differ:
+        raise ValueError(
+            f"checkpoint {path} is from another run: {'; '.join(differ)}; resume with the options it was written "
+            "with (the same --arch, --norm, --pool and --batch-size)"
+        )

@@ -4,16 +4,30 @@ One step: take a batch of uint8 images, augment (random crop + flip), normalise 
 channel, move to the backend, forward + loss + backward, SGD update. Convolutions
 may be distributed (``tinyconv.distribute`` puts sharded layers in the network); the
 loop is the same either way, it only asks the cluster for the step's comm/conv split
-to record.
+and its events to record.
 
 Resuming is bit-identical: the checkpoint keeps the parameters, the momentum
-buffers, the global step, the position within the epoch, and the state of both
-random generators (the epoch's shuffle and the augmentation).
+buffers, the global step, the position within the epoch, the state of both
+random generators (the epoch's shuffle and the augmentation) and, when distributed,
+the split (which a run of the same participants takes up again).
+
+Nothing is lost on the way out. Checkpoints are written at each epoch's end, every
+``checkpoint_every`` steps or ``checkpoint_minutes`` minutes, and when training ends any
+other way: an error, Ctrl-C or SIGTERM (which :meth:`Trainer.fit` turns into
+:class:`Stopped`, a KeyboardInterrupt). Each is of a whole step: a step that an error or a
+signal cuts short is rolled back first (the augmentation's generator and batch-norm's
+running statistics, the only state it changes before its update), and the update itself
+-- the parameters, the momentum, the step count and its metrics line -- runs with signals
+held until it is done, so a checkpoint never holds half of one.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from tinyconv.checkpoint import load_checkpoint, save_checkpoint
+from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint, save_checkpoint
 from tinyconv.data import Dataset, Normalizer, augment, channel_stats
 from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
@@ -46,8 +60,18 @@ class TrainConfig:
     augment: bool = True
     eval_batch_size: int = 500
     seed: int = 0
-    checkpoint: str | None = None  # written at each epoch end and at the stop
+    checkpoint: str | None = None  # written at each epoch end, at the stop, and on the way out
+    checkpoint_every: int | None = None  # also every this many steps
+    checkpoint_minutes: float | None = None  # also when this long has passed since the last one
     progress: bool = True
+
+
+class Stopped(KeyboardInterrupt):
+    """Training was stopped by a signal: ``signum`` is SIGINT (Ctrl-C) or SIGTERM."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class Trainer:
@@ -83,19 +107,41 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.step_times: list[float] = []
         self.step_splits: list[dict[str, Any]] = []
+        self.saved: tuple[int, str] | None = None  # (step, path) of the last checkpoint written
+        self.plan_restored = False  # resume took up the checkpoint's split
+        self._saved_at = time.monotonic()
+        self._holding = False  # signals wait for the end of an update (see _held_signals)
+        self._pending: int | None = None  # a signal that came meanwhile
+        self._whole = True  # False while an update is half done: nothing to checkpoint then
 
     # ---- one step ------------------------------------------------------------
     def train_step(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, float, dict[str, Any]]:
         """One SGD step on a uint8 batch. Returns (loss, batch accuracy, timing record)."""
-        be = self.net.backend
         t0 = time.perf_counter()
+        loss, logits = self._forward_backward(xb, yb)
+        self._update()
+        return self._record(t0, loss, logits, yb)
+
+    def _forward_backward(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, Any]:
+        """Augment, forward, loss, backward: every grad filled, no parameter changed yet."""
+        be = self.net.backend
         if self.cfg.augment:
             xb = augment(xb, self.augment_rng)
         logits = self.net.forward(be.asarray(self.normalize(xb)), training=True)
         loss, dlogits = self.net.loss_fn(logits, yb)
+        if not np.isfinite(loss):  # before the update, which would spread it to every parameter
+            raise FloatingPointError(
+                f"loss became {loss} at step {self.step + 1}: lower --lr (now {self.cfg.lr}) or use --norm batch"
+            )
         self.net.backward(dlogits)
+        return loss, logits
+
+    def _update(self) -> None:
         self.opt.lr = learning_rate(self.step, self.total_steps, self.cfg.lr, self.cfg.schedule, self.warmup_steps)
         self.opt.step()
+
+    def _record(self, t0: float, loss: float, logits: Any, yb: np.ndarray) -> tuple[float, float, dict[str, Any]]:
+        be = self.net.backend
         acc = float(np.mean(be.to_numpy(logits).argmax(axis=1) == yb))
         be.synchronize()
         dt = time.perf_counter() - t0
@@ -103,11 +149,89 @@ class Trainer:
         if self.cluster is not None:
             split.update(self.cluster.last_step)
         split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"])
-        if not np.isfinite(loss):
-            raise FloatingPointError(
-                f"loss became {loss} at step {self.step}: lower --lr (now {self.cfg.lr}) or use --norm batch"
-            )
         return loss, acc, {"lr": self.opt.lr, "time_s": dt, **split}
+
+    def _step(self, xb: np.ndarray, yb: np.ndarray, b: int) -> tuple[float, float]:
+        """One step of the loop, whole or not at all: cut short, it is rolled back; its update,
+        recorded and counted, runs with signals held."""
+        undo = self._undo_point()
+        t0 = time.perf_counter()
+        try:
+            loss, logits = self._forward_backward(xb, yb)
+        except BaseException:
+            with self._held_signals(raise_pending=False):
+                self._roll_back(undo)
+            raise
+        with self._held_signals():
+            self._whole = False
+            self._update()
+            self.step += 1
+            self.batch_in_epoch = b + 1
+            self._whole = True
+            loss, acc, rec = self._record(t0, loss, logits, yb)
+            self.step_times.append(rec["time_s"])
+            self.step_splits.append(rec)
+            self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
+            self._write_cluster_events()
+        return loss, acc
+
+    def _undo_point(self) -> tuple[dict[str, Any], dict[tuple[int, str], np.ndarray]]:
+        """What a step changes before its update: the augmentation's generator, batch-norm's statistics."""
+        be = self.net.backend
+        layers = enumerate(self.net.layers)
+        buffers = {(i, name): be.to_numpy(a).copy() for i, layer in layers for name, a in layer.buffers.items()}
+        return self.augment_rng.bit_generator.state, buffers
+
+    def _roll_back(self, undo: tuple[dict[str, Any], dict[tuple[int, str], np.ndarray]]) -> None:
+        state, buffers = undo
+        self.augment_rng.bit_generator.state = state
+        for (i, name), a in buffers.items():
+            self.net.layers[i].buffers[name] = self.net.backend.asarray(a)
+
+    def _write_cluster_events(self) -> None:
+        """What happened to the cluster (workers lost or joined) into the metrics file."""
+        if self.cluster is None:
+            return
+        for e in self.cluster.pop_events():
+            self.metrics.write(e["event"], **{k: v for k, v in e.items() if k != "event"})
+
+    # ---- signals --------------------------------------------------------------------
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        """Ctrl-C and SIGTERM raise :class:`Stopped` while training (held during an update). Only in the
+        main thread, and only where nobody else handles them (the defaults are in place)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+        previous = {s: signal.getsignal(s) for s in defaults}
+        mine = [s for s in defaults if previous[s] is defaults[s]]
+        for s in mine:
+            signal.signal(s, self._on_signal)
+        try:
+            yield
+        finally:
+            for s in mine:
+                signal.signal(s, previous[s])
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._holding:
+            self._pending = self._pending or signum
+            return
+        raise Stopped(signum)
+
+    @contextmanager
+    def _held_signals(self, raise_pending: bool = True) -> Iterator[None]:
+        """Run the block whole: a signal that comes meanwhile is raised at its end (if ``raise_pending``)."""
+        outer, self._holding = self._holding, True
+        try:
+            yield
+        finally:
+            self._holding = outer
+        if not outer and self._pending is not None:
+            signum, self._pending = self._pending, None
+            if raise_pending:
+                raise Stopped(signum)
 
     # ---- evaluation -------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -124,7 +248,19 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train until ``epochs`` or ``max_steps``; evaluate each epoch; return the summary."""
+        """Train until ``epochs`` or ``max_steps``; evaluate each epoch; return the summary.
+
+        However training ends -- an exception, Ctrl-C, SIGTERM (raised as :class:`Stopped`) -- the
+        last whole step is checkpointed (with ``checkpoint``) and the exception goes on."""
+        self._saved_at = time.monotonic()
+        with self._signals():
+            try:
+                return self._fit()
+            except BaseException:
+                self._on_the_way_out()
+                raise
+
+    def _fit(self) -> dict[str, Any]:
         n_epochs = -(-self.total_steps // self.steps_per_epoch)
         epochs_bar = tqdm(
             total=n_epochs, initial=self.epoch, desc="epochs", unit="epoch", disable=not self.cfg.progress
@@ -139,6 +275,16 @@ class Trainer:
         summary = self.summary()
         self.metrics.write("summary", **summary)
         return summary
+
+    def _on_the_way_out(self) -> None:
+        """Training ends by an exception: record the cluster's last events, checkpoint the last whole step."""
+        with self._held_signals(raise_pending=False):  # a second Ctrl-C does not cut the checkpoint short
+            try:
+                self._write_cluster_events()
+            except Exception:  # the metrics file may be what failed; the checkpoint matters more
+                pass
+            if self.cfg.checkpoint and self._whole:
+                self.save(self.cfg.checkpoint)
 
     def _train_epoch(self, n_epochs: int) -> tuple[list[float], list[float]]:
         """The steps of the epoch in course, from where it stands to its end or to ``total_steps``."""
@@ -156,23 +302,32 @@ class Trainer:
         )
         for b in bar:
             idx = order[b * bs : (b + 1) * bs]
-            loss, acc, rec = self.train_step(x[idx], y[idx])
+            loss, acc = self._step(x[idx], y[idx], b)
             losses.append(loss)
             accs.append(acc)
-            self.step_times.append(rec["time_s"])
-            self.step_splits.append(rec)
-            self.metrics.write("step", epoch=self.epoch + 1, step=self.step + 1, loss=loss, acc=acc, **rec)
-            self.step += 1
-            self.batch_in_epoch = b + 1
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{rec['lr']:.3g}")
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.opt.lr:.3g}")
+            if self._checkpoint_due():
+                self._save_held()
         bar.close()
         return losses, accs
+
+    def _checkpoint_due(self) -> bool:
+        """A step checkpoint (``checkpoint_every``, ``checkpoint_minutes``) is due; not at an epoch's
+        end or the last step, whose checkpoint follows the evaluation."""
+        cfg = self.cfg
+        if not cfg.checkpoint or self.batch_in_epoch == self.steps_per_epoch or self.step == self.total_steps:
+            return False
+        every = cfg.checkpoint_every is not None and self.step % cfg.checkpoint_every == 0
+        late = cfg.checkpoint_minutes is not None and time.monotonic() - self._saved_at >= 60 * cfg.checkpoint_minutes
+        return every or late
+
+    def _save_held(self) -> None:
+        with self._held_signals():
+            self.save(self.cfg.checkpoint)
 
     def _end_epoch(self, losses: list[float], accs: list[float], train_s: float) -> dict[str, Any]:
         """Evaluate, record and report the epoch (or the part of it that ran); checkpoint."""
         finished = self.batch_in_epoch == self.steps_per_epoch
-        if finished:  # the next epoch starts from a fresh shuffle
-            self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
         t_eval = time.perf_counter()
         test_loss, test_acc = self.evaluate(self.data.x_test, self.data.y_test)
         record = {
@@ -186,22 +341,25 @@ class Trainer:
             "time_s": train_s,
             "eval_s": time.perf_counter() - t_eval,
         }
-        self.history.append(record)
-        self.metrics.write("epoch", **record)
+        with self._held_signals():  # the epoch is done: recorded, counted and checkpointed at once
+            self.history.append(record)
+            self.metrics.write("epoch", **record)
+            if finished:  # the next epoch starts from a fresh shuffle
+                self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
+                self.epoch += 1
+                self.batch_in_epoch = 0
+            if self.cfg.checkpoint:
+                self.save(self.cfg.checkpoint)
         train_loss = record["train_loss"] if losses else float("nan")
         tqdm.write(
             f"epoch {record['epoch']}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
             f"test acc {test_acc:.2%}  ({train_s:.1f} s train, {record['eval_s']:.1f} s eval)"
         )
-        if finished:
-            self.epoch += 1
-            self.batch_in_epoch = 0
-        if self.cfg.checkpoint:
-            self.save(self.cfg.checkpoint)
         return record
 
     # ---- checkpoints ----------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> int:
+        """Checkpoint the trainer as it stands (between steps) at ``path``; returns its size in bytes."""
         meta = {
             "step": self.step,
             "epoch": self.epoch,
@@ -211,28 +369,68 @@ class Trainer:
             "model_config": self.net.config,
             "train_config": asdict(self.cfg),
             "history": self.history,
+            "plan": self._plan(),
         }
-        save_checkpoint(path, self.net.state_dict(), self.opt.state_dict(), meta)
+        size = save_checkpoint(path, self.net.state_dict(), self.opt.state_dict(), meta)
+        self.saved = (self.step, str(path))
+        self._saved_at = time.monotonic()
+        return size
 
-    def resume(self, path: str | Path) -> None:
-        """Restore everything ``save`` wrote; training then continues exactly as if never stopped."""
-        model, optim, meta = load_checkpoint(path)
-        if meta["model_config"]["arch"] != self.net.config["arch"] or (
-            meta["model_config"]["norm"] != self.net.config["norm"]
-        ):
-            saved, here = meta["model_config"], self.net.config
+    def _plan(self) -> dict[str, Any] | None:
+        """The cluster's split: kernels (and input channels) per participant, per layer."""
+        c = self.cluster
+        if c is None:
+            return None
+        counts = {k: [int(n) for n in v] for k, v in c.counts.items()}
+        channels = {k: [int(n) for n in v] for k, v in c.channel_counts.items()}
+        return {"participants": list(c.participants), "counts": counts, "channel_counts": channels}
+
+    def resume(self, source: str | Path | Checkpoint) -> str | None:
+        """Restore everything ``save`` wrote; training then continues exactly as if never stopped.
+
+        ``source``: a checkpoint's path, or one :func:`~tinyconv.checkpoint.read_checkpoint` read.
+        Returns a line about the split, when distributed: taken up (same participants, sets
+        ``plan_restored``) or not (other participants: the cluster keeps its own)."""
+        ck = source if isinstance(source, Checkpoint) else read_checkpoint(source)
+        meta = ck.meta
+        check_compatible(meta, self.net.config, self.cfg.batch_size, ck.path)
+        if meta["batch_in_epoch"] > self.steps_per_epoch:
             raise ValueError(
-                f"checkpoint {path} is for {saved['arch']} with {saved['norm']} norm, this run builds "
-                f"{here['arch']} with {here['norm']}: use the same --arch/--norm to resume"
+                f"checkpoint {ck.path} stopped after batch {meta['batch_in_epoch']} of an epoch, but this "
+                f"run's epochs have {self.steps_per_epoch}: was it trained on another dataset?"
             )
-        self.net.load_state_dict(model)
-        self.opt.load_state_dict(optim)
+        self.net.load_state_dict(ck.model)
+        self._check_optimizer_state(ck)
+        self.opt.load_state_dict(ck.optim)
         self.step = meta["step"]
         self.epoch = meta["epoch"]
         self.batch_in_epoch = meta["batch_in_epoch"]
         self.epoch_shuffle_state = meta["epoch_shuffle_state"]
         self.augment_rng.bit_generator.state = meta["augment_state"]
         self.history = meta.get("history", [])
+        return self._restore_plan(meta.get("plan"))
+
+    def _check_optimizer_state(self, ck: Checkpoint) -> None:
+        for key, layer, name in self.net.named_params():
+            v = ck.optim.get(key)
+            if v is None or tuple(v.shape) != tuple(layer.params[name].shape):
+                got = "nothing" if v is None else f"shape {tuple(v.shape)}"
+                raise ValueError(f"checkpoint {ck.path} has {got} for the momentum of {key}: it is damaged")
+
+    def _restore_plan(self, plan: dict[str, Any] | None) -> str | None:
+        c = self.cluster
+        if c is None or plan is None:
+            return None
+        if plan["participants"] != c.participants:
+            return (
+                f"the checkpoint's split is for {', '.join(plan['participants'])}, this run has "
+                f"{', '.join(c.participants)}: keeping this run's split"
+            )
+        for layer, counts in plan["counts"].items():
+            c.set_plan(layer, counts, plan["channel_counts"].get(layer))
+        self.plan_restored = True
+        shares = "; ".join(f"{layer}: {counts}" for layer, counts in plan["counts"].items())
+        return f"the checkpoint's split restored ({', '.join(c.participants)}): {shares or 'equal'}"
 
     # ---- reporting --------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -249,18 +447,23 @@ class Trainer:
             "median_step_s": float(np.median(self.step_times)) if self.step_times else None,
         }
         if self.cluster is not None and self.step_splits:
-            for k in ("comm_s", "conv_s", "comp_s"):
-                out[f"median_{k}"] = float(np.median([s[k] for s in self.step_splits]))
-            out["bytes_sent"] = int(sum(s["bytes_sent"] for s in self.step_splits))
-            out["bytes_recv"] = int(sum(s["bytes_recv"] for s in self.step_splits))
-            # each participant's, by name: the master's are 0 (it keeps its share)
-            names = self.step_splits[-1]["participants"]
-            for key in ("bytes_sent", "bytes_recv"):
-                per = np.sum([s[f"participant_{key}"] for s in self.step_splits], axis=0)
-                out[f"participant_{key}"] = {name: int(b) for name, b in zip(names, per, strict=True)}
-            out["final_shares"] = self.step_splits[-1]["shares"]
-            if self.step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
-                out["final_channel_shares"] = self.step_splits[-1]["channel_shares"]
+            out.update(self._distributed_summary())
+        return out
+
+    def _distributed_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k in ("comm_s", "conv_s", "comp_s"):
+            out[f"median_{k}"] = float(np.median([s[k] for s in self.step_splits]))
+        out["bytes_sent"] = int(sum(s["bytes_sent"] for s in self.step_splits))
+        out["bytes_recv"] = int(sum(s["bytes_recv"] for s in self.step_splits))
+        # each participant's, by name: the master's are 0 (it keeps its share)
+        names = self.step_splits[-1]["participants"]
+        for key in ("bytes_sent", "bytes_recv"):
+            per = np.sum([s[f"participant_{key}"] for s in self.step_splits], axis=0)
+            out[f"participant_{key}"] = {name: int(b) for name, b in zip(names, per, strict=True)}
+        out["final_shares"] = self.step_splits[-1]["shares"]
+        if self.step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
+            out["final_channel_shares"] = self.step_splits[-1]["channel_shares"]
         return out
 
 
@@ -278,3 +481,55 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def _shares_text(shares: dict[str, Any]) -> str:
     return "; ".join(f"{layer}: {counts}" for layer, counts in shares.items())
+
+
+# ---- memory ----------------------------------------------------------------------------
+def step_memory_bytes(
+    conv1: int, conv2: int, batch_size: int, norm: str = "lrn", pool_kernel: int = 3, columns: bool = True,
+    image_size: int = 32, num_classes: int = 10,
+) -> int:  # fmt: skip
+    """An estimate of a training step's peak memory for the paper's network, in bytes (float32).
+
+    The parameters three times (weights, grads, momentum); the input and each layer's output for
+    the batch, kept for the backward (LRN and batch norm keep a second map of their size, max pool
+    its argmax); the largest of those twice more, as the gradients the backward holds at once;
+    and, with ``columns``, each convolution's im2col columns, twice for the one that computes dX
+    (the columns' gradient).
+    """
+    n, size, c_in = batch_size, image_size, 3
+    pool_pad = 1 if pool_kernel == 3 else 0
+    params = cols = 0
+    maps = [n * c_in * size * size]
+    for i, c in enumerate((conv1, conv2)):
+        params += c * c_in * 25 + c
+        if columns:
+            cols += (2 if i > 0 else 1) * n * size * size * c_in * 25
+        out = n * c * size * size
+        maps += [out, out] + ([out, out] if norm != "none" else [])  # conv, ReLU, norm and its cache
+        size = (size + 2 * pool_pad - pool_kernel) // 2 + 1
+        maps += [n * c * size * size] * 2  # max pool and its argmax
+        c_in = c
+    params += conv2 * size * size * num_classes + num_classes
+    return 4 * (3 * params + cols + sum(maps) + 2 * max(maps))
+
+
+def available_memory_bytes() -> int | None:
+    """The memory this machine can give a new allocation without swapping (Linux's MemAvailable), or
+    None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
