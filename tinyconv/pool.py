@@ -19,9 +19,12 @@ orphans, no ports left bound.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -36,6 +39,7 @@ from transports.zmq_master import connect_hint
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"
 LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this process starts
+WATCH_S = 0.05  # how often the master looks at its local worker processes while it waits for hellos
 
 
 def distribute(
@@ -132,7 +136,9 @@ def worker_pool(
         elif transport != "inproc":
             extra = (["--device", worker_device] if worker_device else []) + ["--timeout", str(peer_timeout)]
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
-            procs = spawn_local_workers(n_workers, connect, worker_backend, extra, worker_threads)
+            procs = spawn_local_workers(
+                n_workers, connect, worker_backend, extra, worker_threads, stderr=subprocess.PIPE
+            )
         yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
@@ -145,15 +151,90 @@ def worker_pool(
 def _handshake(
     pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], command: str
 ) -> list[WorkerInfo]:
-    """Every worker's hello; a timeout says why, if a local worker died, or how a worker joins."""
+    """Every worker's hello; a timeout says how a worker joins. With local worker processes, one that
+    exits ends the wait at once, with its exit code and the last lines it wrote to stderr."""
+    if not procs:
+        try:
+            return pool.start(n, timeout=timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; a worker joins with: {command}" if command else str(e)) from e
+    tails = [_StderrTail(p) for p in procs]
     try:
-        return pool.start(n, timeout=timeout)
-    except TimeoutError as e:
-        dead = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
-        if dead:  # say why, rather than only that they were not heard from
-            codes = ", ".join(f"process {i} exited with code {code}" for i, code in dead)
-            raise TimeoutError(f"{e}; local workers died before saying hello ({codes}; see their message above)") from e
-        raise TimeoutError(f"{e}; a worker joins with: {command}" if command else str(e)) from e
+        infos = _watched_start(pool, n, timeout, procs, tails)
+    except TimeoutError:
+        for t in tails:  # what the living ones said may explain it
+            t.release()
+        raise
+    for t in tails:  # from now on, what the workers say goes to the master's stderr as they say it
+        t.release()
+    return infos
+
+
+def _watched_start(
+    pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], tails: list[_StderrTail]
+) -> list[WorkerInfo]:
+    """``pool.start`` in a thread (a transport's start cannot be cut in slices), while this one polls
+    the local processes: the first that exits raises RuntimeError with its exit code and stderr."""
+    outcome: dict[str, object] = {}
+
+    def start() -> None:
+        try:
+            outcome["infos"] = pool.start(n, timeout=timeout)
+        except BaseException as e:  # handed over to the caller's thread
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=start, name="tinyconv-hellos", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(WATCH_S)
+        dead = next((i for i, p in enumerate(procs) if p.poll() is not None), None)
+        if dead is not None and waiter.is_alive():
+            raise RuntimeError(_death_notice(dead, procs[dead].returncode, tails[dead].last()))
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["infos"]  # type: ignore[return-value]
+
+
+def _death_notice(i: int, code: int, last: list[str]) -> str:
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    said = ": " + " | ".join(last) if last else " without a word on stderr"
+    return f"local worker {i} died before saying hello ({how}){said}"
+
+
+class _StderrTail:
+    """Reads a local worker's stderr (a pipe) in a thread: keeps its last lines for an error message,
+    and holds what it writes until :meth:`release`, then echoes it, and all that follows, to ours."""
+
+    def __init__(self, proc: subprocess.Popen, keep: int = 200) -> None:
+        self._lines: deque[str] = deque(maxlen=keep)
+        self._held: list[str] = []
+        self._live = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(proc.stderr,), name="tinyconv-stderr", daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace")
+                with self._lock:
+                    self._lines.append(line.rstrip())
+                    if self._live:
+                        sys.stderr.write(line)
+                    else:
+                        self._held.append(line)
+
+    def release(self) -> None:
+        with self._lock:
+            self._live = True
+            held, self._held = self._held, []
+            sys.stderr.writelines(held)
+
+    def last(self, n: int = 5, wait: float = 2.0) -> list[str]:
+        """The last ``n`` non-blank lines, once the stream has ended (waiting up to ``wait`` s for it)."""
+        self._thread.join(wait)
+        with self._lock:
+            return [line.strip() for line in self._lines if line.strip()][-n:]
 
 
 def spawn_local_workers(
@@ -163,12 +244,14 @@ def spawn_local_workers(
     extra_args: Sequence[str] = (),
     threads: int | None = None,
     quiet: bool = True,
+    stderr: int | None = None,
 ) -> list[subprocess.Popen]:
     """Start ``n`` worker processes on this machine that connect to ``connect``.
 
     They stay in this process's group, so a Ctrl-C reaches them too; and each exits on
     its own within its ``--timeout`` if this process dies. Stop them with
-    :func:`stop_workers` after closing the transport.
+    :func:`stop_workers` after closing the transport. ``stderr``: theirs (default: this
+    process's; ``subprocess.PIPE`` for a pipe that the caller must read).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -178,7 +261,7 @@ def spawn_local_workers(
     if quiet:
         cmd.append("--quiet")
     cmd += list(extra_args)
-    return [subprocess.Popen(cmd) for _ in range(n)]
+    return [subprocess.Popen(cmd, stderr=stderr) for _ in range(n)]
 
 
 def stop_workers(procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> list[int]:
