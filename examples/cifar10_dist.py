@@ -4,17 +4,29 @@
     python examples/cifar10_dist.py --transport zmq --backend opencl        # the main job
     python examples/cifar10_dist.py --dataset synthetic --steps 50          # a 30-second smoke run
     python examples/cifar10_dist.py --workers 0                             # the master alone
+    python examples/cifar10_dist.py --checkpoint run.npz --checkpoint-every 200    # then, after a stop:
+    python examples/cifar10_dist.py --checkpoint run.npz --resume run.npz          # bit-identical
+    python examples/cifar10_dist.py --plan equal --seed 1                   # the same losses on every run
 
 Reproduces Marques, Falcao & Alexandre, "Distributed learning of CNNs on
 heterogeneous CPU/GPU architectures": the master trains every layer but the
 convolutions, whose kernels are shared among workers in proportion to their speed.
+
+Nothing is lost on the way out: with --checkpoint, an error, Ctrl-C (exit 130) or SIGTERM
+(exit 143) checkpoints the last whole step before the run ends. A bad option is one line on
+stderr and exit 2, before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import platform
+import signal
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # runnable from a source checkout without installing
@@ -23,23 +35,85 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
+from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint  # noqa: E402
 from tinyconv.cifar10 import DataError  # noqa: E402
 from tinyconv.data import load_dataset  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
-from tinyconv.plugins import available_backends, available_transports  # noqa: E402
+from tinyconv.plugins import available_backends, available_transports, load  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
-from tinyconv.trainer import TrainConfig, Trainer, summary_table  # noqa: E402
+from tinyconv.trainer import (  # noqa: E402
+    TrainConfig,
+    Trainer,
+    available_memory_bytes,
+    format_bytes,
+    step_memory_bytes,
+    summary_table,
+)
+
+PLANS = ("adaptive", "fixed", "equal")
+ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)
 
 
+class UsageError(Exception):
+    """A bad command line: one line on stderr, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own complaints, in one line too
+        raise UsageError(f"{message} (see --help)")
+
+
+# ---- option types: a bad value is argparse's one-line error -----------------------------------------
+def count(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        return value
+
+    return parse
+
+
+def number(low: float, high: float = math.inf, low_open: bool = False, what: str = "") -> Callable[[str], float]:
+    """A finite float in [low, high) (or (low, high) with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g})" if high < math.inf else None
+            bound = f"in {interval}" if interval else f"{'>' if low_open else '>='} {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {what or 'a number'} {bound}, got {text}")
+        return value
+
+    return parse
+
+
+POSITIVE = number(0, low_open=True)
+NON_NEGATIVE = number(0)
+
+
+# ---- the command line ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    for add in (_network, _compute, _workers, _split, _training, _data, _output):
+        add(p)
+    return p
+
+
+def _network(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network")
     g.add_argument(
         "--arch",
@@ -47,13 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"kernel counts C1:C2 of the two conv layers; the paper's are {', '.join(PAPER_ARCHS)} "
         "(default %(default)s)",
     )
-    g.add_argument("--conv1", type=int, help="kernels of conv layer 1 (overrides --arch)")
-    g.add_argument("--conv2", type=int, help="kernels of conv layer 2 (overrides --arch)")
+    g.add_argument("--conv1", type=count(1), help="kernels of conv layer 1 (overrides --arch)")
+    g.add_argument("--conv2", type=count(1), help="kernels of conv layer 2 (overrides --arch)")
     g.add_argument(
-        "--norm",
-        choices=NORMS,
-        default="lrn",
-        help="normalisation after each conv (default %(default)s, as the paper)",
+        "--norm", choices=NORMS, default="lrn", help="normalisation after each conv (default %(default)s, as the paper)"
     )
     g.add_argument(
         "--pool",
@@ -63,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="max-pool window: 3 (3x3 stride 2, overlapping) or 2 (2x2 stride 2)",
     )
 
+
+def _compute(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("compute")
     g.add_argument(
         "--backend",
@@ -72,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--device",
         help="OpenCL device: PLATFORM:DEVICE index or a name substring "
-        "(default $TINYCONV_OPENCL_DEVICE, else the first GPU)",
+        "(default $TINYCONV_OPENCL_DEVICE, else the first GPU); only for a backend with devices",
     )
 
+
+def _workers(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distribution (the paper's technique: conv kernels split across workers)")
     g.add_argument(
         "--transport",
@@ -82,14 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"how the master reaches its workers: {', '.join(available_transports())} (default %(default)s)",
     )
     g.add_argument(
-        "--workers",
-        type=int,
-        default=2,
-        help="workers (default %(default)s; 0: the master alone, the baseline)",
+        "--workers", type=count(0), default=2, help="workers (default %(default)s; 0: the master alone, the baseline)"
     )
     g.add_argument("--worker-backend", help="the workers' backend, may differ from the master's (default: --backend)")
     g.add_argument("--worker-device", help="the workers' OpenCL device (default: their own first GPU/device)")
-    g.add_argument("--worker-threads", type=int, help="BLAS/OpenMP threads per local worker process")
+    g.add_argument("--worker-threads", type=count(1), help="BLAS/OpenMP threads per local worker process")
     g.add_argument(
         "--bind",
         help="zmq: the master's address (default tcp://127.0.0.1:<free port> for local workers, "
@@ -101,20 +173,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="zmq: don't start workers here; print the command to run on each worker machine and wait for them",
     )
     g.add_argument(
+        "--start-timeout",
+        type=POSITIVE,
+        help="seconds to wait for every worker's hello (default 60; 600 with --external-workers); a local "
+        "worker that fails ends the wait at once, with its own message",
+    )
+
+
+def _split(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the split")
+    g.add_argument(
         "--master-share",
         choices=("auto", "0"),
         default="auto",
         help="auto: the master computes a share of kernels too, by its speed; 0: it only coordinates",
     )
     g.add_argument(
+        "--plan",
+        choices=PLANS,
+        default="adaptive",
+        help="adaptive: split by the calibrated speeds, then rebalanced as the step times say (with --rebalance); "
+        "fixed: split by the calibrated speeds, never rebalanced, and on --resume the checkpoint's split (same "
+        "participants only); equal: an equal split, never rebalanced -- the same on every run, so the same seed "
+        "gives bit-identical losses (default %(default)s)",
+    )
+    g.add_argument(
         "--rebalance",
         choices=("on", "off"),
-        default="on",
-        help="re-split kernels from measured step times when a worker lags (default %(default)s)",
+        help="re-split kernels from measured step times when a worker lags (default on with --plan adaptive; "
+        "a fixed or equal plan never rebalances)",
     )
     g.add_argument(
         "--rebalance-threshold",
-        type=float,
+        type=POSITIVE,
         default=0.10,
         help="rebalance when the slowest participant lags the mean finish time by more than this fraction for "
         "3 steps in a row (default %(default)s; lower follows small imbalances, higher ignores more noise)",
@@ -137,33 +228,35 @@ def build_parser() -> argparse.ArgumentParser:
         "where the tails run; its channels' dX and dW): nothing done twice, more bytes; "
         "auto = channels with at most 2 workers, all on this machine, else kernels (default %(default)s)",
     )
-    g.add_argument(
-        "--start-timeout",
-        type=float,
-        help="seconds to wait for every worker's hello (default 60; 600 with --external-workers)",
-    )
 
+
+def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=10, help="epochs (default %(default)s)")
-    g.add_argument("--steps", type=int, help="stop after N steps in total, then evaluate (smoke runs, quick checks)")
-    g.add_argument("--batch-size", type=int, default=64, help="default %(default)s")
+    g.add_argument("--epochs", type=count(1), default=10, help="epochs (default %(default)s)")
     g.add_argument(
-        "--lr",
-        type=float,
-        default=0.01,
-        help="peak learning rate (default %(default)s; much higher diverges early)",
+        "--steps", type=count(1), help="stop after N steps in total, then evaluate (smoke runs, quick checks)"
     )
-    g.add_argument("--momentum", type=float, default=0.9, help="default %(default)s")
-    g.add_argument("--weight-decay", type=float, default=5e-4, help="on conv and linear weights (default %(default)s)")
+    g.add_argument("--batch-size", type=count(1), default=64, help="default %(default)s")
+    g.add_argument(
+        "--lr", type=POSITIVE, default=0.01, help="peak learning rate (default %(default)s; much higher diverges early)"
+    )
+    g.add_argument(
+        "--momentum", type=number(0, 1, what="a fraction"), default=0.9, help="in [0, 1) (default %(default)s)"
+    )
+    g.add_argument(
+        "--weight-decay", type=NON_NEGATIVE, default=5e-4, help="on conv and linear weights (default %(default)s)"
+    )
     g.add_argument(
         "--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (default %(default)s)"
     )
     g.add_argument(
-        "--warmup-epochs", type=float, default=1.0, help="linear warm-up from 0 to --lr (default %(default)s)"
+        "--warmup-epochs", type=NON_NEGATIVE, default=1.0, help="linear warm-up from 0 to --lr (default %(default)s)"
     )
     g.add_argument("--no-augment", action="store_true", help="no random crop / horizontal flip")
     g.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffle and the augmentation")
 
+
+def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="default %(default)s")
     g.add_argument(
@@ -172,14 +265,123 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-download", action="store_true", help="fail instead of downloading CIFAR-10 when missing")
 
+
+def _output(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--metrics-out", help="write JSON-lines metrics (run, step, epoch, summary events) here")
-    g.add_argument("--checkpoint", help="save a checkpoint here at each epoch end and at the stop")
-    g.add_argument("--resume", help="resume bit-identically from this checkpoint")
+    g.add_argument(
+        "--metrics-out",
+        help="write JSON-lines metrics (run, step, epoch, summary events) here; with --resume, appended to, "
+        "without the steps the checkpoint does not have",
+    )
+    g.add_argument(
+        "--checkpoint",
+        help="save a checkpoint here (atomically) at each epoch end, at the stop, and on the way out: an error, "
+        "Ctrl-C or SIGTERM saves the last whole step",
+    )
+    g.add_argument("--checkpoint-every", type=count(1), metavar="N", help="also save the checkpoint every N steps")
+    g.add_argument(
+        "--checkpoint-minutes",
+        type=POSITIVE,
+        metavar="M",
+        help="also save the checkpoint when M minutes have passed since the last one",
+    )
+    g.add_argument(
+        "--resume",
+        help="resume bit-identically from this checkpoint (same --arch, --norm, --pool and --batch-size)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
 
 
+# ---- checks before any work ------------------------------------------------------------------------------
+def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | None]:
+    """Everything that can be refused before data, workers or training: -> (kernels, the checkpoint to resume)."""
+    check_plan(args)
+    kernels = architecture(args)
+    check_memory(args, *kernels)
+    check_devices(args)
+    check_writable(args.metrics_out, "--metrics-out")
+    check_writable(args.checkpoint, "--checkpoint")
+    if (args.checkpoint_every or args.checkpoint_minutes) and not args.checkpoint:
+        raise UsageError("--checkpoint-every and --checkpoint-minutes need --checkpoint FILE to save to")
+    return kernels, check_resume(args, *kernels)
+
+
+def check_plan(args: argparse.Namespace) -> None:
+    """--plan fixed or equal never rebalances; --rebalance becomes on or off."""
+    pinned = args.plan != "adaptive"
+    if pinned and args.rebalance == "on":
+        raise UsageError(f"--rebalance on contradicts --plan {args.plan}, whose split never changes: drop one of them")
+    args.rebalance = "off" if pinned else (args.rebalance or "on")
+
+
+def architecture(args: argparse.Namespace) -> tuple[int, int]:
+    c1, c2 = parse_arch(args.arch)
+    return args.conv1 or c1, args.conv2 or c2
+
+
+def check_memory(args: argparse.Namespace, c1: int, c2: int) -> None:
+    """Refuse a network whose training step cannot fit in this machine's memory."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    columns = not (args.external_workers and args.master_share == "0")  # else workers elsewhere build them
+    need = step_memory_bytes(c1, c2, args.batch_size, args.norm, args.pool, columns=columns)
+    if need > available:
+        raise UsageError(
+            f"--arch {c1}:{c2} with --batch-size {args.batch_size} needs about {format_bytes(need)} for a training "
+            f"step (im2col columns, activations and their gradients, parameters), but this machine has "
+            f"{format_bytes(available)} available: use a smaller --arch or --batch-size"
+        )
+
+
+def has_devices(backend: str) -> bool:
+    """Whether a backend lets one choose its device (its constructor takes ``device``)."""
+    return "device" in inspect.signature(load("backend", backend)).parameters
+
+
+def check_devices(args: argparse.Namespace) -> None:
+    options = [("--device", args.device, args.backend)]
+    if args.workers and not args.external_workers:  # external workers' backends live on their machines
+        options.append(("--worker-device", args.worker_device, args.worker_backend or args.backend))
+    for option, device, backend in options:
+        if device and not has_devices(backend):
+            raise UsageError(
+                f"{option} {device}: the {backend} backend has no devices to choose from; drop {option} or use "
+                f"a backend that has some ({', '.join(b for b in available_backends() if b != backend)})"
+            )
+
+
+def check_writable(path: str | None, option: str) -> None:
+    """Refuse an output path that cannot be written: probe its nearest existing folder with a nameless
+    temporary file, and an existing file by opening it to append (which changes nothing)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option} {path} is a folder: give a file name")
+    folder = next(f for f in [p.parent, *p.parent.parents] if f.exists() or f == f.parent)
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path} cannot be written: {folder} is a file, not a folder")
+    try:
+        if p.exists():
+            open(p, "ab").close()
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"{option} {path} cannot be written: {e.strerror or e} (in {folder})") from None
+
+
+def check_resume(args: argparse.Namespace, c1: int, c2: int) -> Checkpoint | None:
+    """The checkpoint to resume from, read whole and checked against this run's options."""
+    if not args.resume:
+        return None
+    checkpoint = read_checkpoint(args.resume)
+    here = {"arch": f"{c1}:{c2}", "norm": args.norm, "pool_kernel": args.pool}
+    check_compatible(checkpoint.meta, here, args.batch_size, args.resume)
+    return checkpoint
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         epochs=args.epochs,
@@ -193,6 +395,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         augment=not args.no_augment,
         seed=args.seed,
         checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_minutes=args.checkpoint_minutes,
         progress=not args.no_progress,
     )
 
@@ -240,60 +444,103 @@ def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str]
     )
 
 
-def train(args: argparse.Namespace, argv: list[str] | None, net, backend, data, metrics) -> dict:
-    """Start the workers, calibrate, train; the workers stop whatever happens."""
-    cluster = start_cluster(args, net)
+def split_layers(args: argparse.Namespace, cluster: tc.Cluster, trainer: Trainer) -> None:
+    """Split each layer: by the calibrated speeds, or equally (--plan equal)."""
+    if args.plan == "equal":
+        print(f"equal shares ({', '.join(cluster.participants)}), pinned by --plan equal")
+        return
+    calibration = cluster.calibrate(trainer.net, args.batch_size)
+    trainer.metrics.write("calibration", **calibration)
+    channels = calibration["channel_shares"]
+    print(
+        f"calibrated shares ({', '.join(cluster.participants)}): kernels {calibration['shares']}"
+        + (f", input channels {channels}" if channels else "")
+    )
+
+
+def resume(args: argparse.Namespace, trainer: Trainer, checkpoint: Checkpoint) -> None:
+    """Take up the checkpoint; a pinned plan (fixed, equal) insists on the checkpoint's split."""
+    note = trainer.resume(checkpoint)
+    pinned = args.plan != "adaptive" and trainer.cluster is not None and checkpoint.meta.get("plan") is not None
+    if pinned and not trainer.plan_restored:
+        raise ValueError(
+            f"{note}; --plan {args.plan} resumes only with its split: use the same workers or --plan adaptive"
+        )
+    print(f"resumed from {checkpoint.path} at step {trainer.step}" + (f"; {note}" if note else ""))
+
+
+def train(args: argparse.Namespace, argv: list[str] | None, trainer: Trainer, backend, checkpoint) -> dict:
+    """Start the workers, split the layers, resume, train; the workers stop whatever happens."""
+    cluster = trainer.cluster = start_cluster(args, trainer.net)
     try:
-        record_run(metrics, args, argv, net, backend, cluster)
+        record_run(trainer.metrics, args, argv, trainer.net, backend, cluster)
         if cluster is not None:
-            calibration = cluster.calibrate(net, args.batch_size)
-            metrics.write("calibration", **calibration)
-            channels = calibration["channel_shares"]
-            print(
-                f"calibrated shares ({', '.join(cluster.participants)}): kernels {calibration['shares']}"
-                + (f", input channels {channels}" if channels else "")
-            )
-        trainer = Trainer(net, data, train_config(args), metrics, cluster=cluster)
-        if args.resume:
-            trainer.resume(args.resume)
-            print(f"resumed from {args.resume} at step {trainer.step}")
+            split_layers(args, cluster, trainer)
+        if checkpoint is not None:
+            resume(args, trainer, checkpoint)
         return trainer.fit()
     finally:
         if cluster is not None:
             cluster.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
+def run(args: argparse.Namespace, argv: list[str] | None, net, backend, data, checkpoint) -> int:
+    """Train and report; -> the exit code."""
+    resume_step = checkpoint.meta["step"] if checkpoint is not None else None
+    metrics = MetricsWriter(args.metrics_out, append=checkpoint is not None, resume_step=resume_step)
+    trainer = None
     try:
-        c1, c2 = parse_arch(args.arch)
-        backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
-        data = load_dataset(
-            args.dataset, data_dir=args.data_dir, download=not args.no_download, seed=args.seed,
-            progress=not args.no_progress,
-        )  # fmt: skip
-    except (DataError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    net = tc.paper_net((args.conv1 or c1, args.conv2 or c2), backend, args.norm, seed=args.seed, pool_kernel=args.pool)
-    metrics = MetricsWriter(args.metrics_out, append=bool(args.resume))
-    print(net)
-    print(f"{net.num_params():,} parameters; master: {backend.describe()['device']} ({args.backend})")
-    try:
-        summary = train(args, argv, net, backend, data, metrics)
-    except (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: workers stopped", file=sys.stderr)
-        return 130
+        trainer = Trainer(net, data, train_config(args), metrics)
+        summary = train(args, argv, trainer, backend, checkpoint)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as the trainer's Stopped
+        return stopped(getattr(e, "signum", signal.SIGINT), trainer)
+    except ERRORS as e:
+        return fail(e, trainer)
     finally:
         metrics.close()
     print(summary_table(summary))
     if args.metrics_out:
         print(f"metrics: {args.metrics_out}")
     return 0
+
+
+def fail(e: BaseException, trainer: Trainer | None = None) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    note_checkpoint(trainer)
+    return 2
+
+
+def stopped(signum: int, trainer: Trainer | None) -> int:
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"{what}: workers stopped", file=sys.stderr)
+    note_checkpoint(trainer)
+    return 128 + signum
+
+
+def note_checkpoint(trainer: Trainer | None) -> None:
+    if trainer is not None and trainer.saved is not None:
+        step, path = trainer.saved
+        print(f"last checkpoint: step {step} in {path}; continue with --resume {path}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        kernels, checkpoint = check_args(args)
+        keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
+        backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
+        data = load_dataset(
+            args.dataset, data_dir=args.data_dir, download=not args.no_download, seed=args.seed,
+            progress=not args.no_progress,
+        )  # fmt: skip
+    except (UsageError, DataError, *ERRORS) as e:
+        return fail(e)
+    except KeyboardInterrupt:
+        return stopped(signal.SIGINT, None)
+    net = tc.paper_net(kernels, backend, args.norm, seed=args.seed, pool_kernel=args.pool)
+    print(net)
+    print(f"{net.num_params():,} parameters; master: {backend.describe()['device']} ({args.backend})")
+    return run(args, argv, net, backend, data, checkpoint)
 
 
 if __name__ == "__main__":

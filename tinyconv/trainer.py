@@ -408,6 +408,8 @@ class Trainer:
         self.epoch_shuffle_state = meta["epoch_shuffle_state"]
         self.augment_rng.bit_generator.state = meta["augment_state"]
         self.history = meta.get("history", [])
+        if self.cluster is not None:  # its steps count on from the checkpoint's (task headers, events)
+            self.cluster.step = self.step
         return self._restore_plan(meta.get("plan"))
 
     def _check_optimizer_state(self, ck: Checkpoint) -> None:
