@@ -27,6 +27,7 @@ import numpy as np
 
 FORMAT = "tinyconv-checkpoint-2"  # parameters keyed by layer name ("conv1.w")
 TMP_SUFFIX = ".tmp"
+ZIP_MAGIC = b"PK\x03\x04"  # how an .npz (a zip archive) starts
 
 # meta fields a checkpoint must have, and their JSON types
 META_FIELDS: dict[str, type] = {
@@ -113,6 +114,13 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise FileNotFoundError(f"no checkpoint at {path}; check --resume, or train without it first")
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is empty, not a checkpoint: its save never finished; resume from another one")
+    with open(path, "rb") as f:
+        head = f.read(len(ZIP_MAGIC))
+    if head != ZIP_MAGIC:  # else numpy would try it as a pickle, and suggest loading it unsafely
+        raise ValueError(
+            f"{path} is not a readable tinyconv checkpoint: not an .npz archive (it starts with {head!r}); "
+            "was it written by tinyconv?"
+        )
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
