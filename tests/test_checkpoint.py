@@ -212,3 +212,13 @@ def test_another_run_is_named_option_by_option():
                     "--batch-size 32 there, 64 here"):  # fmt: skip
         assert differs in text
     assert "\n" not in text
+
+
+def test_a_checkpoint_gets_the_usual_file_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write(tmp_path / "c.npz")
+    finally:
+        os.umask(old)
+    if os.name == "posix":
+        assert path.stat().st_mode & 0o777 == 0o644  # as open() makes files: readable by others, like before

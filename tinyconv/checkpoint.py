@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,8 @@ def save_checkpoint(
     arrays = {f"model/{k}": v for k, v in model.items()}
     arrays.update({f"optim/{k}": v for k, v in optimizer.items()})
     arrays["meta"] = np.array(json.dumps({"format": FORMAT, **meta}))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)  # the umask's mode
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
