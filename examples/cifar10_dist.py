@@ -518,6 +518,8 @@ def stopped(signum: int, trainer: Trainer | None) -> int:
 
 
 def note_checkpoint(trainer: Trainer | None) -> None:
+    if trainer is not None and trainer.save_error is not None:
+        print(f"could not checkpoint the last step: {trainer.save_error}", file=sys.stderr)
     if trainer is not None and trainer.saved is not None:
         step, path = trainer.saved
         print(f"last checkpoint: step {step} in {path}; continue with --resume {path}", file=sys.stderr)

@@ -362,3 +362,12 @@ def test_step_memory_estimate():
     assert 300 < mib < 700  # measured: 559 MiB of peak RSS for a numpy step
     assert step_memory_bytes(50, 500, 128) > 1.9 * step_memory_bytes(50, 500, 64) * 0.99
     assert step_memory_bytes(50, 500, 64, columns=False) < step_memory_bytes(50, 500, 64)
+
+
+def test_a_failed_checkpoint_on_the_way_out_keeps_the_error_that_ended_training(numpy_backend, tiny_data, tmp_path):
+    t = _trainer(numpy_backend, tiny_data, epochs=1, checkpoint=str(tmp_path / "c.npz"))
+    _fail_in_step(t, 1, error=TimeoutError("worker 0 silent"))
+    t.save = lambda path: (_ for _ in ()).throw(OSError("No space left on device"))
+    with pytest.raises(TimeoutError, match="worker 0 silent"):
+        t.fit()
+    assert t.save_error == "OSError: No space left on device" and t.saved is None

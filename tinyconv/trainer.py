@@ -108,6 +108,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.step_splits: list[dict[str, Any]] = []
         self.saved: tuple[int, str] | None = None  # (step, path) of the last checkpoint written
+        self.save_error: str | None = None  # why the checkpoint on the way out failed
         self.plan_restored = False  # resume took up the checkpoint's split
         self._saved_at = time.monotonic()
         self._holding = False  # signals wait for the end of an update (see _held_signals)
@@ -284,7 +285,10 @@ class Trainer:
             except Exception:  # the metrics file may be what failed; the checkpoint matters more
                 pass
             if self.cfg.checkpoint and self._whole:
-                self.save(self.cfg.checkpoint)
+                try:
+                    self.save(self.cfg.checkpoint)
+                except Exception as e:  # the exception that ended training is the one to report
+                    self.save_error = f"{type(e).__name__}: {e}"
 
     def _train_epoch(self, n_epochs: int) -> tuple[list[float], list[float]]:
         """The steps of the epoch in course, from where it stands to its end or to ``total_steps``."""
