@@ -5,29 +5,39 @@ of their own: ``echo`` (its ``x`` comes back as ``y = 2 x + 1``), ``fail`` (the
 handler raises), ``slow`` (it computes for ``seconds``), ``bad_reply`` (the reply
 holds a numpy scalar), ``quiet`` (no reply). Anything else is answered by an error.
 
-    python tests/echo_worker.py CONNECT [--protocol N] [--heartbeat S] [--timeout S]
+    python tests/echo_worker.py CONNECT [--protocol N] [--heartbeat S] [--timeout S] [--connect-timeout S]
+        [--retry-for S] [--forever] [--secret-key FILE --server-key FILE]
 
-runs :func:`transports.zmq_worker.serve` with it and exits with serve's code.
+runs :func:`transports.zmq_worker.serve` with it (CURVE with the two key files) and
+exits with serve's code. The handler counts its hellos (``device["hellos"]``), so a
+test can tell that a worker said hello afresh to each new master.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from transports.base import Message
+from transports.curve import CurveClient
 from transports.wire import error_reply
 from transports.zmq_worker import serve
 
 PROTOCOL = 7  # the task protocol these tests speak
+TIMEOUT = 20.0  # the tests' generous upper bound for anything to happen; passing tests return long before
+HERE = Path(__file__).resolve().parent
 
 
 class EchoHandler:
@@ -35,12 +45,14 @@ class EchoHandler:
 
     def __init__(self, protocol: int = PROTOCOL) -> None:
         self.protocol = protocol
+        self.hellos = 0
 
     def hello(self) -> dict[str, Any]:
+        self.hellos += 1
         return {
             "protocol": self.protocol,
             "backend": "echo",
-            "device": {"name": "test device"},
+            "device": {"name": "test device", "hellos": self.hellos},
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
         }
@@ -62,6 +74,38 @@ class EchoHandler:
         return error_reply(msg, f"the echo handler does not handle {msg.kind!r}")
 
 
+def spawn(address: str, *args: str) -> subprocess.Popen:
+    """A real worker process: this file serving the echo handler at ``address`` (stderr captured)."""
+    path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "echo_worker.py"), address, *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+
+
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Kill what still runs (continuing a stopped one first) and wait for every process."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.communicate(timeout=TIMEOUT)
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = TIMEOUT, what: str = "the condition") -> Any:
+    """Poll ``condition`` until it returns something truthy, which is returned; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        pause.wait(0.01)
+
+
 def _log_line(line: str) -> None:
     print(f"echo worker: {line}", file=sys.stderr, flush=True)
 
@@ -75,16 +119,26 @@ def main() -> int:
     parser.add_argument("connect")
     parser.add_argument("--protocol", type=int, default=PROTOCOL)
     parser.add_argument("--heartbeat", type=float, default=1.0)
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--connect-timeout", type=float, default=20.0)
+    parser.add_argument("--retry-for", type=float, default=600.0)
+    parser.add_argument("--forever", action="store_true")
+    parser.add_argument("--secret-key", help="this worker's NAME.key_secret file")
+    parser.add_argument("--server-key", help="the master's public NAME.key file")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID prints every thread's stack
+    curve = CurveClient(args.secret_key, args.server_key) if args.secret_key else None
     return serve(
         args.connect,
         EchoHandler(args.protocol),
         heartbeat_s=args.heartbeat,
         peer_timeout_s=args.timeout,
-        welcome_timeout_s=20.0,
+        welcome_timeout_s=args.connect_timeout,
         log_line=_log_line,
+        curve=curve,
+        retry_for=args.retry_for,
+        forever=args.forever,
     )
 
 

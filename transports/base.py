@@ -11,10 +11,13 @@ Lifecycle, as the master sees it::
     workers = transport.start(n_workers, timeout)   # wait for every hello
     transport.send(k, msg)                          # a task to worker k
     k, reply = transport.recv(timeout)              # the next reply, from anyone
+    new = transport.joined()                        # workers that came since (never blocks)
     transport.close()                               # "train over": workers exit
 
 ``recv`` raises :class:`TimeoutError` when nothing arrives in time and
 :class:`WorkerLost` when a worker is known to be gone; nothing blocks forever.
+Workers may come and go: a lost index is never used again, and a worker that
+comes back, like any new one, is reported by ``joined`` under a new index.
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ class Handler(Protocol):
     transport's session kinds (``transports.wire.SESSION_KINDS``) -- with a reply
     message, or None for no reply. Transports turn an exception from ``handle``
     into an ``error`` reply, so a worker never dies of a bad task.
+
+    A worker may serve several masters in turn (its master went away and another
+    took its address, or the worker serves ``forever``): ``hello()`` is called once
+    for every new master, before any of that master's tasks, so a handler may drop
+    what it kept for the previous master there. Both methods are called from one
+    thread, one call at a time.
     """
 
     def hello(self) -> dict[str, Any]: ...
@@ -108,6 +117,15 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Tell every worker the training is over and release all resources. Idempotent."""
+
+    def joined(self) -> list[WorkerInfo]:
+        """Workers admitted since start() or the previous call, each under a new index; never blocks.
+
+        A transport whose workers cannot come late (the base class, in-process threads)
+        returns []. Messages from a worker reported here arrive through ``recv`` like
+        any other's.
+        """
+        return []
 
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Bytes (sent to, received from) each worker since start."""

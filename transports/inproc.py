@@ -130,6 +130,10 @@ class InprocTransport(Transport):
         self._traffic[i][1] += payload.nbytes()
         return i, payload
 
+    def joined(self) -> list[WorkerInfo]:
+        """Always []: in-process workers are the threads start() made, none comes later."""
+        return []
+
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Array bytes handed to and received from each worker (nothing is copied in-process)."""
         return {i: (s, r) for i, (s, r) in self._traffic.items()}

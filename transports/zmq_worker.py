@@ -1,286 +1,370 @@
 """ZeroMQ, the worker's side: a DEALER that connects to the master's ROUTER and serves a handler.
 
-:func:`serve` says hello (``handler.hello()``), waits for the welcome, then runs
-two threads: the calling thread is the *I/O loop*, the only one that touches the
-socket, and a compute thread runs ``handler.handle`` on one task at a time. So
-heartbeats keep flowing while a long task computes. Every message whose kind is
-not a session kind (:data:`transports.wire.SESSION_KINDS`) is a task for the
-handler; the session kinds are the transport's business. The worker exits
-cleanly on ``shutdown``, and with a one-line message when the master refuses it,
-never welcomes it, or goes silent.
+:func:`serve` looks for a master, serves it, and, when it is gone, looks again:
+
+* *Looking*: a fresh socket (a new identity, so nothing of an earlier master
+  carries over), ``handler.hello()`` once, then the hello again with exponential
+  backoff (0.5 s doubling to 10 s) and heartbeats meanwhile, so a master that is
+  not admitting yet keeps the worker's place, until a ``welcome``.
+* *Serving* (:mod:`transports.worker_loop`): the calling thread runs the I/O loop,
+  the only code that touches the socket, and a compute thread runs the handler, so
+  heartbeats keep flowing while a long task computes. Every message whose kind is
+  not a session kind (:data:`transports.wire.SESSION_KINDS`) is a task.
+* A master silent for ``peer_timeout_s`` is lost: the worker looks again for up to
+  ``retry_for`` seconds. After a ``shutdown`` it exits, or with ``forever`` looks for
+  the next master.
+
+With ``curve`` (:class:`transports.curve.CurveClient`) the socket authenticates with
+the worker's key and encrypts everything; a master that refuses the key, or a
+mismatch of keys on one side only, ends the worker with one line saying which.
 """
 
 from __future__ import annotations
 
-import queue
+import math
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transports import wire
 from transports.base import Handler, Message
+from transports.curve import CurveClient
 from transports.wakeup import Wakeup
+from transports.worker_loop import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    MASTER_LOST,
+    Compute,
+    Hello,
+    ServeLoop,
+)
 
-EXIT_OK = 0  # the master said shutdown
-EXIT_FAILED = 1  # refused, never welcomed, master gone, bad address
-EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM / the stop event
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "serve"]
 
-_DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
-_POLL_SLICE_S = 0.25  # while waiting for the welcome, how often to look at the stop event
+BACKOFF_FIRST_S = 0.5  # the first hello is repeated after this long without a welcome...
+BACKOFF_MAX_S = 10.0  # ... doubling up to this
+_POLL_SLICE_S = 0.25  # while looking, how often to look at the stop event
+_SHUTDOWN = -2  # internal: the master said shutdown before it welcomed this worker
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_WATCHED = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+@dataclass
+class _Setup:
+    connect: str
+    heartbeat_s: float
+    peer_timeout_s: float
+    max_bytes: int
+    stop: threading.Event | None
+    log_line: Callable[[str], None]
+    info: Callable[[str], None]
+    curve: CurveClient | None
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+
 def serve(
     connect: str,
     handler: Handler,
     heartbeat_s: float = 1.0,
-    peer_timeout_s: float = 10.0,
+    peer_timeout_s: float = 5.0,
     welcome_timeout_s: float = 60.0,
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
     stop: threading.Event | None = None,
     log_line: Callable[[str], None] = _stderr,
     quiet: bool = False,
+    *,
+    curve: CurveClient | None = None,
+    retry_for: float = 600.0,
+    forever: bool = False,
 ) -> int:
-    """Serve ``handler`` to the master at ``connect`` until it says shutdown; return an exit code.
+    """Serve ``handler`` to the master at ``connect``, and to the masters after it; return an exit code.
 
-    Sends ``hello`` (``handler.hello()``), waits up to ``welcome_timeout_s`` for the
-    welcome, then serves. A heartbeat goes out after ``heartbeat_s`` without
-    sending (or sooner, if the welcome asks for a faster pace), also while a task
-    computes.
+    Says hello (``handler.hello()``, once per master) and waits up to
+    ``welcome_timeout_s`` for the first master's welcome. A heartbeat goes out after
+    ``heartbeat_s`` without sending (or sooner, if the welcome asks for a faster
+    pace), also while a task computes. A master silent for ``peer_timeout_s`` is
+    lost: the worker says hello again, with backoff, until ``retry_for`` seconds have
+    passed (0: exit at once). After the master's shutdown it returns, or with
+    ``forever`` waits for the next master with no time limit. ``curve`` authenticates
+    and encrypts (:class:`~transports.curve.CurveClient`).
 
-    Returns :data:`EXIT_OK` on shutdown; :data:`EXIT_FAILED` when refused, never
-    welcomed, or when the master was silent for ``peer_timeout_s``;
-    :data:`EXIT_INTERRUPTED` when ``stop`` is set or on Ctrl-C. Problems are
-    reported through ``log_line``, one line each; ``quiet`` drops the
-    informational lines.
+    Returns :data:`EXIT_OK` on shutdown; :data:`EXIT_FAILED` when refused (another
+    version, or a key the master does not know), never welcomed, or when no master
+    came back within ``retry_for``; :data:`EXIT_INTERRUPTED` when ``stop`` is set or on
+    Ctrl-C. Problems are reported through ``log_line``, one line each; ``quiet`` drops
+    the informational lines.
     """
+    if curve is not None and not isinstance(curve, CurveClient):
+        raise TypeError(f"curve must be a transports.curve.CurveClient, got {type(curve).__name__}")
+    info: Callable[[str], None] = (lambda line: None) if quiet else log_line
+    setup = _Setup(connect, heartbeat_s, peer_timeout_s, int(max_message_bytes), stop, log_line, info, curve)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
     wakeup = Wakeup()
-    done = threading.Event()
-    tasks: queue.Queue[Message | None] = queue.Queue()
-    results: queue.Queue[Message] = queue.Queue()
-    compute = threading.Thread(
-        target=_compute_loop, args=(handler, tasks, results, wakeup, done), name="worker-compute", daemon=True
-    )
+    compute = Compute(handler, wakeup)
     try:
-        if not _say_hello(sock, connect, handler, max_message_bytes, log_line):
-            return EXIT_FAILED
-        welcome = _await_welcome(sock, connect, welcome_timeout_s, max_message_bytes, stop, log_line)
-        if isinstance(welcome, int):
-            return welcome
-        master_heartbeat_s = float(welcome.header["heartbeat_s"])
-        loop = _ServeLoop(
-            sock,
-            wakeup,
-            tasks,
-            results,
-            heartbeat_s=min(heartbeat_s, master_heartbeat_s),  # never quieter than the master expects
-            peer_timeout_s=max(peer_timeout_s, 3 * master_heartbeat_s),  # nor give up between its heartbeats
-            max_bytes=max_message_bytes,
-            stop=stop,
-            log_line=log_line,
-            quiet=quiet,
-        )
-        loop.info(f"worker {welcome.header['index']} serving the master at {connect}")
-        compute.start()
-        return loop.run()
+        return _serve_masters(ctx, compute, setup, welcome_timeout_s, retry_for, forever)
     except KeyboardInterrupt:
         log_line("interrupted; worker stopping")
         return EXIT_INTERRUPTED
     finally:
-        done.set()
-        tasks.put(None)
-        if compute.is_alive():
-            compute.join(timeout=1.0)  # a daemon: if a task is still running it ends with the process
-        sock.close(linger=0)
-        ctx.term()  # only this thread ever touched zmq, so this cannot wait on another thread
+        compute.stop()
+        ctx.term()  # only this thread ever touched zmq, and it closed its sockets: this cannot wait
         wakeup.close()
 
 
-def _say_hello(
-    sock: zmq.Socket, connect: str, handler: Handler, max_bytes: int, log_line: Callable[[str], None]
-) -> bool:
-    """Connect and send the hello; False (the reason logged) when that cannot be done."""
+def _deadline(seconds: float | None) -> float | None:
+    if seconds is None or math.isinf(seconds):
+        return None
+    return time.monotonic() + max(0.0, seconds)
+
+
+def _serve_masters(
+    ctx: zmq.Context, compute: Compute, setup: _Setup, welcome_timeout_s: float, retry_for: float, forever: bool
+) -> int:
+    """One master after another: look, serve, and decide what comes next."""
+    deadline = _deadline(welcome_timeout_s)
+    giving_up = (
+        f"no welcome from a master at {setup.connect} within {welcome_timeout_s:g} s; is the master running, "
+        "waiting for workers, and reachable from this machine?"
+    )
+    session = 0
+    while True:
+        session += 1
+        found = _find_master(ctx, compute, session, setup, deadline, giving_up)
+        if found == _SHUTDOWN:
+            code = EXIT_OK
+        elif isinstance(found, int):
+            return found
+        else:
+            sock, welcome = found
+            try:
+                code = _serve_one(sock, welcome, compute, session, setup)
+            finally:
+                sock.close(linger=0)
+            compute.forget()
+        if code == EXIT_OK and forever:
+            setup.info(f"waiting for the next master at {setup.connect}")
+            deadline = None
+        elif code == MASTER_LOST and retry_for > 0:
+            setup.log_line(f"saying hello again to {setup.connect} for up to {retry_for:g} s")
+            deadline = _deadline(retry_for)
+            giving_up = (
+                f"master went away: no master at {setup.connect} for {retry_for:g} s since the last one was lost; "
+                "worker exiting"
+            )
+        elif code == MASTER_LOST:
+            setup.log_line("master went away; worker exiting")
+            return EXIT_FAILED
+        else:
+            return code
+
+
+def _serve_one(sock: zmq.Socket, welcome: Message, compute: Compute, session: int, setup: _Setup) -> int:
+    master_heartbeat_s = float(welcome.header["heartbeat_s"])
+    loop = ServeLoop(
+        sock,
+        compute,
+        session,
+        heartbeat_s=min(setup.heartbeat_s, master_heartbeat_s),  # never quieter than the master expects
+        peer_timeout_s=max(setup.peer_timeout_s, 3 * master_heartbeat_s),  # nor give up between its heartbeats
+        max_bytes=setup.max_bytes,
+        stop=setup.stop,
+        log_line=setup.log_line,
+        info=setup.info,
+    )
+    setup.info(f"worker {welcome.header['index']} serving the master at {setup.connect}")
+    return loop.run()
+
+
+# ---- looking for a master ---------------------------------------------------------------------
+
+
+def _find_master(
+    ctx: zmq.Context, compute: Compute, session: int, setup: _Setup, deadline: float | None, giving_up: str
+) -> tuple[zmq.Socket, Message] | int:
+    """A connected socket and the master's welcome, or the exit code (or _SHUTDOWN) to act on."""
+    hello = _make_hello(compute, session, setup, deadline, giving_up)
+    if isinstance(hello, int):
+        return hello
+    sock = _dealer(ctx, setup)
+    if sock is None:
+        return EXIT_FAILED
+    monitor = sock.get_monitor_socket(_WATCHED)
+    result: tuple[zmq.Socket, Message] | int = EXIT_FAILED
+    try:
+        sock.connect(setup.connect)
+        result = _Search(sock, monitor, hello, setup).run(deadline, giving_up)
+    except zmq.ZMQError as e:
+        setup.log_line(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        if isinstance(result, int):
+            sock.close(linger=0)
+    return result
+
+
+def _make_hello(compute: Compute, session: int, setup: _Setup, deadline: float | None, giving_up: str) -> list | int:
+    """The hello's frames, made by the compute thread once the previous master's last task is done."""
+    compute.submit(session, None)
+    while True:
+        for result in compute.take(session):
+            if isinstance(result, Hello):
+                if result.frames is None:
+                    setup.log_line(result.problem)
+                    return EXIT_FAILED
+                return result.frames
+        if setup.stopped():
+            return EXIT_INTERRUPTED
+        if deadline is not None and time.monotonic() >= deadline:
+            setup.log_line(giving_up)
+            return EXIT_FAILED
+        if zmq.select([compute.wakeup.fileno()], [], [], _POLL_SLICE_S)[0]:
+            compute.wakeup.drain()
+
+
+def _dealer(ctx: zmq.Context, setup: _Setup) -> zmq.Socket | None:
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max(int(max_bytes), wire.MAX_HEADER_BYTES))
-    try:
-        sock.connect(connect)
-    except zmq.ZMQError as e:
-        log_line(f"cannot connect to {connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
-        return False
-    try:
-        hello = wire.encode(Message("hello", handler.hello()))
-    except Exception as e:  # a ProtocolError, or the handler's own failure
-        log_line(f"this worker cannot say hello: {type(e).__name__}: {e}")
-        return False
-    sock.send_multipart(hello, flags=zmq.NOBLOCK, copy=False)
-    return True
-
-
-def _compute_loop(
-    handler: Handler, tasks: queue.Queue, results: queue.Queue, wakeup: Wakeup, done: threading.Event
-) -> None:
-    """The worker's compute thread: run tasks one by one, hand replies to the I/O loop."""
-    while not done.is_set():
+    sock.setsockopt(zmq.MAXMSGSIZE, max(setup.max_bytes, wire.MAX_HEADER_BYTES))
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1000))  # zmq's reconnects back off too
+    if setup.curve is not None:
         try:
-            msg = tasks.get(timeout=0.5)  # the timeout only lets it notice `done`
-        except queue.Empty:
-            continue
-        if msg is None:  # the I/O loop is finishing
-            return
-        reply = wire.call_handler(handler, msg)
-        if reply is not None:
-            results.put(reply)
-            wakeup.wake()
+            setup.curve.apply(sock)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            setup.log_line(f"cannot use the CURVE keys {setup.curve!r}: {e}")
+            return None
+    return sock
 
 
-def _await_welcome(
-    sock: zmq.Socket,
-    connect: str,
-    timeout: float,
-    max_bytes: int,
-    stop: threading.Event | None,
-    log_line: Callable[[str], None],
-) -> Message | int:
-    """The master's welcome, or the exit code to return."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if stop is not None and stop.is_set():
-            return EXIT_INTERRUPTED
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            log_line(
-                f"no welcome from a master at {connect} within {timeout:g} s; is the master running, "
-                "waiting for workers, and reachable from this machine?"
-            )
-            return EXIT_FAILED
-        if not sock.poll(int(min(remaining, _POLL_SLICE_S) * 1000) + 1):
-            continue
-        try:
-            msg = wire.decode(sock.recv_multipart(copy=False), max_bytes)
-        except wire.VersionMismatch as e:
-            mismatch = wire.VersionMismatch(e.what, e.theirs, e.ours, peer="the master", here="this worker")
-            log_line(f"cannot talk to the master at {connect}: {mismatch}")
-            return EXIT_FAILED
-        except wire.ProtocolError as e:
-            log_line(f"the master at {connect} sent a malformed reply to hello: {e}")
-            return EXIT_FAILED
-        if msg.kind == "welcome":
-            return msg
-        if msg.kind == "error":
-            log_line(f"the master at {connect} refused this worker: {msg.header['message']}")
-            return EXIT_FAILED
-        if msg.kind == "shutdown":
-            log_line(f"the master at {connect} shut down before welcoming this worker ({msg.header['reason']})")
-            return EXIT_OK
+class _Search:
+    """Hello with backoff, heartbeats meanwhile, until a welcome, a refusal, or the deadline.
 
+    It sends only while the socket's monitor says a handshake succeeded, so that nothing
+    piles up in zmq's queue for a master that is not there yet.
+    """
 
-class _ServeLoop:
-    """The I/O loop once welcomed: tasks in, replies and heartbeats out, until shutdown."""
-
-    def __init__(
-        self,
-        sock: zmq.Socket,
-        wakeup: Wakeup,
-        tasks: queue.Queue,
-        results: queue.Queue,
-        heartbeat_s: float,
-        peer_timeout_s: float,
-        max_bytes: int,
-        stop: threading.Event | None,
-        log_line: Callable[[str], None],
-        quiet: bool,
-    ) -> None:
-        self.sock, self.wakeup, self.tasks, self.results = sock, wakeup, tasks, results
-        self.heartbeat_s, self.peer_timeout_s, self.max_bytes = heartbeat_s, peer_timeout_s, max_bytes
-        self.stop, self.log_line = stop, log_line
-        self.info: Callable[[str], None] = (lambda line: None) if quiet else log_line
+    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket, hello: list, setup: _Setup) -> None:
+        self.sock, self.monitor, self.hello, self.setup = sock, monitor, hello, setup
         self.heartbeat = wire.encode(Message("heartbeat"))
-        self.last_heard = self.last_sent = time.monotonic()
+        self.connected = False
+        self.said_hello = False
+        self.last_sent = 0.0
+        self.complained = False
 
-    def run(self) -> int:
+    def run(self, deadline: float | None, giving_up: str) -> tuple[zmq.Socket, Message] | int:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wakeup.fileno(), zmq.POLLIN)
-        tick_ms = max(1, int(self.heartbeat_s * 250))  # a quarter heartbeat: timers stay accurate
+        poller.register(self.monitor, zmq.POLLIN)
+        delay, next_hello = BACKOFF_FIRST_S, time.monotonic()
         while True:
-            if self.stop is not None and self.stop.is_set():
-                self.info("stop requested; worker stopping")
+            if self.setup.stopped():
                 return EXIT_INTERRUPTED
-            ready = dict(poller.poll(tick_ms))
-            if self.wakeup.fileno() in ready:
-                self.wakeup.drain()
-            self._send_results()
-            code = self._drain_socket() if self.sock in ready else None
-            if code is None:
-                code = self._tick()
-            if code is not None:
-                return code
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                self.setup.log_line(giving_up)
+                return EXIT_FAILED
+            if now >= next_hello:
+                if self._send(self.hello):
+                    self.said_hello = True
+                    next_hello, delay = now + delay, min(2 * delay, BACKOFF_MAX_S)
+                else:  # no finished handshake yet: try again soon, zmq's reconnects do the backing off
+                    next_hello = now + _POLL_SLICE_S
+            elif self.said_hello and now - self.last_sent >= self.setup.heartbeat_s:
+                self._send(self.heartbeat)
+            wait = min(next_hello - now, self.setup.heartbeat_s, _POLL_SLICE_S)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            ready = dict(poller.poll(max(1, int(wait * 1000))))
+            if self.monitor in ready:
+                code = self._on_event(recv_monitor_message(self.monitor))
+                if code is not None:
+                    return code
+            if self.sock in ready:
+                found = self._read()
+                if found is not None:
+                    return found
 
-    def _send(self, frames: list) -> None:
+    def _send(self, frames: list) -> bool:
+        if not self.connected:
+            return False
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            self.last_sent = time.monotonic()
-        except zmq.Again:  # the pipe to the master is full: it is not reading; the timeout will tell
-            self.log_line("the master is not reading; dropped a message")
+        except zmq.Again:
+            return False
+        self.last_sent = time.monotonic()
+        return True
 
-    def _send_results(self) -> None:
+    def _on_event(self, event: dict) -> int | None:
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+        else:
+            return self._handshake_failed(event)
+        return None
+
+    def _handshake_failed(self, event: dict) -> int:
+        connect, curve = self.setup.connect, self.setup.curve
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = f"the master at {connect} refused this worker's key ({curve.public_key.decode() if curve else '?'})"
+            why += ": it is not among the master's authorised keys"
+        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and curve is not None:
+            why = f"the master at {connect} does not use CURVE keys, but this worker does; use keys on both or neither"
+        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            why = (
+                f"the master at {connect} requires CURVE keys: start this worker with its secret key and the "
+                "master's public key (see `tinyconv keygen`)"
+            )
+        elif curve is not None:
+            key = curve.server_public_key_file
+            why = f"the handshake with the master at {connect} failed; is {key} the master's public key?"
+        else:
+            why = f"the handshake with the master at {connect} failed (ZeroMQ error {event['value']:#x})"
+        self.setup.log_line(f"cannot join: {why}")
+        return EXIT_FAILED
+
+    def _read(self) -> tuple[zmq.Socket, Message] | int | None:
         while True:
-            try:
-                reply = self.results.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                frames = wire.encode(reply)
-            except wire.ProtocolError as e:  # call_handler checked it; a handler that changed it since: report
-                frames = wire.encode(wire.error_reply(reply, f"the worker produced an unsendable reply: {e}"))
-            self._send(frames)
-
-    def _drain_socket(self) -> int | None:
-        for _ in range(_DRAIN_BATCH):
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            self.last_heard = time.monotonic()
+            connect = self.setup.connect
             try:
-                msg = wire.decode(frames, self.max_bytes)
+                msg = wire.decode(frames, self.setup.max_bytes)
+            except wire.VersionMismatch as e:
+                mismatch = wire.VersionMismatch(e.what, e.theirs, e.ours, peer="the master", here="this worker")
+                self.setup.log_line(f"cannot talk to the master at {connect}: {mismatch}")
+                return EXIT_FAILED
             except wire.ProtocolError as e:
-                self.log_line(f"bad message from the master: {e}")
-                self._send(wire.encode(wire.error_reply(None, f"bad message: {e}")))
+                if not self.complained:
+                    self.setup.log_line(f"the master at {connect} sent something unreadable: {e}; waiting on")
+                    self.complained = True
                 continue
-            code = self._on_message(msg)
-            if code is not None:
-                return code
-        return None
-
-    def _on_message(self, msg: Message) -> int | None:
-        """A task goes to the compute thread; the session's own kinds are handled here."""
-        if msg.kind not in wire.SESSION_KINDS:
-            self.tasks.put(msg)
-        elif msg.kind == "shutdown":
-            self.info(f"shutdown: {msg.header['reason']}")
-            return EXIT_OK
-        elif msg.kind == "error":
-            self.log_line(f"the master reports: {msg.header['message']}")
-        elif msg.kind == "hello":
-            self._send(wire.encode(wire.error_reply(msg, "a worker does not accept 'hello' messages")))
-        return None  # heartbeat, or a repeated welcome: last_heard is all they change
-
-    def _tick(self) -> int | None:
-        now = time.monotonic()
-        if now - self.last_heard > self.peer_timeout_s:
-            self.log_line(f"master went away: nothing heard for {now - self.last_heard:.1f} s; worker exiting")
-            return EXIT_FAILED
-        if now - self.last_sent >= self.heartbeat_s:
-            self._send(self.heartbeat)
-        return None
+            if msg.kind == "welcome":
+                return self.sock, msg
+            if msg.kind == "error":
+                self.setup.log_line(f"the master at {connect} refused this worker: {msg.header['message']}")
+                return EXIT_FAILED
+            if msg.kind == "shutdown":
+                reason = msg.header["reason"]
+                self.setup.info(f"the master at {connect} shut down before welcoming this worker ({reason})")
+                return _SHUTDOWN

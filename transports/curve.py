@@ -1,0 +1,178 @@
+"""CURVE: who may be a worker, and nobody else reads the traffic. All crypto is ZeroMQ's (``zmq.auth``).
+
+Each side has a key pair, two files made by :func:`generate_keys` (``tinyconv keygen``):
+``NAME.key`` holds the public key and may be shown to anyone; ``NAME.key_secret`` holds
+both keys and must stay private (mode 0600). The master runs a :class:`CurveServer` with
+its secret file and a directory of the workers' public files, the only keys it admits;
+each worker runs a :class:`CurveClient` with its own secret file and the master's public
+file. A peer without an authorised key fails ZeroMQ's handshake, so it never reaches the
+transport at all: it gets no worker slot, sees no data and can send nothing.
+
+:func:`local_keys` makes a fresh pair for a master and one for its local workers, for a
+master that starts worker processes on its own machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+PathLike = str | os.PathLike
+_PRIVATE_DIR = 0o700
+_PRIVATE_FILE = 0o600
+_PUBLIC_FILE = 0o644
+
+
+def _write_key_pair(directory: Path, name: str, overwrite: bool) -> tuple[str, str]:
+    """zmq.auth.create_certificates in a private scratch directory, then moved into place, so that
+    the secret file is never readable by others, not even for a moment."""
+    if not name or os.sep in name or (os.altsep and os.altsep in name) or name.startswith("."):
+        raise ValueError(f"a key name must be a plain file name, got {name!r}")
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    if not overwrite and (public.exists() or secret.exists()):
+        raise FileExistsError(f"{public} or {secret} already exists; remove both first to make a new key pair")
+    scratch = Path(tempfile.mkdtemp(prefix=".keygen-", dir=directory))  # mkdtemp: mode 0700
+    try:
+        made_public, made_secret = zmq.auth.create_certificates(scratch, name)
+        os.chmod(made_secret, _PRIVATE_FILE)
+        os.chmod(made_public, _PUBLIC_FILE)
+        os.replace(made_secret, secret)
+        os.replace(made_public, public)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return str(public), str(secret)
+
+
+def generate_keys(directory: PathLike, name: str) -> tuple[str, str]:
+    """Write a new key pair, ``directory/NAME.key`` (public) and ``NAME.key_secret`` (mode 0600).
+
+    Returns (public_path, secret_path). A missing ``directory`` is created with mode
+    0700; existing key files are never overwritten (FileExistsError).
+    """
+    directory = Path(directory)
+    directory.mkdir(mode=_PRIVATE_DIR, parents=True, exist_ok=True)
+    return _write_key_pair(directory, name, overwrite=False)
+
+
+def _load_key_file(path: PathLike, secret: bool) -> tuple[bytes, bytes | None]:
+    """(public key, secret key or None) from a key file, with errors that say which file and what to do."""
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a CURVE key from {path}: {e}; make key files with `tinyconv keygen`") from e
+    if secret and secret_key is None:
+        raise ValueError(f"{path} holds no secret key; pass the NAME.key_secret file, not the public NAME.key")
+    for key in (public, secret_key):
+        if key is not None and (len(key) != 40 or _z85_invalid(key)):
+            raise ValueError(f"{path} holds a malformed key (a CURVE key is 40 Z85 characters)")
+    return public, secret_key
+
+
+def _z85_invalid(key: bytes) -> bool:
+    try:
+        z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return True
+    return False
+
+
+class CurveServer:
+    """The master's side: its secret key file, and the directory of the public keys it admits.
+
+    The directory is read when the transport starts (``*.key`` files); a key added later
+    needs a new transport. :meth:`apply` is what :class:`~transports.zmq_master.ZmqTransport`
+    calls on its ROUTER before binding.
+    """
+
+    def __init__(self, secret_key_file: PathLike, authorized_keys_dir: PathLike) -> None:
+        self.secret_key_file = str(secret_key_file)
+        self.authorized_keys_dir = str(authorized_keys_dir)
+        self.public_key, self._secret_key = _load_key_file(secret_key_file, secret=True)
+        try:
+            allowed = zmq.auth.load_certificates(self.authorized_keys_dir)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the authorised worker keys in {self.authorized_keys_dir}: {e}") from e
+        if not allowed:
+            raise ValueError(
+                f"{self.authorized_keys_dir} holds no public keys (*.key), so no worker could ever join; "
+                "copy each worker's NAME.key there"
+            )
+        self.authorized = frozenset(allowed)
+
+    def apply(self, ctx: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator:
+        """Start ``ctx``'s authenticator, which admits only the authorised keys, and make ``sock`` a
+        CURVE server. Returns the authenticator: ``stop()`` it before terminating ``ctx``."""
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve(domain="*", location=self.authorized_keys_dir)
+        sock.curve_secretkey = self._secret_key
+        sock.curve_publickey = self.public_key
+        sock.curve_server = True
+        return auth
+
+    def __repr__(self) -> str:
+        return f"CurveServer({self.secret_key_file!r}, {self.authorized_keys_dir!r})"
+
+
+class CurveClient:
+    """A worker's side: its own secret key file, and the master's public key file."""
+
+    def __init__(self, secret_key_file: PathLike, server_public_key_file: PathLike) -> None:
+        self.secret_key_file = str(secret_key_file)
+        self.server_public_key_file = str(server_public_key_file)
+        self.public_key, self._secret_key = _load_key_file(secret_key_file, secret=True)
+        self.server_key, _ = _load_key_file(server_public_key_file, secret=False)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (a DEALER, before it connects) a CURVE client of the master."""
+        sock.curve_secretkey = self._secret_key
+        sock.curve_publickey = self.public_key
+        sock.curve_serverkey = self.server_key
+
+    def __repr__(self) -> str:
+        return f"CurveClient({self.secret_key_file!r}, {self.server_public_key_file!r})"
+
+
+class KeyFiles(NamedTuple):
+    """Where :func:`local_keys` wrote the keys. A local worker needs ``worker_secret`` and ``server_public``."""
+
+    server_public: str
+    server_secret: str
+    worker_public: str
+    worker_secret: str
+    authorized_dir: str
+
+
+def local_keys(directory: PathLike) -> tuple[CurveServer, CurveClient, KeyFiles]:
+    """A fresh key pair for a master (``master.key``, ``master.key_secret``) and one for its local
+    workers (``worker.key``, ``worker.key_secret``) in ``directory``, with the worker's public key the
+    only one in ``directory/authorized``.
+
+    ``directory`` is the master's own: it is made (or set) mode 0700, the secret files are mode
+    0600, and keys already there are replaced. Start each local worker with
+    ``CurveClient(files.worker_secret, files.server_public)``.
+    """
+    directory = Path(directory)
+    directory.mkdir(mode=_PRIVATE_DIR, parents=True, exist_ok=True)
+    os.chmod(directory, _PRIVATE_DIR)
+    server_public, server_secret = _write_key_pair(directory, "master", overwrite=True)
+    worker_public, worker_secret = _write_key_pair(directory, "worker", overwrite=True)
+    authorized = directory / "authorized"
+    authorized.mkdir(mode=_PRIVATE_DIR, exist_ok=True)
+    os.chmod(authorized, _PRIVATE_DIR)
+    for old in authorized.glob("*.key"):
+        old.unlink()
+    shutil.copyfile(worker_public, authorized / "worker.key")
+    files = KeyFiles(server_public, server_secret, worker_public, worker_secret, str(authorized))
+    return CurveServer(server_secret, authorized), CurveClient(worker_secret, server_public), files
+
+
+__all__ = ["CurveClient", "CurveServer", "KeyFiles", "generate_keys", "local_keys"]

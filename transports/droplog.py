@@ -1,0 +1,92 @@
+"""Rate-limited reports of what a master dropped: one line per kind per window, not one per message.
+
+A master on a shared network hears all sorts: workers of another release, a port
+scanner, a peer sending garbage as fast as it can. Each is dropped (or answered) and
+counted; the first of a kind is logged at once with its details, the rest in one
+summary line per kind per ``window_s``::
+
+    dropped 312 unreadable messages from 1 peer in the last 10 s; the latest: ...
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# kind -> (one, many): what a line calls one dropped message of the kind, and several
+KINDS: dict[str, tuple[str, str]] = {
+    "unreadable": ("unreadable message", "unreadable messages"),
+    "oversized": ("oversized message", "oversized messages"),
+    "version": ("hello of another version", "hellos of another version"),
+    "stray": ("message from a peer that has not said hello", "messages from peers that have not said hello"),
+    "lost": ("message from a worker declared lost", "messages from workers declared lost"),
+    "crowd": ("hello while too many peers wait for start()", "hellos while too many peers wait for start()"),
+}
+
+
+@dataclass
+class _Window:
+    opened: float
+    count: int = 0
+    peers: set[str] = field(default_factory=set)
+    latest: str = ""
+
+
+class DropLog:
+    """Counts dropped messages by kind; :meth:`flush` (called often) writes the summaries that are due."""
+
+    def __init__(
+        self, log: logging.Logger, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._log, self._window_s, self._clock = log, window_s, clock
+        self._windows: dict[str, _Window] = {}
+        self._lock = threading.Lock()  # drop() may come from another thread than flush()
+        self.totals: dict[str, int] = {}  # every drop since the start, by kind (for tests and curious callers)
+
+    def drop(self, kind: str, peer: str, detail: str) -> None:
+        """Note one dropped message of ``kind`` (a key of :data:`KINDS`) from ``peer`` (its address, or
+        any name for it); ``detail`` says why."""
+        one, _ = KINDS[kind]
+        with self._lock:
+            self.totals[kind] = self.totals.get(kind, 0) + 1
+            window = self._windows.get(kind)
+            if window is None:  # the first in a while: say it now, in full
+                self._windows[kind] = _Window(self._clock())
+                first = True
+            else:
+                window.count += 1
+                window.peers.add(peer)
+                window.latest = detail
+                first = False
+        if first:
+            self._log.warning(
+                "dropped one %s from %s: %s (more are summarised every %g s)", one, peer, detail, self._window_s
+            )
+
+    def flush(self) -> None:
+        """Log one summary line per kind whose window is over and saw drops after its first line."""
+        now = self._clock()
+        due = []
+        with self._lock:
+            for kind, window in list(self._windows.items()):
+                if now - window.opened < self._window_s:
+                    continue
+                if window.count:
+                    due.append((kind, window))
+                    self._windows[kind] = _Window(now)  # keep summarising while they keep coming
+                else:
+                    del self._windows[kind]  # a quiet window: the next one is logged in full again
+        for kind, window in due:
+            n_peers = len(window.peers)
+            self._log.warning(
+                "dropped %d %s from %d peer%s in the last %g s; the latest: %s",
+                window.count,
+                KINDS[kind][1] if window.count > 1 else KINDS[kind][0],
+                n_peers,
+                "" if n_peers == 1 else "s",
+                self._window_s,
+                window.latest,
+            )

@@ -1,0 +1,61 @@
+"""ZeroMQ addresses: which ones stay on this machine, what a worker should connect to, who sent a frame.
+
+A master that binds beyond loopback without CURVE keys lets anyone who can reach
+it become a worker: :func:`check_exposure` refuses that unless told to accept the risk.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+LOCAL_SCHEMES = frozenset({"ipc", "inproc"})  # never leave this machine
+_WILDCARDS = ("0.0.0.0", "*", "::", None)
+
+
+def is_local(endpoint: str) -> bool:
+    """True for an address only this machine can reach: ``ipc://``, ``inproc://``, or ``tcp://`` on
+    127.0.0.1, ::1 or localhost. Anything else (``tcp://*``, an interface, another scheme) is public."""
+    try:
+        parts = urlsplit(endpoint)
+        host = parts.hostname
+    except ValueError:  # e.g. an unbalanced [ in an IPv6 address: not an address we can call local
+        return False
+    if parts.scheme in LOCAL_SCHEMES:
+        return True
+    return parts.scheme == "tcp" and host in LOCAL_HOSTS
+
+
+def check_exposure(bind: str, secured: bool, insecure: bool) -> None:
+    """Raise ValueError when ``bind`` is public, not ``secured`` by CURVE, and ``insecure`` was not asked for."""
+    if secured or insecure or is_local(bind):
+        return
+    raise ValueError(
+        f"binding {bind} without CURVE keys would let any process that reaches this machine become a "
+        "worker: it would take a worker slot, receive the training batches and weights, and could return "
+        "poisoned results. Create keys with `tinyconv keygen` and pass them (curve=CurveServer(...)), "
+        "bind a loopback address (tcp://127.0.0.1:5555), or pass insecure=True (--insecure) to accept the risk"
+    )
+
+
+def connect_hint(endpoint: str) -> str:
+    """The address a worker should connect to, given what the master bound.
+
+    ``tcp://0.0.0.0:5555`` (a wildcard bind) becomes ``tcp://<this host's name>:5555``.
+    """
+    parts = urlsplit(endpoint)
+    if parts.scheme == "tcp" and parts.hostname in _WILDCARDS:
+        return f"tcp://{socket.gethostname()}:{parts.port}"
+    return endpoint
+
+
+def peer_address(frame: Any) -> str:
+    """The sender's IP address of a received zmq Frame, or "" where the transport does not know it (ipc)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except (zmq.ZMQError, ValueError, TypeError, AttributeError):
+        return ""
