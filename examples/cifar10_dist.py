@@ -39,19 +39,14 @@ from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint  #
 from tinyconv.cifar10 import DataError  # noqa: E402
 from tinyconv.data import load_dataset  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
+from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_bytes  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
 from tinyconv.plugins import available_backends, available_transports, load  # noqa: E402
+from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
-from tinyconv.trainer import (  # noqa: E402
-    TrainConfig,
-    Trainer,
-    available_memory_bytes,
-    format_bytes,
-    step_memory_bytes,
-    summary_table,
-)
+from tinyconv.trainer import TrainConfig, Trainer  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "equal")
 ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)

@@ -11,12 +11,15 @@ import pytest
 
 from tinyconv.checkpoint import load_checkpoint
 from tinyconv.data import synthetic_dataset
+from tinyconv.memory import step_memory_bytes
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import PAPER_ARCHS, paper_net, parse_arch
 from tinyconv.optim import SGD
 from tinyconv.plugins import get_backend
+from tinyconv.report import summary_table
 from tinyconv.schedule import learning_rate
-from tinyconv.trainer import Stopped, TrainConfig, Trainer, step_memory_bytes, summary_table
+from tinyconv.stopping import Stopped
+from tinyconv.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ the split (which a run of the same participants takes up again).
 Nothing is lost on the way out. Checkpoints are written at each epoch's end, every
 ``checkpoint_every`` steps or ``checkpoint_minutes`` minutes, and when training ends any
 other way: an error, Ctrl-C or SIGTERM (which :meth:`Trainer.fit` turns into
-:class:`Stopped`, a KeyboardInterrupt). Each is of a whole step: a step that an error or a
+:class:`~tinyconv.stopping.Stopped`, a KeyboardInterrupt). Each is of a whole step: a step that an error or a
 signal cuts short is rolled back first (the augmentation's generator and batch-norm's
 running statistics, the only state it changes before its update), and the update itself
 -- the parameters, the momentum, the step count and its metrics line -- runs with signals
@@ -23,11 +23,7 @@ held until it is done, so a checkpoint never holds half of one.
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,8 +36,9 @@ from tinyconv.data import Dataset, Normalizer, augment, channel_stats
 from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
-from tinyconv.report import format_table
+from tinyconv.report import summarize
 from tinyconv.schedule import learning_rate
+from tinyconv.stopping import SignalGuard
 
 if TYPE_CHECKING:
     from tinyconv.shard.cluster import Cluster
@@ -64,14 +61,6 @@ class TrainConfig:
     checkpoint_every: int | None = None  # also every this many steps
     checkpoint_minutes: float | None = None  # also when this long has passed since the last one
     progress: bool = True
-
-
-class Stopped(KeyboardInterrupt):
-    """Training was stopped by a signal: ``signum`` is SIGINT (Ctrl-C) or SIGTERM."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 class Trainer:
@@ -111,8 +100,7 @@ class Trainer:
         self.save_error: str | None = None  # why the checkpoint on the way out failed
         self.plan_restored = False  # resume took up the checkpoint's split
         self._saved_at = time.monotonic()
-        self._holding = False  # signals wait for the end of an update (see _held_signals)
-        self._pending: int | None = None  # a signal that came meanwhile
+        self.signals = SignalGuard()  # Ctrl-C and SIGTERM as Stopped, held while an update runs
         self._whole = True  # False while an update is half done: nothing to checkpoint then
 
     # ---- one step ------------------------------------------------------------
@@ -160,10 +148,10 @@ class Trainer:
         try:
             loss, logits = self._forward_backward(xb, yb)
         except BaseException:
-            with self._held_signals(raise_pending=False):
+            with self.signals.held(raise_pending=False):
                 self._roll_back(undo)
             raise
-        with self._held_signals():
+        with self.signals.held():
             self._whole = False
             self._update()
             self.step += 1
@@ -196,44 +184,6 @@ class Trainer:
         for e in self.cluster.pop_events():
             self.metrics.write(e["event"], **{k: v for k, v in e.items() if k != "event"})
 
-    # ---- signals --------------------------------------------------------------------
-    @contextmanager
-    def _signals(self) -> Iterator[None]:
-        """Ctrl-C and SIGTERM raise :class:`Stopped` while training (held during an update). Only in the
-        main thread, and only where nobody else handles them (the defaults are in place)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-        previous = {s: signal.getsignal(s) for s in defaults}
-        mine = [s for s in defaults if previous[s] is defaults[s]]
-        for s in mine:
-            signal.signal(s, self._on_signal)
-        try:
-            yield
-        finally:
-            for s in mine:
-                signal.signal(s, previous[s])
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._holding:
-            self._pending = self._pending or signum
-            return
-        raise Stopped(signum)
-
-    @contextmanager
-    def _held_signals(self, raise_pending: bool = True) -> Iterator[None]:
-        """Run the block whole: a signal that comes meanwhile is raised at its end (if ``raise_pending``)."""
-        outer, self._holding = self._holding, True
-        try:
-            yield
-        finally:
-            self._holding = outer
-        if not outer and self._pending is not None:
-            signum, self._pending = self._pending, None
-            if raise_pending:
-                raise Stopped(signum)
-
     # ---- evaluation -------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """Mean loss and accuracy in eval mode (running batch-norm statistics)."""
@@ -254,7 +204,7 @@ class Trainer:
         However training ends -- an exception, Ctrl-C, SIGTERM (raised as :class:`Stopped`) -- the
         last whole step is checkpointed (with ``checkpoint``) and the exception goes on."""
         self._saved_at = time.monotonic()
-        with self._signals():
+        with self.signals.installed():
             try:
                 return self._fit()
             except BaseException:
@@ -279,7 +229,7 @@ class Trainer:
 
     def _on_the_way_out(self) -> None:
         """Training ends by an exception: record the cluster's last events, checkpoint the last whole step."""
-        with self._held_signals(raise_pending=False):  # a second Ctrl-C does not cut the checkpoint short
+        with self.signals.held(raise_pending=False):  # a second Ctrl-C does not cut the checkpoint short
             try:
                 self._write_cluster_events()
             except Exception:  # the metrics file may be what failed; the checkpoint matters more
@@ -326,7 +276,7 @@ class Trainer:
         return every or late
 
     def _save_held(self) -> None:
-        with self._held_signals():
+        with self.signals.held():
             self.save(self.cfg.checkpoint)
 
     def _end_epoch(self, losses: list[float], accs: list[float], train_s: float) -> dict[str, Any]:
@@ -345,7 +295,7 @@ class Trainer:
             "time_s": train_s,
             "eval_s": time.perf_counter() - t_eval,
         }
-        with self._held_signals():  # the epoch is done: recorded, counted and checkpointed at once
+        with self.signals.held():  # the epoch is done: recorded, counted and checkpointed at once
             self.history.append(record)
             self.metrics.write("epoch", **record)
             if finished:  # the next epoch starts from a fresh shuffle
@@ -440,102 +390,6 @@ class Trainer:
 
     # ---- reporting --------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        last = self.history[-1] if self.history else {}
-        full = [h["time_s"] for h in self.history if h["complete"]]
-        out: dict[str, Any] = {
-            "epochs": self.epoch + (0 if not self.history or last.get("complete") else 1),
-            "steps": self.step,
-            "train_loss": last.get("train_loss"),
-            "test_loss": last.get("test_loss"),
-            "test_acc": last.get("test_acc"),
-            "best_test_acc": max((h["test_acc"] for h in self.history), default=None),
-            "time_per_epoch_s": float(np.mean(full)) if full else None,
-            "median_step_s": float(np.median(self.step_times)) if self.step_times else None,
-        }
-        if self.cluster is not None and self.step_splits:
-            out.update(self._distributed_summary())
-        return out
-
-    def _distributed_summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k in ("comm_s", "conv_s", "comp_s"):
-            out[f"median_{k}"] = float(np.median([s[k] for s in self.step_splits]))
-        out["bytes_sent"] = int(sum(s["bytes_sent"] for s in self.step_splits))
-        out["bytes_recv"] = int(sum(s["bytes_recv"] for s in self.step_splits))
-        # each participant's, by name: the master's are 0 (it keeps its share)
-        names = self.step_splits[-1]["participants"]
-        for key in ("bytes_sent", "bytes_recv"):
-            per = np.sum([s[f"participant_{key}"] for s in self.step_splits], axis=0)
-            out[f"participant_{key}"] = {name: int(b) for name, b in zip(names, per, strict=True)}
-        out["final_shares"] = self.step_splits[-1]["shares"]
-        if self.step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
-            out["final_channel_shares"] = self.step_splits[-1]["channel_shares"]
-        return out
-
-
-def summary_table(summary: dict[str, Any]) -> str:
-    """The end-of-run table for the terminal."""
-    rows = []
-    for key, value in summary.items():
-        if value is None:
-            continue
-        if key in ("test_acc", "best_test_acc"):
-            value = f"{value:.2%}"
-        rows.append((key, value if not isinstance(value, dict) else _shares_text(value)))
-    return format_table(("result", "value"), rows, title="Summary")
-
-
-def _shares_text(shares: dict[str, Any]) -> str:
-    return "; ".join(f"{layer}: {counts}" for layer, counts in shares.items())
-
-
-# ---- memory ----------------------------------------------------------------------------
-def step_memory_bytes(
-    conv1: int, conv2: int, batch_size: int, norm: str = "lrn", pool_kernel: int = 3, columns: bool = True,
-    image_size: int = 32, num_classes: int = 10,
-) -> int:  # fmt: skip
-    """An estimate of a training step's peak memory for the paper's network, in bytes (float32).
-
-    The parameters three times (weights, grads, momentum); the input and each layer's output for
-    the batch, kept for the backward (LRN and batch norm keep a second map of their size, max pool
-    its argmax); the largest of those twice more, as the gradients the backward holds at once;
-    and, with ``columns``, each convolution's im2col columns, twice for the one that computes dX
-    (the columns' gradient).
-    """
-    n, size, c_in = batch_size, image_size, 3
-    pool_pad = 1 if pool_kernel == 3 else 0
-    params = cols = 0
-    maps = [n * c_in * size * size]
-    for i, c in enumerate((conv1, conv2)):
-        params += c * c_in * 25 + c
-        if columns:
-            cols += (2 if i > 0 else 1) * n * size * size * c_in * 25
-        out = n * c * size * size
-        maps += [out, out] + ([out, out] if norm != "none" else [])  # conv, ReLU, norm and its cache
-        size = (size + 2 * pool_pad - pool_kernel) // 2 + 1
-        maps += [n * c * size * size] * 2  # max pool and its argmax
-        c_in = c
-    params += conv2 * size * size * num_classes + num_classes
-    return 4 * (3 * params + cols + sum(maps) + 2 * max(maps))
-
-
-def available_memory_bytes() -> int | None:
-    """The memory this machine can give a new allocation without swapping (Linux's MemAvailable), or
-    None where it cannot tell."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+        """The run's results so far (``tinyconv/report.py``)."""
+        distributed = self.cluster is not None
+        return summarize(self.history, self.step_times, self.step_splits, self.epoch, self.step, distributed)
