@@ -276,7 +276,7 @@ class Cluster:
         self._done = []
         self.step += 1
         self.last_step = record
-        for info in getattr(self.transport, "joined", list)():  # XXX until transports have joined()
+        for info in self.transport.joined():
             self._join(info)
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
