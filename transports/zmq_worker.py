@@ -55,6 +55,8 @@ _SHUTDOWN = -2  # internal: the master said shutdown before it welcomed this wor
 _HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+_HANDSHAKE_ATTEMPTS = 3  # failed handshakes in a row without a reason that settles it, before giving up
+_KEYS_HINT = "its secret key and the master's public key (see `tinyconv keygen`)"
 _WATCHED = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
@@ -265,6 +267,7 @@ class _Search:
         self.sock, self.monitor, self.hello, self.setup = sock, monitor, hello, setup
         self.heartbeat = wire.encode(Message("heartbeat"))
         self.connected = False
+        self.failed_handshakes = 0
         self.said_hello = False
         self.last_sent = 0.0
         self.complained = False
@@ -314,30 +317,38 @@ class _Search:
 
     def _on_event(self, event: dict) -> int | None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected = True
+            self.connected, self.failed_handshakes = True, 0
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self.connected = False
         else:
             return self._handshake_failed(event)
         return None
 
-    def _handshake_failed(self, event: dict) -> int:
+    def _handshake_failed(self, event: dict) -> int | None:
+        """One line and EXIT_FAILED for a refused key or a mismatch of keys; other failures (which
+        may be the network's) only after _HANDSHAKE_ATTEMPTS in a row."""
         connect, curve = self.setup.connect, self.setup.curve
+        mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        self.failed_handshakes += 1
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             why = f"the master at {connect} refused this worker's key ({curve.public_key.decode() if curve else '?'})"
             why += ": it is not among the master's authorised keys"
-        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and curve is not None:
+        elif mismatch and curve is not None:
             why = f"the master at {connect} does not use CURVE keys, but this worker does; use keys on both or neither"
-        elif event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            why = (
-                f"the master at {connect} requires CURVE keys: start this worker with its secret key and the "
-                "master's public key (see `tinyconv keygen`)"
-            )
+        elif mismatch:
+            why = f"the master at {connect} requires CURVE keys: start this worker with {_KEYS_HINT}"
+        elif self.failed_handshakes < _HANDSHAKE_ATTEMPTS:
+            return None
         elif curve is not None:
-            key = curve.server_public_key_file
-            why = f"the handshake with the master at {connect} failed; is {key} the master's public key?"
+            why = (
+                f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps "
+                f"{curve.server_public_key_file} is not the master's public key, or it does not use CURVE keys"
+            )
         else:
-            why = f"the handshake with the master at {connect} failed (ZeroMQ error {event['value']:#x})"
+            why = (
+                f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps the "
+                f"master requires CURVE keys (start this worker with {_KEYS_HINT})"
+            )
         self.setup.log_line(f"cannot join: {why}")
         return EXIT_FAILED
 
