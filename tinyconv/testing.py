@@ -9,7 +9,9 @@ channel in training, ``sgd_update`` (in place, three steps), ``take_kernels``, t
 ``asarray``/``to_numpy``/``zeros`` edges, ``describe()``'s keys, that outputs are
 float32 of the right shape, and that no op modifies its inputs (other than those
 documented as in place). The cases and how outputs are compared (tolerances, NaN)
-are in ``tinyconv.conformance``; this module runs them.
+are in ``tinyconv.conformance``; this module runs them, and re-exports the tolerance every
+float32 comparison of tinyconv uses, for a backend's own tests: ``float32_tolerance`` (its
+docstring has the math), ``Expected``, ``assert_close``, ``conv2d_expected``, ``linear_expected``.
 
 How to run it
 -------------
@@ -37,6 +39,15 @@ import numpy as np
 
 from backends.base import Backend
 from tinyconv.conformance import CASES, EXACT, TOLERANCES, Case, CheckResult, Tolerance, Trial
+from tinyconv.conformance.checks import (
+    FN,
+    Expected,
+    assert_close,
+    conv2d_expected,
+    float32_tolerance,
+    gamma,
+    linear_expected,
+)
 from tinyconv.plugins import get_backend
 
 __all__ = [  # the public names third-party backends' tests use, and the classes they are made of
@@ -44,12 +55,19 @@ __all__ = [  # the public names third-party backends' tests use, and the classes
     "Case",
     "CheckResult",
     "EXACT",
+    "FN",
+    "Expected",
     "TOLERANCES",
     "Tolerance",
     "Trial",
+    "assert_close",
     "assert_conforms",
     "conformance_tests",
+    "conv2d_expected",
+    "float32_tolerance",
     "format_table",
+    "gamma",
+    "linear_expected",
     "main",
     "run_case",
     "run_conformance",

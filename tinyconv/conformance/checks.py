@@ -1,22 +1,33 @@
-"""How the conformance suite compares a backend with the numpy reference: tolerances, results, trials.
+"""How tinyconv compares float32 results: the one tolerance; the conformance suite's results and trials.
 
-Tolerances (per dtype of the reference output)
-----------------------------------------------
-A check passes when
+Tolerances
+----------
+Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a
+backend -- takes its tolerance from ``float32_tolerance(k, terms)``, whose docstring states
+the math: two float32 computations of one value, summing in any order (another BLAS kernel,
+tiles, partial sums from several machines, fused multiply-adds), are within
+``2 gamma_k * terms`` of each other, gamma_k = k u / (1 - k u), u = 2^-24, with k the number
+of roundings on the way (a sum of K products: K) and terms the sum of the absolute values of
+what is summed -- computed entry by entry where it can be (``Expected``, ``conv2d_expected``,
+``linear_expected``), else the scale of the values (its scale form).
 
-    max |got - ref|  <=  tol  =  rtol * max|ref| + atol
+k, the longest path of roundings from an input to an output, for each op (n: the reduction;
+FN = 32 for each pow, exp, log, sqrt or division, see ``FN``):
 
-float32: rtol = 1e-5, atol = 1e-7. The error is measured against the *scale* of
-the reference output, not entry by entry, because that is how float32 errors
-arise: a backend that sums the K terms of a dot product (a conv output, a dW
-entry, a batchnorm mean) in another order -- tiled, in parallel, with fused
-multiply-adds -- differs by ~sqrt(K) * 6e-8 * (sum of |terms|), which is
-proportional to the size of the terms, not of their possibly cancelled sum. For
-the sizes here that is below 1e-6 * max|ref|; rtol = 1e-5 leaves room for
-fast-math exp/pow while a real bug (a dropped term, a misrouted gradient, an
-off-by-one window) is off by 1e-2 * max|ref| or more. atol only makes an
-all-zero reference comparable. Data movement (asarray/to_numpy, take_kernels,
-relu, the max of maxpool forward) must be exact: tol = 0.
+    conv2d        y C*KH*KW + 1, dx F*KH*KW, dw and db N*OH*OW
+    linear        y D + 1, dx M, dw and db N
+    lrn           y n + 3 + FN, dx 2n + 7 + 2 FN            (n: the window)
+    batchnorm     y 2n + 8 + 2 FN, dx 3n + 14 + 2 FN, dgamma 3n + 10 + 2 FN, dbeta n   (n = N*H*W)
+    softmax_ce    loss and dlogits n + N + 3 + 2 FN          (n: the classes)
+    maxpool       dx: the windows overlapping an entry; relu, the max, data movement: 0 (exact)
+    sgd_update    6 a step
+
+and along several layers in a row, the sum of theirs. The suite compares in the scale form,
+``max |got - ref| <= float32_tolerance(K_CASES, max|ref|)`` (``Tolerance``), K_CASES = 256 being
+at least every case's k (the longest: batch norm's dx on 2x5x5, 3*50 + 14 + 64 = 228; conv dx
+with 6 5x5 kernels, 150). A real bug -- a dropped term, a misrouted gradient, an off-by-one
+window -- is off by 1e-2 * max|ref| or more; 2 gamma_256 = 3e-5. Data movement (asarray/to_numpy,
+take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0.
 
 NaN. Where the reference output is NaN (a max pool window holding a NaN), the
 backend's must be NaN too, and nowhere else; the error and the scale are taken
@@ -38,22 +49,163 @@ from backends.numpy_backend import NumpyBackend
 REF = NumpyBackend()
 F32 = np.float32
 
+U = 2.0**-24  # float32's unit round-off: fl(a op b) = (a op b)(1 + d), |d| <= U, for + - * / and sqrt
+TINY = 2.0**-149  # float32's smallest subnormal: a product that underflows is off by at most TINY / 2
+FN = 32  # the k of one pow, exp, log, sqrt or division: OpenCL allows pow 16 ulp off, and 1 ulp <= 2 U
+K_CASES = 256  # at least the k of every output of cases.py (see the table above)
+
+
+def gamma(k: int) -> float:
+    """gamma_k = k u / (1 - k u), u = 2^-24: k factors (1 + d_i), |d_i| <= u, multiply to within
+    gamma_k of 1 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1)."""
+    if not 0 <= k <= 2**22:  # k u <= 1/4: the lemma needs k u < 1
+        raise ValueError(f"k must be in [0, 2^22], got {k}")
+    return k * U / (1 - k * U)
+
+
+def float32_tolerance(k: int, terms: Any) -> Any:
+    """How far apart two float32 computations of the same value may be: 2 gamma_k * terms + 2 k TINY.
+
+    The rigorous form. A value computed from float32 inputs by additions and multiplications,
+    in any order -- a dot product in a BLAS kernel of any width, tiled, split into partial sums
+    added up later (on other machines), with or without fused multiply-adds; a convolution
+    through im2col and col2im -- equals its exact value's expansion into monomials (for a sum
+    of K products: the K products) with each monomial multiplied by at most k factors (1 + d),
+    |d| <= u, one per rounding on its way to the result; k <= K for a sum of K products, the
+    bias's addition adding one. So it is within gamma_k * terms of the exact value, where terms
+    = the sum of the monomials' absolute values = the same computation on |inputs| in float64
+    with every subtraction made an addition (conv2d(|x|, |w|) + |b|), and two such computations
+    are within 2 gamma_k * terms of each other, entry by entry (Higham, op. cit., eq. 3.5).
+    Products that underflow lose up to TINY / 2 each: 2 k TINY for two computations.
+    ``conv2d_expected`` and ``linear_expected`` compute k and terms this way.
+
+    The scale form, where terms cannot be computed -- normalisations (batch norm divides by a
+    computed standard deviation, LRN raises a sum to -beta, softmax exponentiates), several
+    layers in a row, training steps: terms = max|ref|, the largest finite reference entry, and
+    k = the ops' k added up along the longest path from an input to the output, an op that is
+    not exact in IEEE arithmetic (pow, exp, log; OpenCL's sqrt and division too) counting FN =
+    32 (OpenCL allows pow 16 ulp, the loosest it allows of these, and 1 ulp <= 2u). This is a
+    stated bound, not a proved one. It rests on (a) the statistics a normalisation divides by
+    being sums of positive terms (squares, exponentials), so within gamma_n relative, and a
+    relative error e of them moving the output by about e times the output -- for data not far
+    off-centre: batch norm of values whose mean dwarfs their spread cancels in x - mean, in any
+    float32 implementation; (b) the errors of layers in a row adding up, gamma_a + gamma_b <=
+    gamma_(a+b), ReLU and max pool not magnifying a perturbation (LRN does, where s = k + alpha
+    / n * sum(x^2) varies, by up to (max s / min s)^beta relative to the output's scale, which (c)
+    absorbs for the alphas here); (c) where the terms of a sum cancel, sum|terms| exceeding
+    max|ref| by only about sqrt(K) / 4 for K terms of random signs, while their rounding errors
+    add like a random walk, to about u sqrt(K) max|ref| (Higham and Mary, SIAM J. Sci. Comput.
+    41(5), 2019), a factor of about 2 sqrt(K) below 2 gamma_K max|ref|. Where a long sum does not
+    cancel (batch norm's statistics over N*H*W values) it is loose by about sqrt(K) instead.
+    """
+    return 2.0 * gamma(k) * np.asarray(terms, np.float64) + 2 * k * TINY
+
+
+def scale(ref: np.ndarray) -> float:
+    """max|ref| over its finite entries (0 if none): what the scale form measures errors against."""
+    ref = np.asarray(ref)
+    finite = np.abs(ref[np.isfinite(ref)])
+    return float(np.max(finite)) if finite.size else 0.0
+
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Pass iff max|got - ref| <= rtol * max|ref| + atol, over ref's finite entries (see above)."""
+    """The suite's check, ``float32_tolerance``'s scale form: pass iff max|got - ref| <=
+    float32_tolerance(k, max|ref|), over ref's finite entries (see above). k = 0: exact."""
 
-    rtol: float
-    atol: float
+    k: int
 
     def of(self, ref: np.ndarray) -> float:
-        finite = np.abs(ref[np.isfinite(ref)])
-        scale = float(np.max(finite)) if finite.size else 0.0
-        return self.rtol * scale + self.atol
+        return float(float32_tolerance(self.k, scale(ref)))
 
 
-TOLERANCES: dict[str, Tolerance] = {"float32": Tolerance(rtol=1e-5, atol=1e-7)}
-EXACT = Tolerance(rtol=0.0, atol=0.0)
+TOLERANCES: dict[str, Tolerance] = {"float32": Tolerance(K_CASES)}
+EXACT = Tolerance(0)
+
+
+# ------------------------------------------------------------------ expected values, for tests
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A float32 reference value and its bound: another float32 computation of it must be within
+    float32_tolerance(k, terms) of it, entry by entry; terms None is the scale form (max|value|)."""
+
+    value: np.ndarray
+    k: int
+    terms: Any = None  # sum|terms| per entry (float64, value's shape), a scale, or None
+
+    def tolerance(self) -> Any:
+        return float32_tolerance(self.k, scale(self.value) if self.terms is None else self.terms)
+
+    def __getitem__(self, index: Any) -> Expected:
+        """The entries ``value[index]`` with their bounds (a scale-form slice keeps the whole's scale)."""
+        terms = scale(self.value) if self.terms is None else self.terms
+        return Expected(self.value[index], self.k, terms[index] if np.ndim(terms) else terms)
+
+
+def assert_close(got: Any, expected: Expected, what: str = "") -> None:
+    """got (a float32 array or a number) is within expected's tolerance of its value, entry by entry,
+    with its shape and dtype; the message names the entry nearest to failing."""
+    got, ref = np.asarray(got), np.asarray(expected.value)
+    name = f"{what}: " if what else ""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (
+        f"{name}got {got.dtype} {got.shape}, expected {ref.dtype} {ref.shape}"
+    )
+    tol = np.broadcast_to(expected.tolerance(), ref.shape)
+    err = np.abs(got.astype(np.float64) - ref)
+    bad = ~(err <= tol)  # NaN in either fails
+    if bad.any():
+        with np.errstate(divide="ignore", invalid="ignore"):
+            worst = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(err / tol, nan=np.inf), -1.0)), ref.shape)
+        raise AssertionError(
+            f"{name}{np.count_nonzero(bad)} of {ref.size} entries differ by more than float32_tolerance(k="
+            f"{expected.k}); the worst, at {tuple(int(i) for i in worst)}: got {float(got[worst]):.9g}, expected "
+            f"{float(ref[worst]):.9g}, error {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
+        )
+
+
+def _abs64(a: np.ndarray) -> np.ndarray:
+    return np.abs(np.asarray(a, np.float64))
+
+
+def conv2d_expected(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray,
+    stride: int,
+    padding: int,
+    dy: np.ndarray | None = None,
+    need_dx: bool = True,
+) -> tuple[Any, ...]:
+    """The reference convolution with rigorous bounds: (y,) or, given dy, (y, dx or None, dw, db), each
+    an Expected whose terms are the same op on |x|, |w|, |b|, |dy| in float64, k as in the table above."""
+    f, c, kh, kw = w.shape
+    y, cache = REF.conv2d_forward(x, w, b, stride, padding)
+    y_terms, terms_cache = REF.conv2d_forward(_abs64(x), _abs64(w), _abs64(b), stride, padding)
+    out: list[Any] = [Expected(y, c * kh * kw + 1, y_terms)]
+    if dy is not None:
+        n_sums = dy.shape[0] * dy.shape[2] * dy.shape[3]  # N*OH*OW: dw's and db's reduction
+        dx, dw, db = REF.conv2d_backward(dy, cache, need_dx)
+        dx_terms, dw_terms, db_terms = REF.conv2d_backward(_abs64(dy), terms_cache, need_dx)
+        out.append(Expected(dx, f * kh * kw, dx_terms) if need_dx else None)
+        out += [Expected(dw, n_sums, dw_terms), Expected(db, n_sums, db_terms)]
+    return tuple(out)
+
+
+def linear_expected(x: np.ndarray, w: np.ndarray, b: np.ndarray, dy: np.ndarray | None = None) -> tuple[Expected, ...]:
+    """The reference linear layer with rigorous bounds: (y,) or, given dy, (y, dx, dw, db), as
+    ``conv2d_expected``: y's k is D + 1, dx's M, dw's and db's N."""
+    m, d = w.shape
+    y, cache = REF.linear_forward(x, w, b)
+    y_terms, terms_cache = REF.linear_forward(_abs64(x), _abs64(w), _abs64(b))
+    out = [Expected(y, d + 1, y_terms)]
+    if dy is not None:
+        dx, dw, db = REF.linear_backward(dy, cache)
+        dx_terms, dw_terms, db_terms = REF.linear_backward(_abs64(dy), terms_cache)
+        n = dy.shape[0]
+        out += [Expected(dx, m, dx_terms), Expected(dw, n, dw_terms), Expected(db, n, db_terms)]
+    return tuple(out)
 
 
 def max_error(got: np.ndarray, ref: np.ndarray) -> float:
