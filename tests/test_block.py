@@ -30,6 +30,8 @@ from tinyconv.shard.block import (
 from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.layer import ShardedBlock
 from tinyconv.shard.protocol import VERSION
+from tinyconv.testing import FN, Expected
+from tinyconv.testing import assert_close as within_round_off
 from tinyconv.worker.handler import Worker
 from transports.inproc import InprocTransport
 
@@ -43,10 +45,18 @@ def lrn(size: int) -> dict:
     return {"op": "lrn", "size": size, "alpha": 2.0, "beta": 0.75, "k": 1.0}
 
 
+# float32_tolerance's scale form (see tinyconv.testing), k along the longest path here: a conv of 4
+# channels 3x3 (+ 1 for the bias), the LRNs of 3 and 5 forward (n + 3 + FN) and backward (2n + 7 +
+# 2 FN), the pool's 4 overlaps, dw's 2*8*8 sums; or the fused network's conv1 (3x3x3), LRN and conv2
+# (9x3x3) forward, back through conv2's dx (7x3x3), the 2x2 pool, the LRN to conv1's dw
+K = max(
+    (4 * 9 + 1) + (3 + 3 + FN) + (5 + 3 + FN) + (2 * 3 + 7 + 2 * FN) + (2 * 5 + 7 + 2 * FN) + 4 + 2 * 8 * 8,
+    (3 * 9 + 1) + (5 + 3 + FN) + (9 * 9 + 1) + 7 * 9 + 1 + (2 * 5 + 7 + 2 * FN) + 2 * 8 * 8,
+)
+
+
 def assert_close(got, ref):
-    got = np.asarray(got)
-    err, tol = float(np.abs(got - ref).max()), 1e-5 * float(np.abs(ref).max()) + 1e-7
-    assert got.shape == ref.shape and err <= tol, (got.shape, ref.shape, err, tol)
+    within_round_off(np.asarray(got), Expected(ref, K))
 
 
 def reference(be, x, w, b, tail, g):

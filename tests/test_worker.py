@@ -18,6 +18,7 @@ import pytest
 from backends.numpy_backend import NumpyBackend
 from tinyconv.shard.block import block_forward, halo_span, tail_backward
 from tinyconv.shard.protocol import TASKS, VERSION
+from tinyconv.testing import FN, Expected, assert_close, conv2d_expected
 from tinyconv.worker.handler import STAGES, Worker
 from tinyconv.worker.main import THREAD_ENV_VARS, main
 from transports.base import Handler, Message
@@ -61,18 +62,15 @@ def error_text(reply: Message) -> str:
     return reply.header["message"]
 
 
-def close(got: np.ndarray, ref: np.ndarray) -> None:
-    """Equal to float32 round-off: the same sums, in another order."""
-    assert got.dtype == np.float32 and got.shape == ref.shape
-    err, tol = float(np.abs(got - ref).max()), 1e-5 * float(np.abs(ref).max()) + 1e-7
-    assert err <= tol, (err, tol)
+def close(got: np.ndarray, ref: Expected) -> None:
+    """Equal to float32 round-off: the same sums, in another order (tinyconv.testing's float32_tolerance)."""
+    assert_close(got, ref)
 
 
-def reference(dy: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The reference (y, dx, dw, db) of forward()'s layer from the numpy backend, for gradient dy."""
-    be = NumpyBackend()
-    y, cache = be.conv2d_forward(X, W, B, 1, 1)
-    return (y, *be.conv2d_backward(dy, cache, True))
+def reference(dy: np.ndarray) -> tuple[Expected, ...]:
+    """The reference (y, dx, dw, db) of forward()'s layer from the numpy backend, for gradient dy,
+    with their rigorous bounds."""
+    return conv2d_expected(X, W, B, 1, 1, dy)
 
 
 def ok(worker: Worker, msg: Message) -> dict[str, np.ndarray]:
@@ -105,12 +103,12 @@ def test_block_forward_and_backward_equal_the_backend():
     dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
     y_ref, dx_ref, dw_ref, db_ref = reference(dy)
     worker = Worker(NumpyBackend())
-    np.testing.assert_array_equal(ok(worker, forward(task=11, step=3, layer=2))["y"], y_ref)
+    np.testing.assert_array_equal(ok(worker, forward(task=11, step=3, layer=2))["y"], y_ref.value)
     grads = ok(worker, task("block_backward", {"dy": dy}, task=12, step=3, layer=2))
     assert set(grads) == {"dx", "dw", "db"}
-    np.testing.assert_array_equal(grads["dx"], dx_ref)
-    np.testing.assert_array_equal(grads["dw"], dw_ref)
-    np.testing.assert_array_equal(grads["db"], db_ref)
+    np.testing.assert_array_equal(grads["dx"], dx_ref.value)
+    np.testing.assert_array_equal(grads["dw"], dw_ref.value)
+    np.testing.assert_array_equal(grads["db"], db_ref.value)
     assert worker.layers == {}  # one backward per forward: nothing kept after it
 
 
@@ -158,6 +156,13 @@ def test_two_workers_splitting_the_input_channels_give_the_whole_block_on_their_
     g = rng.standard_normal(y_ref.shape, dtype=np.float32)
     dyc_ref = tail_backward(be, g, cache)  # the conv-output gradient, all 8 kernels
     dx_ref, dw_ref, db_ref = be.conv2d_backward(dyc_ref, cache.conv, True)
+    # float32_tolerance's scale form, k along the path: the conv (5x3x3 + the bias), the LRN forward;
+    # back through it and the pool (no overlaps); then dx (8x3x3) or dw and db (2*8*8 sums)
+    y_k = 5 * 9 + 1 + (3 + 3 + FN)
+    dyc_k = y_k + (2 * 3 + 7 + 2 * FN) + 1
+    y_ref, dyc_ref = Expected(y_ref, y_k), Expected(dyc_ref, dyc_k)
+    dx_ref = Expected(dx_ref, dyc_k + 8 * 9)
+    dw_ref, db_ref = Expected(dw_ref, dyc_k + 2 * 8 * 8), Expected(db_ref, dyc_k + 2 * 8 * 8)
 
     own, channels = [(0, 3), (3, 8)], [(0, 2), (2, 5)]
     halos = [halo_span(s, e, 8, spec) for s, e in own]
@@ -170,7 +175,7 @@ def test_two_workers_splitting_the_input_channels_give_the_whole_block_on_their_
         xc, wc = np.ascontiguousarray(x[:, c0:c1]), np.ascontiguousarray(w[:, c0:c1])
         header = {"halo": [h.start, h.stop], "own": [s - h.start, e - h.start], "give": give[i], "tail": spec}
         p.append(ok(workers[i], partial(x=xc, w=wc, **header)))
-        partial_ref, _ = be.conv2d_forward(xc, wc, np.zeros(8, np.float32), 1, 1)  # no bias
+        (partial_ref,) = conv2d_expected(xc, wc, np.zeros(8, np.float32), 1, 1)  # no bias
         name, ref = ("p_hi", partial_ref[:, 1:]) if i == 0 else ("p_lo", partial_ref[:, :5])
         assert set(p[i]) == {name}
         close(p[i][name], ref)
