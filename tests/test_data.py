@@ -18,6 +18,7 @@ from tinyconv.data import (
     num_batches,
     synthetic_dataset,
 )
+from tinyconv.testing import Expected, assert_close
 
 
 def _images(n: int = 6, c: int = 3, h: int = 8, w: int = 8, seed: int = 0) -> np.ndarray:
@@ -110,7 +111,9 @@ def test_normalizer_matches_the_formula():
     out = Normalizer(mean, std)(x)
     assert out.dtype == np.float32 and out.shape == x.shape
     expected = (x / 255.0 - mean[:, None, None]) / std[:, None, None]
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    # x * scale + shift in float32, scale and shift rounded: k = 3, terms |x * scale| + |shift|
+    terms = (x / 255.0 + mean[:, None, None]) / std[:, None, None]
+    assert_close(out.astype(np.float64), Expected(expected, 3, terms))
 
 
 def test_normalizer_rejects_bad_input():

@@ -23,6 +23,7 @@ from tinyconv.gradcheck import (
 )
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import paper_net
+from tinyconv.testing import FN, Expected, assert_close, conv2d_expected, linear_expected
 
 # A correct float64 backward lands at ~1e-10 (maxpool at ~3e-8: the reference returns its
 # dx in float32, see numpy_backend._max_stage_backward); a wrong one at 1e-2 or more.
@@ -288,7 +289,8 @@ def test_softmax_cross_entropy_gradient(rng):
     assert check_loss(logits, labels) < TOL
     loss, _ = NumpyBackend().softmax_cross_entropy(logits.astype(np.float32), labels)
     p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-    assert loss == pytest.approx(-np.mean(np.log(p[np.arange(5), labels])), rel=1e-5)
+    exact = -np.mean(np.log(p[np.arange(5), labels]))  # float64; the float32 logits are 1 rounding off
+    assert_close(np.asarray(loss), Expected(np.asarray(exact), 1 + 7 + 5 + 3 + 2 * FN))  # k: softmax_ce's
 
 
 # ---------------------------------------------------------------- layers and the whole network
@@ -330,11 +332,11 @@ def test_paper_net_end_to_end(norm, rng):
 # ---------------------------------------------------------------- PyTorch as a second gold (float32)
 
 
-def close(ours: np.ndarray, theirs, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """|ours - theirs| <= atol * max|theirs| + rtol * |theirs| elementwise (summation orders differ)."""
+def close(ours: Expected | np.ndarray, theirs, k: int | None = None) -> None:
+    """torch's result within float32_tolerance of ours (tinyconv.testing; summation orders differ):
+    an Expected's own bound, or the scale form of an array's with k, the op's (0: exact)."""
     theirs = theirs.detach().numpy() if hasattr(theirs, "detach") else np.asarray(theirs)
-    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-    np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol * float(np.abs(theirs).max()) + 1e-30)
+    assert_close(theirs, ours if k is None else Expected(ours, k))
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +358,7 @@ def test_conv2d_matches_torch(stride, padding, torch, rng):
     x, w, b = (rng.standard_normal(s).astype(f32) for s in ((2, 3, 9, 7), (5, 3, 3, 3), (5,)))
     y, cache = NumpyBackend().conv2d_forward(x, w, b, stride, padding)
     dy = rng.standard_normal(y.shape).astype(f32)
-    dx, dw, db = NumpyBackend().conv2d_backward(dy, cache)
+    y, dx, dw, db = conv2d_expected(x, w, b, stride, padding, dy)  # with their rigorous bounds
     tx, tw, tb = t(torch, x), t(torch, w), t(torch, b)
     ty = torch.nn.functional.conv2d(tx, tw, tb, stride=stride, padding=padding)
     ty.backward(torch.from_numpy(dy))
@@ -373,8 +375,8 @@ def test_relu_matches_torch(torch, rng):
     tx = t(torch, x)
     ty = torch.relu(tx)
     ty.backward(torch.from_numpy(dy))
-    close(y, ty)
-    close(NumpyBackend().relu_backward(dy, cache), tx.grad)
+    close(y, ty, 0)
+    close(NumpyBackend().relu_backward(dy, cache), tx.grad, 0)
 
 
 @pytest.mark.parametrize("size", [3, 4, 5])
@@ -387,8 +389,8 @@ def test_lrn_matches_torch(size, alpha, beta, k, torch, rng):
     tx = t(torch, x)
     ty = torch.nn.LocalResponseNorm(size, alpha, beta, k)(tx)
     ty.backward(torch.from_numpy(dy))
-    close(y, ty)
-    close(b.lrn_backward(dy, cache), tx.grad)
+    close(y, ty, size + 3 + FN)
+    close(b.lrn_backward(dy, cache), tx.grad, 2 * size + 7 + 2 * FN)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -405,12 +407,13 @@ def test_batchnorm_matches_torch(training, torch, rng):
     tx, tg, tb = t(torch, x), t(torch, gamma), t(torch, beta)
     ty = torch.nn.functional.batch_norm(tx, trm, trv, tg, tb, training=training, momentum=0.1, eps=1e-5)
     ty.backward(torch.from_numpy(dy))
-    close(y, ty)
-    close(rm, trm)
-    close(rv, trv)
-    close(dx, tx.grad)
-    close(dgamma, tg.grad)
-    close(dbeta, tb.grad)
+    m = 3 * 5 * 3  # N*H*W: the statistics' reduction; the ks of batchnorm (tinyconv.testing)
+    close(y, ty, 2 * m + 8 + 2 * FN)
+    close(rm, trm, 2 * m + 8 + 2 * FN)
+    close(rv, trv, 2 * m + 8 + 2 * FN)
+    close(dx, tx.grad, 3 * m + 14 + 2 * FN)
+    close(dgamma, tg.grad, 3 * m + 10 + 2 * FN)
+    close(dbeta, tb.grad, m)
 
 
 @pytest.mark.parametrize("kernel,stride,padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
@@ -422,8 +425,11 @@ def test_maxpool_matches_torch(kernel, stride, padding, torch, rng):
     tx = t(torch, x)
     ty = torch.nn.functional.max_pool2d(tx, kernel, stride, padding)
     ty.backward(torch.from_numpy(dy))
-    close(y, ty)
-    close(b.maxpool_backward(dy, cache), tx.grad)
+    close(y, ty, 0)
+    # k: the windows that overlap; terms: the same routing of |dy| in float64
+    overlaps = ((kernel + stride - 1) // stride) ** 2
+    terms = b.maxpool_backward(np.abs(dy).astype(np.float64), cache)
+    close(Expected(b.maxpool_backward(dy, cache), overlaps, terms), tx.grad)
 
 
 def with_nans(rng: np.random.Generator, kernel: int, stride: int, padding: int, ties: bool) -> tuple:
@@ -451,7 +457,10 @@ def test_maxpool_with_nans_matches_torch(kernel, stride, padding, ties, torch, r
     ty.backward(torch.from_numpy(dy))
     assert np.isnan(y).any() and not np.isnan(y).all()
     np.testing.assert_array_equal(y, ty.detach().numpy())  # NaN exactly where torch has it, values equal
-    close(b.maxpool_backward(dy, cache), tx.grad)
+    # k: the windows that overlap; terms: the same routing of |dy| in float64
+    overlaps = ((kernel + stride - 1) // stride) ** 2
+    terms = b.maxpool_backward(np.abs(dy).astype(np.float64), cache)
+    close(Expected(b.maxpool_backward(dy, cache), overlaps, terms), tx.grad)
     one = np.zeros_like(dy)
     one[0, 0, 1, 1] = 1.0  # the gradient of the window holding both NaNs alone
     dx = b.maxpool_backward(one, cache)
@@ -471,12 +480,12 @@ def test_batchnorm_refuses_one_value_per_channel_in_training_as_torch_does(torch
     assert np.array_equal(rm, before[0]) and np.array_equal(rv, before[1])  # refused before the update
     y, _ = b.batchnorm_forward(x, gamma, beta, rm, rv, False)  # eval mode takes it
     ty = torch.nn.functional.batch_norm(*args, torch.from_numpy(gamma), torch.from_numpy(beta), training=False)
-    close(y, ty)
+    close(y, ty, 3 + 2 * FN)  # eval: (x - mean) / sqrt(var + eps) * gamma + beta, no reduction
 
 
 def test_lrn_defaults_are_torchs(torch, rng):
     x = (rng.standard_normal((2, 7, 3, 4)) * 10).astype(f32)
-    close(NumpyBackend().lrn_forward(x)[0], torch.nn.LocalResponseNorm(5)(torch.from_numpy(x)))
+    close(NumpyBackend().lrn_forward(x)[0], torch.nn.LocalResponseNorm(5)(torch.from_numpy(x)), 5 + 3 + FN)
 
 
 def test_linear_matches_torch(torch, rng):
@@ -484,7 +493,7 @@ def test_linear_matches_torch(torch, rng):
     b = NumpyBackend()
     y, cache = b.linear_forward(x, w, bias)
     dy = rng.standard_normal(y.shape).astype(f32)
-    dx, dw, db = b.linear_backward(dy, cache)
+    y, dx, dw, db = linear_expected(x, w, bias, dy)  # with their rigorous bounds
     tx, tw, tb = t(torch, x), t(torch, w), t(torch, bias)
     ty = torch.nn.functional.linear(tx.flatten(1), tw, tb)
     ty.backward(torch.from_numpy(dy))
@@ -501,8 +510,9 @@ def test_softmax_cross_entropy_matches_torch(torch, rng):
     tl = t(torch, logits)
     tloss = torch.nn.functional.cross_entropy(tl, torch.from_numpy(labels))
     tloss.backward()
-    assert loss == pytest.approx(tloss.item(), rel=1e-5)
-    close(d, tl.grad)
+    k = 10 + 6 + 3 + 2 * FN  # softmax_ce's: 10 classes, 6 rows
+    close(np.asarray(loss), np.asarray(tloss.item()), k)
+    close(d, tl.grad, k)
 
 
 @pytest.mark.parametrize("momentum,weight_decay", [(0.9, 5e-4), (0.0, 0.0), (0.5, 0.0)])
@@ -516,4 +526,4 @@ def test_sgd_update_matches_torch(momentum, weight_decay, torch, rng):
         NumpyBackend().sgd_update(param, grad, velocity, 0.1, momentum, weight_decay)
         tp.grad = torch.from_numpy(grad.copy())
         opt.step()
-    close(param, tp)
+    close(param, tp, 3 * 6)  # sgd_update's k, 3 steps
