@@ -19,9 +19,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# make test runs the numerics tests (-m numerics, tests/conftest.py) again on two other OpenBLAS
+# kernel sets, AVX2 and SSE3, so that no float comparison holds only on this machine's. A probe asks
+# OpenBLAS which kernels it runs (numpy's OpenBLAS names Prescott's Katmai) and skips a set this CPU
+# cannot run (Haswell's on an x86 without AVX2) or that OpenBLAS does not know (another architecture).
+NUMERICS_CORES := Haswell Prescott
+PROBE := import numpy; a = numpy.ones((8, 8), "f"); a @ a
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+	@for core in $(NUMERICS_CORES); do \
+		said=$$(OPENBLAS_CORETYPE=$$core OPENBLAS_VERBOSE=2 $(PY) -c '$(PROBE)' 2>&1); \
+		case "$$?: $$said" in \
+		0:*"not found"*) echo "skipped OPENBLAS_CORETYPE=$$core: $$said";; \
+		0:*"Core: "*) echo "OPENBLAS_CORETYPE=$$core $(PY) -m pytest -q -m numerics  # OpenBLAS: $$said"; \
+			OPENBLAS_CORETYPE=$$core $(PY) -m pytest -q -m numerics || exit 1;; \
+		*) echo "skipped OPENBLAS_CORETYPE=$$core: OpenBLAS's $$core kernels do not run here ($$said)";; \
+		esac; \
+	done
 
 demo: $(STAMP)
 	$(PY) examples/cifar10_dist.py --transport zmq --backend opencl $(ARGS)

@@ -1,9 +1,33 @@
-"""Shared pytest fixtures. Keep this small: fixtures used by more than one test file only."""
+"""Shared pytest fixtures, and the ``numerics`` marker. Keep this small: what more than one test file uses."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+
+# The files whose float comparisons sum in float32 through BLAS or OpenCL (tinyconv.testing's
+# float32_tolerance): `make test` runs them again under other OpenBLAS kernels (-m numerics).
+NUMERICS = {
+    "test_api.py",
+    "test_block.py",
+    "test_conformance.py",
+    "test_distributed.py",
+    "test_gradcheck.py",
+    "test_opencl.py",
+    "test_teaching_examples.py",
+    "test_tolerance.py",
+    "test_worker.py",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "numerics: float32 comparisons of BLAS and OpenCL sums; make test reruns them")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in NUMERICS:
+            item.add_marker(pytest.mark.numerics)
 
 
 @pytest.fixture
