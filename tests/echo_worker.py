@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -92,6 +93,20 @@ def reap(procs: list[subprocess.Popen]) -> None:
             p.send_signal(signal.SIGCONT)
             p.kill()
         p.communicate(timeout=TIMEOUT)
+
+
+def read_stderr_until(proc: subprocess.Popen, text: str, timeout: float = TIMEOUT) -> str:
+    """Read ``proc``'s stderr until ``text`` appears; return everything read (communicate() gets the rest)."""
+    fd, seen = proc.stderr.fileno(), ""
+    deadline = time.monotonic() + timeout
+    while text not in seen:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"the worker did not say {text!r} within {timeout:g} s; it said {seen!r}"
+        if select.select([fd], [], [], remaining)[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"the worker exited ({proc.wait()}) before saying {text!r}; it said {seen!r}"
+            seen += chunk.decode()
+    return seen
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = TIMEOUT, what: str = "the condition") -> Any:

@@ -44,14 +44,14 @@ class DropLog:
         self._log, self._window_s, self._clock = log, window_s, clock
         self._windows: dict[str, _Window] = {}
         self._lock = threading.Lock()  # drop() may come from another thread than flush()
-        self.totals: dict[str, int] = {}  # every drop since the start, by kind (for tests and curious callers)
+        self._totals: dict[str, int] = {}  # every drop since the start, by kind
 
     def drop(self, kind: str, peer: str, detail: str) -> None:
         """Note one dropped message of ``kind`` (a key of :data:`KINDS`) from ``peer`` (its address, or
         any name for it); ``detail`` says why."""
         one, _ = KINDS[kind]
         with self._lock:
-            self.totals[kind] = self.totals.get(kind, 0) + 1
+            self._totals[kind] = self._totals.get(kind, 0) + 1
             window = self._windows.get(kind)
             if window is None:  # the first in a while: say it now, in full
                 self._windows[kind] = _Window(self._clock())
@@ -65,6 +65,11 @@ class DropLog:
             self._log.warning(
                 "dropped one %s from %s: %s (more are summarised every %g s)", one, peer, detail, self._window_s
             )
+
+    def counts(self) -> dict[str, int]:
+        """Every drop so far, by kind."""
+        with self._lock:
+            return dict(self._totals)
 
     def flush(self) -> None:
         """Log one summary line per kind whose window is over and saw drops after its first line."""

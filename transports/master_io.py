@@ -144,10 +144,7 @@ class MasterIO:
         heartbeats, spot silent workers."""
         now = time.monotonic()
         self.drops.flush()
-        for identity, p in list(self._pending.items()):
-            if now - p.heard > self.peer_timeout_s:
-                del self._pending[identity]
-                log.info("forgot a peer at %s: it said hello, then nothing for %.1f s", p.peer or "?", now - p.heard)
+        self._forget_silent(now)
         with self.book.cond:
             admitting = self.book.admitting
         if admitting and self._pending:
@@ -160,6 +157,15 @@ class MasterIO:
                 self._mark_lost(k, f"silent for {silent:.1f} s (peer timeout {self.peer_timeout_s:g} s)")
             elif now - self._said[k] >= self.heartbeat_s:
                 self._send_to(k, self._heartbeat)
+
+    def _forget_silent(self, now: float) -> None:
+        """A hello followed by silence frees its place: the peer must say hello again."""
+        for identity, p in list(self._pending.items()):
+            silent = now - p.heard
+            if silent > self.peer_timeout_s:
+                del self._pending[identity]
+                where, pid = p.peer or "?", p.hello.header["pid"]
+                log.info("forgot a peer at %s (pid %d): it said hello, then nothing for %.1f s", where, pid, silent)
 
     # ---- sending ----------------------------------------------------------------------
     def _flush_outbox(self) -> None:
@@ -294,6 +300,8 @@ class MasterIO:
         if admitting:
             self._admit(identity, msg, peer)
         elif identity in self._pending or len(self._pending) < MAX_PENDING:
+            if identity not in self._pending:
+                log.debug("holding the hello of a worker at %s (pid %d) until start()", peer or "?", msg.header["pid"])
             self._pending[identity] = _Pending(msg, peer, time.monotonic())
         else:
             self.drops.drop("crowd", _label(peer, identity), f"{MAX_PENDING} peers already wait for start()")

@@ -144,6 +144,8 @@ class ZmqTransport(Transport):
         deadline = time.monotonic() + timeout
         with book.cond:
             while True:
+                if self._closed:
+                    raise RuntimeError("the transport was closed while start() waited for workers")
                 if book.failure is not None:
                     raise RuntimeError(f"the zmq transport's I/O thread failed: {book.failure!r}") from book.failure
                 live = [w for w in book.fresh if w.index not in book.lost]
@@ -209,6 +211,11 @@ class ZmqTransport(Transport):
         if failure is not None:
             raise RuntimeError(f"the zmq transport's I/O thread failed: {failure!r}") from failure
 
+    def dropped(self) -> dict[str, int]:
+        """How many messages the master dropped since it was made, by kind (see transports.droplog.KINDS):
+        from peers that were not workers, or from workers declared lost."""
+        return self._io.drops.counts()
+
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Bytes (sent to, received from) each worker, all frames including heartbeats."""
         with self._book.cond:
@@ -220,6 +227,7 @@ class ZmqTransport(Transport):
             if self._closed:
                 return
             self._closed = True
+            self._book.cond.notify_all()  # a start() still waiting gives up
         self._io.stop.set()
         self._wakeup.wake()
         self._thread.join(timeout=_JOIN_TIMEOUT_S)
