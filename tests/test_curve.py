@@ -64,7 +64,7 @@ def test_key_files_are_checked_with_clear_errors(tmp_path):
         CurveServer(secret, empty)
     with pytest.raises(ValueError, match="cannot read the authorised worker keys"):
         CurveServer(secret, tmp_path / "missing")
-    with pytest.raises(ValueError, match="cannot read a CURVE key from .*tinyconv keygen"):
+    with pytest.raises(ValueError, match="cannot read a CURVE key from .*`keygen` command"):
         CurveClient(tmp_path / "missing.key_secret", public)
     (tmp_path / "bad.key_secret").write_text('curve\n    public-key = "short"\n    secret-key = "short"\n')
     with pytest.raises(ValueError, match="malformed key"):
@@ -99,7 +99,7 @@ def test_a_public_bind_without_keys_is_refused_unless_insecure(tmp_path):
     text = str(info.value)
     assert text.startswith("binding tcp://*:0 without CURVE keys would let any process")
     assert "training batches and weights" in text and "poisoned results" in text
-    assert "tinyconv keygen" in text and "insecure=True (--insecure)" in text
+    assert "`keygen` command" in text and "insecure=True (--insecure)" in text
     with ZmqTransport(bind="tcp://0.0.0.0:0", protocol=PROTOCOL, insecure=True) as t:  # the risk, accepted
         assert not t.secured
     server, _, _ = local_keys(tmp_path)

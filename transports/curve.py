@@ -1,6 +1,6 @@
 """CURVE: who may be a worker, and nobody else reads the traffic. All crypto is ZeroMQ's (``zmq.auth``).
 
-Each side has a key pair, two files made by :func:`generate_keys` (``tinyconv keygen``):
+Each side has a key pair, two files made by :func:`generate_keys` (the command line's ``keygen``):
 ``NAME.key`` holds the public key and may be shown to anyone; ``NAME.key_secret`` holds
 both keys and must stay private (mode 0600). The master runs a :class:`CurveServer` with
 its secret file and a directory of the workers' public files, the only keys it admits;
@@ -67,7 +67,8 @@ def _load_key_file(path: PathLike, secret: bool) -> tuple[bytes, bytes | None]:
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read a CURVE key from {path}: {e}; make key files with `tinyconv keygen`") from e
+        hint = "make key files with the `keygen` command (transports.curve.generate_keys)"
+        raise ValueError(f"cannot read a CURVE key from {path}: {e}; {hint}") from e
     if secret and secret_key is None:
         raise ValueError(f"{path} holds no secret key; pass the NAME.key_secret file, not the public NAME.key")
     for key in (public, secret_key):

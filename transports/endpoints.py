@@ -37,8 +37,9 @@ def check_exposure(bind: str, secured: bool, insecure: bool) -> None:
     raise ValueError(
         f"binding {bind} without CURVE keys would let any process that reaches this machine become a "
         "worker: it would take a worker slot, receive the training batches and weights, and could return "
-        "poisoned results. Create keys with `tinyconv keygen` and pass them (curve=CurveServer(...)), "
-        "bind a loopback address (tcp://127.0.0.1:5555), or pass insecure=True (--insecure) to accept the risk"
+        "poisoned results. Create keys with the `keygen` command (transports.curve.generate_keys) and pass "
+        "them (curve=CurveServer(...)), bind a loopback address (tcp://127.0.0.1:5555), or pass insecure=True "
+        "(--insecure) to accept the risk"
     )
 
 

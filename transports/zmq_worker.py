@@ -56,7 +56,7 @@ _HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _HANDSHAKE_ATTEMPTS = 3  # failed handshakes in a row without a reason that settles it, before giving up
-_KEYS_HINT = "its secret key and the master's public key (see `tinyconv keygen`)"
+_KEYS_HINT = "its secret key and the master's public key (see the `keygen` command)"
 _WATCHED = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
