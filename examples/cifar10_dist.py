@@ -173,6 +173,25 @@ def _workers(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for every worker's hello (default 60; 600 with --external-workers); a local "
         "worker that fails ends the wait at once, with its own message",
     )
+    g.add_argument(
+        "--peer-timeout",
+        type=POSITIVE,
+        default=5.0,
+        help="a worker silent this many seconds is lost, and its share goes to the others; the workers give "
+        "the master as long (default %(default)s)",
+    )
+    g.add_argument(
+        "--key",
+        metavar="FILE",
+        help="zmq: the master's secret key file (NAME.key_secret from `tinyconv keygen`), with --authorized-keys: "
+        "only workers with those keys can join, and the traffic is encrypted (needed to bind beyond loopback)",
+    )
+    g.add_argument("--authorized-keys", metavar="DIR", help="zmq: the folder of the workers' public keys (NAME.key)")
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="zmq: bind beyond loopback without keys: anyone who can reach the port can join as a worker",
+    )
 
 
 def _split(p: argparse.ArgumentParser) -> None:
@@ -410,6 +429,11 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Non
         external=args.external_workers,
         worker_threads=args.worker_threads,
         start_timeout=args.start_timeout or (600.0 if args.external_workers else 60.0),
+        peer_timeout=args.peer_timeout,
+        key=args.key,
+        authorized_keys=args.authorized_keys,
+        insecure=args.insecure,
+        batch_size=args.batch_size,
         calibrate=False,  # below, once the workers are printed and the run recorded
         master_share=args.master_share,
         rebalance=args.rebalance == "on",

@@ -4,6 +4,7 @@
     tinyconv devices                                           # backends and OpenCL devices seen here
     tinyconv conformance --backend NAME                        # check a backend op by op against numpy
     tinyconv plot run.jsonl -o plots/                          # loss/accuracy and comm/conv/comp charts
+    tinyconv keygen keys/ --name laptop1                       # a CURVE key pair for a master or a worker
 
 Training itself is ``python examples/cifar10_dist.py``. Nothing heavy is imported
 before the subcommand is known: ``worker --threads`` must set BLAS thread counts
@@ -21,6 +22,7 @@ COMMANDS = {
     "backends": "the same as devices",
     "conformance": "run the backend conformance suite (see `tinyconv conformance --help`)",
     "plot": "draw charts from a metrics file (see `tinyconv plot --help`)",
+    "keygen": "write a CURVE key pair, NAME.key (public) and NAME.key_secret (see `tinyconv keygen --help`)",
 }
 
 
@@ -56,6 +58,30 @@ def devices() -> int:
     return 0
 
 
+def keygen(argv: Sequence[str]) -> int:
+    """``tinyconv keygen DIR --name NAME``: a key pair for the master or a worker, never over an old one."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="tinyconv keygen",
+        description="Write a CURVE key pair: DIR/NAME.key, the public key to hand out (a worker's goes into "
+        "the master's --authorized-keys folder, the master's to every worker's --master-key), and "
+        "DIR/NAME.key_secret, which stays on this machine (mode 0600).",
+    )
+    p.add_argument("directory", help="where to write the two files (made if missing)")
+    p.add_argument("--name", default="tinyconv", help="the files' name (default %(default)s)")
+    args = p.parse_args(argv)
+    from transports.curve import generate_keys
+
+    try:
+        public, secret = generate_keys(args.directory, args.name)
+    except (OSError, ValueError) as e:
+        print(f"tinyconv keygen: {e}", file=sys.stderr)
+        return 1
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -72,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tinyconv.testing import main as conformance_main
 
         return conformance_main(rest)
+    if command == "keygen":
+        return keygen(rest)
     if command == "plot":
         from tinyconv.plot import main as plot_main
 

@@ -22,20 +22,25 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
+from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network
 from tinyconv.plugins import get_backend, get_transport
 from tinyconv.shard.cluster import Cluster
-from tinyconv.shard.protocol import VERSION
+from tinyconv.shard.protocol import VERSION, message_cap_bytes
 from tinyconv.worker.handler import Worker
 from transports.base import Transport, WorkerInfo
-from transports.zmq_master import connect_hint
+from transports.curve import CurveServer, KeyFiles, local_keys
+from transports.endpoints import connect_hint, is_local
+from transports.wire import DEFAULT_MAX_BYTES
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"
 LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this process starts
@@ -53,6 +58,10 @@ def distribute(
     external: bool = False,
     worker_threads: int | None = None,
     start_timeout: float = 60.0,
+    peer_timeout: float = 5.0,
+    key: str | None = None,
+    authorized_keys: str | None = None,
+    insecure: bool = False,
     batch_size: int = 64,
     image_size: int = 32,
     calibrate: bool = True,
@@ -64,6 +73,8 @@ def distribute(
 
     ``worker_backend`` defaults to the master's. ``calibrate``: time everyone on ``batch_size``
     images of ``image_size`` pixels and split by eq. 1; otherwise start from an equal split.
+    A message may carry no more than the largest the layers' shapes at ``batch_size`` call for.
+    ``peer_timeout``, ``key``, ``authorized_keys``, ``insecure``: see :func:`worker_pool`.
     ``options`` go to :class:`Cluster` (master_share, split, fuse, rebalance, rebalancer,
     recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
     """
@@ -79,6 +90,11 @@ def distribute(
                 external=external,
                 worker_threads=worker_threads,
                 start_timeout=start_timeout,
+                peer_timeout=peer_timeout,
+                key=key,
+                authorized_keys=authorized_keys,
+                insecure=insecure,
+                max_message_bytes=message_cap(net, batch_size, image_size),  # checked before arrays are built
                 announce=announce,
             )
         )
@@ -94,6 +110,20 @@ def distribute(
     return cluster
 
 
+def message_cap(net: Network, batch_size: int, image_size: int) -> int:
+    """The most bytes a task or result of ``net``'s convolutions may carry at ``batch_size``."""
+    shape: tuple[int, ...] = (batch_size, 0, image_size, image_size)
+    convs = []
+    for layer in net.layers:
+        if isinstance(layer, Linear):
+            break
+        if isinstance(layer, Conv2D):
+            shape = (shape[0], layer.in_channels, *shape[2:])
+            convs.append((shape, layer.output_shape(shape), tuple(layer.params["w"].shape)))
+        shape = layer.output_shape(shape)
+    return message_cap_bytes(convs)
+
+
 @contextmanager
 def worker_pool(
     transport: str,
@@ -104,7 +134,11 @@ def worker_pool(
     external: bool = False,
     worker_threads: int | None = None,
     start_timeout: float = 60.0,
-    peer_timeout: float = 30.0,
+    peer_timeout: float = 5.0,
+    key: str | None = None,
+    authorized_keys: str | None = None,
+    insecure: bool = False,
+    max_message_bytes: int = DEFAULT_MAX_BYTES,
     announce: Callable[[str], None] = print,
 ) -> Iterator[tuple[Transport, list[WorkerInfo]]]:
     """Yield (transport, the workers' hellos) for ``n_workers`` >= 1 workers.
@@ -113,11 +147,19 @@ def worker_pool(
     Any other (zmq, or one registered by another package): the master binds ``bind``
     (default: a free loopback port for local workers, ``tcp://*:5555`` with ``external``);
     without ``external`` it starts ``n_workers`` worker processes here, with ``external`` it
-    announces the command to run on the other machines and waits for them.
+    announces the command to run on the other machines and waits for them. A peer silent for
+    ``peer_timeout`` seconds is gone (on both sides).
+
+    Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``), the
+    master's secret ``key`` file and the folder of the workers' public keys,
+    ``authorized_keys``, unless ``insecure``; local worker processes on such a bind get a
+    fresh key pair of their own. On loopback nothing else can reach the master: no keys, and
+    none of their cost (encrypting a message takes about 4 times as long as sending it).
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
     device = {"device": worker_device} if worker_device else {}
+    stack, keys = ExitStack(), None  # the temporary key folder of local workers, if any
     if transport == "inproc":
         if external:
             raise ValueError("--external-workers needs --transport zmq: in-process workers are threads here")
@@ -125,16 +167,19 @@ def worker_pool(
         pool = get_transport("inproc", handler_factory=factory, protocol=VERSION)
     else:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
-        pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION)
+        keys = _keys(address, external, key, authorized_keys, stack)
+        options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes}
+        pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
     procs: list[subprocess.Popen] = []
     command = ""  # how a worker joins this master, for the messages
     try:
         if transport != "inproc":
-            command = f"tinyconv worker --connect {connect_hint(pool.bound_address)} --backend {worker_backend}"
+            command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external)
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
         elif transport != "inproc":
             extra = (["--device", worker_device] if worker_device else []) + ["--timeout", str(peer_timeout)]
+            extra += ["--key", keys[1].worker_secret, "--master-key", keys[1].server_public] if keys else []
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
             procs = spawn_local_workers(
                 n_workers, connect, worker_backend, extra, worker_threads, stderr=subprocess.PIPE
@@ -142,10 +187,36 @@ def worker_pool(
         yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
+        stack.close()
         if procs:
             codes = stop_workers(procs)
             if any(c not in (0, None) for c in codes):
                 print(f"note: local workers exited with codes {codes}", file=sys.stderr)
+
+
+def _keys(
+    bind: str, external: bool, key: str | None, authorized: str | None, stack: ExitStack
+) -> tuple[CurveServer, KeyFiles | None] | None:
+    """The CURVE keys of a master at ``bind``: the user's (``key``, ``authorized``), or, for local
+    workers on a bind beyond loopback, a fresh pair in a private temporary folder (removed by
+    ``stack``); None on loopback without keys."""
+    if (key is None) != (authorized is None):
+        raise ValueError("--key and --authorized-keys go together: the master's secret key, its workers' public keys")
+    if key is not None:
+        return CurveServer(key, authorized), None
+    if external or is_local(bind):
+        return None
+    server, _, files = local_keys(stack.enter_context(tempfile.TemporaryDirectory(prefix="tinyconv-keys-")))
+    return server, files
+
+
+def _worker_command(connect: str, backend: str, keys: tuple | None, external: bool) -> str:
+    """How a worker joins: the command to run on its machine."""
+    command = f"tinyconv worker --connect {connect} --backend {backend}"
+    if keys and external:
+        master_public = str(Path(keys[0].secret_key_file).with_suffix(".key"))
+        command += f" --key <its NAME.key_secret> --master-key {master_public}"
+    return command
 
 
 def _handshake(

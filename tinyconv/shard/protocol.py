@@ -40,6 +40,7 @@ business (``tinyconv/worker/handler.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from transports.base import Message
@@ -86,6 +87,15 @@ RESULT_ARRAYS: dict[str, frozenset[str]] = {
 }
 RESULT = {"task": Int, "compute_s": Num}
 CALIBRATE_RESULT = {**RESULT, "times": list}
+
+
+def message_cap_bytes(convs: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]) -> int:
+    """The most bytes one task or result of these convolutions may carry, each given as its shapes
+    (x (N, C, H, W), its output (N, F, OH, OW), w (F, C, K, K)): no message above holds more than one
+    layer's x, two of its conv outputs (p_lo and p_hi may overlap), its weights and biases together
+    (the tails only shrink the maps, the halos only widen a slice to at most F); at least 1 MiB."""
+    biggest = max((math.prod(x) + 2 * math.prod(y) + math.prod(w) + w[0] for x, y, w in convs), default=0)
+    return max(1 << 20, 4 * biggest)
 
 
 def check_task(msg: Message) -> Schema:

@@ -1,6 +1,12 @@
 """``tinyconv worker``: serve a master's tasks until it says the training is over.
 
     tinyconv worker --connect tcp://HOST:5555 --backend opencl --device 0:1
+    tinyconv worker --connect tcp://HOST:5555 --key me.key_secret --master-key master.key --serve
+
+A worker that loses its master (a restart, a network hiccup) looks for it again for
+``--retry-for`` seconds; with ``--serve`` it also stays up after a run and waits for the next
+master. With ``--key`` and ``--master-key`` (files from ``tinyconv keygen``) it talks CURVE:
+authenticated and encrypted, as a master bound beyond loopback requires.
 
 ``--threads N`` limits BLAS / OpenMP threads through environment variables, which those
 libraries read once, when numpy is first imported. So this launcher parses its arguments
@@ -82,10 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         type=_positive(float),
-        default=10.0,
+        default=5.0,
         metavar="S",
-        help="exit when the master has been silent for S seconds (default: 10)",
+        help="the master is gone when it has been silent for S seconds (default: 5)",
     )
+    p.add_argument(
+        "--retry-for",
+        type=_positive(float),
+        default=600.0,
+        metavar="S",
+        help="after losing the master, look for it again (with backoff) for S seconds before exiting (default: 600)",
+    )
+    p.add_argument("--serve", action="store_true", help="stay up after a run ('train over') and serve the next master")
+    p.add_argument("--key", metavar="FILE", help="this worker's secret key file (NAME.key_secret from tinyconv keygen)")
+    p.add_argument("--master-key", metavar="FILE", help="the master's public key file (NAME.key), with --key")
     p.add_argument(
         "--connect-timeout",
         type=_positive(float),
@@ -134,9 +150,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tinyconv.plugins import get_backend
     from tinyconv.worker.handler import Worker
+    from transports.curve import CurveClient
     from transports.zmq_worker import serve
 
     options = {"device": args.device} if args.device else {}
+    try:
+        if (args.key is None) != (args.master_key is None):
+            raise ValueError("--key and --master-key go together: this worker's secret key and the master's public key")
+        curve = CurveClient(args.key, args.master_key) if args.key else None
+    except ValueError as e:  # keys that do not load
+        print(f"tinyconv worker: {e}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         backend = get_backend(args.backend, **options)
     except Exception as e:  # unknown name, missing driver, no such device: one line, no traceback
@@ -150,4 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         welcome_timeout_s=args.connect_timeout,
         log_line=lambda line: print(f"tinyconv worker: {line}", file=sys.stderr, flush=True),
         quiet=args.quiet,
+        curve=curve,
+        retry_for=args.retry_for,
+        forever=args.serve,
     )
