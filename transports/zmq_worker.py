@@ -267,6 +267,7 @@ class _Search:
         self.sock, self.monitor, self.hello, self.setup = sock, monitor, hello, setup
         self.heartbeat = wire.encode(Message("heartbeat"))
         self.connected = False
+        self.next_hello = 0.0
         self.failed_handshakes = 0
         self.said_hello = False
         self.last_sent = 0.0
@@ -276,7 +277,7 @@ class _Search:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        delay, next_hello = BACKOFF_FIRST_S, time.monotonic()
+        delay, self.next_hello = BACKOFF_FIRST_S, time.monotonic()
         while True:
             if self.setup.stopped():
                 return EXIT_INTERRUPTED
@@ -284,15 +285,15 @@ class _Search:
             if deadline is not None and now >= deadline:
                 self.setup.log_line(giving_up)
                 return EXIT_FAILED
-            if now >= next_hello:
+            if now >= self.next_hello:
                 if self._send(self.hello):
                     self.said_hello = True
-                    next_hello, delay = now + delay, min(2 * delay, BACKOFF_MAX_S)
+                    self.next_hello, delay = now + delay, min(2 * delay, BACKOFF_MAX_S)
                 else:  # no finished handshake yet: try again soon, zmq's reconnects do the backing off
-                    next_hello = now + _POLL_SLICE_S
+                    self.next_hello = now + _POLL_SLICE_S
             elif self.said_hello and now - self.last_sent >= self.setup.heartbeat_s:
                 self._send(self.heartbeat)
-            wait = min(next_hello - now, self.setup.heartbeat_s, _POLL_SLICE_S)
+            wait = min(self.next_hello - now, self.setup.heartbeat_s, _POLL_SLICE_S)
             if deadline is not None:
                 wait = min(wait, deadline - now)
             ready = dict(poller.poll(max(1, int(wait * 1000))))
@@ -318,6 +319,7 @@ class _Search:
     def _on_event(self, event: dict) -> int | None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected, self.failed_handshakes = True, 0
+            self.next_hello = time.monotonic()  # a new connection, perhaps a new master: hello at once
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self.connected = False
         else:
