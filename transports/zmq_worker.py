@@ -84,14 +84,14 @@ def serve(
     handler: Handler,
     heartbeat_s: float = 1.0,
     peer_timeout_s: float = 5.0,
-    welcome_timeout_s: float = 60.0,
+    welcome_timeout_s: float | None = 60.0,
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
     stop: threading.Event | None = None,
     log_line: Callable[[str], None] = _stderr,
     quiet: bool = False,
     *,
     curve: CurveClient | None = None,
-    retry_for: float = 600.0,
+    retry_for: float | None = 600.0,
     forever: bool = False,
 ) -> int:
     """Serve ``handler`` to the master at ``connect``, and to the masters after it; return an exit code.
@@ -102,8 +102,9 @@ def serve(
     pace), also while a task computes. A master silent for ``peer_timeout_s`` is
     lost: the worker says hello again, with backoff, until ``retry_for`` seconds have
     passed (0: exit at once). After the master's shutdown it returns, or with
-    ``forever`` waits for the next master with no time limit. ``curve`` authenticates
-    and encrypts (:class:`~transports.curve.CurveClient`).
+    ``forever`` waits for the next master with no time limit. ``welcome_timeout_s`` and
+    ``retry_for`` may be None (or infinite): no limit. ``curve`` authenticates and
+    encrypts (:class:`~transports.curve.CurveClient`).
 
     Returns :data:`EXIT_OK` on shutdown; :data:`EXIT_FAILED` when refused (another
     version, or a key the master does not know), never welcomed, or when no master
@@ -113,6 +114,8 @@ def serve(
     """
     if curve is not None and not isinstance(curve, CurveClient):
         raise TypeError(f"curve must be a transports.curve.CurveClient, got {type(curve).__name__}")
+    welcome_timeout_s = math.inf if welcome_timeout_s is None else float(welcome_timeout_s)
+    retry_for = math.inf if retry_for is None else float(retry_for)
     info: Callable[[str], None] = (lambda line: None) if quiet else log_line
     setup = _Setup(connect, heartbeat_s, peer_timeout_s, int(max_message_bytes), stop, log_line, info, curve)
     ctx = zmq.Context()
@@ -129,8 +132,8 @@ def serve(
         wakeup.close()
 
 
-def _deadline(seconds: float | None) -> float | None:
-    if seconds is None or math.isinf(seconds):
+def _deadline(seconds: float) -> float | None:
+    if math.isinf(seconds):
         return None
     return time.monotonic() + max(0.0, seconds)
 
