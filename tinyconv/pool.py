@@ -169,6 +169,13 @@ def worker_pool(
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, stack)
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes}
+        if not (keys or insecure or is_local(address)):
+            raise ValueError(
+                f"binding {address} without keys would let any process that reaches this machine join as a worker, "
+                "read the batches and weights and send poisoned results: make key pairs with `tinyconv keygen` and "
+                "give --key and --authorized-keys (README, 'Across machines'), bind a loopback address, or accept "
+                "the risk with --insecure"
+            )
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
     procs: list[subprocess.Popen] = []
     command = ""  # how a worker joins this master, for the messages
@@ -178,7 +185,9 @@ def worker_pool(
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
         elif transport != "inproc":
+            # a local worker outlives its master no longer than one more peer timeout
             extra = (["--device", worker_device] if worker_device else []) + ["--timeout", str(peer_timeout)]
+            extra += ["--retry-for", str(peer_timeout)]
             extra += ["--key", keys[1].worker_secret, "--master-key", keys[1].server_public] if keys else []
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
             procs = spawn_local_workers(
@@ -319,8 +328,8 @@ def spawn_local_workers(
 ) -> list[subprocess.Popen]:
     """Start ``n`` worker processes on this machine that connect to ``connect``.
 
-    They stay in this process's group, so a Ctrl-C reaches them too; and each exits on
-    its own within its ``--timeout`` if this process dies. Stop them with
+    They stay in this process's group, so a Ctrl-C reaches them too; and each exits on its own
+    within its ``--timeout`` and ``--retry-for`` (see :func:`worker_pool`) if this process dies. Stop them with
     :func:`stop_workers` after closing the transport. ``stderr``: theirs (default: this
     process's; ``subprocess.PIPE`` for a pipe that the caller must read).
     """

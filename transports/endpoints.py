@@ -44,14 +44,29 @@ def check_exposure(bind: str, secured: bool, insecure: bool) -> None:
 
 
 def connect_hint(endpoint: str) -> str:
-    """The address a worker should connect to, given what the master bound.
+    """The address a worker on another machine should connect to, given what the master bound.
 
-    ``tcp://0.0.0.0:5555`` (a wildcard bind) becomes ``tcp://<this host's name>:5555``.
+    A wildcard bind (``tcp://0.0.0.0:5555``, ``tcp://*:5555``) becomes this machine's address on
+    its default route (``tcp://192.168.1.20:5555``), which other machines of its network can
+    reach; its host name may resolve to 127.0.0.1 elsewhere, or not at all. Without a route
+    (an offline machine), the host name.
     """
     parts = urlsplit(endpoint)
     if parts.scheme == "tcp" and parts.hostname in _WILDCARDS:
-        return f"tcp://{socket.gethostname()}:{parts.port}"
+        return f"tcp://{_routed_address() or socket.gethostname()}:{parts.port}"
     return endpoint
+
+
+def _routed_address() -> str | None:
+    """This machine's IPv4 address on its default route, or None. A UDP socket's connect picks
+    the route and the source address without sending anything."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): never answered, only routed
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
 def peer_address(frame: Any) -> str:
