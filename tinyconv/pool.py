@@ -158,24 +158,17 @@ def worker_pool(
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
-    device = {"device": worker_device} if worker_device else {}
     stack, keys = ExitStack(), None  # the temporary key folder of local workers, if any
     if transport == "inproc":
         if external:
             raise ValueError("--external-workers needs --transport zmq: in-process workers are threads here")
+        device = {"device": worker_device} if worker_device else {}
         factory = lambda i: Worker(get_backend(worker_backend, **device))  # noqa: E731
         pool = get_transport("inproc", handler_factory=factory, protocol=VERSION)
     else:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
-        keys = _keys(address, external, key, authorized_keys, stack)
+        keys = _keys(address, external, key, authorized_keys, insecure, stack)
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes}
-        if not (keys or insecure or is_local(address)):
-            raise ValueError(
-                f"binding {address} without keys would let any process that reaches this machine join as a worker, "
-                "read the batches and weights and send poisoned results: make key pairs with `tinyconv keygen` and "
-                "give --key and --authorized-keys (README, 'Across machines'), bind a loopback address, or accept "
-                "the risk with --insecure"
-            )
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
     procs: list[subprocess.Popen] = []
     command = ""  # how a worker joins this master, for the messages
@@ -185,10 +178,7 @@ def worker_pool(
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
         elif transport != "inproc":
-            # a local worker outlives its master no longer than one more peer timeout
-            extra = (["--device", worker_device] if worker_device else []) + ["--timeout", str(peer_timeout)]
-            extra += ["--retry-for", str(peer_timeout)]
-            extra += ["--key", keys[1].worker_secret, "--master-key", keys[1].server_public] if keys else []
+            extra = _local_worker_args(worker_device, peer_timeout, keys)
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
             procs = spawn_local_workers(
                 n_workers, connect, worker_backend, extra, worker_threads, stderr=subprocess.PIPE
@@ -203,17 +193,34 @@ def worker_pool(
                 print(f"note: local workers exited with codes {codes}", file=sys.stderr)
 
 
+def _local_worker_args(device: str | None, peer_timeout: float, keys: tuple | None) -> list[str]:
+    """The options of a local worker process: its device, its timeouts, its keys if the bind needs them.
+    It outlives a master that dies by no more than one more peer timeout."""
+    args = (["--device", device] if device else []) + ["--timeout", str(peer_timeout)]
+    args += ["--retry-for", str(peer_timeout)]
+    return args + (["--key", keys[1].worker_secret, "--master-key", keys[1].server_public] if keys else [])
+
+
 def _keys(
-    bind: str, external: bool, key: str | None, authorized: str | None, stack: ExitStack
+    bind: str, external: bool, key: str | None, authorized: str | None, insecure: bool, stack: ExitStack
 ) -> tuple[CurveServer, KeyFiles | None] | None:
-    """The CURVE keys of a master at ``bind``: the user's (``key``, ``authorized``), or, for local
-    workers on a bind beyond loopback, a fresh pair in a private temporary folder (removed by
-    ``stack``); None on loopback without keys."""
+    """The CURVE keys of a master at ``bind``: for external workers the user's (``key``,
+    ``authorized``), for local workers on a bind beyond loopback a fresh pair in a private
+    temporary folder (removed by ``stack``); None on loopback, or with ``insecure``."""
     if (key is None) != (authorized is None):
         raise ValueError("--key and --authorized-keys go together: the master's secret key, its workers' public keys")
+    if key is not None and not external:
+        raise ValueError("--key and --authorized-keys are for --external-workers: local workers get keys of their own")
     if key is not None:
         return CurveServer(key, authorized), None
-    if external or is_local(bind):
+    if external and not (insecure or is_local(bind)):
+        raise ValueError(
+            f"binding {bind} without keys would let any process that reaches this machine join as a worker, "
+            "read the batches and weights and send poisoned results: make key pairs with `tinyconv keygen` and "
+            "give --key and --authorized-keys (README, 'Across machines'), bind a loopback address, or accept "
+            "the risk with --insecure"
+        )
+    if external or insecure or is_local(bind):
         return None
     server, _, files = local_keys(stack.enter_context(tempfile.TemporaryDirectory(prefix="tinyconv-keys-")))
     return server, files
