@@ -51,6 +51,7 @@ import numpy as np
 
 from backends.base import Array, Backend, conv_output_size
 from tinyconv.layers import LocalResponseNorm, MaxPool2D, ReLU
+from transports.wire import Int, Num
 
 TAIL_OPS = {  # op -> its parameters and their types
     "relu": {},
@@ -94,8 +95,7 @@ def check_tail(tail: Any) -> list[dict[str, Any]]:
             raise ValueError(f"tail[{i}] ({spec['op']}) needs exactly the keys {sorted(params)}, got {sorted(spec)}")
         for key, kind in params.items():
             v = spec[key]
-            ok = isinstance(v, int) and not isinstance(v, bool) if kind is int else isinstance(v, (int, float))
-            if not ok or isinstance(v, bool):
+            if not (Int.accepts(v) if kind is int else Num.accepts(v)):
                 raise ValueError(f"tail[{i}].{key} must be a{'n int' if kind is int else ' number'}, got {v!r}")
         if spec["op"] == "lrn" and not (1 <= spec["size"] <= 64 and spec["k"] > 0 and spec["beta"] >= 0):
             raise ValueError(f"tail[{i}]: lrn needs 1 <= size <= 64, k > 0, beta >= 0, got {spec}")

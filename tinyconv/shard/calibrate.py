@@ -29,6 +29,7 @@ from tinyconv.shard.block import block_backward, block_forward, check_tail, tail
 from tinyconv.shard.protocol import TaskError
 from tinyconv.shard.rpc import Rpc
 from transports.base import Message
+from transports.wire import Int
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,6 @@ class Spec:
         return c * kh * kw * n * oh * ow + 2 * math.prod(self.x) + math.prod(self.w) + 6 * n * f * oh * ow
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
 
 def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
     """Layer spec ``i`` of a calibrate task, checked; a TaskError naming what is wrong."""
@@ -73,9 +71,9 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
         )
     for name in ("x", "w"):
         shape = spec[name]
-        if not (isinstance(shape, list) and len(shape) == 4 and all(_is_int(s) and s > 0 for s in shape)):
+        if not (isinstance(shape, list) and len(shape) == 4 and all(Int.accepts(s) and s > 0 for s in shape)):
             raise TaskError(f"layers[{i}].{name} must be 4 positive ints, got {shape!r:.100}")
-    if not (all(_is_int(spec[k]) for k in ("layer", "stride", "padding")) and isinstance(spec["need_dx"], bool)):
+    if not (all(Int.accepts(spec[k]) for k in ("layer", "stride", "padding")) and isinstance(spec["need_dx"], bool)):
         raise TaskError(f"layers[{i}]: layer, stride, padding must be ints and need_dx a bool")
     if spec["x"][1] != spec["w"][1] or spec["stride"] < 1 or spec["padding"] < 0:
         raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C, stride >= 1, padding >= 0")

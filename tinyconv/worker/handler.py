@@ -46,7 +46,7 @@ from tinyconv.shard.block import tail_forward as run_tail
 from tinyconv.shard.calibrate import parse_spec, time_block
 from tinyconv.shard.protocol import VERSION, TaskError, check_task
 from transports.base import Message
-from transports.wire import error_reply
+from transports.wire import Int, error_reply
 
 DEFAULT_MAX_CALIBRATE_BYTES = 1 << 31  # 500:1500 with its tail at batch 64 needs about 1.6 GB
 
@@ -207,7 +207,7 @@ class Worker:
         cs, ce = _span(h, "halo", f)
         own = _span(h, "own", ce - cs)
         give = h["give"]
-        if not (isinstance(give, list) and len(give) == 2 and all(_is_int(v) and 0 <= v <= f for v in give)):
+        if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
             raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
         lo_end, hi_start = give
         be = self.backend
@@ -295,13 +295,10 @@ class Worker:
         return compute_s * self.slowdown
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
 
 def _span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
     """Header ``key``, a non-empty range [a, b] with 0 <= a < b <= limit, as a tuple."""
     v = h[key]
-    if not (isinstance(v, list) and len(v) == 2 and all(_is_int(i) for i in v) and 0 <= v[0] < v[1] <= limit):
+    if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):
         raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
     return v[0], v[1]
