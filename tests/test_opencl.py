@@ -160,7 +160,8 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     tuner("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
     check(be, c_d, gemm_expected(a, b))
     saved = json.loads(tune_file.read_text())
-    entry = saved[be.rt.limits.key][f"test M{m} N{n} K{k} KI{k}"]
+    assert tuner.tune_key.startswith(be.rt.limits.key) and "gemm.cl " in tuner.tune_key
+    entry = saved[tuner.tune_key][f"test M{m} N{n} K{k} KI{k}"]
     assert gemm_module.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
 
     again = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
@@ -174,7 +175,15 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     third = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     third("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
     check(be, c_d, gemm_expected(a, b))
-    assert json.loads(tune_file.read_text())[be.rt.limits.key]
+    assert json.loads(tune_file.read_text())[third.tune_key]
+
+    # another gemm.cl (or driver): the choice is timed again, not taken from the old entry
+    monkeypatch.setattr(gemm_module, "source_digest", lambda: "edited")
+    fourth = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
+    timed = []
+    monkeypatch.setattr(fourth, "_tune", lambda key, *a: timed.append(key) or fourth.candidates[0])
+    fourth.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
+    assert timed == [f"test M{m} N{n} K{k} KI{k}"]
 
 
 def test_gemm_candidates_respect_the_device_limits(be):

@@ -25,8 +25,9 @@ import pyopencl.array as cla
 from backends.base import Backend, conv_output_size, require_batch_statistics
 from backends.opencl import conv
 from backends.opencl.device import describe_device, select_device
-from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, default_tune_file
+from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView
 from backends.opencl.runtime import Runtime
+from backends.opencl.tune_file import default_tune_file
 
 F32 = np.float32
 i32 = np.int32
@@ -36,7 +37,8 @@ class OpenCLBackend(Backend):
     """One OpenCL device (see ``backends.opencl.device.select_device`` for ``device``).
 
     ``autotune``: time the GEMM variants on first use of each large shape (default: on,
-    unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept.
+    unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept;
+    ``profile``: keep every kernel's device time for ``self.rt.kernel_times()`` (benchmarks).
     """
 
     name = "opencl"
@@ -46,12 +48,13 @@ class OpenCLBackend(Backend):
         device: str | None = None,
         autotune: bool | None = None,
         tune_file: str | Path | None = None,
+        profile: bool = False,
         **_: Any,
     ) -> None:
         if autotune is None:
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
-        self.rt = Runtime(select_device(device), autotune, tune_path)
+        self.rt = Runtime(select_device(device), autotune, tune_path, profile)
 
     # ---- edges ---------------------------------------------------------------------
     def asarray(self, x: np.ndarray) -> cla.Array:

@@ -16,20 +16,18 @@ Variants (gemm.cl) and how one is chosen
   PoCL (1 vs 65 GFLOP/s: CPU "local memory" is ordinary cache and the scalar
   work-items run one after another), so on CPUs it is not even tried.
 
-Every configuration that fits the device's limits (work-group size, local
-memory, preferred vector width) and that its compiler builds is a candidate. A GEMM big enough for the choice
-to matter (>= ``TUNE_MIN_FLOP``) is timed with each candidate the first time its
-shape is seen, and the winner is kept per device in a small JSON file in the user
-cache directory, so later runs start tuned. Smaller GEMMs use the device's default.
+Every configuration that fits the device's limits (work-group size, local memory,
+preferred vector width) and that its compiler builds is a candidate. A GEMM big enough
+for the choice to matter (>= ``TUNE_MIN_FLOP``) is timed with each candidate the first
+time its shape is seen, and the winner is kept per device, driver and gemm.cl source in a
+small JSON file in the user cache directory (tune_file.py): later runs start tuned, and
+another runtime, an upgrade or an edited kernel re-tunes. Smaller GEMMs use the device's default.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,11 +38,12 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
+from backends.opencl.tune_file import load_entry, save_entry, source_digest
+
 log = logging.getLogger(__name__)
 
 TUNE_MIN_FLOP = 1e8  # below this a GEMM takes milliseconds: not worth timing variants
 ENV_AUTOTUNE = "TINYCONV_OPENCL_AUTOTUNE"  # "0" turns autotuning off
-ENV_TUNE_FILE = "TINYCONV_OPENCL_TUNE_FILE"  # where the tuned choices are kept
 
 i32 = np.int32
 
@@ -220,19 +219,6 @@ class CView:
         return CView(buf, n, 1, n, 0)
 
 
-def default_tune_file() -> Path:
-    """$TINYCONV_OPENCL_TUNE_FILE, else tinyconv/opencl-gemm.json in the user cache directory."""
-    if os.environ.get(ENV_TUNE_FILE):
-        return Path(os.environ[ENV_TUNE_FILE])
-    try:
-        import platformdirs  # a dependency of pyopencl
-
-        base = Path(platformdirs.user_cache_dir("tinyconv", False))
-    except ImportError:
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinyconv"
-    return base / "opencl-gemm.json"
-
-
 class Gemm:
     """Runs C = A @ B (+ bias) on one context and queue, choosing and remembering the variant."""
 
@@ -244,10 +230,16 @@ class Gemm:
         empty: Callable[[int], cla.Array],
         autotune: bool,
         tune_file: Path,
+        ran: Callable[[str, cl.Event], None] | None = None,
     ) -> None:
         self.program, self.queue, self.limits, self.empty = program, queue, limits, empty
         self.autotune, self.tune_file = autotune, tune_file
+        self.ran = ran or (lambda name, event: None)  # each kernel's event, for a profile
+        self.tag = ""  # the call site of the GEMM running now, for that profile
         self.chosen: dict[str, Config] = {}  # shape key -> config, this process
+        # Choices are kept per device, driver and GEMM source: another runtime, an upgrade or an
+        # edited kernel re-tunes instead of reusing a choice timed on something else.
+        self.tune_key = f"{limits.key} | gemm.cl {source_digest()}"
         self._kernels: dict[tuple[str, str], cl.Kernel] = {}
         # the device's preferred vector width first, narrower ones only if none of those builds
         tried: list[Config] = []
@@ -290,6 +282,7 @@ class Gemm:
         """C = A @ B (+ bias[m]). ``pack_b(nb)`` returns B in panels of width nb. ``tag`` names the
         call site (the layout of A and C) for the tune file."""
         cfg = self.config(tag, m, n, k, a, pack_b, c, bias)
+        self.tag = tag
         self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
 
     def kernel(self, options: str, name: str) -> cl.Kernel:
@@ -318,17 +311,18 @@ class Gemm:
         a_args = (a.buf, i32(a.sm), i32(a.sk), i32(a.ki), i32(a.skb))
         if s == 1:
             c_args = (c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb))
-            knl(self.queue, gsize, lsize, i32(m), i32(n), i32(k), i32(kc), *a_args, b.data, *c_args,
-                None if bias is None else bias.data, i32(bias is not None))
+            bias_args = (None if bias is None else bias.data, i32(bias is not None))
+            event = knl(self.queue, gsize, lsize, i32(m), i32(n), i32(k), i32(kc), *a_args, b.data, *c_args, *bias_args)
+            self.ran(f"gemm {self.tag}", event)
             return
         partial = self.empty(s * m * n)  # (s, m, n) row-major, summed into C below
-        knl(self.queue, gsize, lsize, i32(m), i32(n), i32(k), i32(kc), *a_args, b.data,
-            partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0))
+        self.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, i32(m), i32(n), i32(k), i32(kc), *a_args, b.data,
+                                         partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0)))
         wg = min(64, self.limits.max_work_group_size)
         total = self.kernel("", "gemm_sum_splits")
-        total(self.queue, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data,
-              c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb),
-              None if bias is None else bias.data, i32(bias is not None))
+        self.ran(f"gemm {self.tag} split-K sum", total(
+            self.queue, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data, c.buf, i32(c.sm),
+            i32(c.sn), i32(c.ni), i32(c.snb), None if bias is None else bias.data, i32(bias is not None)))
 
     # ---- choosing -----------------------------------------------------------------
     def config(
@@ -372,30 +366,10 @@ class Gemm:
         self._save(key, best, times[best])
         return best
 
-    def _read_file(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.tune_file.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
     def _load(self, key: str) -> Config | None:
-        entry = self._read_file().get(self.limits.key, {}).get(key)
-        cfg = config_from_json(entry) if isinstance(entry, dict) else None
+        entry = load_entry(self.tune_file, self.tune_key, key)
+        cfg = config_from_json(entry) if entry is not None else None
         return cfg if cfg in self.candidates else None  # only choices this device can still run
 
     def _save(self, key: str, cfg: Config, seconds: float) -> None:
-        """Merge one choice into the tune file (re-read first: other processes share it)."""
-        data = self._read_file()
-        device = data.get(self.limits.key)
-        if not isinstance(device, dict):
-            device = data[self.limits.key] = {}
-        device[key] = {**config_to_json(cfg), "ms": round(seconds * 1e3, 3)}
-        try:
-            self.tune_file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.tune_file.parent, prefix=self.tune_file.name, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.tune_file)  # atomic: a reader never sees half a file
-        except OSError as e:  # a read-only home is no reason to fail a training run
-            log.warning("could not save GEMM tuning to %s: %s", self.tune_file, e)
+        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(cfg), "ms": round(seconds * 1e3, 3)})

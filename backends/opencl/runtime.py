@@ -40,10 +40,13 @@ class Runtime:
     where the choices are kept (see gemm.py).
     """
 
-    def __init__(self, device: cl.Device, autotune: bool, tune_file: Path) -> None:
+    def __init__(self, device: cl.Device, autotune: bool, tune_file: Path, profile: bool = False) -> None:
         self.device = device
         self.context = cl.Context([device])
-        self.queue = cl.CommandQueue(self.context)
+        props = cl.command_queue_properties.PROFILING_ENABLE if profile else 0
+        self.queue = cl.CommandQueue(self.context, properties=props)
+        # with ``profile``: every kernel's event, by name, for kernel_times() (benchmarks only)
+        self.events: list[tuple[str, cl.Event]] | None = [] if profile else None
         # Allocating a buffer is slow on some drivers; the pool reuses freed ones. Safe
         # with one in-order queue: a reused buffer's next writer queues after its last reader.
         self.pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
@@ -52,7 +55,8 @@ class Runtime:
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
-        self.gemm = Gemm(self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file)
+        self.gemm = Gemm(self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file,
+                         self.ran)
 
     # ---- programs and launches ---------------------------------------------------
     def program(self, filenames: str | tuple[str, ...], options: str = "") -> cl.Program:
@@ -103,7 +107,25 @@ class Runtime:
             room = wg // int(np.prod(local or [1]))
             local.append(min(1 << (d - 1).bit_length(), room))
         grid = tuple(cdiv(d, lo) * lo for d, lo in zip(dims, local, strict=True))
-        knl(self.queue, grid, tuple(local), *args)
+        self.ran(name, knl(self.queue, grid, tuple(local), *args))
+
+    # ---- profiling (benchmarks/bench_opencl_profile.py) ----------------------------------
+    def ran(self, name: str, event: cl.Event) -> None:
+        """Keep a kernel's event when profiling; nothing otherwise."""
+        if self.events is not None:
+            self.events.append((name, event))
+
+    def kernel_times(self) -> dict[str, tuple[int, float]]:
+        """Per kernel name, (launches, seconds on the device) since the last call; needs ``profile``."""
+        if self.events is None:
+            raise RuntimeError("kernel_times() needs a Runtime made with profile=True")
+        self.queue.finish()
+        times: dict[str, tuple[int, float]] = {}
+        for name, ev in self.events:
+            calls, seconds = times.get(name, (0, 0.0))
+            times[name] = (calls + 1, seconds + (ev.profile.end - ev.profile.start) * 1e-9)
+        self.events.clear()
+        return times
 
     # ---- buffers -------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: type = F32) -> cla.Array:
@@ -157,9 +179,10 @@ class Runtime:
             return out
         knl, _ = self.kernel("reduce_rows")
         s0, s1, s2 = strides
-        knl(self.queue, (rows * self.rl,), (self.rl,), src.data, None if src2 is None else src2.data,
-            None if center is None else center.data, i32(mode), i32(na), i32(nb), i32(s0), i32(s1), i32(s2),
-            F32(divisor), out.data)
+        event = knl(self.queue, (rows * self.rl,), (self.rl,), src.data, None if src2 is None else src2.data,
+                    None if center is None else center.data, i32(mode), i32(na), i32(nb), i32(s0), i32(s1), i32(s2),
+                    F32(divisor), out.data)
+        self.ran("reduce_rows", event)
         return out
 
     def pack(self, src: cla.Array, k: int, n: int, sk: int, sn: int, nb: int) -> cla.Array:
