@@ -20,7 +20,6 @@ stderr and exit 2, before any work starts.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import platform
 import signal
@@ -42,7 +41,7 @@ from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_bytes  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
-from tinyconv.plugins import available_backends, available_transports, load  # noqa: E402
+from tinyconv.plugins import available_backends, available_transports, has_devices  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
@@ -346,11 +345,6 @@ def check_memory(args: argparse.Namespace, c1: int, c2: int) -> None:
             f"step (im2col columns, activations and their gradients, parameters), but this machine has "
             f"{format_bytes(available)} available: use a smaller --arch or --batch-size"
         )
-
-
-def has_devices(backend: str) -> bool:
-    """Whether a backend lets one choose its device (its constructor takes ``device``)."""
-    return "device" in inspect.signature(load("backend", backend)).parameters
 
 
 def check_devices(args: argparse.Namespace) -> None:

@@ -28,3 +28,14 @@ def test_devices_lists_backends_and_opencl(capsys):
 def test_conformance_dispatches_to_the_suite(capsys):
     assert main(["conformance", "--backend", "numpy"]) == 0
     assert "0 failed" in capsys.readouterr().out
+
+
+def test_conformance_on_a_chosen_device(capsys):
+    # what a GPU user runs first: the suite on the device they name, as `tinyconv devices` lists it
+    assert main(["conformance", "--backend", "opencl", "--device", "0:0"]) == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and "OpenCLBackend" in out
+    assert main(["conformance", "--backend", "opencl", "--device", "9:9"]) == 1
+    assert "no OpenCL device '9:9'" in capsys.readouterr().err
+    assert main(["conformance", "--backend", "numpy", "--device", "0"]) == 1
+    assert "the numpy backend has no devices to choose from" in capsys.readouterr().err

@@ -13,6 +13,7 @@ tinyconv.
 
 from __future__ import annotations
 
+import inspect
 from importlib import import_module
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,11 @@ def load(kind: str, name: str) -> type:
         )
     module, _, attr = table[name].partition(":")
     return getattr(import_module(module), attr)
+
+
+def has_devices(backend: str) -> bool:
+    """Whether a backend lets one choose its device (its constructor takes ``device``)."""
+    return "device" in inspect.signature(load("backend", backend)).parameters
 
 
 def available_backends() -> list[str]:

@@ -48,7 +48,7 @@ from tinyconv.conformance.checks import (
     gamma,
     linear_expected,
 )
-from tinyconv.plugins import get_backend
+from tinyconv.plugins import get_backend, has_devices
 
 __all__ = [  # the public names third-party backends' tests use, and the classes they are made of
     "CASES",
@@ -167,16 +167,21 @@ def conformance_tests(backend: str | Backend | Callable[[], Backend], seed: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tinyconv.testing --backend NAME``: print the table; 0 if all passed, else 1."""
+    """``python -m tinyconv.testing --backend NAME [--device D]``: print the table; 0 if all passed, else 1."""
     parser = argparse.ArgumentParser(
         prog="python -m tinyconv.testing",
         description="Check a tinyconv backend op by op against the numpy reference.",
     )
     parser.add_argument("--backend", required=True, help="a name registered as a tinyconv.backends entry")
+    parser.add_argument("--device", default=None,
+                        help="the backend's device, for one that has several (opencl: P:D, gpu, cpu or a name "
+                             "substring, as `tinyconv devices` lists them)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     args = parser.parse_args(argv)
     try:
-        backend = get_backend(args.backend)
+        if args.device and not has_devices(args.backend):
+            raise ValueError(f"the {args.backend} backend has no devices to choose from; drop --device")
+        backend = get_backend(args.backend, **({"device": args.device} if args.device else {}))
     except Exception as e:  # noqa: BLE001 -- unknown name, no device, import error: report and fail
         print(f"cannot create backend {args.backend!r}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
