@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: setup test demo bench clean
+.PHONY: setup oclgrind test demo bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Oclgrind, Debian's OpenCL device simulator, runs the OpenCL tests on a simulated GPU that checks
+# every memory access and every race (tests/test_oclgrind.py, skipped without it). make test
+# installs it where it can: as root with apt-get; elsewhere it says how.
+oclgrind:
+	@command -v oclgrind >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing Debian's oclgrind, the OpenCL simulator tests/test_oclgrind.py runs on"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get install -y -q oclgrind >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q oclgrind >/dev/null 2>&1; } || \
+			echo "note: apt-get could not install oclgrind: tests/test_oclgrind.py is skipped"; \
+		else \
+			echo "note: oclgrind is not installed (sudo apt-get install oclgrind): tests/test_oclgrind.py is skipped"; \
+		fi; }
+
 # make test runs the numerics tests (-m numerics, tests/conftest.py) again on two other OpenBLAS
 # kernel sets, AVX2 and SSE3, so that no float comparison holds only on this machine's. A probe asks
 # OpenBLAS which kernels it runs (numpy's OpenBLAS names Prescott's Katmai) and skips a set this CPU
@@ -26,7 +41,7 @@ $(STAMP): pyproject.toml
 NUMERICS_CORES := Haswell Prescott
 PROBE := import numpy; a = numpy.ones((8, 8), "f"); a @ a
 
-test: $(STAMP)
+test: $(STAMP) oclgrind
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 	@for core in $(NUMERICS_CORES); do \

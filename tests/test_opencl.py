@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -186,6 +188,19 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     assert timed == [f"test M{m} N{n} K{k} KI{k}"]
 
 
+def test_the_kernels_need_no_double_precision_and_no_images():
+    # many GPUs (most mobile ones, some integrated ones) have neither; an unsuffixed literal such as
+    # 0.5 is a double in OpenCL C and needs cl_khr_fp64 on a conforming compiler
+    literal = re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+)([eE][-+]?\d+)?(?![\w.])")
+    sources = sorted((Path(gemm_module.__file__).parent).glob("*.cl"))
+    assert {p.name for p in sources} >= {"gemm.cl", "ops.cl", "layout.cl"}
+    for path in sources:
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        assert not re.search(r"\b(double\d*|image[123]d\w*_t|sampler_t|half\d*)\b|cl_khr_fp64", code), path.name
+        assert not literal.search(code), f"{path.name}: {literal.search(code).group(0)} needs an f suffix"
+    assert literal.search("x * 0.5 + y") and not literal.search("x * 0.5f + y")  # the check itself
+
+
 def test_gemm_candidates_respect_the_device_limits(be):
     small = gemm_module.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096, vector_width=4)
     cands = candidates(small)
@@ -216,7 +231,7 @@ def test_pocl_compiling_for_a_cpu_without_avx512_gets_8_wide_vectors():
 def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):
     # as PoCL 3.0 on an AMD Zen 4 does: it reports 16-wide floats and builds no float16 kernel
     rt = be.rt
-    wide = dataclasses.replace(rt.limits, vector_width=16)
+    wide = dataclasses.replace(rt.limits, vector_width=16, kind="cpu")  # a CPU's candidates, on any device
 
     def gemm(builds):
         monkeypatch.setattr(gemm_module.Gemm, "_builds", lambda self, cfg: builds(cfg))

@@ -1,0 +1,91 @@
+"""The OpenCL kernels on a simulated GPU that checks every memory access: Oclgrind.
+
+Oclgrind (Debian's ``oclgrind``; ``make setup`` installs it where it can run apt-get) is an
+OpenCL device simulator: run under ``oclgrind --data-races``, a program sees one GPU, "Oclgrind
+Simulator", with 32 KiB of local memory and work-groups of up to 1024, and every kernel it runs
+is checked for reads and writes outside their buffers (or outside local memory) and for data
+races between work-items. That device is a GPU, so the backend picks the GPU variants there
+(the local-memory tiled GEMMs, work-groups of 64): what no CPU runs, checked without a GPU.
+
+Oclgrind reports into its log and still exits 0, so the tests read the log. Its check of
+uninitialised values (``--uninitialized``) is not used: in Oclgrind 21.10 it stops at LLVM's
+``freeze`` instruction, and it reports a vector store that LLVM builds from poison lanes and
+then fills lane by lane, corrupting the results it checks.
+
+Each test is a subprocess under ``oclgrind`` (the simulator replaces the OpenCL library of
+the whole process): the OpenCL test file, then the conformance suite.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+OCLGRIND = shutil.which("oclgrind")
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    OCLGRIND is None, reason="oclgrind is not installed (Debian's oclgrind; make setup installs it as root)"
+)
+
+
+def under_oclgrind(args: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python args`` on Oclgrind's simulated GPU, its reports in ``log``."""
+    env = {**os.environ, "TINYCONV_OPENCL_AUTOTUNE": "0"}  # the variants are each run by the tests
+    env.pop("TINYCONV_OPENCL_DEVICE", None)
+    command = [OCLGRIND, "--data-races", "--max-errors", "20", "--log", str(log), sys.executable, *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def reports(log: Path) -> list[str]:
+    """Oclgrind's error lines (each report starts at column 0; its details are indented)."""
+    text = log.read_text() if log.exists() else ""
+    return [line for line in text.splitlines() if line.strip() and not line[0].isspace()]
+
+
+def test_oclgrind_catches_an_out_of_bounds_write_and_a_race(tmp_path):
+    # the check itself: without this, an Oclgrind that checked nothing would pass the tests below
+    kernels = """
+    __kernel void past_the_end(__global float* a) { a[get_global_id(0) + 1] = 1.0f; }
+    __kernel void race(__global float* a) { a[0] = (float)get_global_id(0); }
+    """
+    script = tmp_path / "broken.py"
+    script.write_text(
+        "import pyopencl as cl\n"
+        "ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]]); q = cl.CommandQueue(ctx)\n"
+        f"prg = cl.Program(ctx, {kernels!r}).build()\n"
+        "buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, 16 * 4)\n"
+        "prg.past_the_end(q, (16,), (16,), buf); prg.race(q, (16,), (16,), buf); q.finish()\n"
+        "print(ctx.devices[0].name)\n"
+    )
+    log = tmp_path / "oclgrind.log"
+    done = under_oclgrind([str(script)], log, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Oclgrind Simulator"
+    found = "\n".join(reports(log))
+    assert "Invalid write of size 4" in found and "data race" in found, found
+
+
+def test_the_opencl_tests_pass_on_the_simulated_gpu_with_no_report(tmp_path):
+    # every op, every GEMM variant the device allows (tiled, with local memory), split-K, strided views
+    log = tmp_path / "oclgrind.log"
+    device = "import backends.opencl.device as d; print(d.describe_device(d.select_device(None)))"
+    probe = under_oclgrind(["-c", device], log, timeout=120)
+    assert "'Oclgrind Simulator'" in probe.stdout and "'kind': 'gpu'" in probe.stdout, probe.stdout + probe.stderr
+    # all but the training runs of a small network: the same kernels again, minutes in the simulator
+    tests = ["tests/test_opencl.py", "-k", "not small_paper_net"]
+    done = under_oclgrind(["-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], log, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert reports(log) == [], log.read_text()[:5000]
+
+
+def test_the_conformance_suite_passes_on_the_simulated_gpu_with_no_report(tmp_path):
+    log = tmp_path / "oclgrind.log"
+    done = under_oclgrind(["-m", "tinyconv.testing", "--backend", "opencl"], log, timeout=300)
+    assert done.returncode == 0 and " 0 failed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    assert reports(log) == [], log.read_text()[:5000]
