@@ -172,9 +172,12 @@ def config_from_json(d: dict[str, Any]) -> Config | None:
         return None
 
 
-# Register blocks (rm, rn) worth trying; with vw = 16 (AVX-512) the largest keeps
-# 24 accumulators in the 32 vector registers.
-VEC_BLOCKS = ((8, 2), (12, 2), (6, 3), (4, 2))
+# Register blocks (rm, rn) worth trying: rm*rn accumulators, rn vectors of B and one of A must
+# fit the vector registers. 16-wide floats mean AVX-512 and its 32 registers (12x2 keeps 24
+# accumulators); narrower ones AVX2 or SSE and 16 (4x3: 12 + 3 + 1 -- measured on an 8-wide AVX2
+# target: 4x3 213, 6x2 207, 4x2 197, 8x2 122, 6x3 81 GFLOP/s, where 8x2 and 6x3 spill).
+VEC_BLOCKS_32_REGISTERS = ((8, 2), (12, 2), (6, 3), (4, 2), (6, 2), (4, 3))
+VEC_BLOCKS_16_REGISTERS = ((4, 3), (6, 2), (4, 2), (8, 1))
 # (tx, ty, wm, wn, tsk): from a 256-item 64x64 tile down to one any device can run.
 TILED = ((16, 16, 4, 4, 16), (16, 8, 4, 4, 16), (8, 8, 4, 4, 16), (16, 16, 2, 2, 16), (4, 4, 2, 2, 8))
 
@@ -184,7 +187,8 @@ def candidates(d: DeviceLimits, vector_width: int | None = None) -> list[Config]
     default the device's preferred one), the default first."""
     local = 1 if d.kind == "cpu" else min(64, d.max_work_group_size)
     vw = vector_width or d.vector_width
-    vec: list[Config] = [VecConfig(rm, vw, rn, local) for rm, rn in VEC_BLOCKS]
+    blocks = VEC_BLOCKS_32_REGISTERS if vw >= 16 else VEC_BLOCKS_16_REGISTERS
+    vec: list[Config] = [VecConfig(rm, vw, rn, local) for rm, rn in blocks]
     if d.kind == "cpu":  # gemm_tiled is ~60x slower on a CPU runtime (see the module docstring)
         return [c for c in vec if c.fits(d)]
     tiled: list[Config] = [TiledConfig(*t) for t in TILED]

@@ -4,7 +4,8 @@
 //
 // One work-item per output element wherever possible: PoCL turns the loop over a
 // work-group's items into SIMD code only when the kernel body has no loop of its
-// own (nor a call it cannot inline), and GPUs want many small items anyway. Grids
+// own (nor a call it cannot inline: its CPU builds call even min, max, fmax and isnan out of
+// line, so the kernels spell those as comparisons), and GPUs want many small items anyway. Grids
 // are 1-3 dimensional so no work-item has to split a flat index by division
 // (slow on CPUs); they are rounded up to whole work-groups, so every kernel starts
 // with a bounds check. The kernels whose loops depend on a layer's window (col2im in
@@ -67,7 +68,7 @@ __kernel void reduce_rows(__global const float* src, __global const float* src2,
 __kernel void relu_forward(__global const float* x, const int total, __global float* y)
 {
     const int e = get_global_id(0);
-    if (e < total) y[e] = isnan(x[e]) ? x[e] : fmax(x[e], 0.0f);
+    if (e < total) y[e] = x[e] < 0.0f ? 0.0f : x[e];  // NaN compares false: it stays NaN
 }
 
 // numpy: dy * (y > 0), where y is the forward output (y > 0 exactly when x > 0).
@@ -211,7 +212,7 @@ __kernel void maxpool_forward(__global const float* x, const int H, const int W,
     if (ow >= OW || oh >= OH || plane >= planes) return;
     __global const float* xp = x + plane * H * W;
     const int h0 = oh * STRIDE - PAD, w0 = ow * STRIDE - PAD;
-    int best = max(h0, 0) * W + max(w0, 0);  // the first element inside the input
+    int best = (h0 > 0 ? h0 : 0) * W + (w0 > 0 ? w0 : 0);  // the first element inside the input
     float v = xp[best];
 #pragma unroll
     for (int i = 0; i < POOL; i++) {
@@ -222,7 +223,7 @@ __kernel void maxpool_forward(__global const float* x, const int H, const int W,
             const int w = w0 + j;
             if (w < 0 || w >= W) continue;
             const float xv = xp[h * W + w];
-            if (xv > v || isnan(xv)) {  // once v is NaN, only a later NaN replaces it
+            if (xv > v || xv != xv) {  // xv != xv: a NaN; once v is NaN, only a later NaN replaces it
                 v = xv;
                 best = h * W + w;
             }
