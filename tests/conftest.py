@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,10 @@ NUMERICS = {
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "numerics: float32 comparisons of BLAS and OpenCL sums; make test reruns them")
+    # The tests of Ctrl-C need Python's SIGINT handler, here and in the workers they start; a run
+    # started in the background by a shell (`make test &`, nohup) begins with SIGINT ignored.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
