@@ -7,7 +7,8 @@ Prints, for each convolution of the paper's network (conv1: 3 -> C1, 5x5 pad 2 o
 32x32; conv2: C1 -> C2, 5x5 pad 2 on 16x16), the median GFLOP/s of forward and of
 backward (dW and db, plus dX for conv2 -- conv1 needs no dX in the network) on
 the numpy backend, the OpenCL backend, and numpy's float32 matmul of the same
-GEMM shapes (what OpenBLAS alone does: no im2col, no layout changes); then the
+GEMM shapes (what OpenBLAS alone does: no im2col, no layout changes) and, where Debian's
+libclblast1 is installed, CLBlast's SGEMM of the same shapes on the OpenCL device; then the
 median time of a training step (forward, loss, backward) of paper_net with LRN
 on both backends. A script, not a test: it asserts nothing.
 
@@ -93,6 +94,34 @@ def openblas_info() -> str:
             f"config '{text('openblas_get_config')}'; env {env or 'none (OPENBLAS_CORETYPE unset)'}")
 
 
+def clblast_sgemm() -> Callable | None:
+    """CLBlast's SGEMM (Debian's libclblast1), the second anchor, or None where it is not installed.
+
+    The returned ``sgemm(queue, m, n, k, a, ta, b, tb, c)`` computes row-major C (m x n) =
+    op(A) op(B) on OpenCL buffers, op = transpose where ``ta``/``tb``. CLBlast ships tuned
+    parameters for many GPUs and none for CPU runtimes such as PoCL, where it runs its defaults.
+    """
+    try:
+        fn = ctypes.CDLL("libclblast.so.1").CLBlastSgemm
+    except (OSError, AttributeError):
+        return None
+    size, ptr = ctypes.c_size_t, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, size, size, size, ctypes.c_float,
+                   ptr, size, size, ptr, size, size, ctypes.c_float, ptr, size, size,
+                   ctypes.POINTER(ptr), ctypes.POINTER(ptr)]
+    row_major, no, yes = 101, 111, 112  # CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes
+
+    def sgemm(queue, m: int, n: int, k: int, a, ta: bool, b, tb: bool, c) -> None:
+        q = ptr(queue.int_ptr)
+        status = fn(row_major, yes if ta else no, yes if tb else no, m, n, k, 1.0, a.int_ptr, 0, m if ta else k,
+                    b.int_ptr, 0, k if tb else n, 0.0, c.int_ptr, 0, n, ctypes.byref(q), None)
+        if status != 0:
+            raise RuntimeError(f"CLBlastSgemm returned status {status}")
+
+    return sgemm
+
+
 def conv_shapes(archs: list[str], batch: int) -> list[tuple[str, int, int, int, int, bool]]:
     """(label, N, C, F, size, need_dx) for each distinct convolution of the architectures."""
     seen, out = set(), []
@@ -135,13 +164,31 @@ def bench_conv(backends: dict[str, Backend], shape, repeats: int, rng: np.random
     tf = median_time(lambda: w2 @ cols, lambda: None, repeats)
     tb = median_time(lambda: (dy2 @ cols.T, w2.T @ dy2 if need_dx else None), lambda: None, repeats)
     times["sgemm"] = (tf, tb)
+    # and on CLBlast, on the OpenCL backend's device
+    sgemm_cl, ocl = clblast_sgemm(), backends.get("opencl")
+    if sgemm_cl is not None and ocl is not None:
+        q, kk, npix = ocl.rt.queue, c * k * k, n * size * size
+        w_d, cols_d, dy_d = ocl.asarray(w2), ocl.asarray(cols), ocl.asarray(dy2)
+        y_d, dw_d, dx_d = ocl.rt.empty((f * npix,)), ocl.rt.empty((f * kk,)), ocl.rt.empty((kk * npix,))
+
+        def cl_forward():
+            sgemm_cl(q, f, npix, kk, w_d.data, False, cols_d.data, False, y_d.data)
+
+        def cl_backward():
+            sgemm_cl(q, f, kk, npix, dy_d.data, False, cols_d.data, True, dw_d.data)
+            if need_dx:
+                sgemm_cl(q, kk, npix, f, w_d.data, True, dy_d.data, False, dx_d.data)
+
+        times["clblast"] = (median_time(cl_forward, q.finish, repeats), median_time(cl_backward, q.finish, repeats))
     for name, (tf, tb) in times.items():
         rows.append(f"{label:<22} {name:<8} {tf * 1e3:9.1f} {fwd_flop / tf / 1e9:8.1f}   "
                     f"{tb * 1e3:9.1f} {bwd_flop / tb / 1e9:8.1f}")
-    o, npy, s = times.get("opencl"), times["numpy"], times["sgemm"]
+    o, npy, s, cb = times.get("opencl"), times["numpy"], times["sgemm"], times.get("clblast")
     if o:
+        vs_clblast = f"; opencl/clblast fwd {o[0] / cb[0]:.2f}x bwd {o[1] / cb[1]:.2f}x" if cb else ""
         rows.append(f"{'':<22} {'ratio':<8} opencl/numpy fwd {o[0] / npy[0]:.2f}x bwd {o[1] / npy[1]:.2f}x; "
-                    f"opencl/sgemm fwd {o[0] / s[0]:.2f}x bwd {o[1] / s[1]:.2f}x (time ratios, < 1: faster)")
+                    f"opencl/sgemm fwd {o[0] / s[0]:.2f}x bwd {o[1] / s[1]:.2f}x{vs_clblast} "
+                    "(time ratios, < 1: faster)")
     return rows
 
 
