@@ -79,12 +79,23 @@ __kernel void relu_backward(__global const float* dy, __global const float* y, c
     if (e < total) dx[e] = dy[e] * (y[e] > 0.0f ? 1.0f : 0.0f);
 }
 
+// A square root as one instruction where the compiler has clang's builtin (the same correctly
+// rounded root as sqrt, which PoCL's CPU builds call out of line; see the top of the file).
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_sqrtf)
+#define SQRT(x) __builtin_sqrtf(x)
+#endif
+#endif
+#ifndef SQRT
+#define SQRT(x) sqrt(x)
+#endif
+
 // s ** -beta, with beta = 0.75 done by square roots as numpy's _neg_pow does.
 inline float neg_pow(const float s, const float beta)
 {
     if (beta == 0.75f) {
-        const float r = 1.0f / sqrt(s);
-        return r * sqrt(r);
+        const float r = 1.0f / SQRT(s);
+        return r * SQRT(r);
     }
     return pow(s, -beta);
 }
