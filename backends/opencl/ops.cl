@@ -79,14 +79,12 @@ __kernel void relu_backward(__global const float* dy, __global const float* y, c
     if (e < total) dx[e] = dy[e] * (y[e] > 0.0f ? 1.0f : 0.0f);
 }
 
-// A square root as one instruction where the compiler has clang's builtin (the same correctly
-// rounded root as sqrt, which PoCL's CPU builds call out of line; see the top of the file).
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_sqrtf)
+// On PoCL's CPU devices (the runtime defines POCL_CPU), whose builds call sqrt out of line, a
+// square root as one instruction: clang's builtin, the same correctly rounded root. Not elsewhere:
+// other clang-based runtimes need not run the intrinsic it becomes (Oclgrind cannot).
+#ifdef POCL_CPU
 #define SQRT(x) __builtin_sqrtf(x)
-#endif
-#endif
-#ifndef SQRT
+#else
 #define SQRT(x) sqrt(x)
 #endif
 

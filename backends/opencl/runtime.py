@@ -24,7 +24,7 @@ import pyopencl.array as cla
 import pyopencl.tools as cl_tools
 
 from backends.opencl.device import device_kind
-from backends.opencl.gemm import DeviceLimits, Gemm, cdiv
+from backends.opencl.gemm import DeviceLimits, Gemm, cdiv, pocl_llvm_cpu
 
 F32 = np.float32
 i32 = np.int32
@@ -51,6 +51,8 @@ class Runtime:
         # with one in-order queue: a reused buffer's next writer queues after its last reader.
         self.pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         self.limits = DeviceLimits.of(device, device_kind(device))
+        # PoCL's CPU devices call even sqrt out of line (ops.cl takes clang's builtin there)
+        self.ops_options = "-DPOCL_CPU" if pocl_llvm_cpu(device.version) else ""
         self.wg = min(256, self.limits.max_work_group_size)  # 1-D launches: many items, any device
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
@@ -83,7 +85,7 @@ class Runtime:
         """The kernel ``name`` of OPS_SOURCES (built with ``defines``) and the work-group size to launch it with."""
         key = f"{name} {defines}"
         if key not in self._kernels:
-            knl = cl.Kernel(self.program(OPS_SOURCES, f"-DRL={self.rl} {defines}".strip()), name)
+            knl = cl.Kernel(self.program(OPS_SOURCES, f"-DRL={self.rl} {self.ops_options} {defines}".strip()), name)
             limit = int(knl.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.device))
             if name == "reduce_rows" and limit < self.rl:  # its group size is compiled in: rebuild smaller
                 self.rl = 1 << (limit.bit_length() - 1)
