@@ -428,6 +428,7 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Non
         authorized_keys=args.authorized_keys,
         insecure=args.insecure,
         batch_size=args.batch_size,
+        largest_batch=max(args.batch_size, TrainConfig.eval_batch_size),  # evaluation's batches too
         calibrate=False,  # below, once the workers are printed and the run recorded
         master_share=args.master_share,
         rebalance=args.rebalance == "on",

@@ -208,3 +208,20 @@ def test_a_worker_process_killed_mid_run_over_zmq_costs_no_step(rng):
     losses, events = run(2)
     assert [(e["event"], e["worker"], e["step"]) for e in events] == [("worker_lost", "worker1", 2)]
     assert losses == pytest.approx(reference, rel=1e-4) and np.all(np.isfinite(losses))
+
+
+def test_the_time_a_worker_has_scales_with_the_batch_past_the_calibrated_one(rng):
+    net, _, _ = block_net(rng)
+    with pool([Worker]) as (transport, workers):
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=1000.0)
+        cluster.attach(net)
+        assert cluster.timeout(cluster.blocks[0], 2) == 1000.0  # not calibrated: the ceiling
+        cluster.calibrate(net, batch_size=2, image_size=8)
+        cluster.timings = {name: {"conv1": 3.0} for name in cluster.timings}  # the slowest: 3 s a layer
+        block = cluster.blocks[0]
+        assert cluster.timeout(block, 2) == 30.0  # ten times the calibrated time
+        assert cluster.timeout(block, 1) == 30.0  # a smaller batch gets no less
+        assert cluster.timeout(block, 16) == 240.0  # an evaluation batch 8 times larger: 8 times as long
+        assert cluster.timeout(block, 1000) == 1000.0  # never past recv_timeout
+        cluster.timings = {name: {"conv1": 0.01} for name in cluster.timings}
+        assert cluster.timeout(block, 2) == 10.0  # at least 10 s

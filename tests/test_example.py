@@ -59,6 +59,19 @@ def test_master_alone_runs_and_writes_metrics(tmp_path):
     assert [e["event"] for e in events[-2:]] == ["epoch", "summary"]
 
 
+def test_evaluation_batches_larger_than_trainings_reach_the_workers(tmp_path):
+    # evaluation runs 500 images at a time: conv2's partial sums (500, 64, 16, 16) are 32 MiB, where
+    # training's batch of 8 would cap a message near 1 MiB -- the cap follows the largest batch
+    metrics = tmp_path / "run.jsonl"
+    args = ("--dataset", "synthetic", "--arch", "8:64", "--batch-size", "8", "--steps", "2", "--transport", "zmq")
+    out = run_example(*args, "--workers", "2", "--split", "channels", "--metrics-out", str(metrics))
+    assert out.returncode == 0, out.stderr
+    assert "lost" not in out.stdout + out.stderr
+    events = read_metrics(metrics)
+    assert not [e for e in events if e["event"] == "worker_lost"]
+    assert events[-1]["final_shares"]["conv2"] and len(events[-1]["final_shares"]["conv2"]) == 3
+
+
 @pytest.mark.parametrize("split", ["auto", "kernels"])
 def test_inproc_workers_share_the_kernels(tmp_path, split):
     metrics = tmp_path / "run.jsonl"

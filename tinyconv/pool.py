@@ -63,6 +63,7 @@ def distribute(
     authorized_keys: str | None = None,
     insecure: bool = False,
     batch_size: int = 64,
+    largest_batch: int | None = None,
     image_size: int = 32,
     calibrate: bool = True,
     announce: Callable[[str], None] = print,
@@ -73,7 +74,9 @@ def distribute(
 
     ``worker_backend`` defaults to the master's. ``calibrate``: time everyone on ``batch_size``
     images of ``image_size`` pixels and split by eq. 1; otherwise start from an equal split.
-    A message may carry no more than the largest the layers' shapes at ``batch_size`` call for.
+    A message may carry no more than the largest the layers' shapes call for at ``largest_batch``,
+    the largest batch the network will be given (evaluation's, say; default ``batch_size``): a
+    bigger one is refused as oversized, and the worker that sent it is lost.
     ``peer_timeout``, ``key``, ``authorized_keys``, ``insecure``: see :func:`worker_pool`.
     ``options`` go to :class:`Cluster` (master_share, split, fuse, rebalance, rebalancer,
     recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
@@ -94,7 +97,8 @@ def distribute(
                 key=key,
                 authorized_keys=authorized_keys,
                 insecure=insecure,
-                max_message_bytes=message_cap(net, batch_size, image_size),  # checked before arrays are built
+                # checked before arrays are built
+                max_message_bytes=message_cap(net, max(batch_size, largest_batch or 0), image_size),
                 announce=announce,
             )
         )

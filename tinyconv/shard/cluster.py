@@ -257,13 +257,15 @@ class Cluster:
         enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.seats)
         return block.by_channels and enough and any(k is not None for _, k in self.seats)
 
-    def timeout(self, block: ShardedBlock) -> float:
-        """Seconds a worker has to answer one of ``block``'s ops: ten times the slowest participant's
-        calibrated time for the whole layer, at least 10 s, at most ``recv_timeout``."""
+    def timeout(self, block: ShardedBlock, batch: int) -> float:
+        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times the
+        slowest participant's calibrated time for the whole layer, scaled to the batch (evaluation's
+        may be larger than training's), at least 10 s, at most ``recv_timeout``."""
         known = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
-        if not known or None in known:
+        if not known or None in known or self._specs is None:
             return self.recv_timeout
-        return min(self.recv_timeout, max(10.0, 10 * max(known)))
+        calibrated = self._specs[self.blocks.index(block)]["x"][0]
+        return min(self.recv_timeout, max(10.0, 10 * max(known) * max(1.0, batch / calibrated)))
 
     # ---- steps ------------------------------------------------------------------------------
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:

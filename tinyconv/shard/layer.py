@@ -39,7 +39,7 @@ class Coordinator(Protocol):
 
     def plan(self, block: ShardedBlock) -> Plan: ...
 
-    def timeout(self, block: ShardedBlock) -> float: ...
+    def timeout(self, block: ShardedBlock, batch: int) -> float: ...
 
     def lose(self, workers: dict[int, str]) -> None: ...
 
@@ -86,7 +86,7 @@ class ShardedBlock(Layer):
         while True:
             plan = self.cluster.plan(self)
             split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
-            op = self._op("forward", step)
+            op = self._op("forward", step, x.shape[0])
             try:
                 y, kept = split.forward(op, self.conv, self.tail, plan, x)
             except Lost as e:
@@ -99,7 +99,7 @@ class ShardedBlock(Layer):
         while True:
             if self.cluster.lost_any(fwd.plan):  # its forward's kept state is gone with the worker
                 _, fwd = self._forward(fwd.x, fwd.step)
-            op = self._op("backward", fwd.step)
+            op = self._op("backward", fwd.step, fwd.x.shape[0])
             try:
                 dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
                 break
@@ -111,10 +111,10 @@ class ShardedBlock(Layer):
         self.cluster.finished(self, done)
         return dx
 
-    def _op(self, what: str, step: int) -> Op:
-        """A distributed op of this layer; its tasks carry the step and the layer's index."""
+    def _op(self, what: str, step: int, batch: int) -> Op:
+        """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index."""
         fields = {"step": step, "layer": self.index}
-        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, self.cluster.timeout(self))
+        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, self.cluster.timeout(self, batch))
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         n, f, oh, ow = self.conv.output_shape(x_shape)
