@@ -82,26 +82,14 @@ def distribute(
     recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
     """
     stack = ExitStack()
+    cap = message_cap(net, max(batch_size, largest_batch or 0), image_size)  # checked before arrays are built
     try:
-        pool, infos = stack.enter_context(
-            worker_pool(
-                transport,
-                workers,
-                worker_backend=worker_backend or net.backend.name,
-                worker_device=worker_device,
-                bind=bind,
-                external=external,
-                worker_threads=worker_threads,
-                start_timeout=start_timeout,
-                peer_timeout=peer_timeout,
-                key=key,
-                authorized_keys=authorized_keys,
-                insecure=insecure,
-                # checked before arrays are built
-                max_message_bytes=message_cap(net, max(batch_size, largest_batch or 0), image_size),
-                announce=announce,
-            )
-        )
+        pool, infos = stack.enter_context(worker_pool(
+            transport, workers, worker_backend=worker_backend or net.backend.name, worker_device=worker_device,
+            bind=bind, external=external, worker_threads=worker_threads, start_timeout=start_timeout,
+            peer_timeout=peer_timeout, key=key, authorized_keys=authorized_keys, insecure=insecure,
+            max_message_bytes=cap, announce=announce,
+        ))
         cluster = Cluster(pool, infos, net.backend, **options)
         cluster.on_close = stack.close
         if calibrate:
