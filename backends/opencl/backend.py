@@ -30,6 +30,11 @@ from backends.opencl.runtime import Runtime
 from backends.opencl.tune_file import default_tune_file
 
 F32 = np.float32
+
+
+def lrn_defines(before: int, after: int, beta: float) -> str:
+    """The LRN kernels' build: the window, and whether s^-beta is done by square roots (see ops.cl)."""
+    return f"-DLRN_BEFORE={before} -DLRN_AFTER={after} -DLRN_BETA_075={int(beta == 0.75)}"
 i32 = np.int32
 
 
@@ -120,7 +125,7 @@ class OpenCLBackend(Backend):
         n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
         y, s, p = self.rt.empty(x.shape), self.rt.empty(x.shape), self.rt.empty(x.shape)
         self.rt.launch("lrn_forward", (hw, c, n), x.data, i32(c), i32(hw), i32(n), F32(alpha / size), F32(k),
-                       F32(beta), y.data, s.data, p.data, defines=f"-DLRN_BEFORE={before} -DLRN_AFTER={after}")
+                       F32(beta), y.data, s.data, p.data, defines=lrn_defines(before, after, beta))
         return y, (x, y, s, p, size, alpha, beta, before, after)
 
     def lrn_backward(self, dy, cache):
@@ -131,8 +136,7 @@ class OpenCLBackend(Backend):
         n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
         dx = self.rt.empty(x.shape)
         self.rt.launch("lrn_backward", (hw, c, n), dy.data, x.data, y.data, s.data, p.data, i32(c), i32(hw),
-                       i32(n), F32(2.0 * alpha * beta / size), dx.data,
-                       defines=f"-DLRN_BEFORE={before} -DLRN_AFTER={after}")
+                       i32(n), F32(2.0 * alpha * beta / size), dx.data, defines=lrn_defines(before, after, beta))
         return dx
 
     def batchnorm_forward(

@@ -88,14 +88,17 @@ __kernel void relu_backward(__global const float* dy, __global const float* y, c
 #define SQRT(x) sqrt(x)
 #endif
 
-// s ** -beta, with beta = 0.75 done by square roots as numpy's _neg_pow does.
+// s ** -beta, with beta = 0.75 done by square roots as numpy's _neg_pow does. Which of the two
+// is compiled in (LRN_BETA_075, with the window): a pow call in the kernel, even one never taken,
+// keeps PoCL from running the work-items as SIMD lanes.
 inline float neg_pow(const float s, const float beta)
 {
-    if (beta == 0.75f) {
-        const float r = 1.0f / SQRT(s);
-        return r * SQRT(r);
-    }
+#if LRN_BETA_075
+    const float r = 1.0f / SQRT(s);
+    return r * SQRT(r);
+#else
     return pow(s, -beta);
+#endif
 }
 
 #ifdef LRN_BEFORE  // ------------------------------- LRN, built per window (LRN_BEFORE, LRN_AFTER)
