@@ -5,6 +5,7 @@
     tinyconv conformance --backend NAME                        # check a backend op by op against numpy
     tinyconv plot run.jsonl -o plots/                          # loss/accuracy and comm/conv/comp charts
     tinyconv keygen keys/ --name laptop1                       # a CURVE key pair for a master or a worker
+    tinyconv comm --arch 300:1000 --batch 64 --measure         # the bytes of a step: the paper's eq. 2, ours
 
 Training itself is ``python examples/cifar10_dist.py``. Nothing heavy is imported
 before the subcommand is known: ``worker --threads`` must set BLAS thread counts
@@ -23,6 +24,7 @@ COMMANDS = {
     "conformance": "run the backend conformance suite (see `tinyconv conformance --help`)",
     "plot": "draw charts from a metrics file (see `tinyconv plot --help`)",
     "keygen": "write a CURVE key pair, NAME.key (public) and NAME.key_secret (see `tinyconv keygen --help`)",
+    "comm": "the bytes a step moves: the paper's eq. 2 beside tinyconv's count (see `tinyconv comm --help`)",
 }
 
 
@@ -100,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return conformance_main(rest)
     if command == "keygen":
         return keygen(rest)
+    if command == "comm":
+        from tinyconv.comm import main as comm_main
+
+        return comm_main(rest)
     if command == "plot":
         from tinyconv.plot import main as plot_main
 

@@ -1,0 +1,165 @@
+"""What one training step moves between the master and its workers: the paper's eq. 2, and tinyconv's.
+
+    tinyconv comm --arch 300:1000 --batch 64 --participants 2 3 4 --measure
+
+Marques et al.'s eq. 2 counts, for every convolutional layer, its input maps, its kernels and its
+output maps, in doubles (8 bytes):
+
+    eq. 2 = 8 * sum over conv layers of  (in^2 * inCh * batch  +  k^2 * numK * inCh  +  out^2 * numK * batch)
+
+Read for a split across P participants (the master among them, as tinyconv runs it), the input goes
+to every worker that has kernels (one message each, as over MPI or ZeroMQ), and the kernels and
+output maps of the workers' share once; the master's own share moves nothing. That is the forward
+pass only. tinyconv's paper split (``--fuse off --split kernels``) also moves the backward, in
+float32 (4 bytes), per worker with k of a layer's kernels:
+
+    forward   to the worker: x, its k kernels and k biases     back: its k output maps
+    backward  to the worker: the gradient of those k maps      back: dW and db of its k kernels, and
+                                                                      a whole partial dX (not for the
+                                                                      first layer, which needs none)
+
+:func:`paper_split_bytes` counts that; ``--measure`` runs one step with in-process workers and
+reads the bytes the step's metrics recorded (array bytes, as every transport counts them), which
+must agree exactly. tinyconv's other splits (fused tails, conv2 by input channels) move other
+amounts: their metrics say how much, step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyconv.layers import Conv2D, Linear
+from tinyconv.model import Network, paper_net
+from tinyconv.report import format_table
+from tinyconv.shard.balance import kernel_counts
+
+F32, F64 = 4, 8  # bytes per float
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One convolution of a network at a batch size: x (N, C, H, W), w (F, C, K, K), y (N, F, OH, OW)."""
+
+    name: str
+    x: tuple[int, int, int, int]
+    w: tuple[int, int, int, int]
+    y: tuple[int, int, int, int]
+    need_dx: bool
+
+
+def conv_shapes(net: Network, batch: int, image_size: int = 32) -> list[ConvShape]:
+    """The convolutions of ``net`` in order, with their shapes at ``batch`` images of ``image_size``."""
+    shape: tuple[int, ...] = (batch, 3, image_size, image_size)
+    convs = []
+    for layer in net.layers:
+        if isinstance(layer, Linear):
+            break
+        if isinstance(layer, Conv2D):
+            x = (batch, layer.in_channels, *shape[2:])
+            y = layer.output_shape(x)
+            convs.append(ConvShape(f"conv{len(convs) + 1}", x, tuple(layer.params["w"].shape), y, layer.need_dx))
+        shape = layer.output_shape(shape)
+    return convs
+
+
+def equal_counts(convs: Sequence[ConvShape], participants: int) -> list[list[int]]:
+    """Each layer's kernels split equally among ``participants`` (the master first), as an uncalibrated
+    cluster splits them."""
+    return [kernel_counts([1.0] * participants, conv.w[0]) for conv in convs]
+
+
+def eq2_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], word: int = F64) -> int:
+    """The paper's eq. 2 for a step whose layers are split by ``counts`` (the master's first, moving
+    nothing), in words of ``word`` bytes."""
+    total = 0
+    for conv, layer_counts in zip(convs, counts, strict=True):
+        n, c, h, w = conv.x
+        _, _, k, _ = conv.w
+        oh, ow = conv.y[2:]
+        workers = [kk for kk in layer_counts[1:] if kk]
+        total += len(workers) * h * w * c * n + k * k * sum(workers) * c + oh * ow * sum(workers) * n
+    return total * word
+
+
+def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(to the workers, from the workers) in one step of tinyconv's paper split, float32 array bytes."""
+    to = back = 0
+    for conv, layer_counts in zip(convs, counts, strict=True):
+        x_bytes = math.prod(conv.x) * F32
+        kernel = math.prod(conv.w[1:]) * F32  # one kernel's weights
+        maps = math.prod(conv.y) // conv.y[1] * F32  # one kernel's output maps
+        for k in layer_counts[1:]:
+            if not k:
+                continue
+            to += x_bytes + k * kernel + k * F32 + k * maps  # x, w and b rows; backward: dy of its maps
+            back += k * maps + k * kernel + k * F32 + (x_bytes if conv.need_dx else 0)  # y; dw, db, dx
+    return to, back
+
+
+def measure(arch: str, batch: int, participants: int, image_size: int = 32) -> tuple[int, int]:
+    """The bytes one real training step moves in the paper's split: the master and ``participants`` - 1
+    in-process workers, an equal split, random images."""
+    import tinyconv as tc
+
+    net = paper_net(arch, "numpy", image_size=image_size)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, 3, image_size, image_size), dtype=np.float32)
+    y = rng.integers(0, 10, batch)
+    with tc.distribute(net, "inproc", participants - 1, split="kernels", fuse=False, calibrate=False,
+                       rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None) as cluster:
+        net.train_step(x, y)
+        step = cluster.last_step
+    return step["bytes_sent"], step["bytes_recv"]
+
+
+def mb(n: int) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="tinyconv comm",
+        description="Bytes one training step moves: the paper's eq. 2 (forward, doubles and float32) beside "
+        "tinyconv's paper split (--fuse off --split kernels: forward and backward, float32), for an equal "
+        "split among the master and its workers; --measure checks the model against one real step.",
+    )
+    p.add_argument("--arch", default="50:500", help="kernel counts C1:C2 (default %(default)s)")
+    p.add_argument("--batch", type=int, default=64, help="images per step (default %(default)s)")
+    p.add_argument("--participants", type=int, nargs="+", default=[2, 3, 4],
+                   help="participant counts, the master included (default 2 3 4)")
+    p.add_argument("--measure", action="store_true",
+                   help="also run one step per count with in-process workers (numpy) and show its bytes")
+    args = p.parse_args(argv)
+    if args.batch < 1 or min(args.participants) < 1:
+        p.error("--batch and --participants must be 1 or more")
+    try:
+        net = paper_net(args.arch, "numpy")
+    except ValueError as e:
+        p.error(str(e))
+    convs = conv_shapes(net, args.batch)
+    header = ["participants", "eq. 2 MB (doubles)", "eq. 2 MB (float32)", "paper split MB to / from workers"]
+    rows, agree = [], True
+    for n in args.participants:
+        counts = equal_counts(convs, n)
+        to, back = paper_split_bytes(convs, counts)
+        row = [str(n), mb(eq2_bytes(convs, counts)), mb(eq2_bytes(convs, counts, F32)), f"{mb(to)} / {mb(back)}"]
+        if args.measure:
+            got = measure(args.arch, args.batch, n) if n > 1 else (0, 0)
+            agree &= got == (to, back)
+            row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == (to, back) else "  (differs)"))
+        rows.append(row)
+    if args.measure:
+        header.append("measured MB to / from workers")
+    print(f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing)")
+    print(format_table(header, rows))
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
