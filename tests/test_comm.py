@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tinyconv.comm import F32, F64, conv_shapes, eq2_bytes, equal_counts, main, measure, paper_split_bytes
+from tinyconv.comm import (
+    F32,
+    F64,
+    conv_shapes,
+    eq2_bytes,
+    equal_counts,
+    kernel_split_bytes,
+    main,
+    measure,
+    paper_split_bytes,
+)
 from tinyconv.model import paper_net
 
 
@@ -26,18 +36,36 @@ def test_eq2_by_hand_for_the_paper_net():
     assert eq2_bytes(convs, [[4], [6]]) == 0 and paper_split_bytes(convs, [[4], [6]]) == (0, 0)  # the master alone
 
 
-@pytest.mark.parametrize("arch, batch, participants", [("4:8", 3, 2), ("5:7", 2, 3), ("2:3", 2, 4)])
-def test_the_model_is_what_a_step_of_the_paper_split_moves(arch, batch, participants):
-    # 2:3 among 4: some participants get no kernels of a layer, and move nothing for it
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("arch, batch, participants", [("4:8", 3, 2), ("12:20", 2, 3), ("2:3", 2, 4)])
+def test_the_model_is_what_a_step_split_by_kernels_moves(arch, batch, participants, fuse):
+    # 12:20 among 3: fused, the LRN halo widens each worker's kernels; 2:3 among 4: some participants
+    # get no kernels of a layer, and move nothing for it
     convs = conv_shapes(paper_net(arch), batch)
     counts = equal_counts(convs, participants)
-    assert measure(arch, batch, participants) == paper_split_bytes(convs, counts)
+    assert measure(arch, batch, participants, fuse=fuse) == kernel_split_bytes(convs, counts, fuse)
+
+
+def test_fused_tails_move_the_halo_and_return_pooled_maps():
+    convs = conv_shapes(paper_net("12:20"), batch=2)
+    counts = [[4, 4, 4], [7, 7, 6]]
+    fused, paper = kernel_split_bytes(convs, counts, True), paper_split_bytes(convs, counts)
+    assert fused[1] < paper[1]  # pooled maps back: a quarter of the conv's
+    # conv1's 12 kernels, 4 each: worker0 owns [4, 8) and computes [0, 12), LRN's halo of 4 on each
+    # side; worker1 owns [8, 12) and computes [4, 12)
+    conv1 = convs[0]
+    x, kernel, maps, pooled = 2 * 3 * 32 * 32 * F32, 3 * 25 * F32, 2 * 32 * 32 * F32, 2 * 16 * 16 * F32
+    computed, own = 12 + 8, 4 + 4
+    fused_back = own * pooled + own * (kernel + F32)  # conv1 needs no dx
+    assert kernel_split_bytes([conv1], [[4, 4, 4]], True) == (2 * x + computed * (kernel + F32 + pooled), fused_back)
+    paper_back = own * maps + own * (kernel + F32)
+    assert paper_split_bytes([conv1], [[4, 4, 4]]) == (2 * x + own * (kernel + F32 + maps), paper_back)
 
 
 def test_the_command_prints_the_table_and_checks_itself(capsys):
     assert main(["--arch", "4:8", "--batch", "2", "--participants", "1", "2", "3", "--measure"]) == 0
     out = capsys.readouterr().out
-    assert "eq. 2 MB (doubles)" in out and "measured MB" in out and "differs" not in out
+    assert "eq. 2 (doubles)" in out and "fused: model" in out and out.count("measured") == 2 and "differs" not in out
     with pytest.raises(SystemExit):
         main(["--arch", "4:8", "--batch", "0"])
     with pytest.raises(SystemExit):

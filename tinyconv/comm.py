@@ -18,10 +18,13 @@ float32 (4 bytes), per worker with k of a layer's kernels:
                                                                       a whole partial dX (not for the
                                                                       first layer, which needs none)
 
-:func:`paper_split_bytes` counts that; ``--measure`` runs one step with in-process workers and
-reads the bytes the step's metrics recorded (array bytes, as every transport counts them), which
-must agree exactly. tinyconv's other splits (fused tails, conv2 by input channels) move other
-amounts: their metrics say how much, step by step.
+With the tails fused (``--fuse on --split kernels``) a worker also runs the ReLU / LRN / max pool
+after the convolution on its kernels and their halo (the neighbours LRN's window reads): it gets
+the weights and the gradient of the kernels it computes, and returns pooled maps, a quarter of the
+size. :func:`kernel_split_bytes` counts both; ``--measure`` runs one step of each with in-process
+workers and reads the bytes the step's metrics recorded (array bytes, as every transport counts
+them), which must agree exactly. The split by input channels (conv2's default on one machine) is
+not modelled here: its metrics say what it moves, step by step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +42,8 @@ from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network, paper_net
 from tinyconv.report import format_table
 from tinyconv.shard.balance import kernel_counts
+from tinyconv.shard.block import tail_of, tail_output_hw
+from tinyconv.shard.plan import Plan
 
 F32, F64 = 4, 8  # bytes per float
 
@@ -51,19 +57,20 @@ class ConvShape:
     w: tuple[int, int, int, int]
     y: tuple[int, int, int, int]
     need_dx: bool
+    tail: tuple[dict[str, Any], ...] = ()  # the ReLU / LRN / max pool after it (block.py's specs)
 
 
 def conv_shapes(net: Network, batch: int, image_size: int = 32) -> list[ConvShape]:
     """The convolutions of ``net`` in order, with their shapes at ``batch`` images of ``image_size``."""
     shape: tuple[int, ...] = (batch, 3, image_size, image_size)
     convs = []
-    for layer in net.layers:
+    for i, layer in enumerate(net.layers):
         if isinstance(layer, Linear):
             break
         if isinstance(layer, Conv2D):
             x = (batch, layer.in_channels, *shape[2:])
-            y = layer.output_shape(x)
-            convs.append(ConvShape(f"conv{len(convs) + 1}", x, tuple(layer.params["w"].shape), y, layer.need_dx))
+            w, y, tail = tuple(layer.params["w"].shape), layer.output_shape(x), tuple(tail_of(net.layers[i + 1 :]))
+            convs.append(ConvShape(f"conv{len(convs) + 1}", x, w, y, layer.need_dx, tail))
         shape = layer.output_shape(shape)
     return convs
 
@@ -87,31 +94,44 @@ def eq2_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], word:
     return total * word
 
 
-def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(to the workers, from the workers) in one step of tinyconv's paper split, float32 array bytes."""
+def kernel_split_bytes(
+    convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], fuse: bool = False
+) -> tuple[int, int]:
+    """(to the workers, from the workers) in one step split by kernels, float32 array bytes: the paper's
+    split, or with ``fuse`` tinyconv's, where each worker also runs the conv's tail on its kernels and
+    their halo (the kernels LRN's window reads, ``plan.py``) and returns the tail's smaller maps."""
     to = back = 0
     for conv, layer_counts in zip(convs, counts, strict=True):
+        tail = list(conv.tail) if fuse else []
+        plan = Plan.of([("master", None)] + [(f"worker{i}", i) for i in range(len(layer_counts) - 1)],
+                       layer_counts, tail)
         x_bytes = math.prod(conv.x) * F32
         kernel = math.prod(conv.w[1:]) * F32  # one kernel's weights
-        maps = math.prod(conv.y) // conv.y[1] * F32  # one kernel's output maps
-        for k in layer_counts[1:]:
-            if not k:
-                continue
-            to += x_bytes + k * kernel + k * F32 + k * maps  # x, w and b rows; backward: dy of its maps
-            back += k * maps + k * kernel + k * F32 + (x_bytes if conv.need_dx else 0)  # y; dw, db, dx
+        maps = conv.y[0] * math.prod(tail_output_hw(*conv.y[2:], tail)) * F32  # one kernel's (tail's) maps
+        for p in plan.workers:
+            own, computed = p.n_kernels, p.halo.stop - p.halo.start
+            to += x_bytes + computed * (kernel + F32)  # forward: x, and the w and b rows it computes
+            to += computed * maps  # backward: dy of those kernels
+            back += own * maps  # forward: y of its own kernels
+            back += own * (kernel + F32) + (x_bytes if conv.need_dx else 0)  # backward: dw, db, a whole dx
     return to, back
 
 
-def measure(arch: str, batch: int, participants: int, image_size: int = 32) -> tuple[int, int]:
-    """The bytes one real training step moves in the paper's split: the master and ``participants`` - 1
-    in-process workers, an equal split, random images."""
+def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(to the workers, from the workers) in one step of the paper's split (``--fuse off --split kernels``)."""
+    return kernel_split_bytes(convs, counts, fuse=False)
+
+
+def measure(arch: str, batch: int, participants: int, image_size: int = 32, fuse: bool = False) -> tuple[int, int]:
+    """The bytes one real training step moves split by kernels (the paper's split, or with ``fuse``
+    tinyconv's): the master and ``participants`` - 1 in-process workers, an equal split, random images."""
     import tinyconv as tc
 
     net = paper_net(arch, "numpy", image_size=image_size)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, 3, image_size, image_size), dtype=np.float32)
     y = rng.integers(0, 10, batch)
-    with tc.distribute(net, "inproc", participants - 1, split="kernels", fuse=False, calibrate=False,
+    with tc.distribute(net, "inproc", participants - 1, split="kernels", fuse=fuse, calibrate=False,
                        rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None) as cluster:
         net.train_step(x, y)
         step = cluster.last_step
@@ -126,15 +146,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="tinyconv comm",
         description="Bytes one training step moves: the paper's eq. 2 (forward, doubles and float32) beside "
-        "tinyconv's paper split (--fuse off --split kernels: forward and backward, float32), for an equal "
-        "split among the master and its workers; --measure checks the model against one real step.",
+        "tinyconv's split by kernels, the paper's (--fuse off) and with the tails fused (--fuse on), forward and "
+        "backward in float32, for an equal split among the master and its workers; --measure checks each "
+        "model against one real step.",
     )
     p.add_argument("--arch", default="50:500", help="kernel counts C1:C2 (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="images per step (default %(default)s)")
     p.add_argument("--participants", type=int, nargs="+", default=[2, 3, 4],
                    help="participant counts, the master included (default 2 3 4)")
     p.add_argument("--measure", action="store_true",
-                   help="also run one step per count with in-process workers (numpy) and show its bytes")
+                   help="also run one step per count and split with in-process workers (numpy) and show its bytes")
     args = p.parse_args(argv)
     if args.batch < 1 or min(args.participants) < 1:
         p.error("--batch and --participants must be 1 or more")
@@ -143,20 +164,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     convs = conv_shapes(net, args.batch)
-    header = ["participants", "eq. 2 MB (doubles)", "eq. 2 MB (float32)", "paper split MB to / from workers"]
+    header = ["participants", "eq. 2 (doubles)", "eq. 2 (float32)", "paper split: model", "fused: model"]
+    if args.measure:
+        header[3:] = ["paper split: model", "measured", "fused: model", "measured"]
     rows, agree = [], True
     for n in args.participants:
         counts = equal_counts(convs, n)
-        to, back = paper_split_bytes(convs, counts)
-        row = [str(n), mb(eq2_bytes(convs, counts)), mb(eq2_bytes(convs, counts, F32)), f"{mb(to)} / {mb(back)}"]
-        if args.measure:
-            got = measure(args.arch, args.batch, n) if n > 1 else (0, 0)
-            agree &= got == (to, back)
-            row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == (to, back) else "  (differs)"))
+        row = [str(n), mb(eq2_bytes(convs, counts)), mb(eq2_bytes(convs, counts, F32))]
+        for fuse in (False, True):
+            model = kernel_split_bytes(convs, counts, fuse)
+            row.append(f"{mb(model[0])} / {mb(model[1])}")
+            if args.measure:
+                got = measure(args.arch, args.batch, n, fuse=fuse) if n > 1 else (0, 0)
+                agree &= got == model
+                row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
         rows.append(row)
-    if args.measure:
-        header.append("measured MB to / from workers")
-    print(f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing)")
+    print(f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
+          "step: eq. 2 (forward), and to / from the workers (forward and backward) split by kernels")
     print(format_table(header, rows))
     return 0 if agree else 1
 
