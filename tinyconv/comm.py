@@ -23,8 +23,11 @@ after the convolution on its kernels and their halo (the neighbours LRN's window
 the weights and the gradient of the kernels it computes, and returns pooled maps, a quarter of the
 size. :func:`kernel_split_bytes` counts both; ``--measure`` runs one step of each with in-process
 workers and reads the bytes the step's metrics recorded (array bytes, as every transport counts
-them), which must agree exactly. The split by input channels (conv2's default on one machine) is
-not modelled here: its metrics say what it moves, step by step.
+them), which must agree exactly.
+
+Split by input channels (``--split channels``, conv2's default with workers on the master's
+machine), a worker gets x and w of its channels only, but the partial sums of all the kernels
+cross the wire: :func:`channel_split_bytes` counts its two rounds each way.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from tinyconv.shard.block import tail_of, tail_output_hw
 from tinyconv.shard.plan import Plan
 
 F32, F64 = 4, 8  # bytes per float
+# the splits the table shows: (label, fuse, split), as the main job's --fuse and --split
+SPLITS = (("paper: --fuse off --split kernels", False, "kernels"), ("--split kernels (fused)", True, "kernels"),
+          ("--split channels (fused)", True, "channels"))
 
 
 @dataclass(frozen=True)
@@ -117,21 +123,70 @@ def kernel_split_bytes(
     return to, back
 
 
+def channel_split_bytes(conv: ConvShape, counts: Sequence[int], fuse: bool = True) -> tuple[int, int]:
+    """(to the workers, from the workers) for one layer split by input channels (``by_channels.py``),
+    its channels in proportion to the kernels, in one step: two rounds each way."""
+    n, c, h, w = conv.x
+    f, _, k, _ = conv.w
+    tail = list(conv.tail) if fuse else []
+    seats = [("master", None)] + [(f"worker{i}", i) for i in range(len(counts) - 1)]
+    plan = Plan.of(seats, counts, tail, kernel_counts([float(kk) for kk in counts], c))
+    busy = plan.busy
+    cmap = n * math.prod(conv.y[2:]) * F32  # one kernel's conv output
+    tmap = n * math.prod(tail_output_hw(*conv.y[2:], tail)) * F32  # one kernel's tail output
+    to = back = 0
+    for i, p in enumerate(busy):
+        if p.worker is None:
+            continue
+        width = p.channels.stop - p.channels.start
+        halo = p.halo.stop - p.halo.start
+        lo_end = max((q.halo.stop for q in busy[:i]), default=0)  # what the others' halos need of its partial
+        hi_start = min((q.halo.start for q in busy[i + 1 :]), default=f)
+        to += n * width * h * w * F32 + f * width * k * k * F32  # partial_forward: x and w of its channels
+        back += lo_end * cmap + (f - hi_start) * cmap  # p_lo, p_hi
+        to += halo * F32 + (halo * cmap if len(busy) > 1 else 0)  # tail_forward: b and the others' sum
+        back += p.n_kernels * tmap  # y of its kernels
+        to += halo * tmap  # tail_backward: dy over its halo
+        back += p.n_kernels * cmap  # dyc, its kernels' conv-output gradient
+        to += (f - p.n_kernels) * cmap  # partial_backward: the others' dyc
+        back += (n * width * h * w * F32 if conv.need_dx else 0) + f * width * k * k * F32 + f * F32  # dx, dw, db
+    return to, back
+
+
+def split_bytes(
+    convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], fuse: bool = True, split: str = "kernels"
+) -> tuple[int, int]:
+    """(to, from) the workers in one step of tinyconv's split: ``split`` "kernels" for every layer, or
+    "channels" for the layers that go by input channels (those that need dX and have a channel and a
+    kernel for every participant, as ``Cluster`` decides), by kernels for the others."""
+    to = back = 0
+    for conv, layer_counts in zip(convs, counts, strict=True):
+        by_channels = split == "channels" and conv.need_dx and min(conv.x[1], conv.w[0]) >= len(layer_counts)
+        if by_channels and any(layer_counts[1:]):
+            t, b = channel_split_bytes(conv, layer_counts, fuse)
+        else:
+            t, b = kernel_split_bytes([conv], [layer_counts], fuse)
+        to, back = to + t, back + b
+    return to, back
+
+
 def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]]) -> tuple[int, int]:
     """(to the workers, from the workers) in one step of the paper's split (``--fuse off --split kernels``)."""
     return kernel_split_bytes(convs, counts, fuse=False)
 
 
-def measure(arch: str, batch: int, participants: int, image_size: int = 32, fuse: bool = False) -> tuple[int, int]:
-    """The bytes one real training step moves split by kernels (the paper's split, or with ``fuse``
-    tinyconv's): the master and ``participants`` - 1 in-process workers, an equal split, random images."""
+def measure(
+    arch: str, batch: int, participants: int, image_size: int = 32, fuse: bool = False, split: str = "kernels"
+) -> tuple[int, int]:
+    """The bytes one real training step moves (``fuse`` and ``split`` as the main job's options): the
+    master and ``participants`` - 1 in-process workers, an equal split, random images."""
     import tinyconv as tc
 
     net = paper_net(arch, "numpy", image_size=image_size)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, 3, image_size, image_size), dtype=np.float32)
     y = rng.integers(0, 10, batch)
-    with tc.distribute(net, "inproc", participants - 1, split="kernels", fuse=fuse, calibrate=False,
+    with tc.distribute(net, "inproc", participants - 1, split=split, fuse=fuse, calibrate=False,
                        rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None) as cluster:
         net.train_step(x, y)
         step = cluster.last_step
@@ -146,9 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="tinyconv comm",
         description="Bytes one training step moves: the paper's eq. 2 (forward, doubles and float32) beside "
-        "tinyconv's split by kernels, the paper's (--fuse off) and with the tails fused (--fuse on), forward and "
-        "backward in float32, for an equal split among the master and its workers; --measure checks each "
-        "model against one real step.",
+        "tinyconv's splits -- the paper's (--fuse off --split kernels), with the tails fused, and by input "
+        "channels -- forward and backward in float32, for an equal split among the master and its workers; "
+        "--measure checks each model against one real step.",
     )
     p.add_argument("--arch", default="50:500", help="kernel counts C1:C2 (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="images per step (default %(default)s)")
@@ -164,23 +219,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     convs = conv_shapes(net, args.batch)
-    header = ["participants", "eq. 2 (doubles)", "eq. 2 (float32)", "paper split: model", "fused: model"]
+    header = ["participants", "split", "eq. 2 (doubles)", "eq. 2 (float32)", "model: to / from workers"]
     if args.measure:
-        header[3:] = ["paper split: model", "measured", "fused: model", "measured"]
+        header.append("measured")
     rows, agree = [], True
     for n in args.participants:
         counts = equal_counts(convs, n)
-        row = [str(n), mb(eq2_bytes(convs, counts)), mb(eq2_bytes(convs, counts, F32))]
-        for fuse in (False, True):
-            model = kernel_split_bytes(convs, counts, fuse)
-            row.append(f"{mb(model[0])} / {mb(model[1])}")
+        eq2 = [mb(eq2_bytes(convs, counts)), mb(eq2_bytes(convs, counts, F32))]
+        for label, fuse, split in SPLITS if n > 1 else SPLITS[:1]:  # the master alone moves nothing
+            model = split_bytes(convs, counts, fuse, split)
+            paper = split == "kernels" and not fuse
+            row = [str(n), label, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}"]
             if args.measure:
-                got = measure(args.arch, args.batch, n, fuse=fuse) if n > 1 else (0, 0)
+                got = measure(args.arch, args.batch, n, fuse=fuse, split=split) if n > 1 else (0, 0)
                 agree &= got == model
                 row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
-        rows.append(row)
+            rows.append(row)
     print(f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
-          "step: eq. 2 (forward), and to / from the workers (forward and backward) split by kernels")
+          "step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split")
     print(format_table(header, rows))
     return 0 if agree else 1
 
