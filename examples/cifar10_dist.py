@@ -463,6 +463,7 @@ def split_layers(args: argparse.Namespace, cluster: tc.Cluster, trainer: Trainer
     if args.plan == "equal":
         print(f"equal shares ({', '.join(cluster.participants)}), pinned by --plan equal")
         return
+    print(f"calibrating: timing {', '.join(cluster.participants)} on each convolution's shape ...", flush=True)
     calibration = cluster.calibrate(trainer.net, args.batch_size)
     trainer.metrics.write("calibration", **calibration)
     channels = calibration["channel_shares"]

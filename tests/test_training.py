@@ -119,6 +119,17 @@ def test_loss_decreases_on_synthetic_data(numpy_backend):
     assert summary["test_acc"] > max(0.6, acc0 + 0.3)
 
 
+def test_evaluation_shows_a_progress_bar_unless_asked_not_to(numpy_backend, tiny_data, capsys):
+    quiet = _trainer(numpy_backend, tiny_data, eval_batch_size=16)
+    expected = quiet.evaluate(tiny_data.x_test, tiny_data.y_test)
+    assert capsys.readouterr().err == ""
+    loud = _trainer(numpy_backend, tiny_data, eval_batch_size=16)
+    loud.cfg.progress = True
+    assert loud.evaluate(tiny_data.x_test, tiny_data.y_test) == expected
+    batches = -(-len(tiny_data.x_test) // 16)
+    assert f"evaluating:   0%|          | 0/{batches}" in capsys.readouterr().err
+
+
 def test_resume_is_bit_identical(numpy_backend, tiny_data, tmp_path):
     straight = _trainer(numpy_backend, tiny_data, epochs=2)
     straight.fit()

@@ -189,7 +189,9 @@ class Trainer:
         """Mean loss and accuracy in eval mode (running batch-norm statistics)."""
         be = self.net.backend
         total_loss, correct = 0.0, 0
-        for i in range(0, len(x), self.cfg.eval_batch_size):
+        starts = range(0, len(x), self.cfg.eval_batch_size)
+        bar = tqdm(starts, desc="evaluating", unit="batch", leave=False, disable=not self.cfg.progress)
+        for i in bar:
             xb, yb = x[i : i + self.cfg.eval_batch_size], y[i : i + self.cfg.eval_batch_size]
             logits = self.net.forward(be.asarray(self.normalize(xb)), training=False)
             loss, _ = self.net.loss_fn(logits, yb)
