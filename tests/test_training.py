@@ -385,3 +385,16 @@ def test_a_failed_checkpoint_on_the_way_out_keeps_the_error_that_ended_training(
     with pytest.raises(TimeoutError, match="worker 0 silent"):
         t.fit()
     assert t.save_error == "OSError: No space left on device" and t.saved is None
+
+
+def test_the_summary_table_reads_in_percent_seconds_and_megabytes():
+    summary = {
+        "steps": 20, "train_loss": 3.0317, "test_acc": 0.8965, "time_per_epoch_s": None, "median_step_s": 0.7119,
+        "bytes_sent": 1_606_165_120, "participant_bytes_sent": {"master": 0, "worker0": 807_179_360},
+        "final_shares": {"conv1": [17, 16, 17], "conv2": [168, 166, 166]},
+    }  # fmt: skip
+    table = summary_table(summary)
+    for shown in ("| 20 ", "3.032", "89.65%", "0.712 s", "1606.2 MB", "master: 0.0 MB; worker0: 807.2 MB",
+                  "conv1: [17, 16, 17]; conv2: [168, 166, 166]"):
+        assert shown in table, shown
+    assert "time_per_epoch_s" not in table  # None: not measured, not shown

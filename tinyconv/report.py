@@ -32,19 +32,28 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
 
 
 def summary_table(summary: dict[str, Any]) -> str:
-    """The end-of-run table for the terminal."""
-    rows = []
-    for key, value in summary.items():
-        if value is None:
-            continue
-        if key in ("test_acc", "best_test_acc"):
-            value = f"{value:.2%}"
-        rows.append((key, value if not isinstance(value, dict) else _shares_text(value)))
+    """The end-of-run table for the terminal, in units a person reads (%, s, MB); the metrics file
+    keeps the raw numbers."""
+    rows = [(key, _readable(key, value)) for key, value in summary.items() if value is not None]
     return format_table(("result", "value"), rows, title="Summary")
 
 
-def _shares_text(shares: dict[str, Any]) -> str:
-    return "; ".join(f"{layer}: {counts}" for layer, counts in shares.items())
+def _readable(key: str, value: Any) -> Any:
+    if key in ("test_acc", "best_test_acc"):
+        return f"{value:.2%}"
+    if "bytes" in key:  # a total, or each participant's by name
+        if isinstance(value, dict):
+            return "; ".join(f"{name}: {_mb(b)}" for name, b in value.items())
+        return _mb(value)
+    if key.endswith("_s"):
+        return f"{value:.3g} s"
+    if isinstance(value, dict):  # shares: kernels (or input channels) per participant, by layer
+        return "; ".join(f"{layer}: {counts}" for layer, counts in value.items())
+    return value
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 def summarize(
