@@ -87,6 +87,12 @@ def equal_counts(convs: Sequence[ConvShape], participants: int) -> list[list[int
     return [kernel_counts([1.0] * participants, conv.w[0]) for conv in convs]
 
 
+def _plan(counts: Sequence[int], tail: list[dict[str, Any]], channel_counts: Sequence[int] | None = None) -> Plan:
+    """The plan a cluster of the master and len(counts) - 1 workers makes for one layer."""
+    seats = [("master", None)] + [(f"worker{i}", i) for i in range(len(counts) - 1)]
+    return Plan.of(seats, counts, tail, channel_counts)
+
+
 def eq2_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], word: int = F64) -> int:
     """The paper's eq. 2 for a step whose layers are split by ``counts`` (the master's first, moving
     nothing), in words of ``word`` bytes."""
@@ -109,8 +115,7 @@ def kernel_split_bytes(
     to = back = 0
     for conv, layer_counts in zip(convs, counts, strict=True):
         tail = list(conv.tail) if fuse else []
-        plan = Plan.of([("master", None)] + [(f"worker{i}", i) for i in range(len(layer_counts) - 1)],
-                       layer_counts, tail)
+        plan = _plan(layer_counts, tail)
         x_bytes = math.prod(conv.x) * F32
         kernel = math.prod(conv.w[1:]) * F32  # one kernel's weights
         maps = conv.y[0] * math.prod(tail_output_hw(*conv.y[2:], tail)) * F32  # one kernel's (tail's) maps
@@ -129,9 +134,7 @@ def channel_split_bytes(conv: ConvShape, counts: Sequence[int], fuse: bool = Tru
     n, c, h, w = conv.x
     f, _, k, _ = conv.w
     tail = list(conv.tail) if fuse else []
-    seats = [("master", None)] + [(f"worker{i}", i) for i in range(len(counts) - 1)]
-    plan = Plan.of(seats, counts, tail, kernel_counts([float(kk) for kk in counts], c))
-    busy = plan.busy
+    busy = _plan(counts, tail, kernel_counts([float(kk) for kk in counts], c)).busy
     cmap = n * math.prod(conv.y[2:]) * F32  # one kernel's conv output
     tmap = n * math.prod(tail_output_hw(*conv.y[2:], tail)) * F32  # one kernel's tail output
     to = back = 0
@@ -139,17 +142,18 @@ def channel_split_bytes(conv: ConvShape, counts: Sequence[int], fuse: bool = Tru
         if p.worker is None:
             continue
         width = p.channels.stop - p.channels.start
+        x_part, w_part = n * width * h * w * F32, f * width * k * k * F32  # x and w of its channels
         halo = p.halo.stop - p.halo.start
         lo_end = max((q.halo.stop for q in busy[:i]), default=0)  # what the others' halos need of its partial
         hi_start = min((q.halo.start for q in busy[i + 1 :]), default=f)
-        to += n * width * h * w * F32 + f * width * k * k * F32  # partial_forward: x and w of its channels
+        to += x_part + w_part  # partial_forward
         back += lo_end * cmap + (f - hi_start) * cmap  # p_lo, p_hi
         to += halo * F32 + (halo * cmap if len(busy) > 1 else 0)  # tail_forward: b and the others' sum
         back += p.n_kernels * tmap  # y of its kernels
         to += halo * tmap  # tail_backward: dy over its halo
         back += p.n_kernels * cmap  # dyc, its kernels' conv-output gradient
         to += (f - p.n_kernels) * cmap  # partial_backward: the others' dyc
-        back += (n * width * h * w * F32 if conv.need_dx else 0) + f * width * k * k * F32 + f * F32  # dx, dw, db
+        back += (x_part if conv.need_dx else 0) + w_part + f * F32  # dx, dw, db
     return to, back
 
 

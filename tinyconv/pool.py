@@ -31,7 +31,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from tinyconv.layers import Conv2D, Linear
+from tinyconv.comm import conv_shapes
 from tinyconv.model import Network
 from tinyconv.plugins import get_backend, get_transport
 from tinyconv.shard.cluster import Cluster
@@ -104,16 +104,7 @@ def distribute(
 
 def message_cap(net: Network, batch_size: int, image_size: int) -> int:
     """The most bytes a task or result of ``net``'s convolutions may carry at ``batch_size``."""
-    shape: tuple[int, ...] = (batch_size, 0, image_size, image_size)
-    convs = []
-    for layer in net.layers:
-        if isinstance(layer, Linear):
-            break
-        if isinstance(layer, Conv2D):
-            shape = (shape[0], layer.in_channels, *shape[2:])
-            convs.append((shape, layer.output_shape(shape), tuple(layer.params["w"].shape)))
-        shape = layer.output_shape(shape)
-    return message_cap_bytes(convs)
+    return message_cap_bytes([(c.x, c.y, c.w) for c in conv_shapes(net, batch_size, image_size)])
 
 
 @contextmanager

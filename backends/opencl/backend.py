@@ -30,12 +30,12 @@ from backends.opencl.runtime import Runtime
 from backends.opencl.tune_file import default_tune_file
 
 F32 = np.float32
+i32 = np.int32
 
 
 def lrn_defines(before: int, after: int, beta: float) -> str:
     """The LRN kernels' build: the window, and whether s^-beta is done by square roots (see ops.cl)."""
     return f"-DLRN_BEFORE={before} -DLRN_AFTER={after} -DLRN_BETA_075={int(beta == 0.75)}"
-i32 = np.int32
 
 
 class OpenCLBackend(Backend):
