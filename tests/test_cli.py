@@ -39,3 +39,22 @@ def test_conformance_on_a_chosen_device(capsys):
     assert "no OpenCL device '9:9'" in capsys.readouterr().err
     assert main(["conformance", "--backend", "numpy", "--device", "0"]) == 1
     assert "the numpy backend has no devices to choose from" in capsys.readouterr().err
+
+
+def test_every_subcommand_help_is_its_own(capsys):
+    # `tinyconv X --help` shows X's usage under the name the user typed, and does not run X
+    for command in ("conformance", "devices", "comm", "keygen", "plot"):
+        try:
+            main([command, "--help"])
+        except SystemExit as e:  # argparse exits 0 after printing help
+            assert e.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: tinyconv {command}"), (command, out[:80])
+        assert "pthread" not in out and "backends:" not in out  # devices --help lists no devices
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tinyconv {version('tinyconv')}"

@@ -6,6 +6,8 @@
     tinyconv plot run.jsonl -o plots/                          # loss/accuracy and comm/conv/comp charts
     tinyconv keygen keys/ --name laptop1                       # a CURVE key pair for a master or a worker
     tinyconv comm --arch 300:1000 --batch 64 --measure         # the bytes of a step: the paper's eq. 2, ours
+    tinyconv experiment grid --archs 50:500 300:1000           # the paper's speedup grid, one CSV row a run
+    tinyconv simulate --nodes 1 2 4 8 16 32 64 128             # predicted speedup to 128 nodes on a link model
 
 Training itself is ``python examples/cifar10_dist.py``. Nothing heavy is imported
 before the subcommand is known: ``worker --threads`` must set BLAS thread counts
@@ -25,17 +27,27 @@ COMMANDS = {
     "plot": "draw charts from a metrics file (see `tinyconv plot --help`)",
     "keygen": "write a CURVE key pair, NAME.key (public) and NAME.key_secret (see `tinyconv keygen --help`)",
     "comm": "the bytes a step moves: the paper's eq. 2 beside tinyconv's count (see `tinyconv comm --help`)",
+    "experiment": "run the paper's speedup grid: archs x batches x participants (see `tinyconv experiment --help`)",
+    "simulate": "predict step time and speedup to 128 nodes from measured devices and a link model "
+    "(see `tinyconv simulate --help`)",
 }
 
 
 def _usage() -> str:
-    lines = ["usage: tinyconv COMMAND [options]", "", "commands:"]
+    lines = ["usage: tinyconv COMMAND [options]   (tinyconv --version; tinyconv COMMAND --help)", "", "commands:"]
     lines += [f"  {name:12s} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
 
-def devices() -> int:
+def devices(argv: Sequence[str] = ()) -> int:
     """Print every registered backend and every OpenCL device; never a traceback."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="tinyconv devices",
+        description="List the registered backends and every OpenCL platform and device this machine can see, "
+        "with the P:D index that --device takes.",
+    ).parse_args(argv)
     from tinyconv.plugins import available_backends
 
     print("backends:", ", ".join(available_backends()))
@@ -89,23 +101,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"tinyconv {version('tinyconv')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            print("tinyconv (not installed: `make setup` or `pip install -e .`)")
+        return 0
     command, rest = args[0], args[1:]
     if command == "worker":
         from tinyconv.worker.main import main as worker_main
 
         return worker_main(rest)
     if command in ("devices", "backends"):
-        return devices()
+        return devices(rest)
     if command == "conformance":
         from tinyconv.testing import main as conformance_main
 
-        return conformance_main(rest)
+        return conformance_main(rest, prog="tinyconv conformance")
     if command == "keygen":
         return keygen(rest)
     if command == "comm":
         from tinyconv.comm import main as comm_main
 
         return comm_main(rest)
+    if command == "experiment":
+        from tinyconv.experiment import main as experiment_main
+
+        return experiment_main(rest)
+    if command == "simulate":
+        from tinyconv.simulate import main as simulate_main
+
+        return simulate_main(rest)
     if command == "plot":
         from tinyconv.plot import main as plot_main
 

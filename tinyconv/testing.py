@@ -166,10 +166,11 @@ def conformance_tests(backend: str | Backend | Callable[[], Backend], seed: int 
     return test_conformance
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tinyconv.testing --backend NAME [--device D]``: print the table; 0 if all passed, else 1."""
+def main(argv: list[str] | None = None, prog: str = "python -m tinyconv.testing") -> int:
+    """``python -m tinyconv.testing --backend NAME [--device D]``: print the table; 0 if all passed, else 1.
+    ``prog`` is the name the usage shows (``tinyconv conformance`` when the CLI calls it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tinyconv.testing",
+        prog=prog,
         description="Check a tinyconv backend op by op against the numpy reference.",
     )
     parser.add_argument("--backend", required=True, help="a name registered as a tinyconv.backends entry")
