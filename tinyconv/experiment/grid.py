@@ -1,0 +1,94 @@
+"""The grid's cells, the order they run in, what each is expected to cost, and which are done.
+
+**Order.** Repeats are rounds: every configuration runs its repeat 0 before any runs its
+repeat 1, so a configuration's repeats are a whole round apart, never back to back. Within a
+round the batch changes slowest, then participants / fuse / split / backend / norm, and the
+architecture fastest: consecutive cells differ in architecture (when there are several), so
+a slow drift of the shared machine spreads over all of them instead of landing on one
+architecture's cells. Every round runs in the same order. Inside a cell, solo and
+distributed steps alternate step by step (``run.py``), so the speedup itself is measured
+under the same conditions on both sides.
+
+**Participants 1** is the master alone: nothing is split or fused, so its cell is run once
+per (arch, norm, batch, backend, repeat) whatever --fuse and --split say, and its row says
+``fuse = split = "-"``.
+
+**Cost.** A cell's expected cost, for the progress bar's estimate of the time left, is its
+convolutions' multiply-adds (forward and backward, three GEMMs each) times the steps it runs:
+warm-up, timed, settle, calibration. Only the ratios between cells matter: the bar's rate is
+measured in these units, so the estimate is (cost left) / (cost done per second so far).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+
+NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone splits nothing
+KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "repeat", "link")
+CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: a configuration and the repeat it is."""
+
+    arch: str
+    norm: str
+    batch: int
+    participants: int
+    fuse: str  # "on" / "off", or "-" for the master alone
+    split: str  # "auto" / "channels" / "kernels", or "-"
+    backend: str
+    repeat: int
+
+    def key(self, link: str) -> tuple[str, ...]:
+        """The cell's identity as the CSV's key columns hold it (all text), on the link ``link``."""
+        return (self.arch, self.norm, str(self.batch), str(self.participants), self.fuse, self.split,
+                self.backend, str(self.repeat), link)  # fmt: skip
+
+    def label(self) -> str:
+        """A short name for lines and the progress bar."""
+        how = "master alone" if self.participants == 1 else f"P{self.participants} fuse {self.fuse} split {self.split}"
+        return f"{self.arch} {self.norm} batch {self.batch} {how} {self.backend} #{self.repeat}"
+
+
+def cells(
+    archs: Sequence[str],
+    batches: Sequence[int],
+    participants: Sequence[int],
+    repeats: int,
+    norms: Sequence[str] = ("lrn",),
+    fuses: Sequence[str] = ("on",),
+    splits: Sequence[str] = ("auto",),
+    backends: Sequence[str] = ("numpy",),
+) -> list[Cell]:
+    """Every cell of the grid, in the order they run (see the module's docstring), without duplicates."""
+    out: list[Cell] = []
+    seen: set[Cell] = set()
+    for repeat, batch in product(range(repeats), batches):
+        for p, fuse, split, backend, norm in product(participants, fuses, splits, backends, norms):
+            for arch in archs:
+                how = (NOT_SPLIT, NOT_SPLIT) if p == 1 else (fuse, split)
+                cell = Cell(arch, norm, batch, p, *how, backend, repeat)
+                if cell not in seen:
+                    seen.add(cell)
+                    out.append(cell)
+    return out
+
+
+def cost(cell: Cell, c1: int, c2: int, steps: int, warmup: int, settle: int) -> float:
+    """The cell's expected cost in Gflop-ish units: conv multiply-adds per step times its steps."""
+    # conv1: 3 -> c1 at 32x32, conv2: c1 -> c2 at 16x16 (after a pool), 5x5 kernels; x3 for fwd + 2 bwd GEMMs
+    per_image = 3 * 25 * (32 * 32 * 3 * c1 + 16 * 16 * c1 * c2)
+    if cell.participants == 1:
+        n_steps = warmup + steps + 1  # + one layer-by-layer step
+    else:  # calibration, warm-up, then solo and distributed alternated, each with its settle steps
+        n_steps = CALIBRATION_STEPS + warmup + 2 * steps * (1 + settle) + 1
+    return cell.batch * per_image * n_steps / 1e9
+
+
+def pending(grid: Sequence[Cell], done: set[tuple[str, ...]], link: str) -> list[Cell]:
+    """The cells of ``grid`` whose key is not among ``done`` (the CSV's keys), in order."""
+    return [c for c in grid if c.key(link) not in done]

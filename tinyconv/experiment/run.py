@@ -1,0 +1,159 @@
+"""Timing one cell: training steps of the master alone and of the master with its workers, alternated.
+
+A step is forward, loss, backward and the SGD update on random CIFAR-shaped data
+(:func:`one_step`). A distributed cell calibrates, runs ``warmup`` untimed distributed steps
+(the rebalancer settles), then alternates solo and distributed steps (:func:`alternate`):
+``cluster.detach`` puts the network's own layers back for a solo step, ``cluster.attach``
+shards them again, and after every switch ``settle`` untimed steps run first, so that a timed
+step never runs on the caches the other configuration left behind. A drift in the shared
+machine's speed thus hits both sides of the speedup alike. The master alone (participants 1)
+runs its warm-up and timed steps, then one step timed layer by layer (:func:`solo_split`) to
+split it into conv and comp, as the paper's Fig. 6 does. ``benchmarks/bench_speedup.py``
+prints the same measurements for one configuration, in more detail.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend
+from tinyconv.experiment.grid import Cell
+from tinyconv.layers import Conv2D
+from tinyconv.model import Network, paper_net, parse_arch
+from tinyconv.optim import SGD
+from tinyconv.shard.cluster import Cluster
+from tinyconv.shard.rebalance import Rebalancer
+from transports.base import Transport, WorkerInfo
+
+REBALANCE_THRESHOLD = 0.03  # bench_speedup's default: the rebalancer acts on a 3 % lag
+RECV_TIMEOUT_S = 600.0  # the longest a worker may take over one op of the largest cell
+
+
+def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | None) -> dict[str, Any]:
+    """One training step (forward, loss, backward, SGD); its time and the paper's split."""
+    t = time.perf_counter()
+    net.train_step(x, y)
+    opt.step()
+    net.backend.synchronize()
+    dt = time.perf_counter() - t
+    split = cluster.last_step if cluster is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
+    return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
+
+
+def solo_split(net: Network, x: Any, y: np.ndarray) -> dict[str, float]:
+    """The master alone, layer by layer: conv (the conv layers) vs comp (everything else)."""
+    conv_s = 0.0
+    t0 = time.perf_counter()
+    a = x
+    for layer in net.layers:
+        t = time.perf_counter()
+        a = layer.forward(a, training=True)
+        if isinstance(layer, Conv2D):
+            conv_s += time.perf_counter() - t
+    _, d = net.loss_fn(a, y)
+    for layer in reversed(net.layers):
+        t = time.perf_counter()
+        d = layer.backward(d)
+        if isinstance(layer, Conv2D):
+            conv_s += time.perf_counter() - t
+        if d is None:
+            break
+    net.backend.synchronize()
+    return {"conv_s": conv_s, "time_s": time.perf_counter() - t0}
+
+
+def alternate(
+    net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster, steps: int, settle: int,
+    tick: Callable[[], None] = lambda: None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+    """``steps`` solo and ``steps`` distributed steps, alternated, each after ``settle`` untimed ones.
+    Returns (solo records, distributed records); leaves the network attached. ``tick`` after each pair."""
+    solo, dist = [], []
+    for _ in range(steps):
+        cluster.detach(net)  # the network's own layers: the master alone, the workers wait
+        for _ in range(settle):
+            one_step(net, opt, x, y, None)
+        solo.append(one_step(net, opt, x, y, None))
+        cluster.attach(net)
+        for _ in range(settle):
+            one_step(net, opt, x, y, cluster)
+        dist.append(one_step(net, opt, x, y, cluster))
+        tick()
+    return solo, dist
+
+
+def med(recs: Sequence[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in recs)
+
+
+def training_setup(arch: str, norm: str, batch: int, be: Backend) -> tuple[Network, SGD, Any, np.ndarray]:
+    """The network, its optimiser and one seeded random batch, as every cell and bench_speedup use."""
+    rng = np.random.default_rng(0)
+    x = be.asarray(rng.standard_normal((batch, 3, 32, 32)).astype(np.float32))
+    y = rng.integers(0, 10, batch)
+    net = paper_net(parse_arch(arch), be, norm, seed=0)
+    return net, SGD(net, 0.001, momentum=0.9, weight_decay=5e-4), x, y
+
+
+def run_cell(
+    cell: Cell, be: Backend, transport: Transport | None, workers: Sequence[WorkerInfo], steps: int, warmup: int,
+    settle: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Measure ``cell``: the master alone, or with the first participants - 1 of ``workers`` over
+    ``transport``. Returns the measured columns of its row (``table.COLUMNS``)."""
+    net, opt, x, y = training_setup(cell.arch, cell.norm, cell.batch, be)
+    if cell.participants == 1:
+        return _alone(net, opt, x, y, steps, warmup)
+    if transport is None or len(workers) < cell.participants - 1:
+        raise RuntimeError(f"{cell.label()} needs {cell.participants - 1} workers, the grid has {len(workers)}")
+    cluster = Cluster(transport, workers[: cell.participants - 1], be, master_share="auto",
+                      rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD), recv_timeout=RECV_TIMEOUT_S,
+                      fuse=cell.fuse == "on", split=cell.split)  # fmt: skip
+    try:
+        cluster.calibrate(net, cell.batch)
+        for _ in range(warmup):
+            one_step(net, opt, x, y, cluster)
+        solo, dist = alternate(net, opt, x, y, cluster, steps, settle)
+    finally:
+        cluster.close()  # the network's own layers back; the workers stay, for the next cell
+    times = [r["time_s"] for r in dist]
+    step_s, solo_s = statistics.median(times), med(solo, "time_s")
+    last = dist[-1]
+    return {
+        "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times),
+        "comm_s": med(dist, "comm_s"), "conv_s": med(dist, "conv_s"), "comp_s": med(dist, "comp_s"),
+        "bytes_sent": int(med(dist, "bytes_sent")), "bytes_recv": int(med(dist, "bytes_recv")),
+        "solo_step_s": solo_s, "speedup": solo_s / step_s,
+        "shares": shares_text(last["shares"]), "channel_shares": shares_text(last.get("channel_shares", {})),
+    }  # fmt: skip
+
+
+def _alone(net: Network, opt: SGD, x: Any, y: np.ndarray, steps: int, warmup: int) -> dict[str, Any]:
+    """The master alone: its timed steps, conv and comp from one more step timed layer by layer."""
+    for _ in range(warmup):
+        one_step(net, opt, x, y, None)
+    times = [one_step(net, opt, x, y, None)["time_s"] for _ in range(steps)]
+    split = solo_split(net, x, y)
+    step_s = statistics.median(times)
+    conv_s = step_s * split["conv_s"] / split["time_s"]  # the layer-by-layer step's fraction, of the median step
+    kernels = {f"conv{i + 1}": [layer.out_channels] for i, layer in enumerate(_convs(net))}
+    return {
+        "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times),
+        "comm_s": 0.0, "conv_s": conv_s, "comp_s": step_s - conv_s, "bytes_sent": 0, "bytes_recv": 0,
+        "solo_step_s": step_s, "speedup": 1.0, "shares": shares_text(kernels), "channel_shares": "",
+    }  # fmt: skip
+
+
+def _convs(net: Network) -> list[Conv2D]:
+    return [layer for layer in net.layers if isinstance(layer, Conv2D)]
+
+
+def shares_text(shares: dict[str, Sequence[int]]) -> str:
+    """{"conv1": [25, 25], "conv2": [240, 260]} -> "conv1=25/25 conv2=240/260": per layer, the
+    kernels (or input channels) of each participant, the master first."""
+    return " ".join(f"{layer}={'/'.join(str(k) for k in counts)}" for layer, counts in shares.items())

@@ -1,0 +1,153 @@
+"""The grid's results: one CSV row per run (and the same rows as JSON), read back to resume, summed up.
+
+The columns (:data:`COLUMNS`) are a contract: the plots and the simulator read them by name.
+The CSV is appended to one row at a time, flushed, so a grid cut short keeps every finished
+cell; a re-run reads it back (:func:`read_rows`), drops a half-written last line, and skips
+the cells whose key columns (``grid.KEY``) it already holds. The JSON beside it
+(``grid.json`` for ``grid.csv``) is rewritten whole after every cell, with typed values.
+
+A file measured under other settings is refused rather than mixed: rows of one CSV must agree
+on :data:`SETTINGS` (steps, warm-up, settle, transport) -- a different --steps makes a
+different measurement, not another repeat of the same one. Host and time may differ: each
+row says its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tinyconv.experiment.grid import KEY
+from tinyconv.paper import paper_speedup
+from tinyconv.report import format_table
+
+# name -> type; the first 26 are the contract (keep their names), the rest extras
+COLUMNS: dict[str, type] = {
+    "arch": str, "norm": str, "batch": int, "participants": int, "fuse": str, "split": str,
+    "backend": str, "transport": str, "repeat": int, "steps": int,
+    "step_s": float, "step_s_min": float, "step_s_max": float,
+    "comm_s": float, "conv_s": float, "comp_s": float, "bytes_sent": int, "bytes_recv": int,
+    "solo_step_s": float, "speedup": float, "shares": str, "link": str, "host": str, "timestamp": str,
+    # extras
+    "warmup": int, "settle": int, "channel_shares": str, "workers": str,
+}  # fmt: skip
+SETTINGS = ("steps", "warmup", "settle", "transport")
+
+
+class GridFileError(ValueError):
+    """The --out file cannot be resumed: its message says why, in one line."""
+
+
+def json_path(csv_path: Path) -> Path:
+    return csv_path.with_suffix(".json")
+
+
+def typed(row: dict[str, str]) -> dict[str, Any]:
+    """A CSV row (all text) with each column's type."""
+    return {name: COLUMNS[name](row[name]) for name in COLUMNS}
+
+
+def read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The rows already in ``path`` (typed) and whether a half-written last line was dropped from
+    the file. A missing or empty file has none. GridFileError if it is not a grid CSV of these columns."""
+    if not path.exists() or path.stat().st_size == 0:
+        return [], False
+    text = path.read_text()
+    cut = not text.endswith("\n")
+    if cut:  # the previous run died mid-row: keep the whole lines, write the rest again
+        text = text[: text.rfind("\n") + 1]
+        with open(path, "r+") as f:
+            f.truncate(len(text.encode()))
+    reader = csv.DictReader(io.StringIO(text))
+    if reader.fieldnames is None:
+        return [], cut
+    if list(reader.fieldnames) != list(COLUMNS):
+        missing = [c for c in COLUMNS if c not in reader.fieldnames]
+        raise GridFileError(
+            f"{path} has other columns than this grid writes ({'missing ' + ', '.join(missing) if missing else 'order'}"
+            "); give another --out"
+        )
+    try:
+        rows = [typed(r) for r in reader]
+    except (TypeError, ValueError) as e:
+        raise GridFileError(f"{path} has a row that does not parse ({e}); give another --out") from None
+    return rows, cut
+
+
+def check_settings(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> None:
+    """GridFileError if the rows were measured with other ``settings`` than this run's."""
+    for row in rows:
+        differ = {k: row[k] for k in SETTINGS if row[k] != settings[k]}
+        if differ:
+            were = " ".join(f"--{k} {v}" for k, v in differ.items())
+            now = " ".join(f"--{k} {settings[k]}" for k in differ)
+            raise GridFileError(
+                f"{path} was measured with {were}, not {now}: re-run with those to resume it, or give another --out"
+            )
+
+
+def done_keys(rows: Sequence[dict[str, Any]]) -> set[tuple[str, ...]]:
+    return {tuple(str(r[k]) for k in KEY) for r in rows}
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the CSV (with the header first if the file is new), flushed to disk."""
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS), lineterminator="\n")
+        if new:
+            writer.writeheader()
+        writer.writerow({k: _text(row[k]) for k in COLUMNS})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """All ``rows`` as a JSON list, replacing the file atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([{k: r[k] for k in COLUMNS} for r in rows], indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _text(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else str(v)  # repr: a float read back is the same float
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """Median speedup over repeats: a row per arch x batch, a column per participants (and per
+    fuse / split / backend / norm when the rows have several), and the paper's 2-CPU value."""
+    ways = {_way(r) for r in rows}
+    # one column per participant count, unless the rows split (or run) more than one way
+    many = len({w[1:] for w in ways if w[0] > 1}) > 1 or len({w[3:] for w in ways}) > 1
+    columns = sorted(ways) if many else sorted({(w[0],) for w in ways})
+    cell_rows = []
+    for arch, batch in dict.fromkeys((r["arch"], r["batch"]) for r in rows):
+        speeds = []
+        for col in columns:
+            got = [r["speedup"] for r in rows if (r["arch"], r["batch"], *_way(r)[: len(col)]) == (arch, batch, *col)]
+            speeds.append(f"{_median(got):.2f}x" if got else "")
+        paper = paper_speedup(arch, 2)
+        cell_rows.append((arch, batch, *speeds, f"{paper:.2f}x" if paper else "not known"))
+    headers = ("arch", "batch", *(_header(c) for c in columns), "paper, 2 CPUs")
+    return format_table(headers, cell_rows, title="speedup (median over repeats) against the master alone")
+
+
+def _way(r: dict[str, Any]) -> tuple:
+    return (r["participants"], r["fuse"], r["split"], r["backend"], r["norm"])
+
+
+def _header(col: tuple) -> str:
+    if len(col) == 1:
+        return f"{col[0]} participant{'s' if col[0] > 1 else ''}"
+    p, fuse, split, backend, norm = col
+    return f"1 (alone) {backend} {norm}" if p == 1 else f"{p} fuse {fuse} split {split} {backend} {norm}"
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
