@@ -30,65 +30,23 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+# the timing itself lives in the library, where `tinyconv experiment grid` runs it for every cell
+from tinyconv.experiment.devices import grid_workers, pin_master  # noqa: E402
+from tinyconv.experiment.run import alternate, med, one_step, solo_split, training_setup  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
-from tinyconv.layers import Conv2D  # noqa: E402
-from tinyconv.model import paper_net, parse_arch  # noqa: E402
-from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.model import parse_arch  # noqa: E402
+from tinyconv.paper import PAPER_SPEEDUPS  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
-from tinyconv.pool import stop_workers  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 from tinyconv.shard.cluster import Cluster  # noqa: E402
-from tinyconv.shard.protocol import VERSION  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
-from transports.zmq_master import ZmqTransport  # noqa: E402
-
-
-def one_step(net, opt, x, y, cluster: Cluster | None) -> dict:
-    """One training step (forward, loss, backward, SGD); its time and the paper's split."""
-    t = time.perf_counter()
-    net.train_step(x, y)
-    opt.step()
-    net.backend.synchronize()
-    dt = time.perf_counter() - t
-    split = cluster.last_step if cluster is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
-    return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
-
-
-def solo_split(net, x, y) -> dict:
-    """The master alone, layer by layer: conv (the conv layers) vs comp (everything else)."""
-    be = net.backend
-    conv_s = 0.0
-    t0 = time.perf_counter()
-    a = x
-    for layer in net.layers:
-        t = time.perf_counter()
-        a = layer.forward(a, training=True)
-        if isinstance(layer, Conv2D):
-            conv_s += time.perf_counter() - t
-    _, d = net.loss_fn(a, y)
-    for layer in reversed(net.layers):
-        t = time.perf_counter()
-        d = layer.backward(d)
-        if isinstance(layer, Conv2D):
-            conv_s += time.perf_counter() - t
-        if d is None:
-            break
-    be.synchronize()
-    return {"conv_s": conv_s, "time_s": time.perf_counter() - t0}
-
-
-def med(recs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in recs)
 
 
 def main() -> None:
@@ -130,41 +88,20 @@ def main() -> None:
     )
     args = p.parse_args()
     keep_freed_memory()  # as the example and the worker do (tinyconv/heap.py)
-    c1, c2 = parse_arch(args.arch)
+    parse_arch(args.arch)  # a clear error for a malformed one, before the worker starts
     taskset = shutil.which("taskset")
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {0})  # the master: core 0
     be = get_backend(args.backend)
     print(
         f"{args.arch} norm={args.norm} batch {args.batch}, backend {args.backend}, fuse {args.fuse}, "
         f"split {args.split}, 1 BLAS thread per process, master on core 0, "
         f"worker on core 1 ({'taskset' if taskset else 'unpinned'})"
     )
-    rng = np.random.default_rng(0)
-    x = be.asarray(rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32))
-    y = rng.integers(0, 10, args.batch)
-    net = paper_net((c1, c2), be, args.norm, seed=0)
-    opt = SGD(net, 0.001, momentum=0.9, weight_decay=5e-4)
+    net, opt, x, y = training_setup(args.arch, args.norm, args.batch, be)
 
-    # the worker, started as a user would, pinned to core 1, over TCP on loopback
-    transport = ZmqTransport(bind="tcp://127.0.0.1:0", peer_timeout_s=60.0, protocol=VERSION)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tinyconv.worker",
-        "--connect",
-        transport.bound_address,
-        "--backend",
-        args.backend,
-        "--threads",
-        "1",
-        "--quiet",
-        "--timeout",
-        "60",
-    ]
-    proc = subprocess.Popen(([taskset, "-c", "1"] if taskset else []) + cmd)
-    try:
-        workers = transport.start(1, timeout=60)
+    # the worker, started as a user would (`tinyconv worker`), pinned to core 1 under taskset, over TCP
+    # on loopback, one BLAS thread: the grid's local workers (tinyconv/experiment/devices.py)
+    with grid_workers(1, "zmq", args.backend, timeout=60) as (transport, workers):
+        pin_master()  # the master: core 0, once the worker has its own core
         cluster = Cluster(
             transport,
             workers,
@@ -182,21 +119,10 @@ def main() -> None:
         # Alternate the two configurations step by step, so that a drift in the shared
         # machine's speed hits both alike: solo = the same network with its own layers back
         # (what --workers 0 runs), while the worker waits on the other core.
-        solo_recs, dist_recs = [], []
-        for _ in tqdm(range(args.steps), desc="solo / distributed steps", disable=None):
-            cluster.detach(net)
-            for _ in range(args.settle):
-                one_step(net, opt, x, y, None)
-            solo_recs.append(one_step(net, opt, x, y, None))
-            cluster.attach(net)
-            for _ in range(args.settle):
-                one_step(net, opt, x, y, cluster)
-            dist_recs.append(one_step(net, opt, x, y, cluster))
+        with tqdm(total=args.steps, desc="solo / distributed steps", disable=None) as bar:
+            solo_recs, dist_recs = alternate(net, opt, x, y, cluster, args.steps, args.settle, lambda: bar.update())
         cluster.detach(net)
         split = solo_split(net, x, y)  # one extra solo step, timed layer by layer for the Amdahl bound
-    finally:
-        transport.close()
-        stop_workers([proc])
 
     solo_t, dist_t = med(solo_recs, "time_s"), med(dist_recs, "time_s")
     f = split["conv_s"] / split["time_s"]
@@ -250,9 +176,11 @@ def main() -> None:
             title="master + 1 worker, op by op (medians)",
         )
     )
+    two_cpus = [q for q in PAPER_SPEEDUPS if (q.participants, q.device) == (2, "cpu")]
+    paper = ", ".join(f"{q.speedup:.2f}x on {q.arch}" for q in two_cpus)
     print(
         f"Amdahl bound for 2 devices 1/((1-f)+f/2) = {1 / ((1 - f) + f / 2):.2f}x with conv alone parallel; "
-        f"measured {solo_t / dist_t:.2f}x (paper, 2 CPUs: 1.69x on 300:1000, 1.98x on 500:1500)"
+        f"measured {solo_t / dist_t:.2f}x (paper, 2 CPUs: {paper})"
     )
 
 
