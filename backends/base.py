@@ -128,6 +128,30 @@ class Backend(ABC):
     def lrn_backward(self, dy: Array, cache: Cache) -> Array:
         """dx (N, C, H, W) for lrn_forward."""
 
+    # An optimisation beside the plain ops, which stay: ReLU then LRN as one op, so that a
+    # device can read the map once and write it once (numpy cannot fuse; it runs the two).
+    # The default is the plain composition, the reference every override is checked against.
+    def relu_lrn_forward(
+        self, x: Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
+    ) -> tuple[Array, Cache]:
+        """y = lrn(relu(x)): ``lrn_forward(relu_forward(x)[0], size, alpha, beta, k)``, x and y (N, C, H, W).
+
+        With r = max(x, 0) and the LRN of ``lrn_forward`` on r:
+            s_i = k + (alpha / size) * sum_{j in W(i)} r_j^2,      y_i = r_i * s_i^(-beta)
+        """
+        r, relu_cache = self.relu_forward(x)
+        y, lrn_cache = self.lrn_forward(r, size, alpha, beta, k)
+        return y, (relu_cache, lrn_cache)
+
+    def relu_lrn_backward(self, dy: Array, cache: Cache) -> Array:
+        """dx (N, C, H, W) for relu_lrn_forward: ``relu_backward(lrn_backward(dy))``, the chain rule
+        through both. With W'(j) = [j - (size-1)//2, j + size//2] the mirrored window:
+            dr_j = dy_j s_j^(-beta) - (2 alpha beta / size) r_j * sum_{i in W'(j)} dy_i y_i / s_i
+            dx_j = dr_j * [r_j > 0]
+        """
+        relu_cache, lrn_cache = cache
+        return self.relu_backward(self.lrn_backward(dy, lrn_cache), relu_cache)
+
     @abstractmethod
     def batchnorm_forward(
         self,

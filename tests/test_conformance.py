@@ -118,7 +118,7 @@ def test_shapes_cover_the_edges():
 def test_nan_cases_hold_nan_windows_with_two_nans_and_nan_free_ones():
     """What the NaN cases are for: the reference's y has NaNs and numbers, and one window's two
     NaNs (its first and last corner) send its gradient to the last one."""
-    for case in (c for c in CASES if c.label.endswith(" nan")):
+    for case in (c for c in CASES if c.op == "maxpool" and c.label.endswith(" nan")):
         rec = RecordingReference()
         assert all(r.passed for r in run_case(rec, case))
         x, y, dx = rec.x, rec.y, rec.dx_of_window_1_1
@@ -258,14 +258,15 @@ def failures(backend: Backend) -> list[CheckResult]:
 
 def test_fails_a_diagonal_only_lrn_backward():
     failed = failures(DiagonalLRN())
-    assert failed and {(r.op, r.output) for r in failed} == {("lrn", "dx")}
+    # the fused ReLU + LRN, inherited as the composition, fails with its LRN
+    assert failed and {(r.op, r.output) for r in failed} == {("lrn", "dx"), ("relu_lrn", "dx")}
     large_alpha = {c.label for c in CASES if c.op == "lrn" and "alpha0.01" in c.label}
     assert large_alpha <= {r.case for r in failed}
 
 
 def test_fails_an_unmirrored_lrn_window_on_even_sizes_only():
     failed = failures(UnmirroredLRN())
-    assert failed and {(r.op, r.output) for r in failed} == {("lrn", "dx")}
+    assert failed and {(r.op, r.output) for r in failed} == {("lrn", "dx"), ("relu_lrn", "dx")}
     assert all("size4" in r.case for r in failed)
 
 
@@ -323,7 +324,7 @@ def test_a_refusal_must_be_a_value_error():
 
 def test_fails_an_op_that_modifies_its_input():
     failed = failures(InPlaceReLU())
-    assert failed and {(r.op, r.output) for r in failed} == {("relu", "inputs kept")}
+    assert failed and {(r.op, r.output) for r in failed} == {("relu", "inputs kept"), ("relu_lrn", "inputs kept")}
     assert all(r.note == "modified: x" for r in failed)
 
 

@@ -2,10 +2,11 @@
 
 Odd sizes, stride 2, padding 0/1/2, batch 1, ties in a max and NaNs in a max pool
 (a window with two, windows that overlap), an LRN whose cross-channel term
-matters, batch norm's running statistics and its refusal of one value per channel
-in training, three ``sgd_update`` steps, ``take_kernels``, the edges and
-``describe()``. Each case runs the backend under test and the reference on the
-same inputs and records one CheckResult per output (see checks.py).
+matters, the fused ReLU + LRN against the composition of the two, batch norm's
+running statistics and its refusal of one value per channel in training, three
+``sgd_update`` steps, ``take_kernels``, the edges and ``describe()``. Each case runs
+the backend under test and the reference on the same inputs and records one
+CheckResult per output (see checks.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,33 @@ def _lrn(
         t.unchanged(x=(xd, x), dy=(dyd, dy))
 
     return Case("lrn", f"N{n} C{c} {h}x{w} size{size} alpha{alpha:g} beta{beta:g} k{k:g} |x|~{scale:g}", run)
+
+
+def _relu_lrn(
+    n: int, c: int, h: int, w: int, size: int, alpha: float, beta: float, scale: float, values: str = "normal"
+) -> Case:
+    """The fused ReLU + LRN against the reference's composition, lrn(relu(x)), k = 2. "zeros": a
+    third of x is exactly 0, where the ReLU's mask is 0; "nan": NaNs, which spread over LRN windows."""
+
+    def run(t: Trial) -> None:
+        x = t.normal(n, c, h, w, scale=scale)
+        if values == "zeros":
+            x[t.rng.random(x.shape) < 0.3] = 0.0
+        if values == "nan":
+            x[t.rng.random(x.shape) < 0.05] = np.nan
+        xd = t.dev(x)
+        r_ref, relu_ref = REF.relu_forward(x)
+        y_ref, lrn_ref = REF.lrn_forward(r_ref, size, alpha, beta, 2.0)
+        y, cache = t.backend.relu_lrn_forward(xd, size, alpha, beta, 2.0)
+        t.compare("y", y, y_ref)
+        dy = t.normal(n, c, h, w)
+        dyd = t.dev(dy)
+        dx_ref = REF.relu_backward(REF.lrn_backward(dy, lrn_ref), relu_ref)
+        t.compare("dx", t.backend.relu_lrn_backward(dyd, cache), dx_ref)
+        t.unchanged(x=(xd, x), dy=(dyd, dy))
+
+    note = "" if values == "normal" else f" {values}"
+    return Case("relu_lrn", f"N{n} C{c} {h}x{w} size{size} alpha{alpha:g} beta{beta:g} |x|~{scale:g}{note}", run)
 
 
 def _batchnorm(n: int, c: int, h: int, w: int, training: bool, momentum: float = 0.1) -> Case:
@@ -289,6 +317,10 @@ CASES: list[Case] = [
     _lrn(2, 7, 3, 4, 3, 1e-2, 0.75, 1.0, 10.0),  # large alpha: the cross-channel term matters
     _lrn(1, 6, 3, 3, 4, 1e-2, 0.75, 1.0, 10.0),  # even size: the window is asymmetric
     _lrn(2, 3, 4, 4, 5, 2e-2, 0.6, 2.0, 5.0),  # fewer channels than the window, beta != 0.75
+    _relu_lrn(2, 7, 5, 5, 5, 1e-4, 0.75, 1.0),  # the paper's network
+    _relu_lrn(2, 7, 3, 4, 3, 1e-2, 0.75, 10.0, "zeros"),  # the cross-channel term matters; the mask at 0
+    _relu_lrn(1, 6, 3, 3, 4, 1e-2, 0.6, 10.0),  # even size, beta != 0.75 (pow)
+    _relu_lrn(2, 3, 4, 4, 5, 2e-2, 0.75, 5.0, "nan"),  # fewer channels than the window; NaNs
     _batchnorm(2, 4, 5, 5, training=True),
     _batchnorm(1, 3, 4, 3, training=True, momentum=0.2),  # batch 1
     _batchnorm(2, 4, 5, 5, training=False),
