@@ -268,6 +268,21 @@ def test_lrn_matches_numpy(be, rng, size, alpha, beta, k, scale):
         check(be, be.lrn_backward(be.asarray(dy), cache), dx_ref, what="dx")
 
 
+@pytest.mark.parametrize("size", [3, 4, 5])
+@pytest.mark.parametrize("alpha, beta, scale", [(1e-4, 0.75, 1.0), (2e-2, 0.6, 5.0)])
+def test_fused_relu_lrn_matches_numpys_composition(be, rng, size, alpha, beta, scale):
+    """The fused kernels against relu then lrn on numpy, with exact zeros (where the ReLU's mask is 0)."""
+    for shape in ((2, 7, 3, 5), (1, 3, 4, 4)):
+        x, dy = normal(rng, *shape, scale=scale), normal(rng, *shape)
+        x[rng.random(shape) < 0.2] = 0.0
+        r_ref, relu_ref = REF.relu_forward(x)
+        y_ref, lrn_ref = REF.lrn_forward(r_ref, size, alpha, beta, 2.0)
+        y, cache = be.relu_lrn_forward(be.asarray(x), size, alpha, beta, 2.0)
+        check(be, y, Expected(y_ref, size + 3 + FN), what="y")  # the ReLU is exact: LRN's ks
+        dx_ref = Expected(REF.relu_backward(REF.lrn_backward(dy, lrn_ref), relu_ref), 2 * size + 7 + 2 * FN)
+        check(be, be.relu_lrn_backward(be.asarray(dy), cache), dx_ref, what="dx")
+
+
 def test_lrn_defaults_are_numpys(be, rng):
     """torch.nn.LocalResponseNorm's: size 5, alpha 1e-4, beta 0.75, k 1."""
     x = normal(rng, 2, 7, 3, 5, scale=30.0)  # large enough that k = 1 vs 2 shows

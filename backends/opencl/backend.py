@@ -139,6 +139,31 @@ class OpenCLBackend(Backend):
                        i32(n), F32(2.0 * alpha * beta / size), dx.data, defines=lrn_defines(before, after, beta))
         return dx
 
+    # An optimisation beside relu_* and lrn_*, which stay: ReLU then LRN as one kernel each way
+    # (ops.cl: read the map once, write it once). The cache holds the ReLU's input x, not its
+    # output, and s but not p = s^-beta: the backward recomputes both, so neither is ever written.
+    def relu_lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
+        x = self.rt.operand(x, "relu_lrn x")
+        if x.ndim != 4 or size < 1:
+            raise ValueError(f"relu_lrn: expected an (N, C, H, W) input and size >= 1, got {x.shape} and {size}")
+        before, after = size // 2, (size - 1) // 2
+        n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
+        y, s = self.rt.empty(x.shape), self.rt.empty(x.shape)
+        self.rt.launch("relu_lrn_forward", (hw, c, n), x.data, i32(c), i32(hw), i32(n), F32(alpha / size), F32(k),
+                       F32(beta), y.data, s.data, defines=lrn_defines(before, after, beta))
+        return y, (x, y, s, size, alpha, beta, before, after)
+
+    def relu_lrn_backward(self, dy, cache):
+        x, y, s, size, alpha, beta, before, after = cache
+        dy = self.rt.operand(dy, "relu_lrn dy")
+        if dy.shape != x.shape:
+            raise ValueError(f"relu_lrn_backward: dy {dy.shape} does not match the forward input {x.shape}")
+        n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
+        dx = self.rt.empty(x.shape)
+        self.rt.launch("relu_lrn_backward", (hw, c, n), dy.data, x.data, y.data, s.data, i32(c), i32(hw), i32(n),
+                       F32(beta), F32(2.0 * alpha * beta / size), dx.data, defines=lrn_defines(before, after, beta))
+        return dx
+
     def batchnorm_forward(
         self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5
     ):

@@ -155,6 +155,57 @@ __kernel void lrn_backward(__global const float* dy, __global const float* x,
     dx[e] = dy[e] * p[e] - coef * x[e] * t;
 }
 
+// ReLU then LRN in one kernel each way: an optimisation beside the plain kernels above and
+// relu_forward/relu_backward, which stay (backends/base.py's relu_lrn_forward is their
+// composition). The map is read once and written once: r = max(x, 0) is never stored, since the
+// backward gets it from x again, nor is p = s^-beta, which the backward recomputes from s (the
+// same operations, so the same bits). The plain pair moves 15 maps' worth of memory per step
+// (relu 2 + 3, LRN 4 + 6), this one 7 (forward: x in, y and s out; backward: dy, x, y, s in, dx out).
+
+// y = r * s^-beta with r = max(x, 0) (a NaN stays NaN) and s = k + alpha/size * the window sum
+// of r^2. global (H*W, C, N).
+__kernel void relu_lrn_forward(__global const float* x, const int C, const int HW, const int N,
+                               const float alpha_over_size, const float k, const float beta,
+                               __global float* y, __global float* s_out)
+{
+    const int q = get_global_id(0), c = get_global_id(1), n = get_global_id(2);
+    if (q >= HW || c >= C || n >= N) return;
+    const int e = (n * C + c) * HW + q;
+    __global const float* xn = x + n * C * HW + q;
+#define R(cc) (xn[(cc) * HW] < 0.0f ? 0.0f : xn[(cc) * HW])
+#define SQ(cc) (R(cc) * R(cc))
+    float s;
+    CHANNEL_WINDOW_SUM(s, SQ, c, C, LRN_BEFORE, LRN_AFTER);
+#undef SQ
+#undef R
+    s = s * alpha_over_size;
+    s = s + k;
+    const float r = x[e] < 0.0f ? 0.0f : x[e];
+    y[e] = r * neg_pow(s, beta);
+    s_out[e] = s;
+}
+
+// dx_j = [r_j > 0] * (dy_j p_j - (2 alpha beta / size) r_j * sum over the mirrored window of
+// dy_i y_i / s_i), r = max(x, 0), p = s^-beta: lrn_backward, then relu_backward's mask as a
+// product (so a NaN in dy stays NaN, as numpy's dy * (r > 0)). global (H*W, C, N).
+__kernel void relu_lrn_backward(__global const float* dy, __global const float* x,
+                                __global const float* y, __global const float* s, const int C,
+                                const int HW, const int N, const float beta, const float coef,
+                                __global float* dx)
+{
+    const int q = get_global_id(0), c = get_global_id(1), n = get_global_id(2);
+    if (q >= HW || c >= C || n >= N) return;
+    const int e = (n * C + c) * HW + q;
+    const int base = n * C * HW + q;
+#define U(cc) (dy[base + (cc) * HW] * y[base + (cc) * HW] / s[base + (cc) * HW])
+    float t;
+    CHANNEL_WINDOW_SUM(t, U, c, C, LRN_AFTER, LRN_BEFORE);  // the mirrored window
+#undef U
+    const float r = x[e] < 0.0f ? 0.0f : x[e];
+    const float dr = dy[e] * neg_pow(s[e], beta) - coef * r * t;
+    dx[e] = dr * (r > 0.0f ? 1.0f : 0.0f);
+}
+
 #endif  // LRN_BEFORE
 
 // ------------------------------------------------------------------ batch norm
