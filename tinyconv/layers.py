@@ -169,6 +169,31 @@ class LocalResponseNorm(Layer):
         return f"LocalResponseNorm(size={self.size}, alpha={self.alpha}, beta={self.beta}, k={self.k})"
 
 
+# An optimisation beside the layers, which stay as they are: a ReLU directly followed by an LRN
+# runs as one backend op (Backend.relu_lrn_forward, the two ops' composition by default), which a
+# device backend fuses into one pass over the map each way. tinyconv.model.Network calls these for
+# such a pair; the numbers are the same as relu.forward then lrn.forward, and their backwards.
+
+
+def relu_then_lrn(first: Layer, second: Layer) -> bool:
+    """Whether ``first`` then ``second`` is a plain ReLU then a plain LocalResponseNorm (not subclasses,
+    which may compute something else)."""
+    return type(first) is ReLU and type(second) is LocalResponseNorm
+
+
+def relu_lrn_forward(relu: ReLU, lrn: LocalResponseNorm, x: Array) -> Array:
+    """``lrn.forward(relu.forward(x))`` as one op, x (N, C, H, W). The LRN keeps the fused op's cache
+    and the ReLU none, so the backward must be :func:`relu_lrn_backward`."""
+    y, lrn.cache = lrn.backend.relu_lrn_forward(x, lrn.size, lrn.alpha, lrn.beta, lrn.k)
+    relu.cache = None
+    return y
+
+
+def relu_lrn_backward(relu: ReLU, lrn: LocalResponseNorm, dy: Array) -> Array:
+    """``relu.backward(lrn.backward(dy))`` after :func:`relu_lrn_forward`: dx (N, C, H, W)."""
+    return lrn.backend.relu_lrn_backward(dy, lrn.cache)
+
+
 class BatchNorm2D(Layer):
     """Per-channel batch norm over (N, H, W); m = N*H*W values per channel.
 

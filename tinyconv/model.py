@@ -26,6 +26,9 @@ from tinyconv.layers import (
     MaxPool2D,
     ReLU,
     SoftmaxCrossEntropy,
+    relu_lrn_backward,
+    relu_lrn_forward,
+    relu_then_lrn,
 )
 from tinyconv.plugins import as_backend
 
@@ -70,17 +73,30 @@ class Network:
     def forward(self, x: Array, training: bool = False) -> Array:
         """x (N, C, H, W) backend array -> logits (N, classes). ``training=True`` uses and updates
         batch statistics (batch norm); the default is inference."""
-        for layer in self.layers:
-            x = layer.forward(x, training)
+        for run in self.runs():
+            x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training)
         return x
 
     def backward(self, dlogits: Array) -> None:
         """Backprop dloss/dlogits through every layer, filling each layer's grads."""
         d = dlogits
-        for layer in reversed(self.layers):
-            d = layer.backward(d)
+        for run in reversed(self.runs()):
+            d = relu_lrn_backward(*run, d) if len(run) == 2 else run[0].backward(d)
             if d is None:  # the first conv does not compute dX
                 break
+
+    def runs(self) -> list[tuple[Layer, ...]]:
+        """The layers in the order they run, one by one, except that a ReLU directly followed by an
+        LRN runs as one backend op, ``relu_lrn_forward`` (an optimisation: the same numbers, one
+        pass over the map on a device; see layers.py). Read from the list at each call, since a
+        cluster's attach and detach change it."""
+        runs: list[tuple[Layer, ...]] = []
+        for layer in self.layers:
+            if runs and len(runs[-1]) == 1 and relu_then_lrn(runs[-1][0], layer):
+                runs[-1] = (runs[-1][0], layer)
+            else:
+                runs.append((layer,))
+        return runs
 
     def train_step(self, x: Array | np.ndarray, labels: np.ndarray) -> float:
         """Forward in training mode, the loss, backward: every layer's grads are filled; returns the loss.
