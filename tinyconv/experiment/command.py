@@ -89,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``tinyconv experiment grid ...``: 0 when done, 2 for bad input, 1 when a cell fails."""
     for var in THREAD_ENV_VARS:  # one BLAS thread per process, as the paper's CPUs; read when numpy loads
         os.environ[var] = "1"
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help (0) or a bad option (2, its one line printed): a code, as main promises
+        return int(e.code or 0)
     try:
         grid, rows = prepare(args)
     except BadInput as e:

@@ -1,0 +1,162 @@
+"""``tinyconv experiment grid``: the CSV's columns, resuming, the cells' order, the workers' command
+lines, bad input. Tiny networks (4:8) on 4 images, one step, in-process workers; nothing is timed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinyconv.experiment import main
+from tinyconv.experiment.command import BadInput, build_parser, check_devices
+from tinyconv.experiment.devices import cores, split_prefix, worker_command
+from tinyconv.experiment.grid import cells
+from tinyconv.experiment.table import COLUMNS, summary
+
+CONTRACT = (
+    "arch norm batch participants fuse split backend transport repeat steps step_s step_s_min step_s_max "
+    "comm_s conv_s comp_s bytes_sent bytes_recv solo_step_s speedup shares link host timestamp"
+).split()
+FAST = ["--steps", "1", "--warmup", "0", "--settle", "0", "--no-progress"]
+
+
+def grid(out: Path, *more: str, transport: str = "inproc") -> int:
+    return main(["grid", "--archs", "4:8", "--batches", "4", "--participants", "1", "2", "--transport", transport,
+                 "--out", str(out), *FAST, *more])  # fmt: skip
+
+
+def rows(out: Path) -> list[dict[str, str]]:
+    with open(out, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_csv_and_json_hold_every_contract_column_typed(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "grid.csv"
+    assert grid(out, "--link-label", "test link") == 0
+    with open(out, newline="") as f:
+        header = next(csv.reader(f))
+    assert header[: len(CONTRACT)] == CONTRACT and header == list(COLUMNS)
+    got = json.loads(out.with_suffix(".json").read_text())
+    assert [r["participants"] for r in got] == [1, 2] and [r["arch"] for r in got] == ["4:8", "4:8"]
+    for r in got:
+        assert list(r) == list(COLUMNS) and r["link"] == "test link" and r["steps"] == 1
+        for name, kind in COLUMNS.items():
+            assert isinstance(r[name], kind), name
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+    alone, two = got
+    assert (alone["fuse"], alone["split"], alone["speedup"]) == ("-", "-", 1.0)
+    assert alone["comm_s"] == 0 and alone["bytes_sent"] == alone["bytes_recv"] == 0
+    assert alone["conv_s"] + alone["comp_s"] == pytest.approx(alone["step_s"]) and alone["shares"] == "conv1=4 conv2=8"
+    assert two["speedup"] == pytest.approx(two["solo_step_s"] / two["step_s"])
+    assert two["bytes_sent"] > 0 and two["bytes_recv"] > 0 and two["shares"].count("/") == 2  # 2 layers, 2 each
+    assert rows(out) == [{k: str(v) if not isinstance(v, float) else repr(v) for k, v in r.items()} for r in got]
+
+
+def test_a_rerun_runs_nothing_new_and_one_more_batch_runs_only_its_cells(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out) == 0
+    first = rows(out)
+    capsys.readouterr()
+    assert grid(out) == 0
+    assert "2 already in" in capsys.readouterr().out and rows(out) == first
+    assert grid(out, "--batches", "4", "6") == 0
+    said = capsys.readouterr().out
+    assert "4 cells, 2 already in" in said and "2 to run" in said
+    now = rows(out)
+    assert now[:2] == first and [(r["batch"], r["participants"]) for r in now[2:]] == [("6", "1"), ("6", "2")]
+    assert len(json.loads(out.with_suffix(".json").read_text())) == 4
+
+
+def test_a_half_written_last_line_is_dropped_and_its_cell_runs_again(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out) == 0
+    text = out.read_text()
+    out.write_text(text[: len(text) - 40])  # the last row cut mid-way, no newline
+    assert grid(out) == 0
+    assert "half-written" in capsys.readouterr().out
+    again = rows(out)
+    assert [r["participants"] for r in again] == ["1", "2"] and all(r["timestamp"] for r in again)
+
+
+def test_other_steps_on_the_same_file_are_refused(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out) == 0
+    capsys.readouterr()
+    assert main(["grid", "--archs", "4:8", "--batches", "4", "--transport", "inproc", "--out", str(out),
+                 "--steps", "2", "--warmup", "0", "--settle", "0", "--no-progress"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--steps 1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cells_alternate_architectures_and_repeats_are_rounds() -> None:
+    got = cells(["a:1", "b:1", "c:1"], [64, 128], [1, 2], repeats=2, fuses=["on", "off"])
+    assert len(got) == 2 * 2 * 3 * 3  # per round and batch: 3 archs alone, 3 x 2 fuses with a worker
+    for before, after in zip(got, got[1:], strict=False):
+        assert before.arch != after.arch  # never the same architecture twice in a row
+    half = len(got) // 2
+    assert {c.repeat for c in got[:half]} == {0} and {c.repeat for c in got[half:]} == {1}
+    assert [c.key("x")[:-2] for c in got[:half]] == [c.key("x")[:-2] for c in got[half:]]  # the same order
+    alone = [c for c in got if c.participants == 1]
+    assert {(c.fuse, c.split) for c in alone} == {("-", "-")} and len(alone) == 2 * 2 * 3
+
+
+def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker() -> None:
+    prefix = split_prefix("ip netns exec 'tinyconv w'")
+    cmd = worker_command("tcp://10.0.0.1:5555", "numpy", 3, prefix, ["--timeout", "60"], taskset="/usr/bin/taskset")
+    assert cmd[:4] == ["ip", "netns", "exec", "tinyconv w"]
+    assert cmd[4:7] == ["/usr/bin/taskset", "-c", "3"]
+    assert cmd[7:10] == [sys.executable, "-m", "tinyconv.worker"]
+    assert cmd[cmd.index("--connect") + 1] == "tcp://10.0.0.1:5555" and cmd[-2:] == ["--timeout", "60"]
+    assert {"--serve", "--quiet"} <= set(cmd) and cmd[cmd.index("--threads") + 1] == "1"
+    assert worker_command("tcp://a:1", "numpy", 1)[:3] == [sys.executable, "-m", "tinyconv.worker"]  # no taskset
+
+
+@pytest.mark.skipif(len(cores()) < 2, reason="a pinned local worker needs a second core")
+def test_a_pinned_local_worker_over_zmq_behind_a_prefix(tmp_path: Path) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out, "--participants", "2", "--worker-prefix", "env TINYCONV_TEST=1", transport="zmq") == 0
+    (row,) = rows(out)
+    assert (row["transport"], row["participants"]) == ("zmq", "2") and int(row["bytes_sent"]) > 0
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--archs", "300-1000"], "unknown architecture"),
+        (["--backend", "nope"], "unknown backend"),
+        (["--participants", "1", "99"], "needs 99 cores"),
+        (["--worker-prefix", "env", "--transport", "inproc"], "--worker-prefix is for local"),
+        (["--participants", "3", "--external-workers", "1"], "needs 2 workers"),
+        (["--steps", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys, args: list[str], says: str) -> None:
+    code = main(["grid", "--out", str(tmp_path / "g.csv"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_unwritable_out_exits_2(tmp_path: Path, capsys) -> None:
+    assert main(["grid", "--archs", "4:8", "--out", str(tmp_path), "--transport", "inproc"]) == 2  # a folder
+    err = capsys.readouterr().err
+    assert "cannot write --out" in err and len(err.strip().splitlines()) == 1
+
+
+def test_participants_beyond_the_cores_need_external_workers() -> None:
+    args = build_parser().parse_args(["grid", "--participants", "1", "3"])
+    with pytest.raises(BadInput, match="needs 3 cores"):
+        check_devices(args, n_cores=2)
+    args.external_workers = 2
+    check_devices(args, n_cores=2)  # workers from elsewhere: no core needed here
+
+
+def test_the_summary_puts_the_papers_value_beside_ours() -> None:
+    base = {"norm": "lrn", "batch": 64, "backend": "numpy", "fuse": "on", "split": "auto"}
+    got = summary([{**base, "arch": "300:1000", "participants": 1, "fuse": "-", "split": "-", "speedup": 1.0},
+                   {**base, "arch": "300:1000", "participants": 2, "speedup": 1.8},
+                   {**base, "arch": "300:1000", "participants": 2, "speedup": 1.6},
+                   {**base, "arch": "4:8", "participants": 2, "speedup": 0.5}])  # fmt: skip
+    assert "1.70x" in got and "1.69x" in got and "not known" in got and "2 participants" in got
