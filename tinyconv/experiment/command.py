@@ -54,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("grid", help="the speedup grid: archs x batches x participants x repeats, one CSV row a run",
                        description="Time training steps for every architecture x batch x participant count (x norm, "
                        "backend, fuse, split) x repeat: the master alone, and the master with P-1 workers, their steps "
-                       "alternated; one CSV and JSON row per run; resumable.")  # fmt: skip
+                       "alternated; one CSV and JSON row per run; resumable.",
+                       epilog="A re-run with the same --out skips the cells already in it (same arch, norm, batch, "
+                       "participants, fuse, split, backend, repeat and --link-label) and appends the rest; a file "
+                       "measured with other --steps, --warmup, --settle or --transport is refused, not mixed. The "
+                       "progress bar's time left is the cost still to run (conv multiply-adds x steps, in Gflop) "
+                       "over the average rate so far.")  # fmt: skip
     g.add_argument("--archs", nargs="+", default=list(PAPER_ARCHS), metavar="C1:C2", help="default: the paper's four")
     g.add_argument("--batches", nargs="+", type=_int(1), default=[64, 128, 256], metavar="N")
     g.add_argument("--participants", nargs="+", type=_int(1), default=[1, 2], metavar="P",
@@ -75,8 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "loopback port; tcp://*:5555 with --external-workers); local workers connect to it")  # fmt: skip
     g.add_argument("--worker-prefix", metavar="CMD", help="put in front of each local worker's command line, "
                    "before its taskset, e.g. 'ip netns exec tinyconv-w'")  # fmt: skip
-    g.add_argument("--external-workers", type=_int(1), metavar="N",
-                   help="wait for N `tinyconv worker --serve` processes to connect instead of starting local ones")
+    g.add_argument(
+        "--external-workers",
+        type=_int(1),
+        metavar="N",
+        help="wait for N `tinyconv worker --serve` processes to connect instead of starting local ones",
+    )
     g.add_argument("--insecure", action="store_true", help="with --external-workers: bind beyond loopback without keys")
     g.add_argument("--timeout", type=_int(1), default=120, help="seconds to wait for the workers (default %(default)s)")
     g.add_argument("--link-label", default="loopback", help="the link column, e.g. '5MB/s wifi' (default loopback)")
@@ -207,7 +216,7 @@ def _loop(args: argparse.Namespace, todo: list[Cell], rows: list[dict[str, Any]]
     out, host = Path(args.out), cpu_model()
     backends = {name: get_backend(name) for name in args.backend}
     weights = [cost(c, *parse_arch(c.arch), args.steps, args.warmup, args.settle) for c in todo]
-    bar = tqdm(total=sum(weights), desc="grid", disable=True if args.no_progress else None,
+    bar = tqdm(total=sum(weights), desc="grid", disable=True if args.no_progress else None, smoothing=0,
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} Gflop [{elapsed}<{remaining}]")  # fmt: skip
     with bar:
         for i, (cell, weight) in enumerate(zip(todo, weights, strict=True), 1):

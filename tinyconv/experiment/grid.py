@@ -16,7 +16,8 @@ per (arch, norm, batch, backend, repeat) whatever --fuse and --split say, and it
 **Cost.** A cell's expected cost, for the progress bar's estimate of the time left, is its
 convolutions' multiply-adds (forward and backward, three GEMMs each) times the steps it runs:
 warm-up, timed, settle, calibration. Only the ratios between cells matter: the bar's rate is
-measured in these units, so the estimate is (cost left) / (cost done per second so far).
+measured in these units (smoothing 0: the average since the start), so the estimate is
+(cost left) / (cost done per second so far).
 """
 
 from __future__ import annotations
