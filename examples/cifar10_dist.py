@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
 from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint  # noqa: E402
-from tinyconv.cifar10 import DataError  # noqa: E402
-from tinyconv.data import load_dataset  # noqa: E402
+from tinyconv.cifar10 import DataError, default_data_dir  # noqa: E402
+from tinyconv.data import Dataset, load_dataset  # noqa: E402
 from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_bytes  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
@@ -513,7 +513,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, net, backend, data, ch
         return fail(e, trainer)
     finally:
         metrics.close()
-    print(summary_table(summary))
+    print(summary_table(summary, trainer.steps_per_epoch))
     if args.metrics_out:
         print(f"metrics: {args.metrics_out}")
     return 0
@@ -540,16 +540,25 @@ def note_checkpoint(trainer: Trainer | None) -> None:
         print(f"last checkpoint: step {step} in {path}; continue with --resume {path}", file=sys.stderr)
 
 
+def load_data(args: argparse.Namespace) -> Dataset:
+    """The data set, with a line before (reading CIFAR-10 takes seconds, a first download minutes) and after."""
+    where = f" from {args.data_dir or default_data_dir()}" if args.dataset == "cifar10" else ""
+    print(f"loading {args.dataset}{where} ...", flush=True)
+    data = load_dataset(
+        args.dataset, data_dir=args.data_dir, download=not args.no_download, seed=args.seed,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    print(f"{args.dataset}: {len(data.x_train):,} training and {len(data.x_test):,} test images")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
         keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
         backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
-        data = load_dataset(
-            args.dataset, data_dir=args.data_dir, download=not args.no_download, seed=args.seed,
-            progress=not args.no_progress,
-        )  # fmt: skip
+        data = load_data(args)
     except (UsageError, DataError, *ERRORS) as e:
         return fail(e)
     except KeyboardInterrupt:

@@ -92,6 +92,31 @@ def test_inproc_workers_share_the_kernels(tmp_path, split):
             assert list(s["channel_shares"]) == ["conv2"] and sum(s["channel_shares"]["conv2"]) == 4
 
 
+def test_the_run_says_what_it_does_and_its_summary_reads_as_words(tmp_path):
+    # conv1 has 2 kernels for 3 participants: one of them must sit it out, and the summary says who and why
+    metrics = tmp_path / "run.jsonl"
+    args = ("--dataset", "synthetic", "--arch", "2:8", "--batch-size", "32", "--steps", "3", "--workers", "2")
+    out = run_example(*args, "--split", "kernels", "--metrics-out", str(metrics))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "loading synthetic ..." and lines[1] == "synthetic: 2,048 training and 512 test images"
+    assert any(line.startswith("calibrating: timing master, worker0, worker1") for line in lines)
+    summary = read_metrics(metrics)[-1]
+    (sat,) = summary["sat_out"]
+    assert (sat["layer"], sat["steps"], sat["reason"]) == ("conv1", 3, "too few kernels")
+    who = sat["participant"]
+    assert (
+        "| sat out " in out.stdout
+        and f"{who} sat out conv1 in every step: conv1 has 2 kernels for 3 participants" in out.stdout
+    )
+    named = zip(summary["participants"], summary["final_shares"]["conv1"], strict=True)
+    shares = ", ".join(f"{n} {c}" for n, c in named)
+    assert f"conv1: {shares};" in out.stdout and f"{who} 0" in shares  # by name, not a bare list
+    projected = [line for line in lines if "time per epoch (projected from 3 steps)" in line]
+    assert len(projected) == 1 and projected[0].rstrip(" |").endswith(" s")  # 64 steps an epoch here
+    assert summary["time_per_epoch_s"] is None  # the file keeps what was measured: no whole epoch
+
+
 def _processes_with(marker: str) -> list[str]:
     found = []
     for pid in os.listdir("/proc"):

@@ -31,14 +31,42 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     return "\n".join(out)
 
 
-def summary_table(summary: dict[str, Any]) -> str:
-    """The end-of-run table for the terminal, in units a person reads (%, s, MB); the metrics file
-    keeps the raw numbers."""
-    rows = [(key, _readable(key, value)) for key, value in summary.items() if value is not None]
+def summary_table(summary: dict[str, Any], steps_per_epoch: int | None = None) -> str:
+    """The end-of-run table for the terminal, in units a person reads (%, s, MB), shares by participant
+    and who sat a layer out in words; the metrics file keeps the raw numbers. ``steps_per_epoch``: a run
+    with no whole epoch gets a time per epoch projected from its steps."""
+    names = summary.get("participants")
+    rows = []
+    for key, value in summary.items():
+        if key == "sat_out":
+            rows += [("sat out" if i == 0 else "", sentence(s)) for i, s in enumerate(value)]
+        elif key == "time_per_epoch_s" and value is None:
+            rows += _projected_epoch(summary, steps_per_epoch)
+        elif value is not None:
+            rows.append((key, _readable(key, value, names)))
     return format_table(("result", "value"), rows, title="Summary")
 
 
-def _readable(key: str, value: Any) -> Any:
+def _projected_epoch(summary: dict[str, Any], steps_per_epoch: int | None) -> list[tuple[str, str]]:
+    """A run shorter than an epoch: its median step time times an epoch's steps (evaluation not included)."""
+    step_s, steps = summary.get("median_step_s"), summary.get("steps")
+    if not (step_s and steps and steps_per_epoch):
+        return []
+    return [(f"time per epoch (projected from {steps} steps)", f"{step_s * steps_per_epoch:.3g} s")]
+
+
+def sentence(sat: dict[str, Any]) -> str:
+    """One entry of the summary's ``sat_out`` in words: who, which layer, how often, why."""
+    who, layer, steps, of = sat["participant"], sat["layer"], sat["steps"], sat["of"]
+    when = "in every step" if steps == of else f"in {steps} of {of} steps"
+    if sat["reason"] == "too few kernels":
+        why = f"{layer} has {sat['kernels']} kernels for {sat['participants']} participants"
+    else:
+        why = "too slow for one kernel's worth (its one kernel outlasted the others' whole layer)"
+    return f"{who} sat out {layer} {when}: {why}"
+
+
+def _readable(key: str, value: Any, names: Sequence[str] | None = None) -> Any:
     if key in ("test_acc", "best_test_acc"):
         return f"{value:.2%}"
     if "bytes" in key:  # a total, or each participant's by name
@@ -48,8 +76,17 @@ def _readable(key: str, value: Any) -> Any:
     if key.endswith("_s"):
         return f"{value:.3g} s"
     if isinstance(value, dict):  # shares: kernels (or input channels) per participant, by layer
-        return "; ".join(f"{layer}: {counts}" for layer, counts in value.items())
+        return "; ".join(f"{layer}: {_by_name(counts, names)}" for layer, counts in value.items())
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
     return value
+
+
+def _by_name(counts: Sequence[int], names: Sequence[str] | None) -> str:
+    """[0, 3, 1] as "master 0, worker0 3, worker1 1" when the participants' names are known."""
+    if names is None or len(names) != len(counts):
+        return str(list(counts))
+    return ", ".join(f"{name} {c}" for name, c in zip(names, counts, strict=True))
 
 
 def _mb(n: int) -> str:
@@ -89,7 +126,31 @@ def summarize(
             for name, b in zip(s["participants"], s[f"participant_{key}"], strict=True):
                 per[name] = per.get(name, 0) + int(b)
         out[f"participant_{key}"] = per
+    out["participants"] = list(names)  # the order of the shares' lists
     out["final_shares"] = step_splits[-1]["shares"]
     if step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
         out["final_channel_shares"] = step_splits[-1]["channel_shares"]
+    out["sat_out"] = sat_out(step_splits)
     return out
+
+
+def sat_out(step_splits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Who computed nothing of a layer (no kernels, nor input channels where it is split by them), in
+    how many of the steps, and why: "too few kernels" (fewer than participants, so someone must) or
+    "too slow" (the rebalancer found its one kernel would outlast the others' whole layer)."""
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for s in step_splits:
+        channels = s.get("channel_shares") or {}
+        for layer, kernels in s["shares"].items():
+            for i, (name, k) in enumerate(zip(s["participants"], kernels, strict=True)):
+                if k == 0 and (layer not in channels or channels[layer][i] == 0):
+                    entry = seen.setdefault((name, layer), {"steps": 0, "few": 0, "kernels": sum(kernels)})
+                    entry["steps"] += 1
+                    entry["few"] += sum(kernels) < len(kernels)
+                    entry["participants"] = len(kernels)
+    return [
+        {"participant": name, "layer": layer, "steps": e["steps"], "of": len(step_splits),
+         "reason": "too few kernels" if e["few"] == e["steps"] else "too slow", "kernels": e["kernels"],
+         "participants": e["participants"]}
+        for (name, layer), e in seen.items()
+    ]  # fmt: skip
