@@ -1,0 +1,242 @@
+"""The measured device file: what each device costs per conv layer, and the master's other work.
+
+    tinyconv simulate --measure devices.json --arch 300:1000 --batch 64
+
+times THIS machine (one BLAS thread: one paper-style CPU) and adds it to the file, or replaces
+its entry for the same name, arch, norm and batch. Nothing here is a built-in number: every
+prediction comes from a file someone measured. The file::
+
+    {"format": "tinyconv-devices", "version": 1,
+     "devices": [{"name": "host1-numpy", "host": "host1", "backend": "numpy", "threads": 1,
+                  "measured": "2025-...", "arch": "300:1000", "norm": "lrn", "batch": 64,
+                  "solo_step_s": 5.1,       # a whole training step of the master alone
+                  "fuse": {"off": {"comp_s": 0.9, "layers": [
+                                     {"name": "conv1", "kernels": 300, "fixed_s": 0.01,
+                                      "per_kernel_s": 0.0009, "samples": [[18, 0.03], ...]}, ...]},
+                           "on":  {...}}}],
+     "links": {"loopback": {"bandwidth_MBps": 2100.0, "latency_ms": 0.05}}}
+
+Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k kernels of that
+layer (``tinyconv/shard/cost.py``'s affine model, fitted to ``calibrate.time_block`` timings at a few
+k by :func:`fit_line`, ordinary least squares): with ``fuse`` "off" the
+convolution alone (the paper's split), with "on" the convolution and its ReLU / LRN / pool tail
+(tinyconv's). ``comp_s`` is the rest of a step on the master: ``solo_step_s`` minus the layers'
+times at k = F -- so a prediction for one participant gives back ``solo_step_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT, VERSION = "tinyconv-devices", 1
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One device's forward + backward time on one conv layer: t(k) = fixed_s + per_kernel_s * k."""
+
+    name: str
+    kernels: int  # F, the layer's kernels
+    fixed_s: float
+    per_kernel_s: float
+
+    def time(self, k: int) -> float:
+        return 0.0 if k <= 0 else self.fixed_s + self.per_kernel_s * k
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """One device's costs with the tails fused or not: its conv layers, and the master's rest of a step."""
+
+    comp_s: float
+    layers: tuple[LayerCost, ...]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One measured device at one arch, norm and batch."""
+
+    name: str
+    arch: str
+    norm: str
+    batch: int
+    solo_step_s: float
+    fuse: dict[str, SplitCost]  # "off", "on"
+
+
+def load(path: str | Path) -> tuple[list[Device], dict[str, dict[str, float]]]:
+    """The devices and the measured links of a device file; a ValueError naming what is wrong."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read device file {path}: {e}") from None
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("version") == VERSION):
+        raise ValueError(f"{path} is not a {FORMAT} file of version {VERSION} (make one with --measure)")
+    try:
+        devices = [_device(d) for d in doc["devices"]]
+        links = {name: {"bandwidth_MBps": float(v["bandwidth_MBps"]), "latency_ms": float(v["latency_ms"])}
+                 for name, v in doc.get("links", {}).items()}  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: malformed device entry ({type(e).__name__}: {e})") from None
+    return devices, links
+
+
+def _device(d: dict[str, Any]) -> Device:
+    fuse = {}
+    for key in ("off", "on"):
+        s = d["fuse"][key]
+        layers = tuple(LayerCost(x["name"], int(x["kernels"]), float(x["fixed_s"]), float(x["per_kernel_s"]))
+                       for x in s["layers"])  # fmt: skip
+        if not all(c.fixed_s >= 0 and c.per_kernel_s > 0 and c.kernels > 0 for c in layers):
+            raise ValueError(f"device {d['name']!r}: a layer needs kernels > 0, fixed_s >= 0, per_kernel_s > 0")
+        fuse[key] = SplitCost(max(0.0, float(s["comp_s"])), layers)
+    solo = float(d["solo_step_s"])
+    if not (math.isfinite(solo) and solo > 0):
+        raise ValueError(f"device {d['name']!r}: solo_step_s must be > 0")
+    return Device(str(d["name"]), str(d["arch"]), str(d["norm"]), int(d["batch"]), solo, fuse)
+
+
+def save(path: str | Path, entry: dict[str, Any], links: dict[str, dict[str, float]]) -> None:
+    """Add ``entry`` (a measured device) and ``links`` to the file at ``path`` (made if missing),
+    replacing an entry of the same name, arch, norm and batch and a link of the same name."""
+    path = Path(path)
+    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "devices": [], "links": {}}
+    if path.exists():
+        load(path)  # refuse to overwrite something that is not a device file
+        doc = json.loads(path.read_text())
+    key = ("name", "arch", "norm", "batch")
+    doc["devices"] = [d for d in doc["devices"] if any(d[k] != entry[k] for k in key)] + [entry]
+    doc.setdefault("links", {}).update(links)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def fit_line(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of t = a + b k through (k, t) samples by ordinary least squares, with a >= 0 (else the
+    line through the origin) and b > 0.
+
+    Not ``cost.fit_affine_cost``: the rebalancer takes the steepest slope the noise allows (the safe
+    side for moving kernels), which from four samples is nearly always the proportional model, a = 0
+    -- and the fixed part (every participant's im2col of the whole input) is what decides how far
+    the split scales. Here the samples are deliberate and few, so the plain fit is the honest one."""
+    n = len(samples)
+    k_bar, t_bar = sum(k for k, _ in samples) / n, sum(t for _, t in samples) / n
+    s_kk = sum((k - k_bar) ** 2 for k, _ in samples)
+    b = sum((k - k_bar) * (t - t_bar) for k, t in samples) / s_kk if s_kk > 0 else 0.0
+    a = t_bar - b * k_bar
+    if a < 0 or b <= 0:  # through the origin: t = b k
+        a, b = 0.0, sum(k * t for k, t in samples) / sum(k * k for k, _ in samples)
+    return a, b
+
+
+def _samples(kernels: int) -> list[int]:
+    """The kernel counts a layer is timed at: a few fractions of it, the whole layer last (the affine
+    fit passes through the newest point: the whole layer, what eq. 1 weighs devices by)."""
+    return sorted({max(1, kernels // 16), max(1, kernels // 4), max(1, kernels // 2)} - {kernels}) + [kernels]
+
+
+def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
+                   say: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+    """Time this machine (numpy backend, whatever BLAS threads the process has) and return its entry:
+    each conv layer at a few k (``calibrate.time_block``), fitted (:func:`fit_line`), with and
+    without its tail, and the master alone's whole training step (median of ``repeats``)."""
+    from tinyconv.comm import conv_shapes
+    from tinyconv.layers import Conv2D
+    from tinyconv.model import paper_net
+    from tinyconv.shard.calibrate import Spec, time_block
+
+    net = paper_net(arch, "numpy", norm, seed=0)
+    convs = conv_shapes(net, batch)
+    layers = [layer for layer in net.layers if isinstance(layer, Conv2D)]
+    solo = _solo_step(net, batch, repeats)
+    say(f"master alone: {solo:.3f} s a step")
+    entry: dict[str, Any] = {"name": name, "host": socket.gethostname(), "backend": "numpy",
+                             "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+                             "arch": arch, "norm": norm, "batch": batch, "solo_step_s": solo, "fuse": {}}  # fmt: skip
+    for fuse in ("off", "on"):
+        costs = []
+        for i, (conv, layer) in enumerate(zip(convs, layers, strict=True)):
+            tail = list(conv.tail) if fuse == "on" else []
+            samples = []
+            for k in _samples(conv.w[0]):
+                spec = Spec(i, conv.x, (k, *conv.w[1:]), layer.stride, layer.padding, conv.need_dx, tail)
+                samples.append((k, time_block(net.backend, spec, repeats)))
+            fixed, per = fit_line(samples)
+            say(f"fuse {fuse} {conv.name}: {fixed:.4f} s + {per * 1e3:.4f} ms per kernel (at {conv.w[0]}: "
+                f"{samples[-1][1]:.3f} s)")
+            costs.append({"name": conv.name, "kernels": conv.w[0], "fixed_s": fixed, "per_kernel_s": per,
+                          "samples": [[k, t] for k, t in samples]})  # fmt: skip
+        comp = solo - sum(c["fixed_s"] + c["per_kernel_s"] * c["kernels"] for c in costs)
+        entry["fuse"][fuse] = {"comp_s": max(0.0, comp), "layers": costs}
+    return entry
+
+
+def _solo_step(net: Any, batch: int, repeats: int) -> float:
+    """Median seconds of a training step of ``net`` alone (forward, loss, backward, SGD), after a warm-up."""
+    import numpy as np
+
+    from tinyconv.optim import SGD
+
+    rng = np.random.default_rng(0)
+    x = net.backend.asarray(rng.standard_normal((batch, 3, 32, 32), dtype=np.float32))
+    y = rng.integers(0, 10, batch)
+    opt = SGD(net, 0.001, momentum=0.9, weight_decay=5e-4)
+
+    def once() -> float:
+        t = time.perf_counter()
+        net.train_step(x, y)
+        opt.step()
+        net.backend.synchronize()
+        return time.perf_counter() - t
+
+    once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+def measure_loopback(frame_mb: float = 16.0, frames: int = 8, pings: int = 50) -> dict[str, float]:
+    """This machine's ZeroMQ loopback link: TCP on 127.0.0.1 between two threads (libzmq moves the
+    bytes on its own I/O threads, as between two processes). Latency: half the median round trip of a
+    1-byte message; bandwidth: ``frames`` frames of ``frame_mb`` MB one way, until the receiver's ack."""
+    import zmq
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        port = a.bind_to_random_port("tcp://127.0.0.1")
+        b.connect(f"tcp://127.0.0.1:{port}")
+        rtts = []
+        for _ in range(pings):
+            t = time.perf_counter()
+            a.send(b"x")
+            b.send(b.recv())
+            a.recv()
+            rtts.append(time.perf_counter() - t)
+        payload = bytes(int(frame_mb * 1e6))
+
+        def receive() -> None:
+            for _ in range(frames):
+                b.recv(copy=False)
+            b.send(b"done")
+
+        receiver = threading.Thread(target=receive)
+        t = time.perf_counter()
+        receiver.start()
+        for _ in range(frames):
+            a.send(payload, copy=False)
+        a.recv()
+        seconds = time.perf_counter() - t
+        receiver.join()
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+    return {"bandwidth_MBps": frames * len(payload) / seconds / 1e6, "latency_ms": statistics.median(rtts) / 2 * 1e3}
