@@ -63,16 +63,21 @@ def write_grid(path: Path) -> Path:
 
 
 def write_sim(path: Path) -> Path:
+    """As ``tinyconv simulate`` writes it: three splits (paper, fused, channels) x two bandwidths x two
+    media x 1-128 nodes, with columns beyond the contract (fuse, label)."""
     rows = []
-    for split in ("kernels", "channels"):
-        for bandwidth in (5, 100):
-            for k in range(8):
-                nodes = 2**k
-                speedup = nodes / (1 + nodes * (0.5 if bandwidth == 5 else 0.02) * (2 if split == "channels" else 1))
-                rows.append(dict(arch="300:1000", batch=64, split=split, medium="wifi", bandwidth_MBps=bandwidth,
-                                 latency_ms=2, nodes=nodes, step_s=1 / speedup, comm_s=0.1, conv_s=0.5, comp_s=0.1,
-                                 speedup=speedup))  # fmt: skip
-    _write_csv(path, SIM_COLUMNS, rows)
+    for fuse, split, label in (("off", "kernels", "paper"), ("on", "kernels", "tinyconv fused"),
+                               ("on", "channels", "tinyconv channels")):  # fmt: skip
+        for medium in ("wifi", "ethernet"):
+            for bandwidth in (5, 125):
+                for k in range(8):
+                    nodes = 2**k
+                    cost = (0.5 if bandwidth == 5 else 0.02) * (2 if split == "channels" else 1)
+                    speedup = nodes / (1 + nodes * cost * (2 if medium == "wifi" else 1))
+                    rows.append(dict(arch="300:1000", batch=64, split=split, medium=medium, bandwidth_MBps=bandwidth,
+                                     latency_ms=1.0, nodes=nodes, step_s=1 / speedup, comm_s=0.1, conv_s=0.5,
+                                     comp_s=0.1, speedup=speedup, fuse=fuse, label=label))  # fmt: skip
+    _write_csv(path, SIM_COLUMNS + ["fuse", "label"], rows)
     return path
 
 
@@ -275,14 +280,16 @@ def test_simulated_speedup_against_nodes(tmp_path):
     files = plot_files([write_sim(tmp_path / "sim.csv")], tmp_path / "out")
     assert [f.name for f in files] == ["sim-nodes.svg"]
     root = check_readable(files[0])
-    assert [t.text for t in texts(root, "x")] == ["1", "2", "4", "8", "16", "32", "64", "128"]
+    assert [t.text for t in texts(root, "caption")] == ["ethernet", "wifi"]  # a panel per medium
+    for axes in (g for g in root.iter(SVG + "g") if g.get("class") == "axes"):
+        assert [t.text for t in texts(axes, "x")] == ["1", "2", "4", "8", "16", "32", "64", "128"]
     ours = series(root)
-    assert sorted(g.get("data-name") for g in ours) == [
-        "100 MB/s, split channels", "100 MB/s, split kernels", "5 MB/s, split channels", "5 MB/s, split kernels",
-    ]  # fmt: skip
-    assert len({g.get("data-color") for g in ours}) == 4 and all(len(polyline_points(g)) == 8 for g in ours)
-    (ideal,) = series(root, "ideal")
-    (x0, y0), (x1, y1) = polyline_points(ideal)
+    names = [f"{bw} MB/s, {split}" for bw in (5, 125) for split in ("paper", "tinyconv channels", "tinyconv fused")]
+    assert [g.get("data-name") for g in ours] == names * 2  # a series per bandwidth and split in each panel
+    assert len({g.get("data-color") for g in ours[:6]}) == 6 and all(len(polyline_points(g)) == 8 for g in ours)
+    ideal = series(root, "ideal")
+    assert len(ideal) == 2
+    (x0, y0), (x1, y1) = polyline_points(ideal[0])
     assert x1 > x0 and y1 < y0  # the diagonal, up to 128x
 
 

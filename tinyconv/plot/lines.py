@@ -67,6 +67,7 @@ class Panel:
     yfrom0: bool = True
     yformat: Callable[[float, Sequence[float]], str] = tick_label
     xformat: Callable[[float, Sequence[float]], str] = tick_label
+    caption: str = ""  # above the plot area: what sets this panel apart from the others
     xinteger: bool = False  # x values are counts: no tick between two whole numbers
     extra_y: list[float] = field(default_factory=list)  # values the y axis must reach (an ideal line)
 
@@ -88,6 +89,9 @@ def line_chart(title_text: str, panels: Sequence[Panel]) -> str:
     top = title(doc, title_text, width)
     for p, (xt, yt) in zip(panels, ticks, strict=True):
         entries = [s.entry() for s in p.series]
+        if p.caption:
+            doc.text(left, top + LABEL_FONT, p.caption, LABEL_FONT, cls="caption", bold=True)
+            top += LABEL_FONT + 14
         height = max(PLOT_H, 16 * len(entries) + 8)
         _panel(doc, p, xt, yt, left, top, height)
         legend(doc, left + PLOT_W + 24, top, entries)

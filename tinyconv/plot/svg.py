@@ -48,6 +48,17 @@ def paired(n: int) -> list[tuple[str, str]]:
     return out
 
 
+def shades(color: str, n: int) -> list[str]:
+    """``n`` distinct shades of one hue, darkest first (``color`` itself among them)."""
+    h, light, s = colorsys.rgb_to_hls(*(int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)))
+    out = []
+    for k in range(n):
+        shade = light * (0.6 + 0.8 * k / max(1, n - 1)) if n > 1 else light
+        r, g, b = colorsys.hls_to_rgb(h, min(0.85, shade), s)
+        out.append(f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}")
+    return out
+
+
 # ---- ticks ---------------------------------------------------------------------------------------------------
 def nice_step(span: float, count: int = 5) -> float:
     """The round step (1, 2 or 5 x 10^k) that cuts ``span`` into about ``count`` intervals."""
