@@ -85,4 +85,4 @@ def varying(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
 
 def describe(row: dict[str, Any], keys: Sequence[str]) -> str:
     """Settings as a person writes them: "fuse off, split kernels, link 5MBps"."""
-    return ", ".join(f"{k} {row.get(k)}" for k in keys)
+    return ", ".join(f"{k} {row.get(k) if row.get(k) is not None else '-'}" for k in keys)
