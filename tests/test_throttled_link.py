@@ -1,0 +1,94 @@
+"""benchmarks/throttled_link.py: the options it appends (anywhere), and with root, ip and tc a real
+shaped veth pair: its rate, a command run across it, and no namespace left behind, even on SIGTERM.
+Each run names its namespaces after this process, so parallel runs do not meet."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "throttled_link.py"
+spec = importlib.util.spec_from_file_location("throttled_link", SCRIPT)
+tl = sys.modules["throttled_link"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tl)
+
+needs_root = pytest.mark.skipif(tl.unavailable() is not None, reason=f"throttled links: {tl.unavailable()}")
+
+
+def test_the_appended_options():
+    names = tl.Names("-t")
+    cmd = tl.appended(["tinyconv", "experiment", "grid", "--archs", "300:1000"], names, 5555, "5MB/s")
+    assert cmd == ["ip", "netns", "exec", "tinyconv-m-t", "tinyconv", "experiment", "grid", "--archs", "300:1000",
+                   "--bind", "tcp://10.77.0.1:5555", "--worker-prefix", "ip netns exec tinyconv-w-t",
+                   "--link-label", "5MB/s"]  # fmt: skip
+
+
+def test_tbf_takes_bits_and_a_burst():
+    assert tl.tbf(5e6)[:4] == ["tbf", "rate", "40000000bit", "burst"]
+    assert int(tl.tbf(5e6)[4]) == 100_000 and int(tl.tbf(1e6)[4]) == 64_000
+
+
+@pytest.fixture
+def names():
+    names = tl.Names(f"-{os.getpid()}")
+    yield names
+    tl.teardown(names)  # also when the test failed
+    assert tl.exists(names) == []
+
+
+@needs_root
+def test_the_shaped_link_carries_its_rate(names):
+    """A rate check of tc's shaping (not a timing of our code): 2 MB at 2 MB/s, under the rate and a margin."""
+    try:
+        tl.setup(names, 2e6)
+    except RuntimeError as e:  # root without CAP_SYS_ADMIN (a container), say
+        pytest.skip(f"cannot make namespaces here: {e}")
+    assert sorted(tl.exists(names)) == sorted([names.master, names.worker])
+    got = tl.measure(names, 2_000_000, port=5599)
+    assert 0 < got < 2e6 * 1.25
+    tl.teardown(names)
+    assert tl.exists(names) == []
+
+
+@needs_root
+def test_a_command_runs_in_the_master_namespace_and_everything_goes(names):
+    code = "import socket, sys; print(sys.argv[1:]); socket.create_server(('10.77.0.1', 0)); sys.exit(3)"
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rate", "100MB/s", "--suffix", names.suffix, "--",
+                          sys.executable, "-c", code], capture_output=True, text=True, timeout=60)  # fmt: skip
+    if "cannot" in out.stderr or "Operation not permitted" in out.stderr:
+        pytest.skip(out.stderr.strip())
+    assert out.returncode == 3, out.stderr  # the command's status; it could bind the master's address
+    assert f"'--worker-prefix', 'ip netns exec {names.worker}'" in out.stdout
+    assert tl.exists(names) == []
+
+
+@needs_root
+def test_sigterm_tears_down(names):
+    code = "print('started', flush=True); import sys; sys.stdin.read()"  # waits for us
+    cmd = [sys.executable, str(SCRIPT), "--rate", "100MB/s", "--suffix", names.suffix, "--", sys.executable, "-c", code]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if line.strip() != "started":
+            pytest.skip("the link could not be made here")
+        assert tl.exists(names)
+        proc.terminate()
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+    assert tl.exists(names) == []
+
+
+def test_without_root_it_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(tl, "unavailable", lambda: "needs root")
+    assert tl.main(["--rate", "5MB/s", "--check"]) == 1
+    assert "needs root" in capsys.readouterr().err
