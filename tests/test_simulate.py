@@ -195,3 +195,13 @@ def test_measure_writes_a_device_file(tmp_path, capsys):
     assert (dev.arch, dev.batch) == ("2:4", 2) and [c.kernels for c in dev.fuse["on"].layers] == [2, 4]
     assert links["loopback"]["bandwidth_MBps"] > 0
     assert json.loads(path.read_text())["version"] == VERSION
+
+
+def test_a_slower_device_takes_longer_on_the_same_link():
+    from tinyconv.simulate.devices import slowed
+
+    dev = device("d", [(4, 0.1, 0.05)])
+    fast = predict([TOY], [dev], 2, "off", "kernels", Link("wifi", 1000.0))
+    slow = predict([TOY], [slowed(dev, 3.0)], 2, "off", "kernels", Link("wifi", 1000.0))
+    assert (slow.conv_s, slow.comp_s) == (pytest.approx(3 * fast.conv_s), pytest.approx(3 * fast.comp_s))
+    assert slow.comm_s == pytest.approx(fast.comm_s) and slow.speedup > fast.speedup

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tinyconv.simulate.devices import Device, load, measure_device, measure_loopback, save
+from tinyconv.simulate.devices import Device, load, measure_device, measure_loopback, save, slowed
 from tinyconv.simulate.link import MB, MEDIA, Link
 from tinyconv.simulate.model import LABELS, SPLITS, Prediction, predict
 
@@ -57,10 +57,17 @@ def build_parser() -> OneLineParser:
     p.add_argument("--split", nargs="+", choices=tuple(SPLIT_NAMES), default=list(SPLIT_NAMES),
                    help="paper: --fuse off --split kernels; fused: tinyconv's tails on the workers; channels: "
                    "conv2 by input channels (default: all three)")  # fmt: skip
+    p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
+                   help="every device F times slower than measured, e.g. to ask how the paper's slower 2017 "
+                   "devices fared on the same link (default 1)")  # fmt: skip
     p.add_argument("--out", metavar="CSV", help="also write every prediction here, one row each")
     p.add_argument("--against", metavar="GRID_CSV", help="compare with the measured rows of an experiment grid CSV")
-    p.add_argument("--loopback-MBps", type=float, dest="loopback_mbps",
-                   help="loopback bandwidth for --against's loopback rows (default: the device file's measured)")
+    p.add_argument(
+        "--loopback-MBps",
+        type=float,
+        dest="loopback_mbps",
+        help="loopback bandwidth for --against's loopback rows (default: the device file's measured)",
+    )
     return p
 
 
@@ -68,8 +75,8 @@ def check(p: OneLineParser, args: argparse.Namespace) -> None:
     """Refuse nonsense before anything runs."""
     if not (args.devices or args.measure):
         p.error("needs --devices FILE, or --measure FILE to time this machine first")
-    if args.batch < 1 or args.repeats < 1 or min(args.nodes) < 1:
-        p.error("--batch, --repeats and --nodes must be 1 or more")
+    if args.batch < 1 or args.repeats < 1 or min(args.nodes) < 1 or not args.slowdown > 0:
+        p.error("--batch, --repeats and --nodes must be 1 or more, --slowdown > 0")
     if min(args.bandwidth) <= 0 or args.latency_ms < 0 or (args.loopback_mbps is not None and args.loopback_mbps <= 0):
         p.error("bandwidths must be > 0 MB/s and --latency-ms >= 0")
     from tinyconv.model import parse_arch
@@ -134,6 +141,11 @@ def print_tables(rows: list[dict[str, Any]], splits: Sequence[str]) -> None:
     for (medium, bw), by_nodes in groups.items():
         table = [[n] + [cells[s][key] for _, key in columns for s in splits] for n, cells in by_nodes.items()]
         print(format_table(headers, table, title=f"{medium}, {bw:g} MB/s, {rows[0]['latency_ms']:g} ms a message"))
+        peaks = []
+        for s in splits:
+            n, best = max(((n, cells[s]["speedup"]) for n, cells in by_nodes.items()), key=lambda nb: nb[1])
+            peaks.append(f"{s} {best:.2f}x at {n}")
+        print("best: " + ", ".join(peaks))
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
@@ -161,7 +173,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             from tinyconv.simulate.against import compare
 
             return compare(args.against, devices, links, args.loopback_mbps, args.latency_ms)
-        chosen = pick(devices, args)
+        chosen = [slowed(d, args.slowdown) for d in pick(devices, args)]
         rows = rows_for(args, chosen)
     except ValueError as e:
         print(f"tinyconv simulate: error: {e}", file=sys.stderr)

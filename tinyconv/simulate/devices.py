@@ -74,6 +74,17 @@ class Device:
     fuse: dict[str, SplitCost]  # "off", "on"
 
 
+def slowed(d: Device, factor: float) -> Device:
+    """``d`` with every time ``factor`` times longer: a device ``factor`` times slower (the paper's 2017
+    CPUs ran Matlab), for asking where its link would have stopped paying."""
+
+    def scale(s: SplitCost) -> SplitCost:
+        layers = tuple(LayerCost(c.name, c.kernels, c.fixed_s * factor, c.per_kernel_s * factor) for c in s.layers)
+        return SplitCost(s.comp_s * factor, layers)
+
+    return Device(d.name, d.arch, d.norm, d.batch, d.solo_step_s * factor, {k: scale(s) for k, s in d.fuse.items()})
+
+
 def load(path: str | Path) -> tuple[list[Device], dict[str, dict[str, float]]]:
     """The devices and the measured links of a device file; a ValueError naming what is wrong."""
     try:
@@ -171,8 +182,10 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
                 spec = Spec(i, conv.x, (k, *conv.w[1:]), layer.stride, layer.padding, conv.need_dx, tail)
                 samples.append((k, time_block(net.backend, spec, repeats)))
             fixed, per = fit_line(samples)
-            say(f"fuse {fuse} {conv.name}: {fixed:.4f} s + {per * 1e3:.4f} ms per kernel (at {conv.w[0]}: "
-                f"{samples[-1][1]:.3f} s)")
+            say(
+                f"fuse {fuse} {conv.name}: {fixed:.4f} s + {per * 1e3:.4f} ms per kernel (at {conv.w[0]}: "
+                f"{samples[-1][1]:.3f} s)"
+            )
             costs.append({"name": conv.name, "kernels": conv.w[0], "fixed_s": fixed, "per_kernel_s": per,
                           "samples": [[k, t] for k, t in samples]})  # fmt: skip
         comp = solo - sum(c["fixed_s"] + c["per_kernel_s"] * c["kernels"] for c in costs)
