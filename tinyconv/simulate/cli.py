@@ -104,7 +104,7 @@ def pick(devices: list[Device], args: argparse.Namespace) -> list[Device]:
 
 def rows_for(args: argparse.Namespace, devices: list[Device]) -> list[dict[str, Any]]:
     """One CSV row per split, medium, bandwidth and node count; speedup against the model's own step
-    of the master alone (which is the measured solo step unless the layers' fits overshoot it)."""
+    of the master alone (solo_step_s is the measured one)."""
     from tinyconv.comm import conv_shapes
     from tinyconv.model import paper_net
 

@@ -20,8 +20,9 @@ Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k ker
 layer (``tinyconv/shard/cost.py``'s affine model, fitted to ``calibrate.time_block`` timings at a few
 k by :func:`fit_line`, ordinary least squares): with ``fuse`` "off" the
 convolution alone (the paper's split), with "on" the convolution and its ReLU / LRN / pool tail
-(tinyconv's). ``comp_s`` is the rest of a step on the master: ``solo_step_s`` minus the layers'
-times at k = F -- so a prediction for one participant gives back ``solo_step_s``.
+(tinyconv's). ``comp_s`` is the rest of a step on the master -- its other layers, the loss, the
+update -- timed run by run within the same solo steps as ``solo_step_s`` (not their difference with
+the layers' times, which on a shared machine can be taken minutes and a load apart).
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
     net = paper_net(arch, "numpy", norm, seed=0)
     convs = conv_shapes(net, batch)
     layers = [layer for layer in net.layers if isinstance(layer, Conv2D)]
-    solo = _solo_step(net, batch, repeats)
-    say(f"master alone: {solo:.3f} s a step")
+    solo, comp = _solo_step(net, batch, repeats)
+    say(f"master alone: {solo:.3f} s a step, of which comp {comp['off']:.3f} s (tails fused: {comp['on']:.3f} s)")
     entry: dict[str, Any] = {"name": name, "host": socket.gethostname(), "backend": "numpy",
                              "measured": datetime.datetime.now().isoformat(timespec="seconds"),
                              "arch": arch, "norm": norm, "batch": batch, "solo_step_s": solo, "fuse": {}}  # fmt: skip
@@ -188,31 +189,63 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
             )
             costs.append({"name": conv.name, "kernels": conv.w[0], "fixed_s": fixed, "per_kernel_s": per,
                           "samples": [[k, t] for k, t in samples]})  # fmt: skip
-        comp = solo - sum(c["fixed_s"] + c["per_kernel_s"] * c["kernels"] for c in costs)
-        entry["fuse"][fuse] = {"comp_s": max(0.0, comp), "layers": costs}
+        entry["fuse"][fuse] = {"comp_s": comp[fuse], "layers": costs}
     return entry
 
 
-def _solo_step(net: Any, batch: int, repeats: int) -> float:
-    """Median seconds of a training step of ``net`` alone (forward, loss, backward, SGD), after a warm-up."""
+def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, float]]:
+    """Median seconds of a training step of ``net`` alone (forward, loss, backward, SGD) after a warm-up,
+    and of its comp with the tails fused or not ({"off": s, "on": s}): the step less its convolutions
+    (and their tails), each run of layers (``Network.runs``) timed on its own."""
     import numpy as np
 
+    from tinyconv.layers import Conv2D, relu_lrn_backward, relu_lrn_forward
     from tinyconv.optim import SGD
+    from tinyconv.shard.block import tail_of
 
+    be = net.backend
+    convs = {i for i, layer in enumerate(net.layers) if isinstance(layer, Conv2D)}
+    tails = {i + 1 + j for i in convs for j in range(len(tail_of(net.layers[i + 1 :])))}
+    kind = {id(layer): "conv" if i in convs else "tail" if i in tails else "comp" for i, layer in enumerate(net.layers)}
     rng = np.random.default_rng(0)
-    x = net.backend.asarray(rng.standard_normal((batch, 3, 32, 32), dtype=np.float32))
+    x = be.asarray(rng.standard_normal((batch, 3, 32, 32), dtype=np.float32))
     y = rng.integers(0, 10, batch)
     opt = SGD(net, 0.001, momentum=0.9, weight_decay=5e-4)
 
-    def once() -> float:
+    def forward(run: tuple, a: Any) -> Any:  # as Network.forward runs a ReLU + LRN: one op
+        return relu_lrn_forward(*run, a) if len(run) == 2 else run[0].forward(a, True)
+
+    def backward(run: tuple, d: Any) -> Any:
+        return relu_lrn_backward(*run, d) if len(run) == 2 else run[0].backward(d)
+
+    def timed(run: tuple, f: Callable[[], Any], spent: dict[str, float]) -> Any:
         t = time.perf_counter()
-        net.train_step(x, y)
+        out = f()
+        be.synchronize()
+        spent[kind[id(run[0])]] += time.perf_counter() - t
+        return out
+
+    def once() -> tuple[float, float, float]:
+        spent = {"conv": 0.0, "tail": 0.0, "comp": 0.0}
+        t0, a = time.perf_counter(), x
+        for run in net.runs():  # Network.forward's and backward's loops, each run timed
+            a = timed(run, lambda r=run, a=a: forward(r, a), spent)
+        _, d = net.loss_fn(a, y)
+        for run in reversed(net.runs()):
+            d = timed(run, lambda r=run, d=d: backward(r, d), spent)
+            if d is None:
+                break
         opt.step()
-        net.backend.synchronize()
-        return time.perf_counter() - t
+        be.synchronize()
+        total = time.perf_counter() - t0
+        return total, total - spent["conv"], total - spent["conv"] - spent["tail"]
 
     once()
-    return statistics.median(once() for _ in range(repeats))
+    steps = [once() for _ in range(repeats)]
+    return statistics.median(s[0] for s in steps), {
+        "off": statistics.median(s[1] for s in steps),
+        "on": statistics.median(s[2] for s in steps),
+    }
 
 
 def measure_loopback(frame_mb: float = 16.0, frames: int = 8, pings: int = 50) -> dict[str, float]:

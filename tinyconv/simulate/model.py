@@ -29,8 +29,9 @@ not (``fuse``), each conv layer l with F_l kernels:
        step = comp + sum over ops of wall_op,   conv = sum_op max_i t_i,op,   comm = step - comp - conv
        speedup = step(1) / step,   step(1) = comp + sum_l t_master(F_l)
 
-   with comp the master's (``devices.py``): step(1) is the measured solo step, unless the layers'
-   fitted times add up to more than it (comp is then 0; seen only on toy layers of microseconds).
+   with comp the master's (``devices.py``). step(1) is the model's own master alone, so that
+   every split's speedup is against the same model; it differs from the measured solo step by
+   what the layers timed alone differ from the same layers within a step.
 
 Not modelled: the master's own copies of what comes back (concatenating maps, summing N partial
 dX, which tinyconv counts as comm), protocol overhead, and a rebalancer moving kernels after
