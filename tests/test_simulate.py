@@ -144,11 +144,14 @@ def test_against_reports_the_relative_error(tmp_path, devices_file, capsys):
         {**base, "step_s": "0.5", "comm_s": "0.1", "speedup": "1.5", "link": "loopback"},
         {**base, "fuse": "on", "step_s": "2.0", "comm_s": "1.0", "speedup": "0.5", "link": "5MB/s"},
         {**base, "arch": "50:500", "step_s": "1", "comm_s": "0", "speedup": "1", "link": "loopback"},  # no device
+        {**base, "participants": "1", "fuse": "-", "split": "-", "step_s": "1", "comm_s": "0", "speedup": "1",
+         "link": "loopback"},  # fmt: skip
     ]
     write_grid(grid, rows)
     devices, links = load(devices_file)
     done, skipped = compare_rows(read_grid(str(grid)), devices, links, latency_ms=1.0)
-    assert len(done) == 2 and len(skipped) == 1 and "50:500" in skipped[0]
+    assert len(done) == 3 and len(skipped) == 1 and "50:500" in skipped[0]
+    assert done[2]["speedup"] == 1.0 and done[2]["step_err"] == pytest.approx(0.2 + 2 * 0.01 + 0.01 * (8 + 16) - 1)
     convs = conv_shapes(paper_net("8:16", "numpy"), 2)
     loop = predict(convs, devices, 2, "off", "kernels", Link("ethernet", 1000e6, 0.02e-3))
     shaped = predict(convs, devices, 2, "on", "kernels", Link("ethernet", 5e6, 1e-3))

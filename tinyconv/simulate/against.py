@@ -7,7 +7,8 @@ veth pair are both full duplex): ``link`` "loopback" at the file's measured loop
 (or ``--loopback-MBps``) and latency, a rate such as "5MB/s" or "40mbit" at that rate and
 ``--latency-ms``. ``split`` "auto" is by input channels with at most two workers, as
 ``Cluster`` decides for workers on the master's host (a worker in another network namespace
-reports the same host name). The relative error is predicted / measured - 1.
+reports the same host name); the master alone (fuse and split "-") is predicted with the tails
+fused. The relative error is predicted / measured - 1.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def compare_rows(
             if device is None:
                 skipped.append(f"line {i}: no device measured at {r['arch']} {r['norm']} batch {batch}")
                 continue
-            fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes") else "off"
+            fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
             split = r["split"].strip().lower()
             split = ("channels" if n <= 3 else "kernels") if split == "auto" else split
+            split = "kernels" if n == 1 else split  # the master alone: "-", no split
             if split not in ("kernels", "channels"):
                 raise ValueError(f"split {r['split']!r}")
             link = link_of(r["link"], links, loopback_mbps, latency_ms)
