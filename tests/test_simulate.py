@@ -140,12 +140,12 @@ def write_grid(path, rows: list[dict]) -> None:
 def test_against_reports_the_relative_error(tmp_path, devices_file, capsys):
     grid = tmp_path / "grid.csv"
     base = {"arch": "8:16", "norm": "lrn", "batch": "2", "participants": "2", "fuse": "off", "split": "kernels"}
+    alone = {"step_s": "1", "comm_s": "0", "speedup": "1", "link": "loopback"}
     rows = [
         {**base, "step_s": "0.5", "comm_s": "0.1", "speedup": "1.5", "link": "loopback"},
         {**base, "fuse": "on", "step_s": "2.0", "comm_s": "1.0", "speedup": "0.5", "link": "5MB/s"},
         {**base, "arch": "50:500", "step_s": "1", "comm_s": "0", "speedup": "1", "link": "loopback"},  # no device
-        {**base, "participants": "1", "fuse": "-", "split": "-", "step_s": "1", "comm_s": "0", "speedup": "1",
-         "link": "loopback"},  # fmt: skip
+        {**base, "participants": "1", "fuse": "-", "split": "-", **alone},  # the master alone
     ]
     write_grid(grid, rows)
     devices, links = load(devices_file)
