@@ -259,8 +259,9 @@ class NumpyBackend(Backend):
 
     def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
         before, after = size // 2, (size - 1) // 2
-        s, p, y, scratch = (np.empty_like(x) for _ in range(4))
-        _lrn_forward_into(x, s, p, y, scratch, size, alpha, beta, k, before, after)
+        s, p, y = (np.empty_like(x) for _ in range(3))
+        # y is written last, so it is the scratch until then: one map fewer at the peak
+        _lrn_forward_into(x, s, p, y, y, size, alpha, beta, k, before, after)
         return y, (x, y, s, p, size, alpha, beta, before, after)
 
     def lrn_backward(self, dy, cache):
