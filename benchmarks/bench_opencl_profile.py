@@ -8,7 +8,8 @@ A training step of the paper's network (forward, loss, backward, SGD update) on 
 CIFAR-shaped data, first unobserved (the step time a user gets), then with every backend
 op (``backends/base.py``'s list: conv2d_forward, lrn_backward, asarray, ...) timed on the host
 with a synchronize after it, on numpy and on OpenCL: the first table, so the slow ops are
-named by measurement. Then the OpenCL kernels by name, from the queue's profiling events:
+named by measurement (an op made of others, as numpy's relu_lrn_forward, is charged only its
+own time). Then the OpenCL kernels by name, from the queue's profiling events:
 device seconds per step, launches per step, and what is left of each op's host time once its
 kernels' device time is taken out (launch overhead, buffer allocation, host work and
 transfers). Medians over --repeats steps after a warm-up step (which compiles, and may
@@ -43,15 +44,23 @@ OPS = tuple(
 
 
 def observe(be: Backend, spent: dict[str, list[float]]) -> None:
-    """Time each op of ``be`` on the host (synchronized after it) into ``spent[op]``."""
+    """Time each op of ``be`` on the host (synchronized after it) into ``spent[op]``.
+
+    An op that calls others (the default relu_lrn_forward runs relu_forward and lrn_forward) is
+    charged only its own time, so that no time is counted twice in the sum of the ops."""
+    inner: list[float] = []  # per op running: the time of the ops it called
 
     def timed(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             be.synchronize()
             t = time.perf_counter()
+            inner.append(0.0)
             out = op(*args, **kwargs)
             be.synchronize()
-            spent[name].append(time.perf_counter() - t)
+            took = time.perf_counter() - t
+            spent[name].append(took - inner.pop())
+            if inner:
+                inner[-1] += took
             return out
 
         return run
