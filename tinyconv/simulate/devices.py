@@ -12,7 +12,7 @@ prediction comes from a file someone measured. The file::
                   "solo_step_s": 5.1,       # a whole training step of the master alone
                   "fuse": {"off": {"comp_s": 0.9, "layers": [
                                      {"name": "conv1", "kernels": 300, "fixed_s": 0.01,
-                                      "per_kernel_s": 0.0009, "samples": [[18, 0.03], ...]}, ...]},
+                                      "per_kernel_s": 0.0009, "in_step_s": 0.28, "samples": [[18, 0.03], ...]}, ...]},
                            "on":  {...}}}],
      "links": {"loopback": {"bandwidth_MBps": 2100.0, "latency_ms": 0.05}}}
 
@@ -20,9 +20,11 @@ Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k ker
 layer (``tinyconv/shard/cost.py``'s affine model, fitted to ``calibrate.time_block`` timings at a few
 k by :func:`fit_line`, ordinary least squares): with ``fuse`` "off" the
 convolution alone (the paper's split), with "on" the convolution and its ReLU / LRN / pool tail
-(tinyconv's). ``comp_s`` is the rest of a step on the master -- its other layers, the loss, the
-update -- timed run by run within the same solo steps as ``solo_step_s`` (not their difference with
-the layers' times, which on a shared machine can be taken minutes and a load apart).
+(tinyconv's). The samples give the line's shape (fixed vs per kernel); its height comes from the
+same layer timed within the master alone's steps (``in_step_s`` at k = F), and ``comp_s`` is the rest
+of those steps -- the other layers, the loss, the update. So a prediction for one participant gives
+back ``solo_step_s`` (up to taking medians of parts), however far apart in time (and load) the layers and the step were
+timed: on a shared machine, conv2 alone took 9.4 s in one measurement and 17.8 s in the next.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
     net = paper_net(arch, "numpy", norm, seed=0)
     convs = conv_shapes(net, batch)
     layers = [layer for layer in net.layers if isinstance(layer, Conv2D)]
-    solo, comp = _solo_step(net, batch, repeats)
+    solo, comp, in_step = _solo_step(net, batch, repeats)
     say(f"master alone: {solo:.3f} s a step, of which comp {comp['off']:.3f} s (tails fused: {comp['on']:.3f} s)")
     entry: dict[str, Any] = {"name": name, "host": socket.gethostname(), "backend": "numpy",
                              "measured": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -183,69 +185,69 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
                 spec = Spec(i, conv.x, (k, *conv.w[1:]), layer.stride, layer.padding, conv.need_dx, tail)
                 samples.append((k, time_block(net.backend, spec, repeats)))
             fixed, per = fit_line(samples)
+            level = in_step[fuse][i] / (fixed + per * conv.w[0])  # the line's height: the layer within a step
+            fixed, per = fixed * level, per * level
             say(
-                f"fuse {fuse} {conv.name}: {fixed:.4f} s + {per * 1e3:.4f} ms per kernel (at {conv.w[0]}: "
-                f"{samples[-1][1]:.3f} s)"
+                f"fuse {fuse} {conv.name}: {fixed:.4f} s + {per * 1e3:.4f} ms per kernel (all {conv.w[0]}: "
+                f"{in_step[fuse][i]:.3f} s within a step, {samples[-1][1]:.3f} s alone)"
             )
             costs.append({"name": conv.name, "kernels": conv.w[0], "fixed_s": fixed, "per_kernel_s": per,
-                          "samples": [[k, t] for k, t in samples]})  # fmt: skip
+                          "in_step_s": in_step[fuse][i], "samples": [[k, t] for k, t in samples]})  # fmt: skip
         entry["fuse"][fuse] = {"comp_s": comp[fuse], "layers": costs}
     return entry
 
 
-def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, float]]:
-    """Median seconds of a training step of ``net`` alone (forward, loss, backward, SGD) after a warm-up,
-    and of its comp with the tails fused or not ({"off": s, "on": s}): the step less its convolutions
-    (and their tails), each run of layers (``Network.runs``) timed on its own."""
+def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, float], dict[str, list[float]]]:
+    """A training step of ``net`` alone (forward, loss, backward, SGD), each run of layers
+    (``Network.runs``) timed on its own, medians of ``repeats`` after a warm-up: (the step, its comp
+    with the tails fused or not {"off": s, "on": s}, each conv layer's time {"off": [conv l],
+    "on": [conv l and its tail]})."""
     import numpy as np
 
     from tinyconv.layers import Conv2D, relu_lrn_backward, relu_lrn_forward
     from tinyconv.optim import SGD
     from tinyconv.shard.block import tail_of
 
-    be = net.backend
-    convs = {i for i, layer in enumerate(net.layers) if isinstance(layer, Conv2D)}
-    tails = {i + 1 + j for i in convs for j in range(len(tail_of(net.layers[i + 1 :])))}
-    kind = {id(layer): "conv" if i in convs else "tail" if i in tails else "comp" for i, layer in enumerate(net.layers)}
+    be, owner = net.backend, {}  # layer -> ("conv" or "tail", its conv's ordinal)
+    for i, layer in enumerate(net.layers):
+        if isinstance(layer, Conv2D):
+            l = sum(isinstance(m, Conv2D) for m in net.layers[:i])
+            owner[id(layer)] = ("conv", l)
+            owner.update({id(t): ("tail", l) for t in net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))]})
     rng = np.random.default_rng(0)
     x = be.asarray(rng.standard_normal((batch, 3, 32, 32), dtype=np.float32))
     y = rng.integers(0, 10, batch)
     opt = SGD(net, 0.001, momentum=0.9, weight_decay=5e-4)
 
-    def forward(run: tuple, a: Any) -> Any:  # as Network.forward runs a ReLU + LRN: one op
-        return relu_lrn_forward(*run, a) if len(run) == 2 else run[0].forward(a, True)
-
-    def backward(run: tuple, d: Any) -> Any:
-        return relu_lrn_backward(*run, d) if len(run) == 2 else run[0].backward(d)
-
-    def timed(run: tuple, f: Callable[[], Any], spent: dict[str, float]) -> Any:
+    def timed(run: tuple, f: Callable[[], Any], spent: dict[tuple[str, int], float]) -> Any:
         t = time.perf_counter()
         out = f()
         be.synchronize()
-        spent[kind[id(run[0])]] += time.perf_counter() - t
+        if id(run[0]) in owner:
+            spent[owner[id(run[0])]] = spent.get(owner[id(run[0])], 0.0) + time.perf_counter() - t
         return out
 
-    def once() -> tuple[float, float, float]:
-        spent = {"conv": 0.0, "tail": 0.0, "comp": 0.0}
+    def once() -> tuple[float, dict[tuple[str, int], float]]:
+        spent: dict[tuple[str, int], float] = {}
         t0, a = time.perf_counter(), x
-        for run in net.runs():  # Network.forward's and backward's loops, each run timed
-            a = timed(run, lambda r=run, a=a: forward(r, a), spent)
+        for run in net.runs():  # as Network.forward and backward run them: a ReLU + LRN as one op
+            a = timed(run, lambda r=run, a=a: relu_lrn_forward(*r, a) if len(r) == 2 else r[0].forward(a, True), spent)
         _, d = net.loss_fn(a, y)
         for run in reversed(net.runs()):
-            d = timed(run, lambda r=run, d=d: backward(r, d), spent)
+            d = timed(run, lambda r=run, d=d: relu_lrn_backward(*r, d) if len(r) == 2 else r[0].backward(d), spent)
             if d is None:
                 break
         opt.step()
         be.synchronize()
-        total = time.perf_counter() - t0
-        return total, total - spent["conv"], total - spent["conv"] - spent["tail"]
+        return time.perf_counter() - t0, spent
 
     once()
     steps = [once() for _ in range(repeats)]
-    return statistics.median(s[0] for s in steps), {
-        "off": statistics.median(s[1] for s in steps),
-        "on": statistics.median(s[2] for s in steps),
-    }
+    n = len({l for _, l in owner.values()})
+    layers = {"off": [[s.get(("conv", l), 0.0) for _, s in steps] for l in range(n)]}
+    layers["on"] = [[s.get(("conv", l), 0.0) + s.get(("tail", l), 0.0) for _, s in steps] for l in range(n)]
+    comp = {k: statistics.median(t - sum(v[j] for v in layers[k]) for j, (t, _) in enumerate(steps)) for k in layers}
+    return statistics.median(t for t, _ in steps), comp, {k: [statistics.median(v) for v in layers[k]] for k in layers}
 
 
 def measure_loopback(frame_mb: float = 16.0, frames: int = 8, pings: int = 50) -> dict[str, float]:
