@@ -16,15 +16,15 @@ prediction comes from a file someone measured. The file::
                            "on":  {...}}}],
      "links": {"loopback": {"bandwidth_MBps": 2100.0, "latency_ms": 0.05}}}
 
-Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k kernels of that
-layer (``tinyconv/shard/cost.py``'s affine model, fitted to ``calibrate.time_block`` timings at a few
-k by :func:`fit_line`, ordinary least squares): with ``fuse`` "off" the
-convolution alone (the paper's split), with "on" the convolution and its ReLU / LRN / pool tail
-(tinyconv's). The samples give the line's shape (fixed vs per kernel); its height comes from the
-same layer timed within the master alone's steps (``in_step_s`` at k = F), and ``comp_s`` is the rest
-of those steps -- the other layers, the loss, the update. So a prediction for one participant gives
-back ``solo_step_s`` (up to taking medians of parts), however far apart in time (and load) the layers and the step were
-timed: on a shared machine, conv2 alone took 9.4 s in one measurement and 17.8 s in the next.
+Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k kernels of that layer
+(``tinyconv/shard/cost.py``'s affine model): with ``fuse`` "off" the convolution alone (the paper's
+split), with "on" the convolution and its ReLU / LRN / pool tail (tinyconv's). Its shape (fixed vs
+per kernel) is fitted by :func:`fit_line`, ordinary least squares, to ``calibrate.time_block``
+timings at a few k; its height comes from the same layer timed within the master alone's steps
+(``in_step_s``, at k = F), and ``comp_s`` is the rest of those steps -- the other layers, the loss,
+the update. So a prediction for one participant gives back ``solo_step_s`` (up to medians of parts
+against the median of the whole), however far apart in time, and load, the layers and the step were
+timed: on this shared machine conv2 alone took 9.4 s in one measurement and 17.8 s in the next.
 """
 
 from __future__ import annotations
