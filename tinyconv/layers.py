@@ -14,6 +14,7 @@ computed by the backend (``backends/numpy_backend.py`` is the readable reference
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -133,6 +134,8 @@ class ReLU(Layer):
         return y
 
     def backward(self, dy):
+        if isinstance(self.cache, Fused):  # the LRN after it ran the pair's backward, this mask included
+            return dy
         return self.backend.relu_backward(dy, self.cache)
 
 
@@ -163,6 +166,8 @@ class LocalResponseNorm(Layer):
         return y
 
     def backward(self, dy):
+        if isinstance(self.cache, Fused):  # forward ran with the ReLU before it: both backwards at once
+            return self.backend.relu_lrn_backward(dy, self.cache.cache)
         return self.backend.lrn_backward(dy, self.cache)
 
     def __repr__(self):
@@ -171,8 +176,17 @@ class LocalResponseNorm(Layer):
 
 # An optimisation beside the layers, which stay as they are: a ReLU directly followed by an LRN
 # runs as one backend op (Backend.relu_lrn_forward, the two ops' composition by default), which a
-# device backend fuses into one pass over the map each way. tinyconv.model.Network calls these for
-# such a pair; the numbers are the same as relu.forward then lrn.forward, and their backwards.
+# device backend fuses into one pass over the map each way. tinyconv.model.Network's forward calls
+# relu_lrn_forward for such a pair; each layer's backward then sees a Fused cache: the LRN's runs
+# both backwards at once (relu_lrn_backward) and the ReLU's passes its gradient through. The
+# numbers are those of relu.forward then lrn.forward, and their backwards.
+
+
+@dataclass
+class Fused:
+    """A layer's cache after :func:`relu_lrn_forward`: the op's cache on the LRN, None on the ReLU."""
+
+    cache: Any = None
 
 
 def relu_then_lrn(first: Layer, second: Layer) -> bool:
@@ -182,16 +196,11 @@ def relu_then_lrn(first: Layer, second: Layer) -> bool:
 
 
 def relu_lrn_forward(relu: ReLU, lrn: LocalResponseNorm, x: Array) -> Array:
-    """``lrn.forward(relu.forward(x))`` as one op, x (N, C, H, W). The LRN keeps the fused op's cache
-    and the ReLU none, so the backward must be :func:`relu_lrn_backward`."""
-    y, lrn.cache = lrn.backend.relu_lrn_forward(x, lrn.size, lrn.alpha, lrn.beta, lrn.k)
-    relu.cache = None
+    """``lrn.forward(relu.forward(x))`` as one op, x (N, C, H, W); then ``lrn.backward`` and
+    ``relu.backward``, in that order as always, give the pair's gradient."""
+    y, cache = lrn.backend.relu_lrn_forward(x, lrn.size, lrn.alpha, lrn.beta, lrn.k)
+    lrn.cache, relu.cache = Fused(cache), Fused()
     return y
-
-
-def relu_lrn_backward(relu: ReLU, lrn: LocalResponseNorm, dy: Array) -> Array:
-    """``relu.backward(lrn.backward(dy))`` after :func:`relu_lrn_forward`: dx (N, C, H, W)."""
-    return lrn.backend.relu_lrn_backward(dy, lrn.cache)
 
 
 class BatchNorm2D(Layer):

@@ -26,7 +26,6 @@ from tinyconv.layers import (
     MaxPool2D,
     ReLU,
     SoftmaxCrossEntropy,
-    relu_lrn_backward,
     relu_lrn_forward,
     relu_then_lrn,
 )
@@ -80,16 +79,17 @@ class Network:
     def backward(self, dlogits: Array) -> None:
         """Backprop dloss/dlogits through every layer, filling each layer's grads."""
         d = dlogits
-        for run in reversed(self.runs()):
-            d = relu_lrn_backward(*run, d) if len(run) == 2 else run[0].backward(d)
+        for layer in reversed(self.layers):
+            d = layer.backward(d)
             if d is None:  # the first conv does not compute dX
                 break
 
     def runs(self) -> list[tuple[Layer, ...]]:
-        """The layers in the order they run, one by one, except that a ReLU directly followed by an
-        LRN runs as one backend op, ``relu_lrn_forward`` (an optimisation: the same numbers, one
-        pass over the map on a device; see layers.py). Read from the list at each call, since a
-        cluster's attach and detach change it."""
+        """The layers in the order the forward runs them, one by one, except that a ReLU directly
+        followed by an LRN runs as one backend op, ``relu_lrn_forward`` (an optimisation: the same
+        numbers, one pass over the map on a device; see layers.py; the backward goes layer by
+        layer as ever). Read from the list at each call, since a cluster's attach and detach
+        change it."""
         runs: list[tuple[Layer, ...]] = []
         for layer in self.layers:
             if runs and len(runs[-1]) == 1 and relu_then_lrn(runs[-1][0], layer):
