@@ -204,7 +204,7 @@ def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, flo
     "on": [conv l and its tail]})."""
     import numpy as np
 
-    from tinyconv.layers import Conv2D, relu_lrn_backward, relu_lrn_forward
+    from tinyconv.layers import Conv2D, relu_lrn_forward
     from tinyconv.optim import SGD
     from tinyconv.shard.block import tail_of
 
@@ -230,11 +230,11 @@ def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, flo
     def once() -> tuple[float, dict[tuple[str, int], float]]:
         spent: dict[tuple[str, int], float] = {}
         t0, a = time.perf_counter(), x
-        for run in net.runs():  # as Network.forward and backward run them: a ReLU + LRN as one op
+        for run in net.runs():  # as Network.forward runs them: a ReLU + LRN as one op
             a = timed(run, lambda r=run, a=a: relu_lrn_forward(*r, a) if len(r) == 2 else r[0].forward(a, True), spent)
         _, d = net.loss_fn(a, y)
-        for run in reversed(net.runs()):
-            d = timed(run, lambda r=run, d=d: relu_lrn_backward(*r, d) if len(r) == 2 else r[0].backward(d), spent)
+        for layer in reversed(net.layers):  # as Network.backward: layer by layer
+            d = timed((layer,), lambda m=layer, d=d: m.backward(d), spent)
             if d is None:
                 break
         opt.step()
