@@ -27,8 +27,34 @@ comm_s, conv_s, comp_s, speedup (the contract), then fuse, label, norm, devices,
 bytes_recv, solo_step_s. ``split`` and ``fuse`` are the main job's options: the paper's split
 is fuse off, split kernels.
 
-What it says (300:1000, batch 64, this project's 2-core VM measured as one device, 1 ms a
-message): see FINDINGS below, written from a real ``--measure``; rerun it for your devices.
+What it said here (one ``--measure`` of 300:1000 at batch 64 on one core of the development VM,
+10.5 s a step alone, copied to every node; 1 ms a message; rerun it for your devices):
+
+* **The paper's shape.** At the paper's 5 MB/s no node count pays on a CPU this fast: 2 nodes take
+  48.9 s a step with the paper's split (0.22x), and it only gets worse (32 nodes 0.03x, 128 0.01x).
+  Their devices ran Matlab in 2017; with every device 30 times slower (``--slowdown 30``) the
+  figures' shape appears at 5 MB/s Wi-Fi: 1.78x at 4 nodes, back under 1 by 32 (0.90x), 0.28x at
+  128. At 125 MB/s on this CPU: 1.65x at 4 nodes, 0.76x at 32, 0.23x at 128.
+* **Where tinyconv's fused split changes the conclusion -- and where not.** It halves the bytes of a
+  step with 2 nodes (107 against 214 MB: pooled maps, a quarter of the size, travel instead of the
+  conv outputs and their gradients), so 2 nodes break even at 22 MB/s instead of 48, and the best
+  speedup rises by a third (125 MB/s: 2.18x against 1.65x at 4 nodes; at 30x slower and 5 MB/s,
+  2.38x at 8 against 1.78x at 4). It does not move the large-N conclusion: what grows with N is
+  the input x sent to every worker and a whole partial dX sent back by every worker, the same in
+  both splits (2 x 19.7 MB per worker for conv2), so at 32 nodes it moves 1399 against 1581 MB a
+  step and at 128 nodes 5338 against 5439: both fall together (125 MB/s: 0.87x and 0.76x at 32,
+  0.24x and 0.23x at 128). Only a split that does not send all of x to everyone, or a medium that
+  broadcasts it, would change that. The split by input channels moves more still beyond two
+  workers, which is why tinyconv uses it only with at most two on the master's host.
+* **Wi-Fi against Ethernet** differ by at most 8 % here: in each op one direction dominates (x out
+  in the forward, dX back in the backward), and the master's NIC carries it one worker after
+  another either way; full duplex hides only the smaller direction.
+* **Against measured runs.** 50:500 at batch 64 over a 20 MB/s veth pair
+  (``benchmarks/throttled_link.py``): step time predicted within 0.1 % (fused) and 1.7 % (paper's
+  split), comm 1.08 s against 1.04 s and 2.79 against 2.91 s; the speedups were 23-26 % high because
+  the device file's master alone (1.19 s) was timed at another load than the grid's (0.94 s). On
+  loopback, with other jobs on the 2 cores, the model said 1.75x and the runs 0.91x: it assumes a
+  core for each participant.
 """
 
 from __future__ import annotations
