@@ -4,7 +4,7 @@
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s --check         # what the link carries
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s --check-worker  # one step across it
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s [--delay-ms 2] -- \\
-        .venv/bin/tinyconv experiment grid --archs 300:1000 ...
+        .venv/bin/tinyconv experiment grid --archs 300:1000 --batches 64 --split kernels --insecure ...
     sudo .venv/bin/python benchmarks/throttled_link.py --teardown                   # leftovers of a killed run
 
 The paper's devices talked over 5 MB/s Wi-Fi; loopback carries gigabytes a second. This makes a

@@ -92,3 +92,15 @@ def test_without_root_it_says_so(monkeypatch, capsys):
     monkeypatch.setattr(tl, "unavailable", lambda: "needs root")
     assert tl.main(["--rate", "5MB/s", "--check"]) == 1
     assert "needs root" in capsys.readouterr().err
+
+
+@needs_root
+def test_a_real_worker_in_one_namespace_serves_a_master_in_the_other(names):
+    """--check-worker: a tinyconv worker in the workers' namespace, one training step of a tiny network."""
+    cmd = [sys.executable, str(SCRIPT), "--rate", "100MB/s", "--suffix", names.suffix, "--check-worker"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if "cannot" in out.stderr or "Operation not permitted" in out.stderr:
+        pytest.skip(out.stderr.strip())
+    assert out.returncode == 0, out.stderr
+    assert "master tcp://10.77.0.1:" in out.stdout and "worker at 10.77.0.2" in out.stdout
+    assert tl.exists(names) == []
