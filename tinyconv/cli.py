@@ -3,7 +3,7 @@
     tinyconv worker --connect tcp://HOST:5555 --backend opencl   # serve a master's convolutions
     tinyconv devices                                           # backends and OpenCL devices seen here
     tinyconv conformance --backend NAME                        # check a backend op by op against numpy
-    tinyconv plot run.jsonl -o plots/                          # loss/accuracy and comm/conv/comp charts
+    tinyconv plot run.jsonl runs/grid.csv -o plots/            # curves, speedup and comm/conv/comp charts
     tinyconv keygen keys/ --name laptop1                       # a CURVE key pair for a master or a worker
     tinyconv comm --arch 300:1000 --batch 64 --measure         # the bytes of a step: the paper's eq. 2, ours
     tinyconv experiment grid --archs 50:500 300:1000           # the paper's speedup grid, one CSV row a run
@@ -24,7 +24,7 @@ COMMANDS = {
     "devices": "list the backends and every OpenCL platform/device this machine can see",
     "backends": "the same as devices",
     "conformance": "run the backend conformance suite (see `tinyconv conformance --help`)",
-    "plot": "draw charts from a metrics file (see `tinyconv plot --help`)",
+    "plot": "draw charts from metrics files, the grid's CSV or the simulator's (see `tinyconv plot --help`)",
     "keygen": "write a CURVE key pair, NAME.key (public) and NAME.key_secret (see `tinyconv keygen --help`)",
     "comm": "the bytes a step moves: the paper's eq. 2 beside tinyconv's count (see `tinyconv comm --help`)",
     "experiment": "run the paper's speedup grid: archs x batches x participants (see `tinyconv experiment --help`)",
