@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array, Backend, conv_output_size
-from tinyconv.layers import LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.layers import Fused, LocalResponseNorm, MaxPool2D, ReLU
 from transports.wire import Int, Num
 
 TAIL_OPS = {  # op -> its parameters and their types
@@ -168,10 +168,18 @@ def tail_forward(
     lo, hi = own
     if not 0 <= lo < hi <= computed:
         raise ValueError(f"own kernels [{lo}, {hi}) are not a non-empty range of the {computed} computed")
-    caches = []
-    for spec in tail:
+    caches: list[Any] = []
+    for i, spec in enumerate(tail):
+        # An optimisation, as Network.forward does: a ReLU directly followed by an LRN runs as one
+        # backend op (Backend.relu_lrn_forward; a device fuses it), recorded as Fused caches.
+        if spec["op"] == "relu" and i + 1 < len(tail) and tail[i + 1]["op"] == "lrn":
+            caches.append(Fused())  # the LRN's op below does this ReLU too
+            continue
         if spec["op"] == "relu":
             y, c = be.relu_forward(y)
+        elif spec["op"] == "lrn" and caches and isinstance(caches[-1], Fused):
+            y, c = be.relu_lrn_forward(y, spec["size"], spec["alpha"], spec["beta"], spec["k"])
+            c = Fused(c)
         elif spec["op"] == "lrn":
             y, c = be.lrn_forward(y, spec["size"], spec["alpha"], spec["beta"], spec["k"])
         else:
@@ -205,7 +213,11 @@ def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
         )
     d = dy
     for spec, c in zip(reversed(cache.specs), reversed(cache.tail), strict=True):
-        if spec["op"] == "relu":
+        if isinstance(c, Fused) and spec["op"] == "relu":
+            pass  # the fused LRN, whose backward ran just before this, went through this ReLU too
+        elif isinstance(c, Fused):
+            d = be.relu_lrn_backward(d, c.cache)
+        elif spec["op"] == "relu":
             d = be.relu_backward(d, c)
         elif spec["op"] == "lrn":
             d = be.lrn_backward(d, c)
