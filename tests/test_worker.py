@@ -17,7 +17,7 @@ import pytest
 
 from backends.numpy_backend import NumpyBackend
 from tinyconv.shard.block import block_forward, halo_span, tail_backward
-from tinyconv.shard.protocol import TASKS, VERSION
+from tinyconv.shard.protocol import TASKS, VERSION, TaskError
 from tinyconv.testing import FN, Expected, assert_close, conv2d_expected
 from tinyconv.worker.handler import STAGES, Worker
 from tinyconv.worker.main import THREAD_ENV_VARS, main
@@ -404,3 +404,19 @@ def test_python_dash_m_and_the_tinyconv_command_start_the_same_worker():
         [sys.executable, "-m", "tinyconv.worker", "--help"], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0 and "usage: tinyconv worker" in out.stdout
+
+
+def test_calibrate_admits_what_a_batch_256_step_needs():
+    # the default cap follows the machine (half its memory, at least 2 GiB), so that a master may time
+    # what its real steps allocate anyway: 150:800's conv2 at batch 256 needs about 2.3 GB
+    from tinyconv.shard.calibrate import parse_spec
+    from tinyconv.worker.handler import DEFAULT_MAX_CALIBRATE_BYTES, default_max_calibrate_bytes
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert DEFAULT_MAX_CALIBRATE_BYTES == default_max_calibrate_bytes() == max(1 << 31, physical // 2)
+    spec = {"layer": 1, "x": [256, 150, 16, 16], "w": [800, 150, 5, 5], "stride": 1, "padding": 2,
+            "need_dx": True, "tail": []}
+    if physical // 2 >= 2_400_000_000:  # this machine can hold it: admitted
+        assert parse_spec(1, spec, DEFAULT_MAX_CALIBRATE_BYTES).w == (800, 150, 5, 5)
+    with pytest.raises(TaskError, match="half its physical memory"):  # a small worker says what to do
+        parse_spec(1, spec, 1 << 31)

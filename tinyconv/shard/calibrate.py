@@ -93,7 +93,8 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
     if max_bytes is not None and 4 * parsed.floats() > max_bytes:
         raise TaskError(
             f"layers[{i}]: timing x {list(parsed.x)}, w {list(parsed.w)} needs about {4 * parsed.floats()} bytes, "
-            f"over this worker's limit of {max_bytes}"
+            f"over this worker's limit of {max_bytes} (half its physical memory): use a smaller batch or "
+            f"architecture, or a worker machine with more memory"
         )
     return parsed
 

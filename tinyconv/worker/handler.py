@@ -48,7 +48,21 @@ from tinyconv.shard.protocol import VERSION, TaskError, check_task
 from transports.base import Message
 from transports.wire import Int, error_reply
 
-DEFAULT_MAX_CALIBRATE_BYTES = 1 << 31  # 500:1500 with its tail at batch 64 needs about 1.6 GB
+
+def default_max_calibrate_bytes() -> int:
+    """Half this machine's physical memory, at least 2 GiB: what one calibration may allocate.
+
+    The cap keeps a master from making a worker allocate without bound, but it must admit what a
+    real training step at the same shapes allocates anyway (150:800 at batch 256 needs 2.3 GB to
+    time conv2, 500:1500 with its tail at batch 64 about 1.6 GB), so it follows the machine."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the old fixed cap
+        physical = 0
+    return max(1 << 31, physical // 2)
+
+
+DEFAULT_MAX_CALIBRATE_BYTES = default_max_calibrate_bytes()
 
 # task kind -> (the stage the layer must be at, None: anything; the stage it leaves, None: nothing kept)
 STAGES: dict[str, tuple[str | None, str | None]] = {
