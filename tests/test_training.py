@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from tinyconv.checkpoint import load_checkpoint
+from tinyconv.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from tinyconv.data import synthetic_dataset
 from tinyconv.memory import step_memory_bytes
 from tinyconv.metrics import MetricsWriter, read_metrics
@@ -146,6 +146,19 @@ def test_resume_is_bit_identical(numpy_backend, tiny_data, tmp_path):
         assert np.array_equal(a[k], b[k]), k
     sa, sb = straight.opt.state_dict(), resumed.opt.state_dict()
     assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_checkpoint_from_before_the_warmup_fraction_resumes_only_with_its_warmup(numpy_backend, tiny_data, tmp_path):
+    path = tmp_path / "c.npz"
+    _trainer(numpy_backend, tiny_data, epochs=2, max_steps=3, checkpoint=str(path)).fit()
+    ck = read_checkpoint(path)  # as written before --warmup: warmup_epochs (1 by default), no warmup
+    old = {k: v for k, v in ck.meta["train_config"].items() if k != "warmup"} | {"warmup_epochs": 1.0}
+    save_checkpoint(path, ck.model, ck.optim, {**ck.meta, "train_config": old})
+    with pytest.raises(ValueError, match=r"1-epoch warm-up \(4 steps\).*resume it with --warmup-epochs 1"):
+        _trainer(numpy_backend, tiny_data, epochs=2).resume(path)  # 5 % of 8 steps: no warm-up
+    resumed = _trainer(numpy_backend, tiny_data, epochs=2, warmup_epochs=1.0)
+    resumed.resume(path)
+    assert (resumed.step, resumed.warmup_steps) == (3, 4)
 
 
 def test_resume_refuses_another_architecture(numpy_backend, tiny_data, tmp_path):
@@ -395,6 +408,6 @@ def test_the_summary_table_reads_in_percent_seconds_and_megabytes():
     }  # fmt: skip
     table = summary_table(summary)
     for shown in ("| 20 ", "3.032", "89.65%", "0.712 s", "1606.2 MB", "master: 0.0 MB; worker0: 807.2 MB",
-                  "conv1: [17, 16, 17]; conv2: [168, 166, 166]"):
+                  "conv1: [17, 16, 17]; conv2: [168, 166, 166]"):  # fmt: skip
         assert shown in table, shown
     assert "time_per_epoch_s" not in table  # None: not measured, not shown

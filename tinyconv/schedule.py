@@ -7,15 +7,28 @@ import math
 SCHEDULES = ("constant", "step", "cosine")
 
 
+def warmup_steps(total_steps: int, fraction: float) -> int:
+    """The warm-up's length: ``fraction`` (in [0, 1)) of the run's planned steps, rounded down.
+
+    A fraction, not a number of epochs, so that a short run warms up in proportion: a one-epoch
+    warm-up left a 400-step run below its peak rate for all of it."""
+    if not 0 <= fraction < 1:  # NaN fails this too
+        raise ValueError(f"the warm-up (--warmup) must be a fraction of the run in [0, 1), got {fraction}")
+    return int(fraction * total_steps)
+
+
 def learning_rate(
     step: int, total_steps: int, base_lr: float, schedule: str = "cosine", warmup_steps: int = 0
 ) -> float:
     """The learning rate for 0-based ``step`` of ``total_steps``.
 
+    All three ramp up linearly over the first ``warmup_steps`` steps, reaching ``base_lr`` at the
+    warm-up's last step. After it, ``progress`` runs from 0 to 1 over the *remaining* steps
+    (``total_steps - warmup_steps``), and the schedules are functions of that progress:
+
     constant: base_lr.
-    step:     base_lr, divided by 10 at 50% and again at 75% of training.
+    step:     base_lr, divided by 10 at 50% and again at 75% of the post-warm-up run.
     cosine:   base_lr * (1 + cos(pi * progress)) / 2, decaying to 0 at the end.
-    All three ramp up linearly over the first ``warmup_steps`` steps.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")

@@ -23,6 +23,7 @@ held until it is done, so a checkpoint never holds half of one.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
 from tinyconv.report import summarize
-from tinyconv.schedule import learning_rate
+from tinyconv.schedule import learning_rate, warmup_steps
 from tinyconv.stopping import SignalGuard
 
 if TYPE_CHECKING:
@@ -52,7 +53,11 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     schedule: str = "cosine"
-    warmup_epochs: float = 1.0
+    # Warm-up as a fraction of the planned steps. 5 %: the default 10-epoch run ramps up for half an
+    # epoch (it had one, and trained stably), a 400-step run for 20 steps instead of never reaching its
+    # peak; large-batch SGD recipes (Goyal et al. 2017: 5 of 90 epochs) ramp for about as long.
+    warmup: float = 0.05
+    warmup_epochs: float | None = None  # instead of ``warmup``: this many epochs, whatever the run's length
     max_steps: int | None = None  # stop after this many steps in total (smoke runs)
     augment: bool = True
     eval_batch_size: int = 500
@@ -61,6 +66,22 @@ class TrainConfig:
     checkpoint_every: int | None = None  # also every this many steps
     checkpoint_minutes: float | None = None  # also when this long has passed since the last one
     progress: bool = True
+
+
+def planned_steps(n_train: int, config: TrainConfig) -> tuple[int, int, int]:
+    """(steps per epoch, total steps, warm-up steps) of a run over ``n_train`` images: the total after
+    ``max_steps``, the warm-up a fraction of that total (or ``warmup_epochs`` whole epochs)."""
+    per_epoch = n_train // config.batch_size
+    if per_epoch == 0:
+        raise ValueError(f"batch size {config.batch_size} is larger than the {n_train} training images")
+    total = per_epoch * config.epochs
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    if config.warmup_epochs is None:
+        return per_epoch, total, warmup_steps(total, config.warmup)
+    if not (math.isfinite(config.warmup_epochs) and config.warmup_epochs >= 0):
+        raise ValueError(f"--warmup-epochs must be a number >= 0, got {config.warmup_epochs}")
+    return per_epoch, total, int(config.warmup_epochs * per_epoch)
 
 
 class Trainer:
@@ -80,14 +101,7 @@ class Trainer:
         # separate streams, so turning augmentation on/off does not change the order
         self.shuffle_rng = np.random.default_rng([config.seed, 1])
         self.augment_rng = np.random.default_rng([config.seed, 2])
-        n = len(data.x_train)
-        self.steps_per_epoch = n // config.batch_size
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"batch size {config.batch_size} is larger than the {n} training images")
-        self.total_steps = self.steps_per_epoch * config.epochs
-        if config.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.max_steps)
-        self.warmup_steps = int(config.warmup_epochs * self.steps_per_epoch)
+        self.steps_per_epoch, self.total_steps, self.warmup_steps = planned_steps(len(data.x_train), config)
         # progress: the epoch in course, batches done in it, and the shuffle state it began with
         self.step = 0
         self.epoch = 0
@@ -355,6 +369,7 @@ class Trainer:
                 f"checkpoint {ck.path} stopped after batch {meta['batch_in_epoch']} of an epoch, but this "
                 f"run's epochs have {self.steps_per_epoch}: was it trained on another dataset?"
             )
+        self._check_warmup(meta["train_config"], ck.path)
         self.net.load_state_dict(ck.model)
         self._check_optimizer_state(ck)
         self.opt.load_state_dict(ck.optim)
@@ -367,6 +382,19 @@ class Trainer:
         if self.cluster is not None:  # its steps count on from the checkpoint's (task headers, events)
             self.cluster.step = self.step
         return self._restore_plan(meta.get("plan"))
+
+    def _check_warmup(self, config: dict[str, Any], path: str | Path) -> None:
+        """A checkpoint from before ``warmup`` (a fraction) warmed up for ``warmup_epochs`` epochs, 1 by
+        default: resumed with another warm-up, its schedule would jump, so it is refused unless the same."""
+        if "warmup" in config:  # written since: the run's own options decide, as for the lr or the epochs
+            return
+        epochs = config.get("warmup_epochs", 1.0)
+        theirs = int(epochs * self.steps_per_epoch)
+        if theirs != self.warmup_steps:
+            raise ValueError(
+                f"checkpoint {path} was trained with a {epochs:g}-epoch warm-up ({theirs} steps), from before "
+                f"--warmup; this run's is {self.warmup_steps} steps: resume it with --warmup-epochs {epochs:g}"
+            )
 
     def _check_optimizer_state(self, ck: Checkpoint) -> None:
         for key, layer, name in self.net.named_params():
