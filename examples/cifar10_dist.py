@@ -2,6 +2,7 @@
 """Train the paper's CNN on CIFAR-10, with its convolutions split by kernels across workers.
 
     python examples/cifar10_dist.py --transport zmq --backend opencl        # the main job
+    python examples/cifar10_dist.py --preset quick --epochs 3               # a preset, one option changed
     python examples/cifar10_dist.py --dataset synthetic --steps 50          # a 30-second smoke run
     python examples/cifar10_dist.py --workers 0                             # the master alone
     python examples/cifar10_dist.py --checkpoint run.npz --checkpoint-every 200    # then, after a stop:
@@ -11,6 +12,11 @@
 Reproduces Marques, Falcao & Alexandre, "Distributed learning of CNNs on
 heterogeneous CPU/GPU architectures": the master trains every layer but the
 convolutions, whose kernels are shared among workers in proportion to their speed.
+
+A preset (--preset, default paper) gives the network and the training recipe; any option given
+beside it wins. The first line after loading the data says the preset, the network, the epochs and
+steps, and the accuracy and time to expect (measured, or "not measured yet"); the last line, the test
+accuracy reached and the wall time.
 
 Nothing is lost on the way out: with --checkpoint, an error, Ctrl-C (exit 130) or SIGTERM
 (exit 143) checkpoints the last whole step before the run ends. A bad option is one line on
@@ -25,6 +31,7 @@ import platform
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,10 +49,11 @@ from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_by
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
 from tinyconv.plugins import available_backends, available_transports, has_devices  # noqa: E402
+from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
-from tinyconv.trainer import TrainConfig, Trainer  # noqa: E402
+from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "equal")
 ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)
@@ -102,23 +110,39 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for add in (_network, _compute, _workers, _split, _training, _data, _output):
+    for add in (_preset, _network, _compute, _workers, _split, _training, _data, _output):
         add(p)
     return p
+
+
+def preset_default(key: str) -> str:
+    """How --help says an option's default: the preset's value, and the default preset's."""
+    return f"default: the preset's; {DEFAULT_PRESET}: {getattr(PRESETS[DEFAULT_PRESET], key)}"
+
+
+def _preset(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("preset (a whole recipe by name; any option below given beside it wins)")
+    choices = "; ".join(f"{p.name}: {p.about}" for p in PRESETS.values())
+    g.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=DEFAULT_PRESET,
+        help=f"{choices.replace('%', '%%')}. The run's first line says what to expect, as measured, or \"not "
+        "measured yet\" (default %(default)s; tinyconv/presets.py has each one's settings)",
+    )
 
 
 def _network(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network")
     g.add_argument(
         "--arch",
-        default="50:500",
         help=f"kernel counts C1:C2 of the two conv layers; the paper's are {', '.join(PAPER_ARCHS)} "
-        "(default %(default)s)",
+        f"({preset_default('arch')})",
     )
     g.add_argument("--conv1", type=count(1), help="kernels of conv layer 1 (overrides --arch)")
     g.add_argument("--conv2", type=count(1), help="kernels of conv layer 2 (overrides --arch)")
     g.add_argument(
-        "--norm", choices=NORMS, default="lrn", help="normalisation after each conv (default %(default)s, as the paper)"
+        "--norm", choices=NORMS, help=f"normalisation after each conv (lrn: the paper's; {preset_default('norm')})"
     )
     g.add_argument(
         "--pool",
@@ -245,25 +269,39 @@ def _split(p: argparse.ArgumentParser) -> None:
 
 def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=count(1), default=10, help="epochs (default %(default)s)")
+    g.add_argument("--epochs", type=count(1), help=f"epochs ({preset_default('epochs')})")
     g.add_argument(
         "--steps", type=count(1), help="stop after N steps in total, then evaluate (smoke runs, quick checks)"
     )
-    g.add_argument("--batch-size", type=count(1), default=64, help="default %(default)s")
+    g.add_argument("--batch-size", type=count(1), help=preset_default("batch_size"))
     g.add_argument(
-        "--lr", type=POSITIVE, default=0.01, help="peak learning rate (default %(default)s; much higher diverges early)"
+        "--lr", type=POSITIVE, help=f"peak learning rate ({preset_default('lr')}; much higher diverges the paper's net)"
     )
     g.add_argument(
         "--momentum", type=number(0, 1, what="a fraction"), default=0.9, help="in [0, 1) (default %(default)s)"
     )
     g.add_argument(
-        "--weight-decay", type=NON_NEGATIVE, default=5e-4, help="on conv and linear weights (default %(default)s)"
+        "--weight-decay", type=NON_NEGATIVE, help=f"on conv and linear weights ({preset_default('weight_decay')})"
     )
     g.add_argument(
-        "--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (default %(default)s)"
+        "--schedule",
+        choices=SCHEDULES,
+        help=f"learning-rate schedule after the warm-up; step divides by 10 at 50%% and 75%% of the steps after "
+        f"the warm-up ({preset_default('schedule')})",
     )
     g.add_argument(
-        "--warmup-epochs", type=NON_NEGATIVE, default=1.0, help="linear warm-up from 0 to --lr (default %(default)s)"
+        "--warmup",
+        type=number(0, 1, what="a fraction"),
+        metavar="FRACTION",
+        help="linear warm-up from 0 to --lr over this fraction of the run's planned steps (after --steps), "
+        f"so that a short run warms up in proportion ({preset_default('warmup')})",
+    )
+    g.add_argument(
+        "--warmup-epochs",
+        type=NON_NEGATIVE,
+        metavar="N",
+        help="instead of --warmup: a warm-up of N epochs whatever the run's length (as before --warmup; "
+        "checkpoints written then resume with it)",
     )
     g.add_argument("--no-augment", action="store_true", help="no random crop / horizontal flip")
     g.add_argument("--seed", type=int, default=0, help="seeds the weights, the shuffle and the augmentation")
@@ -308,6 +346,7 @@ def _output(p: argparse.ArgumentParser) -> None:
 # ---- checks before any work ------------------------------------------------------------------------------
 def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | None]:
     """Everything that can be refused before data, workers or training: -> (kernels, the checkpoint to resume)."""
+    apply_preset(args)
     check_plan(args)
     kernels = architecture(args)
     check_memory(args, *kernels)
@@ -317,6 +356,25 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
     if (args.checkpoint_every or args.checkpoint_minutes) and not args.checkpoint:
         raise UsageError("--checkpoint-every and --checkpoint-minutes need --checkpoint FILE to save to")
     return kernels, check_resume(args, *kernels)
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill the options not given from --preset; ``args.changed``: the options given that change it."""
+    if args.warmup is not None and args.warmup_epochs is not None:
+        raise UsageError("--warmup and --warmup-epochs both set the warm-up: give one of them")
+    preset = PRESETS[args.preset]
+    args.changed = []
+    for key, value in preset.settings().items():
+        given = getattr(args, key)
+        if given is None:
+            setattr(args, key, value)
+        elif given != value:
+            args.changed.append(f"--{key.replace('_', '-')} {given}")
+    for option, value in (("conv1", args.conv1), ("conv2", args.conv2), ("warmup_epochs", args.warmup_epochs)):
+        if value is not None:
+            args.changed.append(f"--{option.replace('_', '-')} {value:g}")
+    if args.steps is not None:
+        args.changed.append(f"--steps {args.steps}")
 
 
 def check_plan(args: argparse.Namespace) -> None:
@@ -398,6 +456,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         momentum=args.momentum,
         weight_decay=args.weight_decay,
         schedule=args.schedule,
+        warmup=args.warmup,
         warmup_epochs=args.warmup_epochs,
         max_steps=args.steps,
         augment=not args.no_augment,
@@ -499,8 +558,8 @@ def train(args: argparse.Namespace, argv: list[str] | None, trainer: Trainer, ba
             cluster.close()
 
 
-def run(args: argparse.Namespace, argv: list[str] | None, net, backend, data, checkpoint) -> int:
-    """Train and report; -> the exit code."""
+def run(args: argparse.Namespace, argv: list[str] | None, net, backend, data, checkpoint, started: float) -> int:
+    """Train and report; -> the exit code. ``started``: time.monotonic() when the command began."""
     resume_step = checkpoint.meta["step"] if checkpoint is not None else None
     metrics = MetricsWriter(args.metrics_out, append=checkpoint is not None, resume_step=resume_step)
     trainer = None
@@ -516,7 +575,36 @@ def run(args: argparse.Namespace, argv: list[str] | None, net, backend, data, ch
     print(summary_table(summary, trainer.steps_per_epoch))
     if args.metrics_out:
         print(f"metrics: {args.metrics_out}")
+    print(result_line(args, summary, time.monotonic() - started))
     return 0
+
+
+def plan_line(args: argparse.Namespace, kernels: tuple[int, int], n_train: int) -> str:
+    """What the run will do, in one line before it starts: the preset, the network, the epochs and steps,
+    and what to expect (the preset's measured figures, which a changed option makes another run's)."""
+    preset = PRESETS[args.preset]
+    per_epoch, total, warmup = planned_steps(n_train, train_config(args))
+    epochs = -(-total // per_epoch)
+    norm = {"lrn": "with LRN", "batch": "with batch norm"}.get(args.norm, "without normalisation")
+    warm = f"the first {warmup:,} a warm-up" if warmup else "no warm-up"
+    line = (
+        f"preset {preset.name}: {kernels[0]}:{kernels[1]} network {norm}, {epochs} epoch{'s' if epochs != 1 else ''} "
+        f"({total:,} steps of batch {args.batch_size}, {warm}), lr {args.lr:g} {args.schedule}; {preset.expectation()}"
+    )
+    if args.changed:
+        line += f" -- for the preset as it is; this run changes {', '.join(args.changed)}"
+    return line
+
+
+def result_line(args: argparse.Namespace, summary: dict, seconds: float) -> str:
+    """The run's last line: the test accuracy it reached and its wall time, beside the preset's expectation."""
+    acc = summary.get("test_acc")
+    reached = "no test accuracy" if acc is None else f"test accuracy {acc:.2%}"
+    preset: Preset = PRESETS[args.preset]
+    return (
+        f"{reached} after {summary['steps']:,} steps, {seconds / 60:.1f} min in all "  # wall time, start-up included
+        f"(preset {preset.name}: {preset.expectation()})"
+    )
 
 
 def fail(e: BaseException, trainer: Trainer | None = None) -> int:
@@ -553,12 +641,14 @@ def load_data(args: argparse.Namespace) -> Dataset:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     try:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
         keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
         backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
         data = load_data(args)
+        print(plan_line(args, kernels, len(data.x_train)), flush=True)
     except (UsageError, DataError, *ERRORS) as e:
         return fail(e)
     except KeyboardInterrupt:
@@ -566,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     net = tc.paper_net(kernels, backend, args.norm, seed=args.seed, pool_kernel=args.pool)
     print(net)
     print(f"{net.num_params():,} parameters; master: {backend.describe()['device']} ({args.backend})")
-    return run(args, argv, net, backend, data, checkpoint)
+    return run(args, argv, net, backend, data, checkpoint, started)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""Presets by name (tinyconv/presets.py) in the main job: what each sets, what wins over it, what it says."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tinyconv.presets import DEFAULT_PRESET, PRESETS, get_preset
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cifar10_dist.py"
+SETTINGS = ("arch", "norm", "epochs", "batch_size", "lr", "schedule", "warmup", "weight_decay")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("cifar10_dist_presets", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parsed(example, *argv: str):
+    args = example.build_parser().parse_args(list(argv))
+    example.apply_preset(args)
+    return args
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_sets_its_whole_recipe(example, name):
+    args = parsed(example, "--preset", name)
+    assert {k: getattr(args, k) for k in SETTINGS} == get_preset(name).settings()
+    assert args.changed == [] and args.warmup_epochs is None
+
+
+def test_no_preset_is_the_paper_preset_with_todays_defaults(example):
+    args = parsed(example)
+    assert args.preset == DEFAULT_PRESET == "paper"
+    today = {"arch": "50:500", "norm": "lrn", "epochs": 10, "batch_size": 64, "lr": 0.01, "schedule": "cosine"}
+    assert {k: getattr(args, k) for k in today} == today and args.weight_decay == 5e-4
+    assert "(default paper;" in " ".join(example.build_parser().format_help().split())
+
+
+def test_options_given_beside_a_preset_win_and_are_named(example):
+    args = parsed(example, "--preset", "quick", "--epochs", "3", "--lr", "0.05", "--norm", "lrn", "--steps", "7")
+    quick = get_preset("quick")
+    assert (args.epochs, args.lr, args.norm) == (3, 0.05, "lrn")
+    assert (args.arch, args.batch_size, args.warmup) == (quick.arch, quick.batch_size, quick.warmup)
+    assert args.changed == ["--norm lrn", "--epochs 3", "--lr 0.05", "--steps 7"]
+    # the same value as the preset's is no change; --warmup-epochs replaces the preset's fraction
+    args = parsed(example, "--preset", "quick", "--epochs", str(quick.epochs), "--warmup-epochs", "1")
+    assert args.changed == ["--warmup-epochs 1"]
+    assert example.train_config(args).warmup_epochs == 1.0
+
+
+def test_an_unknown_preset_is_refused_with_the_choices(example, capsys):
+    assert example.main(["--preset", "fast", "--dataset", "synthetic"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "argument --preset: invalid choice: 'fast'" in err
+    assert all(name in err for name in PRESETS)
+    with pytest.raises(ValueError, match="unknown preset 'fast'; choose one of paper, quick, best"):
+        get_preset("fast")
+
+
+def test_no_preset_claims_a_figure_nobody_measured():
+    for p in PRESETS.values():
+        assert (p.expected_accuracy is None and p.expected_minutes is None) or p.measured_by, p.name
+        assert 0 <= p.warmup < 1 and p.about
+
+
+def test_the_expectation_in_words():
+    paper = get_preset("paper")
+    assert paper.expectation() == "expected accuracy and time: not measured yet"
+    measured = dataclasses.replace(paper, expected_accuracy=0.758, expected_minutes=93, measured_by="a command")
+    assert measured.expectation() == "expected test accuracy 75.8%, wall time on 2 cores about 93 min"
+    half = dataclasses.replace(paper, expected_accuracy=0.758, measured_by="a command")
+    assert half.expectation() == "expected test accuracy 75.8%, wall time on 2 cores not measured yet"
+
+
+def test_the_startup_line_for_a_full_run_and_a_steps_run(example):
+    args = parsed(example, "--preset", "quick")
+    assert example.plan_line(args, (48, 96), 50_000) == (
+        "preset quick: 48:96 network with batch norm, 5 epochs (1,950 steps of batch 128, the first 97 a warm-up), "
+        "lr 0.02 cosine; expected accuracy and time: not measured yet"
+    )
+    args = parsed(example, "--steps", "400")
+    assert example.plan_line(args, (50, 500), 50_000) == (
+        "preset paper: 50:500 network with LRN, 1 epoch (400 steps of batch 64, the first 20 a warm-up), "
+        "lr 0.01 cosine; expected accuracy and time: not measured yet -- for the preset as it is; this run "
+        "changes --steps 400"
+    )
+
+
+def test_the_main_job_starts_with_the_plan_and_ends_with_the_test_accuracy(example, capsys):
+    argv = ["--preset", "quick", "--arch", "4:8", "--steps", "3", "--workers", "0", "--dataset", "synthetic"]
+    assert example.main([*argv, "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plan = next(i for i, line in enumerate(lines) if line.startswith("preset "))
+    assert lines[plan] == (
+        "preset quick: 4:8 network with batch norm, 1 epoch (3 steps of batch 128, no warm-up), lr 0.02 cosine; "
+        "expected accuracy and time: not measured yet -- for the preset as it is; this run changes --arch 4:8, "
+        "--steps 3"
+    )
+    assert all("loading" in line or "images" in line for line in lines[:plan])  # before the network, the workers
+    assert lines[-1].startswith("test accuracy ") and " after 3 steps, " in lines[-1]
+    assert lines[-1].endswith("(preset quick: expected accuracy and time: not measured yet)")
