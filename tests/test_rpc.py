@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.shard.rpc import Lost, Rpc
+from tinyconv.shard.rpc import Link, Lost, Rpc
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 BE = NumpyBackend()
@@ -165,3 +165,33 @@ def test_non_finite_results_from_non_finite_inputs_go_through():
     op = Rpc(Scripted(nan_echo), WORKERS, timeout=1.0).op("forward of conv2", BE)
     task = op.send(1, Message("block_forward", {}, {"x": np.array([np.inf], np.float32)}))
     assert np.isnan(op.gather([task])[1].arrays["y"][0])
+
+
+class Arriving(Scripted):
+    """Replies arrive while the master waits for them: a poll (timeout 0) finds none."""
+
+    def recv(self, timeout: float) -> tuple[int, Message]:
+        if timeout == 0:
+            raise TimeoutError("nothing yet")
+        return super().recv(timeout)
+
+
+@pytest.mark.parametrize("transport, exact", [(Scripted, False), (Arriving, True)], ids=["come", "waited for"])
+def test_each_result_measures_its_workers_link_exactly_only_if_the_master_waited_for_it(transport, exact):
+    clock = [0.0]
+    rpc = Rpc(transport(echo), WORKERS, timeout=1.0, clock=lambda: clock[0])
+    op = rpc.op("forward of conv1", BE)
+    task = op.send(0, Message("block_forward", {}, {"x": np.zeros(3, np.float32)}))  # 12 bytes, 8 back
+    clock[0] = 2.5  # 0.5 s of it the worker's compute: 2 s for 20 bytes
+    op.gather([task])
+    link = rpc.link(0)
+    assert link.seconds_per_byte(exact=False) == pytest.approx(0.1)  # a deadline takes bounds too
+    assert link.seconds_per_byte() == (pytest.approx(0.1) if exact else None)  # the rebalancer does not
+    assert rpc.link(1).seconds_per_byte(exact=False) is None  # nothing measured
+
+
+def test_a_link_is_the_median_of_its_samples_and_ignores_tasks_without_bytes():
+    link = Link()
+    for nbytes, seconds in [(100, 1.0), (100, 1.0), (100, 50.0), (0, 9.0), (100, -1.0)]:
+        link.add(nbytes, seconds, exact=True)  # one stall; a task without arrays; compute reported long
+    assert list(link.exact) == [0.01, 0.01, 0.5, 0.0] and link.seconds_per_byte() == pytest.approx(0.01)

@@ -9,7 +9,8 @@ RuntimeError naming the worker and the op. A worker the op cannot count on -- go
 (the transport's WorkerLost), silent past the timeout, or answering finite inputs with
 non-finite numbers -- ends the op with :class:`Lost`, naming each and why, so that the
 cluster can share its kernels among the others and run the op again. On the way the op
-counts what it cost (:meth:`Op.stats`).
+counts what it cost (:meth:`Op.stats`), and each worker's :class:`Link` learns how long
+its bytes take.
 
 The one optimisation here is :meth:`Op.relay`: a second round of tasks that each go out
 as soon as what they need has come back, while the rest of the first round is still
@@ -20,9 +21,12 @@ computing. It is the only place where transfers overlap; the splits that use it
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,20 +46,66 @@ class Lost(Exception):
         self.workers = workers
 
 
-class Rpc:
-    """The master's side of the task protocol, over one transport."""
+class Link:
+    """One worker's link as its recent tasks measured it: seconds per array byte beyond its compute.
 
-    def __init__(self, transport: Transport, workers: list[WorkerInfo], timeout: float) -> None:
+    A task of b bytes (its arrays and its result's), sent at t_send, whose result the master
+    received at t_recv after c seconds of the worker's compute, gives one sample::
+
+        s = (t_recv - t_send - c) / b          seconds per byte: transfers, (de)serialising, queues
+
+    It is *exact* when the master was waiting for that result, so t_recv is its arrival; when
+    it had come while the master was busy (with its own share, or another result), t_recv is
+    later and s only an upper bound. Latency makes small tasks look slow per byte: that errs
+    towards more time. Estimates are medians, so one stall does not count.
+    """
+
+    WINDOW = 20  # samples kept of each kind
+
+    def __init__(self) -> None:
+        self.exact: deque[float] = deque(maxlen=self.WINDOW)
+        self.bounds: deque[float] = deque(maxlen=self.WINDOW)
+
+    def add(self, nbytes: int, seconds: float, exact: bool) -> None:
+        """File one task's ``nbytes`` and its ``seconds`` beyond the worker's compute (none without bytes)."""
+        if nbytes > 0:
+            (self.exact if exact else self.bounds).append(max(0.0, seconds) / nbytes)
+
+    def seconds_per_byte(self, exact: bool = True) -> float | None:
+        """The median exact sample; with ``exact=False`` the median of every sample, upper bounds
+        too (enough for a deadline, where too much is safe). None before there is one."""
+        samples = [*self.exact, *([] if exact else self.bounds)]
+        return statistics.median(samples) if samples else None
+
+
+class Rpc:
+    """The master's side of the task protocol, over one transport.
+
+    ``clock``: seconds, monotonic; the deadlines and the links' samples read it (a test's fake
+    clock can drive both, with a transport that delivers by it).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: list[WorkerInfo],
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f"recv_timeout must be > 0 seconds, got {timeout!r}")
         self.transport = transport
         self.workers = {w.index: w for w in workers}
         self.timeout = float(timeout)
+        self.clock = clock
+        self.links: dict[int, Link] = {}  # worker -> what its tasks measured of its link
         self._next_task = 0
 
-    def op(
-        self, what: str, backend: Backend, fields: dict[str, int] | None = None, timeout: float | None = None
-    ) -> Op:
+    def link(self, k: int) -> Link:
+        """Worker ``k``'s link (nothing measured yet for a new one)."""
+        return self.links.setdefault(k, Link())
+
+    def op(self, what: str, backend: Backend, fields: dict[str, int] | None = None, timeout: float | None = None) -> Op:
         """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
         share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
         every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather."""
@@ -73,13 +123,22 @@ class Rpc:
         return self._next_task
 
 
+class _Sent(NamedTuple):
+    """A task sent, not yet gathered."""
+
+    worker: int
+    msg: Message
+    at: float  # the Rpc's clock when it was sent
+    alone: bool  # the worker had no other task of the op: its result's wait is its own link and compute
+
+
 class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
     def __init__(self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float) -> None:
         self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
         self.t0 = time.perf_counter()
-        self._pending: dict[int, tuple[int, Message]] = {}  # task -> (worker, the task), sent, not yet gathered
+        self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
         self.sent: dict[int, int] = {}  # worker -> array bytes sent to it
         self.recv: dict[int, int] = {}
@@ -90,11 +149,13 @@ class Op:
         """Send ``msg`` to ``worker`` as a new task, with the op's fields; returns its task id."""
         task = self.rpc.new_task_id()
         msg.header.update(self.fields, task=task)
+        at = self.rpc.clock()
         try:
             self.rpc.transport.send(worker, msg)
         except WorkerLost as e:
             raise Lost({worker: e.reason}) from None
-        self._pending[task] = (worker, msg)
+        alone = all(sent.worker != worker for sent in self._pending.values())
+        self._pending[task] = _Sent(worker, msg, at, alone)
         self.sent[worker] = self.sent.get(worker, 0) + msg.nbytes()
         return task
 
@@ -114,7 +175,7 @@ class Op:
         """The result of every task in ``tasks``, by worker; ``each(worker, result)`` as each arrives."""
         waiting = set(tasks)
         results: dict[int, Message] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = self.rpc.clock() + self.timeout
         while waiting:
             task = next((t for t in waiting if t in self._early), None)
             if task is not None:
@@ -123,7 +184,7 @@ class Op:
                 task, reply = self._receive(deadline, waiting)
                 if task not in waiting:
                     continue
-            worker, _ = self._pending.pop(task)
+            worker = self._pending.pop(task).worker
             waiting.discard(task)
             results[worker] = reply
             if each is not None:
@@ -181,15 +242,9 @@ class Op:
     def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
         """The next result for one of this op's tasks; one of ``waiting`` or kept as early."""
         while True:
-            try:
-                k, reply = self.rpc.transport.recv(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                why = f"no result for the {self.what} within {self.timeout:g} s"
-                raise Lost({self._pending[t][0]: why for t in waiting}) from None
-            except WorkerLost as e:
-                raise Lost({e.worker: e.reason}) from None
+            k, reply, waited = self._next(deadline, waiting)
             task = reply.header.get("task")
-            ours = task in self._pending and self._pending[task][0] == k
+            ours = task in self._pending and self._pending[task].worker == k
             if reply.kind == "error" and (task is None or ours):
                 raise RuntimeError(f"{self.rpc.describe(k)} failed the {self.what}: {reply.header['message']}")
             if not ours:  # a late answer to an op given up on
@@ -197,14 +252,33 @@ class Op:
                 continue
             if reply.kind != "result":
                 raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
-            sent = self._pending[task][1]
-            check_result(reply, sent.kind)
-            _check_finite(k, reply, sent, self.what)
+            sent = self._pending[task]
+            check_result(reply, sent.msg.kind)
+            _check_finite(k, reply, sent.msg, self.what)
+            compute = float(reply.header["compute_s"])
             self.recv[k] = self.recv.get(k, 0) + reply.nbytes()
-            self.compute[k] = self.compute.get(k, 0.0) + float(reply.header["compute_s"])
+            self.compute[k] = self.compute.get(k, 0.0) + compute
+            if sent.alone:
+                beyond = self.rpc.clock() - sent.at - compute
+                self.rpc.link(k).add(sent.msg.nbytes() + reply.nbytes(), beyond, exact=waited)
             if task not in waiting:
                 self._early[task] = reply
             return task, reply
+
+    def _next(self, deadline: float, waiting: set[int]) -> tuple[int, Message, bool]:
+        """The next message from a worker, and whether the master waited for it: first what has come
+        already (while the master was busy: it arrived earlier), then what comes by ``deadline``
+        (it arrives now)."""
+        try:
+            try:
+                return *self.rpc.transport.recv(timeout=0.0), False
+            except TimeoutError:
+                return *self.rpc.transport.recv(timeout=max(0.0, deadline - self.rpc.clock())), True
+        except TimeoutError:
+            why = f"no result for the {self.what} within {self.timeout:g} s"
+            raise Lost({self._pending[t].worker: why for t in waiting}) from None
+        except WorkerLost as e:
+            raise Lost({e.worker: e.reason}) from None
 
 
 def _check_finite(k: int, reply: Message, sent: Message, what: str) -> None:
