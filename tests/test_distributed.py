@@ -27,6 +27,7 @@ from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.layer import block_inputs
 from tinyconv.shard.protocol import VERSION
 from tinyconv.shard.rebalance import Rebalancer
+from tinyconv.shard.rpc import Link
 from tinyconv.testing import FN, Expected, assert_close, conv2d_expected
 from tinyconv.trainer import TrainConfig, Trainer
 from tinyconv.worker.handler import Worker
@@ -501,6 +502,23 @@ class MeteredWorker(Worker):
         return reply
 
 
+class FreeLink(Link):
+    """A link that costs nothing. The metered workers here report modelled compute times: the real
+    time around them is this machine's noise (a tail task reported as 0 s took real time), not a
+    transfer, and would blur the splits these tests check exactly (test_slow_link.py has slow links)."""
+
+    def add(self, nbytes: int, seconds: float, exact: bool) -> None:
+        pass
+
+    def seconds_per_byte(self, exact: bool = True) -> float:
+        return 0.0
+
+
+def free_links(cluster: Cluster) -> None:
+    """The cluster's workers' links cost nothing (:class:`FreeLink`): it balances their modelled compute."""
+    cluster.rpc.links = {w.index: FreeLink() for w in cluster.workers}
+
+
 def metered_pool(slowdowns):
     return inproc_pool(len(slowdowns), lambda i: MeteredWorker(NumpyBackend(), slowdown=slowdowns[i]))
 
@@ -563,6 +581,7 @@ def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
     costs = [(0.025, 0.0005), (0.05, 0.001)]  # per op
     with inproc_pool(2, lambda i: AffineMeteredWorker(NumpyBackend(), *costs[i])) as (transport, workers):
         sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT, split="kernels")
+        free_links(sharded)
         result = sharded.calibrate(net, batch_size=1, image_size=5)
         assert result["times"]["conv1"] == pytest.approx([0.146, 0.292])
         assert result["shares"]["conv1"] == [64, 32]  # eq. 1
@@ -583,6 +602,7 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):
     shares = []
     with metered_pool([1.0, 2.0]) as (transport, workers):
         sharded = Cluster(transport, workers, be, master_share="0", recv_timeout=TIMEOUT, split="kernels")
+        free_links(sharded)
         block = attached(sharded, net)  # no calibration: starts from the equal split
         for _ in range(12):
             assert_close(block.forward(x), y_ref)
@@ -638,6 +658,7 @@ def test_a_two_times_slower_worker_ends_with_a_third_of_the_input_channels(rng):
     records = []
     with inproc_pool(2, lambda i: PartMeteredWorker(NumpyBackend(), ms=[1.0, 2.0][i])) as (transport, workers):
         sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        free_links(sharded)
         block = attached(sharded, net)  # no calibration: starts from the equal split
         for _ in range(10):
             assert_close(block.forward(x), y_ref)
@@ -663,6 +684,7 @@ def test_a_worker_that_can_only_slow_a_layer_down_sits_out_and_the_results_stay_
     make = lambda i: PartMeteredWorker(NumpyBackend(), ms=1.0, fixed_s=[0.0, 0.3][i])  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
         sharded = Cluster(transport, workers, conv.backend, master_share="0", recv_timeout=TIMEOUT)
+        free_links(sharded)
         block = attached(sharded, net)
         records = exact_steps(block, sharded, reference, 6)
     assert [r["channel_shares"]["conv1"] for r in records] == [[2, 2]] * 3 + [[4, 0]] * 3
@@ -692,6 +714,7 @@ def test_a_channel_split_layer_the_master_computes_alone_keeps_its_channels_on_t
     spy = SpyRebalancer()
     with inproc_pool(1, lambda i: PartMeteredWorker(NumpyBackend(), ms=1.0, fixed_s=0.3)) as (transport, workers):
         sharded = Cluster(transport, workers, conv.backend, recv_timeout=TIMEOUT, rebalancer=spy)
+        free_links(sharded)
         block = attached(sharded, net)
         records = exact_steps(block, sharded, reference, 6)
     assert [r["channel_shares"]["conv1"] for r in records] == [[2, 2]] * 3 + [[4, 0]] * 3

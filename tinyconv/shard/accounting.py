@@ -30,6 +30,10 @@ class OpStats:
     sent: list[int]  # array bytes to each participant (0 for the master)
     recv: list[int]  # and from it
 
+    def moved(self, name: str) -> int:
+        """Array bytes to and from participant ``name``."""
+        return int(self.of(name, "sent") + self.of(name, "recv"))
+
     def of(self, name: str, field: str) -> float:
         """``field`` (compute_s, sent or recv) of participant ``name``; 0 if it had no part in the op."""
         return getattr(self, field)[self.names.index(name)] if name in self.names else 0
@@ -60,8 +64,14 @@ class LayerStep:
 
     @property
     def compute_s(self) -> list[float]:
-        """Each participant's forward + backward compute: what the rebalancer balances."""
+        """Each participant's forward + backward compute."""
         return [f + b for f, b in zip(self.forward.compute_s, self.backward.compute_s, strict=True)]
+
+    def ready_s(self, seconds_per_byte: list[float]) -> list[float]:
+        """What the rebalancer balances: each participant's forward + backward time until its share
+        is at the master, t_i = compute_i + (bytes to and from i) * seconds_per_byte[i] (0 for the master)."""
+        moved = [self.forward.moved(name) + self.backward.moved(name) for name in self.participants]
+        return [c + b * s for c, b, s in zip(self.compute_s, moved, seconds_per_byte, strict=True)]
 
     @property
     def participants(self) -> list[str]:

@@ -60,8 +60,9 @@ class Cluster:
     cheap there), else "kernels", which a LAN carries better.
     ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
     channels (``block.py``); False is the paper's split, the convolution alone.
-    ``rebalance``: follow the measured compute times (``rebalancer`` to tune it).
-    ``recv_timeout``: seconds every worker has to answer one op or its calibration.
+    ``rebalance``: follow the measured times, compute and transfers (``rebalancer`` to tune it).
+    ``recv_timeout``: seconds every worker has to answer one op or its calibration at most, and
+    before its link is measured (:meth:`timeout`).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class Cluster:
         self.events: list[dict[str, Any]] = []  # what happened to the cluster, for the metrics file
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
+        self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
 
     def pop_events(self) -> list[dict[str, Any]]:
         """The events recorded since the last call (each a dict with an "event" key), oldest first."""
@@ -258,19 +260,37 @@ class Cluster:
         return block.by_channels and enough and any(k is not None for _, k in self.seats)
 
     def timeout(self, block: ShardedBlock, batch: int) -> float:
-        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times the
-        slowest participant's calibrated time for the whole layer, scaled to the batch (evaluation's
-        may be larger than training's), at least 10 s, at most ``recv_timeout``."""
+        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
+        the op should take, its compute and its transfers, at least 10 s, at most ``recv_timeout``::
+
+            10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
+
+        t_i: participant i's calibrated time for the whole layer; B_k: the most array bytes one op
+        of the layer moved to and from worker k in the last step; s_k: the seconds per byte its
+        link measured, upper bounds included (:class:`~tinyconv.shard.rpc.Link`). On a slow link
+        the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
+        those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
+        """
         known = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
-        if not known or None in known or self._specs is None:
+        moved = self._moved.get(block.name, {})
+        transfer = [
+            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
+            for name, k in self.seats
+            if k is not None
+        ]
+        if not known or None in known or None in transfer or self._specs is None:
             return self.recv_timeout
         calibrated = self._specs[self.blocks.index(block)]["x"][0]
-        return min(self.recv_timeout, max(10.0, 10 * max(known) * max(1.0, batch / calibrated)))
+        op_s = max(known) + max(transfer, default=0.0)
+        return min(self.recv_timeout, max(10.0, 10 * op_s * max(1.0, batch / calibrated)))
 
     # ---- steps ------------------------------------------------------------------------------
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:
         """``block``'s backward is done; with the first block's, the step is."""
         self._done.append(done)
+        self._moved[done.name] = {
+            name: max(done.forward.moved(name), done.backward.moved(name)) for name in done.participants
+        }
         if block is not self.blocks[0]:
             return
         record = step_record(self._done, self.participants)
@@ -284,13 +304,16 @@ class Cluster:
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
         """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
 
-        It balances forward + backward time against what a layer is split by: its kernels, or its
-        input channels -- its kernels, which then carry only the tail, follow those in proportion."""
+        It balances what a layer is split by -- its kernels, or its input channels (its kernels,
+        which then carry only the tail, follow those in proportion) -- against each participant's
+        ready time (:meth:`LayerStep.ready_s`): forward + backward compute, plus a worker's bytes
+        at its link's measured seconds per byte."""
         rebalanced = {}
         for d in done:
             if d.participants != self.participants:  # someone was lost during this step: start afresh
                 continue
-            proposal = self.rebalancer.observe(d.name, d.units, d.compute_s)
+            links = [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.seats]
+            proposal = self.rebalancer.observe(d.name, d.units, d.ready_s(links))
             if proposal is None:
                 continue
             what = "kernels" if d.channels is None else "input channels"
@@ -301,7 +324,6 @@ class Cluster:
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
-
 
     # ---- membership -------------------------------------------------------------------------
     def lose(self, workers: dict[int, str]) -> None:
@@ -358,6 +380,13 @@ class Cluster:
                 self.channel_counts[block.name] = kernel_counts(weights, unit)
             if self.rebalancer is not None and None not in times:
                 self.rebalancer.record(block.name, [unit] * len(times), times)
+
+
+def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
+    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
+    if nbytes == 0:
+        return 0.0
+    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte
 
 
 def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:

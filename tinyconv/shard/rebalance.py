@@ -3,6 +3,12 @@
 The paper's split (:mod:`tinyconv.shard.balance`) is fixed after its benchmark; here each
 participant's time is an affine function of its kernels, and the split aims to make everyone
 finish together. Pure arithmetic on small lists, like the paper's split: no I/O, no clocks.
+
+The time a participant is measured by is how long its share takes to be *ready at the
+master* (``Cluster`` computes it: ``LayerStep.ready_s``): the master's own compute, a worker's
+compute plus its bytes at its link's measured seconds per byte. The step waits for the
+transfers too, so on a slow link kernels move towards the master; on loopback they cost next
+to nothing, and it is the compute that is balanced.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class _LayerState:
 
 
 class Rebalancer:
-    """Proposes a new kernel split when measured compute times say the current one is off.
+    """Proposes a new kernel split when measured times (compute, and a worker's transfers) say the current one is off.
 
     **Cost model.** A participant's time for one layer (forward + backward) is
     affine in its kernel count k::
