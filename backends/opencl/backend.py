@@ -227,8 +227,19 @@ class OpenCLBackend(Backend):
         y, arg = self.rt.empty((n, c, oh, ow)), self.rt.empty((n, c, oh, ow), np.int32)
         geometry = (i32(h), i32(w), i32(oh), i32(ow), i32(n * c))
         window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
-        self.rt.launch("maxpool_forward", (ow, oh, n * c), x.data, *geometry, y.data, arg.data, defines=window)
+        args = (x.data, *geometry, y.data, arg.data)
+        if n * c <= 2:
+            self.rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
+        else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
+            for plane in (0, n * c - 1):
+                self._launch_at("maxpool_forward", (ow, oh, 1), (0, 0, plane), args, window)
+            self.rt.launch("maxpool_forward_inner", (ow, oh, n * c - 2), *args, defines=window)
         return y, (x.shape, arg, geometry, window)
+
+    def _launch_at(self, name, dims, offset, args, defines):
+        """rt.launch of one block of a grid, at a global offset (the pool's first and last plane)."""
+        knl, _ = self.rt.kernel(name, defines)
+        self.rt.ran(name, knl(self.rt.queue, dims, None, *args, global_offset=offset))
 
     def maxpool_backward(self, dy, cache):
         x_shape, arg, geometry, window = cache

