@@ -4,7 +4,8 @@ One step: take a batch of uint8 images, augment (random crop + flip), normalise 
 channel, move to the backend, forward + loss + backward, SGD update. Convolutions
 may be distributed (``tinyconv.distribute`` puts sharded layers in the network); the
 loop is the same either way, it only asks the cluster for the step's comm/conv split
-and its events to record.
+and its events to record. Data-parallel (``tinyconv/replica/``), the forward and backward
+are the replicas' (``Replicas.train_batch``), which fill the same grads.
 
 Resuming is bit-identical: the checkpoint keeps the parameters, the momentum
 buffers, the global step, the position within the epoch, the state of both
@@ -42,6 +43,7 @@ from tinyconv.schedule import learning_rate, warmup_steps
 from tinyconv.stopping import SignalGuard
 
 if TYPE_CHECKING:
+    from tinyconv.replica.server import Replicas
     from tinyconv.shard.cluster import Cluster
 
 
@@ -91,7 +93,7 @@ class Trainer:
         data: Dataset,
         config: TrainConfig,
         metrics: MetricsWriter | None = None,
-        cluster: Cluster | None = None,
+        cluster: Cluster | Replicas | None = None,
     ) -> None:
         self.net, self.data, self.cfg = net, data, config
         self.metrics = metrics or MetricsWriter(None)
@@ -130,13 +132,18 @@ class Trainer:
         be = self.net.backend
         if self.cfg.augment:
             xb = augment(xb, self.augment_rng)
-        logits = self.net.forward(be.asarray(self.normalize(xb)), training=True)
-        loss, dlogits = self.net.loss_fn(logits, yb)
+        if getattr(self.cluster, "splits", None) == "images":  # data parallel (tinyconv/replica/): slices of x
+            loss, logits = self.cluster.train_batch(self.net, self.normalize(xb), yb)
+            dlogits = None
+        else:
+            logits = self.net.forward(be.asarray(self.normalize(xb)), training=True)
+            loss, dlogits = self.net.loss_fn(logits, yb)
         if not np.isfinite(loss):  # before the update, which would spread it to every parameter
             raise FloatingPointError(
                 f"loss became {loss} at step {self.step + 1}: lower --lr (now {self.cfg.lr}) or use --norm batch"
             )
-        self.net.backward(dlogits)
+        if dlogits is not None:
+            self.net.backward(dlogits)
         return loss, logits
 
     def _update(self) -> None:
@@ -407,6 +414,9 @@ class Trainer:
         c = self.cluster
         if c is None or plan is None:
             return None
+        ours = getattr(c, "splits", "kernels")
+        if ("batch" in plan["counts"]) != (ours == "images"):  # a model-parallel checkpoint resumed data-parallel
+            return f"the checkpoint's split is not of {ours}: keeping this run's split"
         if plan["participants"] != c.participants:
             return (
                 f"the checkpoint's split is for {', '.join(plan['participants'])}, this run has "

@@ -34,7 +34,19 @@ And once, before training (``calibrate.py``)::
 
     calibrate         layers, repeats                -> times: seconds per layer, no arrays
 
-All arrays are float32. Which task may follow which on one layer is the worker's
+Data parallelism (``tinyconv/replica/``): every participant holds a whole replica of the
+network, described by ``net`` = {"arch": "C1:C2", "norm", "pool_kernel", "num_classes"};
+its P parameters (and B batch-norm statistics) travel as one flat vector each, in the
+network's ``named_params`` order (``tinyconv/replica/flat.py``)::
+
+    replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
+                                                        of ``batch`` images], no arrays
+    replica_step      step, net, batch               x (n, C, H, W), y (n,) int, params (P,),
+                                                     buffers (B,) if the network has any
+                      -> grads (P,): the slice's part of the gradient of the mean loss over the
+                         whole ``batch``; logits (n, classes); buffers (B,) after the slice's forward
+
+All arrays are float32 but the labels ``y`` (int32 or int64). Which task may follow which on one layer is the worker's
 business (``tinyconv/worker/handler.py``).
 """
 
@@ -46,7 +58,8 @@ from dataclasses import dataclass
 from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
-VERSION = 1  # of this task protocol; a worker's hello says which it speaks, the transport admits equals
+# of this task protocol (2 added the replica tasks); a worker's hello says which it speaks, the transport admits equals
+VERSION = 2
 
 
 class TaskError(ValueError):
@@ -60,6 +73,7 @@ class Schema:
     header: dict[str, type]
     arrays: frozenset[str] = frozenset()
     optional_arrays: frozenset[str] = frozenset()
+    labels: frozenset[str] = frozenset()  # the arrays of integer labels (int32 or int64); every other is float32
 
 
 _LAYER = {"task": Int, "step": Int, "layer": Int}
@@ -73,6 +87,13 @@ TASKS: dict[str, Schema] = {
     "tail_forward": Schema(_LAYER, frozenset({"b"}), frozenset({"sum"})),
     "tail_backward": Schema(_LAYER, frozenset({"dy"})),
     "partial_backward": Schema({**_LAYER, "need_dx": bool}, optional_arrays=frozenset({"dyc_lo", "dyc_hi"})),
+    "replica_calibrate": Schema({"task": Int, "net": dict, "batch": Int, "repeats": Int}),
+    "replica_step": Schema(
+        {"task": Int, "step": Int, "net": dict, "batch": Int},
+        frozenset({"x", "y", "params"}),
+        frozenset({"buffers"}),
+        labels=frozenset({"y"}),
+    ),
 }
 
 # what each task's result may carry (the master checks their shapes as it reads them)
@@ -84,7 +105,10 @@ RESULT_ARRAYS: dict[str, frozenset[str]] = {
     "tail_forward": frozenset({"y"}),
     "tail_backward": frozenset({"dyc"}),
     "partial_backward": frozenset({"dx", "dw", "db"}),
+    "replica_calibrate": frozenset(),
+    "replica_step": frozenset({"grads", "logits", "buffers"}),
 }
+TIMED = ("calibrate", "replica_calibrate")  # the tasks whose result says ``times``
 RESULT = {"task": Int, "compute_s": Num}
 CALIBRATE_RESULT = {**RESULT, "times": list}
 
@@ -111,13 +135,13 @@ def check_task(msg: Message) -> Schema:
         check_fields(msg.kind, msg.header, schema.header, {})
     except ProtocolError as e:
         raise TaskError(str(e)) from None
-    _check_arrays(msg.kind, msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError)
+    _check_arrays(msg.kind, msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError, schema.labels)
     return schema
 
 
 def check_result(msg: Message, task_kind: str) -> None:
     """Raise RuntimeError unless ``msg`` is a well-formed result of a ``task_kind`` task."""
-    fields = CALIBRATE_RESULT if task_kind == "calibrate" else RESULT
+    fields = CALIBRATE_RESULT if task_kind in TIMED else RESULT
     try:
         check_fields("result", msg.header, fields, {})
     except ProtocolError as e:
@@ -128,7 +152,12 @@ def check_result(msg: Message, task_kind: str) -> None:
 
 
 def _check_arrays(
-    what: str, msg: Message, required: frozenset[str], allowed: frozenset[str], error: type[Exception]
+    what: str,
+    msg: Message,
+    required: frozenset[str],
+    allowed: frozenset[str],
+    error: type[Exception],
+    labels: frozenset[str] = frozenset(),
 ) -> None:
     names = set(msg.arrays)
     if not required <= names <= allowed:
@@ -138,5 +167,8 @@ def _check_arrays(
             f"got {sorted(names) or 'none'}"
         )
     for name, a in msg.arrays.items():
-        if a.dtype.name != "float32":
+        if name in labels:
+            if a.dtype.name not in ("int32", "int64"):
+                raise error(f"{what}: {name} holds labels and must be int32 or int64, got {a.dtype}")
+        elif a.dtype.name != "float32":
             raise error(f"{what}: {name} must be float32, got {a.dtype}")

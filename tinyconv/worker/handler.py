@@ -17,6 +17,10 @@ task may come next is explicit, one row per task kind (:data:`STAGES`)::
 
 A task that continues a layer must also be of the step its forward was. A refused task
 changes nothing, so the right one can follow.
+
+The data-parallel tasks (``replica_calibrate``, ``replica_step``; ``tinyconv/replica/``) stand
+alone: each brings everything it needs (the weights with every step), and the worker keeps only
+its replica of the network between them, rebuilt when the master describes another one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
+from tinyconv.model import Network
+from tinyconv.replica import flat
+from tinyconv.replica.replica import build, slice_gradients, time_replica
 from tinyconv.shard.block import (
     BlockCache,
     block_backward,
@@ -73,6 +80,8 @@ STAGES: dict[str, tuple[str | None, str | None]] = {
     "tail_backward": ("tail", "dyc"),
     "partial_backward": ("dyc", None),
 }
+# the tasks that continue no layer and leave none: each brings all it needs
+STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step"})
 _LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
 
 
@@ -109,6 +118,7 @@ class Worker:
         self.slowdown = float(slowdown)
         self.max_calibrate_bytes = int(max_calibrate_bytes)
         self.layers: dict[int, Kept] = {}  # layer index -> what its last forward left
+        self.replica: tuple[str, Network] | None = None  # data parallelism: (its description, the network)
         self._idle = threading.Event()  # never set: waiting on it is how slowdown passes time
         self._handlers: dict[str, Callable[..., dict[str, Any]]] = {
             "calibrate": self.calibrate,
@@ -118,12 +128,15 @@ class Worker:
             "tail_forward": self.tail_forward,
             "tail_backward": self.tail_backward,
             "partial_backward": self.partial_backward,
+            "replica_calibrate": self.replica_calibrate,
+            "replica_step": self.replica_step,
         }
 
     def hello(self) -> dict[str, Any]:
         """The ``hello`` header: protocol version, backend, device facts, pid, hostname. A hello
         starts a session with a (new) master: nothing kept from an earlier one."""
         self.layers.clear()
+        self.replica = None
         device = dict(self.backend.describe())
         if self.slowdown != 1.0:
             device["slowdown"] = self.slowdown
@@ -286,6 +299,51 @@ class Worker:
             raise TaskError("layers is empty: nothing to calibrate")
         specs = [parse_spec(i, spec, self.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
         return {"times": [time_block(self.backend, spec, h["repeats"]) * self.slowdown for spec in specs]}
+
+    # ---- data parallelism: a whole replica --------------------------------------------------------
+    def replica_calibrate(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
+        if not 1 <= h["repeats"] <= 1000:
+            raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+        if not 1 <= h["batch"] <= 1 << 16:
+            raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
+        net = self._replica(h["net"], h["batch"])
+        return {"times": [time_replica(net, h["net"], h["batch"], h["repeats"]) * self.slowdown]}
+
+    def replica_step(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """The replica, given the master's weights (and batch-norm statistics), on its slice x, y of a
+        batch of ``batch``: the slice's part of the gradient, its logits, its statistics after."""
+        x, y, spec = a["x"], a["y"], h["net"]
+        n = x.shape[0] if x.ndim == 4 else 0
+        if not (x.ndim == 4 and n >= 1 and y.shape == (n,) and n <= h["batch"]):
+            raise TaskError(f"replica_step takes x (n, C, H, W) and y (n,) with 1 <= n <= batch ({h['batch']}); "
+                            f"got x {x.shape}, y {y.shape}")  # fmt: skip
+        net = self._replica(spec, n)
+        if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
+            raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
+                            f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
+        buffers = a.get("buffers")
+        if (buffers is None) != (sum(flat.sizes(net, "buffers")) == 0):
+            raise TaskError("buffers must come exactly when the replica has batch-norm statistics")
+        try:
+            flat.unpack(net, a["params"])
+            if buffers is not None:
+                flat.unpack(net, buffers, "buffers")
+            logits = slice_gradients(net, x, y, h["batch"])
+        except ValueError as e:  # a vector of the wrong size, labels out of range
+            raise TaskError(str(e)) from None
+        out = {"grads": flat.pack(net, "grads"), "logits": logits}
+        return out | ({"buffers": flat.pack(net, "buffers")} if buffers is not None else {})
+
+    def _replica(self, spec: Any, batch: int) -> Network:
+        """The replica ``spec`` describes: the one kept, or a new one (within this worker's memory limit)."""
+        key = repr(sorted(spec.items()))
+        if self.replica is None or self.replica[0] != key:
+            try:
+                self.replica = key, build(spec, self.backend, batch, self.max_calibrate_bytes)
+            except ValueError as e:
+                raise TaskError(f"replica: {e}") from None
+        return self.replica[1]
 
     # ---- helpers -----------------------------------------------------------------------------
     @staticmethod
