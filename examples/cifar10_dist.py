@@ -8,10 +8,13 @@
     python examples/cifar10_dist.py --checkpoint run.npz --checkpoint-every 200    # then, after a stop:
     python examples/cifar10_dist.py --checkpoint run.npz --resume run.npz          # bit-identical
     python examples/cifar10_dist.py --plan equal --seed 1                   # the same losses on every run
+    python examples/cifar10_dist.py --parallel data --transport zmq --workers 1    # data parallelism instead
 
 Reproduces Marques, Falcao & Alexandre, "Distributed learning of CNNs on
 heterogeneous CPU/GPU architectures": the master trains every layer but the
 convolutions, whose kernels are shared among workers in proportion to their speed.
+With --parallel data, each participant trains a whole replica on its share of each batch
+instead, and the master sums their gradients and updates the weights (a parameter server).
 
 A preset (--preset, default paper) gives the network and the training recipe; any option given
 beside it wins. The first line after loading the data says the preset, the network, the epochs and
@@ -50,6 +53,8 @@ from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
 from tinyconv.plugins import available_backends, available_transports, has_devices  # noqa: E402
 from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
+from tinyconv.replica.server import Replicas  # noqa: E402
+from tinyconv.replica.start import replicate  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
@@ -167,8 +172,31 @@ def _compute(p: argparse.ArgumentParser) -> None:
     )
 
 
+PARALLEL = ("model", "data")
+
+
+def parallel_mode(text: str) -> str:
+    if text == "hybrid":
+        raise argparse.ArgumentTypeError(
+            "hybrid (convolutions by data, the classifier on the master) is not built yet: use model or data"
+        )
+    if text not in PARALLEL:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(PARALLEL)}, got {text!r}")
+    return text
+
+
 def _workers(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distribution (the paper's technique: conv kernels split across workers)")
+    g.add_argument(
+        "--parallel",
+        type=parallel_mode,
+        default="model",
+        metavar="{model,data}",
+        help="model: the paper's split, each convolution's kernels across the participants, the rest on the "
+        "master; data: every participant a whole replica and a share of each batch's images (by its speed), "
+        "the master sums the gradients and updates the weights -- a step then moves the weights and gradients "
+        "instead of feature maps (docs/how-it-works.md compares them; default %(default)s)",
+    )
     g.add_argument(
         "--transport",
         default="inproc",
@@ -468,10 +496,13 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | None:
-    """The workers and the cluster sharing net's convolutions with them (None with --workers 0)."""
+def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Replicas | None:
+    """The workers and the cluster sharing net's convolutions (--parallel model) or its batches
+    (--parallel data) with them; None with --workers 0."""
     if args.workers == 0:
         return None
+    if args.parallel == "data":
+        return start_replicas(args, net)
     cluster = tc.distribute(
         net,
         args.transport,
@@ -500,6 +531,30 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Non
     return cluster
 
 
+def start_replicas(args: argparse.Namespace, net: tc.Network) -> Replicas:
+    """The workers and the replicas of net on them, each to train on a share of every batch."""
+    replicas = replicate(
+        net,
+        args.transport,
+        args.workers,
+        worker_backend=args.worker_backend or args.backend,
+        batch_size=args.batch_size,
+        calibrate=False,  # below, once the workers are printed and the run recorded
+        pool_options={
+            "worker_device": args.worker_device, "bind": args.bind, "external": args.external_workers,
+            "worker_threads": args.worker_threads, "peer_timeout": args.peer_timeout, "key": args.key,
+            "authorized_keys": args.authorized_keys, "insecure": args.insecure,
+            "start_timeout": args.start_timeout or (600.0 if args.external_workers else 60.0),
+        },  # fmt: skip
+        master_share=args.master_share,
+        rebalance=args.rebalance == "on",
+        rebalancer=Rebalancer(threshold=args.rebalance_threshold),
+    )
+    for w in replicas.workers:
+        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}), a whole replica")
+    return replicas
+
+
 def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str] | None, net, backend, cluster) -> None:
     workers = cluster.workers if cluster is not None else []
     metrics.write(
@@ -508,6 +563,7 @@ def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str]
         seed=args.seed,
         backend=backend.describe(),
         transport=args.transport if workers else None,
+        parallel=args.parallel if workers else None,
         workers=[{"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname} for w in workers],
         arch=net.config,
         dataset=args.dataset,
@@ -517,17 +573,19 @@ def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str]
     )
 
 
-def split_layers(args: argparse.Namespace, cluster: tc.Cluster, trainer: Trainer) -> None:
+def split_layers(args: argparse.Namespace, cluster: tc.Cluster | Replicas, trainer: Trainer) -> None:
     """Split each layer: by the calibrated speeds, or equally (--plan equal)."""
     if args.plan == "equal":
         print(f"equal shares ({', '.join(cluster.participants)}), pinned by --plan equal")
         return
-    print(f"calibrating: timing {', '.join(cluster.participants)} on each convolution's shape ...", flush=True)
+    what = "a forward + backward of the batch" if args.parallel == "data" else "each convolution's shape"
+    print(f"calibrating: timing {', '.join(cluster.participants)} on {what} ...", flush=True)
     calibration = cluster.calibrate(trainer.net, args.batch_size)
     trainer.metrics.write("calibration", **calibration)
     channels = calibration["channel_shares"]
+    units = "images" if args.parallel == "data" else "kernels"
     print(
-        f"calibrated shares ({', '.join(cluster.participants)}): kernels {calibration['shares']}"
+        f"calibrated shares ({', '.join(cluster.participants)}): {units} {calibration['shares']}"
         + (f", input channels {channels}" if channels else "")
     )
 

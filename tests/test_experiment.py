@@ -103,6 +103,35 @@ def test_cells_alternate_architectures_and_repeats_are_rounds() -> None:
     assert {(c.fuse, c.split) for c in alone} == {("-", "-")} and len(alone) == 2 * 2 * 3
 
 
+def test_data_parallel_cells_split_nothing_and_run_beside_the_model_parallel_ones(tmp_path: Path) -> None:
+    got = cells(["a:1"], [64], [1, 2], repeats=1, parallels=["model", "data"])
+    assert [(c.participants, c.parallel, c.fuse, c.split) for c in got] == [
+        (1, "model", "-", "-"), (2, "model", "on", "auto"), (2, "data", "-", "-")]  # fmt: skip
+    out = tmp_path / "grid.csv"
+    assert grid(out, "--participants", "2", "--parallel", "model", "data") == 0
+    model, data = json.loads(out.with_suffix(".json").read_text())
+    assert (model["parallel"], data["parallel"]) == ("model", "data")
+    assert data["shares"].startswith("batch=") and sum(map(int, data["shares"][6:].split("/"))) == 4
+    assert data["bytes_sent"] > 0 and data["speedup"] == pytest.approx(data["solo_step_s"] / data["step_s"])
+    assert "data-parallel" in summary(json.loads(out.with_suffix(".json").read_text()))
+
+
+def test_a_csv_written_before_the_parallel_column_resumes_as_model(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out) == 0
+    old = [{k: v for k, v in r.items() if k != "parallel"} for r in rows(out)]
+    with open(out, "w", newline="") as f:  # as a grid before the column wrote it
+        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c != "parallel"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(old)
+    capsys.readouterr()
+    assert grid(out, "--parallel", "model", "data") == 0
+    assert "3 cells, 2 already in" in capsys.readouterr().out  # only the data-parallel cell is new
+    now = rows(out)
+    assert [r["parallel"] for r in now] == ["model", "model", "data"]
+    assert [{k: v for k, v in r.items() if k != "parallel"} for r in now[:2]] == old
+
+
 def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker() -> None:
     prefix = split_prefix("ip netns exec 'tinyconv w'")
     cmd = worker_command("tcp://10.0.0.1:5555", "numpy", 3, prefix, ["--timeout", "60"], taskset="/usr/bin/taskset")

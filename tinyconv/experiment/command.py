@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tinyconv.experiment.grid import Cell, cells, cost, pending
+from tinyconv.experiment.grid import PARALLELS, Cell, cells, cost, pending
 from tinyconv.worker.main import THREAD_ENV_VARS
 
 PROG = "tinyconv experiment grid"
@@ -53,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="experiment", required=True, parser_class=_Parser)
     g = sub.add_parser("grid", help="the speedup grid: archs x batches x participants x repeats, one CSV row a run",
                        description="Time training steps for every architecture x batch x participant count (x norm, "
-                       "backend, fuse, split) x repeat: the master alone, and the master with P-1 workers, their steps "
-                       "alternated; one CSV and JSON row per run; resumable.",
+                       "backend, fuse, split, parallel) x repeat: the master alone, and the master with P-1 workers, "
+                       "their steps alternated; one CSV and JSON row per run; resumable.",
                        epilog="A re-run with the same --out skips the cells already in it (same arch, norm, batch, "
-                       "participants, fuse, split, backend, repeat and --link-label) and appends the rest; a file "
+                       "participants, fuse, split, backend, parallel, repeat and --link-label; a CSV written before "
+                       "the parallel column resumes as model) and appends the rest; a file "
                        "measured with other --steps, --warmup, --settle or --transport is refused, not mixed. The "
                        "progress bar's time left is the cost still to run (conv multiply-adds x steps, in Gflop) "
                        "over the average rate so far.")  # fmt: skip
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fuse", nargs="+", choices=("on", "off"), default=["on"], help="one or both (default on)")
     g.add_argument("--split", nargs="+", choices=("auto", "channels", "kernels"), default=["auto"],
                    help="one or more (default auto)")  # fmt: skip
+    g.add_argument("--parallel", nargs="+", choices=PARALLELS, default=["model"],
+                   help="model (the paper's split of the convolutions), data (whole replicas, the batch split; "
+                   "tinyconv/replica/) or both, to compare them (default model)")
     g.add_argument("--transport", choices=("zmq", "inproc"), default="zmq",
                    help="zmq: worker processes (default); inproc: threads, for tests, not for timing")  # fmt: skip
     g.add_argument("--bind", metavar="ADDR", help="the master's address (default tcp://127.0.0.1:0, a free "
@@ -140,7 +144,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     if cut:
         print(f"{out}: dropped a half-written last line (a run cut short); that cell runs again")
     grid = cells(args.archs, args.batches, args.participants, args.repeats, args.norm, args.fuse, args.split,
-                 args.backend)  # fmt: skip
+                 args.backend, args.parallel)  # fmt: skip
     return grid, rows
 
 

@@ -10,8 +10,11 @@ distributed steps alternate step by step (``run.py``), so the speedup itself is 
 under the same conditions on both sides.
 
 **Participants 1** is the master alone: nothing is split or fused, so its cell is run once
-per (arch, norm, batch, backend, repeat) whatever --fuse and --split say, and its row says
-``fuse = split = "-"``.
+per (arch, norm, batch, backend, repeat) whatever --fuse, --split and --parallel say, and its
+row says ``fuse = split = "-"`` and ``parallel = "model"`` (as rows written before the
+column existed read). **Data-parallel** cells (``parallel = "data"``, ``tinyconv/replica/``)
+split the batch, not the convolutions: --fuse and --split mean nothing there, and their rows
+say ``"-"`` for both.
 
 **Cost.** A cell's expected cost, for the progress bar's estimate of the time left, is its
 convolutions' multiply-adds (forward and backward, three GEMMs each) times the steps it runs:
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 from itertools import product
 
 NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone splits nothing
-KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "repeat", "link")
+KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "repeat", "link")
+PARALLELS = ("model", "data")
 CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x
 
 
@@ -43,15 +47,18 @@ class Cell:
     split: str  # "auto" / "channels" / "kernels", or "-"
     backend: str
     repeat: int
+    parallel: str = "model"  # "model": the paper's split of the convolutions; "data": replicas, the batch split
 
     def key(self, link: str) -> tuple[str, ...]:
         """The cell's identity as the CSV's key columns hold it (all text), on the link ``link``."""
         return (self.arch, self.norm, str(self.batch), str(self.participants), self.fuse, self.split,
-                self.backend, str(self.repeat), link)  # fmt: skip
+                self.backend, self.parallel, str(self.repeat), link)  # fmt: skip
 
     def label(self) -> str:
         """A short name for lines and the progress bar."""
         how = "master alone" if self.participants == 1 else f"P{self.participants} fuse {self.fuse} split {self.split}"
+        if self.parallel == "data" and self.participants > 1:
+            how = f"P{self.participants} data-parallel"
         return f"{self.arch} {self.norm} batch {self.batch} {how} {self.backend} #{self.repeat}"
 
 
@@ -64,15 +71,17 @@ def cells(
     fuses: Sequence[str] = ("on",),
     splits: Sequence[str] = ("auto",),
     backends: Sequence[str] = ("numpy",),
+    parallels: Sequence[str] = ("model",),
 ) -> list[Cell]:
     """Every cell of the grid, in the order they run (see the module's docstring), without duplicates."""
     out: list[Cell] = []
     seen: set[Cell] = set()
     for repeat, batch in product(range(repeats), batches):
-        for p, fuse, split, backend, norm in product(participants, fuses, splits, backends, norms):
+        for p, parallel, fuse, split, backend, norm in product(participants, parallels, fuses, splits, backends, norms):
             for arch in archs:
-                how = (NOT_SPLIT, NOT_SPLIT) if p == 1 else (fuse, split)
-                cell = Cell(arch, norm, batch, p, *how, backend, repeat)
+                alone, data = p == 1, parallel == "data" and p > 1
+                how = (NOT_SPLIT, NOT_SPLIT) if alone or data else (fuse, split)
+                cell = Cell(arch, norm, batch, p, *how, backend, repeat, "model" if alone else parallel)
                 if cell not in seen:
                     seen.add(cell)
                     out.append(cell)

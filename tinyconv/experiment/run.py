@@ -10,6 +10,9 @@ machine's speed thus hits both sides of the speedup alike. The master alone (par
 runs its warm-up and timed steps, then one step timed layer by layer (:func:`solo_split`) to
 split it into conv and comp, as the paper's Fig. 6 does. ``benchmarks/bench_speedup.py``
 prints the same measurements for one configuration, in more detail.
+
+A data-parallel cell (``cell.parallel == "data"``, ``tinyconv/replica/``) alternates the same
+way, a solo step against one of the replicas (:func:`data_step`), which need no attaching.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tinyconv.experiment.grid import Cell
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network, paper_net, parse_arch
 from tinyconv.optim import SGD
+from tinyconv.replica.server import Replicas
 from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.rebalance import Rebalancer
 from transports.base import Transport, WorkerInfo
@@ -42,6 +46,18 @@ def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | N
     net.backend.synchronize()
     dt = time.perf_counter() - t
     split = cluster.last_step if cluster is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
+    return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
+
+
+def data_step(net: Network, opt: SGD, x: Any, y: np.ndarray, replicas: Replicas) -> dict[str, Any]:
+    """One data-parallel training step (the replicas' forward and backward, the master's SGD); its
+    time and split as :func:`one_step`'s."""
+    t = time.perf_counter()
+    replicas.train_batch(net, x, y)
+    opt.step()
+    net.backend.synchronize()
+    dt = time.perf_counter() - t
+    split = replicas.last_step
     return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
 
 
@@ -111,6 +127,8 @@ def run_cell(
         return _alone(net, opt, x, y, steps, warmup)
     if transport is None or len(workers) < cell.participants - 1:
         raise RuntimeError(f"{cell.label()} needs {cell.participants - 1} workers, the grid has {len(workers)}")
+    if cell.parallel == "data":
+        return _data_parallel(cell, net, opt, x, y, be, transport, workers, steps, warmup, settle)
     cluster = Cluster(transport, workers[: cell.participants - 1], be, master_share="auto",
                       rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD), recv_timeout=RECV_TIMEOUT_S,
                       fuse=cell.fuse == "on", split=cell.split)  # fmt: skip
@@ -121,6 +139,11 @@ def run_cell(
         solo, dist = alternate(net, opt, x, y, cluster, steps, settle)
     finally:
         cluster.close()  # the network's own layers back; the workers stay, for the next cell
+    return _row(solo, dist)
+
+
+def _row(solo: list[dict[str, Any]], dist: list[dict[str, Any]]) -> dict[str, Any]:
+    """The measured columns of a distributed cell from its alternated solo and distributed steps."""
     times = [r["time_s"] for r in dist]
     step_s, solo_s = statistics.median(times), med(solo, "time_s")
     last = dist[-1]
@@ -131,6 +154,27 @@ def run_cell(
         "solo_step_s": solo_s, "speedup": solo_s / step_s,
         "shares": shares_text(last["shares"]), "channel_shares": shares_text(last.get("channel_shares", {})),
     }  # fmt: skip
+
+
+def _data_parallel(
+    cell: Cell, net: Network, opt: SGD, x: Any, y: np.ndarray, be: Backend, transport: Transport,
+    workers: Sequence[WorkerInfo], steps: int, warmup: int, settle: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A data-parallel cell: replicas calibrated, warmed up, then solo and data-parallel steps alternated."""
+    replicas = Replicas(transport, workers[: cell.participants - 1], be, master_share="auto",
+                        rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD), recv_timeout=RECV_TIMEOUT_S)  # fmt: skip
+    replicas.calibrate(net, cell.batch)
+    for _ in range(warmup):
+        data_step(net, opt, x, y, replicas)
+    solo, dist = [], []
+    for _ in range(steps):
+        for _ in range(settle):
+            one_step(net, opt, x, y, None)
+        solo.append(one_step(net, opt, x, y, None))
+        for _ in range(settle):
+            data_step(net, opt, x, y, replicas)
+        dist.append(data_step(net, opt, x, y, replicas))
+    return _row(solo, dist)
 
 
 def _alone(net: Network, opt: SGD, x: Any, y: np.ndarray, steps: int, warmup: int) -> dict[str, Any]:

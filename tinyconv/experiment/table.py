@@ -34,8 +34,9 @@ COLUMNS: dict[str, type] = {
     "comm_s": float, "conv_s": float, "comp_s": float, "bytes_sent": int, "bytes_recv": int,
     "solo_step_s": float, "speedup": float, "shares": str, "link": str, "host": str, "timestamp": str,
     # extras
-    "warmup": int, "settle": int, "channel_shares": str, "workers": str,
+    "warmup": int, "settle": int, "channel_shares": str, "workers": str, "parallel": str,
 }  # fmt: skip
+OLDER = {"parallel": "model"}  # columns added since the first grids, and what a row written before them means
 SETTINGS = ("steps", "warmup", "settle", "transport")
 
 
@@ -66,6 +67,11 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
     reader = csv.DictReader(io.StringIO(text))
     if reader.fieldnames is None:
         return [], cut
+    older = [c for c in COLUMNS if c not in OLDER]
+    if list(reader.fieldnames) == older:  # written before the newer columns: their rows mean their defaults
+        rows = [typed({**r, **OLDER}) for r in reader]
+        _rewrite(path, rows)  # with every column, so that the rows this run appends fit its header
+        return rows, cut
     if list(reader.fieldnames) != list(COLUMNS):
         missing = [c for c in COLUMNS if c not in reader.fieldnames]
         raise GridFileError(
@@ -107,6 +113,16 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _rewrite(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Replace the CSV at ``path`` by ``rows`` under this grid's header, atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: _text(r[k]) for k in COLUMNS} for r in rows)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     """All ``rows`` as a JSON list, replacing the file atomically."""
     tmp = path.with_name(path.name + ".tmp")
@@ -138,14 +154,18 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _way(r: dict[str, Any]) -> tuple:
-    return (r["participants"], r["fuse"], r["split"], r["backend"], r["norm"])
+    return (r["participants"], r["fuse"], r["split"], r["backend"], r["norm"], r.get("parallel", "model"))
 
 
 def _header(col: tuple) -> str:
     if len(col) == 1:
         return f"{col[0]} participant{'s' if col[0] > 1 else ''}"
-    p, fuse, split, backend, norm = col
-    return f"1 (alone) {backend} {norm}" if p == 1 else f"{p} fuse {fuse} split {split} {backend} {norm}"
+    p, fuse, split, backend, norm, parallel = col
+    if p == 1:
+        return f"1 (alone) {backend} {norm}"
+    if parallel == "data":
+        return f"{p} data-parallel {backend} {norm}"
+    return f"{p} fuse {fuse} split {split} {backend} {norm}"
 
 
 def _median(xs: list[float]) -> float:
