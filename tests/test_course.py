@@ -1,0 +1,129 @@
+"""The course (course/): every lesson runs headless on tiny shapes, the graders pass the teacher's
+solutions and fail the generated student version, and the generator writes valid notebooks.
+
+The lessons run as a student would run them, ``python course/NN_name.py``, with ``COURSE_QUICK=1``
+(tiny shapes) and their charts written to a temporary folder; the graders run as a lecturer runs
+them, ``pytest course/ [--student-dir DIR]``, in a subprocess with a timeout."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COURSE = ROOT / "course"
+_spec = importlib.util.spec_from_file_location("course_build", COURSE / "build.py")
+build = sys.modules.setdefault("course_build", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(build)
+LESSONS = build.lessons(COURSE)
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    quick = {"COURSE_QUICK": "1", "COURSE_FIGURES": str(tmp_path / "figures")}
+    return {**os.environ, **quick, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def has_opencl() -> bool:
+    try:
+        from backends.opencl.device import select_device
+
+        select_device()
+        return True
+    except Exception:  # noqa: BLE001 -- no pyopencl, no platform, no device: all mean "no"
+        return False
+
+
+def test_there_are_eight_lessons_each_with_exercises():
+    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(1, 9)]
+    for path in LESSONS:
+        cells = build.parse_cells(path.read_text(), path.name)
+        assert cells[0].kind == "markdown" and cells[0].source.startswith("# Lesson"), path.name
+        assert any("exercise" in c.tags for c in cells), f"{path.name}: no exercise cell"
+        assert "## Exercises" in "\n".join(c.source for c in cells if c.kind == "markdown"), path.name
+        assert list(COURSE.glob(f"test_lesson{int(path.name[:2])}_*.py")), f"{path.name} has no grader"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_the_lesson_runs_headless_and_draws_its_charts(lesson, tmp_path):
+    if lesson.name.startswith("04") and not has_opencl():
+        pytest.skip("lesson 4 needs an OpenCL device (make setup installs PoCL)")
+    out = subprocess.run([sys.executable, str(lesson)], capture_output=True, text=True, timeout=120,
+                         env=env(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    charts = sorted((tmp_path / "figures").rglob("*.svg"))
+    assert charts, f"{lesson.name} drew no chart"
+    for chart in charts:
+        root = ET.fromstring(chart.read_text())  # well-formed SVG a browser can show
+        assert root.tag.endswith("svg") and len(root) > 3, chart.name
+
+
+def test_the_student_version_stubs_every_solution_and_the_notebooks_are_valid(tmp_path):
+    written = build.build(tmp_path)
+    assert len(written) == 3 * len(LESSONS)
+    for lesson in LESSONS:
+        teacher = lesson.read_text()
+        student = (tmp_path / "student" / lesson.name).read_text()
+        assert build.BEGIN not in student and build.END not in student
+        assert student.count("raise NotImplementedError(") == teacher.count(build.BEGIN) > 0
+        compile(student, lesson.name, "exec")
+        for version, text in (("teacher", teacher), ("student", student)):
+            nb = json.loads((tmp_path / version / lesson.with_suffix(".ipynb").name).read_text())
+            assert nb["nbformat"] == 4 and nb["metadata"]["kernelspec"]["name"] == "python3"
+            cells = build.parse_cells(text, lesson.name)
+            assert [c["cell_type"] for c in nb["cells"]] == [c.kind for c in cells]
+            for got, want in zip(nb["cells"], cells, strict=True):
+                assert "".join(got["source"]) == want.source
+                assert got["metadata"].get("tags", []) == want.tags
+                if got["cell_type"] == "code":
+                    assert got["outputs"] == [] and got["execution_count"] is None
+
+
+def test_the_generator_refuses_broken_markers():
+    with pytest.raises(build.LessonError, match="hint"):
+        build.student_text("    # BEGIN SOLUTION\n    x = 1\n    # END SOLUTION\n", "l.py")
+    with pytest.raises(build.LessonError, match="not closed"):
+        build.student_text("# BEGIN SOLUTION\n# TODO: x\nx = 1\n", "l.py")
+    with pytest.raises(build.LessonError, match="without"):
+        build.student_text("x = 1\n# END SOLUTION\n", "l.py")
+    teacher = "def f():\n    # BEGIN SOLUTION\n    # TODO: one\n    return 1\n    # END SOLUTION\n"
+    assert build.student_text(teacher) == 'def f():\n    # TODO: one\n    raise NotImplementedError("TODO: one")\n'
+
+
+def grade(tmp_path: Path, *args: str) -> dict[str, list[tuple[str, str]]]:
+    """Run the graders; {grader file: [(test name, outcome or failure message)]}, from pytest's JUnit XML."""
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", str(COURSE), "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={report}", *args], capture_output=True, text=True, timeout=180,
+                   env=env(tmp_path), cwd=ROOT)
+    results: dict[str, list[tuple[str, str]]] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        outcome = "skipped" if case.find("skipped") is not None else "passed"
+        if bad is not None:
+            outcome = (bad.get("message") or "") + (bad.text or "")
+        results.setdefault(case.get("classname", "").split(".")[-1], []).append((case.get("name"), outcome))
+    return results
+
+
+def test_the_graders_pass_the_solutions_and_fail_the_student_version(tmp_path):
+    teacher = grade(tmp_path / "teacher")
+    assert set(teacher) == {p.stem for p in COURSE.glob("test_lesson*.py")}
+    failed = [(f, n, o[:300]) for f, cases in teacher.items() for n, o in cases if o not in ("passed", "skipped")]
+    assert not failed, failed
+    build.build(tmp_path / "built")
+    student = grade(tmp_path / "student", "--student-dir", str(tmp_path / "built" / "student"))
+    opencl = has_opencl()
+    for grader, cases in student.items():
+        if grader.startswith("test_lesson4") and not opencl:
+            continue
+        stubbed = [o for _, o in cases if "NotImplementedError" in o]
+        assert stubbed, f"{grader}: no test failed on the stubs: {cases}"
+        assert all(o in ("passed", "skipped") or "NotImplementedError" in o for _, o in cases), (
+            f"{grader}: a test failed for another reason than a stub: {cases}")
