@@ -7,8 +7,8 @@
 #
 # 1. read the convolution's definition and its output size,
 # 2. watch tinyconv's reference compute one on a real image,
-# 3. see *im2col* turn it into one matrix product (GEMM), which is how tinyconv, Caffe and
-#    cuDNN's first algorithms run it,
+# 3. see *im2col* turn it into one matrix product (GEMM), which is how tinyconv and Caffe run it
+#    (cuDNN's GEMM algorithms lower it the same way, without building the whole matrix),
 # 4. and write all three yourself in the exercises at the end: the loops, im2col, the GEMM.
 #
 # Shapes are NCHW, float32: `x (N, C, H, W)`, weights `w (F, C, K, K)`, biases `b (F,)`.

@@ -9,10 +9,12 @@
 # header + raw float32 frames, never pickles), the worker computes its kernels and sends its maps
 # back. The paper splits each step's time three ways (its Fig. 6), and so does every metrics file:
 #
-# * **comm** — the master waiting on transfers: sending inputs and kernels, receiving maps;
-# * **conv** — the convolutions themselves, the slowest participant's compute;
-# * **comp** — everything else the master does alone: ReLU/LRN/pool (unless fused), the FC
-#   layer, the loss, the SGD update.
+# * **conv** — summed over the step's conv operations, the slowest participant's compute time
+#   (with the tails fused, its ReLU/LRN/pool too);
+# * **comm** — the rest of those operations' wall time: sending, waiting, receiving, stacking;
+# * **comp** — everything else: the other layers, the loss, the SGD update.
+#
+# (`docs/how-it-works.md`, "What a step costs".)
 
 # %% tags=["setup"]
 import json
