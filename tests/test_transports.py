@@ -18,37 +18,26 @@ import numpy as np
 import pytest
 import zmq
 from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, reap, spawn
+from transport_conformance import (
+    X,
+    check_bad_messages_fail_at_send,
+    check_echoes,
+    check_error_replies,
+    check_exact_arrays,
+    echo,
+)
 
 from tinyconv.plugins import available_transports, get_transport, load
-from transports import SESSION_KINDS, WIRE_VERSION, Message, ProtocolError, VersionMismatch
+from transports import WIRE_VERSION, Message, ProtocolError, VersionMismatch
 from transports.inproc import InprocTransport
 from transports.wire import decode, encode
 from transports.zmq_master import ZmqTransport
 from transports.zmq_worker import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, serve
 
 RNG = np.random.default_rng(3)
-X = RNG.standard_normal((2, 3, 8), dtype=np.float32)
 LOCAL = "tcp://127.0.0.1:0"
-
-
-def echo(task: int, x: np.ndarray = X, **extra) -> Message:
-    return Message("echo", {"task": task, **extra}, {"x": x})
-
-
-def check_echoes(transport, n: int) -> None:
-    """One echo to each of n workers, each with its own input and header; each reply answers its own."""
-    assert "echo" not in SESSION_KINDS and "echoed" not in SESSION_KINDS  # kinds the transport never heard of
-    headers = {k: {"task": 100 + k, "note": f"to {k}", "nested": {"list": [1, 2.5, None, True]}} for k in range(n)}
-    for k in range(n):
-        transport.send(k, Message("echo", headers[k], {"x": X + k}))
-    replies = {}
-    while len(replies) < n:
-        k, msg = transport.recv(TIMEOUT)
-        assert msg.kind == "echoed", msg.header
-        replies[k] = msg
-    for k, msg in replies.items():
-        assert msg.header == {"task": 100 + k, "seen": headers[k]}
-        np.testing.assert_array_equal(msg.arrays["y"], (X + k) * 2 + 1)
+# X, echo() and the check_* functions are in transport_conformance.py: what every transport must do,
+# run here on inproc and zmq and in test_mpi.py on mpi.
 
 
 # ---- registry and constructors --------------------------------------------------------------
@@ -119,16 +108,8 @@ def test_inproc_passes_the_very_same_arrays():
 def test_inproc_handler_exception_is_an_error_reply_and_worker_keeps_serving():
     with InprocTransport(lambda i: EchoHandler(), protocol=PROTOCOL) as t:
         t.start(1, timeout=TIMEOUT)
-        t.send(0, Message("fail", {"task": 41, "why": "flaky device"}))
-        _, reply = t.recv(TIMEOUT)
-        assert reply.kind == "error" and reply.header["task"] == 41
-        assert reply.header["message"] == "fail failed: RuntimeError: flaky device"
-        t.send(0, Message("bad_reply", {"task": 42}))
-        _, reply = t.recv(TIMEOUT)
-        assert reply.kind == "error" and reply.header["task"] == 42
-        assert "invalid reply" in reply.header["message"] and "numpy scalar" in reply.header["message"]
-        t.send(0, echo(43))
-        assert t.recv(TIMEOUT)[1].header["task"] == 43
+        check_error_replies(t)
+        check_exact_arrays(t)
 
 
 def test_inproc_refuses_a_worker_of_another_protocol():
@@ -153,18 +134,7 @@ def test_inproc_start_reports_a_factory_failure_and_bad_messages_fail_at_send():
     with InprocTransport(lambda i: EchoHandler(), protocol=PROTOCOL) as t:
         t.start(1, timeout=TIMEOUT)
         # what zmq could not send, inproc refuses too: numpy scalars, tuples, bad session headers, bad kinds
-        with pytest.raises(ProtocolError, match=r"header\['task'\] is not plain data: a numpy.int64"):
-            t.send(0, echo(np.int64(1)))
-        with pytest.raises(ProtocolError, match=r"header\['n'\] is not plain data: a numpy.float64"):
-            t.send(0, echo(1, n=np.float64(0.5)))  # a subclass of float, which msgpack would take
-        with pytest.raises(ProtocolError, match="a tuple"):
-            t.send(0, echo(1, span=(0, 2)))
-        with pytest.raises(ProtocolError, match="shutdown: header is missing 'reason'"):
-            t.send(0, Message("shutdown"))
-        with pytest.raises(ProtocolError, match="not a short identifier"):
-            t.send(0, Message("Echo"))
-        with pytest.raises(ValueError, match="no worker 5"):
-            t.send(5, echo(1))
+        check_bad_messages_fail_at_send(t)
         with pytest.raises(TimeoutError, match="no reply"):
             t.recv(0.05)
 
@@ -181,6 +151,9 @@ def test_zmq_echoes_with_worker_processes_and_clean_shutdown():
             assert all(w.backend == "echo" and w.address == "127.0.0.1" for w in infos)
             assert infos[0].device == {"name": "test device", "hellos": 1}
             check_echoes(t, 2)
+            check_exact_arrays(t, 1)
+            check_error_replies(t, 0)
+            check_bad_messages_fail_at_send(t)
             sent, received = t.traffic()[0]
             assert sent > X.nbytes and received > X.nbytes  # the input went out, the output came back
             t.close()
