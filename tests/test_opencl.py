@@ -363,6 +363,50 @@ def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, st
     assert dx[last] == 1.0 and dx.sum() == 1.0
 
 
+@pytest.mark.parametrize(
+    "shape, kernel, stride, pad",
+    [
+        ((1, 1, 7, 9), 3, 2, 1),  # one plane: the simple forward kernel alone
+        ((1, 2, 9, 7), 2, 2, 0),  # two planes: still the simple kernel
+        ((1, 3, 7, 9), 3, 2, 1),  # three: first and last plane simple, the middle one the fast kernel
+        ((2, 3, 8, 8), 3, 1, 1),  # kernel != stride, three windows overlap per axis
+        ((3, 1, 5, 6), 2, 1, 1),
+        ((1, 3, 12, 13), 4, 3, 2),
+        ((3, 2, 6, 9), 1, 2, 0),  # stride > kernel: columns no window holds get zero
+    ],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, shape, kernel, stride, pad, ties):
+    """Every plane of the forward (simple kernel at the first and last plane, fast one between)
+    and both backward kernels (per-element gather, per-row walk) on odd sizes, padding, ties and
+    NaN in edge windows: y exactly numpy's; with small-integer dy every sum is exact in any
+    order, so dx is exactly numpy's (routing and overlap sums); with normal dy the two backward
+    kernels add the same terms in the same order, bit for bit."""
+    x = rng.integers(0, 3, size=shape).astype(F32) if ties else normal(rng, *shape)
+    x[:, :, 0, 0] = np.nan  # the corner window (padding around it, when pad > 0) in every plane
+    x[-1, -1, -1, -2:] = np.nan  # the last plane's last row: two NaNs in its edge windows
+    x[0, shape[1] // 2, shape[2] // 2, -1] = np.nan  # the right edge of a middle plane
+    y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, pad)
+    y, cache = be.maxpool_forward(be.asarray(x), kernel, stride, pad)
+    got = be.to_numpy(y)
+    assert np.array_equal(got.view(np.int32), y_ref.view(np.int32))  # NaN payloads too
+
+    x_shape, arg, geometry, window = cache
+    n, c, h, w = x_shape
+    plain = rng.integers(-8, 9, size=y_ref.shape).astype(F32)  # sums of <= 9 of them: exact
+    for dy, exact in ((plain, REF.maxpool_backward(plain, cache_ref)), (normal(rng, *y_ref.shape), None)):
+        dx = {}
+        for name, dims in (("maxpool_backward", (w, h, n * c)), ("maxpool_backward_rows", n * c * h)):
+            out = be.rt.empty(x_shape)
+            be.rt.launch(name, dims, be.asarray(dy).data, arg.data, *geometry, out.data, defines=window)
+            dx[name] = be.to_numpy(out)
+        simple, rows = dx["maxpool_backward"], dx["maxpool_backward_rows"]
+        assert np.array_equal(rows.view(np.int32), simple.view(np.int32))
+        if exact is not None:
+            assert np.array_equal(simple, exact)
+    assert np.array_equal(be.to_numpy(be.maxpool_backward(be.asarray(dy), cache)).view(np.int32), rows.view(np.int32))
+
+
 def test_batchnorm_refuses_one_value_per_channel_in_training(be, rng):
     """N*H*W == 1 has no batch variance: training raises ValueError (as torch does) before the
     running statistics move; eval mode takes it; N*H*W == 2 trains, whichever axis holds the 2."""

@@ -211,7 +211,7 @@ class OpenCLBackend(Backend):
     # One work-item per output scans its window and keeps the first strict maximum in
     # row-major order -- the element numpy's separable max selects -- or its last NaN, as
     # torch does, and its position; backward is a gather over the windows that contain
-    # each input.
+    # each input (on CPUs, one work-item per input row: the same sums in the same order).
     def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
         x = self.rt.operand(x, "maxpool x")
         if x.ndim != 4:
@@ -248,7 +248,11 @@ class OpenCLBackend(Backend):
             raise ValueError(f"maxpool_backward: dy {dy.shape} does not match the forward output {arg.shape}")
         dx = self.rt.empty(x_shape)
         n, c, h, w = x_shape
-        self.rt.launch("maxpool_backward", (w, h, n * c), dy.data, arg.data, *geometry, dx.data, defines=window)
+        args = (dy.data, arg.data, *geometry, dx.data)
+        if self.rt.limits.kind == "cpu":  # optimisation (see ops.cl): a work-item walks an input row
+            self.rt.launch("maxpool_backward_rows", n * c * h, *args, defines=window)
+        else:
+            self.rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
         return dx
 
     # ---- dense ---------------------------------------------------------------------------
