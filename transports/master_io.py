@@ -308,19 +308,20 @@ class MasterIO:
 
     def _admit(self, identity: bytes, msg: Message, peer: str) -> None:
         h = msg.header
+        # The book stays locked from the welcome's send to the worker's entry in it, so that a
+        # worker holding its welcome is already in joined() (the send does not block).
         with self.book.cond:
-            k = len(self.book.ids)  # only this thread appends, so k stays the next index
-        welcome = wire.encode(Message("welcome", {"index": k, "heartbeat_s": self.heartbeat_s}))
-        try:
-            self.sock.send_multipart([identity, *welcome], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # it said hello, then left: not a worker
-            log.info("a worker at %s left before its welcome (%s); not counting it", peer or "?", e)
-            return
-        now = time.monotonic()
-        info = WorkerInfo(k, h["backend"], h["device"], address=peer, hostname=h["hostname"], pid=h["pid"])
-        self._workers[identity] = k
-        self._heard[k] = self._said[k] = now
-        with self.book.cond:
+            k = len(self.book.ids)
+            welcome = wire.encode(Message("welcome", {"index": k, "heartbeat_s": self.heartbeat_s}))
+            try:
+                self.sock.send_multipart([identity, *welcome], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # it said hello, then left: not a worker
+                log.info("a worker at %s left before its welcome (%s); not counting it", peer or "?", e)
+                return
+            now = time.monotonic()
+            info = WorkerInfo(k, h["backend"], h["device"], address=peer, hostname=h["hostname"], pid=h["pid"])
+            self._workers[identity] = k
+            self._heard[k] = self._said[k] = now
             self.book.ids.append(identity)
             self.book.traffic.append([wire.frames_nbytes(welcome), 0])
             self.book.fresh.append(info)
