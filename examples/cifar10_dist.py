@@ -59,6 +59,8 @@ from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
+from tinyconv.worker.handler import Worker  # noqa: E402
+from transports.mpi_worker import rank_and_size, serve_if_worker  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "equal")
 ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)
@@ -203,7 +205,10 @@ def _workers(p: argparse.ArgumentParser) -> None:
         help=f"how the master reaches its workers: {', '.join(available_transports())} (default %(default)s)",
     )
     g.add_argument(
-        "--workers", type=count(0), default=2, help="workers (default %(default)s; 0: the master alone, the baseline)"
+        "--workers",
+        type=count(0),
+        help="workers (default 2; under --transport mpi, the other ranks mpiexec started; 0: the master alone, "
+        "the baseline)",
     )
     g.add_argument("--worker-backend", help="the workers' backend, may differ from the master's (default: --backend)")
     g.add_argument("--worker-device", help="the workers' OpenCL device (default: their own first GPU/device)")
@@ -375,6 +380,7 @@ def _output(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | None]:
     """Everything that can be refused before data, workers or training: -> (kernels, the checkpoint to resume)."""
     apply_preset(args)
+    check_workers(args)
     check_plan(args)
     kernels = architecture(args)
     check_memory(args, *kernels)
@@ -384,6 +390,31 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
     if (args.checkpoint_every or args.checkpoint_minutes) and not args.checkpoint:
         raise UsageError("--checkpoint-every and --checkpoint-minutes need --checkpoint FILE to save to")
     return kernels, check_resume(args, *kernels)
+
+
+def check_workers(args: argparse.Namespace) -> None:
+    """--workers: 2 by default; under mpi, the ranks beside this one (``mpiexec -n N``: N - 1)."""
+    if args.transport != "mpi":
+        args.workers = 2 if args.workers is None else args.workers
+        return
+    size = rank_and_size()[1]
+    if args.workers is None:
+        args.workers = size - 1
+    elif args.workers != size - 1:
+        raise UsageError(
+            f"--workers {args.workers} under mpi needs mpiexec -n {args.workers + 1}, not -n {size}: "
+            "the workers are the ranks beside the master (leave --workers out to use them all)"
+        )
+    if args.external_workers:
+        raise UsageError("--external-workers is for zmq: under mpi the workers are the ranks mpiexec started")
+
+
+def serve_mpi_rank(args: argparse.Namespace) -> int | None:
+    """mpiexec runs this script on every rank: rank 0 is the master (None); any other serves it, with
+    the workers' backend, and its exit code ends this process here."""
+    device = {"device": args.worker_device} if args.worker_device else {}
+    make = lambda: Worker(tc.get_backend(args.worker_backend or args.backend, **device))  # noqa: E731
+    return serve_if_worker(make, peer_timeout_s=args.peer_timeout)
 
 
 def apply_preset(args: argparse.Namespace) -> None:
@@ -704,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
         keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
+        if args.transport == "mpi" and (code := serve_mpi_rank(args)) is not None:
+            return code
         backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
         data = load_data(args)
         print(plan_line(args, kernels, len(data.x_train)), flush=True)

@@ -32,6 +32,7 @@ BUILTIN = {
     "transport": {
         "inproc": "transports.inproc:InprocTransport",
         "zmq": "transports.zmq_master:ZmqTransport",
+        "mpi": "transports.mpi_master:MpiTransport",
     },
 }
 

@@ -127,6 +127,7 @@ def worker_pool(
     """Yield (transport, the workers' hellos) for ``n_workers`` >= 1 workers.
 
     transport "inproc": ``n_workers`` threads, each with its own ``worker_backend``.
+    "mpi": the ranks 1..n_workers that ``mpiexec`` started beside this one (rank 0).
     Any other (zmq, or one registered by another package): the master binds ``bind``
     (default: a free loopback port for local workers, ``tcp://*:5555`` with ``external``);
     without ``external`` it starts ``n_workers`` worker processes here, with ``external`` it
@@ -148,6 +149,10 @@ def worker_pool(
         device = {"device": worker_device} if worker_device else {}
         factory = lambda i: Worker(get_backend(worker_backend, **device))  # noqa: E731
         pool = get_transport("inproc", handler_factory=factory, protocol=VERSION)
+    elif transport == "mpi":  # the workers are the other ranks mpiexec started (transports/mpi_worker.py)
+        if external:
+            raise ValueError("--external-workers is for zmq: under mpi the workers are the ranks mpiexec started")
+        pool = get_transport("mpi", peer_timeout_s=peer_timeout, protocol=VERSION, max_message_bytes=max_message_bytes)
     else:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
@@ -156,11 +161,11 @@ def worker_pool(
     procs: list[subprocess.Popen] = []
     command = ""  # how a worker joins this master, for the messages
     try:
-        if transport != "inproc":
+        if transport not in ("inproc", "mpi"):
             command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external)
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
-        elif transport != "inproc":
+        elif transport not in ("inproc", "mpi"):
             extra = _local_worker_args(worker_device, peer_timeout, keys)
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
             procs = spawn_local_workers(
