@@ -3,8 +3,9 @@
 
     python examples/cifar10_dist.py --transport zmq --backend opencl        # the main job
     python examples/cifar10_dist.py --preset quick --epochs 3               # a preset, one option changed
-    python examples/cifar10_dist.py --dataset synthetic --steps 50          # a 30-second smoke run
+    python examples/cifar10_dist.py --dataset synthetic --steps 50          # a smoke run: a minute or two
     python examples/cifar10_dist.py --workers 0                             # the master alone
+    mpiexec -n 3 python examples/cifar10_dist.py --transport mpi            # rank 0 the master, ranks 1-2 its workers
     python examples/cifar10_dist.py --checkpoint run.npz --checkpoint-every 200    # then, after a stop:
     python examples/cifar10_dist.py --checkpoint run.npz --resume run.npz          # bit-identical
     python examples/cifar10_dist.py --plan equal --seed 1                   # the same losses on every run
