@@ -189,3 +189,12 @@ def test_the_summary_puts_the_papers_value_beside_ours() -> None:
                    {**base, "arch": "300:1000", "participants": 2, "speedup": 1.6},
                    {**base, "arch": "4:8", "participants": 2, "speedup": 0.5}])  # fmt: skip
     assert "1.70x" in got and "1.69x" in got and "not known" in got and "2 participants" in got
+
+
+def test_the_summary_reads_by_batch_then_network_size_whatever_order_the_cells_ran() -> None:
+    base = {"norm": "lrn", "backend": "numpy", "fuse": "on", "split": "auto", "participants": 2, "speedup": 1.5}
+    ran = [("500:1500", 64), ("50:500", 256), ("300:1000", 64), ("50:500", 128), ("50:500", 64)]
+    got = summary([{**base, "arch": a, "batch": b} for a, b in ran])
+    lines = [line for line in got.splitlines() if line.startswith("| ") and "x" in line.split("|")[3]]
+    cells = [tuple(c.strip() for c in line.split("|")[1:3]) for line in lines]
+    assert cells == [("50:500", "64"), ("300:1000", "64"), ("500:1500", "64"), ("50:500", "128"), ("50:500", "256")]

@@ -142,7 +142,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     many = len({w[1:] for w in ways if w[0] > 1}) > 1 or len({w[3:] for w in ways}) > 1
     columns = sorted(ways) if many else sorted({(w[0],) for w in ways})
     cell_rows = []
-    for arch, batch in dict.fromkeys((r["arch"], r["batch"]) for r in rows):
+    for arch, batch in sorted(dict.fromkeys((r["arch"], r["batch"]) for r in rows), key=_by_batch_then_size):
         speeds = []
         for col in columns:
             got = [r["speedup"] for r in rows if (r["arch"], r["batch"], *_way(r)[: len(col)]) == (arch, batch, *col)]
@@ -151,6 +151,13 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
         cell_rows.append((arch, batch, *speeds, f"{paper:.2f}x" if paper else "not known"))
     headers = ("arch", "batch", *(_header(c) for c in columns), "paper, 2 CPUs")
     return format_table(headers, cell_rows, title="speedup (median over repeats) against the master alone")
+
+
+def _by_batch_then_size(cell: tuple[str, int]) -> tuple:
+    """Cells in reading order, whatever order a resumed grid ran them in: by batch, then by kernels."""
+    arch, batch = cell
+    kernels = tuple(int(k) if k.isdigit() else 0 for k in str(arch).split(":"))
+    return batch, kernels, str(arch)
 
 
 def _way(r: dict[str, Any]) -> tuple:
