@@ -14,40 +14,17 @@
 # Shapes are NCHW, float32: `x (N, C, H, W)`, weights `w (F, C, K, K)`, biases `b (F,)`.
 
 # %% tags=["setup"]
-import os
 import time
-from pathlib import Path
 
 import numpy as np
+from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
 import tinyconv as tc
 from backends.numpy_backend import im2col
 
-QUICK = os.environ.get("COURSE_QUICK") == "1"  # tiny shapes: CI, or a first run-through
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
-
 # %%
 from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
 from tinyconv.plot.svg import colors  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
 
 
 def heatmaps(maps: list[np.ndarray], titles: list[str], cell: int = 8) -> str:

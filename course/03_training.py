@@ -20,39 +20,17 @@
 
 # %% tags=["setup"]
 import json
-import os
 import statistics
 from pathlib import Path
 
-import tinyconv as tc
+from charts import FIGURES, QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
-QUICK = os.environ.get("COURSE_QUICK") == "1"
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
+import tinyconv as tc
 
 # %%
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.plot.bars import Bar, Group, stacked_bars  # noqa: E402
 from tinyconv.plot.runs import plot_runs  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
-
 
 # %% [markdown]
 # ## 1. The network and the data

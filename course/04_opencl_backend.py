@@ -11,44 +11,20 @@
 # conformance suite, repeat.** Here the op is the ReLU, and the device is OpenCL.
 
 # %% tags=["setup"]
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
+from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
 from backends.numpy_backend import NumpyBackend
 from backends.opencl.device import select_device
-
-QUICK = os.environ.get("COURSE_QUICK") == "1"
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
 
 # %%
 from tinyconv.conformance import CASES  # noqa: E402
 from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
 from tinyconv.plot.svg import colors  # noqa: E402
 from tinyconv.testing import format_table, run_case  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
-
 
 # %% [markdown]
 # ## 1. The contract, and the suite that holds a backend to it

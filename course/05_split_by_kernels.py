@@ -18,7 +18,6 @@
 import math
 import os
 from fractions import Fraction
-from pathlib import Path
 
 # One BLAS thread per participant: the participants already run side by side, and each one's BLAS
 # starting a thread per core on top oversubscribes the cores (lesson 5 ran 35 s instead of 5 s so).
@@ -27,13 +26,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
 import tinyconv as tc  # noqa: E402
 
-QUICK = os.environ.get("COURSE_QUICK") == "1"
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
 be = tc.get_backend("numpy")
 
 # %%
@@ -42,24 +38,6 @@ from tinyconv.plot.svg import colors  # noqa: E402
 from tinyconv.shard.balance import kernel_counts, speed_weights  # noqa: E402
 from tinyconv.shard.protocol import VERSION  # noqa: E402
 from tinyconv.worker.handler import Worker  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
-
 
 # %% [markdown]
 # ## 1. Why the split is exact

@@ -20,7 +20,6 @@
 import json
 import os
 import statistics
-from pathlib import Path
 
 # One BLAS thread per process: the master and its local workers already share the cores, and each
 # one's BLAS starting a thread per core on top oversubscribes them. The workers inherit this. It
@@ -28,34 +27,13 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import tinyconv as tc  # noqa: E402
+from charts import FIGURES, QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
-QUICK = os.environ.get("COURSE_QUICK") == "1"
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
+import tinyconv as tc  # noqa: E402
 
 # %%
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.plot.bars import Bar, Group, stacked_bars  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
-
 
 # %% [markdown]
 # ## 1. Workers on this machine

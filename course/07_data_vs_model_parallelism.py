@@ -27,41 +27,18 @@
 # to measure them.
 
 # %% tags=["setup"]
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import tinyconv as tc
-from tinyconv.comm import ConvShape
+from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
-QUICK = os.environ.get("COURSE_QUICK") == "1"
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
+import tinyconv as tc
 
 # %%
-from tinyconv.comm import conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
+from tinyconv.comm import ConvShape, conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
 from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
 from tinyconv.plot.svg import colors  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
-
 
 root = Path(tc.__file__).resolve().parent.parent
 example = root / "examples" / "cifar10_dist.py"

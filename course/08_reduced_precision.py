@@ -20,39 +20,15 @@
 # precision. float16 keeps more precision but overflows past 65504 and loses tiny values.
 
 # %% tags=["setup"]
-import os
-from pathlib import Path
 
 import numpy as np
+from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
 import tinyconv as tc
-
-QUICK = os.environ.get("COURSE_QUICK") == "1"
-# charts go to $COURSE_FIGURES, else course/_build/figures from the repository's root (gitignored), else ./figures
-FIGURES = Path(os.environ.get("COURSE_FIGURES") or ("course/_build/figures" if Path("course/build.py").is_file()
-                                                    else "figures"))
 
 # %%
 from tinyconv.comm import conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
 from tinyconv.plot.bars import Bar, Group, stacked_bars  # noqa: E402
-
-
-def show(svg: str, name: str) -> Path:
-    """Write an SVG chart to FIGURES and, in a notebook, draw it."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    path.write_text(svg)
-    try:
-        from IPython import get_ipython
-        from IPython.display import SVG, display
-
-        if get_ipython() is not None:
-            display(SVG(svg))
-    except ImportError:
-        pass
-    print(f"chart: {path}")
-    return path
-
 
 # %% [markdown]
 # ## Exercises first (the lesson's charts use them)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,9 @@ def build(out: Path, source: Path = HERE) -> list[Path]:
             nb = folder / path.with_suffix(".ipynb").name
             nb.write_text(json.dumps(notebook(parse_cells(body, path.name)), indent=1) + "\n")
             written.append(nb)
+    for version in ("teacher", "student"):  # what every lesson imports, beside it
+        written.append(out / version / "charts.py")
+        shutil.copyfile(source / "charts.py", written[-1])
     return written
 
 
