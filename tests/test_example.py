@@ -392,3 +392,25 @@ def test_a_run_that_fails_before_its_first_step_leaves_the_metrics_file_alone(ma
     assert main(*SMOKE, "--steps", "5", "--resume", str(ck), *broken) == 2
     assert "unknown backend 'nosuch'" in capsys.readouterr().err
     assert m.read_bytes() == before
+
+
+def test_local_workers_default_to_one_per_spare_core_and_external_ones_to_two(example, monkeypatch):
+    parse = example.build_parser().parse_args
+    monkeypatch.setattr(example.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    args = parse([])
+    example.check_workers(args)
+    assert args.workers == 1  # a second local worker on 2 cores only waits for the first
+    monkeypatch.setattr(example.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    args = parse([])
+    example.check_workers(args)
+    assert args.workers == 1  # at least one: the default run is distributed
+    monkeypatch.setattr(example.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    args = parse([])
+    example.check_workers(args)
+    assert args.workers == 7
+    args = parse(["--transport", "zmq", "--external-workers"])
+    example.check_workers(args)
+    assert args.workers == 2
+    args = parse(["--workers", "3"])
+    example.check_workers(args)
+    assert args.workers == 3

@@ -82,7 +82,7 @@ def test_the_expectation_in_words():
 def test_the_startup_line_for_a_full_run_and_a_steps_run(example):
     args = parsed(example, "--preset", "quick")
     assert example.plan_line(args, (48, 96), 50_000) == (
-        "preset quick: 48:96 network with batch norm, 5 epochs (1,950 steps of batch 128, the first 97 a warm-up), "
+        "preset quick: 48:96 network with batch norm, 7 epochs (2,730 steps of batch 128, the first 136 a warm-up), "
         "lr 0.02 cosine; expected accuracy and time: not measured yet"
     )
     args = parsed(example, "--steps", "400")
