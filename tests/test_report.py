@@ -60,3 +60,18 @@ def test_time_per_epoch_is_projected_for_a_run_shorter_than_one():
 def test_a_summary_without_names_keeps_its_lists():
     table = summary_table({"final_shares": {"conv1": [1, 2]}})  # an older summary: no participants
     assert "conv1: [1, 2]" in table
+
+
+def test_data_parallel_image_shares_are_said_in_images():
+    slow = {**_split([0], [0]), "shares": {"batch": [40, 24, 0]}, "channel_shares": {}}
+    few = {**_split([0], [0]), "shares": {"batch": [1, 1, 0]}, "channel_shares": {}}
+    busy = {**_split([0], [0]), "shares": {"batch": [40, 20, 4]}, "channel_shares": {}}
+    summary = summarize(_history(False), [0.7] * 4, [slow] * 3 + [busy], epoch=0, step=4, distributed=True)
+    table = summary_table(summary)
+    assert "worker1 sat out the batch in 3 of 4 steps: too slow for one image's worth" in table
+    assert "whole slice" in table and "kernel" not in table.split("sat out")[1]
+    (sat,) = sat_out([few])
+    assert sat["reason"] == "too few kernels"  # the record's reason names the case; the sentence, the unit
+    assert "the batch has 2 images for 3 participants" in summary_table(
+        summarize(_history(False), [0.7], [few], epoch=0, step=1, distributed=True)
+    )

@@ -59,11 +59,13 @@ def sentence(sat: dict[str, Any]) -> str:
     """One entry of the summary's ``sat_out`` in words: who, which layer, how often, why."""
     who, layer, steps, of = sat["participant"], sat["layer"], sat["steps"], sat["of"]
     when = "in every step" if steps == of else f"in {steps} of {of} steps"
+    # data parallelism shares out a batch's images (the unit "batch"), model parallelism a layer's kernels
+    unit, whole, part = ("image", "the batch", "slice") if layer == "batch" else ("kernel", layer, "layer")
     if sat["reason"] == "too few kernels":
-        why = f"{layer} has {sat['kernels']} kernels for {sat['participants']} participants"
+        why = f"{whole} has {sat['kernels']} {unit}s for {sat['participants']} participants"
     else:
-        why = "too slow for one kernel's worth (its one kernel outlasted the others' whole layer)"
-    return f"{who} sat out {layer} {when}: {why}"
+        why = f"too slow for one {unit}'s worth (its one {unit} outlasted the others' whole {part})"
+    return f"{who} sat out {whole} {when}: {why}"
 
 
 def _readable(key: str, value: Any, names: Sequence[str] | None = None) -> Any:
