@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
+from itertools import product
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,31 @@ def test_grid_breakdown_stacks_every_configuration_the_master_alone_too(tmp_path
     assert [t.text for t in texts(groups[0], "x")] == ["alone", "2"]
     tips = [r.find(SVG + "title").text for r in groups[-1].iter(SVG + "rect")]
     assert any(t.startswith("500:1500, batch 256, 2 participants: comm") for t in tips)
+
+
+def test_grid_puts_data_parallel_rows_beside_model_parallel_ones(tmp_path):
+    rows = []
+    configs = (("model", "-", "-", 1, 1.0), ("model", "on", "auto", 2, 0.6), ("data", "-", "-", 2, 0.5))
+    for batch, (parallel, fuse, split, p, step) in product((64, 256), configs):
+        rows.append(dict(arch="50:500", norm="lrn", batch=batch, participants=p, fuse=fuse, split=split,
+                         parallel=parallel,
+                         backend="numpy", transport="zmq", repeat=0, steps=4, step_s=step, step_s_min=step,
+                         step_s_max=step, comm_s=0.1 * (p - 1), conv_s=0.7 * step, comp_s=0.2 * step, bytes_sent=0,
+                         bytes_recv=0, solo_step_s=1.0, speedup=1.0 / step, shares="{}", link="", host="vm",
+                         timestamp="t"))  # fmt: skip
+    _write_csv(tmp_path / "grid.csv", list(dict.fromkeys(GRID_COLUMNS + ["parallel"])), rows)
+    plot_files([tmp_path / "grid.csv"], tmp_path / "out")
+    root = check_readable(tmp_path / "out" / "grid-speedup.svg")
+    assert [g.get("data-name") for g in series(root)] == [
+        "50:500 on 2 participants, parallel data",  # its fuse and split do not apply, so they are not said
+        "50:500 on 2 participants, parallel model, fuse on, split auto",
+    ]
+    root = check_readable(tmp_path / "out" / "grid-breakdown.svg")
+    groups = [g for g in root.iter(SVG + "g") if g.get("class") == "group"]
+    assert [g.get("data-label") for g in groups] == [
+        f"50:500 batch {b} parallel {how}" for b in (64, 256) for how in ("data", "model, fuse on, split auto")
+    ]
+    assert all([t.text for t in texts(g, "x")] == ["alone", "2"] for g in groups)  # the master alone opens each
 
 
 def test_simulated_speedup_against_nodes(tmp_path):

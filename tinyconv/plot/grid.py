@@ -20,7 +20,9 @@ from tinyconv.plot.runs import PARTS
 from tinyconv.plot.svg import colors
 from tinyconv.plot.tables import describe, median, number, varying
 
-SETTINGS = ("norm", "fuse", "split", "backend", "transport", "link")  # may differ between rows of one grid
+SETTINGS = ("parallel", "norm", "fuse", "split", "backend", "transport", "link")  # may differ between rows of one grid
+# how the participants share a step: the master alone's row has none of them (it says "-", or "model")
+SHARING = ("parallel", "fuse", "split")
 IDEAL_GREYS = ("#555555", "#888888", "#aaaaaa", "#bbbbbb")
 
 
@@ -63,7 +65,9 @@ def speedup_chart(rows: Sequence[dict[str, Any]]) -> str:
     palette = colors(len(lines))
     series = []
     for (arch, p, *rest), color in zip(lines, palette, strict=True):
-        extra = f", {describe(dict(zip(settings, rest, strict=True)), settings)}" if settings else ""
+        config = dict(zip(settings, rest, strict=True))
+        shown = [k for k in settings if config[k] not in (None, "-")]  # a data row's fuse/split do not apply
+        extra = f", {describe(config, shown)}" if shown else ""
         series.append(Series(f"{arch} on {p} participants{extra}", lines[(arch, p, *rest)], color, markers=True))
     batches = sorted({x for pts in lines.values() for x, _ in pts}) or [64.0]
     series += _paper(lines, palette, batches)
@@ -114,18 +118,32 @@ def _paper(lines: dict[tuple, list], palette: list[str], batches: list[float]) -
 
 def breakdown_chart(rows: Sequence[dict[str, Any]]) -> str:
     """comm / conv / comp per configuration, stacked: a group per (arch, batch[, settings]), a bar per
-    participant count (1 = the master alone)."""
+    participant count (1 = the master alone). The master alone shares nothing, so its bar opens every
+    group of its arch, batch and other settings, whatever the group's --parallel, --fuse or --split."""
     settings = varying(rows, SETTINGS)
+    others = [k for k in settings if k not in SHARING]
+    alone: dict[tuple, Bar] = {}
     groups: dict[tuple, list[Bar]] = {}
     for (arch, batch, *rest, p), repeats in _cells(rows, ("arch", "batch", *settings, "participants")).items():
         parts = {k: median(number(r, k) for r in repeats) or 0.0 for k, _, _ in PARTS}
-        label = "alone" if p == 1 else str(p)
-        tip = f"{arch}, batch {batch}, {'the master alone' if p == 1 else f'{p} participants'}"
-        groups.setdefault((arch, batch, *rest), []).append(Bar(label, parts, tip))
-    labelled = []
+        config = dict(zip(settings, rest, strict=True))
+        if p == 1:
+            tip = f"{arch}, batch {batch}, the master alone"
+            alone[(arch, batch, *(config[k] for k in others))] = Bar("alone", parts, tip)
+            continue
+        tip = f"{arch}, batch {batch}, {p} participants"
+        groups.setdefault((arch, batch, *rest), []).append(Bar(str(p), parts, tip))
+    labelled, shared = [], set()
     for (arch, batch, *rest), bars in groups.items():
-        extra = f" {describe(dict(zip(settings, rest, strict=True)), settings)}" if settings else ""
-        labelled.append(Group(f"{arch} batch {batch}{extra}", bars))
+        config = dict(zip(settings, rest, strict=True))
+        solo = alone.get(where := (arch, batch, *(config[k] for k in others)))
+        shared.add(where)
+        shown = [k for k in settings if config[k] not in (None, "-")]  # a data row's fuse/split do not apply
+        extra = f" {describe(config, shown)}" if shown else ""
+        labelled.append(Group(f"{arch} batch {batch}{extra}", ([solo] if solo else []) + bars))
+    for key, solo in alone.items():  # the master alone with no participants' rows beside it
+        if key not in shared:
+            labelled.append(Group(f"{key[0]} batch {key[1]}", [solo]))
     return stacked_bars(
         "Where a step's time goes: comm / conv / comp (median of the repeats); a bar per participant "
         "count, alone = the master alone",
