@@ -63,11 +63,14 @@ MAX_RANK = 6
 MAX_ARRAYS = 16
 
 # dtype name on the wire -> the exact numpy dtype (little-endian, as on every machine we target)
+# (float16 and uint16 carry the narrowed words of --wire-precision: fp16, and bf16's top 2 bytes of a float32)
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<f4"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
     "uint8": np.dtype("u1"),
+    "float16": np.dtype("<f2"),
+    "uint16": np.dtype("<u2"),
 }
 
 # Bounds for msgpack itself, so a hostile header cannot make the parser allocate much.
