@@ -34,6 +34,7 @@ from typing import Any
 from tinyconv.comm import conv_shapes
 from tinyconv.model import Network
 from tinyconv.plugins import get_backend, get_transport
+from tinyconv.shard.adaptive_precision import policy
 from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.protocol import VERSION, message_cap_bytes
 from tinyconv.worker.handler import Worker
@@ -67,6 +68,7 @@ def distribute(
     image_size: int = 32,
     calibrate: bool = True,
     announce: Callable[[str], None] = print,
+    wire_precision: str = "fp32",
     **options: Any,
 ) -> Cluster:
     """Start ``workers`` workers over ``transport`` ("inproc" threads, or "zmq" processes -- with
@@ -78,9 +80,12 @@ def distribute(
     the largest batch the network will be given (evaluation's, say; default ``batch_size``): a
     bigger one is refused as oversized, and the worker that sent it is lost.
     ``peer_timeout``, ``key``, ``authorized_keys``, ``insecure``: see :func:`worker_pool`.
+    ``wire_precision``: the words the shards travel in, "fp32" (default), "bf16", "fp16", "adt24" or
+    "adaptive" (``tinyconv/shard/adaptive_precision.py``); the arithmetic stays float32.
     ``options`` go to :class:`Cluster` (master_share, split, fuse, rebalance, rebalancer,
     recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
     """
+    policy(wire_precision)  # a bad setting is refused before any worker starts
     stack = ExitStack()
     cap = message_cap(net, max(batch_size, largest_batch or 0), image_size)  # checked before arrays are built
     try:
@@ -90,7 +95,7 @@ def distribute(
             peer_timeout=peer_timeout, key=key, authorized_keys=authorized_keys, insecure=insecure,
             max_message_bytes=cap, announce=announce,
         ))
-        cluster = Cluster(pool, infos, net.backend, **options)
+        cluster = Cluster(pool, infos, net.backend, wire_precision=wire_precision, **options)
         cluster.on_close = stack.close
         if calibrate:
             cluster.calibrate(net, batch_size, image_size)

@@ -29,6 +29,7 @@ class OpStats:
     compute_s: list[float]  # per participant (0 for those without kernels)
     sent: list[int]  # array bytes to each participant (0 for the master)
     recv: list[int]  # and from it
+    fallbacks: int = 0  # arrays that went in float32 as their narrower wire format would have overflowed
 
     def moved(self, name: str) -> int:
         """Array bytes to and from participant ``name``."""
@@ -82,7 +83,8 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
     """The step's accounting, from its layers in the order their backwards finished::
 
         {"comm_s": float, "conv_s": float,            # summed over the step's ops
-         "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers
+         "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers, as they travelled
+         "wire_fallbacks": int,                       # arrays sent in float32: narrowed, they would overflow
          "participant_bytes_sent": [int, ...], "participant_bytes_recv": [int, ...],  # the same, each
          "shares": {"conv1": [kernels per participant], ...},
          "channel_shares": {"conv2": [input channels per participant]},  # layers split by them
@@ -110,6 +112,7 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
         "conv_s": sum(op.conv_s for op in ops),
         "bytes_sent": sum(sum(op.sent) for op in ops),
         "bytes_recv": sum(sum(op.recv) for op in ops),
+        "wire_fallbacks": sum(op.fallbacks for op in ops),
         "participant_bytes_sent": each("sent"),
         "participant_bytes_recv": each("recv"),
         "shares": {d.name: shares(d, d.counts) for d in reversed(layers)},

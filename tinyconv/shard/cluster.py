@@ -33,6 +33,7 @@ from backends.base import Backend
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
 from tinyconv.shard.accounting import LayerStep, step_record
+from tinyconv.shard.adaptive_precision import formats_of, policy
 from tinyconv.shard.balance import kernel_counts, speed_weights
 from tinyconv.shard.block import tail_of
 from tinyconv.shard.calibrate import time_everyone
@@ -63,6 +64,9 @@ class Cluster:
     ``rebalance``: follow the measured times, compute and transfers (``rebalancer`` to tune it).
     ``recv_timeout``: seconds every worker has to answer one op or its calibration at most, and
     before its link is measured (:meth:`timeout`).
+    ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
+    "bf16", "fp16", "adt24" for every array, or "adaptive" (AWP: each layer's weights widen as they
+    settle, the maps and gradients in bf16). Every computation stays float32.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class Cluster:
         rebalancer: Rebalancer | None = None,
         recv_timeout: float = 120.0,
         calibration_repeats: int = 3,
+        wire_precision: str = "fp32",
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -89,6 +94,9 @@ class Cluster:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not (isinstance(calibration_repeats, int) and calibration_repeats >= 1):
             raise ValueError(f"calibration_repeats must be an int >= 1, got {calibration_repeats!r}")
+        self.wire = policy(wire_precision)  # raises ValueError naming the settings
+        self.wire_precision = wire_precision
+        self._roles: dict[str, dict[str, str]] = {}  # layer -> the formats of its arrays this step
         self.transport, self.backend, self.workers = transport, backend, sorted(workers, key=lambda w: w.index)
         self.rpc = Rpc(transport, self.workers, recv_timeout)
         self.seats: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
@@ -285,6 +293,11 @@ class Cluster:
         return min(self.recv_timeout, max(10.0, 10 * op_s * max(1.0, batch / calibrated)))
 
     # ---- steps ------------------------------------------------------------------------------
+    def wire_formats(self, block: ShardedBlock) -> dict[str, str]:
+        """Array name -> wire format for ``block``'s ops this step (fixed within a step)."""
+        roles = self._roles.setdefault(block.name, self.wire.roles(block.name))
+        return {} if self.wire_precision == "fp32" else formats_of(roles)  # fp32: the messages as they always were
+
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:
         """``block``'s backward is done; with the first block's, the step is."""
         self._done.append(done)
@@ -295,8 +308,13 @@ class Cluster:
             return
         record = step_record(self._done, self.participants)
         record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
-        self._done = []
+        if self.wire_precision != "fp32":  # what each layer's arrays travelled in; AWP then looks at the weights
+            record["wire_precision"] = {d.name: self._roles.get(d.name, {}) for d in reversed(self._done)}
+        self._done, self._roles = [], {}
         self.step += 1
+        if self.wire_precision == "adaptive":
+            for b in self.blocks:
+                self.wire.observe(self.step, b.name, self.backend.to_numpy(b.conv.params["w"]))
         self.last_step = record
         for info in self.transport.joined():
             self._join(info)

@@ -47,6 +47,8 @@ class Coordinator(Protocol):
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
+    def wire_formats(self, block: ShardedBlock) -> dict[str, str]: ...
+
 
 @dataclass
 class _Forward:
@@ -112,9 +114,11 @@ class ShardedBlock(Layer):
         return dx
 
     def _op(self, what: str, step: int, batch: int) -> Op:
-        """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index."""
+        """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index,
+        its arrays in the cluster's wire formats for the layer."""
         fields = {"step": step, "layer": self.index}
-        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, self.cluster.timeout(self, batch))
+        timeout, formats = self.cluster.timeout(self, batch), self.cluster.wire_formats(self)
+        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, timeout, formats)
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         n, f, oh, ow = self.conv.output_shape(x_shape)

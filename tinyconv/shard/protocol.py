@@ -48,6 +48,14 @@ network's ``named_params`` order (``tinyconv/replica/flat.py``)::
 
 All arrays are float32 but the labels ``y`` (int32 or int64). Which task may follow which on one layer is the worker's
 business (``tinyconv/worker/handler.py``).
+
+Reduced precision (``wire_precision.py``, ``--wire-precision``): a layer's task may carry float32
+arrays narrowed, each named in its optional header ``narrow`` = {array: format} ("bf16", "fp16",
+"adt24"; an array not named is float32), and ask for its result's arrays in ``reply`` = {result
+array: format}; the result names what it narrowed in its own ``narrow`` (an array asked for narrow
+that comes back float32 fell back: narrowing would have made a finite number infinite). Every
+declared format is checked against its array's dtype and shape before anything is widened; the
+receiver widens to float32 right after, so every computation sees float32.
 """
 
 from __future__ import annotations
@@ -55,11 +63,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from tinyconv.shard import wire_precision
 from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
-# of this task protocol (2 added the replica tasks); a worker's hello says which it speaks, the transport admits equals
-VERSION = 2
+# of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``); a worker's hello
+# says which it speaks, the transport admits equals
+VERSION = 3
 
 
 class TaskError(ValueError):
@@ -111,6 +123,9 @@ RESULT_ARRAYS: dict[str, frozenset[str]] = {
 TIMED = ("calibrate", "replica_calibrate")  # the tasks whose result says ``times``
 RESULT = {"task": Int, "compute_s": Num}
 CALIBRATE_RESULT = {**RESULT, "times": list}
+# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' flat vectors)
+NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
+                        "partial_backward"})  # fmt: skip
 
 
 def message_cap_bytes(convs: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]) -> int:
@@ -131,11 +146,14 @@ def check_task(msg: Message) -> Schema:
     schema = TASKS.get(msg.kind)
     if schema is None:
         raise TaskError(f"a worker does not handle {msg.kind!r} messages; send one of {', '.join(TASKS)}")
+    optional = {"narrow": dict, "reply": dict} if msg.kind in NARROWABLE else {}
     try:
-        check_fields(msg.kind, msg.header, schema.header, {})
+        check_fields(msg.kind, msg.header, schema.header, optional)
     except ProtocolError as e:
         raise TaskError(str(e)) from None
     _check_arrays(msg.kind, msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError, schema.labels)
+    reply = msg.header.get("reply", {})
+    _check_formats(f"{msg.kind}'s reply", reply, RESULT_ARRAYS[msg.kind], TaskError)
     return schema
 
 
@@ -143,7 +161,7 @@ def check_result(msg: Message, task_kind: str) -> None:
     """Raise RuntimeError unless ``msg`` is a well-formed result of a ``task_kind`` task."""
     fields = CALIBRATE_RESULT if task_kind in TIMED else RESULT
     try:
-        check_fields("result", msg.header, fields, {})
+        check_fields("result", msg.header, fields, {"narrow": dict} if task_kind in NARROWABLE else {})
     except ProtocolError as e:
         raise RuntimeError(f"a malformed result of {task_kind}: {e}") from None
     if not msg.header["compute_s"] >= 0:
@@ -160,6 +178,8 @@ def _check_arrays(
     labels: frozenset[str] = frozenset(),
 ) -> None:
     names = set(msg.arrays)
+    narrow = msg.header.get("narrow", {})  # checked first: what it declares says how to check the arrays
+    _check_formats(f"{what}'s narrow", narrow, names - labels, error)
     if not required <= names <= allowed:
         optional = sorted(allowed - required)
         raise error(
@@ -170,5 +190,44 @@ def _check_arrays(
         if name in labels:
             if a.dtype.name not in ("int32", "int64"):
                 raise error(f"{what}: {name} holds labels and must be int32 or int64, got {a.dtype}")
+        elif name in narrow:
+            try:
+                wire_precision.check_carried(narrow[name], a)
+            except ValueError as e:
+                raise error(f"{what}: {name}: {e}") from None
         elif a.dtype.name != "float32":
             raise error(f"{what}: {name} must be float32, got {a.dtype}")
+
+
+def _check_formats(what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception]) -> None:
+    """``formats`` must map some of ``names`` to known wire formats."""
+    for name, fmt in formats.items():
+        if name not in names:
+            raise error(f"{what} names {name!r}, which is not one of its float32 arrays {sorted(names)}")
+        if not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
+            raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")
+
+
+def widened(msg: Message) -> dict[str, np.ndarray]:
+    """The arrays of a checked task or result (:func:`check_task`, :func:`check_result`), each float32
+    again: those its header's ``narrow`` names, widened (new arrays), the others as they are."""
+    narrow = msg.header.get("narrow", {})
+    return {name: wire_precision.widen(a, narrow[name]) if name in narrow else a for name, a in msg.arrays.items()}
+
+
+def narrowed(
+    arrays: dict[str, np.ndarray], formats: dict[str, str]
+) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
+    """float32 ``arrays`` as they go on the wire, each in ``formats``' format for it (float32 if none):
+    (the arrays, the header's ``narrow`` for them, how many fell back to float32)."""
+    out, narrow, fallbacks = {}, {}, 0
+    for name, a in arrays.items():
+        fmt = formats.get(name, "fp32")
+        if fmt == "fp32":
+            out[name] = a
+            continue
+        n = wire_precision.narrow(a, fmt)
+        out[name], fallbacks = n.carried, fallbacks + n.fell_back
+        if n.fmt != "fp32":
+            narrow[name] = n.fmt
+    return out, narrow, fallbacks

@@ -12,6 +12,12 @@ cluster can share its kernels among the others and run the op again. On the way 
 counts what it cost (:meth:`Op.stats`), and each worker's :class:`Link` learns how long
 its bytes take.
 
+Arrays may travel narrowed (``--wire-precision``, ``wire_precision.py``): an op's ``formats``
+name the format of each array it sends and of each it asks back. :meth:`Op.send` narrows right
+before sending, and asks for the result in the same formats; a result is widened right after it
+is checked, so the splits only ever see float32. What an op counts -- bytes, the links'
+samples -- is what really moved.
+
 The one optimisation here is :meth:`Op.relay`: a second round of tasks that each go out
 as soon as what they need has come back, while the rest of the first round is still
 computing. It is the only place where transfers overlap; the splits that use it
@@ -32,7 +38,7 @@ import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.shard.accounting import OpStats
-from tinyconv.shard.protocol import check_result
+from tinyconv.shard.protocol import RESULT_ARRAYS, check_result, narrowed, widened
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -105,11 +111,19 @@ class Rpc:
         """Worker ``k``'s link (nothing measured yet for a new one)."""
         return self.links.setdefault(k, Link())
 
-    def op(self, what: str, backend: Backend, fields: dict[str, int] | None = None, timeout: float | None = None) -> Op:
+    def op(
+        self,
+        what: str,
+        backend: Backend,
+        fields: dict[str, int] | None = None,
+        timeout: float | None = None,
+        formats: dict[str, str] | None = None,
+    ) -> Op:
         """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
         share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
-        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather."""
-        return Op(self, what, backend, fields or {}, timeout or self.timeout)
+        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather. ``formats``:
+        array name -> wire format of the arrays its tasks and results carry (default: all float32)."""
+        return Op(self, what, backend, fields or {}, timeout or self.timeout, formats or {})
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -127,16 +141,23 @@ class _Sent(NamedTuple):
     """A task sent, not yet gathered."""
 
     worker: int
-    msg: Message
+    msg: Message  # as the op built it, float32
     at: float  # the Rpc's clock when it was sent
     alone: bool  # the worker had no other task of the op: its result's wait is its own link and compute
+    nbytes: int  # the array bytes that went, narrowed
+    reply: dict[str, str]  # the formats it asked its result's arrays in
 
 
 class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
-    def __init__(self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float) -> None:
+    def __init__(
+        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float,
+        formats: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
+        self.formats = formats or {}  # array name -> its wire format, both ways
+        self.fallbacks = 0  # arrays sent or received in float32 because their format would have overflowed
         self.t0 = time.perf_counter()
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
@@ -146,17 +167,24 @@ class Op:
         self.master_s = 0.0
 
     def send(self, worker: int, msg: Message) -> int:
-        """Send ``msg`` to ``worker`` as a new task, with the op's fields; returns its task id."""
+        """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, its arrays in
+        the op's formats; returns its task id."""
         task = self.rpc.new_task_id()
         msg.header.update(self.fields, task=task)
+        wire, reply = msg, {}
+        if self.formats:  # narrowed right before it goes, the reply asked for in the same formats
+            arrays, narrow, fell_back = narrowed(msg.arrays, self.formats)
+            reply = {name: f for name, f in self.formats.items() if name in RESULT_ARRAYS[msg.kind] and f != "fp32"}
+            header = msg.header | ({"narrow": narrow} if narrow else {}) | ({"reply": reply} if reply else {})
+            wire, self.fallbacks = Message(msg.kind, header, arrays), self.fallbacks + fell_back
         at = self.rpc.clock()
         try:
-            self.rpc.transport.send(worker, msg)
+            self.rpc.transport.send(worker, wire)
         except WorkerLost as e:
             raise Lost({worker: e.reason}) from None
         alone = all(sent.worker != worker for sent in self._pending.values())
-        self._pending[task] = _Sent(worker, msg, at, alone)
-        self.sent[worker] = self.sent.get(worker, 0) + msg.nbytes()
+        self._pending[task] = _Sent(worker, msg, at, alone, wire.nbytes(), reply)
+        self.sent[worker] = self.sent.get(worker, 0) + wire.nbytes()
         return task
 
     @contextmanager
@@ -237,6 +265,7 @@ class Op:
             compute_s=[self.master_s if k is None else self.compute.get(k, 0.0) for _, k in seats],
             sent=[0 if k is None else self.sent.get(k, 0) for _, k in seats],
             recv=[0 if k is None else self.recv.get(k, 0) for _, k in seats],
+            fallbacks=self.fallbacks,
         )
 
     def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
@@ -254,13 +283,16 @@ class Op:
                 raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
             sent = self._pending[task]
             check_result(reply, sent.msg.kind)
+            nbytes, narrow = reply.nbytes(), reply.header.get("narrow", {})
+            self.fallbacks += sum(1 for name in reply.arrays if name in sent.reply and name not in narrow)
+            reply = Message(reply.kind, reply.header, widened(reply))  # float32 from here on
             _check_finite(k, reply, sent.msg, self.what)
             compute = float(reply.header["compute_s"])
-            self.recv[k] = self.recv.get(k, 0) + reply.nbytes()
+            self.recv[k] = self.recv.get(k, 0) + nbytes
             self.compute[k] = self.compute.get(k, 0.0) + compute
             if sent.alone:
                 beyond = self.rpc.clock() - sent.at - compute
-                self.rpc.link(k).add(sent.msg.nbytes() + reply.nbytes(), beyond, exact=waited)
+                self.rpc.link(k).add(sent.nbytes + nbytes, beyond, exact=waited)
             if task not in waiting:
                 self._early[task] = reply
             return task, reply

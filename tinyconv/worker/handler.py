@@ -18,6 +18,10 @@ task may come next is explicit, one row per task kind (:data:`STAGES`)::
 A task that continues a layer must also be of the step its forward was. A refused task
 changes nothing, so the right one can follow.
 
+A layer's task may bring arrays narrowed (``tinyconv/shard/wire_precision.py``): once the task is
+checked they are widened to float32, every handler computes in float32, and the result's arrays
+are narrowed to the formats the task's ``reply`` asks for right before they go back.
+
 The data-parallel tasks (``replica_calibrate``, ``replica_step``; ``tinyconv/replica/``) stand
 alone: each brings everything it needs (the weights with every step), and the worker keeps only
 its replica of the network between them, rebuilt when the master describes another one.
@@ -51,7 +55,7 @@ from tinyconv.shard.block import (
 )
 from tinyconv.shard.block import tail_forward as run_tail
 from tinyconv.shard.calibrate import parse_spec, time_block
-from tinyconv.shard.protocol import VERSION, TaskError, check_task
+from tinyconv.shard.protocol import VERSION, TaskError, check_task, narrowed, widened
 from transports.base import Message
 from transports.wire import Int, error_reply
 
@@ -154,11 +158,14 @@ class Worker:
             check_task(msg)
             kept = self._expect(msg)
             t0 = time.perf_counter()
-            reply = self._handlers[msg.kind](msg.header, msg.arrays, kept)
+            reply = self._handlers[msg.kind](msg.header, widened(msg), kept)
             times = reply.pop("times", None)
             arrays = {name: np.ascontiguousarray(self.backend.to_numpy(a)) for name, a in reply.items()}
             self.backend.synchronize()
             header = {"task": msg.header["task"], "compute_s": self._emulate(time.perf_counter() - t0)}
+            if "reply" in msg.header:  # the formats the master asked for; an overflow goes back float32
+                arrays, narrow, _ = narrowed(arrays, msg.header["reply"])
+                header |= {"narrow": narrow} if narrow else {}
             return Message("result", header | ({"times": times} if times is not None else {}), arrays)
         except TaskError as e:
             return error_reply(msg, f"{msg.kind}: {e}")
