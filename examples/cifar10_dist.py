@@ -59,6 +59,7 @@ from tinyconv.replica.server import Replicas  # noqa: E402
 from tinyconv.replica.start import replicate  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
+from tinyconv.shard.adaptive_precision import SETTINGS  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
 from tinyconv.worker.handler import Worker  # noqa: E402
@@ -301,6 +302,15 @@ def _split(p: argparse.ArgumentParser) -> None:
         "where the tails run; its channels' dX and dW): nothing done twice, more bytes; "
         "auto = channels with at most 2 workers, all on this machine, else kernels (default %(default)s)",
     )
+    g.add_argument(
+        "--wire-precision",
+        choices=SETTINGS,
+        default="fp32",
+        help="the words the shards (inputs, weights, maps, gradients) travel in, both ways; the arithmetic stays "
+        "float32: fp32 (4 bytes), adt24 (3: float32's top 3 bytes), bf16 (2: its top 2), fp16 (2: IEEE half; "
+        "an array that would overflow goes fp32), or adaptive (AWP: each layer's weights widen bf16 -> adt24 -> "
+        "fp32 as their L2 norm settles, maps and gradients bf16); --parallel model only (default %(default)s)",
+    )
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -385,6 +395,11 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
     apply_preset(args)
     check_workers(args)
     check_plan(args)
+    if args.wire_precision != "fp32" and args.parallel == "data":
+        raise UsageError(
+            f"--wire-precision {args.wire_precision} narrows the shards of --parallel model; the replicas of "
+            "--parallel data send their weights and gradients in float32: drop one of them"
+        )
     kernels = architecture(args)
     check_memory(args, *kernels)
     check_devices(args)
@@ -572,6 +587,7 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Rep
         rebalancer=Rebalancer(threshold=args.rebalance_threshold),
         fuse=args.fuse == "on",
         split=args.split,
+        wire_precision=args.wire_precision,
     )
     for w in cluster.workers:
         print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})")

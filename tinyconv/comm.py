@@ -28,6 +28,12 @@ them), which must agree exactly.
 Split by input channels (``--split channels``, conv2's default with workers on the master's
 machine), a worker gets x and w of its channels only, but the partial sums of all the kernels
 cross the wire: :func:`channel_split_bytes` counts its two rounds each way.
+
+``--wire-precision`` counts the words the arrays travel in (``tinyconv/shard/wire_precision.py``):
+bf16 and fp16 2 bytes, adt24 3, per role -- weights, maps, gradients (``adaptive_precision.py``).
+``adaptive`` has two rows: AWP's start (every role bf16) and its end (the weights fp32, the rest
+bf16). Beside eq. 2 the table gives the ratio of tinyconv's forward bytes to it (eq. 2's own
+scope) and of its whole step's.
 """
 
 from __future__ import annotations
@@ -44,11 +50,13 @@ import numpy as np
 from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network, paper_net
 from tinyconv.report import format_table
+from tinyconv.shard.adaptive_precision import ROLES, SETTINGS
 from tinyconv.shard.balance import kernel_counts
 from tinyconv.shard.block import tail_of, tail_output_hw
 from tinyconv.shard.plan import Plan
 
 F32, F64 = 4, 8  # bytes per float
+FP32_WORDS = dict.fromkeys(ROLES, F32)  # role (weights, maps, grads) -> bytes per number on the wire
 # the splits the table shows: (label, fuse, split), as the main job's --fuse and --split
 SPLITS = (("paper: --fuse off --split kernels", False, "kernels"), ("--split kernels (fused)", True, "kernels"),
           ("--split channels (fused)", True, "channels"))
@@ -107,71 +115,109 @@ def eq2_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], word:
 
 
 def kernel_split_bytes(
-    convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], fuse: bool = False
+    convs: Sequence[ConvShape],
+    counts: Sequence[Sequence[int]],
+    fuse: bool = False,
+    words: dict[str, int] = FP32_WORDS,
+    forward_only: bool = False,
 ) -> tuple[int, int]:
-    """(to the workers, from the workers) in one step split by kernels, float32 array bytes: the paper's
-    split, or with ``fuse`` tinyconv's, where each worker also runs the conv's tail on its kernels and
-    their halo (the kernels LRN's window reads, ``plan.py``) and returns the tail's smaller maps."""
+    """(to the workers, from the workers) in one step split by kernels, array bytes in ``words`` (role
+    -> bytes per number; float32 by default): the paper's split, or with ``fuse`` tinyconv's, where each
+    worker also runs the conv's tail on its kernels and their halo (the kernels LRN's window reads,
+    ``plan.py``) and returns the tail's smaller maps. ``forward_only``: the forward's bytes alone."""
     to = back = 0
+    wt, mp, gr = words["weights"], words["maps"], words["grads"]
     for conv, layer_counts in zip(convs, counts, strict=True):
         tail = list(conv.tail) if fuse else []
         plan = _plan(layer_counts, tail)
-        x_bytes = math.prod(conv.x) * F32
-        kernel = math.prod(conv.w[1:]) * F32  # one kernel's weights
-        maps = conv.y[0] * math.prod(tail_output_hw(*conv.y[2:], tail)) * F32  # one kernel's (tail's) maps
+        x_n = math.prod(conv.x)
+        kernel = math.prod(conv.w[1:])  # one kernel's weights
+        maps = conv.y[0] * math.prod(tail_output_hw(*conv.y[2:], tail))  # one kernel's (tail's) maps
         for p in plan.workers:
             own, computed = p.n_kernels, p.halo.stop - p.halo.start
-            to += x_bytes + computed * (kernel + F32)  # forward: x, and the w and b rows it computes
-            to += computed * maps  # backward: dy of those kernels
-            back += own * maps  # forward: y of its own kernels
-            back += own * (kernel + F32) + (x_bytes if conv.need_dx else 0)  # backward: dw, db, a whole dx
+            to += x_n * mp + computed * (kernel + 1) * wt  # forward: x, and the w and b rows it computes
+            back += own * maps * mp  # forward: y of its own kernels
+            if forward_only:
+                continue
+            to += computed * maps * gr  # backward: dy of those kernels
+            back += (own * (kernel + 1) + (x_n if conv.need_dx else 0)) * gr  # backward: dw, db, a whole dx
     return to, back
 
 
-def channel_split_bytes(conv: ConvShape, counts: Sequence[int], fuse: bool = True) -> tuple[int, int]:
+def channel_split_bytes(
+    conv: ConvShape,
+    counts: Sequence[int],
+    fuse: bool = True,
+    words: dict[str, int] = FP32_WORDS,
+    forward_only: bool = False,
+) -> tuple[int, int]:
     """(to the workers, from the workers) for one layer split by input channels (``by_channels.py``),
-    its channels in proportion to the kernels, in one step: two rounds each way."""
+    its channels in proportion to the kernels, in one step: two rounds each way (``words`` and
+    ``forward_only`` as :func:`kernel_split_bytes`')."""
     n, c, h, w = conv.x
     f, _, k, _ = conv.w
+    wt, mp, gr = words["weights"], words["maps"], words["grads"]
     tail = list(conv.tail) if fuse else []
     busy = _plan(counts, tail, kernel_counts([float(kk) for kk in counts], c)).busy
-    cmap = n * math.prod(conv.y[2:]) * F32  # one kernel's conv output
-    tmap = n * math.prod(tail_output_hw(*conv.y[2:], tail)) * F32  # one kernel's tail output
+    cmap = n * math.prod(conv.y[2:])  # one kernel's conv output
+    tmap = n * math.prod(tail_output_hw(*conv.y[2:], tail))  # one kernel's tail output
     to = back = 0
     for i, p in enumerate(busy):
         if p.worker is None:
             continue
         width = p.channels.stop - p.channels.start
-        x_part, w_part = n * width * h * w * F32, f * width * k * k * F32  # x and w of its channels
+        x_part, w_part = n * width * h * w, f * width * k * k  # x and w of its channels
         halo = p.halo.stop - p.halo.start
         lo_end = max((q.halo.stop for q in busy[:i]), default=0)  # what the others' halos need of its partial
         hi_start = min((q.halo.start for q in busy[i + 1 :]), default=f)
-        to += x_part + w_part  # partial_forward
-        back += lo_end * cmap + (f - hi_start) * cmap  # p_lo, p_hi
-        to += halo * F32 + (halo * cmap if len(busy) > 1 else 0)  # tail_forward: b and the others' sum
-        back += p.n_kernels * tmap  # y of its kernels
-        to += halo * tmap  # tail_backward: dy over its halo
-        back += p.n_kernels * cmap  # dyc, its kernels' conv-output gradient
-        to += (f - p.n_kernels) * cmap  # partial_backward: the others' dyc
-        back += (x_part if conv.need_dx else 0) + w_part + f * F32  # dx, dw, db
+        to += x_part * mp + w_part * wt  # partial_forward
+        back += (lo_end * cmap + (f - hi_start) * cmap) * mp  # p_lo, p_hi
+        to += halo * wt + (halo * cmap * mp if len(busy) > 1 else 0)  # tail_forward: b and the others' sum
+        back += p.n_kernels * tmap * mp  # y of its kernels
+        if forward_only:
+            continue
+        to += halo * tmap * gr  # tail_backward: dy over its halo
+        back += p.n_kernels * cmap * gr  # dyc, its kernels' conv-output gradient
+        to += (f - p.n_kernels) * cmap * gr  # partial_backward: the others' dyc
+        back += ((x_part if conv.need_dx else 0) + w_part + f) * gr  # dx, dw, db
     return to, back
 
 
 def split_bytes(
-    convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], fuse: bool = True, split: str = "kernels"
+    convs: Sequence[ConvShape],
+    counts: Sequence[Sequence[int]],
+    fuse: bool = True,
+    split: str = "kernels",
+    words: dict[str, int] = FP32_WORDS,
+    forward_only: bool = False,
 ) -> tuple[int, int]:
     """(to, from) the workers in one step of tinyconv's split: ``split`` "kernels" for every layer, or
     "channels" for the layers that go by input channels (those that need dX and have a channel and a
-    kernel for every participant, as ``Cluster`` decides), by kernels for the others."""
+    kernel for every participant, as ``Cluster`` decides), by kernels for the others; ``words`` and
+    ``forward_only`` as :func:`kernel_split_bytes`'."""
     to = back = 0
     for conv, layer_counts in zip(convs, counts, strict=True):
         by_channels = split == "channels" and conv.need_dx and min(conv.x[1], conv.w[0]) >= len(layer_counts)
         if by_channels and any(layer_counts[1:]):
-            t, b = channel_split_bytes(conv, layer_counts, fuse)
+            t, b = channel_split_bytes(conv, layer_counts, fuse, words, forward_only)
         else:
-            t, b = kernel_split_bytes([conv], [layer_counts], fuse)
+            t, b = kernel_split_bytes([conv], [layer_counts], fuse, words, forward_only)
         to, back = to + t, back + b
     return to, back
+
+
+def wire_words(setting: str) -> list[tuple[str, dict[str, int]]]:
+    """The bytes per number of each role under ``--wire-precision setting``, as (label, words) rows:
+    one for a fixed format, AWP's start and end for "adaptive"."""
+    from tinyconv.shard.adaptive_precision import AdaptivePrecision
+    from tinyconv.shard.wire_precision import WORD_BYTES
+
+    if setting != "adaptive":
+        return [(setting, dict.fromkeys(ROLES, WORD_BYTES[setting]))]
+    awp = AdaptivePrecision()
+    ends = (("adaptive (start)", awp.ladder[0]), ("adaptive (settled)", awp.ladder[-1]))
+    return [(label, {"weights": WORD_BYTES[w], "maps": WORD_BYTES[awp.maps], "grads": WORD_BYTES[awp.grads]})
+            for label, w in ends]  # fmt: skip
 
 
 def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -180,10 +226,16 @@ def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]
 
 
 def measure(
-    arch: str, batch: int, participants: int, image_size: int = 32, fuse: bool = False, split: str = "kernels"
+    arch: str,
+    batch: int,
+    participants: int,
+    image_size: int = 32,
+    fuse: bool = False,
+    split: str = "kernels",
+    wire_precision: str = "fp32",
 ) -> tuple[int, int]:
-    """The bytes one real training step moves (``fuse`` and ``split`` as the main job's options): the
-    master and ``participants`` - 1 in-process workers, an equal split, random images."""
+    """The bytes one real training step moves (``fuse``, ``split`` and ``wire_precision`` as the main
+    job's options): the master and ``participants`` - 1 in-process workers, an equal split, random images."""
     import tinyconv as tc
 
     net = paper_net(arch, "numpy", image_size=image_size)
@@ -191,7 +243,8 @@ def measure(
     x = rng.standard_normal((batch, 3, image_size, image_size), dtype=np.float32)
     y = rng.integers(0, 10, batch)
     with tc.distribute(net, "inproc", participants - 1, split=split, fuse=fuse, calibrate=False,
-                       rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None) as cluster:
+                       rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None,
+                       wire_precision=wire_precision) as cluster:
         net.train_step(x, y)
         step = cluster.last_step
     return step["bytes_sent"], step["bytes_recv"]
@@ -206,15 +259,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="tinyconv comm",
         description="Bytes one training step moves: the paper's eq. 2 (forward, doubles and float32) beside "
         "tinyconv's splits -- the paper's (--fuse off --split kernels), with the tails fused, and by input "
-        "channels -- forward and backward in float32, for an equal split among the master and its workers; "
-        "--measure checks each model against one real step.",
+        "channels -- forward and backward, for an equal split among the master and its workers, in the words "
+        "of each --wire-precision; the last two columns are tinyconv's forward bytes and its whole step's "
+        "over eq. 2 in doubles. --measure checks each model against one real step.",
     )
     p.add_argument("--arch", default="50:500", help="kernel counts C1:C2 (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="images per step (default %(default)s)")
     p.add_argument("--participants", type=int, nargs="+", default=[2, 3, 4],
                    help="participant counts, the master included (default 2 3 4)")
+    p.add_argument("--wire-precision", nargs="+", default=["fp32"], choices=SETTINGS, metavar="FORMAT",
+                   help=f"the words the shards travel in, one or more of {', '.join(SETTINGS)} (default fp32); "
+                   "adaptive shows AWP's start (all bf16) and its settled end (weights fp32)")
     p.add_argument("--measure", action="store_true",
-                   help="also run one step per count and split with in-process workers (numpy) and show its bytes")
+                   help="also run one step per count, split and format with in-process workers (numpy) and show "
+                   "its bytes (adaptive: its start)")
     args = p.parse_args(argv)
     if args.batch < 1 or min(args.participants) < 1:
         p.error("--batch and --participants must be 1 or more")
@@ -223,22 +281,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     convs = conv_shapes(net, args.batch)
-    header = ["participants", "split", "eq. 2 (doubles)", "eq. 2 (float32)", "model: to / from workers"]
+    header = ["participants", "split", "wire", "eq. 2 (doubles)", "eq. 2 (float32)", "model: to / from workers",
+              "forward / eq. 2", "step / eq. 2"]  # fmt: skip
     if args.measure:
         header.append("measured")
     rows, agree = [], True
     for n in args.participants:
         counts = equal_counts(convs, n)
-        eq2 = [mb(eq2_bytes(convs, counts)), mb(eq2_bytes(convs, counts, F32))]
+        eq2_doubles = eq2_bytes(convs, counts)
+        eq2 = [mb(eq2_doubles), mb(eq2_bytes(convs, counts, F32))]
         for label, fuse, split in SPLITS if n > 1 else SPLITS[:1]:  # the master alone moves nothing
-            model = split_bytes(convs, counts, fuse, split)
-            paper = split == "kernels" and not fuse
-            row = [str(n), label, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}"]
-            if args.measure:
-                got = measure(args.arch, args.batch, n, fuse=fuse, split=split) if n > 1 else (0, 0)
-                agree &= got == model
-                row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
-            rows.append(row)
+            for setting in args.wire_precision:
+                for wire, words in wire_words(setting):
+                    model = split_bytes(convs, counts, fuse, split, words)
+                    forward = sum(split_bytes(convs, counts, fuse, split, words, forward_only=True))
+                    paper = split == "kernels" and not fuse
+                    ratios = [f"{100 * b / eq2_doubles:.2f} %" if eq2_doubles else "" for b in (forward, sum(model))]
+                    row = [str(n), label, wire, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}",
+                           *ratios]  # fmt: skip
+                    if args.measure and wire == "adaptive (settled)":
+                        row.append("-")  # a real step runs at AWP's start
+                    elif args.measure:
+                        got = measure(args.arch, args.batch, n, fuse=fuse, split=split, wire_precision=setting) \
+                            if n > 1 else (0, 0)
+                        agree &= got == model
+                        row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
+                    rows.append(row)
     print(f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
           "step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split")
     print(format_table(header, rows))
