@@ -1,15 +1,23 @@
-"""Benchmark: max pool and ReLU of the paper's network on the OpenCL device, in GB/s.
+"""Benchmark: the OpenCL backend's per-element and per-row ops on the paper's maps, in GB/s.
 
     python benchmarks/bench_opencl_pool.py                  # 50:500, batch 64, 21 launches each
-    python benchmarks/bench_opencl_pool.py --arch 50:500 --batch 64 --repeats 41
+    python benchmarks/bench_opencl_pool.py --arch 50:500 --batch 64 --repeats 41 --only pool
 
-For pool1 (N x C1 x 32 x 32) and pool2 (N x C2 x 16 x 16), 3x3 stride 2 pad 1 as in
-tinyconv/model.py, prints the median device time (profiling events, summed over the op's
-launches) of max pool forward and backward and of ReLU forward and backward on the same input,
-and the bytes each moves (read + written) over that time; beside each, the numpy backend's
-median wall time for the same op. ReLU is the bandwidth reference: a pool moves about as many
-bytes. A script, not a test: it asserts nothing. Other processes on the machine show up in the
-timings: run variants back to back and compare medians.
+For the maps of the paper's two layers -- conv1's output N x C1 x 32 x 32 and conv2's
+N x C2 x 16 x 16 -- prints each op's median device time (profiling events, summed over the op's
+launches) and the bytes it moves (read + written, below) over that time, twice: with the
+per-element kernels (one work-item per element, what GPUs run) and with the rows kernels (one
+work-item walks a chunk, a plane or a row, what CPUs run; see backends/opencl/ops.cl), then
+the numpy backend's median wall time for the same op. Ops: ReLU, LRN, ReLU+LRN fused, batch
+norm (training), max pool 3x3 stride 2 pad 1 as in tinyconv/model.py, forward and backward; SGD
+on conv2's weights. A script, not a test: it asserts nothing. Other processes on the machine
+show up in the timings: run variants back to back and compare medians.
+
+Bytes per op, in maps of the op's input size (4 bytes an element): relu fwd 2 (x in, y out),
+bwd 3; lrn fwd 4 (y, s, p out), bwd 6; relu+lrn fwd 3, bwd 5; batch norm fwd 5 (x read for the
+mean, for the variance, then x in and xhat, y out), bwd 6 (dy for dbeta; dy, xhat for dgamma;
+dy, xhat in and dx out); max pool x plus y and its int32 argmax (each a quarter map), backward
+the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, velocity out).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
+
+GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd")
 
 
 def device_ms(rt, fn, repeats: int) -> float:
@@ -49,49 +59,85 @@ def wall_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def gather(be, dy, cache):
-    """maxpool_backward's per-element gather kernel, which the backend runs on GPUs (on CPUs: per row)."""
-    x_shape, arg, geometry, window = cache
-    n, c, h, w = x_shape
-    dx = be.rt.empty(x_shape)
-    be.rt.launch("maxpool_backward", (w, h, n * c), dy.data, arg.data, *geometry, dx.data, defines=window)
-    return dx
-
-
-def ops_of(be, ref, x: np.ndarray) -> list:
-    """(name, bytes moved, OpenCL call, numpy call) of each op timed on input x."""
-    y_ref, cache_ref = ref.maxpool_forward(x, 3, 2, 1)
-    dy = np.random.default_rng(1).standard_normal(y_ref.shape, dtype=np.float32)
+def ops_of(be, ref, x: np.ndarray, w_shape: tuple[int, ...]) -> list:
+    """(group, name, bytes moved, OpenCL call, numpy call) of each op timed on the map x."""
+    rng = np.random.default_rng(1)
+    c = x.shape[1]
+    dy = rng.standard_normal(x.shape, dtype=np.float32)
     xd, dyd = be.asarray(x), be.asarray(dy)
-    _, cache = be.maxpool_forward(xd, 3, 2, 1)
-    pool_bytes = x.nbytes + 2 * y_ref.nbytes  # x in, y and its int32 argmax out; backward the reverse
+    m = x.nbytes  # one map
+    lrn = (5, 1e-4, 0.75, 2.0)
+    _, lrn_cache = be.lrn_forward(xd, *lrn)
+    _, lrn_ref = ref.lrn_forward(x, *lrn)
+    _, rl_cache = be.relu_lrn_forward(xd, *lrn)
+    _, rl_ref = ref.relu_lrn_forward(x, *lrn)
+    g, b = np.ones(c, np.float32), np.zeros(c, np.float32)
+    gd, bd, rm, rv = be.asarray(g), be.asarray(b), be.asarray(b), be.asarray(g)
+    _, bn_cache = be.batchnorm_forward(xd, gd, bd, rm, rv, True)
+    rm_np, rv_np = b.copy(), g.copy()
+    _, bn_ref = ref.batchnorm_forward(x, g, b, rm_np, rv_np, True)
+    y_ref, pool_ref = ref.maxpool_forward(x, 3, 2, 1)
+    pdy = rng.standard_normal(y_ref.shape, dtype=np.float32)
+    pdyd = be.asarray(pdy)
+    _, pool_cache = be.maxpool_forward(xd, 3, 2, 1)
+    pool_bytes = m + 2 * y_ref.nbytes  # x in, y and its int32 argmax out; backward the reverse
+    p, gw, v = (rng.standard_normal(w_shape, dtype=np.float32) for _ in range(3))
+    pd, gwd, vd = be.asarray(p), be.asarray(gw), be.asarray(v)
     return [
-        ("maxpool fwd", pool_bytes, lambda: be.maxpool_forward(xd, 3, 2, 1), lambda: ref.maxpool_forward(x, 3, 2, 1)),
-        ("maxpool bwd", pool_bytes, lambda: be.maxpool_backward(dyd, cache),
-         lambda: ref.maxpool_backward(dy, cache_ref)),
-        ("maxpool bwd, gather", pool_bytes, lambda: gather(be, dyd, cache),
-         lambda: ref.maxpool_backward(dy, cache_ref)),
-        ("relu fwd", 2 * x.nbytes, lambda: be.relu_forward(xd), lambda: ref.relu_forward(x)),
-        ("relu bwd", 3 * x.nbytes, lambda: be.relu_backward(xd, xd), lambda: ref.relu_backward(x, x)),
+        ("relu", "relu fwd", 2 * m, lambda: be.relu_forward(xd), lambda: ref.relu_forward(x)),
+        ("relu", "relu bwd", 3 * m, lambda: be.relu_backward(dyd, xd), lambda: ref.relu_backward(dy, x)),
+        ("lrn", "lrn fwd", 4 * m, lambda: be.lrn_forward(xd, *lrn), lambda: ref.lrn_forward(x, *lrn)),
+        ("lrn", "lrn bwd", 6 * m, lambda: be.lrn_backward(dyd, lrn_cache), lambda: ref.lrn_backward(dy, lrn_ref)),
+        ("relu_lrn", "relu+lrn fwd", 3 * m, lambda: be.relu_lrn_forward(xd, *lrn),
+         lambda: ref.relu_lrn_forward(x, *lrn)),
+        ("relu_lrn", "relu+lrn bwd", 5 * m, lambda: be.relu_lrn_backward(dyd, rl_cache),
+         lambda: ref.relu_lrn_backward(dy, rl_ref)),
+        ("bn", "batchnorm fwd", 5 * m, lambda: be.batchnorm_forward(xd, gd, bd, rm, rv, True),
+         lambda: ref.batchnorm_forward(x, g, b, rm_np, rv_np, True)),
+        ("bn", "batchnorm bwd", 6 * m, lambda: be.batchnorm_backward(dyd, bn_cache),
+         lambda: ref.batchnorm_backward(dy, bn_ref)),
+        ("pool", "maxpool fwd", pool_bytes, lambda: be.maxpool_forward(xd, 3, 2, 1),
+         lambda: ref.maxpool_forward(x, 3, 2, 1)),
+        ("pool", "maxpool bwd", pool_bytes, lambda: be.maxpool_backward(pdyd, pool_cache),
+         lambda: ref.maxpool_backward(pdy, pool_ref)),
+        ("sgd", "sgd (conv2 weights)", 5 * p.nbytes, lambda: be.sgd_update(pd, gwd, vd, 0.01, 0.9, 5e-4),
+         lambda: ref.sgd_update(p, gw, v, 0.01, 0.9, 5e-4)),
     ]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="50:500", help="C1:C2, the channels of the two conv layers")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=21)
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="50:500", help="C1:C2, the channels of the two conv layers (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=64, help="default %(default)s")
+    ap.add_argument("--repeats", type=int, default=21, help="launches per op and variant (default %(default)s)")
+    ap.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="these ops only (default: all)")
+    ap.add_argument("--no-numpy", action="store_true", help="skip the numpy timings (faster)")
+    ap.add_argument("--device", help="OpenCL device: P:D, gpu/cpu or a name substring")
     a = ap.parse_args()
+    if a.batch < 1 or a.repeats < 1:
+        ap.error("--batch and --repeats must be >= 1")
     c1, c2 = (int(c) for c in a.arch.split(":"))
-    be, ref = get_backend("opencl", profile=True), NumpyBackend()
+    be, ref = get_backend("opencl", device=a.device, profile=True), NumpyBackend()
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
-    print(f"{'op':26} {'opencl ms':>10} {'GB/s':>6} {'numpy ms':>10} {'GB/s':>6}")
-    for label, shape in (("pool1", (a.batch, c1, 32, 32)), ("pool2", (a.batch, c2, 16, 16))):
-        for name, nbytes, on_device, on_numpy in ops_of(be, ref, rng.standard_normal(shape, dtype=np.float32)):
-            t_cl, t_np = device_ms(be.rt, on_device, a.repeats), wall_ms(on_numpy, a.repeats)
-            gbs_cl, gbs_np = nbytes / t_cl / 1e6, nbytes / t_np / 1e6
-            print(f"{label + ' ' + name:26} {t_cl:10.2f} {gbs_cl:6.2f} {t_np:10.2f} {gbs_np:6.2f}")
+    print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
+    for label, shape in (("conv1", (a.batch, c1, 32, 32)), ("conv2", (a.batch, c2, 16, 16))):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        for group, name, nbytes, on_device, on_numpy in ops_of(be, ref, x, (c2, c1, 5, 5)):
+            if group not in a.only:
+                continue
+            row = f"{label + ' ' + name:30}"
+            for rows, width in ((False, 14), (True, 9)):
+                be.rows = rows
+                t = device_ms(be.rt, on_device, a.repeats)
+                row += f" {t:{width}.2f} {nbytes / t / 1e6:6.2f}"
+            if a.no_numpy:
+                row += f" {'-':>9} {'-':>6}"
+            else:
+                t = wall_ms(on_numpy, a.repeats)
+                row += f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -289,8 +289,13 @@ def test_lrn_defaults_are_numpys(be, rng):
     check(be, be.lrn_forward(be.asarray(x))[0], Expected(REF.lrn_forward(x, 5, 1e-4, 0.75, 1.0)[0], 5 + 3 + FN))
 
 
-@pytest.mark.parametrize("shape, momentum", [((2, 4, 5, 5), 0.1), ((1, 3, 4, 3), 0.2), ((4, 6, 1, 1), 0.1)])
-def test_batchnorm_train_then_eval_with_running_stats(be, rng, shape, momentum):
+@pytest.mark.parametrize("shape, momentum", [((2, 4, 5, 5), 0.1), ((1, 3, 4, 3), 0.2), ((4, 6, 1, 1), 0.1),
+                                            ((2, 3, 7, 5), 0.1)])  # planes of 35: two 16-lane blocks and a tail
+@pytest.mark.parametrize("rows", [False, True])
+def test_batchnorm_train_then_eval_with_running_stats(be, rng, monkeypatch, shape, momentum, rows):
+    """Both variants (per-element kernels and one work-group per channel; rows kernels and
+    per-plane partial sums) against numpy, within the round-off of any summation order."""
+    monkeypatch.setattr(be, "rows", rows)
     c = shape[1]
     gamma, beta = normal(rng, c), normal(rng, c)
     rm, rv = normal(rng, c), (rng.random(c) + 0.5).astype(F32)
@@ -373,12 +378,16 @@ def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, st
         ((3, 1, 5, 6), 2, 1, 1),
         ((1, 3, 12, 13), 4, 3, 2),
         ((3, 2, 6, 9), 1, 2, 0),  # stride > kernel: columns no window holds get zero
+        ((1, 2, 5, 3), 3, 2, 1),  # rows shorter than a vector, every window at an edge
+        ((2, 1, 9, 40), 3, 2, 1),  # a row of 20 windows: a vectorised walk between the edges
     ],
 )
 @pytest.mark.parametrize("ties", [False, True])
-def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, shape, kernel, stride, pad, ties):
-    """Every plane of the forward (simple kernel at the first and last plane, fast one between)
-    and both backward kernels (per-element gather, per-row walk) on odd sizes, padding, ties and
+@pytest.mark.parametrize("rows", [False, True])
+def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, shape, kernel, stride, pad, ties, rows):
+    """Every forward variant (per element: the simple kernel at the first and last plane, the fast
+    one between; rows: one work-item per output row) and both backward kernels (per-element
+    gather, per-row walk) on odd sizes, padding, ties and
     NaN in edge windows: y exactly numpy's; with small-integer dy every sum is exact in any
     order, so dx is exactly numpy's (routing and overlap sums); with normal dy the two backward
     kernels add the same terms in the same order, bit for bit."""
@@ -386,6 +395,8 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, shape, kernel
     x[:, :, 0, 0] = np.nan  # the corner window (padding around it, when pad > 0) in every plane
     x[-1, -1, -1, -2:] = np.nan  # the last plane's last row: two NaNs in its edge windows
     x[0, shape[1] // 2, shape[2] // 2, -1] = np.nan  # the right edge of a middle plane
+    x[-1, 0, -1, shape[3] // 2] = np.nan  # inside a row, away from its edges
+    monkeypatch.setattr(be, "rows", rows)
     y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, pad)
     y, cache = be.maxpool_forward(be.asarray(x), kernel, stride, pad)
     got = be.to_numpy(y)
@@ -405,6 +416,94 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, shape, kernel
         if exact is not None:
             assert np.array_equal(simple, exact)
     assert np.array_equal(be.to_numpy(be.maxpool_backward(be.asarray(dy), cache)).view(np.int32), rows.view(np.int32))
+
+
+# The rows kernels (ops.cl: one work-item walks a chunk, a plane or an output row; what CPUs
+# run) do the per-element kernels' float operations in the same order: the same bits, NaN
+# payloads included. Odd shapes: 1-3 planes, odd H*W, planes shorter than a vector.
+ROW_SHAPES = [(1, 1, 1, 3), (1, 2, 3, 5), (2, 3, 5, 7), (1, 7, 1, 17)]
+
+
+def both_variants(be, monkeypatch, op):
+    """op() (device arrays) with the per-element kernels, then with the rows kernels: as numpy, bit-identical."""
+    out = {}
+    for rows in (False, True):
+        monkeypatch.setattr(be, "rows", rows)
+        out[rows] = [be.to_numpy(a) for a in op()]
+    for simple, walked in zip(out[False], out[True], strict=True):
+        assert simple.shape == walked.shape and np.array_equal(simple.view(np.int32), walked.view(np.int32))
+    return out[True]
+
+
+def with_nans(rng, shape):
+    x = normal(rng, *shape, scale=2.0)
+    x[rng.random(shape) < 0.1] = np.nan
+    x.flat[0] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_relu_and_sgd_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape):
+    monkeypatch.setattr(be, "CHUNK", 4)  # several chunks and a partial last one, even on these sizes
+    x, dy = with_nans(rng, shape), with_nans(rng, shape)
+    xd, dyd = be.asarray(x), be.asarray(dy)
+    y, dx = both_variants(be, monkeypatch, lambda: (be.relu_forward(xd)[0], be.relu_backward(dyd, xd)))
+    assert np.array_equal(y, REF.relu_forward(x)[0], equal_nan=True)  # NaN stays NaN
+    assert np.array_equal(dx, REF.relu_backward(dy, REF.relu_forward(x)[1]), equal_nan=True)
+    p, g, v = with_nans(rng, shape), normal(rng, *shape), normal(rng, *shape)
+    for wd in (0.0, 5e-4):
+        def sgd(wd=wd):
+            p_d, v_d = be.asarray(p), be.asarray(v)
+            be.sgd_update(p_d, be.asarray(g), v_d, 0.05, 0.9, wd)
+            return p_d, v_d
+
+        p_ref, v_ref = p.copy(), v.copy()
+        REF.sgd_update(p_ref, g, v_ref, 0.05, 0.9, wd)
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(both_variants(be, monkeypatch, sgd),
+                                                                         (p_ref, v_ref), strict=True))
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("size, beta", [(5, 0.75), (4, 0.6), (1, 0.75)])
+def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, beta):
+    """Plain and fused LRN, forward and backward; beta 0.75 (square roots, the vectorised build)
+    and 0.6 (pow); windows wider than the channels; NaN in x goes through both alike."""
+    x, dy = with_nans(rng, shape), normal(rng, *shape)
+    xd, dyd = be.asarray(x), be.asarray(dy)
+
+    def lrn():
+        y, (_, _, s, p, *_) = be.lrn_forward(xd, size, 2e-2, beta, 2.0)
+        cache = be.lrn_forward(xd, size, 2e-2, beta, 2.0)[1]
+        return y, s, p, be.lrn_backward(dyd, cache)
+
+    def relu_lrn():
+        y, cache = be.relu_lrn_forward(xd, size, 2e-2, beta, 2.0)
+        return y, cache[2], be.relu_lrn_backward(dyd, cache)
+
+    both_variants(be, monkeypatch, lrn)
+    both_variants(be, monkeypatch, relu_lrn)
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("training", [1, 0])
+def test_batchnorm_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, training):
+    """bn_forward and bn_backward against their rows twins on the same statistics (the statistics
+    themselves are sums in another order: test_batchnorm_train_then_eval_with_running_stats)."""
+    n, c, h, w = shape
+    x, dy, xhat = with_nans(rng, shape), normal(rng, *shape), normal(rng, *shape)
+    mean, invstd, gamma, beta, dgamma, dbeta = (be.asarray(normal(rng, c)) for _ in range(6))
+    xd, dyd, xhatd = be.asarray(x), be.asarray(dy), be.asarray(xhat)
+
+    def run():
+        out = [be.rt.empty(shape) for _ in range(3)]
+        be._planes("bn_forward", n, c, h * w, xd.data, mean.data, invstd.data, gamma.data, beta.data, np.int32(c),
+                   np.int32(h * w), np.int32(n), out[0].data, out[1].data)
+        be._planes("bn_backward", n, c, h * w, dyd.data, xhatd.data, gamma.data, invstd.data, dgamma.data,
+                   dbeta.data, np.int32(training), F32(n * h * w), np.int32(c), np.int32(h * w), np.int32(n),
+                   out[2].data)
+        return out
+
+    both_variants(be, monkeypatch, run)
 
 
 def test_batchnorm_refuses_one_value_per_channel_in_training(be, rng):

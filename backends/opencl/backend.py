@@ -44,6 +44,10 @@ class OpenCLBackend(Backend):
     ``autotune``: time the GEMM variants on first use of each large shape (default: on,
     unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept;
     ``profile``: keep every kernel's device time for ``self.rt.kernel_times()`` (benchmarks).
+
+    ``rows``: run the rows kernels of ops.cl (one work-item walks a chunk, plane or row: PoCL
+    turns the walk into vector code) instead of the per-element ones (many small work-items, as
+    GPUs want). True on CPU devices; tests and benchmarks set it to run either variant.
     """
 
     name = "opencl"
@@ -60,6 +64,46 @@ class OpenCLBackend(Backend):
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
         self.rt = Runtime(select_device(device), autotune, tune_path, profile)
+        self.rows = self.rt.limits.kind == "cpu"
+
+    # An optimisation, the rows kernels (see ops.cl): elements per work-item of the flat ones.
+    CHUNK = 2048
+
+    def _group(self, items: int) -> int:
+        """Work-items per group for a rows kernel of ``items`` items: about 16 groups per compute
+        unit, so the cores share the work evenly, and no more (PoCL pays microseconds per group)."""
+        return max(1, min(256, items // (16 * self.rt.limits.compute_units)))
+
+    def _flat(self, name: str, total: int, *args: Any) -> None:
+        """Launch the elementwise kernel ``name`` over ``total`` elements: per element, or its rows
+        twin, whose arguments are the same and then the chunk."""
+        if self.rows:
+            items = -(-total // self.CHUNK)
+            self.rt.launch(f"{name}_rows", items, *args, i32(self.CHUNK), group=self._group(items))
+        else:
+            self.rt.launch(name, total, *args)
+
+    def _planes(self, name: str, n: int, c: int, hw: int, *args: Any, defines: str = "") -> None:
+        """Launch the per-pixel kernel ``name`` of an (n, c, h*w) map: global (hw, c, n), or its
+        rows twin, one work-item per plane: global (c, n). The same arguments."""
+        if self.rows:
+            self.rt.launch(f"{name}_rows", (c, n), *args, defines=defines, group=self._group(c * n))
+        else:
+            self.rt.launch(name, (hw, c, n), *args, defines=defines)
+
+    def _channel_sums(self, src, n, c, hw, mode=0, src2=None, center=None, divisor=1.0):
+        """out[c] = sum over (n, q) of f(src[n, c, q]) / divisor (f by mode: see reduce_rows in ops.cl).
+
+        On CPUs (an optimisation): each plane summed by one work-item (reduce_planes), then the
+        n partials of each channel; otherwise one work-group per channel (reduce_rows)."""
+        if not self.rows:
+            return self.rt.reduce_rows(src, c, n, hw, (hw, c * hw, 1), mode=mode, src2=src2, center=center,
+                                       divisor=divisor)
+        partial = self.rt.empty((n * c,))
+        self.rt.launch("reduce_planes", (c, n), src.data, None if src2 is None else src2.data,
+                       None if center is None else center.data, i32(mode), i32(c), i32(hw), i32(n), partial.data,
+                       group=self._group(c * n))
+        return self.rt.reduce_rows(partial, c, n, 1, (1, c, 0), divisor=divisor)
 
     # ---- edges ---------------------------------------------------------------------
     def asarray(self, x: np.ndarray) -> cla.Array:
@@ -108,13 +152,13 @@ class OpenCLBackend(Backend):
     def relu_forward(self, x):
         x = self.rt.operand(x, "relu x")
         y = self.rt.empty(x.shape)
-        self.rt.launch("relu_forward", x.size, x.data, i32(x.size), y.data)
+        self._flat("relu_forward", x.size, x.data, i32(x.size), y.data)
         return y, y
 
     def relu_backward(self, dy, cache):
         dy = self.rt.operand(dy, "relu dy")
         dx = self.rt.empty(dy.shape)
-        self.rt.launch("relu_backward", dy.size, dy.data, cache.data, i32(dy.size), dx.data)
+        self._flat("relu_backward", dy.size, dy.data, cache.data, i32(dy.size), dx.data)
         return dx
 
     def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
@@ -124,7 +168,7 @@ class OpenCLBackend(Backend):
         before, after = size // 2, (size - 1) // 2
         n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
         y, s, p = self.rt.empty(x.shape), self.rt.empty(x.shape), self.rt.empty(x.shape)
-        self.rt.launch("lrn_forward", (hw, c, n), x.data, i32(c), i32(hw), i32(n), F32(alpha / size), F32(k),
+        self._planes("lrn_forward", n, c, hw, x.data, i32(c), i32(hw), i32(n), F32(alpha / size), F32(k),
                        F32(beta), y.data, s.data, p.data, defines=lrn_defines(before, after, beta))
         return y, (x, y, s, p, size, alpha, beta, before, after)
 
@@ -135,7 +179,7 @@ class OpenCLBackend(Backend):
             raise ValueError(f"lrn_backward: dy {dy.shape} does not match the forward input {x.shape}")
         n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
         dx = self.rt.empty(x.shape)
-        self.rt.launch("lrn_backward", (hw, c, n), dy.data, x.data, y.data, s.data, p.data, i32(c), i32(hw),
+        self._planes("lrn_backward", n, c, hw, dy.data, x.data, y.data, s.data, p.data, i32(c), i32(hw),
                        i32(n), F32(2.0 * alpha * beta / size), dx.data, defines=lrn_defines(before, after, beta))
         return dx
 
@@ -149,7 +193,7 @@ class OpenCLBackend(Backend):
         before, after = size // 2, (size - 1) // 2
         n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
         y, s = self.rt.empty(x.shape), self.rt.empty(x.shape)
-        self.rt.launch("relu_lrn_forward", (hw, c, n), x.data, i32(c), i32(hw), i32(n), F32(alpha / size), F32(k),
+        self._planes("relu_lrn_forward", n, c, hw, x.data, i32(c), i32(hw), i32(n), F32(alpha / size), F32(k),
                        F32(beta), y.data, s.data, defines=lrn_defines(before, after, beta))
         return y, (x, y, s, size, alpha, beta, before, after)
 
@@ -160,7 +204,7 @@ class OpenCLBackend(Backend):
             raise ValueError(f"relu_lrn_backward: dy {dy.shape} does not match the forward input {x.shape}")
         n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
         dx = self.rt.empty(x.shape)
-        self.rt.launch("relu_lrn_backward", (hw, c, n), dy.data, x.data, y.data, s.data, i32(c), i32(hw), i32(n),
+        self._planes("relu_lrn_backward", n, c, hw, dy.data, x.data, y.data, s.data, i32(c), i32(hw), i32(n),
                        F32(beta), F32(2.0 * alpha * beta / size), dx.data, defines=lrn_defines(before, after, beta))
         return dx
 
@@ -181,8 +225,8 @@ class OpenCLBackend(Backend):
         hw, m = h * w, n * h * w
         if training:
             require_batch_statistics(x.shape)
-            mean = self.rt.reduce_rows(x, c, n, hw, (hw, c * hw, 1), divisor=m)
-            var = self.rt.reduce_rows(x, c, n, hw, (hw, c * hw, 1), mode=2, center=mean, divisor=m)
+            mean = self._channel_sums(x, n, c, hw, divisor=m)
+            var = self._channel_sums(x, n, c, hw, mode=2, center=mean, divisor=m)
             unbiased = momentum * m / max(m - 1, 1)  # the running variance is the unbiased one
             self.rt.launch("bn_update_running", c, running_mean.data, running_var.data, mean.data, var.data,
                            i32(c), F32(1 - momentum), F32(momentum), F32(unbiased))
@@ -191,7 +235,7 @@ class OpenCLBackend(Backend):
         invstd = self.rt.empty((c,))
         self.rt.launch("bn_invstd", c, var.data, F32(eps), i32(c), invstd.data)
         xhat, y = self.rt.empty(x.shape), self.rt.empty(x.shape)
-        self.rt.launch("bn_forward", (hw, c, n), x.data, mean.data, invstd.data, gamma.data, beta.data, i32(c),
+        self._planes("bn_forward", n, c, hw, x.data, mean.data, invstd.data, gamma.data, beta.data, i32(c),
                        i32(hw), i32(n), xhat.data, y.data)
         return y, (xhat, gamma, invstd, training)
 
@@ -200,10 +244,10 @@ class OpenCLBackend(Backend):
         dy = self.rt.operand(dy, "batchnorm dy")
         n, c, h, w = dy.shape
         hw = h * w
-        dbeta = self.rt.reduce_rows(dy, c, n, hw, (hw, c * hw, 1))
-        dgamma = self.rt.reduce_rows(dy, c, n, hw, (hw, c * hw, 1), mode=1, src2=xhat)
+        dbeta = self._channel_sums(dy, n, c, hw)
+        dgamma = self._channel_sums(dy, n, c, hw, mode=1, src2=xhat)
         dx = self.rt.empty(dy.shape)
-        self.rt.launch("bn_backward", (hw, c, n), dy.data, xhat.data, gamma.data, invstd.data, dgamma.data,
+        self._planes("bn_backward", n, c, hw, dy.data, xhat.data, gamma.data, invstd.data, dgamma.data,
                        dbeta.data, i32(training), F32(n * hw), i32(c), i32(hw), i32(n), dx.data)
         return dx, dgamma, dbeta
 
@@ -228,7 +272,9 @@ class OpenCLBackend(Backend):
         geometry = (i32(h), i32(w), i32(oh), i32(ow), i32(n * c))
         window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
         args = (x.data, *geometry, y.data, arg.data)
-        if n * c <= 2:
+        if self.rows:  # optimisation (see ops.cl): a work-item walks an output row
+            self.rt.launch("maxpool_forward_rows", (oh, n * c), *args, defines=window, group=self._group(oh * n * c))
+        elif n * c <= 2:
             self.rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
         else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
             for plane in (0, n * c - 1):
@@ -249,8 +295,8 @@ class OpenCLBackend(Backend):
         dx = self.rt.empty(x_shape)
         n, c, h, w = x_shape
         args = (dy.data, arg.data, *geometry, dx.data)
-        if self.rt.limits.kind == "cpu":  # optimisation (see ops.cl): a work-item walks an input row
-            self.rt.launch("maxpool_backward_rows", n * c * h, *args, defines=window)
+        if self.rows:  # optimisation (see ops.cl): a work-item walks an input row
+            self.rt.launch("maxpool_backward_rows", n * c * h, *args, defines=window, group=self._group(n * c * h))
         else:
             self.rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
         return dx
@@ -318,7 +364,7 @@ class OpenCLBackend(Backend):
             raise ValueError(
                 f"sgd_update: param {param.shape}, grad {grad.shape} and velocity {velocity.shape} differ"
             )
-        self.rt.launch("sgd_update", param.size, param.data, grad.data, velocity.data, F32(lr), F32(momentum),
+        self._flat("sgd_update", param.size, param.data, grad.data, velocity.data, F32(lr), F32(momentum),
                        F32(weight_decay), i32(param.size))
 
     # ---- small helpers used by the sharded convolution --------------------------------------

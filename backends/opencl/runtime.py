@@ -93,14 +93,19 @@ class Runtime:
             self._kernels[key] = (knl, min(self.wg, limit))
         return self._kernels[key]
 
-    def launch(self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "") -> None:
+    def launch(
+        self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "", group: int | None = None
+    ) -> None:
         """Run the kernel ``name`` of OPS_SOURCES over a 1-3 dimensional grid of ``dims`` work-items.
 
         Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
         up to whole groups and every kernel checks its bounds. ``defines`` selects a build of
-        the kernels with a layer's window compiled in (see the header of ops.cl).
+        the kernels with a layer's window compiled in (see the header of ops.cl). ``group``: at
+        most that many items per group (the rows kernels, whose items each run a loop).
         """
         knl, wg = self.kernel(name, defines)
+        if group is not None:
+            wg = min(wg, group)
         dims = (dims,) if isinstance(dims, int) else dims
         if min(dims) <= 0:
             return
