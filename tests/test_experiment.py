@@ -198,3 +198,94 @@ def test_the_summary_reads_by_batch_then_network_size_whatever_order_the_cells_r
     lines = [line for line in got.splitlines() if line.startswith("| ") and "x" in line.split("|")[3]]
     cells = [tuple(c.strip() for c in line.split("|")[1:3]) for line in lines]
     assert cells == [("50:500", "64"), ("300:1000", "64"), ("500:1500", "64"), ("50:500", "128"), ("50:500", "256")]
+
+
+# ---- the rebalance and wire-precision axes ---------------------------------------------------------------------------
+def test_rebalance_and_wire_are_axes_the_master_alone_and_data_parallel_cells_skip() -> None:
+    got = cells(["a:1", "b:1"], [64], [1, 2], repeats=1, parallels=["model", "data"], rebalances=["on", "off"],
+                wires=["fp32", "bf16"])  # fmt: skip
+    alone = [c for c in got if c.participants == 1]
+    assert [(c.arch, c.rebalance, c.wire) for c in alone] == [("a:1", "-", "-"), ("b:1", "-", "-")]  # once each
+    model = [(c.rebalance, c.wire) for c in got if c.parallel == "model" and c.participants == 2]
+    assert model == [(r, w) for r in ("on", "off") for w in ("fp32", "bf16") for _ in "ab"]
+    data = [(c.rebalance, c.wire, c.fuse, c.split) for c in got if c.parallel == "data"]
+    assert data == [("on", "fp32", "-", "-")] * 2 + [("off", "fp32", "-", "-")] * 2  # no data cell at bf16
+    for before, after in zip(got, got[1:], strict=False):
+        assert before.arch != after.arch
+    assert len({c.key("x") for c in got}) == len(got)  # rebalance and wire tell cells apart in the key
+    (fixed,) = [c for c in got if (c.arch, c.rebalance, c.wire, c.parallel) == ("a:1", "off", "bf16", "model")]
+    assert "rebalance off" in fixed.label() and "wire bf16" in fixed.label()
+
+
+def test_a_fixed_split_and_a_narrowed_wire_reach_the_cluster(tmp_path: Path, monkeypatch) -> None:
+    from tinyconv.experiment import run
+
+    made = []
+
+    class Recorded(run.Cluster):
+        """The grid's cluster, kept for a look, and split evenly whatever the calibration measured, so
+        that every cell moves the same arrays."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def calibrate(self, net, batch_size, image_size=32):
+            got = super().calibrate(net, batch_size, image_size)
+            for b in self.blocks:
+                self.set_plan(b.name, [b.conv.out_channels // 2] * 2)
+            return got
+
+    monkeypatch.setattr(run, "Cluster", Recorded)
+    out = tmp_path / "grid.csv"
+    assert grid(out, "--participants", "2", "--split", "kernels", "--rebalance", "on", "off",
+                "--wire-precision", "fp32", "bf16") == 0  # fmt: skip
+    assert [(c.rebalancer is not None, c.wire_precision) for c in made] == [
+        (True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")]  # fmt: skip
+    got = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["rebalance"], r["wire"], r["shares"]) for r in got] == [
+        (on, wire, "conv1=2/2 conv2=4/4") for on in ("on", "off") for wire in ("fp32", "bf16")]  # fmt: skip
+    on32, on16, off32, off16 = got
+    for wide, narrow in ((on32, on16), (off32, off16)):  # the same arrays in 2 bytes a number instead of 4
+        assert narrow["bytes_recv"] * 2 == wide["bytes_recv"] and narrow["bytes_sent"] * 2 == wide["bytes_sent"]
+        assert wide["wire_formats"] == "" and narrow["wire_formats"] == "conv1=bf16/bf16/bf16 conv2=bf16/bf16/bf16"
+        assert narrow["wire_fallbacks"] == 0
+    assert "rebalance off wire bf16" in summary(got)
+
+
+def test_data_parallel_runs_at_fp32_only(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out, "--participants", "2", "--parallel", "data", "--wire-precision", "bf16") == 2
+    assert "no cells" in capsys.readouterr().err
+    assert grid(out, "--participants", "2", "--parallel", "model", "data", "--wire-precision", "fp32", "adt24") == 0
+    assert "its cells at --wire-precision adt24 are left out" in capsys.readouterr().out
+    assert [(r["parallel"], r["wire"]) for r in rows(out)] == [("model", "fp32"), ("model", "adt24"), ("data", "fp32")]
+
+
+@pytest.mark.parametrize("newer", [["rebalance", "wire", "wire_fallbacks", "wire_formats"],
+                                   ["parallel", "rebalance", "wire", "wire_fallbacks", "wire_formats"]])  # fmt: skip
+def test_a_csv_written_before_the_rebalance_and_wire_columns_resumes_as_on_and_fp32(
+    tmp_path: Path, capsys, newer: list[str]
+) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out) == 0
+    old = [{k: v for k, v in r.items() if k not in newer} for r in rows(out)]
+    with open(out, "w", newline="") as f:  # as a grid before those columns wrote it
+        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c not in newer], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(old)
+    capsys.readouterr()
+    assert grid(out, "--rebalance", "on", "off") == 0
+    assert "3 cells, 2 already in" in capsys.readouterr().out  # only the cell with the split kept is new
+    now = rows(out)
+    assert [(r["participants"], r["rebalance"], r["wire"], r["wire_fallbacks"]) for r in now] == [
+        ("1", "-", "-", "0"), ("2", "on", "fp32", "0"), ("2", "off", "fp32", "0")]  # fmt: skip
+    assert [{k: v for k, v in r.items() if k not in newer} for r in now[:2]] == old
+
+
+def test_a_csv_with_columns_this_grid_does_not_know_is_refused(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "grid.csv"
+    out.write_text(",".join([*COLUMNS, "mystery"]) + "\n")
+    assert grid(out) == 2
+    err = capsys.readouterr().err
+    assert "unknown mystery" in err and "another --out" in err and len(err.strip().splitlines()) == 1

@@ -155,6 +155,8 @@ def check_round_ticks(labels: list[str]) -> None:
     assert values == sorted(values) and len(set(values)) == len(values), labels
     steps = {round(b - a, 9) for a, b in zip(values, values[1:], strict=False)}
     ratios = {round(b / a, 9) for a, b in zip(values, values[1:], strict=False) if a > 0}
+    if ratios == {2.0} and all(v > 0 and math.log2(v).is_integer() for v in values):
+        return  # a log axis of powers of two (two of them, 64 and 128, have one step, as a linear axis)
     if len(steps) == 1:  # linear: one step, 1, 2 or 5 x 10^k, and every value a multiple of it
         (step,) = steps
         mantissa = step / 10 ** math.floor(math.log10(step))
@@ -300,6 +302,38 @@ def test_grid_puts_data_parallel_rows_beside_model_parallel_ones(tmp_path):
         f"50:500 batch {b} parallel {how}" for b in (64, 256) for how in ("data", "model, fuse on, split auto")
     ]
     assert all([t.text for t in texts(g, "x")] == ["alone", "2"] for g in groups)  # the master alone opens each
+
+
+def test_grid_tells_rebalance_and_wire_apart_and_the_master_alone_opens_each_group(tmp_path):
+    """A fixed split and a narrowed wire are series and bar groups of their own; the master alone's
+    "-" for them is no setting, so a grid with one distributed configuration says none."""
+    base = dict(arch="300:1000", norm="lrn", batch=64, backend="numpy", transport="zmq", repeat=0, steps=1,
+                parallel="model", bytes_recv=0, shares="", link="5MB/s", host="vm", timestamp="t")  # fmt: skip
+    configs = [(1, "-", "-", "-", "-", 20.0, 0)] + [
+        (2, "off", "kernels", rebalance, wire, step, sent)
+        for rebalance, wire, step, sent in (("on", "fp32", 60.0, 92e6), ("off", "fp32", 40.0, 92e6),
+                                            ("off", "bf16", 25.0, 46e6))]  # fmt: skip
+    rows = [dict(base, participants=p, fuse=fuse, split=split, rebalance=rebalance, wire=wire, step_s=step,
+                 step_s_min=step, step_s_max=step, comm_s=0.5 * step * (p - 1), conv_s=0.4 * step, comp_s=0.1 * step,
+                 solo_step_s=20.0, speedup=20.0 / step, bytes_sent=sent)
+            for p, fuse, split, rebalance, wire, step, sent in configs]  # fmt: skip
+    columns = list(dict.fromkeys(GRID_COLUMNS + ["parallel", "rebalance", "wire"]))
+    _write_csv(tmp_path / "grid.csv", columns, rows)
+    plot_files([tmp_path / "grid.csv"], tmp_path / "out")
+    root = check_readable(tmp_path / "out" / "grid-speedup.svg")
+    ways = (("off", "bf16"), ("off", "fp32"), ("on", "fp32"))
+    assert [g.get("data-name") for g in series(root)] == [
+        f"300:1000 on 2 participants, rebalance {r}, wire {w}" for r, w in ways
+    ]
+    root = check_readable(tmp_path / "out" / "grid-breakdown.svg")
+    groups = [g for g in root.iter(SVG + "g") if g.get("class") == "group"]
+    assert [g.get("data-label") for g in groups] == [f"300:1000 batch 64 rebalance {r}, wire {w}" for r, w in ways]
+    assert all([t.text for t in texts(g, "x")] == ["alone", "2"] for g in groups)
+    _write_csv(tmp_path / "one.csv", columns, rows[:2])  # the master alone and one fixed split: nothing to tell apart
+    plot_files([tmp_path / "one.csv"], tmp_path / "one")
+    assert [g.get("data-name") for g in series(check_readable(tmp_path / "one" / "one-speedup.svg"))] == [
+        "300:1000 on 2 participants"
+    ]
 
 
 def test_simulated_speedup_against_nodes(tmp_path):

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tinyconv.experiment.grid import PARALLELS, Cell, cells, cost, pending
+from tinyconv.experiment.grid import DATA_WIRE, PARALLELS, REBALANCES, Cell, cells, cost, pending
 from tinyconv.worker.main import THREAD_ENV_VARS
 
 PROG = "tinyconv experiment grid"
@@ -48,16 +48,18 @@ def _int(minimum: int):
 
 def build_parser() -> argparse.ArgumentParser:
     from tinyconv.model import NORMS, PAPER_ARCHS  # imports numpy: after main() set the BLAS threads
+    from tinyconv.shard.adaptive_precision import SETTINGS as WIRE_PRECISIONS
 
     p = _Parser(prog="tinyconv experiment", description="The paper's experiments, one command each.")
     sub = p.add_subparsers(dest="experiment", required=True, parser_class=_Parser)
     g = sub.add_parser("grid", help="the speedup grid: archs x batches x participants x repeats, one CSV row a run",
                        description="Time training steps for every architecture x batch x participant count (x norm, "
-                       "backend, fuse, split, parallel) x repeat: the master alone, and the master with P-1 workers, "
-                       "their steps alternated; one CSV and JSON row per run; resumable.",
+                       "backend, fuse, split, parallel, rebalance, wire precision) x repeat: the master alone, and "
+                       "the master with P-1 workers, their steps alternated; one CSV and JSON row per run; resumable.",
                        epilog="A re-run with the same --out skips the cells already in it (same arch, norm, batch, "
-                       "participants, fuse, split, backend, parallel, repeat and --link-label; a CSV written before "
-                       "the parallel column resumes as model) and appends the rest; a file "
+                       "participants, fuse, split, backend, parallel, rebalance, wire, repeat and --link-label; a CSV "
+                       "written before a column existed resumes as what it ran: parallel model, rebalance on, wire "
+                       "fp32) and appends the rest; a file "
                        "measured with other --steps, --warmup, --settle or --transport is refused, not mixed. The "
                        "progress bar's time left is the cost still to run (conv multiply-adds x steps, in Gflop) "
                        "over the average rate so far.")  # fmt: skip
@@ -77,7 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more (default auto)")  # fmt: skip
     g.add_argument("--parallel", nargs="+", choices=PARALLELS, default=["model"],
                    help="model (the paper's split of the convolutions), data (whole replicas, the batch split; "
-                   "tinyconv/replica/) or both, to compare them (default model)")
+                   "tinyconv/replica/) or both, to compare them (default model)")  # fmt: skip
+    g.add_argument("--rebalance", nargs="+", choices=REBALANCES, default=["on"],
+                   help="on: the rebalancer follows the measured times during the steps (warm-up included); off: "
+                   "the calibrated split is kept for every step, e.g. a slow link's steady state; or both "
+                   "(default on)")  # fmt: skip
+    g.add_argument("--wire-precision", nargs="+", choices=WIRE_PRECISIONS, default=["fp32"], metavar="FORMAT",
+                   help=f"the words the shards travel in, one or more of {', '.join(WIRE_PRECISIONS)} "
+                   f"(tinyconv/shard/wire_precision.py; default fp32); --parallel data runs at {DATA_WIRE} only, "
+                   "its cells at the others are left out")  # fmt: skip
     g.add_argument("--transport", choices=("zmq", "inproc"), default="zmq",
                    help="zmq: worker processes (default); inproc: threads, for tests, not for timing")  # fmt: skip
     g.add_argument("--bind", metavar="ADDR", help="the master's address (default tcp://127.0.0.1:0, a free "
@@ -144,7 +154,14 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     if cut:
         print(f"{out}: dropped a half-written last line (a run cut short); that cell runs again")
     grid = cells(args.archs, args.batches, args.participants, args.repeats, args.norm, args.fuse, args.split,
-                 args.backend, args.parallel)  # fmt: skip
+                 args.backend, args.parallel, args.rebalance, args.wire_precision)  # fmt: skip
+    narrowed = [w for w in args.wire_precision if w != DATA_WIRE]
+    if "data" in args.parallel and max(args.participants) > 1 and narrowed:
+        print(f"--parallel data sends {DATA_WIRE} only: its cells at --wire-precision {' '.join(narrowed)} are "
+              "left out")  # fmt: skip
+    if not grid:
+        raise BadInput(f"no cells: --parallel data runs at --wire-precision {DATA_WIRE} only; add {DATA_WIRE} or "
+                       "--parallel model")  # fmt: skip
     return grid, rows
 
 

@@ -2,10 +2,10 @@
 
 **Order.** Repeats are rounds: every configuration runs its repeat 0 before any runs its
 repeat 1, so a configuration's repeats are a whole round apart, never back to back. Within a
-round the batch changes slowest, then participants / fuse / split / backend / norm, and the
-architecture fastest: consecutive cells differ in architecture (when there are several), so
-a slow drift of the shared machine spreads over all of them instead of landing on one
-architecture's cells. Every round runs in the same order. Inside a cell, solo and
+round the batch changes slowest, then participants / parallel / fuse / split / rebalance /
+wire / backend / norm, and the architecture fastest: consecutive cells differ in architecture
+(when there are several), so a slow drift of the shared machine spreads over all of them
+instead of landing on one architecture's cells. Every round runs in the same order. Inside a cell, solo and
 distributed steps alternate step by step (``run.py``), so the speedup itself is measured
 under the same conditions on both sides.
 
@@ -15,6 +15,17 @@ row says ``fuse = split = "-"`` and ``parallel = "model"`` (as rows written befo
 column existed read). **Data-parallel** cells (``parallel = "data"``, ``tinyconv/replica/``)
 split the batch, not the convolutions: --fuse and --split mean nothing there, and their rows
 say ``"-"`` for both.
+
+**Rebalance and wire.** ``rebalance`` "on" lets the ``Rebalancer`` follow the measured times
+during the cell's steps (warm-up included), as the main job does; "off" keeps the split the
+calibration chose for every step, so a slow link's steady state with a fixed split is measured
+rather than the rebalancer moving kernels while the steps are timed. ``wire`` is the
+``--wire-precision`` the shards travel in (``tinyconv/shard/wire_precision.py``: fp32, adt24,
+bf16, fp16, or adaptive). A data-parallel cell rebalances its images or not likewise, but
+sends float32 only (its replicas refuse narrowing): the data-parallel cells of any other
+wire are left out, not run. The master alone has no rebalancer and sends nothing: its row says
+``"-"`` for both, as for fuse and split; a row written before these columns existed reads
+"on" and "fp32" (``"-"`` for the master alone).
 
 **Cost.** A cell's expected cost, for the progress bar's estimate of the time left, is its
 convolutions' multiply-adds (forward and backward, three GEMMs each) times the steps it runs:
@@ -30,8 +41,11 @@ from dataclasses import dataclass
 from itertools import product
 
 NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone splits nothing
-KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "repeat", "link")
+KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "rebalance", "wire", "repeat",
+       "link")  # fmt: skip
 PARALLELS = ("model", "data")
+REBALANCES = ("on", "off")
+DATA_WIRE = "fp32"  # the only wire a data-parallel cell runs (tinyconv/replica/ sends float32)
 CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x
 
 
@@ -48,17 +62,23 @@ class Cell:
     backend: str
     repeat: int
     parallel: str = "model"  # "model": the paper's split of the convolutions; "data": replicas, the batch split
+    rebalance: str = "on"  # "on" / "off" (the calibrated split kept), or "-" for the master alone
+    wire: str = "fp32"  # the --wire-precision of the shards, or "-" for the master alone
 
     def key(self, link: str) -> tuple[str, ...]:
         """The cell's identity as the CSV's key columns hold it (all text), on the link ``link``."""
         return (self.arch, self.norm, str(self.batch), str(self.participants), self.fuse, self.split,
-                self.backend, self.parallel, str(self.repeat), link)  # fmt: skip
+                self.backend, self.parallel, self.rebalance, self.wire, str(self.repeat), link)  # fmt: skip
 
     def label(self) -> str:
         """A short name for lines and the progress bar."""
-        how = "master alone" if self.participants == 1 else f"P{self.participants} fuse {self.fuse} split {self.split}"
-        if self.parallel == "data" and self.participants > 1:
-            how = f"P{self.participants} data-parallel"
+        if self.participants == 1:
+            how = "master alone"
+        elif self.parallel == "data":
+            how = f"P{self.participants} data-parallel rebalance {self.rebalance}"
+        else:
+            how = (f"P{self.participants} fuse {self.fuse} split {self.split} rebalance {self.rebalance} "
+                   f"wire {self.wire}")  # fmt: skip
         return f"{self.arch} {self.norm} batch {self.batch} {how} {self.backend} #{self.repeat}"
 
 
@@ -72,16 +92,23 @@ def cells(
     splits: Sequence[str] = ("auto",),
     backends: Sequence[str] = ("numpy",),
     parallels: Sequence[str] = ("model",),
+    rebalances: Sequence[str] = ("on",),
+    wires: Sequence[str] = ("fp32",),
 ) -> list[Cell]:
-    """Every cell of the grid, in the order they run (see the module's docstring), without duplicates."""
+    """Every cell of the grid, in the order they run (see the module's docstring), without duplicates.
+    Data-parallel cells come only at fp32 (``DATA_WIRE``): with any other of ``wires`` they are left out."""
     out: list[Cell] = []
     seen: set[Cell] = set()
     for repeat, batch in product(range(repeats), batches):
-        for p, parallel, fuse, split, backend, norm in product(participants, parallels, fuses, splits, backends, norms):
+        ways = product(participants, parallels, fuses, splits, rebalances, wires, backends, norms)
+        for p, parallel, fuse, split, rebalance, wire, backend, norm in ways:
+            alone, data = p == 1, parallel == "data" and p > 1
+            if data and wire != DATA_WIRE:
+                continue
+            how = (NOT_SPLIT, NOT_SPLIT) if alone or data else (fuse, split)
+            sharing = (NOT_SPLIT, NOT_SPLIT) if alone else (rebalance, wire)
             for arch in archs:
-                alone, data = p == 1, parallel == "data" and p > 1
-                how = (NOT_SPLIT, NOT_SPLIT) if alone or data else (fuse, split)
-                cell = Cell(arch, norm, batch, p, *how, backend, repeat, "model" if alone else parallel)
+                cell = Cell(arch, norm, batch, p, *how, backend, repeat, "model" if alone else parallel, *sharing)
                 if cell not in seen:
                     seen.add(cell)
                     out.append(cell)

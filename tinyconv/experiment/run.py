@@ -2,14 +2,18 @@
 
 A step is forward, loss, backward and the SGD update on random CIFAR-shaped data
 (:func:`one_step`). A distributed cell calibrates, runs ``warmup`` untimed distributed steps
-(the rebalancer settles), then alternates solo and distributed steps (:func:`alternate`):
+(the rebalancer settles; with ``cell.rebalance`` "off" there is none, and every step keeps the
+calibrated split), then alternates solo and distributed steps (:func:`alternate`):
 ``cluster.detach`` puts the network's own layers back for a solo step, ``cluster.attach``
 shards them again, and after every switch ``settle`` untimed steps run first, so that a timed
 step never runs on the caches the other configuration left behind. A drift in the shared
 machine's speed thus hits both sides of the speedup alike. The master alone (participants 1)
 runs its warm-up and timed steps, then one step timed layer by layer (:func:`solo_split`) to
 split it into conv and comp, as the paper's Fig. 6 does. ``benchmarks/bench_speedup.py``
-prints the same measurements for one configuration, in more detail.
+prints the same measurements for one configuration, in more detail. The shards travel in
+``cell.wire`` (``Cluster(wire_precision=)``); the bytes in a row are those that crossed, as
+narrowed, and a narrowed wire's row names the words each layer's weights / maps / gradients
+took in its last step (``wire_formats``) and how many arrays fell back to float32.
 
 A data-parallel cell (``cell.parallel == "data"``, ``tinyconv/replica/``) alternates the same
 way, a solo step against one of the replicas (:func:`data_step`), which need no attaching.
@@ -25,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from tinyconv.experiment.grid import Cell
+from tinyconv.experiment.grid import DATA_WIRE, Cell
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network, paper_net, parse_arch
 from tinyconv.optim import SGD
@@ -129,9 +133,12 @@ def run_cell(
         raise RuntimeError(f"{cell.label()} needs {cell.participants - 1} workers, the grid has {len(workers)}")
     if cell.parallel == "data":
         return _data_parallel(cell, net, opt, x, y, be, transport, workers, steps, warmup, settle)
+    if cell.parallel != "model":  # a new --parallel needs its own runner here, not the model split by default
+        raise ValueError(f"{cell.label()}: the grid has no runner for --parallel {cell.parallel}")
     cluster = Cluster(transport, workers[: cell.participants - 1], be, master_share="auto",
-                      rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD), recv_timeout=RECV_TIMEOUT_S,
-                      fuse=cell.fuse == "on", split=cell.split)  # fmt: skip
+                      rebalance=cell.rebalance == "on", rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD),
+                      recv_timeout=RECV_TIMEOUT_S, fuse=cell.fuse == "on", split=cell.split,
+                      wire_precision=cell.wire)  # fmt: skip
     try:
         cluster.calibrate(net, cell.batch)
         for _ in range(warmup):
@@ -153,6 +160,8 @@ def _row(solo: list[dict[str, Any]], dist: list[dict[str, Any]]) -> dict[str, An
         "bytes_sent": int(med(dist, "bytes_sent")), "bytes_recv": int(med(dist, "bytes_recv")),
         "solo_step_s": solo_s, "speedup": solo_s / step_s,
         "shares": shares_text(last["shares"]), "channel_shares": shares_text(last.get("channel_shares", {})),
+        "wire_fallbacks": sum(r.get("wire_fallbacks", 0) for r in dist),
+        "wire_formats": formats_text(last.get("wire_precision", {})),
     }  # fmt: skip
 
 
@@ -161,8 +170,11 @@ def _data_parallel(
     workers: Sequence[WorkerInfo], steps: int, warmup: int, settle: int,
 ) -> dict[str, Any]:  # fmt: skip
     """A data-parallel cell: replicas calibrated, warmed up, then solo and data-parallel steps alternated."""
+    if cell.wire != DATA_WIRE:
+        raise ValueError(f"{cell.label()}: data-parallel replicas send {DATA_WIRE} only, not {cell.wire}")
     replicas = Replicas(transport, workers[: cell.participants - 1], be, master_share="auto",
-                        rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD), recv_timeout=RECV_TIMEOUT_S)  # fmt: skip
+                        rebalance=cell.rebalance == "on", rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD),
+                        recv_timeout=RECV_TIMEOUT_S)  # fmt: skip
     replicas.calibrate(net, cell.batch)
     for _ in range(warmup):
         data_step(net, opt, x, y, replicas)
@@ -190,6 +202,7 @@ def _alone(net: Network, opt: SGD, x: Any, y: np.ndarray, steps: int, warmup: in
         "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times),
         "comm_s": 0.0, "conv_s": conv_s, "comp_s": step_s - conv_s, "bytes_sent": 0, "bytes_recv": 0,
         "solo_step_s": step_s, "speedup": 1.0, "shares": shares_text(kernels), "channel_shares": "",
+        "wire_fallbacks": 0, "wire_formats": "",
     }  # fmt: skip
 
 
@@ -201,3 +214,11 @@ def shares_text(shares: dict[str, Sequence[int]]) -> str:
     """{"conv1": [25, 25], "conv2": [240, 260]} -> "conv1=25/25 conv2=240/260": per layer, the
     kernels (or input channels) of each participant, the master first."""
     return " ".join(f"{layer}={'/'.join(str(k) for k in counts)}" for layer, counts in shares.items())
+
+
+def formats_text(formats: dict[str, dict[str, str]]) -> str:
+    """{"conv1": {"weights": "bf16", "maps": "bf16", "grads": "bf16"}, ...} -> "conv1=bf16/bf16/bf16 ...":
+    per layer, the words its weights / maps / gradients travelled in (a narrowed wire's step record;
+    empty at fp32, which records none)."""
+    return " ".join(f"{layer}={'/'.join(roles.get(k, '?') for k in ('weights', 'maps', 'grads'))}"
+                    for layer, roles in formats.items())  # fmt: skip

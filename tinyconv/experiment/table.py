@@ -3,8 +3,10 @@
 The columns (:data:`COLUMNS`) are a contract: the plots and the simulator read them by name.
 The CSV is appended to one row at a time, flushed, so a grid cut short keeps every finished
 cell; a re-run reads it back (:func:`read_rows`), drops a half-written last line, and skips
-the cells whose key columns (``grid.KEY``) it already holds. The JSON beside it
-(``grid.json`` for ``grid.csv``) is rewritten whole after every cell, with typed values.
+the cells whose key columns (``grid.KEY``) it already holds. A file written before some of the
+columns existed (:data:`OLDER`: parallel, rebalance, wire, ...) reads with what its rows meant
+by them, and is rewritten once with every column. The JSON beside it (``grid.json`` for
+``grid.csv``) is rewritten whole after every cell, with typed values.
 
 A file measured under other settings is refused rather than mixed: rows of one CSV must agree
 on :data:`SETTINGS` (steps, warm-up, settle, transport) -- a different --steps makes a
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinyconv.experiment.grid import KEY
+from tinyconv.experiment.grid import KEY, NOT_SPLIT
 from tinyconv.paper import paper_speedup
 from tinyconv.report import format_table
 
@@ -35,8 +37,14 @@ COLUMNS: dict[str, type] = {
     "solo_step_s": float, "speedup": float, "shares": str, "link": str, "host": str, "timestamp": str,
     # extras
     "warmup": int, "settle": int, "channel_shares": str, "workers": str, "parallel": str,
+    "rebalance": str, "wire": str, "wire_fallbacks": int, "wire_formats": str,
 }  # fmt: skip
-OLDER = {"parallel": "model"}  # columns added since the first grids, and what a row written before them means
+# columns added since the first grids: what a row written before them means, for a distributed row
+# and for the master alone (which has no rebalancer and sends nothing)
+OLDER: dict[str, tuple[str, str]] = {
+    "parallel": ("model", "model"), "rebalance": ("on", NOT_SPLIT), "wire": ("fp32", NOT_SPLIT),
+    "wire_fallbacks": ("0", "0"), "wire_formats": ("", ""),
+}  # fmt: skip
 SETTINGS = ("steps", "warmup", "settle", "transport")
 
 
@@ -67,22 +75,28 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
     reader = csv.DictReader(io.StringIO(text))
     if reader.fieldnames is None:
         return [], cut
-    older = [c for c in COLUMNS if c not in OLDER]
-    if list(reader.fieldnames) == older:  # written before the newer columns: their rows mean their defaults
-        rows = [typed({**r, **OLDER}) for r in reader]
-        _rewrite(path, rows)  # with every column, so that the rows this run appends fit its header
-        return rows, cut
-    if list(reader.fieldnames) != list(COLUMNS):
-        missing = [c for c in COLUMNS if c not in reader.fieldnames]
+    header = list(reader.fieldnames)
+    missing = [c for c in COLUMNS if c not in header]  # fine if all are newer than the file (OLDER)
+    lacking, unknown = [c for c in missing if c not in OLDER], [c for c in header if c not in COLUMNS]
+    if lacking or unknown or header != [c for c in COLUMNS if c in header]:
+        said = [f"missing {', '.join(lacking)}"] if lacking else []
+        said += [f"unknown {', '.join(unknown)}"] if unknown else []
         raise GridFileError(
-            f"{path} has other columns than this grid writes ({'missing ' + ', '.join(missing) if missing else 'order'}"
-            "); give another --out"
+            f"{path} has other columns than this grid writes ({'; '.join(said) or 'order'}); give another --out"
         )
     try:
-        rows = [typed(r) for r in reader]
+        rows = [typed({**r, **{c: older(c, r) for c in missing}}) for r in reader]
     except (TypeError, ValueError) as e:
         raise GridFileError(f"{path} has a row that does not parse ({e}); give another --out") from None
+    if missing:  # written before the newer columns: rewritten with every column, so the rows appended fit
+        _rewrite(path, rows)
     return rows, cut
+
+
+def older(column: str, row: dict[str, str]) -> str:
+    """What ``row``, written before ``column`` existed, means by it (:data:`OLDER`)."""
+    distributed, alone = OLDER[column]
+    return alone if row.get("participants") == "1" else distributed
 
 
 def check_settings(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> None:
@@ -136,10 +150,11 @@ def _text(v: Any) -> str:
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """Median speedup over repeats: a row per arch x batch, a column per participants (and per
-    fuse / split / backend / norm when the rows have several), and the paper's 2-CPU value."""
+    fuse / split / parallel / rebalance / wire / backend / norm when the rows have several), and
+    the paper's 2-CPU value."""
     ways = {_way(r) for r in rows}
     # one column per participant count, unless the rows split (or run) more than one way
-    many = len({w[1:] for w in ways if w[0] > 1}) > 1 or len({w[3:] for w in ways}) > 1
+    many = len({w[1:] for w in ways if w[0] > 1}) > 1 or len({w[-2:] for w in ways}) > 1
     columns = sorted(ways) if many else sorted({(w[0],) for w in ways})
     cell_rows = []
     for arch, batch in sorted(dict.fromkeys((r["arch"], r["batch"]) for r in rows), key=_by_batch_then_size):
@@ -161,18 +176,24 @@ def _by_batch_then_size(cell: tuple[str, int]) -> tuple:
 
 
 def _way(r: dict[str, Any]) -> tuple:
-    return (r["participants"], r["fuse"], r["split"], r["backend"], r["norm"], r.get("parallel", "model"))
+    """How the row's step was shared, then where it ran (backend, norm: the last two)."""
+    alone = r["participants"] == 1
+    return (r["participants"], r["fuse"], r["split"], r.get("parallel", "model"),
+            r.get("rebalance", NOT_SPLIT if alone else "on"), r.get("wire", NOT_SPLIT if alone else "fp32"),
+            r["backend"], r["norm"])  # fmt: skip
 
 
 def _header(col: tuple) -> str:
     if len(col) == 1:
         return f"{col[0]} participant{'s' if col[0] > 1 else ''}"
-    p, fuse, split, backend, norm, parallel = col
+    p, fuse, split, parallel, rebalance, wire, backend, norm = col
     if p == 1:
         return f"1 (alone) {backend} {norm}"
+    fixed = " rebalance off" if rebalance == "off" else ""  # the defaults (on, fp32) go unsaid
     if parallel == "data":
-        return f"{p} data-parallel {backend} {norm}"
-    return f"{p} fuse {fuse} split {split} {backend} {norm}"
+        return f"{p} data-parallel{fixed} {backend} {norm}"
+    narrow = f" wire {wire}" if wire != "fp32" else ""
+    return f"{p} fuse {fuse} split {split}{fixed}{narrow} {backend} {norm}"
 
 
 def _median(xs: list[float]) -> float:

@@ -1,9 +1,11 @@
 """Charts of the experiment grid's CSV (``tinyconv experiment grid``).
 
 * <name>-speedup.svg   -- speedup against the batch size, a series per architecture and
-  participant count (the median of the repeats), the ideal (= participants) dashed, and the
-  paper's speedups (tinyconv/paper.py) beside ours as hollow diamonds on a dotted line: the
-  paper does not record here which batch they came from, so they span the axis;
+  participant count and per value of each :data:`SETTINGS` column that differs (--rebalance
+  off and on, --wire-precision bf16 and fp32, ...; the median of the repeats), the ideal
+  (= participants) dashed, and the paper's speedups (tinyconv/paper.py) beside ours as hollow
+  diamonds on a dotted line: the paper does not record here which batch they came from, so
+  they span the axis;
 * <name>-breakdown.svg -- the paper's Fig. 6: a step's comm / conv / comp, stacked, a bar per
   participant count (the master alone first), grouped by architecture and batch.
 """
@@ -20,9 +22,10 @@ from tinyconv.plot.runs import PARTS
 from tinyconv.plot.svg import colors
 from tinyconv.plot.tables import describe, median, number, varying
 
-SETTINGS = ("parallel", "norm", "fuse", "split", "backend", "transport", "link")  # may differ between rows of one grid
+# may differ between rows of one grid, and then tell series apart
+SETTINGS = ("parallel", "norm", "fuse", "split", "rebalance", "wire", "backend", "transport", "link")
 # how the participants share a step: the master alone's row has none of them (it says "-", or "model")
-SHARING = ("parallel", "fuse", "split")
+SHARING = ("parallel", "fuse", "split", "rebalance", "wire")
 IDEAL_GREYS = ("#555555", "#888888", "#aaaaaa", "#bbbbbb")
 
 
@@ -52,9 +55,16 @@ def _sortable(v: Any) -> tuple:
     return (0, _arch_key(v)) if isinstance(v, str) and ":" in v else (1, v if isinstance(v, (int, float)) else str(v))
 
 
+def _settings(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The SETTINGS that differ between the rows: a SHARING one only if it differs between rows with
+    participants, since the master alone's "-" (rebalance, wire, fuse, split) is no setting of its own."""
+    shared = [r for r in rows if (number(r, "participants") or 0) > 1]
+    return [k for k in SETTINGS if varying(shared if k in SHARING else rows, [k])]
+
+
 def speedup_chart(rows: Sequence[dict[str, Any]]) -> str:
     """Speedup against batch size: ours per (arch, participants[, settings]), the ideal, the paper's."""
-    settings = varying(rows, SETTINGS)
+    settings = _settings(rows)
     key = ("arch", "participants", *settings)
     cells = _cells([r for r in rows if (number(r, "participants") or 0) > 1], ("batch", *key))
     lines: dict[tuple, list[tuple[float, float]]] = {}
@@ -119,8 +129,9 @@ def _paper(lines: dict[tuple, list], palette: list[str], batches: list[float]) -
 def breakdown_chart(rows: Sequence[dict[str, Any]]) -> str:
     """comm / conv / comp per configuration, stacked: a group per (arch, batch[, settings]), a bar per
     participant count (1 = the master alone). The master alone shares nothing, so its bar opens every
-    group of its arch, batch and other settings, whatever the group's --parallel, --fuse or --split."""
-    settings = varying(rows, SETTINGS)
+    group of its arch, batch and other settings, whatever the group's --parallel, --fuse, --split,
+    --rebalance or --wire-precision."""
+    settings = _settings(rows)
     others = [k for k in settings if k not in SHARING]
     alone: dict[tuple, Bar] = {}
     groups: dict[tuple, list[Bar]] = {}
