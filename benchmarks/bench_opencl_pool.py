@@ -18,6 +18,11 @@ bwd 3; lrn fwd 4 (y, s, p out), bwd 6; relu+lrn fwd 3, bwd 5; batch norm fwd 5 (
 mean, for the variance, then x in and xhat, y out), bwd 6 (dy for dbeta; dy, xhat for dgamma;
 dy, xhat in and dx out); max pool x plus y and its int32 argmax (each a quarter map), backward
 the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, velocity out).
+
+Then im2col into the GEMM's B panels (width --nb) for each convolution's forward (conv1 on the
+N x 3 x 32 x 32 images, conv2 on pool1's N x C1 x 16 x 16; 5x5, pad 2) and conv2's dx GEMM
+(its dy, a 1x1 "im2col"), and im2row, [cols^T | 1] for each dW GEMM: the input read once and
+the panels written; numpy: its im2col (the same values, not in panels).
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.numpy_backend import NumpyBackend  # noqa: E402
+from backends.numpy_backend import NumpyBackend, im2col  # noqa: E402
+from backends.opencl import conv  # noqa: E402
+from backends.opencl.gemm import cdiv  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
 
-GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd")
+GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd", "im2col")
 
 
 def device_ms(rt, fn, repeats: int) -> float:
@@ -105,6 +112,34 @@ def ops_of(be, ref, x: np.ndarray, w_shape: tuple[int, ...]) -> list:
     ]
 
 
+def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = False) -> tuple:
+    """(bytes moved, OpenCL call, numpy call) of im2col into panels of width nb, stride 1, or
+    (``transposed``) im2row, the dW GEMM's [cols^T | 1]."""
+    n, c, h, w = x.shape
+    oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    kdim, npix = c * k * k, n * oh * ow
+    xd = be.asarray(x)
+    pixel, tap = conv.im2col_tables(be.rt, x.shape, k, k, 1, pad, oh, ow)
+    out = be.rt.empty((cdiv(kdim + 1, nb) * npix * nb,) if transposed else (cdiv(npix, nb) * kdim * nb,))
+    i32 = np.int32
+
+    def run():
+        if transposed and be.rows:
+            be.rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), xd.data, i32(c), i32(h), i32(w), i32(oh),
+                         i32(ow), i32(n), i32(nb), out.data, defines=conv.window(k, k, 1, pad), rows=True)
+        elif transposed:
+            be.rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), xd.data, pixel.data, tap.data, i32(h),
+                         i32(w), i32(npix), i32(kdim), i32(nb), out.data)
+        elif be.rows:
+            be.rt.launch("im2col_panels_rows", (kdim, n), xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow),
+                         i32(n), i32(nb), out.data, defines=conv.window(k, k, 1, pad), rows=True)
+        else:
+            be.rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), xd.data, pixel.data, tap.data, i32(h),
+                         i32(w), i32(npix), i32(kdim), i32(nb), out.data)
+
+    return x.nbytes + out.size * 4, run, lambda: im2col(x, k, k, 1, pad)
+
+
 def main() -> None:
     head, _, rest = __doc__.partition("\n\n")
     ap = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +148,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21, help="launches per op and variant (default %(default)s)")
     ap.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="these ops only (default: all)")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy timings (faster)")
+    ap.add_argument("--nb", type=int, default=16, help="im2col's panel width, the GEMM's NB (default %(default)s)")
     ap.add_argument("--device", help="OpenCL device: P:D, gpu/cpu or a name substring")
     a = ap.parse_args()
     if a.batch < 1 or a.repeats < 1:
@@ -122,22 +158,31 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
     print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
+    timed = []
     for label, shape in (("conv1", (a.batch, c1, 32, 32)), ("conv2", (a.batch, c2, 16, 16))):
         x = rng.standard_normal(shape, dtype=np.float32)
-        for group, name, nbytes, on_device, on_numpy in ops_of(be, ref, x, (c2, c1, 5, 5)):
-            if group not in a.only:
-                continue
-            row = f"{label + ' ' + name:30}"
-            for rows, width in ((False, 14), (True, 9)):
-                be.rows = rows
-                t = device_ms(be.rt, on_device, a.repeats)
-                row += f" {t:{width}.2f} {nbytes / t / 1e6:6.2f}"
-            if a.no_numpy:
-                row += f" {'-':>9} {'-':>6}"
-            else:
-                t = wall_ms(on_numpy, a.repeats)
-                row += f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
-            print(row, flush=True)
+        timed += [(f"{label} {name}", *rest) for group, name, *rest in ops_of(be, ref, x, (c2, c1, 5, 5))
+                  if group in a.only]
+    if "im2col" in a.only:
+        for label, shape, k, pad, transposed in (("conv1 im2col", (a.batch, 3, 32, 32), 5, 2, False),
+                                                 ("conv2 im2col", (a.batch, c1, 16, 16), 5, 2, False),
+                                                 ("conv2 dx: dy panels", (a.batch, c2, 16, 16), 1, 0, False),
+                                                 ("conv1 dW: im2row", (a.batch, 3, 32, 32), 5, 2, True),
+                                                 ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True)):
+            x = rng.standard_normal(shape, dtype=np.float32)
+            timed.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
+    for name, nbytes, on_device, on_numpy in timed:
+        row = f"{name:30}"
+        for rows, width in ((False, 14), (True, 9)):
+            be.rows = rows
+            t = device_ms(be.rt, on_device, a.repeats)
+            row += f" {t:{width}.2f} {nbytes / t / 1e6:6.2f}"
+        if a.no_numpy:
+            row += f" {'-':>9} {'-':>6}"
+        else:
+            t = wall_ms(on_numpy, a.repeats)
+            row += f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -506,6 +506,48 @@ def test_batchnorm_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, 
     both_variants(be, monkeypatch, run)
 
 
+@pytest.mark.parametrize(
+    "n, c, h, w, k, stride, pad",
+    [(1, 1, 3, 5, 3, 1, 1), (2, 3, 7, 9, 5, 1, 2), (3, 2, 9, 7, 3, 2, 1), (2, 3, 11, 10, 5, 2, 2),
+     (2, 4, 6, 6, 1, 1, 0), (1, 1, 5, 5, 5, 2, 0), (1, 2, 4, 21, 3, 1, 1)],
+)
+@pytest.mark.parametrize("nb", [3, 8, 24])
+def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, w, k, stride, pad, nb):
+    """im2col_panels_rows (a tap over an image, in runs cut at panel edges) and
+    im2row_panels_rows (a panel's block of an image) against the per-element kernels: every
+    value of every panel, the zeros past the last column and the column of ones too; panels
+    narrower than a row, wider than several rows, and 1x1 (conv_dx's dy panels)."""
+    from backends.opencl import conv
+
+    x = with_nans(rng, (n, c, h, w))
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    kdim, npix = c * k * k, n * oh * ow
+    xd = be.asarray(x)
+    pixel, tap = conv.im2col_tables(be.rt, x.shape, k, k, stride, pad, oh, ow)
+    simple, rows = (be.rt.empty((cdiv(npix, nb) * kdim * nb,)) for _ in range(2))
+    for out in (simple, rows):
+        out.fill(F32(12345.0))  # a value no input has: what a kernel leaves unwritten shows
+    i32 = np.int32
+    be.rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), xd.data, pixel.data, tap.data, i32(h), i32(w),
+                 i32(npix), i32(kdim), i32(nb), simple.data)
+    be.rt.launch("im2col_panels_rows", (kdim, n), xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(n),
+                 i32(nb), rows.data, defines=conv.window(k, k, stride, pad), rows=True)
+    simple, rows = be.to_numpy(simple), be.to_numpy(rows)
+    assert not (simple == 12345.0).any()
+    assert np.array_equal(simple.view(np.int32), rows.view(np.int32))
+    # im2row_panels, [cols^T | 1] for the dW GEMM, the same way
+    simple, rows = (be.rt.empty((cdiv(kdim + 1, nb) * npix * nb,)) for _ in range(2))
+    for out in (simple, rows):
+        out.fill(F32(12345.0))
+    be.rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), xd.data, pixel.data, tap.data, i32(h), i32(w),
+                 i32(npix), i32(kdim), i32(nb), simple.data)
+    be.rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow),
+                 i32(n), i32(nb), rows.data, defines=conv.window(k, k, stride, pad), rows=True)
+    simple, rows = be.to_numpy(simple), be.to_numpy(rows)
+    assert not (simple == 12345.0).any()
+    assert np.array_equal(simple.view(np.int32), rows.view(np.int32))
+
+
 def test_batchnorm_refuses_one_value_per_channel_in_training(be, rng):
     """N*H*W == 1 has no batch variance: training raises ValueError (as torch does) before the
     running statistics move; eval mode takes it; N*H*W == 2 trains, whichever axis holds the 2."""

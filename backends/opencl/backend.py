@@ -64,22 +64,26 @@ class OpenCLBackend(Backend):
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
         self.rt = Runtime(select_device(device), autotune, tune_path, profile)
-        self.rows = self.rt.limits.kind == "cpu"
+
+    @property
+    def rows(self) -> bool:
+        """Whether the rows kernels run (see Runtime.rows): True on CPU devices."""
+        return self.rt.rows
+
+    @rows.setter
+    def rows(self, value: bool) -> None:
+        self.rt.rows = bool(value)
 
     # An optimisation, the rows kernels (see ops.cl): elements per work-item of the flat ones.
     CHUNK = 2048
 
-    def _group(self, items: int) -> int:
-        """Work-items per group for a rows kernel of ``items`` items: about 16 groups per compute
-        unit, so the cores share the work evenly, and no more (PoCL pays microseconds per group)."""
-        return max(1, min(256, items // (16 * self.rt.limits.compute_units)))
 
     def _flat(self, name: str, total: int, *args: Any) -> None:
         """Launch the elementwise kernel ``name`` over ``total`` elements: per element, or its rows
         twin, whose arguments are the same and then the chunk."""
         if self.rows:
             items = -(-total // self.CHUNK)
-            self.rt.launch(f"{name}_rows", items, *args, i32(self.CHUNK), group=self._group(items))
+            self.rt.launch(f"{name}_rows", items, *args, i32(self.CHUNK), rows=True)
         else:
             self.rt.launch(name, total, *args)
 
@@ -87,7 +91,7 @@ class OpenCLBackend(Backend):
         """Launch the per-pixel kernel ``name`` of an (n, c, h*w) map: global (hw, c, n), or its
         rows twin, one work-item per plane: global (c, n). The same arguments."""
         if self.rows:
-            self.rt.launch(f"{name}_rows", (c, n), *args, defines=defines, group=self._group(c * n))
+            self.rt.launch(f"{name}_rows", (c, n), *args, defines=defines, rows=True)
         else:
             self.rt.launch(name, (hw, c, n), *args, defines=defines)
 
@@ -102,7 +106,7 @@ class OpenCLBackend(Backend):
         partial = self.rt.empty((n * c,))
         self.rt.launch("reduce_planes", (c, n), src.data, None if src2 is None else src2.data,
                        None if center is None else center.data, i32(mode), i32(c), i32(hw), i32(n), partial.data,
-                       group=self._group(c * n))
+                       rows=True)
         return self.rt.reduce_rows(partial, c, n, 1, (1, c, 0), divisor=divisor)
 
     # ---- edges ---------------------------------------------------------------------
@@ -273,7 +277,7 @@ class OpenCLBackend(Backend):
         window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
         args = (x.data, *geometry, y.data, arg.data)
         if self.rows:  # optimisation (see ops.cl): a work-item walks an output row
-            self.rt.launch("maxpool_forward_rows", (oh, n * c), *args, defines=window, group=self._group(oh * n * c))
+            self.rt.launch("maxpool_forward_rows", (oh, n * c), *args, defines=window, rows=True)
         elif n * c <= 2:
             self.rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
         else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
@@ -296,7 +300,7 @@ class OpenCLBackend(Backend):
         n, c, h, w = x_shape
         args = (dy.data, arg.data, *geometry, dx.data)
         if self.rows:  # optimisation (see ops.cl): a work-item walks an input row
-            self.rt.launch("maxpool_backward_rows", n * c * h, *args, defines=window, group=self._group(n * c * h))
+            self.rt.launch("maxpool_backward_rows", n * c * h, *args, defines=window, rows=True)
         else:
             self.rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
         return dx

@@ -29,6 +29,11 @@ from backends.opencl.runtime import Runtime
 i32 = np.int32
 
 
+def window(kh: int, kw: int, stride: int, padding: int) -> str:
+    """The build of layout.cl's kernels with a convolution's window compiled in (col2im, im2col_panels_rows)."""
+    return f"-DKH={kh} -DKW={kw} -DSTRIDE={stride} -DPAD={padding}"
+
+
 def im2col_tables(
     rt: Runtime, x_shape: tuple[int, ...], kh: int, kw: int, stride: int, padding: int, oh: int, ow: int
 ) -> tuple[cla.Array, cla.Array]:
@@ -64,8 +69,12 @@ def forward(
 
     def cols(nb: int) -> cla.Array:  # B(k, p) = x_pad[n, c, oh*s + i, ow*s + j], k = (c, i, j)
         out = rt.empty((cdiv(npix, nb) * kdim * nb,))
-        rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, pixel.data, tap.data, i32(h),
-                  i32(wd), i32(npix), i32(kdim), i32(nb), out.data)
+        if rt.rows:  # optimisation (layout.cl): a work-item copies a tap over an image
+            rt.launch("im2col_panels_rows", (kdim, n), x.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n),
+                      i32(nb), out.data, defines=window(kh, kw, stride, padding), rows=True)
+        else:
+            rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, pixel.data, tap.data, i32(h),
+                      i32(wd), i32(npix), i32(kdim), i32(nb), out.data)
         return out
 
     # Y (F, N*OH*OW) = W (F, K) @ cols, stored as y[n, f, q]: column p = (n, q)
@@ -92,8 +101,12 @@ def backward(
 
     def cols_t(nb: int) -> cla.Array:  # B(p, k) = [cols^T | 1]: the columns again, from x
         out = rt.empty((cdiv(kdim + 1, nb) * npix * nb,))
-        rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), x.data, pixel.data, tap.data,
-                  i32(h), i32(wd), i32(npix), i32(kdim), i32(nb), out.data)
+        if rt.rows:  # optimisation (layout.cl): a work-item writes a panel's block of an image
+            rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), x.data, i32(c), i32(h), i32(wd), i32(oh),
+                      i32(ow), i32(n), i32(nb), out.data, defines=window(kh, kw, stride, padding), rows=True)
+        else:
+            rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), x.data, pixel.data, tap.data,
+                      i32(h), i32(wd), i32(npix), i32(kdim), i32(nb), out.data)
         return out
 
     # [dW | db] (F, K + 1) = dY (F, N*OH*OW) @ [cols^T | 1], with dY read in place: column
@@ -120,8 +133,12 @@ def conv_dx(
 
     def dy_panels(nb: int) -> cla.Array:  # B(f, p) = dy[n, f, q]: im2col of dy with a 1x1 kernel
         out = rt.empty((cdiv(npix, nb) * f * nb,))
-        rt.launch("im2col_panels", (nb, f, cdiv(npix, nb)), dy.data, dy_pixel.data, dy_tap.data,
-                  i32(oh), i32(ow), i32(npix), i32(f), i32(nb), out.data)
+        if rt.rows:  # optimisation, as in forward
+            rt.launch("im2col_panels_rows", (f, n), dy.data, i32(f), i32(oh), i32(ow), i32(oh), i32(ow), i32(n),
+                      i32(nb), out.data, defines=window(1, 1, 1, 0), rows=True)
+        else:
+            rt.launch("im2col_panels", (nb, f, cdiv(npix, nb)), dy.data, dy_pixel.data, dy_tap.data,
+                      i32(oh), i32(ow), i32(npix), i32(f), i32(nb), out.data)
         return out
 
     # dcols (K, N*OH*OW) = W^T (K, F) @ dY, then the col2im gather into dx. W^T is made
@@ -130,7 +147,6 @@ def conv_dx(
     dcols = rt.empty((kdim * npix,))
     rt.gemm("conv_dx", kdim, npix, f, AView(w_t.data, f, 1, f), dy_panels, CView.rows(dcols.data, npix))
     dx = rt.empty(x_shape)
-    window = f"-DKH={kh} -DKW={kw} -DSTRIDE={stride} -DPAD={padding}"
     rt.launch("col2im", (wd, h, n * c), dcols.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow),
-              i32(npix), i32(n * c), dx.data, defines=window)
+              i32(npix), i32(n * c), dx.data, defines=window(kh, kw, stride, padding))
     return dx

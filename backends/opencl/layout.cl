@@ -130,4 +130,90 @@ __kernel void col2im(__global const float* dcols, const int C, const int H, cons
     dx[((size_t)plane * H + h) * W + w] = s;
 }
 
+// Optimisation of im2col_panels for CPUs (conv.py picks it there), the same values in the same
+// places: PoCL runs the per-element kernel above as scalar code with two table lookups per
+// value. Here one work-item takes a tap k = (c, i, j) over image n: output row by output row,
+// the OW columns p = (n*OH + oh)*OW + ow read one input row at w = ow*STRIDE - PAD + j, and
+// land in runs that end at panel edges. Within a run, the columns whose w is inside the row
+// are a plain strided copy (contiguous for stride 1), which vectorises; the others are
+// padding. The item of the last image zeroes the rest of the last panel. global (Kdim, N).
+#define MIN_(a, b) ((a) < (b) ? (a) : (b))  // PoCL's CPU builds call min and max out of line
+#define MAX_(a, b) ((a) > (b) ? (a) : (b))
+__kernel void im2col_panels_rows(__global const float* restrict x, const int C, const int H, const int W,
+                                 const int OH, const int OW, const int N, const int NB,
+                                 __global float* restrict out)
+{
+    const int k = get_global_id(0), n = get_global_id(1);
+    const int Kdim = C * KH * KW;
+    if (k >= Kdim || n >= N) return;
+    const int c = k / (KH * KW), i = k / KW - c * KH, j = k - (k / KW) * KW;
+    __global const float* xp = x + (size_t)(n * C + c) * H * W;
+    // columns lo .. hi - 1 of a row read inside it: 0 <= ow*STRIDE - PAD + j < W
+    const int lo = MIN_((MAX_(PAD - j, 0) + STRIDE - 1) / STRIDE, OW);
+    const int hi = W - 1 + PAD - j >= 0 ? MAX_(MIN_((W - 1 + PAD - j) / STRIDE + 1, OW), lo) : lo;
+    const int p0 = n * OH * OW;
+    int q = p0 / NB, t = p0 - q * NB;
+    for (int oh = 0; oh < OH; oh++) {
+        const int h = oh * STRIDE - PAD + i;
+        const bool row_in = h >= 0 && h < H;
+        __global const float* xr = xp + (row_in ? h : 0) * W;
+        const int row_lo = row_in ? lo : OW, row_hi = row_in ? hi : OW;
+        for (int ow = 0; ow < OW;) {
+            const int end = ow + MIN_(NB - t, OW - ow);
+            __global float* dst = out + ((size_t)q * Kdim + k) * NB + t - ow;  // dst[ow'], ow' in the run
+            const int a = MIN_(MAX_(row_lo, ow), end), b = MAX_(MIN_(row_hi, end), a);
+            for (int u = ow; u < a; u++) dst[u] = 0.0f;
+            for (int u = a; u < b; u++) dst[u] = xr[u * STRIDE - PAD + j];
+            for (int u = b; u < end; u++) dst[u] = 0.0f;
+            t += end - ow;
+            ow = end;
+            if (t == NB) {
+                t = 0;
+                q++;
+            }
+        }
+    }
+    if (n == N - 1)  // past NP: zero to the end of the last panel
+        for (; t > 0 && t < NB; t++) out[((size_t)q * Kdim + k) * NB + t] = 0.0f;
+}
+
+// Optimisation of im2row_panels for CPUs, the same values in the same places: one work-item
+// writes panel q's block of image n, the OH*OW*NB contiguous floats of its pixels (16 KB for a
+// 16x16 image and NB 16: it stays in the L1 cache), tap by tap, so each tap's source is worked
+// out once, then row by row, column by column along the input row (the columns inside it a
+// strided copy, the others padding). Column Kdim is the ones of [cols^T | 1], columns past it
+// zero. global (n_panels, N).
+__kernel void im2row_panels_rows(__global const float* restrict x, const int C, const int H, const int W,
+                                 const int OH, const int OW, const int N, const int NB,
+                                 __global float* restrict out)
+{
+    const int q = get_global_id(0), n = get_global_id(1);
+    const int Kdim = C * KH * KW, NP = N * OH * OW;
+    if (q * NB > Kdim || n >= N) return;
+    __global float* block = out + ((size_t)q * NP + n * OH * OW) * NB;  // block[(oh*OW + ow)*NB + t]
+    for (int t = 0; t < NB; t++) {
+        const int k = q * NB + t;
+        if (k >= Kdim) {
+            for (int e = 0; e < OH * OW; e++) block[e * NB + t] = k == Kdim ? 1.0f : 0.0f;
+            continue;
+        }
+        const int c = k / (KH * KW), i = k / KW - c * KH, j = k - (k / KW) * KW;
+        __global const float* xp = x + (size_t)(n * C + c) * H * W;
+        const int lo = MIN_((MAX_(PAD - j, 0) + STRIDE - 1) / STRIDE, OW);
+        const int hi = W - 1 + PAD - j >= 0 ? MAX_(MIN_((W - 1 + PAD - j) / STRIDE + 1, OW), lo) : lo;
+        for (int oh = 0; oh < OH; oh++) {
+            __global float* dst = block + oh * OW * NB + t;  // dst[ow*NB]
+            const int h = oh * STRIDE - PAD + i;
+            const int row_hi = h >= 0 && h < H ? hi : lo;  // a padding row: no column inside
+            __global const float* xr = xp + (h >= 0 && h < H ? h : 0) * W;
+            int ow = 0;
+            for (; ow < lo; ow++) dst[ow * NB] = 0.0f;
+            for (; ow < row_hi; ow++) dst[ow * NB] = xr[ow * STRIDE - PAD + j];
+            for (; ow < OW; ow++) dst[ow * NB] = 0.0f;
+        }
+    }
+}
+#undef MIN_
+#undef MAX_
+
 #endif  // KH

@@ -54,6 +54,10 @@ class Runtime:
         # PoCL's CPU devices call even sqrt out of line (ops.cl takes clang's builtin there)
         self.ops_options = "-DPOCL_CPU" if pocl_llvm_cpu(device.version) else ""
         self.wg = min(256, self.limits.max_work_group_size)  # 1-D launches: many items, any device
+        # the rows kernels of ops.cl and layout.cl (a work-item walks a chunk, plane or row, which
+        # PoCL turns into vector code) rather than the per-element ones (many small items, as GPUs
+        # want): on CPU devices; tests and benchmarks set it to run either
+        self.rows = self.limits.kind == "cpu"
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
@@ -94,19 +98,19 @@ class Runtime:
         return self._kernels[key]
 
     def launch(
-        self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "", group: int | None = None
+        self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "", rows: bool = False
     ) -> None:
         """Run the kernel ``name`` of OPS_SOURCES over a 1-3 dimensional grid of ``dims`` work-items.
 
         Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
         up to whole groups and every kernel checks its bounds. ``defines`` selects a build of
-        the kernels with a layer's window compiled in (see the header of ops.cl). ``group``: at
-        most that many items per group (the rows kernels, whose items each run a loop).
+        the kernels with a layer's window compiled in (see the header of ops.cl). ``rows``: a rows
+        kernel, whose items each run a loop: groups of rows_group(items) items.
         """
         knl, wg = self.kernel(name, defines)
-        if group is not None:
-            wg = min(wg, group)
         dims = (dims,) if isinstance(dims, int) else dims
+        if rows:
+            wg = min(wg, self.rows_group(int(np.prod(dims))))
         if min(dims) <= 0:
             return
         local: list[int] = []
@@ -115,6 +119,11 @@ class Runtime:
             local.append(min(1 << (d - 1).bit_length(), room))
         grid = tuple(cdiv(d, lo) * lo for d, lo in zip(dims, local, strict=True))
         self.ran(name, knl(self.queue, grid, tuple(local), *args))
+
+    def rows_group(self, items: int) -> int:
+        """Work-items per group for a rows kernel of ``items`` items: about 16 groups per compute
+        unit, so the cores share the work evenly, and no more (PoCL pays microseconds per group)."""
+        return max(1, min(256, items // (16 * self.limits.compute_units)))
 
     # ---- profiling (benchmarks/bench_opencl_profile.py) ----------------------------------
     def ran(self, name: str, event: cl.Event) -> None:
