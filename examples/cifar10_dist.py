@@ -10,12 +10,15 @@
     python examples/cifar10_dist.py --checkpoint run.npz --resume run.npz          # bit-identical
     python examples/cifar10_dist.py --plan equal --seed 1                   # the same losses on every run
     python examples/cifar10_dist.py --parallel data --transport zmq --workers 1    # data parallelism instead
+    python examples/cifar10_dist.py --parallel hybrid --transport zmq --workers 1  # convs by data, fc on the master
 
 Reproduces Marques, Falcao & Alexandre, "Distributed learning of CNNs on
 heterogeneous CPU/GPU architectures": the master trains every layer but the
 convolutions, whose kernels are shared among workers in proportion to their speed.
 With --parallel data, each participant trains a whole replica on its share of each batch
 instead, and the master sums their gradients and updates the weights (a parameter server).
+With --parallel hybrid (Krizhevsky's "one weird trick"), each participant runs the convolutions
+on its share of the images, and the master the fully connected layer on the whole batch.
 
 A preset (--preset, default paper) gives the network and the training recipe; any option given
 beside it wins. The first line after loading the data says the preset, the network, the epochs and
@@ -55,7 +58,7 @@ from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
 from tinyconv.plugins import available_backends, available_transports, has_devices  # noqa: E402
 from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
-from tinyconv.replica.server import Replicas  # noqa: E402
+from tinyconv.replica.batch import BatchSplit  # noqa: E402
 from tinyconv.replica.start import replicate  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
@@ -177,14 +180,11 @@ def _compute(p: argparse.ArgumentParser) -> None:
     )
 
 
-PARALLEL = ("model", "data")
+PARALLEL = ("model", "data", "hybrid")
+BY_IMAGES = ("data", "hybrid")  # the modes that share each batch out by images (tinyconv/replica/)
 
 
 def parallel_mode(text: str) -> str:
-    if text == "hybrid":
-        raise argparse.ArgumentTypeError(
-            "hybrid (convolutions by data, the classifier on the master) is not built yet: use model or data"
-        )
     if text not in PARALLEL:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(PARALLEL)}, got {text!r}")
     return text
@@ -196,11 +196,14 @@ def _workers(p: argparse.ArgumentParser) -> None:
         "--parallel",
         type=parallel_mode,
         default="model",
-        metavar="{model,data}",
+        metavar="{model,data,hybrid}",
         help="model: the paper's split, each convolution's kernels across the participants, the rest on the "
         "master; data: every participant a whole replica and a share of each batch's images (by its speed), "
         "the master sums the gradients and updates the weights -- a step then moves the weights and gradients "
-        "instead of feature maps (docs/how-it-works.md compares them; default %(default)s)",
+        "instead of feature maps; hybrid: the convolutions by data (each participant its share of the images, "
+        "the conv weights whole), the fully connected layer and the loss on the master over the whole batch -- "
+        "a step moves the conv weights and gradients and each image's pooled features both ways "
+        "(docs/how-it-works.md compares the three; default %(default)s)",
     )
     g.add_argument(
         "--transport",
@@ -395,10 +398,12 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
     apply_preset(args)
     check_workers(args)
     check_plan(args)
-    if args.wire_precision != "fp32" and args.parallel == "data":
+    if args.wire_precision != "fp32" and args.parallel in BY_IMAGES:
         raise UsageError(
-            f"--wire-precision {args.wire_precision} narrows the shards of --parallel model; the replicas of "
-            "--parallel data send their weights and gradients in float32: drop one of them"
+            f"--wire-precision {args.wire_precision} narrows the shards of --parallel model; "
+            + ("the replicas of --parallel data send their weights and gradients" if args.parallel == "data" else
+               "--parallel hybrid sends its weights, gradients and features")
+            + " in float32: drop one of them"
         )
     kernels = architecture(args)
     check_memory(args, *kernels)
@@ -558,12 +563,12 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Replicas | None:
+def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | BatchSplit | None:
     """The workers and the cluster sharing net's convolutions (--parallel model) or its batches
-    (--parallel data) with them; None with --workers 0."""
+    (--parallel data, hybrid) with them; None with --workers 0."""
     if args.workers == 0:
         return None
-    if args.parallel == "data":
+    if args.parallel in BY_IMAGES:
         return start_replicas(args, net)
     cluster = tc.distribute(
         net,
@@ -594,8 +599,9 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Rep
     return cluster
 
 
-def start_replicas(args: argparse.Namespace, net: tc.Network) -> Replicas:
-    """The workers and the replicas of net on them, each to train on a share of every batch."""
+def start_replicas(args: argparse.Namespace, net: tc.Network) -> BatchSplit:
+    """The workers and the replicas of net on them, each to train (--parallel hybrid: to run the conv
+    part) on a share of every batch."""
     replicas = replicate(
         net,
         args.transport,
@@ -612,9 +618,11 @@ def start_replicas(args: argparse.Namespace, net: tc.Network) -> Replicas:
         master_share=args.master_share,
         rebalance=args.rebalance == "on",
         rebalancer=Rebalancer(threshold=args.rebalance_threshold),
+        parallel=args.parallel,
     )
+    what = "a whole replica" if args.parallel == "data" else "the convolutions of a replica (hybrid)"
     for w in replicas.workers:
-        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}), a whole replica")
+        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}), {what}")
     return replicas
 
 
@@ -636,17 +644,18 @@ def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str]
     )
 
 
-def split_layers(args: argparse.Namespace, cluster: tc.Cluster | Replicas, trainer: Trainer) -> None:
+def split_layers(args: argparse.Namespace, cluster: tc.Cluster | BatchSplit, trainer: Trainer) -> None:
     """Split each layer: by the calibrated speeds, or equally (--plan equal)."""
     if args.plan == "equal":
         print(f"equal shares ({', '.join(cluster.participants)}), pinned by --plan equal")
         return
-    what = "a forward + backward of the batch" if args.parallel == "data" else "each convolution's shape"
+    timed = {"data": "a forward + backward of the batch", "hybrid": "a forward + backward of the batch's convolutions"}
+    what = timed.get(args.parallel, "each convolution's shape")
     print(f"calibrating: timing {', '.join(cluster.participants)} on {what} ...", flush=True)
     calibration = cluster.calibrate(trainer.net, args.batch_size)
     trainer.metrics.write("calibration", **calibration)
     channels = calibration["channel_shares"]
-    units = "images" if args.parallel == "data" else "kernels"
+    units = "images" if args.parallel in BY_IMAGES else "kernels"
     print(
         f"calibrated shares ({', '.join(cluster.participants)}): {units} {calibration['shares']}"
         + (f", input channels {channels}" if channels else "")

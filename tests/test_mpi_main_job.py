@@ -1,4 +1,4 @@
-"""The main job under ``mpiexec``: rank 0 trains, the other ranks serve it, in both --parallel modes.
+"""The main job under ``mpiexec``: rank 0 trains, the other ranks serve it, in every --parallel mode.
 
 Skipped, with the reason, where mpi4py or ``mpiexec`` is missing (``make setup`` installs both).
 """
@@ -45,7 +45,7 @@ def run_main(ranks: int, *options: str) -> subprocess.CompletedProcess:
 SMALL = ("--dataset", "synthetic", "--steps", "3", "--arch", "4:8", "--no-progress")
 
 
-@pytest.mark.parametrize("parallel", ["model", "data"])
+@pytest.mark.parametrize("parallel", ["model", "data", "hybrid"])
 def test_the_main_job_trains_under_mpiexec_with_the_other_ranks_as_workers(parallel):
     done = run_main(3, *SMALL, "--parallel", parallel)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"

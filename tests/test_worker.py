@@ -94,9 +94,12 @@ def test_hello_describes_the_worker():
 
 def test_the_stage_table_covers_every_task_of_a_layer():
     assert set(STAGES) | STANDALONE == set(TASKS) and not set(STAGES) & STANDALONE
-    # a layer's step starts with a forward and ends with a backward, by kernels or by channels
-    assert [k for k, (needs, _) in STAGES.items() if needs is None] == ["block_forward", "partial_forward"]
-    assert [k for k, (_, leaves) in STAGES.items() if leaves is None] == ["block_backward", "partial_backward"]
+    # a layer's step starts with a forward and ends with a backward, by kernels or by channels (or the hybrid's
+    # whole conv part)
+    assert [k for k, (needs, _) in STAGES.items() if needs is None] == ["block_forward", "partial_forward",
+                                                                         "hybrid_forward"]  # fmt: skip
+    assert [k for k, (_, leaves) in STAGES.items() if leaves is None] == ["block_backward", "partial_backward",
+                                                                           "hybrid_backward"]  # fmt: skip
 
 
 def test_block_forward_and_backward_equal_the_backend():

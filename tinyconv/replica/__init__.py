@@ -1,7 +1,9 @@
-"""Data parallelism beside the paper's model parallelism: whole replicas, slices of the batch.
+"""Data parallelism and the hybrid beside the paper's model parallelism: slices of the batch.
 
 Read in this order: ``replica.py`` (what one participant computes on its slice, and why its
 gradient is its share of the whole batch's), ``flat.py`` (the weights and gradients as one
-vector each), ``server.py`` (the parameter server: shares, one step, lost and joining
-workers), ``start.py`` (starting the workers, like ``tinyconv.distribute``).
+vector each), ``batch.py`` (who gets how many images: shares, calibration, the rebalancer,
+lost and joining workers), ``server.py`` (the parameter server: one data-parallel step),
+``conv_part.py`` and ``hybrid.py`` (Krizhevsky's hybrid: the conv part by data, the classifier
+on the master), ``start.py`` (starting the workers, like ``tinyconv.distribute``).
 """

@@ -46,6 +46,20 @@ network's ``named_params`` order (``tinyconv/replica/flat.py``)::
                       -> grads (P,): the slice's part of the gradient of the mean loss over the
                          whole ``batch``; logits (n, classes); buffers (B,) after the slice's forward
 
+The hybrid (``tinyconv/replica/hybrid.py``): the conv part (every layer before the classifier)
+by data, the classifier on the master. The worker builds the same replica from ``net`` but runs
+only its conv part; P_conv, B are the conv part's parameters and statistics, F = C2 H' W' the
+features of one image (the last pool's output, flattened)::
+
+    hybrid_calibrate  net, batch, repeats            -> times: [seconds of one forward + backward
+                                                        of the conv part on ``batch`` images]
+    hybrid_forward    step, net, batch               x (n, C, H, W), params (P_conv,), buffers (B,)
+                                                     if the network has any
+                      -> features (n, F); buffers (B,) after the slice's forward; the forward's
+                         caches stay on the worker for the step's hybrid_backward
+    hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
+                      -> grads (P_conv,): the slice's part of the conv part's gradient
+
 All arrays are float32 but the labels ``y`` (int32 or int64). Which task may follow which on one layer is the worker's
 business (``tinyconv/worker/handler.py``).
 
@@ -69,9 +83,10 @@ from tinyconv.shard import wire_precision
 from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
-# of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``); a worker's hello
-# says which it speaks, the transport admits equals
-VERSION = 3
+# of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, 4 the hybrid's
+# tasks: hybrid_calibrate, hybrid_forward, hybrid_backward); a worker's hello says which it speaks, the transport
+# admits equals
+VERSION = 4
 
 
 class TaskError(ValueError):
@@ -106,6 +121,11 @@ TASKS: dict[str, Schema] = {
         frozenset({"buffers"}),
         labels=frozenset({"y"}),
     ),
+    "hybrid_calibrate": Schema({"task": Int, "net": dict, "batch": Int, "repeats": Int}),
+    "hybrid_forward": Schema(
+        {"task": Int, "step": Int, "net": dict, "batch": Int}, frozenset({"x", "params"}), frozenset({"buffers"})
+    ),
+    "hybrid_backward": Schema({"task": Int, "step": Int}, frozenset({"dfeatures"})),
 }
 
 # what each task's result may carry (the master checks their shapes as it reads them)
@@ -119,11 +139,14 @@ RESULT_ARRAYS: dict[str, frozenset[str]] = {
     "partial_backward": frozenset({"dx", "dw", "db"}),
     "replica_calibrate": frozenset(),
     "replica_step": frozenset({"grads", "logits", "buffers"}),
+    "hybrid_calibrate": frozenset(),
+    "hybrid_forward": frozenset({"features", "buffers"}),
+    "hybrid_backward": frozenset({"grads"}),
 }
-TIMED = ("calibrate", "replica_calibrate")  # the tasks whose result says ``times``
+TIMED = ("calibrate", "replica_calibrate", "hybrid_calibrate")  # the tasks whose result says ``times``
 RESULT = {"task": Int, "compute_s": Num}
 CALIBRATE_RESULT = {**RESULT, "times": list}
-# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' flat vectors)
+# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' or the hybrid's)
 NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
                         "partial_backward"})  # fmt: skip
 

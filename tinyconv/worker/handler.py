@@ -14,6 +14,8 @@ task may come next is explicit, one row per task kind (:data:`STAGES`)::
     tail_forward      "partial"                "tail"     the tail's cache
     tail_backward     "tail"                   "dyc"      its kernels' conv-output gradient
     partial_backward  "dyc"                    nothing
+    hybrid_forward    anything                 "hybrid"   the conv part's caches  (the hybrid: one slot,
+    hybrid_backward   "hybrid"                 nothing                             the whole conv part)
 
 A task that continues a layer must also be of the step its forward was. A refused task
 changes nothing, so the right one can follow.
@@ -25,6 +27,13 @@ are narrowed to the formats the task's ``reply`` asks for right before they go b
 The data-parallel tasks (``replica_calibrate``, ``replica_step``; ``tinyconv/replica/``) stand
 alone: each brings everything it needs (the weights with every step), and the worker keeps only
 its replica of the network between them, rebuilt when the master describes another one.
+
+The hybrid's tasks (``hybrid_forward``, ``hybrid_backward``; ``tinyconv/replica/hybrid.py``) run
+the conv part of that same replica: its forward's caches live in the replica's layers, kept
+under the slot ``"conv part"`` (not a layer index) for the step's backward. Any other replica
+task runs the replica too and would overwrite those caches, so it forgets that slot first: a
+``hybrid_backward`` after it is refused (send ``hybrid_forward`` again) instead of computing a
+wrong gradient. ``hybrid_calibrate`` stands alone, as ``replica_calibrate``.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import numpy as np
 from backends.base import Backend, conv_output_size
 from tinyconv.model import Network
 from tinyconv.replica import flat
+from tinyconv.replica.conv_part import backward_features, conv_part, feature_shape, forward_features, time_conv_part
 from tinyconv.replica.replica import build, slice_gradients, time_replica
 from tinyconv.shard.block import (
     BlockCache,
@@ -83,9 +93,12 @@ STAGES: dict[str, tuple[str | None, str | None]] = {
     "tail_forward": ("partial", "tail"),
     "tail_backward": ("tail", "dyc"),
     "partial_backward": ("dyc", None),
+    "hybrid_forward": (None, "hybrid"),
+    "hybrid_backward": ("hybrid", None),
 }
 # the tasks that continue no layer and leave none: each brings all it needs
-STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step"})
+STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step", "hybrid_calibrate"})
+HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
 _LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
 
 
@@ -102,6 +115,8 @@ class Kept:
     own: tuple[int, int] = (0, 0)  # the own kernels, as offsets into the computed ones
     dyc: np.ndarray | None = None  # "dyc": the own kernels' conv-output gradient
     kernels: int = 0  # all F kernels of a layer split by input channels
+    images: int = 0  # "hybrid": the slice's images
+    features: tuple[int, int, int] = (0, 0, 0)  # "hybrid": (C2, H', W') of one image
 
 
 class Worker:
@@ -121,7 +136,7 @@ class Worker:
         self.backend = backend
         self.slowdown = float(slowdown)
         self.max_calibrate_bytes = int(max_calibrate_bytes)
-        self.layers: dict[int, Kept] = {}  # layer index -> what its last forward left
+        self.layers: dict[int | str, Kept] = {}  # layer index (or HYBRID) -> what its last forward left
         self.replica: tuple[str, Network] | None = None  # data parallelism: (its description, the network)
         self._idle = threading.Event()  # never set: waiting on it is how slowdown passes time
         self._handlers: dict[str, Callable[..., dict[str, Any]]] = {
@@ -134,6 +149,9 @@ class Worker:
             "partial_backward": self.partial_backward,
             "replica_calibrate": self.replica_calibrate,
             "replica_step": self.replica_step,
+            "hybrid_calibrate": self.hybrid_calibrate,
+            "hybrid_forward": self.hybrid_forward,
+            "hybrid_backward": self.hybrid_backward,
         }
 
     def hello(self) -> dict[str, Any]:
@@ -177,15 +195,16 @@ class Worker:
         if msg.kind not in STAGES or STAGES[msg.kind][0] is None:
             return None
         h = msg.header
-        where, needs = f"layer {h['layer']} step {h['step']}", STAGES[msg.kind][0]
-        kept = self.layers.get(h["layer"])
+        where, needs = _where(h), STAGES[msg.kind][0]
+        kept = self.layers.get(_slot(h))
         if kept is None:
             raise TaskError(
                 f"{where}: nothing kept of this layer's forward: send {_LEFT_BY[needs]} first "
                 "(or again, if this worker was restarted)"
             )
         if kept.step != h["step"]:
-            raise TaskError(f"{where}: this layer's kept forward is of step {kept.step}")
+            whose = "this layer's" if isinstance(_slot(h), int) else "the conv part's"
+            raise TaskError(f"{where}: {whose} kept forward is of step {kept.step}")
         if kept.stage != needs:
             raise TaskError(
                 f"{where}: {msg.kind} follows {_LEFT_BY[needs]}, but this layer's last task was {_LEFT_BY[kept.stage]}"
@@ -196,10 +215,10 @@ class Worker:
         """The layer moves on to the stage ``kind`` leaves it at (forgotten at the end of its step)."""
         leaves = STAGES[kind][1]
         if leaves is None:
-            del self.layers[h["layer"]]  # one backward per forward; frees what it kept
+            del self.layers[_slot(h)]  # one backward per forward; frees what it kept
         else:
             kept.stage = leaves
-            self.layers[h["layer"]] = kept
+            self.layers[_slot(h)] = kept
 
     # ---- split by kernels ---------------------------------------------------------------------
     def block_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
@@ -342,8 +361,57 @@ class Worker:
         out = {"grads": flat.pack(net, "grads"), "logits": logits}
         return out | ({"buffers": flat.pack(net, "buffers")} if buffers is not None else {})
 
+    # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
+    def hybrid_calibrate(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
+        if not 1 <= h["repeats"] <= 1000:
+            raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+        if not 1 <= h["batch"] <= 1 << 16:
+            raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
+        net = self._replica(h["net"], h["batch"])
+        return {"times": [time_conv_part(net, h["net"], h["batch"], h["repeats"]) * self.slowdown]}
+
+    def hybrid_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+        """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
+        ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
+        x, spec = a["x"], h["net"]
+        n = x.shape[0] if x.ndim == 4 else 0
+        if not (x.ndim == 4 and 1 <= n <= h["batch"] <= 1 << 16):
+            raise TaskError(f"hybrid_forward takes x (n, C, H, W) with 1 <= n <= batch ({h['batch']}) <= 65536; "
+                            f"got x {x.shape}")  # fmt: skip
+        net = self._replica(spec, n)
+        if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
+            raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
+                            f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
+        conv, buffers = conv_part(net), a.get("buffers")
+        if (buffers is None) != (sum(flat.sizes(conv, "buffers")) == 0):
+            raise TaskError("buffers must come exactly when the conv part has batch-norm statistics")
+        try:
+            flat.unpack(conv, a["params"])  # its size checked before anything is set
+            if buffers is not None:
+                flat.unpack(conv, buffers, "buffers")
+        except ValueError as e:
+            raise TaskError(f"hybrid_forward: {e} (the conv part's, without the classifier)") from None
+        features = forward_features(conv, x)
+        kept = Kept("hybrid", h["step"], images=n, features=feature_shape(net, spec["image_size"]))
+        self._advance(h, "hybrid_forward", kept)
+        return {"features": features} | ({"buffers": flat.pack(conv, "buffers")} if buffers is not None else {})
+
+    def hybrid_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+        """The conv part's backward from its rows of dL/dfeatures (n, F): the slice's conv gradient."""
+        d, want = a["dfeatures"], (kept.images, math.prod(kept.features))
+        if d.shape != want:
+            raise TaskError(f"{_where(h)}: dfeatures must be {want} (the slice's images x features of its "
+                            f"forward), got {d.shape}")  # fmt: skip
+        conv = conv_part(self.replica[1])
+        backward_features(conv, d, kept.features)
+        self._advance(h, "hybrid_backward", kept)
+        return {"grads": flat.pack(conv, "grads")}
+
     def _replica(self, spec: Any, batch: int) -> Network:
-        """The replica ``spec`` describes: the one kept, or a new one (within this worker's memory limit)."""
+        """The replica ``spec`` describes: the one kept, or a new one (within this worker's memory limit).
+        Whoever asks for it runs it, so the hybrid's kept forward, whose caches it holds, is forgotten."""
+        self.layers.pop(HYBRID, None)
         key = repr(sorted(spec.items()))
         if self.replica is None or self.replica[0] != key:
             try:
@@ -373,6 +441,16 @@ class Worker:
             self._idle.wait((self.slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
         return compute_s * self.slowdown
 
+
+def _slot(h: dict[str, Any]) -> int | str:
+    """Where a task's kept forward lives: its layer's index, or the hybrid's one slot."""
+    return h.get("layer", HYBRID)
+
+
+def _where(h: dict[str, Any]) -> str:
+    """The task's place in a step, for errors: "layer 1 step 3", "the conv part step 3"."""
+    slot = _slot(h)
+    return f"{'layer ' if isinstance(slot, int) else 'the '}{slot} step {h['step']}"
 
 
 def _span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
