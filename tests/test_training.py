@@ -411,3 +411,93 @@ def test_the_summary_table_reads_in_percent_seconds_and_megabytes():
                   "conv1: [17, 16, 17]; conv2: [168, 166, 166]"):  # fmt: skip
         assert shown in table, shown
     assert "time_per_epoch_s" not in table  # None: not measured, not shown
+
+
+# ---- the prefetch thread and evaluation (issue #17) -----------------------------------------
+def _prefetch_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "tinyconv-prefetch"]
+
+
+def _seen_batches(trainer: Trainer) -> list[np.ndarray]:
+    seen = []
+    real = trainer._forward_backward
+
+    def forward_backward(x, y):
+        seen.append(x.copy())
+        return real(x, y)
+
+    trainer._forward_backward = forward_backward
+    return seen
+
+
+def test_prefetched_batches_are_todays_bit_for_bit_and_the_wait_is_recorded(numpy_backend, tiny_data, tmp_path):
+    """With the thread (prefetch=2) and without (0), every step sees the batch the plain recipe makes --
+    the epoch's shuffle from seed [s, 1], crop and flip from seed [s, 2] in step order, normalised --
+    and the runs end bit-identical; each step records data_wait_s within its time_s."""
+    from tinyconv.data import Normalizer, augment, channel_stats
+
+    runs = {}
+    for depth in (2, 0):
+        trainer = _trainer(numpy_backend, tiny_data, tmp_path / str(depth), epochs=2, prefetch=depth)
+        seen = _seen_batches(trainer)
+        trainer.fit()
+        trainer.metrics.close()
+        runs[depth] = (trainer, seen)
+    shuffle, aug = np.random.default_rng([0, 1]), np.random.default_rng([0, 2])
+    normalize = Normalizer(*channel_stats(tiny_data.x_train))
+    expected = []
+    for _ in range(2):
+        order = shuffle.permutation(len(tiny_data.x_train))
+        for b in range(len(order) // 32):
+            expected.append(normalize(augment(tiny_data.x_train[order[b * 32 : (b + 1) * 32]], aug)))
+    for depth, (trainer, seen) in runs.items():
+        assert len(seen) == len(expected) == 8
+        assert all(np.array_equal(s, e) for s, e in zip(seen, expected, strict=True)), depth
+        assert trainer.augment_rng.bit_generator.state == aug.bit_generator.state
+    a, b = (runs[d][0].net.state_dict() for d in (2, 0))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    steps = [e for e in read_metrics(tmp_path / "2" / "m.jsonl") if e["event"] == "step"]
+    assert len(steps) == 8 and all(0 <= e["data_wait_s"] <= e["time_s"] for e in steps)
+    assert not _prefetch_threads()
+
+
+def test_an_error_or_ctrl_c_mid_epoch_leaves_no_prefetch_thread(numpy_backend, tiny_data):
+    for error in (RuntimeError("worker lost"), KeyboardInterrupt()):
+        trainer = _trainer(numpy_backend, tiny_data, epochs=2)
+        _fail_in_step(trainer, 2, error=error)
+        with pytest.raises(type(error)):
+            trainer.fit()
+        assert trainer.step == 2
+        assert not _prefetch_threads()
+
+
+def test_evaluation_gives_todays_loss_and_accuracy(numpy_backend):
+    """Evaluate (batches of the training's size, Network.predict, batch norm as one affine pass) against
+    the way it was computed before: one forward in eval mode through batch norm written out
+    (batchnorm_forward_plain), in batches of 500, from the same trained weights."""
+    from backends.numpy_backend import NumpyBackend, batchnorm_backward_plain, batchnorm_forward_plain
+
+    class Plain(NumpyBackend):
+        def batchnorm_forward(self, *args, **kw):
+            return batchnorm_forward_plain(*args, **kw)
+
+        def batchnorm_backward(self, dy, cache):
+            return batchnorm_backward_plain(dy, cache)
+
+    data = synthetic_dataset(n_train=256, n_test=600, seed=5)
+    trainer = _trainer(numpy_backend, data, epochs=1)  # batch 32: running statistics far from (0, 1)
+    trainer.fit()
+    loss, acc = trainer.evaluate(data.x_test, data.y_test)
+    reference = paper_net("4:8", Plain(), "batch", seed=1)
+    reference.load_state_dict(trainer.net.state_dict())
+    total, correct = 0.0, 0
+    for i in range(0, 600, 500):
+        x, y = data.x_test[i : i + 500], data.y_test[i : i + 500]
+        logits = reference.forward(trainer.normalize(x), training=False)
+        total += reference.loss_fn(logits, y)[0] * len(x)
+        correct += int(np.sum(logits.argmax(axis=1) == y))
+    assert acc == correct / 600 and 0.2 < acc < 1.0  # learnt something, not everything: argmaxes matter
+    assert loss == pytest.approx(total / 600, rel=1e-5)
+    assert all(layer.cache is None for layer in trainer.net.layers)  # predict kept nothing for a backward

@@ -76,6 +76,17 @@ class Network:
             x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training)
         return x
 
+    def predict(self, x: Array) -> Array:
+        """Inference, x (N, C, H, W) -> logits (N, classes): ``forward(x, training=False)``, except
+        that each layer's cache (what its backward would read: a conv's im2col columns, tens to
+        hundreds of MB) is dropped as soon as the layer is done, so the next layer and the next
+        batch reuse that memory instead of holding two copies. No backward can follow it."""
+        for run in self.runs():
+            x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training=False)
+            for layer in run:
+                layer.cache = None
+        return x
+
     def backward(self, dlogits: Array) -> None:
         """Backprop dloss/dlogits through every layer, filling each layer's grads."""
         d = dlogits

@@ -1,7 +1,10 @@
 """The training loop: batches, SGD steps, evaluation, metrics, checkpoints, summary.
 
 One step: take a batch of uint8 images, augment (random crop + flip), normalise per
-channel, move to the backend, forward + loss + backward, SGD update. Convolutions
+channel, move to the backend, forward + loss + backward, SGD update. The first three are
+done ahead, on a thread, while the step before computes (``tinyconv/prefetch.py``,
+``prefetch`` batches ahead; 0 makes each in the step): the same batches, bit for bit, and
+each step records how long it waited for its batch (``data_wait_s``). Convolutions
 may be distributed (``tinyconv.distribute`` puts sharded layers in the network); the
 loop is the same either way, it only asks the cluster for the step's comm/conv split
 and its events to record. Data-parallel (``tinyconv/replica/``), the forward and backward
@@ -16,8 +19,9 @@ Nothing is lost on the way out. Checkpoints are written at each epoch's end, eve
 ``checkpoint_every`` steps or ``checkpoint_minutes`` minutes, and when training ends any
 other way: an error, Ctrl-C or SIGTERM (which :meth:`Trainer.fit` turns into
 :class:`~tinyconv.stopping.Stopped`, a KeyboardInterrupt). Each is of a whole step: a step that an error or a
-signal cuts short is rolled back first (the augmentation's generator and batch-norm's
-running statistics, the only state it changes before its update), and the update itself
+signal cuts short is rolled back first (batch-norm's running statistics, the only state it
+changes before its update: the augmentation's generator takes the state its batch was drawn
+with only at the update, whatever the prefetch thread has drawn beyond), and the update itself
 -- the parameters, the momentum, the step count and its metrics line -- runs with signals
 held until it is done, so a checkpoint never holds half of one.
 """
@@ -38,6 +42,7 @@ from tinyconv.data import Dataset, Normalizer, augment, channel_stats
 from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
+from tinyconv.prefetch import Batch, InOrder, Prefetcher
 from tinyconv.report import summarize
 from tinyconv.schedule import learning_rate, warmup_steps
 from tinyconv.stopping import SignalGuard
@@ -62,7 +67,11 @@ class TrainConfig:
     warmup_epochs: float | None = None  # instead of ``warmup``: this many epochs, whatever the run's length
     max_steps: int | None = None  # stop after this many steps in total (smoke runs)
     augment: bool = True
-    eval_batch_size: int = 500
+    prefetch: int = 2  # batches made ahead on a thread while a step computes; 0: each made in its step
+    # 0: the training batch. Evaluating in batches of the training's size reuses the memory its
+    # steps freed (tinyconv/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
+    # fresh pages for its 4x larger im2col at each evaluation.
+    eval_batch_size: int = 0
     seed: int = 0
     checkpoint: str | None = None  # written at each epoch end, at the stop, and on the way out
     checkpoint_every: int | None = None  # also every this many steps
@@ -123,20 +132,40 @@ class Trainer:
     def train_step(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, float, dict[str, Any]]:
         """One SGD step on a uint8 batch. Returns (loss, batch accuracy, timing record)."""
         t0 = time.perf_counter()
-        loss, logits = self._forward_backward(xb, yb)
+        x = self._prepare(xb, self.augment_rng)
+        data_wait = time.perf_counter() - t0
+        loss, logits = self._forward_backward(x, yb)
         self._update()
-        return self._record(t0, loss, logits, yb)
+        return self._record(t0, loss, logits, yb, data_wait)
 
-    def _forward_backward(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, Any]:
-        """Augment, forward, loss, backward: every grad filled, no parameter changed yet."""
-        be = self.net.backend
+    def _prepare(self, xb: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """uint8 (B, C, H, W) -> float32 (B, C, H, W): augmented (drawing from ``rng``) and normalised."""
         if self.cfg.augment:
-            xb = augment(xb, self.augment_rng)
+            xb = augment(xb, rng)
+        return self.normalize(xb)
+
+    def _batches(self, order: np.ndarray, first: int, last: int) -> Prefetcher | InOrder:
+        """Batches ``first``..``last - 1`` of the epoch shuffled as ``order``, prepared ahead on a thread
+        (``prefetch`` > 0) or each when asked for; both draw the same numbers in the same order."""
+        x, y, bs = self.data.x_train, self.data.y_train, self.cfg.batch_size
+
+        def make(b: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+            idx = order[b * bs : (b + 1) * bs]
+            return self._prepare(x[idx], rng), y[idx]
+
+        state = self.augment_rng.bit_generator.state
+        if self.cfg.prefetch:
+            return Prefetcher(make, range(first, last), state, depth=self.cfg.prefetch)
+        return InOrder(make, range(first, last), state)
+
+    def _forward_backward(self, x: np.ndarray, yb: np.ndarray) -> tuple[float, Any]:
+        """Forward, loss, backward on a prepared float32 batch: every grad filled, no parameter changed yet."""
+        be = self.net.backend
         if getattr(self.cluster, "splits", None) == "images":  # data parallel (tinyconv/replica/): slices of x
-            loss, logits = self.cluster.train_batch(self.net, self.normalize(xb), yb)
+            loss, logits = self.cluster.train_batch(self.net, x, yb)
             dlogits = None
         else:
-            logits = self.net.forward(be.asarray(self.normalize(xb)), training=True)
+            logits = self.net.forward(be.asarray(x), training=True)
             loss, dlogits = self.net.loss_fn(logits, yb)
         if not np.isfinite(loss):  # before the update, which would spread it to every parameter
             raise FloatingPointError(
@@ -150,7 +179,9 @@ class Trainer:
         self.opt.lr = learning_rate(self.step, self.total_steps, self.cfg.lr, self.cfg.schedule, self.warmup_steps)
         self.opt.step()
 
-    def _record(self, t0: float, loss: float, logits: Any, yb: np.ndarray) -> tuple[float, float, dict[str, Any]]:
+    def _record(
+        self, t0: float, loss: float, logits: Any, yb: np.ndarray, data_wait: float
+    ) -> tuple[float, float, dict[str, Any]]:
         be = self.net.backend
         acc = float(np.mean(be.to_numpy(logits).argmax(axis=1) == yb))
         be.synchronize()
@@ -159,15 +190,16 @@ class Trainer:
         if self.cluster is not None:
             split.update(self.cluster.last_step)
         split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"])
-        return loss, acc, {"lr": self.opt.lr, "time_s": dt, **split}
+        return loss, acc, {"lr": self.opt.lr, "time_s": dt, "data_wait_s": data_wait, **split}
 
-    def _step(self, xb: np.ndarray, yb: np.ndarray, b: int) -> tuple[float, float]:
-        """One step of the loop, whole or not at all: cut short, it is rolled back; its update,
-        recorded and counted, runs with signals held."""
+    def _step(self, batches: Prefetcher | InOrder) -> tuple[float, float]:
+        """The next step of the loop, whole or not at all: cut short, it is rolled back; its update,
+        recorded and counted, runs with signals held. Its time counts from asking for its batch."""
         undo = self._undo_point()
         t0 = time.perf_counter()
         try:
-            loss, logits = self._forward_backward(xb, yb)
+            batch: Batch = batches.next()
+            loss, logits = self._forward_backward(batch.x, batch.y)
         except BaseException:
             with self.signals.held(raise_pending=False):
                 self._roll_back(undo)
@@ -175,10 +207,11 @@ class Trainer:
         with self.signals.held():
             self._whole = False
             self._update()
+            self.augment_rng.bit_generator.state = batch.rng_state  # the batch's draws, now committed
             self.step += 1
-            self.batch_in_epoch = b + 1
+            self.batch_in_epoch = batch.index + 1
             self._whole = True
-            loss, acc, rec = self._record(t0, loss, logits, yb)
+            loss, acc, rec = self._record(t0, loss, logits, batch.y, batches.waited_s)
             self.step_times.append(rec["time_s"])
             self.step_splits.append(rec)
             self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
@@ -186,7 +219,8 @@ class Trainer:
         return loss, acc
 
     def _undo_point(self) -> tuple[dict[str, Any], dict[tuple[int, str], np.ndarray]]:
-        """What a step changes before its update: the augmentation's generator, batch-norm's statistics."""
+        """What a step changes before its update: batch-norm's statistics (and the augmentation's generator,
+        which the loop moves only at the update, but ``_forward_backward``'s callers may have moved)."""
         be = self.net.backend
         layers = enumerate(self.net.layers)
         buffers = {(i, name): be.to_numpy(a).copy() for i, layer in layers for name, a in layer.buffers.items()}
@@ -207,14 +241,15 @@ class Trainer:
 
     # ---- evaluation -------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """Mean loss and accuracy in eval mode (running batch-norm statistics)."""
+        """Mean loss and accuracy in eval mode (running batch-norm statistics), in batches of
+        ``eval_batch_size`` (0: the training batch's size)."""
         be = self.net.backend
         total_loss, correct = 0.0, 0
-        starts = range(0, len(x), self.cfg.eval_batch_size)
-        bar = tqdm(starts, desc="evaluating", unit="batch", leave=False, disable=not self.cfg.progress)
+        size = self.cfg.eval_batch_size or self.cfg.batch_size
+        bar = tqdm(range(0, len(x), size), desc="evaluating", unit="batch", leave=False, disable=not self.cfg.progress)
         for i in bar:
-            xb, yb = x[i : i + self.cfg.eval_batch_size], y[i : i + self.cfg.eval_batch_size]
-            logits = self.net.forward(be.asarray(self.normalize(xb)), training=False)
+            xb, yb = x[i : i + size], y[i : i + size]
+            logits = self.net.predict(be.asarray(self.normalize(xb)))
             loss, _ = self.net.loss_fn(logits, yb)
             total_loss += loss * len(xb)
             correct += int(np.sum(be.to_numpy(logits).argmax(axis=1) == yb))
@@ -265,9 +300,8 @@ class Trainer:
 
     def _train_epoch(self, n_epochs: int) -> tuple[list[float], list[float]]:
         """The steps of the epoch in course, from where it stands to its end or to ``total_steps``."""
-        x, y, bs = self.data.x_train, self.data.y_train, self.cfg.batch_size
         self.shuffle_rng.bit_generator.state = self.epoch_shuffle_state
-        order = self.shuffle_rng.permutation(len(x))
+        order = self.shuffle_rng.permutation(len(self.data.x_train))
         last = min(self.steps_per_epoch, self.batch_in_epoch + self.total_steps - self.step)
         losses, accs = [], []
         bar = tqdm(
@@ -277,14 +311,14 @@ class Trainer:
             leave=False,
             disable=not self.cfg.progress,
         )
-        for b in bar:
-            idx = order[b * bs : (b + 1) * bs]
-            loss, acc = self._step(x[idx], y[idx], b)
-            losses.append(loss)
-            accs.append(acc)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.opt.lr:.3g}")
-            if self._checkpoint_due():
-                self._save_held()
+        with self._batches(order, self.batch_in_epoch, last) as batches:  # the thread stops on the way out
+            for _ in bar:
+                loss, acc = self._step(batches)
+                losses.append(loss)
+                accs.append(acc)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.opt.lr:.3g}")
+                if self._checkpoint_due():
+                    self._save_held()
         bar.close()
         return losses, accs
 
