@@ -194,6 +194,56 @@ def _max_stage_backward(dy: np.ndarray, arg: np.ndarray, in_shape, taps, axis: i
     return dx
 
 
+def _channel_sum(a: np.ndarray) -> np.ndarray:
+    """Per-channel sum of an (N, C, H, W) float32 map: (C,) float32.
+
+    Summed as rows: each of the N*C contiguous rows of H*W values pairwise (numpy's add.reduce
+    along the last axis: up to 128 values by 8 interleaved running sums, longer rows split in
+    halves), then the N row sums of each channel one after the other. A value passes through at
+    most d = N + ceil(log2(H*W)) + 16 roundings, so |error| <= d * 2^-24 * sum |a| (to first
+    order; tests/test_batchnorm_numpy.py checks it against float64). ``a.sum(axis=(0, 2, 3))`` sums
+    in this order too, as fast (numpy merges the contiguous H, W axes); written out, the order and
+    its bound are stated rather than numpy's internals.
+    """
+    n, c = a.shape[:2]
+    return a.reshape(n, c, -1).sum(axis=2).sum(axis=0)
+
+
+def batchnorm_forward_plain(x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
+    """Batch norm's forward written out (NumpyBackend.batchnorm_forward is the optimised twin):
+    the same contract, a fresh array per step of the math, the cache (xhat, gamma, invstd, training)."""
+    if training:
+        require_batch_statistics(x.shape)
+        m = x.shape[0] * x.shape[2] * x.shape[3]
+        mean = x.mean(axis=(0, 2, 3))
+        xc = x - mean[None, :, None, None]
+        var = (xc * xc).mean(axis=(0, 2, 3))
+        running_mean *= 1 - momentum
+        running_mean += momentum * mean
+        running_var *= 1 - momentum
+        running_var += (momentum * m / max(m - 1, 1)) * var
+    else:
+        mean, var = running_mean, running_var
+        xc = x - mean[None, :, None, None]
+    invstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * invstd[None, :, None, None]
+    y = xhat * gamma[None, :, None, None] + beta[None, :, None, None]
+    return y, (xhat, gamma, invstd, training)
+
+
+def batchnorm_backward_plain(dy, cache):
+    """Batch norm's backward written out, for batchnorm_forward_plain's cache (see BatchNorm2D's math)."""
+    xhat, gamma, invstd, training = cache
+    dbeta = dy.sum(axis=(0, 2, 3))
+    dgamma = (dy * xhat).sum(axis=(0, 2, 3))
+    g = (gamma * invstd)[None, :, None, None]
+    if not training:  # statistics are constants in eval mode
+        return dy * g, dgamma, dbeta
+    m = dy.shape[0] * dy.shape[2] * dy.shape[3]
+    dx = g * (dy - (dbeta / m)[None, :, None, None] - xhat * (dgamma / m)[None, :, None, None])
+    return dx, dgamma, dbeta
+
+
 class NumpyBackend(Backend):
     """The reference backend. Arrays are plain float32 numpy arrays on the host."""
 
@@ -242,7 +292,9 @@ class NumpyBackend(Backend):
         x_shape, w, cols, stride, padding = cache
         f, c, kh, kw = w.shape
         dy2 = dy.transpose(1, 0, 2, 3).reshape(f, -1)  # (F, N*OH*OW), one copy
-        dw = (dy2 @ cols.T).reshape(w.shape)
+        # dW^T = cols dY^T rather than dW = dY cols^T: the same sums, but OpenBLAS runs this shape (a
+        # small output, K = N*OH*OW long) 1.1-4x faster so, the most with 2 threads (bench_train_step.py)
+        dw = (cols @ dy2.T).T.reshape(w.shape)
         db = dy2.sum(axis=1)
         dx = None
         if need_dx:
@@ -270,34 +322,58 @@ class NumpyBackend(Backend):
         _lrn_backward_into(dy, x, y, s, p, dx, scratch, size, alpha, beta, before, after)
         return dx
 
+    # Batch norm, optimised (an optimisation: batchnorm_forward_plain / batchnorm_backward_plain below
+    # are the same math written out, and tests/test_batchnorm_numpy.py holds the two together). Each
+    # map-sized pass writes into one of two buffers (xhat and y; dx in the backward) instead of a
+    # fresh temporary (on maps of tens of MB a fresh array costs about as much again in page faults),
+    # the per-channel constants are folded first, and eval mode is one affine pass. Channel sums are
+    # row sums of the (N, C, H*W) view, each row pairwise (_channel_sum, with its round-off bound).
+    # The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
-        if training:
-            require_batch_statistics(x.shape)
-            m = x.shape[0] * x.shape[2] * x.shape[3]
-            mean = x.mean(axis=(0, 2, 3))
-            xc = x - mean[None, :, None, None]
-            var = (xc * xc).mean(axis=(0, 2, 3))
-            running_mean *= 1 - momentum
-            running_mean += momentum * mean
-            running_var *= 1 - momentum
-            running_var += (momentum * m / max(m - 1, 1)) * var
-        else:
-            mean, var = running_mean, running_var
-            xc = x - mean[None, :, None, None]
+        if not training:  # a fixed affine map: y = x * scale + shift, one pass and one array
+            invstd = 1.0 / np.sqrt(running_var + eps)
+            scale = gamma * invstd
+            y = np.multiply(x, scale[None, :, None, None])
+            y += (beta - running_mean * scale)[None, :, None, None]
+            return y, (x, running_mean.copy(), gamma, invstd, False)
+        require_batch_statistics(x.shape)
+        n, c, h, w = x.shape
+        m = n * h * w
+        mean = _channel_sum(x) / F32(m)
+        xhat = np.subtract(x, mean[None, :, None, None])  # x - mean, scaled to xhat below
+        y = np.multiply(xhat, xhat)  # the squares, in y's buffer until y is written
+        var = _channel_sum(y) / F32(m)
+        running_mean *= 1 - momentum
+        running_mean += momentum * mean
+        running_var *= 1 - momentum
+        running_var += (momentum * m / max(m - 1, 1)) * var
         invstd = 1.0 / np.sqrt(var + eps)
-        xhat = xc * invstd[None, :, None, None]
-        y = xhat * gamma[None, :, None, None] + beta[None, :, None, None]
-        return y, (xhat, gamma, invstd, training)
+        xhat *= invstd[None, :, None, None]
+        np.multiply(xhat, gamma[None, :, None, None], out=y)
+        y += beta[None, :, None, None]
+        return y, (xhat, None, gamma, invstd, True)
 
     def batchnorm_backward(self, dy, cache):
-        xhat, gamma, invstd, training = cache
-        dbeta = dy.sum(axis=(0, 2, 3))
-        dgamma = (dy * xhat).sum(axis=(0, 2, 3))
-        g = (gamma * invstd)[None, :, None, None]
-        if not training:  # statistics are constants in eval mode
-            return dy * g, dgamma, dbeta
-        m = dy.shape[0] * dy.shape[2] * dy.shape[3]
-        dx = g * (dy - (dbeta / m)[None, :, None, None] - xhat * (dgamma / m)[None, :, None, None])
+        xhat, mean, gamma, invstd, training = cache
+        g = gamma * invstd
+        if not training:  # statistics are constants in eval mode; cache holds x, not xhat
+            x = xhat
+            dbeta = _channel_sum(dy)
+            dx = np.subtract(x, mean[None, :, None, None])
+            dx *= invstd[None, :, None, None]  # xhat, in dx's buffer
+            dx *= dy
+            dgamma = _channel_sum(dx)
+            np.multiply(dy, g[None, :, None, None], out=dx)
+            return dx, dgamma, dbeta
+        m = F32(dy.shape[0] * dy.shape[2] * dy.shape[3])
+        dbeta = _channel_sum(dy)
+        dx = np.multiply(dy, xhat)  # dy * xhat, in dx's buffer
+        dgamma = _channel_sum(dx)
+        # dx = g (dy - dbeta/m - xhat dgamma/m), four passes in dx's buffer
+        np.multiply(xhat, (-dgamma / m)[None, :, None, None], out=dx)
+        dx += dy
+        dx -= (dbeta / m)[None, :, None, None]
+        dx *= g[None, :, None, None]
         return dx, dgamma, dbeta
 
     # ---- pooling -------------------------------------------------------------
