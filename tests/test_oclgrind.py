@@ -5,7 +5,8 @@ OpenCL device simulator: run under ``oclgrind --data-races``, a program sees one
 Simulator", with 32 KiB of local memory and work-groups of up to 1024, and every kernel it runs
 is checked for reads and writes outside their buffers (or outside local memory) and for data
 races between work-items. That device is a GPU, so the backend picks the GPU variants there
-(the local-memory tiled GEMMs, work-groups of 64): what no CPU runs, checked without a GPU.
+(the local-memory tiled GEMMs, work-groups of 64, the per-element kernels): what no CPU runs,
+checked without a GPU; the rows kernels CPUs run instead are launched by the tests themselves.
 
 Oclgrind reports into its log and still exits 0, so the tests read the log. Its check of
 uninitialised values (``--uninitialized``) is not used: in Oclgrind 21.10 it stops at LLVM's
@@ -72,7 +73,9 @@ def test_oclgrind_catches_an_out_of_bounds_write_and_a_race(tmp_path):
 
 
 def test_the_opencl_tests_pass_on_the_simulated_gpu_with_no_report(tmp_path):
-    # every op, every GEMM variant the device allows (tiled, with local memory), split-K, strided views
+    # every op, every GEMM variant the device allows (tiled, with local memory), split-K, strided views,
+    # and the CPU-only rows kernels of ops.cl and layout.cl, which its tests launch by name beside the
+    # per-element ones (test_*_rows_kernels_*, the max pool and batch norm tests with rows=True)
     log = tmp_path / "oclgrind.log"
     device = "import backends.opencl.device as d; print(d.describe_device(d.select_device(None)))"
     probe = under_oclgrind(["-c", device], log, timeout=120)
