@@ -4,7 +4,9 @@
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s --check         # what the link carries
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s --check-worker  # one step across it
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s [--delay-ms 2] -- \\
-        .venv/bin/tinyconv experiment grid --archs 300:1000 --batches 64 --split kernels --insecure ...
+        .venv/bin/tinyconv experiment grid --archs 300:1000 --batches 64 --split kernels ...
+    sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s -- grid --archs 300:1000 \\
+        --batches 64 --fuse off --split kernels --rebalance off --wire-precision fp32 bf16 --out runs/link5.csv
     sudo .venv/bin/python benchmarks/throttled_link.py --teardown                   # leftovers of a killed run
 
 The paper's devices talked over 5 MB/s Wi-Fi; loopback carries gigabytes a second. This makes a
@@ -21,7 +23,12 @@ link of a chosen rate on one Linux machine:
 * ``COMMAND`` runs inside ``tinyconv-m`` with ``--bind tcp://10.77.0.1:PORT --worker-prefix "ip
   netns exec tinyconv-w" --link-label LABEL`` appended, the options ``tinyconv experiment grid``
   takes: it starts its local workers behind that prefix, in the other namespace, so every task
-  and result crosses the shaped veth;
+  and result crosses the shaped veth. A COMMAND that starts with the word ``grid`` is short for
+  this Python's ``tinyconv experiment grid`` (:func:`expand`), every grid option after it: the
+  ``--rebalance`` and ``--wire-precision`` axes among them. ``--rebalance off`` measures a slow
+  link's steady state with the calibrated split: with the rebalancer on, 300:1000 at 5 MB/s
+  moves every kernel to the master while the steps are timed, and the rows mix that move with
+  its probes;
 * on exit -- the command's end, an error, Ctrl-C or SIGTERM -- both namespaces are deleted,
   which deletes the veth pair and its qdiscs.
 
@@ -30,7 +37,8 @@ iproute2's ``ip`` and ``tc``; without them it says so and exits 1. Note: a proce
 namespace keeps the machine's host name, so a master sees these workers as local (``--split
 auto`` splits conv2 by input channels, which moves about twice the bytes; pass ``--split`` to
 choose), and 10.77.0.1 is not loopback, so a master binding it needs CURVE keys or
-``--insecure`` -- nothing outside the two namespaces can reach it.
+``--insecure`` -- nothing outside the two namespaces can reach it. (The grid's local workers get
+a fresh key pair of their own: the grid needs neither.)
 """
 
 from __future__ import annotations
@@ -72,6 +80,14 @@ class Names:
 
 def in_namespace(ns: str, cmd: Sequence[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd]
+
+
+GRID = [sys.executable, "-m", "tinyconv.cli", "experiment", "grid"]  # what a COMMAND's leading "grid" stands for
+
+
+def expand(cmd: Sequence[str]) -> list[str]:
+    """``grid ARGS`` -> this Python's ``tinyconv experiment grid ARGS``; any other command as it is."""
+    return [*GRID, *cmd[1:]] if cmd and cmd[0] == "grid" else list(cmd)
 
 
 def appended(cmd: Sequence[str], names: Names, port: int, label: str) -> list[str]:
@@ -315,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"configured {rate / 1e6:g} MB/s")  # fmt: skip
         code = check_worker(names) if args.check_worker else 0
         if command:
-            code = run_command(appended(command, names, args.port, args.label or args.rate))
+            code = run_command(appended(expand(command), names, args.port, args.label or args.rate))
         return code
     except RuntimeError as e:
         print(f"throttled_link: {e}", file=sys.stderr)

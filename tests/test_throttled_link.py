@@ -4,6 +4,7 @@ Each run names its namespaces after this process, so parallel runs do not meet."
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import os
 import subprocess
@@ -26,6 +27,18 @@ def test_the_appended_options():
     assert cmd == ["ip", "netns", "exec", "tinyconv-m-t", "tinyconv", "experiment", "grid", "--archs", "300:1000",
                    "--bind", "tcp://10.77.0.1:5555", "--worker-prefix", "ip netns exec tinyconv-w-t",
                    "--link-label", "5MB/s"]  # fmt: skip
+
+
+def test_a_command_that_starts_with_grid_is_this_pythons_experiment_grid():
+    grid = tl.expand(["grid", "--rebalance", "off", "--wire-precision", "fp32", "bf16"])
+    assert grid == [sys.executable, "-m", "tinyconv.cli", "experiment", "grid", "--rebalance", "off",
+                    "--wire-precision", "fp32", "bf16"]  # fmt: skip
+    assert tl.expand(["tinyconv", "experiment", "grid"]) == ["tinyconv", "experiment", "grid"]  # others as they are
+    assert tl.expand(["python", "grid"]) == ["python", "grid"]
+    cmd = tl.appended(grid, tl.Names("-t"), 5555, "5MB/s")
+    assert cmd[:4] == ["ip", "netns", "exec", "tinyconv-m-t"] and cmd[4:9] == tl.GRID
+    assert cmd[-6:] == ["--bind", "tcp://10.77.0.1:5555", "--worker-prefix", "ip netns exec tinyconv-w-t",
+                        "--link-label", "5MB/s"]  # fmt: skip
 
 
 def test_tbf_takes_bits_and_a_burst():
@@ -103,4 +116,21 @@ def test_a_real_worker_in_one_namespace_serves_a_master_in_the_other(names):
         pytest.skip(out.stderr.strip())
     assert out.returncode == 0, out.stderr
     assert "master tcp://10.77.0.1:" in out.stdout and "worker at 10.77.0.2" in out.stdout
+    assert tl.exists(names) == []
+
+
+@needs_root
+def test_a_grid_with_a_fixed_split_and_a_narrowed_wire_runs_across_the_link(names, tmp_path):
+    """``-- grid ...``: the experiment grid in the master's namespace, its worker in the other, one cell."""
+    out = tmp_path / "link.csv"
+    cmd = [sys.executable, str(SCRIPT), "--rate", "100MB/s", "--suffix", names.suffix, "--", "grid", "--archs", "4:8",
+           "--batches", "4", "--participants", "2", "--split", "kernels", "--rebalance", "off", "--wire-precision",
+           "bf16", "--steps", "1", "--warmup", "0", "--settle", "0", "--no-progress", "--out", str(out)]  # fmt: skip
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=SCRIPT.parent.parent)
+    if "cannot" in got.stderr or "Operation not permitted" in got.stderr:
+        pytest.skip(got.stderr.strip())
+    assert got.returncode == 0, got.stderr
+    (row,) = list(csv.DictReader(out.open()))
+    assert (row["link"], row["rebalance"], row["wire"], row["split"]) == ("100MB/s", "off", "bf16", "kernels")
+    assert int(row["bytes_sent"]) > 0 and row["wire_formats"] == "conv1=bf16/bf16/bf16 conv2=bf16/bf16/bf16"
     assert tl.exists(names) == []
