@@ -331,9 +331,12 @@ def test_grid_tells_rebalance_and_wire_apart_and_the_master_alone_opens_each_gro
     assert all([t.text for t in texts(g, "x")] == ["alone", "2"] for g in groups)
     _write_csv(tmp_path / "one.csv", columns, rows[:2])  # the master alone and one fixed split: nothing to tell apart
     plot_files([tmp_path / "one.csv"], tmp_path / "one")
-    assert [g.get("data-name") for g in series(check_readable(tmp_path / "one" / "one-speedup.svg"))] == [
-        "300:1000 on 2 participants"
-    ]
+    root = check_readable(tmp_path / "one" / "one-speedup.svg")
+    assert [g.get("data-name") for g in series(root)] == ["300:1000 on 2 participants"]
+    (ideal,) = series(root, "ideal")  # one batch: the ideal still a line, an octave each side of it
+    (left, y0), (right, y1) = polyline_points(ideal)
+    (point,) = [(float(c.get("cx")), float(c.get("cy"))) for c in circles(series(root)[0])]
+    assert left < point[0] < right and y0 == y1 and [t.text for t in texts(root, "x")] == ["32", "64", "128"]
 
 
 def test_simulated_speedup_against_nodes(tmp_path):

@@ -80,6 +80,8 @@ def speedup_chart(rows: Sequence[dict[str, Any]]) -> str:
         extra = f", {describe(config, shown)}" if shown else ""
         series.append(Series(f"{arch} on {p} participants{extra}", lines[(arch, p, *rest)], color, markers=True))
     batches = sorted({x for pts in lines.values() for x, _ in pts}) or [64.0]
+    if len(batches) == 1:  # one batch (a throttled grid, say): the ideal and the paper's span an octave each side
+        batches = [batches[0] / 2, batches[0], batches[0] * 2]
     series += _paper(lines, palette, batches)
     counts = sorted({int(p) for _, p, *_ in lines})
     for p, grey in zip(counts, IDEAL_GREYS * len(counts), strict=False):
