@@ -198,11 +198,11 @@ class BatchSplit:
         """A new op of the next step, named ``what`` in errors, with the step's deadline."""
         return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, self.timeout(batch))
 
-    def _finish(self, ops: list[tuple[str, Op]], counts: list[int]) -> None:
-        """Record the step like a model-parallel one (``ops``: (name, op) in the order they ran):
-        conv_s the slowest participant's compute summed over the ops, comm_s the rest of their wall
-        time; let the rebalancer judge the split by each participant's ready time."""
-        stats: list[tuple[str, OpStats]] = [(name, op.stats(self.seats)) for name, op in ops]
+    def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
+        """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.seats)`` taken
+        as the op's last result came in) in the order the ops ran): conv_s the slowest participant's
+        compute summed over the ops, comm_s the rest of their wall time; let the rebalancer judge the
+        split by each participant's ready time."""
         names = self.participants
 
         def each(field: str, only: list[OpStats] | None = None) -> list:

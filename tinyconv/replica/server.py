@@ -111,7 +111,7 @@ class Replicas(BatchSplit):
         flat.unpack(net, total, "grads")
         if buffers.size:  # each slice's running statistics, weighted by its images
             flat.unpack(net, sum(stats[k] * np.float32(share[k] / batch) for k in order).astype(np.float32), "buffers")
-        self._finish([("step", op)], counts)
+        self._finish([("step", op.stats(self.seats))], counts)
         logits_be = net.backend.asarray(np.concatenate([logits[k] for k in order]))
         loss, _ = net.loss_fn(logits_be, y)
         return loss, logits_be
