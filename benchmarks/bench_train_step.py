@@ -11,8 +11,13 @@ and weight decay on the weights only, as tinyconv's SGD does (two parameter grou
 both compute the same numbers; the losses after the last step are printed side by side.
 Both run with the same number of threads (torch.set_num_threads and the BLAS pool numpy
 uses). Prints medians over --repeats steps after a warm-up, and the ratio torch /
-tinyconv (> 1 means tinyconv is faster). Not a test: no asserts. PyTorch is optional
-(`pip install torch`); without it only tinyconv's times print.
+tinyconv (> 1 means tinyconv is faster). The two take their steps in turn (tinyconv, torch,
+tinyconv, ...), so on a shared machine both see the same load. The process keeps its freed
+memory for reuse, as the main job does (tinyconv/heap.py; --keep-freed-memory off: glibc's
+default). ``--breakdown`` adds tinyconv's median time per layer, forward and backward. Not a
+test: no asserts. PyTorch is optional (`pip install torch`); without it only tinyconv's times print.
+
+    python benchmarks/bench_train_step.py --norm batch --batch 128 --arch 48:96 --breakdown
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from tinyconv.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU  # noqa: E402
 from tinyconv.model import Network, paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
@@ -36,19 +42,48 @@ from tinyconv.report import format_table  # noqa: E402
 LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 5e-4
 
 
-def time_tinyconv(net: Network, x: np.ndarray, y: np.ndarray, repeats: int) -> tuple[list[float], float]:
-    """Step times after a warm-up step, and the last loss."""
+def tinyconv_step(net: Network, x: np.ndarray, y: np.ndarray):
+    """A function running one training step of ``net`` on (x, y) and returning (seconds, loss)."""
     be = net.backend
     opt = SGD(net, LR, MOMENTUM, WEIGHT_DECAY)
     xd = be.asarray(x)
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
+
+    def step() -> tuple[float, float]:
         t = time.perf_counter()
         loss = net.train_step(xd, y)
         opt.step()
         be.synchronize()
-        times.append(time.perf_counter() - t)
-    return times[1:], loss
+        return time.perf_counter() - t, loss
+
+    return step
+
+
+def layer_times(net: Network, x: np.ndarray, y: np.ndarray, repeats: int) -> list[tuple[str, float, float]]:
+    """(layer, median forward ms, median backward ms) of training steps of ``net``, layer by layer
+    (each layer's forward run alone, so a ReLU + LRN pair is timed as two ops here)."""
+    be = net.backend
+    xd = be.asarray(x)
+    fwd: dict[str, list[float]] = {layer.name: [] for layer in net.layers}
+    bwd: dict[str, list[float]] = {layer.name: [] for layer in net.layers}
+    for _ in range(repeats + 1):
+        h = xd
+        for layer in net.layers:
+            t = time.perf_counter()
+            h = layer.forward(h, True)
+            be.synchronize()
+            fwd[layer.name].append(time.perf_counter() - t)
+        _, d = net.loss_fn(h, y)
+        for layer in reversed(net.layers):
+            t = time.perf_counter()
+            d = layer.backward(d)
+            be.synchronize()
+            bwd[layer.name].append(time.perf_counter() - t)
+            if d is None:
+                break
+    return [
+        (name, 1e3 * float(np.median(fwd[name][1:])), 1e3 * float(np.median(bwd[name][1:])) if bwd[name] else 0.0)
+        for name in fwd
+    ]
 
 
 def torch_twin(net: Network, state: dict[str, np.ndarray]):
@@ -85,8 +120,8 @@ def torch_twin(net: Network, state: dict[str, np.ndarray]):
     return model, torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM)
 
 
-def time_torch(net: Network, state: dict, x: np.ndarray, y: np.ndarray, repeats: int, threads: int):
-    """Step times of the torch twin after a warm-up step, and the last loss; None without torch."""
+def torch_step(net: Network, state: dict, x: np.ndarray, y: np.ndarray, threads: int):
+    """A function running one training step of the torch twin, returning (seconds, loss); None without torch."""
     try:
         import torch
         import torch.nn as nn
@@ -95,15 +130,28 @@ def time_torch(net: Network, state: dict, x: np.ndarray, y: np.ndarray, repeats:
     torch.set_num_threads(threads)
     model, opt = torch_twin(net, state)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    times = []
-    for _ in range(repeats + 1):
+
+    def step() -> tuple[float, float]:
         t = time.perf_counter()
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(xt), yt)
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t)
-    return times[1:], float(loss.detach())
+        return time.perf_counter() - t, float(loss.detach())
+
+    return step
+
+
+def in_turn(steps: list, repeats: int) -> list[tuple[list[float], float]]:
+    """Each step function once per round, in turn, after a warm-up round: (times, last loss) of each."""
+    times: list[list[float]] = [[] for _ in steps]
+    losses = [0.0] * len(steps)
+    for r in range(repeats + 1):
+        for i, step in enumerate(steps):
+            dt, losses[i] = step()
+            if r:  # round 0 is the warm-up
+                times[i].append(dt)
+    return list(zip(times, losses, strict=True))
 
 
 def blas_info() -> str:
@@ -126,30 +174,41 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--backend", default="numpy")
     p.add_argument(
+        "--keep-freed-memory",
+        choices=("on", "off"),
+        default="on",
+        help="keep freed memory for reuse, as the main job does (tinyconv/heap.py); off: glibc's default",
+    )
+    p.add_argument("--breakdown", action="store_true", help="also tinyconv's median ms per layer, forward and backward")
+    p.add_argument(
         "--threads",
         type=int,
         default=os.cpu_count() or 1,
         help="torch threads; set OPENBLAS_NUM_THREADS yourself to pin numpy's",
     )
     args = p.parse_args()
+    if args.keep_freed_memory == "on":
+        keep_freed_memory()
     arch = parse_arch(args.arch)
     print(f"network {args.arch} norm={args.norm}, threads={args.threads}, BLAS: {blas_info()}")
-    rows, losses = [], []
+    rows, losses, breakdowns = [], [], []
     for batch in args.batch:
         rng = np.random.default_rng(0)
         x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
         y = rng.integers(0, 10, batch)
         net = paper_net(arch, get_backend(args.backend), args.norm, seed=0)
         state = net.state_dict()  # the starting weights, for the twin
-        times, loss = time_tinyconv(net, x, y, args.repeats)
-        tc = float(np.median(times))
-        torch_result = time_torch(net, state, x, y, args.repeats, args.threads)
-        if torch_result is None:
+        twin = torch_step(net, state, x, y, args.threads)
+        results = in_turn([tinyconv_step(net, x, y)] + ([twin] if twin else []), args.repeats)
+        tc = float(np.median(results[0][0]))
+        if args.breakdown:
+            breakdowns.append((batch, layer_times(net, x, y, args.repeats)))
+        if twin is None:
             rows.append((batch, tc, "-", "-", batch / tc))
             continue
-        tm = float(np.median(torch_result[0]))
+        tm = float(np.median(results[1][0]))
         rows.append((batch, tc, tm, tm / tc, batch / tc))
-        losses.append(f"batch {batch}: tinyconv {loss:.6f}, torch {torch_result[1]:.6f}")
+        losses.append(f"batch {batch}: tinyconv {results[0][1]:.6f}, torch {results[1][1]:.6f}")
     print(
         format_table(
             ("batch", f"tinyconv {args.backend} s/step", "torch CPU s/step", "torch/tinyconv", "tinyconv img/s"),
@@ -159,6 +218,15 @@ def main() -> None:
     )
     if losses:
         print(f"loss after {args.repeats + 1} steps from the same weights (the twins agree): " + "; ".join(losses))
+    for batch, layers in breakdowns:
+        total = sum(f + b for _, f, b in layers)
+        print(
+            format_table(
+                ("layer", "forward ms", "backward ms", "share"),
+                [(name, f, b, f"{(f + b) / total:.0%}") for name, f, b in layers],
+                title=f"tinyconv {args.backend}, batch {batch}: median per layer ({total:.0f} ms, loss and SGD aside)",
+            )
+        )
 
 
 if __name__ == "__main__":
