@@ -145,10 +145,11 @@ def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker
 
 @pytest.mark.skipif(len(cores()) < 2, reason="a pinned local worker needs a second core")
 def test_a_pinned_local_worker_over_zmq_behind_a_prefix(tmp_path: Path) -> None:
-    out = tmp_path / "grid.csv"
+    out, before = tmp_path / "grid.csv", cores()
     assert grid(out, "--participants", "2", "--worker-prefix", "env TINYCONV_TEST=1", transport="zmq") == 0
     (row,) = rows(out)
     assert (row["transport"], row["participants"]) == ("zmq", "2") and int(row["bytes_sent"]) > 0
+    assert cores() == before  # the master was pinned for the grid only: this process has its cores back
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
@@ -227,19 +228,19 @@ def _loop(args: argparse.Namespace, todo: list[Cell], rows: list[dict[str, Any]]
     from tqdm import tqdm
 
     from tinyconv.experiment import table
-    from tinyconv.experiment.devices import pin_master
+    from tinyconv.experiment.devices import master_pinned
     from tinyconv.experiment.run import run_cell
     from tinyconv.model import parse_arch
     from tinyconv.plugins import get_backend
 
-    if args.transport != "inproc":
-        pin_master()  # after the workers started: they must not inherit the master's core
+    # after the workers started (they must not inherit the master's core); its cores back at the end
+    pinned = master_pinned() if args.transport != "inproc" else nullcontext()
     out, host = Path(args.out), cpu_model()
     backends = {name: get_backend(name) for name in args.backend}
     weights = [cost(c, *parse_arch(c.arch), args.steps, args.warmup, args.settle) for c in todo]
     bar = tqdm(total=sum(weights), desc="grid", disable=True if args.no_progress else None, smoothing=0,
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} Gflop [{elapsed}<{remaining}]")  # fmt: skip
-    with bar:
+    with pinned, bar:
         for i, (cell, weight) in enumerate(zip(todo, weights, strict=True), 1):
             bar.set_postfix_str(cell.label())
             measured = run_cell(cell, backends[cell.backend], transport, workers, args.steps, args.warmup, args.settle)

@@ -47,6 +47,19 @@ def pin_master() -> None:
         os.sched_setaffinity(0, {cores()[0]})
 
 
+@contextmanager
+def master_pinned() -> Iterator[None]:
+    """:func:`pin_master` for the duration, then the cores it had back: a grid run inside a longer
+    process (a test, a notebook) must not leave it, and the processes it starts later, on one core."""
+    before = cores()
+    pin_master()
+    try:
+        yield
+    finally:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, before)
+
+
 def worker_command(
     connect: str, backend: str, core: int | None, prefix: Sequence[str] = (), extra: Sequence[str] = (),
     taskset: str | None = None,
