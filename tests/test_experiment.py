@@ -254,13 +254,20 @@ def test_a_fixed_split_and_a_narrowed_wire_reach_the_cluster(tmp_path: Path, mon
     assert "rebalance off wire bf16" in summary(got)
 
 
-def test_data_parallel_runs_at_fp32_only(tmp_path: Path, capsys) -> None:
+def test_data_parallel_and_hybrid_run_at_fp32_only(tmp_path: Path, capsys) -> None:
     out = tmp_path / "grid.csv"
     assert grid(out, "--participants", "2", "--parallel", "data", "--wire-precision", "bf16") == 2
     assert "no cells" in capsys.readouterr().err
-    assert grid(out, "--participants", "2", "--parallel", "model", "data", "--wire-precision", "fp32", "adt24") == 0
-    assert "its cells at --wire-precision adt24 are left out" in capsys.readouterr().out
-    assert [(r["parallel"], r["wire"]) for r in rows(out)] == [("model", "fp32"), ("model", "adt24"), ("data", "fp32")]
+    assert grid(out, "--participants", "2", "--parallel", "model", "data", "hybrid", "--wire-precision", "fp32",
+                "adt24") == 0  # fmt: skip
+    assert "--parallel data and hybrid: their cells at --wire-precision adt24 are left out" in capsys.readouterr().out
+    got = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["parallel"], r["wire"], r["fuse"], r["split"]) for r in got] == [
+        ("model", "fp32", "on", "auto"), ("model", "adt24", "on", "auto"), ("data", "fp32", "-", "-"),
+        ("hybrid", "fp32", "-", "-")]  # fmt: skip
+    hybrid = got[-1]  # the images shared out, the classifier on the master
+    assert hybrid["shares"].startswith("batch=") and sum(map(int, hybrid["shares"][6:].split("/"))) == 4
+    assert hybrid["bytes_sent"] > 0 and "2 hybrid-parallel" in summary(got)
 
 
 @pytest.mark.parametrize("newer", [["rebalance", "wire", "wire_fallbacks", "wire_formats"],

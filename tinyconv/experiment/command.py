@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tinyconv.experiment.grid import DATA_WIRE, PARALLELS, REBALANCES, Cell, cells, cost, pending
+from tinyconv.experiment.grid import BY_IMAGES, DATA_WIRE, PARALLELS, REBALANCES, Cell, cells, cost, pending
 from tinyconv.worker.main import THREAD_ENV_VARS
 
 PROG = "tinyconv experiment grid"
@@ -80,15 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more (default auto)")  # fmt: skip
     g.add_argument("--parallel", nargs="+", choices=PARALLELS, default=["model"],
                    help="model (the paper's split of the convolutions), data (whole replicas, the batch split; "
-                   "tinyconv/replica/) or both, to compare them (default model)")  # fmt: skip
+                   "tinyconv/replica/), hybrid (the convolutions by images, the classifier on the master), or "
+                   "several, to compare them (default model)")  # fmt: skip
     g.add_argument("--rebalance", nargs="+", choices=REBALANCES, default=["on"],
                    help="on: the rebalancer follows the measured times during the steps (warm-up included); off: "
                    "the calibrated split is kept for every step, e.g. a slow link's steady state; or both "
                    "(default on)")  # fmt: skip
     g.add_argument("--wire-precision", nargs="+", choices=WIRE_PRECISIONS, default=["fp32"], metavar="FORMAT",
                    help=f"the words the shards travel in, one or more of {', '.join(WIRE_PRECISIONS)} "
-                   f"(tinyconv/shard/wire_precision.py; default fp32); --parallel data runs at {DATA_WIRE} only, "
-                   "its cells at the others are left out")  # fmt: skip
+                   f"(tinyconv/shard/wire_precision.py; default fp32); --parallel data and hybrid run at {DATA_WIRE} "
+                   "only, their cells at the others are left out")  # fmt: skip
     g.add_argument("--transport", choices=("zmq", "inproc"), default="zmq",
                    help="zmq: worker processes (default); inproc: threads, for tests, not for timing")  # fmt: skip
     g.add_argument("--bind", metavar="ADDR", help="the master's address (default tcp://127.0.0.1:0, a free "
@@ -157,12 +158,13 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     grid = cells(args.archs, args.batches, args.participants, args.repeats, args.norm, args.fuse, args.split,
                  args.backend, args.parallel, args.rebalance, args.wire_precision)  # fmt: skip
     narrowed = [w for w in args.wire_precision if w != DATA_WIRE]
-    if "data" in args.parallel and max(args.participants) > 1 and narrowed:
-        print(f"--parallel data sends {DATA_WIRE} only: its cells at --wire-precision {' '.join(narrowed)} are "
-              "left out")  # fmt: skip
+    by_images = " and ".join(m for m in args.parallel if m in BY_IMAGES)
+    if by_images and max(args.participants) > 1 and narrowed:
+        print(f"{DATA_WIRE} only for --parallel {by_images}: their cells at --wire-precision {' '.join(narrowed)} "
+              "are left out")  # fmt: skip
     if not grid:
-        raise BadInput(f"no cells: --parallel data runs at --wire-precision {DATA_WIRE} only; add {DATA_WIRE} or "
-                       "--parallel model")  # fmt: skip
+        raise BadInput(f"no cells: {DATA_WIRE} is the only --wire-precision for --parallel {by_images}; add "
+                       f"{DATA_WIRE} or --parallel model")  # fmt: skip
     return grid, rows
 
 

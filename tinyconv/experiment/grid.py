@@ -13,17 +13,18 @@ under the same conditions on both sides.
 per (arch, norm, batch, backend, repeat) whatever --fuse, --split and --parallel say, and its
 row says ``fuse = split = "-"`` and ``parallel = "model"`` (as rows written before the
 column existed read). **Data-parallel** cells (``parallel = "data"``, ``tinyconv/replica/``)
-split the batch, not the convolutions: --fuse and --split mean nothing there, and their rows
-say ``"-"`` for both.
+split the batch, not the convolutions, and so do **hybrid** ones (``parallel = "hybrid"``: the
+convolutions by images, the classifier on the master): --fuse and --split mean nothing there,
+and their rows say ``"-"`` for both.
 
 **Rebalance and wire.** ``rebalance`` "on" lets the ``Rebalancer`` follow the measured times
 during the cell's steps (warm-up included), as the main job does; "off" keeps the split the
 calibration chose for every step, so a slow link's steady state with a fixed split is measured
 rather than the rebalancer moving kernels while the steps are timed. ``wire`` is the
 ``--wire-precision`` the shards travel in (``tinyconv/shard/wire_precision.py``: fp32, adt24,
-bf16, fp16, or adaptive). A data-parallel cell rebalances its images or not likewise, but
-sends float32 only (its replicas refuse narrowing): the data-parallel cells of any other
-wire are left out, not run. The master alone has no rebalancer and sends nothing: its row says
+bf16, fp16, or adaptive). A data-parallel or hybrid cell rebalances its images or not
+likewise, but sends float32 only (they refuse narrowing): their cells at any other wire are
+left out, not run. The master alone has no rebalancer and sends nothing: its row says
 ``"-"`` for both, as for fuse and split; a row written before these columns existed reads
 "on" and "fp32" (``"-"`` for the master alone).
 
@@ -43,9 +44,10 @@ from itertools import product
 NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone splits nothing
 KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "rebalance", "wire", "repeat",
        "link")  # fmt: skip
-PARALLELS = ("model", "data")
+PARALLELS = ("model", "data", "hybrid")
+BY_IMAGES = ("data", "hybrid")  # the modes that split the batch, not the convolutions (tinyconv/replica/)
 REBALANCES = ("on", "off")
-DATA_WIRE = "fp32"  # the only wire a data-parallel cell runs (tinyconv/replica/ sends float32)
+DATA_WIRE = "fp32"  # the only wire a BY_IMAGES cell runs (tinyconv/replica/ sends float32)
 CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x
 
 
@@ -61,7 +63,7 @@ class Cell:
     split: str  # "auto" / "channels" / "kernels", or "-"
     backend: str
     repeat: int
-    parallel: str = "model"  # "model": the paper's split of the convolutions; "data": replicas, the batch split
+    parallel: str = "model"  # "model": the paper's split of the convolutions; "data", "hybrid": the batch split
     rebalance: str = "on"  # "on" / "off" (the calibrated split kept), or "-" for the master alone
     wire: str = "fp32"  # the --wire-precision of the shards, or "-" for the master alone
 
@@ -74,8 +76,8 @@ class Cell:
         """A short name for lines and the progress bar."""
         if self.participants == 1:
             how = "master alone"
-        elif self.parallel == "data":
-            how = f"P{self.participants} data-parallel rebalance {self.rebalance}"
+        elif self.parallel in BY_IMAGES:
+            how = f"P{self.participants} {self.parallel}-parallel rebalance {self.rebalance}"
         else:
             how = (f"P{self.participants} fuse {self.fuse} split {self.split} rebalance {self.rebalance} "
                    f"wire {self.wire}")  # fmt: skip
@@ -96,13 +98,14 @@ def cells(
     wires: Sequence[str] = ("fp32",),
 ) -> list[Cell]:
     """Every cell of the grid, in the order they run (see the module's docstring), without duplicates.
-    Data-parallel cells come only at fp32 (``DATA_WIRE``): with any other of ``wires`` they are left out."""
+    Data-parallel and hybrid cells come only at fp32 (``DATA_WIRE``): with any other of ``wires`` they are
+    left out."""
     out: list[Cell] = []
     seen: set[Cell] = set()
     for repeat, batch in product(range(repeats), batches):
         ways = product(participants, parallels, fuses, splits, rebalances, wires, backends, norms)
         for p, parallel, fuse, split, rebalance, wire, backend, norm in ways:
-            alone, data = p == 1, parallel == "data" and p > 1
+            alone, data = p == 1, parallel in BY_IMAGES and p > 1
             if data and wire != DATA_WIRE:
                 continue
             how = (NOT_SPLIT, NOT_SPLIT) if alone or data else (fuse, split)

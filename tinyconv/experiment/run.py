@@ -16,7 +16,9 @@ narrowed, and a narrowed wire's row names the words each layer's weights / maps 
 took in its last step (``wire_formats``) and how many arrays fell back to float32.
 
 A data-parallel cell (``cell.parallel == "data"``, ``tinyconv/replica/``) alternates the same
-way, a solo step against one of the replicas (:func:`data_step`), which need no attaching.
+way, a solo step against one of the replicas (:func:`data_step`), which need no attaching; a
+hybrid cell (``"hybrid"``: the convolutions by images, the classifier on the master) likewise,
+with ``Hybrid`` in place of ``Replicas`` (both a ``BatchSplit``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from tinyconv.experiment.grid import DATA_WIRE, Cell
+from tinyconv.experiment.grid import BY_IMAGES, DATA_WIRE, Cell
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network, paper_net, parse_arch
 from tinyconv.optim import SGD
+from tinyconv.replica.batch import BatchSplit
+from tinyconv.replica.hybrid import Hybrid
 from tinyconv.replica.server import Replicas
 from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.rebalance import Rebalancer
@@ -40,6 +44,7 @@ from transports.base import Transport, WorkerInfo
 
 REBALANCE_THRESHOLD = 0.03  # bench_speedup's default: the rebalancer acts on a 3 % lag
 RECV_TIMEOUT_S = 600.0  # the longest a worker may take over one op of the largest cell
+BY_IMAGES_CLASS: dict[str, type[BatchSplit]] = {"data": Replicas, "hybrid": Hybrid}  # grid.BY_IMAGES's
 
 
 def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | None) -> dict[str, Any]:
@@ -53,9 +58,9 @@ def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | N
     return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
 
 
-def data_step(net: Network, opt: SGD, x: Any, y: np.ndarray, replicas: Replicas) -> dict[str, Any]:
-    """One data-parallel training step (the replicas' forward and backward, the master's SGD); its
-    time and split as :func:`one_step`'s."""
+def data_step(net: Network, opt: SGD, x: Any, y: np.ndarray, replicas: BatchSplit) -> dict[str, Any]:
+    """One data-parallel (or hybrid) training step (the replicas' forward and backward, the master's
+    SGD); its time and split as :func:`one_step`'s."""
     t = time.perf_counter()
     replicas.train_batch(net, x, y)
     opt.step()
@@ -131,7 +136,7 @@ def run_cell(
         return _alone(net, opt, x, y, steps, warmup)
     if transport is None or len(workers) < cell.participants - 1:
         raise RuntimeError(f"{cell.label()} needs {cell.participants - 1} workers, the grid has {len(workers)}")
-    if cell.parallel == "data":
+    if cell.parallel in BY_IMAGES:
         return _data_parallel(cell, net, opt, x, y, be, transport, workers, steps, warmup, settle)
     if cell.parallel != "model":  # a new --parallel needs its own runner here, not the model split by default
         raise ValueError(f"{cell.label()}: the grid has no runner for --parallel {cell.parallel}")
@@ -169,10 +174,11 @@ def _data_parallel(
     cell: Cell, net: Network, opt: SGD, x: Any, y: np.ndarray, be: Backend, transport: Transport,
     workers: Sequence[WorkerInfo], steps: int, warmup: int, settle: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """A data-parallel cell: replicas calibrated, warmed up, then solo and data-parallel steps alternated."""
+    """A data-parallel or hybrid cell: replicas calibrated, warmed up, then solo and their steps alternated."""
     if cell.wire != DATA_WIRE:
-        raise ValueError(f"{cell.label()}: data-parallel replicas send {DATA_WIRE} only, not {cell.wire}")
-    replicas = Replicas(transport, workers[: cell.participants - 1], be, master_share="auto",
+        raise ValueError(f"{cell.label()}: {cell.parallel}-parallel replicas send {DATA_WIRE} only, not {cell.wire}")
+    split_by = BY_IMAGES_CLASS[cell.parallel]
+    replicas = split_by(transport, workers[: cell.participants - 1], be, master_share="auto",
                         rebalance=cell.rebalance == "on", rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD),
                         recv_timeout=RECV_TIMEOUT_S)  # fmt: skip
     replicas.calibrate(net, cell.batch)

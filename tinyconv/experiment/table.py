@@ -190,8 +190,8 @@ def _header(col: tuple) -> str:
     if p == 1:
         return f"1 (alone) {backend} {norm}"
     fixed = " rebalance off" if rebalance == "off" else ""  # the defaults (on, fp32) go unsaid
-    if parallel == "data":
-        return f"{p} data-parallel{fixed} {backend} {norm}"
+    if parallel != "model":
+        return f"{p} {parallel}-parallel{fixed} {backend} {norm}"
     narrow = f" wire {wire}" if wire != "fp32" else ""
     return f"{p} fuse {fuse} split {split}{fixed}{narrow} {backend} {norm}"
 
