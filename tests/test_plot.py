@@ -356,6 +356,34 @@ def test_simulated_speedup_against_nodes(tmp_path):
     assert x1 > x0 and y1 < y0  # the diagonal, up to 128x
 
 
+def test_simulated_wire_formats_are_series_of_their_own_and_an_old_csv_reads_fp32(tmp_path):
+    """The simulator's ``wire`` column (--wire-precision): where it varies, a series per split and format;
+    rows written before it (no column) are fp32, so they join the fp32 rows' series."""
+    from tinyconv.plot.sim import nodes_chart
+
+    def rows(wire: str | None, bandwidth: float) -> list[dict]:
+        words = {"fp32": 4, "bf16": 2, None: 4}[wire]
+        return [dict(arch="300:1000", batch=64, split="kernels", medium="ethernet", bandwidth_MBps=bandwidth,
+                     latency_ms=1.0, nodes=n, speedup=n / (1 + n * 0.1 * words), fuse="off", label="paper",
+                     **({} if wire is None else {"wire": wire})) for n in (1, 2, 4, 8)]  # fmt: skip
+
+    new = rows("fp32", 5) + rows("bf16", 5)
+    _write_csv(tmp_path / "sim.csv", SIM_COLUMNS + ["fuse", "label", "wire"], new)
+    (path,) = plot_files([tmp_path / "sim.csv"], tmp_path / "out")
+    root = check_readable(path)
+    named = {g.get("data-name"): g for g in series(root)}
+    assert sorted(named) == ["5 MB/s, wire bf16", "5 MB/s, wire fp32"]  # the split the same: unsaid
+    assert len({g.get("data-color") for g in named.values()}) == 2
+    bf16, fp32 = (polyline_points(named[f"5 MB/s, wire {w}"]) for w in ("bf16", "fp32"))
+    assert all(b[1] < f[1] for b, f in zip(bf16[1:], fp32[1:], strict=True))  # higher speedup: drawn higher
+    one = tmp_path / "one.svg"  # an old CSV's rows beside new fp32 rows: one fp32 series, no wire said
+    one.write_text(nodes_chart(rows(None, 5) + rows("fp32", 125)))
+    assert [g.get("data-name") for g in series(parse(one))] == ["5 MB/s", "125 MB/s"]
+    mixed = tmp_path / "mixed.svg"  # the old rows (fp32) beside bf16 rows: the wire tells them apart
+    mixed.write_text(nodes_chart(rows(None, 5) + rows("bf16", 5)))
+    assert sorted(g.get("data-name") for g in series(parse(mixed))) == ["5 MB/s, wire bf16", "5 MB/s, wire fp32"]
+
+
 # ---- ticks, inputs, PNG ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("lo", "hi"), [(0, 0.37), (1.3, 2.41), (0, 7800), (0.5, 0.5), (-3, 12)])
 def test_ticks_are_round_and_cover_the_data(lo, hi):

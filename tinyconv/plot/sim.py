@@ -4,7 +4,9 @@
   powers of two, so the ideal is the diagonal and a link that saturates bends away from it):
   a panel per medium (Wi-Fi's shared channel, switched Ethernet) and whatever else varies
   between the rows, a series per bandwidth and split -- one hue per bandwidth, a shade of it
-  per split, so the eye finds both.
+  per split, so the eye finds both. Where the rows have several wire formats (``--wire-precision``,
+  the ``wire`` column; a CSV written before it read fp32), each split and format is a series of
+  its own, named "5 MB/s, paper, wire bf16".
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from tinyconv.plot.svg import colors, shades
 from tinyconv.plot.tables import median, number, varying
 
 PANEL_KEYS = ("arch", "batch", "medium")  # a panel per combination of those that vary
-SPLIT_KEYS = ("label", "split", "fuse", "latency_ms")  # with the bandwidth, what makes a series
+SPLIT_KEYS = ("label", "split", "fuse", "wire", "latency_ms")  # with the bandwidth, what makes a series
+OLDER = {"wire": "fp32"}  # columns added since the first CSVs: what a row written before them means
 
 
 def _sortable(v: Any) -> tuple:
@@ -28,6 +31,7 @@ def _split_text(values: dict[str, Any]) -> str:
     """ "paper" (the simulator's label), else "split kernels, fuse off"; "2 ms latency" where it varies."""
     words = [str(values["label"])] if "label" in values else []
     words += [f"{k} {values[k]}" for k in ("split", "fuse") if k in values and "label" not in values]
+    words += [f"wire {values['wire']}"] if "wire" in values else []
     words += [f"{values['latency_ms']} ms latency"] if "latency_ms" in values else []
     return ", ".join(words)
 
@@ -57,7 +61,9 @@ def _panel(rows: Sequence[dict[str, Any]], split_keys: list[str], bandwidths: li
 
 
 def nodes_chart(rows: Sequence[dict[str, Any]]) -> str:
-    """Speedup against nodes on log2 axes: a panel per medium (...), a series per bandwidth and split."""
+    """Speedup against nodes on log2 axes: a panel per medium (...), a series per bandwidth and split
+    (and wire format, where it varies)."""
+    rows = [{**r, **{k: v for k, v in OLDER.items() if r.get(k) is None}} for r in rows]
     panel_keys = varying(rows, PANEL_KEYS)
     split_keys = [k for k in SPLIT_KEYS if k in varying(rows, SPLIT_KEYS)]
     if "label" in split_keys:  # the simulator's name for a split says what split and fuse would

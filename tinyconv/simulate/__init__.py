@@ -4,6 +4,7 @@
     tinyconv simulate --devices devices.json --nodes 1 2 4 8 16 32 64 128 \\
         --bandwidth 5 12.5 125 --medium wifi ethernet --out sim.csv
     tinyconv simulate --devices devices.json --device fast slow               # a mix: participants in turn
+    tinyconv simulate --devices devices.json --wire-precision fp32 bf16 adt24 # the shards in narrower words
     tinyconv simulate --devices devices.json --against grid.csv              # predicted vs measured runs
 
 Marques, Falcão & Alexandre (2017) simulated 32 and 128 nodes on a 5 MB/s Wi-Fi link and found
@@ -17,15 +18,19 @@ split and tinyconv's:
   one shared half-duplex channel where every transfer waits its turn, or switched full-duplex
   Ethernet, where the master's NIC is the bottleneck each way. Formulas there.
 * ``model.py`` -- shares by the paper's eq. 1, bytes per worker as ``comm.py`` counts them
-  (exact against real steps), and the step: comp + the ops' wall times, which do not overlap
-  one another; within an op, transfers overlap other participants' compute, never the same
-  worker's (``shard/rpc.py``, ``shard/by_kernels.py``). Formulas there.
-* ``against.py`` -- the model beside an experiment grid's measured rows, with the error.
+  (exact against real steps), each array in its role's word under ``--wire-precision`` (fp32 4
+  bytes, adt24 3, bf16 and fp16 2; ``adaptive`` at AWP's start, every role bf16), and the step:
+  comp + the ops' wall times, which do not overlap one another; within an op, transfers overlap
+  other participants' compute, never the same worker's (``shard/rpc.py``,
+  ``shard/by_kernels.py``). Formulas there.
+* ``against.py`` -- the model beside an experiment grid's measured rows, with the error: each row in
+  its own wire format, at the split it kept with ``--rebalance off``; the rows a fixed split cannot
+  predict (``--rebalance on`` on a slow link, the batch split) are listed with the reason.
 
 Columns of ``--out``: arch, batch, split, medium, bandwidth_MBps, latency_ms, nodes, step_s,
-comm_s, conv_s, comp_s, speedup (the contract), then fuse, label, norm, devices, bytes_sent,
-bytes_recv, solo_step_s. ``split`` and ``fuse`` are the main job's options: the paper's split
-is fuse off, split kernels.
+comm_s, conv_s, comp_s, speedup (the contract), then fuse, label, wire, norm, devices, bytes_sent,
+bytes_recv, solo_step_s (a CSV written before ``wire`` existed is fp32). ``split`` and ``fuse``
+are the main job's options: the paper's split is fuse off, split kernels.
 
 What it said here (one ``--measure`` of 300:1000 at batch 64 on one core of the development VM,
 10.5 s a step alone, copied to every node; 1 ms a message; rerun it for your devices):

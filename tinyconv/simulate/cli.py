@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tinyconv.shard.adaptive_precision import SETTINGS as WIRES  # --wire-precision, as the main job's
 from tinyconv.simulate.devices import Device, load, measure_device, measure_loopback, save, slowed
 from tinyconv.simulate.link import MB, MEDIA, Link
 from tinyconv.simulate.model import LABELS, SPLITS, Prediction, predict
 
 # the CSV's columns; the first twelve are the contract the plots read
 COLUMNS = ("arch", "batch", "split", "medium", "bandwidth_MBps", "latency_ms", "nodes", "step_s", "comm_s",
-           "conv_s", "comp_s", "speedup", "fuse", "label", "norm", "devices", "bytes_sent", "bytes_recv",
+           "conv_s", "comp_s", "speedup", "fuse", "label", "wire", "norm", "devices", "bytes_sent", "bytes_recv",
            "solo_step_s")  # fmt: skip
 SPLIT_NAMES = {"paper": SPLITS[0], "fused": SPLITS[1], "channels": SPLITS[2]}
 
@@ -57,6 +58,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--split", nargs="+", choices=tuple(SPLIT_NAMES), default=list(SPLIT_NAMES),
                    help="paper: --fuse off --split kernels; fused: tinyconv's tails on the workers; channels: "
                    "conv2 by input channels (default: all three)")  # fmt: skip
+    p.add_argument("--wire-precision", nargs="+", choices=WIRES, default=["fp32"], metavar="FORMAT",
+                   help=f"the words the shards travel in, one or more of {', '.join(WIRES)}, as the main job's "
+                   "--wire-precision and tinyconv comm count them: bf16 and fp16 2 bytes a number, adt24 3, fp32 4; "
+                   "adaptive is predicted at AWP's starting formats (every role bf16), not its settled end "
+                   "(default fp32)")  # fmt: skip
     p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
                    help="every device F times slower than measured, e.g. to ask how the paper's slower 2017 "
                    "devices fared on the same link (default 1)")  # fmt: skip
@@ -112,30 +118,39 @@ def rows_for(args: argparse.Namespace, devices: list[Device]) -> list[dict[str, 
     rows = []
     for name in args.split:
         fuse, split = SPLIT_NAMES[name]
-        for medium in args.medium:
-            for bw in args.bandwidth:
-                link = Link(medium, bw * MB, args.latency_ms / 1e3)
-                for n in args.nodes:
-                    rows.append(row(args, devices, (fuse, split), link, predict(convs, devices, n, fuse, split, link)))
+        for wire in args.wire_precision:
+            for medium in args.medium:
+                for bw in args.bandwidth:
+                    link = Link(medium, bw * MB, args.latency_ms / 1e3)
+                    for n in args.nodes:
+                        p = predict(convs, devices, n, fuse, split, link, wire)
+                        rows.append(row(args, devices, (fuse, split), link, p, wire))
     return rows
 
 
-def row(args: argparse.Namespace, devices: list[Device], fs: tuple[str, str], link: Link, p: Prediction) -> dict:
+def row(args: argparse.Namespace, devices: list[Device], fs: tuple[str, str], link: Link, p: Prediction,
+        wire: str) -> dict:  # fmt: skip
     return {"arch": args.arch, "batch": args.batch, "split": fs[1], "medium": link.medium,
             "bandwidth_MBps": link.bandwidth / MB, "latency_ms": link.latency * 1e3, "nodes": p.nodes,
             "step_s": p.step_s, "comm_s": p.comm_s, "conv_s": p.conv_s, "comp_s": p.comp_s, "speedup": p.speedup,
-            "fuse": fs[0], "label": LABELS[fs], "norm": args.norm, "devices": " ".join(d.name for d in devices),
-            "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv, "solo_step_s": devices[0].solo_step_s}  # fmt: skip
+            "fuse": fs[0], "label": LABELS[fs], "wire": wire, "norm": args.norm,
+            "devices": " ".join(d.name for d in devices), "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
+            "solo_step_s": devices[0].solo_step_s}  # fmt: skip
 
 
-def print_tables(rows: list[dict[str, Any]], splits: Sequence[str]) -> None:
-    """One table per medium and bandwidth: a row per node count; speedup, step and comm seconds per split."""
+def print_tables(rows: list[dict[str, Any]], splits: Sequence[str], wires: Sequence[str] = ("fp32",)) -> None:
+    """One table per medium and bandwidth: a row per node count; speedup, step and comm seconds per
+    split (and wire format, when there are several)."""
     from tinyconv.report import format_table
 
+    def way(r: dict[str, Any]) -> str:
+        name = next(s for s, fs in SPLIT_NAMES.items() if fs == (r["fuse"], r["split"]))
+        return f"{name} {r['wire']}" if len(wires) > 1 else name
+
+    splits = [f"{s} {w}" if len(wires) > 1 else s for s in splits for w in wires]
     groups: dict[tuple[str, float], dict[int, dict[str, dict]]] = {}
     for r in rows:
-        name = next(s for s, fs in SPLIT_NAMES.items() if fs == (r["fuse"], r["split"]))
-        groups.setdefault((r["medium"], r["bandwidth_MBps"]), {}).setdefault(r["nodes"], {})[name] = r
+        groups.setdefault((r["medium"], r["bandwidth_MBps"]), {}).setdefault(r["nodes"], {})[way(r)] = r
     columns = (("speedup", "speedup"), ("step s", "step_s"), ("comm s", "comm_s"))
     headers = ["nodes"] + [f"{head} {s}" for head, _ in columns for s in splits]
     for (medium, bw), by_nodes in groups.items():
@@ -179,8 +194,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"tinyconv simulate: error: {e}", file=sys.stderr)
         return 2
     print(f"{args.arch} {args.norm} batch {args.batch}, devices {' '.join(d.name for d in chosen)} in turn "
-          "(the master first), kernels by eq. 1 on their measured times")  # fmt: skip
-    print_tables(rows, args.split)
+          "(the master first), kernels by eq. 1 on their measured times, shards in "
+          f"{', '.join(args.wire_precision)}" + (" (adaptive: AWP's start, every role bf16)"
+                                                 if "adaptive" in args.wire_precision else ""))  # fmt: skip
+    print_tables(rows, args.split, args.wire_precision)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_csv(args.out, rows)
