@@ -22,7 +22,8 @@ the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, veloc
 Then im2col into the GEMM's B panels (width --nb) for each convolution's forward (conv1 on the
 N x 3 x 32 x 32 images, conv2 on pool1's N x C1 x 16 x 16; 5x5, pad 2) and conv2's dx GEMM
 (its dy, a 1x1 "im2col"), and im2row, [cols^T | 1] for each dW GEMM: the input read once and
-the panels written; numpy: its im2col (the same values, not in panels).
+the panels written; numpy: its im2col (the same values, not in panels). Last, conv2's col2im
+(dcols read, dx written).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.numpy_backend import NumpyBackend, im2col  # noqa: E402
+from backends.numpy_backend import NumpyBackend, col2im, im2col  # noqa: E402
 from backends.opencl import conv  # noqa: E402
 from backends.opencl.gemm import cdiv  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
@@ -140,6 +141,25 @@ def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = 
     return x.nbytes + out.size * 4, run, lambda: im2col(x, k, k, 1, pad)
 
 
+def col2im_ops(be, x_shape: tuple[int, ...], k: int, pad: int) -> tuple:
+    """(bytes moved, OpenCL call, numpy call) of col2im, stride 1: dcols (C*K*K, N*OH*OW) -> dx."""
+    n, c, h, w = x_shape
+    oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    npix = n * oh * ow
+    dcols = np.random.default_rng(2).standard_normal((c * k * k, npix), dtype=np.float32)
+    dd, dx = be.asarray(dcols), be.rt.empty(x_shape)
+    i32 = np.int32
+    args = (dd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(npix), i32(n * c), dx.data)
+
+    def run():
+        if be.rows:
+            be.rt.launch("col2im_rows", (h, n * c), *args, defines=conv.window(k, k, 1, pad), rows=True)
+        else:
+            be.rt.launch("col2im", (w, h, n * c), *args, defines=conv.window(k, k, 1, pad))
+
+    return dcols.nbytes + dx.size * 4, run, lambda: col2im(dcols, x_shape, k, k, 1, pad)
+
+
 def main() -> None:
     head, _, rest = __doc__.partition("\n\n")
     ap = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,6 +191,7 @@ def main() -> None:
                                                  ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True)):
             x = rng.standard_normal(shape, dtype=np.float32)
             timed.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
+        timed.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch, c1, 16, 16), 5, 2)))
     for name, nbytes, on_device, on_numpy in timed:
         row = f"{name:30}"
         for rows, width in ((False, 14), (True, 9)):

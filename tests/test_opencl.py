@@ -548,6 +548,32 @@ def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, 
     assert np.array_equal(simple.view(np.int32), rows.view(np.int32))
 
 
+@pytest.mark.parametrize(
+    "n, c, h, w, k, stride, pad",
+    [(1, 1, 3, 5, 3, 1, 1), (2, 3, 7, 9, 5, 1, 2), (3, 2, 9, 7, 3, 2, 1), (2, 3, 11, 10, 5, 2, 2),
+     (2, 4, 6, 6, 1, 1, 0), (1, 1, 5, 5, 5, 2, 0), (1, 2, 4, 21, 3, 1, 1), (1, 2, 8, 8, 2, 3, 0)],
+)
+def test_col2im_rows_kernel_gives_the_same_bits(be, rng, n, c, h, w, k, stride, pad):
+    """col2im_rows (a work-item per input row, tap by tap) against the per-element col2im gather:
+    the same terms in the same order, so the same bits; stride 3 > kernel 2 leaves columns no
+    window reads (zero), and NaN in dcols goes where col2im sends it."""
+    from backends.opencl import conv
+
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    npix = n * oh * ow
+    dcols = be.asarray(with_nans(rng, (c * k * k, npix)))
+    i32 = np.int32
+    args = (dcols.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(npix), i32(n * c))
+    out = {}
+    for name, dims in (("col2im", (w, h, n * c)), ("col2im_rows", (h, n * c))):
+        dx = be.rt.empty((n, c, h, w))
+        dx.fill(F32(12345.0))
+        be.rt.launch(name, dims, *args, dx.data, defines=conv.window(k, k, stride, pad))
+        out[name] = be.to_numpy(dx)
+    assert not (out["col2im"] == 12345.0).any()
+    assert np.array_equal(out["col2im"].view(np.int32), out["col2im_rows"].view(np.int32))
+
+
 def test_batchnorm_refuses_one_value_per_channel_in_training(be, rng):
     """N*H*W == 1 has no batch variance: training raises ValueError (as torch does) before the
     running statistics move; eval mode takes it; N*H*W == 2 trains, whichever axis holds the 2."""

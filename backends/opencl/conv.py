@@ -147,6 +147,9 @@ def conv_dx(
     dcols = rt.empty((kdim * npix,))
     rt.gemm("conv_dx", kdim, npix, f, AView(w_t.data, f, 1, f), dy_panels, CView.rows(dcols.data, npix))
     dx = rt.empty(x_shape)
-    rt.launch("col2im", (wd, h, n * c), dcols.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow),
-              i32(npix), i32(n * c), dx.data, defines=window(kh, kw, stride, padding))
+    args = (dcols.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(npix), i32(n * c), dx.data)
+    if rt.rows:  # optimisation (layout.cl): a work-item sums along an input row
+        rt.launch("col2im_rows", (h, n * c), *args, defines=window(kh, kw, stride, padding), rows=True)
+    else:
+        rt.launch("col2im", (wd, h, n * c), *args, defines=window(kh, kw, stride, padding))
     return dx

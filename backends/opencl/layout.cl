@@ -130,6 +130,44 @@ __kernel void col2im(__global const float* dcols, const int C, const int H, cons
     dx[((size_t)plane * H + h) * W + w] = s;
 }
 
+// Optimisation of col2im for CPUs (conv.py picks it there), the same sums in the same order:
+// one work-item per input row (h of plane (n, c)) adds the taps' terms along the row, tap by tap
+// in col2im's order (ti, then tj), each a walk along a dcols row (contiguous for stride 1) that
+// vectorises, into dx's row, which starts at zero: each dx element gets col2im's terms in
+// col2im's order. global (H, N*C).
+__kernel void col2im_rows(__global const float* restrict dcols, const int C, const int H, const int W,
+                          const int OH, const int OW, const int NP, const int planes,
+                          __global float* restrict dx)
+{
+    const int h = get_global_id(0), plane = get_global_id(1);
+    if (h >= H || plane >= planes) return;
+    const int n = plane / C, c = plane - n * C;
+    __global float* dxr = dx + ((size_t)plane * H + h) * W;
+    for (int w = 0; w < W; w++) dxr[w] = 0.0f;
+    const int oh_last = (h + PAD) / STRIDE;
+#pragma unroll
+    for (int ti = 0; ti < (KH + STRIDE - 1) / STRIDE; ti++) {
+        const int oh = oh_last - ti, i = h + PAD - oh * STRIDE;
+        if (oh < 0 || oh >= OH || i >= KH) continue;  // the same for the whole row
+        __global const float* d = dcols + (size_t)(c * KH + i) * KW * NP + (n * OH + oh) * OW;
+#pragma unroll
+        for (int tj = 0; tj < (KW + STRIDE - 1) / STRIDE; tj++) {
+            if (STRIDE == 1) {  // tap j = tj, read at ow = w + PAD - j: a contiguous walk over the w it covers
+                const int lo = tj - PAD > 0 ? tj - PAD : 0, end = OW + tj - PAD < W ? OW + tj - PAD : W;
+                __global const float* dj = d + (size_t)tj * NP + PAD - tj;  // dj[w]: ow = w + PAD - tj
+                for (int w = lo; w < end; w++) dxr[w] += dj[w];
+            } else {
+                for (int w = 0; w < W; w++) {
+                    const int ow = (w + PAD) / STRIDE - tj, j = w + PAD - ow * STRIDE;
+                    const bool in = ow >= 0 && ow < OW && j < KW;
+                    const float v = d[in ? (size_t)j * NP + ow : 0];
+                    dxr[w] = in ? dxr[w] + v : dxr[w];
+                }
+            }
+        }
+    }
+}
+
 // Optimisation of im2col_panels for CPUs (conv.py picks it there), the same values in the same
 // places: PoCL runs the per-element kernel above as scalar code with two table lookups per
 // value. Here one work-item takes a tap k = (c, i, j) over image n: output row by output row,
