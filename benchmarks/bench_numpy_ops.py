@@ -9,7 +9,9 @@ The shapes are those of a batch-64 training step of the 300:1000 network: the
 conv1 map 64x300x32x32 and the conv2 map 64x1000x16x16, each through ReLU,
 LRN (or batch norm) and a 3x3 stride-2 pad-1 max pool; "maxpool-nan" is the max
 pool of the same map with one NaN in about 10^4 values (the path a diverging run
-takes), not counted in the total. Every call allocates its
+takes), not counted in the total. "im2col" and "col2im" time the module's functions on the
+columns of conv2 of the 48:96 network at batch 128 (x 128x48x16x16, 5x5, padding 2), not
+counted in the total either. Every call allocates its
 outputs afresh, as in training. ``--baseline FILE`` loads ``NumpyBackend`` from
 another copy of numpy_backend.py (e.g. ``git show HEAD:backends/numpy_backend.py
 > /tmp/old.py``) and times it on the same inputs, so a before/after table is one
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -34,14 +37,33 @@ from backends.numpy_backend import NumpyBackend  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 SHAPES = {"conv1 map": (64, 300, 32, 32), "conv2 map": (64, 1000, 16, 16)}
+CONV_X, CONV_K, CONV_PAD = (128, 48, 16, 16), 5, 2  # conv2 of 48:96 at batch 128: 1200 x 32768 columns
 
 
-def load_backend(path: str):
-    """NumpyBackend from another copy of numpy_backend.py."""
+def load_module(path: str):
+    """Another copy of numpy_backend.py, as a module."""
     spec = importlib.util.spec_from_file_location("baseline_numpy_backend", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.NumpyBackend()
+    return module
+
+
+def column_calls(module, x: np.ndarray, dcols: np.ndarray, ops: list[str]) -> dict[str, Callable[[], object]]:
+    """{"im2col": call, "col2im": call} of one module's functions on conv2's columns. col2im is
+    called as conv2d_backward calls it: allowed to zero dcols' terms that fall into the padding
+    where it takes that keyword (doing so again leaves them and the result as they are)."""
+    calls: dict[str, Callable[[], object]] = {}
+    if "im2col" in ops:
+        calls["im2col"] = lambda: module.im2col(x, CONV_K, CONV_K, 1, CONV_PAD)
+    if "col2im" in ops:
+        col2im = module.col2im
+        kwargs = {"overwrite_dcols": True} if "overwrite_dcols" in inspect.signature(col2im).parameters else {}
+
+        def run() -> object:
+            return col2im(dcols, x.shape, CONV_K, CONV_K, 1, CONV_PAD, **kwargs)
+
+        calls["col2im"] = run
+    return calls
 
 
 def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -59,7 +81,8 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {name: 1e3 * float(np.median(ts)) for name, ts in times.items()}
 
 
-OPS = ("relu", "lrn", "batchnorm", "maxpool", "maxpool-nan")
+OPS = ("relu", "lrn", "batchnorm", "maxpool", "maxpool-nan", "im2col", "col2im")
+COLUMN_OPS = ("im2col", "col2im")
 TOTAL_OPS = ("relu", "lrn", "maxpool")  # the LRN network's layers: the Amdahl part
 
 
@@ -96,20 +119,22 @@ def main() -> None:
     if not set(ops) <= set(OPS):
         p.error(f"unknown ops {sorted(set(ops) - set(OPS))}; choose from {', '.join(OPS)}")
 
-    backends = {"now": NumpyBackend()}
+    modules = {"now": sys.modules[NumpyBackend.__module__]}
     if args.baseline:
-        backends = {"baseline": load_backend(args.baseline), **backends}
+        modules = {"baseline": load_module(args.baseline), **modules}
+    backends = {name: module.NumpyBackend() for name, module in modules.items()}
 
     rng = np.random.default_rng(0)
     rows = []
     totals = dict.fromkeys(backends, 0.0)
-    for label, shape in SHAPES.items():
+    map_ops = [op for op in ops if op not in COLUMN_OPS]
+    for label, shape in SHAPES.items() if map_ops else ():
         x = rng.standard_normal(shape, dtype=np.float32)
         x_nan = np.where(rng.random(shape, dtype=np.float32) < 1e-4, np.float32(np.nan), x)
         dy = rng.standard_normal(shape, dtype=np.float32)
         n, c, h, w = shape
         dy_pool = rng.standard_normal((n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1), dtype=np.float32)
-        calls = {name: op_calls(be, x, x_nan, dy, dy_pool, ops) for name, be in backends.items()}
+        calls = {name: op_calls(be, x, x_nan, dy, dy_pool, map_ops) for name, be in backends.items()}
         for op in calls["now"]:
             ms = medians_ms({name: calls[name][op] for name in backends}, args.repeats)
             if op.rsplit(" ", 1)[0] in TOTAL_OPS:
@@ -121,17 +146,29 @@ def main() -> None:
             rows.append(row)
         del calls
         del x, x_nan, dy, dy_pool
+    if set(ops) & set(COLUMN_OPS):
+        x = rng.standard_normal(CONV_X, dtype=np.float32)
+        dcols = rng.standard_normal((CONV_X[1] * CONV_K**2, CONV_X[0] * CONV_X[2] * CONV_X[3]), dtype=np.float32)
+        calls = {name: column_calls(module, x, dcols, ops) for name, module in modules.items()}
+        for op in calls["now"]:
+            ms = medians_ms({name: calls[name][op] for name in modules}, args.repeats)
+            row = ("48:96 conv2 cols", op, *(round(ms[name], 1) for name in modules))
+            if args.baseline:
+                row += (f"{ms['baseline'] / ms['now']:.2f}x",)
+            rows.append(row)
+        del calls, x, dcols
     summed = "+".join(op for op in TOTAL_OPS if op in ops)
-    total_row = ("both maps", summed, *(round(totals[name], 1) for name in backends))
-    if args.baseline:
-        total_row += (f"{totals['baseline'] / totals['now']:.2f}x",)
-    rows.append(total_row)
+    if summed:
+        total_row = ("both maps", summed, *(round(totals[name], 1) for name in backends))
+        if args.baseline:
+            total_row += (f"{totals['baseline'] / totals['now']:.2f}x",)
+        rows.append(total_row)
 
     header = ("map", "op", *(f"{name} ms" for name in backends))
     if args.baseline:
         header += ("speedup",)
     print(f"numpy {np.__version__}, median of {args.repeats} interleaved calls, outputs allocated afresh")
-    print(format_table(header, rows, title="numpy backend, non-convolution ops (lower is better)"))
+    print(format_table(header, rows, title="numpy backend ops (lower is better)"))
 
 
 if __name__ == "__main__":
