@@ -224,15 +224,26 @@ def _max_stage(x: np.ndarray, out_shape, taps, axis: int) -> tuple[np.ndarray, n
         first[out_s] = t
     arg = np.empty(out_shape, dtype=np.int8)
     arg[...] = first.reshape([-1 if a == axis else 1 for a in range(len(out_shape))])
+    # Optimisation (~20% of the stage, benchmarks/bench_numpy_ops.py --ops maxpool): the comparison
+    # and the scaled offsets go into two reused buffers, offset 0 needs no comparison (arg starts at
+    # or above it), and offset 1's is the comparison itself, read as int8 (numpy's bools are bytes
+    # 0 and 1). Plainly: ``better = v > target; np.maximum(a, better * np.int8(t), out=a)``.
+    better = np.empty(out_shape, dtype=bool)
+    scaled = np.empty(out_shape, dtype=np.int8)
     for t, (out_s, in_s) in enumerate(taps):
-        target = y[_axis_index(axis, out_s)]
+        o = _axis_index(axis, out_s)
+        target = y[o]
         v = x[_axis_index(axis, in_s)]
+        if t == 0:
+            np.maximum(target, v, out=target)
+            continue
         # masked copies are slow on mixed masks; arithmetic is not. Offsets come in
         # increasing order, so the winner is the largest t that was strictly better.
-        better = v > target
+        offset = np.greater(v, target, out=better[o]).view(np.int8)
         np.maximum(target, v, out=target)
-        a = arg[_axis_index(axis, out_s)]
-        np.maximum(a, better * np.int8(t), out=a)
+        if t > 1:
+            offset = np.multiply(offset, np.int8(t), out=scaled[o])
+        np.maximum(arg[o], offset, out=arg[o])
     return y, arg
 
 
@@ -251,6 +262,43 @@ def _max_stage_backward(dy: np.ndarray, arg: np.ndarray, in_shape, taps, axis: i
         o = _axis_index(axis, out_s)
         dx[_axis_index(axis, in_s)] += dy[o] * (arg[o] == t)
     return dx
+
+
+def maxpool_forward_plain(x: np.ndarray, kernel: int, stride: int, padding: int) -> tuple[np.ndarray, tuple]:
+    """Max pool written out (NumpyBackend.maxpool_forward is the optimised twin; same contract).
+
+    Every window is copied out of x padded with -inf as a row of kernel*kernel values, (N, C, OH,
+    OW, K*K), and ``sel`` is the index in the row of the input the window selects: its first
+    maximum in row-major order among the inputs inside the image, or its last NaN if it holds one.
+    Returns y (N, C, OH, OW) and the cache (x's shape, sel, kernel, stride, padding).
+    """
+    n, c, h, w = x.shape
+    oh = conv_output_size(h, kernel, stride, padding)
+    ow = conv_output_size(w, kernel, stride, padding)
+    pad = ((0, 0), (0, 0), (padding, padding), (padding, padding))
+    xp = np.pad(x, pad, constant_values=-np.inf)
+    inside = np.pad(np.ones((h, w), bool), pad[2:])
+    k2 = kernel * kernel
+    windows = np.lib.stride_tricks.sliding_window_view(xp, (kernel, kernel), axis=(2, 3))
+    windows = windows[:, :, ::stride, ::stride].reshape(n, c, oh, ow, k2)
+    inside = np.lib.stride_tricks.sliding_window_view(inside, (kernel, kernel))[::stride, ::stride].reshape(oh, ow, k2)
+    y = windows.max(axis=-1)  # NaN wherever the window holds one
+    sel = np.argmax((windows == y[..., None]) & inside, axis=-1)  # first True: first maximum inside
+    nan = np.isnan(windows)
+    last_nan = k2 - 1 - np.argmax(nan[..., ::-1], axis=-1)
+    sel = np.where(nan.any(axis=-1), last_nan, sel)
+    return y, (x.shape, sel, kernel, stride, padding)
+
+
+def maxpool_backward_plain(dy: np.ndarray, cache: tuple) -> np.ndarray:
+    """dx for maxpool_forward_plain: each dy added to the input its window selected, overlaps summed."""
+    (n, c, h, w), sel, kernel, stride, padding = cache
+    oh, ow = dy.shape[2:]
+    dxp = np.zeros((n, c, h + 2 * padding, w + 2 * padding), dtype=dy.dtype)
+    for i in range(kernel):
+        for j in range(kernel):
+            dxp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += dy * (sel == i * kernel + j)
+    return dxp[:, :, padding : padding + h, padding : padding + w].copy()
 
 
 def _channel_sum(a: np.ndarray) -> np.ndarray:

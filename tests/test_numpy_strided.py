@@ -1,18 +1,35 @@
-"""The numpy backend's optimised col2im against col2im_plain, the same sum written out.
+"""The numpy backend's optimised col2im and max pool against the same ops written out.
 
 ``col2im`` takes a faster path for stride 1 with the output the input's size (each tap one add of
 contiguous rows, the terms that fall into the padding zeroed first) and adds the taps in
 col2im_plain's order, so the two must agree bit for bit -- NaN and inf included -- on odd shapes:
 N = 1, C = 1, odd H and W, H != W, kernels larger than the image, even kernels (no "same"
 padding: the plain path), stride 2.
+
+``maxpool_forward`` (a separable max over columns, then rows, keeping each stage's winning offset)
+against ``maxpool_forward_plain`` (every window copied out as a row, argmax): the same outputs bit
+for bit, and the gradient sent to the same inputs -- checked exactly with integer gradients, whose
+sums are exact in any order. With other gradients the two add an input's terms (one per window that
+selected it, at most ceil(k/s)^2) in different orders, so they agree to within float32 round-off:
+|difference| <= 2 (m - 1) u * (sum of |terms|), m terms, u = 2^-24.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from backends.numpy_backend import NumpyBackend, col2im, col2im_plain, conv_output_size, im2col
+from backends.numpy_backend import (
+    NumpyBackend,
+    col2im,
+    col2im_plain,
+    conv_output_size,
+    im2col,
+    maxpool_backward_plain,
+    maxpool_forward_plain,
+)
 
 # (N, C, H, W), kernel, stride, padding
 CASES = [
@@ -75,3 +92,61 @@ def test_conv2d_backward_dx_matches_the_plain_col2im():
     dx, _, _ = be.conv2d_backward(dy, cache)
     dcols = w.reshape(6, -1).T @ dy.transpose(1, 0, 2, 3).reshape(6, -1)
     assert _same_bits(dx, col2im_plain(dcols, x.shape, 5, 5, 1, 2))
+
+
+# (N, C, H, W), kernel, stride, padding -- the networks' pools (3/2/1, 2/2/0) and odd ones
+POOLS = [
+    ((1, 1, 1, 1), 2, 2, 1),
+    ((1, 1, 5, 3), 3, 2, 1),
+    ((2, 3, 9, 7), 2, 2, 0),
+    ((2, 3, 9, 7), 3, 2, 1),
+    ((1, 2, 8, 8), 3, 1, 1),
+    ((2, 1, 6, 7), 3, 3, 0),
+    ((3, 2, 16, 16), 3, 2, 1),
+]
+VALUES = ["random", "ties", "nan", "-inf"]
+
+
+def _pool_input(shape, values: str, rng) -> np.ndarray:
+    if values == "ties":  # few distinct values: many windows with two or more maxima
+        return rng.integers(-2, 3, shape).astype(np.float32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if values == "nan":
+        x[rng.random(shape) < 0.1] = np.nan
+    if values == "-inf":  # whole rows of -inf: windows holding nothing else, some reaching the padding
+        x[:, :, ::2] = -np.inf
+        x[..., :1] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("values", VALUES)
+@pytest.mark.parametrize(("shape", "kernel", "stride", "padding"), POOLS)
+def test_maxpool_matches_the_plain_one(shape, kernel, stride, padding, values):
+    rng = np.random.default_rng(hash((shape, kernel, stride, padding, values)) % 2**32)
+    x = _pool_input(shape, values, rng)
+    y, cache = NumpyBackend().maxpool_forward(x, kernel, stride, padding)
+    y_plain, cache_plain = maxpool_forward_plain(x, kernel, stride, padding)
+    assert _same_bits(y, y_plain)
+
+    # integer gradients: sums exact in any order, so any input routed differently shows
+    dy = rng.integers(1, 1000, y.shape).astype(np.float32)
+    assert _same_bits(NumpyBackend().maxpool_backward(dy, cache), maxpool_backward_plain(dy, cache_plain))
+
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx = NumpyBackend().maxpool_backward(dy, cache).astype(np.float64)
+    dx_plain = maxpool_backward_plain(dy, cache_plain).astype(np.float64)
+    terms = maxpool_backward_plain(np.abs(dy), cache_plain).astype(np.float64)
+    m = math.ceil(kernel / stride) ** 2
+    assert np.all(np.abs(dx - dx_plain) <= 2 * (m - 1) * 2.0**-24 * terms)
+
+
+def test_maxpool_plain_selects_as_documented():
+    """The plain pool on one window each: first maximum, last NaN, first input inside for -inf alone."""
+    x = np.array([[[[1.0, 3.0], [3.0, 2.0]]]], np.float32)
+    assert maxpool_forward_plain(x, 2, 2, 0)[1][1].item() == 1  # the first 3, row-major
+    x[0, 0, 0, 0] = x[0, 0, 1, 0] = np.nan
+    y, (_, sel, *_) = maxpool_forward_plain(x, 2, 2, 0)
+    assert np.isnan(y).all() and sel.item() == 2  # the last NaN
+    x = np.full((1, 1, 1, 1), -np.inf, np.float32)
+    y, (_, sel, *_) = maxpool_forward_plain(x, 3, 2, 1)
+    assert y.item() == -np.inf and sel.item() == 4  # the centre: the only input inside the window
