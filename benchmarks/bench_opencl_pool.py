@@ -7,7 +7,8 @@ For the maps of the paper's two layers -- conv1's output N x C1 x 32 x 32 and co
 N x C2 x 16 x 16 -- prints each op's median device time (profiling events, summed over the op's
 launches) and the bytes it moves (read + written, below) over that time, twice: with the
 per-element kernels (one work-item per element, what GPUs run) and with the rows kernels (one
-work-item walks a chunk, a plane or a row, what CPUs run; see backends/opencl/ops.cl), then
+work-item walks a chunk, a plane or a row -- max pool: one or more planes, their size compiled
+in --, what CPUs run; see backends/opencl/ops.cl), then
 the numpy backend's median wall time for the same op. Ops: ReLU, LRN, ReLU+LRN fused, batch
 norm (training), max pool 3x3 stride 2 pad 1 as in tinyconv/model.py, forward and backward; SGD
 on conv2's weights. A script, not a test: it asserts nothing. Other processes on the machine

@@ -30,6 +30,7 @@ cla = pytest.importorskip("pyopencl.array")
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
+from backends.opencl.backend import plane_defines  # noqa: E402
 from backends.opencl.gemm import AView, CView, TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
 from tinyconv.testing import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
@@ -386,8 +387,9 @@ def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, st
 @pytest.mark.parametrize("rows", [False, True])
 def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, shape, kernel, stride, pad, ties, rows):
     """Every forward variant (per element: the simple kernel at the first and last plane, the fast
-    one between; rows: one work-item per output row) and both backward kernels (per-element
-    gather, per-row walk) on odd sizes, padding, ties and
+    one between; rows: one work-item per output row; planes: one per plane or two, the plane's size
+    compiled in) and every backward kernel (per-element gather, per-row walk, per-plane scatter)
+    on odd sizes, padding, ties and
     NaN in edge windows: y exactly numpy's; with small-integer dy every sum is exact in any
     order, so dx is exactly numpy's (routing and overlap sums); with normal dy the two backward
     kernels add the same terms in the same order, bit for bit."""
@@ -404,15 +406,31 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, 
 
     x_shape, arg, geometry, window = cache
     n, c, h, w = x_shape
+    # the forward kernels launched by name, all three on every shape: the per-element one, the rows
+    # one (an output row per item) and the planes one, with 1 and 2 planes per item (a partial last)
+    oh, ow = y_ref.shape[2:]
+    kernels = [("maxpool_forward", (ow, oh, n * c), window), ("maxpool_forward_rows", (oh, n * c), window)]
+    kernels += [("maxpool_forward_planes", cdiv(n * c, g), plane_defines(window, h, w, g)) for g in (1, 2)]
+    for name, dims, defines in kernels:
+        ky, ka = be.rt.empty(y_ref.shape), be.rt.empty(y_ref.shape, np.int32)
+        be.rt.launch(name, dims, be.asarray(x).data, *geometry, ky.data, ka.data, defines=defines)
+        assert np.array_equal(be.to_numpy(ky).view(np.int32), y_ref.view(np.int32)), name
+        assert np.array_equal(ka.get(), arg.get()), name
     plain = rng.integers(-8, 9, size=y_ref.shape).astype(F32)  # sums of <= 9 of them: exact
-    for dy, exact in ((plain, REF.maxpool_backward(plain, cache_ref)), (normal(rng, *y_ref.shape), None)):
+    noisy = normal(rng, *y_ref.shape)
+    plain[..., 0, 0] = noisy[..., 0, 0] = -0.0  # -0 summed from 0.0f gives +0 in every kernel alike
+    for dy, exact in ((plain, REF.maxpool_backward(plain, cache_ref)), (noisy, None)):
         dx = {}
-        for name, dims in (("maxpool_backward", (w, h, n * c)), ("maxpool_backward_rows", n * c * h)):
+        for name, dims, defines in (("maxpool_backward", (w, h, n * c), window),
+                                    ("maxpool_backward_rows", n * c * h, window),
+                                    ("maxpool_backward_planes", n * c, plane_defines(window, h, w, 1)),
+                                    ("maxpool_backward_planes 2", cdiv(n * c, 2), plane_defines(window, h, w, 2))):
             out = be.rt.empty(x_shape)
-            be.rt.launch(name, dims, be.asarray(dy).data, arg.data, *geometry, out.data, defines=window)
+            be.rt.launch(name.split()[0], dims, be.asarray(dy).data, arg.data, *geometry, out.data, defines=defines)
             dx[name] = be.to_numpy(out)
         simple, rows = dx["maxpool_backward"], dx["maxpool_backward_rows"]
-        assert np.array_equal(rows.view(np.int32), simple.view(np.int32))
+        for name, got in dx.items():
+            assert np.array_equal(got.view(np.int32), simple.view(np.int32)), name
         if exact is not None:
             assert np.array_equal(simple, exact)
     assert np.array_equal(be.to_numpy(be.maxpool_backward(be.asarray(dy), cache)).view(np.int32), rows.view(np.int32))

@@ -25,12 +25,17 @@ import pyopencl.array as cla
 from backends.base import Backend, conv_output_size, require_batch_statistics
 from backends.opencl import conv
 from backends.opencl.device import describe_device, select_device
-from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView
+from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, cdiv
 from backends.opencl.runtime import Runtime
 from backends.opencl.tune_file import default_tune_file
 
 F32 = np.float32
 i32 = np.int32
+
+
+def plane_defines(window: str, h: int, w: int, group: int) -> str:
+    """Max pool's planes kernels' build: the window, the (h, w) plane size and planes per work-item (see ops.cl)."""
+    return f"{window} -DPLANE_H={h} -DPLANE_W={w} -DPLANE_GROUP={group}"
 
 
 def lrn_defines(before: int, after: int, beta: float) -> str:
@@ -259,7 +264,8 @@ class OpenCLBackend(Backend):
     # One work-item per output scans its window and keeps the first strict maximum in
     # row-major order -- the element numpy's separable max selects -- or its last NaN, as
     # torch does, and its position; backward is a gather over the windows that contain
-    # each input (on CPUs, one work-item per input row: the same sums in the same order).
+    # each input (on CPUs, one work-item per plane, or several, scattering from the last window to
+    # the first: the same sums in the same order).
     def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
         x = self.rt.operand(x, "maxpool x")
         if x.ndim != 4:
@@ -276,8 +282,10 @@ class OpenCLBackend(Backend):
         geometry = (i32(h), i32(w), i32(oh), i32(ow), i32(n * c))
         window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
         args = (x.data, *geometry, y.data, arg.data)
-        if self.rows:  # optimisation (see ops.cl): a work-item walks an output row
-            self.rt.launch("maxpool_forward_rows", (oh, n * c), *args, defines=window, rows=True)
+        if self.rows:  # optimisation (see ops.cl): a work-item walks a plane, its size compiled in
+            group = self.pool_group(h, w, n * c)
+            self.rt.launch("maxpool_forward_planes", cdiv(n * c, group), *args,
+                           defines=plane_defines(window, h, w, group), rows=True)
         elif n * c <= 2:
             self.rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
         else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
@@ -285,6 +293,16 @@ class OpenCLBackend(Backend):
                 self._launch_at("maxpool_forward", (ow, oh, 1), (0, 0, plane), args, window)
             self.rt.launch("maxpool_forward_inner", (ow, oh, n * c - 2), *args, defines=window)
         return y, (x.shape, arg, geometry, window)
+
+    # An optimisation, the planes kernels' work-items: input elements one walks, in whole planes
+    # (several small planes per item: PoCL pays per work-item, and conv2's are 256 elements).
+    POOL_WALK = 4096
+
+    def pool_group(self, h: int, w: int, planes: int) -> int:
+        """Planes per work-item of the max pool planes kernels: about POOL_WALK elements, and at
+        least 4 items per compute unit while there are planes for them."""
+        per_unit = max(1, planes // (4 * self.rt.limits.compute_units))
+        return max(1, min(self.POOL_WALK // (h * w), per_unit))
 
     def _launch_at(self, name, dims, offset, args, defines):
         """rt.launch of one block of a grid, at a global offset (the pool's first and last plane)."""
@@ -299,8 +317,10 @@ class OpenCLBackend(Backend):
         dx = self.rt.empty(x_shape)
         n, c, h, w = x_shape
         args = (dy.data, arg.data, *geometry, dx.data)
-        if self.rows:  # optimisation (see ops.cl): a work-item walks an input row
-            self.rt.launch("maxpool_backward_rows", n * c * h, *args, defines=window, rows=True)
+        if self.rows:  # optimisation (see ops.cl): a work-item scatters a plane's dy, its size compiled in
+            group = self.pool_group(h, w, n * c)
+            self.rt.launch("maxpool_backward_planes", cdiv(n * c, group), *args,
+                           defines=plane_defines(window, h, w, group), rows=True)
         else:
             self.rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
         return dx

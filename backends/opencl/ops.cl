@@ -615,6 +615,78 @@ __kernel void maxpool_forward_rows(__global const float* restrict x, const int H
     for (; ow < OW; ow++) maxpool_window(xp, hw, ow, W, true, yr, ar);
 }
 
+#ifdef PLANE_H  // ------------------------- and per plane size (PLANE_H x PLANE_W): the planes kernels
+#define PLANE_OH ((PLANE_H + 2 * PAD - POOL) / STRIDE + 1)
+#define PLANE_OW ((PLANE_W + 2 * PAD - POOL) / STRIDE + 1)
+
+// Optimisation of maxpool_forward for CPUs, the same results: one work-item per plane, walking
+// its OH*OW windows as one loop. The rows kernel above walks an output row, which at conv2's
+// shape (8 windows a row) is shorter than the vector loop; here the plane's size and the window
+// are compiled in, so the whole plane is one loop of known length (64 windows for a 16x16 plane)
+// and the row and column of a window are shifts. Every window is checked, as selects (clamped
+// indices, out-of-plane taps masked to -inf), so the loop has no branch and vectorises; the last
+// NaN is tracked beside the maximum, as in maxpool_window. global (planes).
+__kernel void maxpool_forward_planes(__global const float* restrict x, const int H, const int W, const int OH,
+                                     const int OW, const int planes, __global float* restrict y,
+                                     __global int* restrict arg)
+{
+    for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
+    __global const float* xp = x + plane * (PLANE_H * PLANE_W);
+    __global float* yp = y + plane * (PLANE_OH * PLANE_OW);
+    __global int* ap = arg + plane * (PLANE_OH * PLANE_OW);
+    for (int o = 0; o < PLANE_OH * PLANE_OW; o++) {
+        const int oh = o / PLANE_OW, ow = o - oh * PLANE_OW;
+        const int h0 = oh * STRIDE - PAD, w0 = ow * STRIDE - PAD;
+        float v = -INFINITY, nan_v = 0.0f;  // -inf: the same as starting from the first element inside
+        int best = (h0 > 0 ? h0 : 0) * PLANE_W + (w0 > 0 ? w0 : 0), nan_at = -1;
+#pragma unroll
+        for (int i = 0; i < POOL; i++) {
+            const int h = h0 + i;
+            const int hc = h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h;
+#pragma unroll
+            for (int j = 0; j < POOL; j++) {
+                const int w = w0 + j;
+                const int wc = w < 0 ? 0 : w >= PLANE_W ? PLANE_W - 1 : w;
+                const bool inside = h == hc && w == wc;
+                const float raw = xp[hc * PLANE_W + wc];
+                const float xv = inside ? raw : -INFINITY;
+                const bool take = xv > v, is_nan = xv != xv;
+                v = take ? xv : v;
+                best = take ? h * PLANE_W + w : best;
+                nan_v = is_nan ? xv : nan_v;
+                nan_at = is_nan ? h * PLANE_W + w : nan_at;
+            }
+        }
+        yp[o] = nan_at >= 0 ? nan_v : v;
+        ap[o] = nan_at >= 0 ? nan_at : best;
+    }
+    }
+}
+
+// Optimisation of maxpool_backward for CPUs, the same sums in the same order: one work-item per
+// plane scatters dy to its argmaxes, into a plane of zeros, visiting the windows from the last to
+// the first. The gather adds an input's windows latest window row first, then latest window
+// column: that is this descending walk's order, so each dx is the same additions of the same
+// terms from 0.0f, bit for bit. The walk is scalar (two windows may pick the same input) but it
+// is one load, add and store per window, against the gather's POOL_T^2 checks per input.
+// global (planes).
+__kernel void maxpool_backward_planes(__global const float* restrict dy, __global const int* restrict arg,
+                                      const int H, const int W, const int OH, const int OW, const int planes,
+                                      __global float* restrict dx)
+{
+    for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
+    __global const float* dyp = dy + plane * (PLANE_OH * PLANE_OW);
+    __global const int* ap = arg + plane * (PLANE_OH * PLANE_OW);
+    __global float* dxp = dx + plane * (PLANE_H * PLANE_W);
+    for (int q = 0; q < PLANE_H * PLANE_W; q++) dxp[q] = 0.0f;
+    for (int o = PLANE_OH * PLANE_OW - 1; o >= 0; o--) {
+        const int a = ap[o];
+        if ((uint)a < (uint)(PLANE_H * PLANE_W)) dxp[a] += dyp[o];  // always, from maxpool_forward
+    }
+    }
+}
+#endif  // PLANE_H
+
 // dx[h, w] = sum of dy over the windows that selected (h, w): a gather over the at most
 // ceil(POOL/STRIDE)^2 windows that contain it, so overlaps sum without atomics. Window oh
 // covers h when h - (oh*STRIDE - PAD) is in [0, POOL): the last is (h + PAD) / STRIDE.
