@@ -36,6 +36,7 @@ from tinyconv.model import Network
 from tinyconv.replica.replica import spec_of
 from tinyconv.shard.accounting import OpStats
 from tinyconv.shard.balance import kernel_counts, speed_weights
+from tinyconv.shard.membership import Membership
 from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.shard.rpc import Lost, Op, Rpc
 from transports.base import Message, Transport, WorkerInfo
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 UNIT = "batch"  # the name the image shares go by in plans, metrics and the rebalancer
 
 
-class BatchSplit:
+class BatchSplit(Membership):
     """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images.
 
     ``master_share``: "auto" -- the master computes a slice too, sized by its speed; "0" -- it
@@ -54,6 +55,7 @@ class BatchSplit:
     """
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
+    gives_away = "its images go"  # a lost worker's, in the log
     parallel = "?"  # the subclass's name for the metrics: "data", "hybrid"
     calibrate_task = "?"  # the task a worker times its slice's work with
 
@@ -252,21 +254,6 @@ class BatchSplit:
         return min(self.recv_timeout, max(10.0, 10 * op_s))
 
     # ---- membership -------------------------------------------------------------------------
-    def lose(self, workers: dict[int, str]) -> None:
-        """``workers`` (index -> why) are no longer participants: their images go to the others."""
-        for k, why in workers.items():
-            if k in self.lost:
-                continue
-            self.lost[k] = why
-            log.warning("%s lost: %s; its images go to the others", self.rpc.describe(k), why)
-            self.seats = [seat for seat in self.seats if seat[1] != k]
-            self.workers = [w for w in self.workers if w.index != k]
-            if not self.seats:  # the master holds every weight: it can always finish alone
-                self.seats = [("master", None)]
-            self._replan()
-            self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{k}", "reason": why,
-                                "shares": {UNIT: list(self.counts[UNIT])}})  # fmt: skip
-
     def _join(self, info: WorkerInfo) -> None:
         """A worker that joined late: timed on its slice's work for the batch, then given images."""
         name = f"worker{info.index}"

@@ -38,6 +38,7 @@ from tinyconv.shard.balance import kernel_counts, speed_weights
 from tinyconv.shard.block import tail_of
 from tinyconv.shard.calibrate import time_everyone
 from tinyconv.shard.layer import ShardedBlock, block_inputs
+from tinyconv.shard.membership import Membership
 from tinyconv.shard.plan import Plan
 from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.shard.rpc import Lost, Rpc
@@ -49,7 +50,7 @@ MASTER_SHARES = ("auto", "0")
 SPLITS = ("auto", "channels", "kernels")
 
 
-class Cluster:
+class Cluster(Membership):
     """The master (on ``backend``) and ``workers`` (on ``transport``), sharing the network's convolutions.
 
     ``master_share``: "auto" -- the master computes a share too, sized by its speed like any
@@ -344,21 +345,6 @@ class Cluster:
         return rebalanced
 
     # ---- membership -------------------------------------------------------------------------
-    def lose(self, workers: dict[int, str]) -> None:
-        """``workers`` (index -> why) are no longer participants: their shares go to the others."""
-        for k, why in workers.items():
-            if k in self.lost:
-                continue
-            self.lost[k] = why
-            log.warning("%s lost: %s; its share goes to the others", self.rpc.describe(k), why)
-            self.seats = [seat for seat in self.seats if seat[1] != k]
-            self.workers = [w for w in self.workers if w.index != k]
-            if not self.seats:  # the master holds every weight: it can always finish alone
-                self.seats = [("master", None)]
-            self._replan()
-            self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{k}", "reason": why,
-                                "shares": {name: list(c) for name, c in self.counts.items()}})  # fmt: skip
-
     def lost_any(self, plan: Plan) -> bool:
         """Whether a worker with a share in ``plan`` is lost."""
         return any(p.worker in self.lost for p in plan.workers)
