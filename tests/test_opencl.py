@@ -483,10 +483,18 @@ def test_relu_and_sgd_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shap
 
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 @pytest.mark.parametrize("size, beta", [(5, 0.75), (4, 0.6), (1, 0.75)])
-def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, beta):
+@pytest.mark.parametrize("walk", ["planes", 4, 1024])
+def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, beta, walk):
     """Plain and fused LRN, forward and backward; beta 0.75 (square roots, the vectorised build)
-    and 0.6 (pow); windows wider than the channels; NaN in x goes through both alike."""
-    x, dy = with_nans(rng, shape), normal(rng, *shape)
+    and 0.6 (pow); windows wider than the channels; NaN in x and dy, -0 in dy, go through both
+    alike. The backward's CPU kernels: the rows ones (a plane per work-item, launched here in
+    place of the walk) and the walk along the channels (4 pixels per work-item: several blocks
+    and a partial last one; or a whole plane)."""
+    if walk == "planes":
+        monkeypatch.setattr(be, "_channel_walk", be._planes)
+    else:
+        monkeypatch.setattr(be, "LRN_BLOCK", walk)
+    x, dy = with_nans(rng, shape), with_nans(rng, shape)
     xd, dyd = be.asarray(x), be.asarray(dy)
 
     def lrn():

@@ -200,6 +200,7 @@ inline float neg_pow(const float s, const float beta)
 }
 
 #ifdef LRN_BEFORE  // ------------------------------- LRN, built per window (LRN_BEFORE, LRN_AFTER)
+// (and the walk kernels per block, LRN_BLOCK)
 
 // out = a(c) + a(c-1) + ... + a(c-before) + a(c+1) + ... + a(c+after), clipped to [0, C):
 // numpy's _channel_window_sum, same order. a(cc) reads channel cc of this pixel. The
@@ -380,6 +381,79 @@ __kernel void relu_lrn_backward_rows(__global const float* restrict dy, __global
     for (int q = 0; q < HW; q++)
         relu_lrn_backward_at(dy + at + q, x + at + q, y + at + q, s + at + q, c, C, HW, e0 + q, beta, coef, dx);
 }
+
+// Optimisation of the rows backward kernels for CPUs, the same bits: a work-item walks the
+// channels of a block of LRN_BLOCK pixels of one image (global (blocks of H*W, N); the backend
+// compiles the block in, a whole plane of the paper's maps: longer runs measured faster). Each
+// pixel's term u(cc) = dy y / s of channel cc is computed once, when the walk first needs it,
+// and kept in a ring of the window's channels (slot cc % LRN_WIN), so an element costs one
+// division where lrn_backward_at's window sum does LRN_WIN; the window is then summed from the
+// ring in CHANNEL_WINDOW_SUM's order, the same terms, so dx keeps its bits. A channel outside
+// [0, C) reads the ring at the clamped channel (always held) and is not added, as there.
+#ifdef LRN_BLOCK
+#define LRN_WIN (LRN_BEFORE + LRN_AFTER + 1)
+#define LRN_U(cc) (dy[at + (cc) * HW + q] * y[at + (cc) * HW + q] / s[at + (cc) * HW + q])
+
+// dx of channel c for the block: the ring holds channels c - LRN_AFTER .. c + LRN_BEFORE at
+// slots (base + k) mod LRN_WIN, base = c mod LRN_WIN; TAIL(e, t) is dx[e] of the op.
+#define LRN_BACKWARD_WALK(TAIL)                                                        \
+    const int b = get_global_id(0), n = get_global_id(1);                               \
+    const int q0 = b * LRN_BLOCK;                                                       \
+    if (q0 >= HW || n >= N) return;                                                     \
+    const int at = n * C * HW, qn = HW - q0 < LRN_BLOCK ? HW - q0 : LRN_BLOCK;          \
+    float ring[LRN_WIN * LRN_BLOCK];                                                    \
+    for (int cc = 0; cc < LRN_BEFORE && cc < C; cc++)                                   \
+        for (int k = 0, q = q0; k < qn; k++, q++) ring[cc * LRN_BLOCK + k] = LRN_U(cc); \
+    for (int c = 0, base = 0; c < C; c++, base = base + 1 == LRN_WIN ? 0 : base + 1) {  \
+        int slot[LRN_WIN]; /* slot[LRN_AFTER + k]: the ring row of channel c + k, clamped */ \
+        _Pragma("unroll") for (int k = -LRN_AFTER; k <= LRN_BEFORE; k++) {              \
+            const int cc = c + k < 0 ? 0 : c + k >= C ? C - 1 : c + k;                  \
+            const int r = base + (cc - c);                                              \
+            slot[LRN_AFTER + k] = (r < 0 ? r + LRN_WIN : r >= LRN_WIN ? r - LRN_WIN : r) * LRN_BLOCK; \
+        }                                                                               \
+        const bool fresh = c + LRN_BEFORE < C; /* channel c + LRN_BEFORE enters the ring */ \
+        const int in = slot[LRN_WIN - 1], c_in = fresh ? c + LRN_BEFORE : C - 1;        \
+        for (int k = 0, q = q0; k < qn; k++, q++) {                                     \
+            if (fresh) ring[in + k] = LRN_U(c_in);                                      \
+            float t = ring[slot[LRN_AFTER] + k];                                        \
+            _Pragma("unroll") for (int d = 1; d <= LRN_AFTER; d++) {                    \
+                const float v_ = ring[slot[LRN_AFTER - d] + k];                         \
+                t = c - d >= 0 ? t + v_ : t;                                            \
+            }                                                                           \
+            _Pragma("unroll") for (int d = 1; d <= LRN_BEFORE; d++) {                   \
+                const float v_ = ring[slot[LRN_AFTER + d] + k];                         \
+                t = c + d < C ? t + v_ : t;                                             \
+            }                                                                           \
+            const int e = at + c * HW + q;                                              \
+            TAIL(e, t);                                                                 \
+        }                                                                               \
+    }
+
+__kernel void lrn_backward_walk(__global const float* restrict dy, __global const float* restrict x,
+                                __global const float* restrict y, __global const float* restrict s,
+                                __global const float* restrict p, const int C, const int HW, const int N,
+                                const float coef, __global float* restrict dx)
+{
+#define TAIL(e, t) dx[e] = dy[e] * p[e] - coef * x[e] * (t)  // as lrn_backward_at
+    LRN_BACKWARD_WALK(TAIL)
+#undef TAIL
+}
+
+__kernel void relu_lrn_backward_walk(__global const float* restrict dy, __global const float* restrict x,
+                                     __global const float* restrict y, __global const float* restrict s,
+                                     const int C, const int HW, const int N, const float beta,
+                                     const float coef, __global float* restrict dx)
+{
+#define TAIL(e, t)                                                     \
+    do { /* as relu_lrn_backward_at */                                 \
+        const float r = x[e] < 0.0f ? 0.0f : x[e];                     \
+        const float dr = dy[e] * neg_pow(s[e], beta) - coef * r * (t); \
+        dx[e] = dr * (r > 0.0f ? 1.0f : 0.0f);                         \
+    } while (0)
+    LRN_BACKWARD_WALK(TAIL)
+#undef TAIL
+}
+#endif  // LRN_BLOCK
 
 #endif  // LRN_BEFORE
 
