@@ -693,46 +693,65 @@ __kernel void maxpool_forward_rows(__global const float* restrict x, const int H
 #define PLANE_OH ((PLANE_H + 2 * PAD - POOL) / STRIDE + 1)
 #define PLANE_OW ((PLANE_W + 2 * PAD - POOL) / STRIDE + 1)
 
-// Optimisation of maxpool_forward for CPUs, the same results: one work-item per plane, walking
-// its OH*OW windows as one loop. The rows kernel above walks an output row, which at conv2's
-// shape (8 windows a row) is shorter than the vector loop; here the plane's size and the window
-// are compiled in, so the whole plane is one loop of known length (64 windows for a 16x16 plane)
-// and the row and column of a window are shifts. Every window is checked, as selects (clamped
-// indices, out-of-plane taps masked to -inf), so the loop has no branch and vectorises; the last
-// NaN is tracked beside the maximum, as in maxpool_window. global (planes).
+// Optimisation of maxpool_forward for CPUs, the same results: one work-item per plane (or
+// PLANE_GROUP planes), the plane's size and the window compiled in. The rows kernel above walks
+// an output row between its checked edges: at conv2's shape (8 windows a row) that walk is
+// shorter than a vector. Here every window of a row is one loop of known length, checked as
+// selects: the window's rows clamped once per row (as there), a column outside the plane read
+// from the row before or after, unclamped -- so the loads stay strided, not gathers -- and
+// masked to -inf. Only the buffer's first and last plane clamp the column too (the row before
+// or after would be outside the buffer). The last NaN is tracked beside the maximum, as in
+// maxpool_window. global (planes / PLANE_GROUP).
 __kernel void maxpool_forward_planes(__global const float* restrict x, const int H, const int W, const int OH,
                                      const int OW, const int planes, __global float* restrict y,
                                      __global int* restrict arg)
 {
     for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
     __global const float* xp = x + plane * (PLANE_H * PLANE_W);
-    __global float* yp = y + plane * (PLANE_OH * PLANE_OW);
-    __global int* ap = arg + plane * (PLANE_OH * PLANE_OW);
-    for (int o = 0; o < PLANE_OH * PLANE_OW; o++) {
-        const int oh = o / PLANE_OW, ow = o - oh * PLANE_OW;
-        const int h0 = oh * STRIDE - PAD, w0 = ow * STRIDE - PAD;
-        float v = -INFINITY, nan_v = 0.0f;  // -inf: the same as starting from the first element inside
-        int best = (h0 > 0 ? h0 : 0) * PLANE_W + (w0 > 0 ? w0 : 0), nan_at = -1;
+    // a tap left or right of the plane reads the row before or after (masked): inside the buffer
+    // except at its very ends, where the first and last plane clamp the column instead
+    const bool edge = plane == 0 || plane == planes - 1;
+    // Added to h and w below: 0. Elsewhere than on PoCL's CPU devices a 0 not known at compile
+    // time (the backend passes H = PLANE_H, W = PLANE_W), since with oh and ow known non-negative
+    // LLVM turns the clamps `h < 0 ? 0 : h` into saturating subtractions, an intrinsic Oclgrind
+    // cannot run. Not on PoCL: there the unknown 0 made the kernel ~3x slower at conv2's shape.
+#ifdef POCL_CPU
+    const int zero = 0;
+#else
+    const int zero = (H - PLANE_H) + (W - PLANE_W);
+#endif
+    for (int oh = 0; oh < PLANE_OH; oh++) {
+        int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
 #pragma unroll
         for (int i = 0; i < POOL; i++) {
-            const int h = h0 + i;
-            const int hc = h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h;
-#pragma unroll
-            for (int j = 0; j < POOL; j++) {
-                const int w = w0 + j;
-                const int wc = w < 0 ? 0 : w >= PLANE_W ? PLANE_W - 1 : w;
-                const bool inside = h == hc && w == wc;
-                const float raw = xp[hc * PLANE_W + wc];
-                const float xv = inside ? raw : -INFINITY;
-                const bool take = xv > v, is_nan = xv != xv;
-                v = take ? xv : v;
-                best = take ? h * PLANE_W + w : best;
-                nan_v = is_nan ? xv : nan_v;
-                nan_at = is_nan ? h * PLANE_W + w : nan_at;
-            }
+            const int h = oh * STRIDE - PAD + i + zero;
+            hw[i] = (h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h) * PLANE_W;
         }
-        yp[o] = nan_at >= 0 ? nan_v : v;
-        ap[o] = nan_at >= 0 ? nan_at : best;
+        __global float* yr = y + (plane * PLANE_OH + oh) * PLANE_OW;
+        __global int* ar = arg + (plane * PLANE_OH + oh) * PLANE_OW;
+        for (int ow = 0; ow < PLANE_OW; ow++) {
+            const int w0 = ow * STRIDE - PAD + zero;
+            float v = -INFINITY, nan_v = 0.0f;  // -inf: the same as starting from the first element inside
+            int best = hw[0] + (w0 > 0 ? w0 : 0), nan_at = -1;
+#pragma unroll
+            for (int i = 0; i < POOL; i++) {
+#pragma unroll
+                for (int j = 0; j < POOL; j++) {
+                    const int w = w0 + j;
+                    const bool inside = w >= 0 && w < PLANE_W;
+                    const int wc = edge ? (w < 0 ? 0 : w >= PLANE_W ? PLANE_W - 1 : w) : w;
+                    const float raw = xp[hw[i] + wc];
+                    const float xv = inside ? raw : -INFINITY;
+                    const bool take = xv > v, is_nan = xv != xv;
+                    v = take ? xv : v;
+                    best = take ? hw[i] + w : best;
+                    nan_v = is_nan ? xv : nan_v;
+                    nan_at = is_nan ? hw[i] + w : nan_at;
+                }
+            }
+            yr[ow] = nan_at >= 0 ? nan_v : v;
+            ar[ow] = nan_at >= 0 ? nan_at : best;
+        }
     }
     }
 }
