@@ -48,7 +48,7 @@ from tinyconv.report import format_table  # noqa: E402
 START_TIMEOUT_S = 600.0  # a child answers "ready" after its warm-up; more than this is a hang
 
 
-def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: int) -> None:
+def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: int, split: str) -> None:
     """Warm up, say "ready", wait for "go" on stdin, then time ``repeats`` passes; print the seconds."""
     from tinyconv.heap import keep_freed_memory
     from tinyconv.plugins import get_backend
@@ -59,12 +59,15 @@ def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: 
     be = get_backend("numpy")
     c1, c2 = (int(k) for k in arch.split(":"))
     rng = np.random.default_rng(core)
-    f1, f2 = max(1, round(c1 * share)), max(1, round(c2 * share))
+    f1 = max(1, round(c1 * share))
+    # conv2 by kernels: a share of its kernels on all of its input; by channels: all of its kernels on a
+    # share of its input channels (a partial sum of the whole output, as tinyconv's --split channels)
+    f2, cin2 = (max(1, round(c2 * share)), c1) if split == "kernels" else (c2, max(1, round(c1 * share)))
     # conv1 on the images, conv2 on pool1's output (3x3 stride 2 pad 1: 32 -> 16), as in the network
     x1 = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
     w1 = rng.standard_normal((f1, 3, 5, 5), dtype=np.float32) * 0.1
-    x2 = rng.standard_normal((batch, c1, 16, 16), dtype=np.float32)
-    w2 = rng.standard_normal((f2, c1, 5, 5), dtype=np.float32) * 0.05
+    x2 = rng.standard_normal((batch, cin2, 16, 16), dtype=np.float32)
+    w2 = rng.standard_normal((f2, cin2, 5, 5), dtype=np.float32) * 0.05
 
     def one_pass() -> float:
         t = time.perf_counter()
@@ -82,9 +85,10 @@ def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: 
     print(json.dumps([one_pass() for _ in range(repeats)]), flush=True)
 
 
-def run(arch: str, batch: int, share: float, cores: list[int], warmup: int, repeats: int) -> list[float]:
+def run(arch: str, batch: int, share: float, cores: list[int], warmup: int, repeats: int, split: str) -> list[float]:
     """One child per core, released together; every child's pass times, pooled."""
-    cmd = [sys.executable, __file__, "--child", "--arch", arch, "--warmup", str(warmup), "--repeats", str(repeats)]
+    cmd = [sys.executable, __file__, "--child", "--arch", arch, "--warmup", str(warmup), "--repeats", str(repeats),
+           "--split", split]  # fmt: skip
     procs = [
         subprocess.Popen([*cmd, "--batch", str(batch), "--share", str(share), "--core", str(c)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -123,13 +127,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed passes per child and round (default %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="alone/together alternations per batch (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed passes before the timed ones (default %(default)s)")
+    p.add_argument("--split", choices=("kernels", "channels"), default="kernels",
+                   help="conv2's half: its kernels on all input channels (the paper's) or all its kernels on half "
+                   "the input channels (tinyconv's --split channels, which `auto` picks on one machine; default "
+                   "%(default)s); conv1 (3 input channels) is always split by kernels")  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--share", type=float, help=argparse.SUPPRESS)
     p.add_argument("--core", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.arch, args.batch, args.share, args.core, args.warmup, args.repeats)
+        child(args.arch, args.batch, args.share, args.core, args.warmup, args.repeats, args.split)
         return
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
     if len(cores) < 2:
@@ -140,7 +148,8 @@ def main() -> None:
     medians: dict[tuple[int, str], list[float]] = {}
     for batch, _, what in tqdm(todo, desc="co-run", unit="run"):
         share, on = {"whole": (1.0, pair[:1]), "alone": (0.5, pair[:1]), "together": (0.5, pair)}[what]
-        medians.setdefault((batch, what), []).extend(run(args.arch, batch, share, on, args.warmup, args.repeats))
+        times = run(args.arch, batch, share, on, args.warmup, args.repeats, args.split)
+        medians.setdefault((batch, what), []).extend(times)
     base = None
     for batch in args.batches:
         whole, alone, together = (statistics.median(medians[(batch, w)]) for w in ("whole", "alone", "together"))
@@ -150,7 +159,8 @@ def main() -> None:
             batch, f"{whole:.3f}", f"{alone:.3f}", f"{together:.3f}", f"{together / alone:.2f}x",
             f"{whole / together:.2f}x", f"{per_image[0]:.2f}", f"{per_image[1]:.2f}",
         ])  # fmt: skip
-    print(f"\n{args.arch}: both convolutions' forward + backward, numpy, 1 BLAS thread per pinned core; seconds "
+    print(f"\n{args.arch}, conv2 by {args.split}: both convolutions' forward + backward, numpy, 1 BLAS thread "
+          "per pinned core; seconds "
           f"per pass, median of {args.rounds} rounds x {args.repeats} passes (x 2 children together)")
     print(format_table(
         ["batch", "whole alone", "half alone", "half together", "together / alone", "whole / half together",
