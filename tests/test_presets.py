@@ -83,7 +83,7 @@ def test_the_startup_line_for_a_full_run_and_a_steps_run(example):
     args = parsed(example, "--preset", "quick")
     assert example.plan_line(args, (48, 96), 50_000) == (
         "preset quick: 48:96 network with batch norm, 7 epochs (2,730 steps of batch 128, the first 136 a warm-up), "
-        "lr 0.02 cosine; expected accuracy and time: not measured yet"
+        "lr 0.02 cosine; expected test accuracy 76.2%, wall time on 2 cores about 16 min"
     )
     args = parsed(example, "--steps", "400")
     assert example.plan_line(args, (50, 500), 50_000) == (
@@ -100,9 +100,10 @@ def test_the_main_job_starts_with_the_plan_and_ends_with_the_test_accuracy(examp
     plan = next(i for i, line in enumerate(lines) if line.startswith("preset "))
     assert lines[plan] == (
         "preset quick: 4:8 network with batch norm, 1 epoch (3 steps of batch 128, no warm-up), lr 0.02 cosine; "
-        "expected accuracy and time: not measured yet -- for the preset as it is; this run changes --arch 4:8, "
+        "expected test accuracy 76.2%, wall time on 2 cores about 16 min -- for the preset as it is; this run "
+        "changes --arch 4:8, "
         "--steps 3"
     )
     assert all("loading" in line or "images" in line for line in lines[:plan])  # before the network, the workers
     assert lines[-1].startswith("test accuracy ") and " after 3 steps, " in lines[-1]
-    assert lines[-1].endswith("(preset quick: expected accuracy and time: not measured yet)")
+    assert lines[-1].endswith("(preset quick: expected test accuracy 76.2%, wall time on 2 cores about 16 min)")
