@@ -93,7 +93,7 @@ class Hybrid(BatchSplit):
         self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray]
     ) -> tuple[float, Array]:
         params, buffers = start
-        be, batch = net.backend, len(x)
+        batch = len(x)
         conv, fc = conv_part(net), classifier(net)
         shape = feature_shape(net, self.image_size)
         f = math.prod(shape)
@@ -124,13 +124,7 @@ class Hybrid(BatchSplit):
         forward = fwd.stats(self.seats)  # its wall time ends here: the classifier is the master's comp
 
         # 2. the classifier and the loss over the whole batch, on the master alone
-        whole = np.concatenate([features[k] for k in order])
-        logits = fc.forward(be.asarray(whole), training=True)
-        loss, dlogits = net.loss_fn(logits, y)  # (softmax - onehot) / N
-        d = dlogits
-        for layer in reversed(fc.layers):  # the classifier's grads, complete; d becomes dL/dfeatures
-            d = layer.backward(d)
-        dfeatures = np.ascontiguousarray(be.to_numpy(d), dtype=np.float32).reshape(batch, f)
+        loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in order]), y)
 
         # 3. backward: every participant's conv gradient
         bwd = self._op("hybrid backward, step", batch)
@@ -156,3 +150,15 @@ class Hybrid(BatchSplit):
             flat.unpack(conv, sum(stats[k] * np.float32(share[k] / batch) for k in order).astype(np.float32), "buffers")
         self._finish([("forward", forward), ("backward", backward)], counts)
         return loss, logits
+
+
+def classify(net: Network, fc: Network, features: np.ndarray, y: np.ndarray) -> tuple[float, Array, np.ndarray]:
+    """The classifier forward and backward on the whole batch's ``features`` (N, F), on the master:
+    -> (the loss, the logits (N, classes), dL/dfeatures (N, F) float32). The classifier's own grads are
+    complete afterwards; the loss is the mean over all N images, so no slice rescales its gradient."""
+    be = net.backend
+    logits = fc.forward(be.asarray(features), training=True)
+    loss, d = net.loss_fn(logits, y)  # dL/dlogits = (softmax - onehot) / N
+    for layer in reversed(fc.layers):
+        d = layer.backward(d)
+    return loss, logits, np.ascontiguousarray(be.to_numpy(d), dtype=np.float32).reshape(features.shape)
