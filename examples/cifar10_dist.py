@@ -311,8 +311,10 @@ def _split(p: argparse.ArgumentParser) -> None:
         default="fp32",
         help="the words the shards (inputs, weights, maps, gradients) travel in, both ways; the arithmetic stays "
         "float32: fp32 (4 bytes), adt24 (3: float32's top 3 bytes), bf16 (2: its top 2), fp16 (2: IEEE half; "
-        "an array that would overflow goes fp32), or adaptive (AWP: each layer's weights widen bf16 -> adt24 -> "
-        "fp32 as their L2 norm settles, maps and gradients bf16); --parallel model only (default %(default)s)",
+        "an array that would overflow goes fp32), s8 (1: int8 times a float32 scale per plane, to 1/254 of the "
+        "plane's largest; a plane with inf or NaN goes fp32), or adaptive (AWP: each layer's weights widen bf16 "
+        "-> adt24 -> fp32 as their L2 norm settles, maps s8, gradients bf16); --parallel model only "
+        "(default %(default)s)",
     )
 
 

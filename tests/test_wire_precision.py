@@ -14,7 +14,7 @@ import pytest
 
 import tinyconv as tc
 from backends.numpy_backend import NumpyBackend
-from tinyconv.comm import conv_shapes, equal_counts, measure, split_bytes, wire_words
+from tinyconv.comm import block_bytes, conv_shapes, equal_counts, measure, split_bytes, wire_words
 from tinyconv.comm import main as comm_main
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
@@ -113,6 +113,70 @@ def test_unknown_formats_and_empty_arrays():
         assert wp.widen(wp.narrow(np.zeros((0, 4), np.float32), fmt).carried, fmt).shape == (0, 4)
 
 
+def s8_round_trip(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x through s8 and back, checked on the way: (x', each number's plane scale s, broadcast to x)."""
+    n = wp.narrow(x, "s8")
+    assert n.fmt == "s8" and not n.fell_back and n.carried.dtype == np.uint8
+    assert n.carried.shape == wp.carried_shape(x.shape, "s8") and n.carried.nbytes == wp.nbytes_of(x.shape, "s8")
+    wp.check_carried(n.declared, n.carried)
+    y = wp.widen(decode(encode(Message("t", {"narrow": n.declared}, {"x": n.carried}))).arrays["x"], n.declared)
+    scales = np.ascontiguousarray(n.carried[..., :4]).view("<f4")  # the carrier's first 4 bytes a plane
+    lead = x.shape[:-2] if x.ndim >= 3 else ()
+    s = np.broadcast_to(scales.reshape(*lead, *([1] * min(x.ndim, 2))), x.shape)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    return y, s
+
+
+def s8_bound(y: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """The module docstring's bound on |x' - x|: half a step s / 2, plus the float32 rounding of q s."""
+    return s.astype(np.float64) / 2 + 2.0**-24 * np.abs(y.astype(np.float64))
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 5, 1, 1), (6, 3, 5, 5), (1, 7, 3), (17,), (4, 9), (1,)])
+def test_s8_meets_its_bound_half_a_step_of_each_planes_largest_over_127(shape):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-40, 40, shape[:-2] + (1, 1) if len(shape) >= 3 else ()))
+    x = x.astype(np.float32)
+    x.reshape(-1)[0] = -np.abs(x).max()  # a plane whose largest magnitude is negative: q = -127
+    y, s = s8_round_trip(x)
+    err = np.abs(y.astype(np.float64) - x)
+    assert np.all(err <= s8_bound(y, s))
+    m = np.abs(x).reshape(*(x.shape[:-2] if x.ndim >= 3 else ()), -1).max(axis=-1)
+    m = np.broadcast_to(m.reshape(*m.shape, *([1] * min(x.ndim, 2))), x.shape)
+    assert np.all(s >= m / 127) and np.all(s <= m / 127 * (1 + 2.0**-23))  # s = max|plane| / 127, rounded up
+    assert np.all(err <= m / 254 * (1 + 2.0**-15))  # i.e. 1/254 of the plane's largest
+    if x.size >= 64:  # rounded, not truncated: the error comes close to the bound, and it is unbiased
+        assert (err / (s / 2)).max() > 0.9 and abs(np.mean((y.astype(np.float64) - x) / s)) < 0.05
+
+
+def test_s8_zero_planes_single_numbers_signed_zeros_and_subnormals():
+    x = np.zeros((2, 3, 2, 2), np.float32)
+    x[0, 1] = [[-0.0, 1.0], [-2.0, 0.5]]  # -0 beside others: 0 (+0: int8 has no -0)
+    x[1, 0] = -0.0  # a plane of -0 only: s = 0, q = 0
+    x[1, 2] = [[1e-45, -3e-45], [2.0**-140, 0.0]]  # subnormals: m / 127 is below float32's smallest step
+    y, s = s8_round_trip(x)
+    assert s[0, 0, 0, 0] == 0 and s[1, 0, 0, 0] == 0 and np.all(y[0, 0] == 0) and np.all(y[1, 0] == 0)
+    assert not np.signbit(y[0, 1, 0, 0]) and not np.signbit(y[1, 0]).any()
+    assert y[0, 1, 1, 0] == -127 * s[0, 1, 0, 0] and abs(y[0, 1, 1, 0] + 2.0) <= 2.0**-22  # the largest: q = -127
+    assert np.all(np.abs(y.astype(np.float64) - x) <= s8_bound(y, s)) and s[1, 2, 0, 0] > 0
+    q = wp.narrow(x, "s8").carried[1, 2, 4:].view(np.int8)  # s rounded up to a subnormal step: |q| <= 127
+    assert q.size == 4 and np.abs(q.astype(int)).max() <= 127
+    for one in ([3.5], [-3.5]):  # a single number is its own plane's largest: exact up to s's rounding
+        y, s = s8_round_trip(np.array(one, np.float32))
+        assert abs(y[0] - one[0]) <= s8_bound(y, s)[0] and abs(y[0] - one[0]) < 1e-6
+
+
+def test_s8_a_plane_with_nan_or_inf_sends_the_whole_array_fp32_and_says_so():
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones((2, 2, 3, 3), np.float32)
+        x[1, 0, 2, 1] = bad
+        n = wp.narrow(x, "s8")
+        assert n.fell_back and n.fmt == "fp32" and n.declared == "fp32" and n.carried.dtype == np.float32
+        assert np.array_equal(wp.widen(n.carried, n.declared), x, equal_nan=True)
+    arrays, narrow, fell = narrowed({"y": x, "w": np.ones((2, 2, 3, 3), np.float32)}, {"y": "s8", "w": "s8"})
+    assert fell == 1 and narrow == {"w": ["s8", 3, 3]} and arrays["y"].dtype == np.float32
+
+
 # ---- the protocol: declared formats are checked before anything is widened ------------------------
 
 
@@ -135,6 +199,15 @@ def block_forward(narrow=None, reply=None, **arrays):
         (None, {"dw": "bf16"}, {}, "reply names 'dw'"),
         (None, None, {"x": np.ones((1, 1, 3, 3), np.uint16)}, "x must be float32, got uint16"),
         ("bf16", None, {}, "header 'narrow' must be map, got str"),
+        ({"x": ["s8", 3, 3]}, None, {}, "x: declared s8, which travels as uint8, but the array is float32"),
+        ({"x": ["s8", 3, 3]}, None, {"x": np.ones((1, 1, 13), np.int8)}, "travels as uint8, but the array is int8"),
+        ({"x": ["s8", 3, 3]}, None, {"x": np.zeros((1, 1, 12), np.uint8)}, "uint8 \\(lead..., 13\\).*\\(1, 1, 12\\)"),
+        ({"x": ["s8", 9]}, None, {"x": np.zeros((1, 1, 13), np.uint8)}, "uint8 \\(lead..., 13\\).*\\(1, 1, 13\\)"),
+        ({"x": ["s8", 3, 3]}, None, {"x": np.full((1, 1, 13), 255, np.uint8)}, "scale is not a finite number >= 0"),
+        ({"x": "s8"}, None, {"x": np.zeros((1, 1, 13), np.uint8)}, "declared with its plane, \\['s8', H, W\\]"),
+        ({"x": ["s8", 3, -1]}, None, {"x": np.zeros((1, 1, 1), np.uint8)}, "up to 2 sizes >= 0"),
+        ({"x": ["s8", 3.0, 3]}, None, {"x": np.zeros((1, 1, 13), np.uint8)}, "up to 2 sizes >= 0"),
+        (None, {"y": ["s8", 3, 3]}, {}, "reply: y has format \\['s8', 3, 3\\]"),
     ],
 )
 def test_bad_declared_formats_are_refused_before_anything_is_widened(monkeypatch, narrow, reply, arrays, error):
@@ -175,6 +248,24 @@ def test_a_narrowed_task_crosses_the_wire_codec_and_the_worker_answers_in_the_as
     be = NumpyBackend()
     expected, _ = be.conv2d_forward(wp.widen(arrays["x"], "adt24"), wp.widen(arrays["w"], "bf16"), np.zeros(4), 1, 1)
     assert np.array_equal(wp.widen(reply.arrays["y"], "fp16"), be.to_numpy(expected).astype(np.float16))
+
+
+def test_an_s8_task_crosses_the_wire_codec_and_the_worker_answers_in_s8():
+    x = np.random.default_rng(2).standard_normal((2, 3, 6, 5)).astype(np.float32)
+    w = np.random.default_rng(3).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    arrays, narrow, fell = narrowed({"x": x, "w": w, "b": np.zeros(4, np.float32)}, {"x": "s8", "w": "s8", "b": "s8"})
+    assert fell == 0 and narrow == {"x": ["s8", 6, 5], "w": ["s8", 3, 3], "b": ["s8", 4]}
+    assert arrays["x"].shape == (2, 3, 34) and arrays["b"].shape == (8,)
+    task = block_forward(narrow, {"y": "s8"}, **arrays)
+    task.header["own"] = [0, 4]
+    reply = decode(encode(Worker(NumpyBackend()).handle(decode(encode(task)))))
+    assert reply.kind == "result" and reply.header["narrow"] == {"y": ["s8", 6, 5]}, reply.header
+    check_result(reply, "block_forward")
+    be = NumpyBackend()
+    expected, _ = be.conv2d_forward(wp.widen(arrays["x"], narrow["x"]), wp.widen(arrays["w"], narrow["w"]),
+                                    np.zeros(4), 1, 1)  # fmt: skip
+    again = wp.narrow(be.to_numpy(expected), "s8").carried
+    assert np.array_equal(reply.arrays["y"], again)  # the worker computed on the widened arrays, then narrowed
 
 
 # ---- the master's side: fallbacks counted, NaN still loses a worker -------------------------------
@@ -229,14 +320,14 @@ class NanWorker:
         return Message("result", {"task": msg.header["task"], "compute_s": 0.0, "narrow": narrow}, arrays)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "adt24"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "adt24", "s8"])
 def test_a_worker_answering_finite_inputs_with_a_narrowed_nan_is_still_lost(fmt):
     rpc = Rpc(Loopback([NanWorker().handle]), Loopback([]).start(1), timeout=5.0)
     op = rpc.op("forward of conv2", NumpyBackend(), {"step": 0, "layer": 1}, formats={"x": fmt, "y": fmt})
     task = op.send(0, Message("block_forward", {}, {"x": np.ones((1, 1, 2, 2), np.float32)}))
     with pytest.raises(Lost, match="non-finite values in y"):
         op.gather([task])
-    assert op.fallbacks == 0
+    assert op.fallbacks == (fmt == "s8")  # s8 cannot scale a NaN: y came back fp32, counted
 
 
 # ---- AWP's controller --------------------------------------------------------------------------
@@ -263,17 +354,17 @@ def test_awp_widens_each_layer_as_its_weight_norm_settles_and_never_narrows_agai
     seen = {}
     for step, (n1, n2) in enumerate(zip(conv1, conv2, strict=True), start=1):
         seen.setdefault(awp.roles("conv1")["weights"], step)
-        assert awp.roles("conv2") == {"weights": "bf16", "maps": "bf16", "grads": "bf16"}
+        assert awp.roles("conv2") == {"weights": "bf16", "maps": "s8", "grads": "bf16"}
         awp.observe(step, "conv1", w0 * n1)
         awp.observe(step, "conv2", w0 * n2)
     # checks at 1, 21, ..., 121: 102..121 all at 0.1 % < 2^-7 -> adt24 from step 122; 202..221 at 1e-6 -> fp32
     assert seen == {"bf16": 1, "adt24": 122, "fp32": 222}
-    assert awp.roles("conv1") == {"weights": "fp32", "maps": "bf16", "grads": "bf16"}
+    assert awp.roles("conv1") == {"weights": "fp32", "maps": "s8", "grads": "bf16"}
 
 
 def test_policies_are_checked():
     assert isinstance(policy("adaptive"), AdaptivePrecision) and policy("bf16").roles("x")["maps"] == "bf16"
-    with pytest.raises(ValueError, match="--wire-precision must be one of fp32, bf16, fp16, adt24, adaptive"):
+    with pytest.raises(ValueError, match="--wire-precision must be one of fp32, bf16, fp16, adt24, s8, adaptive"):
         policy("int8")
     with pytest.raises(ValueError, match="one threshold > 0 per step"):
         AdaptivePrecision(thresholds=(0.1,))
@@ -288,7 +379,8 @@ def test_policies_are_checked():
     "setting, fuse, split, participants",
     [("bf16", False, "kernels", 2), ("bf16", False, "kernels", 3), ("fp16", False, "kernels", 2),
      ("adt24", False, "kernels", 3), ("bf16", True, "kernels", 3), ("bf16", True, "channels", 3),
-     ("adaptive", False, "kernels", 2)],
+     ("s8", False, "kernels", 2), ("s8", True, "kernels", 3), ("s8", True, "channels", 3),
+     ("adaptive", False, "kernels", 2), ("adaptive", True, "channels", 3)],
 )  # fmt: skip
 def test_modelled_and_measured_bytes_agree_exactly(setting, fuse, split, participants):
     convs = conv_shapes(paper_net("4:8", "numpy"), 2)
@@ -297,8 +389,24 @@ def test_modelled_and_measured_bytes_agree_exactly(setting, fuse, split, partici
     model = split_bytes(convs, counts, fuse, split, words)
     assert measure("4:8", 2, participants, fuse=fuse, split=split, wire_precision=setting) == model
     fp32 = split_bytes(convs, counts, fuse, split)
-    per = wp.WORD_BYTES["bf16" if setting == "adaptive" else setting]
+    if setting in ("s8", "adaptive"):  # a byte a number and 4 per plane: more than a quarter of float32's
+        assert all(f / 4 < m < f / 2 for m, f in zip(model, fp32, strict=True))
+        return
+    per = wp.WORD_BYTES[setting]
     assert [m * 4 for m in model] == [f * per for f in fp32]  # every array narrowed: exactly per/4 of float32's
+
+
+def test_s8_bytes_are_a_byte_a_number_and_a_scale_a_plane():
+    assert wp.nbytes_of((64, 50, 16, 16), "s8") == 64 * 50 * (4 + 256)  # conv2's x: a plane per image and channel
+    assert wp.nbytes_of((500, 50, 5, 5), "s8") == 500 * 50 * (4 + 25)  # its weights: a plane per kernel and channel
+    assert wp.nbytes_of((500,), "s8") == 4 + 500 and wp.nbytes_of((3, 4), "s8") == 4 + 12  # one scale for all
+    assert wp.nbytes_of((64, 50, 16, 16), "bf16") == 64 * 50 * 256 * 2
+    # the paper's split of one layer, one worker with k of F kernels: x out, k kernels and biases out, k maps back
+    conv = conv_shapes(paper_net("4:8", "numpy"), 2)[1]  # x (2, 4, 16, 16), w (8, 4, 5, 5), y (2, 8, 16, 16)
+    (n, c, h, w), k = conv.x, 3
+    assert block_bytes(conv, k, k, (), dict.fromkeys(("weights", "maps", "grads"), "s8")) == (
+        n * c * (4 + h * w) + k * c * (4 + 25) + 4 + k, n * k * (4 + h * w),
+        n * k * (4 + h * w), k * c * (4 + 25) + 4 + k + n * c * (4 + h * w))  # fmt: skip
 
 
 def test_tinyconv_comm_prints_each_setting_with_its_ratios_to_eq2(capsys):
@@ -353,6 +461,36 @@ def test_training_at_bf16_stays_within_bf16s_round_off_of_fp32(split, fuse):
     assert records[0]["wire_precision"]["conv2"] == {"weights": "bf16", "maps": "bf16", "grads": "bf16"}
 
 
+U_S8 = 1 / 254  # s8's bound: half a step, a step being 1/127 of the plane's largest magnitude
+
+
+def s8_tolerance(losses: np.ndarray) -> np.ndarray:
+    """How far an s8 (or adaptive: maps s8, the rest bf16 or wider) run's losses may be from fp32's.
+    s8 moves each number by at most U_S8 = 1/254 of its plane's largest magnitude (the bound tested
+    above), where bf16 moves it by 2^-8 of itself: against the plane, the same size of error (1/254 =
+    2^-7.99), so the argument of :func:`bf16_tolerance` holds with u = U_S8 if the loss is as sensitive
+    to a plane's small numbers as to its large ones -- 4u per step, |d loss_t| <= 4u t |loss_t|.
+    (Measured: at most 0.46u t |loss_t| by step 5, s8 or adaptive, in either split.)"""
+    return 4 * U_S8 * np.arange(1, losses.size + 1) * np.abs(losses)
+
+
+@pytest.mark.parametrize(
+    "setting, split, fuse",
+    [("s8", "kernels", False), ("adaptive", "kernels", False), ("s8", "channels", True),
+     ("adaptive", "channels", True)],
+)  # fmt: skip
+def test_training_at_s8_and_adaptive_stays_within_s8s_round_off_of_fp32(setting, split, fuse):
+    exact, _ = train("fp32", split=split, fuse=fuse)
+    losses, records = train(setting, split=split, fuse=fuse)
+    assert np.all(np.abs(losses - exact) <= s8_tolerance(exact)) and not np.array_equal(losses, exact)
+    assert all(r["wire_fallbacks"] == 0 for r in records)
+    weights = "s8" if setting == "s8" else "bf16"  # adaptive: AWP's start; its first check is at step 1
+    grads = "s8" if setting == "s8" else "bf16"
+    assert records[0]["wire_precision"]["conv2"] == {"weights": weights, "maps": "s8", "grads": grads}
+    fixed = [r["bytes_sent"] + r["bytes_recv"] for r in train("bf16", split=split, fuse=fuse, steps=1)[1]]
+    assert records[0]["bytes_sent"] + records[0]["bytes_recv"] < fixed[0]  # fewer bytes than bf16's
+
+
 def test_adaptive_training_records_each_steps_precision_and_moves_more_bytes_as_it_widens():
     awp = AdaptivePrecision(interval=1, thresholds=(1.0, 1.0))  # widens at every check: one rung a step
     _, records = train("adaptive", awp=awp)
@@ -388,6 +526,6 @@ def test_the_main_job_trains_adaptive_over_zmq_and_refuses_narrow_replicas(tmp_p
     assert out.returncode == 0, out.stderr
     steps = [e for e in read_metrics(metrics) if e["event"] == "step"]
     assert len(steps) == 2 and all(s["wire_fallbacks"] == 0 and s["bytes_sent"] > 0 for s in steps)
-    assert all(s["wire_precision"]["conv2"] == {"weights": "bf16", "maps": "bf16", "grads": "bf16"} for s in steps)
+    assert all(s["wire_precision"]["conv2"] == {"weights": "bf16", "maps": "s8", "grads": "bf16"} for s in steps)
     out = run_main_job("--dataset", "synthetic", "--parallel", "data", "--workers", "1", "--wire-precision", "bf16")
     assert out.returncode != 0 and "--parallel data send their weights and gradients in float32" in out.stderr

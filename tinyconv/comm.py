@@ -30,16 +30,18 @@ machine), a worker gets x and w of its channels only, but the partial sums of al
 cross the wire: :func:`channel_split_bytes` counts its two rounds each way.
 
 ``--wire-precision`` counts the words the arrays travel in (``tinyconv/shard/wire_precision.py``):
-bf16 and fp16 2 bytes, adt24 3, per role -- weights, maps, gradients (``adaptive_precision.py``).
-``adaptive`` has two rows: AWP's start (every role bf16) and its end (the weights fp32, the rest
-bf16). Beside eq. 2 the table gives the ratio of tinyconv's forward bytes to it (eq. 2's own
-scope) and of its whole step's.
+bf16 and fp16 2 bytes, adt24 3, s8 1 and a 4-byte scale per plane (each image's and channel's map,
+each kernel's K x K weights of one input channel, a whole bias vector), per role -- weights, maps,
+gradients (``adaptive_precision.py``). So the terms below count each array by its shape
+(``wire_precision.nbytes_of``), not only by its size. ``adaptive`` has two rows: AWP's start
+(weights bf16) and its end (weights fp32), the maps s8 and the gradients bf16 in both. Beside
+eq. 2 the table gives the ratio of tinyconv's forward bytes to it (eq. 2's own scope) and of its
+whole step's.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,9 +56,10 @@ from tinyconv.shard.adaptive_precision import ROLES, SETTINGS
 from tinyconv.shard.balance import kernel_counts
 from tinyconv.shard.block import tail_of, tail_output_hw
 from tinyconv.shard.plan import Plan
+from tinyconv.shard.wire_precision import nbytes_of
 
 F32, F64 = 4, 8  # bytes per float
-FP32_WORDS = dict.fromkeys(ROLES, F32)  # role (weights, maps, grads) -> bytes per number on the wire
+FP32_WORDS = dict.fromkeys(ROLES, "fp32")  # role (weights, maps, grads) -> its wire format
 # the splits the table shows: (label, fuse, split), as the main job's --fuse and --split
 SPLITS = (("paper: --fuse off --split kernels", False, "kernels"), ("--split kernels (fused)", True, "kernels"),
           ("--split channels (fused)", True, "channels"))
@@ -114,33 +117,47 @@ def eq2_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], word:
     return total * word
 
 
+def block_bytes(
+    conv: ConvShape, computed: int, own: int, tail: Sequence[dict[str, Any]] = (), words: dict[str, str] = FP32_WORDS
+) -> tuple[int, int, int, int]:
+    """One worker's bytes in one step split by kernels, as (forward to it, forward back, backward to
+    it, backward back): it computes ``computed`` kernels (its ``own`` and their halo) and runs
+    ``tail`` after them (empty: the paper's split), each array in its role's format in ``words``
+    (role -> format; float32 by default), counted by its shape (s8 adds a scale per plane)::
+
+        forward   x (N, C, H, W), w (computed, C, K, K), b (computed,)  ->  y (N, own, OH', OW')
+        backward  dy (N, computed, OH', OW')  ->  dw (own, C, K, K), db (own,), dx (N, C, H, W) if needed
+    """
+    wt, mp, gr = words["weights"], words["maps"], words["grads"]
+    n, kernel = conv.x[0], conv.w[1:]
+    hw = tail_output_hw(*conv.y[2:], list(tail))  # one kernel's (tail's) map of one image
+    to_f = nbytes_of(conv.x, mp) + nbytes_of((computed, *kernel), wt) + nbytes_of((computed,), wt)
+    back_f = nbytes_of((n, own, *hw), mp)
+    to_b = nbytes_of((n, computed, *hw), gr)
+    back_b = nbytes_of((own, *kernel), gr) + nbytes_of((own,), gr) + (nbytes_of(conv.x, gr) if conv.need_dx else 0)
+    return to_f, back_f, to_b, back_b
+
+
 def kernel_split_bytes(
     convs: Sequence[ConvShape],
     counts: Sequence[Sequence[int]],
     fuse: bool = False,
-    words: dict[str, int] = FP32_WORDS,
+    words: dict[str, str] = FP32_WORDS,
     forward_only: bool = False,
 ) -> tuple[int, int]:
     """(to the workers, from the workers) in one step split by kernels, array bytes in ``words`` (role
-    -> bytes per number; float32 by default): the paper's split, or with ``fuse`` tinyconv's, where each
+    -> wire format; float32 by default): the paper's split, or with ``fuse`` tinyconv's, where each
     worker also runs the conv's tail on its kernels and their halo (the kernels LRN's window reads,
-    ``plan.py``) and returns the tail's smaller maps. ``forward_only``: the forward's bytes alone."""
+    ``plan.py``) and returns the tail's smaller maps. ``forward_only``: the forward's bytes alone.
+    Each worker's terms: :func:`block_bytes`."""
     to = back = 0
-    wt, mp, gr = words["weights"], words["maps"], words["grads"]
     for conv, layer_counts in zip(convs, counts, strict=True):
         tail = list(conv.tail) if fuse else []
-        plan = _plan(layer_counts, tail)
-        x_n = math.prod(conv.x)
-        kernel = math.prod(conv.w[1:])  # one kernel's weights
-        maps = conv.y[0] * math.prod(tail_output_hw(*conv.y[2:], tail))  # one kernel's (tail's) maps
-        for p in plan.workers:
-            own, computed = p.n_kernels, p.halo.stop - p.halo.start
-            to += x_n * mp + computed * (kernel + 1) * wt  # forward: x, and the w and b rows it computes
-            back += own * maps * mp  # forward: y of its own kernels
-            if forward_only:
-                continue
-            to += computed * maps * gr  # backward: dy of those kernels
-            back += (own * (kernel + 1) + (x_n if conv.need_dx else 0)) * gr  # backward: dw, db, a whole dx
+        for p in _plan(layer_counts, tail).workers:
+            to_f, back_f, to_b, back_b = block_bytes(conv, p.halo.stop - p.halo.start, p.n_kernels, tail, words)
+            to, back = to + to_f, back + back_f
+            if not forward_only:
+                to, back = to + to_b, back + back_b
     return to, back
 
 
@@ -148,38 +165,42 @@ def channel_split_bytes(
     conv: ConvShape,
     counts: Sequence[int],
     fuse: bool = True,
-    words: dict[str, int] = FP32_WORDS,
+    words: dict[str, str] = FP32_WORDS,
     forward_only: bool = False,
 ) -> tuple[int, int]:
     """(to the workers, from the workers) for one layer split by input channels (``by_channels.py``),
     its channels in proportion to the kernels, in one step: two rounds each way (``words`` and
-    ``forward_only`` as :func:`kernel_split_bytes`')."""
+    ``forward_only`` as :func:`kernel_split_bytes`'; the arrays' shapes are ``protocol.py``'s)."""
     n, c, h, w = conv.x
     f, _, k, _ = conv.w
     wt, mp, gr = words["weights"], words["maps"], words["grads"]
     tail = list(conv.tail) if fuse else []
     busy = _plan(counts, tail, kernel_counts([float(kk) for kk in counts], c)).busy
-    cmap = n * math.prod(conv.y[2:])  # one kernel's conv output
-    tmap = n * math.prod(tail_output_hw(*conv.y[2:], tail))  # one kernel's tail output
+    chw = conv.y[2:]  # one kernel's conv output of one image
+    thw = tail_output_hw(*chw, tail)  # one kernel's tail output of one image
+
+    def maps(kernels: int, hw: tuple[int, ...], fmt: str) -> int:  # (N, kernels, *hw), absent when empty
+        return nbytes_of((n, kernels, *hw), fmt) if kernels else 0
+
     to = back = 0
     for i, p in enumerate(busy):
         if p.worker is None:
             continue
         width = p.channels.stop - p.channels.start
-        x_part, w_part = n * width * h * w, f * width * k * k  # x and w of its channels
+        x_part, w_part = (n, width, h, w), (f, width, k, k)  # x and w of its channels
         halo = p.halo.stop - p.halo.start
         lo_end = max((q.halo.stop for q in busy[:i]), default=0)  # what the others' halos need of its partial
         hi_start = min((q.halo.start for q in busy[i + 1 :]), default=f)
-        to += x_part * mp + w_part * wt  # partial_forward
-        back += (lo_end * cmap + (f - hi_start) * cmap) * mp  # p_lo, p_hi
-        to += halo * wt + (halo * cmap * mp if len(busy) > 1 else 0)  # tail_forward: b and the others' sum
-        back += p.n_kernels * tmap * mp  # y of its kernels
+        to += nbytes_of(x_part, mp) + nbytes_of(w_part, wt)  # partial_forward
+        back += maps(lo_end, chw, mp) + maps(f - hi_start, chw, mp)  # p_lo, p_hi
+        to += nbytes_of((halo,), wt) + (maps(halo, chw, mp) if len(busy) > 1 else 0)  # tail_forward: b, the sum
+        back += maps(p.n_kernels, thw, mp)  # y of its kernels
         if forward_only:
             continue
-        to += halo * tmap * gr  # tail_backward: dy over its halo
-        back += p.n_kernels * cmap * gr  # dyc, its kernels' conv-output gradient
-        to += (f - p.n_kernels) * cmap * gr  # partial_backward: the others' dyc
-        back += ((x_part if conv.need_dx else 0) + w_part + f) * gr  # dx, dw, db
+        to += maps(halo, thw, gr)  # tail_backward: dy over its halo
+        back += maps(p.n_kernels, chw, gr)  # dyc, its kernels' conv-output gradient
+        to += maps(f - p.n_kernels, chw, gr)  # partial_backward: the others' dyc (dyc_lo and dyc_hi: the same planes)
+        back += (nbytes_of(x_part, gr) if conv.need_dx else 0) + nbytes_of(w_part, gr) + nbytes_of((f,), gr)
     return to, back
 
 
@@ -188,7 +209,7 @@ def split_bytes(
     counts: Sequence[Sequence[int]],
     fuse: bool = True,
     split: str = "kernels",
-    words: dict[str, int] = FP32_WORDS,
+    words: dict[str, str] = FP32_WORDS,
     forward_only: bool = False,
 ) -> tuple[int, int]:
     """(to, from) the workers in one step of tinyconv's split: ``split`` "kernels" for every layer, or
@@ -206,18 +227,16 @@ def split_bytes(
     return to, back
 
 
-def wire_words(setting: str) -> list[tuple[str, dict[str, int]]]:
-    """The bytes per number of each role under ``--wire-precision setting``, as (label, words) rows:
-    one for a fixed format, AWP's start and end for "adaptive"."""
+def wire_words(setting: str) -> list[tuple[str, dict[str, str]]]:
+    """The format of each role under ``--wire-precision setting``, as (label, words) rows: one for a
+    fixed format, AWP's start and end for "adaptive"."""
     from tinyconv.shard.adaptive_precision import AdaptivePrecision
-    from tinyconv.shard.wire_precision import WORD_BYTES
 
     if setting != "adaptive":
-        return [(setting, dict.fromkeys(ROLES, WORD_BYTES[setting]))]
+        return [(setting, dict.fromkeys(ROLES, setting))]
     awp = AdaptivePrecision()
     ends = (("adaptive (start)", awp.ladder[0]), ("adaptive (settled)", awp.ladder[-1]))
-    return [(label, {"weights": WORD_BYTES[w], "maps": WORD_BYTES[awp.maps], "grads": WORD_BYTES[awp.grads]})
-            for label, w in ends]  # fmt: skip
+    return [(label, {"weights": w, "maps": awp.maps, "grads": awp.grads}) for label, w in ends]
 
 
 def paper_split_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -269,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="participant counts, the master included (default 2 3 4)")
     p.add_argument("--wire-precision", nargs="+", default=["fp32"], choices=SETTINGS, metavar="FORMAT",
                    help=f"the words the shards travel in, one or more of {', '.join(SETTINGS)} (default fp32); "
-                   "adaptive shows AWP's start (all bf16) and its settled end (weights fp32)")
+                   "s8: 8-bit integers with a scale per plane; adaptive shows AWP's start (weights bf16) and its "
+                   "settled end (weights fp32), the maps s8 and the gradients bf16 in both")
     p.add_argument("--measure", action="store_true",
                    help="also run one step per count, split and format with in-process workers (numpy) and show "
                    "its bytes (adaptive: its start)")

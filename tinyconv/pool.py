@@ -80,8 +80,8 @@ def distribute(
     the largest batch the network will be given (evaluation's, say; default ``batch_size``): a
     bigger one is refused as oversized, and the worker that sent it is lost.
     ``peer_timeout``, ``key``, ``authorized_keys``, ``insecure``: see :func:`worker_pool`.
-    ``wire_precision``: the words the shards travel in, "fp32" (default), "bf16", "fp16", "adt24" or
-    "adaptive" (``tinyconv/shard/adaptive_precision.py``); the arithmetic stays float32.
+    ``wire_precision``: the words the shards travel in, "fp32" (default), "bf16", "fp16", "adt24",
+    "s8" or "adaptive" (``tinyconv/shard/adaptive_precision.py``); the arithmetic stays float32.
     ``options`` go to :class:`Cluster` (master_share, split, fuse, rebalance, rebalancer,
     recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
     """

@@ -22,7 +22,7 @@ during the cell's steps (warm-up included), as the main job does; "off" keeps th
 calibration chose for every step, so a slow link's steady state with a fixed split is measured
 rather than the rebalancer moving kernels while the steps are timed. ``wire`` is the
 ``--wire-precision`` the shards travel in (``tinyconv/shard/wire_precision.py``: fp32, adt24,
-bf16, fp16, or adaptive). A data-parallel or hybrid cell rebalances its images or not
+bf16, fp16, s8, or adaptive). A data-parallel or hybrid cell rebalances its images or not
 likewise, but sends float32 only (they refuse narrowing): their cells at any other wire are
 left out, not run. The master alone has no rebalancer and sends nothing: its row says
 ``"-"`` for both, as for fuse and split; a row written before these columns existed reads

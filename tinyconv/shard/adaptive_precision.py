@@ -26,9 +26,20 @@ above is the paper's AWP as we recall it (per-layer L2 norm, a check interval, a
 widening by one byte), and the thresholds and interval are ours: a rung widens when the norm
 moves less than twice the current word's rounding bound per interval (2^-7 for bf16, 2^-15 for
 adt24), i.e. when the changes it carries are within a couple of rounding steps; 20 steps is ~2 %
-of a CIFAR-10 epoch at batch 50. Maps and gradients are not AWP's (it adapts the weights): they
-get ``maps`` and ``grads``, bf16 by default -- bf16 rather than fp16 because a gradient's range
-is float32's, and fp16 flushes its small values to zero.
+of a CIFAR-10 epoch at batch 50. The issue describes AWP as coarser while training is settled
+and finer while it moves; our weights go the other way, for the reason above (a settled
+weight's small steps are what a coarse copy loses), and only ever widen.
+
+Maps and gradients are not AWP's (it adapts the weights): they get ``maps`` and ``grads``.
+Maps (x, y, the partial sums) go in s8, 8-bit integers scaled per plane (``wire_precision.py``):
+they are ~95 % of the bytes eq. 2 counts (for 50:500 at batch 64, the paper's split: x and y
+against w), so their word decides the total; and a map rounded to 1/254 of its plane's largest
+value perturbs only this step's forward -- it is recomputed from the weights every step, never
+accumulated the way a weight is, across steps, by the optimiser. So the coarse word goes where
+the bytes are, the fine one where errors accumulate. Gradients stay bf16, not s8 and not fp16: a
+gradient's range is float32's (fp16 flushes its small values to zero), and dW is summed into the
+weights step after step, where s8's error -- absolute, up to 1/254 of a plane's largest, so a
+plane's small gradients become 0 -- would accumulate like a weight's.
 """
 
 from __future__ import annotations
@@ -37,14 +48,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyconv.shard.wire_precision import RELATIVE_ERROR, check_format
+from tinyconv.shard.wire_precision import FORMATS, RELATIVE_ERROR, check_format
 
 ROLES: dict[str, tuple[str, ...]] = {
     "weights": ("w", "b"),
     "maps": ("x", "y", "p_lo", "p_hi", "sum"),
     "grads": ("dy", "dyc", "dyc_lo", "dyc_hi", "dx", "dw", "db"),
 }
-SETTINGS = ("fp32", "bf16", "fp16", "adt24", "adaptive")  # --wire-precision
+# --wire-precision: every fixed format of wire_precision.py, then AWP; the main job, tinyconv comm, simulate and
+# the grid take their choices from here
+SETTINGS = ("fp32", "bf16", "fp16", "adt24", "s8", "adaptive")
+assert set(SETTINGS) == {*FORMATS, "adaptive"}, "a format of wire_precision.py is missing from SETTINGS"
 
 
 def formats_of(roles: dict[str, str]) -> dict[str, str]:
@@ -75,7 +89,8 @@ class _Layer:
 
 @dataclass
 class AdaptivePrecision:
-    """AWP: each layer's weights widen bf16 -> adt24 -> fp32 as their L2 norm settles (see above).
+    """AWP: each layer's weights widen bf16 -> adt24 -> fp32 as their L2 norm settles (see above);
+    the maps travel in s8 and the gradients in bf16 throughout.
 
     ``thresholds[i]``: the relative change per ``interval`` steps below which rung i widens.
     """
@@ -83,7 +98,7 @@ class AdaptivePrecision:
     interval: int = 20
     thresholds: tuple[float, ...] = (2 * RELATIVE_ERROR["bf16"], 2 * RELATIVE_ERROR["adt24"])
     ladder: tuple[str, ...] = ("bf16", "adt24", "fp32")
-    maps: str = "bf16"
+    maps: str = "s8"
     grads: str = "bf16"
     layers: dict[str, _Layer] = field(default_factory=dict)
 

@@ -66,8 +66,8 @@ class Cluster(Membership):
     ``recv_timeout``: seconds every worker has to answer one op or its calibration at most, and
     before its link is measured (:meth:`timeout`).
     ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
-    "bf16", "fp16", "adt24" for every array, or "adaptive" (AWP: each layer's weights widen as they
-    settle, the maps and gradients in bf16). Every computation stays float32.
+    "bf16", "fp16", "adt24", "s8" for every array, or "adaptive" (AWP: each layer's weights widen as
+    they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
     """
 
     def __init__(

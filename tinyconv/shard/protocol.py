@@ -65,8 +65,9 @@ business (``tinyconv/worker/handler.py``).
 
 Reduced precision (``wire_precision.py``, ``--wire-precision``): a layer's task may carry float32
 arrays narrowed, each named in its optional header ``narrow`` = {array: format} ("bf16", "fp16",
-"adt24"; an array not named is float32), and ask for its result's arrays in ``reply`` = {result
-array: format}; the result names what it narrowed in its own ``narrow`` (an array asked for narrow
+"adt24", or ["s8", H, W]: s8 with the plane its scales are per; an array not named is float32), and
+ask for its result's arrays in ``reply`` = {result array: format} (format names alone: the worker
+knows its results' shapes); the result names what it narrowed in its own ``narrow`` (an array asked for narrow
 that comes back float32 fell back: narrowing would have made a finite number infinite). Every
 declared format is checked against its array's dtype and shape before anything is widened; the
 receiver widens to float32 right after, so every computation sees float32.
@@ -202,7 +203,7 @@ def _check_arrays(
 ) -> None:
     names = set(msg.arrays)
     narrow = msg.header.get("narrow", {})  # checked first: what it declares says how to check the arrays
-    _check_formats(f"{what}'s narrow", narrow, names - labels, error)
+    _check_formats(f"{what}'s narrow", narrow, names - labels, error, declared=True)
     if not required <= names <= allowed:
         optional = sorted(allowed - required)
         raise error(
@@ -222,12 +223,20 @@ def _check_arrays(
             raise error(f"{what}: {name} must be float32, got {a.dtype}")
 
 
-def _check_formats(what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception]) -> None:
-    """``formats`` must map some of ``names`` to known wire formats."""
+def _check_formats(
+    what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception], declared: bool = False
+) -> None:
+    """``formats`` must map some of ``names`` to known wire formats (``declared``: as a ``narrow``
+    declares them, s8 with its plane, ``wire_precision.check_declared``)."""
     for name, fmt in formats.items():
         if name not in names:
             raise error(f"{what} names {name!r}, which is not one of its float32 arrays {sorted(names)}")
-        if not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
+        if declared and (fmt == "s8" or isinstance(fmt, list)):
+            try:
+                wire_precision.check_declared(fmt)
+            except ValueError as e:
+                raise error(f"{what}: {name}: {e}") from None
+        elif not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
             raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")
 
 
@@ -240,10 +249,13 @@ def widened(msg: Message) -> dict[str, np.ndarray]:
 
 def narrowed(
     arrays: dict[str, np.ndarray], formats: dict[str, str]
-) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
+) -> tuple[dict[str, np.ndarray], dict[str, wire_precision.Declared], int]:
     """float32 ``arrays`` as they go on the wire, each in ``formats``' format for it (float32 if none):
-    (the arrays, the header's ``narrow`` for them, how many fell back to float32)."""
-    out, narrow, fallbacks = {}, {}, 0
+    (the arrays, the header's ``narrow`` for them -- each one's declaration, ``Narrowed.declared`` --,
+    how many fell back to float32)."""
+    out: dict[str, np.ndarray] = {}
+    narrow: dict[str, wire_precision.Declared] = {}
+    fallbacks = 0
     for name, a in arrays.items():
         fmt = formats.get(name, "fp32")
         if fmt == "fp32":
@@ -252,5 +264,5 @@ def narrowed(
         n = wire_precision.narrow(a, fmt)
         out[name], fallbacks = n.carried, fallbacks + n.fell_back
         if n.fmt != "fp32":
-            narrow[name] = n.fmt
+            narrow[name] = n.declared
     return out, narrow, fallbacks

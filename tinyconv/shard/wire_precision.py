@@ -1,4 +1,4 @@
-"""Reduced-precision words on the wire: float32 arrays narrowed to 3 or 2 bytes per number, and back.
+"""Reduced-precision words on the wire: float32 arrays narrowed to 3, 2 or 1 bytes per number, and back.
 
 A shard's arrays (input maps, weights, feature maps, gradients) are float32, 4 bytes a number.
 Most of those bits are mantissa the training does not need to *see* on the way: the master keeps
@@ -10,6 +10,8 @@ before a message is sent), and widened back to float32 right after it is validat
     adt24    3      uint8 (x..., 3)                 s, e, the top 15 of m's 23 bits (ADT's 24-bit word)
     bf16     2      uint16 (x)                      s, e, the top 7 bits of m (bfloat16)
     fp16     2      float16 (x)                     IEEE half: s, 5-bit e, 10-bit m; |x| <= 65504
+    s8       1      uint8 (lead..., 4 + H W)        int8 multiples of a float32 scale per (H, W) plane,
+                                                    the scale's 4 bytes ahead of each plane
 
 adt24 and bf16 are a float32 with its low 1 or 2 bytes dropped (Zhuang, Malossi and Casas's ADT
 packs words this way), rounded to nearest, ties to even (RNE), not truncated: the error is half a
@@ -22,52 +24,84 @@ stays finite (``widen(narrow(x))`` = x'):
     fp16    |x' - x| <= 2^-11 |x|   for 2^-14 <= |x| <= 65504;      <= 2^-25 absolute below 2^-14
             (fp16's subnormals end at 2^-24: smaller numbers become +-0)
 
-+-0, +-inf and NaN travel as themselves in every format (a NaN stays a NaN, its payload may not).
++-0, +-inf and NaN travel as themselves in every format above (a NaN stays a NaN, its payload may
+not). s8, below, is another kind of word: not a float32 cut short but a scaled integer.
+
+**s8: scaled 8-bit integers, per plane.** A plane is the last two axes of an array of 3 or more
+dimensions (one (H, W) feature map of one image and channel, one K x K kernel of one input
+channel), or the whole array of fewer. With m = max |v| over the plane::
+
+    s = m / 127 (float32, rounded up if need be so that 127 s >= m)      the plane's scale
+    q = round-to-nearest-even(v / s)  in -127..127, an int8               each number
+    x' = q * s  (float32)                                                  widened
+
+carried as uint8 bytes, each plane its 4 scale bytes (little-endian float32) then its int8
+values: an array of shape (lead..., H, W) travels as (lead..., 4 + H W). A zero plane has s = 0
+and q = 0. The bound, for every number of a finite plane: |x' - x| <= s / 2 + 2^-24 |x'|, i.e.
+half a step of 1/127 of the plane's largest magnitude (s / 2 = m / 254, up to s's own rounding),
+plus the float32 rounding of the product q s (at most 2^-17 s). The error is absolute, not
+relative: a number much smaller than its plane's largest may become 0 (and -0 becomes +0).
+The receiver cannot tell H from W in (lead..., 4 + H W), so the message's header declares an s8
+array with its plane: ``["s8", H, W]`` (``["s8", *shape]`` for fewer than 3 dimensions), and
+:func:`check_carried` holds the carrier to it. A plane holding an infinity or NaN has no scale:
+such an array travels in fp32 and counts as a fallback, like fp16's overflow.
 
 **Safety.** Narrowing must never *make* a number non-finite: fp16 overflows above 65504, and
 bf16 / adt24 round the very largest float32s (within half a unit of 2^128) up to infinity.
 :func:`narrow` checks, and when any finite number would become inf it sends that array in fp32
 instead and says so (the caller counts these fallbacks in the step's metrics). A NaN or an
 infinity already in the float32 data is not narrowing's doing: it travels narrowed like any
-other number, so the master's check on workers that answer finite inputs with NaN still works.
+other number (in s8, which cannot scale it, the array goes fp32, a fallback), so the master's
+check on workers that answer finite inputs with NaN still works.
 
 ADT's 8-bit word (the top byte: the sign and 7 of the 8 exponent bits, no mantissa) is not
 offered: every number becomes a power of 4 -- truncated, the relative error on 10^6 N(0, 1)
 numbers had a median of 52 % and a maximum of 75 % (rounded to nearest: 34 %, up to 100 %) --
-which no map, weight or gradient survives.
+which no map, weight or gradient survives. s8 spends its 8 bits on a mantissa instead, and the
+exponent once per plane.
 
 Everything here is vectorised numpy on whole arrays: a handful of passes over the data.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
 
-# format -> bytes per number on the wire
-WORD_BYTES: dict[str, int] = {"fp32": 4, "adt24": 3, "bf16": 2, "fp16": 2}
+# format -> bytes per number on the wire (s8 adds SCALE_BYTES per plane: see nbytes_of)
+WORD_BYTES: dict[str, int] = {"fp32": 4, "adt24": 3, "bf16": 2, "fp16": 2, "s8": 1}
 FORMATS = tuple(WORD_BYTES)
-# format -> (the wire dtype it is carried as, the trailing axis it adds)
+SCALE_BYTES = 4  # s8's float32 scale, ahead of each plane's values
+# format -> (the wire dtype it is carried as, the trailing axis it adds); s8 reshapes instead (carried_shape)
 CARRIER: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "fp32": (np.dtype("<f4"), ()),
     "adt24": (np.dtype("u1"), (3,)),
     "bf16": (np.dtype("<u2"), ()),
     "fp16": (np.dtype("<f2"), ()),
+    "s8": (np.dtype("u1"), ()),
 }
-# the bound on |x' - x| / |x| for a normal x, stated above and checked by the tests
+# the bound on |x' - x| / |x| for a normal x, stated above and checked by the tests (s8's is absolute: S8_STEPS)
 RELATIVE_ERROR: dict[str, float] = {"fp32": 0.0, "adt24": 2.0**-16, "bf16": 2.0**-8, "fp16": 2.0**-11}
+S8_STEPS = 127  # s8's largest |q|: a plane's largest magnitude is 127 steps of its scale
 
 _EXPONENT = np.uint32(0x7F800000)
 _MANTISSA = np.uint32(0x007FFFFF)
 
 
+# what a message's header declares of one narrowed array: its format, and for s8 also its plane
+Declared = str | list
+
+
 class Narrowed(NamedTuple):
-    """One array as it goes on the wire: ``carried`` in ``fmt`` ("fp32" when it fell back)."""
+    """One array as it goes on the wire: ``carried`` in ``fmt`` ("fp32" when it fell back), and
+    ``declared``, what the header's ``narrow`` says of it (``fmt``; for s8 ``["s8", *plane]``)."""
 
     carried: np.ndarray
     fmt: str
-    fell_back: bool  # a narrower format was asked for, but it would have made finite numbers inf
+    fell_back: bool  # a narrower format was asked for, but it could not carry the array (overflow; s8: inf, NaN)
+    declared: Declared = "fp32"
 
 
 def check_format(fmt: object) -> str:
@@ -77,21 +111,68 @@ def check_format(fmt: object) -> str:
     return fmt
 
 
+def plane_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """s8's plane of an array of ``shape``: its last two axes with 3 or more, else the whole shape."""
+    return tuple(shape[-2:]) if len(shape) >= 3 else tuple(shape)
+
+
+def declare(fmt: str, shape: tuple[int, ...]) -> Declared:
+    """What a header declares for an array of ``shape`` narrowed to ``fmt``: ``fmt``, or for s8
+    ``["s8", *plane]`` (its carrier does not say how the plane's numbers were laid out)."""
+    return ["s8", *plane_of(shape)] if check_format(fmt) == "s8" else fmt
+
+
+def check_declared(declared: object) -> tuple[str, tuple[int, ...] | None]:
+    """A header's declaration of one array -> (its format, its s8 plane or None); else a ValueError
+    saying what a declaration looks like."""
+    if isinstance(declared, list) and declared and declared[0] == "s8":
+        plane = declared[1:]
+        if len(plane) > 2 or not all(type(d) is int and d >= 0 for d in plane):
+            raise ValueError(f"an s8 array is declared as ['s8', H, W] (its plane: up to 2 sizes >= 0), "
+                             f"got {declared!r}")
+        return "s8", tuple(plane)
+    if declared == "s8":
+        raise ValueError("an s8 array is declared with its plane, ['s8', H, W], not 's8' alone")
+    return check_format(declared), None
+
+
 def carried_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
-    """The shape an array of ``shape`` float32 numbers has on the wire in ``fmt``."""
+    """The shape an array of ``shape`` float32 numbers has on the wire in ``fmt``: s8's is
+    (lead..., 4 + plane size) with lead = ``shape[:-2]`` for 3 or more dimensions, () otherwise."""
+    if fmt == "s8":
+        lead = tuple(shape[:-2]) if len(shape) >= 3 else ()
+        return (*lead, SCALE_BYTES + math.prod(plane_of(shape)))
     return (*shape, *CARRIER[fmt][1])
 
 
-def check_carried(fmt: object, a: np.ndarray) -> None:
-    """Raise ValueError unless ``a`` is a well-formed carrier of ``fmt``: its dtype, and for adt24 a
-    trailing axis of 3 bytes. Checked before anything is widened (or allocated)."""
-    fmt = check_format(fmt)
+def nbytes_of(shape: tuple[int, ...], fmt: str) -> int:
+    """Bytes an array of ``shape`` takes on the wire in ``fmt``, exactly (s8: a scale per plane)."""
+    if fmt == "s8":
+        return math.prod(carried_shape(shape, fmt))
+    return math.prod(shape) * WORD_BYTES[fmt]
+
+
+def check_carried(declared: object, a: np.ndarray) -> None:
+    """Raise ValueError unless ``a`` is a well-formed carrier of what the header ``declared``: its
+    dtype; for adt24 a trailing axis of 3 bytes; for s8 a last axis of 4 + the declared plane's size
+    (and a plane of 2 sizes if it has more axes) and finite scales >= 0. Checked before anything is
+    widened (or allocated, but for a copy of s8's scales: 4 bytes a plane)."""
+    fmt, plane = check_declared(declared)
     dtype, extra = CARRIER[fmt]
     if a.dtype != dtype:
         raise ValueError(f"declared {fmt}, which travels as {dtype.name}, but the array is {a.dtype}")
     if extra and (a.ndim == 0 or a.shape[-1:] != extra):
         raise ValueError(f"declared {fmt}, which travels as uint8 with a last axis of 3 bytes, but the shape "
                          f"is {tuple(a.shape)}")  # fmt: skip
+    if fmt == "s8":
+        assert plane is not None
+        want = SCALE_BYTES + math.prod(plane)
+        if a.ndim == 0 or a.shape[-1] != want or (a.ndim > 1 and len(plane) != 2):
+            raise ValueError(f"declared {declared!r}, which travels as uint8 (lead..., {want}): 4 scale bytes and "
+                             f"{math.prod(plane)} values a plane, but the shape is {tuple(a.shape)}")  # fmt: skip
+        scales = _scales(a)
+        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+            raise ValueError(f"declared {declared!r}, but a plane's scale is not a finite number >= 0")
 
 
 def _rne_drop(bits: np.ndarray, drop: int) -> np.ndarray:
@@ -122,8 +203,10 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
     finite numbers into an infinity (fp16 above 65504; the largest float32s in bf16 and adt24)."""
     check_format(fmt)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if fmt == "s8":
+        return _narrow_s8(x)
     if fmt == "fp32" or x.size == 0:
-        return Narrowed(x, "fp32", False) if fmt == "fp32" else Narrowed(_empty(x.shape, fmt), fmt, False)
+        return Narrowed(x, "fp32", False, "fp32") if fmt == "fp32" else Narrowed(_empty(x.shape, fmt), fmt, False, fmt)
     if fmt == "fp16":
         with np.errstate(over="ignore"):  # overflow is checked just below
             carried = x.astype(np.float16)  # numpy rounds to nearest, ties to even
@@ -137,14 +220,42 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
         else:  # the low 3 bytes of the little-endian uint32: float32's top 3
             carried = np.ascontiguousarray(rounded.astype("<u4").view(np.uint8).reshape(*x.shape, 4)[..., :3])
     if overflow.any() and (overflow & np.isfinite(x)).any():  # finite numbers made infinite: not here
-        return Narrowed(x, "fp32", True)
-    return Narrowed(carried, fmt, False)
+        return Narrowed(x, "fp32", True, "fp32")
+    return Narrowed(carried, fmt, False, fmt)
 
 
-def widen(carried: np.ndarray, fmt: str) -> np.ndarray:
-    """An array as it came off the wire in ``fmt`` -> float32 (a new array; fp32: ``carried`` itself).
-    ``carried`` must have passed :func:`check_carried`."""
-    check_format(fmt)
+def _narrow_s8(x: np.ndarray) -> Narrowed:
+    """x (float32, C-contiguous) -> s8: per plane a scale and int8 multiples of it (module docstring)."""
+    lead = carried_shape(x.shape, "s8")[:-1]
+    planes = x.reshape(*lead, math.prod(plane_of(x.shape)))  # (lead..., plane size): each row one plane
+    m = np.abs(planes).max(axis=-1, keepdims=True, initial=np.float32(0))  # NaN propagates
+    if not np.isfinite(m).all():  # an inf or NaN has no scale: the whole array goes fp32
+        return Narrowed(x, "fp32", True, "fp32")
+    scale = (m / np.float32(S8_STEPS)).astype(np.float32)
+    low = scale.astype(np.float64) * S8_STEPS < m  # rounded below m / 127 (subnormals): one ulp up, so |q| <= 127
+    scale = np.where(low, np.nextafter(scale, np.float32(np.inf)), scale)
+    with np.errstate(invalid="ignore", divide="ignore"):  # 0 / 0 in a zero plane: set to 0 just below
+        q = np.rint(planes.astype(np.float64) / scale)  # float64: exact enough that ties are true ties
+    q = np.where(scale > 0, q, 0.0).astype(np.int8)
+    carried = np.empty((*lead, SCALE_BYTES + planes.shape[-1]), np.uint8)
+    carried[..., :SCALE_BYTES] = scale.astype("<f4").view(np.uint8)
+    carried[..., SCALE_BYTES:] = q.view(np.uint8)
+    return Narrowed(carried, "s8", False, declare("s8", x.shape))
+
+
+def _scales(carried: np.ndarray) -> np.ndarray:
+    """An s8 carrier's scales, (lead..., 1) float32 (a small copy: 4 bytes a plane)."""
+    return np.ascontiguousarray(carried[..., :SCALE_BYTES]).view("<f4")
+
+
+def widen(carried: np.ndarray, declared: Declared) -> np.ndarray:
+    """An array as it came off the wire, as the header ``declared`` it (its format; s8 with its plane)
+    -> float32 (a new array; fp32: ``carried`` itself). ``carried`` must have passed :func:`check_carried`."""
+    fmt, plane = check_declared(declared)
+    if fmt == "s8":
+        assert plane is not None
+        q = carried[..., SCALE_BYTES:].view(np.int8)
+        return (q.astype(np.float32) * _scales(carried)).reshape(*carried.shape[:-1], *plane)
     if fmt == "fp32":
         return carried
     if fmt == "fp16":
@@ -163,5 +274,5 @@ def _empty(shape: tuple[int, ...], fmt: str) -> np.ndarray:
 
 
 def nbytes(n: int, fmt: str) -> int:
-    """Bytes ``n`` numbers take on the wire in ``fmt``."""
+    """Bytes ``n`` numbers take on the wire in ``fmt``, but for s8's scales (:func:`nbytes_of` counts them)."""
     return n * WORD_BYTES[fmt]

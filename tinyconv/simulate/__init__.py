@@ -19,7 +19,7 @@ split and tinyconv's:
   Ethernet, where the master's NIC is the bottleneck each way. Formulas there.
 * ``model.py`` -- shares by the paper's eq. 1, bytes per worker as ``comm.py`` counts them
   (exact against real steps), each array in its role's word under ``--wire-precision`` (fp32 4
-  bytes, adt24 3, bf16 and fp16 2; ``adaptive`` at AWP's start, every role bf16), and the step:
+  bytes, adt24 3, bf16 and fp16 2, s8 1 and a scale per plane; ``adaptive`` at AWP's start), and the step:
   comp + the ops' wall times, which do not overlap one another; within an op, transfers overlap
   other participants' compute, never the same worker's (``shard/rpc.py``,
   ``shard/by_kernels.py``). Formulas there.

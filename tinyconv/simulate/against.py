@@ -11,7 +11,7 @@ reports the same host name); the master alone (fuse and split "-") is predicted 
 fused. The relative error is predicted / measured - 1.
 
 Each row is predicted in its own wire format (the grid's ``wire`` column: fp32, bf16, fp16, adt24,
-or adaptive at AWP's start; "-" for the master alone, which sends nothing), so a bf16 run is held
+s8, or adaptive at AWP's start; "-" for the master alone, which sends nothing), so a bf16 run is held
 against a bf16 prediction. A grid written before the ``wire`` and ``rebalance`` columns reads fp32
 and "on", as the grid itself reads it.
 

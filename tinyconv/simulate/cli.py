@@ -60,9 +60,9 @@ def build_parser() -> OneLineParser:
                    "conv2 by input channels (default: all three)")  # fmt: skip
     p.add_argument("--wire-precision", nargs="+", choices=WIRES, default=["fp32"], metavar="FORMAT",
                    help=f"the words the shards travel in, one or more of {', '.join(WIRES)}, as the main job's "
-                   "--wire-precision and tinyconv comm count them: bf16 and fp16 2 bytes a number, adt24 3, fp32 4; "
-                   "adaptive is predicted at AWP's starting formats (every role bf16), not its settled end "
-                   "(default fp32)")  # fmt: skip
+                   "--wire-precision and tinyconv comm count them: bf16 and fp16 2 bytes a number, adt24 3, fp32 4, "
+                   "s8 1 and a 4-byte scale per plane; adaptive is predicted at AWP's starting formats (weights "
+                   "bf16, maps s8, gradients bf16), not its settled end (default fp32)")  # fmt: skip
     p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
                    help="every device F times slower than measured, e.g. to ask how the paper's slower 2017 "
                    "devices fared on the same link (default 1)")  # fmt: skip
@@ -195,7 +195,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{args.arch} {args.norm} batch {args.batch}, devices {' '.join(d.name for d in chosen)} in turn "
           "(the master first), kernels by eq. 1 on their measured times, shards in "
-          f"{', '.join(args.wire_precision)}" + (" (adaptive: AWP's start, every role bf16)"
+          f"{', '.join(args.wire_precision)}" + (" (adaptive: AWP's start, maps s8, the rest bf16)"
                                                  if "adaptive" in args.wire_precision else ""))  # fmt: skip
     print_tables(rows, args.split, args.wire_precision)
     if args.out:

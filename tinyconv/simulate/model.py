@@ -14,12 +14,12 @@ not (``fuse``), each conv layer l with F_l kernels:
 3. **bytes** -- per worker and op, as ``comm.py`` counts them (the sum over workers and ops is
    ``comm.split_bytes``, which agrees with a real step's measured bytes exactly), each array in
    the word of its role under ``--wire-precision`` (``comm.wire_words``: weights w, b; maps x,
-   y; grads dy, dw, db, dx -- 4 bytes in fp32, 3 in adt24, 2 in bf16 and fp16). Split by
-   kernels, forward: x (maps) and the rows of w and b (weights) of its h_i kernels out, its k_i
-   output (or pooled) maps back; backward: the gradient of its h_i maps out, dw and db of its
-   k_i kernels and (but for the first layer) a whole partial dX back (grads). ``comm.py`` gives
-   only the sums over workers, and the link needs each worker's, so the terms are spelled out
-   here in comm's roles; the tests hold their sums to ``comm.split_bytes`` for every format.
+   y; grads dy, dw, db, dx -- 4 bytes in fp32, 3 in adt24, 2 in bf16 and fp16, 1 in s8 and a
+   4-byte scale per plane). Split by kernels, forward: x (maps) and the rows of w and b
+   (weights) of its h_i kernels out, its k_i output (or pooled) maps back; backward: the
+   gradient of its h_i maps out, dw and db of its k_i kernels and (but for the first layer) a
+   whole partial dX back (grads): ``comm.block_bytes``, one worker's terms, whose sums over
+   workers are ``comm.split_bytes`` (the tests hold them to it for every format).
    Split by input channels (tinyconv's
    default with at most two workers on the master's host), ``comm.channel_split_bytes`` of the
    layer, shared among the workers in proportion to their kernels, half in each op -- and the
@@ -49,19 +49,17 @@ not (``fuse``), each conv layer l with F_l kernels:
 Not modelled: the master's own copies of what comes back (concatenating maps, summing N partial
 dX, which tinyconv counts as comm), protocol overhead, narrowing and widening the words (a few
 vectorised passes, counted as comm by tinyconv), and a rebalancer moving kernels after the
-calibrated split. ``adaptive`` is predicted at AWP's start (every role bf16): its weights widen
-only as training settles, which one step's prediction does not follow.
+calibrated split. ``adaptive`` is predicted at AWP's start (weights bf16, maps s8, gradients
+bf16): its weights widen only as training settles, which one step's prediction does not follow.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tinyconv.comm import FP32_WORDS, ConvShape, channel_split_bytes, wire_words
+from tinyconv.comm import FP32_WORDS, ConvShape, block_bytes, channel_split_bytes, wire_words
 from tinyconv.shard.balance import kernel_counts, speed_weights
-from tinyconv.shard.block import tail_output_hw
 from tinyconv.shard.plan import Plan
 from tinyconv.simulate.devices import Device
 from tinyconv.simulate.link import Link, Task, op_wall
@@ -95,8 +93,8 @@ class Op:
     tasks: tuple[Task, ...]
 
 
-def words_of(wire: str) -> dict[str, int]:
-    """Bytes per number of each role (weights, maps, grads) under ``--wire-precision wire``, as
+def words_of(wire: str) -> dict[str, str]:
+    """The format of each role (weights, maps, grads) under ``--wire-precision wire``, as
     ``tinyconv comm`` counts them; ``adaptive`` at AWP's start. A ValueError for an unknown format."""
     from tinyconv.shard.adaptive_precision import SETTINGS
 
@@ -112,11 +110,11 @@ def participants(devices: Sequence[Device], nodes: int) -> list[Device]:
 
 
 def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, split: str,
-              words: dict[str, int] = FP32_WORDS,
+              words: dict[str, str] = FP32_WORDS,
               counts: Sequence[int] | None = None) -> tuple[Op, Op, list[int]]:  # fmt: skip
     """The forward and backward op of conv layer ``layer`` (index into the devices' layers) among
     ``parts``, and its kernels per participant: ``counts`` if given, else eq. 1's; arrays in
-    ``words`` (role -> bytes per number)."""
+    ``words`` (role -> wire format)."""
     f, c = conv.w[0], conv.w[1]
     costs = [d.fuse[fuse].layers[layer] for d in parts]
     if counts is None:
@@ -131,10 +129,6 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
     times = [cost.time(h) for cost, h in zip(costs, computed, strict=True)]
     forward = 1 / (2 + conv.need_dx)  # of the layer's time: 1 GEMM of 2 or 3
 
-    wt, mp, gr = words["weights"], words["maps"], words["grads"]
-    x_n = math.prod(conv.x)  # numbers, each in its role's word below (comm.kernel_split_bytes' terms)
-    kernel = math.prod(conv.w[1:]) + 1  # one kernel's weights and bias
-    maps = conv.y[0] * math.prod(tail_output_hw(*conv.y[2:], tail))  # one kernel's (tail's) maps
     by_channels = split == "channels" and conv.need_dx and min(c, f) >= len(parts) and len(parts) > 1
     if by_channels:
         to, back = channel_split_bytes(conv, counts, fuse=fuse == "on", words=words)
@@ -150,8 +144,7 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
             to_f, back_f = to_i // 2, back_i // 2
             to_b, back_b = to_i - to_f, back_i - back_f
         else:
-            to_f, back_f = x_n * mp + h * kernel * wt, p.n_kernels * maps * mp
-            to_b, back_b = h * maps * gr, (p.n_kernels * kernel + (x_n if conv.need_dx else 0)) * gr
+            to_f, back_f, to_b, back_b = block_bytes(conv, h, p.n_kernels, tail, words)
         fwd.append(Task(to_f, forward * t, back_f))
         bwd.append(Task(to_b, (1 - forward) * t, back_b))
     return Op(forward * times[0], tuple(fwd)), Op((1 - forward) * times[0], tuple(bwd)), counts
