@@ -85,9 +85,9 @@ from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, 4 the hybrid's
-# tasks: hybrid_calibrate, hybrid_forward, hybrid_backward); a worker's hello says which it speaks, the transport
-# admits equals
-VERSION = 4
+# tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow`` as ["s8", H, W]);
+# a worker's hello says which it speaks, the transport admits equals
+VERSION = 5
 
 
 class TaskError(ValueError):
