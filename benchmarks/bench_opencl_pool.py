@@ -2,6 +2,7 @@
 
     python benchmarks/bench_opencl_pool.py                  # 50:500, batch 64, 21 launches each
     python benchmarks/bench_opencl_pool.py --arch 50:500 --batch 64 --repeats 41 --only pool
+    python benchmarks/bench_opencl_pool.py --only im2col --nb 24       # the im2col kernels side by side
 
 For the maps of the paper's two layers -- conv1's output N x C1 x 32 x 32 and conv2's
 N x C2 x 16 x 16 -- prints each op's median device time (profiling events, summed over the op's
@@ -20,11 +21,13 @@ mean, for the variance, then x in and xhat, y out), bwd 6 (dy for dbeta; dy, xha
 dy, xhat in and dx out); max pool x plus y and its int32 argmax (each a quarter map), backward
 the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, velocity out).
 
-Then im2col into the GEMM's B panels (width --nb) for each convolution's forward (conv1 on the
-N x 3 x 32 x 32 images, conv2 on pool1's N x C1 x 16 x 16; 5x5, pad 2) and conv2's dx GEMM
-(its dy, a 1x1 "im2col"), and im2row, [cols^T | 1] for each dW GEMM: the input read once and
-the panels written; numpy: its im2col (the same values, not in panels). Last, conv2's col2im
-(dcols read, dx written).
+Then conv2's col2im (dcols read, dx written), and a second table: im2col into the GEMM's B
+panels (width --nb) for each convolution's forward (conv1 on the N x 3 x 32 x 32 images, conv2 on
+pool1's N x C1 x 16 x 16; 5x5, pad 2) and conv2's dx GEMM (its dy, a 1x1 "im2col"), and im2row,
+[cols^T | 1] for each dW GEMM: the input read once and the panels written. Each with its three
+kernels (backends/opencl/layout.cl): per element (GPUs), the row walk and the 8-pixel lanes
+(CPUs; conv.lanes_fit picks between them, * marks its pick), taken in turn in every repeat so
+all three see the same load; then numpy's im2col (the same values, not in panels).
 """
 
 from __future__ import annotations
@@ -115,8 +118,8 @@ def ops_of(be, ref, x: np.ndarray, w_shape: tuple[int, ...]) -> list:
 
 
 def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = False) -> tuple:
-    """(bytes moved, OpenCL call, numpy call) of im2col into panels of width nb, stride 1, or
-    (``transposed``) im2row, the dW GEMM's [cols^T | 1]."""
+    """(bytes moved, {kernel: OpenCL call}, the kernel conv.py runs on CPUs, numpy call) of im2col
+    into panels of width nb, stride 1, or (``transposed``) im2row, the dW GEMM's [cols^T | 1]."""
     n, c, h, w = x.shape
     oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
     kdim, npix = c * k * k, n * oh * ow
@@ -125,21 +128,40 @@ def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = 
     out = be.rt.empty((cdiv(kdim + 1, nb) * npix * nb,) if transposed else (cdiv(npix, nb) * kdim * nb,))
     i32 = np.int32
 
-    def run():
-        if transposed and be.rows:
-            be.rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), xd.data, i32(c), i32(h), i32(w), i32(oh),
-                         i32(ow), i32(n), i32(nb), out.data, defines=conv.window(k, k, 1, pad), rows=True)
-        elif transposed:
-            be.rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), xd.data, pixel.data, tap.data, i32(h),
-                         i32(w), i32(npix), i32(kdim), i32(nb), out.data)
-        elif be.rows:
-            be.rt.launch("im2col_panels_rows", (kdim, n), xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow),
-                         i32(n), i32(nb), out.data, defines=conv.window(k, k, 1, pad), rows=True)
-        else:
-            be.rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), xd.data, pixel.data, tap.data, i32(h),
-                         i32(w), i32(npix), i32(kdim), i32(nb), out.data)
+    kind, panels = ("im2row", cdiv(kdim + 1, nb)) if transposed else ("im2col", cdiv(npix, nb))
+    simple = (xd.data, pixel.data, tap.data, i32(h), i32(w), i32(npix), i32(kdim), i32(nb), out.data)
+    geometry = (xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(n), i32(nb), out.data)
+    grids = {  # kernel: grid, as conv.py launches them
+        f"{kind}_panels": (nb, npix, panels) if transposed else (nb, kdim, panels),
+        f"{kind}_panels_rows": (panels, n) if transposed else (kdim, n),
+        f"{kind}_panels_lanes": (panels, n) if transposed else (panels,),
+    }
+    calls = {
+        name: (lambda name=name, grid=grid: be.rt.launch(name, grid, *simple)) if name.endswith("_panels") else
+        (lambda name=name, grid=grid: be.rt.launch(name, grid, *geometry, defines=conv.window(k, k, 1, pad), rows=True))
+        for name, grid in grids.items()
+    }
+    if conv.lanes_fit(k, k, 1, ow, nb, transposed):
+        pick = f"{kind}_panels_lanes"
+    else:
+        pick = f"{kind}_panels_rows"
+        if ow % 8 or nb % 8 or nb > 64:  # the lanes kernel cannot run this shape at all
+            del calls[f"{kind}_panels_lanes"]
+    return x.nbytes + out.size * 4, calls, pick, lambda: im2col(x, k, k, 1, pad)
 
-    return x.nbytes + out.size * 4, run, lambda: im2col(x, k, k, 1, pad)
+
+def device_ms_in_turn(rt, calls: dict, repeats: int) -> dict[str, float]:
+    """Per call, the median over ``repeats`` of its kernels' device time, the calls taken in turn
+    in every repeat (so all see the same load on a shared machine), after a warm-up of each."""
+    for fn in calls.values():
+        fn()
+    rt.kernel_times()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            fn()
+            times[name].append(sum(seconds for _, seconds in rt.kernel_times().values()))
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def col2im_ops(be, x_shape: tuple[int, ...], k: int, pad: int) -> tuple:
@@ -179,7 +201,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
     print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
-    timed = []
+    timed, panels = [], []
     for label, shape in (("conv1", (a.batch, c1, 32, 32)), ("conv2", (a.batch, c2, 16, 16))):
         x = rng.standard_normal(shape, dtype=np.float32)
         timed += [(f"{label} {name}", *rest) for group, name, *rest in ops_of(be, ref, x, (c2, c1, 5, 5))
@@ -191,7 +213,7 @@ def main() -> None:
                                                  ("conv1 dW: im2row", (a.batch, 3, 32, 32), 5, 2, True),
                                                  ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True)):
             x = rng.standard_normal(shape, dtype=np.float32)
-            timed.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
+            panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
         timed.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch, c1, 16, 16), 5, 2)))
     for name, nbytes, on_device, on_numpy in timed:
         row = f"{name:30}"
@@ -199,6 +221,27 @@ def main() -> None:
             be.rows = rows
             t = device_ms(be.rt, on_device, a.repeats)
             row += f" {t:{width}.2f} {nbytes / t / 1e6:6.2f}"
+        if a.no_numpy:
+            row += f" {'-':>9} {'-':>6}"
+        else:
+            t = wall_ms(on_numpy, a.repeats)
+            row += f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
+        print(row, flush=True)
+    if not panels:
+        return
+    print(f"\nim2col/im2row into GEMM panels of width {a.nb}, the kernels in turn (* what CPUs run)")
+    print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'walk ms':>9} {'GB/s':>6} {'lanes ms':>9} {'GB/s':>6} "
+          f"{'numpy ms':>9} {'GB/s':>6}")
+    for name, nbytes, calls, pick, on_numpy in panels:
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        row = f"{name:30}"
+        for suffix, width in (("_panels", 14), ("_panels_rows", 9), ("_panels_lanes", 9)):
+            kernel = next((k for k in calls if k.endswith(suffix)), None)
+            if kernel is None:
+                row += f" {'-':>{width}} {'-':>6}"
+            else:
+                mark = "*" if kernel == pick else ""
+                row += f" {mark + f'{ms[kernel]:.2f}':>{width}} {nbytes / ms[kernel] / 1e6:6.2f}"
         if a.no_numpy:
             row += f" {'-':>9} {'-':>6}"
         else:
