@@ -259,8 +259,8 @@ __kernel void im2row_panels_rows(__global const float* restrict x, const int C, 
 // Optimisation of the two row walks above for the common shapes (the paper's layers), the same
 // values in the same places; conv.py picks these when lanes_fit() says the shape allows it, the
 // walks otherwise. The walks copy runs whose ends are known only at run time (panel edges, the
-// padding), which PoCL compiles as short vector loops between scalar ones: 6-12 GB/s, where ReLU
-// and max pool reach 13-30. Here the unit of work is a vector of LANES = 8 pixels of one output
+// padding), which PoCL compiles as short vector loops between scalar ones: 4-12 GB/s at the paper's
+// shapes, where ReLU and max pool reach 13-30. Here the unit of work is a vector of LANES = 8 pixels of one output
 // row, ow0 .. ow0 + 7. When OW and the panel width NB are multiples of 8, each such vector lies in
 // one output row and one panel, and for stride 1 a tap (c, i, j) reads it as one unaligned vector
 // load, x[n, c, h, ow0 - PAD + j ..+7] with h = oh - PAD + i, whose lanes outside the input row
@@ -296,9 +296,9 @@ inline __attribute__((always_inline)) float8 row_lanes(__global const float* res
 // cols in the B-panel layout, as im2col_panels: one work-item per panel q writes the panel's
 // (Kdim, NB) block, a column of 8-pixel vectors at a time: for the vector at panel column u
 // (image n, output row oh, columns ow0 ..), every tap k = (c, i, j) in order, one row_lanes each,
-// stored at row k. Vectors past NP (the last panel's tail) are zeros. Measured against walking
-// the taps of each vector's two halves together or all of a channel's vectors at once: slower.
-// global (n_panels).
+// stored at row k. Vectors past NP (the last panel's tail) are zeros. Measured against the panel's
+// vectors innermost (each tap's NB values written together, whole cache lines): no better overall
+// (conv2 up to 1.2x faster, conv1 at NB 16 1.15x slower), and more code. global (n_panels).
 __kernel void im2col_panels_lanes(__global const float* restrict x, const int C, const int H, const int W,
                                   const int OH, const int OW, const int N, const int NB,
                                   __global float* restrict out)
