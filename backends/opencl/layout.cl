@@ -259,12 +259,13 @@ __kernel void im2row_panels_rows(__global const float* restrict x, const int C, 
 // Optimisation of the two row walks above for the common shapes (the paper's layers), the same
 // values in the same places; conv.py picks these when lanes_fit() says the shape allows it, the
 // walks otherwise. The walks copy runs whose ends are known only at run time (panel edges, the
-// padding), which PoCL compiles as short vector loops between scalar ones: 4-12 GB/s at the paper's
-// shapes, where ReLU and max pool reach 13-30. Here the unit of work is a vector of LANES = 8 pixels of one output
-// row, ow0 .. ow0 + 7. When OW and the panel width NB are multiples of 8, each such vector lies in
-// one output row and one panel, and for stride 1 a tap (c, i, j) reads it as one unaligned vector
-// load, x[n, c, h, ow0 - PAD + j ..+7] with h = oh - PAD + i, whose lanes outside the input row
-// are then set to zero: no per-element index arithmetic, no branch per element.
+// padding), which PoCL compiles as short vector loops between scalar ones: 4-12 GB/s at the
+// paper's shapes, where ReLU and max pool reach 13-30. Here the unit of work is a vector of
+// LANES = 8 pixels of one output row, ow0 .. ow0 + 7 (8 floats: an AVX2 register; AVX-512 builds
+// use half of theirs). When OW and the panel width NB are multiples of 8, each such vector lies
+// in one output row and one panel, and for stride 1 a tap (c, i, j) reads it as one unaligned
+// vector load, x[n, c, h, ow0 - PAD + j ..+7] with h = oh - PAD + i, whose lanes outside the
+// input row are then set to zero: no per-element index arithmetic, no branch per element.
 #define LANES 8
 #define MAX_NB 64  // im2row_panels_lanes keeps its panel's taps in arrays of this size
 // PoCL's CPU builds call vload8, vstore8 and select out of line, a call per vector (measured: no
