@@ -801,29 +801,31 @@ def test_pack_layout_is_panels(be, rng):
 
 
 # ---- im2col_panels_lanes and im2row_panels_lanes (layout.cl): 8 pixels of an output row a vector,
-# for stride 1 with OW and NB multiples of 8 (conv.lanes_fit), against the per-element kernels.
+# for stride 1 or 2 with OW and NB multiples of 8 (conv.lanes_fit), against the per-element kernels.
 @pytest.mark.parametrize(
-    "n, c, h, w, k, pad",
-    [(1, 1, 1, 8, 3, 1),  # one input row: every row_lanes reads the first and last row of x (clamped)
-     (2, 3, 5, 8, 5, 2),  # rows shorter than the window, padding 2 on every side
-     (3, 2, 7, 16, 3, 1),  # odd heights, two vectors a row
-     (2, 3, 9, 12, 5, 0),  # no padding: OW = 8 from W = 12
-     (2, 4, 3, 24, 1, 0),  # 1x1: im2row's column of ones lands mid-panel
-     (1, 10, 2, 8, 5, 2)],  # Kdim 250 > NB: several im2row panels, the last (NB 8) with 2 taps and the ones
+    "n, c, h, w, k, stride, pad",
+    [(1, 1, 1, 8, 3, 1, 1),  # one input row: every row_lanes reads the first and last row of x (clamped)
+     (2, 3, 5, 8, 5, 1, 2),  # rows shorter than the window, padding 2 on every side
+     (3, 2, 7, 16, 3, 1, 1),  # odd heights, two vectors a row
+     (2, 3, 9, 12, 5, 1, 0),  # no padding: OW = 8 from W = 12
+     (2, 4, 3, 24, 1, 1, 0),  # 1x1: im2row's column of ones lands mid-panel
+     (1, 10, 2, 8, 5, 1, 2),  # Kdim 250 > NB: several im2row panels, the last (NB 8) with 2 taps and the ones
+     (2, 3, 15, 15, 3, 2, 1),  # stride 2: 16-float loads, odd W, the last lanes past the row
+     (1, 2, 6, 19, 4, 2, 0)],  # stride 2, even window, no padding: the last input column never read
 )
 @pytest.mark.parametrize("nb", [8, 24, 64])
-def test_im2col_and_im2row_lanes_kernels_write_the_same_panels(be, rng, n, c, h, w, k, pad, nb):
+def test_im2col_and_im2row_lanes_kernels_write_the_same_panels(be, rng, n, c, h, w, k, stride, pad, nb):
     """Every value of every panel bit for bit, NaN and -0 included: panels that end mid-row or
     mid-image, a last panel partly past N*OH*OW (zeros), the bias column of ones and the zeros after it."""
     from backends.opencl import conv
 
     x = with_nans(rng, (n, c, h, w))
     x.flat[-1] = -0.0  # the last float of x: read by the last row's clamped loads
-    oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
     kdim, npix = c * k * k, n * oh * ow
-    assert conv.lanes_fit(k, k, 1, ow, nb, True) and conv.lanes_fit(k, k, 1, ow, nb, False) == (k > 1)
+    assert conv.lanes_fit(k, k, stride, ow, nb, True) and conv.lanes_fit(k, k, stride, ow, nb, False) == (k > 1)
     xd = be.asarray(x)
-    pixel, tap = conv.im2col_tables(be.rt, x.shape, k, k, 1, pad, oh, ow)
+    pixel, tap = conv.im2col_tables(be.rt, x.shape, k, k, stride, pad, oh, ow)
     i32 = np.int32
     shape = (c, h, w, oh, ow, n, nb)
     for simple_name, simple_dims, lanes_name, lanes_dims, size in (
@@ -837,7 +839,7 @@ def test_im2col_and_im2row_lanes_kernels_write_the_same_panels(be, rng, n, c, h,
         be.rt.launch(simple_name, simple_dims, xd.data, pixel.data, tap.data, i32(h), i32(w), i32(npix), i32(kdim),
                      i32(nb), simple.data)
         be.rt.launch(lanes_name, lanes_dims, xd.data, *map(i32, shape), lanes.data,
-                     defines=conv.window(k, k, 1, pad), rows=True)
+                     defines=conv.window(k, k, stride, pad), rows=True)
         simple, lanes = be.to_numpy(simple), be.to_numpy(lanes)
         assert not (simple == 12345.0).any()
         assert np.array_equal(simple.view(np.int32), lanes.view(np.int32)), lanes_name
@@ -846,23 +848,24 @@ def test_im2col_and_im2row_lanes_kernels_write_the_same_panels(be, rng, n, c, h,
 def test_lanes_fit_refuses_what_the_lanes_kernels_cannot_take():
     from backends.opencl.conv import lanes_fit
 
-    assert lanes_fit(5, 5, 1, 16, 16, False) and lanes_fit(5, 5, 1, 32, 24, True)
-    assert not lanes_fit(5, 5, 2, 16, 16, False)  # stride 2: the row walk
+    assert lanes_fit(5, 5, 1, 16, 16, False) and lanes_fit(5, 5, 1, 32, 24, True) and lanes_fit(3, 3, 2, 8, 8, True)
+    assert not lanes_fit(5, 5, 3, 16, 16, False)  # stride 3: the row walk
     assert not lanes_fit(5, 5, 1, 12, 16, True)  # OW not a multiple of 8
     assert not lanes_fit(5, 5, 1, 16, 12, False)  # NB not a multiple of 8
     assert not lanes_fit(5, 5, 1, 16, 72, True) and lanes_fit(5, 5, 1, 16, 72, False)  # im2row's tap arrays: 64
     assert not lanes_fit(1, 1, 1, 16, 16, False) and lanes_fit(1, 1, 1, 16, 16, True)  # 1x1 im2col: the walk
 
 
-@pytest.mark.parametrize("n, c, h, w, f, k, pad", [(2, 2, 5, 8, 3, 5, 2), (3, 2, 3, 16, 2, 3, 1)])
-def test_conv2d_with_the_lanes_kernels_gives_the_per_element_bits(be, rng, monkeypatch, n, c, h, w, f, k, pad):
+@pytest.mark.parametrize("n, c, h, w, f, k, stride, pad", [(2, 2, 5, 8, 3, 5, 1, 2), (3, 2, 3, 16, 2, 3, 1, 1),
+                                                          (2, 2, 4, 15, 3, 3, 2, 1)])
+def test_conv2d_with_the_lanes_kernels_gives_the_per_element_bits(be, rng, monkeypatch, n, c, h, w, f, k, stride, pad):
     """The convolution end to end, forward and backward, as conv.py launches its kernels on CPUs (lanes
     where they fit, with the GEMM's own NB) and on GPUs: the same panels, so the same GEMMs' bits."""
     x, wt, b = be.asarray(normal(rng, n, c, h, w)), be.asarray(normal(rng, f, c, k, k)), be.asarray(normal(rng, f))
-    dy = be.asarray(normal(rng, n, f, h + 2 * pad - k + 1, w + 2 * pad - k + 1))
+    dy = be.asarray(normal(rng, n, f, (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1))
 
     def run():
-        y, cache = be.conv2d_forward(x, wt, b, 1, pad)
+        y, cache = be.conv2d_forward(x, wt, b, stride, pad)
         return (y, *be.conv2d_backward(dy, cache, True))
 
     both_variants(be, monkeypatch, run)

@@ -38,11 +38,11 @@ def window(kh: int, kw: int, stride: int, padding: int) -> str:
 
 def lanes_fit(kh: int, kw: int, stride: int, ow: int, nb: int, transposed: bool) -> bool:
     """Whether layout.cl's *_panels_lanes kernels (8 pixels of an output row a vector) take this
-    shape: stride 1, output rows and panels whole vectors (OW and NB multiples of 8), NB at most
-    64 for im2row's tap arrays. Not for im2col with a 1x1 window (conv_dx's dy panels): each tap
+    shape: stride 1 or 2, output rows and panels whole vectors (OW and NB multiples of 8), NB at
+    most 64 for im2row's tap arrays. Not for im2col with a 1x1 window (conv_dx's dy panels): each tap
     is then a plain copy of a plane, which the row walk does faster (measured: the lanes kernel
     1.2-2x slower there; a work-item per panel reads a line of each of the F planes)."""
-    if stride != 1 or ow % 8 or nb % 8:
+    if stride not in (1, 2) or ow % 8 or nb % 8:
         return False
     return nb <= 64 if transposed else kh * kw > 1
 

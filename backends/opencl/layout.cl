@@ -254,7 +254,7 @@ __kernel void im2row_panels_rows(__global const float* restrict x, const int C, 
 #undef MIN_
 #undef MAX_
 
-// ---- im2col and im2row 8 pixels at a time: CPUs, stride 1, OW and NB multiples of 8
+// ---- im2col and im2row 8 pixels at a time: CPUs, stride 1 or 2, OW and NB multiples of 8
 //
 // Optimisation of the two row walks above for the common shapes (the paper's layers), the same
 // values in the same places; conv.py picks these when lanes_fit() says the shape allows it, the
@@ -266,26 +266,32 @@ __kernel void im2row_panels_rows(__global const float* restrict x, const int C, 
 // in one output row and one panel, and for stride 1 a tap (c, i, j) reads it as one unaligned
 // vector load, x[n, c, h, ow0 - PAD + j ..+7] with h = oh - PAD + i, whose lanes outside the
 // input row are then set to zero: no per-element index arithmetic, no branch per element.
+// Stride 2 loads 16 floats and keeps the even ones.
 #define LANES 8
 #define MAX_NB 64  // im2row_panels_lanes keeps its panel's taps in arrays of this size
 // PoCL's CPU builds call vload8, vstore8 and select out of line, a call per vector (measured: no
 // faster than the walks). So the kernels load and store through pointers to a float8 type whose
 // alignment is lowered to a float's (allowed on a typedef), and select with the vector `?:`.
 typedef float8 __attribute__((aligned(4))) float8_any;
+typedef float16 __attribute__((aligned(4))) float16_any;
 
-// The 8 floats x[row + w0 + u], u < 8, those whose column w0 + u is outside [0, W) zero (+0.0, as
-// the per-element kernels write). row is the offset of an input row in x (a plane's offset +
-// h*W). Lanes outside the row read the row before or after it, in one vector load, then masked:
-// inside x (size floats) everywhere but at x's first and last row, where each lane is clamped
-// into the row and loaded alone.
+// The 8 floats x[row + w0 + u*STRIDE], u < 8, those whose column w0 + u*STRIDE is outside [0, W)
+// zero (+0.0, as the per-element kernels write). row is the offset of an input row in x (a
+// plane's offset + h*W). Lanes outside the row read the row before or after it, in one vector
+// load (of LANES*STRIDE floats), then masked: inside x (size floats) everywhere but at x's first
+// and last row, where each lane is clamped into the row and loaded alone.
 inline __attribute__((always_inline)) float8 row_lanes(__global const float* restrict x, const int row,
                                                        const int w0, const int W, const int size)
 {
-    const int8 w = (int8)(w0) + (int8)(0, 1, 2, 3, 4, 5, 6, 7);
+    const int8 w = (int8)(w0) + (int8)(0, 1, 2, 3, 4, 5, 6, 7) * STRIDE;
     const int8 in = (w >= 0) & (w < W);  // -1 where the column is inside the row
     float8 v;
-    if (row + w0 >= 0 && row + w0 <= size - LANES) {
+    if (row + w0 >= 0 && row + w0 <= size - LANES * STRIDE) {
+#if STRIDE == 1
         v = *(__global const float8_any*)(x + row + w0);
+#else  // 2 (lanes_fit)
+        v = (*(__global const float16_any*)(x + row + w0)).even;
+#endif
     } else {
         const int8 wc = w < 0 ? (int8)(0) : w >= W ? (int8)(W - 1) : w;
         v = (float8)(x[row + wc.s0], x[row + wc.s1], x[row + wc.s2], x[row + wc.s3],
@@ -319,12 +325,12 @@ __kernel void im2col_panels_lanes(__global const float* restrict x, const int C,
             const int plane = (n * C + c) * H * W;
 #pragma unroll
             for (int i = 0; i < KH; i++) {
-                const int h = oh - PAD + i;
+                const int h = oh * STRIDE - PAD + i;
                 const bool row_in = h >= 0 && h < H;
 #pragma unroll
                 for (int j = 0; j < KW; j++) {
                     *(__global float8_any*)dst =
-                        row_in ? row_lanes(x, plane + h * W, ow0 - PAD + j, W, size) : (float8)(0.0f);
+                        row_in ? row_lanes(x, plane + h * W, ow0 * STRIDE - PAD + j, W, size) : (float8)(0.0f);
                     dst += NB;
                 }
             }
@@ -387,8 +393,8 @@ __kernel void im2row_panels_lanes(__global const float* restrict x, const int C,
                 float8 r[LANES];  // r[e]: tap t0 + e at the 8 pixels
 #pragma unroll
                 for (int e = 0; e < LANES; e++) {
-                    const int t = t0 + e, h = oh - PAD + ti[t];
-                    r[e] = h >= 0 && h < H ? row_lanes(x, plane[t] + h * W, ow0 - PAD + tj[t], W, size)
+                    const int t = t0 + e, h = oh * STRIDE - PAD + ti[t];
+                    r[e] = h >= 0 && h < H ? row_lanes(x, plane[t] + h * W, ow0 * STRIDE - PAD + tj[t], W, size)
                                            : (float8)(fill[t]);
                 }
                 transpose8(r);  // r[u]: pixel ow0 + u at the taps t0 .. t0 + 7
