@@ -77,13 +77,14 @@ def test_the_opencl_tests_pass_on_the_simulated_gpu_with_no_report(tmp_path):
     # and the CPU-only rows kernels of ops.cl and layout.cl, which its tests launch by name beside the
     # per-element ones (test_*_rows_kernels_*, the max pool and batch norm tests with rows=True; max pool's
     # planes kernels and the LRN backward's channel walk, which are built per plane size and block, too;
-    # the panels' 8-pixel lanes kernels, test_im2col_and_im2row_lanes_kernels_*)
+    # the panels' 8-pixel lanes kernels, test_im2col_and_im2row_lanes_kernels_*); and the wire words'
+    # kernels of wire.cl, both variants (tests/test_wire_convert.py)
     log = tmp_path / "oclgrind.log"
     device = "import backends.opencl.device as d; print(d.describe_device(d.select_device(None)))"
     probe = under_oclgrind(["-c", device], log, timeout=120)
     assert "'Oclgrind Simulator'" in probe.stdout and "'kind': 'gpu'" in probe.stdout, probe.stdout + probe.stderr
     # all but the training runs of a small network: the same kernels again, minutes in the simulator
-    tests = ["tests/test_opencl.py", "-k", "not small_paper_net"]
+    tests = ["tests/test_opencl.py", "tests/test_wire_convert.py", "-k", "not small_paper_net"]
     done = under_oclgrind(["-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], log, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert reports(log) == [], log.read_text()[:5000]

@@ -30,7 +30,7 @@ F32 = np.float32
 i32 = np.int32
 HERE = Path(__file__).resolve().parent
 MAX_ELEMENTS = 2**31 - 1  # kernels index with 32-bit ints
-OPS_SOURCES = ("layout.cl", "ops.cl")  # one program: every kernel but the GEMM's
+OPS_SOURCES = ("layout.cl", "ops.cl", "wire.cl")  # one program: every kernel but the GEMM's
 
 
 class Runtime:

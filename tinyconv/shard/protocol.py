@@ -76,7 +76,9 @@ receiver widens to float32 right after, so every computation sees float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -240,28 +242,42 @@ def _check_formats(
             raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")
 
 
-def widened(msg: Message) -> dict[str, np.ndarray]:
+# widens one narrowed array elsewhere (a worker's device, ``Backend.widen_wire``): (its name, the
+# array as it came, its declaration) -> the float32 array there, or None: widened on the host
+WidenElsewhere = Callable[[str, np.ndarray, wire_precision.Declared], Any]
+
+
+def widened(msg: Message, elsewhere: WidenElsewhere | None = None) -> dict[str, Any]:
     """The arrays of a checked task or result (:func:`check_task`, :func:`check_result`), each float32
-    again: those its header's ``narrow`` names, widened (new arrays), the others as they are."""
+    again: those its header's ``narrow`` names, widened (new arrays), the others as they are. Each
+    narrowed one is offered to ``elsewhere`` first; only what it declines is widened here."""
     narrow = msg.header.get("narrow", {})
-    return {name: wire_precision.widen(a, narrow[name]) if name in narrow else a for name, a in msg.arrays.items()}
+    out: dict[str, Any] = {}
+    for name, a in msg.arrays.items():
+        if name not in narrow:
+            out[name] = a
+            continue
+        there = elsewhere(name, a, narrow[name]) if elsewhere is not None else None
+        out[name] = there if there is not None else wire_precision.widen(a, narrow[name])
+    return out
 
 
 def narrowed(
-    arrays: dict[str, np.ndarray], formats: dict[str, str]
+    arrays: dict[str, np.ndarray | wire_precision.Narrowed], formats: dict[str, str]
 ) -> tuple[dict[str, np.ndarray], dict[str, wire_precision.Declared], int]:
     """float32 ``arrays`` as they go on the wire, each in ``formats``' format for it (float32 if none):
     (the arrays, the header's ``narrow`` for them -- each one's declaration, ``Narrowed.declared`` --,
-    how many fell back to float32)."""
+    how many fell back to float32). An array already narrowed (a ``Narrowed``: a worker's device did
+    it, ``Backend.narrow_wire``) goes as it is."""
     out: dict[str, np.ndarray] = {}
     narrow: dict[str, wire_precision.Declared] = {}
     fallbacks = 0
     for name, a in arrays.items():
         fmt = formats.get(name, "fp32")
-        if fmt == "fp32":
+        if fmt == "fp32" and not isinstance(a, wire_precision.Narrowed):
             out[name] = a
             continue
-        n = wire_precision.narrow(a, fmt)
+        n = a if isinstance(a, wire_precision.Narrowed) else wire_precision.narrow(a, fmt)
         out[name], fallbacks = n.carried, fallbacks + n.fell_back
         if n.fmt != "fp32":
             narrow[name] = n.declared

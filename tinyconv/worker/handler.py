@@ -22,7 +22,11 @@ changes nothing, so the right one can follow.
 
 A layer's task may bring arrays narrowed (``tinyconv/shard/wire_precision.py``): once the task is
 checked they are widened to float32, every handler computes in float32, and the result's arrays
-are narrowed to the formats the task's ``reply`` asks for right before they go back.
+are narrowed to the formats the task's ``reply`` asks for right before they go back. Where the
+backend converts on its device (``Backend.narrow_wire`` / ``widen_wire``: OpenCL's bf16), a result
+still on the device is narrowed there and only its narrow words are read back, and an input that
+goes straight to the backend (:data:`ON_DEVICE`) is widened there after only its narrow words
+were written: the same words on the wire either way.
 
 The data-parallel tasks (``replica_calibrate``, ``replica_step``; ``tinyconv/replica/``) stand
 alone: each brings everything it needs (the weights with every step), and the worker keeps only
@@ -66,6 +70,7 @@ from tinyconv.shard.block import (
 from tinyconv.shard.block import tail_forward as run_tail
 from tinyconv.shard.calibrate import parse_spec, time_block
 from tinyconv.shard.protocol import VERSION, TaskError, check_task, narrowed, widened
+from tinyconv.shard.wire_precision import Narrowed, declare
 from transports.base import Message
 from transports.wire import Int, error_reply
 
@@ -100,6 +105,15 @@ STAGES: dict[str, tuple[str | None, str | None]] = {
 STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step", "hybrid_calibrate"})
 HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
 _LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
+# task kind -> the inputs its handler only hands to the backend (``_on_backend``), which may therefore
+# be widened on the device; the others (tail_forward's b and sum, partial_backward's dyc_lo and dyc_hi)
+# meet numpy arithmetic first, so they are widened on the host
+ON_DEVICE: dict[str, frozenset[str]] = {
+    "block_forward": frozenset({"x", "w", "b"}),
+    "block_backward": frozenset({"dy"}),
+    "partial_forward": frozenset({"x", "w"}),
+    "tail_backward": frozenset({"dy"}),
+}
 
 
 @dataclass
@@ -176,9 +190,10 @@ class Worker:
             check_task(msg)
             kept = self._expect(msg)
             t0 = time.perf_counter()
-            reply = self._handlers[msg.kind](msg.header, widened(msg), kept)
+            reply = self._handlers[msg.kind](msg.header, widened(msg, self._widen_on_device(msg.kind)), kept)
             times = reply.pop("times", None)
-            arrays = {name: np.ascontiguousarray(self.backend.to_numpy(a)) for name, a in reply.items()}
+            formats = msg.header.get("reply", {})
+            arrays = {name: self._read_back(a, formats.get(name, "fp32")) for name, a in reply.items()}
             self.backend.synchronize()
             header = {"task": msg.header["task"], "compute_s": self._emulate(time.perf_counter() - t0)}
             if "reply" in msg.header:  # the formats the master asked for; an overflow goes back float32
@@ -232,7 +247,8 @@ class Worker:
         tail = self._tail(h, x.shape[2:], w.shape[2:])
         own = _span(h, "own", w.shape[0])
         be = self.backend
-        y, cache = block_forward(be, be.asarray(x), be.asarray(w), be.asarray(b), h["stride"], h["padding"], tail, own)
+        put = self._on_backend
+        y, cache = block_forward(be, put(x), put(w), put(b), h["stride"], h["padding"], tail, own)
         self._advance(h, "block_forward", Kept("block", h["step"], cache=cache))
         return {"y": y}
 
@@ -240,7 +256,7 @@ class Worker:
         """dw, db of its own kernels and a partial dx, from dy over every kernel its forward computed."""
         be = self.backend
         try:
-            dx, dw, db = block_backward(be, be.asarray(a["dy"]), kept.cache, h["need_dx"])
+            dx, dw, db = block_backward(be, self._on_backend(a["dy"]), kept.cache, h["need_dx"])
         except ValueError as e:  # a dy that does not fit the forward, which stays for a good one
             raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
         self._advance(h, "block_backward", kept)
@@ -264,7 +280,7 @@ class Worker:
             raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
         lo_end, hi_start = give
         be = self.backend
-        p, conv = be.conv2d_forward(be.asarray(x), be.asarray(w), be.zeros((f,)), h["stride"], h["padding"])
+        p, conv = be.conv2d_forward(self._on_backend(x), self._on_backend(w), be.zeros((f,)), h["stride"], h["padding"])
         p = be.to_numpy(p)
         kept = Kept("partial", h["step"], conv=conv, partial=p[:, cs:ce], tail=tail, own=own, kernels=f)
         self._advance(h, "partial_forward", kept)
@@ -291,7 +307,7 @@ class Worker:
         """dyc, its own kernels' conv-output gradient, from dy over its halo; kept for partial_backward."""
         be = self.backend
         try:
-            d = tail_backward(be, be.asarray(a["dy"]), kept.cache)
+            d = tail_backward(be, self._on_backend(a["dy"]), kept.cache)
         except ValueError as e:
             raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
         kept.dyc = np.ascontiguousarray(owned(be, d, kept.cache))
@@ -419,6 +435,31 @@ class Worker:
             except ValueError as e:
                 raise TaskError(f"replica: {e}") from None
         return self.replica[1]
+
+    # ---- wire words on the device, where the backend converts them there -----------------------
+    def _widen_on_device(self, kind: str) -> Callable[[str, np.ndarray, Any], Any]:
+        """For ``protocol.widened``: an input of :data:`ON_DEVICE` widened by the backend, if it does."""
+        names = ON_DEVICE.get(kind, frozenset())
+
+        def widen(name: str, carried: np.ndarray, declared: Any) -> Any:
+            if name not in names or not isinstance(declared, str):  # s8's declaration is a list: host
+                return None
+            return self.backend.widen_wire(carried, declared)
+
+        return widen
+
+    def _read_back(self, a: Any, fmt: str) -> np.ndarray | Narrowed:
+        """A result array on the host: narrowed on the device if the backend does ``fmt`` there and
+        nothing became infinite (then the host's ``narrowed`` falls back to float32 from all of it)."""
+        if fmt != "fp32" and not isinstance(a, np.ndarray):
+            got = self.backend.narrow_wire(a, fmt)
+            if got is not None and not got[1]:
+                return Narrowed(got[0], fmt, False, declare(fmt, tuple(a.shape)))
+        return np.ascontiguousarray(self.backend.to_numpy(a))
+
+    def _on_backend(self, a: Any) -> Any:
+        """An input on the backend: a host array copied there, one widened there (:data:`ON_DEVICE`) as it is."""
+        return self.backend.asarray(a) if isinstance(a, np.ndarray) else a
 
     # ---- helpers -----------------------------------------------------------------------------
     @staticmethod
