@@ -335,6 +335,12 @@ def _training(p: argparse.ArgumentParser) -> None:
         "--weight-decay", type=NON_NEGATIVE, help=f"on conv and linear weights ({preset_default('weight_decay')})"
     )
     g.add_argument(
+        "--classifier-lr",
+        type=NON_NEGATIVE,
+        help="a factor on the learning rate for the classifier (the last layer); 0.1 keeps the paper's 32,000-wide "
+        f"classifier from throwing the first steps' loss to 30-40 ({preset_default('classifier_lr')})",
+    )
+    g.add_argument(
         "--schedule",
         choices=SCHEDULES,
         help=f"learning-rate schedule after the warm-up; step divides by 10 at 50%% and 75%% of the steps after "
@@ -552,6 +558,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
+        classifier_lr=args.classifier_lr,
         schedule=args.schedule,
         warmup=args.warmup,
         warmup_epochs=args.warmup_epochs,
@@ -719,9 +726,11 @@ def plan_line(args: argparse.Namespace, kernels: tuple[int, int], n_train: int) 
     epochs = -(-total // per_epoch)
     norm = {"lrn": "with LRN", "batch": "with batch norm"}.get(args.norm, "without normalisation")
     warm = f"the first {warmup:,} a warm-up" if warmup else "no warm-up"
+    classifier = f" (the classifier's {args.classifier_lr:g}x)" if args.classifier_lr != 1 else ""
     line = (
         f"preset {preset.name}: {kernels[0]}:{kernels[1]} network {norm}, {epochs} epoch{'s' if epochs != 1 else ''} "
-        f"({total:,} steps of batch {args.batch_size}, {warm}), lr {args.lr:g} {args.schedule}; {preset.expectation()}"
+        f"({total:,} steps of batch {args.batch_size}, {warm}), lr {args.lr:g}{classifier} {args.schedule}; "
+        f"{preset.expectation()}"
     )
     if args.changed:
         line += f" -- for the preset as it is; this run changes {', '.join(args.changed)}"

@@ -1,4 +1,4 @@
-"""benchmarks/bench_init.py: its candidates change only the classifier, and its per-layer rate is SGD's update.
+"""benchmarks/bench_init.py: its candidates change only the classifier (its per-layer rate is SGD's, test_training.py).
 
 Tiny networks and random data: the benchmark's comparison is only as good as these two facts.
 """
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from tinyconv.model import paper_net
-from tinyconv.optim import SGD
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_init.py"
 
@@ -41,34 +40,6 @@ def test_candidates_change_only_the_classifier(bench):
             else:  # the convolutions and every bias: bit for bit today's
                 np.testing.assert_array_equal(state[key], today[key], err_msg=f"{candidate} {key}")
     assert np.any(today["fc1.w"] != 0)
-
-
-def steps(opt, net, n: int = 3) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(1)
-    for _ in range(n):
-        net.train_step(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4))
-        opt.step()
-    return net.state_dict()
-
-
-def test_classifier_rate_sgd_is_sgd_with_that_layers_rate_scaled(bench):
-    ref_net = paper_net("2:3", "numpy", "lrn", seed=5)
-    start = ref_net.state_dict()
-    ref = steps(SGD(ref_net, 0.05, 0.9, 5e-4), ref_net)
-    same_net = paper_net("2:3", "numpy", "lrn", seed=5)
-    same = steps(bench.ClassifierRateSGD(same_net, 0.05, 0.9, 5e-4, 1.0), same_net)
-    for key in ref:  # scale 1 is tinyconv.SGD, bit for bit
-        np.testing.assert_array_equal(same[key], ref[key], err_msg=key)
-    # one step at scale 0.1: the convolutions move as SGD moves them, the classifier a tenth as far
-    nets = [paper_net("2:3", "numpy", "lrn", seed=5) for _ in range(2)]
-    full = steps(SGD(nets[0], 0.05, 0.9, 5e-4), nets[0], 1)
-    tenth = steps(bench.ClassifierRateSGD(nets[1], 0.05, 0.9, 5e-4, 0.1), nets[1], 1)
-    for key in full:
-        if key.startswith("fc1."):
-            np.testing.assert_allclose(tenth[key] - start[key], 0.1 * (full[key] - start[key]), rtol=1e-3, atol=1e-7)
-            assert np.any(full[key] != start[key])
-        else:
-            np.testing.assert_array_equal(tenth[key], full[key], err_msg=key)
 
 
 def test_bad_rates_and_candidates_are_refused_with_the_choices(bench):

@@ -11,7 +11,7 @@ import pytest
 from tinyconv.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cifar10_dist.py"
-SETTINGS = ("arch", "norm", "epochs", "batch_size", "lr", "schedule", "warmup", "weight_decay")
+SETTINGS = ("arch", "norm", "epochs", "batch_size", "lr", "schedule", "warmup", "weight_decay", "classifier_lr")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,8 @@ def test_no_preset_is_the_paper_preset_with_todays_defaults(example):
     assert args.preset == DEFAULT_PRESET == "paper"
     today = {"arch": "50:500", "norm": "lrn", "epochs": 10, "batch_size": 64, "lr": 0.01, "schedule": "cosine"}
     assert {k: getattr(args, k) for k in today} == today and args.weight_decay == 5e-4
+    assert example.train_config(args).classifier_lr == 0.1  # the paper's net: benchmarks/bench_init.py
+    assert example.train_config(parsed(example, "--classifier-lr", "1")).classifier_lr == 1.0
     assert "(default paper;" in " ".join(example.build_parser().format_help().split())
 
 
@@ -88,7 +90,8 @@ def test_the_startup_line_for_a_full_run_and_a_steps_run(example):
     args = parsed(example, "--steps", "400")
     assert example.plan_line(args, (50, 500), 50_000) == (
         "preset paper: 50:500 network with LRN, 1 epoch (400 steps of batch 64, the first 20 a warm-up), "
-        "lr 0.01 cosine; expected accuracy and time: not measured yet -- for the preset as it is; this run "
+        "lr 0.01 (the classifier's 0.1x) cosine; expected accuracy and time: not measured yet -- for the preset as "
+        "it is; this run "
         "changes --steps 400"
     )
 

@@ -86,6 +86,44 @@ def test_sgd_matches_pytorch_semantics(numpy_backend):
     assert np.array_equal(layer.params["b"], np.zeros_like(layer.params["b"]))
 
 
+def steps(opt: SGD, net, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    for _ in range(n):
+        net.train_step(rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 4))
+        opt.step()
+    return net.state_dict()
+
+
+def test_a_layers_rate_factor_scales_its_steps_and_no_other(numpy_backend):
+    def net():
+        return paper_net("2:3", numpy_backend, "lrn", seed=5, image_size=8)
+
+    start = net().state_dict()
+    plain = steps(SGD(a := net(), 0.05, 0.9, 5e-4), a, 3)
+    ones = steps(SGD(b := net(), 0.05, 0.9, 5e-4, layer_lr={"fc1": 1.0}), b, 3)
+    for key in plain:  # a factor of 1 is SGD, bit for bit
+        np.testing.assert_array_equal(ones[key], plain[key], err_msg=key)
+    one = steps(SGD(c := net(), 0.05, 0.9, 5e-4), c, 1)
+    tenth = steps(SGD(d := net(), 0.05, 0.9, 5e-4, layer_lr={"fc1": 0.1}), d, 1)
+    for key in one:  # one step: the convolutions as before, the classifier a tenth as far
+        if key.startswith("fc1."):
+            assert np.any(one[key] != start[key])
+            np.testing.assert_allclose(tenth[key] - start[key], 0.1 * (one[key] - start[key]), rtol=1e-3, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(tenth[key], one[key], err_msg=key)
+    with pytest.raises(ValueError, match="'relu1', which has no parameters; the layers are conv1, conv2, fc1"):
+        SGD(net(), 0.05, layer_lr={"relu1": 0.1})
+    with pytest.raises(ValueError, match=r"layer_lr\['fc1'\] must be a number >= 0"):
+        SGD(net(), 0.05, layer_lr={"fc1": -1})
+
+
+def test_the_classifier_rate_reaches_the_optimiser(numpy_backend):
+    net = paper_net("2:3", numpy_backend, "lrn", seed=5, image_size=8)
+    data = synthetic_dataset(n_train=8, n_test=4, image_size=8, seed=0)
+    assert Trainer(net, data, TrainConfig(batch_size=4, classifier_lr=0.1, progress=False)).opt.layer_lr == {"fc1": 0.1}
+    assert Trainer(net, data, TrainConfig(batch_size=4, progress=False)).opt.layer_lr == {}
+
+
 def test_learning_rate_schedules():
     assert learning_rate(0, 100, 0.1, "constant") == 0.1
     assert learning_rate(49, 100, 0.1, "step") == pytest.approx(0.1)

@@ -21,18 +21,40 @@ from tinyconv.model import Network
 
 
 class SGD:
-    """``SGD(net, lr, momentum=0, weight_decay=0)``; ``step()`` applies the grads the last backward left.
+    """``SGD(net, lr, momentum=0, weight_decay=0, layer_lr=None)``; ``step()`` applies the last backward's grads.
 
     Parameters are found through ``net.named_params()`` at every step, so the optimiser
     keeps working when ``tinyconv.distribute`` swaps layers for sharded ones (their
     parameters are the same arrays, under the same names). ``lr`` may be changed between
     steps (a schedule does).
+
+    ``layer_lr`` gives some layers, by name, a factor on the rate: ``{"fc1": 0.1}`` steps the
+    classifier by ``0.1 * lr * v``. Its velocity v is the same (grad + weight_decay * w, as
+    above); only the step is scaled, as torch's per-group ``lr`` does. Why the paper's net wants
+    it: its classifier reads 32,000 features, so one step moves the logits by about
+    lr * |x|^2 and the first steps' loss jumps to 30-40 (``benchmarks/bench_init.py``).
     """
 
-    def __init__(self, net: Network, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        net: Network,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        layer_lr: dict[str, float] | None = None,
+    ) -> None:
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        self.layer_lr = dict(layer_lr or {})
+        names = [layer.name for layer in net.layers if layer.params]
+        for layer_name, factor in self.layer_lr.items():
+            if layer_name not in names:
+                raise ValueError(
+                    f"layer_lr names {layer_name!r}, which has no parameters; the layers are {', '.join(names)}"
+                )
+            if not (isinstance(factor, (int, float)) and factor >= 0):
+                raise ValueError(f"layer_lr[{layer_name!r}] must be a number >= 0, got {factor!r}")
         self.net, self.lr, self.momentum, self.weight_decay = net, lr, momentum, weight_decay
         be = net.backend
         self.velocity = {key: be.zeros(tuple(layer.params[name].shape)) for key, layer, name in net.named_params()}
@@ -44,7 +66,8 @@ class SGD:
             if name not in layer.grads:
                 raise RuntimeError(f"no gradient for parameter {key}: call backward (or net.train_step) before step")
             wd = self.weight_decay if name in layer.decay else 0.0
-            be.sgd_update(layer.params[name], layer.grads[name], self.velocity[key], self.lr, self.momentum, wd)
+            lr = self.lr * self.layer_lr.get(layer.name, 1.0)
+            be.sgd_update(layer.params[name], layer.grads[name], self.velocity[key], lr, self.momentum, wd)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         be = self.net.backend

@@ -59,6 +59,9 @@ class TrainConfig:
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    # a factor on the rate of the classifier (the network's last layer): 0.1 keeps the paper's
+    # 32,000-wide classifier from throwing the first steps' loss to 30-40 (tinyconv/optim.py)
+    classifier_lr: float = 1.0
     schedule: str = "cosine"
     # Warm-up as a fraction of the planned steps. 5 %: the default 10-epoch run ramps up for half an
     # epoch (it had one, and trained stably), a 400-step run for 20 steps instead of never reaching its
@@ -108,7 +111,8 @@ class Trainer:
         self.metrics = metrics or MetricsWriter(None)
         self.cluster = cluster
         self.normalize = Normalizer(*channel_stats(data.x_train))
-        self.opt = SGD(net, config.lr, config.momentum, config.weight_decay)
+        layer_lr = {net.layers[-1].name: config.classifier_lr} if config.classifier_lr != 1.0 else None
+        self.opt = SGD(net, config.lr, config.momentum, config.weight_decay, layer_lr)
         # separate streams, so turning augmentation on/off does not change the order
         self.shuffle_rng = np.random.default_rng([config.seed, 1])
         self.augment_rng = np.random.default_rng([config.seed, 2])
