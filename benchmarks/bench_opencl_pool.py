@@ -21,13 +21,15 @@ mean, for the variance, then x in and xhat, y out), bwd 6 (dy for dbeta; dy, xha
 dy, xhat in and dx out); max pool x plus y and its int32 argmax (each a quarter map), backward
 the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, velocity out).
 
-Then conv2's col2im (dcols read, dx written), and a second table: im2col into the GEMM's B
+Then a second table: im2col into the GEMM's B
 panels (width --nb) for each convolution's forward (conv1 on the N x 3 x 32 x 32 images, conv2 on
 pool1's N x C1 x 16 x 16; 5x5, pad 2) and conv2's dx GEMM (its dy, a 1x1 "im2col"), and im2row,
-[cols^T | 1] for each dW GEMM: the input read once and the panels written. Each with its three
+[cols^T | 1] for each dW GEMM: the input read once and the panels written; and conv2's col2im
+(dcols read, dx written). Each with its three
 kernels (backends/opencl/layout.cl): per element (GPUs), the row walk and the 8-pixel lanes
-(CPUs; conv.lanes_fit picks between them, * marks its pick), taken in turn in every repeat so
-all three see the same load; then numpy's im2col (the same values, not in panels).
+(CPUs; conv.lanes_fit and conv.col2im_lanes_fit pick between them, * marks the pick), taken in
+turn in every repeat so all three see the same load; then numpy's im2col or col2im (the same
+values, not in panels).
 """
 
 from __future__ import annotations
@@ -150,6 +152,11 @@ def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = 
     return x.nbytes + out.size * 4, calls, pick, lambda: im2col(x, k, k, 1, pad)
 
 
+def column_of(kernel: str) -> str:
+    """The second table's column of a kernel: its lanes, row walk or per-element variant."""
+    return "lanes" if kernel.endswith("_lanes") else "walk" if kernel.endswith("_rows") else "element"
+
+
 def device_ms_in_turn(rt, calls: dict, repeats: int) -> dict[str, float]:
     """Per call, the median over ``repeats`` of its kernels' device time, the calls taken in turn
     in every repeat (so all see the same load on a shared machine), after a warm-up of each."""
@@ -165,7 +172,8 @@ def device_ms_in_turn(rt, calls: dict, repeats: int) -> dict[str, float]:
 
 
 def col2im_ops(be, x_shape: tuple[int, ...], k: int, pad: int) -> tuple:
-    """(bytes moved, OpenCL call, numpy call) of col2im, stride 1: dcols (C*K*K, N*OH*OW) -> dx."""
+    """(bytes moved, {kernel: OpenCL call}, the kernel conv.py runs on CPUs, numpy call) of col2im,
+    stride 1: dcols (C*K*K, N*OH*OW) -> dx, with its three kernels (per element, row walk, lanes)."""
     n, c, h, w = x_shape
     oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
     npix = n * oh * ow
@@ -173,14 +181,14 @@ def col2im_ops(be, x_shape: tuple[int, ...], k: int, pad: int) -> tuple:
     dd, dx = be.asarray(dcols), be.rt.empty(x_shape)
     i32 = np.int32
     args = (dd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(npix), i32(n * c), dx.data)
-
-    def run():
-        if be.rows:
-            be.rt.launch("col2im_rows", (h, n * c), *args, defines=conv.window(k, k, 1, pad), rows=True)
-        else:
-            be.rt.launch("col2im", (w, h, n * c), *args, defines=conv.window(k, k, 1, pad))
-
-    return dcols.nbytes + dx.size * 4, run, lambda: col2im(dcols, x_shape, k, k, 1, pad)
+    grids = {"col2im": (w, h, n * c), "col2im_rows": (h, n * c), "col2im_lanes": (h, n * c)}  # as conv.py
+    calls = {name: (lambda name=name, grid=grid: be.rt.launch(name, grid, *args, defines=conv.window(k, k, 1, pad),
+                                                              rows=name != "col2im"))
+             for name, grid in grids.items()}
+    pick = "col2im_lanes" if conv.col2im_lanes_fit(1, w, c * k * k, npix) else "col2im_rows"
+    if pick != "col2im_lanes":  # the lanes kernel cannot run this shape
+        del calls["col2im_lanes"]
+    return dcols.nbytes + dx.size * 4, calls, pick, lambda: col2im(dcols, x_shape, k, k, 1, pad)
 
 
 def main() -> None:
@@ -200,7 +208,6 @@ def main() -> None:
     be, ref = get_backend("opencl", device=a.device, profile=True), NumpyBackend()
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
-    print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
     timed, panels = [], []
     for label, shape in (("conv1", (a.batch, c1, 32, 32)), ("conv2", (a.batch, c2, 16, 16))):
         x = rng.standard_normal(shape, dtype=np.float32)
@@ -214,7 +221,9 @@ def main() -> None:
                                                  ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True)):
             x = rng.standard_normal(shape, dtype=np.float32)
             panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
-        timed.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch, c1, 16, 16), 5, 2)))
+        panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch, c1, 16, 16), 5, 2)))
+    if timed:
+        print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
     for name, nbytes, on_device, on_numpy in timed:
         row = f"{name:30}"
         for rows, width in ((False, 14), (True, 9)):
@@ -229,14 +238,14 @@ def main() -> None:
         print(row, flush=True)
     if not panels:
         return
-    print(f"\nim2col/im2row into GEMM panels of width {a.nb}, the kernels in turn (* what CPUs run)")
+    print(f"\nim2col/im2row into GEMM panels of width {a.nb}, and col2im, the kernels in turn (* what CPUs run)")
     print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'walk ms':>9} {'GB/s':>6} {'lanes ms':>9} {'GB/s':>6} "
           f"{'numpy ms':>9} {'GB/s':>6}")
     for name, nbytes, calls, pick, on_numpy in panels:
         ms = device_ms_in_turn(be.rt, calls, a.repeats)
         row = f"{name:30}"
-        for suffix, width in (("_panels", 14), ("_panels_rows", 9), ("_panels_lanes", 9)):
-            kernel = next((k for k in calls if k.endswith(suffix)), None)
+        for column, width in (("element", 14), ("walk", 9), ("lanes", 9)):
+            kernel = next((k for k in calls if column_of(k) == column), None)
             if kernel is None:
                 row += f" {'-':>{width}} {'-':>6}"
             else:

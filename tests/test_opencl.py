@@ -869,3 +869,49 @@ def test_conv2d_with_the_lanes_kernels_gives_the_per_element_bits(be, rng, monke
         return (y, *be.conv2d_backward(dy, cache, True))
 
     both_variants(be, monkeypatch, run)
+
+
+# ---- col2im_lanes (layout.cl): 8 dx elements of an input row a vector, stride 1, W a multiple of 8
+# (conv.col2im_lanes_fit), against the per-element col2im gather.
+@pytest.mark.parametrize(
+    "n, c, h, w, k, pad",
+    [(1, 1, 1, 8, 3, 1),  # one plane of one row: every load at the first or last float of dcols (clamped)
+     (2, 3, 5, 8, 5, 2),  # rows shorter than the window, padding 2 on every side
+     (3, 2, 7, 16, 3, 1),  # odd heights, two vectors a row
+     (2, 3, 9, 16, 5, 0),  # no padding: OW = 12, not a multiple of 8; the last lanes of a row read past it
+     (1, 2, 5, 8, 5, 0),  # OW = 4, OH = 1: half of every vector masked
+     (2, 5, 4, 24, 1, 0),  # 1x1: one tap, a plain copy
+     (1, 3, 6, 8, 2, 1),  # an even window: OW = W + 1, the last output column read by the first lane only
+     (2, 2, 3, 8, 4, 2)],  # padding 2 with a 4-wide window: OW = 9, vectors straddle output rows
+)
+def test_col2im_lanes_kernel_gives_the_same_bits(be, rng, n, c, h, w, k, pad):
+    """col2im_lanes against col2im bit for bit, NaN and -0 in dcols included: the same terms in
+    the same order, the masked lanes' +0.0 changing nothing; every dx element written."""
+    from backends.opencl import conv
+
+    oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    npix = n * oh * ow
+    assert conv.col2im_lanes_fit(1, w, c * k * k, npix)
+    dcols = with_nans(rng, (c * k * k, npix))
+    dcols.flat[-1] = -0.0  # the last float of dcols: read by the last row's clamped loads
+    dcols[:, rng.random(npix) < 0.2] = -0.0  # whole columns of -0: sums of -0 only
+    dd = be.asarray(dcols)
+    i32 = np.int32
+    args = (dd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(npix), i32(n * c))
+    out = {}
+    for name, dims in (("col2im", (w, h, n * c)), ("col2im_lanes", (h, n * c))):
+        dx = be.rt.empty((n, c, h, w))
+        dx.fill(F32(12345.0))  # a value no sum has: what a kernel leaves unwritten shows
+        be.rt.launch(name, dims, *args, dx.data, defines=conv.window(k, k, 1, pad), rows=name != "col2im")
+        out[name] = be.to_numpy(dx)
+    assert not (out["col2im"] == 12345.0).any()
+    assert np.array_equal(out["col2im"].view(np.int32), out["col2im_lanes"].view(np.int32))
+
+
+def test_col2im_lanes_fit_refuses_what_col2im_lanes_cannot_take():
+    from backends.opencl.conv import col2im_lanes_fit
+
+    assert col2im_lanes_fit(1, 16, 1250, 16384) and col2im_lanes_fit(1, 8, 1, 1)
+    assert not col2im_lanes_fit(2, 16, 1250, 16384)  # stride 2: col2im_rows
+    assert not col2im_lanes_fit(1, 12, 1250, 16384)  # W not a multiple of 8
+    assert not col2im_lanes_fit(1, 16, 2**16, 2**15)  # dcols past int32 indices

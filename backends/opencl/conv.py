@@ -16,7 +16,8 @@ forward and backward. Integer division is slow on CPUs, so the kernels never
 split a flat index per element: im2col adds entries of two small tables, and
 col2im is compiled per window (see layout.cl, where the kernels are). CPUs run
 the kernels' row variants (Runtime.rows): a work-item walks a tap's rows, or, where
-lanes_fit() allows, copies vectors of 8 pixels (the paper's layers).
+lanes_fit() allows, copies vectors of 8 pixels (the paper's layers; col2im where
+col2im_lanes_fit() allows, 8 dx elements a vector).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def lanes_fit(kh: int, kw: int, stride: int, ow: int, nb: int, transposed: bool)
     if stride not in (1, 2) or ow % 8 or nb % 8:
         return False
     return nb <= 64 if transposed else kh * kw > 1
+
+
+def col2im_lanes_fit(stride: int, w: int, kdim: int, npix: int) -> bool:
+    """Whether layout.cl's col2im_lanes (8 dx elements of an input row a vector) takes this shape:
+    stride 1, input rows whole vectors (W a multiple of 8), dcols (kdim, npix) indexed in int32."""
+    return stride == 1 and w % 8 == 0 and kdim * npix < 2**31
 
 
 def im2col_tables(
@@ -167,7 +174,9 @@ def conv_dx(
     rt.gemm("conv_dx", kdim, npix, f, AView(w_t.data, f, 1, f), dy_panels, CView.rows(dcols.data, npix))
     dx = rt.empty(x_shape)
     args = (dcols.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(npix), i32(n * c), dx.data)
-    if rt.rows:  # optimisation (layout.cl): a work-item sums along an input row
+    if rt.rows and col2im_lanes_fit(stride, wd, kdim, npix):  # optimisation (layout.cl): 8 elements a vector
+        rt.launch("col2im_lanes", (h, n * c), *args, defines=window(kh, kw, stride, padding), rows=True)
+    elif rt.rows:  # optimisation (layout.cl): a work-item sums along an input row
         rt.launch("col2im_rows", (h, n * c), *args, defines=window(kh, kw, stride, padding), rows=True)
     else:
         rt.launch("col2im", (wd, h, n * c), *args, defines=window(kh, kw, stride, padding))

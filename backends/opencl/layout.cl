@@ -254,7 +254,8 @@ __kernel void im2row_panels_rows(__global const float* restrict x, const int C, 
 #undef MIN_
 #undef MAX_
 
-// ---- im2col and im2row 8 pixels at a time: CPUs, stride 1 or 2, OW and NB multiples of 8
+// ---- im2col and im2row 8 pixels at a time: CPUs, stride 1 or 2, OW and NB multiples of 8;
+// col2im 8 dx elements at a time (col2im_lanes, at the end): stride 1, W a multiple of 8
 //
 // Optimisation of the two row walks above for the common shapes (the paper's layers), the same
 // values in the same places; conv.py picks these when lanes_fit() says the shape allows it, the
@@ -404,6 +405,45 @@ __kernel void im2row_panels_lanes(__global const float* restrict x, const int C,
         }
     }
 }
+
+// Optimisation of col2im (and of col2im_rows) for CPUs, stride 1 and W a multiple of 8
+// (conv.col2im_lanes_fit), the same sums in the same order. col2im_rows walks each tap's run
+// between ends known only at run time: 7 GB/s at conv2's shape, where the other data movement
+// reaches 15-30. Here the unit is a vector of 8 dx elements of one input row, w0 .. w0 + 7,
+// summed in registers: for stride 1, tap (i, j) adds dcols[(c, i, j), (n, oh, ow0 .. ow0 + 7)]
+// with oh = h + PAD - i and ow0 = w0 + PAD - j, 8 contiguous floats of a dcols row, one
+// row_lanes load whose lanes outside the output row (ow < 0 or >= OW: no window there) are
+// +0.0. The taps go in col2im's order (i, then j, ascending); a masked lane adds +0.0, which
+// leaves the sum as it was, since a sum that starts at +0.0 is never -0.0 (x + -x is +0.0).
+// A tap row outside [0, OH) is skipped, as in col2im. The work-items go in (c, n) order, so
+// neighbours read on along the same KH*KW dcols rows (sequential streams); in col2im_rows' (n, c)
+// order each plane jumped to KH*KW other rows 64 KB apart at conv2's shape (measured: 9.1 ms, no
+// faster than the walk; in (c, n) order 3.3 ms). Built for stride 1 only (row_lanes loads every
+// STRIDE-th float). global (H, N*C).
+#if STRIDE == 1
+__kernel void col2im_lanes(__global const float* restrict dcols, const int C, const int H, const int W,
+                           const int OH, const int OW, const int NP, const int planes,
+                           __global float* restrict dx)
+{
+    const int h = get_global_id(0), g = get_global_id(1);
+    if (h >= H || g >= planes) return;
+    // work-items in (c, n) order: neighbours read along the same KH*KW dcols rows
+    const int N = planes / C, c = g / N, n = g - c * N, plane = n * C + c, size = C * KH * KW * NP;
+    __global float* dxr = dx + ((size_t)plane * H + h) * W;
+    for (int w0 = 0; w0 < W; w0 += LANES) {
+        float8 s = (float8)(0.0f);
+#pragma unroll
+        for (int i = 0; i < KH; i++) {
+            const int oh = h + PAD - i;
+            if (oh < 0 || oh >= OH) continue;  // the same for the whole row
+            const int row = (c * KH + i) * KW * NP + (n * OH + oh) * OW;  // dcols[(c, i, 0), (n, oh, 0)]
+#pragma unroll
+            for (int j = 0; j < KW; j++) s += row_lanes(dcols, row + j * NP, w0 + PAD - j, OW, size);
+        }
+        *(__global float8_any*)(dxr + w0) = s;
+    }
+}
+#endif  // STRIDE == 1
 #undef LANES
 #undef MAX_NB
 
