@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from test_distributed import SlowCalibration
 from test_example import SMOKE, _processes_with, run_example
 
 from backends.numpy_backend import NumpyBackend
@@ -24,6 +25,7 @@ from tinyconv.replica import flat
 from tinyconv.replica.server import UNIT, Replicas
 from tinyconv.replica.start import replicate
 from tinyconv.shard.protocol import VERSION, TaskError, check_task
+from tinyconv.shard.rpc import Lost
 from tinyconv.testing import FN, Expected, assert_close
 from tinyconv.worker.handler import Worker
 from transports.base import Message
@@ -171,6 +173,23 @@ def test_a_slower_worker_gets_fewer_images_by_eq_1():
         replicas.train_batch(net, x, y)
     assert replicas.last_step["shares"] == {UNIT: [6, 2]}
     assert replicas.last_step["participant_conv_s"] == pytest.approx([6e-3, 6e-3])  # balanced
+
+
+def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_is_not_lost(monkeypatch):
+    # the master's run "takes" 0.05 s: the worker gets 10 x (1 + 1 repeat) x 0.05 = 1 s, not recv_timeout's 0.2
+    net = paper_net("2:4", NumpyBackend(), "lrn", seed=0, image_size=SIZE)
+    with inproc_pool(1, lambda i: SlowCalibration(NumpyBackend(), 0.5)) as (transport, workers):
+        def replicas_timing_own_as(seconds: float) -> Replicas:
+            replicas = Replicas(transport, workers, NumpyBackend(), recv_timeout=0.2, image_size=SIZE,
+                                calibration_repeats=1)  # fmt: skip
+            monkeypatch.setattr(replicas, "_time_own", lambda spec, batch: seconds)
+            return replicas
+
+        replicas = replicas_timing_own_as(0.05)
+        assert replicas.calibrate(net, batch_size=4)["times"][UNIT][0] == 0.05
+        lazy = replicas_timing_own_as(0.001)  # 10 x 2 x 0.001 s < 0.5 s
+        with pytest.raises(Lost, match="no result for the data-parallel calibration within 0.2 s"):
+            lazy.calibrate(net, batch_size=4)
 
 
 class Poisoned(Worker):

@@ -27,7 +27,7 @@ from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.layer import block_inputs
 from tinyconv.shard.protocol import VERSION
 from tinyconv.shard.rebalance import Rebalancer
-from tinyconv.shard.rpc import Link
+from tinyconv.shard.rpc import Link, Lost
 from tinyconv.testing import FN, Expected, assert_close, conv2d_expected
 from tinyconv.trainer import TrainConfig, Trainer
 from tinyconv.worker.handler import Worker
@@ -521,6 +521,37 @@ def free_links(cluster: Cluster) -> None:
 
 def metered_pool(slowdowns):
     return inproc_pool(len(slowdowns), lambda i: MeteredWorker(NumpyBackend(), slowdown=slowdowns[i]))
+
+
+class SlowCalibration(Worker):
+    """A Worker that takes ``seconds`` longer over its calibration: a slower device than the master."""
+
+    def __init__(self, backend, seconds: float) -> None:
+        super().__init__(backend)
+        self.seconds = seconds
+
+    def handle(self, msg: Message) -> Message:
+        if msg.kind in ("calibrate", "replica_calibrate"):  # model- and data-parallel
+            time.sleep(self.seconds)  # the device's own slowness, not a wait for another thread
+        return super().handle(msg)
+
+
+def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_is_not_lost(monkeypatch):
+    # the master's passes "take" 0.05 s a layer: a worker gets 10 x (1 + 1 repeat) x 0.1 s = 2 s, not
+    # the 0.2 s of recv_timeout (conv2 of 300:1000 at batch 256 takes ~40 s a pass on one core)
+    import tinyconv.shard.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "time_block", lambda be, spec, repeats: 0.05)
+    be = NumpyBackend()
+    net = paper_net("2:4", be, seed=0, image_size=8)
+    with inproc_pool(1, lambda i: SlowCalibration(NumpyBackend(), 0.5)) as (transport, workers):
+        cluster = Cluster(transport, workers, be, recv_timeout=0.2, calibration_repeats=1)
+        result = cluster.calibrate(net, batch_size=2, image_size=8)
+        assert result["times"]["conv2"][0] == 0.05 and result["times"]["conv2"][1] > 0
+        lazy = Cluster(transport, workers, be, recv_timeout=0.2, calibration_repeats=1)
+        monkeypatch.setattr(calibrate, "time_block", lambda be, spec, repeats: 0.001)  # 10 x 2 x 0.002 < 0.5
+        with pytest.raises(Lost, match="no result for the calibration within 0.2 s"):
+            lazy.calibrate(paper_net("2:4", be, seed=0, image_size=8), batch_size=2, image_size=8)
 
 
 @pytest.mark.parametrize("split", ["kernels", "channels"])

@@ -36,6 +36,7 @@ from tinyconv.model import Network
 from tinyconv.replica.replica import spec_of
 from tinyconv.shard.accounting import OpStats
 from tinyconv.shard.balance import kernel_counts, speed_weights
+from tinyconv.shard.calibrate import SLOWER
 from tinyconv.shard.membership import Membership
 from tinyconv.shard.rebalance import Rebalancer
 from tinyconv.shard.rpc import Lost, Op, Rpc
@@ -136,8 +137,12 @@ class BatchSplit(Membership):
         {"batch": [images, ...]}, "channel_shares": {}} (the model-parallel calibration's keys)."""
         spec = self._spec = spec_of(net, self.image_size)
         times: dict[str, float] = {}
-        for name, k in self.seats:
-            times[name] = self._time_own(spec, batch_size) if k is None else self._time_worker(k, spec, batch_size)
+        # the master first: a worker's deadline grows with what its run took (calibrate.SLOWER)
+        for name, k in sorted(self.seats, key=lambda seat: seat[1] is not None):
+            reference = min(times.values(), default=None)
+            own = k is None
+            times[name] = self._time_own(spec, batch_size) if own else self._time_worker(k, spec, batch_size, reference)
+        times = {name: times[name] for name, _ in self.seats}
         self.timings, self.calibrated_batch = times, batch_size
         layer_times = [times[name] for name in self.participants]
         self.counts[UNIT] = kernel_counts(speed_weights(layer_times), batch_size)
@@ -147,8 +152,12 @@ class BatchSplit(Membership):
                             "shares": {UNIT: list(self.counts[UNIT])}, "channel_shares": {}}  # fmt: skip
         return self.calibration
 
-    def _time_worker(self, k: int, spec: dict[str, Any], batch: int) -> float:
-        op = self.rpc.op(f"{self.parallel}-parallel calibration", self.backend)
+    def _time_worker(self, k: int, spec: dict[str, Any], batch: int, reference: float | None = None) -> float:
+        """Worker k's seconds for ``batch`` images; ``reference``: a participant's, already timed."""
+        timeout = self.rpc.timeout
+        if reference is not None:  # 1 + repeats runs, each up to SLOWER times the reference's
+            timeout = max(timeout, SLOWER * (1 + self.calibration_repeats) * reference)
+        op = self.rpc.op(f"{self.parallel}-parallel calibration", self.backend, timeout=timeout)
         task = Message(self.calibrate_task, {"net": spec, "batch": batch, "repeats": self.calibration_repeats})
         got = op.gather([op.send(k, task)])[k].header["times"]
         if not (isinstance(got, list) and len(got) == 1 and isinstance(got[0], (int, float)) and got[0] > 0):
@@ -260,7 +269,8 @@ class BatchSplit(Membership):
         self.rpc.workers[info.index] = info
         if self._spec is not None and self.calibrated_batch:
             try:
-                self.timings[name] = self._time_worker(info.index, self._spec, self.calibrated_batch)
+                known = min(self.timings.values(), default=None)
+                self.timings[name] = self._time_worker(info.index, self._spec, self.calibrated_batch, known)
             except (Lost, RuntimeError) as e:
                 log.warning("%s joined but could not be timed (%s); it is left out", name, e)
                 return

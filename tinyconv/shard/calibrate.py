@@ -121,14 +121,34 @@ def time_block(be: Backend, spec: Spec, repeats: int) -> float:
     return statistics.median(once() for _ in range(repeats))
 
 
+# How many times slower than the reference a worker may be before its calibration counts as lost:
+# a laptop beside a desktop, not a worker that stopped.
+SLOWER = 10
+
+
 def time_everyone(
-    rpc: Rpc, backend: Backend | None, specs: list[dict[str, Any]], repeats: int, workers: list[int]
+    rpc: Rpc,
+    backend: Backend | None,
+    specs: list[dict[str, Any]],
+    repeats: int,
+    workers: list[int],
+    reference: float | None = None,
 ) -> dict[int | None, list[float]]:
     """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and for the
-    master (key None) on ``backend`` if it takes part (not None)."""
+    master (key None) on ``backend`` if it takes part (not None).
+
+    The master is timed first: a worker's deadline is the Rpc's timeout or, if longer, SLOWER times
+    what the master's own runs took (1 + ``repeats`` forward + backward passes of every layer), so
+    that a large network at a large batch is not taken for a lost worker (conv2 of 300:1000 at batch
+    256 takes ~40 s a pass on one core). ``reference``: seconds of one pass of all the layers on a
+    participant already timed, for when the master does not take part."""
     times: dict[int | None, list[float]] = {}
+    if backend is not None:
+        times[None] = [time_block(backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
+        reference = sum(times[None])
+    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + repeats) * reference)
     for k in workers:
-        op = rpc.op("calibration", backend)
+        op = rpc.op("calibration", backend, timeout=timeout)
         reply = op.gather([op.send(k, Message("calibrate", {"layers": specs, "repeats": repeats}))])[k]
         got = reply.header["times"]
         if not (isinstance(got, list) and len(got) == len(specs) and all(map(_positive, got))):
@@ -137,8 +157,6 @@ def time_everyone(
                 "positive seconds (one per sharded layer); is it running the same tinyconv version?"
             )
         times[k] = [float(t) for t in got]
-    if backend is not None:
-        times[None] = [time_block(backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
     return times
 
 

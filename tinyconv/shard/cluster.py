@@ -355,7 +355,8 @@ class Cluster(Membership):
         self.rpc.workers[info.index] = info
         if self._specs is not None:
             try:
-                times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [info.index])
+                known = min((sum(t.values()) for t in self.timings.values()), default=None)
+                times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [info.index], known)
             except Lost as e:
                 log.warning("%s joined but could not be timed (%s); it is left out", name, e)
                 return
