@@ -230,12 +230,7 @@ def main() -> None:
             be.rows = rows
             t = device_ms(be.rt, on_device, a.repeats)
             row += f" {t:{width}.2f} {nbytes / t / 1e6:6.2f}"
-        if a.no_numpy:
-            row += f" {'-':>9} {'-':>6}"
-        else:
-            t = wall_ms(on_numpy, a.repeats)
-            row += f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
-        print(row, flush=True)
+        print(row + numpy_cell(a, on_numpy, nbytes), flush=True)
     if not panels:
         return
     print(f"\nim2col/im2row into GEMM panels of width {a.nb}, and col2im, the kernels in turn (* what CPUs run)")
@@ -251,12 +246,15 @@ def main() -> None:
             else:
                 mark = "*" if kernel == pick else ""
                 row += f" {mark + f'{ms[kernel]:.2f}':>{width}} {nbytes / ms[kernel] / 1e6:6.2f}"
-        if a.no_numpy:
-            row += f" {'-':>9} {'-':>6}"
-        else:
-            t = wall_ms(on_numpy, a.repeats)
-            row += f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
-        print(row, flush=True)
+        print(row + numpy_cell(a, on_numpy, nbytes), flush=True)
+
+
+def numpy_cell(a: argparse.Namespace, on_numpy, nbytes: int) -> str:
+    """The numpy column of a row: its wall ms and GB/s, or dashes with --no-numpy."""
+    if a.no_numpy:
+        return f" {'-':>9} {'-':>6}"
+    t = wall_ms(on_numpy, a.repeats)
+    return f" {t:9.2f} {nbytes / t / 1e6:6.2f}"
 
 
 if __name__ == "__main__":
