@@ -633,6 +633,17 @@ __kernel void maxpool_forward_inner(__global const float* x, const int H, const 
     arg[e] = best;
 }
 
+// One tap of a max pool window: the running maximum and its index, and the last NaN and its index
+// (which replaces the maximum at the end), all as selects, which vectorise.
+ALWAYS_INLINE void pool_tap(const float xv, const int at, float* v, int* best, float* nan_v, int* nan_at)
+{
+    const bool take = xv > *v, is_nan = xv != xv;
+    *v = take ? xv : *v;
+    *best = take ? at : *best;
+    *nan_v = is_nan ? xv : *nan_v;
+    *nan_at = is_nan ? at : *nan_at;
+}
+
 // Optimisation of maxpool_forward for CPUs, the same results: one work-item per output row,
 // walking it. The window's rows are clamped into the plane once per row (a clamped row repeats
 // its in-window neighbour: neither the first maximum nor the last NaN moves); the columns are
@@ -652,12 +663,7 @@ ALWAYS_INLINE void maxpool_window(__global const float* xp, const int* hw, const
             const int w = w0 + j;
             const bool inside = !checked || (w >= 0 && w < W);
             const float raw = xp[hw[i] + (!checked ? w : w < 0 ? 0 : w >= W ? W - 1 : w)];
-            const float xv = inside ? raw : -INFINITY;
-            const bool take = xv > v, is_nan = xv != xv;
-            v = take ? xv : v;
-            best = take ? hw[i] + w : best;
-            nan_v = is_nan ? xv : nan_v;
-            nan_at = is_nan ? hw[i] + w : nan_at;
+            pool_tap(inside ? raw : -INFINITY, hw[i] + w, &v, &best, &nan_v, &nan_at);
         }
     }
     yr[ow] = nan_at >= 0 ? nan_v : v;
@@ -741,12 +747,7 @@ __kernel void maxpool_forward_planes(__global const float* restrict x, const int
                     const bool inside = w >= 0 && w < PLANE_W;
                     const int wc = edge ? (w < 0 ? 0 : w >= PLANE_W ? PLANE_W - 1 : w) : w;
                     const float raw = xp[hw[i] + wc];
-                    const float xv = inside ? raw : -INFINITY;
-                    const bool take = xv > v, is_nan = xv != xv;
-                    v = take ? xv : v;
-                    best = take ? hw[i] + w : best;
-                    nan_v = is_nan ? xv : nan_v;
-                    nan_at = is_nan ? hw[i] + w : nan_at;
+                    pool_tap(inside ? raw : -INFINITY, hw[i] + w, &v, &best, &nan_v, &nan_at);
                 }
             }
             yr[ow] = nan_at >= 0 ? nan_v : v;
