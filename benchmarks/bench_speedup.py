@@ -4,6 +4,7 @@
     python benchmarks/bench_speedup.py                      # 300:1000, batch 64
     python benchmarks/bench_speedup.py --fuse off --split kernels   # the paper's conv-only split
     python benchmarks/bench_speedup.py --arch 500:1500 --steps 4
+    python benchmarks/bench_speedup.py --batch 256 --pipeline 0 64 --rounds 2   # the pipeline's A/B
 
 One device = one process pinned to one core with one BLAS thread, as the paper's
 CPUs: the master runs on core 0, the worker (started here under ``taskset -c 1``, the
@@ -45,6 +46,7 @@ from tinyconv.model import parse_arch  # noqa: E402
 from tinyconv.paper import PAPER_SPEEDUPS  # noqa: E402
 from tinyconv.plugins import get_backend  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
+from tinyconv.shard.by_channels import PIPELINE  # noqa: E402
 from tinyconv.shard.cluster import Cluster  # noqa: E402
 from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 
@@ -86,6 +88,18 @@ def main() -> None:
         help="rebalance when the slowest participant lags the mean finish time by more than this fraction "
         "for 3 steps (default %(default)s; the example's default is 0.10, for noisier real clusters)",
     )
+    p.add_argument(
+        "--pipeline",
+        type=int,
+        nargs="+",
+        default=[PIPELINE],
+        metavar="IMAGES",
+        help="images per chunk of conv2 split by input channels (0: the whole batch at once; default "
+        "%(default)s); several values are timed in turn, each alternated with the master alone",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="times through the --pipeline values (default %(default)s)"
+    )
     args = p.parse_args()
     keep_freed_memory()  # as the example and the worker do (tinyconv/heap.py)
     parse_arch(args.arch)  # a clear error for a malformed one, before the worker starts
@@ -111,6 +125,7 @@ def main() -> None:
             recv_timeout=600,
             fuse=args.fuse == "on",
             split=args.split,
+            pipeline=args.pipeline[0],
         )
         calib = cluster.calibrate(net, args.batch)
         print(f"calibrated times (s, master/worker per layer): {calib['times']} -> shares {calib['shares']}")
@@ -119,68 +134,78 @@ def main() -> None:
         # Alternate the two configurations step by step, so that a drift in the shared
         # machine's speed hits both alike: solo = the same network with its own layers back
         # (what --workers 0 runs), while the worker waits on the other core.
-        with tqdm(total=args.steps, desc="solo / distributed steps", disable=None) as bar:
-            solo_recs, dist_recs = alternate(net, opt, x, y, cluster, args.steps, args.settle, lambda: bar.update())
+        recs: dict[int, tuple[list, list]] = {v: ([], []) for v in args.pipeline}
+        with tqdm(total=args.steps * args.rounds * len(recs), desc="solo / distributed steps", disable=None) as bar:
+            for _ in range(args.rounds):
+                for v in recs:
+                    cluster.pipeline = v
+                    solo, dist = alternate(net, opt, x, y, cluster, args.steps, args.settle, lambda: bar.update())
+                    recs[v][0].extend(solo)
+                    recs[v][1].extend(dist)
         cluster.detach(net)
         split = solo_split(net, x, y)  # one extra solo step, timed layer by layer for the Amdahl bound
 
-    solo_t, dist_t = med(solo_recs, "time_s"), med(dist_recs, "time_s")
     f = split["conv_s"] / split["time_s"]
-    per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(cluster.seats))]
-    rows = [
-        ("master alone", solo_t, 0.0, f * solo_t, (1 - f) * solo_t, 1.0, "-"),
-        (
-            "master + 1 worker (zmq)",
-            dist_t,
-            med(dist_recs, "comm_s"),
-            med(dist_recs, "conv_s"),
-            med(dist_recs, "comp_s"),
-            solo_t / dist_t,
-            str(dist_recs[-1]["shares"])
-            + "".join(f", {name} input channels {c}" for name, c in dist_recs[-1]["channel_shares"].items()),
-        ),
-    ]
-    print(
-        format_table(
-            ("configuration", "step s", "comm s", "conv s", "comp s", "speedup", "kernels per participant"),
-            rows,
-            title=f"median of {args.steps} training steps each, alternated",
-        )
-    )
-    print(
-        "master alone: conv and comp split by the fraction of one step timed layer by layer "
-        f"(f = conv / step = {f:.3f}); distributed: conv = slowest participant"
-        + (" (conv + its fused ReLU/LRN/pool)" if args.fuse == "on" else "")
-        + "; each participant's conv compute per step: "
-        + ", ".join(f"{n} {t:.2f} s" for n, t in zip(cluster.participants, per, strict=True))
-    )
-    # where the distributed step goes, op by op (medians): a step waits for the slowest participant
-    # of each op, then for the transfers ("wait" = wall - slowest compute)
-    op_rows = []
-    for j, op in enumerate(dist_recs[0]["ops"]):
-        walls = [r["ops"][j]["wall_s"] for r in dist_recs]
-        computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(cluster.seats))]
-        waits = [r["ops"][j]["wall_s"] - max(r["ops"][j]["compute_s"]) for r in dist_recs]
-        op_rows.append(
+    rows = []
+    for v, (solo_recs, dist_recs) in recs.items():
+        solo_t, dist_t = med(solo_recs, "time_s"), med(dist_recs, "time_s")
+        rows.append((f"master alone (beside pipeline {v})", solo_t, 0.0, f * solo_t, (1 - f) * solo_t, 1.0, "-"))
+        rows.append(
             (
-                f"{op['layer']} {op['op']}",
-                statistics.median(walls),
-                *(statistics.median(c) for c in computes),
-                statistics.median(waits),
+                f"master + 1 worker (zmq), pipeline {v}",
+                dist_t,
+                med(dist_recs, "comm_s"),
+                med(dist_recs, "conv_s"),
+                med(dist_recs, "comp_s"),
+                solo_t / dist_t,
+                str(dist_recs[-1]["shares"])
+                + "".join(f", {name} input channels {c}" for name, c in dist_recs[-1]["channel_shares"].items()),
             )
         )
     print(
         format_table(
-            ("op", "wall s", *(f"{n} compute s" for n in cluster.participants), "wait s"),
-            op_rows,
-            title="master + 1 worker, op by op (medians)",
+            ("configuration", "step s", "comm s", "conv s", "comp s", "speedup", "kernels per participant"),
+            rows,
+            title=f"median of {args.steps * args.rounds} training steps each, alternated",
         )
     )
+    for v, (_, dist_recs) in recs.items():
+        per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(cluster.seats))]
+        print(
+            f"pipeline {v}: master alone's conv and comp split by the fraction of one step timed layer by layer "
+            f"(f = conv / step = {f:.3f}); distributed: conv = slowest participant"
+            + (" (conv + its fused ReLU/LRN/pool)" if args.fuse == "on" else "")
+            + "; each participant's conv compute per step: "
+            + ", ".join(f"{n} {t:.2f} s" for n, t in zip(cluster.participants, per, strict=True))
+        )
+        # where the distributed step goes, op by op (medians): a step waits for the slowest participant
+        # of each op, then for the transfers ("wait" = wall - slowest compute)
+        op_rows = []
+        for j, op in enumerate(dist_recs[0]["ops"]):
+            walls = [r["ops"][j]["wall_s"] for r in dist_recs]
+            computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(cluster.seats))]
+            waits = [r["ops"][j]["wall_s"] - max(r["ops"][j]["compute_s"]) for r in dist_recs]
+            op_rows.append(
+                (
+                    f"{op['layer']} {op['op']}",
+                    statistics.median(walls),
+                    *(statistics.median(c) for c in computes),
+                    statistics.median(waits),
+                )
+            )
+        print(
+            format_table(
+                ("op", "wall s", *(f"{n} compute s" for n in cluster.participants), "wait s"),
+                op_rows,
+                title=f"master + 1 worker, pipeline {v}, op by op (medians)",
+            )
+        )
+    solo_t, dist_t = med(recs[args.pipeline[-1]][0], "time_s"), med(recs[args.pipeline[-1]][1], "time_s")
     two_cpus = [q for q in PAPER_SPEEDUPS if (q.participants, q.device) == (2, "cpu")]
     paper = ", ".join(f"{q.speedup:.2f}x on {q.arch}" for q in two_cpus)
     print(
         f"Amdahl bound for 2 devices 1/((1-f)+f/2) = {1 / ((1 - f) + f / 2):.2f}x with conv alone parallel; "
-        f"measured {solo_t / dist_t:.2f}x (paper, 2 CPUs: {paper})"
+        f"measured {solo_t / dist_t:.2f}x with pipeline {args.pipeline[-1]} (paper, 2 CPUs: {paper})"
     )
 
 

@@ -268,6 +268,52 @@ def test_a_channel_split_of_its_own_gives_the_unsharded_numbers(rng, n, master_s
             assert [s > 0 for s in record["participant_conv_s"]] == [c > 0 for c in plan]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["conv", "conv+relu+lrn+pool"])
+@pytest.mark.parametrize(
+    "n, master_share, plan, channels",
+    [
+        (1, "auto", [3, 6], [5, 1]),
+        (2, "auto", [1, 7, 1], [2, 1, 3]),  # slices narrower than the LRN's halo: sums relayed chunk by chunk
+        (1, "0", [9], [6]),  # a worker alone
+    ],
+)
+def test_a_batch_in_chunks_gives_the_unsharded_numbers_and_moves_the_same_bytes(
+    rng, n, master_share, plan, channels, fused
+):
+    conv, net = conv_and_reference(rng, c_in=6, c_out=9)
+    x = rng.standard_normal((5, 6, 8, 8), dtype=np.float32)
+    if fused:
+        net, y_ref, dy, dx_ref, dw_ref, db_ref = block_reference(rng, conv, x)
+    else:
+        x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, x.shape)
+    seen = []  # the images of each partial_forward a worker got
+
+    class Recording(Worker):
+        def handle(self, msg: Message) -> Message:
+            if msg.kind == "partial_forward":
+                seen.append(msg.header["images"])
+            return super().handle(msg)
+
+    moved = {}
+    with inproc_pool(n, lambda i: Recording(NumpyBackend())) as (transport, workers):
+        for pipeline in (2, 0):  # 5 images in chunks [0, 1), [1, 3), [3, 5); then whole
+            settings = {"split": "channels", "recv_timeout": TIMEOUT, "pipeline": pipeline}
+            cluster = Cluster(transport, workers, conv.backend, master_share, **settings)
+            block = attached(cluster, net)
+            cluster.set_plan("conv1", plan, channels)
+            seen.clear()
+            assert_close(net.forward(x), y_ref)
+            assert_close(block.backward(dy), dx_ref)
+            assert_close(conv.grads["w"], dw_ref)
+            assert_close(conv.grads["b"], db_ref)
+            moved[pipeline] = (cluster.last_step["bytes_sent"], cluster.last_step["bytes_recv"])
+            workers_with_kernels = sum(1 for c in plan[master_share == "auto" :] if c)
+            chunks = [[0, 1, 5], [1, 3, 5], [3, 5, 5]] if pipeline else [[0, 5, 5]]
+            assert sorted(seen) == sorted(chunks * workers_with_kernels)
+            cluster.detach(net)
+    assert moved[2] == moved[0]  # the same arrays, cut by images
+
+
 def test_a_channel_split_that_does_not_fit_is_refused_or_replaced(rng):
     conv, net = conv_and_reference(rng)
     x, y_ref, dy, dx_ref, dw_ref, _ = unsharded(rng, conv, (1, 3, 5, 5))

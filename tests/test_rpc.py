@@ -128,14 +128,14 @@ def test_relay_sends_each_second_round_task_as_soon_as_it_is_ready():
         if k == 1:
             transport.release(0)  # worker 0 answers only now
 
-    second = op.relay(first, lambda k: (1 - k) in have, lambda k: Message("tail_forward", {}), arrived)
+    second = op.relay(first, lambda k: (1 - k) in have, lambda k: [Message("tail_forward", {})], arrived)
     assert transport.sent == [
         (0, "partial_forward", 1),
         (1, "partial_forward", 2),
         (0, "tail_forward", 3),  # as soon as worker 1's partial is in
         (1, "tail_forward", 4),
     ]
-    assert set(op.gather(second.values())) == {0, 1}
+    assert set(op.gather(t for tasks in second.values() for t in tasks)) == {0, 1}
 
 
 def test_a_worker_the_transport_lost_ends_the_op_with_lost():

@@ -218,6 +218,64 @@ def test_a_refused_task_leaves_the_layer_for_a_good_one():
     close(grads["db"], db_ref)
 
 
+def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
+    # the middle one of three participants again, its batch of 2 in two chunks of one image
+    worker = Worker(NumpyBackend())
+    dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
+    y_ref, dx_ref, dw_ref, db_ref = reference(dy)
+    assert ok(worker, partial(x=X[:1], own=[1, 4], images=[0, 1, 2])) == {}
+    assert ok(worker, task("partial_forward", {"x": X[1:]}, own=[1, 4], images=[1, 2, 2])) == {}
+    assert ok(worker, task("tail_forward", {}, images=[0, 1, 2])) == {}  # summed, no tail yet
+    close(ok(worker, tail(images=[1, 2, 2]))["y"], y_ref[:, 1:4])
+    np.testing.assert_array_equal(ok(worker, task("tail_backward", {"dy": dy}))["dyc"], dy[:, 1:4])
+    for i in range(2):
+        around = {"dyc_lo": dy[i : i + 1, :1], "dyc_hi": dy[i : i + 1, 4:]}
+        grads = ok(worker, task("partial_backward", around, images=[i, i + 1, 2]))
+        assert set(grads) == ({"dx"} if i == 0 else {"dx", "dw", "db"})  # dw and db summed, with the last
+        close(grads["dx"], dx_ref[i : i + 1])
+    close(grads["dw"], dw_ref)
+    close(grads["db"], db_ref)
+
+
+@pytest.mark.parametrize(
+    "steps, complaint",
+    [
+        ([partial(x=X[:1], images=[1, 2, 2])], "continues the chunk that ends there; send the batch's chunks in order"),
+        ([task("partial_forward", {"x": X[:1]}, images=[0, 1, 2])], "the first chunk of partial_forward .* brings w"),
+        ([partial(x=X[:1], images=[0, 1, 2]), partial(x=X[1:], images=[1, 2, 2])], "w comes with the first chunk"),
+        ([partial(images=[0, 1, 2])], r"expected x \(1, c, H, W\) for images \[0, 1\)"),
+        ([partial(images=[0, 2])], r"images must be \[a, b, N\] with 0 <= a < b <= N, got \[0, 2\]"),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, own=[1, 4], images=[1, 2, 2])],
+            "must repeat its first chunk's settings",
+        ),
+        ([partial(x=X[:1], images=[0, 1, 2]), tail()], r"images \[0, 2, 2\] do not continue .* images up to 1"),
+        ([partial(x=X[:1], images=[0, 1, 2]), tail(images=[0, 1, 2])], "b comes with the last chunk"),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]),
+             task("tail_forward", {}, images=[1, 2, 2])],
+            r"the next chunk starts at image 0",
+        ),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]),
+             task("tail_forward", {}, images=[0, 1, 2]), tail(images=[1, 2, 2]), task("tail_backward", {"dy": DY})],
+            None,
+        ),
+    ],
+)  # fmt: skip
+def test_chunks_out_of_order_or_inconsistent_are_refused(steps, complaint):
+    worker = Worker(NumpyBackend())
+    for msg in steps[:-1]:
+        assert worker.handle(msg).kind == "result", worker.handle(msg)
+    if complaint is None:  # the whole forward in chunks, then the backward by other chunks than its forward's
+        assert worker.handle(steps[-1]).kind == "result"
+        bad = task("partial_backward", {}, images=[0, 2, 2])
+        expected = "partial_backward goes by the forward's chunks; the next is images [0, 1, 2]"
+        assert expected in error_text(worker.handle(bad))
+        return
+    assert re.search(complaint, error_text(worker.handle(steps[-1])))
+
+
 BY_CHANNELS = [partial(), tail()]  # one participant with all channels: the whole layer
 CALIBRATE_0 = {"layer": 0, "x": [1, 3, 8, 8], "w": [1, 3, 3, 3], "stride": 1, "padding": 0, "need_dx": True, "tail": []}
 
@@ -244,12 +302,12 @@ CALIBRATE_0 = {"layer": 0, "x": [1, 3, 8, 8], "w": [1, 3, 3, 3], "stride": 1, "p
         ([partial(halo=[2, 6])], r"halo must be \[a, b\] with 0 <= a < b <= 5, got \[2, 6\]"),
         ([partial(halo=[1, 3], own=[0, 3])], r"own must be \[a, b\] with 0 <= a < b <= 2"),
         ([partial(give=[0, 6])], r"give must be \[lo_end, hi_start\] within \[0, 5\], got \[0, 6\]"),
-        ([task("partial_forward", {"x": X, "w": W, "b": B})], r"takes the arrays \['w', 'x'\], got \['b', 'w', 'x'\]"),
+        ([task("partial_forward", {"x": X, "w": W, "b": B})], r"\['x'\] and optionally \['w'\], got \['b', 'w', 'x'\]"),
         ([forward(own=[0, 6])], r"own must be \[a, b\] with 0 <= a < b <= 5"),
         ([Message("block_forward", {"task": 1, "step": 0, "layer": 0}, {})], "missing"),
         ([partial(), tail(b=B[:3])], r"tail_forward takes b \(5,\) and sum \(2, 5, 8, 8\); got b \(3,\)"),
         ([partial(), tail(others=DY[:, :2])], r"got b \(5,\), sum \(2, 2, 8, 8\)"),
-        ([partial(), task("tail_forward", {"b": B, "x": X})], r"\['b'\] and optionally \['sum'\], got \['b', 'x'\]"),
+        ([partial(), task("tail_forward", {"b": B, "x": X})], r"optionally \['b', 'sum'\], got \['b', 'x'\]"),
         ([*BY_CHANNELS, task("tail_backward", {"dy": DY}), task("partial_backward", {"dy": DY})], "optionally"),
         (
             [*BY_CHANNELS, task("tail_backward", {"dy": DY}), task("partial_backward", {"dyc_hi": DY[:, :1]})],

@@ -24,6 +24,15 @@ The price is bytes: each way, every worker sends and receives about its share of
 output, which costs nothing on one machine but more than the kernel split on a LAN (so
 ``Cluster``'s ``split="auto"`` uses it only with workers on the master's host). A worker's
 round 2 goes out as soon as the others' round 1 is in (:meth:`~tinyconv.shard.rpc.Op.relay`).
+
+An optimisation on top, the pipeline: a batch larger than :data:`PIPELINE` images goes in
+chunks of images (header ``images`` = [a, b, N]). Every chunk's partial_forward leaves at once;
+the master computes its own partial chunk by chunk, and sends each worker chunk c's sum
+(tail_forward, b with the last) as soon as it has chunk c of the others, so these bytes cross
+while chunk c + 1 computes; the tail, which may need the whole batch (batch norm), runs once
+the last chunk is summed. The backward's partial_backward goes by the same chunks, each answered
+with its rows of dx (dw and db, summed over the chunks, with the last). At 300:1000's batch 256
+the partial sums are 390 MB each way: whole, they cross while both sides wait.
 """
 
 from __future__ import annotations
@@ -45,8 +54,10 @@ from transports.base import Message
 class Kept:
     """What a forward keeps for its backward."""
 
-    master: BlockCache | None  # the master's tail over its partial convolution, when it has channels
+    master: BlockCache | None  # the master's tail over its partial convolution, when it has channels;
+    #                            its conv cache is a list, one per chunk
     x_shape: tuple[int, ...]
+    chunks: list[tuple[int, int]]  # the pipeline's image ranges
 
 
 @dataclass
@@ -63,6 +74,11 @@ class Partial:
         if self.lo is not None and kernels.stop <= self.lo.shape[1]:
             return self.lo[:, kernels]
         return self.hi[:, kernels.start - self.hi_start : kernels.stop - self.hi_start]
+
+
+# An optimisation, the pipeline: above this many images the batch goes in chunks, so that a chunk's
+# partial sums cross the wire while the next chunk computes (batch 64 gains nothing by it, and is one chunk)
+PIPELINE = 64
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -83,65 +99,103 @@ def _give(busy: list[Participant], i: int, total: int) -> list[int]:
     return [max((q.halo.stop for q in busy[:i]), default=0), min((q.halo.start for q in busy[i + 1 :]), default=total)]
 
 
-def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array) -> tuple[Array, Kept]:
-    """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels."""
+def chunks(n: int, images: int) -> list[tuple[int, int]]:
+    """The batch of ``n`` images cut into near-equal [a, b) ranges of at most ``images`` each (the
+    pipeline below); ``images`` 0, or a batch no larger: the whole batch, one range."""
+    if images <= 0 or n <= images:
+        return [(0, n)]
+    k = -(-n // images)
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def forward(
+    op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array, pipeline: int = PIPELINE
+) -> tuple[Array, Kept]:
+    """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels.
+
+    ``pipeline``: images per chunk of the pipeline (0: the whole batch at once)."""
     be, total, busy, m = op.backend, conv.out_channels, plan.busy, plan.master
     x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
     n, _, oh, ow = conv.output_shape(x_h.shape)
     worker = {p.worker: p for p in plan.workers}
     give = {p.worker: _give(busy, i, total) for i, p in enumerate(busy) if p.worker is not None}
-    partials: dict[str, Partial] = {}
+    parts = chunks(n, pipeline)
 
-    def others_on(p: Participant) -> list[np.ndarray]:
-        return [partials[q.name].on(p.halo) for q in busy if q is not p]
+    # round 1: each worker's partial convolution, every chunk of it at once
+    first: list[dict[int, int]] = [{} for _ in parts]
+    for c, (a, e) in enumerate(parts):
+        for k, p in worker.items():
+            header = {"stride": conv.stride, "padding": conv.padding, "tail": tail, "images": [a, e, n]}
+            header |= {"halo": [p.halo.start, p.halo.stop], "own": list(p.own), "give": give[k]}
+            arrays = {"x": np.ascontiguousarray(x_h[a:e, p.channels])}
+            arrays |= {"w": np.ascontiguousarray(w_h[:, p.channels])} if c == 0 else {}
+            first[c][k] = op.send(k, Message("partial_forward", header, arrays))
 
-    # round 1: each worker's partial convolution; the master's meanwhile
-    first = {}
-    for k, p in worker.items():
-        header = {"stride": conv.stride, "padding": conv.padding, "tail": tail}
-        header |= {"halo": [p.halo.start, p.halo.stop], "own": list(p.own), "give": give[k]}
-        arrays = {"x": np.ascontiguousarray(x_h[:, p.channels]), "w": np.ascontiguousarray(w_h[:, p.channels])}
-        first[k] = op.send(k, Message("partial_forward", header, arrays))
+    # chunk by chunk, the master's partial, then each worker the others' partials summed over its
+    # halo as soon as the master has them; the master's own halo summed as they come
+    s_m = w_m = None
     if m is not None:
+        s_m = np.empty((n, m.halo.stop - m.halo.start, oh, ow), np.float32)
         with op.local():
-            x_m, w_m = be.asarray(x_h[:, m.channels]), be.asarray(w_h[:, m.channels])
-            p_m, conv_m = be.conv2d_forward(x_m, w_m, be.zeros((total,)), conv.stride, conv.padding)
-            partials[m.name] = Partial(be.to_numpy(p_m), None, total)
+            w_m = be.asarray(np.ascontiguousarray(w_h[:, m.channels]))
+    conv_m: list[Any] = []
+    second: dict[int, list[int]] = {k: [] for k in worker}
+    for c, (a, e) in enumerate(parts):
+        partials: dict[str, Partial] = {}
 
-    def arrived(k: int, reply: Message) -> None:
-        lo_end, hi_start = give[k]
-        lo = op.array(k, reply, "p_lo", (n, lo_end, oh, ow)) if lo_end > 0 else None
-        hi = op.array(k, reply, "p_hi", (n, total - hi_start, oh, ow)) if hi_start < total else None
-        partials[worker[k].name] = Partial(lo, hi, hi_start)
+        def others_on(p: Participant) -> list[np.ndarray]:
+            return [partials[q.name].on(p.halo) for q in busy if q is not p]  # noqa: B023
 
-    def tail_task(k: int) -> Message:
-        p = worker[k]
-        terms = others_on(p)
-        arrays = {"b": np.ascontiguousarray(b_h[p.halo])} | ({"sum": _summed(terms)} if terms else {})
-        return Message("tail_forward", {}, arrays)
+        if m is not None:
+            with op.local():
+                x_m = be.asarray(np.ascontiguousarray(x_h[a:e, m.channels]))
+                p_m, cache = be.conv2d_forward(x_m, w_m, be.zeros((total,)), conv.stride, conv.padding)
+                conv_m.append(cache)
+                partials[m.name] = Partial(be.to_numpy(p_m), None, total)
 
-    # round 2: each worker the others' partials summed over its halo, as soon as the master has them
-    ready = lambda k: all(q.name in partials for q in busy if q.worker != k)  # noqa: E731
-    second = op.relay(first, ready, tail_task, arrived)
+        def arrived(k: int, reply: Message) -> None:
+            lo_end, hi_start = give[k]
+            lo = op.array(k, reply, "p_lo", (e - a, lo_end, oh, ow)) if lo_end > 0 else None  # noqa: B023
+            hi = op.array(k, reply, "p_hi", (e - a, total - hi_start, oh, ow)) if hi_start < total else None  # noqa: B023
+            partials[worker[k].name] = Partial(lo, hi, hi_start)  # noqa: B023
+
+        def tail_task(k: int) -> list[Message]:
+            p, last = worker[k], e == n  # noqa: B023
+            terms = others_on(p)
+            arrays = ({"b": np.ascontiguousarray(b_h[p.halo])} if last else {}) | (
+                {"sum": _summed(terms)} if terms else {}
+            )
+            return [Message("tail_forward", {"images": [a, e, n]}, arrays)]  # noqa: B023
+
+        ready = lambda k: all(q.name in partials for q in busy if q.worker != k)  # noqa: B023, E731
+        for k, tasks in op.relay(first[c], ready, tail_task, arrived).items():
+            second[k] += tasks
+        if m is not None:
+            with op.local():
+                s = s_m[a:e]
+                np.add(partials[m.name].on(m.halo), b_h[m.halo, None, None], out=s)
+                for term in others_on(m):
+                    s += term
+
     y_m = cache = None
     if m is not None:
         with op.local():
-            s = partials[m.name].on(m.halo) + b_h[m.halo, None, None]
-            for term in others_on(m):
-                s += term
-            y_m, cache = tail_forward(be, be.asarray(s), conv_m, tail, m.own)
+            y_m, cache = tail_forward(be, be.asarray(s_m), conv_m, tail, m.own)
             y_m = be.to_numpy(y_m)
-    results = op.gather(second.values())
+    results = {}
+    for tasks in zip(*second.values(), strict=True):  # every chunk's; the last one's carry y
+        results = op.gather(tasks)
     oh2, ow2 = tail_output_hw(oh, ow, tail)
-    parts = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in busy]
-    return be.asarray(np.concatenate(parts, axis=1)), Kept(cache, x_h.shape)
+    parts_y = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in busy]
+    return be.asarray(np.concatenate(parts_y, axis=1)), Kept(cache, x_h.shape, parts)
 
 
 def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array]:
     """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
     be, busy, m = op.backend, plan.busy, plan.master
     dy_h = be.to_numpy(dy)
-    n, _, h, wd = kept.x_shape
+    n, c_in, h, wd = kept.x_shape
     _, total, oh, ow = conv.output_shape(kept.x_shape)
     worker = {p.worker: p for p in plan.workers}
     dyc: dict[str, np.ndarray] = {}  # participant -> its own kernels' conv-output gradient (N, own, OH, OW)
@@ -159,34 +213,44 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
     def arrived(k: int, reply: Message) -> None:
         dyc[worker[k].name] = op.array(k, reply, "dyc", (n, worker[k].n_kernels, oh, ow))
 
-    def conv_task(k: int) -> Message:
+    def conv_tasks(k: int) -> list[Message]:
         i = busy.index(worker[k])
-        arrays = {}
-        for key, around in (("dyc_lo", busy[:i]), ("dyc_hi", busy[i + 1 :])):
-            if around:  # the kernels before this worker's, and after
-                arrays[key] = _joined([dyc[q.name] for q in around])
-        return Message("partial_backward", {"need_dx": conv.need_dx}, arrays)
+        tasks = []
+        for a, e in kept.chunks:
+            arrays = {}
+            for key, around in (("dyc_lo", busy[:i]), ("dyc_hi", busy[i + 1 :])):
+                if around:  # the kernels before this worker's, and after
+                    arrays[key] = _joined([dyc[q.name][a:e] for q in around])
+            tasks.append(Message("partial_backward", {"need_dx": conv.need_dx, "images": [a, e, n]}, arrays))
+        return tasks
 
-    # round 2: each worker the others' conv-output gradients, as soon as the master has them;
-    # with all of dY_conv, the conv backward through its partial
+    # round 2: each worker the others' conv-output gradients, as soon as the master has them, chunk
+    # by chunk; with all of dY_conv, the conv backward through its partial
     ready = lambda k: all(q.name in dyc for q in busy if q.worker != k)  # noqa: E731
-    second = op.relay(first, ready, conv_task, arrived)
-    mine = None
-    if m is not None:
-        with op.local():
-            whole = be.asarray(_joined([dyc[q.name] for q in busy]))
-            dx_m, dw_m, db_m = be.conv2d_backward(whole, kept.master.conv, conv.need_dx)
-            mine = {"dx": be.to_numpy(dx_m) if conv.need_dx else None, "dw": be.to_numpy(dw_m), "db": be.to_numpy(db_m)}
-    results = op.gather(second.values())
-
-    def part(p: Participant, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return mine[name] if p is m else op.array(p.worker, results[p.worker], name, shape)
-
+    second = op.relay(first, ready, conv_tasks, arrived)
     width = {p.name: p.channels.stop - p.channels.start for p in busy}
     k_shape = (conv.kernel, conv.kernel)
-    dx = None
-    if conv.need_dx:
-        dx = be.asarray(np.concatenate([part(p, "dx", (n, width[p.name], h, wd)) for p in busy], axis=1))
+    dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None
+    dw_m = db_m = None
+    if m is not None:
+        with op.local():
+            for (a, e), cache in zip(kept.chunks, kept.master.conv, strict=True):
+                whole = be.asarray(_joined([dyc[q.name][a:e] for q in busy]))
+                dx_c, dw_c, db_c = be.conv2d_backward(whole, cache, conv.need_dx)
+                if conv.need_dx:
+                    dx[a:e, m.channels] = be.to_numpy(dx_c)
+                dw_c, db_c = be.to_numpy(dw_c), be.to_numpy(db_c)
+                dw_m, db_m = (dw_c, db_c) if dw_m is None else (dw_m + dw_c, db_m + db_c)
+    results = {}
+    for (a, e), tasks in zip(kept.chunks, zip(*second.values(), strict=True), strict=True):
+        results = op.gather(tasks)  # the last chunk's carry dw and db
+        if conv.need_dx:
+            for p in plan.workers:
+                dx[a:e, p.channels] = op.array(p.worker, results[p.worker], "dx", (e - a, width[p.name], h, wd))
+
+    def part(p: Participant, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return {"dw": dw_m, "db": db_m}[name] if p is m else op.array(p.worker, results[p.worker], name, shape)
+
     dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in busy], axis=1)
     db = part(busy[0], "db", (total,))  # every participant's is the same: the first's
-    return dx, be.asarray(dw), be.asarray(db)
+    return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db)

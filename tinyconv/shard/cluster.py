@@ -36,6 +36,7 @@ from tinyconv.shard.accounting import LayerStep, step_record
 from tinyconv.shard.adaptive_precision import formats_of, policy
 from tinyconv.shard.balance import kernel_counts, speed_weights
 from tinyconv.shard.block import tail_of
+from tinyconv.shard.by_channels import PIPELINE
 from tinyconv.shard.calibrate import time_everyone
 from tinyconv.shard.layer import ShardedBlock, block_inputs
 from tinyconv.shard.membership import Membership
@@ -68,6 +69,8 @@ class Cluster(Membership):
     ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
     "bf16", "fp16", "adt24", "s8" for every array, or "adaptive" (AWP: each layer's weights widen as
     they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
+    ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
+    chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Cluster(Membership):
         recv_timeout: float = 120.0,
         calibration_repeats: int = 3,
         wire_precision: str = "fp32",
+        pipeline: int = PIPELINE,
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -105,6 +109,9 @@ class Cluster(Membership):
         here = socket.gethostname()
         local = all(w.hostname == here for w in self.workers)
         self.split_by_channels = split == "channels" or (split == "auto" and len(self.workers) <= 2 and local)
+        if not (isinstance(pipeline, int) and pipeline >= 0):
+            raise ValueError(f"pipeline must be images per chunk, an int >= 0 (0: the whole batch), got {pipeline!r}")
+        self.pipeline = pipeline
         self.fuse = fuse
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
         self.calibration_repeats = calibration_repeats

@@ -36,6 +36,7 @@ class Coordinator(Protocol):
     rpc: Rpc
     seats: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
     step: int  # training steps finished
+    pipeline: int  # images per chunk of a layer split by input channels (0: the whole batch)
 
     def plan(self, block: ShardedBlock) -> Plan: ...
 
@@ -90,7 +91,10 @@ class ShardedBlock(Layer):
             split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
             op = self._op("forward", step, x.shape[0])
             try:
-                y, kept = split.forward(op, self.conv, self.tail, plan, x)
+                if split is by_channels:
+                    y, kept = split.forward(op, self.conv, self.tail, plan, x, self.cluster.pipeline)
+                else:
+                    y, kept = split.forward(op, self.conv, self.tail, plan, x)
             except Lost as e:
                 self.cluster.lose(e.workers)
                 continue

@@ -30,6 +30,12 @@ c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into
                                                      after its own (each absent when empty)
                       -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
 
+A batch may go in chunks of images (the pipeline): partial_forward, tail_forward and
+partial_backward then carry ``images`` = [a, b, N], and N above is b - a: partial_forward's
+chunks in order from image 0, w with the first only; tail_forward's from image 0, b with the
+last only, which alone returns y (the others return nothing); partial_backward's by the forward's
+chunks, each returning its dx, the last dw and db too (summed over the chunks).
+
 And once, before training (``calibrate.py``)::
 
     calibrate         layers, repeats                -> times: seconds per layer, no arrays
@@ -87,9 +93,10 @@ from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, 4 the hybrid's
-# tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow`` as ["s8", H, W]);
-# a worker's hello says which it speaks, the transport admits equals
-VERSION = 5
+# tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow`` as ["s8", H, W],
+# 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward); a worker's hello says
+# which it speaks, the transport admits equals
+VERSION = 6
 
 
 class TaskError(ValueError):
@@ -113,8 +120,10 @@ TASKS: dict[str, Schema] = {
     "calibrate": Schema({"task": Int, "layers": list, "repeats": Int}),
     "block_forward": Schema({**_LAYER, **_CONV, "own": list}, frozenset({"x", "w", "b"})),
     "block_backward": Schema({**_LAYER, "need_dx": bool}, frozenset({"dy"})),
-    "partial_forward": Schema({**_LAYER, **_CONV, "halo": list, "own": list, "give": list}, frozenset({"x", "w"})),
-    "tail_forward": Schema(_LAYER, frozenset({"b"}), frozenset({"sum"})),
+    "partial_forward": Schema(
+        {**_LAYER, **_CONV, "halo": list, "own": list, "give": list}, frozenset({"x"}), frozenset({"w"})
+    ),
+    "tail_forward": Schema(_LAYER, optional_arrays=frozenset({"b", "sum"})),
     "tail_backward": Schema(_LAYER, frozenset({"dy"})),
     "partial_backward": Schema({**_LAYER, "need_dx": bool}, optional_arrays=frozenset({"dyc_lo", "dyc_hi"})),
     "replica_calibrate": Schema({"task": Int, "net": dict, "batch": Int, "repeats": Int}),
@@ -150,6 +159,8 @@ TIMED = ("calibrate", "replica_calibrate", "hybrid_calibrate")  # the tasks whos
 RESULT = {"task": Int, "compute_s": Num}
 CALIBRATE_RESULT = {**RESULT, "times": list}
 # the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' or the hybrid's)
+# the tasks that may carry a chunk of the batch, ``images`` = [a, b, N] (``by_channels.py``'s pipeline)
+CHUNKED = frozenset({"partial_forward", "tail_forward", "partial_backward"})
 NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
                         "partial_backward"})  # fmt: skip
 
@@ -173,6 +184,7 @@ def check_task(msg: Message) -> Schema:
     if schema is None:
         raise TaskError(f"a worker does not handle {msg.kind!r} messages; send one of {', '.join(TASKS)}")
     optional = {"narrow": dict, "reply": dict} if msg.kind in NARROWABLE else {}
+    optional |= {"images": list} if msg.kind in CHUNKED else {}
     try:
         check_fields(msg.kind, msg.header, schema.header, optional)
     except ProtocolError as e:

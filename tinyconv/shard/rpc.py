@@ -223,20 +223,21 @@ class Op:
         self,
         first: dict[int, int],
         ready: Callable[[int], bool],
-        then: Callable[[int], Message],
+        then: Callable[[int], list[Message]],
         each: Callable[[int, Message], None],
-    ) -> dict[int, int]:
+    ) -> dict[int, list[int]]:
         """Gather the first round (worker -> task), ``each(worker, result)`` as results come, and send
-        worker k its second-round task ``then(k)`` as soon as ``ready(k)`` -- which can be before the
+        worker k its second-round tasks ``then(k)`` as soon as ``ready(k)`` -- which can be before the
         rest of the first round is in, or before its own result is (the optimisation: the second
-        round's transfers overlap the first round's compute). Returns the second round, worker -> task.
+        round's transfers overlap the first round's compute). Returns the second round, worker -> its
+        tasks in the order sent.
         """
-        second: dict[int, int] = {}
+        second: dict[int, list[int]] = {}
 
         def send_ready() -> None:
             for k in first:
                 if k not in second and ready(k):
-                    second[k] = self.send(k, then(k))
+                    second[k] = [self.send(k, msg) for msg in then(k)]
 
         def arrived(k: int, reply: Message) -> None:
             each(k, reply)
