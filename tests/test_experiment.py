@@ -297,3 +297,62 @@ def test_a_csv_with_columns_this_grid_does_not_know_is_refused(tmp_path: Path, c
     assert grid(out) == 2
     err = capsys.readouterr().err
     assert "unknown mystery" in err and "another --out" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- the pipeline axis -----------------------------------------------------------------------------------------------
+def test_the_grids_default_pipeline_is_the_clusters() -> None:
+    from tinyconv.experiment import grid as grid_module
+    from tinyconv.shard.by_channels import PIPELINE
+
+    assert grid_module.PIPELINE == PIPELINE  # grid.py keeps its own copy so as not to load numpy early
+
+
+def test_pipeline_varies_the_model_parallel_cells_and_reaches_the_cluster(tmp_path: Path, monkeypatch) -> None:
+    from tinyconv.experiment import run
+    from tinyconv.plot.grid import speedup_chart
+
+    got = cells(["a:1", "b:1"], [64], [1, 2], repeats=1, parallels=["model", "data"], pipelines=[0, 2])
+    assert [(c.participants, c.parallel, c.pipeline) for c in got if c.arch == "a:1"] == [
+        (1, "model", "-"), (2, "model", "0"), (2, "model", "2"), (2, "data", "-")]  # fmt: skip
+    assert len({c.key("x") for c in got}) == len(got) and "pipeline 2" in got[4].label()
+    made = []
+
+    class Recorded(run.Cluster):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(run, "Cluster", Recorded)
+    out = tmp_path / "grid.csv"
+    # batch 4 in chunks of 2 images: the split by input channels (auto, one local worker) goes in two chunks
+    assert grid(out, "--parallel", "model", "data", "--pipeline", "0", "2") == 0
+    assert [c.pipeline for c in made] == [0, 2] and all(c.split_by_channels for c in made)
+    rows_ = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["participants"], r["parallel"], r["pipeline"]) for r in rows_] == [
+        (1, "model", "-"), (2, "model", "0"), (2, "model", "2"), (2, "data", "-")]  # fmt: skip
+    assert all(r["channel_shares"] for r in rows_[1:3]) and "pipeline 2" in summary(rows_)
+    chart = speedup_chart(rows_)  # two pipelines are two series, not the repeats of one
+    assert "pipeline 0" in chart and "pipeline 2" in chart
+
+
+def test_a_csv_written_before_the_pipeline_column_resumes_as_0_and_a_new_value_is_a_new_cell(
+    tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "grid.csv"
+    assert grid(out, "--parallel", "model", "data") == 0
+    old = [{k: v for k, v in r.items() if k != "pipeline"} for r in rows(out)]
+    with open(out, "w", newline="") as f:  # as a grid before the column wrote it
+        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c != "pipeline"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(old)
+    capsys.readouterr()
+    assert grid(out, "--parallel", "model", "data", "--pipeline", "0") == 0
+    assert "3 cells, 3 already in" in capsys.readouterr().out  # the model-parallel row ran the whole batch at once
+    assert [(r["participants"], r["parallel"], r["pipeline"]) for r in rows(out)] == [
+        ("1", "model", "-"), ("2", "model", "0"), ("2", "data", "-")]  # fmt: skip
+    assert [{k: v for k, v in r.items() if k != "pipeline"} for r in rows(out)] == old
+    assert grid(out, "--parallel", "model", "data", "--pipeline", "0", "2") == 0
+    assert "4 cells, 3 already in" in capsys.readouterr().out  # only the model-parallel cell in chunks of 2 is new
+    now = rows(out)
+    assert [(r["participants"], r["parallel"], r["pipeline"]) for r in now[3:]] == [("2", "model", "2")]
+    assert len(json.loads(out.with_suffix(".json").read_text())) == 4

@@ -50,17 +50,19 @@ def _int(minimum: int):
 def build_parser() -> argparse.ArgumentParser:
     from tinyconv.model import NORMS, PAPER_ARCHS  # imports numpy: after main() set the BLAS threads
     from tinyconv.shard.adaptive_precision import SETTINGS as WIRE_PRECISIONS
+    from tinyconv.shard.by_channels import PIPELINE
 
     p = _Parser(prog="tinyconv experiment", description="The paper's experiments, one command each.")
     sub = p.add_subparsers(dest="experiment", required=True, parser_class=_Parser)
     g = sub.add_parser("grid", help="the speedup grid: archs x batches x participants x repeats, one CSV row a run",
                        description="Time training steps for every architecture x batch x participant count (x norm, "
-                       "backend, fuse, split, parallel, rebalance, wire precision) x repeat: the master alone, and "
-                       "the master with P-1 workers, their steps alternated; one CSV and JSON row per run; resumable.",
+                       "backend, fuse, split, parallel, rebalance, wire precision, pipeline) x repeat: the master "
+                       "alone, and the master with P-1 workers, their steps alternated; one CSV and JSON row per run; "
+                       "resumable.",
                        epilog="A re-run with the same --out skips the cells already in it (same arch, norm, batch, "
-                       "participants, fuse, split, backend, parallel, rebalance, wire, repeat and --link-label; a CSV "
-                       "written before a column existed resumes as what it ran: parallel model, rebalance on, wire "
-                       "fp32) and appends the rest; a file "
+                       "participants, fuse, split, backend, parallel, rebalance, wire, pipeline, repeat and "
+                       "--link-label; a CSV written before a column existed resumes as what it ran: parallel model, "
+                       "rebalance on, wire fp32, pipeline 0) and appends the rest; a file "
                        "measured with other --steps, --warmup, --settle or --transport is refused, not mixed. The "
                        "progress bar's time left is the cost still to run (conv multiply-adds x steps, in Gflop) "
                        "over the average rate so far.")  # fmt: skip
@@ -90,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the words the shards travel in, one or more of {', '.join(WIRE_PRECISIONS)} "
                    f"(tinyconv/shard/wire_precision.py; default fp32); --parallel data and hybrid run at {DATA_WIRE} "
                    "only, their cells at the others are left out")  # fmt: skip
+    g.add_argument("--pipeline", nargs="+", type=_int(0), default=[PIPELINE], metavar="IMAGES",
+                   help=f"images per chunk of a layer split by input channels, one or more (0: the whole batch at "
+                   f"once; default {PIPELINE}); model-parallel cells only, the others say -")  # fmt: skip
     g.add_argument("--transport", choices=("zmq", "inproc"), default="zmq",
                    help="zmq: worker processes (default); inproc: threads, for tests, not for timing")  # fmt: skip
     g.add_argument("--bind", metavar="ADDR", help="the master's address (default tcp://127.0.0.1:0, a free "
@@ -156,7 +161,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     if cut:
         print(f"{out}: dropped a half-written last line (a run cut short); that cell runs again")
     grid = cells(args.archs, args.batches, args.participants, args.repeats, args.norm, args.fuse, args.split,
-                 args.backend, args.parallel, args.rebalance, args.wire_precision)  # fmt: skip
+                 args.backend, args.parallel, args.rebalance, args.wire_precision, args.pipeline)  # fmt: skip
     narrowed = [w for w in args.wire_precision if w != DATA_WIRE]
     by_images = " and ".join(m for m in args.parallel if m in BY_IMAGES)
     if by_images and max(args.participants) > 1 and narrowed:

@@ -3,7 +3,7 @@
 **Order.** Repeats are rounds: every configuration runs its repeat 0 before any runs its
 repeat 1, so a configuration's repeats are a whole round apart, never back to back. Within a
 round the batch changes slowest, then participants / parallel / fuse / split / rebalance /
-wire / backend / norm, and the architecture fastest: consecutive cells differ in architecture
+wire / pipeline / backend / norm, and the architecture fastest: consecutive cells differ in architecture
 (when there are several), so a slow drift of the shared machine spreads over all of them
 instead of landing on one architecture's cells. Every round runs in the same order. Inside a cell, solo and
 distributed steps alternate step by step (``run.py``), so the speedup itself is measured
@@ -28,6 +28,14 @@ left out, not run. The master alone has no rebalancer and sends nothing: its row
 ``"-"`` for both, as for fuse and split; a row written before these columns existed reads
 "on" and "fp32" (``"-"`` for the master alone).
 
+**Pipeline.** ``pipeline`` is ``Cluster(pipeline=)``: the images per chunk in which a layer split
+by input channels goes (``tinyconv/shard/by_channels.py``; "0": the whole batch at once). A
+model-parallel cell runs once per --pipeline value, also when its split turns out to be by
+kernels, which has no pipeline: the grid cannot know what ``split="auto"`` will choose. The master
+alone and data / hybrid cells split no channels: their rows say ``"-"``, and they run once. A row
+written before the column existed reads "0" for a model-parallel cell (the whole batch at once was
+all there was) and ``"-"`` for the others.
+
 **Cost.** A cell's expected cost, for the progress bar's estimate of the time left, is its
 convolutions' multiply-adds (forward and backward, three GEMMs each) times the steps it runs:
 warm-up, timed, settle, calibration. Only the ratios between cells matter: the bar's rate is
@@ -42,12 +50,15 @@ from dataclasses import dataclass
 from itertools import product
 
 NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone splits nothing
-KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "rebalance", "wire", "repeat",
-       "link")  # fmt: skip
+KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "rebalance", "wire", "pipeline",
+       "repeat", "link")  # fmt: skip
 PARALLELS = ("model", "data", "hybrid")
 BY_IMAGES = ("data", "hybrid")  # the modes that split the batch, not the convolutions (tinyconv/replica/)
 REBALANCES = ("on", "off")
 DATA_WIRE = "fp32"  # the only wire a BY_IMAGES cell runs (tinyconv/replica/ sends float32)
+# tinyconv.shard.by_channels.PIPELINE, the Cluster's default (not imported: it loads numpy before main() set
+# the BLAS threads; tests/test_experiment.py keeps the two equal)
+PIPELINE = 64
 CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x
 
 
@@ -66,11 +77,14 @@ class Cell:
     parallel: str = "model"  # "model": the paper's split of the convolutions; "data", "hybrid": the batch split
     rebalance: str = "on"  # "on" / "off" (the calibrated split kept), or "-" for the master alone
     wire: str = "fp32"  # the --wire-precision of the shards, or "-" for the master alone
+    pipeline: str = str(PIPELINE)  # images per chunk of the channel split ("0": the whole batch), or "-" where
+    #                                nothing is split by channels (the master alone, data and hybrid cells)
 
     def key(self, link: str) -> tuple[str, ...]:
         """The cell's identity as the CSV's key columns hold it (all text), on the link ``link``."""
         return (self.arch, self.norm, str(self.batch), str(self.participants), self.fuse, self.split,
-                self.backend, self.parallel, self.rebalance, self.wire, str(self.repeat), link)  # fmt: skip
+                self.backend, self.parallel, self.rebalance, self.wire, self.pipeline, str(self.repeat),
+                link)  # fmt: skip
 
     def label(self) -> str:
         """A short name for lines and the progress bar."""
@@ -80,7 +94,7 @@ class Cell:
             how = f"P{self.participants} {self.parallel}-parallel rebalance {self.rebalance}"
         else:
             how = (f"P{self.participants} fuse {self.fuse} split {self.split} rebalance {self.rebalance} "
-                   f"wire {self.wire}")  # fmt: skip
+                   f"wire {self.wire} pipeline {self.pipeline}")  # fmt: skip
         return f"{self.arch} {self.norm} batch {self.batch} {how} {self.backend} #{self.repeat}"
 
 
@@ -96,22 +110,25 @@ def cells(
     parallels: Sequence[str] = ("model",),
     rebalances: Sequence[str] = ("on",),
     wires: Sequence[str] = ("fp32",),
+    pipelines: Sequence[int] = (PIPELINE,),
 ) -> list[Cell]:
     """Every cell of the grid, in the order they run (see the module's docstring), without duplicates.
     Data-parallel and hybrid cells come only at fp32 (``DATA_WIRE``): with any other of ``wires`` they are
-    left out."""
+    left out. ``pipelines`` (images per chunk, 0 = the whole batch) vary the model-parallel cells only."""
     out: list[Cell] = []
     seen: set[Cell] = set()
     for repeat, batch in product(range(repeats), batches):
-        ways = product(participants, parallels, fuses, splits, rebalances, wires, backends, norms)
-        for p, parallel, fuse, split, rebalance, wire, backend, norm in ways:
+        ways = product(participants, parallels, fuses, splits, rebalances, wires, pipelines, backends, norms)
+        for p, parallel, fuse, split, rebalance, wire, pipeline, backend, norm in ways:
             alone, data = p == 1, parallel in BY_IMAGES and p > 1
             if data and wire != DATA_WIRE:
                 continue
             how = (NOT_SPLIT, NOT_SPLIT) if alone or data else (fuse, split)
             sharing = (NOT_SPLIT, NOT_SPLIT) if alone else (rebalance, wire)
+            chunks = NOT_SPLIT if alone or data else str(pipeline)  # only the model split has channels to chunk
             for arch in archs:
-                cell = Cell(arch, norm, batch, p, *how, backend, repeat, "model" if alone else parallel, *sharing)
+                cell = Cell(arch, norm, batch, p, *how, backend, repeat, "model" if alone else parallel, *sharing,
+                            chunks)  # fmt: skip
                 if cell not in seen:
                     seen.add(cell)
                     out.append(cell)

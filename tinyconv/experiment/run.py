@@ -13,7 +13,9 @@ split it into conv and comp, as the paper's Fig. 6 does. ``benchmarks/bench_spee
 prints the same measurements for one configuration, in more detail. The shards travel in
 ``cell.wire`` (``Cluster(wire_precision=)``); the bytes in a row are those that crossed, as
 narrowed, and a narrowed wire's row names the words each layer's weights / maps / gradients
-took in its last step (``wire_formats``) and how many arrays fell back to float32.
+took in its last step (``wire_formats``) and how many arrays fell back to float32. A layer split
+by input channels goes in chunks of ``cell.pipeline`` images (``Cluster(pipeline=)``; "0": the
+whole batch at once).
 
 A data-parallel cell (``cell.parallel == "data"``, ``tinyconv/replica/``) alternates the same
 way, a solo step against one of the replicas (:func:`data_step`), which need no attaching; a
@@ -143,7 +145,7 @@ def run_cell(
     cluster = Cluster(transport, workers[: cell.participants - 1], be, master_share="auto",
                       rebalance=cell.rebalance == "on", rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD),
                       recv_timeout=RECV_TIMEOUT_S, fuse=cell.fuse == "on", split=cell.split,
-                      wire_precision=cell.wire)  # fmt: skip
+                      wire_precision=cell.wire, pipeline=int(cell.pipeline))  # fmt: skip
     try:
         cluster.calibrate(net, cell.batch)
         for _ in range(warmup):

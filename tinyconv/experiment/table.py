@@ -4,8 +4,8 @@ The columns (:data:`COLUMNS`) are a contract: the plots and the simulator read t
 The CSV is appended to one row at a time, flushed, so a grid cut short keeps every finished
 cell; a re-run reads it back (:func:`read_rows`), drops a half-written last line, and skips
 the cells whose key columns (``grid.KEY``) it already holds. A file written before some of the
-columns existed (:data:`OLDER`: parallel, rebalance, wire, ...) reads with what its rows meant
-by them, and is rewritten once with every column. The JSON beside it (``grid.json`` for
+columns existed (:data:`OLDER`: parallel, rebalance, wire, pipeline, ...) reads with what its rows
+meant by them, and is rewritten once with every column. The JSON beside it (``grid.json`` for
 ``grid.csv``) is rewritten whole after every cell, with typed values.
 
 A file measured under other settings is refused rather than mixed: rows of one CSV must agree
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinyconv.experiment.grid import KEY, NOT_SPLIT
+from tinyconv.experiment.grid import BY_IMAGES, KEY, NOT_SPLIT, PIPELINE
 from tinyconv.paper import paper_speedup
 from tinyconv.report import format_table
 
@@ -37,14 +37,16 @@ COLUMNS: dict[str, type] = {
     "solo_step_s": float, "speedup": float, "shares": str, "link": str, "host": str, "timestamp": str,
     # extras
     "warmup": int, "settle": int, "channel_shares": str, "workers": str, "parallel": str,
-    "rebalance": str, "wire": str, "wire_fallbacks": int, "wire_formats": str,
+    "rebalance": str, "wire": str, "wire_fallbacks": int, "wire_formats": str, "pipeline": str,
 }  # fmt: skip
 # columns added since the first grids: what a row written before them means, for a distributed row
 # and for the master alone (which has no rebalancer and sends nothing)
 OLDER: dict[str, tuple[str, str]] = {
     "parallel": ("model", "model"), "rebalance": ("on", NOT_SPLIT), "wire": ("fp32", NOT_SPLIT),
     "wire_fallbacks": ("0", "0"), "wire_formats": ("", ""),
+    "pipeline": ("0", NOT_SPLIT),  # before the pipeline, a model-parallel step sent the whole batch at once
 }  # fmt: skip
+MODEL_ONLY = ("pipeline",)  # of OLDER, the columns a data-parallel or hybrid row has none of: "-" there
 SETTINGS = ("steps", "warmup", "settle", "transport")
 
 
@@ -96,7 +98,11 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
 def older(column: str, row: dict[str, str]) -> str:
     """What ``row``, written before ``column`` existed, means by it (:data:`OLDER`)."""
     distributed, alone = OLDER[column]
-    return alone if row.get("participants") == "1" else distributed
+    if row.get("participants") == "1":
+        return alone
+    if column in MODEL_ONLY and row.get("parallel", "model") in BY_IMAGES:  # no parallel column: model
+        return NOT_SPLIT
+    return distributed
 
 
 def check_settings(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> None:
@@ -150,7 +156,7 @@ def _text(v: Any) -> str:
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """Median speedup over repeats: a row per arch x batch, a column per participants (and per
-    fuse / split / parallel / rebalance / wire / backend / norm when the rows have several), and
+    fuse / split / parallel / rebalance / wire / pipeline / backend / norm when the rows have several), and
     the paper's 2-CPU value."""
     ways = {_way(r) for r in rows}
     # one column per participant count, unless the rows split (or run) more than one way
@@ -180,20 +186,21 @@ def _way(r: dict[str, Any]) -> tuple:
     alone = r["participants"] == 1
     return (r["participants"], r["fuse"], r["split"], r.get("parallel", "model"),
             r.get("rebalance", NOT_SPLIT if alone else "on"), r.get("wire", NOT_SPLIT if alone else "fp32"),
-            r["backend"], r["norm"])  # fmt: skip
+            r.get("pipeline", NOT_SPLIT), r["backend"], r["norm"])  # fmt: skip
 
 
 def _header(col: tuple) -> str:
     if len(col) == 1:
         return f"{col[0]} participant{'s' if col[0] > 1 else ''}"
-    p, fuse, split, parallel, rebalance, wire, backend, norm = col
+    p, fuse, split, parallel, rebalance, wire, pipeline, backend, norm = col
     if p == 1:
         return f"1 (alone) {backend} {norm}"
-    fixed = " rebalance off" if rebalance == "off" else ""  # the defaults (on, fp32) go unsaid
+    fixed = " rebalance off" if rebalance == "off" else ""  # the defaults (on, fp32, PIPELINE) go unsaid
     if parallel != "model":
         return f"{p} {parallel}-parallel{fixed} {backend} {norm}"
     narrow = f" wire {wire}" if wire != "fp32" else ""
-    return f"{p} fuse {fuse} split {split}{fixed}{narrow} {backend} {norm}"
+    chunks = f" pipeline {pipeline}" if pipeline not in (NOT_SPLIT, str(PIPELINE)) else ""
+    return f"{p} fuse {fuse} split {split}{fixed}{narrow}{chunks} {backend} {norm}"
 
 
 def _median(xs: list[float]) -> float:

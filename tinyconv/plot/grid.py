@@ -23,9 +23,9 @@ from tinyconv.plot.svg import colors
 from tinyconv.plot.tables import describe, median, number, varying
 
 # may differ between rows of one grid, and then tell series apart
-SETTINGS = ("parallel", "norm", "fuse", "split", "rebalance", "wire", "backend", "transport", "link")
+SETTINGS = ("parallel", "norm", "fuse", "split", "rebalance", "wire", "pipeline", "backend", "transport", "link")
 # how the participants share a step: the master alone's row has none of them (it says "-", or "model")
-SHARING = ("parallel", "fuse", "split", "rebalance", "wire")
+SHARING = ("parallel", "fuse", "split", "rebalance", "wire", "pipeline")
 IDEAL_GREYS = ("#555555", "#888888", "#aaaaaa", "#bbbbbb")
 
 
