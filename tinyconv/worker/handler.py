@@ -1,8 +1,11 @@
 """The worker: answers the master's tasks (``tinyconv/shard/protocol.py``) on one Backend.
 
 :class:`Worker` is the handler every transport serves: ``hello()`` and ``handle(msg)``
-(``transports.base.Handler``). Each task kind has one small method below. Any problem
-becomes an ``error`` reply naming it, and the worker keeps serving.
+(``transports.base.Handler``). Each task kind has one small handler, a method of ``Worker``:
+the split by kernels and calibration are below; the split by input channels is in
+``tinyconv/worker/by_channels.py`` (with :class:`Kept`, what a layer's forward leaves for the
+rest of its step), data parallelism and the hybrid in ``tinyconv/worker/replica.py``. Any
+problem becomes an ``error`` reply naming it, and the worker keeps serving.
 
 Between the tasks of one layer's step a worker keeps what its forward computed. Which
 task may come next is explicit, one row per task kind (:data:`STAGES`)::
@@ -28,16 +31,17 @@ still on the device is narrowed there and only its narrow words are read back, a
 goes straight to the backend (:data:`ON_DEVICE`) is widened there after only its narrow words
 were written: the same words on the wire either way.
 
-The data-parallel tasks (``replica_calibrate``, ``replica_step``; ``tinyconv/replica/``) stand
-alone: each brings everything it needs (the weights with every step), and the worker keeps only
-its replica of the network between them, rebuilt when the master describes another one.
+The data-parallel tasks (``replica_calibrate``, ``replica_step``; ``tinyconv/replica/``; here
+``replica.py``) stand alone: each brings everything it needs (the weights with every step), and
+the worker keeps only its replica of the network between them, rebuilt when the master describes
+another one.
 
-The hybrid's tasks (``hybrid_forward``, ``hybrid_backward``; ``tinyconv/replica/hybrid.py``) run
-the conv part of that same replica: its forward's caches live in the replica's layers, kept
-under the slot ``"conv part"`` (not a layer index) for the step's backward. Any other replica
-task runs the replica too and would overwrite those caches, so it forgets that slot first: a
-``hybrid_backward`` after it is refused (send ``hybrid_forward`` again) instead of computing a
-wrong gradient. ``hybrid_calibrate`` stands alone, as ``replica_calibrate``.
+The hybrid's tasks (``hybrid_forward``, ``hybrid_backward``; ``tinyconv/replica/hybrid.py``; here
+``replica.py``) run the conv part of that same replica: its forward's caches live in the
+replica's layers, kept under the slot ``"conv part"`` (not a layer index) for the step's backward.
+Any other replica task runs the replica too and would overwrite those caches, so it forgets that
+slot first: a ``hybrid_backward`` after it is refused (send ``hybrid_forward`` again) instead of
+computing a wrong gradient. ``hybrid_calibrate`` stands alone, as ``replica_calibrate``.
 """
 
 from __future__ import annotations
@@ -48,31 +52,32 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from backends.base import Backend, conv_output_size
 from tinyconv.model import Network
-from tinyconv.replica import flat
-from tinyconv.replica.conv_part import backward_features, conv_part, feature_shape, forward_features, time_conv_part
-from tinyconv.replica.replica import build, slice_gradients, time_replica
-from tinyconv.shard.block import (
-    BlockCache,
-    block_backward,
-    block_forward,
-    check_tail,
-    owned,
-    tail_backward,
-    tail_output_hw,
-)
-from tinyconv.shard.block import tail_forward as run_tail
+from tinyconv.shard.block import block_backward, block_forward, check_tail, tail_output_hw
 from tinyconv.shard.calibrate import parse_spec, time_block
 from tinyconv.shard.protocol import VERSION, TaskError, check_task, narrowed, widened
 from tinyconv.shard.wire_precision import Narrowed, declare
+from tinyconv.worker import by_channels, replica
+from tinyconv.worker.by_channels import HYBRID, Kept, _slot, _span, _where
 from transports.base import Message
-from transports.wire import Int, error_reply
+from transports.wire import error_reply
+
+# HYBRID and Kept live in by_channels.py (which this module imports) and are still importable from here
+__all__ = [
+    "DEFAULT_MAX_CALIBRATE_BYTES",
+    "HYBRID",
+    "ON_DEVICE",
+    "STAGES",
+    "STANDALONE",
+    "Kept",
+    "Worker",
+    "default_max_calibrate_bytes",
+]
 
 
 def default_max_calibrate_bytes() -> int:
@@ -103,7 +108,6 @@ STAGES: dict[str, tuple[str | None, str | None]] = {
 }
 # the tasks that continue no layer and leave none: each brings all it needs
 STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step", "hybrid_calibrate"})
-HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
 _LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
 # task kind -> the inputs its handler only hands to the backend (``_on_backend``), which may therefore
 # be widened on the device; the others (tail_forward's b and sum, partial_backward's dyc_lo and dyc_hi)
@@ -114,30 +118,6 @@ ON_DEVICE: dict[str, frozenset[str]] = {
     "partial_forward": frozenset({"x", "w"}),
     "tail_backward": frozenset({"dy"}),
 }
-
-
-@dataclass
-class Kept:
-    """What one layer's forward left on this worker for the rest of its step."""
-
-    stage: str
-    step: int
-    cache: BlockCache | None = None  # "block", "tail", "dyc": the block's (or the tail's) cache
-    conv: Any = None  # "partial" on: the backend's cache of the partial convolution
-    partial: np.ndarray | None = None  # "partial": the partial convolution on the computed kernels
-    tail: list[dict[str, Any]] = field(default_factory=list)
-    own: tuple[int, int] = (0, 0)  # the own kernels, as offsets into the computed ones
-    dyc: np.ndarray | None = None  # "dyc": the own kernels' conv-output gradient
-    kernels: int = 0  # all F kernels of a layer split by input channels
-    w: Any = None  # "partial": its weights on the backend, for the chunks after the first
-    settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
-    halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
-    chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
-    done: int = 0  # images summed by tail_forward; then chunks through partial_backward
-    dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
-    db: np.ndarray | None = None
-    images: int = 0  # "hybrid": the slice's images
-    features: tuple[int, int, int] = (0, 0, 0)  # "hybrid": (C2, H', W') of one image
 
 
 class Worker:
@@ -269,127 +249,17 @@ class Worker:
         self._advance(h, "block_backward", kept)
         return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {})
 
-    # ---- split by input channels ------------------------------------------------------------
-    # A batch may come in chunks of images (header ``images`` = [a, b, N], ``by_channels.py``'s
-    # pipeline): partial_forward chunk by chunk from image 0, w with the first; tail_forward adds the
-    # others' sums chunk by chunk and runs the tail with the last (b with it); partial_backward goes
-    # by the forward's chunks, in order. Without ``images`` a task is the whole batch, one chunk.
-    def partial_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
-        """P, the partial convolution of its input channels for all F kernels, on a chunk of images;
-        returns the parts the others need (p_lo = P[:, :lo_end], p_hi = P[:, hi_start:]) and keeps
-        P over its halo."""
-        x, w = a["x"], a.get("w")
-        first, stop, n = _images(h, x.shape[0])
-        if x.ndim != 4 or stop - first != x.shape[0] or (w is not None and (w.ndim != 4 or x.shape[1] != w.shape[1])):
-            raise TaskError(
-                f"layer {h['layer']}: expected x ({stop - first}, c, H, W) for images [{first}, {stop}) and "
-                f"w (F, c, KH, KW), got x {x.shape}" + (f", w {w.shape}" if w is not None else "")
-            )
-        be = self.backend
-        settings = [h[key] for key in ("stride", "padding", "tail", "halo", "own", "give")] + [list(x.shape[1:]), n]
-        if first == 0:
-            if w is None:
-                raise TaskError(f"layer {h['layer']}: the first chunk of partial_forward (image 0 on) brings w")
-            f = w.shape[0]
-            tail = self._tail(h, x.shape[2:], w.shape[2:])
-            cs, ce = _span(h, "halo", f)
-            own = _span(h, "own", ce - cs)
-            give = h["give"]
-            if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
-                raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
-            kept = Kept("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=self._on_backend(w))
-            kept.settings, kept.halo = settings, (cs, ce)
-        else:
-            kept = self.layers.get(_slot(h))
-            if kept is None or kept.stage != "partial" or kept.step != h["step"] or kept.chunks[-1][1] != first:
-                raise TaskError(
-                    f"{_where(h)}: partial_forward of images from {first} on continues the chunk that ends there; "
-                    "send the batch's chunks in order from image 0"
-                )
-            if w is not None:
-                raise TaskError(f"{_where(h)}: w comes with the first chunk of partial_forward only")
-            if settings != kept.settings:
-                raise TaskError(f"{_where(h)}: a chunk of partial_forward must repeat its first chunk's settings")
-        f, (cs, ce) = kept.kernels, kept.halo
-        p, conv = be.conv2d_forward(self._on_backend(x), kept.w, be.zeros((f,)), h["stride"], h["padding"])
-        p = be.to_numpy(p)
-        if first == 0:
-            kept.partial = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
-        kept.partial[first:stop] = p[:, cs:ce]
-        kept.conv.append(conv)
-        kept.chunks.append((first, stop))
-        self._advance(h, "partial_forward", kept)
-        lo_end, hi_start = h["give"]
-        return ({"p_lo": p[:, :lo_end]} if lo_end > 0 else {}) | ({"p_hi": p[:, hi_start:]} if hi_start < f else {})
-
-    def tail_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
-        """Adds ``sum``, the others' partials on its halo, to a chunk of its own; with the last chunk
-        (and ``b``), y = tail(P[:, halo] + sum + b) of its own kernels."""
-        n, computed, oh, ow = kept.partial.shape
-        first, stop, _ = _images(h, n, kept=kept, computed=kept.chunks[-1][1], at=kept.done)
-        b, others = a.get("b"), a.get("sum")
-        rows = (stop - first, computed, oh, ow)
-        if (b is not None and b.shape != (computed,)) or (others is not None and others.shape != rows):
-            got = (f"b {b.shape}, " if b is not None else "") + (f"sum {others.shape}" if others is not None else "")
-            raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
-        if (b is not None) != (stop == n):
-            raise TaskError(f"layer {h['layer']}: b comes with the last chunk of tail_forward (images up to {n}) only")
-        if others is not None:
-            kept.partial[first:stop] += others
-        kept.done = stop
-        if stop < n:
-            return {}
-        s = kept.partial
-        s += b[None, :, None, None]
-        y, kept.cache = run_tail(self.backend, self.backend.asarray(s), kept.conv, kept.tail, kept.own)
-        kept.partial = None
-        self._advance(h, "tail_forward", kept)
-        return {"y": y}
-
-    def tail_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
-        """dyc, its own kernels' conv-output gradient, from dy over its halo; kept for partial_backward."""
-        be = self.backend
-        try:
-            d = tail_backward(be, self._on_backend(a["dy"]), kept.cache)
-        except ValueError as e:
-            raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
-        kept.dyc = np.ascontiguousarray(owned(be, d, kept.cache))
-        kept.done = 0  # chunks through partial_backward
-        self._advance(h, "tail_backward", kept)
-        return {"dyc": kept.dyc}
-
-    def partial_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
-        """With the others' dyc before and after its own (all of dY, N x F), the conv backward through
-        its partial, one forward chunk at a time: the chunk's dx of its input channels (if need_dx);
-        dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
-        n, _, oh, ow = kept.dyc.shape
-        chunk = kept.chunks[kept.done]
-        first, stop, batch = _images(h, n)
-        if (first, stop, batch) != (*chunk, n):
-            raise TaskError(
-                f"{_where(h)}: partial_backward goes by the forward's chunks; the next is images {[*chunk, n]}"
-            )
-        parts = [p for p in (a.get("dyc_lo"), kept.dyc[first:stop], a.get("dyc_hi")) if p is not None]
-        if not all(p.ndim == 4 and (p.shape[0], *p.shape[2:]) == (stop - first, oh, ow) for p in parts) or (
-            sum(p.shape[1] for p in parts) != kept.kernels
-        ):
-            raise TaskError(
-                f"layer {h['layer']}: dyc_lo, this worker's {kept.dyc.shape[1]} kernels' gradient and dyc_hi must make "
-                f"({stop - first}, {kept.kernels}, {oh}, {ow}); got {[tuple(p.shape) for p in parts]}"
-            )
-        be = self.backend
-        whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv[kept.done], h["need_dx"])
-        kept.done += 1
-        if len(kept.chunks) > 1:  # summed over the chunks on the host
-            dw, db = be.to_numpy(dw), be.to_numpy(db)
-            kept.dw, kept.db = (dw, db) if kept.dw is None else (kept.dw + dw, kept.db + db)
-            dw, db = kept.dw, kept.db
-        out = {"dx": dx} if h["need_dx"] else {}
-        if kept.done < len(kept.chunks):
-            return out
-        self._advance(h, "partial_backward", kept)
-        return {"dw": dw, "db": db} | out
+    # ---- split by input channels, data parallelism, the hybrid: plain functions of the worker, ------
+    # bound here as methods, so that a subclass may override one (tests poison a worker's results)
+    partial_forward = by_channels.partial_forward
+    tail_forward = by_channels.tail_forward
+    tail_backward = by_channels.tail_backward
+    partial_backward = by_channels.partial_backward
+    replica_calibrate = replica.replica_calibrate
+    replica_step = replica.replica_step
+    hybrid_calibrate = replica.hybrid_calibrate
+    hybrid_forward = replica.hybrid_forward
+    hybrid_backward = replica.hybrid_backward
 
     # ---- calibration -------------------------------------------------------------------------
     def calibrate(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
@@ -400,100 +270,6 @@ class Worker:
             raise TaskError("layers is empty: nothing to calibrate")
         specs = [parse_spec(i, spec, self.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
         return {"times": [time_block(self.backend, spec, h["repeats"]) * self.slowdown for spec in specs]}
-
-    # ---- data parallelism: a whole replica --------------------------------------------------------
-    def replica_calibrate(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
-        """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
-        if not 1 <= h["repeats"] <= 1000:
-            raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
-        if not 1 <= h["batch"] <= 1 << 16:
-            raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
-        net = self._replica(h["net"], h["batch"])
-        return {"times": [time_replica(net, h["net"], h["batch"], h["repeats"]) * self.slowdown]}
-
-    def replica_step(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
-        """The replica, given the master's weights (and batch-norm statistics), on its slice x, y of a
-        batch of ``batch``: the slice's part of the gradient, its logits, its statistics after."""
-        x, y, spec = a["x"], a["y"], h["net"]
-        n = x.shape[0] if x.ndim == 4 else 0
-        if not (x.ndim == 4 and n >= 1 and y.shape == (n,) and n <= h["batch"]):
-            raise TaskError(f"replica_step takes x (n, C, H, W) and y (n,) with 1 <= n <= batch ({h['batch']}); "
-                            f"got x {x.shape}, y {y.shape}")  # fmt: skip
-        net = self._replica(spec, n)
-        if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
-            raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
-                            f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
-        buffers = a.get("buffers")
-        if (buffers is None) != (sum(flat.sizes(net, "buffers")) == 0):
-            raise TaskError("buffers must come exactly when the replica has batch-norm statistics")
-        try:
-            flat.unpack(net, a["params"])
-            if buffers is not None:
-                flat.unpack(net, buffers, "buffers")
-            logits = slice_gradients(net, x, y, h["batch"])
-        except ValueError as e:  # a vector of the wrong size, labels out of range
-            raise TaskError(str(e)) from None
-        out = {"grads": flat.pack(net, "grads"), "logits": logits}
-        return out | ({"buffers": flat.pack(net, "buffers")} if buffers is not None else {})
-
-    # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
-    def hybrid_calibrate(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
-        """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
-        if not 1 <= h["repeats"] <= 1000:
-            raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
-        if not 1 <= h["batch"] <= 1 << 16:
-            raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
-        net = self._replica(h["net"], h["batch"])
-        return {"times": [time_conv_part(net, h["net"], h["batch"], h["repeats"]) * self.slowdown]}
-
-    def hybrid_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
-        """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
-        ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
-        x, spec = a["x"], h["net"]
-        n = x.shape[0] if x.ndim == 4 else 0
-        if not (x.ndim == 4 and 1 <= n <= h["batch"] <= 1 << 16):
-            raise TaskError(f"hybrid_forward takes x (n, C, H, W) with 1 <= n <= batch ({h['batch']}) <= 65536; "
-                            f"got x {x.shape}")  # fmt: skip
-        net = self._replica(spec, n)
-        if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
-            raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
-                            f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
-        conv, buffers = conv_part(net), a.get("buffers")
-        if (buffers is None) != (sum(flat.sizes(conv, "buffers")) == 0):
-            raise TaskError("buffers must come exactly when the conv part has batch-norm statistics")
-        try:
-            flat.unpack(conv, a["params"])  # its size checked before anything is set
-            if buffers is not None:
-                flat.unpack(conv, buffers, "buffers")
-        except ValueError as e:
-            raise TaskError(f"hybrid_forward: {e} (the conv part's, without the classifier)") from None
-        features = forward_features(conv, x)
-        kept = Kept("hybrid", h["step"], images=n, features=feature_shape(net, spec["image_size"]))
-        self._advance(h, "hybrid_forward", kept)
-        return {"features": features} | ({"buffers": flat.pack(conv, "buffers")} if buffers is not None else {})
-
-    def hybrid_backward(self, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
-        """The conv part's backward from its rows of dL/dfeatures (n, F): the slice's conv gradient."""
-        d, want = a["dfeatures"], (kept.images, math.prod(kept.features))
-        if d.shape != want:
-            raise TaskError(f"{_where(h)}: dfeatures must be {want} (the slice's images x features of its "
-                            f"forward), got {d.shape}")  # fmt: skip
-        conv = conv_part(self.replica[1])
-        backward_features(conv, d, kept.features)
-        self._advance(h, "hybrid_backward", kept)
-        return {"grads": flat.pack(conv, "grads")}
-
-    def _replica(self, spec: Any, batch: int) -> Network:
-        """The replica ``spec`` describes: the one kept, or a new one (within this worker's memory limit).
-        Whoever asks for it runs it, so the hybrid's kept forward, whose caches it holds, is forgotten."""
-        self.layers.pop(HYBRID, None)
-        key = repr(sorted(spec.items()))
-        if self.replica is None or self.replica[0] != key:
-            try:
-                self.replica = key, build(spec, self.backend, batch, self.max_calibrate_bytes)
-            except ValueError as e:
-                raise TaskError(f"replica: {e}") from None
-        return self.replica[1]
 
     # ---- wire words on the device, where the backend converts them there -----------------------
     def _widen_on_device(self, kind: str) -> Callable[[str, np.ndarray, Any], Any]:
@@ -540,41 +316,3 @@ class Worker:
         if self.slowdown > 1.0:
             self._idle.wait((self.slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
         return compute_s * self.slowdown
-
-
-def _slot(h: dict[str, Any]) -> int | str:
-    """Where a task's kept forward lives: its layer's index, or the hybrid's one slot."""
-    return h.get("layer", HYBRID)
-
-
-def _where(h: dict[str, Any]) -> str:
-    """The task's place in a step, for errors: "layer 1 step 3", "the conv part step 3"."""
-    slot = _slot(h)
-    return f"{'layer ' if isinstance(slot, int) else 'the '}{slot} step {h['step']}"
-
-
-def _span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
-    """Header ``key``, a non-empty range [a, b] with 0 <= a < b <= limit, as a tuple."""
-    v = h[key]
-    if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):
-        raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
-    return v[0], v[1]
-
-
-def _images(
-    h: dict[str, Any], n: int, kept: Kept | None = None, computed: int | None = None, at: int | None = None
-) -> tuple[int, int, int]:
-    """Header ``images`` = [a, b, N], a chunk of a batch of N: (a, b, N), checked; absent: (0, n, n),
-    the whole batch. For a task that continues a layer (``kept``), N must be its batch, a must be
-    ``at`` (the next image it expects) and b at most ``computed`` (what its forward has so far)."""
-    v = h.get("images")
-    if v is None:
-        v = [0, n, n]
-    if not (isinstance(v, list) and len(v) == 3 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= v[2]):
-        raise TaskError(f"{_where(h)}: images must be [a, b, N] with 0 <= a < b <= N, got {v!r}")
-    if kept is not None and (v[2] != n or v[0] != at or v[1] > computed):
-        raise TaskError(
-            f"{_where(h)}: images {v!r} do not continue this layer's batch of {n}: "
-            f"the next chunk starts at image {at}, and its forward has images up to {computed}"
-        )
-    return v[0], v[1], v[2]

@@ -1,0 +1,215 @@
+"""The worker's side of a layer split by its input channels (``tinyconv/shard/by_channels.py``).
+
+Four tasks, one layer's step: ``partial_forward`` (its partial convolution P for all F kernels),
+``tail_forward`` (the others' partials added on its halo, then the tail), ``tail_backward`` (its own
+kernels' conv-output gradient dyc) and ``partial_backward`` (the conv backward of P from all of dY).
+
+A batch may come in chunks of images (header ``images`` = [a, b, N], the shard's ``by_channels.py``
+pipeline): partial_forward chunk by chunk from image 0, w with the first; tail_forward adds the
+others' sums chunk by chunk and runs the tail with the last (b with it); partial_backward goes
+by the forward's chunks, in order. Without ``images`` a task is the whole batch, one chunk.
+
+Each handler is a plain function of the :class:`~tinyconv.worker.handler.Worker` that serves it
+(``Worker`` binds them as its methods). What every task kind keeps between the tasks of a step
+(:class:`Kept`, its slot and the checks of a task's place in it) lives here too, rather than in
+``handler.py``, so that ``handler.py`` and ``replica.py`` import it without a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tinyconv.shard.block import BlockCache, owned
+from tinyconv.shard.block import tail_backward as run_tail_backward
+from tinyconv.shard.block import tail_forward as run_tail
+from tinyconv.shard.protocol import TaskError
+from transports.wire import Int
+
+if TYPE_CHECKING:  # only for the hints: handler.py imports this module
+    from tinyconv.worker.handler import Worker
+
+HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
+
+
+@dataclass
+class Kept:
+    """What one layer's forward left on this worker for the rest of its step."""
+
+    stage: str
+    step: int
+    cache: BlockCache | None = None  # "block", "tail", "dyc": the block's (or the tail's) cache
+    conv: Any = None  # "partial" on: the backend's cache of the partial convolution
+    partial: np.ndarray | None = None  # "partial": the partial convolution on the computed kernels
+    tail: list[dict[str, Any]] = field(default_factory=list)
+    own: tuple[int, int] = (0, 0)  # the own kernels, as offsets into the computed ones
+    dyc: np.ndarray | None = None  # "dyc": the own kernels' conv-output gradient
+    kernels: int = 0  # all F kernels of a layer split by input channels
+    w: Any = None  # "partial": its weights on the backend, for the chunks after the first
+    settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
+    halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
+    done: int = 0  # images summed by tail_forward; then chunks through partial_backward
+    dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
+    db: np.ndarray | None = None
+    images: int = 0  # "hybrid": the slice's images
+    features: tuple[int, int, int] = (0, 0, 0)  # "hybrid": (C2, H', W') of one image
+
+
+def _slot(h: dict[str, Any]) -> int | str:
+    """Where a task's kept forward lives: its layer's index, or the hybrid's one slot."""
+    return h.get("layer", HYBRID)
+
+
+def _where(h: dict[str, Any]) -> str:
+    """The task's place in a step, for errors: "layer 1 step 3", "the conv part step 3"."""
+    slot = _slot(h)
+    return f"{'layer ' if isinstance(slot, int) else 'the '}{slot} step {h['step']}"
+
+
+def _span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
+    """Header ``key``, a non-empty range [a, b] with 0 <= a < b <= limit, as a tuple."""
+    v = h[key]
+    if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):
+        raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
+    return v[0], v[1]
+
+
+def partial_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+    """P, the partial convolution of its input channels for all F kernels, on a chunk of images;
+    returns the parts the others need (p_lo = P[:, :lo_end], p_hi = P[:, hi_start:]) and keeps
+    P over its halo."""
+    x, w = a["x"], a.get("w")
+    first, stop, n = _images(h, x.shape[0])
+    if x.ndim != 4 or stop - first != x.shape[0] or (w is not None and (w.ndim != 4 or x.shape[1] != w.shape[1])):
+        raise TaskError(
+            f"layer {h['layer']}: expected x ({stop - first}, c, H, W) for images [{first}, {stop}) and "
+            f"w (F, c, KH, KW), got x {x.shape}" + (f", w {w.shape}" if w is not None else "")
+        )
+    be = worker.backend
+    settings = [h[key] for key in ("stride", "padding", "tail", "halo", "own", "give")] + [list(x.shape[1:]), n]
+    if first == 0:
+        if w is None:
+            raise TaskError(f"layer {h['layer']}: the first chunk of partial_forward (image 0 on) brings w")
+        f = w.shape[0]
+        tail = worker._tail(h, x.shape[2:], w.shape[2:])
+        cs, ce = _span(h, "halo", f)
+        own = _span(h, "own", ce - cs)
+        give = h["give"]
+        if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
+            raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
+        kept = Kept("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=worker._on_backend(w))
+        kept.settings, kept.halo = settings, (cs, ce)
+    else:
+        kept = worker.layers.get(_slot(h))
+        if kept is None or kept.stage != "partial" or kept.step != h["step"] or kept.chunks[-1][1] != first:
+            raise TaskError(
+                f"{_where(h)}: partial_forward of images from {first} on continues the chunk that ends there; "
+                "send the batch's chunks in order from image 0"
+            )
+        if w is not None:
+            raise TaskError(f"{_where(h)}: w comes with the first chunk of partial_forward only")
+        if settings != kept.settings:
+            raise TaskError(f"{_where(h)}: a chunk of partial_forward must repeat its first chunk's settings")
+    f, (cs, ce) = kept.kernels, kept.halo
+    p, conv = be.conv2d_forward(worker._on_backend(x), kept.w, be.zeros((f,)), h["stride"], h["padding"])
+    p = be.to_numpy(p)
+    if first == 0:
+        kept.partial = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
+    kept.partial[first:stop] = p[:, cs:ce]
+    kept.conv.append(conv)
+    kept.chunks.append((first, stop))
+    worker._advance(h, "partial_forward", kept)
+    lo_end, hi_start = h["give"]
+    return ({"p_lo": p[:, :lo_end]} if lo_end > 0 else {}) | ({"p_hi": p[:, hi_start:]} if hi_start < f else {})
+
+
+def tail_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+    """Adds ``sum``, the others' partials on its halo, to a chunk of its own; with the last chunk
+    (and ``b``), y = tail(P[:, halo] + sum + b) of its own kernels."""
+    n, computed, oh, ow = kept.partial.shape
+    first, stop, _ = _images(h, n, kept=kept, computed=kept.chunks[-1][1], at=kept.done)
+    b, others = a.get("b"), a.get("sum")
+    rows = (stop - first, computed, oh, ow)
+    if (b is not None and b.shape != (computed,)) or (others is not None and others.shape != rows):
+        got = (f"b {b.shape}, " if b is not None else "") + (f"sum {others.shape}" if others is not None else "")
+        raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
+    if (b is not None) != (stop == n):
+        raise TaskError(f"layer {h['layer']}: b comes with the last chunk of tail_forward (images up to {n}) only")
+    if others is not None:
+        kept.partial[first:stop] += others
+    kept.done = stop
+    if stop < n:
+        return {}
+    s = kept.partial
+    s += b[None, :, None, None]
+    y, kept.cache = run_tail(worker.backend, worker.backend.asarray(s), kept.conv, kept.tail, kept.own)
+    kept.partial = None
+    worker._advance(h, "tail_forward", kept)
+    return {"y": y}
+
+
+def tail_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+    """dyc, its own kernels' conv-output gradient, from dy over its halo; kept for partial_backward."""
+    be = worker.backend
+    try:
+        d = run_tail_backward(be, worker._on_backend(a["dy"]), kept.cache)
+    except ValueError as e:
+        raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
+    kept.dyc = np.ascontiguousarray(owned(be, d, kept.cache))
+    kept.done = 0  # chunks through partial_backward
+    worker._advance(h, "tail_backward", kept)
+    return {"dyc": kept.dyc}
+
+
+def partial_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+    """With the others' dyc before and after its own (all of dY, N x F), the conv backward through
+    its partial, one forward chunk at a time: the chunk's dx of its input channels (if need_dx);
+    dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
+    n, _, oh, ow = kept.dyc.shape
+    chunk = kept.chunks[kept.done]
+    first, stop, batch = _images(h, n)
+    if (first, stop, batch) != (*chunk, n):
+        raise TaskError(f"{_where(h)}: partial_backward goes by the forward's chunks; the next is images {[*chunk, n]}")
+    parts = [p for p in (a.get("dyc_lo"), kept.dyc[first:stop], a.get("dyc_hi")) if p is not None]
+    if not all(p.ndim == 4 and (p.shape[0], *p.shape[2:]) == (stop - first, oh, ow) for p in parts) or (
+        sum(p.shape[1] for p in parts) != kept.kernels
+    ):
+        raise TaskError(
+            f"layer {h['layer']}: dyc_lo, this worker's {kept.dyc.shape[1]} kernels' gradient and dyc_hi must make "
+            f"({stop - first}, {kept.kernels}, {oh}, {ow}); got {[tuple(p.shape) for p in parts]}"
+        )
+    be = worker.backend
+    whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv[kept.done], h["need_dx"])
+    kept.done += 1
+    if len(kept.chunks) > 1:  # summed over the chunks on the host
+        dw, db = be.to_numpy(dw), be.to_numpy(db)
+        kept.dw, kept.db = (dw, db) if kept.dw is None else (kept.dw + dw, kept.db + db)
+        dw, db = kept.dw, kept.db
+    out = {"dx": dx} if h["need_dx"] else {}
+    if kept.done < len(kept.chunks):
+        return out
+    worker._advance(h, "partial_backward", kept)
+    return {"dw": dw, "db": db} | out
+
+
+def _images(
+    h: dict[str, Any], n: int, kept: Kept | None = None, computed: int | None = None, at: int | None = None
+) -> tuple[int, int, int]:
+    """Header ``images`` = [a, b, N], a chunk of a batch of N: (a, b, N), checked; absent: (0, n, n),
+    the whole batch. For a task that continues a layer (``kept``), N must be its batch, a must be
+    ``at`` (the next image it expects) and b at most ``computed`` (what its forward has so far)."""
+    v = h.get("images")
+    if v is None:
+        v = [0, n, n]
+    if not (isinstance(v, list) and len(v) == 3 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= v[2]):
+        raise TaskError(f"{_where(h)}: images must be [a, b, N] with 0 <= a < b <= N, got {v!r}")
+    if kept is not None and (v[2] != n or v[0] != at or v[1] > computed):
+        raise TaskError(
+            f"{_where(h)}: images {v!r} do not continue this layer's batch of {n}: "
+            f"the next chunk starts at image {at}, and its forward has images up to {computed}"
+        )
+    return v[0], v[1], v[2]
