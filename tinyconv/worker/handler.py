@@ -3,8 +3,8 @@
 :class:`Worker` is the handler every transport serves: ``hello()`` and ``handle(msg)``
 (``transports.base.Handler``). Each task kind has one small handler, a method of ``Worker``:
 the split by kernels and calibration are below; the split by input channels is in
-``tinyconv/worker/by_channels.py`` (with :class:`Kept`, what a layer's forward leaves for the
-rest of its step), data parallelism and the hybrid in ``tinyconv/worker/replica.py``. Any
+``tinyconv/worker/by_channels.py``, data parallelism and the hybrid in ``tinyconv/worker/replica.py``,
+and :class:`Kept`, what a layer's forward leaves for the rest of its step, in ``kept.py``. Any
 problem becomes an ``error`` reply naming it, and the worker keeps serving.
 
 Between the tasks of one layer's step a worker keeps what its forward computed. Which
@@ -63,11 +63,11 @@ from tinyconv.shard.calibrate import parse_spec, time_block
 from tinyconv.shard.protocol import VERSION, TaskError, check_task, narrowed, widened
 from tinyconv.shard.wire_precision import Narrowed, declare
 from tinyconv.worker import by_channels, replica
-from tinyconv.worker.by_channels import HYBRID, Kept, _slot, _span, _where
+from tinyconv.worker.kept import HYBRID, Kept, _slot, _span, _where
 from transports.base import Message
 from transports.wire import error_reply
 
-# HYBRID and Kept live in by_channels.py (which this module imports) and are still importable from here
+# HYBRID and Kept live in kept.py and are still importable from here
 __all__ = [
     "DEFAULT_MAX_CALIBRATE_BYTES",
     "HYBRID",

@@ -25,7 +25,7 @@ from tinyconv.replica import flat
 from tinyconv.replica.conv_part import backward_features, conv_part, feature_shape, forward_features, time_conv_part
 from tinyconv.replica.replica import build, slice_gradients, time_replica
 from tinyconv.shard.protocol import TaskError
-from tinyconv.worker.by_channels import HYBRID, Kept, _where
+from tinyconv.worker.kept import HYBRID, Kept, _where
 
 if TYPE_CHECKING:  # only for the hints: handler.py imports this module
     from tinyconv.worker.handler import Worker
