@@ -179,23 +179,26 @@ def main() -> None:
             + ", ".join(f"{n} {t:.2f} s" for n, t in zip(cluster.participants, per, strict=True))
         )
         # where the distributed step goes, op by op (medians): a step waits for the slowest participant
-        # of each op, then for the transfers ("wait" = wall - slowest compute)
+        # of each op, then for the transfers ("wait" = wall - slowest compute); "master busy" = wall - the time
+        # the master sat blocked on a result: its compute, and its share of the I/O, copies and sums
         op_rows = []
         for j, op in enumerate(dist_recs[0]["ops"]):
             walls = [r["ops"][j]["wall_s"] for r in dist_recs]
             computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(cluster.seats))]
             waits = [r["ops"][j]["wall_s"] - max(r["ops"][j]["compute_s"]) for r in dist_recs]
+            busy = [r["ops"][j]["wall_s"] - r["ops"][j]["master_waited_s"] for r in dist_recs]
             op_rows.append(
                 (
                     f"{op['layer']} {op['op']}",
                     statistics.median(walls),
                     *(statistics.median(c) for c in computes),
+                    statistics.median(busy),
                     statistics.median(waits),
                 )
             )
         print(
             format_table(
-                ("op", "wall s", *(f"{n} compute s" for n in cluster.participants), "wait s"),
+                ("op", "wall s", *(f"{n} compute s" for n in cluster.participants), "master busy s", "wait s"),
                 op_rows,
                 title=f"master + 1 worker, pipeline {v}, op by op (medians)",
             )

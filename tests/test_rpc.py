@@ -190,6 +190,26 @@ def test_each_result_measures_its_workers_link_exactly_only_if_the_master_waited
     assert rpc.link(1).seconds_per_byte(exact=False) is None  # nothing measured
 
 
+def test_the_op_counts_only_the_time_the_master_sat_blocked_on_a_result():
+    clock = [0.0]
+
+    class Slow(Scripted):
+        """The first result is there at once (a poll finds it); the second takes 2 s of waiting."""
+
+        def recv(self, timeout: float) -> tuple[int, Message]:
+            if timeout == 0 and len(self.inbox) < 2:
+                raise TimeoutError("nothing yet")
+            if timeout > 0:
+                clock[0] += 2.0
+            return super().recv(timeout)
+
+    rpc = Rpc(Slow(echo), WORKERS, timeout=10.0, clock=lambda: clock[0])
+    op = rpc.op("forward of conv1", BE)
+    tasks = [op.send(k, Message("block_forward", {}, {"x": np.zeros(3, np.float32)})) for k in (0, 1)]
+    op.gather(tasks)
+    assert op.stats([("master", None), ("worker0", 0), ("worker1", 1)]).master_waited_s == pytest.approx(2.0)
+
+
 def test_a_link_is_the_median_of_its_samples_and_ignores_tasks_without_bytes():
     link = Link()
     for nbytes, seconds in [(100, 1.0), (100, 1.0), (100, 50.0), (0, 9.0), (100, -1.0)]:

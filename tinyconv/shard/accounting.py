@@ -30,6 +30,7 @@ class OpStats:
     sent: list[int]  # array bytes to each participant (0 for the master)
     recv: list[int]  # and from it
     fallbacks: int = 0  # arrays that went in float32 as their narrower wire format would have overflowed
+    master_waited_s: float = 0.0  # the master blocked on results; wall_s - this: the master busy (compute and I/O)
 
     def moved(self, name: str) -> int:
         """Array bytes to and from participant ``name``."""
@@ -120,7 +121,8 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
         "participants": list(participants),
         "participant_conv_s": each("compute_s"),
         "ops": [
-            {"layer": name, "op": op, "wall_s": stats.wall_s, "compute_s": each("compute_s", [stats])}
+            {"layer": name, "op": op, "wall_s": stats.wall_s, "compute_s": each("compute_s", [stats]),
+             "master_waited_s": stats.master_waited_s}
             for name, op, stats in ran
         ],
     }

@@ -165,6 +165,7 @@ class Op:
         self.recv: dict[int, int] = {}
         self.compute: dict[int, float] = {}  # worker -> seconds it reported
         self.master_s = 0.0
+        self.waited_s = 0.0  # the master blocked, waiting for a result: the rest of the op's wall it was busy
 
     def send(self, worker: int, msg: Message) -> int:
         """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, its arrays in
@@ -267,6 +268,7 @@ class Op:
             sent=[0 if k is None else self.sent.get(k, 0) for _, k in seats],
             recv=[0 if k is None else self.recv.get(k, 0) for _, k in seats],
             fallbacks=self.fallbacks,
+            master_waited_s=self.waited_s,
         )
 
     def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
@@ -306,7 +308,11 @@ class Op:
             try:
                 return *self.rpc.transport.recv(timeout=0.0), False
             except TimeoutError:
-                return *self.rpc.transport.recv(timeout=max(0.0, deadline - self.rpc.clock())), True
+                t = self.rpc.clock()
+                try:
+                    return *self.rpc.transport.recv(timeout=max(0.0, deadline - t)), True
+                finally:
+                    self.waited_s += self.rpc.clock() - t
         except TimeoutError:
             why = f"no result for the {self.what} within {self.timeout:g} s"
             raise Lost({self._pending[t].worker: why for t in waiting}) from None
