@@ -118,66 +118,37 @@ def forward(
     be, total, busy, m = op.backend, conv.out_channels, plan.busy, plan.master
     x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
     n, _, oh, ow = conv.output_shape(x_h.shape)
-    worker = {p.worker: p for p in plan.workers}
     give = {p.worker: _give(busy, i, total) for i, p in enumerate(busy) if p.worker is not None}
     parts = chunks(n, pipeline)
-
-    # round 1: each worker's partial convolution, every chunk of it at once
-    first: list[dict[int, int]] = [{} for _ in parts]
-    for c, (a, e) in enumerate(parts):
-        for k, p in worker.items():
-            header = {"stride": conv.stride, "padding": conv.padding, "tail": tail, "images": [a, e, n]}
-            header |= {"halo": [p.halo.start, p.halo.stop], "own": list(p.own), "give": give[k]}
-            arrays = {"x": np.ascontiguousarray(x_h[a:e, p.channels])}
-            arrays |= {"w": np.ascontiguousarray(w_h[:, p.channels])} if c == 0 else {}
-            first[c][k] = op.send(k, Message("partial_forward", header, arrays))
+    first = _send_partials(op, conv, tail, plan, x_h, w_h, give, parts)  # round 1
 
     # chunk by chunk, the master's partial, then each worker the others' partials summed over its
-    # halo as soon as the master has them; the master's own halo summed as they come
+    # halo as soon as the master has them (round 2); the master's own halo summed as they come
     s_m = w_m = None
     if m is not None:
         s_m = np.empty((n, m.halo.stop - m.halo.start, oh, ow), np.float32)
         with op.local():
             w_m = be.asarray(np.ascontiguousarray(w_h[:, m.channels]))
     conv_m: list[Any] = []
-    second: dict[int, list[int]] = {k: [] for k in worker}
-    for c, (a, e) in enumerate(parts):
+    second: dict[int, list[int]] = {k: [] for k in give}
+    for (a, e), sent in zip(parts, first, strict=True):
         partials: dict[str, Partial] = {}
-
-        def others_on(p: Participant) -> list[np.ndarray]:
-            return [partials[q.name].on(p.halo) for q in busy if q is not p]  # noqa: B023
-
         if m is not None:
             with op.local():
                 x_m = be.asarray(np.ascontiguousarray(x_h[a:e, m.channels]))
                 p_m, cache = be.conv2d_forward(x_m, w_m, be.zeros((total,)), conv.stride, conv.padding)
                 conv_m.append(cache)
                 partials[m.name] = Partial(be.to_numpy(p_m), None, total)
-
-        def arrived(k: int, reply: Message) -> None:
-            lo_end, hi_start = give[k]
-            lo = op.array(k, reply, "p_lo", (e - a, lo_end, oh, ow)) if lo_end > 0 else None  # noqa: B023
-            hi = op.array(k, reply, "p_hi", (e - a, total - hi_start, oh, ow)) if hi_start < total else None  # noqa: B023
-            partials[worker[k].name] = Partial(lo, hi, hi_start)  # noqa: B023
-
-        def tail_task(k: int) -> list[Message]:
-            p, last = worker[k], e == n  # noqa: B023
-            terms = others_on(p)
-            arrays = ({"b": np.ascontiguousarray(b_h[p.halo])} if last else {}) | (
-                {"sum": _summed(terms)} if terms else {}
-            )
-            return [Message("tail_forward", {"images": [a, e, n]}, arrays)]  # noqa: B023
-
-        ready = lambda k: all(q.name in partials for q in busy if q.worker != k)  # noqa: B023, E731
-        for k, tasks in op.relay(first[c], ready, tail_task, arrived).items():
+        for k, tasks in _relay_sums(op, plan, give, sent, partials, b_h, (a, e, n), (total, oh, ow)).items():
             second[k] += tasks
         if m is not None:
             with op.local():
                 s = s_m[a:e]
                 np.add(partials[m.name].on(m.halo), b_h[m.halo, None, None], out=s)
-                for term in others_on(m):
+                for term in _others_on(busy, partials, m):
                     s += term
 
+    # the tails, once the whole batch is summed: the master's, and each worker's y with its last chunk
     y_m = cache = None
     if m is not None:
         with op.local():
@@ -189,6 +160,59 @@ def forward(
     oh2, ow2 = tail_output_hw(oh, ow, tail)
     parts_y = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in busy]
     return be.asarray(np.concatenate(parts_y, axis=1)), Kept(cache, x_h.shape, parts)
+
+
+def _send_partials(
+    op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x_h: np.ndarray, w_h: np.ndarray,
+    give: dict[int, list[int]], parts: list[tuple[int, int]],
+) -> list[dict[int, int]]:  # fmt: skip
+    """Round 1 of the forward: each worker's partial convolution, every chunk of it at once (w with the
+    first). Per chunk, worker -> its task."""
+    n, first = x_h.shape[0], []
+    for c, (a, e) in enumerate(parts):
+        tasks = {}
+        for p in plan.workers:
+            header = {"stride": conv.stride, "padding": conv.padding, "tail": tail, "images": [a, e, n]}
+            header |= {"halo": [p.halo.start, p.halo.stop], "own": list(p.own), "give": give[p.worker]}
+            arrays = {"x": np.ascontiguousarray(x_h[a:e, p.channels])}
+            arrays |= {"w": np.ascontiguousarray(w_h[:, p.channels])} if c == 0 else {}
+            tasks[p.worker] = op.send(p.worker, Message("partial_forward", header, arrays))
+        first.append(tasks)
+    return first
+
+
+def _others_on(busy: list[Participant], partials: dict[str, Partial], p: Participant) -> list[np.ndarray]:
+    """The others' partials over participant p's halo."""
+    return [partials[q.name].on(p.halo) for q in busy if q is not p]
+
+
+def _relay_sums(
+    op: Op, plan: Plan, give: dict[int, list[int]], sent: dict[int, int], partials: dict[str, Partial],
+    b_h: np.ndarray, images: tuple[int, int, int], shape: tuple[int, int, int],
+) -> dict[int, list[int]]:  # fmt: skip
+    """Round 2 of the forward for the chunk of ``images`` [a, e, N]: gather the workers' partials of it
+    (``sent``: worker -> its round-1 task) into ``partials``, and send each worker the others' summed
+    over its halo (tail_forward; b with the last chunk) as soon as they are in. Worker -> its tasks."""
+    (a, e, n), (total, oh, ow) = images, shape
+    worker = {p.worker: p for p in plan.workers}
+
+    def arrived(k: int, reply: Message) -> None:
+        lo_end, hi_start = give[k]
+        lo = op.array(k, reply, "p_lo", (e - a, lo_end, oh, ow)) if lo_end > 0 else None
+        hi = op.array(k, reply, "p_hi", (e - a, total - hi_start, oh, ow)) if hi_start < total else None
+        partials[worker[k].name] = Partial(lo, hi, hi_start)
+
+    def tail_task(k: int) -> list[Message]:
+        terms = _others_on(plan.busy, partials, worker[k])
+        arrays = ({"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}) | (
+            {"sum": _summed(terms)} if terms else {}
+        )
+        return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
+
+    def ready(k: int) -> bool:
+        return all(q.name in partials for q in plan.busy if q.worker != k)
+
+    return op.relay(sent, ready, tail_task, arrived)
 
 
 def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array]:
