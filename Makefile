@@ -54,7 +54,7 @@ test: $(STAMP) oclgrind
 		esac; \
 	done
 
-# The main job's first line after loading the data says its preset (--preset, default paper), network,
+# The main job's first line after loading the data says its preset (--preset, default best), network,
 # epochs and steps and the accuracy and time to expect; its last line, the test accuracy it reached.
 demo: $(STAMP)
 	$(PY) examples/cifar10_dist.py --transport zmq --backend opencl $(ARGS)

@@ -20,10 +20,10 @@ instead, and the master sums their gradients and updates the weights (a paramete
 With --parallel hybrid (Krizhevsky's "one weird trick"), each participant runs the convolutions
 on its share of the images, and the master the fully connected layer on the whole batch.
 
-A preset (--preset, default paper) gives the network and the training recipe; any option given
-beside it wins. The first line after loading the data says the preset, the network, the epochs and
-steps, and the accuracy and time to expect (measured, or "not measured yet"); the last line, the test
-accuracy reached and the wall time.
+A preset (--preset, default best: 83.8 % in 89 minutes on 2 cores; paper: the paper's own network)
+gives the network and the training recipe; any option given beside it wins. The first line after
+loading the data says the preset, the network, the epochs and steps, and the accuracy and time to
+expect (measured, or "not measured yet"); the last line, the test accuracy reached and the wall time.
 
 Nothing is lost on the way out: with --checkpoint, an error, Ctrl-C (exit 130) or SIGTERM
 (exit 143) checkpoints the last whole step before the run ends. A bad option is one line on

@@ -35,14 +35,17 @@ def test_each_preset_sets_its_whole_recipe(example, name):
     assert args.changed == [] and args.warmup_epochs is None
 
 
-def test_no_preset_is_the_paper_preset_with_todays_defaults(example):
+def test_no_preset_is_the_best_preset_and_the_paper_is_one_by_name(example):
     args = parsed(example)
-    assert args.preset == DEFAULT_PRESET == "paper"
-    today = {"arch": "50:500", "norm": "lrn", "epochs": 10, "batch_size": 64, "lr": 0.01, "schedule": "cosine"}
-    assert {k: getattr(args, k) for k in today} == today and args.weight_decay == 5e-4
-    assert example.train_config(args).classifier_lr == 0.1  # the paper's net: benchmarks/bench_init.py
+    assert args.preset == DEFAULT_PRESET == "best"
+    best = {"arch": "64:128", "norm": "batch", "epochs": 30, "batch_size": 128, "lr": 0.05, "schedule": "cosine"}
+    assert {k: getattr(args, k) for k in best} == best and args.weight_decay == 5e-4
+    assert example.train_config(args).classifier_lr == 0.1  # the 8,192-wide classifier: benchmarks/bench_recipe.py
     assert example.train_config(parsed(example, "--classifier-lr", "1")).classifier_lr == 1.0
-    assert "(default paper;" in " ".join(example.build_parser().format_help().split())
+    assert "(default best;" in " ".join(example.build_parser().format_help().split())
+    paper = parsed(example, "--preset", "paper")
+    today = {"arch": "50:500", "norm": "lrn", "epochs": 10, "batch_size": 64, "lr": 0.01, "schedule": "cosine"}
+    assert {k: getattr(paper, k) for k in today} == today and example.train_config(paper).classifier_lr == 0.1
 
 
 def test_options_given_beside_a_preset_win_and_are_named(example):
@@ -87,7 +90,7 @@ def test_the_startup_line_for_a_full_run_and_a_steps_run(example):
         "preset quick: 48:96 network with batch norm, 7 epochs (2,730 steps of batch 128, the first 136 a warm-up), "
         "lr 0.02 cosine; expected test accuracy 76.2%, wall time on 2 cores about 16 min"
     )
-    args = parsed(example, "--steps", "400")
+    args = parsed(example, "--preset", "paper", "--steps", "400")
     assert example.plan_line(args, (50, 500), 50_000) == (
         "preset paper: 50:500 network with LRN, 1 epoch (400 steps of batch 64, the first 20 a warm-up), "
         "lr 0.01 (the classifier's 0.1x) cosine; expected accuracy and time: not measured yet -- for the preset as "
