@@ -4,6 +4,7 @@
     python benchmarks/bench_recipe.py                                   # 64:128 batch norm, 2 epochs, the grid below
     python benchmarks/bench_recipe.py --lrs 0.05 0.1 --classifier-lrs 0.1 --epochs 3
     python benchmarks/bench_recipe.py --preset paper --lrs 0.01 0.02 --epochs 1
+    python benchmarks/bench_recipe.py --lrs 0.05 --classifier-lrs 0.1 --label-smoothing 0 0.1
 
 Each candidate is a whole run of the main job (``examples/cifar10_dist.py``) on real CIFAR-10:
 the --preset's recipe (batch, schedule, warm-up fraction, weight decay, crop and flip, seed 0),
@@ -13,8 +14,9 @@ the same shape as the real one, only shorter. Runs are the master alone (``--wor
 --backend: the numbers are the same as distributed, to float32 round-off, and faster here.
 The table: each epoch's test accuracy, the first epoch's mean training loss (where the spikes
 of a rate too high show) and the last one's, and whether the run diverged (a non-finite loss,
-or a last-epoch training loss above ln 10, chance). Accuracies do not depend on the machine's
-load; the minutes do. Not a test: no asserts.
+or a last-epoch training loss above ln 10, chance). With label smoothing the training loss is the
+smoothed one, which stays above the plain cross-entropy: compare test accuracies. Accuracies do not
+depend on the machine's load; the minutes do. Not a test: no asserts.
 
 Measured (``python benchmarks/bench_recipe.py``: 64:128, batch norm, batch 128, 2 epochs, cosine
 after a 5 % warm-up, weight decay 5e-4, OpenCL master alone, 4 minutes a run on 2 cores)::
@@ -53,10 +55,11 @@ from tinyconv.report import format_table  # noqa: E402
 EXAMPLE = ROOT / "examples" / "cifar10_dist.py"
 
 
-def run(args: argparse.Namespace, lr: float, classifier_lr: float, metrics: Path) -> list[dict]:
+def run(args: argparse.Namespace, lr: float, classifier_lr: float, smoothing: float, metrics: Path) -> list[dict]:
     """One candidate's whole run; its epoch lines from the metrics file (those it finished)."""
     cmd = [sys.executable, str(EXAMPLE), "--preset", args.preset, "--workers", "0", "--backend", args.backend,
            "--epochs", str(args.epochs), "--lr", str(lr), "--classifier-lr", str(classifier_lr),
+           "--label-smoothing", str(smoothing),
            "--metrics-out", str(metrics), "--no-progress", "--seed", "0"]  # fmt: skip
     cmd += ["--arch", args.arch] if args.arch else []
     cmd += ["--data-dir", args.data_dir] if args.data_dir else []
@@ -75,25 +78,27 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
     p.add_argument("--classifier-lrs", type=float, nargs="+", default=[1.0, 0.1])
+    p.add_argument("--label-smoothing", type=float, nargs="+", default=[0.0], metavar="EPS",
+                   help="label smoothing values to compare (default 0: none)")
     p.add_argument("--backend", default="opencl", help="the master's (default %(default)s)")
     p.add_argument("--data-dir", help="CIFAR-10's folder (default: the main job's)")
     p.add_argument("--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="synthetic: a smoke run")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (c, lr) in enumerate(itertools.product(args.classifier_lrs, args.lrs)):
+        for i, (c, lr, eps) in enumerate(itertools.product(args.classifier_lrs, args.lrs, args.label_smoothing)):
             t = time.perf_counter()
-            epochs = run(args, lr, c, Path(tmp) / f"run{i}.jsonl")
+            epochs = run(args, lr, c, eps, Path(tmp) / f"run{i}.jsonl")
             minutes = (time.perf_counter() - t) / 60
             losses = [e["train_loss"] for e in epochs]
             diverged = len(epochs) < args.epochs or not all(map(math.isfinite, losses)) or losses[-1] > math.log(10)
             accs = ", ".join(f"{100 * e['test_acc']:.2f}" for e in epochs) or "-"
             loss = " / ".join(f"{v:.4g}" for v in (losses[:1] + losses[-1:])) or "-"
-            rows.append((lr, c, accs, loss, "yes" if diverged else "no", f"{minutes:.1f}"))
-            print(f"lr {lr} classifier {c}: test accuracy by epoch {accs}", flush=True)
+            rows.append((lr, c, eps, accs, loss, "yes" if diverged else "no", f"{minutes:.1f}"))
+            print(f"lr {lr} classifier {c} label smoothing {eps}: test accuracy by epoch {accs}", flush=True)
     print(
         format_table(
-            ("lr", "classifier", "test acc % by epoch", "train loss first / last", "diverged", "minutes"),
+            ("lr", "classifier", "smoothing", "test acc % by epoch", "train loss first / last", "diverged", "minutes"),
             rows,
             title=f"--preset {args.preset} --arch {args.arch or '(its own)'}, {args.epochs} epochs, master alone, "
             f"{args.backend}",

@@ -341,6 +341,15 @@ def _training(p: argparse.ArgumentParser) -> None:
         f"classifier from throwing the first steps' loss to 30-40 ({preset_default('classifier_lr')})",
     )
     g.add_argument(
+        "--label-smoothing",
+        type=number(0, 1, what="a fraction"),
+        default=0.0,
+        metavar="EPS",
+        help="train against (1 - EPS) onehot + EPS / 10 instead of the label alone (torch's label_smoothing); the "
+        "test loss stays the plain cross-entropy; --parallel model only (default %(default)s: no preset sets it, "
+        "benchmarks/bench_recipe.py --label-smoothing compares)",
+    )
+    g.add_argument(
         "--schedule",
         choices=SCHEDULES,
         help=f"learning-rate schedule after the warm-up; step divides by 10 at 50%% and 75%% of the steps after "
@@ -413,6 +422,11 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
                "--parallel hybrid sends its weights, gradients and features")
             + " in float32: drop one of them"
         )
+    if args.label_smoothing and args.parallel in BY_IMAGES:
+        raise UsageError(
+            f"--label-smoothing is for --parallel model: the replicas of --parallel {args.parallel} compute the "
+            "plain cross-entropy; drop one of them"
+        )
     kernels = architecture(args)
     check_memory(args, *kernels)
     check_devices(args)
@@ -473,7 +487,9 @@ def apply_preset(args: argparse.Namespace) -> None:
             setattr(args, key, value)
         elif given != value:
             args.changed.append(f"--{key.replace('_', '-')} {given}")
-    for option, value in (("conv1", args.conv1), ("conv2", args.conv2), ("warmup_epochs", args.warmup_epochs)):
+    extras = (("conv1", args.conv1), ("conv2", args.conv2), ("warmup_epochs", args.warmup_epochs))
+    extras += (("label_smoothing", args.label_smoothing or None),)  # no preset sets it
+    for option, value in extras:
         if value is not None:
             args.changed.append(f"--{option.replace('_', '-')} {value:g}")
     if args.steps is not None:
@@ -559,6 +575,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         momentum=args.momentum,
         weight_decay=args.weight_decay,
         classifier_lr=args.classifier_lr,
+        label_smoothing=args.label_smoothing,
         schedule=args.schedule,
         warmup=args.warmup,
         warmup_epochs=args.warmup_epochs,
@@ -727,10 +744,11 @@ def plan_line(args: argparse.Namespace, kernels: tuple[int, int], n_train: int) 
     norm = {"lrn": "with LRN", "batch": "with batch norm"}.get(args.norm, "without normalisation")
     warm = f"the first {warmup:,} a warm-up" if warmup else "no warm-up"
     classifier = f" (the classifier's {args.classifier_lr:g}x)" if args.classifier_lr != 1 else ""
+    smoothing = f", label smoothing {args.label_smoothing:g}" if args.label_smoothing else ""
     line = (
         f"preset {preset.name}: {kernels[0]}:{kernels[1]} network {norm}, {epochs} epoch{'s' if epochs != 1 else ''} "
-        f"({total:,} steps of batch {args.batch_size}, {warm}), lr {args.lr:g}{classifier} {args.schedule}; "
-        f"{preset.expectation()}"
+        f"({total:,} steps of batch {args.batch_size}, {warm}), lr {args.lr:g}{classifier} {args.schedule}"
+        f"{smoothing}; {preset.expectation()}"
     )
     if args.changed:
         line += f" -- for the preset as it is; this run changes {', '.join(args.changed)}"

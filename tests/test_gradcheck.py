@@ -21,7 +21,7 @@ from tinyconv.gradcheck import (
     numeric_grad,
     rel_error,
 )
-from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU, SoftmaxCrossEntropy
 from tinyconv.model import paper_net
 from tinyconv.testing import FN, Expected, assert_close, conv2d_expected, linear_expected
 
@@ -293,6 +293,27 @@ def test_softmax_cross_entropy_gradient(rng):
     assert_close(np.asarray(loss), Expected(np.asarray(exact), 1 + 7 + 5 + 3 + 2 * FN))  # k: softmax_ce's
 
 
+def test_label_smoothing_is_the_cross_entropy_against_the_smoothed_target_and_its_gradient(rng):
+    logits = rng.standard_normal((5, 7)) * 3
+    labels = rng.integers(0, 7, size=5)
+    eps = 0.1
+    loss_fn = SoftmaxCrossEntropy(NumpyBackend(), smoothing=eps)  # float64 logits stay float64
+    loss, d = loss_fn(logits, labels)
+    # the gold: -sum_k q_k log p_k, q = (1 - eps) onehot + eps / K, averaged over the rows, written out
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    q = np.full((5, 7), eps / 7) + (1 - eps) * np.eye(7)[labels]
+    assert loss == pytest.approx(-np.mean(np.sum(q * np.log(p), axis=1)), rel=1e-12)
+    assert np.allclose(d, (p - q) / 5, rtol=0, atol=1e-15)
+    numeric = numeric_grad(lambda _: loss_fn(logits, labels)[0], logits, None, 1e-5)
+    assert rel_error(d, numeric) < TOL
+    # eps 0 is the backend's op itself
+    z32 = logits.astype(np.float32)
+    plain = SoftmaxCrossEntropy(NumpyBackend())(z32, labels)
+    assert plain[0] == NumpyBackend().softmax_cross_entropy(z32, labels)[0]
+    with pytest.raises(ValueError, match=r"label smoothing must be in \[0, 1\)"):
+        SoftmaxCrossEntropy(NumpyBackend(), smoothing=1.0)
+
+
 # ---------------------------------------------------------------- layers and the whole network
 
 
@@ -511,6 +532,18 @@ def test_softmax_cross_entropy_matches_torch(torch, rng):
     tloss = torch.nn.functional.cross_entropy(tl, torch.from_numpy(labels))
     tloss.backward()
     k = 10 + 6 + 3 + 2 * FN  # softmax_ce's: 10 classes, 6 rows
+    close(np.asarray(loss), np.asarray(tloss.item()), k)
+    close(d, tl.grad, k)
+
+
+def test_label_smoothing_matches_torch(torch, rng):
+    logits = (rng.standard_normal((6, 10)) * 4).astype(f32)
+    labels = rng.integers(0, 10, size=6)
+    loss, d = SoftmaxCrossEntropy(NumpyBackend(), smoothing=0.1)(logits, labels)
+    tl = t(torch, logits)
+    tloss = torch.nn.functional.cross_entropy(tl, torch.from_numpy(labels), label_smoothing=0.1)
+    tloss.backward()
+    k = 10 + 6 + 3 + 2 * FN + 10  # softmax_ce's, and the mean over the 10 classes
     close(np.asarray(loss), np.asarray(tloss.item()), k)
     close(d, tl.grad, k)
 

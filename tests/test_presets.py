@@ -60,6 +60,17 @@ def test_options_given_beside_a_preset_win_and_are_named(example):
     assert example.train_config(args).warmup_epochs == 1.0
 
 
+def test_label_smoothing_is_named_as_a_change_and_refused_where_replicas_compute_the_loss(example, capsys):
+    args = parsed(example, "--preset", "quick", "--label-smoothing", "0.1")
+    assert args.changed == ["--label-smoothing 0.1"] and example.train_config(args).label_smoothing == 0.1
+    assert "lr 0.02 cosine, label smoothing 0.1; expected" in example.plan_line(args, (48, 96), 50_000)
+    assert parsed(example).changed == [] and example.train_config(parsed(example)).label_smoothing == 0.0
+    argv = ["--dataset", "synthetic", "--parallel", "data", "--label-smoothing", "0.1", "--steps", "1"]
+    assert example.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--label-smoothing is for --parallel model" in err
+
+
 def test_an_unknown_preset_is_refused_with_the_choices(example, capsys):
     assert example.main(["--preset", "fast", "--dataset", "synthetic"]) == 2
     out, err = capsys.readouterr()

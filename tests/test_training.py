@@ -124,6 +124,22 @@ def test_the_classifier_rate_reaches_the_optimiser(numpy_backend):
     assert Trainer(net, data, TrainConfig(batch_size=4, progress=False)).opt.layer_lr == {}
 
 
+def test_label_smoothing_trains_against_the_smoothed_target_and_tests_against_the_label(numpy_backend, tiny_data):
+    def first_step(eps: float) -> tuple[float, Trainer]:
+        trainer = _trainer(numpy_backend, tiny_data, label_smoothing=eps, augment=False)
+        return trainer.train_step(tiny_data.x_train[:32], tiny_data.y_train[:32])[0], trainer
+
+    plain, _ = first_step(0.0)
+    smoothed, trainer = first_step(0.2)
+    # the same weights and batch: (1 - eps) CE + eps (the mean over the classes of -log p)
+    net = paper_net("4:8", numpy_backend, "batch", seed=1)
+    logits = net.forward(trainer.normalize(tiny_data.x_train[:32]), training=True).astype(np.float64)
+    log_p = logits - logits.max(axis=1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+    assert smoothed == pytest.approx(0.8 * plain + 0.2 * float(np.mean(-log_p.mean(axis=1))), rel=1e-5)
+    assert trainer.net.loss_fn.smoothing == 0.0  # evaluation's test loss: the plain cross-entropy
+
+
 def test_learning_rate_schedules():
     assert learning_rate(0, 100, 0.1, "constant") == 0.1
     assert learning_rate(49, 100, 0.1, "step") == pytest.approx(0.1)

@@ -323,14 +323,39 @@ class Linear(Layer):
 
 
 class SoftmaxCrossEntropy:
-    """Mean cross-entropy of softmax(logits) against integer labels.
+    """Mean cross-entropy of softmax(logits) against integer labels, optionally label-smoothed.
 
     Forward, stably: z = logits - max(logits), loss = mean_n (log sum_k e^z[n,k] - z[n, y_n]).
     Backward: dlogits = (softmax(logits) - onehot(y)) / N.
+
+    With ``smoothing`` eps > 0 the target is q = (1 - eps) onehot(y) + eps / K over the K classes
+    (torch's ``CrossEntropyLoss(label_smoothing=eps)``)::
+
+        loss_eps    = (1 - eps) loss + eps mean_n (log sum_k e^z[n,k] - mean_k z[n,k])
+        dlogits_eps = (softmax(logits) - q) / N = dlogits + eps (onehot(y) - 1/K) / N
+
+    The backend computes the plain pair; the smoothing's terms are added on the host, where the
+    logits (N x K, K = 10) cost nothing to read.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, smoothing: float = 0.0) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"label smoothing must be in [0, 1), got {smoothing!r}")
         self.backend = backend
+        self.smoothing = smoothing
 
     def __call__(self, logits: Array, labels: np.ndarray) -> tuple[float, Array]:
-        return self.backend.softmax_cross_entropy(logits, labels)
+        loss, dlogits = self.backend.softmax_cross_entropy(logits, labels)
+        eps = self.smoothing
+        if eps == 0.0:
+            return loss, dlogits
+        z = self.backend.to_numpy(logits).astype(np.float64)
+        n, k = z.shape
+        top = z.max(axis=1)
+        uniform = np.mean(top + np.log(np.exp(z - top[:, None]).sum(axis=1)) - z.mean(axis=1))
+        d = self.backend.to_numpy(dlogits)
+        host = d is dlogits  # the op's own array on a host backend (float64 ones in the gradient checker)
+        d = d if host else d.copy()
+        d -= d.dtype.type(eps / (k * n))
+        d[np.arange(n), np.asarray(labels)] += d.dtype.type(eps / n)
+        return (1.0 - eps) * loss + eps * float(uniform), d if host else self.backend.asarray(d)

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint, save_checkpoint
 from tinyconv.data import Dataset, Normalizer, augment, channel_stats
+from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
@@ -62,6 +63,10 @@ class TrainConfig:
     # a factor on the rate of the classifier (the network's last layer): 0.1 keeps the paper's
     # 32,000-wide classifier from throwing the first steps' loss to 30-40 (tinyconv/optim.py)
     classifier_lr: float = 1.0
+    # the training loss's target (1 - eps) onehot + eps / K (layers.SoftmaxCrossEntropy); the test
+    # loss stays the plain cross-entropy. Model parallelism and the master alone only: the replicas
+    # of --parallel data and hybrid compute their loss with the network's own, plain one
+    label_smoothing: float = 0.0
     schedule: str = "cosine"
     # Warm-up as a fraction of the planned steps. 5 %: the default 10-epoch run ramps up for half an
     # epoch (it had one, and trained stably), a 400-step run for 20 steps instead of never reaching its
@@ -113,6 +118,12 @@ class Trainer:
         self.normalize = Normalizer(*channel_stats(data.x_train))
         layer_lr = {net.layers[-1].name: config.classifier_lr} if config.classifier_lr != 1.0 else None
         self.opt = SGD(net, config.lr, config.momentum, config.weight_decay, layer_lr)
+        if config.label_smoothing and getattr(cluster, "splits", None) == "images":
+            raise ValueError(
+                "label smoothing is for model parallelism and the master alone: --parallel data and hybrid "
+                "compute the loss with the plain cross-entropy (drop --label-smoothing, or use --parallel model)"
+            )
+        self.train_loss = SoftmaxCrossEntropy(net.backend, config.label_smoothing)
         # separate streams, so turning augmentation on/off does not change the order
         self.shuffle_rng = np.random.default_rng([config.seed, 1])
         self.augment_rng = np.random.default_rng([config.seed, 2])
@@ -170,7 +181,7 @@ class Trainer:
             dlogits = None
         else:
             logits = self.net.forward(be.asarray(x), training=True)
-            loss, dlogits = self.net.loss_fn(logits, yb)
+            loss, dlogits = self.train_loss(logits, yb)
         if not np.isfinite(loss):  # before the update, which would spread it to every parameter
             raise FloatingPointError(
                 f"loss became {loss} at step {self.step + 1}: lower --lr (now {self.cfg.lr}) or use --norm batch"
