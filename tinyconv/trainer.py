@@ -123,7 +123,8 @@ class Trainer:
                 "label smoothing is for model parallelism and the master alone: --parallel data and hybrid "
                 "compute the loss with the plain cross-entropy (drop --label-smoothing, or use --parallel model)"
             )
-        self.train_loss = SoftmaxCrossEntropy(net.backend, config.label_smoothing)
+        # the smoothed loss trains; without smoothing the net's own loss does (tests may swap it)
+        self.train_loss = SoftmaxCrossEntropy(net.backend, config.label_smoothing) if config.label_smoothing else None
         # separate streams, so turning augmentation on/off does not change the order
         self.shuffle_rng = np.random.default_rng([config.seed, 1])
         self.augment_rng = np.random.default_rng([config.seed, 2])
@@ -181,7 +182,7 @@ class Trainer:
             dlogits = None
         else:
             logits = self.net.forward(be.asarray(x), training=True)
-            loss, dlogits = self.train_loss(logits, yb)
+            loss, dlogits = (self.train_loss or self.net.loss_fn)(logits, yb)
         if not np.isfinite(loss):  # before the update, which would spread it to every parameter
             raise FloatingPointError(
                 f"loss became {loss} at step {self.step + 1}: lower --lr (now {self.cfg.lr}) or use --norm batch"
