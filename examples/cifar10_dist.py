@@ -346,8 +346,8 @@ def _training(p: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="EPS",
         help="train against (1 - EPS) onehot + EPS / 10 instead of the label alone (torch's label_smoothing); the "
-        "test loss stays the plain cross-entropy; --parallel model only (default %(default)s: no preset sets it, "
-        "benchmarks/bench_recipe.py --label-smoothing compares)",
+        "test loss stays the plain cross-entropy; --parallel model only (default %(default)s: no preset sets it; "
+        "at 0.1, 2 epochs of 64:128 reached 69.2 %% against 69.4 %% without, benchmarks/bench_recipe.py)",
     )
     g.add_argument(
         "--schedule",
