@@ -255,16 +255,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
     width = {p.name: p.channels.stop - p.channels.start for p in busy}
     k_shape = (conv.kernel, conv.kernel)
     dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None
-    dw_m = db_m = None
-    if m is not None:
-        with op.local():
-            for (a, e), cache in zip(kept.chunks, kept.master.conv, strict=True):
-                whole = be.asarray(_joined([dyc[q.name][a:e] for q in busy]))
-                dx_c, dw_c, db_c = be.conv2d_backward(whole, cache, conv.need_dx)
-                if conv.need_dx:
-                    dx[a:e, m.channels] = be.to_numpy(dx_c)
-                dw_c, db_c = be.to_numpy(dw_c), be.to_numpy(db_c)
-                dw_m, db_m = (dw_c, db_c) if dw_m is None else (dw_m + dw_c, db_m + db_c)
+    dw_m, db_m = _master_conv_backward(op, plan, kept, dyc, dx) if m is not None else (None, None)
     results = {}
     for (a, e), tasks in zip(kept.chunks, zip(*second.values(), strict=True), strict=True):
         results = op.gather(tasks)  # the last chunk's carry dw and db
@@ -278,3 +269,20 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
     dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in busy], axis=1)
     db = part(busy[0], "db", (total,))  # every participant's is the same: the first's
     return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db)
+
+
+def _master_conv_backward(
+    op: Op, plan: Plan, kept: Kept, dyc: dict[str, np.ndarray], dx: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The master's conv backward through its partial, chunk by chunk, once all of dY_conv is in
+    ``dyc``: its columns of dx written into ``dx`` (None: not needed), its (dw, db) returned."""
+    be, m, dw_m, db_m = op.backend, plan.master, None, None
+    with op.local():
+        for (a, e), cache in zip(kept.chunks, kept.master.conv, strict=True):
+            whole = be.asarray(_joined([dyc[q.name][a:e] for q in plan.busy]))
+            dx_c, dw_c, db_c = be.conv2d_backward(whole, cache, dx is not None)
+            if dx is not None:
+                dx[a:e, m.channels] = be.to_numpy(dx_c)
+            dw_c, db_c = be.to_numpy(dw_c), be.to_numpy(db_c)
+            dw_m, db_m = (dw_c, db_c) if dw_m is None else (dw_m + dw_c, db_m + db_c)
+    return dw_m, db_m
