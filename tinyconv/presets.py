@@ -75,7 +75,7 @@ PRESETS: dict[str, Preset] = {
             ">= 75 % in under 30 minutes on 2 cores: 48:96 with batch norm, 7 epochs",
             arch="48:96",
             norm="batch",
-            # the main job (zmq, opencl, one local worker) takes 0.43-0.46 s per step, 120-130 s per
+            # the main job (zmq, opencl, one local worker) takes 0.30 s per step (median), 118-133 s per
             # epoch: 7 epochs and their evaluations fit in 30 minutes with room to spare
             epochs=7,
             batch_size=128,
