@@ -26,3 +26,20 @@ def test_glibc_takes_the_settings():
 
 def test_the_switch_turns_it_off():
     assert run("0") == "False"
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_a_freed_block_over_2_gib_stays_in_the_heap():
+    """INT_MAX as the trim threshold gave back any top over 2 GiB (conv2's columns of 300:1000 at
+    batch 256), to be faulted in again at the next step. The block is never written: the heap's
+    end (sbrk(0)) moves without touching a page."""
+    code = (
+        "import ctypes, numpy as np\n"
+        "from tinyconv.heap import keep_freed_memory\n"
+        "assert keep_freed_memory()\n"
+        "libc = ctypes.CDLL(None); libc.sbrk.restype = ctypes.c_void_p; libc.sbrk.argtypes = (ctypes.c_ssize_t,)\n"
+        "a = np.empty(2_300_000_000, np.uint8); end = libc.sbrk(0); del a\n"
+        "print(libc.sbrk(0) - end)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert int(out.stdout) == 0, f"the heap shrank by {out.stdout.strip()} bytes when a 2.3 GB block was freed"

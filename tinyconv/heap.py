@@ -9,12 +9,17 @@ each other down, so a conv block on half the kernels took 6-7.5 s on each core a
 4.9-6 s with its memory kept (``benchmarks/bench_speedup.py`` measures the effect on a whole step).
 
 :func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap
-(``M_MMAP_MAX`` = 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` at its
-maximum), and to use one arena for all threads (``M_ARENA_MAX`` = 1, so a worker's compute
+(``M_MMAP_MAX`` = 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, which
+glibc reads as the largest size_t), and to use one arena for all threads (``M_ARENA_MAX`` = 1, so a worker's compute
 thread shares it). A freed block is then reused by the next allocation of its size. The
 price is that the process keeps its peak memory for its lifetime -- which a training
 process reaches again at every step anyway. The master and the worker call it at start;
 ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc it does nothing.
+
+Why -1 and not INT_MAX: mallopt takes an int, and a threshold of 2**31 - 1 bytes still gives back
+a top of over 2 GB -- conv2's columns of ``300:1000`` at batch 256 are 1.97 GB, so the master alone
+trimmed them at every step and faulted them back in, huge page by huge page, in 3-6 s of system
+time a step (seen in /proc/PID/stat on the 2-core Xeon).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import sys
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
-_MAX_INT = 2**31 - 1
+_NEVER = -1  # as M_TRIM_THRESHOLD: glibc converts the int to size_t, so SIZE_MAX bytes
 
 
 def keep_freed_memory() -> bool:
@@ -44,5 +49,5 @@ def keep_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success, 0 on error
     return all(
-        mallopt(param, value) == 1 for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _MAX_INT), (M_ARENA_MAX, 1))
+        mallopt(param, value) == 1 for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER), (M_ARENA_MAX, 1))
     )
