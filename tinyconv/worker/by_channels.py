@@ -23,7 +23,7 @@ from tinyconv.shard.block import owned
 from tinyconv.shard.block import tail_backward as run_tail_backward
 from tinyconv.shard.block import tail_forward as run_tail
 from tinyconv.shard.protocol import TaskError
-from tinyconv.worker.kept import Kept, _slot, _span, _where
+from tinyconv.worker.kept import Kept, header_span, task_place, task_slot
 from transports.wire import Int
 
 if TYPE_CHECKING:  # only for the hints: handler.py imports this module
@@ -47,24 +47,24 @@ def partial_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray],
             raise TaskError(f"layer {h['layer']}: the first chunk of partial_forward (image 0 on) brings w")
         f = w.shape[0]
         tail = worker._tail(h, x.shape[2:], w.shape[2:])
-        cs, ce = _span(h, "halo", f)
-        own = _span(h, "own", ce - cs)
+        cs, ce = header_span(h, "halo", f)
+        own = header_span(h, "own", ce - cs)
         give = h["give"]
         if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
             raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
         kept = Kept("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=worker._on_backend(w))
         kept.settings, kept.halo = settings, (cs, ce)
     else:
-        kept = worker.layers.get(_slot(h))
+        kept = worker.layers.get(task_slot(h))
         if kept is None or kept.stage != "partial" or kept.step != h["step"] or kept.chunks[-1][1] != first:
             raise TaskError(
-                f"{_where(h)}: partial_forward of images from {first} on continues the chunk that ends there; "
+                f"{task_place(h)}: partial_forward of images from {first} on continues the chunk that ends there; "
                 "send the batch's chunks in order from image 0"
             )
         if w is not None:
-            raise TaskError(f"{_where(h)}: w comes with the first chunk of partial_forward only")
+            raise TaskError(f"{task_place(h)}: w comes with the first chunk of partial_forward only")
         if settings != kept.settings:
-            raise TaskError(f"{_where(h)}: a chunk of partial_forward must repeat its first chunk's settings")
+            raise TaskError(f"{task_place(h)}: a chunk of partial_forward must repeat its first chunk's settings")
     f, (cs, ce) = kept.kernels, kept.halo
     p, conv = be.conv2d_forward(worker._on_backend(x), kept.w, be.zeros((f,)), h["stride"], h["padding"])
     p = be.to_numpy(p)
@@ -124,7 +124,9 @@ def partial_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray]
     chunk = kept.chunks[kept.done]
     first, stop, batch = _images(h, n)
     if (first, stop, batch) != (*chunk, n):
-        raise TaskError(f"{_where(h)}: partial_backward goes by the forward's chunks; the next is images {[*chunk, n]}")
+        raise TaskError(
+            f"{task_place(h)}: partial_backward goes by the forward's chunks; the next is images {[*chunk, n]}"
+        )
     parts = [p for p in (a.get("dyc_lo"), kept.dyc[first:stop], a.get("dyc_hi")) if p is not None]
     if not all(p.ndim == 4 and (p.shape[0], *p.shape[2:]) == (stop - first, oh, ow) for p in parts) or (
         sum(p.shape[1] for p in parts) != kept.kernels
@@ -158,10 +160,10 @@ def _images(
     if v is None:
         v = [0, n, n]
     if not (isinstance(v, list) and len(v) == 3 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= v[2]):
-        raise TaskError(f"{_where(h)}: images must be [a, b, N] with 0 <= a < b <= N, got {v!r}")
+        raise TaskError(f"{task_place(h)}: images must be [a, b, N] with 0 <= a < b <= N, got {v!r}")
     if kept is not None and (v[2] != n or v[0] != at or v[1] > computed):
         raise TaskError(
-            f"{_where(h)}: images {v!r} do not continue this layer's batch of {n}: "
+            f"{task_place(h)}: images {v!r} do not continue this layer's batch of {n}: "
             f"the next chunk starts at image {at}, and its forward has images up to {computed}"
         )
     return v[0], v[1], v[2]

@@ -63,7 +63,7 @@ from tinyconv.shard.calibrate import parse_spec, time_block
 from tinyconv.shard.protocol import VERSION, TaskError, check_task, narrowed, widened
 from tinyconv.shard.wire_precision import Narrowed, declare
 from tinyconv.worker import by_channels, replica
-from tinyconv.worker.kept import HYBRID, Kept, _slot, _span, _where
+from tinyconv.worker.kept import HYBRID, Kept, header_span, task_place, task_slot
 from transports.base import Message
 from transports.wire import error_reply
 
@@ -197,15 +197,15 @@ class Worker:
         if msg.kind not in STAGES or STAGES[msg.kind][0] is None:
             return None
         h = msg.header
-        where, needs = _where(h), STAGES[msg.kind][0]
-        kept = self.layers.get(_slot(h))
+        where, needs = task_place(h), STAGES[msg.kind][0]
+        kept = self.layers.get(task_slot(h))
         if kept is None:
             raise TaskError(
                 f"{where}: nothing kept of this layer's forward: send {_LEFT_BY[needs]} first "
                 "(or again, if this worker was restarted)"
             )
         if kept.step != h["step"]:
-            whose = "this layer's" if isinstance(_slot(h), int) else "the conv part's"
+            whose = "this layer's" if isinstance(task_slot(h), int) else "the conv part's"
             raise TaskError(f"{where}: {whose} kept forward is of step {kept.step}")
         if kept.stage != needs:
             raise TaskError(
@@ -217,10 +217,10 @@ class Worker:
         """The layer moves on to the stage ``kind`` leaves it at (forgotten at the end of its step)."""
         leaves = STAGES[kind][1]
         if leaves is None:
-            del self.layers[_slot(h)]  # one backward per forward; frees what it kept
+            del self.layers[task_slot(h)]  # one backward per forward; frees what it kept
         else:
             kept.stage = leaves
-            self.layers[_slot(h)] = kept
+            self.layers[task_slot(h)] = kept
 
     # ---- split by kernels ---------------------------------------------------------------------
     def block_forward(self, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
@@ -232,7 +232,7 @@ class Worker:
                 f"got x {x.shape}, w {w.shape}, b {b.shape}"
             )
         tail = self._tail(h, x.shape[2:], w.shape[2:])
-        own = _span(h, "own", w.shape[0])
+        own = header_span(h, "own", w.shape[0])
         be = self.backend
         put = self._on_backend
         y, cache = block_forward(be, put(x), put(w), put(b), h["stride"], h["padding"], tail, own)

@@ -39,18 +39,18 @@ class Kept:
     features: tuple[int, int, int] = (0, 0, 0)  # "hybrid": (C2, H', W') of one image
 
 
-def _slot(h: dict[str, Any]) -> int | str:
+def task_slot(h: dict[str, Any]) -> int | str:
     """Where a task's kept forward lives: its layer's index, or the hybrid's one slot."""
     return h.get("layer", HYBRID)
 
 
-def _where(h: dict[str, Any]) -> str:
+def task_place(h: dict[str, Any]) -> str:
     """The task's place in a step, for errors: "layer 1 step 3", "the conv part step 3"."""
-    slot = _slot(h)
+    slot = task_slot(h)
     return f"{'layer ' if isinstance(slot, int) else 'the '}{slot} step {h['step']}"
 
 
-def _span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
+def header_span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
     """Header ``key``, a non-empty range [a, b] with 0 <= a < b <= limit, as a tuple."""
     v = h[key]
     if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):

@@ -25,7 +25,7 @@ from tinyconv.replica import flat
 from tinyconv.replica.conv_part import backward_features, conv_part, feature_shape, forward_features, time_conv_part
 from tinyconv.replica.replica import build, slice_gradients, time_replica
 from tinyconv.shard.protocol import TaskError
-from tinyconv.worker.kept import HYBRID, Kept, _where
+from tinyconv.worker.kept import HYBRID, Kept, task_place
 
 if TYPE_CHECKING:  # only for the hints: handler.py imports this module
     from tinyconv.worker.handler import Worker
@@ -109,7 +109,7 @@ def hybrid_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray],
     """The conv part's backward from its rows of dL/dfeatures (n, F): the slice's conv gradient."""
     d, want = a["dfeatures"], (kept.images, math.prod(kept.features))
     if d.shape != want:
-        raise TaskError(f"{_where(h)}: dfeatures must be {want} (the slice's images x features of its "
+        raise TaskError(f"{task_place(h)}: dfeatures must be {want} (the slice's images x features of its "
                         f"forward), got {d.shape}")  # fmt: skip
     conv = conv_part(worker.replica[1])
     backward_features(conv, d, kept.features)
