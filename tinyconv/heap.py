@@ -10,8 +10,8 @@ each other down, so a conv block on half the kernels took 6-7.5 s on each core a
 
 :func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap
 (``M_MMAP_MAX`` = 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, which
-glibc reads as the largest size_t), and to use one arena for all threads (``M_ARENA_MAX`` = 1, so a worker's compute
-thread shares it). A freed block is then reused by the next allocation of its size. The
+glibc reads as the largest size_t), and to use one arena for all threads (``M_ARENA_MAX`` = 1,
+so a worker's compute thread shares it). A freed block is then reused by the next allocation of its size. The
 price is that the process keeps its peak memory for its lifetime -- which a training
 process reaches again at every step anyway. The master and the worker call it at start;
 ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc it does nothing.
