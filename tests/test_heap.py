@@ -43,3 +43,21 @@ def test_a_freed_block_over_2_gib_stays_in_the_heap():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert int(out.stdout) == 0, f"the heap shrank by {out.stdout.strip()} bytes when a 2.3 GB block was freed"
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_release_gives_back_a_freed_block_below_the_top():
+    """A written 400 MB block freed below a live one stays resident (kept for reuse) until
+    release_freed_memory() hands its pages back; the live block keeps the heap's top in use."""
+    code = (
+        "import numpy as np\n"
+        "from tinyconv.heap import keep_freed_memory, release_freed_memory\n"
+        "assert keep_freed_memory()\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "a = np.ones(400_000_000, np.uint8); b = np.ones(1_000_000, np.uint8)\n"
+        "del a; kept = rss()\n"
+        "print(release_freed_memory(), kept - rss())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    released, freed = out.stdout.split()
+    assert released == "True" and int(freed) > 350_000_000, f"released {freed} bytes, expected about 400 MB"

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
+from tinyconv.heap import release_freed_memory
 from tinyconv.model import Network
 from tinyconv.shard.block import block_backward, block_forward, check_tail, tail_output_hw
 from tinyconv.shard.calibrate import parse_spec, time_block
@@ -269,7 +270,9 @@ class Worker:
         if not h["layers"]:
             raise TaskError("layers is empty: nothing to calibrate")
         specs = [parse_spec(i, spec, self.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
-        return {"times": [time_block(self.backend, spec, h["repeats"]) * self.slowdown for spec in specs]}
+        times = [time_block(self.backend, spec, h["repeats"]) * self.slowdown for spec in specs]
+        release_freed_memory()  # whole layers' blocks: the steps' smaller ones would only fragment them
+        return {"times": times}
 
     # ---- wire words on the device, where the backend converts them there -----------------------
     def _widen_on_device(self, kind: str) -> Callable[[str, np.ndarray, Any], Any]:
