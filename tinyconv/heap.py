@@ -38,6 +38,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from typing import Any
 
 # mallopt parameters, from glibc's malloc.h
 M_TRIM_THRESHOLD = -1
@@ -48,12 +49,8 @@ _NEVER = -1  # as M_TRIM_THRESHOLD: glibc converts the int to size_t, so SIZE_MA
 
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse; True if it applied. Call before big allocations and threads."""
-    if os.environ.get("TINYCONV_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = _glibc("mallopt")
+    if os.environ.get("TINYCONV_KEEP_FREED_MEMORY", "1") == "0" or mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
@@ -66,12 +63,19 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Give the kernel every whole free page of the heap (glibc's ``malloc_trim(0)``): the next
     allocations fault their pages in again. True if glibc released any; False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = (ctypes.c_size_t,)
     trim.restype = ctypes.c_int
     return trim(0) == 1
+
+
+def _glibc(name: str) -> Any:
+    """glibc's function ``name``, or None elsewhere than Linux or where the C library lacks it (musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None

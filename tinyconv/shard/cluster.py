@@ -206,7 +206,7 @@ class Cluster(Membership):
         specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
         master = self.backend if ("master", None) in self.seats else None
         times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
-        release_freed_memory()  # the whole layers' blocks: the steps' would only fragment them (heap.py)
+        release_freed_memory()  # the whole layers' memory, kept, would stay the run's peak (heap.py)
         for name, k in self.seats:
             self.timings[name] = {b.name: times[k][i] for i, b in enumerate(self.blocks)}
         result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}

@@ -271,7 +271,7 @@ class Worker:
             raise TaskError("layers is empty: nothing to calibrate")
         specs = [parse_spec(i, spec, self.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
         times = [time_block(self.backend, spec, h["repeats"]) * self.slowdown for spec in specs]
-        release_freed_memory()  # whole layers' blocks: the steps' smaller ones would only fragment them
+        release_freed_memory()  # the whole layers' memory, kept, would stay the run's peak (heap.py)
         return {"times": times}
 
     # ---- wire words on the device, where the backend converts them there -----------------------
