@@ -11,10 +11,11 @@ each other down, so a conv block on half the kernels took 6-7.5 s on each core a
 :func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap
 (``M_MMAP_MAX`` = 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, which
 glibc reads as the largest size_t), and to use one arena for all threads (``M_ARENA_MAX`` = 1,
-so a worker's compute thread shares it). A freed block is then reused by the next allocation of its size. The
-price is that the process keeps its peak memory for its lifetime -- which a training
-process reaches again at every step anyway. The master and the worker call it at start;
-``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc it does nothing.
+so a worker's compute thread shares it). A freed block is then reused by the next allocation
+of its size. The price is that the process keeps its peak memory for its lifetime -- which a
+training process reaches again at every step anyway, once calibration is over (below). The
+master and the worker call it at start; ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off.
+Elsewhere than glibc it does nothing.
 
 The peak kept is the process's, though, and a calibration is its own peak: every participant
 times the *whole* layer on the whole batch (``tinyconv/shard/calibrate.py``), where a step computes
@@ -49,8 +50,10 @@ _NEVER = -1  # as M_TRIM_THRESHOLD: glibc converts the int to size_t, so SIZE_MA
 
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse; True if it applied. Call before big allocations and threads."""
+    if os.environ.get("TINYCONV_KEEP_FREED_MEMORY", "1") == "0":
+        return False
     mallopt = _glibc("mallopt")
-    if os.environ.get("TINYCONV_KEEP_FREED_MEMORY", "1") == "0" or mallopt is None:
+    if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
