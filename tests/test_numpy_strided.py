@@ -1,10 +1,13 @@
-"""The numpy backend's optimised col2im and max pool against the same ops written out.
+"""The numpy backend's optimised col2im, max pool and transpose against the same ops written out.
 
 ``col2im`` takes a faster path for stride 1 with the output the input's size (each tap one add of
 contiguous rows, the terms that fall into the padding zeroed first) and adds the taps in
 col2im_plain's order, so the two must agree bit for bit -- NaN and inf included -- on odd shapes:
 N = 1, C = 1, odd H and W, H != W, kernels larger than the image, even kernels (no "same"
 padding: the plain path), stride 2.
+
+``transposed`` (the tiled transposing copy behind conv2d_backward's dW) against numpy's own a.T:
+the same bits, NaN and inf included, for shapes smaller than, equal to and past a tile's edge.
 
 ``maxpool_forward`` (a separable max over columns, then rows, keeping each stage's winning offset)
 against ``maxpool_forward_plain`` (every window copied out as a row, argmax): the same outputs bit
@@ -29,6 +32,7 @@ from backends.numpy_backend import (
     im2col,
     maxpool_backward_plain,
     maxpool_forward_plain,
+    transposed,
 )
 
 # (N, C, H, W), kernel, stride, padding
@@ -80,6 +84,29 @@ def test_col2im_is_im2cols_adjoint(shape, k, stride, padding):
     lhs = np.sum(im2col(x, k, k, stride, padding) * d)
     rhs = np.sum(x * col2im(d, shape, k, k, stride, padding))
     assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("shape, tile", [((1, 1), 4), ((3, 5), 4), ((4, 4), 4), ((9, 13), 4), ((300, 7), 256)])
+def test_transposed_is_numpys_transpose(shape, tile):
+    a = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    a.flat[0], a.flat[-1] = np.nan, -np.inf  # the bits are copied, not computed
+    t = transposed(a, tile)
+    assert t.flags.c_contiguous and t.shape == shape[::-1]
+    np.testing.assert_array_equal(t, a.T)
+
+
+def test_conv2d_backward_gives_a_contiguous_dw():
+    """dW is handed to the optimiser and to the wire: a transposed view would make each of them a
+    strided walk (5x slower at 500:1500's conv2)."""
+    be, rng = NumpyBackend(), np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    y, cache = be.conv2d_forward(x, w, np.zeros(4, np.float32), 1, 1)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    _, dw, _ = be.conv2d_backward(dy, cache, need_dx=False)
+    assert dw.flags.c_contiguous
+    cols = im2col(x, 3, 3, 1, 1)
+    np.testing.assert_array_equal(dw, (cols @ dy.transpose(1, 0, 2, 3).reshape(4, -1).T).T.reshape(w.shape))
 
 
 def test_conv2d_backward_dx_matches_the_plain_col2im():
