@@ -27,6 +27,7 @@ from tinyconv.shard.block import (
     tail_forward,
     tail_of,
 )
+from tinyconv.shard.by_channels import kernel_major
 from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.layer import ShardedBlock
 from tinyconv.shard.protocol import VERSION
@@ -143,7 +144,8 @@ def test_partial_convolutions_by_input_channels_summed_under_the_tails_equal_the
         ys.append(np.asarray(y))
         dycs.append(owned(be, tail_backward(be, np.ascontiguousarray(g[:, h]), cache), cache))
     assert_close(np.concatenate(ys, axis=1), y_ref)
-    dyc = np.concatenate(dycs, axis=1)
+    dyc = kernel_major(dycs)  # joined kernel-major, as the split joins them for the conv backward
+    np.testing.assert_array_equal(dyc, np.concatenate(dycs, axis=1))
     for (c0, c1), (_, conv_cache) in zip(cspans, partials, strict=True):
         dx, dw, db = be.conv2d_backward(dyc, conv_cache, True)
         assert_close(dx, dx_ref[:, c0:c1])

@@ -22,12 +22,14 @@ import numpy as np
 from tinyconv.shard.block import owned
 from tinyconv.shard.block import tail_backward as run_tail_backward
 from tinyconv.shard.block import tail_forward as run_tail
+from tinyconv.shard.by_channels import kernel_major
 from tinyconv.shard.protocol import TaskError
 from tinyconv.worker.kept import Kept, header_span, task_place, task_slot
 from transports.wire import Int
 
 if TYPE_CHECKING:  # only for the hints: handler.py imports this module
     from tinyconv.worker.handler import Worker
+
 
 def partial_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
     """P, the partial convolution of its input channels for all F kernels, on a chunk of images;
@@ -136,7 +138,7 @@ def partial_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray]
             f"({stop - first}, {kept.kernels}, {oh}, {ow}); got {[tuple(p.shape) for p in parts]}"
         )
     be = worker.backend
-    whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    whole = kernel_major(parts)
     dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv[kept.done], h["need_dx"])
     kept.done += 1
     if len(kept.chunks) > 1:  # summed over the chunks on the host
