@@ -412,7 +412,7 @@ class NumpyBackend(Backend):
     def conv2d_backward(self, dy, cache, need_dx=True):
         x_shape, w, cols, stride, padding = cache
         f, c, kh, kw = w.shape
-        dy2 = dy.transpose(1, 0, 2, 3).reshape(f, -1)  # (F, N*OH*OW), one copy
+        dy2 = dy.transpose(1, 0, 2, 3).reshape(f, -1)  # (F, N*OH*OW): one copy, none of a kernel-major dY
         # dW^T = cols dY^T rather than dW = dY cols^T: the same sums, but OpenBLAS runs this shape (a
         # small output, K = N*OH*OW long) 1.1-4x faster so, the most with 2 threads (bench_train_step.py);
         # transposed back into a C-contiguous dW, since the optimiser's update and the wire would
