@@ -105,6 +105,17 @@ class Backend(ABC):
     def conv2d_backward(self, dy: Array, cache: Cache, need_dx: bool = True) -> tuple[Array | None, Array, Array]:
         """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None, dw (F, C, KH, KW), db (F,))."""
 
+    def conv2d_partial(self, x: Array, w: Array, stride: int = 1, padding: int = 0) -> tuple[np.ndarray, Cache]:
+        """x (N, C, H, W), w (F, C, KH, KW) -> (P (F, N, OH, OW) on the host, the cache conv2d_backward takes).
+
+        P[f, n] = sum_c x_pad[n, c] (cross-correlated with) w[f, c]: conv2d_forward's y with no bias,
+        kernel-major. What a participant of a layer split by its input channels computes, keeps and
+        sends (tinyconv/shard/by_channels.py): a range of kernels is then one contiguous block. This
+        one transposes conv2d_forward's y on the host; a backend whose GEMM leaves y kernel-major
+        returns it as it is (the numpy backend)."""
+        y, cache = self.conv2d_forward(x, w, self.zeros((w.shape[0],)), stride, padding)
+        return np.ascontiguousarray(self.to_numpy(y).transpose(1, 0, 2, 3)), cache
+
     # ---- elementwise and normalisation --------------------------------------
     @abstractmethod
     def relu_forward(self, x: Array) -> tuple[Array, Cache]:

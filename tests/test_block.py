@@ -27,7 +27,7 @@ from tinyconv.shard.block import (
     tail_forward,
     tail_of,
 )
-from tinyconv.shard.by_channels import kernel_major
+from tinyconv.shard.by_channels import halo_sum
 from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.layer import ShardedBlock
 from tinyconv.shard.protocol import VERSION
@@ -135,17 +135,19 @@ def test_partial_convolutions_by_input_channels_summed_under_the_tails_equal_the
     y_ref, dx_ref, dw_ref, db_ref = reference(be, x, w, b, tail, g)
 
     cspans = [(c0, c1) for c0, c1 in slices(channels) if c0 < c1]
-    partials = [be.conv2d_forward(x[:, c0:c1], w[:, c0:c1], np.zeros(11, np.float32), 1, 1) for c0, c1 in cspans]
-    conv_sum = sum(p for p, _ in partials) + b[None, :, None, None]
+    partials = [be.conv2d_partial(x[:, c0:c1], w[:, c0:c1], 1, 1) for c0, c1 in cspans]  # (11, 2, 8, 8) each
     ys, dycs = [], []
     for s, e in slices([2, 6, 3]):
         h = halo_span(s, e, 11, tail)
-        y, cache = tail_forward(be, conv_sum[:, h], partials[0][1], tail, (s - h.start, e - h.start))
+        conv_sum = np.empty((2, h.stop - h.start, 8, 8), np.float32)
+        halo_sum(conv_sum, partials[0][0][h], [p[h] for p, _ in partials[1:]])
+        conv_sum += b[h, None, None]
+        y, cache = tail_forward(be, conv_sum, partials[0][1], tail, (s - h.start, e - h.start))
         ys.append(np.asarray(y))
         dycs.append(owned(be, tail_backward(be, np.ascontiguousarray(g[:, h]), cache), cache))
     assert_close(np.concatenate(ys, axis=1), y_ref)
-    dyc = kernel_major(dycs)  # joined kernel-major, as the split joins them for the conv backward
-    np.testing.assert_array_equal(dyc, np.concatenate(dycs, axis=1))
+    # joined kernel-major, as the split joins them for the conv backward: (N, 11, 8, 8) as a view
+    dyc = np.concatenate([d.transpose(1, 0, 2, 3) for d in dycs]).transpose(1, 0, 2, 3)
     for (c0, c1), (_, conv_cache) in zip(cspans, partials, strict=True):
         dx, dw, db = be.conv2d_backward(dyc, conv_cache, True)
         assert_close(dx, dx_ref[:, c0:c1])

@@ -9,6 +9,9 @@ padding: the plain path), stride 2.
 ``transposed`` (the tiled transposing copy behind conv2d_backward's dW) against numpy's own a.T:
 the same bits, NaN and inf included, for shapes smaller than, equal to and past a tile's edge.
 
+``conv2d_partial`` (the GEMM's kernel-major output, for the split by input channels) against the
+forward's y, bit for bit.
+
 ``maxpool_forward`` (a separable max over columns, then rows, keeping each stage's winning offset)
 against ``maxpool_forward_plain`` (every window copied out as a row, argmax): the same outputs bit
 for bit, and the gradient sent to the same inputs -- checked exactly with integer gradients, whose
@@ -107,6 +110,27 @@ def test_conv2d_backward_gives_a_contiguous_dw():
     assert dw.flags.c_contiguous
     cols = im2col(x, 3, 3, 1, 1)
     np.testing.assert_array_equal(dw, (cols @ dy.transpose(1, 0, 2, 3).reshape(4, -1).T).T.reshape(w.shape))
+
+
+def test_conv2d_partial_is_the_forwards_gemm_kernel_major_and_a_subclass_keeps_its_own_convolution():
+    """conv2d_partial hands back the GEMM's own (F, N, OH, OW): the forward's y with no bias, bit for
+    bit, contiguous (sent and summed uncopied); a subclass that replaces the forward (the threaded
+    example) gets P through its forward, not the reference's GEMM."""
+    be, rng = NumpyBackend(), np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
+    w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    y, _ = be.conv2d_forward(x, w, np.zeros(5, np.float32), 2, 1)
+    p, cache = be.conv2d_partial(x, w, 2, 1)
+    assert p.flags.c_contiguous and p.shape == (5, 2, 4, 3)
+    np.testing.assert_array_equal(p, y.transpose(1, 0, 2, 3))
+    assert cache[2].shape == (27, 2 * 4 * 3)  # the columns, for conv2d_backward
+
+    class Doubled(NumpyBackend):
+        def conv2d_forward(self, x, w, b, stride=1, padding=0):
+            y, cache = super().conv2d_forward(x, w, b, stride, padding)
+            return 2 * y, cache
+
+    np.testing.assert_array_equal(Doubled().conv2d_partial(x, w, 2, 1)[0], 2 * p)
 
 
 def test_conv2d_backward_dx_matches_the_plain_col2im():

@@ -190,7 +190,7 @@ def channel_step() -> list[Message]:
     return [
         task("partial_forward", {"x": with_edges(rng, 2, 3, 8, 8), "w": with_edges(rng, 4, 3, 3, 3)},
              {"x": "bf16", "w": "bf16"}, {"p_lo": "bf16"}, halo=[0, 4], own=[0, 4], give=[2, 4], **conv),
-        task("tail_forward", {"b": with_edges(rng, 4), "sum": with_edges(rng, 2, 4, 8, 8)},
+        task("tail_forward", {"b": with_edges(rng, 4), "sum": with_edges(rng, 4, 2, 8, 8)},
              {"b": "bf16", "sum": "bf16"}, {"y": "bf16"}),
         task("tail_backward", {"dy": with_edges(rng, 2, 4, 8, 8)}, {"dy": "bf16"}, {"dyc": "bf16"}),
         task("partial_backward", {}, {}, {"dx": "bf16", "dw": "bf16", "db": "bf16"}, need_dx=True),

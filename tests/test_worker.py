@@ -56,6 +56,11 @@ def tail(b=B, others=None, **kw) -> Message:
     return task("tail_forward", {"b": b} | ({"sum": others} if others is not None else {}), **kw)
 
 
+def km(a: np.ndarray) -> np.ndarray:
+    """(N, F, H, W) -> (F, N, H, W): kernel-major, as the channel split's conv outputs travel."""
+    return np.ascontiguousarray(a.transpose(1, 0, 2, 3))
+
+
 def error_text(reply: Message) -> str:
     assert reply.kind == "error", reply
     check_message(reply)
@@ -137,7 +142,7 @@ def test_one_participant_with_every_channel_computes_the_whole_layer_by_channels
     dyc = ok(worker, task("tail_backward", {"dy": dy}))["dyc"]
     grads = ok(worker, task("partial_backward", need_dx=need_dx))
     close(y, y_ref)
-    np.testing.assert_array_equal(dyc, dy)  # no tail: the conv-output gradient is dy itself
+    np.testing.assert_array_equal(dyc, km(dy))  # no tail: the conv-output gradient is dy itself
     assert set(grads) == {"dw", "db"} | ({"dx"} if need_dx else set())
     close(grads["dw"], dw_ref)
     close(grads["db"], db_ref)
@@ -181,16 +186,16 @@ def test_two_workers_splitting_the_input_channels_give_the_whole_block_on_their_
         (partial_ref,) = conv2d_expected(xc, wc, np.zeros(8, np.float32), 1, 1)  # no bias
         name, ref = ("p_hi", partial_ref[:, 1:]) if i == 0 else ("p_lo", partial_ref[:, :5])
         assert set(p[i]) == {name}
-        close(p[i][name], ref)
+        close(p[i][name].transpose(1, 0, 2, 3), ref)  # kernel-major
 
     # each gets the other's partial on its halo and its halo's bias; y is the block on its own kernels
-    sums = [p[1]["p_lo"][:, 0:5], p[0]["p_hi"][:, 0:7]]  # p_hi starts at kernel 1
+    sums = [p[1]["p_lo"][0:5], p[0]["p_hi"][0:7]]  # p_hi starts at kernel 1
     dyc = []
     for i, ((s, e), h) in enumerate(zip(own, halos, strict=True)):
         y = ok(workers[i], tail(b=np.ascontiguousarray(b[h]), others=np.ascontiguousarray(sums[i])))
         close(y["y"], y_ref[:, s:e])
         dyc.append(ok(workers[i], task("tail_backward", {"dy": np.ascontiguousarray(g[:, h])}))["dyc"])
-        close(dyc[i], dyc_ref[:, s:e])
+        close(dyc[i].transpose(1, 0, 2, 3), dyc_ref[:, s:e])
 
     # with the other's conv-output gradient around its own: dx and dw of its channels, and all of db
     for i, (c0, c1) in enumerate(channels):
@@ -210,9 +215,12 @@ def test_a_refused_task_leaves_the_layer_for_a_good_one():
     assert "tail_forward takes b (5,)" in error_text(worker.handle(tail(b=B[:2])))
     close(ok(worker, tail())["y"], y_ref[:, 1:4])
     assert "does not fit the forward" in error_text(worker.handle(task("tail_backward", {"dy": dy[:, :2]})))
-    np.testing.assert_array_equal(ok(worker, task("tail_backward", {"dy": dy}))["dyc"], dy[:, 1:4])
-    assert "must make (2, 5, 8, 8)" in error_text(worker.handle(task("partial_backward", {"dyc_lo": dy})))
-    grads = ok(worker, task("partial_backward", {"dyc_lo": dy[:, :1], "dyc_hi": dy[:, 4:]}))
+    np.testing.assert_array_equal(ok(worker, task("tail_backward", {"dy": dy}))["dyc"], km(dy[:, 1:4]))
+    wrong = error_text(worker.handle(task("partial_backward", {"dyc_lo": km(dy)})))
+    assert "kernels [1, 4) of 5" in wrong and "dyc_lo must be (1, 2, 8, 8), got (5, 2, 8, 8)" in wrong
+    missing = error_text(worker.handle(task("partial_backward", {"dyc_lo": km(dy[:, :1])})))
+    assert "dyc_hi must be (1, 2, 8, 8), got nothing" in missing
+    grads = ok(worker, task("partial_backward", {"dyc_lo": km(dy[:, :1]), "dyc_hi": km(dy[:, 4:])}))
     close(grads["dx"], dx_ref)
     close(grads["dw"], dw_ref)
     close(grads["db"], db_ref)
@@ -227,9 +235,9 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
     assert ok(worker, task("partial_forward", {"x": X[1:]}, own=[1, 4], images=[1, 2, 2])) == {}
     assert ok(worker, task("tail_forward", {}, images=[0, 1, 2])) == {}  # summed, no tail yet
     close(ok(worker, tail(images=[1, 2, 2]))["y"], y_ref[:, 1:4])
-    np.testing.assert_array_equal(ok(worker, task("tail_backward", {"dy": dy}))["dyc"], dy[:, 1:4])
+    np.testing.assert_array_equal(ok(worker, task("tail_backward", {"dy": dy}))["dyc"], km(dy[:, 1:4]))
     for i in range(2):
-        around = {"dyc_lo": dy[i : i + 1, :1], "dyc_hi": dy[i : i + 1, 4:]}
+        around = {"dyc_lo": km(dy[i : i + 1, :1]), "dyc_hi": km(dy[i : i + 1, 4:])}
         grads = ok(worker, task("partial_backward", around, images=[i, i + 1, 2]))
         assert set(grads) == ({"dx"} if i == 0 else {"dx", "dw", "db"})  # dw and db summed, with the last
         close(grads["dx"], dx_ref[i : i + 1])
@@ -251,6 +259,10 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
         ),
         ([partial(x=X[:1], images=[0, 1, 2]), tail()], r"images \[0, 2, 2\] do not continue .* images up to 1"),
         ([partial(x=X[:1], images=[0, 1, 2]), tail(images=[0, 1, 2])], "b comes with the last chunk"),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]), tail()],
+            r"tail_forward goes by partial_forward's chunks; the next is images \[0, 1, 2\]",
+        ),
         (
             [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]),
              task("tail_forward", {}, images=[1, 2, 2])],
@@ -305,14 +317,14 @@ CALIBRATE_0 = {"layer": 0, "x": [1, 3, 8, 8], "w": [1, 3, 3, 3], "stride": 1, "p
         ([task("partial_forward", {"x": X, "w": W, "b": B})], r"\['x'\] and optionally \['w'\], got \['b', 'w', 'x'\]"),
         ([forward(own=[0, 6])], r"own must be \[a, b\] with 0 <= a < b <= 5"),
         ([Message("block_forward", {"task": 1, "step": 0, "layer": 0}, {})], "missing"),
-        ([partial(), tail(b=B[:3])], r"tail_forward takes b \(5,\) and sum \(2, 5, 8, 8\); got b \(3,\)"),
+        ([partial(), tail(b=B[:3])], r"tail_forward takes b \(5,\) and sum \(5, 2, 8, 8\); got b \(3,\)"),
         ([partial(), tail(others=DY[:, :2])], r"got b \(5,\), sum \(2, 2, 8, 8\)"),
         ([partial(), task("tail_forward", {"b": B, "x": X})], r"optionally \['b', 'sum'\], got \['b', 'x'\]"),
         ([*BY_CHANNELS, task("tail_backward", {"dy": DY}), task("partial_backward", {"dy": DY})], "optionally"),
         (
             [*BY_CHANNELS, task("tail_backward", {"dy": DY}), task("partial_backward", {"dyc_hi": DY[:, :1]})],
-            r"dyc_lo, this worker's 5 kernels' gradient and dyc_hi must make \(2, 5, 8, 8\); "
-            r"got \[\(2, 5, 8, 8\), \(2, 1, 8, 8\)\]",
+            r"around this worker's kernels \[0, 5\) of 5, dyc_lo those before and dyc_hi those after: "
+            r"dyc_hi must be absent, got \(2, 1, 8, 8\)",
         ),
         ([forward(), task("block_backward")], r"block_backward takes the arrays \['dy'\], got none"),
         ([forward(), task("block_backward", {"dy": np.ones((2, 5, 7, 8), np.float32)})], r"dy \(2, 5, 7, 8\) does"),

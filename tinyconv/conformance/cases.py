@@ -44,6 +44,28 @@ def _conv(
     return Case("conv2d", f"N{n} C{c} {h}x{w} F{f} k{k} s{stride} p{padding}{dx_note}", run)
 
 
+def _conv_partial(n: int, c: int, h: int, w: int, f: int, k: int, stride: int, padding: int) -> Case:
+    """conv2d_partial: conv2d_forward's y with no bias, kernel-major, on the host; its cache takes a
+    kernel-major dy (a transposed view, as the channel split passes it) to conv2d_backward."""
+
+    def run(t: Trial) -> None:
+        x, wt = t.normal(n, c, h, w), t.normal(f, c, k, k, scale=0.3)
+        xd, wd = t.dev(x), t.dev(wt)
+        y_ref, cache_ref = REF.conv2d_forward(x, wt, np.zeros(f, F32), stride, padding)
+        p, cache = t.backend.conv2d_partial(xd, wd, stride, padding)
+        t.check("on the host", isinstance(p, np.ndarray), f"got a {type(p).__name__}, not a numpy array")
+        t.compare("P", p, y_ref.transpose(1, 0, 2, 3))
+        dy = t.normal(f, *y_ref.shape[:1], *y_ref.shape[2:]).transpose(1, 0, 2, 3)  # (N, F, OH, OW), F-major
+        dx_ref, dw_ref, db_ref = REF.conv2d_backward(np.ascontiguousarray(dy), cache_ref, True)
+        dx, dw, db = t.backend.conv2d_backward(t.backend.asarray(dy), cache, True)
+        t.compare("dx", dx, dx_ref)
+        t.compare("dw", dw, dw_ref)
+        t.compare("db", db, db_ref)
+        t.unchanged(x=(xd, x), w=(wd, wt))
+
+    return Case("conv2d_partial", f"N{n} C{c} {h}x{w} F{f} k{k} s{stride} p{padding}", run)
+
+
 def _relu(*shape: int) -> Case:
     def run(t: Trial) -> None:
         x = t.normal(*shape)
@@ -311,6 +333,8 @@ CASES: list[Case] = [
     _conv(2, 5, 6, 6, 4, 1, 1, 0),  # 1x1
     _conv(1, 1, 5, 5, 1, 5, 2, 0),  # a single output pixel
     _conv(2, 3, 7, 7, 4, 3, 2, 1, need_dx=False),  # the first layer
+    _conv_partial(2, 4, 8, 8, 6, 5, 1, 2),
+    _conv_partial(3, 2, 9, 7, 4, 3, 2, 1),
     _relu(1, 3, 5, 7),
     _relu(5, 7),
     _lrn(2, 7, 5, 5, 5, 1e-4, 0.75, 2.0, 1.0),  # the paper's defaults

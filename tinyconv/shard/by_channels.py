@@ -15,10 +15,15 @@ columns: nothing is computed twice. The tail still goes by kernels (own k_i, hal
 ``block.py``), so each way takes two rounds through the master::
 
     forward   1. partial_forward    x[:, c_i], w[:, c_i]   -> the parts of P_i the others' halos need
-              2. tail_forward       b[h_i], sum_{j!=i} P_j[:, h_i]
-                                                           -> y[:, k_i] = tail(P_i[:, h_i] + sum + b[h_i])
+              2. tail_forward       b[h_i], sum_{j!=i} P_j[h_i]
+                                                           -> y[:, k_i] = tail(P_i[h_i] + sum + b[h_i])
     backward  1. tail_backward      dy[:, h_i]             -> dyc_i, the conv-output gradient of k_i
               2. partial_backward   dyc_j for every j != i -> dx[:, c_i], dw[:, c_i], db
+
+What crosses of the conv output -- P's parts, the sums, dyc -- is kernel-major, (F', N, OH, OW),
+the layout the GEMM computes P in and the conv backward reads dY in (``Backend.conv2d_partial``):
+a range of kernels is then one contiguous block, which is sent, summed and joined without a
+transposing copy; only the sum over a participant's halo is turned to (N, F', OH, OW), for its tail.
 
 The price is bytes: each way, every worker sends and receives about its share of the conv
 output, which costs nothing on one machine but more than the kernel split on a LAN (so
@@ -62,18 +67,18 @@ class Kept:
 
 @dataclass
 class Partial:
-    """What the master has of one participant's partial convolution P (N, F, OH, OW): P[:, :lo_end]
-    as ``lo`` and P[:, hi_start:] as ``hi`` (all of P, for the master's own: lo = P)."""
+    """What the master has of one participant's partial convolution P (F, N, OH, OW), kernel-major:
+    P[:lo_end] as ``lo`` and P[hi_start:] as ``hi`` (all of P, for the master's own: lo = P)."""
 
     lo: np.ndarray | None
     hi: np.ndarray | None
     hi_start: int
 
     def on(self, kernels: slice) -> np.ndarray:
-        """P[:, kernels], for a range that lies in one of the two parts (a view)."""
-        if self.lo is not None and kernels.stop <= self.lo.shape[1]:
-            return self.lo[:, kernels]
-        return self.hi[:, kernels.start - self.hi_start : kernels.stop - self.hi_start]
+        """P[kernels], for a range that lies in one of the two parts (a contiguous view)."""
+        if self.lo is not None and kernels.stop <= self.lo.shape[0]:
+            return self.lo[kernels]
+        return self.hi[kernels.start - self.hi_start : kernels.stop - self.hi_start]
 
 
 # An optimisation, the pipeline: above this many images the batch goes in chunks, so that a chunk's
@@ -81,28 +86,20 @@ class Partial:
 PIPELINE = 64
 
 
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    """Parts (N, F_i, OH, OW) side by side along the kernels: (N, sum F_i, OH, OW), to send."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-
-
-def kernel_major(parts: list[np.ndarray]) -> np.ndarray:
-    """The parts (N, F_i, OH, OW) joined along the kernels, (N, F, OH, OW), as a view of one (F, N, OH, OW)
-    array. An optimisation for the conv backward, which reads dY kernel by kernel (the numpy
-    backend's (F, N*OH*OW) reshape): joined in that order, the join is dY's only copy."""
-    if len(parts) == 1:
-        return parts[0]
-    n, _, oh, ow = parts[0].shape
-    whole = np.empty((sum(p.shape[1] for p in parts), n, oh, ow), np.float32)
-    at = 0
-    for p in parts:
-        whole[at : at + p.shape[1]] = p.transpose(1, 0, 2, 3)
-        at += p.shape[1]
-    return whole.transpose(1, 0, 2, 3)
+def halo_sum(s: np.ndarray, own: np.ndarray, others: list[np.ndarray]) -> None:
+    """s (N, F', OH, OW) = own + sum(others): a participant's partial over its halo and the others'
+    on it, each (F', N, OH, OW) kernel-major, turned to the tail's layout as they are added."""
+    if others:
+        np.add(own.transpose(1, 0, 2, 3), others[0].transpose(1, 0, 2, 3), out=s)
+    else:
+        s[...] = own.transpose(1, 0, 2, 3)
+    for term in others[1:]:
+        s += term.transpose(1, 0, 2, 3)
 
 
 def _summed(terms: list[np.ndarray]) -> np.ndarray:
-    """The sum of ``terms``, to send: one term as it is (the wire copies a view out), more in a new array."""
+    """The sum of ``terms``, to send: one term as it is (a block of kernels, sent without a copy), more
+    in a new array."""
     if len(terms) == 1:
         return terms[0]
     total = terms[0] + terms[1]
@@ -141,7 +138,8 @@ def forward(
     first = _send_partials(op, conv, tail, plan, x_h, w_h, give, parts)  # round 1
 
     # chunk by chunk, the master's partial, then each worker the others' partials summed over its
-    # halo as soon as the master has them (round 2); the master's own halo summed as they come
+    # halo as soon as the master has them (round 2); the master's own halo summed as they come (the
+    # bias is added once, to the whole batch's sum)
     s_m = w_m = None
     if m is not None:
         s_m = np.empty((n, m.halo.stop - m.halo.start, oh, ow), np.float32)
@@ -154,22 +152,20 @@ def forward(
         if m is not None:
             with op.local():
                 x_m = be.asarray(x_h[a:e, m.channels])  # a view: im2col copies it anyway
-                p_m, cache = be.conv2d_forward(x_m, w_m, be.zeros((total,)), conv.stride, conv.padding)
+                p_m, cache = be.conv2d_partial(x_m, w_m, conv.stride, conv.padding)  # (F, e - a, OH, OW)
                 conv_m.append(cache)
-                partials[m.name] = Partial(be.to_numpy(p_m), None, total)
+                partials[m.name] = Partial(p_m, None, total)
         for k, tasks in _relay_sums(op, plan, give, sent, partials, b_h, (a, e, n), (total, oh, ow)).items():
             second[k] += tasks
         if m is not None:
             with op.local():
-                s = s_m[a:e]
-                np.add(partials[m.name].on(m.halo), b_h[m.halo, None, None], out=s)
-                for term in _others_on(busy, partials, m):
-                    s += term
+                halo_sum(s_m[a:e], partials[m.name].on(m.halo), _others_on(busy, partials, m))
 
     # the tails, once the whole batch is summed: the master's, and each worker's y with its last chunk
     y_m = cache = None
     if m is not None:
         with op.local():
+            s_m += b_h[m.halo, None, None]
             y_m, cache = tail_forward(be, be.asarray(s_m), conv_m, tail, m.own)
             y_m = be.to_numpy(y_m)
     results = {}
@@ -216,8 +212,8 @@ def _relay_sums(
 
     def arrived(k: int, reply: Message) -> None:
         lo_end, hi_start = give[k]
-        lo = op.array(k, reply, "p_lo", (e - a, lo_end, oh, ow)) if lo_end > 0 else None
-        hi = op.array(k, reply, "p_hi", (e - a, total - hi_start, oh, ow)) if hi_start < total else None
+        lo = op.array(k, reply, "p_lo", (lo_end, e - a, oh, ow)) if lo_end > 0 else None
+        hi = op.array(k, reply, "p_hi", (total - hi_start, e - a, oh, ow)) if hi_start < total else None
         partials[worker[k].name] = Partial(lo, hi, hi_start)
 
     def tail_task(k: int) -> list[Message]:
@@ -240,7 +236,8 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
     n, c_in, h, wd = kept.x_shape
     _, total, oh, ow = conv.output_shape(kept.x_shape)
     worker = {p.worker: p for p in plan.workers}
-    dyc: dict[str, np.ndarray] = {}  # participant -> its own kernels' conv-output gradient (N, own, OH, OW)
+    dyc = np.empty((total, n, oh, ow), np.float32)  # all of dY_conv, kernel-major, as each one's own kernels come
+    have: set[str] = set()
 
     # round 1: each participant's tail backward
     first = {}
@@ -250,25 +247,27 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
     if m is not None:
         with op.local():
             d_m = tail_backward(be, be.asarray(dy_h[:, m.halo]), kept.master)
-            dyc[m.name] = owned(be, d_m, kept.master)  # a view: joined and sent by copies anyway
+            dyc[m.kernels] = owned(be, d_m, kept.master).transpose(1, 0, 2, 3)
+            have.add(m.name)
 
     def arrived(k: int, reply: Message) -> None:
-        dyc[worker[k].name] = op.array(k, reply, "dyc", (n, worker[k].n_kernels, oh, ow))
+        p = worker[k]
+        dyc[p.kernels] = op.array(k, reply, "dyc", (p.n_kernels, n, oh, ow))
+        have.add(p.name)
 
     def conv_tasks(k: int) -> list[Message]:
-        i = busy.index(worker[k])
+        start, stop = worker[k].kernels.start, worker[k].kernels.stop  # the others' kernels: before, after
         tasks = []
         for a, e in kept.chunks:
-            arrays = {}
-            for key, around in (("dyc_lo", busy[:i]), ("dyc_hi", busy[i + 1 :])):
-                if around:  # the kernels before this worker's, and after
-                    arrays[key] = _joined([dyc[q.name][a:e] for q in around])
+            arrays = ({"dyc_lo": dyc[:start, a:e]} if start > 0 else {}) | (
+                {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
+            )
             tasks.append(Message("partial_backward", {"need_dx": conv.need_dx, "images": [a, e, n]}, arrays))
         return tasks
 
     # round 2: each worker the others' conv-output gradients, as soon as the master has them, chunk
     # by chunk; with all of dY_conv, the conv backward through its partial
-    ready = lambda k: all(q.name in dyc for q in busy if q.worker != k)  # noqa: E731
+    ready = lambda k: all(q.name in have for q in busy if q.worker != k)  # noqa: E731
     second = op.relay(first, ready, conv_tasks, arrived)
     width = {p.name: p.channels.stop - p.channels.start for p in busy}
     k_shape = (conv.kernel, conv.kernel)
@@ -290,14 +289,14 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
 
 
 def _master_conv_backward(
-    op: Op, plan: Plan, kept: Kept, dyc: dict[str, np.ndarray], dx: np.ndarray | None
+    op: Op, plan: Plan, kept: Kept, dyc: np.ndarray, dx: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The master's conv backward through its partial, chunk by chunk, once all of dY_conv is in
-    ``dyc``: its columns of dx written into ``dx`` (None: not needed), its (dw, db) returned."""
+    ``dyc`` (F, N, OH, OW): its columns of dx written into ``dx`` (None: not needed), its (dw, db) returned."""
     be, m, dw_m, db_m = op.backend, plan.master, None, None
     with op.local():
         for (a, e), cache in zip(kept.chunks, kept.master.conv, strict=True):
-            whole = be.asarray(kernel_major([dyc[q.name][a:e] for q in plan.busy]))
+            whole = be.asarray(dyc[:, a:e].transpose(1, 0, 2, 3))  # (N, F, OH, OW), a view
             dx_c, dw_c, db_c = be.conv2d_backward(whole, cache, dx is not None)
             if dx is not None:
                 dx[a:e, m.channels] = be.to_numpy(dx_c)

@@ -16,23 +16,25 @@ Split by kernels, the paper's way (``by_kernels.py``)::
                       -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,)
 
 Split by input channels, the optimisation (``by_channels.py``); a participant holds
-c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into them)::
+c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into them), the
+kernels [ks, ke) of all F. What crosses of the conv output is kernel-major, (kernels, N, OH, OW)::
 
     partial_forward   stride, padding, tail, halo, own, give = [lo_end, hi_start]
                                                      x (N, c, H, W), w (F, c, K, K)
-                      -> p_lo (N, lo_end, OH, OW), p_hi (N, F - hi_start, OH, OW): the parts of
+                      -> p_lo (lo_end, N, OH, OW), p_hi (F - hi_start, N, OH, OW): the parts of
                          its partial convolution the others need (each absent when empty)
-    tail_forward      -                              b (ce - cs,), sum (N, ce - cs, OH, OW) if any
+    tail_forward      -                              b (ce - cs,), sum (ce - cs, N, OH, OW) if any
                       -> y (N, own, OH', OW'): the tail on its partial + sum + b
     tail_backward     -                              dy (N, ce - cs, OH', OW')
-                      -> dyc (N, own, OH, OW): the own kernels' conv-output gradient
-    partial_backward  need_dx                        dyc_lo, dyc_hi: the others' dyc, before and
-                                                     after its own (each absent when empty)
+                      -> dyc (ke - ks, N, OH, OW): the own kernels' conv-output gradient
+    partial_backward  need_dx                        dyc_lo (ks, N, OH, OW), dyc_hi (F - ke, N, OH,
+                                                     OW): the others' dyc, before and after its own
+                                                     (each absent when empty)
                       -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
 
 A batch may go in chunks of images (the pipeline): partial_forward, tail_forward and
 partial_backward then carry ``images`` = [a, b, N], and N above is b - a: partial_forward's
-chunks in order from image 0, w with the first only; tail_forward's from image 0, b with the
+chunks in order from image 0, w with the first only; tail_forward's by the same chunks, b with the
 last only, which alone returns y (the others return nothing); partial_backward's by the forward's
 chunks, each returning its dx, the last dw and db too (summed over the chunks).
 
@@ -94,9 +96,10 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, 4 the hybrid's
 # tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow`` as ["s8", H, W],
-# 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward); a worker's hello says
-# which it speaks, the transport admits equals
-VERSION = 6
+# 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward, 7 the channel split's
+# p_lo, p_hi, sum, dyc, dyc_lo and dyc_hi kernel-major); a worker's hello says which it speaks, the transport
+# admits equals
+VERSION = 7
 
 
 class TaskError(ValueError):

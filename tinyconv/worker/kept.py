@@ -23,10 +23,13 @@ class Kept:
     step: int
     cache: BlockCache | None = None  # "block", "tail", "dyc": the block's (or the tail's) cache
     conv: Any = None  # "partial" on: the backend's cache of the partial convolution
-    partial: np.ndarray | None = None  # "partial": the partial convolution on the computed kernels
+    partial: list[np.ndarray | None] = field(default_factory=list)  # "partial": per chunk, the partial
+    #                                        convolution on the computed kernels (F', n, OH, OW), until summed
+    summed: np.ndarray | None = None  # "partial": (N, F', OH, OW), the sums tail_forward has added so far
     tail: list[dict[str, Any]] = field(default_factory=list)
     own: tuple[int, int] = (0, 0)  # the own kernels, as offsets into the computed ones
-    dyc: np.ndarray | None = None  # "dyc": the own kernels' conv-output gradient
+    dyc: np.ndarray | None = None  # "dyc": all of dY_conv (F, N, OH, OW), its own rows from tail_backward,
+    #                                the others' from partial_backward
     kernels: int = 0  # all F kernels of a layer split by input channels
     w: Any = None  # "partial": its weights on the backend, for the chunks after the first
     settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
