@@ -256,7 +256,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
         have.add(p.name)
 
     def conv_tasks(k: int) -> list[Message]:
-        start, stop = worker[k].kernels.start, worker[k].kernels.stop  # the others' kernels: before, after
+        start, stop = worker[k].kernels.start, worker[k].kernels.stop  # its own; the others' lie before and after
         tasks = []
         for a, e in kept.chunks:
             arrays = ({"dyc_lo": dyc[:start, a:e]} if start > 0 else {}) | (

@@ -92,7 +92,7 @@ def tail_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], ke
         raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
     if (b is not None) != (stop == n):
         raise TaskError(f"layer {h['layer']}: b comes with the last chunk of tail_forward (images up to {n}) only")
-    i = [a for a, _ in kept.chunks].index(first)  # _images held first to where the sums are
+    i = [start for start, _ in kept.chunks].index(first)  # first is kept.done, a chunk's start (_images)
     if kept.chunks[i] != (first, stop):
         raise TaskError(
             f"{task_place(h)}: tail_forward goes by partial_forward's chunks; the next is images {[*kept.chunks[i], n]}"
