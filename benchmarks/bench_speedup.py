@@ -4,7 +4,7 @@
     python benchmarks/bench_speedup.py                      # 300:1000, batch 64
     python benchmarks/bench_speedup.py --fuse off --split kernels   # the paper's conv-only split
     python benchmarks/bench_speedup.py --arch 500:1500 --steps 4
-    python benchmarks/bench_speedup.py --batch 256 --pipeline 0 64 --rounds 2   # the pipeline's A/B
+    python benchmarks/bench_speedup.py --batch 256 --pipeline 0 32 --rounds 2   # the pipeline's A/B
 
 One device = one process pinned to one core with one BLAS thread, as the paper's
 CPUs: the master runs on core 0, the worker (started here under ``taskset -c 1``, the

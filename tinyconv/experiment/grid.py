@@ -58,7 +58,7 @@ REBALANCES = ("on", "off")
 DATA_WIRE = "fp32"  # the only wire a BY_IMAGES cell runs (tinyconv/replica/ sends float32)
 # tinyconv.shard.by_channels.PIPELINE, the Cluster's default (not imported: it loads numpy before main() set
 # the BLAS threads; tests/test_experiment.py keeps the two equal)
-PIPELINE = 64
+PIPELINE = 32
 CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x
 
 
