@@ -356,3 +356,31 @@ def test_a_csv_written_before_the_pipeline_column_resumes_as_0_and_a_new_value_i
     now = rows(out)
     assert [(r["participants"], r["parallel"], r["pipeline"]) for r in now[3:]] == [("2", "model", "2")]
     assert len(json.loads(out.with_suffix(".json").read_text())) == 4
+
+
+def test_settle_solo_runs_more_steps_while_they_fault_memory_in() -> None:
+    """After the settling steps, more run while the last spent over KERNEL_FRACTION of its time in the
+    kernel, up to SETTLE_MORE; --settle 0 runs none."""
+    from tinyconv.experiment import run
+
+    def steps(kernel: list[float]) -> tuple[list[int], object]:
+        done: list[int] = []
+
+        def step() -> dict[str, float]:
+            done.append(len(done))
+            return {"time_s": 10.0, "kernel_s": kernel[len(done) - 1]}
+
+        return done, step
+
+    done, step = steps([5.9, 1.3, 0.0, 0.0, 0.0, 0.0])  # 150:800 at 256's first switch, as measured
+    run.settle_solo(step, 1)
+    assert len(done) == 3  # the first clean one ends it
+    done, step = steps([0.0, 3.0, 0.0, 0.0])
+    run.settle_solo(step, 2)
+    assert len(done) == 3  # the settling steps all run, clean or not; the second faulted, so one more
+    done, step = steps([5.0] * 10)
+    run.settle_solo(step, 1)
+    assert len(done) == 1 + run.SETTLE_MORE  # bounded
+    done, step = steps([5.0] * 10)
+    run.settle_solo(step, 0)
+    assert done == []

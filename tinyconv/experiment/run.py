@@ -6,7 +6,8 @@ A step is forward, loss, backward and the SGD update on random CIFAR-shaped data
 calibrated split), then alternates solo and distributed steps (:func:`alternate`):
 ``cluster.detach`` puts the network's own layers back for a solo step, ``cluster.attach``
 shards them again, and after every switch ``settle`` untimed steps run first, so that a timed
-step never runs on the caches the other configuration left behind. A drift in the shared
+step never runs on the caches the other configuration left behind (the master alone's, more while
+they still fault memory in: :func:`settle_solo`). A drift in the shared
 machine's speed thus hits both sides of the speedup alike. The master alone (participants 1)
 runs its warm-up and timed steps, then one step timed layer by layer (:func:`solo_split`) to
 split it into conv and comp, as the paper's Fig. 6 does. ``benchmarks/bench_speedup.py``
@@ -25,6 +26,7 @@ with ``Hybrid`` in place of ``Replicas`` (both a ``BatchSplit``).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +46,12 @@ from tinyconv.shard.cluster import Cluster
 from tinyconv.shard.rebalance import Rebalancer
 from transports.base import Transport, WorkerInfo
 
+# A solo step does no I/O, so time it spends in the kernel is memory being faulted in: after a switch from
+# distributed steps the master's kept heap (tinyconv/heap.py) may lack a block the size of the whole layer's
+# columns, and its fresh 2 MB pages cost seconds (150:800 at 256: 5.9 s of a 16.7 s step). After the
+# settling steps, up to SETTLE_MORE more run while the last spent over KERNEL_FRACTION of its time there.
+SETTLE_MORE = 3
+KERNEL_FRACTION = 0.01
 REBALANCE_THRESHOLD = 0.03  # bench_speedup's default: the rebalancer acts on a 3 % lag
 RECV_TIMEOUT_S = 600.0  # the longest a worker may take over one op of the largest cell
 BY_IMAGES_CLASS: dict[str, type[BatchSplit]] = {"data": Replicas, "hybrid": Hybrid}  # grid.BY_IMAGES's
@@ -51,13 +59,22 @@ BY_IMAGES_CLASS: dict[str, type[BatchSplit]] = {"data": Replicas, "hybrid": Hybr
 
 def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | None) -> dict[str, Any]:
     """One training step (forward, loss, backward, SGD); its time and the paper's split."""
-    t = time.perf_counter()
+    t, kernel = time.perf_counter(), os.times().system
     net.train_step(x, y)
     opt.step()
     net.backend.synchronize()
-    dt = time.perf_counter() - t
+    dt, kernel_s = time.perf_counter() - t, os.times().system - kernel
     split = cluster.last_step if cluster is not None else {"comm_s": 0.0, "conv_s": 0.0, "participant_conv_s": []}
-    return {"time_s": dt, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
+    return {"time_s": dt, "kernel_s": kernel_s, **split, "comp_s": max(0.0, dt - split["comm_s"] - split["conv_s"])}
+
+
+def settle_solo(step: Callable[[], dict[str, Any]], settle: int) -> None:
+    """``settle`` untimed solo steps after a switch, then up to SETTLE_MORE more while the last one still
+    spent over KERNEL_FRACTION of its time in the kernel, faulting in memory (``settle`` 0: none at all)."""
+    for i in range(settle + SETTLE_MORE if settle else 0):
+        record = step()
+        if i + 1 >= settle and record["kernel_s"] <= KERNEL_FRACTION * record["time_s"]:
+            return
 
 
 def data_step(net: Network, opt: SGD, x: Any, y: np.ndarray, replicas: BatchSplit) -> dict[str, Any]:
@@ -103,8 +120,7 @@ def alternate(
     solo, dist = [], []
     for _ in range(steps):
         cluster.detach(net)  # the network's own layers: the master alone, the workers wait
-        for _ in range(settle):
-            one_step(net, opt, x, y, None)
+        settle_solo(lambda: one_step(net, opt, x, y, None), settle)
         solo.append(one_step(net, opt, x, y, None))
         cluster.attach(net)
         for _ in range(settle):
@@ -188,8 +204,7 @@ def _data_parallel(
         data_step(net, opt, x, y, replicas)
     solo, dist = [], []
     for _ in range(steps):
-        for _ in range(settle):
-            one_step(net, opt, x, y, None)
+        settle_solo(lambda: one_step(net, opt, x, y, None), settle)
         solo.append(one_step(net, opt, x, y, None))
         for _ in range(settle):
             data_step(net, opt, x, y, replicas)
