@@ -12,7 +12,8 @@ way a user starts one by hand) on core 1, and they talk over TCP on loopback.
 Training steps (forward, loss, backward, SGD) are timed on random CIFAR-shaped data:
 after calibration and --warmup distributed steps (rebalancing settles), solo and
 distributed steps alternate, so that a drift in the shared machine's speed hits both; after
-each switch --settle untimed steps run first, so that each timed step is a steady one.
+each switch --settle untimed steps run first (the master alone's more while they still fault
+memory in), so that each timed step is a steady one.
 Printed: the median step of each and its split into comm / conv / comp (the paper's
 Fig. 6), each participant's compute, the distributed step op by op (each participant's
 compute and what the op waited beyond the slowest), the speedup, and the Amdahl bound

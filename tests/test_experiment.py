@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -363,7 +364,7 @@ def test_settle_solo_runs_more_steps_while_they_fault_memory_in() -> None:
     kernel, up to SETTLE_MORE; --settle 0 runs none."""
     from tinyconv.experiment import run
 
-    def steps(kernel: list[float]) -> tuple[list[int], object]:
+    def steps(kernel: list[float]) -> tuple[list[int], Callable[[], dict[str, float]]]:
         done: list[int] = []
 
         def step() -> dict[str, float]:
