@@ -21,12 +21,15 @@ from backends.numpy_backend import NumpyBackend
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
 from tinyconv.optim import SGD
+from tinyconv.replica import batch as batch_split
 from tinyconv.replica import flat
+from tinyconv.replica.hybrid import Hybrid
 from tinyconv.replica.server import UNIT, Replicas
 from tinyconv.replica.start import replicate
 from tinyconv.shard.protocol import VERSION, TaskError, check_task
 from tinyconv.shard.rpc import Lost
 from tinyconv.testing import FN, Expected, assert_close
+from tinyconv.worker import replica as worker_replica
 from tinyconv.worker.handler import Worker
 from transports.base import Message
 from transports.inproc import InprocTransport
@@ -191,6 +194,20 @@ def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_i
         with pytest.raises(Lost, match="no result for the data-parallel calibration within 0.2 s"):
             lazy.calibrate(net, batch_size=4)
 
+
+
+@pytest.mark.parametrize("split_by", [Replicas, Hybrid])
+def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_worker(monkeypatch, split_by):
+    # each participant times the whole batch, more than its share of a step: kept (tinyconv/heap.py),
+    # that memory would stay the run's peak, so both sides give it back once they have timed
+    released = []
+    monkeypatch.setattr(batch_split, "release_freed_memory", lambda: released.append("master"))
+    monkeypatch.setattr(worker_replica, "release_freed_memory", lambda: released.append("worker"))
+    with inproc_pool(1) as (transport, workers):
+        split = split_by(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, image_size=SIZE,
+                         calibration_repeats=1)  # fmt: skip
+        split.calibrate(paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE), batch_size=4)
+    assert released == ["worker", "master"]  # the master's after everyone's timing
 
 class Poisoned(Worker):
     """A worker that answers a replica step with NaN gradients from finite inputs: the master loses it."""

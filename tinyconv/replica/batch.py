@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array, Backend
+from tinyconv.heap import release_freed_memory
 from tinyconv.model import Network
 from tinyconv.replica.replica import spec_of
 from tinyconv.shard.accounting import OpStats
@@ -142,6 +143,7 @@ class BatchSplit(Membership):
             reference = min(times.values(), default=None)
             own = k is None
             times[name] = self._time_own(spec, batch_size) if own else self._time_worker(k, spec, batch_size, reference)
+        release_freed_memory()  # each timed the whole batch; kept, it would stay the run's peak (tinyconv/heap.py)
         times = {name: times[name] for name, _ in self.seats}
         self.timings, self.calibrated_batch = times, batch_size
         layer_times = [times[name] for name in self.participants]
