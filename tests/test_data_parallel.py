@@ -195,7 +195,6 @@ def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_i
             lazy.calibrate(net, batch_size=4)
 
 
-
 @pytest.mark.parametrize("split_by", [Replicas, Hybrid])
 def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_worker(monkeypatch, split_by):
     # each participant times the whole batch, more than its share of a step: kept (tinyconv/heap.py),
@@ -208,6 +207,7 @@ def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_wo
                          calibration_repeats=1)  # fmt: skip
         split.calibrate(paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE), batch_size=4)
     assert released == ["worker", "master"]  # the master's after everyone's timing
+
 
 class Poisoned(Worker):
     """A worker that answers a replica step with NaN gradients from finite inputs: the master loses it."""
