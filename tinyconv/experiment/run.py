@@ -58,7 +58,8 @@ BY_IMAGES_CLASS: dict[str, type[BatchSplit]] = {"data": Replicas, "hybrid": Hybr
 
 
 def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | None) -> dict[str, Any]:
-    """One training step (forward, loss, backward, SGD); its time and the paper's split."""
+    """One training step (forward, loss, backward, SGD); its time, the part of it the process spent in the
+    kernel (``kernel_s``, for :func:`settle_solo`) and the paper's split."""
     t, kernel = time.perf_counter(), os.times().system
     net.train_step(x, y)
     opt.step()
