@@ -4,7 +4,8 @@ Ops compute in their inputs' dtype (float32 in training; float64 arrays passed
 straight to the ops stay float64, which is how tinyconv/gradcheck.py checks them).
 
 No Python loop here runs over the batch, pixels or channels; the only loops run
-over the few offsets of a kernel window (at most KH*KW strided copies or adds).
+over the few offsets of a kernel window (at most KH*KW strided copies or adds),
+and over cache-sized blocks of a parameter in sgd_update (an optimisation).
 
 Convolution keeps its columns in the layout (C*KH*KW, N*OH*OW), so forward, dW
 and dX are each *one* large GEMM, which is where BLAS is fastest:
@@ -365,6 +366,39 @@ def batchnorm_backward_plain(dy, cache):
     return dx, dgamma, dbeta
 
 
+def sgd_update_plain(param, grad, velocity, lr: float, momentum: float, weight_decay: float) -> None:
+    """In place, torch's SGD: v = momentum * v + grad + weight_decay * param;  param -= lr * v."""
+    velocity *= momentum
+    velocity += grad
+    if weight_decay:
+        velocity += weight_decay * param
+    param -= lr * velocity
+
+
+# An optimisation: sgd_update_plain walks all of param, grad and velocity five times and makes two
+# param-sized temporaries (conv2 of 500:1500 is 75 MB: 72 ms a step on one core, while a worker waits).
+# Block by block, the five passes run while the block is in the L2 cache (4 arrays of 256 KB).
+SGD_BLOCK = 1 << 16
+
+
+def sgd_update(param, grad, velocity, lr: float, momentum: float, weight_decay: float, block: int = SGD_BLOCK) -> None:
+    """sgd_update_plain's result, bit for bit: the same float operations in the same order on each
+    element, only run on one block of elements at a time."""
+    if not (param.flags.c_contiguous and velocity.flags.c_contiguous and grad.size == param.size):
+        return sgd_update_plain(param, grad, velocity, lr, momentum, weight_decay)
+    p, g, v = param.reshape(-1), grad.reshape(-1), velocity.reshape(-1)  # views (grad: a copy if strided)
+    scratch = np.empty(min(block, p.size), param.dtype)
+    for a in range(0, p.size, block):
+        e = min(a + block, p.size)
+        pb, vb, s = p[a:e], v[a:e], scratch[: e - a]
+        vb *= momentum
+        vb += g[a:e]
+        if weight_decay:
+            vb += np.multiply(pb, weight_decay, out=s)
+        pb -= np.multiply(vb, lr, out=s)
+    return None
+
+
 class NumpyBackend(Backend):
     """The reference backend. Arrays are plain float32 numpy arrays on the host."""
 
@@ -574,8 +608,4 @@ class NumpyBackend(Backend):
 
     # ---- optimiser ---------------------------------------------------------------
     def sgd_update(self, param, grad, velocity, lr, momentum, weight_decay):
-        velocity *= momentum
-        velocity += grad
-        if weight_decay:
-            velocity += weight_decay * param
-        param -= lr * velocity
+        sgd_update(param, grad, velocity, lr, momentum, weight_decay)

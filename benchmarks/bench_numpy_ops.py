@@ -4,6 +4,7 @@
     taskset -c 1 env OPENBLAS_NUM_THREADS=1 python benchmarks/bench_numpy_ops.py
     python benchmarks/bench_numpy_ops.py --baseline /tmp/old_numpy_backend.py   # side by side
     python benchmarks/bench_numpy_ops.py --ops maxpool,maxpool-nan --repeats 15  # some ops only
+    python benchmarks/bench_numpy_ops.py --ops sgd --sgd-arch 500:1500           # the update alone
 
 The shapes are those of a batch-64 training step of the 300:1000 network: the
 conv1 map 64x300x32x32 and the conv2 map 64x1000x16x16, each through ReLU,
@@ -11,7 +12,9 @@ LRN (or batch norm) and a 3x3 stride-2 pad-1 max pool; "maxpool-nan" is the max
 pool of the same map with one NaN in about 10^4 values (the path a diverging run
 takes), not counted in the total. "im2col" and "col2im" time the module's functions on the
 columns of conv2 of the 48:96 network at batch 128 (x 128x48x16x16, 5x5, padding 2), not
-counted in the total either. Every call allocates its
+counted in the total either. "sgd" is one optimiser step over every parameter of the ``--sgd-arch``
+network (momentum 0.9, weight decay 5e-4): sgd_update_plain, the backend's blocked sgd_update and,
+if PyTorch is installed, torch.optim.SGD on the same arrays (not in the total). Every call allocates its
 outputs afresh, as in training. ``--baseline FILE`` loads ``NumpyBackend`` from
 another copy of numpy_backend.py (e.g. ``git show HEAD:backends/numpy_backend.py
 > /tmp/old.py``) and times it on the same inputs, so a before/after table is one
@@ -66,6 +69,36 @@ def column_calls(module, x: np.ndarray, dcols: np.ndarray, ops: list[str]) -> di
     return calls
 
 
+def sgd_calls(modules: dict, arch: str) -> dict[str, Callable[[], object]]:
+    """One update of every parameter of the ``arch`` network: each module's sgd_update (and the plain one
+    of the newest), and torch.optim.SGD's (foreach) on copies of the same arrays, if torch is here."""
+    from tinyconv.model import paper_net
+
+    rng = np.random.default_rng(1)
+    params = [a.copy() for _, layer, name in paper_net(arch).named_params() for a in [layer.params[name]]]
+    grads = [rng.standard_normal(a.shape, dtype=np.float32) for a in params]
+    velocity = [np.zeros_like(a) for a in params]
+    lr, momentum, wd = 0.01, 0.9, 5e-4
+
+    def update(fn) -> Callable[[], object]:
+        return lambda: [fn(p, g, v, lr, momentum, wd) for p, g, v in zip(params, grads, velocity, strict=True)]
+
+    calls = {f"sgd {name}": update(m.sgd_update) for name, m in modules.items() if hasattr(m, "sgd_update")}
+    if hasattr(modules["now"], "sgd_update_plain"):
+        calls["sgd plain"] = update(modules["now"].sgd_update_plain)
+    try:
+        import torch
+    except ImportError:
+        return calls
+    torch.set_num_threads(1)
+    tp = [torch.tensor(a) for a in params]
+    for t, g in zip(tp, grads, strict=True):
+        t.grad = torch.tensor(g)
+    opt = torch.optim.SGD(tp, lr=lr, momentum=momentum, weight_decay=wd)
+    calls["sgd torch"] = opt.step
+    return calls
+
+
 def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median ms of each function; calls interleave, so all share the machine's noise alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -81,7 +114,7 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {name: 1e3 * float(np.median(ts)) for name, ts in times.items()}
 
 
-OPS = ("relu", "lrn", "batchnorm", "maxpool", "maxpool-nan", "im2col", "col2im")
+OPS = ("relu", "lrn", "batchnorm", "maxpool", "maxpool-nan", "im2col", "col2im", "sgd")
 COLUMN_OPS = ("im2col", "col2im")
 TOTAL_OPS = ("relu", "lrn", "maxpool")  # the LRN network's layers: the Amdahl part
 
@@ -114,6 +147,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline", metavar="FILE", help="another numpy_backend.py to time side by side")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)} (default: all)")
+    p.add_argument("--sgd-arch", default="300:1000", help="the network whose parameters 'sgd' updates (C1:C2)")
     args = p.parse_args()
     ops = args.ops.split(",")
     if not set(ops) <= set(OPS):
@@ -127,7 +161,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     totals = dict.fromkeys(backends, 0.0)
-    map_ops = [op for op in ops if op not in COLUMN_OPS]
+    map_ops = [op for op in ops if op not in COLUMN_OPS and op != "sgd"]
     for label, shape in SHAPES.items() if map_ops else ():
         x = rng.standard_normal(shape, dtype=np.float32)
         x_nan = np.where(rng.random(shape, dtype=np.float32) < 1e-4, np.float32(np.nan), x)
@@ -157,6 +191,15 @@ def main() -> None:
                 row += (f"{ms['baseline'] / ms['now']:.2f}x",)
             rows.append(row)
         del calls, x, dcols
+    if "sgd" in ops:
+        calls = sgd_calls(modules, args.sgd_arch)
+        ms = medians_ms(calls, args.repeats)
+        peer = ms.get("sgd torch")
+        for name, t in ms.items():  # one time a row, in the last column; the ratio against torch's beside it
+            ratio = f"torch/this {peer / t:.2f}x" if peer else "no torch"
+            rows.append((f"{args.sgd_arch} params", f"{name} ({ratio})", *([""] * (len(backends) - 1)), round(t, 1)))
+            rows[-1] += ("",) if args.baseline else ()
+        del calls
     summed = "+".join(op for op in TOTAL_OPS if op in ops)
     if summed:
         total_row = ("both maps", summed, *(round(totals[name], 1) for name in backends))

@@ -12,6 +12,10 @@ the same bits, NaN and inf included, for shapes smaller than, equal to and past 
 ``conv2d_partial`` (the GEMM's kernel-major output, for the split by input channels) against the
 forward's y, bit for bit.
 
+``sgd_update`` (the update run block by block, in cache) against ``sgd_update_plain``: the same
+bits for param and velocity, NaN and inf included, on sizes below, at and past a block's edge, with
+and without momentum and weight decay, float32 and float64, and a strided grad.
+
 ``maxpool_forward`` (a separable max over columns, then rows, keeping each stage's winning offset)
 against ``maxpool_forward_plain`` (every window copied out as a row, argmax): the same outputs bit
 for bit, and the gradient sent to the same inputs -- checked exactly with integer gradients, whose
@@ -35,6 +39,8 @@ from backends.numpy_backend import (
     im2col,
     maxpool_backward_plain,
     maxpool_forward_plain,
+    sgd_update,
+    sgd_update_plain,
     transposed,
 )
 
@@ -76,6 +82,28 @@ def test_col2im_has_col2im_plains_bits(shape, k, stride, padding):
     assert _same_bits(got, want)
     assert _same_bits(d, before)  # the default leaves dcols alone
     assert _same_bits(col2im(d, shape, k, k, stride, padding, overwrite_dcols=True), want)
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 24, 100])
+@pytest.mark.parametrize(("lr", "momentum", "weight_decay"), [(0.1, 0.9, 5e-4), (0.05, 0.0, 0.0), (1.0, 0.5, 0.0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sgd_update_has_sgd_update_plains_bits(size, lr, momentum, weight_decay, dtype):
+    rng = np.random.default_rng(size)
+    param = rng.standard_normal((size, 3)).astype(dtype)
+    param[0, 0] = np.inf
+    velocity = rng.standard_normal((size, 3)).astype(dtype)
+    want_p, want_v = param.copy(), velocity.copy()
+    got_p, got_v = param.copy(), velocity.copy()
+    for step in range(3):  # velocity carries over, as in training
+        grad = rng.standard_normal((3, size)).astype(dtype).T  # strided, like a transposed GEMM's
+        grad[-1, -1] = np.nan if step == 1 else grad[-1, -1]
+        with np.errstate(invalid="ignore"):  # inf - inf, on purpose
+            sgd_update_plain(want_p, grad, want_v, lr, momentum, weight_decay)
+            sgd_update(got_p, grad, got_v, lr, momentum, weight_decay, block=8)
+        assert _same_bits(got_p, want_p) and _same_bits(got_v, want_v)
+    before = param.copy()
+    NumpyBackend().sgd_update(param, np.ones_like(param), np.zeros_like(param), 0.5, 0.9, 0.0)
+    assert np.array_equal(param[1:], before[1:] - 0.5)  # the backend's op is this one, in place
 
 
 @pytest.mark.parametrize(("shape", "k", "stride", "padding"), CASES)
