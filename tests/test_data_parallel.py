@@ -18,6 +18,7 @@ from test_distributed import SlowCalibration
 from test_example import SMOKE, _processes_with, run_example
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
 from tinyconv.optim import SGD
@@ -64,18 +65,19 @@ def batch(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((n, 3, SIZE, SIZE)).astype(np.float32), rng.integers(0, 10, n)
 
 
-def single_process_step(x, y, norm="lrn"):
-    """The reference: one SGD step of paper_net 6:10 on the whole batch in one process."""
+def single_process_step(x, y, norm="lrn", smoothing=0.0):
+    """The reference: one SGD step of paper_net 6:10 on the whole batch in one process (its loss
+    label-smoothed by ``smoothing``, as the trainer's)."""
     net = paper_net("6:10", NumpyBackend(), norm, seed=0, image_size=SIZE)
-    net.train_step(x, y)
+    net.backward(SoftmaxCrossEntropy(net.backend, smoothing)(net.forward(x, training=True), y)[1])
     grads = flat.pack(net, "grads")
     SGD(net, lr=0.1, momentum=0.9, weight_decay=5e-4).step()
     return grads, net
 
 
-def data_parallel_step(replicas: Replicas, x, y, norm="lrn"):
+def data_parallel_step(replicas: Replicas, x, y, norm="lrn", smoothing=0.0):
     net = paper_net("6:10", NumpyBackend(), norm, seed=0, image_size=SIZE)
-    loss, logits = replicas.train_batch(net, x, y)
+    loss, logits = replicas.train_batch(net, x, y, smoothing)
     grads = flat.pack(net, "grads")
     SGD(net, lr=0.1, momentum=0.9, weight_decay=5e-4).step()
     return grads, net, loss, logits
@@ -114,6 +116,25 @@ def test_a_data_parallel_step_equals_the_single_process_step(shares):
     images = [4 * n * 3 * SIZE * SIZE + 8 * n for n in shares[1:]]  # float32 pixels, int64 labels
     assert record["participant_bytes_sent"] == [0] + [weights + b if b else 0 for b in images]
     assert record["participant_bytes_recv"] == [0] + [weights + 4 * 10 * n if n else 0 for n in shares[1:]]
+
+
+def test_label_smoothing_gives_the_single_process_smoothed_step_and_loss():
+    """Each slice's (softmax - q) / n scaled by n / N is the whole batch's smoothed gradient; the
+    plain cross-entropy's step is not within the tolerance of it, so the comparison can fail."""
+    x, y = batch(7)
+    ref_grads, ref_net = single_process_step(x, y, smoothing=0.2)
+    with inproc_pool(2) as (transport, workers):
+        replicas = Replicas(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, image_size=SIZE)
+        replicas.set_plan(UNIT, [3, 1, 3])
+        grads, net, loss, logits = data_parallel_step(replicas, x, y, smoothing=0.2)
+        plain_grads, plain_net, plain_loss, _ = data_parallel_step(replicas, x, y)
+        with pytest.raises(ValueError, match=r"label smoothing must be in \[0, 1\), got 1.0"):
+            replicas.train_batch(paper_net("6:10", NumpyBackend(), seed=0, image_size=SIZE), x, y, 1.0)
+    assert_same_step(grads, net, ref_grads, ref_net, step_k(7, 3))
+    assert loss == pytest.approx(SoftmaxCrossEntropy(NumpyBackend(), 0.2)(logits, y)[0], rel=1e-6)
+    assert loss != pytest.approx(plain_loss, rel=1e-3)
+    with pytest.raises(AssertionError):
+        assert_same_step(plain_grads, plain_net, ref_grads, ref_net, step_k(7, 3))
 
 
 def test_a_wrong_gradient_scale_would_fail_the_comparison():
@@ -242,7 +263,11 @@ def test_replica_tasks_are_checked_before_any_work():
         check_task(Message("replica_step", good.header, {**good.arrays, "y": y.astype(np.float32)}))
     with pytest.raises(TaskError, match="takes the arrays"):
         check_task(Message("replica_step", good.header, {"x": x, "params": params}))
+    with pytest.raises(TaskError, match="smoothing"):
+        check_task(Message("replica_step", {**good.header, "smoothing": "0.1"}, good.arrays))
     worker = Worker(NumpyBackend())
+    reply = worker.handle(Message("replica_step", {**good.header, "smoothing": 1.5}, good.arrays))
+    assert reply.kind == "error" and "smoothing must be in [0, 1) (label smoothing), got 1.5" in reply.header["message"]
     reply = worker.handle(good)  # 5 parameters where the replica has thousands
     assert reply.kind == "error" and "params vector of this network has shape" in reply.header["message"]
     huge = Message("replica_calibrate", {"task": 2, "net": {**net, "arch": "60000:60000"}, "batch": 64, "repeats": 1})

@@ -29,6 +29,7 @@ from test_data_parallel import (
 from test_example import SMOKE, _processes_with, run_example
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
 from tinyconv.replica import flat
@@ -77,6 +78,22 @@ def test_a_hybrid_step_equals_the_single_process_step(shares):
     # to worker i: W_conv and its images, then its rows of dL/dfeatures; back: its features, then dW_conv
     assert record["participant_bytes_sent"] == [0] + [4 * (p_conv + n * (image + f)) if n else 0 for n in shares[1:]]
     assert record["participant_bytes_recv"] == [0] + [4 * (n * f + p_conv) if n else 0 for n in shares[1:]]
+
+
+def test_label_smoothing_gives_the_single_process_smoothed_step_and_loss():
+    """The classifier's loss over the whole batch, smoothed on the master: the same step as one process's."""
+    x, y = batch(7)
+    ref_grads, ref_net = single_process_step(x, y, smoothing=0.2)
+    with inproc_pool(2) as (transport, workers):
+        h = hybrid(transport, workers)
+        h.set_plan(UNIT, [3, 1, 3])
+        grads, net, loss, logits = data_parallel_step(h, x, y, smoothing=0.2)
+        plain_grads, plain_net, plain_loss, _ = data_parallel_step(h, x, y)
+    assert_same_step(grads, net, ref_grads, ref_net, step_k(7, 3))
+    assert loss == pytest.approx(SoftmaxCrossEntropy(NumpyBackend(), 0.2)(logits, y)[0], rel=1e-6)
+    assert loss != pytest.approx(plain_loss, rel=1e-3)
+    with pytest.raises(AssertionError):
+        assert_same_step(plain_grads, plain_net, ref_grads, ref_net, step_k(7, 3))
 
 
 def test_the_hybrid_moves_fewer_bytes_than_data_parallelism_only_for_slices_below_the_classes():

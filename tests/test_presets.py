@@ -60,16 +60,18 @@ def test_options_given_beside_a_preset_win_and_are_named(example):
     assert example.train_config(args).warmup_epochs == 1.0
 
 
-def test_label_smoothing_is_named_as_a_change_and_refused_where_replicas_compute_the_loss(example, capsys):
+def test_label_smoothing_is_named_as_a_change_and_trains_with_every_parallelism(example, capsys):
     args = parsed(example, "--preset", "quick", "--label-smoothing", "0.1")
     assert args.changed == ["--label-smoothing 0.1"] and example.train_config(args).label_smoothing == 0.1
     line = example.plan_line(args, (48, 96), 50_000)
     assert "lr 0.05 (the classifier's 0.1x) cosine, label smoothing 0.1; expected" in line
     assert parsed(example).changed == [] and example.train_config(parsed(example)).label_smoothing == 0.0
-    argv = ["--dataset", "synthetic", "--parallel", "data", "--label-smoothing", "0.1", "--steps", "1"]
-    assert example.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--label-smoothing is for --parallel model" in err
+    for parallel in ("data", "hybrid"):  # the replicas' slices, or the master's classifier, smooth the loss
+        argv = ["--dataset", "synthetic", "--arch", "4:8", "--batch-size", "16", "--parallel", parallel,
+                "--label-smoothing", "0.1", "--steps", "1", "--no-progress"]  # fmt: skip
+        assert example.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert "label smoothing 0.1" in out and "Error" not in err
 
 
 def test_an_unknown_preset_is_refused_with_the_choices(example, capsys):

@@ -118,11 +118,6 @@ class Trainer:
         self.normalize = Normalizer(*channel_stats(data.x_train))
         layer_lr = {net.layers[-1].name: config.classifier_lr} if config.classifier_lr != 1.0 else None
         self.opt = SGD(net, config.lr, config.momentum, config.weight_decay, layer_lr)
-        if config.label_smoothing and getattr(cluster, "splits", None) == "images":
-            raise ValueError(
-                "label smoothing is for model parallelism and the master alone: --parallel data and hybrid "
-                "compute the loss with the plain cross-entropy (drop --label-smoothing, or use --parallel model)"
-            )
         # the smoothed loss trains; without smoothing the net's own loss does (tests may swap it)
         self.train_loss = SoftmaxCrossEntropy(net.backend, config.label_smoothing) if config.label_smoothing else None
         # separate streams, so turning augmentation on/off does not change the order
@@ -178,7 +173,7 @@ class Trainer:
         """Forward, loss, backward on a prepared float32 batch: every grad filled, no parameter changed yet."""
         be = self.net.backend
         if getattr(self.cluster, "splits", None) == "images":  # data parallel (tinyconv/replica/): slices of x
-            loss, logits = self.cluster.train_batch(self.net, x, yb)
+            loss, logits = self.cluster.train_batch(self.net, x, yb, self.cfg.label_smoothing)
             dlogits = None
         else:
             logits = self.net.forward(be.asarray(x), training=True)

@@ -126,9 +126,10 @@ class BatchSplit(Membership):
         """What every attempt at a step starts from (packed once, before the first)."""
         raise NotImplementedError
 
-    def _step(self, net: Network, x: np.ndarray, y: np.ndarray, start: Any) -> tuple[float, Array]:
-        """One attempt at the step: fills the grads, returns (mean loss, logits on the master's
-        backend), calls ``_finish``; raises Lost when a worker could not be counted on."""
+    def _step(self, net: Network, x: np.ndarray, y: np.ndarray, start: Any, smoothing: float) -> tuple[float, Array]:
+        """One attempt at the step: fills the grads for the loss label-smoothed by ``smoothing`` (0:
+        the plain cross-entropy), returns (mean loss, logits on the master's backend), calls
+        ``_finish``; raises Lost when a worker could not be counted on."""
         raise NotImplementedError
 
     # ---- shares -----------------------------------------------------------------------------
@@ -187,11 +188,16 @@ class BatchSplit(Membership):
         return list(counts)
 
     # ---- one step ---------------------------------------------------------------------------
-    def train_batch(self, net: Network, x: Array | np.ndarray, y: np.ndarray) -> tuple[float, Array]:
+    def train_batch(
+        self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
+    ) -> tuple[float, Array]:
         """One forward + backward of ``net`` on the batch x (N, C, H, W), y (N,) shared by images: every
         parameter's grad is the whole batch's, as after ``net.train_step``; returns (the batch's mean
-        loss, its logits on the master's backend). A worker lost on the way: its images go to the
-        others and the step runs again."""
+        loss, its logits on the master's backend). ``smoothing`` in [0, 1): the loss's label smoothing
+        (``SoftmaxCrossEntropy``). A worker lost on the way: its images go to the others and the step
+        runs again."""
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"label smoothing must be in [0, 1), got {smoothing!r}")
         be = net.backend
         x = np.ascontiguousarray(x if isinstance(x, np.ndarray) else be.to_numpy(x), dtype=np.float32)
         y = np.asarray(y)
@@ -199,7 +205,7 @@ class BatchSplit(Membership):
         start = self._start(net)
         while True:
             try:
-                loss, logits = self._step(net, x, y, start)
+                loss, logits = self._step(net, x, y, start, smoothing)
                 break
             except Lost as e:
                 self.lose(e.workers)

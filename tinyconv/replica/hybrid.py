@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array
+from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.model import Network
 from tinyconv.replica import flat
 from tinyconv.replica.batch import UNIT, BatchSplit
@@ -90,7 +91,7 @@ class Hybrid(BatchSplit):
         return flat.pack(conv), flat.pack(conv, "buffers")
 
     def _step(
-        self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray]
+        self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
     ) -> tuple[float, Array]:
         params, buffers = start
         batch = len(x)
@@ -124,7 +125,7 @@ class Hybrid(BatchSplit):
         forward = fwd.stats(self.seats)  # its wall time ends here: the classifier is the master's comp
 
         # 2. the classifier and the loss over the whole batch, on the master alone
-        loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in order]), y)
+        loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in order]), y, smoothing)
 
         # 3. backward: every participant's conv gradient
         bwd = self._op("hybrid backward, step", batch)
@@ -152,13 +153,16 @@ class Hybrid(BatchSplit):
         return loss, logits
 
 
-def classify(net: Network, fc: Network, features: np.ndarray, y: np.ndarray) -> tuple[float, Array, np.ndarray]:
+def classify(
+    net: Network, fc: Network, features: np.ndarray, y: np.ndarray, smoothing: float = 0.0
+) -> tuple[float, Array, np.ndarray]:
     """The classifier forward and backward on the whole batch's ``features`` (N, F), on the master:
-    -> (the loss, the logits (N, classes), dL/dfeatures (N, F) float32). The classifier's own grads are
-    complete afterwards; the loss is the mean over all N images, so no slice rescales its gradient."""
+    -> (the loss, label-smoothed by ``smoothing``; the logits (N, classes); dL/dfeatures (N, F) float32).
+    The classifier's own grads are complete afterwards; the loss is the mean over all N images, so no
+    slice rescales its gradient."""
     be = net.backend
     logits = fc.forward(be.asarray(features), training=True)
-    loss, d = net.loss_fn(logits, y)  # dL/dlogits = (softmax - onehot) / N
+    loss, d = (SoftmaxCrossEntropy(be, smoothing) if smoothing else net.loss_fn)(logits, y)  # (softmax - q) / N
     for layer in reversed(fc.layers):
         d = layer.backward(d)
     return loss, logits, np.ascontiguousarray(be.to_numpy(d), dtype=np.float32).reshape(features.shape)

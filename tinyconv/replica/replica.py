@@ -11,6 +11,9 @@ rule every parameter's gradient is then the slice's share of dL/dw, and the mast
 shares (in participant order, so the sum is deterministic)::
 
     dL/dw = sum_i  sum_{n in slice i} (1/N) dl_n/dw
+
+With label smoothing eps the target onehot becomes q = (1 - eps) onehot + eps / K, and every
+line above holds with q in its place: the loss is still a mean over the images.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from tinyconv.layers import Conv2D
+from tinyconv.layers import Conv2D, SoftmaxCrossEntropy
 from tinyconv.memory import step_memory_bytes
 from tinyconv.model import NORMS, Network, paper_net, parse_arch
 
@@ -64,19 +67,20 @@ def build(spec: dict[str, Any], backend: Backend, batch: int, max_bytes: int | N
                      spec["image_size"], spec["pool_kernel"])  # fmt: skip
 
 
-def slice_gradients(net: Network, x: np.ndarray, y: np.ndarray, batch: int) -> np.ndarray:
+def slice_gradients(net: Network, x: np.ndarray, y: np.ndarray, batch: int, smoothing: float = 0.0) -> np.ndarray:
     """Forward (training mode), loss and backward of ``net`` on a slice of a batch of ``batch`` images.
 
     x (n, C, H, W) float32 host or backend array, y (n,) int labels. Fills every layer's grads
-    with the slice's part of the gradient of the whole batch's mean loss (the module's docstring)
-    and returns the slice's logits (n, classes) on the host. Batch norm normalises by the
-    slice's own statistics and updates its running ones from them."""
+    with the slice's part of the gradient of the whole batch's mean loss (the module's docstring;
+    label-smoothed by ``smoothing``) and returns the slice's logits (n, classes) on the host. Batch
+    norm normalises by the slice's own statistics and updates its running ones from them."""
     be = net.backend
     n = len(y)
     if not 1 <= n <= batch:
         raise ValueError(f"a slice of {n} images of a batch of {batch}: need 1 <= slice <= batch")
+    loss_fn = SoftmaxCrossEntropy(be, smoothing) if smoothing else net.loss_fn
     logits = net.forward(be.asarray(x), training=True)
-    _, dlogits = net.loss_fn(logits, np.asarray(y))  # (softmax - onehot) / n
+    _, dlogits = loss_fn(logits, np.asarray(y))  # (softmax - onehot) / n, or (softmax - q) / n
     scaled = be.to_numpy(dlogits) * np.float32(n / batch)  # -> (softmax - onehot) / N
     net.backward(be.asarray(scaled.astype(np.float32, copy=False)))
     return np.array(be.to_numpy(logits), dtype=np.float32)

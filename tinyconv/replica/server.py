@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array
+from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.model import Network
 from tinyconv.replica import flat
 from tinyconv.replica.batch import UNIT, BatchSplit
@@ -77,7 +78,7 @@ class Replicas(BatchSplit):
         return flat.pack(net), flat.pack(net, "buffers")
 
     def _step(
-        self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray]
+        self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
     ) -> tuple[float, Array]:
         params, buffers = start
         batch = len(x)
@@ -86,10 +87,11 @@ class Replicas(BatchSplit):
         share = {k: c for (_, k), c in zip(self.seats, counts, strict=True)}  # worker index (None: master) -> images
         op = self._op("data-parallel step", batch)
         extra = {"buffers": buffers} if buffers.size else {}
+        smoothed = {"smoothing": smoothing} if smoothing else {}
         tasks = {}
         for (_, k), (s, e) in zip(self.seats, spans, strict=True):
-            if k is not None and e > s:
-                msg = Message("replica_step", {"net": self._spec, "batch": batch},
+            if k is not None and e > s:  # a header of its own: sending adds the task's number to it
+                msg = Message("replica_step", {"net": self._spec, "batch": batch, **smoothed},
                               {"x": x[s:e], "y": y[s:e], "params": params, **extra})  # fmt: skip
                 tasks[k] = op.send(k, msg)
         grads, logits, stats = {}, {}, {}
@@ -98,7 +100,7 @@ class Replicas(BatchSplit):
             s, e = spans[master]
             with op.local():
                 flat.unpack(net, buffers, "buffers")  # the step's start, again if it is a re-run
-                logits[None] = slice_gradients(net, x[s:e], y[s:e], batch)
+                logits[None] = slice_gradients(net, x[s:e], y[s:e], batch, smoothing)
                 grads[None], stats[None] = flat.pack(net, "grads"), flat.pack(net, "buffers")
         for k, reply in op.gather(tasks.values()).items():
             grads[k] = op.array(k, reply, "grads", params.shape)
@@ -113,7 +115,7 @@ class Replicas(BatchSplit):
             flat.unpack(net, sum(stats[k] * np.float32(share[k] / batch) for k in order).astype(np.float32), "buffers")
         self._finish([("step", op.stats(self.seats))], counts)
         logits_be = net.backend.asarray(np.concatenate([logits[k] for k in order]))
-        loss, _ = net.loss_fn(logits_be, y)
+        loss, _ = (SoftmaxCrossEntropy(net.backend, smoothing) if smoothing else net.loss_fn)(logits_be, y)
         return loss, logits_be
 
 

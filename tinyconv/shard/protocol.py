@@ -50,9 +50,10 @@ network's ``named_params`` order (``tinyconv/replica/flat.py``)::
     replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
                                                         of ``batch`` images], no arrays
     replica_step      step, net, batch               x (n, C, H, W), y (n,) int, params (P,),
-                                                     buffers (B,) if the network has any
+                      [smoothing]                    buffers (B,) if the network has any
                       -> grads (P,): the slice's part of the gradient of the mean loss over the
-                         whole ``batch``; logits (n, classes); buffers (B,) after the slice's forward
+                         whole ``batch`` (label-smoothed by ``smoothing`` in [0, 1), if it is given);
+                         logits (n, classes); buffers (B,) after the slice's forward
 
 The hybrid (``tinyconv/replica/hybrid.py``): the conv part (every layer before the classifier)
 by data, the classifier on the master. The worker builds the same replica from ``net`` but runs
@@ -97,9 +98,9 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 # of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, 4 the hybrid's
 # tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow`` as ["s8", H, W],
 # 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward, 7 the channel split's
-# p_lo, p_hi, sum, dyc, dyc_lo and dyc_hi kernel-major); a worker's hello says which it speaks, the transport
-# admits equals
-VERSION = 7
+# p_lo, p_hi, sum, dyc, dyc_lo and dyc_hi kernel-major, 8 replica_step's optional ``smoothing``); a worker's
+# hello says which it speaks, the transport admits equals
+VERSION = 8
 
 
 class TaskError(ValueError):
@@ -188,6 +189,7 @@ def check_task(msg: Message) -> Schema:
         raise TaskError(f"a worker does not handle {msg.kind!r} messages; send one of {', '.join(TASKS)}")
     optional = {"narrow": dict, "reply": dict} if msg.kind in NARROWABLE else {}
     optional |= {"images": list} if msg.kind in CHUNKED else {}
+    optional |= {"smoothing": Num} if msg.kind == "replica_step" else {}
     try:
         check_fields(msg.kind, msg.header, schema.header, optional)
     except ProtocolError as e:

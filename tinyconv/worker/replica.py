@@ -46,8 +46,11 @@ def replica_calibrate(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray
 
 def replica_step(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
     """The replica, given the master's weights (and batch-norm statistics), on its slice x, y of a
-    batch of ``batch``: the slice's part of the gradient, its logits, its statistics after."""
-    x, y, spec = a["x"], a["y"], h["net"]
+    batch of ``batch``: the slice's part of the gradient (of the loss label-smoothed by ``smoothing``,
+    if the header has it), its logits, its statistics after."""
+    x, y, spec, smoothing = a["x"], a["y"], h["net"], h.get("smoothing", 0.0)
+    if not 0.0 <= smoothing < 1.0:
+        raise TaskError(f"smoothing must be in [0, 1) (label smoothing), got {smoothing}")
     n = x.shape[0] if x.ndim == 4 else 0
     if not (x.ndim == 4 and n >= 1 and y.shape == (n,) and n <= h["batch"]):
         raise TaskError(f"replica_step takes x (n, C, H, W) and y (n,) with 1 <= n <= batch ({h['batch']}); "
@@ -63,7 +66,7 @@ def replica_step(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], _:
         flat.unpack(net, a["params"])
         if buffers is not None:
             flat.unpack(net, buffers, "buffers")
-        logits = slice_gradients(net, x, y, h["batch"])
+        logits = slice_gradients(net, x, y, h["batch"], smoothing)
     except ValueError as e:  # a vector of the wrong size, labels out of range
         raise TaskError(str(e)) from None
     out = {"grads": flat.pack(net, "grads"), "logits": logits}
