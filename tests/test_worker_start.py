@@ -1,7 +1,9 @@
-"""Starting local worker processes: one that fails at start ends the master's wait at once, in its own words."""
+"""Starting and stopping local worker processes: one that fails at start ends the master's wait at once, in
+its own words; one stopped in the middle of a task ends with its own exit code."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -10,6 +12,9 @@ import pytest
 
 import tinyconv as tc
 from tinyconv.pool import _death_notice, _StderrTail
+from tinyconv.shard.protocol import VERSION
+from transports.base import Message
+from transports.zmq_master import ZmqTransport
 
 
 def test_a_local_worker_that_fails_at_start_ends_the_wait_at_once():
@@ -43,3 +48,30 @@ def test_death_notices():
         _death_notice(0, -9, [])
         == "local worker 0 died before saying hello (was killed by SIGKILL) without a word on stderr"
     )
+
+
+def _replica_calibrate(task: int, arch: str, batch: int, repeats: int) -> Message:
+    net = {"arch": arch, "norm": "lrn", "pool_kernel": 3, "num_classes": 10, "in_channels": 3, "image_size": 32}
+    return Message("replica_calibrate", {"task": task, "net": net, "batch": batch, "repeats": repeats})
+
+
+def test_a_worker_stopped_in_the_middle_of_a_task_exits_with_its_code_not_a_segfault():
+    """SIGTERM while the compute thread is in a long task (its GEMMs): a plain exit ran OpenBLAS's clean-up
+    under the running GEMM and the worker died of SIGSEGV; now it ends with 130 and says why."""
+    with ZmqTransport(bind="tcp://127.0.0.1:0", protocol=VERSION, heartbeat_s=0.2, peer_timeout_s=10.0) as transport:
+        cmd = [sys.executable, "-m", "tinyconv.worker", "--connect", transport.bound_address, "--threads", "1"]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        try:
+            (worker,) = transport.start(1, timeout=60)
+            transport.send(worker.index, _replica_calibrate(1, "4:8", 2, 1))  # short
+            transport.send(worker.index, _replica_calibrate(2, "64:256", 32, 1000))  # minutes of GEMMs
+            _, reply = transport.recv(timeout=60)
+            assert reply.kind == "result" and reply.header["task"] == 1  # the compute thread has task 2 now
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 130, f"exit {proc.returncode}: {err}"
+    assert "interrupted; worker stopping" in err and "the task in course is left unfinished" in err

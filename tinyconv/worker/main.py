@@ -137,14 +137,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_memory()  # before the compute thread starts: it shares the main heap
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    before = set(threading.enumerate())
     try:
-        return _serve(args)
+        code = _serve(args)
     except KeyboardInterrupt:  # during start-up; once serving, serve() handles it the same way
         print("tinyconv worker: interrupted; worker stopping", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
+    if in_main_thread:
+        end_if_computing(code, before)
+    return code
+
+
+def end_if_computing(code: int, before: set[threading.Thread]) -> None:
+    """End the process now, with ``code``, if a compute thread started since ``before`` is still in a task.
+
+    A worker leaves mid-task on Ctrl-C or SIGTERM, or when its master is gone for good. The
+    compute thread is a daemon, but a normal exit runs OpenBLAS's clean-up at exit, which frees
+    the buffers that thread's GEMM is still using: the worker died of a segfault (exit 139, seen
+    after a master was killed mid-step) in place of its own code and message. os._exit skips the
+    clean-up; the process's memory goes with it. Only the worker's process entry calls this: an
+    in-process caller (a test) keeps its threads.
+    """
+    busy = [t for t in threading.enumerate() if t.name == "worker-compute" and t not in before and t.is_alive()]
+    if busy:
+        print("tinyconv worker: the task in course is left unfinished", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _serve(args: argparse.Namespace) -> int:
