@@ -25,9 +25,10 @@ import platform
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
+from backends import numpy_pool
 from backends.base import Backend, conv_output_size, require_batch_statistics
+from backends.numpy_columns import col2im, im2col, transposed
 
 F32 = np.float32
 
@@ -41,111 +42,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def im2col(x: np.ndarray, kh: int, kw: int, stride: int, padding: int) -> np.ndarray:
-    """x (N, C, H, W) -> cols (C*KH*KW, N*OH*OW), one strided copy.
-
-    cols[(c, i, j), (n, oh, ow)] = x_pad[n, c, oh*stride + i, ow*stride + j].
-    """
-    n, c, h, w = x.shape
-    oh = conv_output_size(h, kh, stride, padding)
-    ow = conv_output_size(w, kw, stride, padding)
-    if padding:
-        x = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
-    sn, sc, sh, sw = x.strides
-    view = as_strided(x, (c, kh, kw, n, oh, ow), (sc, sh, sw, sn, sh * stride, sw * stride), writeable=False)
-    return view.reshape(c * kh * kw, n * oh * ow)
-
-
-def transposed(a: np.ndarray, tile: int = 256) -> np.ndarray:
-    """a (R, C) -> a.T (C, R) as a new C-contiguous array: the same numbers as np.ascontiguousarray(a.T).
-
-    An optimisation: numpy's transposing copy steps through one of the two arrays a whole row
-    at a time, a cache miss per float; tile by tile, both tiles stay in cache (5x faster on a
-    (12500, 1500) float32 matrix, the dW of 500:1500's conv2: 25 ms against 134 ms)."""
-    r, c = a.shape
-    out = np.empty((c, r), a.dtype)
-    for i in range(0, r, tile):
-        for j in range(0, c, tile):
-            out[j : j + tile, i : i + tile] = a[i : i + tile, j : j + tile].T
-    return out
-
-
-def col2im_plain(
-    dcols: np.ndarray, x_shape: tuple[int, ...], kh: int, kw: int, stride: int, padding: int
-) -> np.ndarray:
-    """Adjoint of im2col: dcols (C*KH*KW, N*OH*OW) -> dx (N, C, H, W), overlaps summed.
-
-    Any stride and padding. Each element's terms are added in row-major tap order (i, j),
-    starting from +0. col2im is the same sum, faster, for the common stride-1 "same" case.
-    """
-    n, c, h, w = x_shape
-    oh = conv_output_size(h, kh, stride, padding)
-    ow = conv_output_size(w, kw, stride, padding)
-    d = dcols.reshape(c, kh, kw, n, oh, ow)
-    # accumulate in (C, N, Hp, Wp) so each kernel offset is a plain strided add
-    dxp = np.zeros((c, n, h + 2 * padding, w + 2 * padding), dtype=dcols.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            dxp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += d[:, i, j]
-    dxp = dxp[:, :, padding : padding + h, padding : padding + w]
-    return np.ascontiguousarray(dxp.transpose(1, 0, 2, 3))
-
-
-def col2im(
-    dcols: np.ndarray,
-    x_shape: tuple[int, ...],
-    kh: int,
-    kw: int,
-    stride: int,
-    padding: int,
-    overwrite_dcols: bool = False,
-) -> np.ndarray:
-    """col2im_plain's result, bit for bit; an optimisation for stride 1 with OH = H, OW = W.
-
-    Optimisation: col2im_plain's adds run over 4-d views whose rows are OW values long with gaps
-    between them, and numpy runs such adds several times slower per value than over contiguous
-    memory (conv2 of 48:96 at batch 128: ~75-130 ms, benchmarks/bench_numpy_ops.py). When the
-    output has the input's size, a tap (i, j) moves a term by a fixed distance in the flattened
-    (N*H*W) map of a channel,
-
-        dx_flat[c, q + (i - padding) * W + (j - padding)] += dcols[(c, i, j), q],   q = (n, oh, ow),
-
-    so each tap is one add of two contiguous (N*H*W)-long rows per channel (~2.5x faster). The
-    terms that would land in the padding wrap into a neighbouring row or image instead, so they
-    are set to zero first -- in dcols itself when ``overwrite_dcols`` (conv2d_backward's own
-    temporary), else in a copy. The taps come in col2im_plain's order and adding +0 changes no
-    sum that starts from +0, so the result has the same bits, NaN and inf included.
-    """
-    n, c, h, w = x_shape
-    oh = conv_output_size(h, kh, stride, padding)
-    ow = conv_output_size(w, kw, stride, padding)
-    if stride != 1 or (oh, ow) != (h, w):
-        return col2im_plain(dcols, x_shape, kh, kw, stride, padding)
-    if not overwrite_dcols:
-        dcols = dcols.copy()
-    d = dcols.reshape(c, kh, kw, n, oh, ow)
-    for i in range(kh):  # rows of tap i that fall above or below the image
-        if i < padding:
-            d[:, i, :, :, : padding - i] = 0
-        elif i > padding:
-            d[:, i, :, :, max(0, oh - (i - padding)) :] = 0
-    for j in range(kw):  # columns that fall left or right of it
-        if j < padding:
-            d[:, :, j, :, :, : padding - j] = 0
-        elif j > padding:
-            d[:, :, j, :, :, max(0, ow - (j - padding)) :] = 0
-    m = n * h * w
-    margin = padding * w + padding  # the farthest a tap moves a term
-    flat = np.zeros((c, margin + m + margin), dtype=dcols.dtype)
-    taps = dcols.reshape(c, kh * kw, m)
-    for i in range(kh):
-        for j in range(kw):
-            start = margin + (i - padding) * w + (j - padding)
-            flat[:, start : start + m] += taps[:, i * kw + j]
-    dx = flat[:, margin : margin + m].reshape(c, n, h, w)
-    return np.ascontiguousarray(dx.transpose(1, 0, 2, 3))
 
 
 def _channel_window_sum(
@@ -201,119 +97,6 @@ def _lrn_backward_into(dy, x, y, s, p, dx, scratch, size, alpha, beta, before, a
     dx *= -2.0 * alpha * beta / size
     np.multiply(dy, p, out=scratch)
     dx += scratch
-
-
-def _pool_taps(size: int, out: int, kernel: int, stride: int, padding: int) -> list[tuple[slice, slice]]:
-    """For each window offset t: (outputs it reaches, the inputs they read) as slices.
-
-    Output o reads input o*stride + t - padding; outputs whose input falls in
-    the padding are skipped, which is the same as padding with -inf.
-    """
-    taps = []
-    for t in range(kernel):
-        lo = max(0, -((t - padding) // stride))
-        hi = min(out, (size - 1 - t + padding) // stride + 1)
-        if hi > lo:
-            first = lo * stride + t - padding
-            taps.append((slice(lo, hi), slice(first, first + stride * (hi - lo - 1) + 1, stride)))
-        else:
-            taps.append((slice(0, 0), slice(0, 0)))
-    return taps
-
-
-def _axis_index(axis: int, s: slice) -> tuple:
-    return (slice(None),) * axis + (s,)
-
-
-def _max_stage(x: np.ndarray, out_shape, taps, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Max over the window offsets along one axis; also which offset won (first on ties).
-
-    The max is NaN exactly where the window holds a NaN (np.maximum propagates it), but the
-    offset ignores NaNs: _route_to_last_nan then corrects it where that matters.
-    """
-    y = np.full(out_shape, -np.inf, dtype=x.dtype)
-    # every output starts at the first offset that reaches it, as torch's does, so that a window
-    # holding nothing but -inf routes its gradient to its first input, not into the padding
-    first = np.zeros(out_shape[axis], dtype=np.int8)
-    for t, (out_s, _) in reversed(list(enumerate(taps))):
-        first[out_s] = t
-    arg = np.empty(out_shape, dtype=np.int8)
-    arg[...] = first.reshape([-1 if a == axis else 1 for a in range(len(out_shape))])
-    # Optimisation (~20% of the stage, benchmarks/bench_numpy_ops.py --ops maxpool): the comparison
-    # and the scaled offsets go into two reused buffers, offset 0 needs no comparison (arg starts at
-    # or above it), and offset 1's is the comparison itself, read as int8 (numpy's bools are bytes
-    # 0 and 1). Plainly: ``better = v > target; np.maximum(a, better * np.int8(t), out=a)``.
-    better = np.empty(out_shape, dtype=bool)
-    scaled = np.empty(out_shape, dtype=np.int8)
-    for t, (out_s, in_s) in enumerate(taps):
-        o = _axis_index(axis, out_s)
-        target = y[o]
-        v = x[_axis_index(axis, in_s)]
-        if t == 0:
-            np.maximum(target, v, out=target)
-            continue
-        # masked copies are slow on mixed masks; arithmetic is not. Offsets come in
-        # increasing order, so the winner is the largest t that was strictly better.
-        offset = np.greater(v, target, out=better[o]).view(np.int8)
-        np.maximum(target, v, out=target)
-        if t > 1:
-            offset = np.multiply(offset, np.int8(t), out=scaled[o])
-        np.maximum(arg[o], offset, out=arg[o])
-    return y, arg
-
-
-def _route_to_last_nan(x: np.ndarray, arg: np.ndarray, taps, axis: int) -> None:
-    """Where a window of _max_stage holds a NaN, make ``arg`` the offset of its last NaN (torch's
-    rule). Offsets come in increasing order, so each NaN overwrites the ones before it."""
-    for t, (out_s, in_s) in enumerate(taps):
-        a = arg[_axis_index(axis, out_s)]
-        a[np.isnan(x[_axis_index(axis, in_s)])] = t
-
-
-def _max_stage_backward(dy: np.ndarray, arg: np.ndarray, in_shape, taps, axis: int) -> np.ndarray:
-    """Adjoint of _max_stage: each dy goes to the input its winning offset read."""
-    dx = np.zeros(in_shape, dtype=dy.dtype)
-    for t, (out_s, in_s) in enumerate(taps):
-        o = _axis_index(axis, out_s)
-        dx[_axis_index(axis, in_s)] += dy[o] * (arg[o] == t)
-    return dx
-
-
-def maxpool_forward_plain(x: np.ndarray, kernel: int, stride: int, padding: int) -> tuple[np.ndarray, tuple]:
-    """Max pool written out (NumpyBackend.maxpool_forward is the optimised twin; same contract).
-
-    Every window is copied out of x padded with -inf as a row of kernel*kernel values, (N, C, OH,
-    OW, K*K), and ``sel`` is the index in the row of the input the window selects: its first
-    maximum in row-major order among the inputs inside the image, or its last NaN if it holds one.
-    Returns y (N, C, OH, OW) and the cache (x's shape, sel, kernel, stride, padding).
-    """
-    n, c, h, w = x.shape
-    oh = conv_output_size(h, kernel, stride, padding)
-    ow = conv_output_size(w, kernel, stride, padding)
-    pad = ((0, 0), (0, 0), (padding, padding), (padding, padding))
-    xp = np.pad(x, pad, constant_values=-np.inf)
-    inside = np.pad(np.ones((h, w), bool), pad[2:])
-    k2 = kernel * kernel
-    windows = np.lib.stride_tricks.sliding_window_view(xp, (kernel, kernel), axis=(2, 3))
-    windows = windows[:, :, ::stride, ::stride].reshape(n, c, oh, ow, k2)
-    inside = np.lib.stride_tricks.sliding_window_view(inside, (kernel, kernel))[::stride, ::stride].reshape(oh, ow, k2)
-    y = windows.max(axis=-1)  # NaN wherever the window holds one
-    sel = np.argmax((windows == y[..., None]) & inside, axis=-1)  # first True: first maximum inside
-    nan = np.isnan(windows)
-    last_nan = k2 - 1 - np.argmax(nan[..., ::-1], axis=-1)
-    sel = np.where(nan.any(axis=-1), last_nan, sel)
-    return y, (x.shape, sel, kernel, stride, padding)
-
-
-def maxpool_backward_plain(dy: np.ndarray, cache: tuple) -> np.ndarray:
-    """dx for maxpool_forward_plain: each dy added to the input its window selected, overlaps summed."""
-    (n, c, h, w), sel, kernel, stride, padding = cache
-    oh, ow = dy.shape[2:]
-    dxp = np.zeros((n, c, h + 2 * padding, w + 2 * padding), dtype=dy.dtype)
-    for i in range(kernel):
-        for j in range(kernel):
-            dxp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += dy * (sel == i * kernel + j)
-    return dxp[:, :, padding : padding + h, padding : padding + w].copy()
 
 
 def _channel_sum(a: np.ndarray) -> np.ndarray:
@@ -547,36 +330,11 @@ class NumpyBackend(Backend):
         return dx, dgamma, dbeta
 
     # ---- pooling -------------------------------------------------------------
-    # A k x k max is done as a max over k columns, then over k rows ("separable"):
-    # 2k strided passes instead of k*k, and no padded copy of the input. Each stage
-    # keeps the offset of its first strict maximum, so together they select the
-    # first maximum in row-major window order, and backward just runs the two
-    # stages in reverse, routing each gradient through the offset that won.
-    # A window holding a NaN outputs NaN and selects its last NaN, as torch does: the
-    # last row whose column max is NaN, and in it the last NaN column -- together the
-    # last NaN in row-major order.
     def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
-        n, c, h, w = x.shape
-        oh = conv_output_size(h, kernel, stride, padding)
-        ow = conv_output_size(w, kernel, stride, padding)
-        cols = _pool_taps(w, ow, kernel, stride, padding)
-        rows = _pool_taps(h, oh, kernel, stride, padding)
-        r, rarg = _max_stage(x, (n, c, h, ow), cols, axis=3)
-        y, yarg = _max_stage(r, (n, c, oh, ow), rows, axis=2)
-        # Optimisation: a NaN-aware comparison in every stage makes the forward ~25% slower
-        # (benchmarks/bench_numpy_ops.py), and NaNs are rare, so the stages compare with `>`
-        # alone and one pass over the smallest array says whether any window held a NaN: y is
-        # NaN exactly where one did. Rows of r that y does not read get no gradient, so their
-        # offsets need no correction.
-        if np.isnan(y).any():
-            _route_to_last_nan(x, rarg, cols, axis=3)
-            _route_to_last_nan(r, yarg, rows, axis=2)
-        return y, ((n, c, h, w), rarg, yarg, cols, rows)
+        return numpy_pool.maxpool_forward(x, kernel, stride, padding)
 
     def maxpool_backward(self, dy, cache):
-        (n, c, h, w), rarg, yarg, cols, rows = cache
-        dr = _max_stage_backward(dy, yarg, (n, c, h, dy.shape[3]), rows, axis=2)
-        return _max_stage_backward(dr, rarg, (n, c, h, w), cols, axis=3)
+        return numpy_pool.maxpool_backward(dy, cache)
 
     # ---- dense -----------------------------------------------------------------
     def linear_forward(self, x, w, b):

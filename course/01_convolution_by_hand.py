@@ -95,7 +95,7 @@ show(heatmaps([x[0].mean(0), y[0, 0], y[0, 1]], ["input (mean of RGB)", "kernel 
 # The row order of `cols` is `(c, i, j)`, the same as `w.reshape(F, -1)`; its column order is
 # `(n, o_h, o_w)`. The price is memory: each input pixel is copied up to $K^2$ times. The gain:
 # one BLAS call at tens of GFLOP/s instead of loops. tinyconv's `im2col` builds `cols` with a
-# single strided view and one copy (`backends/numpy_backend.py`).
+# single strided view and one copy (`backends/numpy_columns.py`).
 
 # %%
 cols = im2col(x, 3, 3, 1, 1)

@@ -26,7 +26,7 @@ from tinyconv.model import paper_net
 from tinyconv.testing import FN, Expected, assert_close, conv2d_expected, linear_expected
 
 # A correct float64 backward lands at ~1e-10 (maxpool at ~3e-8: the reference returns its
-# dx in float32, see numpy_backend._max_stage_backward); a wrong one at 1e-2 or more.
+# dx in float32, see numpy_pool._max_stage_backward); a wrong one at 1e-2 or more.
 TOL = 1e-6
 # The network check differences a scalar loss (round-off ~1e-10) for a few entries each.
 NET_TOL = 1e-5
