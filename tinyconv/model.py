@@ -109,6 +109,11 @@ class Network:
                 runs.append((layer,))
         return runs
 
+    def training_loss(self, smoothing: float = 0.0) -> SoftmaxCrossEntropy:
+        """The loss a training step takes its gradient from: ``loss_fn``, or with ``smoothing`` > 0 the
+        cross-entropy against the label-smoothed target (``SoftmaxCrossEntropy``)."""
+        return SoftmaxCrossEntropy(self.backend, smoothing) if smoothing else self.loss_fn
+
     def train_step(self, x: Array | np.ndarray, labels: np.ndarray) -> float:
         """Forward in training mode, the loss, backward: every layer's grads are filled; returns the loss.
         ``x`` may be a host numpy array; the optimiser's ``step()`` then applies the grads."""

@@ -39,7 +39,6 @@ from tqdm import tqdm
 
 from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint, save_checkpoint
 from tinyconv.data import Dataset, Normalizer, augment, channel_stats
-from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
@@ -118,8 +117,6 @@ class Trainer:
         self.normalize = Normalizer(*channel_stats(data.x_train))
         layer_lr = {net.layers[-1].name: config.classifier_lr} if config.classifier_lr != 1.0 else None
         self.opt = SGD(net, config.lr, config.momentum, config.weight_decay, layer_lr)
-        # the smoothed loss trains; without smoothing the net's own loss does (tests may swap it)
-        self.train_loss = SoftmaxCrossEntropy(net.backend, config.label_smoothing) if config.label_smoothing else None
         # separate streams, so turning augmentation on/off does not change the order
         self.shuffle_rng = np.random.default_rng([config.seed, 1])
         self.augment_rng = np.random.default_rng([config.seed, 2])
@@ -177,7 +174,7 @@ class Trainer:
             dlogits = None
         else:
             logits = self.net.forward(be.asarray(x), training=True)
-            loss, dlogits = (self.train_loss or self.net.loss_fn)(logits, yb)
+            loss, dlogits = self.net.training_loss(self.cfg.label_smoothing)(logits, yb)  # (tests may swap loss_fn)
         if not np.isfinite(loss):  # before the update, which would spread it to every parameter
             raise FloatingPointError(
                 f"loss became {loss} at step {self.step + 1}: lower --lr (now {self.cfg.lr}) or use --norm batch"

@@ -56,7 +56,6 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array
-from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.model import Network
 from tinyconv.replica import flat
 from tinyconv.replica.batch import UNIT, BatchSplit
@@ -162,7 +161,7 @@ def classify(
     slice rescales its gradient."""
     be = net.backend
     logits = fc.forward(be.asarray(features), training=True)
-    loss, d = (SoftmaxCrossEntropy(be, smoothing) if smoothing else net.loss_fn)(logits, y)  # (softmax - q) / N
+    loss, d = net.training_loss(smoothing)(logits, y)  # dL/dlogits = (softmax - q) / N
     for layer in reversed(fc.layers):
         d = layer.backward(d)
     return loss, logits, np.ascontiguousarray(be.to_numpy(d), dtype=np.float32).reshape(features.shape)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from tinyconv.layers import Conv2D, SoftmaxCrossEntropy
+from tinyconv.layers import Conv2D
 from tinyconv.memory import step_memory_bytes
 from tinyconv.model import NORMS, Network, paper_net, parse_arch
 
@@ -78,9 +78,8 @@ def slice_gradients(net: Network, x: np.ndarray, y: np.ndarray, batch: int, smoo
     n = len(y)
     if not 1 <= n <= batch:
         raise ValueError(f"a slice of {n} images of a batch of {batch}: need 1 <= slice <= batch")
-    loss_fn = SoftmaxCrossEntropy(be, smoothing) if smoothing else net.loss_fn
     logits = net.forward(be.asarray(x), training=True)
-    _, dlogits = loss_fn(logits, np.asarray(y))  # (softmax - onehot) / n, or (softmax - q) / n
+    _, dlogits = net.training_loss(smoothing)(logits, np.asarray(y))  # (softmax - onehot) / n, or (softmax - q) / n
     scaled = be.to_numpy(dlogits) * np.float32(n / batch)  # -> (softmax - onehot) / N
     net.backward(be.asarray(scaled.astype(np.float32, copy=False)))
     return np.array(be.to_numpy(logits), dtype=np.float32)

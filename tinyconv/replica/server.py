@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array
-from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.model import Network
 from tinyconv.replica import flat
 from tinyconv.replica.batch import UNIT, BatchSplit
@@ -115,7 +114,7 @@ class Replicas(BatchSplit):
             flat.unpack(net, sum(stats[k] * np.float32(share[k] / batch) for k in order).astype(np.float32), "buffers")
         self._finish([("step", op.stats(self.seats))], counts)
         logits_be = net.backend.asarray(np.concatenate([logits[k] for k in order]))
-        loss, _ = (SoftmaxCrossEntropy(net.backend, smoothing) if smoothing else net.loss_fn)(logits_be, y)
+        loss, _ = net.training_loss(smoothing)(logits_be, y)
         return loss, logits_be
 
 
