@@ -15,7 +15,8 @@ and dX are each *one* large GEMM, which is where BLAS is fastest:
     dX       dcols = W2^T @ dY2, then col2im     (K, F) @ (F, NP) -> (K, NP)
 
 with K = C*KH*KW and NP = N*OH*OW. Only Y and dY are transposed between
-(N, F, ...) and (F, N, ...).
+(N, F, ...) and (F, N, ...). The columns (im2col, col2im) are in numpy_columns.py,
+the max pool in numpy_pool.py; the ops below call them.
 """
 
 from __future__ import annotations
