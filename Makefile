@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: setup oclgrind test demo bench clean
+.PHONY: setup opencl-runtime oclgrind test demo bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,27 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(MAKE) --no-print-directory opencl-runtime
 	touch $(STAMP)
+
+# PyPI's PoCL (3.0) compiles for the CPU its LLVM recognises; on a newer one (AMD Zen 5, say) it asks
+# for CPU "generic" and no kernel builds. Where the probe cannot build a kernel, Debian's PoCL, which
+# maps any x86 CPU onto one of its own builds, is installed beside it as root with apt-get; its
+# platform comes first, so the OpenCL backend's default device is one that works.
+OPENCL_PROBE := import pyopencl as cl; from backends.opencl.device import select_device; \
+	d = select_device(); cl.Program(cl.Context([d]), "__kernel void k(__global float *a) { a[0] = 1; }").build()
+
+opencl-runtime:
+	@$(PY) -c '$(OPENCL_PROBE)' >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "PyPI's PoCL builds no kernel on this CPU: installing Debian's pocl-opencl-icd beside it"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get install -y -q pocl-opencl-icd >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q pocl-opencl-icd >/dev/null 2>&1; } || \
+			echo "note: apt-get could not install pocl-opencl-icd: the OpenCL backend has no working device"; \
+		else \
+			echo "note: PyPI's PoCL builds no kernel on this CPU (sudo apt-get install pocl-opencl-icd gives one that does)"; \
+		fi; }
 
 # Oclgrind, Debian's OpenCL device simulator, runs the OpenCL tests on a simulated GPU that checks
 # every memory access and every race (tests/test_oclgrind.py, skipped without it). make test
@@ -41,7 +61,7 @@ oclgrind:
 NUMERICS_CORES := Haswell Prescott
 PROBE := import numpy; a = numpy.ones((8, 8), "f"); a @ a
 
-test: $(STAMP) oclgrind
+test: $(STAMP) opencl-runtime oclgrind
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 	@for core in $(NUMERICS_CORES); do \
