@@ -22,7 +22,7 @@ Every layer op comes as a forward/backward pair with a uniform contract
   documented as in-place.
 
 The numpy backend (``backends/numpy_backend.py``) is the reference; every other
-backend is checked op by op against it by ``tinyconv.testing``.
+backend is checked op by op against it by ``backends.conformance.runner``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Backend(ABC):
 
         P[f, n] = sum_c x_pad[n, c] (cross-correlated with) w[f, c]: conv2d_forward's y with no bias,
         kernel-major. What a participant of a layer split by its input channels computes, keeps and
-        sends (tinyconv/shard/by_channels.py): a range of kernels is then one contiguous block. This
+        sends (tinyconv/dist/shard/by_channels.py): a range of kernels is then one contiguous block. This
         one transposes conv2d_forward's y on the host; a backend whose GEMM leaves y kernel-major
         returns it as it is (the numpy backend)."""
         y, cache = self.conv2d_forward(x, w, self.zeros((w.shape[0],)), stride, padding)
@@ -234,7 +234,7 @@ class Backend(ABC):
         """
 
     # ---- optional: wire words converted on the device -------------------------
-    # An optimisation beside the host path, which stays (tinyconv/shard/wire_precision.py narrows
+    # An optimisation beside the host path, which stays (tinyconv/dist/wire_precision.py narrows
     # and widens host arrays with numpy). A device may narrow a result before it is read back, so
     # only the narrow words cross its link, and widen what came narrowed after it is written.
     # None means "not here" -- the format is not offered, or converting here is not cheaper on

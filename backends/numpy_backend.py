@@ -16,7 +16,7 @@ and dX are each *one* large GEMM, which is where BLAS is fastest:
 
 with K = C*KH*KW and NP = N*OH*OW. Only Y and dY are transposed between
 (N, F, ...) and (F, N, ...). The columns (im2col, col2im) are in numpy_columns.py,
-the max pool in numpy_pool.py; the ops below call them.
+the max pool in numpy_maxpool.py; the ops below call them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import numpy_pool
+from backends import numpy_maxpool
 from backends.base import Backend, conv_output_size, require_batch_statistics
 from backends.numpy_columns import col2im, im2col, transposed
 
@@ -332,10 +332,10 @@ class NumpyBackend(Backend):
 
     # ---- pooling -------------------------------------------------------------
     def maxpool_forward(self, x, kernel=2, stride=2, padding=0):
-        return numpy_pool.maxpool_forward(x, kernel, stride, padding)
+        return numpy_maxpool.maxpool_forward(x, kernel, stride, padding)
 
     def maxpool_backward(self, dy, cache):
-        return numpy_pool.maxpool_backward(dy, cache)
+        return numpy_maxpool.maxpool_backward(dy, cache)
 
     # ---- dense -----------------------------------------------------------------
     def linear_forward(self, x, w, b):

@@ -20,7 +20,7 @@ alternating, and the whole layer's work (all kernels, alone) too. A *together* s
 is what the cores share -- the L3 cache, the memory bus, the VM's host -- and the speedup it
 leaves, ``whole alone / half together``, is the most any 2-participant split of the convolutions
 can reach on this machine. Children start ``--warmup`` passes before the timed ones and keep their
-freed memory (``tinyconv/heap.py``), as the grid's participants do. No asserts; medians.
+freed memory (``tinyconv/dist/heap.py``), as the grid's participants do. No asserts; medians.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ START_TIMEOUT_S = 600.0  # a child answers "ready" after its warm-up; more than 
 
 def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: int, split: str) -> None:
     """Warm up, say "ready", wait for "go" on stdin, then time ``repeats`` passes; print the seconds."""
-    from tinyconv.heap import keep_freed_memory
-    from tinyconv.plugins import get_backend
+    from backends.registry import get_backend
+    from tinyconv.dist.heap import keep_freed_memory
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})

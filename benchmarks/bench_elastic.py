@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from backends.registry import get_backend  # noqa: E402
+from tinyconv.dist.pool import distribute  # noqa: E402
 from tinyconv.model import paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
-from tinyconv.plugins import get_backend  # noqa: E402
-from tinyconv.pool import distribute  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 

@@ -39,17 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm import tqdm  # noqa: E402
 
+from backends.registry import get_backend  # noqa: E402
+from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
+from tinyconv.dist.rebalance import Rebalancer  # noqa: E402
+from tinyconv.dist.shard.by_channels import PIPELINE  # noqa: E402
+from tinyconv.dist.shard.cluster import Cluster  # noqa: E402
+from tinyconv.lab.experiment.run import alternate, med, one_step, solo_split, training_setup  # noqa: E402
+
 # the timing itself lives in the library, where `tinyconv experiment grid` runs it for every cell
-from tinyconv.experiment.devices import grid_workers, pin_master  # noqa: E402
-from tinyconv.experiment.run import alternate, med, one_step, solo_split, training_setup  # noqa: E402
-from tinyconv.heap import keep_freed_memory  # noqa: E402
+from tinyconv.lab.experiment.workers import grid_workers, pin_master  # noqa: E402
+from tinyconv.lab.paper import PAPER_SPEEDUPS  # noqa: E402
 from tinyconv.model import parse_arch  # noqa: E402
-from tinyconv.paper import PAPER_SPEEDUPS  # noqa: E402
-from tinyconv.plugins import get_backend  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
-from tinyconv.shard.by_channels import PIPELINE  # noqa: E402
-from tinyconv.shard.cluster import Cluster  # noqa: E402
-from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 
 
 def main() -> None:
@@ -102,7 +103,7 @@ def main() -> None:
         "--rounds", type=int, default=1, help="times through the --pipeline values (default %(default)s)"
     )
     args = p.parse_args()
-    keep_freed_memory()  # as the example and the worker do (tinyconv/heap.py)
+    keep_freed_memory()  # as the example and the worker do (tinyconv/dist/heap.py)
     parse_arch(args.arch)  # a clear error for a malformed one, before the worker starts
     taskset = shutil.which("taskset")
     be = get_backend(args.backend)
@@ -114,7 +115,7 @@ def main() -> None:
     net, opt, x, y = training_setup(args.arch, args.norm, args.batch, be)
 
     # the worker, started as a user would (`tinyconv worker`), pinned to core 1 under taskset, over TCP
-    # on loopback, one BLAS thread: the grid's local workers (tinyconv/experiment/devices.py)
+    # on loopback, one BLAS thread: the grid's local workers (tinyconv/lab/experiment/workers.py)
     with grid_workers(1, "zmq", args.backend, timeout=60) as (transport, workers):
         pin_master()  # the master: core 0, once the worker has its own core
         cluster = Cluster(

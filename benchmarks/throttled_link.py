@@ -56,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tinyconv.simulate.link import parse_rate  # noqa: E402
+from tinyconv.lab.simulate.link import parse_rate  # noqa: E402
 
 MASTER_IP, WORKER_IP = "10.77.0.1", "10.77.0.2"
 
@@ -242,15 +242,15 @@ def step_across(worker_prefix: str, arch: str = "4:8", batch: int = 4) -> int:
 
     import numpy as np
 
+    from tinyconv.dist.pool import stop_workers
+    from tinyconv.dist.protocol import VERSION
+    from tinyconv.dist.shard.cluster import Cluster
     from tinyconv.model import paper_net
-    from tinyconv.pool import stop_workers
-    from tinyconv.shard.cluster import Cluster
-    from tinyconv.shard.protocol import VERSION
     from transports.zmq_master import ZmqTransport
 
     # 10.77.0.1 is not loopback, so it needs keys or insecure: only the two namespaces can reach it
     transport = ZmqTransport(bind=f"tcp://{MASTER_IP}:0", peer_timeout_s=30.0, protocol=VERSION, insecure=True)
-    worker = [sys.executable, "-m", "tinyconv.worker", "--connect", transport.bound_address, "--threads", "1",
+    worker = [sys.executable, "-m", "tinyconv.dist.worker", "--connect", transport.bound_address, "--threads", "1",
               "--quiet", "--timeout", "30"]  # fmt: skip
     proc = subprocess.Popen([*shlex.split(worker_prefix), *worker], cwd=ROOT)
     try:

@@ -23,8 +23,8 @@ import tinyconv as tc
 from backends.numpy_backend import im2col
 
 # %%
-from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
-from tinyconv.plot.svg import colors  # noqa: E402
+from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
+from tinyconv.lab.plot.svg import colors  # noqa: E402
 
 
 def heatmaps(maps: list[np.ndarray], titles: list[str], cell: int = 8) -> str:

@@ -23,8 +23,8 @@ from backends.numpy_backend import col2im, im2col
 from tinyconv.gradcheck import numeric_grad, rel_error
 
 # %%
-from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
-from tinyconv.plot.svg import colors  # noqa: E402
+from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
+from tinyconv.lab.plot.svg import colors  # noqa: E402
 
 be = tc.get_backend("numpy")  # the reference ops compute in their inputs' dtype: float64 in, float64 out
 

@@ -26,11 +26,11 @@ from pathlib import Path
 from charts import FIGURES, QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
 import tinyconv as tc
+from tinyconv.lab.plot.bars import Bar, Group, stacked_bars  # noqa: E402
+from tinyconv.lab.plot.run_charts import plot_runs  # noqa: E402
 
 # %%
 from tinyconv.metrics import MetricsWriter  # noqa: E402
-from tinyconv.plot.bars import Bar, Group, stacked_bars  # noqa: E402
-from tinyconv.plot.runs import plot_runs  # noqa: E402
 
 # %% [markdown]
 # ## 1. The network and the data

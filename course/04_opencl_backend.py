@@ -17,21 +17,19 @@ import numpy as np
 import pyopencl as cl
 from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
+from backends.conformance import CASES  # noqa: E402
+from backends.conformance.runner import format_table, run_case  # noqa: E402
 from backends.numpy_backend import NumpyBackend
 from backends.opencl.device import select_device
-
-# %%
-from tinyconv.conformance import CASES  # noqa: E402
-from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
-from tinyconv.plot.svg import colors  # noqa: E402
-from tinyconv.testing import format_table, run_case  # noqa: E402
+from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
+from tinyconv.lab.plot.svg import colors  # noqa: E402
 
 # %% [markdown]
 # ## 1. The contract, and the suite that holds a backend to it
 #
 # `y, cache = backend.relu_forward(x)` and `dx = backend.relu_backward(dy, cache)`: NCHW float32 in,
 # float32 out of the same shape, inputs never modified. The conformance suite
-# (`tinyconv/conformance/`) runs every op of a backend on awkward shapes and values against the
+# (`backends/conformance/`) runs every op of a backend on awkward shapes and values against the
 # numpy reference and compares outputs with float32 tolerances; from the shell it is
 # `tinyconv conformance --backend NAME`, in Python `run_conformance(backend)`. Here are the cases
 # for the two ops this lesson touches (the fused `relu_lrn` calls the ReLU too):
@@ -157,7 +155,7 @@ results = [r for case in mine for r in run_case(backend, case)]
 print(format_table(results))
 print(f"{sum(r.passed for r in results)}/{len(results)} ReLU checks pass")
 if not QUICK:
-    from tinyconv.testing import run_conformance
+    from backends.conformance.runner import run_conformance
 
     every = run_conformance(backend)
     print(f"the whole suite: {sum(r.passed for r in every)}/{len(every)} checks pass")

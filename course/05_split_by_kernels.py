@@ -33,11 +33,11 @@ import tinyconv as tc  # noqa: E402
 be = tc.get_backend("numpy")
 
 # %%
-from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
-from tinyconv.plot.svg import colors  # noqa: E402
-from tinyconv.shard.balance import kernel_counts, speed_weights  # noqa: E402
-from tinyconv.shard.protocol import VERSION  # noqa: E402
-from tinyconv.worker.handler import Worker  # noqa: E402
+from tinyconv.dist.protocol import VERSION  # noqa: E402
+from tinyconv.dist.shard.balance import kernel_counts, speed_weights  # noqa: E402
+from tinyconv.dist.worker.handler import Worker  # noqa: E402
+from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
+from tinyconv.lab.plot.svg import colors  # noqa: E402
 
 # %% [markdown]
 # ## 1. Why the split is exact
@@ -67,7 +67,7 @@ print("stacked slices vs the whole convolution, max |difference|:", np.abs(np.co
 # $F w_i$ kernels is rarely a whole number. Rounding each can miss $F$ by a few; the
 # *largest-remainder* method (Hamilton's) gives each $\lfloor F w_i \rfloor$, then the kernels left
 # over one each to the largest fractional parts — the counts add up to $F$ exactly.
-# tinyconv's `speed_weights` and `kernel_counts` (`tinyconv/shard/balance.py`) do this:
+# tinyconv's `speed_weights` and `kernel_counts` (`tinyconv/dist/shard/balance.py`) do this:
 
 # %%
 for times in ([1.0, 2.0, 4.0], [1.0, 1.0, 3.0], [0.2, 0.25, 0.3, 0.9]):
@@ -128,7 +128,7 @@ show(line_chart("One convolution split by kernels by eq. 1, one worker 3x slower
 # the *last* one does. Is the slow worker's time close to the others'? Usually it is still the
 # longest: each participant also repeats work that does not shrink with its share (the im2col of
 # the whole input, the col2im of the whole dX), and the slow worker repeats it 3x slower. Eq. 1
-# assumes time proportional to kernels; `tinyconv/shard/cost.py` fits a fixed part beside it, and
+# assumes time proportional to kernels; `tinyconv/dist/cost.py` fits a fixed part beside it, and
 # the rebalancer uses that fit. (Exercise for the keen: fit $t = a + b k$ to these numbers.)
 #
 # ## Exercises

@@ -30,10 +30,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from charts import FIGURES, QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
 
 import tinyconv as tc  # noqa: E402
+from tinyconv.lab.plot.bars import Bar, Group, stacked_bars  # noqa: E402
 
 # %%
 from tinyconv.metrics import MetricsWriter  # noqa: E402
-from tinyconv.plot.bars import Bar, Group, stacked_bars  # noqa: E402
 
 # %% [markdown]
 # ## 1. Workers on this machine

@@ -18,7 +18,7 @@
 # find where they cross, then what that costs on the paper's 5 MB/s Wi-Fi.
 #
 # **What exists in tinyconv.** Model parallelism: all of it (`--parallel model`, the default).
-# Data parallelism: `--parallel data` in `examples/cifar10_dist.py` (`tinyconv/replica/`, a
+# Data parallelism: `--parallel data` in `examples/cifar10_dist.py` (`tinyconv/dist/replica/`, a
 # parameter server; `docs/how-it-works.md`, "Model, data or hybrid parallelism") — new as this
 # lesson is written, so the cell below checks that your copy has it. A hybrid of the two: not built.
 # The paper's eq. 2 and tinyconv's own byte counts: `tinyconv comm`. The simulator:
@@ -36,9 +36,9 @@ from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, 
 import tinyconv as tc
 
 # %%
-from tinyconv.comm import ConvShape, conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
-from tinyconv.plot.lines import Panel, Series, line_chart  # noqa: E402
-from tinyconv.plot.svg import colors  # noqa: E402
+from tinyconv.lab.eq2 import ConvShape, conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
+from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
+from tinyconv.lab.plot.svg import colors  # noqa: E402
 
 root = Path(tc.__file__).resolve().parent.parent
 example = root / "examples" / "cifar10_dist.py"
@@ -61,7 +61,7 @@ else:
 # Read for a split among the master and its workers: the input goes to *every* worker with
 # kernels, the kernels and maps of the workers' shares once; the master's own share moves
 # nothing. That is the forward pass only; tinyconv's paper split also moves the backward
-# (`tinyconv comm` prints both, `tinyconv/comm.py` derives them).
+# (`tinyconv comm` prints both, `tinyconv/lab/eq2.py` derives them).
 
 # %%
 net = tc.paper_net("50:500", backend="numpy")

@@ -27,8 +27,8 @@ from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, 
 import tinyconv as tc
 
 # %%
-from tinyconv.comm import conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
-from tinyconv.plot.bars import Bar, Group, stacked_bars  # noqa: E402
+from tinyconv.lab.eq2 import conv_shapes, eq2_bytes, equal_counts, kernel_split_bytes  # noqa: E402
+from tinyconv.lab.plot.bars import Bar, Group, stacked_bars  # noqa: E402
 
 # %% [markdown]
 # ## Exercises first (the lesson's charts use them)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyconv.conformance import CASES
-from tinyconv.testing import run_case
+from backends.conformance import CASES
+from backends.conformance.runner import run_case
 
 LESSON = "04_opencl_backend"
 

@@ -1,11 +1,11 @@
-"""Grades lesson 7 against tinyconv.comm's eq. 2 on the paper's networks, and hand-made cases."""
+"""Grades lesson 7 against tinyconv.lab.eq2's eq. 2 on the paper's networks, and hand-made cases."""
 
 from __future__ import annotations
 
 import pytest
 
 import tinyconv as tc
-from tinyconv.comm import F32, conv_shapes, eq2_bytes, equal_counts
+from tinyconv.lab.eq2 import F32, conv_shapes, eq2_bytes, equal_counts
 
 LESSON = "07_data_vs_model_parallelism"
 

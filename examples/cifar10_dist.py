@@ -50,24 +50,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
+from backends.registry import available_backends, has_devices  # noqa: E402
 from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint  # noqa: E402
 from tinyconv.cifar10 import DataError, default_data_dir  # noqa: E402
 from tinyconv.data import Dataset, load_dataset  # noqa: E402
-from tinyconv.heap import keep_freed_memory  # noqa: E402
+from tinyconv.dist.adaptive_precision import SETTINGS  # noqa: E402
+from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
+from tinyconv.dist.rebalance import Rebalancer  # noqa: E402
+from tinyconv.dist.replica.batch import BatchSplit  # noqa: E402
+from tinyconv.dist.replica.start import replicate  # noqa: E402
+from tinyconv.dist.worker.handler import Worker  # noqa: E402
 from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_bytes  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
-from tinyconv.plugins import available_backends, available_transports, has_devices  # noqa: E402
 from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
-from tinyconv.replica.batch import BatchSplit  # noqa: E402
-from tinyconv.replica.start import replicate  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
-from tinyconv.shard.adaptive_precision import SETTINGS  # noqa: E402
-from tinyconv.shard.rebalance import Rebalancer  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
-from tinyconv.worker.handler import Worker  # noqa: E402
 from transports.mpi_worker import rank_and_size, serve_if_worker  # noqa: E402
+from transports.registry import available_transports  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "equal")
 ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)
@@ -187,7 +188,7 @@ def _compute(p: argparse.ArgumentParser) -> None:
 
 
 PARALLEL = ("model", "data", "hybrid")
-BY_IMAGES = ("data", "hybrid")  # the modes that share each batch out by images (tinyconv/replica/)
+BY_IMAGES = ("data", "hybrid")  # the modes that share each batch out by images (tinyconv/dist/replica/)
 
 
 def parallel_mode(text: str) -> str:
@@ -805,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
-        keep_freed_memory()  # each step reuses the last step's pages (tinyconv/heap.py)
+        keep_freed_memory()  # each step reuses the last step's pages (tinyconv/dist/heap.py)
         if args.transport == "mpi" and (code := serve_mpi_rank(args)) is not None:
             return code
         backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
-from tinyconv.shard.balance import kernel_counts, speed_weights  # noqa: E402
-from tinyconv.shard.protocol import VERSION  # noqa: E402
-from tinyconv.worker.handler import Worker  # noqa: E402
+from tinyconv.dist.protocol import VERSION  # noqa: E402
+from tinyconv.dist.shard.balance import kernel_counts, speed_weights  # noqa: E402
+from tinyconv.dist.worker.handler import Worker  # noqa: E402
 
 BATCH, C_IN, KERNELS, SIZE, STEPS = 16, 32, 96, 16, 12
 

@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 
-# The files whose float comparisons sum in float32 through BLAS or OpenCL (tinyconv.testing's
+# The files whose float comparisons sum in float32 through BLAS or OpenCL (backends.conformance.runner's
 # float32_tolerance): `make test` runs them again under other OpenBLAS kernels (-m numerics).
 NUMERICS = {
     "test_api.py",

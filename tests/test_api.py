@@ -11,7 +11,7 @@ import pytest
 
 import tinyconv as tc
 from backends.base import Backend
-from tinyconv.testing import FN, Expected, assert_close
+from backends.conformance.runner import FN, Expected, assert_close
 
 RNG = np.random.default_rng(5)
 X = RNG.standard_normal((4, 3, 16, 16)).astype(np.float32)
@@ -22,7 +22,7 @@ def small_net(norm: str = "lrn") -> tc.Network:
     return tc.paper_net("4:6", backend="numpy", norm=norm, image_size=16)
 
 
-# float32_tolerance's scale form for small_net on X (see tinyconv.testing): the loss's path, conv1,
+# float32_tolerance's scale form for small_net on X (see backends.conformance.runner): the loss's path, conv1,
 # LRN, conv2, LRN, fc, softmax; the gradients' adds the way back to conv1's dw (4*16*16 sums)
 LOSS_K = (3 * 25 + 1) + (5 + 3 + FN) + (4 * 25 + 1) + (5 + 3 + FN) + (6 * 4 * 4 + 1) + (10 + 4 + 3 + 2 * FN)
 GRAD_K = LOSS_K + 10 + 4 + (2 * 5 + 7 + 2 * FN) + 6 * 25 + 4 + (2 * 5 + 7 + 2 * FN) + 4 * 16 * 16

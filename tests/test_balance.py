@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tinyconv.shard.balance import kernel_counts, slices, speed_weights
+from tinyconv.dist.shard.balance import kernel_counts, slices, speed_weights
 
 # ---- eq. 1 ---------------------------------------------------------------------------
 

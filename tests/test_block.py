@@ -1,4 +1,4 @@
-"""Conv blocks on kernel slices (tinyconv/shard/block.py): with the halo, slices give the unsharded numbers.
+"""Conv blocks on kernel slices (tinyconv/dist/shard/block.py): with the halo, slices give the unsharded numbers.
 
 The reference is the plain layer sequence conv -> tail on all kernels; each case cuts
 the kernels into slices (some narrower than the halo, some at the edges), computes each
@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from backends.conformance.runner import FN, Expected
+from backends.conformance.runner import assert_close as within_round_off
 from backends.numpy_backend import NumpyBackend
-from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
-from tinyconv.model import Network, paper_net
-from tinyconv.shard.balance import slices
-from tinyconv.shard.block import (
+from tinyconv.dist.protocol import VERSION
+from tinyconv.dist.shard.balance import slices
+from tinyconv.dist.shard.block import (
     block_backward,
     block_forward,
     check_tail,
@@ -27,13 +28,12 @@ from tinyconv.shard.block import (
     tail_forward,
     tail_of,
 )
-from tinyconv.shard.by_channels import halo_sum
-from tinyconv.shard.cluster import Cluster
-from tinyconv.shard.layer import ShardedBlock
-from tinyconv.shard.protocol import VERSION
-from tinyconv.testing import FN, Expected
-from tinyconv.testing import assert_close as within_round_off
-from tinyconv.worker.handler import Worker
+from tinyconv.dist.shard.by_channels import halo_sum
+from tinyconv.dist.shard.cluster import Cluster
+from tinyconv.dist.shard.layer import ShardedBlock
+from tinyconv.dist.worker.handler import Worker
+from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.model import Network, paper_net
 from transports.inproc import InprocTransport
 
 TIMEOUT = 20.0
@@ -46,7 +46,7 @@ def lrn(size: int) -> dict:
     return {"op": "lrn", "size": size, "alpha": 2.0, "beta": 0.75, "k": 1.0}
 
 
-# float32_tolerance's scale form (see tinyconv.testing), k along the longest path here: a conv of 4
+# float32_tolerance's scale form (see backends.conformance.runner), k along the longest path here: a conv of 4
 # channels 3x3 (+ 1 for the bias), the LRNs of 3 and 5 forward (n + 3 + FN) and backward (2n + 7 +
 # 2 FN), the pool's 4 overlaps, dw's 2*8*8 sums; or the fused network's conv1 (3x3x3), LRN and conv2
 # (9x3x3) forward, back through conv2's dx (7x3x3), the 2x2 pool, the LRN to conv1's dw

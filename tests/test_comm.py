@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinyconv.comm import (
+from tinyconv.lab.eq2 import (
     F32,
     F64,
     conv_shapes,

@@ -1,4 +1,4 @@
-"""The conformance suite (tinyconv.testing): that it runs every op, that it fails on broken
+"""The conformance suite (backends.conformance.runner): that it runs every op, that it fails on broken
 backends, and its verdict on the real ones -- numpy (against itself), OpenCL, and the
 out-of-tree example backend in examples/threaded_backend/."""
 
@@ -13,9 +13,7 @@ import pytest
 
 import backends.opencl
 from backends.base import Backend
-from backends.numpy_backend import NumpyBackend, _channel_window_sum
-from tinyconv.plugins import get_backend
-from tinyconv.testing import (
+from backends.conformance.runner import (
     CASES,
     CheckResult,
     assert_conforms,
@@ -25,6 +23,8 @@ from tinyconv.testing import (
     run_case,
     run_conformance,
 )
+from backends.numpy_backend import NumpyBackend, _channel_window_sum
+from backends.registry import get_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 

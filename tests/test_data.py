@@ -7,6 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
+from backends.conformance.runner import Expected, assert_close
 from tinyconv import cifar10
 from tinyconv.data import (
     Dataset,
@@ -18,7 +19,6 @@ from tinyconv.data import (
     num_batches,
     synthetic_dataset,
 )
-from tinyconv.testing import Expected, assert_close
 
 
 def _images(n: int = 6, c: int = 3, h: int = 8, w: int = 8, seed: int = 0) -> np.ndarray:

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist.protocol import VERSION
+from tinyconv.dist.rpc import Link
+from tinyconv.dist.shard.cluster import Cluster
+from tinyconv.dist.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network
-from tinyconv.shard.cluster import Cluster
-from tinyconv.shard.protocol import VERSION
-from tinyconv.shard.rpc import Link
-from tinyconv.worker.handler import Worker
 from transports.base import Message, WorkerInfo
 from transports.inproc import InprocTransport
 
@@ -187,9 +187,9 @@ def test_a_worker_process_killed_mid_run_over_zmq_costs_no_step(rng):
     import os
     import signal
 
+    from tinyconv.dist.pool import distribute
     from tinyconv.model import paper_net
     from tinyconv.optim import SGD
-    from tinyconv.pool import distribute
 
     x = rng.standard_normal((4, 3, 16, 16), dtype=np.float32)
     y = rng.integers(0, 10, 4)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tinyconv.experiment import main
-from tinyconv.experiment.command import BadInput, build_parser, check_devices
-from tinyconv.experiment.devices import cores, split_prefix, worker_command
-from tinyconv.experiment.grid import cells
-from tinyconv.experiment.table import COLUMNS, summary
+from tinyconv.lab.experiment import main
+from tinyconv.lab.experiment.grid import cells
+from tinyconv.lab.experiment.grid_command import BadInput, build_parser, check_devices
+from tinyconv.lab.experiment.table import COLUMNS, summary
+from tinyconv.lab.experiment.workers import cores, split_prefix, worker_command
 
 CONTRACT = (
     "arch norm batch participants fuse split backend transport repeat steps step_s step_s_min step_s_max "
@@ -138,10 +138,10 @@ def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker
     cmd = worker_command("tcp://10.0.0.1:5555", "numpy", 3, prefix, ["--timeout", "60"], taskset="/usr/bin/taskset")
     assert cmd[:4] == ["ip", "netns", "exec", "tinyconv w"]
     assert cmd[4:7] == ["/usr/bin/taskset", "-c", "3"]
-    assert cmd[7:10] == [sys.executable, "-m", "tinyconv.worker"]
+    assert cmd[7:10] == [sys.executable, "-m", "tinyconv.dist.worker"]
     assert cmd[cmd.index("--connect") + 1] == "tcp://10.0.0.1:5555" and cmd[-2:] == ["--timeout", "60"]
     assert {"--serve", "--quiet"} <= set(cmd) and cmd[cmd.index("--threads") + 1] == "1"
-    assert worker_command("tcp://a:1", "numpy", 1)[:3] == [sys.executable, "-m", "tinyconv.worker"]  # no taskset
+    assert worker_command("tcp://a:1", "numpy", 1)[:3] == [sys.executable, "-m", "tinyconv.dist.worker"]  # no taskset
 
 
 @pytest.mark.skipif(len(cores()) < 2, reason="a pinned local worker needs a second core")
@@ -220,7 +220,7 @@ def test_rebalance_and_wire_are_axes_the_master_alone_and_data_parallel_cells_sk
 
 
 def test_a_fixed_split_and_a_narrowed_wire_reach_the_cluster(tmp_path: Path, monkeypatch) -> None:
-    from tinyconv.experiment import run
+    from tinyconv.lab.experiment import run
 
     made = []
 
@@ -302,15 +302,15 @@ def test_a_csv_with_columns_this_grid_does_not_know_is_refused(tmp_path: Path, c
 
 # ---- the pipeline axis -----------------------------------------------------------------------------------------------
 def test_the_grids_default_pipeline_is_the_clusters() -> None:
-    from tinyconv.experiment import grid as grid_module
-    from tinyconv.shard.by_channels import PIPELINE
+    from tinyconv.dist.shard.by_channels import PIPELINE
+    from tinyconv.lab.experiment import grid as grid_module
 
     assert grid_module.PIPELINE == PIPELINE  # grid.py keeps its own copy so as not to load numpy early
 
 
 def test_pipeline_varies_the_model_parallel_cells_and_reaches_the_cluster(tmp_path: Path, monkeypatch) -> None:
-    from tinyconv.experiment import run
-    from tinyconv.plot.grid import speedup_chart
+    from tinyconv.lab.experiment import run
+    from tinyconv.lab.plot.grid_charts import speedup_chart
 
     got = cells(["a:1", "b:1"], [64], [1, 2], repeats=1, parallels=["model", "data"], pipelines=[0, 2])
     assert [(c.participants, c.parallel, c.pipeline) for c in got if c.arch == "a:1"] == [
@@ -362,7 +362,7 @@ def test_a_csv_written_before_the_pipeline_column_resumes_as_0_and_a_new_value_i
 def test_settle_solo_runs_more_steps_while_they_fault_memory_in() -> None:
     """After the settling steps, more run while the last spent over KERNEL_FRACTION of its time in the
     kernel, up to SETTLE_MORE; --settle 0 runs none."""
-    from tinyconv.experiment import run
+    from tinyconv.lab.experiment import run
 
     def steps(kernel: list[float]) -> tuple[list[int], Callable[[], dict[str, float]]]:
         done: list[int] = []

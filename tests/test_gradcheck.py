@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected
 from backends.numpy_backend import NumpyBackend, _channel_window_sum
 from tinyconv.gradcheck import (
     check_layer,
@@ -23,10 +24,9 @@ from tinyconv.gradcheck import (
 )
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU, SoftmaxCrossEntropy
 from tinyconv.model import paper_net
-from tinyconv.testing import FN, Expected, assert_close, conv2d_expected, linear_expected
 
 # A correct float64 backward lands at ~1e-10 (maxpool at ~3e-8: the reference returns its
-# dx in float32, see numpy_pool._max_stage_backward); a wrong one at 1e-2 or more.
+# dx in float32, see numpy_maxpool._max_stage_backward); a wrong one at 1e-2 or more.
 TOL = 1e-6
 # The network check differences a scalar loss (round-off ~1e-10) for a few entries each.
 NET_TOL = 1e-5
@@ -354,7 +354,7 @@ def test_paper_net_end_to_end(norm, rng):
 
 
 def close(ours: Expected | np.ndarray, theirs, k: int | None = None) -> None:
-    """torch's result within float32_tolerance of ours (tinyconv.testing; summation orders differ):
+    """torch's result within float32_tolerance of ours (backends.conformance.runner; summation orders differ):
     an Expected's own bound, or the scale form of an array's with k, the op's (0: exact)."""
     theirs = theirs.detach().numpy() if hasattr(theirs, "detach") else np.asarray(theirs)
     assert_close(theirs, ours if k is None else Expected(ours, k))
@@ -428,7 +428,7 @@ def test_batchnorm_matches_torch(training, torch, rng):
     tx, tg, tb = t(torch, x), t(torch, gamma), t(torch, beta)
     ty = torch.nn.functional.batch_norm(tx, trm, trv, tg, tb, training=training, momentum=0.1, eps=1e-5)
     ty.backward(torch.from_numpy(dy))
-    m = 3 * 5 * 3  # N*H*W: the statistics' reduction; the ks of batchnorm (tinyconv.testing)
+    m = 3 * 5 * 3  # N*H*W: the statistics' reduction; the ks of batchnorm (backends.conformance.runner)
     close(y, ty, 2 * m + 8 + 2 * FN)
     close(rm, trm, 2 * m + 8 + 2 * FN)
     close(rv, trv, 2 * m + 8 + 2 * FN)

@@ -1,4 +1,4 @@
-"""The hybrid (tinyconv/replica/hybrid.py): the conv part by data, the classifier on the master.
+"""The hybrid (tinyconv/dist/replica/hybrid.py): the conv part by data, the classifier on the master.
 
 A hybrid step with LRN equals the single-process step on the whole batch to float32 round-off,
 whatever the slices, and moves exactly the bytes its docstring's formula says; slower workers get
@@ -28,18 +28,18 @@ from test_data_parallel import (
 )
 from test_example import SMOKE, _processes_with, run_example
 
+from backends.conformance.runner import Expected, assert_close
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist.protocol import TaskError, check_task
+from tinyconv.dist.replica import flat
+from tinyconv.dist.replica.conv_part import conv_part, feature_shape
+from tinyconv.dist.replica.hybrid import UNIT, Hybrid
+from tinyconv.dist.replica.server import Replicas
+from tinyconv.dist.replica.start import replicate
+from tinyconv.dist.worker.handler import Worker
 from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
-from tinyconv.replica import flat
-from tinyconv.replica.conv_part import conv_part, feature_shape
-from tinyconv.replica.hybrid import UNIT, Hybrid
-from tinyconv.replica.server import Replicas
-from tinyconv.replica.start import replicate
-from tinyconv.shard.protocol import TaskError, check_task
-from tinyconv.testing import Expected, assert_close
-from tinyconv.worker.handler import Worker
 from transports.base import Message
 
 NET = {"arch": "6:10", "norm": "lrn", "pool_kernel": 3, "num_classes": 10, "in_channels": 3, "image_size": SIZE}

@@ -130,10 +130,10 @@ def test_mpi_transport_without_mpi4py_names_what_to_install(monkeypatch):
 
 
 def test_mpi_transport_is_registered():
-    from tinyconv.plugins import available_transports, load
     from transports.mpi_master import MpiTransport
+    from transports.registry import available_transports, load_transport
 
-    assert "mpi" in available_transports() and load("transport", "mpi") is MpiTransport
+    assert "mpi" in available_transports() and load_transport("mpi") is MpiTransport
 
 
 def test_prefix_is_checked_before_anything_is_allocated():

@@ -92,6 +92,6 @@ def test_the_opencl_tests_pass_on_the_simulated_gpu_with_no_report(tmp_path):
 
 def test_the_conformance_suite_passes_on_the_simulated_gpu_with_no_report(tmp_path):
     log = tmp_path / "oclgrind.log"
-    done = under_oclgrind(["-m", "tinyconv.testing", "--backend", "opencl"], log, timeout=300)
+    done = under_oclgrind(["-m", "backends.conformance.runner", "--backend", "opencl"], log, timeout=300)
     assert done.returncode == 0 and " 0 failed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     assert reports(log) == [], log.read_text()[:5000]

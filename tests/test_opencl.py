@@ -3,12 +3,12 @@ device choice, and a few training steps of a small paper_net giving numpy's loss
 
 Skipped as a whole (with the reason) only when the machine has no OpenCL device.
 
-Tolerances: tinyconv.testing's float32_tolerance (its docstring has the math), which holds for
+Tolerances: backends.conformance.runner's float32_tolerance (its docstring has the math), which holds for
 any summation order -- tiles, split-K, vector widths, fused multiply-adds. The convolution, the
 linear layer and the GEMM variants are checked entry by entry against 2 gamma_k * sum|terms|, the
 terms' absolute values summed in float64 and k the reduction's length; normalisations, the loss
 and the small network's training steps in its scale form, 2 gamma_k * max|ref| with k counted
-along the path (the table in tinyconv/conformance/checks.py). Data movement and elementwise ops
+along the path (the table in backends/conformance/checks.py). Data movement and elementwise ops
 that do the same float32 operations as numpy (relu, the max of maxpool, sgd, asarray/take_kernels)
 must match exactly (k = 0).
 """
@@ -27,13 +27,13 @@ import pytest
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
 
+from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
 from backends.opencl.backend import plane_defines  # noqa: E402
 from backends.opencl.gemm import AView, CView, TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
-from tinyconv.plugins import get_backend  # noqa: E402
-from tinyconv.testing import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
+from backends.registry import get_backend  # noqa: E402
 
 REF = NumpyBackend()
 F32 = np.float32
@@ -264,7 +264,7 @@ def test_lrn_matches_numpy(be, rng, size, alpha, beta, k, scale):
         x, dy = normal(rng, *shape, scale=scale), normal(rng, *shape)
         y_ref, cache_ref = REF.lrn_forward(x, size, alpha, beta, k)
         y, cache = be.lrn_forward(be.asarray(x), size, alpha, beta, k)
-        check(be, y, Expected(y_ref, size + 3 + FN), what="y")  # the ks of lrn (tinyconv.testing)
+        check(be, y, Expected(y_ref, size + 3 + FN), what="y")  # the ks of lrn (backends.conformance.runner)
         dx_ref = Expected(REF.lrn_backward(dy, cache_ref), 2 * size + 7 + 2 * FN)
         check(be, be.lrn_backward(be.asarray(dy), cache), dx_ref, what="dx")
 
@@ -303,7 +303,7 @@ def test_batchnorm_train_then_eval_with_running_stats(be, rng, monkeypatch, shap
     rm_d, rv_d = be.asarray(rm), be.asarray(rv)
     g_d, b_d = be.asarray(gamma), be.asarray(beta)
     # float32_tolerance's scale form, the longest path here: two updates of the running variance
-    # (batchnorm's k for y, tinyconv.testing), then eval's dgamma, a sum of N*H*W through them
+    # (batchnorm's k for y, backends.conformance.runner), then eval's dgamma, a sum of N*H*W through them
     m = shape[0] * shape[2] * shape[3]
     k = 2 * (2 * m + 8 + 2 * FN) + m + 3 + 2 * FN
     for training in (True, True, False):  # two updates of the running stats, then use them
@@ -647,7 +647,7 @@ def test_softmax_cross_entropy_matches_numpy(be, rng, n, k, scale):
     logits, labels = normal(rng, n, k, scale=scale), rng.integers(0, k, size=n)
     loss_ref, d_ref = REF.softmax_cross_entropy(logits, labels)
     loss, d = be.softmax_cross_entropy(be.asarray(logits), labels)
-    k_ce = k + n + 3 + 2 * FN  # softmax_ce's k (tinyconv.testing)
+    k_ce = k + n + 3 + 2 * FN  # softmax_ce's k (backends.conformance.runner)
     assert isinstance(loss, float)
     assert_close(np.asarray(loss), Expected(np.asarray(loss_ref), k_ce), "loss")
     check(be, d, Expected(d_ref, k_ce))
@@ -690,7 +690,7 @@ def test_small_paper_net_trains_like_numpy(be, norm, pool_kernel):
         if name == "opencl":  # the weights stayed on the device the whole time
             assert all(isinstance(layer.params[p], cla.Array) for _, layer, p in net.named_params())
     assert losses["numpy"][-1] < losses["numpy"][0]  # it does learn this batch
-    # float32_tolerance's scale form, k along the path (tinyconv.testing's table): a loss is the forward's
+    # float32_tolerance's scale form, k along the path (backends.conformance.runner's table): a loss is the forward's
     # conv1, norm, conv2, norm, fc 16*8*8 and softmax; each step before it adds the way back to conv1's
     # dw (4*32*32 sums through fc, the pools' overlaps, the norms, conv2's dx 16*5*5) and the update
     if norm == "lrn":

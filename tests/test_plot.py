@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyconv.plot import main, plot_files, plot_runs
-from tinyconv.plot.svg import CHAR_WIDTH, colors, nice_ticks
+from tinyconv.lab.plot import main, plot_files, plot_runs
+from tinyconv.lab.plot.svg import CHAR_WIDTH, colors, nice_ticks
 
 SVG = "{http://www.w3.org/2000/svg}"
 GRID_COLUMNS = (
@@ -359,7 +359,7 @@ def test_simulated_speedup_against_nodes(tmp_path):
 def test_simulated_wire_formats_are_series_of_their_own_and_an_old_csv_reads_fp32(tmp_path):
     """The simulator's ``wire`` column (--wire-precision): where it varies, a series per split and format;
     rows written before it (no column) are fp32, so they join the fp32 rows' series."""
-    from tinyconv.plot.sim import nodes_chart
+    from tinyconv.lab.plot.sim_charts import nodes_chart
 
     def rows(wire: str | None, bandwidth: float) -> list[dict]:
         words = {"fp32": 4, "bf16": 2, None: 4}[wire]

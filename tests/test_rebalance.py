@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyconv.shard.balance import kernel_counts, speed_weights
-from tinyconv.shard.cost import equal_finish_kernels, fit_affine_cost
-from tinyconv.shard.rebalance import Phase, Rebalancer
+from tinyconv.dist.cost import equal_finish_kernels, fit_affine_cost
+from tinyconv.dist.rebalance import Phase, Rebalancer
+from tinyconv.dist.shard.balance import kernel_counts, speed_weights
 
 # ---- the affine cost model: fit and target -------------------------------------------------
 

@@ -1,5 +1,5 @@
 """tinyconv simulate: the link schedule and the step model by hand, eq. 1's shares, the bytes against
-comm.py, the CSV's columns, --against's errors and bad input. No timing is asserted."""
+eq2.py, the CSV's columns, --against's errors and bad input. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from tinyconv.comm import ConvShape, conv_shapes, split_bytes, wire_words
+from tinyconv.lab.eq2 import ConvShape, conv_shapes, split_bytes, wire_words
+from tinyconv.lab.simulate import main
+from tinyconv.lab.simulate.against import compare_rows, read_grid
+from tinyconv.lab.simulate.devices import FORMAT, VERSION, Device, LayerCost, SplitCost, fit_line, load, save
+from tinyconv.lab.simulate.link import Link, Task, op_wall, parse_rate
+from tinyconv.lab.simulate.predict import predict
 from tinyconv.model import paper_net
-from tinyconv.simulate import main
-from tinyconv.simulate.against import compare_rows, read_grid
-from tinyconv.simulate.devices import FORMAT, VERSION, Device, LayerCost, SplitCost, fit_line, load, save
-from tinyconv.simulate.link import Link, Task, op_wall, parse_rate
-from tinyconv.simulate.model import predict
 
 CONTRACT = ["arch", "batch", "split", "medium", "bandwidth_MBps", "latency_ms", "nodes", "step_s", "comm_s",
             "conv_s", "comp_s", "speedup"]  # fmt: skip
@@ -318,7 +318,7 @@ def test_measure_writes_a_device_file(tmp_path, capsys):
 
 
 def test_a_slower_device_takes_longer_on_the_same_link():
-    from tinyconv.simulate.devices import slowed
+    from tinyconv.lab.simulate.devices import slowed
 
     dev = device("d", [(4, 0.1, 0.05)])
     fast = predict([TOY], [dev], 2, "off", "kernels", Link("wifi", 1000.0))

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist.shard.cluster import Cluster
+from tinyconv.dist.worker.handler import Worker
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
-from tinyconv.shard.cluster import Cluster
-from tinyconv.worker.handler import Worker
 from transports.base import Message, Transport, WorkerInfo
 
 RECV_TIMEOUT = 10_000.0  # fake seconds: the deadline before anything is measured

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tinyconv.testing import float32_tolerance
+from backends.conformance.runner import float32_tolerance
 
 ROOT = Path(__file__).resolve().parent.parent
 

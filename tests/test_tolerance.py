@@ -1,4 +1,4 @@
-"""float32_tolerance (tinyconv.testing): every summation order passes, a real bug does not.
+"""float32_tolerance (backends.conformance.runner): every summation order passes, a real bug does not.
 
 The rigorous form must hold for any order of the same float32 sums -- here a convolution
 split by kernels and by input channels (as the cluster splits it), and a reduction summed
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from backends.conformance.runner import Expected, assert_close, conv2d_expected, float32_tolerance, gamma
 from backends.numpy_backend import NumpyBackend
-from tinyconv.testing import Expected, assert_close, conv2d_expected, float32_tolerance, gamma
 
 REF = NumpyBackend()
 F32 = np.float32

@@ -9,13 +9,13 @@ import signal
 import numpy as np
 import pytest
 
+from backends.registry import get_backend
 from tinyconv.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from tinyconv.data import synthetic_dataset
 from tinyconv.memory import step_memory_bytes
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import PAPER_ARCHS, paper_net, parse_arch
 from tinyconv.optim import SGD
-from tinyconv.plugins import get_backend
 from tinyconv.report import summary_table
 from tinyconv.schedule import learning_rate
 from tinyconv.stopping import Stopped

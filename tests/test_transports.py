@@ -27,9 +27,9 @@ from transport_conformance import (
     echo,
 )
 
-from tinyconv.plugins import available_transports, get_transport, load
 from transports import WIRE_VERSION, Message, ProtocolError, VersionMismatch
 from transports.inproc import InprocTransport
+from transports.registry import available_transports, get_transport, load_transport
 from transports.wire import decode, encode
 from transports.zmq_master import ZmqTransport
 from transports.zmq_worker import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, serve
@@ -47,7 +47,7 @@ def test_registry_lists_and_builds_transports():
     assert {"inproc", "zmq"} <= set(available_transports())
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; available: .*inproc.*zmq"):
         get_transport("carrier-pigeon")
-    assert load("transport", "zmq") is ZmqTransport
+    assert load_transport("zmq") is ZmqTransport
     with get_transport("inproc", handler_factory=lambda i: EchoHandler(), protocol=PROTOCOL, bind="ignored") as t:
         assert isinstance(t, InprocTransport)
     with pytest.raises(TypeError, match="handler_factory"):

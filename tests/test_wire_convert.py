@@ -1,5 +1,5 @@
 """bf16 wire words converted on the OpenCL device (backends/opencl/wire.cl) are the host's words
-(tinyconv/shard/wire_precision.py) bit for bit, and a worker that converts there sends the same
+(tinyconv/dist/wire_precision.py) bit for bit, and a worker that converts there sends the same
 bytes as one that converts on the host.
 
 Every kernel runs both ways: per element (GPUs) and its rows twin (CPUs), so tests/test_oclgrind.py
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.shard import wire_precision as wp
-from tinyconv.shard.protocol import narrowed
-from tinyconv.worker.handler import ON_DEVICE, Worker
+from tinyconv.dist import wire_precision as wp
+from tinyconv.dist.protocol import narrowed
+from tinyconv.dist.worker.handler import ON_DEVICE, Worker
 from transports.base import Message
 from transports.wire import check_message, encode
 

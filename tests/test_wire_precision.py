@@ -14,17 +14,17 @@ import pytest
 
 import tinyconv as tc
 from backends.numpy_backend import NumpyBackend
-from tinyconv.comm import block_bytes, conv_shapes, equal_counts, measure, split_bytes, wire_words
-from tinyconv.comm import main as comm_main
+from tinyconv.dist import wire_precision as wp
+from tinyconv.dist.adaptive_precision import AdaptivePrecision, FixedPrecision, formats_of, policy
+from tinyconv.dist.protocol import TaskError, check_result, check_task, narrowed
+from tinyconv.dist.rpc import Lost, Rpc
+from tinyconv.dist.worker import handler
+from tinyconv.dist.worker.handler import Worker
+from tinyconv.lab.eq2 import block_bytes, conv_shapes, equal_counts, measure, split_bytes, wire_words
+from tinyconv.lab.eq2 import main as comm_main
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
 from tinyconv.optim import SGD
-from tinyconv.shard import wire_precision as wp
-from tinyconv.shard.adaptive_precision import AdaptivePrecision, FixedPrecision, formats_of, policy
-from tinyconv.shard.protocol import TaskError, check_result, check_task, narrowed
-from tinyconv.shard.rpc import Lost, Rpc
-from tinyconv.worker import handler
-from tinyconv.worker.handler import Worker
 from transports.base import Message, Transport, WorkerInfo
 from transports.wire import decode, encode
 

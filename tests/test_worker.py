@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
+from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
 from backends.numpy_backend import NumpyBackend
-from tinyconv.shard.block import block_forward, halo_span, tail_backward
-from tinyconv.shard.protocol import TASKS, VERSION, TaskError
-from tinyconv.testing import FN, Expected, assert_close, conv2d_expected
-from tinyconv.worker.handler import STAGES, STANDALONE, Worker
-from tinyconv.worker.main import THREAD_ENV_VARS, main
+from tinyconv.dist.protocol import TASKS, VERSION, TaskError
+from tinyconv.dist.shard.block import block_forward, halo_span, tail_backward
+from tinyconv.dist.worker.handler import STAGES, STANDALONE, Worker
+from tinyconv.dist.worker.main import THREAD_ENV_VARS, main
 from transports.base import Handler, Message
 from transports.wire import check_message
 
@@ -68,7 +68,7 @@ def error_text(reply: Message) -> str:
 
 
 def close(got: np.ndarray, ref: Expected) -> None:
-    """Equal to float32 round-off: the same sums, in another order (tinyconv.testing's float32_tolerance)."""
+    """Equal to float32 round-off: the same sums, in another order (backends.conformance.runner's float32_tolerance)."""
     assert_close(got, ref)
 
 
@@ -419,7 +419,7 @@ def test_slowdown_below_one_is_refused():
 
 def test_cli_help_runs_without_numpy():
     code = (
-        "import sys; from tinyconv.worker.main import main\n"
+        "import sys; from tinyconv.dist.worker.main import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    print('numpy' in sys.modules, e.code)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -455,7 +455,7 @@ SPY = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Spy())
-    from tinyconv.worker.main import main
+    from tinyconv.dist.worker.main import main
     rc = main(["--connect", {connect!r}, "--threads", "3", "--connect-timeout", "0.3"])
     print(json.dumps({{"rc": rc, "seen": seen}}))
     """
@@ -474,7 +474,7 @@ def test_threads_are_set_before_numpy_is_imported(tmp_path):
 
 def test_python_dash_m_and_the_tinyconv_command_start_the_same_worker():
     out = subprocess.run(
-        [sys.executable, "-m", "tinyconv.worker", "--help"], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "tinyconv.dist.worker", "--help"], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0 and "usage: tinyconv worker" in out.stdout
 
@@ -482,8 +482,8 @@ def test_python_dash_m_and_the_tinyconv_command_start_the_same_worker():
 def test_calibrate_admits_what_a_batch_256_step_needs():
     # the default cap follows the machine (half its memory, at least 2 GiB), so that a master may time
     # what its real steps allocate anyway: 150:800's conv2 at batch 256 needs about 2.3 GB
-    from tinyconv.shard.calibrate import parse_spec
-    from tinyconv.worker.handler import DEFAULT_MAX_CALIBRATE_BYTES, default_max_calibrate_bytes
+    from tinyconv.dist.calibrate import parse_spec
+    from tinyconv.dist.worker.handler import DEFAULT_MAX_CALIBRATE_BYTES, default_max_calibrate_bytes
 
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert DEFAULT_MAX_CALIBRATE_BYTES == default_max_calibrate_bytes() == max(1 << 31, physical // 2)

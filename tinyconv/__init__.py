@@ -47,12 +47,12 @@ _API = {
     "check_layer": "tinyconv.gradcheck",
     "check_network": "tinyconv.gradcheck",
     # devices and distribution
-    "get_backend": "tinyconv.plugins",
-    "available_backends": "tinyconv.plugins",
-    "get_transport": "tinyconv.plugins",
-    "available_transports": "tinyconv.plugins",
-    "distribute": "tinyconv.pool",
-    "Cluster": "tinyconv.shard.cluster",
+    "get_backend": "backends.registry",
+    "available_backends": "backends.registry",
+    "get_transport": "transports.registry",
+    "available_transports": "transports.registry",
+    "distribute": "tinyconv.dist.pool",
+    "Cluster": "tinyconv.dist.shard.cluster",
 }
 __all__ = ["__version__", *_API]
 

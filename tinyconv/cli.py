@@ -48,7 +48,7 @@ def devices(argv: Sequence[str] = ()) -> int:
         description="List the registered backends and every OpenCL platform and device this machine can see, "
         "with the P:D index that --device takes.",
     ).parse_args(argv)
-    from tinyconv.plugins import available_backends
+    from backends.registry import available_backends
 
     print("backends:", ", ".join(available_backends()))
     try:
@@ -111,31 +111,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "worker":
-        from tinyconv.worker.main import main as worker_main
+        from tinyconv.dist.worker.main import main as worker_main
 
         return worker_main(rest)
     if command in ("devices", "backends"):
         return devices(rest)
     if command == "conformance":
-        from tinyconv.testing import main as conformance_main
+        from backends.conformance.runner import main as conformance_main
 
         return conformance_main(rest, prog="tinyconv conformance")
     if command == "keygen":
         return keygen(rest)
     if command == "comm":
-        from tinyconv.comm import main as comm_main
+        from tinyconv.lab.eq2 import main as comm_main
 
         return comm_main(rest)
     if command == "experiment":
-        from tinyconv.experiment import main as experiment_main
+        from tinyconv.lab.experiment import main as experiment_main
 
         return experiment_main(rest)
     if command == "simulate":
-        from tinyconv.simulate import main as simulate_main
+        from tinyconv.lab.simulate import main as simulate_main
 
         return simulate_main(rest)
     if command == "plot":
-        from tinyconv.plot import main as plot_main
+        from tinyconv.lab.plot import main as plot_main
 
         return plot_main(rest)
     print(f"tinyconv: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)

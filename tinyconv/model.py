@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array, Backend
+from backends.registry import as_backend
 from tinyconv.layers import (
     BatchNorm2D,
     Conv2D,
@@ -29,7 +30,6 @@ from tinyconv.layers import (
     relu_lrn_forward,
     relu_then_lrn,
 )
-from tinyconv.plugins import as_backend
 
 PAPER_ARCHS = ("50:500", "150:800", "300:1000", "500:1500")
 NORMS = ("lrn", "batch", "none")

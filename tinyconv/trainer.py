@@ -7,7 +7,7 @@ done ahead, on a thread, while the step before computes (``tinyconv/prefetch.py`
 each step records how long it waited for its batch (``data_wait_s``). Convolutions
 may be distributed (``tinyconv.distribute`` puts sharded layers in the network); the
 loop is the same either way, it only asks the cluster for the step's comm/conv split
-and its events to record. Data-parallel (``tinyconv/replica/``), the forward and backward
+and its events to record. Data-parallel (``tinyconv/dist/replica/``), the forward and backward
 are the replicas' (``Replicas.train_batch``), which fill the same grads.
 
 Resuming is bit-identical: the checkpoint keeps the parameters, the momentum
@@ -48,8 +48,8 @@ from tinyconv.schedule import learning_rate, warmup_steps
 from tinyconv.stopping import SignalGuard
 
 if TYPE_CHECKING:
-    from tinyconv.replica.server import Replicas
-    from tinyconv.shard.cluster import Cluster
+    from tinyconv.dist.replica.server import Replicas
+    from tinyconv.dist.shard.cluster import Cluster
 
 
 @dataclass
@@ -76,7 +76,7 @@ class TrainConfig:
     augment: bool = True
     prefetch: int = 2  # batches made ahead on a thread while a step computes; 0: each made in its step
     # 0: the training batch. Evaluating in batches of the training's size reuses the memory its
-    # steps freed (tinyconv/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
+    # steps freed (tinyconv/dist/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
     # fresh pages for its 4x larger im2col at each evaluation.
     eval_batch_size: int = 0
     seed: int = 0
@@ -169,7 +169,7 @@ class Trainer:
     def _forward_backward(self, x: np.ndarray, yb: np.ndarray) -> tuple[float, Any]:
         """Forward, loss, backward on a prepared float32 batch: every grad filled, no parameter changed yet."""
         be = self.net.backend
-        if getattr(self.cluster, "splits", None) == "images":  # data parallel (tinyconv/replica/): slices of x
+        if getattr(self.cluster, "splits", None) == "images":  # data parallel (tinyconv/dist/replica/): slices of x
             loss, logits = self.cluster.train_batch(self.net, x, yb, self.cfg.label_smoothing)
             dlogits = None
         else:

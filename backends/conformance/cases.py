@@ -1,0 +1,373 @@
+"""The conformance cases: every op of ``backends/base.py`` on the shapes and values that catch bugs.
+
+Odd sizes, stride 2, padding 0/1/2, batch 1, ties in a max and NaNs in a max pool
+(a window with two, windows that overlap), an LRN whose cross-channel term
+matters, the fused ReLU + LRN against the composition of the two, batch norm's
+running statistics and its refusal of one value per channel in training, three
+``sgd_update`` steps, ``take_kernels``, the edges and ``describe()``. Each case runs
+the backend under test and the reference on the same inputs and records one
+CheckResult per output (see checks.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from backends.base import Backend
+from backends.conformance.checks import EXACT, F32, REF, TOLERANCES, Case, Trial
+
+
+def _conv(
+    n: int, c: int, h: int, w: int, f: int, k: int, stride: int, padding: int, need_dx: bool = True
+) -> Case:
+    def run(t: Trial) -> None:
+        x, wt, b = t.normal(n, c, h, w), t.normal(f, c, k, k, scale=0.3), t.normal(f)
+        xd, wd, bd = t.dev(x), t.dev(wt), t.dev(b)
+        y_ref, cache_ref = REF.conv2d_forward(x, wt, b, stride, padding)
+        y, cache = t.backend.conv2d_forward(xd, wd, bd, stride, padding)
+        t.compare("y", y, y_ref)
+        dy = t.normal(*y_ref.shape)
+        dyd = t.dev(dy)
+        dx_ref, dw_ref, db_ref = REF.conv2d_backward(dy, cache_ref, need_dx)
+        dx, dw, db = t.backend.conv2d_backward(dyd, cache, need_dx)
+        if need_dx:
+            t.compare("dx", dx, dx_ref)
+        else:
+            t.check("dx is None", dx is None, "need_dx=False must return dx=None")
+        t.compare("dw", dw, dw_ref)
+        t.compare("db", db, db_ref)
+        t.unchanged(x=(xd, x), w=(wd, wt), b=(bd, b), dy=(dyd, dy))
+
+    dx_note = "" if need_dx else " no-dx"
+    return Case("conv2d", f"N{n} C{c} {h}x{w} F{f} k{k} s{stride} p{padding}{dx_note}", run)
+
+
+def _conv_partial(n: int, c: int, h: int, w: int, f: int, k: int, stride: int, padding: int) -> Case:
+    """conv2d_partial: conv2d_forward's y with no bias, kernel-major, on the host; its cache takes a
+    kernel-major dy (a transposed view, as the channel split passes it) to conv2d_backward."""
+
+    def run(t: Trial) -> None:
+        x, wt = t.normal(n, c, h, w), t.normal(f, c, k, k, scale=0.3)
+        xd, wd = t.dev(x), t.dev(wt)
+        y_ref, cache_ref = REF.conv2d_forward(x, wt, np.zeros(f, F32), stride, padding)
+        p, cache = t.backend.conv2d_partial(xd, wd, stride, padding)
+        t.check("on the host", isinstance(p, np.ndarray), f"got a {type(p).__name__}, not a numpy array")
+        t.compare("P", p, y_ref.transpose(1, 0, 2, 3))
+        dy = t.normal(f, *y_ref.shape[:1], *y_ref.shape[2:]).transpose(1, 0, 2, 3)  # (N, F, OH, OW), F-major
+        dx_ref, dw_ref, db_ref = REF.conv2d_backward(np.ascontiguousarray(dy), cache_ref, True)
+        dx, dw, db = t.backend.conv2d_backward(t.backend.asarray(dy), cache, True)
+        t.compare("dx", dx, dx_ref)
+        t.compare("dw", dw, dw_ref)
+        t.compare("db", db, db_ref)
+        t.unchanged(x=(xd, x), w=(wd, wt))
+
+    return Case("conv2d_partial", f"N{n} C{c} {h}x{w} F{f} k{k} s{stride} p{padding}", run)
+
+
+def _relu(*shape: int) -> Case:
+    def run(t: Trial) -> None:
+        x = t.normal(*shape)
+        xd = t.dev(x)
+        y_ref, cache_ref = REF.relu_forward(x)
+        y, cache = t.backend.relu_forward(xd)
+        t.compare("y", y, y_ref, EXACT)
+        dy = t.normal(*shape)
+        dyd = t.dev(dy)
+        t.compare("dx", t.backend.relu_backward(dyd, cache), REF.relu_backward(dy, cache_ref), EXACT)
+        t.unchanged(x=(xd, x), dy=(dyd, dy))
+
+    return Case("relu", "x".join(map(str, shape)), run)
+
+
+def _lrn(
+    n: int, c: int, h: int, w: int, size: int, alpha: float, beta: float, k: float, scale: float
+) -> Case:
+    def run(t: Trial) -> None:
+        x = t.normal(n, c, h, w, scale=scale)
+        xd = t.dev(x)
+        y_ref, cache_ref = REF.lrn_forward(x, size, alpha, beta, k)
+        y, cache = t.backend.lrn_forward(xd, size, alpha, beta, k)
+        t.compare("y", y, y_ref)
+        dy = t.normal(n, c, h, w)
+        dyd = t.dev(dy)
+        t.compare("dx", t.backend.lrn_backward(dyd, cache), REF.lrn_backward(dy, cache_ref))
+        t.unchanged(x=(xd, x), dy=(dyd, dy))
+
+    return Case("lrn", f"N{n} C{c} {h}x{w} size{size} alpha{alpha:g} beta{beta:g} k{k:g} |x|~{scale:g}", run)
+
+
+def _relu_lrn(
+    n: int, c: int, h: int, w: int, size: int, alpha: float, beta: float, scale: float, values: str = "normal"
+) -> Case:
+    """The fused ReLU + LRN against the reference's composition, lrn(relu(x)), k = 2. "zeros": a
+    third of x is exactly 0, where the ReLU's mask is 0; "nan": NaNs, which spread over LRN windows."""
+
+    def run(t: Trial) -> None:
+        x = t.normal(n, c, h, w, scale=scale)
+        if values == "zeros":
+            x[t.rng.random(x.shape) < 0.3] = 0.0
+        if values == "nan":
+            x[t.rng.random(x.shape) < 0.05] = np.nan
+        xd = t.dev(x)
+        r_ref, relu_ref = REF.relu_forward(x)
+        y_ref, lrn_ref = REF.lrn_forward(r_ref, size, alpha, beta, 2.0)
+        y, cache = t.backend.relu_lrn_forward(xd, size, alpha, beta, 2.0)
+        t.compare("y", y, y_ref)
+        dy = t.normal(n, c, h, w)
+        dyd = t.dev(dy)
+        dx_ref = REF.relu_backward(REF.lrn_backward(dy, lrn_ref), relu_ref)
+        t.compare("dx", t.backend.relu_lrn_backward(dyd, cache), dx_ref)
+        t.unchanged(x=(xd, x), dy=(dyd, dy))
+
+    note = "" if values == "normal" else f" {values}"
+    return Case("relu_lrn", f"N{n} C{c} {h}x{w} size{size} alpha{alpha:g} beta{beta:g} |x|~{scale:g}{note}", run)
+
+
+def _batchnorm(n: int, c: int, h: int, w: int, training: bool, momentum: float = 0.1) -> Case:
+    def run(t: Trial) -> None:
+        x = t.normal(n, c, h, w, scale=2.0) + F32(0.5)
+        gamma, beta = t.normal(c), t.normal(c)
+        rm, rv = t.normal(c), (t.rng.random(c) + 0.5).astype(F32)
+        xd, gd, bd, rmd, rvd = t.dev(x), t.dev(gamma), t.dev(beta), t.dev(rm), t.dev(rv)
+        rm_ref, rv_ref = rm.copy(), rv.copy()
+        y_ref, cache_ref = REF.batchnorm_forward(x, gamma, beta, rm_ref, rv_ref, training, momentum, 1e-5)
+        y, cache = t.backend.batchnorm_forward(xd, gd, bd, rmd, rvd, training, momentum, 1e-5)
+        t.compare("y", y, y_ref)
+        t.compare("running_mean", rmd, rm_ref)  # updated in place in training, untouched in eval
+        t.compare("running_var", rvd, rv_ref)
+        dy = t.normal(n, c, h, w)
+        dyd = t.dev(dy)
+        dx_ref, dgamma_ref, dbeta_ref = REF.batchnorm_backward(dy, cache_ref)
+        dx, dgamma, dbeta = t.backend.batchnorm_backward(dyd, cache)
+        t.compare("dx", dx, dx_ref)
+        t.compare("dgamma", dgamma, dgamma_ref)
+        t.compare("dbeta", dbeta, dbeta_ref)
+        t.unchanged(x=(xd, x), gamma=(gd, gamma), beta=(bd, beta), dy=(dyd, dy))
+
+    mode = "train" if training else "eval"
+    return Case("batchnorm", f"N{n} C{c} {h}x{w} {mode} momentum{momentum:g}", run)
+
+
+def _batchnorm_refuses(n: int, c: int, h: int, w: int) -> Case:
+    """Training with one value per channel (N*H*W == 1) must raise ValueError, as in torch, and
+    leave the running statistics alone; another exception fails as "raised"."""
+
+    def refuses(backend: Backend, *args: object) -> bool:
+        try:
+            backend.batchnorm_forward(*args, True, 0.1, 1e-5)
+        except ValueError:
+            return True
+        return False
+
+    def run(t: Trial) -> None:
+        x, gamma, beta = t.normal(n, c, h, w), t.normal(c), t.normal(c)
+        rm, rv = t.normal(c), (t.rng.random(c) + 0.5).astype(F32)
+        xd, gd, bd, rmd, rvd = t.dev(x), t.dev(gamma), t.dev(beta), t.dev(rm), t.dev(rv)
+        ok = refuses(REF, x, gamma, beta, rm.copy(), rv.copy())
+        t.check("reference refuses", ok, "the reference returned instead of raising ValueError")
+        ok = refuses(t.backend, xd, gd, bd, rmd, rvd)
+        t.check("refuses", ok, "returned instead of raising ValueError")
+        t.compare("running_mean kept", rmd, rm, EXACT)
+        t.compare("running_var kept", rvd, rv, EXACT)
+        t.unchanged(x=(xd, x), gamma=(gd, gamma), beta=(bd, beta))
+
+    return Case("batchnorm", f"N{n} C{c} {h}x{w} train refused", run)
+
+
+def _pool_input(t: Trial, shape: tuple[int, ...], kernel: int, stride: int, padding: int, values: str) -> np.ndarray:
+    """Normal values; "ties": few distinct values, so many windows hold several equal maxima;
+    "nan": normal values with NaNs -- two in the window at output (1, 1) of image 0, channel 0
+    (its first and last corner: torch routes the gradient to the last), and about one in ten
+    entries of the last channel, in windows that overlap when stride < kernel; "-inf": normal
+    values with the first channel all -inf, so windows that start in the padding hold nothing
+    else (the gradient goes to the window's first input)."""
+    if values == "ties":
+        return t.rng.integers(0, 3, size=shape).astype(F32)
+    x = t.normal(*shape)
+    if values == "-inf":
+        x[:, 0] = -np.inf
+    if values == "nan":
+        top = stride - padding
+        x[0, 0, top, top] = x[0, 0, top + kernel - 1, top + kernel - 1] = np.nan
+        last = x[:, -1]
+        last[t.rng.random(last.shape) < 0.1] = np.nan
+    return x
+
+
+def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: int, values: str = "") -> Case:
+    def run(t: Trial) -> None:
+        x = _pool_input(t, (n, c, h, w), kernel, stride, padding, values)
+        xd = t.dev(x)
+        y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, padding)
+        y, cache = t.backend.maxpool_forward(xd, kernel, stride, padding)
+        t.compare("y", y, y_ref, EXACT)  # NaN exactly where the reference has it
+        dy = t.normal(*y_ref.shape)
+        dyd = t.dev(dy)
+        t.compare("dx", t.backend.maxpool_backward(dyd, cache), REF.maxpool_backward(dy, cache_ref))
+        t.unchanged(x=(xd, x), dy=(dyd, dy))
+
+    return Case("maxpool", f"N{n} C{c} {h}x{w} k{kernel} s{stride} p{padding} {values}".rstrip(), run)
+
+
+def _linear(x_shape: tuple[int, ...], m: int) -> Case:
+    def run(t: Trial) -> None:
+        d = int(np.prod(x_shape[1:]))
+        x, wt, b = t.normal(*x_shape), t.normal(m, d, scale=0.3), t.normal(m)
+        xd, wd, bd = t.dev(x), t.dev(wt), t.dev(b)
+        y_ref, cache_ref = REF.linear_forward(x, wt, b)
+        y, cache = t.backend.linear_forward(xd, wd, bd)
+        t.compare("y", y, y_ref)
+        dy = t.normal(x_shape[0], m)
+        dyd = t.dev(dy)
+        dx_ref, dw_ref, db_ref = REF.linear_backward(dy, cache_ref)
+        dx, dw, db = t.backend.linear_backward(dyd, cache)
+        t.compare("dx", dx, dx_ref)  # in x's original shape
+        t.compare("dw", dw, dw_ref)
+        t.compare("db", db, db_ref)
+        t.unchanged(x=(xd, x), w=(wd, wt), b=(bd, b), dy=(dyd, dy))
+
+    return Case("linear", f"x{'x'.join(map(str, x_shape))} M{m}", run)
+
+
+def _softmax_ce(n: int, k: int, scale: float) -> Case:
+    def run(t: Trial) -> None:
+        logits = t.normal(n, k, scale=scale)
+        labels = t.rng.integers(0, k, size=n)
+        ld = t.dev(logits)
+        loss_ref, d_ref = REF.softmax_cross_entropy(logits, labels)
+        loss, d = t.backend.softmax_cross_entropy(ld, labels)
+        if isinstance(loss, float):
+            tol = TOLERANCES["float32"].of(np.array(loss_ref))
+            t.add("loss", abs(loss - loss_ref), tol, abs(loss - loss_ref) <= tol)
+        else:
+            t.add("loss", math.nan, 0.0, False, f"loss is a {type(loss).__name__}, expected a Python float")
+        t.compare("dlogits", d, d_ref)
+        t.unchanged(logits=(ld, logits))
+
+    return Case("softmax_cross_entropy", f"N{n} K{k} |z|~{scale:g}", run)
+
+
+def _sgd(shape: tuple[int, ...], lr: float, momentum: float, weight_decay: float) -> Case:
+    def run(t: Trial) -> None:
+        p, v = t.normal(*shape), np.zeros(shape, F32)
+        pd, vd = t.dev(p), t.dev(v)
+        for _ in range(3):  # the second and third steps use the velocity
+            g = t.normal(*shape)
+            gd = t.dev(g)
+            REF.sgd_update(p, g, v, lr, momentum, weight_decay)
+            t.backend.sgd_update(pd, gd, vd, lr, momentum, weight_decay)
+        t.compare("param", pd, p)
+        t.compare("velocity", vd, v)
+        t.unchanged(grad=(gd, g))
+
+    label = f"{'x'.join(map(str, shape))} lr{lr:g} momentum{momentum:g} wd{weight_decay:g} 3 steps"
+    return Case("sgd_update", label, run)
+
+
+def _take_kernels(shape: tuple[int, ...], start: int, stop: int) -> Case:
+    def run(t: Trial) -> None:
+        w = t.normal(*shape)
+        wd = t.dev(w)
+        part = t.backend.take_kernels(wd, start, stop)
+        t.compare("slice", part, w[start:stop], EXACT)
+        if len(shape) == 4:  # the sharded conv computes the master's share with the slice as weights
+            x, b = t.normal(2, shape[1], 6, 6), np.zeros(stop - start, F32)
+            y, _ = t.backend.conv2d_forward(t.dev(x), part, t.dev(b), 1, shape[2] // 2)
+            t.compare("conv with slice", y, REF.conv2d_forward(x, w[start:stop], b, 1, shape[2] // 2)[0])
+        t.unchanged(w=(wd, w))
+
+    return Case("take_kernels", f"{'x'.join(map(str, shape))} [{start}:{stop}]", run)
+
+
+def _roundtrip(shape: tuple[int, ...], kind: str) -> Case:
+    def run(t: Trial) -> None:
+        if kind == "int":
+            a = t.rng.integers(0, 10, size=shape)
+            host = np.asarray(t.backend.to_numpy(t.backend.asarray(a)))
+            ok = host.shape == a.shape and host.dtype.kind in "iu" and np.array_equal(host, a)
+            t.check("values", ok, f"got {host.dtype} {host.shape}")
+            return
+        a = t.normal(*shape)
+        if kind == "strided":  # a non-contiguous view must arrive with its logical layout
+            a = t.normal(*reversed(shape)).T
+        t.compare("values", t.backend.asarray(a), np.ascontiguousarray(a), EXACT)
+
+    return Case("asarray", f"{'x'.join(map(str, shape))} {kind}", run)
+
+
+def _zeros(shape: tuple[int, ...]) -> Case:
+    def run(t: Trial) -> None:
+        t.compare("zeros", t.backend.zeros(shape), np.zeros(shape, F32), EXACT)
+
+    return Case("zeros", "x".join(map(str, shape)), run)
+
+
+def _describe() -> Case:
+    def run(t: Trial) -> None:
+        d = t.backend.describe()
+        want = {"backend": str, "device": str, "kind": str, "compute_units": int}
+        for key, typ in want.items():
+            ok = isinstance(d.get(key), typ) and not isinstance(d.get(key), bool)
+            if ok and key == "compute_units":
+                ok = d[key] >= 1
+            t.check(key, ok, f"got {d.get(key)!r}, want a {typ.__name__}")
+        t.check("backend == name", d.get("backend") == t.backend.name, f"{d.get('backend')!r}")
+
+    return Case("describe", "keys", run)
+
+
+CASES: list[Case] = [
+    _roundtrip((2, 3, 4, 5), "float32"),
+    _roundtrip((7,), "float32"),
+    _roundtrip((3, 5), "strided"),
+    _roundtrip((6,), "int"),
+    _zeros((2, 3, 4, 5)),
+    _zeros((7,)),
+    _describe(),
+    _conv(1, 3, 7, 9, 5, 3, 1, 0),
+    _conv(2, 4, 8, 8, 6, 5, 1, 2),  # the paper's 5x5 "same" convolution
+    _conv(3, 2, 9, 7, 4, 3, 2, 1),
+    _conv(2, 3, 11, 10, 3, 5, 2, 2),
+    _conv(2, 5, 6, 6, 4, 1, 1, 0),  # 1x1
+    _conv(1, 1, 5, 5, 1, 5, 2, 0),  # a single output pixel
+    _conv(2, 3, 7, 7, 4, 3, 2, 1, need_dx=False),  # the first layer
+    _conv_partial(2, 4, 8, 8, 6, 5, 1, 2),
+    _conv_partial(3, 2, 9, 7, 4, 3, 2, 1),
+    _relu(1, 3, 5, 7),
+    _relu(5, 7),
+    _lrn(2, 7, 5, 5, 5, 1e-4, 0.75, 2.0, 1.0),  # the paper's defaults
+    _lrn(2, 7, 3, 4, 3, 1e-2, 0.75, 1.0, 10.0),  # large alpha: the cross-channel term matters
+    _lrn(1, 6, 3, 3, 4, 1e-2, 0.75, 1.0, 10.0),  # even size: the window is asymmetric
+    _lrn(2, 3, 4, 4, 5, 2e-2, 0.6, 2.0, 5.0),  # fewer channels than the window, beta != 0.75
+    _relu_lrn(2, 7, 5, 5, 5, 1e-4, 0.75, 1.0),  # the paper's network
+    _relu_lrn(2, 7, 3, 4, 3, 1e-2, 0.75, 10.0, "zeros"),  # the cross-channel term matters; the mask at 0
+    _relu_lrn(1, 6, 3, 3, 4, 1e-2, 0.6, 10.0),  # even size, beta != 0.75 (pow)
+    _relu_lrn(2, 3, 4, 4, 5, 2e-2, 0.75, 5.0, "nan"),  # fewer channels than the window; NaNs
+    _batchnorm(2, 4, 5, 5, training=True),
+    _batchnorm(1, 3, 4, 3, training=True, momentum=0.2),  # batch 1
+    _batchnorm(2, 4, 5, 5, training=False),
+    _batchnorm_refuses(1, 3, 1, 1),  # one value per channel: no batch statistics to train with
+    _batchnorm(1, 3, 1, 1, training=False),  # ... which eval mode does not need
+    _maxpool(2, 3, 9, 7, 2, 2, 0),
+    _maxpool(2, 3, 9, 7, 3, 2, 1),  # overlapping windows
+    _maxpool(1, 2, 8, 8, 3, 1, 1),
+    _maxpool(2, 2, 6, 7, 2, 2, 0, "ties"),
+    _maxpool(2, 2, 7, 7, 3, 2, 1, "ties"),  # ties and overlap: first maximum, summed
+    _maxpool(2, 3, 9, 7, 2, 2, 0, "nan"),  # a NaN window outputs NaN; its gradient goes to its last NaN
+    _maxpool(2, 3, 9, 7, 3, 2, 1, "nan"),  # ... and a NaN shared by overlapping windows
+    _maxpool(1, 2, 8, 8, 3, 1, 1, "nan"),
+    _maxpool(2, 2, 5, 5, 3, 2, 1, "-inf"),  # windows of -inf alone, some starting in the padding
+    _linear((2, 3, 4, 4), 5),  # a 4-D input, flattened
+    _linear((1, 10), 3),
+    _linear((4, 6, 3, 3), 7),
+    _softmax_ce(4, 10, 1.0),
+    _softmax_ce(1, 3, 1.0),
+    _softmax_ce(5, 7, 8.0),  # peaked: needs the max subtracted
+    _sgd((6, 3, 5, 5), 0.05, 0.9, 5e-4),
+    _sgd((10,), 0.1, 0.0, 0.0),
+    _take_kernels((7, 3, 5, 5), 0, 7),
+    _take_kernels((7, 3, 5, 5), 2, 5),
+    _take_kernels((7,), 6, 7),
+]

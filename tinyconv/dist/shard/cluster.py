@@ -1,0 +1,423 @@
+"""The cluster: the master and its workers, and how each sharded layer is split among them.
+
+    cluster = Cluster(transport, workers, backend)   # workers: the transport's hellos
+    cluster.calibrate(net, batch_size=64)            # attaches, times everyone (calibrate.py), eq. 1
+    ... train: net.forward, net.backward ...         # each ShardedBlock asks plan() and runs its split
+    cluster.last_step                                # the finished step's comm/conv split, bytes, shares
+
+Participants, in this order everywhere (plans, shares, times): the master first if it
+takes part (``master_share="auto"``), then the workers by index; named "master",
+"worker0", .... A step ends when the gradient has come back through every sharded
+layer, i.e. with the backward of the first one: the cluster then records it
+(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which
+changes, if at all, from the next step on -- never between a forward and its backward.
+
+Workers come and go. One that is gone, silent past its op's timeout or returning
+non-finite numbers from finite inputs is *lost*: its share goes to the others (the master
+included, which holds every weight and can always finish alone) and the op runs again
+(:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
+the layers' shapes and given a share at the next step boundary. Either way each layer is
+split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
+records it.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from backends.base import Backend
+from tinyconv.dist.heap import release_freed_memory
+from tinyconv.layers import Conv2D
+from tinyconv.model import Network
+from tinyconv.dist.accounting import LayerStep, step_record
+from tinyconv.dist.adaptive_precision import formats_of, policy
+from tinyconv.dist.shard.balance import kernel_counts, speed_weights
+from tinyconv.dist.shard.block import tail_of
+from tinyconv.dist.shard.by_channels import PIPELINE
+from tinyconv.dist.calibrate import time_everyone
+from tinyconv.dist.shard.layer import ShardedBlock, block_inputs
+from tinyconv.dist.membership import Membership
+from tinyconv.dist.shard.plan import Plan
+from tinyconv.dist.rebalance import Rebalancer
+from tinyconv.dist.rpc import Lost, Rpc
+from transports.base import Transport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+MASTER_SHARES = ("auto", "0")
+SPLITS = ("auto", "channels", "kernels")
+
+
+class Cluster(Membership):
+    """The master (on ``backend``) and ``workers`` (on ``transport``), sharing the network's convolutions.
+
+    ``master_share``: "auto" -- the master computes a share too, sized by its speed like any
+    worker's; "0" -- it only coordinates.
+    ``split``: how a layer that needs dX (every conv but the first) is split. "kernels" -- the
+    paper's way (``by_kernels.py``); "channels" -- the convolution by input channels and its tail
+    by kernels (``by_channels.py``): nothing is computed twice, but partial sums cross the wire;
+    "auto" -- "channels" with at most 2 workers that all run on the master's host (bytes are
+    cheap there), else "kernels", which a LAN carries better.
+    ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
+    channels (``block.py``); False is the paper's split, the convolution alone.
+    ``rebalance``: follow the measured times, compute and transfers (``rebalancer`` to tune it).
+    ``recv_timeout``: seconds every worker has to answer one op or its calibration at most, and
+    before its link is measured (:meth:`timeout`).
+    ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
+    "bf16", "fp16", "adt24", "s8" for every array, or "adaptive" (AWP: each layer's weights widen as
+    they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
+    ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
+    chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: Sequence[WorkerInfo],
+        backend: Backend,
+        master_share: str = "auto",
+        split: str = "auto",
+        fuse: bool = True,
+        rebalance: bool = True,
+        rebalancer: Rebalancer | None = None,
+        recv_timeout: float = 120.0,
+        calibration_repeats: int = 3,
+        wire_precision: str = "fp32",
+        pipeline: int = PIPELINE,
+    ) -> None:
+        if master_share not in MASTER_SHARES:
+            raise ValueError(
+                f"master_share must be 'auto' (the master computes kernels too) or '0' (it only "
+                f"coordinates), got {master_share!r}"
+            )
+        if not workers and master_share == "0":
+            raise ValueError("no workers and master_share '0': nobody would compute the convolutions")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        if not (isinstance(calibration_repeats, int) and calibration_repeats >= 1):
+            raise ValueError(f"calibration_repeats must be an int >= 1, got {calibration_repeats!r}")
+        self.wire = policy(wire_precision)  # raises ValueError naming the settings
+        self.wire_precision = wire_precision
+        self._roles: dict[str, dict[str, str]] = {}  # layer -> the formats of its arrays this step
+        self.transport, self.backend, self.workers = transport, backend, sorted(workers, key=lambda w: w.index)
+        self.rpc = Rpc(transport, self.workers, recv_timeout)
+        self.seats: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
+        self.seats += [(f"worker{w.index}", w.index) for w in self.workers]
+        here = socket.gethostname()
+        local = all(w.hostname == here for w in self.workers)
+        self.split_by_channels = split == "channels" or (split == "auto" and len(self.workers) <= 2 and local)
+        if not (isinstance(pipeline, int) and pipeline >= 0):
+            raise ValueError(f"pipeline must be images per chunk, an int >= 0 (0: the whole batch), got {pipeline!r}")
+        self.pipeline = pipeline
+        self.fuse = fuse
+        self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
+        self.calibration_repeats = calibration_repeats
+        self.counts: dict[str, list[int]] = {}  # layer -> kernels per participant
+        self.channel_counts: dict[str, list[int]] = {}  # layer -> input channels per participant
+        self.blocks: list[ShardedBlock] = []  # of the attached network, in order
+        self.step = 0  # finished training steps
+        self.last_step: dict[str, Any] | None = None  # the last finished step's record
+        self.calibration: dict[str, Any] | None = None
+        self.recv_timeout = float(recv_timeout)
+        self.timings: dict[str, dict[str, float]] = {}  # participant -> layer -> calibrated seconds
+        self.lost: dict[int, str] = {}  # worker index -> why it is no longer a participant
+        self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
+        self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
+        self.events: list[dict[str, Any]] = []  # what happened to the cluster, for the metrics file
+        self._net: Network | None = None
+        self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
+        self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
+
+    def pop_events(self) -> list[dict[str, Any]]:
+        """The events recorded since the last call (each a dict with an "event" key), oldest first."""
+        events, self.events = self.events, []
+        return events
+
+    @property
+    def participants(self) -> list[str]:
+        """Participant names in plan order: "master" (if it takes part), "worker0", ..."""
+        return [name for name, _ in self.seats]
+
+    # ---- the network ----------------------------------------------------------------------
+    def attach(self, net: Network) -> None:
+        """Replace each Conv2D of ``net`` -- with ``fuse``, and the ReLU / LRN / max pool right after
+        it -- by one :class:`ShardedBlock` computed on this cluster. The parameters stay the same arrays."""
+        if self._net is net:
+            return
+        if self._net is not None:
+            raise ValueError("this cluster already serves another network: detach it first")
+        layers = []
+        i = 0
+        while i < len(net.layers):
+            layer = net.layers[i]
+            if not isinstance(layer, Conv2D):
+                layers.append(layer)
+                i += 1
+                continue
+            tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
+            block = ShardedBlock(self, len(self.blocks), layer, tail, self._by_channels(layer))
+            self.blocks.append(block)
+            layers.append(block)
+            i += 1 + len(tail)
+        if not self.blocks:
+            raise ValueError("the network has no Conv2D layer: there is nothing to distribute")
+        net.layers = layers
+        self._net = net
+
+    def detach(self, net: Network) -> None:
+        """Put ``net``'s own layers back: its convolutions are computed on the master alone again."""
+        if self._net is not net:
+            return
+        net.layers = [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
+        self.blocks, self._net, self._done = [], None, []
+
+    def close(self) -> None:
+        """Detach the network, then ``on_close`` (stops the workers :func:`~tinyconv.dist.pool.distribute` started)."""
+        if self._net is not None:
+            self.detach(self._net)
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
+        """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
+        ``batch_size`` images of ``image_size`` pixels, and split each layer by the paper's eq. 1.
+
+        The times also go to the rebalancer, if any, as each participant's time for all F kernels
+        (all C channels) of the layer: with the first step's, at the calibrated split, it has two
+        counts per participant to fit its fixed and per-unit cost (``cost.py``). Returns, and keeps::
+
+            {"participants": [...], "times": {"conv1": [s, ...], ...},
+             "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
+             "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
+        """
+        self.attach(net)
+        inputs = block_inputs(net.layers, batch_size, image_size)
+        specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
+        master = self.backend if ("master", None) in self.seats else None
+        times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
+        release_freed_memory()  # the whole layers' memory, kept, would stay the run's peak (heap.py)
+        for name, k in self.seats:
+            self.timings[name] = {b.name: times[k][i] for i, b in enumerate(self.blocks)}
+        result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
+        result["shapes"] = {}
+        for i, (block, spec) in enumerate(zip(self.blocks, specs, strict=True)):
+            name, layer_times = block.name, [times[k][i] for _, k in self.seats]
+            result["times"][name] = layer_times
+            result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
+            weights = speed_weights(layer_times)  # eq. 1
+            result["shares"][name] = self.counts[name] = kernel_counts(weights, block.conv.out_channels)
+            unit = block.conv.out_channels  # what the rebalancer moves: input channels of a layer split by them
+            if self._split_by_channels(block):
+                unit = block.conv.in_channels
+                result["channel_shares"][name] = self.channel_counts[name] = kernel_counts(weights, unit)
+            if self.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
+                self.rebalancer.record(name, [unit] * len(self.seats), layer_times)
+        self.calibration = result
+        return result
+
+    # ---- plans ------------------------------------------------------------------------------
+    def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on.
+
+        ``channels``: input channels per participant, for a layer split by them (> 0 exactly
+        where the kernels are). Without it the layer keeps its channel split, or, if that does
+        not fit ``counts``, gets one proportional to them.
+        """
+        block = next((b for b in self.blocks if b.name == layer), None)
+        if block is None:
+            attached = ", ".join(b.name for b in self.blocks) or "none"
+            raise ValueError(f"no attached layer {layer!r}; attached: {attached}")
+        total, n = block.conv.out_channels, len(self.seats)
+        if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != total:
+            raise ValueError(
+                f"a plan for {layer} needs {n} counts >= 0 ({', '.join(self.participants)}) "
+                f"summing to its {total} kernels, got {list(counts)}"
+            )
+        if channels is not None:
+            if not _fits(channels, counts, block.conv.in_channels):
+                raise ValueError(
+                    f"channels for {layer} needs {n} counts >= 0 summing to its {block.conv.in_channels} input "
+                    f"channels, 0 exactly where the kernels are 0 ({list(counts)}); got {list(channels)}"
+                )
+            self.channel_counts[layer] = [int(c) for c in channels]
+        self.counts[layer] = [int(c) for c in counts]
+
+    def plan(self, block: ShardedBlock) -> Plan:
+        """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
+        total = block.conv.out_channels
+        counts = self.counts.setdefault(block.name, kernel_counts([1.0] * len(self.seats), total))
+        if sum(counts) != total:
+            raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
+        channels = None
+        if self._split_by_channels(block):  # proportional to the kernels at first, and whenever the kept one
+            c_in = block.conv.in_channels  # does not fit them
+            channels = self.channel_counts.get(block.name)
+            if channels is None or not _fits(channels, counts, c_in):
+                channels = self.channel_counts[block.name] = kernel_counts([float(k) for k in counts], c_in)
+        return Plan.of(self.seats, counts, block.tail, channels)
+
+    def _by_channels(self, conv: Conv2D) -> bool:
+        """Whether ``conv`` goes by input channels when it can (see _split_by_channels): it needs dX."""
+        return conv.need_dx and self.split_by_channels
+
+    def _split_by_channels(self, block: ShardedBlock) -> bool:
+        """Whether ``block`` is split by input channels now: it goes so, and has at least one input
+        channel and one kernel for every participant."""
+        enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.seats)
+        return block.by_channels and enough and any(k is not None for _, k in self.seats)
+
+    def timeout(self, block: ShardedBlock, batch: int) -> float:
+        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
+        the op should take, its compute and its transfers, at least 10 s, at most ``recv_timeout``::
+
+            10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
+
+        t_i: participant i's calibrated time for the whole layer; B_k: the most array bytes one op
+        of the layer moved to and from worker k in the last step; s_k: the seconds per byte its
+        link measured, upper bounds included (:class:`~tinyconv.dist.rpc.Link`). On a slow link
+        the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
+        those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
+        """
+        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
+        moved = self._moved.get(block.name, {})
+        transfer = [
+            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
+            for name, k in self.seats
+            if k is not None
+        ]
+        if not known or None in known or None in transfer or self._specs is None:
+            return self.recv_timeout
+        calibrated = self._specs[self.blocks.index(block)]["x"][0]
+        op_s = max(known) + max(transfer, default=0.0)
+        return min(self.recv_timeout, max(10.0, 10 * op_s * max(1.0, batch / calibrated)))
+
+    # ---- steps ------------------------------------------------------------------------------
+    def wire_formats(self, block: ShardedBlock) -> dict[str, str]:
+        """Array name -> wire format for ``block``'s ops this step (fixed within a step)."""
+        roles = self._roles.setdefault(block.name, self.wire.roles(block.name))
+        return {} if self.wire_precision == "fp32" else formats_of(roles)  # fp32: the messages as they always were
+
+    def finished(self, block: ShardedBlock, done: LayerStep) -> None:
+        """``block``'s backward is done; with the first block's, the step is."""
+        self._done.append(done)
+        self._moved[done.name] = {
+            name: max(done.forward.moved(name), done.backward.moved(name)) for name in done.participants
+        }
+        if block is not self.blocks[0]:
+            return
+        record = step_record(self._done, self.participants)
+        record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
+        if self.wire_precision != "fp32":  # what each layer's arrays travelled in; AWP then looks at the weights
+            record["wire_precision"] = {d.name: self._roles.get(d.name, {}) for d in reversed(self._done)}
+        self._done, self._roles = [], {}
+        self.step += 1
+        if self.wire_precision == "adaptive":
+            for b in self.blocks:
+                self.wire.observe(self.step, b.name, self.backend.to_numpy(b.conv.params["w"]))
+        self.last_step = record
+        for info in self.transport.joined():
+            self._join(info)
+
+    def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
+        """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
+
+        It balances what a layer is split by -- its kernels, or its input channels (its kernels,
+        which then carry only the tail, follow those in proportion) -- against each participant's
+        ready time (:meth:`LayerStep.ready_s`): forward + backward compute, plus a worker's bytes
+        at its link's measured seconds per byte."""
+        rebalanced = {}
+        for d in done:
+            if d.participants != self.participants:  # someone was lost during this step: start afresh
+                continue
+            links = [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.seats]
+            proposal = self.rebalancer.observe(d.name, d.units, d.ready_s(links))
+            if proposal is None:
+                continue
+            what = "kernels" if d.channels is None else "input channels"
+            log.info("rebalancing %s %s: %s -> %s (%s)", d.name, what, d.units, proposal, ", ".join(self.participants))
+            if d.channels is not None:
+                self.channel_counts[d.name] = proposal
+                proposal = kernel_counts([float(c) for c in proposal], sum(d.counts))
+            self.counts[d.name] = proposal
+            rebalanced[d.name] = list(proposal)
+        return rebalanced
+
+    # ---- membership -------------------------------------------------------------------------
+    def lost_any(self, plan: Plan) -> bool:
+        """Whether a worker with a share in ``plan`` is lost."""
+        return any(p.worker in self.lost for p in plan.workers)
+
+    def _join(self, info: WorkerInfo) -> None:
+        """A worker that joined the transport late: timed on the layers' shapes, then given a share."""
+        name = f"worker{info.index}"
+        self.rpc.workers[info.index] = info
+        if self._specs is not None:
+            try:
+                known = min((sum(t.values()) for t in self.timings.values()), default=None)
+                times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [info.index], known)
+            except Lost as e:
+                log.warning("%s joined but could not be timed (%s); it is left out", name, e)
+                return
+            self.timings[name] = {b.name: times[info.index][i] for i, b in enumerate(self.blocks)}
+        self.workers.append(info)
+        self.seats.append((name, info.index))
+        self._replan()
+        log.info("%s joined: %s on %s", name, info.backend, info.device.get("device", "?"))
+        self.events.append({"event": "worker_joined", "step": self.step, "worker": name, "backend": info.backend,
+                            "device": info.device.get("device", "?"), "host": info.hostname,
+                            "shares": {n: list(c) for n, c in self.counts.items()}})  # fmt: skip
+
+    def _replan(self) -> None:
+        """Every attached layer split among the participants now by eq. 1 on their calibrated times
+        (equally where a time is missing), and a rebalancer that starts afresh from those times."""
+        if self.rebalancer is not None:
+            self.rebalancer = self.rebalancer.fresh()
+        for block in self.blocks:
+            times = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
+            weights = speed_weights(times) if None not in times else [1.0] * len(times)
+            self.counts[block.name] = kernel_counts(weights, block.conv.out_channels)
+            self.channel_counts.pop(block.name, None)
+            unit = block.conv.out_channels
+            if self._split_by_channels(block):
+                unit = block.conv.in_channels
+                self.channel_counts[block.name] = kernel_counts(weights, unit)
+            if self.rebalancer is not None and None not in times:
+                self.rebalancer.record(block.name, [unit] * len(times), times)
+
+
+def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
+    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
+    if nbytes == 0:
+        return 0.0
+    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte
+
+
+def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
+    """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
+    c = block.conv
+    w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
+    return {"layer": block.index, "x": list(x_shape), "w": w, "stride": c.stride, "padding": c.padding,
+            "need_dx": c.need_dx, "tail": block.tail}  # fmt: skip
+
+
+def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:
+    """A split of the input channels that works with the kernel split ``counts``: one count >= 0
+    per participant, summing to ``channels``, and 0 exactly for the participants without kernels
+    (a partial convolution needs someone to sum it, a tail someone's partial)."""
+    return (
+        len(channel_counts) == len(counts)
+        and all(isinstance(c, numbers.Integral) and c >= 0 for c in channel_counts)
+        and sum(channel_counts) == channels
+        and all((c == 0) == (k == 0) for c, k in zip(channel_counts, counts, strict=True))
+    )

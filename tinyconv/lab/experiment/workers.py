@@ -1,0 +1,123 @@
+"""The grid's workers: started once, before the first cell, and serving every cell after it.
+
+Local (the default): one ``tinyconv worker --serve`` process per extra participant, pinned
+one per core the way ``benchmarks/bench_speedup.py`` pins its worker -- the master on the
+first core this process may use (``sched_setaffinity``), worker i under ``taskset -c`` on the
+(i+1)-th, each with one BLAS thread, over ZeroMQ on TCP. ``--worker-prefix`` goes in front of
+each worker's command line and the taskset after it, so that e.g. ``ip netns exec tinyconv-w``
+runs the pinned worker inside a network namespace (``benchmarks/throttled_link.py``); the
+worker connects to the address the master bound (``--bind``).
+
+External (``--external-workers N``): the grid binds ``--bind`` (default tcp://*:5555) and
+waits for N ``tinyconv worker --serve`` processes to connect, as ``tinyconv.dist.pool`` does.
+In-process (``--transport inproc``): worker threads, for tests; not for timing.
+
+One transport serves the whole grid: each cell builds its own Cluster on it with as many of
+the workers as it needs, and the others wait. Every wait for workers has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+
+from tinyconv.dist.pool import LOCAL_BIND, _handshake, _keys, _local_worker_args, stop_workers, worker_pool
+from tinyconv.dist.protocol import VERSION
+from transports.base import Transport, WorkerInfo
+from transports.registry import get_transport
+
+PEER_TIMEOUT_S = 60.0  # as bench_speedup: a busy master still heartbeats, this is for a dead one
+
+
+def cores() -> list[int]:
+    """The cores this process may run on, in order (all of them where affinity is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def pin_master() -> None:
+    """The master on the first core it may use, as bench_speedup's master is on core 0."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cores()[0]})
+
+
+@contextmanager
+def master_pinned() -> Iterator[None]:
+    """:func:`pin_master` for the duration, then the cores it had back: a grid run inside a longer
+    process (a test, a notebook) must not leave it, and the processes it starts later, on one core."""
+    before = cores()
+    pin_master()
+    try:
+        yield
+    finally:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, before)
+
+
+def worker_command(
+    connect: str, backend: str, core: int | None, prefix: Sequence[str] = (), extra: Sequence[str] = (),
+    taskset: str | None = None,
+) -> list[str]:  # fmt: skip
+    """The command line of one local worker: ``prefix``, then ``taskset -c core`` (when there is a
+    taskset and a core), then ``tinyconv worker --serve`` connecting to ``connect`` with one BLAS thread."""
+    pin = [taskset, "-c", str(core)] if taskset and core is not None else []
+    worker = [sys.executable, "-m", "tinyconv.dist.worker", "--connect", connect, "--backend", backend,
+              "--threads", "1", "--quiet", "--serve"]  # fmt: skip
+    return [*prefix, *pin, *worker, *extra]
+
+
+def split_prefix(text: str | None) -> list[str]:
+    """--worker-prefix "ip netns exec tinyconv-w" -> its words, as a shell would split them."""
+    return shlex.split(text) if text else []
+
+
+@contextmanager
+def grid_workers(
+    n: int, transport: str = "zmq", backend: str = "numpy", *, bind: str | None = None, external: bool = False,
+    prefix: Sequence[str] = (), insecure: bool = False, timeout: float = 60.0,
+) -> Iterator[tuple[Transport | None, list[WorkerInfo]]]:  # fmt: skip
+    """Yield (transport, workers) for ``n`` workers (none: (None, [])), stopped at the end."""
+    if n == 0:
+        yield None, []
+        return
+    if transport == "inproc" or external:
+        pool = worker_pool(transport, n, worker_backend=backend, bind=bind, external=external, start_timeout=timeout,
+                           peer_timeout=PEER_TIMEOUT_S, insecure=insecure)  # fmt: skip
+        with pool as got:
+            yield got
+        return
+    with _local_pinned(n, transport, backend, bind or LOCAL_BIND, prefix, timeout) as got:
+        yield got
+
+
+@contextmanager
+def _local_pinned(
+    n: int, transport: str, backend: str, bind: str, prefix: Sequence[str], timeout: float
+) -> Iterator[tuple[Transport, list[WorkerInfo]]]:
+    """``n`` local --serve workers, pinned one per core after the master's, on a transport bound at ``bind``."""
+    stack = ExitStack()
+    keys = _keys(bind, False, None, None, False, stack)  # a fresh CURVE pair if the bind leaves loopback
+    pool = get_transport(transport, bind=bind, peer_timeout_s=PEER_TIMEOUT_S, protocol=VERSION,
+                         curve=keys[0] if keys else None)  # fmt: skip
+    procs: list[subprocess.Popen] = []
+    try:
+        connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
+        extra = _local_worker_args(None, PEER_TIMEOUT_S, keys) + ["--connect-timeout", str(timeout)]
+        taskset, free = shutil.which("taskset"), cores()[1:]
+        commands = [worker_command(connect, backend, free[i] if i < len(free) else None, prefix, extra, taskset)
+                    for i in range(n)]  # fmt: skip
+        procs = [subprocess.Popen(c, stderr=subprocess.PIPE) for c in commands]
+        yield pool, _handshake(pool, n, timeout, procs, shlex.join(commands[0]))
+    finally:
+        pool.close()
+        stack.close()
+        for p in procs:  # a --serve worker would wait for the next master: tell it the grid is over
+            if p.poll() is None:
+                p.terminate()
+        stop_workers(procs)

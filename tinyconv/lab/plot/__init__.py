@@ -1,0 +1,70 @@
+"""Charts as standalone SVG (no plotting library needed), from a run's metrics, the experiment
+grid's CSV or the simulator's CSV -- the kind of each file is told by its ending and columns.
+
+    tinyconv plot run.jsonl -o plots/                       # curves.svg and split.svg for one run
+    tinyconv plot solo.jsonl w1.jsonl w2.jsonl -o plots/    # plus speedup.svg across runs
+    tinyconv plot grid.csv -o plots/                        # grid-speedup.svg, grid-breakdown.svg
+    tinyconv plot sim.csv -o plots/                         # sim-nodes.svg
+
+One idea per file: svg.py (the document, ticks, colours, legend), lines.py and bars.py (the
+two kinds of chart), tables.py (reading the inputs), and a file per input: run_charts.py, grid_charts.py, sim_charts.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from tinyconv.lab.plot.run_charts import plot_runs
+from tinyconv.lab.plot.tables import kind_of, read_table
+
+__all__ = ["main", "plot_files", "plot_runs"]
+
+
+def plot_table(path: Path, kind: str, out_dir: Path) -> list[Path]:
+    """The charts of one grid or simulator table, named after it: grid.csv -> grid-speedup.svg, ..."""
+    from tinyconv.lab.plot.grid_charts import breakdown_chart, speedup_chart
+    from tinyconv.lab.plot.sim_charts import nodes_chart
+
+    rows = read_table(path)
+    charts = {"speedup": speedup_chart, "breakdown": breakdown_chart} if kind == "grid" else {"nodes": nodes_chart}
+    written = []
+    for name, chart in charts.items():
+        written.append(out_dir / f"{path.stem}-{name}.svg")
+        written[-1].write_text(chart(rows))
+    return written
+
+
+def plot_files(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """Every chart of these inputs into ``out_dir``: the metrics files together (one set of run
+    charts), each table on its own. Returns the files written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kinds = {Path(p): kind_of(Path(p)) for p in paths}
+    runs = [p for p, k in kinds.items() if k == "metrics"]
+    written = plot_runs(runs, out_dir) if runs else []
+    for path, kind in kinds.items():
+        if kind != "metrics":
+            written += plot_table(path, kind, out_dir)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="tinyconv plot",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("inputs", nargs="+", help="metrics files (.jsonl, from --metrics-out), grid or simulator CSVs")
+    p.add_argument("-o", "--out", default="plots", help="folder for the SVG files (default %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        files = plot_files(args.inputs, args.out)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"tinyconv plot: cannot read the input: {e}")
+        return 2
+    for f in files:
+        print(f)
+    return 0

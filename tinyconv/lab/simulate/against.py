@@ -1,0 +1,196 @@
+"""``tinyconv simulate --against grid.csv``: the model beside the experiment grid's measured runs.
+
+Each grid row (``tinyconv experiment grid``'s CSV: arch, norm, batch, participants, fuse, split,
+step_s, comm_s, speedup, link, ...) whose arch, norm and batch the device file has is predicted
+with that device copied to every participant, on an ``ethernet`` link (a loopback socket and a
+veth pair are both full duplex): ``link`` "loopback" at the file's measured loopback bandwidth
+(or ``--loopback-MBps``) and latency, a rate such as "5MB/s" or "40mbit" at that rate and
+``--latency-ms``. ``split`` "auto" is by input channels with at most two workers, as
+``Cluster`` decides for workers on the master's host (a worker in another network namespace
+reports the same host name); the master alone (fuse and split "-") is predicted with the tails
+fused. The relative error is predicted / measured - 1.
+
+Each row is predicted in its own wire format (the grid's ``wire`` column: fp32, bf16, fp16, adt24,
+s8, or adaptive at AWP's start; "-" for the master alone, which sends nothing), so a bf16 run is held
+against a bf16 prediction. A grid written before the ``wire`` and ``rebalance`` columns reads fp32
+and "on", as the grid itself reads it.
+
+**The split.** With ``rebalance`` "off" the steps ran at the calibrated split, which the row's
+``shares`` says ("conv1=85/215 conv2=446/554"): the prediction takes it (``split from`` "row"),
+so its bytes are the ones that moved, exactly. Otherwise the prediction takes eq. 1's split on the
+device file (``split from`` "eq. 1"): the split by input channels, and ``rebalance`` "on", where
+the rebalancer kept moving kernels.
+
+**Rows it cannot predict** are listed with the reason, not given an error that means nothing:
+rows of another ``--parallel`` than model (the batch split, ``tinyconv/dist/replica/``, is not
+modelled), rows of an unknown wire format, and ``rebalance`` "on" where the model's own split
+leaves the slowest participant's ready time (a worker's compute plus its transfers) more than the
+rebalancer's threshold (10 %) behind the mean (``model.ready_lag``): on such a link (5 MB/s, say)
+the rebalancer moves kernels towards the master once it has seen that for ``patience`` (3) steps
+in a row -- at 5 MB/s it ended with all of them there -- and a fixed split's prediction would be
+compared with something else. (Whether a short cell gave it the steps to, the row cannot say: its
+``shares`` are the split at the end, and the calibrated one differs from eq. 1's on a loaded
+machine anyway; so such a row is left out rather than guessed at.)
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from tinyconv.lab.simulate.devices import Device
+from tinyconv.lab.simulate.link import MB, Link, parse_rate
+from tinyconv.lab.simulate.predict import predict, words_of
+
+NEEDED = ("arch", "norm", "batch", "participants", "fuse", "split", "step_s", "comm_s", "speedup", "link")
+
+
+def read_grid(path: str) -> list[dict[str, str]]:
+    """The grid's rows; a ValueError if the file is unreadable or lacks a needed column."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = reader.fieldnames or []
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"cannot read grid CSV {path}: {e}") from None
+    missing = [c for c in NEEDED if c not in columns]
+    if missing:
+        raise ValueError(f"{path} lacks the grid column(s) {', '.join(missing)}")
+    return rows
+
+
+def link_of(label: str, links: dict[str, dict[str, float]], loopback_mbps: float | None, latency_ms: float) -> Link:
+    """The link model for a grid row's ``link`` label; a ValueError if it names none."""
+    if label.strip().lower() == "loopback":
+        measured = links.get("loopback")
+        if measured is None and loopback_mbps is None:
+            raise ValueError("no loopback bandwidth: measure one with --measure or give --loopback-MBps")
+        bw = loopback_mbps if loopback_mbps is not None else measured["bandwidth_MBps"]
+        lat = measured["latency_ms"] if measured else 0.0
+        return Link("ethernet", bw * MB, lat / 1e3)
+    return Link("ethernet", parse_rate(label), latency_ms / 1e3)
+
+
+def parse_shares(text: str, names: Sequence[str], participants: int) -> list[list[int]] | None:
+    """A grid row's ``shares`` ("conv1=85/215 conv2=446/554": each conv layer's kernels per
+    participant, the master first) as lists in the order of ``names``; None if it is not that."""
+    got: dict[str, list[int]] = {}
+    for part in (text or "").split():
+        name, _, counts = part.partition("=")
+        try:
+            got[name] = [int(k) for k in counts.split("/")]
+        except ValueError:
+            return None
+    if sorted(got) != sorted(names) or any(len(got[n]) != participants for n in names):
+        return None
+    return [got[n] for n in names]
+
+
+def sharing(r: dict[str, str], n: int) -> tuple[str, str, str]:
+    """(parallel, rebalance, wire) of a grid row: "model", "on" and "fp32" where the column is older
+    than the file (as ``experiment/table.py`` reads such rows) or "-" (the master alone)."""
+    parallel = (r.get("parallel") or "model").strip().lower()
+    rebalance = (r.get("rebalance") or "on").strip().lower()
+    wire = (r.get("wire") or "fp32").strip().lower()
+    if n == 1:
+        return "model", "-", "fp32"  # the master alone: no rebalancer, nothing on the wire
+    return parallel, rebalance, "fp32" if wire == "-" else wire
+
+
+def compare_rows(
+    grid: Sequence[dict[str, str]],
+    devices: Sequence[Device],
+    links: dict[str, dict[str, float]],
+    loopback_mbps: float | None = None,
+    latency_ms: float = 0.0,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """(compared rows, why each other row was skipped): each compared row has the measured and
+    predicted step_s, comm_s and speedup, and the relative errors step_err, speedup_err; its wire,
+    rebalance and where its split came from ("row" or "eq. 1")."""
+    from tinyconv.dist.conv_shapes import conv_shapes
+    from tinyconv.dist.rebalance import Rebalancer
+    from tinyconv.model import paper_net
+
+    rebalancer = Rebalancer()  # its defaults, the grid's: the lag past which it moves kernels, and for how long
+    done, skipped = [], []
+    for i, r in enumerate(grid, start=2):  # line numbers, the header being line 1
+        try:
+            n, batch = int(r["participants"]), int(r["batch"])
+            parallel, rebalance, wire = sharing(r, n)
+            if parallel != "model":
+                skipped.append(f"line {i}: --parallel {parallel} splits the batch, which the simulator does not "
+                               "model (it splits the convolutions)")  # fmt: skip
+                continue
+            words_of(wire)  # a ValueError naming the formats
+            device = next((d for d in devices if (d.arch, d.norm, d.batch) == (r["arch"], r["norm"], batch)), None)
+            if device is None:
+                skipped.append(f"line {i}: no device measured at {r['arch']} {r['norm']} batch {batch}")
+                continue
+            fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
+            split = r["split"].strip().lower()
+            split = ("channels" if n <= 3 else "kernels") if split == "auto" else split
+            split = "kernels" if n == 1 else split  # the master alone: "-", no split
+            if split not in ("kernels", "channels"):
+                raise ValueError(f"split {r['split']!r}")
+            link = link_of(r["link"], links, loopback_mbps, latency_ms)
+            convs = conv_shapes(paper_net(r["arch"], "numpy", r["norm"]), batch)
+            shares = None
+            if rebalance == "off" and split == "kernels":  # the calibrated split, kept for every step
+                shares = parse_shares(r.get("shares", ""), [c.name for c in convs], n)
+            p = predict(convs, [device], n, fuse, split, link, wire, shares)
+            if rebalance == "on" and p.lag > rebalancer.threshold:
+                skipped.append(f"line {i}: {r['arch']} batch {batch} on {n} participants, {wire}, rebalance on at "
+                               f"{r['link']}: the model's split leaves the slowest {p.lag:.0%} behind the mean "
+                               f"(transfers included), past the rebalancer's {rebalancer.threshold:.0%}, which "
+                               f"moves kernels after {rebalancer.patience} such steps: the split may have moved "
+                               "during the timed steps, a fixed split's prediction would not be comparable "
+                               "(measure with --rebalance off)")  # fmt: skip
+                continue
+            measured = {k: float(r[k]) for k in ("step_s", "comm_s", "speedup")}
+        except (ValueError, KeyError) as e:
+            skipped.append(f"line {i}: {e}")
+            continue
+        done.append({"arch": r["arch"], "norm": r["norm"], "batch": batch, "participants": n, "fuse": fuse,
+                     "split": split, "wire": wire, "rebalance": rebalance, "link": r["link"],
+                     "split_from": "-" if n == 1 else "row" if shares is not None else "eq. 1",
+                     **{f"measured_{k}": v for k, v in measured.items()},
+                     "step_s": p.step_s, "comm_s": p.comm_s, "speedup": p.speedup,
+                     "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
+                     "step_err": p.step_s / measured["step_s"] - 1,
+                     "comm_err": p.comm_s / measured["comm_s"] - 1 if measured["comm_s"] > 0 else None,
+                     "speedup_err": p.speedup / measured["speedup"] - 1})  # fmt: skip
+    return done, skipped
+
+
+def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, float]],
+            loopback_mbps: float | None, latency_ms: float) -> int:  # fmt: skip
+    """Print the comparison table; 0 if any row was compared, 1 if none."""
+    from tinyconv.report import format_table
+
+    done, skipped = compare_rows(read_grid(path), devices, links, loopback_mbps, latency_ms)
+    for why in skipped:
+        print(f"skipped {why}")
+    if not done:
+        print(f"no row of {path} could be compared")
+        return 1
+    headers = ("arch", "batch", "P", "fuse", "split", "wire", "rebalance", "split from", "link", "step s",
+               "predicted", "error", "comm s", "predicted", "error", "speedup", "predicted", "error")  # fmt: skip
+    table = [(d["arch"], d["batch"], d["participants"], d["fuse"], d["split"], d["wire"], d["rebalance"],
+              d["split_from"], d["link"], d["measured_step_s"], d["step_s"], f"{d['step_err']:+.1%}",
+              d["measured_comm_s"], d["comm_s"], "" if d["comm_err"] is None else f"{d['comm_err']:+.1%}",
+              d["measured_speedup"], d["speedup"], f"{d['speedup_err']:+.1%}")
+             for d in done]  # fmt: skip
+    print(format_table(headers, table, title=f"measured ({path}) vs predicted, error = predicted / measured - 1"))
+    steps = statistics.median(abs(d["step_err"]) for d in done)
+    shared = [abs(d["speedup_err"]) for d in done if d["participants"] > 1]  # alone, 1x is 1x on both sides
+    comms = [abs(d["comm_err"]) for d in done if d["comm_err"] is not None]
+    speedups = f", speedup {statistics.median(shared):.1%} over the {len(shared)} with workers" if shared else ""
+    speedups += f", comm {statistics.median(comms):.1%} over {len(comms)}" if comms else ""
+    print(f"median |error|: step {steps:.1%} over {len(done)} rows{speedups}")
+    if any(d["split_from"] == "row" for d in done):
+        print("split from: row = the calibrated split the row kept (--rebalance off, its shares column); "
+              "eq. 1 = the model's on the device file")  # fmt: skip
+    return 0
