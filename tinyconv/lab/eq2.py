@@ -227,13 +227,13 @@ def measure(
 ) -> tuple[int, int]:
     """The bytes one real training step moves (``fuse``, ``split`` and ``wire_precision`` as the main
     job's options): the master and ``participants`` - 1 in-process workers, an equal split, random images."""
-    import tinyconv as tc
+    from tinyconv.dist.pool import distribute
 
     net = paper_net(arch, "numpy", image_size=image_size)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, 3, image_size, image_size), dtype=np.float32)
     y = rng.integers(0, 10, batch)
-    with tc.distribute(net, "inproc", participants - 1, split=split, fuse=fuse, calibrate=False,
+    with distribute(net, "inproc", participants - 1, split=split, fuse=fuse, calibrate=False,
                        rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None,
                        wire_precision=wire_precision) as cluster:
         net.train_step(x, y)

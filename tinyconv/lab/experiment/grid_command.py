@@ -66,7 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "measured with other --steps, --warmup, --settle or --transport is refused, not mixed. The "
                        "progress bar's time left is the cost still to run (conv multiply-adds x steps, in Gflop) "
                        "over the average rate so far.")  # fmt: skip
-    g.add_argument("--archs", nargs="+", default=list(PAPER_ARCHS), metavar="C1:C2", help="default: the paper's four")
+    _add_cell_options(g, PAPER_ARCHS, NORMS, WIRE_PRECISIONS, PIPELINE)
+    _add_worker_options(g)
+    return p
+
+
+def _add_cell_options(g: argparse.ArgumentParser, archs: Sequence[str], norms: Sequence[str],
+                      wire_precisions: Sequence[str], pipeline: int) -> None:  # fmt: skip
+    """What the grid's cells vary: the networks, batches, participants and every option of the step."""
+    g.add_argument("--archs", nargs="+", default=list(archs), metavar="C1:C2", help="default: the paper's four")
     g.add_argument("--batches", nargs="+", type=_int(1), default=[64, 128, 256], metavar="N")
     g.add_argument("--participants", nargs="+", type=_int(1), default=[1, 2], metavar="P",
                    help="1 = the master alone, P = the master + P-1 workers (default: 1 2)")  # fmt: skip
@@ -78,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "times every step right after a switch, on the memory and caches the other side left: "
                         "300:1000 at batch 64 measured 1.61x with --settle 0 --warmup 3, 1.91x with --settle 1 "
                         "--warmup 5 (2-core Xeon, the same hour)")  # fmt: skip
-    g.add_argument("--norm", nargs="+", choices=NORMS, default=["lrn"], help="one or more (default lrn)")
+    g.add_argument("--norm", nargs="+", choices=norms, default=["lrn"], help="one or more (default lrn)")
     g.add_argument("--backend", nargs="+", default=["numpy"], help="one or more, master and workers (default numpy)")
     g.add_argument("--fuse", nargs="+", choices=("on", "off"), default=["on"], help="one or both (default on)")
     g.add_argument("--split", nargs="+", choices=("auto", "channels", "kernels"), default=["auto"],
@@ -91,13 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: the rebalancer follows the measured times during the steps (warm-up included); off: "
                    "the calibrated split is kept for every step, e.g. a slow link's steady state; or both "
                    "(default on)")  # fmt: skip
-    g.add_argument("--wire-precision", nargs="+", choices=WIRE_PRECISIONS, default=["fp32"], metavar="FORMAT",
-                   help=f"the words the shards travel in, one or more of {', '.join(WIRE_PRECISIONS)} "
+    g.add_argument("--wire-precision", nargs="+", choices=wire_precisions, default=["fp32"], metavar="FORMAT",
+                   help=f"the words the shards travel in, one or more of {', '.join(wire_precisions)} "
                    f"(tinyconv/dist/wire_precision.py; default fp32); --parallel data and hybrid run at {DATA_WIRE} "
                    "only, their cells at the others are left out")  # fmt: skip
-    g.add_argument("--pipeline", nargs="+", type=_int(0), default=[PIPELINE], metavar="IMAGES",
+    g.add_argument("--pipeline", nargs="+", type=_int(0), default=[pipeline], metavar="IMAGES",
                    help=f"images per chunk of a layer split by input channels, one or more (0: the whole batch at "
-                   f"once; default {PIPELINE}); model-parallel cells only, the others say -")  # fmt: skip
+                   f"once; default {pipeline}); model-parallel cells only, the others say -")  # fmt: skip
+
+
+def _add_worker_options(g: argparse.ArgumentParser) -> None:
+    """Where the workers come from, how long to wait for them, and where the rows go."""
     g.add_argument("--transport", choices=("zmq", "inproc"), default="zmq",
                    help="zmq: worker processes (default); inproc: threads, for tests, not for timing")  # fmt: skip
     g.add_argument("--bind", metavar="ADDR", help="the master's address (default tcp://127.0.0.1:0, a free "
@@ -115,7 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-label", default="loopback", help="the link column, e.g. '5MB/s wifi' (default loopback)")
     g.add_argument("--out", default="runs/grid.csv", help="the CSV (default %(default)s); the JSON goes beside it")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (the line per cell stays)")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

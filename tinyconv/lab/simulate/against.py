@@ -110,59 +110,63 @@ def compare_rows(
     """(compared rows, why each other row was skipped): each compared row has the measured and
     predicted step_s, comm_s and speedup, and the relative errors step_err, speedup_err; its wire,
     rebalance and where its split came from ("row" or "eq. 1")."""
-    from tinyconv.dist.conv_shapes import conv_shapes
     from tinyconv.dist.rebalance import Rebalancer
-    from tinyconv.model import paper_net
 
     rebalancer = Rebalancer()  # its defaults, the grid's: the lag past which it moves kernels, and for how long
     done, skipped = [], []
     for i, r in enumerate(grid, start=2):  # line numbers, the header being line 1
         try:
-            n, batch = int(r["participants"]), int(r["batch"])
-            parallel, rebalance, wire = sharing(r, n)
-            if parallel != "model":
-                skipped.append(f"line {i}: --parallel {parallel} splits the batch, which the simulator does not "
-                               "model (it splits the convolutions)")  # fmt: skip
-                continue
-            words_of(wire)  # a ValueError naming the formats
-            device = next((d for d in devices if (d.arch, d.norm, d.batch) == (r["arch"], r["norm"], batch)), None)
-            if device is None:
-                skipped.append(f"line {i}: no device measured at {r['arch']} {r['norm']} batch {batch}")
-                continue
-            fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
-            split = r["split"].strip().lower()
-            split = ("channels" if n <= 3 else "kernels") if split == "auto" else split
-            split = "kernels" if n == 1 else split  # the master alone: "-", no split
-            if split not in ("kernels", "channels"):
-                raise ValueError(f"split {r['split']!r}")
-            link = link_of(r["link"], links, loopback_mbps, latency_ms)
-            convs = conv_shapes(paper_net(r["arch"], "numpy", r["norm"]), batch)
-            shares = None
-            if rebalance == "off" and split == "kernels":  # the calibrated split, kept for every step
-                shares = parse_shares(r.get("shares", ""), [c.name for c in convs], n)
-            p = predict(convs, [device], n, fuse, split, link, wire, shares)
-            if rebalance == "on" and p.lag > rebalancer.threshold:
-                skipped.append(f"line {i}: {r['arch']} batch {batch} on {n} participants, {wire}, rebalance on at "
-                               f"{r['link']}: the model's split leaves the slowest {p.lag:.0%} behind the mean "
-                               f"(transfers included), past the rebalancer's {rebalancer.threshold:.0%}, which "
-                               f"moves kernels after {rebalancer.patience} such steps: the split may have moved "
-                               "during the timed steps, a fixed split's prediction would not be comparable "
-                               "(measure with --rebalance off)")  # fmt: skip
-                continue
-            measured = {k: float(r[k]) for k in ("step_s", "comm_s", "speedup")}
+            row = compare_row(r, devices, link_of(r["link"], links, loopback_mbps, latency_ms), rebalancer)
         except (ValueError, KeyError) as e:
-            skipped.append(f"line {i}: {e}")
-            continue
-        done.append({"arch": r["arch"], "norm": r["norm"], "batch": batch, "participants": n, "fuse": fuse,
-                     "split": split, "wire": wire, "rebalance": rebalance, "link": r["link"],
-                     "split_from": "-" if n == 1 else "row" if shares is not None else "eq. 1",
-                     **{f"measured_{k}": v for k, v in measured.items()},
-                     "step_s": p.step_s, "comm_s": p.comm_s, "speedup": p.speedup,
-                     "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
-                     "step_err": p.step_s / measured["step_s"] - 1,
-                     "comm_err": p.comm_s / measured["comm_s"] - 1 if measured["comm_s"] > 0 else None,
-                     "speedup_err": p.speedup / measured["speedup"] - 1})  # fmt: skip
+            row = str(e)
+        if isinstance(row, str):
+            skipped.append(f"line {i}: {row}")
+        else:
+            done.append(row)
     return done, skipped
+
+
+def compare_row(r: dict[str, str], devices: Sequence[Device], link: Link, rebalancer: Any) -> dict[str, Any] | str:
+    """One grid row measured beside its prediction, or why the model cannot predict it."""
+    from tinyconv.dist.conv_shapes import conv_shapes
+    from tinyconv.model import paper_net
+
+    n, batch = int(r["participants"]), int(r["batch"])
+    parallel, rebalance, wire = sharing(r, n)
+    if parallel != "model":
+        return f"--parallel {parallel} splits the batch; the simulator models the split of the convolutions"
+    words_of(wire)  # a ValueError naming the formats
+    device = next((d for d in devices if (d.arch, d.norm, d.batch) == (r["arch"], r["norm"], batch)), None)
+    if device is None:
+        return f"no device measured at {r['arch']} {r['norm']} batch {batch}"
+    fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
+    split = r["split"].strip().lower()
+    split = ("channels" if n <= 3 else "kernels") if split == "auto" else split
+    split = "kernels" if n == 1 else split  # the master alone: "-", no split
+    if split not in ("kernels", "channels"):
+        raise ValueError(f"split {r['split']!r}")
+    convs = conv_shapes(paper_net(r["arch"], "numpy", r["norm"]), batch)
+    shares = None
+    if rebalance == "off" and split == "kernels":  # the calibrated split, kept for every step
+        shares = parse_shares(r.get("shares", ""), [c.name for c in convs], n)
+    p = predict(convs, [device], n, fuse, split, link, wire, shares)
+    if rebalance == "on" and p.lag > rebalancer.threshold:
+        return (f"{r['arch']} batch {batch} on {n} participants, {wire}, rebalance on at "
+                f"{r['link']}: the model's split leaves the slowest {p.lag:.0%} behind the mean "
+                f"(transfers included), past the rebalancer's {rebalancer.threshold:.0%}, which "
+                f"moves kernels after {rebalancer.patience} such steps: the split may have moved "
+                "during the timed steps, a fixed split's prediction would not be comparable "
+                "(measure with --rebalance off)")  # fmt: skip
+    measured = {k: float(r[k]) for k in ("step_s", "comm_s", "speedup")}
+    return {"arch": r["arch"], "norm": r["norm"], "batch": batch, "participants": n, "fuse": fuse,
+            "split": split, "wire": wire, "rebalance": rebalance, "link": r["link"],
+            "split_from": "-" if n == 1 else "row" if shares is not None else "eq. 1",
+            **{f"measured_{k}": v for k, v in measured.items()},
+            "step_s": p.step_s, "comm_s": p.comm_s, "speedup": p.speedup,
+            "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
+            "step_err": p.step_s / measured["step_s"] - 1,
+            "comm_err": p.comm_s / measured["comm_s"] - 1 if measured["comm_s"] > 0 else None,
+            "speedup_err": p.speedup / measured["speedup"] - 1}  # fmt: skip
 
 
 def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, float]],
