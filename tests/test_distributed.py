@@ -541,10 +541,10 @@ class MeteredWorker(Worker):
         if reply.kind != "result":
             return reply
         if msg.kind == "calibrate":
-            reply.header["times"] = [self.slowdown * spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
+            reply.header["times"] = [self.state.slowdown * spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
         else:
             kernels = msg.arrays["w"].shape[0] if msg.kind == "block_forward" else msg.arrays["dy"].shape[1]
-            reply.header["compute_s"] = self.slowdown * kernels * 1e-3
+            reply.header["compute_s"] = self.state.slowdown * kernels * 1e-3
         return reply
 
 
