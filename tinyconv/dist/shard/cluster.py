@@ -44,6 +44,7 @@ from tinyconv.dist.membership import Membership
 from tinyconv.dist.shard.plan import Plan
 from tinyconv.dist.rebalance import Rebalancer
 from tinyconv.dist.rpc import Lost, Rpc
+from tinyconv.dist.wire_codec import Narrowing
 from transports.base import Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -303,10 +304,10 @@ class Cluster(Membership):
         return min(self.recv_timeout, max(10.0, 10 * op_s * max(1.0, batch / calibrated)))
 
     # ---- steps ------------------------------------------------------------------------------
-    def wire_formats(self, block: ShardedBlock) -> dict[str, str]:
-        """Array name -> wire format for ``block``'s ops this step (fixed within a step)."""
+    def codec(self, block: ShardedBlock) -> Narrowing | None:
+        """How ``block``'s ops go on the wire this step (fixed within a step): narrowed, or None for fp32."""
         roles = self._roles.setdefault(block.name, self.wire.roles(block.name))
-        return {} if self.wire_precision == "fp32" else formats_of(roles)  # fp32: the messages as they always were
+        return None if self.wire_precision == "fp32" else Narrowing(formats_of(roles))
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:
         """``block``'s backward is done; with the first block's, the step is."""

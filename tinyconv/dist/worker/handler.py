@@ -11,13 +11,10 @@ naming it, and the worker keeps serving.
 The inputs a handler only hands to the backend (:data:`ON_BACKEND`) are put there as the task
 arrives, so the handlers read as the computation alone.
 
-A layer's task may bring arrays narrowed (``tinyconv/dist/wire_precision.py``): once the task is
-checked they are widened to float32, every handler computes in float32, and the result's arrays
-are narrowed to the formats the task's ``reply`` asks for right before they go back. Where the
-backend converts on its device (``Backend.narrow_wire`` / ``widen_wire``: OpenCL's bf16), a result
-still on the device is narrowed there and only its narrow words are read back, and an input of
-:data:`ON_BACKEND` is widened there after only its narrow words were written: the same words on
-the wire either way.
+At its edges the worker applies the wire codec (``tinyconv/dist/wire_codec.py``): a layer's task
+may bring arrays narrowed (``--wire-precision``), which are checked and widened to float32 as the
+task arrives, and ask for its result in narrower words, into which the result is narrowed as it
+goes back; every handler computes in float32. A task without them passes as it is.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from tinyconv.dist.protocol import VERSION, TaskError, check_task, narrowed, widened
-from tinyconv.dist.wire_precision import Narrowed, declare
+from tinyconv.dist.protocol import VERSION, TaskError, check_task
+from tinyconv.dist.wire_codec import decode_task, encode_result, read_back
 from tinyconv.dist.worker import block_handlers, channel_handlers, replica_handlers
 from tinyconv.dist.worker.state import STAGES, STANDALONE, Handler, WorkerState
 from transports.base import Message
@@ -68,7 +65,7 @@ DEFAULT_MAX_CALIBRATE_BYTES = default_max_calibrate_bytes()
 # task kind -> its handler
 HANDLERS: dict[str, Handler] = block_handlers.HANDLERS | channel_handlers.HANDLERS | replica_handlers.HANDLERS
 # task kind -> the inputs its handler only hands to the backend, which are put there on arrival (and may
-# therefore be widened on the device); the others (tail_forward's b and sum, partial_backward's dyc_lo and
+# therefore be widened there, wire_codec.py); the others (tail_forward's b and sum, partial_backward's dyc_lo and
 # dyc_hi) meet numpy arithmetic first, so they stay on the host
 ON_BACKEND: dict[str, frozenset[str]] = {
     "block_forward": frozenset({"x", "w", "b"}),
@@ -114,48 +111,23 @@ class Worker:
     def handle(self, msg: Message) -> Message:
         """Answer one task with a ``result``, or an ``error`` naming what was wrong. Never raises."""
         try:
-            check_task(msg)
-            kept = self.state.expect(msg.kind, msg.header)
             t0 = time.perf_counter()
-            arrays = self._arrive(msg)
-            reply = HANDLERS[msg.kind](self.state, msg.header, arrays, kept)
+            be, on_backend = self.state.backend, ON_BACKEND.get(msg.kind, frozenset())
+            task, asked = decode_task(msg, be, on_backend)  # float32 from here on
+            check_task(task)
+            kept = self.state.expect(task.kind, task.header)
+            arrays = {name: _put(be, a) if name in on_backend else a for name, a in task.arrays.items()}
+            reply = HANDLERS[task.kind](self.state, task.header, arrays, kept)
             times = reply.pop("times", None)
-            formats = msg.header.get("reply", {})
-            arrays = {name: self._read_back(a, formats.get(name, "fp32")) for name, a in reply.items()}
-            self.state.backend.synchronize()
-            header = {"task": msg.header["task"], "compute_s": self._emulate(time.perf_counter() - t0)}
-            if "reply" in msg.header:  # the formats the master asked for; an overflow goes back float32
-                arrays, narrow, _ = narrowed(arrays, msg.header["reply"])
-                header |= {"narrow": narrow} if narrow else {}
-            return Message("result", header | ({"times": times} if times is not None else {}), arrays)
+            out = {name: read_back(be, a, asked.get(name, "fp32")) for name, a in reply.items()}
+            be.synchronize()
+            header = {"task": task.header["task"], "compute_s": self._emulate(time.perf_counter() - t0)}
+            out, narrow = encode_result(out, asked)
+            return Message("result", header | narrow | ({"times": times} if times is not None else {}), out)
         except TaskError as e:
             return error_reply(msg, f"{msg.kind}: {e}")
         except Exception as e:  # a backend failure: report it, keep serving
             return error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
-
-    # ---- wire words on the device, where the backend converts them there -----------------------
-    def _arrive(self, msg: Message) -> dict[str, Any]:
-        """The task's arrays float32 (widened, if they came narrowed), those of :data:`ON_BACKEND` on the
-        backend: widened there if the backend does their format, else copied there."""
-        names, be = ON_BACKEND.get(msg.kind, frozenset()), self.state.backend
-
-        def widen(name: str, carried: np.ndarray, declared: Any) -> Any:
-            if name not in names or not isinstance(declared, str):  # s8's declaration is a list: host
-                return None
-            return be.widen_wire(carried, declared)
-
-        arrays = widened(msg, widen)
-        return {name: be.asarray(a) if name in names and isinstance(a, np.ndarray) else a for name, a in arrays.items()}
-
-    def _read_back(self, a: Any, fmt: str) -> np.ndarray | Narrowed:
-        """A result array on the host: narrowed on the device if the backend does ``fmt`` there and
-        nothing became infinite (then the host's ``narrowed`` falls back to float32 from all of it)."""
-        be = self.state.backend
-        if fmt != "fp32" and not isinstance(a, np.ndarray):
-            got = be.narrow_wire(a, fmt)
-            if got is not None and not got[1]:
-                return Narrowed(got[0], fmt, False, declare(fmt, tuple(a.shape)))
-        return np.ascontiguousarray(be.to_numpy(a))
 
     def _emulate(self, compute_s: float) -> float:
         """Apply the slowdown factor: wait the extra time, return the time to report."""
@@ -163,3 +135,8 @@ class Worker:
         if slowdown > 1.0:
             self._idle.wait((slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
         return compute_s * slowdown
+
+
+def _put(backend: Backend, a: Any) -> Any:
+    """An input on the backend: a host array copied there, one the codec widened there as it is."""
+    return backend.asarray(a) if isinstance(a, np.ndarray) else a
