@@ -1,5 +1,5 @@
 """Reduced-precision shards on the wire (issue #15): the formats' round trips, the fallback on
-overflow, AWP's controller, the protocol's checks of declared formats, exact bytes, and training."""
+overflow, AWP's controller, the codec's checks of declared formats, exact bytes, and training."""
 
 from __future__ import annotations
 

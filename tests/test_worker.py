@@ -19,8 +19,9 @@ from backends.conformance.runner import FN, Expected, assert_close, conv2d_expec
 from backends.numpy_backend import NumpyBackend
 from tinyconv.dist.protocol import TASKS, VERSION, TaskError
 from tinyconv.dist.shard.block import block_forward, halo_span, tail_backward
-from tinyconv.dist.worker.handler import STAGES, STANDALONE, Worker
+from tinyconv.dist.worker.handler import Worker
 from tinyconv.dist.worker.main import THREAD_ENV_VARS, main
+from tinyconv.dist.worker.state import STAGES, STANDALONE
 from transports.base import Handler, Message
 from transports.wire import check_message
 

@@ -32,7 +32,7 @@ from backends.base import Backend
 from tinyconv.dist.protocol import VERSION, TaskError, check_task
 from tinyconv.dist.wire_codec import decode_task, encode_result, read_back
 from tinyconv.dist.worker import block_handlers, channel_handlers, replica_handlers
-from tinyconv.dist.worker.state import STAGES, STANDALONE, Handler, WorkerState
+from tinyconv.dist.worker.state import Handler, WorkerState
 from transports.base import Message
 from transports.wire import error_reply
 
@@ -40,8 +40,6 @@ __all__ = [
     "DEFAULT_MAX_CALIBRATE_BYTES",
     "HANDLERS",
     "ON_BACKEND",
-    "STAGES",
-    "STANDALONE",
     "Worker",
     "default_max_calibrate_bytes",
 ]

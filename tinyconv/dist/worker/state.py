@@ -86,8 +86,8 @@ class WorkerState:
     ``max_calibrate_bytes`` caps what one calibration or replica may allocate."""
 
     backend: Backend
-    slowdown: float = 1.0
-    max_calibrate_bytes: int = 1 << 31
+    slowdown: float
+    max_calibrate_bytes: int
     open: dict[int | str, OpenStep] = field(default_factory=dict)  # slot -> its layer's open step
     replica: tuple[str, Network] | None = None  # data parallelism: (its description, the network)
 
