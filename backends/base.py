@@ -28,7 +28,7 @@ backend is checked op by op against it by ``backends.conformance.runner``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -233,23 +233,6 @@ class Backend(ABC):
         g = grad + weight_decay * param;  v = momentum * v + g;  param -= lr * v.
         """
 
-    # ---- optional: wire words converted on the device -------------------------
-    # An optimisation beside the host path, which stays (tinyconv/dist/wire_precision.py narrows
-    # and widens host arrays with numpy). A device may narrow a result before it is read back, so
-    # only the narrow words cross its link, and widen what came narrowed after it is written.
-    # None means "not here" -- the format is not offered, or converting here is not cheaper on
-    # this device -- and the caller converts on the host, as it would without these ops.
-    def narrow_wire(self, x: Array, fmt: str) -> tuple[np.ndarray, bool] | None:
-        """x (any shape, float32, on this backend) -> (the host array x travels as in ``fmt``, the
-        very words ``wire_precision.narrow(to_numpy(x), fmt).carried`` holds; whether a finite number
-        became infinite: then the caller sends x in float32, as ``narrow`` does), or None."""
-        return None
-
-    def widen_wire(self, carried: np.ndarray, fmt: str) -> Array | None:
-        """A host array in ``fmt`` as it came off the wire (checked) -> float32 on this backend,
-        bit for bit ``asarray(wire_precision.widen(carried, fmt))``, or None."""
-        return None
-
     # ---- small helpers used by the sharded convolution ----------------------
     def take_kernels(self, w: Array, start: int, stop: int) -> Array:
         """Rows [start, stop) of a (F, ...) weight or (F,) bias array."""
@@ -258,3 +241,28 @@ class Backend(ABC):
     def __repr__(self) -> str:
         d = self.describe()
         return f"<{type(self).__name__} {d.get('device', '?')}>"
+
+
+@runtime_checkable
+class WireConversion(Protocol):
+    """Optional, beside the Backend contract: a backend that converts wire words on its device.
+
+    A master may send arrays narrowed (``--wire-precision``); the worker widens and narrows them
+    with numpy on the host (``tinyconv/dist/wire_codec.py``), which every backend gets without
+    writing anything. A backend that implements these two methods lets the worker narrow a result
+    on the device before it is read back, so only the narrow words cross the device's link, and
+    widen an input there after only its narrow words were written. None means "not here" -- the
+    format is not offered, or converting here is not cheaper on this device -- and the host
+    converts, as it would without these methods.
+    """
+
+    def narrow_wire(self, x: Array, fmt: str) -> tuple[np.ndarray, bool] | None:
+        """x (any shape, float32, on this backend) -> (the host array x travels as in ``fmt``, the
+        very words ``wire_precision.narrow(to_numpy(x), fmt).carried`` holds; whether a finite number
+        became infinite: then the caller sends x in float32, as ``narrow`` does), or None."""
+        ...
+
+    def widen_wire(self, carried: np.ndarray, fmt: str) -> Array | None:
+        """A host array in ``fmt`` as it came off the wire (checked) -> float32 on this backend,
+        bit for bit ``asarray(wire_precision.widen(carried, fmt))``, or None."""
+        ...

@@ -4,7 +4,7 @@
     python benchmarks/bench_wire_convert.py --arch 50:500 --batch 64 --repeats 31
 
 A worker narrows its results before they go back and widens the narrowed inputs it receives
-(tinyconv/dist/worker/handler.py). For an array on an OpenCL device there are two ways, giving the
+(tinyconv/dist/wire_codec.py). For an array on an OpenCL device there are two ways, giving the
 same words (tests/test_wire_convert.py checks them bit for bit)::
 
     narrow, host     (a) read the float32 map back (4 bytes a number), wire_precision.narrow it in numpy

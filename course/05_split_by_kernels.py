@@ -34,7 +34,7 @@ be = tc.get_backend("numpy")
 
 # %%
 from tinyconv.dist.protocol import VERSION  # noqa: E402
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights  # noqa: E402
+from tinyconv.dist.shard.balance import apportion, speed_weights  # noqa: E402
 from tinyconv.dist.worker.handler import Worker  # noqa: E402
 from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
 from tinyconv.lab.plot.svg import colors  # noqa: E402
@@ -67,12 +67,12 @@ print("stacked slices vs the whole convolution, max |difference|:", np.abs(np.co
 # $F w_i$ kernels is rarely a whole number. Rounding each can miss $F$ by a few; the
 # *largest-remainder* method (Hamilton's) gives each $\lfloor F w_i \rfloor$, then the kernels left
 # over one each to the largest fractional parts — the counts add up to $F$ exactly.
-# tinyconv's `speed_weights` and `kernel_counts` (`tinyconv/dist/shard/balance.py`) do this:
+# tinyconv's `speed_weights` and `apportion` (`tinyconv/dist/shard/balance.py`) do this:
 
 # %%
 for times in ([1.0, 2.0, 4.0], [1.0, 1.0, 3.0], [0.2, 0.25, 0.3, 0.9]):
     weights = speed_weights(times)
-    print(f"times {times} -> weights {[round(v, 3) for v in weights]} -> of 32 kernels {kernel_counts(weights, 32)}"
+    print(f"times {times} -> weights {[round(v, 3) for v in weights]} -> of 32 kernels {apportion(weights, 32)}"
           f"  (rounded one by one: {[round(32 * v) for v in weights]})")
 
 # %% [markdown]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tinyconv as tc
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights
+from tinyconv.dist.shard.balance import apportion, speed_weights
 
 LESSON = "05_split_by_kernels"
 
@@ -28,11 +28,11 @@ def test_largest_remainder_against_tinyconv_on_random_weights(lesson):
     rng = np.random.default_rng(0)
     for _ in range(200):
         weights = list(rng.uniform(0.5, 3.0, rng.integers(1, 7)))
-        total = int(rng.integers(len(weights), 200))  # every quota >= 1 here, where kernel_counts adds no floor
+        total = int(rng.integers(len(weights), 200))  # every quota >= 1 here, where apportion adds no floor
         if min(weights) / sum(weights) * total < 1:
             continue
         got = lesson.largest_remainder(weights, total)
-        assert sum(got) == total and list(got) == kernel_counts(weights, total), (weights, total, got)
+        assert sum(got) == total and list(got) == apportion(weights, total), (weights, total, got)
 
 
 def test_largest_remainder_breaks_ties_exactly(lesson):

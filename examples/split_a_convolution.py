@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
 from tinyconv.dist.protocol import VERSION  # noqa: E402
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights  # noqa: E402
+from tinyconv.dist.shard.balance import apportion, speed_weights  # noqa: E402
 from tinyconv.dist.worker.handler import Worker  # noqa: E402
 
 BATCH, C_IN, KERNELS, SIZE, STEPS = 16, 32, 96, 16, 12
@@ -42,7 +42,7 @@ def main() -> None:
         "eq. 1: devices taking 1 s, 2 s and 4 s for a layer get weights",
         [round(w, 3) for w in weights],
         "-> of 32 kernels:",
-        kernel_counts(weights, 32),
+        apportion(weights, 32),
     )
 
     be = tc.get_backend("numpy")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tinyconv.dist.shard.balance import kernel_counts, slices, speed_weights
+from tinyconv.dist.shard.balance import apportion, slices, speed_weights
 
 # ---- eq. 1 ---------------------------------------------------------------------------
 
@@ -37,12 +37,12 @@ def test_speed_weights_rejects_non_times(times):
 # ---- largest remainder ------------------------------------------------------------------
 
 
-def test_kernel_counts_sum_and_quota_property(rng):
+def test_apportion_sum_and_quota_property(rng):
     for _ in range(300):
         n = int(rng.integers(1, 7))
         weights = list(rng.uniform(0.1, 1.0, n))
         total = int(rng.integers(n, 600))
-        counts = kernel_counts(weights, total)
+        counts = apportion(weights, total)
         assert sum(counts) == total and len(counts) == n
         quotas = [total * w / sum(weights) for w in weights]
         # Hamilton's method: each participant gets its quota rounded down or up
@@ -51,36 +51,36 @@ def test_kernel_counts_sum_and_quota_property(rng):
             total,
             counts,
         )
-        assert kernel_counts(weights, total) == counts  # deterministic
+        assert apportion(weights, total) == counts  # deterministic
 
 
-def test_kernel_counts_two_times_slower_gets_a_third():
-    assert kernel_counts(speed_weights([1.0, 2.0]), 48) == [32, 16]
-    assert kernel_counts(speed_weights([1.0, 2.0]), 500) == [333, 167]  # 333.33 / 166.67
+def test_apportion_two_times_slower_gets_a_third():
+    assert apportion(speed_weights([1.0, 2.0]), 48) == [32, 16]
+    assert apportion(speed_weights([1.0, 2.0]), 500) == [333, 167]  # 333.33 / 166.67
 
 
-def test_kernel_counts_tie_breaks_larger_weight_then_lower_index():
+def test_apportion_tie_breaks_larger_weight_then_lower_index():
     # quotas 0.75 each: the 1 left over goes to the first of the equal weights
-    assert kernel_counts([1, 1, 1, 1], 3) == [1, 1, 1, 0]
-    assert kernel_counts([1, 1, 1], 10) == [4, 3, 3]
+    assert apportion([1, 1, 1, 1], 3) == [1, 1, 1, 0]
+    assert apportion([1, 1, 1], 10) == [4, 3, 3]
     # quotas [0.5, 1.5, 0.5, 0.5]: both kernels left over tie on 0.5; the larger weight wins
     # first, then the lowest index
-    assert kernel_counts([1, 3, 1, 1], 3) == [1, 2, 0, 0]
+    assert apportion([1, 3, 1, 1], 3) == [1, 2, 0, 0]
 
 
-def test_kernel_counts_zero_weight_gets_nothing():
-    assert kernel_counts([0, 1, 1], 5) == [0, 3, 2]
-    assert kernel_counts([1, 0, 0], 7) == [7, 0, 0]
-    assert kernel_counts([0.0, 2.0, 0.0, 1.0], 1) == [0, 1, 0, 0]
+def test_apportion_zero_weight_gets_nothing():
+    assert apportion([0, 1, 1], 5) == [0, 3, 2]
+    assert apportion([1, 0, 0], 7) == [7, 0, 0]
+    assert apportion([0.0, 2.0, 0.0, 1.0], 1) == [0, 1, 0, 0]
 
 
-def test_kernel_counts_gives_every_positive_weight_a_kernel_when_there_are_enough():
+def test_apportion_gives_every_positive_weight_a_kernel_when_there_are_enough():
     # 48 * 0.001/1.001 = 0.048 would round to 0; a participant at 0 could never be timed again
-    assert kernel_counts([0.001, 1.0], 48) == [1, 47]
-    assert kernel_counts([1.0, 0.001, 0.001], 10) == [8, 1, 1]
+    assert apportion([0.001, 1.0], 48) == [1, 47]
+    assert apportion([1.0, 0.001, 0.001], 10) == [8, 1, 1]
     # fewer kernels than participants: some must get 0
-    assert kernel_counts([1, 1, 1, 1], 2) == [1, 1, 0, 0]
-    assert kernel_counts([1.0, 2.0], 0) == [0, 0]
+    assert apportion([1, 1, 1, 1], 2) == [1, 1, 0, 0]
+    assert apportion([1.0, 2.0], 0) == [0, 0]
 
 
 @pytest.mark.parametrize(
@@ -90,13 +90,13 @@ def test_kernel_counts_gives_every_positive_weight_a_kernel_when_there_are_enoug
         ([1.0, -1.0], 4, "weight 1"),
         ([1.0, float("nan")], 4, "weight 1"),
         ([0.0, 0.0], 4, "all weights are 0"),
-        ([1.0], -1, "total_kernels"),
-        ([1.0], 2.5, "total_kernels"),
+        ([1.0], -1, "total must be"),
+        ([1.0], 2.5, "total must be"),
     ],
 )
-def test_kernel_counts_rejects_bad_input(weights, total, match):
+def test_apportion_rejects_bad_input(weights, total, match):
     with pytest.raises(ValueError, match=match):
-        kernel_counts(weights, total)
+        apportion(weights, total)
 
 
 def test_slices_are_contiguous_in_participant_order():

@@ -203,6 +203,7 @@ def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_i
     # the master's run "takes" 0.05 s: the worker gets 10 x (1 + 1 repeat) x 0.05 = 1 s, not recv_timeout's 0.2
     net = paper_net("2:4", NumpyBackend(), "lrn", seed=0, image_size=SIZE)
     with inproc_pool(1, lambda i: SlowCalibration(NumpyBackend(), 0.5)) as (transport, workers):
+
         def replicas_timing_own_as(seconds: float) -> Replicas:
             replicas = Replicas(transport, workers, NumpyBackend(), recv_timeout=0.2, image_size=SIZE,
                                 calibration_repeats=1)  # fmt: skip
@@ -233,9 +234,11 @@ def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_wo
 class Poisoned(Worker):
     """A worker that answers a replica step with NaN gradients from finite inputs: the master loses it."""
 
-    def replica_step(self, h, a, kept):
-        out = super().replica_step(h, a, kept)
-        return out | {"grads": np.full_like(out["grads"], np.nan)}
+    def handle(self, msg):
+        reply = super().handle(msg)
+        if msg.kind == "replica_step" and reply.kind == "result":
+            reply.arrays["grads"] = np.full_like(reply.arrays["grads"], np.nan)
+        return reply
 
 
 def test_a_worker_lost_mid_step_gives_its_images_to_the_others_and_the_step_is_redone():

@@ -23,7 +23,7 @@ from tinyconv.dist.pool import spawn_local_workers, stop_workers
 from tinyconv.dist.protocol import VERSION
 from tinyconv.dist.rebalance import Rebalancer
 from tinyconv.dist.rpc import Link, Lost
-from tinyconv.dist.shard.balance import kernel_counts, slices
+from tinyconv.dist.shard.balance import apportion, slices
 from tinyconv.dist.shard.cluster import Cluster
 from tinyconv.dist.shard.layer import block_inputs
 from tinyconv.dist.worker.handler import Worker
@@ -161,13 +161,13 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
             assert record["comm_s"] + record["conv_s"] <= wall
 
     participants = n + (master_share == "auto")
-    counts = plan or kernel_counts([1.0] * participants, 7)
+    counts = plan or apportion([1.0] * participants, 7)
     assert record["shares"] == {"conv1": counts}
     assert record["participants"] == (["master"] if master_share == "auto" else []) + [f"worker{i}" for i in range(n)]
     # the first layer (no dX) goes by kernels whatever the split, and so does a layer with fewer input
     # channels (3) than participants; one the master computes alone keeps all of its input channels there
     layer_by_channels = split == "channels" and need_dx and participants <= 3
-    channels = kernel_counts([float(k) for k in counts], 3)  # proportional to the kernels
+    channels = apportion([float(k) for k in counts], 3)  # proportional to the kernels
     assert record["channel_shares"] == ({"conv1": channels} if layer_by_channels else {})
     by_channels = layer_by_channels and any(counts[master_share == "auto" :])
     # bytes, split by kernels: every worker with kernels gets x, its w and b rows and its dy channels,
@@ -541,10 +541,10 @@ class MeteredWorker(Worker):
         if reply.kind != "result":
             return reply
         if msg.kind == "calibrate":
-            reply.header["times"] = [self.slowdown * spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
+            reply.header["times"] = [self.state.slowdown * spec["w"][0] * 1e-3 for spec in msg.header["layers"]]
         else:
             kernels = msg.arrays["w"].shape[0] if msg.kind == "block_forward" else msg.arrays["dy"].shape[1]
-            reply.header["compute_s"] = self.slowdown * kernels * 1e-3
+            reply.header["compute_s"] = self.state.slowdown * kernels * 1e-3
         return reply
 
 

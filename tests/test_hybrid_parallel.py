@@ -162,15 +162,19 @@ def test_a_slower_worker_gets_fewer_images_by_eq_1():
 
 
 class PoisonedForward(Worker):
-    def hybrid_forward(self, h, a, kept):
-        out = super().hybrid_forward(h, a, kept)
-        return out | {"features": np.full_like(out["features"], np.nan)}
+    def handle(self, msg):
+        reply = super().handle(msg)
+        if msg.kind == "hybrid_forward" and reply.kind == "result":
+            reply.arrays["features"] = np.full_like(reply.arrays["features"], np.nan)
+        return reply
 
 
 class PoisonedBackward(Worker):
-    def hybrid_backward(self, h, a, kept):
-        out = super().hybrid_backward(h, a, kept)
-        return out | {"grads": np.full_like(out["grads"], np.nan)}
+    def handle(self, msg):
+        reply = super().handle(msg)
+        if msg.kind == "hybrid_backward" and reply.kind == "result":
+            reply.arrays["grads"] = np.full_like(reply.arrays["grads"], np.nan)
+        return reply
 
 
 @pytest.mark.parametrize("poisoned", [PoisonedForward, PoisonedBackward])

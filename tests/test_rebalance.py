@@ -7,7 +7,7 @@ import pytest
 
 from tinyconv.dist.cost import equal_finish_kernels, fit_affine_cost
 from tinyconv.dist.rebalance import Phase, Rebalancer
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights
+from tinyconv.dist.shard.balance import apportion, speed_weights
 
 # ---- the affine cost model: fit and target -------------------------------------------------
 
@@ -122,7 +122,7 @@ def run(rebalancer, per_kernel, counts, steps, noise=0.0, rng=None, layer="conv1
         total = sum(counts)
         calibration = times_for([total] * len(counts))
         rebalancer.record(layer, [total] * len(counts), calibration)
-        counts = kernel_counts(speed_weights(calibration), total)
+        counts = apportion(speed_weights(calibration), total)
     history = [list(counts)]
     for _ in range(steps):
         proposal = rebalancer.observe(layer, counts, times_for(counts))

@@ -215,3 +215,36 @@ def test_a_link_is_the_median_of_its_samples_and_ignores_tasks_without_bytes():
     for nbytes, seconds in [(100, 1.0), (100, 1.0), (100, 50.0), (0, 9.0), (100, -1.0)]:
         link.add(nbytes, seconds, exact=True)  # one stall; a task without arrays; compute reported long
     assert list(link.exact) == [0.01, 0.01, 0.5, 0.0] and link.seconds_per_byte() == pytest.approx(0.01)
+
+
+class Halving:
+    """A codec that sends x as float16 and widens y back; each direction counts one fallback."""
+
+    def __init__(self) -> None:
+        self.decoded: list[tuple[int, str]] = []
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        return Message(msg.kind, msg.header | {"half": True}, {"x": msg.arrays["x"].astype(np.float16)}), 1
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        self.decoded.append((reply.header["task"], task.arrays["x"].dtype.name))
+        return Message(reply.kind, reply.header, {"y": reply.arrays["y"].astype(np.float32)}), 1
+
+
+def test_an_ops_codec_encodes_each_task_as_it_goes_and_decodes_each_result_and_the_default_is_the_identity():
+    def half_echo(worker: int, msg: Message) -> list[Message]:
+        assert msg.header["half"] and msg.arrays["x"].dtype == np.float16  # what went is the encoded task
+        return [result(msg, y=np.full((2,), worker, np.float16))]
+
+    codec = Halving()
+    op = Rpc(Scripted(half_echo), WORKERS, timeout=1.0).op("forward of conv1", BE, codec=codec)
+    replies = op.gather([op.send(k, Message("block_forward", {}, {"x": np.zeros(3, np.float32)})) for k in (0, 1)])
+    assert [replies[k].arrays["y"].dtype for k in (0, 1)] == [np.float32, np.float32]
+    assert sorted(codec.decoded) == [(1, "float16"), (2, "float16")]  # each result with its task as it went
+    stats = op.stats([("worker0", 0), ("worker1", 1)])
+    assert stats.sent == [6, 6] and stats.recv == [4, 4] and op.fallbacks == stats.fallbacks == 4  # what moved
+    sent: list[Message] = []
+    plain = Rpc(Scripted(lambda k, m: sent.append(m) or echo(k, m)), WORKERS, timeout=1.0).op("forward of conv1", BE)
+    task = Message("block_forward", {}, {"x": np.zeros(3, np.float32)})
+    plain.gather([plain.send(0, task)])
+    assert len(sent) == 1 and sent[0] is task and plain.fallbacks == 0  # the identity: the very message

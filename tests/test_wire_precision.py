@@ -1,5 +1,5 @@
 """Reduced-precision shards on the wire (issue #15): the formats' round trips, the fallback on
-overflow, AWP's controller, the protocol's checks of declared formats, exact bytes, and training."""
+overflow, AWP's controller, the codec's checks of declared formats, exact bytes, and training."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import pytest
 
 import tinyconv as tc
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist import wire_codec
 from tinyconv.dist import wire_precision as wp
 from tinyconv.dist.adaptive_precision import AdaptivePrecision, FixedPrecision, formats_of, policy
-from tinyconv.dist.protocol import TaskError, check_result, check_task, narrowed
+from tinyconv.dist.protocol import TaskError, check_result, check_task
 from tinyconv.dist.rpc import Lost, Rpc
-from tinyconv.dist.worker import handler
+from tinyconv.dist.wire_codec import Narrowing, decode_task, narrowed
 from tinyconv.dist.worker.handler import Worker
 from tinyconv.lab.eq2 import block_bytes, conv_shapes, equal_counts, measure, split_bytes, wire_words
 from tinyconv.lab.eq2 import main as comm_main
@@ -213,24 +214,33 @@ def block_forward(narrow=None, reply=None, **arrays):
 def test_bad_declared_formats_are_refused_before_anything_is_widened(monkeypatch, narrow, reply, arrays, error):
     msg = block_forward(narrow, reply, **arrays)
     with pytest.raises(TaskError, match=error):
-        check_task(msg)
+        check_task(decode_task(msg, NumpyBackend(), frozenset())[0])  # the worker's edge, then the protocol
 
-    def never(_):
+    def never(*_):
         raise AssertionError("widened before it was checked")
 
-    monkeypatch.setattr(handler, "widened", never)
+    monkeypatch.setattr(wire_codec, "widened", never)
     answer = Worker(NumpyBackend()).handle(msg)
     assert answer.kind == "error" and "widened" not in answer.header["message"]
 
 
 def test_calibrations_and_replicas_take_no_narrow_key_and_results_are_checked_too():
+    calibrate = Message("calibrate", {"task": 1, "layers": [], "repeats": 1, "narrow": {}})
+    assert decode_task(calibrate, NumpyBackend(), frozenset()) == (calibrate, {})  # not the codec's: as it came
     with pytest.raises(TaskError, match="unexpected header key"):
-        check_task(Message("calibrate", {"task": 1, "layers": [], "repeats": 1, "narrow": {}}))
+        check_task(calibrate)
+    task = Message("block_forward", {"task": 1, "reply": {"y": "bf16"}})
     ok = Message("result", {"task": 1, "compute_s": 0.1, "narrow": {"y": "bf16"}}, {"y": np.zeros(3, np.uint16)})
-    check_result(ok, "block_forward")
+    with pytest.raises(RuntimeError, match="unexpected header key"):  # the protocol proper speaks float32
+        check_result(ok, "block_forward")
+    decoded, fell_back = Narrowing({"y": "bf16"}).decode(ok, task)
+    check_result(decoded, "block_forward")
+    assert fell_back == 0 and decoded.arrays["y"].dtype == np.float32 and "narrow" not in decoded.header
     bad = Message("result", {"task": 1, "compute_s": 0.1, "narrow": {"y": "bf16"}}, {"y": np.zeros(3, np.float16)})
     with pytest.raises(RuntimeError, match="a result of block_forward: y: declared bf16.*float16"):
-        check_result(bad, "block_forward")
+        Narrowing({"y": "bf16"}).decode(bad, task)
+    with pytest.raises(RuntimeError, match="a malformed result of block_forward: result: header 'narrow' must be map"):
+        Narrowing({"y": "bf16"}).decode(Message("result", ok.header | {"narrow": "bf16"}, ok.arrays), task)
     with pytest.raises(RuntimeError, match="unexpected header key"):
         check_result(Message("result", {"task": 1, "compute_s": 0.1, "times": [1.0], "narrow": {}}), "calibrate")
 
@@ -260,7 +270,7 @@ def test_an_s8_task_crosses_the_wire_codec_and_the_worker_answers_in_s8():
     task.header["own"] = [0, 4]
     reply = decode(encode(Worker(NumpyBackend()).handle(decode(encode(task)))))
     assert reply.kind == "result" and reply.header["narrow"] == {"y": ["s8", 6, 5]}, reply.header
-    check_result(reply, "block_forward")
+    check_result(Narrowing({"y": "s8"}).decode(reply, task)[0], "block_forward")  # the master's edge, then the protocol
     be = NumpyBackend()
     expected, _ = be.conv2d_forward(wp.widen(arrays["x"], narrow["x"]), wp.widen(arrays["w"], narrow["w"]),
                                     np.zeros(4), 1, 1)  # fmt: skip
@@ -302,7 +312,7 @@ def test_an_overflowing_array_goes_fp32_both_ways_and_is_counted():
     x = np.ones((1, 1, 4, 4), np.float32)
     for x_max, w, fallbacks in ((1e5, 1e-6, 1), (1.0, 1e5, 2), (1.0, 1.0, 0)):  # x alone; w and the maps y
         x[0, 0, 0, 0] = x_max
-        op = rpc.op("forward of conv1", NumpyBackend(), {"step": 0, "layer": 0}, formats=formats)
+        op = rpc.op("forward of conv1", NumpyBackend(), {"step": 0, "layer": 0}, codec=Narrowing(formats))
         arrays = {"x": x, "w": np.full((2, 1, 3, 3), w, np.float32), "b": np.zeros(2, np.float32)}
         task = op.send(0, Message("block_forward", {"stride": 1, "padding": 1, "tail": [], "own": [0, 2]}, arrays))
         y = op.gather([task])[0].arrays["y"]
@@ -323,7 +333,7 @@ class NanWorker:
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "adt24", "s8"])
 def test_a_worker_answering_finite_inputs_with_a_narrowed_nan_is_still_lost(fmt):
     rpc = Rpc(Loopback([NanWorker().handle]), Loopback([]).start(1), timeout=5.0)
-    op = rpc.op("forward of conv2", NumpyBackend(), {"step": 0, "layer": 1}, formats={"x": fmt, "y": fmt})
+    op = rpc.op("forward of conv2", NumpyBackend(), {"step": 0, "layer": 1}, codec=Narrowing({"x": fmt, "y": fmt}))
     task = op.send(0, Message("block_forward", {}, {"x": np.ones((1, 1, 2, 2), np.float32)}))
     with pytest.raises(Lost, match="non-finite values in y"):
         op.gather([task])

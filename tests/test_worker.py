@@ -19,8 +19,9 @@ from backends.conformance.runner import FN, Expected, assert_close, conv2d_expec
 from backends.numpy_backend import NumpyBackend
 from tinyconv.dist.protocol import TASKS, VERSION, TaskError
 from tinyconv.dist.shard.block import block_forward, halo_span, tail_backward
-from tinyconv.dist.worker.handler import STAGES, STANDALONE, Worker
+from tinyconv.dist.worker.handler import Worker
 from tinyconv.dist.worker.main import THREAD_ENV_VARS, main
+from tinyconv.dist.worker.state import STAGES, STANDALONE
 from transports.base import Handler, Message
 from transports.wire import check_message
 
@@ -117,7 +118,7 @@ def test_block_forward_and_backward_equal_the_backend():
     np.testing.assert_array_equal(grads["dx"], dx_ref.value)
     np.testing.assert_array_equal(grads["dw"], dw_ref.value)
     np.testing.assert_array_equal(grads["db"], db_ref.value)
-    assert worker.layers == {}  # one backward per forward: nothing kept after it
+    assert worker.state.open == {}  # one backward per forward: nothing kept after it
 
 
 def test_need_dx_false_returns_no_dx_and_layers_keep_separate_state():
@@ -487,8 +488,15 @@ def test_calibrate_admits_what_a_batch_256_step_needs():
 
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert DEFAULT_MAX_CALIBRATE_BYTES == default_max_calibrate_bytes() == max(1 << 31, physical // 2)
-    spec = {"layer": 1, "x": [256, 150, 16, 16], "w": [800, 150, 5, 5], "stride": 1, "padding": 2,
-            "need_dx": True, "tail": []}
+    spec = {
+        "layer": 1,
+        "x": [256, 150, 16, 16],
+        "w": [800, 150, 5, 5],
+        "stride": 1,
+        "padding": 2,
+        "need_dx": True,
+        "tail": [],
+    }
     if physical // 2 >= 2_400_000_000:  # this machine can hold it: admitted
         assert parse_spec(1, spec, DEFAULT_MAX_CALIBRATE_BYTES).w == (800, 150, 5, 5)
     with pytest.raises(TaskError, match="half its physical memory"):  # a small worker says what to do

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyopencl.array as cla
 
-from backends.base import Backend, conv_output_size, require_batch_statistics
+from backends.base import Backend, WireConversion, conv_output_size, require_batch_statistics
 from backends.opencl import conv
 from backends.opencl.device import describe_device, select_device
 from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, cdiv
@@ -43,7 +43,7 @@ def lrn_defines(before: int, after: int, beta: float) -> str:
     return f"-DLRN_BEFORE={before} -DLRN_AFTER={after} -DLRN_BETA_075={int(beta == 0.75)}"
 
 
-class OpenCLBackend(Backend):
+class OpenCLBackend(Backend, WireConversion):
     """One OpenCL device (see ``backends.opencl.device.select_device`` for ``device``).
 
     ``autotune``: time the GEMM variants on first use of each large shape (default: on,
@@ -173,7 +173,7 @@ class OpenCLBackend(Backend):
     def synchronize(self) -> None:
         self.rt.queue.finish()
 
-    # ---- wire words on the device (an optimisation beside the host path: base.py, wire.cl) ---------
+    # ---- wire words on the device (base.py's optional WireConversion, beside the host path; wire.cl) ---
     # bfloat16 only: 2 bytes a number instead of 4 across the device's link, bit for bit the host's
     # words. (fp16 and adt24 stay on the host: fp16's rounding of subnormals and adt24's 3-byte
     # words are not worth a kernel; s8 needs a reduction per plane first.)

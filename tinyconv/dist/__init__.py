@@ -9,8 +9,9 @@ package; :func:`tinyconv.distribute` plugs it in. Read in this order:
 * ``replica/`` -- data parallelism and the hybrid: slices of the batch;
 * the runtime both use: ``membership.py`` (seats, loss, joins), ``calibrate.py``, ``cost.py``
   and ``rebalance.py`` (timing and re-apportioning), ``accounting.py`` (the step's comm / conv /
-  comp), ``rpc.py`` and ``protocol.py`` (the tasks on the wire), ``wire_precision.py`` and
-  ``adaptive_precision.py`` (optional narrower words), ``conv_shapes.py`` and ``heap.py``;
+  comp), ``rpc.py`` and ``protocol.py`` (the tasks on the wire), ``wire_codec.py`` (optional narrower
+  words, a codec at the edges: ``wire_precision.py`` the formats, ``adaptive_precision.py`` which
+  array goes in which), ``conv_shapes.py`` and ``heap.py``;
 * ``worker/`` -- what a worker runs: the task handlers that answer the master's split;
 * ``pool.py`` -- starting and stopping workers, and :func:`~tinyconv.dist.pool.distribute`.
 """

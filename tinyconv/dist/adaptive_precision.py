@@ -62,7 +62,7 @@ assert set(SETTINGS) == {*FORMATS, "adaptive"}, "a format of wire_precision.py i
 
 
 def formats_of(roles: dict[str, str]) -> dict[str, str]:
-    """role -> format, as array name -> format (what :meth:`Rpc.op <tinyconv.dist.rpc.Rpc.op>` takes)."""
+    """role -> format, as array name -> format (what :class:`~tinyconv.dist.wire_codec.Narrowing` takes)."""
     return {name: roles[role] for role, names in ROLES.items() for name in names}
 
 

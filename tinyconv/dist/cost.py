@@ -106,7 +106,7 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
     a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1.
 
     The counts sum to F (up to float round-off);
-    :func:`~tinyconv.dist.shard.balance.kernel_counts` makes them whole. Example: costs
+    :func:`~tinyconv.dist.shard.balance.apportion` makes them whole. Example: costs
     [(0.05, 0.001), (0.1, 0.002)], F = 96 -> T = 196 / 1500 s, counts [80.67, 15.33].
     """
     if len(costs) == 0:

@@ -70,35 +70,26 @@ features of one image (the last pool's output, flattened)::
                       -> grads (P_conv,): the slice's part of the conv part's gradient
 
 All arrays are float32 but the labels ``y`` (int32 or int64). Which task may follow which on one layer is the worker's
-business (``tinyconv/dist/worker/handler.py``).
+business (``tinyconv/dist/worker/state.py``).
 
-Reduced precision (``wire_precision.py``, ``--wire-precision``): a layer's task may carry float32
-arrays narrowed, each named in its optional header ``narrow`` = {array: format} ("bf16", "fp16",
-"adt24", or ["s8", H, W]: s8 with the plane its scales are per; an array not named is float32), and
-ask for its result's arrays in ``reply`` = {result array: format} (format names alone: the worker
-knows its results' shapes); the result names what it narrowed in its own ``narrow`` (an array asked for narrow
-that comes back float32 fell back: narrowing would have made a finite number infinite). Every
-declared format is checked against its array's dtype and shape before anything is widened; the
-receiver widens to float32 right after, so every computation sees float32.
+Narrower words on the wire (``--wire-precision``) are a codec at the edges, not part of this
+protocol: ``wire_codec.py`` adds its header keys ``narrow`` and ``reply`` to a layer's task as it
+is sent and takes them off, widening the arrays to float32, before the worker checks it here (and
+the same for the result, on the master's side).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
-
-from tinyconv.dist import wire_precision
 from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
-# of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, 4 the hybrid's
-# tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow`` as ["s8", H, W],
-# 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward, 7 the channel split's
-# p_lo, p_hi, sum, dyc, dyc_lo and dyc_hi kernel-major, 8 replica_step's optional ``smoothing``); a worker's
+# of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, wire_codec.py's,
+# 4 the hybrid's tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow``
+# as ["s8", H, W], 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward, 7 the channel
+# split's p_lo, p_hi, sum, dyc, dyc_lo and dyc_hi kernel-major, 8 replica_step's optional ``smoothing``); a worker's
 # hello says which it speaks, the transport admits equals
 VERSION = 8
 
@@ -162,11 +153,8 @@ RESULT_ARRAYS: dict[str, frozenset[str]] = {
 TIMED = ("calibrate", "replica_calibrate", "hybrid_calibrate")  # the tasks whose result says ``times``
 RESULT = {"task": Int, "compute_s": Num}
 CALIBRATE_RESULT = {**RESULT, "times": list}
-# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' or the hybrid's)
 # the tasks that may carry a chunk of the batch, ``images`` = [a, b, N] (``by_channels.py``'s pipeline)
 CHUNKED = frozenset({"partial_forward", "tail_forward", "partial_backward"})
-NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
-                        "partial_backward"})  # fmt: skip
 
 
 def message_cap_bytes(convs: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]) -> int:
@@ -187,16 +175,13 @@ def check_task(msg: Message) -> Schema:
     schema = TASKS.get(msg.kind)
     if schema is None:
         raise TaskError(f"a worker does not handle {msg.kind!r} messages; send one of {', '.join(TASKS)}")
-    optional = {"narrow": dict, "reply": dict} if msg.kind in NARROWABLE else {}
-    optional |= {"images": list} if msg.kind in CHUNKED else {}
+    optional = {"images": list} if msg.kind in CHUNKED else {}
     optional |= {"smoothing": Num} if msg.kind == "replica_step" else {}
     try:
         check_fields(msg.kind, msg.header, schema.header, optional)
     except ProtocolError as e:
         raise TaskError(str(e)) from None
     _check_arrays(msg.kind, msg, schema.arrays, schema.arrays | schema.optional_arrays, TaskError, schema.labels)
-    reply = msg.header.get("reply", {})
-    _check_formats(f"{msg.kind}'s reply", reply, RESULT_ARRAYS[msg.kind], TaskError)
     return schema
 
 
@@ -204,7 +189,7 @@ def check_result(msg: Message, task_kind: str) -> None:
     """Raise RuntimeError unless ``msg`` is a well-formed result of a ``task_kind`` task."""
     fields = CALIBRATE_RESULT if task_kind in TIMED else RESULT
     try:
-        check_fields("result", msg.header, fields, {"narrow": dict} if task_kind in NARROWABLE else {})
+        check_fields("result", msg.header, fields, {})
     except ProtocolError as e:
         raise RuntimeError(f"a malformed result of {task_kind}: {e}") from None
     if not msg.header["compute_s"] >= 0:
@@ -221,8 +206,6 @@ def _check_arrays(
     labels: frozenset[str] = frozenset(),
 ) -> None:
     names = set(msg.arrays)
-    narrow = msg.header.get("narrow", {})  # checked first: what it declares says how to check the arrays
-    _check_formats(f"{what}'s narrow", narrow, names - labels, error, declared=True)
     if not required <= names <= allowed:
         optional = sorted(allowed - required)
         raise error(
@@ -233,69 +216,5 @@ def _check_arrays(
         if name in labels:
             if a.dtype.name not in ("int32", "int64"):
                 raise error(f"{what}: {name} holds labels and must be int32 or int64, got {a.dtype}")
-        elif name in narrow:
-            try:
-                wire_precision.check_carried(narrow[name], a)
-            except ValueError as e:
-                raise error(f"{what}: {name}: {e}") from None
         elif a.dtype.name != "float32":
             raise error(f"{what}: {name} must be float32, got {a.dtype}")
-
-
-def _check_formats(
-    what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception], declared: bool = False
-) -> None:
-    """``formats`` must map some of ``names`` to known wire formats (``declared``: as a ``narrow``
-    declares them, s8 with its plane, ``wire_precision.check_declared``)."""
-    for name, fmt in formats.items():
-        if name not in names:
-            raise error(f"{what} names {name!r}, which is not one of its float32 arrays {sorted(names)}")
-        if declared and (fmt == "s8" or isinstance(fmt, list)):
-            try:
-                wire_precision.check_declared(fmt)
-            except ValueError as e:
-                raise error(f"{what}: {name}: {e}") from None
-        elif not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
-            raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")
-
-
-# widens one narrowed array elsewhere (a worker's device, ``Backend.widen_wire``): (its name, the
-# array as it came, its declaration) -> the float32 array there, or None: widened on the host
-WidenElsewhere = Callable[[str, np.ndarray, wire_precision.Declared], Any]
-
-
-def widened(msg: Message, elsewhere: WidenElsewhere | None = None) -> dict[str, Any]:
-    """The arrays of a checked task or result (:func:`check_task`, :func:`check_result`), each float32
-    again: those its header's ``narrow`` names, widened (new arrays), the others as they are. Each
-    narrowed one is offered to ``elsewhere`` first; only what it declines is widened here."""
-    narrow = msg.header.get("narrow", {})
-    out: dict[str, Any] = {}
-    for name, a in msg.arrays.items():
-        if name not in narrow:
-            out[name] = a
-            continue
-        there = elsewhere(name, a, narrow[name]) if elsewhere is not None else None
-        out[name] = there if there is not None else wire_precision.widen(a, narrow[name])
-    return out
-
-
-def narrowed(
-    arrays: dict[str, np.ndarray | wire_precision.Narrowed], formats: dict[str, str]
-) -> tuple[dict[str, np.ndarray], dict[str, wire_precision.Declared], int]:
-    """float32 ``arrays`` as they go on the wire, each in ``formats``' format for it (float32 if none):
-    (the arrays, the header's ``narrow`` for them -- each one's declaration, ``Narrowed.declared`` --,
-    how many fell back to float32). An array already narrowed (a ``Narrowed``: a worker's device did
-    it, ``Backend.narrow_wire``) goes as it is."""
-    out: dict[str, np.ndarray] = {}
-    narrow: dict[str, wire_precision.Declared] = {}
-    fallbacks = 0
-    for name, a in arrays.items():
-        fmt = formats.get(name, "fp32")
-        if fmt == "fp32" and not isinstance(a, wire_precision.Narrowed):
-            out[name] = a
-            continue
-        n = a if isinstance(a, wire_precision.Narrowed) else wire_precision.narrow(a, fmt)
-        out[name], fallbacks = n.carried, fallbacks + n.fell_back
-        if n.fmt != "fp32":
-            narrow[name] = n.declared
-    return out, narrow, fallbacks

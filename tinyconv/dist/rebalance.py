@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from tinyconv.dist.shard.balance import kernel_counts
+from tinyconv.dist.shard.balance import apportion
 from tinyconv.dist.cost import equal_finish_kernels, fit_affine_cost
 
 
@@ -58,8 +58,8 @@ class Rebalancer:
     by input channels (k counts those), the halo's tail and the copies remain; and a
     GPU adds launch and transfer latency. For each layer and participant the Rebalancer
     keeps its last ``window`` measurements (k, t): from :meth:`observe`, and from
-    :meth:`record`, which :meth:`ShardedConv.calibrate
-    <tinyconv.distributed.ShardedConv.calibrate>` uses to file its whole-layer
+    :meth:`record`, which :meth:`Cluster.calibrate
+    <tinyconv.dist.shard.cluster.Cluster.calibrate>` uses to file its whole-layer
     times at k = F. :func:`fit_affine_cost` fits the line through the smoothed time
     at the participant's current k, its slope from all its k (made steeper where
     noise leaves it uncertain, and clamped so that a_i >= 0). Until a participant has
@@ -68,7 +68,7 @@ class Rebalancer:
 
     **Target.** The split that makes every participant finish together, with a floor
     of one kernel (:func:`equal_finish_kernels`; eq. 1 when every a_i = 0), rounded by
-    largest remainder (:func:`~tinyconv.dist.shard.balance.kernel_counts`)::
+    largest remainder (:func:`~tinyconv.dist.shard.balance.apportion`)::
 
         T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
 
@@ -305,7 +305,7 @@ def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], t
     """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
     (:func:`equal_finish_kernels`, largest remainder), 0 for the others."""
     counts = [0] * len(models)
-    split = kernel_counts(equal_finish_kernels([models[i] for i in who], total), total)
+    split = apportion(equal_finish_kernels([models[i] for i in who], total), total)
     for i, c in zip(who, split, strict=True):
         counts[i] = c
     return counts

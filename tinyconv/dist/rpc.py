@@ -12,11 +12,10 @@ cluster can share its kernels among the others and run the op again. On the way 
 counts what it cost (:meth:`Op.stats`), and each worker's :class:`Link` learns how long
 its bytes take.
 
-Arrays may travel narrowed (``--wire-precision``, ``wire_precision.py``): an op's ``formats``
-name the format of each array it sends and of each it asks back. :meth:`Op.send` narrows right
-before sending, and asks for the result in the same formats; a result is widened right after it
-is checked, so the splits only ever see float32. What an op counts -- bytes, the links'
-samples -- is what really moved.
+An op's :class:`Codec` says how its messages go on the wire: :meth:`Op.send` encodes a task
+right before it is sent, and a result is decoded right after it came, so the splits only ever
+see float32. The default is the identity; ``--wire-precision`` narrows the arrays
+(``wire_codec.py``). What an op counts -- bytes, the links' samples -- is what really moved.
 
 The one optimisation here is :meth:`Op.relay`: a second round of tasks that each go out
 as soon as what they need has come back, while the rest of the first round is still
@@ -32,13 +31,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.dist.accounting import OpStats
-from tinyconv.dist.protocol import RESULT_ARRAYS, check_result, narrowed, widened
+from tinyconv.dist.protocol import check_result
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -50,6 +49,30 @@ class Lost(Exception):
     def __init__(self, workers: dict[int, str]) -> None:
         super().__init__("; ".join(f"worker {k}: {why}" for k, why in workers.items()))
         self.workers = workers
+
+
+class Codec(Protocol):
+    """How an op's messages go on the wire, both ways; each also says how many of its arrays could
+    not go as asked (``fallbacks``: float32 where a narrower word would have overflowed)."""
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        """A task (float32 arrays, header complete) -> the message that is sent, and its fallbacks."""
+        ...
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        """A result that came for ``task`` (as it was sent) -> the result in float32, and its fallbacks;
+        a RuntimeError if it is malformed."""
+        ...
+
+
+class Plain:
+    """The identity codec: messages go as they are."""
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        return msg, 0
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        return reply, 0
 
 
 class Link:
@@ -117,13 +140,13 @@ class Rpc:
         backend: Backend,
         fields: dict[str, int] | None = None,
         timeout: float | None = None,
-        formats: dict[str, str] | None = None,
+        codec: Codec | None = None,
     ) -> Op:
         """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
         share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
-        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather. ``formats``:
-        array name -> wire format of the arrays its tasks and results carry (default: all float32)."""
-        return Op(self, what, backend, fields or {}, timeout or self.timeout, formats or {})
+        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather. ``codec``:
+        how its tasks and results go on the wire (default: as they are)."""
+        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec or Plain())
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -142,22 +165,21 @@ class _Sent(NamedTuple):
 
     worker: int
     msg: Message  # as the op built it, float32
+    wire: Message  # as it was sent (encoded)
     at: float  # the Rpc's clock when it was sent
     alone: bool  # the worker had no other task of the op: its result's wait is its own link and compute
-    nbytes: int  # the array bytes that went, narrowed
-    reply: dict[str, str]  # the formats it asked its result's arrays in
+    nbytes: int  # the array bytes that went, encoded
 
 
 class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
     def __init__(
-        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float,
-        formats: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Codec
+    ) -> None:
         self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
-        self.formats = formats or {}  # array name -> its wire format, both ways
-        self.fallbacks = 0  # arrays sent or received in float32 because their format would have overflowed
+        self.codec = codec
+        self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
         self.t0 = time.perf_counter()
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
@@ -168,23 +190,19 @@ class Op:
         self.waited_s = 0.0  # the master blocked, waiting for a result: the rest of the op's wall it was busy
 
     def send(self, worker: int, msg: Message) -> int:
-        """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, its arrays in
-        the op's formats; returns its task id."""
+        """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, encoded by the
+        op's codec; returns its task id."""
         task = self.rpc.new_task_id()
         msg.header.update(self.fields, task=task)
-        wire, reply = msg, {}
-        if self.formats:  # narrowed right before it goes, the reply asked for in the same formats
-            arrays, narrow, fell_back = narrowed(msg.arrays, self.formats)
-            reply = {name: f for name, f in self.formats.items() if name in RESULT_ARRAYS[msg.kind] and f != "fp32"}
-            header = msg.header | ({"narrow": narrow} if narrow else {}) | ({"reply": reply} if reply else {})
-            wire, self.fallbacks = Message(msg.kind, header, arrays), self.fallbacks + fell_back
+        wire, fell_back = self.codec.encode(msg)
+        self.fallbacks += fell_back
         at = self.rpc.clock()
         try:
             self.rpc.transport.send(worker, wire)
         except WorkerLost as e:
             raise Lost({worker: e.reason}) from None
         alone = all(sent.worker != worker for sent in self._pending.values())
-        self._pending[task] = _Sent(worker, msg, at, alone, wire.nbytes(), reply)
+        self._pending[task] = _Sent(worker, msg, wire, at, alone, wire.nbytes())
         self.sent[worker] = self.sent.get(worker, 0) + wire.nbytes()
         return task
 
@@ -284,11 +302,10 @@ class Op:
                 continue
             if reply.kind != "result":
                 raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
-            sent = self._pending[task]
+            sent, nbytes = self._pending[task], reply.nbytes()
+            reply, fell_back = self.codec.decode(reply, sent.wire)  # float32 from here on
+            self.fallbacks += fell_back
             check_result(reply, sent.msg.kind)
-            nbytes, narrow = reply.nbytes(), reply.header.get("narrow", {})
-            self.fallbacks += sum(1 for name in reply.arrays if name in sent.reply and name not in narrow)
-            reply = Message(reply.kind, reply.header, widened(reply))  # float32 from here on
             _check_finite(k, reply, sent.msg, self.what)
             compute = float(reply.header["compute_s"])
             self.recv[k] = self.recv.get(k, 0) + nbytes

@@ -3,7 +3,8 @@
 A shard's arrays (input maps, weights, feature maps, gradients) are float32, 4 bytes a number.
 Most of those bits are mantissa the training does not need to *see* on the way: the master keeps
 every weight in float32 and all arithmetic runs in float32; only the transfer is narrowed (right
-before a message is sent), and widened back to float32 right after it is validated. The formats::
+before a message is sent), and widened back to float32 right after it is validated (``wire_codec.py``,
+the codec at the edges that applies these formats to messages). The formats::
 
     format   bytes  carried as                      kept of a float32 (sign s, exponent e, mantissa m)
     fp32     4      float32 (x)                     everything
@@ -128,8 +129,9 @@ def check_declared(declared: object) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(declared, list) and declared and declared[0] == "s8":
         plane = declared[1:]
         if len(plane) > 2 or not all(type(d) is int and d >= 0 for d in plane):
-            raise ValueError(f"an s8 array is declared as ['s8', H, W] (its plane: up to 2 sizes >= 0), "
-                             f"got {declared!r}")
+            raise ValueError(
+                f"an s8 array is declared as ['s8', H, W] (its plane: up to 2 sizes >= 0), got {declared!r}"
+            )
         return "s8", tuple(plane)
     if declared == "s8":
         raise ValueError("an s8 array is declared with its plane, ['s8', H, W], not 's8' alone")

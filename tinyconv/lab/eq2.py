@@ -50,7 +50,7 @@ import numpy as np
 
 from tinyconv.dist.adaptive_precision import ROLES, SETTINGS
 from tinyconv.dist.conv_shapes import ConvShape, conv_shapes
-from tinyconv.dist.shard.balance import kernel_counts
+from tinyconv.dist.shard.balance import apportion
 from tinyconv.dist.shard.block import tail_output_hw
 from tinyconv.dist.shard.plan import Plan
 from tinyconv.dist.wire_precision import nbytes_of
@@ -67,7 +67,7 @@ SPLITS = (("paper: --fuse off --split kernels", False, "kernels"), ("--split ker
 def equal_counts(convs: Sequence[ConvShape], participants: int) -> list[list[int]]:
     """Each layer's kernels split equally among ``participants`` (the master first), as an uncalibrated
     cluster splits them."""
-    return [kernel_counts([1.0] * participants, conv.w[0]) for conv in convs]
+    return [apportion([1.0] * participants, conv.w[0]) for conv in convs]
 
 
 def _plan(counts: Sequence[int], tail: list[dict[str, Any]], channel_counts: Sequence[int] | None = None) -> Plan:
@@ -147,7 +147,7 @@ def channel_split_bytes(
     f, _, k, _ = conv.w
     wt, mp, gr = words["weights"], words["maps"], words["grads"]
     tail = list(conv.tail) if fuse else []
-    busy = _plan(counts, tail, kernel_counts([float(kk) for kk in counts], c)).busy
+    busy = _plan(counts, tail, apportion([float(kk) for kk in counts], c)).busy
     chw = conv.y[2:]  # one kernel's conv output of one image
     thw = tail_output_hw(*chw, tail)  # one kernel's tail output of one image
 

@@ -36,7 +36,7 @@ from tinyconv.dist.heap import release_freed_memory
 from tinyconv.model import Network
 from tinyconv.dist.replica.replica import spec_of
 from tinyconv.dist.accounting import OpStats
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights
+from tinyconv.dist.shard.balance import apportion, speed_weights
 from tinyconv.dist.calibrate import SLOWER
 from tinyconv.dist.membership import Membership
 from tinyconv.dist.rebalance import Rebalancer
@@ -148,7 +148,7 @@ class BatchSplit(Membership):
         times = {name: times[name] for name, _ in self.seats}
         self.timings, self.calibrated_batch = times, batch_size
         layer_times = [times[name] for name in self.participants]
-        self.counts[UNIT] = kernel_counts(speed_weights(layer_times), batch_size)
+        self.counts[UNIT] = apportion(speed_weights(layer_times), batch_size)
         if self.rebalancer is not None:  # each measured on the whole batch: its first (images, seconds)
             self.rebalancer.record(UNIT, [batch_size] * len(self.seats), layer_times)
         self.calibration = {"participants": self.participants, "times": {UNIT: layer_times},
@@ -182,9 +182,9 @@ class BatchSplit(Membership):
         when the batch is of another size (equal until calibrated)."""
         counts = self.counts.get(UNIT)
         if counts is None or len(counts) != len(self.seats):
-            counts = self.counts[UNIT] = kernel_counts([1.0] * len(self.seats), batch)
+            counts = self.counts[UNIT] = apportion([1.0] * len(self.seats), batch)
         if sum(counts) != batch:
-            return kernel_counts([float(c) for c in counts], batch)
+            return apportion([float(c) for c in counts], batch)
         return list(counts)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -295,7 +295,7 @@ class BatchSplit(Membership):
         batch = self.calibrated_batch or sum(self.counts.get(UNIT, [])) or len(self.seats)
         times = [self.timings.get(name) for name, _ in self.seats]
         weights = speed_weights(times) if None not in times else [1.0] * len(times)
-        self.counts[UNIT] = kernel_counts(weights, batch)
+        self.counts[UNIT] = apportion(weights, batch)
         if self.rebalancer is not None:
             self.rebalancer = self.rebalancer.fresh()
             if None not in times:

@@ -1,9 +1,10 @@
 """How many kernels each participant gets: the paper's split (Marques et al. 2017).
 
 Pure arithmetic on small lists (no I/O, no clocks), so the sharded convolution
-(``tinyconv/distributed.py``) can be read and tested apart from it. A
+(``tinyconv/dist/shard/``) can be read and tested apart from it. A
 *participant* is anyone computing kernels: the master, if it takes part, and
-each worker.
+each worker. The same arithmetic apportions a layer's input channels
+(``by_channels.py``) and a batch's images (``tinyconv/dist/replica/``).
 
 1. :func:`speed_weights` -- the paper's eq. 1. From each participant's time t_i
    for the same benchmark (a convolution of the layer's own shape)::
@@ -11,8 +12,8 @@ each worker.
        w_i = (max_j t_j / t_i) / sum_k (max_j t_j / t_k)
 
    i.e. shares proportional to speed 1/t_i, normalised to sum to 1.
-2. :func:`kernel_counts` -- turns weights into whole kernels that add up to the
-   layer's F exactly (largest-remainder apportionment), and :func:`slices` into
+2. :func:`apportion` -- turns weights into whole kernels (or channels, or images)
+   that add up to the layer's F exactly (largest-remainder apportionment), and :func:`slices` into
    contiguous ranges [start, stop) of the weight tensor's rows.
 
 The paper fixes the split after the benchmark; moving kernels as the measured step
@@ -43,8 +44,9 @@ def speed_weights(times: Sequence[float]) -> list[float]:
     return [r / total for r in ratios]
 
 
-def kernel_counts(weights: Sequence[float], total_kernels: int) -> list[int]:
-    """Split ``total_kernels`` in proportion to ``weights``; the counts sum to it exactly.
+def apportion(weights: Sequence[float], total: int) -> list[int]:
+    """Split ``total`` units (kernels, input channels, images) in proportion to ``weights``; the
+    counts sum to it exactly.
 
     Largest remainder (Hamilton's method): participant i's quota is
     q_i = total * w_i / sum(w); each gets floor(q_i), and the kernels left over go,
@@ -58,10 +60,10 @@ def kernel_counts(weights: Sequence[float], total_kernels: int) -> list[int]:
     would never be timed again, so a later rebalance could never give it work back.
     Such a kernel is taken from whoever holds the most above its quota.
     """
-    if not isinstance(total_kernels, int) or isinstance(total_kernels, bool) or total_kernels < 0:
-        raise ValueError(f"total_kernels must be an int >= 0, got {total_kernels!r}")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        raise ValueError(f"total must be an int >= 0 (the units to apportion), got {total!r}")
     if len(weights) == 0:
-        raise ValueError("kernel_counts needs at least one weight")
+        raise ValueError("apportion needs at least one weight")
     for i, w in enumerate(weights):
         if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
             raise ValueError(f"weight {i} is {w!r}: weights must be finite numbers >= 0")
@@ -70,15 +72,15 @@ def kernel_counts(weights: Sequence[float], total_kernels: int) -> list[int]:
     if weight_sum == 0:
         raise ValueError("all weights are 0: at least one participant must be able to take kernels")
 
-    quotas = [total_kernels * w / weight_sum for w in exact]
+    quotas = [total * w / weight_sum for w in exact]
     counts = [math.floor(q) for q in quotas]
-    left = total_kernels - sum(counts)
+    left = total - sum(counts)
     by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), -exact[i], i))
     for i in by_remainder[:left]:
         counts[i] += 1
 
     positive = [i for i, w in enumerate(exact) if w > 0]
-    if total_kernels >= len(positive):
+    if total >= len(positive):
         for i in positive:
             if counts[i] == 0:
                 donor = max(

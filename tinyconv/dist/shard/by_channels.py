@@ -56,8 +56,8 @@ from transports.base import Message
 
 
 @dataclass
-class Kept:
-    """What a forward keeps for its backward."""
+class ChannelSplitState:
+    """What the master's forward of a layer split by input channels keeps for its backward."""
 
     master: BlockCache | None  # the master's tail over its partial convolution, when it has channels;
     #                            its conv cache is a list, one per chunk
@@ -127,7 +127,7 @@ def chunks(n: int, images: int) -> list[tuple[int, int]]:
 
 def forward(
     op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array, pipeline: int = PIPELINE
-) -> tuple[Array, Kept]:
+) -> tuple[Array, ChannelSplitState]:
     """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels.
 
     ``pipeline``: images per chunk of the pipeline (0: the whole batch at once)."""
@@ -174,7 +174,7 @@ def forward(
         results = op.gather(tasks)
     oh2, ow2 = tail_output_hw(oh, ow, tail)
     parts_y = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in busy]
-    return be.asarray(np.concatenate(parts_y, axis=1)), Kept(cache, x_h.shape, parts)
+    return be.asarray(np.concatenate(parts_y, axis=1)), ChannelSplitState(cache, x_h.shape, parts)
 
 
 def _send_partials(
@@ -230,7 +230,7 @@ def _relay_sums(
     return op.relay(sent, ready, tail_task, arrived)
 
 
-def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array]:
+def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitState) -> tuple[Array | None, Array, Array]:
     """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
     be, busy, m = op.backend, plan.busy, plan.master
     dy_h = be.to_numpy(dy)
@@ -290,7 +290,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[A
 
 
 def _master_conv_backward(
-    op: Op, plan: Plan, kept: Kept, dyc: np.ndarray, dx: np.ndarray | None
+    op: Op, plan: Plan, kept: ChannelSplitState, dyc: np.ndarray, dx: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The master's conv backward through its partial, chunk by chunk, once all of dY_conv is in
     ``dyc`` (F, N, OH, OW): its columns of dx written into ``dx`` (None: not needed), its (dw, db) returned."""

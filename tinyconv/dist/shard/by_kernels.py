@@ -36,14 +36,14 @@ from transports.base import Message
 
 
 @dataclass
-class Kept:
-    """What a forward keeps for its backward."""
+class KernelSplitState:
+    """What the master's forward of a layer split by kernels keeps for its backward."""
 
     master: BlockCache | None  # the master's own block, when it computed one
     x_shape: tuple[int, ...]
 
 
-def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array) -> tuple[Array, Kept]:
+def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array) -> tuple[Array, KernelSplitState]:
     """x (N, C, H, W) -> y (N, F, OH, OW), the block of kernels k_i computed by participant i."""
     be, w, b = op.backend, conv.params["w"], conv.params["b"]
     x_host = op.host(x) if plan.workers else None  # one host copy, sent to every worker
@@ -62,7 +62,7 @@ def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Arr
     results = op.gather(tasks.values())
 
     if not tasks:  # the master computed every kernel: y stays on its device
-        return y_master, Kept(cache, tuple(x.shape))
+        return y_master, KernelSplitState(cache, tuple(x.shape))
     n, _, oh, ow = conv.output_shape(tuple(x.shape))
     oh, ow = tail_output_hw(oh, ow, tail)
     parts = []
@@ -71,10 +71,10 @@ def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Arr
             parts.append(be.to_numpy(y_master))
         else:
             parts.append(op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh, ow)))
-    return be.asarray(np.concatenate(parts, axis=1)), Kept(cache, tuple(x.shape))
+    return be.asarray(np.concatenate(parts, axis=1)), KernelSplitState(cache, tuple(x.shape))
 
 
-def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: Kept) -> tuple[Array | None, Array, Array]:
+def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: KernelSplitState) -> tuple[Array | None, Array, Array]:
     """dy (N, F, OH, OW) -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
     be = op.backend
     dy_host = be.to_numpy(dy) if plan.workers else None

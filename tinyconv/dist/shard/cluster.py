@@ -35,7 +35,7 @@ from tinyconv.layers import Conv2D
 from tinyconv.model import Network
 from tinyconv.dist.accounting import LayerStep, step_record
 from tinyconv.dist.adaptive_precision import formats_of, policy
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights
+from tinyconv.dist.shard.balance import apportion, speed_weights
 from tinyconv.dist.shard.block import tail_of
 from tinyconv.dist.shard.by_channels import PIPELINE
 from tinyconv.dist.calibrate import time_everyone
@@ -44,6 +44,7 @@ from tinyconv.dist.membership import Membership
 from tinyconv.dist.shard.plan import Plan
 from tinyconv.dist.rebalance import Rebalancer
 from tinyconv.dist.rpc import Lost, Rpc
+from tinyconv.dist.wire_codec import Narrowing
 from transports.base import Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -216,11 +217,11 @@ class Cluster(Membership):
             result["times"][name] = layer_times
             result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
             weights = speed_weights(layer_times)  # eq. 1
-            result["shares"][name] = self.counts[name] = kernel_counts(weights, block.conv.out_channels)
+            result["shares"][name] = self.counts[name] = apportion(weights, block.conv.out_channels)
             unit = block.conv.out_channels  # what the rebalancer moves: input channels of a layer split by them
             if self._split_by_channels(block):
                 unit = block.conv.in_channels
-                result["channel_shares"][name] = self.channel_counts[name] = kernel_counts(weights, unit)
+                result["channel_shares"][name] = self.channel_counts[name] = apportion(weights, unit)
             if self.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
                 self.rebalancer.record(name, [unit] * len(self.seats), layer_times)
         self.calibration = result
@@ -256,7 +257,7 @@ class Cluster(Membership):
     def plan(self, block: ShardedBlock) -> Plan:
         """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
         total = block.conv.out_channels
-        counts = self.counts.setdefault(block.name, kernel_counts([1.0] * len(self.seats), total))
+        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.seats), total))
         if sum(counts) != total:
             raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
         channels = None
@@ -264,7 +265,7 @@ class Cluster(Membership):
             c_in = block.conv.in_channels  # does not fit them
             channels = self.channel_counts.get(block.name)
             if channels is None or not _fits(channels, counts, c_in):
-                channels = self.channel_counts[block.name] = kernel_counts([float(k) for k in counts], c_in)
+                channels = self.channel_counts[block.name] = apportion([float(k) for k in counts], c_in)
         return Plan.of(self.seats, counts, block.tail, channels)
 
     def _by_channels(self, conv: Conv2D) -> bool:
@@ -303,10 +304,10 @@ class Cluster(Membership):
         return min(self.recv_timeout, max(10.0, 10 * op_s * max(1.0, batch / calibrated)))
 
     # ---- steps ------------------------------------------------------------------------------
-    def wire_formats(self, block: ShardedBlock) -> dict[str, str]:
-        """Array name -> wire format for ``block``'s ops this step (fixed within a step)."""
+    def codec(self, block: ShardedBlock) -> Narrowing | None:
+        """How ``block``'s ops go on the wire this step (fixed within a step): narrowed, or None for fp32."""
         roles = self._roles.setdefault(block.name, self.wire.roles(block.name))
-        return {} if self.wire_precision == "fp32" else formats_of(roles)  # fp32: the messages as they always were
+        return None if self.wire_precision == "fp32" else Narrowing(formats_of(roles))
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:
         """``block``'s backward is done; with the first block's, the step is."""
@@ -348,7 +349,7 @@ class Cluster(Membership):
             log.info("rebalancing %s %s: %s -> %s (%s)", d.name, what, d.units, proposal, ", ".join(self.participants))
             if d.channels is not None:
                 self.channel_counts[d.name] = proposal
-                proposal = kernel_counts([float(c) for c in proposal], sum(d.counts))
+                proposal = apportion([float(c) for c in proposal], sum(d.counts))
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
@@ -386,12 +387,12 @@ class Cluster(Membership):
         for block in self.blocks:
             times = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
             weights = speed_weights(times) if None not in times else [1.0] * len(times)
-            self.counts[block.name] = kernel_counts(weights, block.conv.out_channels)
+            self.counts[block.name] = apportion(weights, block.conv.out_channels)
             self.channel_counts.pop(block.name, None)
             unit = block.conv.out_channels
             if self._split_by_channels(block):
                 unit = block.conv.in_channels
-                self.channel_counts[block.name] = kernel_counts(weights, unit)
+                self.channel_counts[block.name] = apportion(weights, unit)
             if self.rebalancer is not None and None not in times:
                 self.rebalancer.record(block.name, [unit] * len(times), times)
 

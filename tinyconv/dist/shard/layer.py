@@ -26,7 +26,7 @@ from tinyconv.dist.shard import by_channels, by_kernels
 from tinyconv.dist.accounting import LayerStep, OpStats
 from tinyconv.dist.shard.block import tail_of, tail_output_hw
 from tinyconv.dist.shard.plan import Plan
-from tinyconv.dist.rpc import Lost, Op, Rpc
+from tinyconv.dist.rpc import Codec, Lost, Op, Rpc
 
 
 class Coordinator(Protocol):
@@ -48,7 +48,7 @@ class Coordinator(Protocol):
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
-    def wire_formats(self, block: ShardedBlock) -> dict[str, str]: ...
+    def codec(self, block: ShardedBlock) -> Codec | None: ...
 
 
 @dataclass
@@ -119,10 +119,10 @@ class ShardedBlock(Layer):
 
     def _op(self, what: str, step: int, batch: int) -> Op:
         """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index,
-        its arrays in the cluster's wire formats for the layer."""
+        and go on the wire by the cluster's codec for the layer (None: as they are)."""
         fields = {"step": step, "layer": self.index}
-        timeout, formats = self.cluster.timeout(self, batch), self.cluster.wire_formats(self)
-        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, timeout, formats)
+        timeout, codec = self.cluster.timeout(self, batch), self.cluster.codec(self)
+        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, timeout, codec)
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         n, f, oh, ow = self.conv.output_shape(x_shape)

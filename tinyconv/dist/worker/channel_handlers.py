@@ -10,13 +10,13 @@ pipeline): partial_forward chunk by chunk from image 0, w with the first; tail_f
 others' sums chunk by chunk and runs the tail with the last (b with it); partial_backward goes
 by the forward's chunks, in order. Without ``images`` a task is the whole batch, one chunk.
 
-Each handler is a plain function of the :class:`~tinyconv.dist.worker.handler.Worker` that serves it
-(``Worker`` binds them as its methods); what they keep between a step's tasks is ``kept.py``'s.
+Each handler is a plain function of the worker's :class:`~tinyconv.dist.worker.state.WorkerState`;
+x and w arrive on the backend (``handler.py``'s ON_BACKEND).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,14 +25,12 @@ from tinyconv.dist.shard.block import tail_backward as run_tail_backward
 from tinyconv.dist.shard.block import tail_forward as run_tail
 from tinyconv.dist.shard.by_channels import halo_sum
 from tinyconv.dist.protocol import TaskError
-from tinyconv.dist.worker.kept import Kept, header_span, task_place, task_slot
+from tinyconv.dist.worker.block_handlers import checked_tail
+from tinyconv.dist.worker.state import Handler, OpenStep, WorkerState, header_span, task_place, task_slot
 from transports.wire import Int
 
-if TYPE_CHECKING:  # only for the hints: handler.py imports this module
-    from tinyconv.dist.worker.handler import Worker
 
-
-def partial_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], _: None) -> dict[str, Any]:
+def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """P (F, N, OH, OW), the partial convolution of its input channels for all F kernels, on a chunk
     of images; returns the parts the others need (p_lo = P[:lo_end], p_hi = P[hi_start:]) and keeps
     P over its halo, P[cs:ce], until tail_forward sums it."""
@@ -43,22 +41,22 @@ def partial_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray],
             f"layer {h['layer']}: expected x ({stop - first}, c, H, W) for images [{first}, {stop}) and "
             f"w (F, c, KH, KW), got x {x.shape}" + (f", w {w.shape}" if w is not None else "")
         )
-    be = worker.backend
+    be = state.backend
     settings = [h[key] for key in ("stride", "padding", "tail", "halo", "own", "give")] + [list(x.shape[1:]), n]
     if first == 0:
         if w is None:
             raise TaskError(f"layer {h['layer']}: the first chunk of partial_forward (image 0 on) brings w")
         f = w.shape[0]
-        tail = worker._tail(h, x.shape[2:], w.shape[2:])
+        tail = checked_tail(h, x.shape[2:], w.shape[2:])
         cs, ce = header_span(h, "halo", f)
         own = header_span(h, "own", ce - cs)
         give = h["give"]
         if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
             raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
-        kept = Kept("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=worker._on_backend(w))
+        kept = OpenStep("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=w)
         kept.settings, kept.halo = settings, (cs, ce)
     else:
-        kept = worker.layers.get(task_slot(h))
+        kept = state.open.get(task_slot(h))
         if kept is None or kept.stage != "partial" or kept.step != h["step"] or kept.chunks[-1][1] != first:
             raise TaskError(
                 f"{task_place(h)}: partial_forward of images from {first} on continues the chunk that ends there; "
@@ -69,18 +67,18 @@ def partial_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray],
         if settings != kept.settings:
             raise TaskError(f"{task_place(h)}: a chunk of partial_forward must repeat its first chunk's settings")
     f, (cs, ce) = kept.kernels, kept.halo
-    p, conv = be.conv2d_partial(worker._on_backend(x), kept.w, h["stride"], h["padding"])
+    p, conv = be.conv2d_partial(x, kept.w, h["stride"], h["padding"])
     if first == 0:
         kept.summed = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
     kept.partial.append(p[cs:ce])  # a view; p is not written again, so the parts below go out uncopied
     kept.conv.append(conv)
     kept.chunks.append((first, stop))
-    worker._advance(h, "partial_forward", kept)
+    state.advance(h, "partial_forward", kept)
     lo_end, hi_start = h["give"]
     return ({"p_lo": p[:lo_end]} if lo_end > 0 else {}) | ({"p_hi": p[hi_start:]} if hi_start < f else {})
 
 
-def tail_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
     """Adds ``sum`` (F', N, OH, OW), the others' partials on its halo, to a chunk of its own; with the
     last chunk (and ``b``), y = tail(P[halo] + sum + b) of its own kernels."""
     n, computed, oh, ow = kept.summed.shape
@@ -104,18 +102,18 @@ def tail_forward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], ke
         return {}
     s = kept.summed
     s += b[None, :, None, None]
-    y, kept.cache = run_tail(worker.backend, worker.backend.asarray(s), kept.conv, kept.tail, kept.own)
+    y, kept.cache = run_tail(state.backend, state.backend.asarray(s), kept.conv, kept.tail, kept.own)
     kept.partial, kept.summed = [], None
-    worker._advance(h, "tail_forward", kept)
+    state.advance(h, "tail_forward", kept)
     return {"y": y}
 
 
-def tail_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
     """dyc (own, N, OH, OW), its own kernels' conv-output gradient, from dy over its halo; kept, in
     its rows of all of dY_conv (F, N, OH, OW), for partial_backward to fill in the others'."""
-    be = worker.backend
+    be = state.backend
     try:
-        d = run_tail_backward(be, worker._on_backend(a["dy"]), kept.cache)
+        d = run_tail_backward(be, a["dy"], kept.cache)
     except ValueError as e:
         raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
     d = owned(be, d, kept.cache)
@@ -123,11 +121,11 @@ def tail_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], k
     kept.dyc = np.empty((kept.kernels, d.shape[0], *d.shape[2:]), np.float32)
     kept.dyc[start:stop] = d.transpose(1, 0, 2, 3)
     kept.done = 0  # chunks through partial_backward
-    worker._advance(h, "tail_backward", kept)
+    state.advance(h, "tail_backward", kept)
     return {"dyc": kept.dyc[start:stop]}  # rows partial_backward does not write: sent uncopied
 
 
-def partial_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray], kept: Kept) -> dict[str, Any]:
+def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
     """With the others' dyc before and after its own (dyc_lo, dyc_hi: all of dY_conv, F x N), the
     conv backward through its partial, one forward chunk at a time: the chunk's dx of its input
     channels (if need_dx); dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
@@ -151,7 +149,7 @@ def partial_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray]
     for key, rows in around.items():
         if key in a:
             kept.dyc[rows, first:stop] = a[key]
-    be = worker.backend
+    be = state.backend
     whole = kept.dyc[:, first:stop].transpose(1, 0, 2, 3)  # (images, F, OH, OW), a view
     dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv[kept.done], h["need_dx"])
     kept.done += 1
@@ -162,17 +160,17 @@ def partial_backward(worker: Worker, h: dict[str, Any], a: dict[str, np.ndarray]
     out = {"dx": dx} if h["need_dx"] else {}
     if kept.done < len(kept.chunks):
         return out
-    worker._advance(h, "partial_backward", kept)
+    state.advance(h, "partial_backward", kept)
     return {"dw": dw, "db": db} | out
 
 
-def _own_kernels(kept: Kept) -> tuple[int, int]:
+def _own_kernels(kept: OpenStep) -> tuple[int, int]:
     """Its own kernels' range [start, stop) among all F."""
     return kept.halo[0] + kept.own[0], kept.halo[0] + kept.own[1]
 
 
 def _images(
-    h: dict[str, Any], n: int, kept: Kept | None = None, computed: int | None = None, at: int | None = None
+    h: dict[str, Any], n: int, kept: OpenStep | None = None, computed: int | None = None, at: int | None = None
 ) -> tuple[int, int, int]:
     """Header ``images`` = [a, b, N], a chunk of a batch of N: (a, b, N), checked; absent: (0, n, n),
     the whole batch. For a task that continues a layer (``kept``), N must be its batch, a must be
@@ -188,3 +186,11 @@ def _images(
             f"the next chunk starts at image {at}, and its forward has images up to {computed}"
         )
     return v[0], v[1], v[2]
+
+
+HANDLERS: dict[str, Handler] = {
+    "partial_forward": partial_forward,
+    "tail_forward": tail_forward,
+    "tail_backward": tail_backward,
+    "partial_backward": partial_backward,
+}

@@ -1,4 +1,4 @@
-"""``tinyconv simulate``: options, the prediction table and its CSV (the model: ``model.py``, ``link.py``)."""
+"""``tinyconv simulate``: options, the prediction table and its CSV (the model: ``predict.py``, ``link.py``)."""
 
 from __future__ import annotations
 

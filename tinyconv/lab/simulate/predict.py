@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tinyconv.dist.shard.balance import kernel_counts, speed_weights
+from tinyconv.dist.shard.balance import apportion, speed_weights
 from tinyconv.dist.shard.plan import Plan
 from tinyconv.lab.eq2 import FP32_WORDS, ConvShape, block_bytes, channel_split_bytes, wire_words
 from tinyconv.lab.simulate.devices import Device
@@ -118,7 +118,7 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
     f, c = conv.w[0], conv.w[1]
     costs = [d.fuse[fuse].layers[layer] for d in parts]
     if counts is None:
-        counts = kernel_counts(speed_weights([cost.time(f) for cost in costs]), f)  # eq. 1
+        counts = apportion(speed_weights([cost.time(f) for cost in costs]), f)  # eq. 1
     elif len(counts) != len(parts) or sum(counts) != f or min(counts) < 0:
         raise ValueError(f"{conv.name}: a split of {f} kernels among {len(parts)} participants, got {list(counts)}")
     counts = list(counts)
