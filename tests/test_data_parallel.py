@@ -19,8 +19,8 @@ from test_example import SMOKE, _processes_with, run_example
 
 from backends.conformance.runner import FN, Expected, assert_close
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist import runtime
 from tinyconv.dist.protocol import VERSION, TaskError, check_task
-from tinyconv.dist.replica import batch as batch_split
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.hybrid import Hybrid
 from tinyconv.dist.replica.server import UNIT, Replicas
@@ -221,7 +221,7 @@ def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_wo
     # each participant times the whole batch, more than its share of a step: kept (tinyconv/dist/heap.py),
     # that memory would stay the run's peak, so both sides give it back once they have timed
     released = []
-    monkeypatch.setattr(batch_split, "release_freed_memory", lambda: released.append("master"))
+    monkeypatch.setattr(runtime, "release_freed_memory", lambda: released.append("master"))
     monkeypatch.setattr(worker_replica, "release_freed_memory", lambda: released.append("worker"))
     with inproc_pool(1) as (transport, workers):
         split = split_by(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, image_size=SIZE,
