@@ -20,11 +20,11 @@ from test_example import SMOKE, _processes_with, run_example
 from backends.conformance.runner import FN, Expected, assert_close
 from backends.numpy_backend import NumpyBackend
 from tinyconv.dist import runtime
+from tinyconv.dist.pool import distribute
 from tinyconv.dist.protocol import VERSION, TaskError, check_task
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.hybrid import Hybrid
 from tinyconv.dist.replica.server import UNIT, Replicas
-from tinyconv.dist.replica.start import replicate
 from tinyconv.dist.rpc import Lost
 from tinyconv.dist.worker import replica_handlers as worker_replica
 from tinyconv.dist.worker.handler import Worker
@@ -203,6 +203,7 @@ def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_i
     # the master's run "takes" 0.05 s: the worker gets 10 x (1 + 1 repeat) x 0.05 = 1 s, not recv_timeout's 0.2
     net = paper_net("2:4", NumpyBackend(), "lrn", seed=0, image_size=SIZE)
     with inproc_pool(1, lambda i: SlowCalibration(NumpyBackend(), 0.5)) as (transport, workers):
+
         def replicas_timing_own_as(seconds: float) -> Replicas:
             replicas = Replicas(transport, workers, NumpyBackend(), recv_timeout=0.2, image_size=SIZE,
                                 calibration_repeats=1)  # fmt: skip
@@ -275,9 +276,9 @@ def test_replica_tasks_are_checked_before_any_work():
     assert reply.kind == "error" and "above this worker's limit" in reply.header["message"]
 
 
-def test_replicate_starts_inproc_workers_and_stops_them():
+def test_distribute_data_parallel_starts_inproc_workers_and_stops_them():
     net = paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE)
-    with replicate(net, "inproc", 1, batch_size=4, image_size=SIZE, recv_timeout=TIMEOUT) as replicas:
+    with distribute(net, "inproc", 1, parallel="data", batch_size=4, image_size=SIZE, recv_timeout=TIMEOUT) as replicas:
         assert sum(replicas.calibration["shares"][UNIT]) == 4
         replicas.train_batch(net, *batch(4))
         assert replicas.last_step["parallel"] == "data"

@@ -41,7 +41,7 @@ _API = {
     # training
     "SGD": "tinyconv.optim",
     "Trainer": "tinyconv.trainer",
-    "TrainConfig": "tinyconv.trainer",
+    "TrainConfig": "tinyconv.train_config",
     "load_dataset": "tinyconv.data",
     "synthetic_dataset": "tinyconv.data",
     "check_layer": "tinyconv.gradcheck",
@@ -55,6 +55,7 @@ _API = {
     "Cluster": "tinyconv.dist.shard.cluster",
 }
 __all__ = ["__version__", *_API]
+
 
 def __getattr__(name: str) -> Any:
     if name not in _API:

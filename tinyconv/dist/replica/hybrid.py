@@ -44,8 +44,8 @@ to 4096 x 4096 fully connected layers: there the classifier is most of the weigh
 hybrid saves at any batch.
 
 Shares, calibration (on the conv part's forward + backward), the rebalancer, lost and joining
-workers are data parallelism's (``batch.py``): a worker lost in either round has its images
-given to the others and the step runs again from its forward.
+workers are data parallelism's (``batch.py``, ``tinyconv/dist/runtime.py``): a worker lost in
+either round has its images given to the others and the step runs again from its forward.
 """
 
 from __future__ import annotations

@@ -37,11 +37,13 @@ Images are shared like kernels: eq. 1 on the calibrated times, then the rebalanc
 images as its units. A worker lost during a step (gone, silent past the timeout, non-finite
 numbers) is dropped as in the model-parallel cluster: its images go to the others by eq. 1
 on their calibrated times and the step runs again from the start. That machinery is the
-hybrid's too (``hybrid.py``), and lives once in ``batch.py``; this file is the step.
+hybrid's too (``hybrid.py``), and lives once in ``batch.py`` and, what the model split shares,
+``tinyconv/dist/runtime.py``; this file is the step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -49,11 +51,12 @@ import numpy as np
 from backends.base import Array
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.batch import UNIT, BatchSplit
+from tinyconv.dist.replica.conv_part import feature_shape
 from tinyconv.dist.replica.replica import build, slice_gradients, time_replica
 from tinyconv.model import Network
 from transports.base import Message
 
-__all__ = ["UNIT", "Replicas", "logits_width"]
+__all__ = ["UNIT", "Replicas", "logits_width", "replica_message_bytes"]
 
 
 class Replicas(BatchSplit):
@@ -110,6 +113,17 @@ class Replicas(BatchSplit):
         logits_be = net.backend.asarray(np.concatenate([logits[k] for k in cut.order]))
         loss, _ = net.training_loss(smoothing)(logits_be, y)
         return loss, logits_be
+
+
+def replica_message_bytes(net: Network, batch: int, image_size: int = 32) -> int:
+    """The most array bytes one replica or hybrid task or result can carry at ``batch`` images: the
+    weights (or gradients) and the statistics, all of the batch's images, labels (as int64), logits
+    and features (the hybrid's, or their gradient)."""
+    p, b = sum(flat.sizes(net)), sum(flat.sizes(net, "buffers"))
+    in_channels = next(layer for layer in net.layers if "w" in layer.params).params["w"].shape[1]
+    features = math.prod(feature_shape(net, image_size))
+    per_image = 4 * in_channels * image_size * image_size + 8 + 4 * logits_width(net) + 4 * features
+    return 4 * (p + b) + batch * per_image
 
 
 def logits_width(net: Network) -> int:

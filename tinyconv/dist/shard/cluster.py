@@ -2,7 +2,8 @@
 
     cluster = Cluster(transport, workers, backend)   # workers: the transport's hellos
     cluster.calibrate(net, batch_size=64)            # attaches, times everyone (calibrate.py), eq. 1
-    ... train: net.forward, net.backward ...         # each ShardedBlock asks plan() and runs its split
+    cluster.train_batch(net, x, y)                   # net.forward, net.backward: each ShardedBlock
+                                                     # asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
 Participants, in this order everywhere (plans, shares, times): the master first if it
@@ -18,7 +19,8 @@ included, which holds every weight and can always finish alone) and the op runs 
 (:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
 the layers' shapes and given a share at the next step boundary. Either way each layer is
 split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
-records it.
+records it. That much every parallelism shares (``tinyconv/dist/runtime.py``); this file is
+what the paper's split adds: the sharded layers, their plans, deadlines and step records.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tinyconv.dist.shard.layer import ShardedBlock, block_inputs
 from tinyconv.dist.shard.plan import Plan
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
+from tinyconv.parallel import forward_backward
 from transports.base import Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class Cluster(Runtime):
     they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
+    ``image_size``: the side of the images :meth:`calibrate` times the layers on.
     ``master_share``, ``rebalance``, ``rebalancer``, ``recv_timeout`` (also the most before a
     link is measured: :meth:`timeout`), ``calibration_repeats``: :class:`~tinyconv.dist.runtime.Runtime`'s.
     """
@@ -87,6 +91,7 @@ class Cluster(Runtime):
         calibration_repeats: int = 3,
         wire_precision: str = "fp32",
         pipeline: int = PIPELINE,
+        image_size: int = 32,
     ) -> None:
         super().__init__(
             transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
@@ -104,7 +109,7 @@ class Cluster(Runtime):
         self.pipeline = pipeline
         self.fuse = fuse
         self.blocks: list[ShardedBlock] = []  # of the attached network, in order
-        self.image_size = 32  # the calibrated images' side
+        self.image_size = image_size  # the side of the images it is calibrated on
         self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
@@ -150,18 +155,15 @@ class Cluster(Runtime):
     def train_batch(
         self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
     ) -> tuple[float, Array]:
-        """One forward + backward of the attached ``net`` on the batch x (N, C, H, W), y (N,): its
-        sharded blocks run their splits on the way (``layer.py``). Returns (the mean loss, the logits);
-        a loss that is not finite returns before the backward, which would spread it to every worker."""
-        logits = net.forward(net.backend.asarray(x), training=True)
-        loss, dlogits = net.training_loss(smoothing)(logits, y)
-        if np.isfinite(loss):
-            net.backward(dlogits)
-        return loss, logits
+        """One forward + backward of the attached ``net`` on the batch x (N, C, H, W), y (N,), as on the
+        master alone (:func:`~tinyconv.parallel.forward_backward`): its sharded blocks run their splits
+        on the way (``layer.py``). Returns (the mean loss, the logits)."""
+        return forward_backward(net, x, y, smoothing)
 
-    def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
+    def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
         """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
-        ``batch_size`` images of ``image_size`` pixels, and split each layer by the paper's eq. 1.
+        ``batch_size`` images of ``image_size`` pixels (default: the cluster's), and split each layer
+        by the paper's eq. 1.
 
         The times also go to the rebalancer, if any, as each participant's time for all F kernels
         (all C channels) of the layer: with the first step's, at the calibrated split, it has two
@@ -172,7 +174,7 @@ class Cluster(Runtime):
              "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
         """
         self.attach(net)
-        self.image_size = image_size
+        self.image_size = image_size or self.image_size
         result = super().calibrate(net, batch_size)
         result["shapes"] = {b.name: {"x": s["x"], "w": s["w"]} for b, s in zip(self.blocks, self._specs, strict=True)}
         return result
