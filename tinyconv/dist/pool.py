@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 from backends.registry import get_backend
@@ -153,13 +154,12 @@ def worker_pool(
 ) -> Iterator[tuple[Transport, list[WorkerInfo]]]:
     """Yield (transport, the workers' hellos) for ``n_workers`` >= 1 workers.
 
-    transport "inproc": ``n_workers`` threads, each with its own ``worker_backend``.
-    "mpi": the ranks 1..n_workers that ``mpiexec`` started beside this one (rank 0).
-    Any other (zmq, or one registered by another package): the master binds ``bind``
-    (default: a free loopback port for local workers, ``tcp://*:5555`` with ``external``);
-    without ``external`` it starts ``n_workers`` worker processes here, with ``external`` it
-    announces the command to run on the other machines and waits for them. A peer silent for
-    ``peer_timeout`` seconds is gone (on both sides).
+    transport "inproc": ``n_workers`` threads, each with its own ``worker_backend``. "mpi": the
+    ranks 1..n_workers that ``mpiexec`` started beside this one (rank 0). Any other (zmq, or one
+    registered by another package): the master binds ``bind`` (default: a free loopback port for
+    local workers, ``tcp://*:5555`` with ``external``); without ``external`` it starts ``n_workers``
+    worker processes here, with ``external`` it announces the command to run on the other machines
+    and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
 
     Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``), the
     master's secret ``key`` file and the folder of the workers' public keys,
@@ -170,34 +170,23 @@ def worker_pool(
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
     stack, keys = ExitStack(), None  # the temporary key folder of local workers, if any
-    if transport == "inproc":
-        if external:
-            raise ValueError("--external-workers needs --transport zmq: in-process workers are threads here")
-        device = {"device": worker_device} if worker_device else {}
-        factory = lambda i: Worker(get_backend(worker_backend, **device))  # noqa: E731
-        pool = get_transport("inproc", handler_factory=factory, protocol=VERSION)
-    elif transport == "mpi":  # the workers are the other ranks mpiexec started (transports/mpi_worker.py)
-        if external:
-            raise ValueError("--external-workers is for zmq: under mpi the workers are the ranks mpiexec started")
-        pool = get_transport("mpi", peer_timeout_s=peer_timeout, protocol=VERSION, max_message_bytes=max_message_bytes)
-    else:
+    pool = _in_process(transport, worker_backend, worker_device, external, peer_timeout, max_message_bytes)
+    bound = pool is None  # the master binds an address that workers connect to
+    if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes}
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
-    procs: list[subprocess.Popen] = []
-    command = ""  # how a worker joins this master, for the messages
+    procs, command = [], ""  # local worker processes; how a worker joins this master, for the messages
     try:
-        if transport not in ("inproc", "mpi"):
+        if bound:
             command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external)
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
-        elif transport not in ("inproc", "mpi"):
+        elif bound:
             extra = _local_worker_args(worker_device, peer_timeout, keys)
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
-            procs = spawn_local_workers(
-                n_workers, connect, worker_backend, extra, worker_threads, stderr=subprocess.PIPE
-            )
+            procs = spawn_local_workers(n_workers, connect, worker_backend, extra, worker_threads, stderr=PIPE)
         yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
@@ -206,6 +195,25 @@ def worker_pool(
             codes = stop_workers(procs)
             if any(c not in (0, None) for c in codes):
                 print(f"note: local workers exited with codes {codes}", file=sys.stderr)
+
+
+def _in_process(
+    transport: str, backend: str, device: str | None, external: bool, peer_timeout: float, max_bytes: int
+) -> Transport | None:
+    """The master's end of "inproc" (its workers: threads here, each with its own ``backend``) or "mpi"
+    (the other ranks mpiexec started, ``transports/mpi_worker.py``); None for a transport that binds."""
+    if transport not in ("inproc", "mpi"):
+        return None
+    if external:
+        raise ValueError(
+            "--external-workers needs --transport zmq: in-process workers are threads here"
+            if transport == "inproc"
+            else "--external-workers is for zmq: under mpi the workers are the ranks mpiexec started"
+        )
+    if transport == "mpi":
+        return get_transport("mpi", peer_timeout_s=peer_timeout, protocol=VERSION, max_message_bytes=max_bytes)
+    options = {"device": device} if device else {}
+    return get_transport("inproc", handler_factory=lambda i: Worker(get_backend(backend, **options)), protocol=VERSION)
 
 
 def _local_worker_args(device: str | None, peer_timeout: float, keys: tuple | None) -> list[str]:
