@@ -57,8 +57,7 @@ from tinyconv.data import Dataset, load_dataset  # noqa: E402
 from tinyconv.dist.adaptive_precision import SETTINGS  # noqa: E402
 from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
 from tinyconv.dist.rebalance import Rebalancer  # noqa: E402
-from tinyconv.dist.replica.batch import BatchSplit  # noqa: E402
-from tinyconv.dist.replica.start import replicate  # noqa: E402
+from tinyconv.dist.runtime import Runtime  # noqa: E402
 from tinyconv.dist.worker.handler import Worker  # noqa: E402
 from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_bytes  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
@@ -137,6 +136,7 @@ def preset_default(key: str) -> str:
 
 def _preset(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preset (a whole recipe by name; any option below given beside it wins)")
+
     def about(p: Preset) -> str:  # with its figures where both are measured
         if p.expected_accuracy is None or p.expected_minutes is None:
             return f"{p.name}: {p.about}"
@@ -425,8 +425,11 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
     if args.wire_precision != "fp32" and args.parallel in BY_IMAGES:
         raise UsageError(
             f"--wire-precision {args.wire_precision} narrows the shards of --parallel model; "
-            + ("the replicas of --parallel data send their weights and gradients" if args.parallel == "data" else
-               "--parallel hybrid sends its weights, gradients and features")
+            + (
+                "the replicas of --parallel data send their weights and gradients"
+                if args.parallel == "data"
+                else "--parallel hybrid sends its weights, gradients and features"
+            )
             + " in float32: drop one of them"
         )
     kernels = architecture(args)
@@ -591,17 +594,17 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | BatchSplit | None:
-    """The workers and the cluster sharing net's convolutions (--parallel model) or its batches
+def start_cluster(args: argparse.Namespace, net: tc.Network) -> Runtime | None:
+    """The workers and the runtime sharing net's convolutions (--parallel model) or its batches
     (--parallel data, hybrid) with them; None with --workers 0."""
     if args.workers == 0:
         return None
-    if args.parallel in BY_IMAGES:
-        return start_replicas(args, net)
+    model = {"fuse": args.fuse == "on", "split": args.split, "wire_precision": args.wire_precision}
     cluster = tc.distribute(
         net,
         args.transport,
         args.workers,
+        parallel=args.parallel,
         worker_backend=args.worker_backend or args.backend,
         worker_device=args.worker_device,
         bind=args.bind,
@@ -618,40 +621,12 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> tc.Cluster | Bat
         master_share=args.master_share,
         rebalance=args.rebalance == "on",
         rebalancer=Rebalancer(threshold=args.rebalance_threshold),
-        fuse=args.fuse == "on",
-        split=args.split,
-        wire_precision=args.wire_precision,
+        **(model if args.parallel == "model" else {}),
     )
+    what = {"data": ", a whole replica", "hybrid": ", the convolutions of a replica (hybrid)"}.get(args.parallel, "")
     for w in cluster.workers:
-        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'})")
+        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}){what}")
     return cluster
-
-
-def start_replicas(args: argparse.Namespace, net: tc.Network) -> BatchSplit:
-    """The workers and the replicas of net on them, each to train (--parallel hybrid: to run the conv
-    part) on a share of every batch."""
-    replicas = replicate(
-        net,
-        args.transport,
-        args.workers,
-        worker_backend=args.worker_backend or args.backend,
-        batch_size=args.batch_size,
-        calibrate=False,  # below, once the workers are printed and the run recorded
-        pool_options={
-            "worker_device": args.worker_device, "bind": args.bind, "external": args.external_workers,
-            "worker_threads": args.worker_threads, "peer_timeout": args.peer_timeout, "key": args.key,
-            "authorized_keys": args.authorized_keys, "insecure": args.insecure,
-            "start_timeout": args.start_timeout or (600.0 if args.external_workers else 60.0),
-        },  # fmt: skip
-        master_share=args.master_share,
-        rebalance=args.rebalance == "on",
-        rebalancer=Rebalancer(threshold=args.rebalance_threshold),
-        parallel=args.parallel,
-    )
-    what = "a whole replica" if args.parallel == "data" else "the convolutions of a replica (hybrid)"
-    for w in replicas.workers:
-        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}), {what}")
-    return replicas
 
 
 def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str] | None, net, backend, cluster) -> None:
@@ -672,7 +647,7 @@ def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str]
     )
 
 
-def split_layers(args: argparse.Namespace, cluster: tc.Cluster | BatchSplit, trainer: Trainer) -> None:
+def split_layers(args: argparse.Namespace, cluster: Runtime, trainer: Trainer) -> None:
     """Split each layer: by the calibrated speeds, or equally (--plan equal)."""
     if args.plan == "equal":
         print(f"equal shares ({', '.join(cluster.participants)}), pinned by --plan equal")

@@ -12,6 +12,8 @@ import pytest
 import tinyconv as tc
 from backends.base import Backend
 from backends.conformance.runner import FN, Expected, assert_close
+from tinyconv.metrics import MetricsWriter, read_metrics
+from tinyconv.parallel import forward_backward
 
 RNG = np.random.default_rng(5)
 X = RNG.standard_normal((4, 3, 16, 16)).astype(np.float32)
@@ -165,9 +167,10 @@ CHECKS = {
     "BatchNorm2D": lambda: _layer(lambda be: tc.BatchNorm2D(be, 3), (2, 3, 5, 5), (2, 3, 5, 5)),
     "MaxPool2D": lambda: _layer(tc.MaxPool2D, (2, 3, 6, 6), (2, 3, 3, 3)),
     "Linear": lambda: _layer(lambda be: tc.Linear(be, 12, 5), (2, 3, 2, 2), (2, 5)),
-    "SoftmaxCrossEntropy": lambda: tc.SoftmaxCrossEntropy(tc.get_backend("numpy"))(
-        np.zeros((2, 10), np.float32), np.array([0, 1])
-    )[0] == pytest.approx(np.log(10)),
+    "SoftmaxCrossEntropy": lambda: (
+        tc.SoftmaxCrossEntropy(tc.get_backend("numpy"))(np.zeros((2, 10), np.float32), np.array([0, 1]))[0]
+        == pytest.approx(np.log(10))
+    ),
     "SGD": lambda: tc.SGD(small_net(), lr=0.1).lr == 0.1,
     "Trainer": _trainer,
     "TrainConfig": lambda: tc.TrainConfig().batch_size == 64,
@@ -192,3 +195,69 @@ def test_every_export_is_checked():
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_export(name):
     assert CHECKS[name]() is not False
+
+
+# ---- one door for every parallelism ----------------------------------------------------------------------
+class _Recorder:
+    """A runtime as the trainer sees it (tinyconv.parallel.Parallel): the master's step, counted."""
+
+    splits = "images"
+    counts: dict = {}
+    channel_counts: dict = {}
+    participants = ["master"]
+
+    def __init__(self) -> None:
+        self.step, self.last_step, self.batches, self.events = 0, None, [], [{"event": "worker_joined", "step": 0}]
+
+    def train_batch(self, net, x, y, smoothing=0.0):
+        self.batches.append(len(x))
+        self.step += 1
+        self.last_step = {"comm_s": 0.5, "conv_s": 0.0, "bytes_sent": 7, "bytes_recv": 9, "shares": {"batch": [4]}}
+        self.last_step |= {"participants": ["master"], "participant_bytes_sent": [7], "participant_bytes_recv": [9]}
+        return forward_backward(net, x, y, smoothing)
+
+    def set_plan(self, layer, counts, channels=None) -> None:
+        raise AssertionError("not called: nothing to restore")
+
+    def pop_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_trainer_hands_every_step_to_the_runtime_whatever_it_splits(tmp_path):
+    data = tc.synthetic_dataset(n_train=8, n_test=4, image_size=16, seed=0)
+    config = tc.TrainConfig(epochs=1, batch_size=4, augment=False, eval_batch_size=4, progress=False)
+    runtime = _Recorder()
+    metrics = MetricsWriter(tmp_path / "run.jsonl")
+    tc.Trainer(small_net(), data, config, metrics, runtime).fit()
+    metrics.close()
+    assert runtime.batches == [4, 4]
+    records = read_metrics(tmp_path / "run.jsonl")
+    steps = [r for r in records if r["event"] == "step"]
+    assert [(r["bytes_sent"], r["comm_s"], r["shares"]) for r in steps] == [(7, 0.5, {"batch": [4]})] * 2
+    assert [r["event"] for r in records].count("worker_joined") == 1
+
+
+def test_the_framework_never_imports_the_runtime_the_lab_or_a_transport():
+    import ast
+    from pathlib import Path
+
+    framework = Path(tc.__file__).parent
+    for path in sorted(framework.glob("*.py")):
+        if path.name == "cli.py":  # the command line dispatches to every part (tinyconv worker, experiment, ...)
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n.startswith(("tinyconv.dist", "tinyconv.lab", "transports"))]
+            assert not bad, f"{path.name} imports {bad}"
+
+
+def test_distribute_takes_the_model_splits_options_for_the_model_split_alone():
+    with pytest.raises(ValueError, match="split: for parallel='model' only, not 'data'"):
+        tc.distribute(small_net(), "inproc", 1, parallel="data", split="kernels")
+    with pytest.raises(ValueError, match="parallel must be one of model, data, hybrid"):
+        tc.distribute(small_net(), "inproc", 1, parallel="pipeline")

@@ -19,12 +19,12 @@ from test_example import SMOKE, _processes_with, run_example
 
 from backends.conformance.runner import FN, Expected, assert_close
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist import runtime
+from tinyconv.dist.pool import distribute
 from tinyconv.dist.protocol import VERSION, TaskError, check_task
-from tinyconv.dist.replica import batch as batch_split
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.hybrid import Hybrid
 from tinyconv.dist.replica.server import UNIT, Replicas
-from tinyconv.dist.replica.start import replicate
 from tinyconv.dist.rpc import Lost
 from tinyconv.dist.worker import replica_handlers as worker_replica
 from tinyconv.dist.worker.handler import Worker
@@ -222,7 +222,7 @@ def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_wo
     # each participant times the whole batch, more than its share of a step: kept (tinyconv/dist/heap.py),
     # that memory would stay the run's peak, so both sides give it back once they have timed
     released = []
-    monkeypatch.setattr(batch_split, "release_freed_memory", lambda: released.append("master"))
+    monkeypatch.setattr(runtime, "release_freed_memory", lambda: released.append("master"))
     monkeypatch.setattr(worker_replica, "release_freed_memory", lambda: released.append("worker"))
     with inproc_pool(1) as (transport, workers):
         split = split_by(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, image_size=SIZE,
@@ -278,9 +278,9 @@ def test_replica_tasks_are_checked_before_any_work():
     assert reply.kind == "error" and "above this worker's limit" in reply.header["message"]
 
 
-def test_replicate_starts_inproc_workers_and_stops_them():
+def test_distribute_data_parallel_starts_inproc_workers_and_stops_them():
     net = paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE)
-    with replicate(net, "inproc", 1, batch_size=4, image_size=SIZE, recv_timeout=TIMEOUT) as replicas:
+    with distribute(net, "inproc", 1, parallel="data", batch_size=4, image_size=SIZE, recv_timeout=TIMEOUT) as replicas:
         assert sum(replicas.calibration["shares"][UNIT]) == 4
         replicas.train_batch(net, *batch(4))
         assert replicas.last_step["parallel"] == "data"

@@ -30,12 +30,12 @@ from test_example import SMOKE, _processes_with, run_example
 
 from backends.conformance.runner import Expected, assert_close
 from backends.numpy_backend import NumpyBackend
+from tinyconv.dist.pool import distribute
 from tinyconv.dist.protocol import TaskError, check_task
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.conv_part import conv_part, feature_shape
 from tinyconv.dist.replica.hybrid import UNIT, Hybrid
 from tinyconv.dist.replica.server import Replicas
-from tinyconv.dist.replica.start import replicate
 from tinyconv.dist.worker.handler import Worker
 from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import read_metrics
@@ -254,14 +254,14 @@ def test_the_worker_keeps_its_forward_for_the_steps_backward_only():
     assert reply.kind == "error" and "nothing kept" in reply.header["message"]
 
 
-def test_replicate_starts_hybrid_workers_and_stops_them():
+def test_distribute_hybrid_starts_hybrid_workers_and_stops_them():
     net = paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE)
-    with replicate(net, "inproc", 1, batch_size=4, image_size=SIZE, recv_timeout=TIMEOUT, parallel="hybrid") as h:
+    with distribute(net, "inproc", 1, parallel="hybrid", batch_size=4, image_size=SIZE, recv_timeout=TIMEOUT) as h:
         assert isinstance(h, Hybrid) and sum(h.calibration["shares"][UNIT]) == 4
         h.train_batch(net, *batch(4))
         assert h.last_step["parallel"] == "hybrid"
-    with pytest.raises(ValueError, match="parallel must be one of data, hybrid"):
-        replicate(net, "inproc", 1, parallel="pipeline")
+    with pytest.raises(ValueError, match="parallel must be one of model, data, hybrid"):
+        distribute(net, "inproc", 1, parallel="pipeline")
 
 
 # ---- the main job ----------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ In a shell or a notebook::
     loss = net.train_step(x, y)                         # now the convolutions run in shards
     cluster.last_step["shares"]                         # who computed how many kernels
     cluster.close()                                     # the network's own layers back, workers stopped
+    replicas = tc.distribute(net, workers=2, parallel="data")  # or "hybrid": each batch shared by images
+    loss, logits = replicas.train_batch(net, x, y)      # every parallelism's step: net's grads filled
 
 Each name is imported on its first use, so that ``tinyconv worker --threads N`` can set
 the BLAS thread count before anything loads numpy.
@@ -41,7 +43,7 @@ _API = {
     # training
     "SGD": "tinyconv.optim",
     "Trainer": "tinyconv.trainer",
-    "TrainConfig": "tinyconv.trainer",
+    "TrainConfig": "tinyconv.train_config",
     "load_dataset": "tinyconv.data",
     "synthetic_dataset": "tinyconv.data",
     "check_layer": "tinyconv.gradcheck",
@@ -55,6 +57,7 @@ _API = {
     "Cluster": "tinyconv.dist.shard.cluster",
 }
 __all__ = ["__version__", *_API]
+
 
 def __getattr__(name: str) -> Any:
     if name not in _API:

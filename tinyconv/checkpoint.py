@@ -10,8 +10,12 @@ checkpoint or the new one, never half of one; the temporary file a crashed save 
 behind is removed by the next save.
 
 Reading checks everything before a run relies on it: a truncated, corrupted or empty
-file, a missing or wrong-typed field, and (:func:`check_compatible`) a checkpoint of
-another network or batch size each give one ValueError that says what is wrong.
+file, a missing or wrong-typed field, and (:func:`check_compatible`, :func:`check_resumable`) a
+checkpoint of another network, batch size, epoch length or warm-up each give one ValueError that
+says what is wrong.
+
+A distributed run's checkpoint also keeps its split (:func:`plan_of`): a run of the same
+participants takes it up again (:func:`restore_plan`), any other keeps its own.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tinyconv.model import Network
+    from tinyconv.parallel import Parallel
 
 FORMAT = "tinyconv-checkpoint-2"  # parameters keyed by layer name ("conv1.w")
 TMP_SUFFIX = ".tmp"
@@ -201,3 +209,67 @@ def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], batch_s
             f"checkpoint {path} is from another run: {'; '.join(differ)}; resume with the options it was written "
             "with (the same --arch, --norm, --pool and --batch-size)"
         )
+
+
+def check_resumable(
+    ck: Checkpoint, model_config: dict[str, Any], batch_size: int, steps_per_epoch: int, warmup_steps: int
+) -> None:
+    """Raise ValueError unless a run of ``model_config`` at ``batch_size``, with epochs of
+    ``steps_per_epoch`` and ``warmup_steps`` of warm-up, can take up ``ck`` where it stopped."""
+    meta = ck.meta
+    check_compatible(meta, model_config, batch_size, ck.path)
+    if meta["batch_in_epoch"] > steps_per_epoch:
+        raise ValueError(
+            f"checkpoint {ck.path} stopped after batch {meta['batch_in_epoch']} of an epoch, but this "
+            f"run's epochs have {steps_per_epoch}: was it trained on another dataset?"
+        )
+    config = meta["train_config"]
+    if "warmup" in config:  # written since: the run's own options decide, as for the lr or the epochs
+        return
+    # from before ``warmup`` (a fraction) it warmed up for ``warmup_epochs`` epochs, 1 by default: resumed
+    # with another warm-up, its schedule would jump, so it is refused unless the same
+    epochs = config.get("warmup_epochs", 1.0)
+    theirs = int(epochs * steps_per_epoch)
+    if theirs != warmup_steps:
+        raise ValueError(
+            f"checkpoint {ck.path} was trained with a {epochs:g}-epoch warm-up ({theirs} steps), from before "
+            f"--warmup; this run's is {warmup_steps} steps: resume it with --warmup-epochs {epochs:g}"
+        )
+
+
+def check_momentum(ck: Checkpoint, net: Network) -> None:
+    """Raise ValueError unless ``ck`` has a momentum buffer of the right shape for each of ``net``'s parameters."""
+    for key, layer, name in net.named_params():
+        v = ck.optim.get(key)
+        if v is None or tuple(v.shape) != tuple(layer.params[name].shape):
+            got = "nothing" if v is None else f"shape {tuple(v.shape)}"
+            raise ValueError(f"checkpoint {ck.path} has {got} for the momentum of {key}: it is damaged")
+
+
+def plan_of(runtime: Parallel | None) -> dict[str, Any] | None:
+    """The runtime's split, to save: its participants and their counts (kernels, images) and input
+    channels per unit; None when nothing is distributed."""
+    if runtime is None:
+        return None
+    counts = {k: [int(n) for n in v] for k, v in runtime.counts.items()}
+    channels = {k: [int(n) for n in v] for k, v in runtime.channel_counts.items()}
+    return {"participants": list(runtime.participants), "counts": counts, "channel_counts": channels}
+
+
+def restore_plan(runtime: Parallel | None, plan: dict[str, Any] | None) -> tuple[str | None, bool]:
+    """Give ``runtime`` the split ``plan`` saved, if it is of the same units and participants ->
+    (a line saying what happened, None if nothing is distributed or saved; whether it was restored)."""
+    if runtime is None or plan is None:
+        return None, False
+    theirs = "images" if "batch" in plan["counts"] else "kernels"  # a split of the batch counts its "batch"
+    if theirs != runtime.splits:  # a model-parallel checkpoint resumed data-parallel, or the other way
+        return f"the checkpoint's split is not of {runtime.splits}: keeping this run's split", False
+    if plan["participants"] != runtime.participants:
+        return (
+            f"the checkpoint's split is for {', '.join(plan['participants'])}, this run has "
+            f"{', '.join(runtime.participants)}: keeping this run's split"
+        ), False
+    for layer, counts in plan["counts"].items():
+        runtime.set_plan(layer, counts, plan["channel_counts"].get(layer))
+    shares = "; ".join(f"{layer}: {counts}" for layer, counts in plan["counts"].items())
+    return f"the checkpoint's split restored ({', '.join(runtime.participants)}): {shares or 'equal'}", True

@@ -4,16 +4,16 @@ One step: take a batch of uint8 images, augment (random crop + flip), normalise 
 channel, move to the backend, forward + loss + backward, SGD update. The first three are
 done ahead, on a thread, while the step before computes (``tinyconv/prefetch.py``,
 ``prefetch`` batches ahead; 0 makes each in the step): the same batches, bit for bit, and
-each step records how long it waited for its batch (``data_wait_s``). Convolutions
-may be distributed (``tinyconv.distribute`` puts sharded layers in the network); the
-loop is the same either way, it only asks the cluster for the step's comm/conv split
-and its events to record. Data-parallel (``tinyconv/dist/replica/``), the forward and backward
-are the replicas' (``Replicas.train_batch``), which fill the same grads.
+each step records how long it waited for its batch (``data_wait_s``). The step may be
+shared with workers: given the runtime ``tinyconv.distribute`` returns (a
+:class:`~tinyconv.parallel.Parallel`), the loop hands it each batch's forward and backward
+(``train_batch``, which fills the same grads) and asks it for the step's comm/conv split and
+its events to record, whatever it splits; without one it runs them on the master.
 
 Resuming is bit-identical: the checkpoint keeps the parameters, the momentum
 buffers, the global step, the position within the epoch, the state of both
 random generators (the epoch's shuffle and the augmentation) and, when distributed,
-the split (which a run of the same participants takes up again).
+the split (``tinyconv/checkpoint.py``: a run of the same participants takes it up again).
 
 Nothing is lost on the way out. Checkpoints are written at each epoch's end, every
 ``checkpoint_every`` steps or ``checkpoint_minutes`` minutes, and when training ends any
@@ -28,78 +28,33 @@ held until it is done, so a checkpoint never holds half of one.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint, save_checkpoint
+from tinyconv.checkpoint import (
+    Checkpoint,
+    check_momentum,
+    check_resumable,
+    plan_of,
+    read_checkpoint,
+    restore_plan,
+    save_checkpoint,
+)
 from tinyconv.data import Dataset, Normalizer, augment, channel_stats
 from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
+from tinyconv.parallel import Parallel, forward_backward
 from tinyconv.prefetch import Batch, InOrder, Prefetcher
 from tinyconv.report import summarize
-from tinyconv.schedule import learning_rate, warmup_steps
+from tinyconv.schedule import learning_rate
 from tinyconv.stopping import SignalGuard
-
-if TYPE_CHECKING:
-    from tinyconv.dist.replica.server import Replicas
-    from tinyconv.dist.shard.cluster import Cluster
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 10
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    # a factor on the rate of the classifier (the network's last layer): 0.1 keeps the paper's
-    # 32,000-wide classifier from throwing the first steps' loss to 30-40 (tinyconv/optim.py)
-    classifier_lr: float = 1.0
-    # the training loss's target (1 - eps) onehot + eps / K (layers.SoftmaxCrossEntropy); the test
-    # loss stays the plain cross-entropy. Model parallelism and the master alone only: the replicas
-    # of --parallel data and hybrid compute their loss with the network's own, plain one
-    label_smoothing: float = 0.0
-    schedule: str = "cosine"
-    # Warm-up as a fraction of the planned steps. 5 %: the default 10-epoch run ramps up for half an
-    # epoch (it had one, and trained stably), a 400-step run for 20 steps instead of never reaching its
-    # peak; large-batch SGD recipes (Goyal et al. 2017: 5 of 90 epochs) ramp for about as long.
-    warmup: float = 0.05
-    warmup_epochs: float | None = None  # instead of ``warmup``: this many epochs, whatever the run's length
-    max_steps: int | None = None  # stop after this many steps in total (smoke runs)
-    augment: bool = True
-    prefetch: int = 2  # batches made ahead on a thread while a step computes; 0: each made in its step
-    # 0: the training batch. Evaluating in batches of the training's size reuses the memory its
-    # steps freed (tinyconv/dist/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
-    # fresh pages for its 4x larger im2col at each evaluation.
-    eval_batch_size: int = 0
-    seed: int = 0
-    checkpoint: str | None = None  # written at each epoch end, at the stop, and on the way out
-    checkpoint_every: int | None = None  # also every this many steps
-    checkpoint_minutes: float | None = None  # also when this long has passed since the last one
-    progress: bool = True
-
-
-def planned_steps(n_train: int, config: TrainConfig) -> tuple[int, int, int]:
-    """(steps per epoch, total steps, warm-up steps) of a run over ``n_train`` images: the total after
-    ``max_steps``, the warm-up a fraction of that total (or ``warmup_epochs`` whole epochs)."""
-    per_epoch = n_train // config.batch_size
-    if per_epoch == 0:
-        raise ValueError(f"batch size {config.batch_size} is larger than the {n_train} training images")
-    total = per_epoch * config.epochs
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
-    if config.warmup_epochs is None:
-        return per_epoch, total, warmup_steps(total, config.warmup)
-    if not (math.isfinite(config.warmup_epochs) and config.warmup_epochs >= 0):
-        raise ValueError(f"--warmup-epochs must be a number >= 0, got {config.warmup_epochs}")
-    return per_epoch, total, int(config.warmup_epochs * per_epoch)
+from tinyconv.train_config import TrainConfig, planned_steps
 
 
 class Trainer:
@@ -109,7 +64,7 @@ class Trainer:
         data: Dataset,
         config: TrainConfig,
         metrics: MetricsWriter | None = None,
-        cluster: Cluster | Replicas | None = None,
+        cluster: Parallel | None = None,
     ) -> None:
         self.net, self.data, self.cfg = net, data, config
         self.metrics = metrics or MetricsWriter(None)
@@ -168,19 +123,12 @@ class Trainer:
 
     def _forward_backward(self, x: np.ndarray, yb: np.ndarray) -> tuple[float, Any]:
         """Forward, loss, backward on a prepared float32 batch: every grad filled, no parameter changed yet."""
-        be = self.net.backend
-        if getattr(self.cluster, "splits", None) == "images":  # data parallel (tinyconv/dist/replica/): slices of x
-            loss, logits = self.cluster.train_batch(self.net, x, yb, self.cfg.label_smoothing)
-            dlogits = None
-        else:
-            logits = self.net.forward(be.asarray(x), training=True)
-            loss, dlogits = self.net.training_loss(self.cfg.label_smoothing)(logits, yb)  # (tests may swap loss_fn)
+        train_batch = forward_backward if self.cluster is None else self.cluster.train_batch
+        loss, logits = train_batch(self.net, x, yb, self.cfg.label_smoothing)
         if not np.isfinite(loss):  # before the update, which would spread it to every parameter
             raise FloatingPointError(
                 f"loss became {loss} at step {self.step + 1}: lower --lr (now {self.cfg.lr}) or use --norm batch"
             )
-        if dlogits is not None:
-            self.net.backward(dlogits)
         return loss, logits
 
     def _update(self) -> None:
@@ -388,21 +336,12 @@ class Trainer:
             "model_config": self.net.config,
             "train_config": asdict(self.cfg),
             "history": self.history,
-            "plan": self._plan(),
+            "plan": plan_of(self.cluster),
         }
         size = save_checkpoint(path, self.net.state_dict(), self.opt.state_dict(), meta)
         self.saved = (self.step, str(path))
         self._saved_at = time.monotonic()
         return size
-
-    def _plan(self) -> dict[str, Any] | None:
-        """The cluster's split: kernels (and input channels) per participant, per layer."""
-        c = self.cluster
-        if c is None:
-            return None
-        counts = {k: [int(n) for n in v] for k, v in c.counts.items()}
-        channels = {k: [int(n) for n in v] for k, v in c.channel_counts.items()}
-        return {"participants": list(c.participants), "counts": counts, "channel_counts": channels}
 
     def resume(self, source: str | Path | Checkpoint) -> str | None:
         """Restore everything ``save`` wrote; training then continues exactly as if never stopped.
@@ -411,64 +350,20 @@ class Trainer:
         Returns a line about the split, when distributed: taken up (same participants, sets
         ``plan_restored``) or not (other participants: the cluster keeps its own)."""
         ck = source if isinstance(source, Checkpoint) else read_checkpoint(source)
-        meta = ck.meta
-        check_compatible(meta, self.net.config, self.cfg.batch_size, ck.path)
-        if meta["batch_in_epoch"] > self.steps_per_epoch:
-            raise ValueError(
-                f"checkpoint {ck.path} stopped after batch {meta['batch_in_epoch']} of an epoch, but this "
-                f"run's epochs have {self.steps_per_epoch}: was it trained on another dataset?"
-            )
-        self._check_warmup(meta["train_config"], ck.path)
+        check_resumable(ck, self.net.config, self.cfg.batch_size, self.steps_per_epoch, self.warmup_steps)
         self.net.load_state_dict(ck.model)
-        self._check_optimizer_state(ck)
+        check_momentum(ck, self.net)
         self.opt.load_state_dict(ck.optim)
-        self.step = meta["step"]
-        self.epoch = meta["epoch"]
-        self.batch_in_epoch = meta["batch_in_epoch"]
+        meta = ck.meta
+        self.step, self.epoch, self.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         self.epoch_shuffle_state = meta["epoch_shuffle_state"]
         self.augment_rng.bit_generator.state = meta["augment_state"]
         self.history = meta.get("history", [])
         if self.cluster is not None:  # its steps count on from the checkpoint's (task headers, events)
             self.cluster.step = self.step
-        return self._restore_plan(meta.get("plan"))
-
-    def _check_warmup(self, config: dict[str, Any], path: str | Path) -> None:
-        """A checkpoint from before ``warmup`` (a fraction) warmed up for ``warmup_epochs`` epochs, 1 by
-        default: resumed with another warm-up, its schedule would jump, so it is refused unless the same."""
-        if "warmup" in config:  # written since: the run's own options decide, as for the lr or the epochs
-            return
-        epochs = config.get("warmup_epochs", 1.0)
-        theirs = int(epochs * self.steps_per_epoch)
-        if theirs != self.warmup_steps:
-            raise ValueError(
-                f"checkpoint {path} was trained with a {epochs:g}-epoch warm-up ({theirs} steps), from before "
-                f"--warmup; this run's is {self.warmup_steps} steps: resume it with --warmup-epochs {epochs:g}"
-            )
-
-    def _check_optimizer_state(self, ck: Checkpoint) -> None:
-        for key, layer, name in self.net.named_params():
-            v = ck.optim.get(key)
-            if v is None or tuple(v.shape) != tuple(layer.params[name].shape):
-                got = "nothing" if v is None else f"shape {tuple(v.shape)}"
-                raise ValueError(f"checkpoint {ck.path} has {got} for the momentum of {key}: it is damaged")
-
-    def _restore_plan(self, plan: dict[str, Any] | None) -> str | None:
-        c = self.cluster
-        if c is None or plan is None:
-            return None
-        ours = getattr(c, "splits", "kernels")
-        if ("batch" in plan["counts"]) != (ours == "images"):  # a model-parallel checkpoint resumed data-parallel
-            return f"the checkpoint's split is not of {ours}: keeping this run's split"
-        if plan["participants"] != c.participants:
-            return (
-                f"the checkpoint's split is for {', '.join(plan['participants'])}, this run has "
-                f"{', '.join(c.participants)}: keeping this run's split"
-            )
-        for layer, counts in plan["counts"].items():
-            c.set_plan(layer, counts, plan["channel_counts"].get(layer))
-        self.plan_restored = True
-        shares = "; ".join(f"{layer}: {counts}" for layer, counts in plan["counts"].items())
-        return f"the checkpoint's split restored ({', '.join(c.participants)}): {shares or 'equal'}"
+        note, restored = restore_plan(self.cluster, meta.get("plan"))
+        self.plan_restored = self.plan_restored or restored
+        return note
 
     # ---- reporting --------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

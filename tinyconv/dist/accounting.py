@@ -121,8 +121,42 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
         "participants": list(participants),
         "participant_conv_s": each("compute_s"),
         "ops": [
-            {"layer": name, "op": op, "wall_s": stats.wall_s, "compute_s": each("compute_s", [stats]),
-             "master_waited_s": stats.master_waited_s}
+            {
+                "layer": name,
+                "op": op,
+                "wall_s": stats.wall_s,
+                "compute_s": each("compute_s", [stats]),
+                "master_waited_s": stats.master_waited_s,
+            }
             for name, op, stats in ran
         ],
+    }
+
+
+def batch_record(
+    parallel: str, unit: str, stats: list[tuple[str, OpStats]], participants: list[str], counts: list[int]
+) -> dict[str, Any]:
+    """A step of a split of the batch, with :func:`step_record`'s keys (``stats``: (op name, its
+    stats) in the order the ops ran; ``counts``: images per participant): conv_s the slowest
+    participant's compute summed over the ops, comm_s the rest of their wall time; its ``unit``
+    ("batch") stands for a layer in ``shares`` and ``ops``; ``rebalanced`` is the caller's."""
+
+    def each(field: str, only: list[OpStats] | None = None) -> list:
+        return [sum(s.of(name, field) for s in (only or [s for _, s in stats])) for name in participants]
+
+    sent, recv = each("sent"), each("recv")
+    return {
+        "parallel": parallel,
+        "comm_s": sum(s.comm_s for _, s in stats),
+        "conv_s": sum(s.conv_s for _, s in stats),
+        "bytes_sent": sum(sent),
+        "bytes_recv": sum(recv),
+        "participant_bytes_sent": sent,
+        "participant_bytes_recv": recv,
+        "shares": {unit: list(counts)},
+        "channel_shares": {},
+        "participants": list(participants),
+        "participant_conv_s": each("compute_s"),
+        "ops": [{"layer": unit, "op": op, "wall_s": s.wall_s, "compute_s": each("compute_s", [s])} for op, s in stats],
+        "rebalanced": {},
     }

@@ -3,13 +3,14 @@
     import tinyconv as tc
     net = tc.paper_net("50:500")
     with tc.distribute(net, transport="zmq", workers=2) as cluster:   # two local worker processes
-        loss = net.train_step(x, y)                                  # the convolutions run in shards
+        loss, logits = cluster.train_batch(net, x, y)                # the convolutions run in shards
         print(cluster.last_step["shares"])
 
-:func:`distribute` starts the workers (:func:`worker_pool`), builds the
-:class:`~tinyconv.dist.shard.cluster.Cluster`, times every participant and splits each layer by
-the paper's eq. 1, and puts a ShardedBlock in the network for each convolution. Closing the
-cluster puts the network's own layers back and stops the workers.
+:func:`distribute` starts the workers (:func:`worker_pool`) and builds the runtime of the
+parallelism asked for -- ``parallel="model"``: the :class:`~tinyconv.dist.shard.cluster.Cluster`,
+which puts a ShardedBlock in the network for each convolution; "data" and "hybrid": a split of
+each batch by images (``replica/``) -- times every participant and splits the work by the
+paper's eq. 1. Closing it puts the network's own layers back and stops the workers.
 
 :func:`worker_pool` is a context manager, so the workers go away whatever happens (a
 finished run, an exception, Ctrl-C): the transport tells every worker the training is
@@ -29,24 +30,30 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
-from tinyconv.dist.conv_shapes import conv_shapes
-from tinyconv.model import Network
 from backends.registry import get_backend
-from transports.registry import get_transport
 from tinyconv.dist.adaptive_precision import policy
-from tinyconv.dist.shard.cluster import Cluster
+from tinyconv.dist.conv_shapes import conv_shapes
 from tinyconv.dist.protocol import VERSION, message_cap_bytes
+from tinyconv.dist.replica.hybrid import Hybrid
+from tinyconv.dist.replica.server import Replicas, replica_message_bytes
+from tinyconv.dist.runtime import Runtime
+from tinyconv.dist.shard.cluster import Cluster
 from tinyconv.dist.worker.handler import Worker
+from tinyconv.model import Network
 from transports.base import Transport, WorkerInfo
 from transports.curve import CurveServer, KeyFiles, local_keys
 from transports.endpoints import connect_hint, is_local
+from transports.registry import get_transport
 from transports.wire import DEFAULT_MAX_BYTES
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"
 LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this process starts
 WATCH_S = 0.05  # how often the master looks at its local worker processes while it waits for hellos
+PARALLEL: dict[str, type[Runtime]] = {"model": Cluster, "data": Replicas, "hybrid": Hybrid}
+MODEL_ONLY = ("split", "fuse", "pipeline", "wire_precision")  # options of the model split alone
 
 
 def distribute(
@@ -54,6 +61,7 @@ def distribute(
     transport: str = "inproc",
     workers: int = 2,
     *,
+    parallel: str = "model",
     worker_backend: str | None = None,
     worker_device: str | None = None,
     bind: str | None = None,
@@ -69,48 +77,62 @@ def distribute(
     image_size: int = 32,
     calibrate: bool = True,
     announce: Callable[[str], None] = print,
-    wire_precision: str = "fp32",
     **options: Any,
-) -> Cluster:
+) -> Runtime:
     """Start ``workers`` workers over ``transport`` ("inproc" threads, or "zmq" processes -- with
-    ``external``, on other machines) and shard ``net``'s convolutions across them and the master.
+    ``external``, on other machines) and share ``net``'s training with them and the master.
+
+    ``parallel``: "model" -- the paper's split: each convolution's kernels (:class:`Cluster`, which
+    puts a ShardedBlock in the network for each); "data" -- each batch by images among whole
+    replicas (``replica/server.py``); "hybrid" -- the convolutions by images, the classifier on the
+    master (``replica/hybrid.py``). All three train with ``train_batch``, and report alike.
 
     ``worker_backend`` defaults to the master's. ``calibrate``: time everyone on ``batch_size``
     images of ``image_size`` pixels and split by eq. 1; otherwise start from an equal split.
-    A message may carry no more than the largest the layers' shapes call for at ``largest_batch``,
-    the largest batch the network will be given (evaluation's, say; default ``batch_size``): a
-    bigger one is refused as oversized, and the worker that sent it is lost.
-    ``peer_timeout``, ``key``, ``authorized_keys``, ``insecure``: see :func:`worker_pool`.
-    ``wire_precision``: the words the shards travel in, "fp32" (default), "bf16", "fp16", "adt24",
-    "s8" or "adaptive" (``tinyconv/dist/adaptive_precision.py``); the arithmetic stays float32.
-    ``options`` go to :class:`Cluster` (master_share, split, fuse, rebalance, rebalancer,
-    recv_timeout). Returns the cluster; ``close()`` it, or use it in a ``with`` block.
+    A message may carry no more than a step at ``largest_batch`` calls for (the largest batch the
+    network will be given, evaluation's say; default ``batch_size``): a bigger one is refused.
+    The pool's keywords (worker_device to announce): see :func:`worker_pool`. ``options`` go to the
+    runtime: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats for all three;
+    split, fuse, pipeline, wire_precision (``adaptive_precision.py``) for the model split alone.
+    Returns the runtime; ``close()`` it, or use it in a ``with`` block.
     """
-    policy(wire_precision)  # a bad setting is refused before any worker starts
+    _check_options(parallel, options)  # before any worker starts
+    cap = message_cap(net, max(batch_size, largest_batch or 0), image_size, parallel)  # checked before arrays are built
     stack = ExitStack()
-    cap = message_cap(net, max(batch_size, largest_batch or 0), image_size)  # checked before arrays are built
     try:
         pool, infos = stack.enter_context(worker_pool(
             transport, workers, worker_backend=worker_backend or net.backend.name, worker_device=worker_device,
             bind=bind, external=external, worker_threads=worker_threads, start_timeout=start_timeout,
             peer_timeout=peer_timeout, key=key, authorized_keys=authorized_keys, insecure=insecure,
             max_message_bytes=cap, announce=announce,
-        ))
-        cluster = Cluster(pool, infos, net.backend, wire_precision=wire_precision, **options)
-        cluster.on_close = stack.close
+        ))  # fmt: skip
+        runtime = PARALLEL[parallel](pool, infos, net.backend, image_size=image_size, **options)
+        runtime.on_close = stack.close
         if calibrate:
-            cluster.calibrate(net, batch_size, image_size)
-        else:
-            cluster.attach(net)
+            runtime.calibrate(net, batch_size)
+        elif isinstance(runtime, Cluster):
+            runtime.attach(net)
     except BaseException:
         stack.close()
         raise
-    return cluster
+    return runtime
 
 
-def message_cap(net: Network, batch_size: int, image_size: int) -> int:
-    """The most bytes a task or result of ``net``'s convolutions may carry at ``batch_size``."""
-    return message_cap_bytes([(c.x, c.y, c.w) for c in conv_shapes(net, batch_size, image_size)])
+def _check_options(parallel: str, options: dict[str, Any]) -> None:
+    """ValueError for a parallelism there is none of, or an option it does not take."""
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    only_model = sorted(set(options) & set(MODEL_ONLY))
+    if parallel != "model" and only_model:
+        raise ValueError(f"{', '.join(only_model)}: for parallel='model' only, not {parallel!r}")
+    policy(options.get("wire_precision", "fp32"))  # raises ValueError naming the settings
+
+
+def message_cap(net: Network, batch_size: int, image_size: int, parallel: str = "model") -> int:
+    """The most bytes a task or result may carry at ``batch_size``: a sharded layer's arrays, and for
+    the splits of the batch twice the larger of those and a replica's weights and slices."""
+    cap = message_cap_bytes([(c.x, c.y, c.w) for c in conv_shapes(net, batch_size, image_size)])
+    return cap if parallel == "model" else 2 * max(replica_message_bytes(net, batch_size, image_size), cap)
 
 
 @contextmanager
@@ -132,13 +154,12 @@ def worker_pool(
 ) -> Iterator[tuple[Transport, list[WorkerInfo]]]:
     """Yield (transport, the workers' hellos) for ``n_workers`` >= 1 workers.
 
-    transport "inproc": ``n_workers`` threads, each with its own ``worker_backend``.
-    "mpi": the ranks 1..n_workers that ``mpiexec`` started beside this one (rank 0).
-    Any other (zmq, or one registered by another package): the master binds ``bind``
-    (default: a free loopback port for local workers, ``tcp://*:5555`` with ``external``);
-    without ``external`` it starts ``n_workers`` worker processes here, with ``external`` it
-    announces the command to run on the other machines and waits for them. A peer silent for
-    ``peer_timeout`` seconds is gone (on both sides).
+    transport "inproc": ``n_workers`` threads, each with its own ``worker_backend``. "mpi": the
+    ranks 1..n_workers that ``mpiexec`` started beside this one (rank 0). Any other (zmq, or one
+    registered by another package): the master binds ``bind`` (default: a free loopback port for
+    local workers, ``tcp://*:5555`` with ``external``); without ``external`` it starts ``n_workers``
+    worker processes here, with ``external`` it announces the command to run on the other machines
+    and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
 
     Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``), the
     master's secret ``key`` file and the folder of the workers' public keys,
@@ -149,34 +170,23 @@ def worker_pool(
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
     stack, keys = ExitStack(), None  # the temporary key folder of local workers, if any
-    if transport == "inproc":
-        if external:
-            raise ValueError("--external-workers needs --transport zmq: in-process workers are threads here")
-        device = {"device": worker_device} if worker_device else {}
-        factory = lambda i: Worker(get_backend(worker_backend, **device))  # noqa: E731
-        pool = get_transport("inproc", handler_factory=factory, protocol=VERSION)
-    elif transport == "mpi":  # the workers are the other ranks mpiexec started (transports/mpi_worker.py)
-        if external:
-            raise ValueError("--external-workers is for zmq: under mpi the workers are the ranks mpiexec started")
-        pool = get_transport("mpi", peer_timeout_s=peer_timeout, protocol=VERSION, max_message_bytes=max_message_bytes)
-    else:
+    pool = _in_process(transport, worker_backend, worker_device, external, peer_timeout, max_message_bytes)
+    bound = pool is None  # the master binds an address that workers connect to
+    if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes}
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
-    procs: list[subprocess.Popen] = []
-    command = ""  # how a worker joins this master, for the messages
+    procs, command = [], ""  # local worker processes; how a worker joins this master, for the messages
     try:
-        if transport not in ("inproc", "mpi"):
+        if bound:
             command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external)
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
-        elif transport not in ("inproc", "mpi"):
+        elif bound:
             extra = _local_worker_args(worker_device, peer_timeout, keys)
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
-            procs = spawn_local_workers(
-                n_workers, connect, worker_backend, extra, worker_threads, stderr=subprocess.PIPE
-            )
+            procs = spawn_local_workers(n_workers, connect, worker_backend, extra, worker_threads, stderr=PIPE)
         yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
@@ -185,6 +195,25 @@ def worker_pool(
             codes = stop_workers(procs)
             if any(c not in (0, None) for c in codes):
                 print(f"note: local workers exited with codes {codes}", file=sys.stderr)
+
+
+def _in_process(
+    transport: str, backend: str, device: str | None, external: bool, peer_timeout: float, max_bytes: int
+) -> Transport | None:
+    """The master's end of "inproc" (its workers: threads here, each with its own ``backend``) or "mpi"
+    (the other ranks mpiexec started, ``transports/mpi_worker.py``); None for a transport that binds."""
+    if transport not in ("inproc", "mpi"):
+        return None
+    if external:
+        raise ValueError(
+            "--external-workers needs --transport zmq: in-process workers are threads here"
+            if transport == "inproc"
+            else "--external-workers is for zmq: under mpi the workers are the ranks mpiexec started"
+        )
+    if transport == "mpi":
+        return get_transport("mpi", peer_timeout_s=peer_timeout, protocol=VERSION, max_message_bytes=max_bytes)
+    options = {"device": device} if device else {}
+    return get_transport("inproc", handler_factory=lambda i: Worker(get_backend(backend, **options)), protocol=VERSION)
 
 
 def _local_worker_args(device: str | None, peer_timeout: float, keys: tuple | None) -> list[str]:

@@ -2,21 +2,18 @@
 
 Data parallelism (``server.py``: whole replicas) and the hybrid (``hybrid.py``: the
 convolutional part by data, the classifier on the master) both share each batch out by
-images. Everything about *who* gets *how many* images is the same for both, and lives here
-once, in :class:`BatchSplit`; each subclass says only what a step computes:
+images: one unit, ``"batch"``, whose count per participant is its images. Who takes part,
+calibration and eq. 1, lost and joining workers are the runtime's (``tinyconv/dist/runtime.py``);
+here is what a split of the batch adds, once for both:
 
-* the participants (``seats``): the master first if it takes part (``master_share="auto"``),
-  then the workers by index -- the order of every list in the metrics and of every sum;
 * calibration: everyone times one slice's work on the whole batch (the master locally, each
   worker with the subclass's calibration task), eq. 1 and largest remainder give whole images;
-* the rebalancer, with images as its units: each participant's ready time is its compute
-  plus its bytes at its link's measured rate, summed over the step's ops;
-* a worker lost during a step (gone, silent past the timeout, non-finite numbers): its images
-  go to the others by eq. 1 on their calibrated times and the step runs again from the start;
-  a worker that joins is timed and given images at the next step;
-* the step's record, with the model-parallel cluster's keys (``tinyconv/dist/accounting.py``):
-  conv_s the slowest participant's compute summed over the step's ops, comm_s the rest of
-  their wall time, bytes, shares {"batch": [images, ...]}.
+* :class:`Slices`: the step's images per participant, their spans of the batch, and the sums in
+  participant order that every step ends with;
+* a worker lost during a step: its images go to the others and the step runs again from the start;
+* the rebalancer, with images as its units: each participant's ready time is its compute plus its
+  bytes at its link's measured rate, summed over the step's ops;
+* the step's record, with the model-parallel cluster's keys (:func:`~tinyconv.dist.accounting.batch_record`).
 
 A subclass sets ``parallel`` (the name in the metrics), ``calibrate_task`` (the task kind a
 worker times itself with) and writes ``_time_own`` (the master's timing), ``_start`` (what a
@@ -26,21 +23,22 @@ re-run of the step starts again from) and ``_step`` (one attempt at the step).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from backends.base import Array, Backend
-from tinyconv.dist.heap import release_freed_memory
-from tinyconv.model import Network
-from tinyconv.dist.replica.replica import spec_of
-from tinyconv.dist.accounting import OpStats
-from tinyconv.dist.shard.balance import apportion, speed_weights
+from tinyconv.dist.accounting import OpStats, batch_record
 from tinyconv.dist.calibrate import SLOWER
-from tinyconv.dist.membership import Membership
 from tinyconv.dist.rebalance import Rebalancer
-from tinyconv.dist.rpc import Lost, Op, Rpc
+from tinyconv.dist.replica import flat
+from tinyconv.dist.replica.replica import spec_of
+from tinyconv.dist.rpc import Lost, Op
+from tinyconv.dist.runtime import Runtime
+from tinyconv.dist.shard.balance import apportion, slices
+from tinyconv.model import Network
 from transports.base import Message, Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -48,17 +46,51 @@ log = logging.getLogger(__name__)
 UNIT = "batch"  # the name the image shares go by in plans, metrics and the rebalancer
 
 
-class BatchSplit(Membership):
+@dataclass
+class Slices:
+    """One step's images: ``counts`` per participant (plan order), their ``spans`` (start, end) of
+    the batch, ``share`` worker index (None: the master) -> images, ``order`` the indices with images
+    in participant order, ``mine`` the master's span if it has images."""
+
+    batch: int
+    counts: list[int]
+    spans: list[tuple[int, int]]
+    share: dict[int | None, int]
+    order: list[int | None]
+    mine: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, seats: list[tuple[str, int | None]], counts: list[int]) -> Slices:
+        spans = slices(counts)
+        share = {k: c for (_, k), c in zip(seats, counts, strict=True)}
+        mine = next((spans[i] for i, (_, k) in enumerate(seats) if k is None and counts[i] > 0), None)
+        return cls(sum(counts), counts, spans, share, [k for k, c in share.items() if c > 0], mine)
+
+    def workers(self) -> list[tuple[int, int, int]]:
+        """(worker index, start, end) of each worker with images."""
+        return [(k, s, e) for k, (s, e) in zip(self.share, self.spans, strict=True) if k is not None and e > s]
+
+    def sum_into(self, net: Network, grads: dict, stats: dict, buffers: np.ndarray) -> None:
+        """Every participant's gradient summed in participant order (the same sum on every run) into
+        ``net``'s grads; with statistics (``buffers`` not empty), their average weighted by images."""
+        total = grads[self.order[0]].copy()
+        for k in self.order[1:]:
+            total += grads[k]
+        flat.unpack(net, total, "grads")
+        if buffers.size:
+            weighted = sum(stats[k] * np.float32(self.share[k] / self.batch) for k in self.order)
+            flat.unpack(net, weighted.astype(np.float32), "buffers")
+
+
+class BatchSplit(Runtime):
     """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images.
 
-    ``master_share``: "auto" -- the master computes a slice too, sized by its speed; "0" -- it
-    only coordinates (and sums). ``rebalance``: follow the measured times (``rebalancer``);
-    ``recv_timeout``: the most seconds a worker has to answer one op or its calibration.
+    ``image_size``: the side of the network's images. ``master_share``, ``rebalance``,
+    ``rebalancer``, ``recv_timeout``, ``calibration_repeats``: :class:`~tinyconv.dist.runtime.Runtime`'s.
     """
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
     gives_away = "its images go"  # a lost worker's, in the log
-    parallel = "?"  # the subclass's name for the metrics: "data", "hybrid"
     calibrate_task = "?"  # the task a worker times its slice's work with
 
     def __init__(
@@ -73,49 +105,13 @@ class BatchSplit(Membership):
         calibration_repeats: int = 3,
         image_size: int = 32,
     ) -> None:
-        if master_share not in ("auto", "0"):
-            raise ValueError(f"master_share must be 'auto' or '0', got {master_share!r}")
-        if not workers and master_share == "0":
-            raise ValueError("no workers and master_share '0': nobody would compute the slices")
-        self.transport, self.backend = transport, backend
-        self.workers = sorted(workers, key=lambda w: w.index)
-        self.rpc = Rpc(transport, self.workers, recv_timeout)
-        self.seats: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
-        self.seats += [(f"worker{w.index}", w.index) for w in self.workers]
-        self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
-        self.recv_timeout, self.calibration_repeats = float(recv_timeout), calibration_repeats
+        super().__init__(
+            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
+        )
         self.image_size = image_size
-        self.counts: dict[str, list[int]] = {}  # {"batch": images per participant}
-        self.channel_counts: dict[str, list[int]] = {}  # none: a checkpoint's plan has the Cluster's keys
-        self.timings: dict[str, float] = {}  # participant -> calibrated seconds for ``calibrated_batch`` images
-        self.calibrated_batch = 0
-        self.step = 0  # finished training steps
-        self.last_step: dict[str, Any] | None = None
-        self.calibration: dict[str, Any] | None = None
-        self.lost: dict[int, str] = {}
-        self.events: list[dict[str, Any]] = []
-        self.on_close: Callable[[], None] | None = None
+        self.calibrated_batch = 0  # the images everyone was timed on
         self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
         self._spec: dict[str, Any] | None = None
-
-    @property
-    def participants(self) -> list[str]:
-        return [name for name, _ in self.seats]
-
-    def pop_events(self) -> list[dict[str, Any]]:
-        events, self.events = self.events, []
-        return events
-
-    def close(self) -> None:
-        if self.on_close is not None:
-            on_close, self.on_close = self.on_close, None
-            on_close()
-
-    def __enter__(self) -> BatchSplit:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ---- what a subclass computes -------------------------------------------------------------
     def _time_own(self, spec: dict[str, Any], batch: int) -> float:
@@ -133,10 +129,15 @@ class BatchSplit(Membership):
         raise NotImplementedError
 
     # ---- shares -----------------------------------------------------------------------------
-    def calibrate(self, net: Network, batch_size: int) -> dict[str, Any]:
-        """Time every participant on its slice's work for ``batch_size`` images, split the batch by
-        eq. 1. Returns, and keeps, {"participants", "times": {"batch": [s, ...]}, "shares":
-        {"batch": [images, ...]}, "channel_shares": {}} (the model-parallel calibration's keys)."""
+    def _units(self) -> list[str]:
+        return [UNIT]
+
+    def _apportion(self, unit: str, weights: list[float]) -> int:
+        batch = self.calibrated_batch or sum(self.counts.get(UNIT, [])) or len(self.seats)
+        self.counts[UNIT] = apportion(weights, batch)
+        return batch
+
+    def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
         spec = self._spec = spec_of(net, self.image_size)
         times: dict[str, float] = {}
         # the master first: a worker's deadline grows with what its run took (calibrate.SLOWER)
@@ -144,16 +145,11 @@ class BatchSplit(Membership):
             reference = min(times.values(), default=None)
             own = k is None
             times[name] = self._time_own(spec, batch_size) if own else self._time_worker(k, spec, batch_size, reference)
-        release_freed_memory()  # each timed the whole batch; kept, it would stay the run's peak (tinyconv/dist/heap.py)
-        times = {name: times[name] for name, _ in self.seats}
-        self.timings, self.calibrated_batch = times, batch_size
-        layer_times = [times[name] for name in self.participants]
-        self.counts[UNIT] = apportion(speed_weights(layer_times), batch_size)
-        if self.rebalancer is not None:  # each measured on the whole batch: its first (images, seconds)
-            self.rebalancer.record(UNIT, [batch_size] * len(self.seats), layer_times)
-        self.calibration = {"participants": self.participants, "times": {UNIT: layer_times},
-                            "shares": {UNIT: list(self.counts[UNIT])}, "channel_shares": {}}  # fmt: skip
-        return self.calibration
+        self.calibrated_batch = batch_size
+        return {name: {UNIT: t} for name, t in times.items()}
+
+    def _time_joiner(self, index: int) -> dict[str, float]:
+        return {UNIT: self._time_worker(index, self._spec, self.calibrated_batch, self._known_time())}
 
     def _time_worker(self, k: int, spec: dict[str, Any], batch: int, reference: float | None = None) -> float:
         """Worker k's seconds for ``batch`` images; ``reference``: a participant's, already timed."""
@@ -164,8 +160,10 @@ class BatchSplit(Membership):
         task = Message(self.calibrate_task, {"net": spec, "batch": batch, "repeats": self.calibration_repeats})
         got = op.gather([op.send(k, task)])[k].header["times"]
         if not (isinstance(got, list) and len(got) == 1 and isinstance(got[0], (int, float)) and got[0] > 0):
-            raise RuntimeError(f"{self.rpc.describe(k)} answered {self.calibrate_task} with {got!r:.100}, "
-                               "expected [seconds > 0]; is it running the same tinyconv version?")  # fmt: skip
+            raise RuntimeError(
+                f"{self.rpc.describe(k)} answered {self.calibrate_task} with {got!r:.100}, "
+                "expected [seconds > 0]; is it running the same tinyconv version?"
+            )
         return float(got[0])
 
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
@@ -173,8 +171,10 @@ class BatchSplit(Membership):
         if layer != UNIT or channels:
             raise ValueError(f"a {self.parallel}-parallel plan splits the {UNIT!r} by images, not {layer!r} by kernels")
         if len(counts) != len(self.seats) or any(c < 0 for c in counts) or sum(counts) == 0:
-            raise ValueError(f"a plan needs {len(self.seats)} image counts >= 0 ({', '.join(self.participants)}), "
-                             f"not all 0; got {list(counts)}")  # fmt: skip
+            raise ValueError(
+                f"a plan needs {len(self.seats)} image counts >= 0 ({', '.join(self.participants)}), "
+                f"not all 0; got {list(counts)}"
+            )
         self.counts[UNIT] = [int(c) for c in counts]
 
     def shares(self, batch: int) -> list[int]:
@@ -209,9 +209,12 @@ class BatchSplit(Membership):
                 break
             except Lost as e:
                 self.lose(e.workers)
-        for info in self.transport.joined():
-            self._join(info)
+        self._welcome_joiners()
         return loss, logits
+
+    def _slices(self, batch: int) -> Slices:
+        """This attempt's images per participant for a batch of ``batch``."""
+        return Slices.of(self.seats, self.shares(batch))
 
     def _op(self, what: str, batch: int) -> Op:
         """A new op of the next step, named ``what`` in errors, with the step's deadline."""
@@ -219,41 +222,18 @@ class BatchSplit(Membership):
 
     def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
         """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.seats)`` taken
-        as the op's last result came in) in the order the ops ran): conv_s the slowest participant's
-        compute summed over the ops, comm_s the rest of their wall time; let the rebalancer judge the
-        split by each participant's ready time."""
-        names = self.participants
-
-        def each(field: str, only: list[OpStats] | None = None) -> list:
-            return [sum(s.of(name, field) for s in (only or [s for _, s in stats])) for name in names]
-
+        as the op's last result came in) in the order the ops ran); let the rebalancer judge the
+        split by each participant's ready time: its compute plus its bytes at its link's rate."""
         self.step += 1
-        compute, sent, recv = each("compute_s"), each("sent"), each("recv")
-        record = {
-            "parallel": self.parallel,
-            "comm_s": sum(s.comm_s for _, s in stats),
-            "conv_s": sum(s.conv_s for _, s in stats),
-            "bytes_sent": sum(sent),
-            "bytes_recv": sum(recv),
-            "participant_bytes_sent": sent,
-            "participant_bytes_recv": recv,
-            "shares": {UNIT: list(counts)},
-            "channel_shares": {},
-            "participants": names,
-            "participant_conv_s": compute,
-            "ops": [
-                {"layer": UNIT, "op": op, "wall_s": s.wall_s, "compute_s": each("compute_s", [s])} for op, s in stats
-            ],
-            "rebalanced": {},
-        }
-        moved = [s + r for s, r in zip(sent, recv, strict=True)]
-        self._moved = dict(zip(names, moved, strict=True))
+        record = batch_record(self.parallel, UNIT, stats, self.participants, counts)
+        moved = [s + r for s, r in zip(record["participant_bytes_sent"], record["participant_bytes_recv"], strict=True)]
+        self._moved = dict(zip(self.participants, moved, strict=True))
         if self.rebalancer is not None:
-            links = [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.seats]
-            ready = [c + b * s for c, b, s in zip(compute, moved, links, strict=True)]
+            links = self._links()
+            ready = [c + b * s for c, b, s in zip(record["participant_conv_s"], moved, links, strict=True)]
             proposal = self.rebalancer.observe(UNIT, counts, ready)
             if proposal is not None:
-                log.info("rebalancing images: %s -> %s (%s)", counts, proposal, ", ".join(names))
+                log.info("rebalancing images: %s -> %s (%s)", counts, proposal, ", ".join(self.participants))
                 self.counts[UNIT] = list(proposal)
                 record["rebalanced"] = {UNIT: list(proposal)}
         self.last_step = record
@@ -262,41 +242,12 @@ class BatchSplit(Membership):
         """Seconds a worker has to answer one op: ten times its calibrated time (scaled to ``batch``)
         plus its last step's bytes at its link's rate, at least 10 s, at most ``recv_timeout``; until
         those are known, ``recv_timeout``."""
-        known = [self.timings.get(name) for name, _ in self.seats]
-        transfer = [self._moved.get(name, 0) * (self.rpc.link(k).seconds_per_byte(exact=False) or 0.0)
-                    for name, k in self.seats if k is not None]  # fmt: skip
+        known = [self.timings.get(name, {}).get(UNIT) for name, _ in self.seats]
+        transfer = [
+            self._moved.get(name, 0) * (self.rpc.link(k).seconds_per_byte(exact=False) or 0.0)
+            for name, k in self.seats
+            if k is not None
+        ]
         if not known or None in known or not self.calibrated_batch or not self._moved:
             return self.recv_timeout
-        op_s = max(known) * max(1.0, batch / self.calibrated_batch) + max(transfer, default=0.0)
-        return min(self.recv_timeout, max(10.0, 10 * op_s))
-
-    # ---- membership -------------------------------------------------------------------------
-    def _join(self, info: WorkerInfo) -> None:
-        """A worker that joined late: timed on its slice's work for the batch, then given images."""
-        name = f"worker{info.index}"
-        self.rpc.workers[info.index] = info
-        if self._spec is not None and self.calibrated_batch:
-            try:
-                known = min(self.timings.values(), default=None)
-                self.timings[name] = self._time_worker(info.index, self._spec, self.calibrated_batch, known)
-            except (Lost, RuntimeError) as e:
-                log.warning("%s joined but could not be timed (%s); it is left out", name, e)
-                return
-        self.workers.append(info)
-        self.seats.append((name, info.index))
-        self._replan()
-        self.events.append({"event": "worker_joined", "step": self.step, "worker": name, "backend": info.backend,
-                            "device": info.device.get("device", "?"), "host": info.hostname,
-                            "shares": {UNIT: list(self.counts[UNIT])}})  # fmt: skip
-
-    def _replan(self) -> None:
-        """The batch split among the participants now by eq. 1 on their calibrated times (equally where
-        one is missing), and a rebalancer that starts afresh from those times."""
-        batch = self.calibrated_batch or sum(self.counts.get(UNIT, [])) or len(self.seats)
-        times = [self.timings.get(name) for name, _ in self.seats]
-        weights = speed_weights(times) if None not in times else [1.0] * len(times)
-        self.counts[UNIT] = apportion(weights, batch)
-        if self.rebalancer is not None:
-            self.rebalancer = self.rebalancer.fresh()
-            if None not in times:
-                self.rebalancer.record(UNIT, [batch] * len(times), times)
+        return self._deadline(max(known) * max(1.0, batch / self.calibrated_batch) + max(transfer, default=0.0))

@@ -44,8 +44,8 @@ to 4096 x 4096 fully connected layers: there the classifier is most of the weigh
 hybrid saves at any batch.
 
 Shares, calibration (on the conv part's forward + backward), the rebalancer, lost and joining
-workers are data parallelism's (``batch.py``): a worker lost in either round has its images
-given to the others and the step runs again from its forward.
+workers are data parallelism's (``batch.py``, ``tinyconv/dist/runtime.py``): a worker lost in
+either round has its images given to the others and the step runs again from its forward.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from typing import Any
 import numpy as np
 
 from backends.base import Array
-from tinyconv.model import Network
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.batch import UNIT, BatchSplit
 from tinyconv.dist.replica.conv_part import (
@@ -68,7 +67,7 @@ from tinyconv.dist.replica.conv_part import (
     time_conv_part,
 )
 from tinyconv.dist.replica.replica import build
-from tinyconv.dist.shard.balance import slices
+from tinyconv.model import Network
 from transports.base import Message
 
 __all__ = ["UNIT", "Hybrid"]
@@ -93,62 +92,54 @@ class Hybrid(BatchSplit):
         self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
     ) -> tuple[float, Array]:
         params, buffers = start
-        batch = len(x)
         conv, fc = conv_part(net), classifier(net)
         shape = feature_shape(net, self.image_size)
         f = math.prod(shape)
-        counts = self.shares(batch)
-        spans = slices(counts)
-        share = {k: c for (_, k), c in zip(self.seats, counts, strict=True)}  # worker index (None: master) -> images
-        order = [k for k, c in share.items() if c > 0]  # participant order
-        mine = next((spans[i] for i, (_, k) in enumerate(self.seats) if k is None and counts[i] > 0), None)
+        cut = self._slices(len(x))
 
         # 1. forward: every participant's features
-        fwd = self._op("hybrid forward, step", batch)
+        fwd = self._op("hybrid forward, step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
-        tasks = {}
-        for (_, k), (s, e) in zip(self.seats, spans, strict=True):
-            if k is not None and e > s:
-                msg = Message("hybrid_forward", {"net": self._spec, "batch": batch},
-                              {"x": x[s:e], "params": params, **extra})  # fmt: skip
-                tasks[k] = fwd.send(k, msg)
+        tasks = [
+            fwd.send(
+                k,
+                Message(
+                    "hybrid_forward", {"net": self._spec, "batch": cut.batch}, {"x": x[s:e], "params": params, **extra}
+                ),
+            )  # fmt: skip
+            for k, s, e in cut.workers()
+        ]
         features, stats = {}, {}
-        if mine is not None:
+        if cut.mine is not None:
             with fwd.local():
                 flat.unpack(conv, buffers, "buffers")  # the step's start, again if it is a re-run
-                features[None] = forward_features(conv, x[mine[0] : mine[1]])
+                features[None] = forward_features(conv, x[cut.mine[0] : cut.mine[1]])
                 stats[None] = flat.pack(conv, "buffers")
-        for k, reply in fwd.gather(tasks.values()).items():
-            features[k] = fwd.array(k, reply, "features", (share[k], f))
+        for k, reply in fwd.gather(tasks).items():
+            features[k] = fwd.array(k, reply, "features", (cut.share[k], f))
             stats[k] = fwd.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
         forward = fwd.stats(self.seats)  # its wall time ends here: the classifier is the master's comp
 
         # 2. the classifier and the loss over the whole batch, on the master alone
-        loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in order]), y, smoothing)
+        loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in cut.order]), y, smoothing)
 
         # 3. backward: every participant's conv gradient
-        bwd = self._op("hybrid backward, step", batch)
-        tasks = {}
-        for (_, k), (s, e) in zip(self.seats, spans, strict=True):
-            if k is not None and e > s:
-                tasks[k] = bwd.send(k, Message("hybrid_backward", {}, {"dfeatures": dfeatures[s:e]}))
+        bwd = self._op("hybrid backward, step", cut.batch)
+        tasks = [
+            bwd.send(k, Message("hybrid_backward", {}, {"dfeatures": dfeatures[s:e]})) for k, s, e in cut.workers()
+        ]
         grads = {}
-        if mine is not None:
+        if cut.mine is not None:
             with bwd.local():
-                backward_features(conv, dfeatures[mine[0] : mine[1]], shape)
+                backward_features(conv, dfeatures[cut.mine[0] : cut.mine[1]], shape)
                 grads[None] = flat.pack(conv, "grads")
-        for k, reply in bwd.gather(tasks.values()).items():
+        for k, reply in bwd.gather(tasks).items():
             grads[k] = bwd.array(k, reply, "grads", params.shape)
         backward = bwd.stats(self.seats)
 
         # 4. the conv gradients summed in participant order; the statistics weighted by images
-        total = grads[order[0]].copy()
-        for k in order[1:]:  # a fixed order: the same sum on every run
-            total += grads[k]
-        flat.unpack(conv, total, "grads")
-        if buffers.size:
-            flat.unpack(conv, sum(stats[k] * np.float32(share[k] / batch) for k in order).astype(np.float32), "buffers")
-        self._finish([("forward", forward), ("backward", backward)], counts)
+        cut.sum_into(conv, grads, stats, buffers)
+        self._finish([("forward", forward), ("backward", backward)], cut.counts)
         return loss, logits
 
 

@@ -37,24 +37,26 @@ Images are shared like kernels: eq. 1 on the calibrated times, then the rebalanc
 images as its units. A worker lost during a step (gone, silent past the timeout, non-finite
 numbers) is dropped as in the model-parallel cluster: its images go to the others by eq. 1
 on their calibrated times and the step runs again from the start. That machinery is the
-hybrid's too (``hybrid.py``), and lives once in ``batch.py``; this file is the step.
+hybrid's too (``hybrid.py``), and lives once in ``batch.py`` and, what the model split shares,
+``tinyconv/dist/runtime.py``; this file is the step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from backends.base import Array
-from tinyconv.model import Network
 from tinyconv.dist.replica import flat
 from tinyconv.dist.replica.batch import UNIT, BatchSplit
+from tinyconv.dist.replica.conv_part import feature_shape
 from tinyconv.dist.replica.replica import build, slice_gradients, time_replica
-from tinyconv.dist.shard.balance import slices
+from tinyconv.model import Network
 from transports.base import Message
 
-__all__ = ["UNIT", "Replicas", "logits_width"]
+__all__ = ["UNIT", "Replicas", "logits_width", "replica_message_bytes"]
 
 
 class Replicas(BatchSplit):
@@ -80,42 +82,48 @@ class Replicas(BatchSplit):
         self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
     ) -> tuple[float, Array]:
         params, buffers = start
-        batch = len(x)
-        counts = self.shares(batch)
-        spans = slices(counts)
-        share = {k: c for (_, k), c in zip(self.seats, counts, strict=True)}  # worker index (None: master) -> images
-        op = self._op("data-parallel step", batch)
+        cut = self._slices(len(x))
+        op = self._op("data-parallel step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
         smoothed = {"smoothing": smoothing} if smoothing else {}
-        tasks = {}
-        for (_, k), (s, e) in zip(self.seats, spans, strict=True):
-            if k is not None and e > s:  # a header of its own: sending adds the task's number to it
-                msg = Message("replica_step", {"net": self._spec, "batch": batch, **smoothed},
-                              {"x": x[s:e], "y": y[s:e], "params": params, **extra})  # fmt: skip
-                tasks[k] = op.send(k, msg)
+        tasks = [
+            op.send(
+                k,
+                Message(
+                    "replica_step",
+                    {"net": self._spec, "batch": cut.batch, **smoothed},
+                    {"x": x[s:e], "y": y[s:e], "params": params, **extra},
+                ),
+            )  # fmt: skip
+            for k, s, e in cut.workers()  # a header of its own each: sending adds the task's number to it
+        ]
         grads, logits, stats = {}, {}, {}
-        master = next((i for i, (_, k) in enumerate(self.seats) if k is None), None)
-        if master is not None and counts[master] > 0:
-            s, e = spans[master]
+        if cut.mine is not None:
+            s, e = cut.mine
             with op.local():
                 flat.unpack(net, buffers, "buffers")  # the step's start, again if it is a re-run
-                logits[None] = slice_gradients(net, x[s:e], y[s:e], batch, smoothing)
+                logits[None] = slice_gradients(net, x[s:e], y[s:e], cut.batch, smoothing)
                 grads[None], stats[None] = flat.pack(net, "grads"), flat.pack(net, "buffers")
-        for k, reply in op.gather(tasks.values()).items():
+        for k, reply in op.gather(tasks).items():
             grads[k] = op.array(k, reply, "grads", params.shape)
-            logits[k] = op.array(k, reply, "logits", (share[k], logits_width(net)))
+            logits[k] = op.array(k, reply, "logits", (cut.share[k], logits_width(net)))
             stats[k] = op.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
-        order = [k for k, c in share.items() if c > 0]  # participant order
-        total = grads[order[0]].copy()
-        for k in order[1:]:  # a fixed order: the same sum on every run
-            total += grads[k]
-        flat.unpack(net, total, "grads")
-        if buffers.size:  # each slice's running statistics, weighted by its images
-            flat.unpack(net, sum(stats[k] * np.float32(share[k] / batch) for k in order).astype(np.float32), "buffers")
-        self._finish([("step", op.stats(self.seats))], counts)
-        logits_be = net.backend.asarray(np.concatenate([logits[k] for k in order]))
+        cut.sum_into(net, grads, stats, buffers)
+        self._finish([("step", op.stats(self.seats))], cut.counts)
+        logits_be = net.backend.asarray(np.concatenate([logits[k] for k in cut.order]))
         loss, _ = net.training_loss(smoothing)(logits_be, y)
         return loss, logits_be
+
+
+def replica_message_bytes(net: Network, batch: int, image_size: int = 32) -> int:
+    """The most array bytes one replica or hybrid task or result can carry at ``batch`` images: the
+    weights (or gradients) and the statistics, all of the batch's images, labels (as int64), logits
+    and features (the hybrid's, or their gradient)."""
+    p, b = sum(flat.sizes(net)), sum(flat.sizes(net, "buffers"))
+    in_channels = next(layer for layer in net.layers if "w" in layer.params).params["w"].shape[1]
+    features = math.prod(feature_shape(net, image_size))
+    per_image = 4 * in_channels * image_size * image_size + 8 + 4 * logits_width(net) + 4 * features
+    return 4 * (p + b) + batch * per_image
 
 
 def logits_width(net: Network) -> int:

@@ -2,7 +2,8 @@
 
     cluster = Cluster(transport, workers, backend)   # workers: the transport's hellos
     cluster.calibrate(net, batch_size=64)            # attaches, times everyone (calibrate.py), eq. 1
-    ... train: net.forward, net.backward ...         # each ShardedBlock asks plan() and runs its split
+    cluster.train_batch(net, x, y)                   # net.forward, net.backward: each ShardedBlock
+                                                     # asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
 Participants, in this order everywhere (plans, shares, times): the master first if it
@@ -18,7 +19,8 @@ included, which holds every weight and can always finish alone) and the op runs 
 (:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
 the layers' shapes and given a share at the next step boundary. Either way each layer is
 split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
-records it.
+records it. That much every parallelism shares (``tinyconv/dist/runtime.py``); this file is
+what the paper's split adds: the sharded layers, their plans, deadlines and step records.
 """
 
 from __future__ import annotations
@@ -26,38 +28,36 @@ from __future__ import annotations
 import logging
 import numbers
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from backends.base import Backend
-from tinyconv.dist.heap import release_freed_memory
-from tinyconv.layers import Conv2D
-from tinyconv.model import Network
+import numpy as np
+
+from backends.base import Array, Backend
 from tinyconv.dist.accounting import LayerStep, step_record
 from tinyconv.dist.adaptive_precision import formats_of, policy
-from tinyconv.dist.shard.balance import apportion, speed_weights
+from tinyconv.dist.calibrate import time_everyone
+from tinyconv.dist.rebalance import Rebalancer
+from tinyconv.dist.runtime import Runtime
+from tinyconv.dist.shard.balance import apportion
 from tinyconv.dist.shard.block import tail_of
 from tinyconv.dist.shard.by_channels import PIPELINE
-from tinyconv.dist.calibrate import time_everyone
 from tinyconv.dist.shard.layer import ShardedBlock, block_inputs
-from tinyconv.dist.membership import Membership
 from tinyconv.dist.shard.plan import Plan
-from tinyconv.dist.rebalance import Rebalancer
-from tinyconv.dist.rpc import Lost, Rpc
 from tinyconv.dist.wire_codec import Narrowing
+from tinyconv.layers import Conv2D
+from tinyconv.model import Network
+from tinyconv.parallel import forward_backward
 from transports.base import Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
 
-MASTER_SHARES = ("auto", "0")
 SPLITS = ("auto", "channels", "kernels")
 
 
-class Cluster(Membership):
+class Cluster(Runtime):
     """The master (on ``backend``) and ``workers`` (on ``transport``), sharing the network's convolutions.
 
-    ``master_share``: "auto" -- the master computes a share too, sized by its speed like any
-    worker's; "0" -- it only coordinates.
     ``split``: how a layer that needs dX (every conv but the first) is split. "kernels" -- the
     paper's way (``by_kernels.py``); "channels" -- the convolution by input channels and its tail
     by kernels (``by_channels.py``): nothing is computed twice, but partial sums cross the wire;
@@ -65,15 +65,18 @@ class Cluster(Membership):
     cheap there), else "kernels", which a LAN carries better.
     ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
     channels (``block.py``); False is the paper's split, the convolution alone.
-    ``rebalance``: follow the measured times, compute and transfers (``rebalancer`` to tune it).
-    ``recv_timeout``: seconds every worker has to answer one op or its calibration at most, and
-    before its link is measured (:meth:`timeout`).
     ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
     "bf16", "fp16", "adt24", "s8" for every array, or "adaptive" (AWP: each layer's weights widen as
     they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
+    ``image_size``: the side of the images :meth:`calibrate` times the layers on.
+    ``master_share``, ``rebalance``, ``rebalancer``, ``recv_timeout`` (also the most before a
+    link is measured: :meth:`timeout`), ``calibration_repeats``: :class:`~tinyconv.dist.runtime.Runtime`'s.
     """
+
+    parallel = "model"
+    splits = "kernels"  # what a checkpoint's plan counts (the batch splits': images)
 
     def __init__(
         self,
@@ -89,59 +92,29 @@ class Cluster(Membership):
         calibration_repeats: int = 3,
         wire_precision: str = "fp32",
         pipeline: int = PIPELINE,
+        image_size: int = 32,
     ) -> None:
-        if master_share not in MASTER_SHARES:
-            raise ValueError(
-                f"master_share must be 'auto' (the master computes kernels too) or '0' (it only "
-                f"coordinates), got {master_share!r}"
-            )
-        if not workers and master_share == "0":
-            raise ValueError("no workers and master_share '0': nobody would compute the convolutions")
+        super().__init__(
+            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
+        )
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-        if not (isinstance(calibration_repeats, int) and calibration_repeats >= 1):
-            raise ValueError(f"calibration_repeats must be an int >= 1, got {calibration_repeats!r}")
+        if not (isinstance(pipeline, int) and pipeline >= 0):
+            raise ValueError(f"pipeline must be images per chunk, an int >= 0 (0: the whole batch), got {pipeline!r}")
         self.wire = policy(wire_precision)  # raises ValueError naming the settings
         self.wire_precision = wire_precision
         self._roles: dict[str, dict[str, str]] = {}  # layer -> the formats of its arrays this step
-        self.transport, self.backend, self.workers = transport, backend, sorted(workers, key=lambda w: w.index)
-        self.rpc = Rpc(transport, self.workers, recv_timeout)
-        self.seats: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
-        self.seats += [(f"worker{w.index}", w.index) for w in self.workers]
         here = socket.gethostname()
         local = all(w.hostname == here for w in self.workers)
         self.split_by_channels = split == "channels" or (split == "auto" and len(self.workers) <= 2 and local)
-        if not (isinstance(pipeline, int) and pipeline >= 0):
-            raise ValueError(f"pipeline must be images per chunk, an int >= 0 (0: the whole batch), got {pipeline!r}")
         self.pipeline = pipeline
         self.fuse = fuse
-        self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
-        self.calibration_repeats = calibration_repeats
-        self.counts: dict[str, list[int]] = {}  # layer -> kernels per participant
-        self.channel_counts: dict[str, list[int]] = {}  # layer -> input channels per participant
         self.blocks: list[ShardedBlock] = []  # of the attached network, in order
-        self.step = 0  # finished training steps
-        self.last_step: dict[str, Any] | None = None  # the last finished step's record
-        self.calibration: dict[str, Any] | None = None
-        self.recv_timeout = float(recv_timeout)
-        self.timings: dict[str, dict[str, float]] = {}  # participant -> layer -> calibrated seconds
-        self.lost: dict[int, str] = {}  # worker index -> why it is no longer a participant
+        self.image_size = image_size  # the side of the images it is calibrated on
         self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
-        self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
-        self.events: list[dict[str, Any]] = []  # what happened to the cluster, for the metrics file
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
         self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
-
-    def pop_events(self) -> list[dict[str, Any]]:
-        """The events recorded since the last call (each a dict with an "event" key), oldest first."""
-        events, self.events = self.events, []
-        return events
-
-    @property
-    def participants(self) -> list[str]:
-        """Participant names in plan order: "master" (if it takes part), "worker0", ..."""
-        return [name for name, _ in self.seats]
 
     # ---- the network ----------------------------------------------------------------------
     def attach(self, net: Network) -> None:
@@ -176,23 +149,22 @@ class Cluster(Membership):
         net.layers = [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
         self.blocks, self._net, self._done = [], None, []
 
-    def close(self) -> None:
-        """Detach the network, then ``on_close`` (stops the workers :func:`~tinyconv.dist.pool.distribute` started)."""
+    def _release(self) -> None:
         if self._net is not None:
             self.detach(self._net)
-        if self.on_close is not None:
-            on_close, self.on_close = self.on_close, None
-            on_close()
 
-    def __enter__(self) -> Cluster:
-        return self
+    def train_batch(
+        self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
+    ) -> tuple[float, Array]:
+        """One forward + backward of the attached ``net`` on the batch x (N, C, H, W), y (N,), as on the
+        master alone (:func:`~tinyconv.parallel.forward_backward`): its sharded blocks run their splits
+        on the way (``layer.py``). Returns (the mean loss, the logits)."""
+        return forward_backward(net, x, y, smoothing)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def calibrate(self, net: Network, batch_size: int, image_size: int = 32) -> dict[str, Any]:
+    def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
         """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
-        ``batch_size`` images of ``image_size`` pixels, and split each layer by the paper's eq. 1.
+        ``batch_size`` images of ``image_size`` pixels (default: the cluster's), and split each layer
+        by the paper's eq. 1.
 
         The times also go to the rebalancer, if any, as each participant's time for all F kernels
         (all C channels) of the layer: with the first step's, at the calibrated split, it has two
@@ -203,31 +175,36 @@ class Cluster(Membership):
              "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
         """
         self.attach(net)
-        inputs = block_inputs(net.layers, batch_size, image_size)
+        self.image_size = image_size or self.image_size
+        result = super().calibrate(net, batch_size)
+        result["shapes"] = {b.name: {"x": s["x"], "w": s["w"]} for b, s in zip(self.blocks, self._specs, strict=True)}
+        return result
+
+    def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
+        inputs = block_inputs(net.layers, batch_size, self.image_size)
         specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
         master = self.backend if ("master", None) in self.seats else None
         times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
-        release_freed_memory()  # the whole layers' memory, kept, would stay the run's peak (heap.py)
-        for name, k in self.seats:
-            self.timings[name] = {b.name: times[k][i] for i, b in enumerate(self.blocks)}
-        result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
-        result["shapes"] = {}
-        for i, (block, spec) in enumerate(zip(self.blocks, specs, strict=True)):
-            name, layer_times = block.name, [times[k][i] for _, k in self.seats]
-            result["times"][name] = layer_times
-            result["shapes"][name] = {"x": spec["x"], "w": spec["w"]}
-            weights = speed_weights(layer_times)  # eq. 1
-            result["shares"][name] = self.counts[name] = apportion(weights, block.conv.out_channels)
-            unit = block.conv.out_channels  # what the rebalancer moves: input channels of a layer split by them
-            if self._split_by_channels(block):
-                unit = block.conv.in_channels
-                result["channel_shares"][name] = self.channel_counts[name] = apportion(weights, unit)
-            if self.rebalancer is not None:  # each participant measured on the whole layer: its first (k, t)
-                self.rebalancer.record(name, [unit] * len(self.seats), layer_times)
-        self.calibration = result
-        return result
+        return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.seats}
+
+    def _time_joiner(self, index: int) -> dict[str, float]:
+        times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [index], self._known_time())
+        return {b.name: times[index][i] for i, b in enumerate(self.blocks)}
 
     # ---- plans ------------------------------------------------------------------------------
+    def _units(self) -> list[str]:
+        return [block.name for block in self.blocks]
+
+    def _apportion(self, unit: str, weights: list[float]) -> int:
+        """Kernels by ``weights`` for layer ``unit``, and its input channels too if it is split by them."""
+        block = next(b for b in self.blocks if b.name == unit)
+        self.counts[unit] = apportion(weights, block.conv.out_channels)
+        self.channel_counts.pop(unit, None)
+        if not self._split_by_channels(block):
+            return block.conv.out_channels
+        self.channel_counts[unit] = apportion(weights, block.conv.in_channels)
+        return block.conv.in_channels
+
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
         """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on.
 
@@ -300,8 +277,7 @@ class Cluster(Membership):
         if not known or None in known or None in transfer or self._specs is None:
             return self.recv_timeout
         calibrated = self._specs[self.blocks.index(block)]["x"][0]
-        op_s = max(known) + max(transfer, default=0.0)
-        return min(self.recv_timeout, max(10.0, 10 * op_s * max(1.0, batch / calibrated)))
+        return self._deadline((max(known) + max(transfer, default=0.0)) * max(1.0, batch / calibrated))
 
     # ---- steps ------------------------------------------------------------------------------
     def codec(self, block: ShardedBlock) -> Narrowing | None:
@@ -327,8 +303,7 @@ class Cluster(Membership):
             for b in self.blocks:
                 self.wire.observe(self.step, b.name, self.backend.to_numpy(b.conv.params["w"]))
         self.last_step = record
-        for info in self.transport.joined():
-            self._join(info)
+        self._welcome_joiners()
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
         """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
@@ -341,8 +316,7 @@ class Cluster(Membership):
         for d in done:
             if d.participants != self.participants:  # someone was lost during this step: start afresh
                 continue
-            links = [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.seats]
-            proposal = self.rebalancer.observe(d.name, d.units, d.ready_s(links))
+            proposal = self.rebalancer.observe(d.name, d.units, d.ready_s(self._links()))
             if proposal is None:
                 continue
             what = "kernels" if d.channels is None else "input channels"
@@ -354,47 +328,9 @@ class Cluster(Membership):
             rebalanced[d.name] = list(proposal)
         return rebalanced
 
-    # ---- membership -------------------------------------------------------------------------
     def lost_any(self, plan: Plan) -> bool:
         """Whether a worker with a share in ``plan`` is lost."""
         return any(p.worker in self.lost for p in plan.workers)
-
-    def _join(self, info: WorkerInfo) -> None:
-        """A worker that joined the transport late: timed on the layers' shapes, then given a share."""
-        name = f"worker{info.index}"
-        self.rpc.workers[info.index] = info
-        if self._specs is not None:
-            try:
-                known = min((sum(t.values()) for t in self.timings.values()), default=None)
-                times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [info.index], known)
-            except Lost as e:
-                log.warning("%s joined but could not be timed (%s); it is left out", name, e)
-                return
-            self.timings[name] = {b.name: times[info.index][i] for i, b in enumerate(self.blocks)}
-        self.workers.append(info)
-        self.seats.append((name, info.index))
-        self._replan()
-        log.info("%s joined: %s on %s", name, info.backend, info.device.get("device", "?"))
-        self.events.append({"event": "worker_joined", "step": self.step, "worker": name, "backend": info.backend,
-                            "device": info.device.get("device", "?"), "host": info.hostname,
-                            "shares": {n: list(c) for n, c in self.counts.items()}})  # fmt: skip
-
-    def _replan(self) -> None:
-        """Every attached layer split among the participants now by eq. 1 on their calibrated times
-        (equally where a time is missing), and a rebalancer that starts afresh from those times."""
-        if self.rebalancer is not None:
-            self.rebalancer = self.rebalancer.fresh()
-        for block in self.blocks:
-            times = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
-            weights = speed_weights(times) if None not in times else [1.0] * len(times)
-            self.counts[block.name] = apportion(weights, block.conv.out_channels)
-            self.channel_counts.pop(block.name, None)
-            unit = block.conv.out_channels
-            if self._split_by_channels(block):
-                unit = block.conv.in_channels
-                self.channel_counts[block.name] = apportion(weights, unit)
-            if self.rebalancer is not None and None not in times:
-                self.rebalancer.record(block.name, [unit] * len(times), times)
 
 
 def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
@@ -408,8 +344,15 @@ def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
     """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
     c = block.conv
     w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
-    return {"layer": block.index, "x": list(x_shape), "w": w, "stride": c.stride, "padding": c.padding,
-            "need_dx": c.need_dx, "tail": block.tail}  # fmt: skip
+    return {
+        "layer": block.index,
+        "x": list(x_shape),
+        "w": w,
+        "stride": c.stride,
+        "padding": c.padding,
+        "need_dx": c.need_dx,
+        "tail": block.tail,
+    }
 
 
 def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:

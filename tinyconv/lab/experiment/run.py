@@ -35,10 +35,9 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
+from tinyconv.dist.pool import PARALLEL
 from tinyconv.dist.rebalance import Rebalancer
-from tinyconv.dist.replica.batch import BatchSplit
-from tinyconv.dist.replica.hybrid import Hybrid
-from tinyconv.dist.replica.server import Replicas
+from tinyconv.dist.runtime import Runtime
 from tinyconv.dist.shard.cluster import Cluster
 from tinyconv.lab.experiment.grid import BY_IMAGES, DATA_WIRE, Cell
 from tinyconv.layers import Conv2D
@@ -54,7 +53,6 @@ SETTLE_MORE = 3
 KERNEL_FRACTION = 0.01
 REBALANCE_THRESHOLD = 0.03  # bench_speedup's default: the rebalancer acts on a 3 % lag
 RECV_TIMEOUT_S = 600.0  # the longest a worker may take over one op of the largest cell
-BY_IMAGES_CLASS: dict[str, type[BatchSplit]] = {"data": Replicas, "hybrid": Hybrid}  # grid.BY_IMAGES's
 
 
 def one_step(net: Network, opt: SGD, x: Any, y: np.ndarray, cluster: Cluster | None) -> dict[str, Any]:
@@ -78,7 +76,7 @@ def settle_solo(step: Callable[[], dict[str, Any]], settle: int) -> None:
             return
 
 
-def data_step(net: Network, opt: SGD, x: Any, y: np.ndarray, replicas: BatchSplit) -> dict[str, Any]:
+def data_step(net: Network, opt: SGD, x: Any, y: np.ndarray, replicas: Runtime) -> dict[str, Any]:
     """One data-parallel (or hybrid) training step (the replicas' forward and backward, the master's
     SGD); its time and split as :func:`one_step`'s."""
     t = time.perf_counter()
@@ -196,7 +194,7 @@ def _data_parallel(
     """A data-parallel or hybrid cell: replicas calibrated, warmed up, then solo and their steps alternated."""
     if cell.wire != DATA_WIRE:
         raise ValueError(f"{cell.label()}: {cell.parallel}-parallel replicas send {DATA_WIRE} only, not {cell.wire}")
-    split_by = BY_IMAGES_CLASS[cell.parallel]
+    split_by = PARALLEL[cell.parallel]
     replicas = split_by(transport, workers[: cell.participants - 1], be, master_share="auto",
                         rebalance=cell.rebalance == "on", rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD),
                         recv_timeout=RECV_TIMEOUT_S)  # fmt: skip
