@@ -172,7 +172,7 @@ def main() -> None:
         )
     )
     for v, (_, dist_recs) in recs.items():
-        per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(cluster.seats))]
+        per = [statistics.median(r["participant_conv_s"][i] for r in dist_recs) for i in range(len(cluster.placement))]
         print(
             f"pipeline {v}: master alone's conv and comp split by the fraction of one step timed layer by layer "
             f"(f = conv / step = {f:.3f}); distributed: conv = slowest participant"
@@ -186,7 +186,7 @@ def main() -> None:
         op_rows = []
         for j, op in enumerate(dist_recs[0]["ops"]):
             walls = [r["ops"][j]["wall_s"] for r in dist_recs]
-            computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(cluster.seats))]
+            computes = [[r["ops"][j]["compute_s"][i] for r in dist_recs] for i in range(len(cluster.placement))]
             waits = [r["ops"][j]["wall_s"] - max(r["ops"][j]["compute_s"]) for r in dist_recs]
             busy = [r["ops"][j]["wall_s"] - r["ops"][j]["master_waited_s"] for r in dist_recs]
             op_rows.append(

@@ -16,7 +16,7 @@ def test_counts_become_contiguous_spans_in_participant_order():
         Participant("worker1", 1, slice(3, 7), slice(3, 7)),
     )
     assert plan.counts == [3, 0, 4] and plan.channel_counts is None
-    assert [p.name for p in plan.busy] == ["master", "worker1"]  # worker0 has nothing this step
+    assert [p.name for p in plan.active] == ["master", "worker1"]  # worker0 has nothing this step
     assert plan.master.name == "master" and [p.name for p in plan.workers] == ["worker1"]
 
 

@@ -7,7 +7,7 @@ package; :func:`tinyconv.distribute` plugs it in. Read in this order:
   computes which kernels), ``block.py`` (a convolution and its tail), ``by_kernels.py`` (the
   split by kernels), then ``by_channels.py``, ``layer.py`` and ``cluster.py``;
 * ``replica/`` -- data parallelism and the hybrid: slices of the batch;
-* the runtime every parallelism uses: ``runtime.py`` (seats, loss, joins, deadlines, calibration
+* the runtime every parallelism uses: ``runtime.py`` (participants and where they run, loss, joins, deadlines, calibration
   by eq. 1), ``calibrate.py``, ``cost.py`` and ``rebalance.py`` (timing and re-apportioning),
   ``accounting.py`` (the step's comm / conv / comp), ``rpc.py`` and ``protocol.py`` (the tasks on
   the wire), ``wire_codec.py`` (optional narrower words, a codec at the edges: ``wire_precision.py``

@@ -277,14 +277,14 @@ class Op:
             )
         return a
 
-    def stats(self, seats: list[tuple[str, int | None]]) -> OpStats:
-        """What the op cost so far, in participant order (seats: (name, worker index or None))."""
+    def stats(self, placement: list[tuple[str, int | None]]) -> OpStats:
+        """What the op cost so far, in participant order (placement: (name, worker index or None))."""
         return OpStats(
-            names=[name for name, _ in seats],
+            names=[name for name, _ in placement],
             wall_s=time.perf_counter() - self.t0,
-            compute_s=[self.master_s if k is None else self.compute.get(k, 0.0) for _, k in seats],
-            sent=[0 if k is None else self.sent.get(k, 0) for _, k in seats],
-            recv=[0 if k is None else self.recv.get(k, 0) for _, k in seats],
+            compute_s=[self.master_s if k is None else self.compute.get(k, 0.0) for _, k in placement],
+            sent=[0 if k is None else self.sent.get(k, 0) for _, k in placement],
+            recv=[0 if k is None else self.recv.get(k, 0) for _, k in placement],
             fallbacks=self.fallbacks,
             master_waited_s=self.waited_s,
         )

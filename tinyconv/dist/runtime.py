@@ -6,13 +6,13 @@ both a :class:`Runtime`. Each names its *units*, what it shares out -- a layer's
 batch's images -- and says how one unit is apportioned (``_apportion``) and how everyone is timed
 on it (``_time_all``, ``_time_joiner``); the rest is written here once:
 
-* the seats: ``(name, worker index)``, the master first (index ``None``) if it takes part
+* the placement: ``(name, worker index)``, the master first (index ``None``) if it takes part
   (``master_share="auto"``), then the workers by index -- the order of every list in plans,
   metrics and sums;
 * calibration: everyone timed on each unit, the unit split by eq. 1 on the times
   (``balance.py``), the times given to the rebalancer as each participant's first (count, seconds);
 * a worker lost (gone, silent past its deadline, non-finite numbers from finite inputs): it leaves
-  the seats for good and every unit is split again among the others by eq. 1 (:meth:`lose`); the
+  the placement for good and every unit is split again among the others by eq. 1 (:meth:`lose`); the
   master holds every weight, so however many are lost it can always finish the step alone;
 * a worker that joins the transport late: timed on the units, then given a share at the next step
   boundary (:meth:`_join`); either way the rebalancer starts afresh and ``events`` records it;
@@ -78,8 +78,8 @@ class Runtime:
         self.transport, self.backend = transport, backend
         self.workers = sorted(workers, key=lambda w: w.index)
         self.rpc = Rpc(transport, self.workers, recv_timeout)
-        self.seats: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
-        self.seats += [(f"worker{w.index}", w.index) for w in self.workers]
+        self.placement: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
+        self.placement += [(f"worker{w.index}", w.index) for w in self.workers]
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
         self.recv_timeout, self.calibration_repeats = float(recv_timeout), calibration_repeats
         self.counts: dict[str, list[int]] = {}  # unit (a layer, "batch") -> its count per participant
@@ -95,7 +95,7 @@ class Runtime:
     @property
     def participants(self) -> list[str]:
         """Participant names in plan order: "master" (if it takes part), "worker0", ..."""
-        return [name for name, _ in self.seats]
+        return [name for name, _ in self.placement]
 
     def pop_events(self) -> list[dict[str, Any]]:
         """The events recorded since the last call (each a dict with an "event" key), oldest first."""
@@ -121,7 +121,7 @@ class Runtime:
         raise NotImplementedError
 
     def _apportion(self, unit: str, weights: list[float]) -> int:
-        """Split ``unit`` among the seats in proportion to ``weights`` (into ``counts``, and
+        """Split ``unit`` among the placement in proportion to ``weights`` (into ``counts``, and
         ``channel_counts`` for a layer split by them); returns how many of what the rebalancer
         moves the unit has (its kernels, input channels or images)."""
         raise NotImplementedError
@@ -176,7 +176,7 @@ class Runtime:
 
     def _links(self) -> list[float]:
         """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
-        return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.seats]
+        return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
 
     def _deadline(self, op_s: float) -> float:
         """Seconds a worker has for an op that should take ``op_s``: ten times that, within bounds."""
@@ -190,10 +190,10 @@ class Runtime:
                 continue
             self.lost[k] = why
             log.warning("%s lost: %s; %s to the others", self.rpc.describe(k), why, self.gives_away)
-            self.seats = [seat for seat in self.seats if seat[1] != k]
+            self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]
-            if not self.seats:  # the master holds every weight: it can always finish alone
-                self.seats = [("master", None)]
+            if not self.placement:  # the master holds every weight: it can always finish alone
+                self.placement = [("master", None)]
             self._replan()
             self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{k}", "reason": why,
                                 "shares": self._shares()})  # fmt: skip
@@ -209,7 +209,7 @@ class Runtime:
                 log.warning("%s joined but could not be timed (%s); it is left out", name, e)
                 return
         self.workers.append(info)
-        self.seats.append((name, info.index))
+        self.placement.append((name, info.index))
         self._replan()
         log.info("%s joined: %s on %s", name, info.backend, info.device.get("device", "?"))
         self.events.append({"event": "worker_joined", "step": self.step, "worker": name, "backend": info.backend,

@@ -72,8 +72,8 @@ def equal_counts(convs: Sequence[ConvShape], participants: int) -> list[list[int
 
 def _plan(counts: Sequence[int], tail: list[dict[str, Any]], channel_counts: Sequence[int] | None = None) -> Plan:
     """The plan a cluster of the master and len(counts) - 1 workers makes for one layer."""
-    seats = [("master", None)] + [(f"worker{i}", i) for i in range(len(counts) - 1)]
-    return Plan.of(seats, counts, tail, channel_counts)
+    placement = [("master", None)] + [(f"worker{i}", i) for i in range(len(counts) - 1)]
+    return Plan.of(placement, counts, tail, channel_counts)
 
 
 def eq2_bytes(convs: Sequence[ConvShape], counts: Sequence[Sequence[int]], word: int = F64) -> int:
@@ -147,7 +147,7 @@ def channel_split_bytes(
     f, _, k, _ = conv.w
     wt, mp, gr = words["weights"], words["maps"], words["grads"]
     tail = list(conv.tail) if fuse else []
-    busy = _plan(counts, tail, apportion([float(kk) for kk in counts], c)).busy
+    active = _plan(counts, tail, apportion([float(kk) for kk in counts], c)).active
     chw = conv.y[2:]  # one kernel's conv output of one image
     thw = tail_output_hw(*chw, tail)  # one kernel's tail output of one image
 
@@ -155,17 +155,17 @@ def channel_split_bytes(
         return nbytes_of((n, kernels, *hw), fmt) if kernels else 0
 
     to = back = 0
-    for i, p in enumerate(busy):
+    for i, p in enumerate(active):
         if p.worker is None:
             continue
         width = p.channels.stop - p.channels.start
         x_part, w_part = (n, width, h, w), (f, width, k, k)  # x and w of its channels
         halo = p.halo.stop - p.halo.start
-        lo_end = max((q.halo.stop for q in busy[:i]), default=0)  # what the others' halos need of its partial
-        hi_start = min((q.halo.start for q in busy[i + 1 :]), default=f)
+        lo_end = max((q.halo.stop for q in active[:i]), default=0)  # what the others' halos need of its partial
+        hi_start = min((q.halo.start for q in active[i + 1 :]), default=f)
         to += nbytes_of(x_part, mp) + nbytes_of(w_part, wt)  # partial_forward
         back += maps(lo_end, chw, mp) + maps(f - hi_start, chw, mp)  # p_lo, p_hi
-        to += nbytes_of((halo,), wt) + (maps(halo, chw, mp) if len(busy) > 1 else 0)  # tail_forward: b, the sum
+        to += nbytes_of((halo,), wt) + (maps(halo, chw, mp) if len(active) > 1 else 0)  # tail_forward: b, the sum
         back += maps(p.n_kernels, thw, mp)  # y of its kernels
         if forward_only:
             continue

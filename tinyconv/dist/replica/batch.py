@@ -60,10 +60,10 @@ class Slices:
     mine: tuple[int, int] | None
 
     @classmethod
-    def of(cls, seats: list[tuple[str, int | None]], counts: list[int]) -> Slices:
+    def of(cls, placement: list[tuple[str, int | None]], counts: list[int]) -> Slices:
         spans = slices(counts)
-        share = {k: c for (_, k), c in zip(seats, counts, strict=True)}
-        mine = next((spans[i] for i, (_, k) in enumerate(seats) if k is None and counts[i] > 0), None)
+        share = {k: c for (_, k), c in zip(placement, counts, strict=True)}
+        mine = next((spans[i] for i, (_, k) in enumerate(placement) if k is None and counts[i] > 0), None)
         return cls(sum(counts), counts, spans, share, [k for k, c in share.items() if c > 0], mine)
 
     def workers(self) -> list[tuple[int, int, int]]:
@@ -133,7 +133,7 @@ class BatchSplit(Runtime):
         return [UNIT]
 
     def _apportion(self, unit: str, weights: list[float]) -> int:
-        batch = self.calibrated_batch or sum(self.counts.get(UNIT, [])) or len(self.seats)
+        batch = self.calibrated_batch or sum(self.counts.get(UNIT, [])) or len(self.placement)
         self.counts[UNIT] = apportion(weights, batch)
         return batch
 
@@ -141,7 +141,7 @@ class BatchSplit(Runtime):
         spec = self._spec = spec_of(net, self.image_size)
         times: dict[str, float] = {}
         # the master first: a worker's deadline grows with what its run took (calibrate.SLOWER)
-        for name, k in sorted(self.seats, key=lambda seat: seat[1] is not None):
+        for name, k in sorted(self.placement, key=lambda place: place[1] is not None):
             reference = min(times.values(), default=None)
             own = k is None
             times[name] = self._time_own(spec, batch_size) if own else self._time_worker(k, spec, batch_size, reference)
@@ -170,9 +170,9 @@ class BatchSplit(Runtime):
         """Use ``counts`` images per participant (``layer`` must be "batch") from the next step on."""
         if layer != UNIT or channels:
             raise ValueError(f"a {self.parallel}-parallel plan splits the {UNIT!r} by images, not {layer!r} by kernels")
-        if len(counts) != len(self.seats) or any(c < 0 for c in counts) or sum(counts) == 0:
+        if len(counts) != len(self.placement) or any(c < 0 for c in counts) or sum(counts) == 0:
             raise ValueError(
-                f"a plan needs {len(self.seats)} image counts >= 0 ({', '.join(self.participants)}), "
+                f"a plan needs {len(self.placement)} image counts >= 0 ({', '.join(self.participants)}), "
                 f"not all 0; got {list(counts)}"
             )
         self.counts[UNIT] = [int(c) for c in counts]
@@ -181,8 +181,8 @@ class BatchSplit(Runtime):
         """Images per participant for a batch of ``batch``: the plan's, scaled by largest remainder
         when the batch is of another size (equal until calibrated)."""
         counts = self.counts.get(UNIT)
-        if counts is None or len(counts) != len(self.seats):
-            counts = self.counts[UNIT] = apportion([1.0] * len(self.seats), batch)
+        if counts is None or len(counts) != len(self.placement):
+            counts = self.counts[UNIT] = apportion([1.0] * len(self.placement), batch)
         if sum(counts) != batch:
             return apportion([float(c) for c in counts], batch)
         return list(counts)
@@ -214,14 +214,14 @@ class BatchSplit(Runtime):
 
     def _slices(self, batch: int) -> Slices:
         """This attempt's images per participant for a batch of ``batch``."""
-        return Slices.of(self.seats, self.shares(batch))
+        return Slices.of(self.placement, self.shares(batch))
 
     def _op(self, what: str, batch: int) -> Op:
         """A new op of the next step, named ``what`` in errors, with the step's deadline."""
         return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, self.timeout(batch))
 
     def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
-        """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.seats)`` taken
+        """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.placement)`` taken
         as the op's last result came in) in the order the ops ran); let the rebalancer judge the
         split by each participant's ready time: its compute plus its bytes at its link's rate."""
         self.step += 1
@@ -242,10 +242,10 @@ class BatchSplit(Runtime):
         """Seconds a worker has to answer one op: ten times its calibrated time (scaled to ``batch``)
         plus its last step's bytes at its link's rate, at least 10 s, at most ``recv_timeout``; until
         those are known, ``recv_timeout``."""
-        known = [self.timings.get(name, {}).get(UNIT) for name, _ in self.seats]
+        known = [self.timings.get(name, {}).get(UNIT) for name, _ in self.placement]
         transfer = [
             self._moved.get(name, 0) * (self.rpc.link(k).seconds_per_byte(exact=False) or 0.0)
-            for name, k in self.seats
+            for name, k in self.placement
             if k is not None
         ]
         if not known or None in known or not self.calibrated_batch or not self._moved:

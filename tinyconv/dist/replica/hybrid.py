@@ -118,7 +118,7 @@ class Hybrid(BatchSplit):
         for k, reply in fwd.gather(tasks).items():
             features[k] = fwd.array(k, reply, "features", (cut.share[k], f))
             stats[k] = fwd.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
-        forward = fwd.stats(self.seats)  # its wall time ends here: the classifier is the master's comp
+        forward = fwd.stats(self.placement)  # its wall time ends here: the classifier is the master's comp
 
         # 2. the classifier and the loss over the whole batch, on the master alone
         loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in cut.order]), y, smoothing)
@@ -135,7 +135,7 @@ class Hybrid(BatchSplit):
                 grads[None] = flat.pack(conv, "grads")
         for k, reply in bwd.gather(tasks).items():
             grads[k] = bwd.array(k, reply, "grads", params.shape)
-        backward = bwd.stats(self.seats)
+        backward = bwd.stats(self.placement)
 
         # 4. the conv gradients summed in participant order; the statistics weighted by images
         cut.sum_into(conv, grads, stats, buffers)

@@ -109,10 +109,10 @@ def _summed(terms: list[np.ndarray]) -> np.ndarray:
     return total
 
 
-def _give(busy: list[Participant], i: int, total: int) -> list[int]:
+def _give(active: list[Participant], i: int, total: int) -> list[int]:
     """What the others need of participant i's partial, [lo_end, hi_start]: the kernels up to the
     end of the earlier participants' halos, and from the start of the later ones'."""
-    return [max((q.halo.stop for q in busy[:i]), default=0), min((q.halo.start for q in busy[i + 1 :]), default=total)]
+    return [max((q.halo.stop for q in active[:i]), default=0), min((q.halo.start for q in active[i + 1 :]), default=total)]
 
 
 def chunks(n: int, images: int) -> list[tuple[int, int]]:
@@ -131,10 +131,10 @@ def forward(
     """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels.
 
     ``pipeline``: images per chunk of the pipeline (0: the whole batch at once)."""
-    be, total, busy, m = op.backend, conv.out_channels, plan.busy, plan.master
+    be, total, active, m = op.backend, conv.out_channels, plan.active, plan.master
     x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
     n, _, oh, ow = conv.output_shape(x_h.shape)
-    give = {p.worker: _give(busy, i, total) for i, p in enumerate(busy) if p.worker is not None}
+    give = {p.worker: _give(active, i, total) for i, p in enumerate(active) if p.worker is not None}
     parts = chunks(n, pipeline)
     first = _send_partials(op, conv, tail, plan, x_h, w_h, give, parts)  # round 1
 
@@ -160,7 +160,7 @@ def forward(
             second[k] += tasks
         if m is not None:
             with op.local():
-                halo_sum(s_m[a:e], partials[m.name].on(m.halo), _others_on(busy, partials, m))
+                halo_sum(s_m[a:e], partials[m.name].on(m.halo), _others_on(active, partials, m))
 
     # the tails, once the whole batch is summed: the master's, and each worker's y with its last chunk
     y_m = cache = None
@@ -173,7 +173,7 @@ def forward(
     for tasks in zip(*second.values(), strict=True):  # every chunk's; the last one's carry y
         results = op.gather(tasks)
     oh2, ow2 = tail_output_hw(oh, ow, tail)
-    parts_y = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in busy]
+    parts_y = [y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in active]
     return be.asarray(np.concatenate(parts_y, axis=1)), ChannelSplitState(cache, x_h.shape, parts)
 
 
@@ -196,9 +196,9 @@ def _send_partials(
     return first
 
 
-def _others_on(busy: list[Participant], partials: dict[str, Partial], p: Participant) -> list[np.ndarray]:
+def _others_on(active: list[Participant], partials: dict[str, Partial], p: Participant) -> list[np.ndarray]:
     """The others' partials over participant p's halo."""
-    return [partials[q.name].on(p.halo) for q in busy if q is not p]
+    return [partials[q.name].on(p.halo) for q in active if q is not p]
 
 
 def _relay_sums(
@@ -218,21 +218,21 @@ def _relay_sums(
         partials[worker[k].name] = Partial(lo, hi, hi_start)
 
     def tail_task(k: int) -> list[Message]:
-        terms = _others_on(plan.busy, partials, worker[k])
+        terms = _others_on(plan.active, partials, worker[k])
         arrays = ({"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}) | (
             {"sum": _summed(terms)} if terms else {}
         )
         return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
 
     def ready(k: int) -> bool:
-        return all(q.name in partials for q in plan.busy if q.worker != k)
+        return all(q.name in partials for q in plan.active if q.worker != k)
 
     return op.relay(sent, ready, tail_task, arrived)
 
 
 def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitState) -> tuple[Array | None, Array, Array]:
     """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
-    be, busy, m = op.backend, plan.busy, plan.master
+    be, active, m = op.backend, plan.active, plan.master
     dy_h = be.to_numpy(dy)
     n, c_in, h, wd = kept.x_shape
     _, total, oh, ow = conv.output_shape(kept.x_shape)
@@ -268,9 +268,9 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
 
     # round 2: each worker the others' conv-output gradients, as soon as the master has them, chunk
     # by chunk; with all of dY_conv, the conv backward through its partial
-    ready = lambda k: all(q.name in have for q in busy if q.worker != k)  # noqa: E731
+    ready = lambda k: all(q.name in have for q in active if q.worker != k)  # noqa: E731
     second = op.relay(first, ready, conv_tasks, arrived)
-    width = {p.name: p.channels.stop - p.channels.start for p in busy}
+    width = {p.name: p.channels.stop - p.channels.start for p in active}
     k_shape = (conv.kernel, conv.kernel)
     dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None
     dw_m, db_m = _master_conv_backward(op, plan, kept, dyc, dx) if m is not None else (None, None)
@@ -284,8 +284,8 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
     def part(p: Participant, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return {"dw": dw_m, "db": db_m}[name] if p is m else op.array(p.worker, results[p.worker], name, shape)
 
-    dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in busy], axis=1)
-    db = part(busy[0], "db", (total,))  # every participant's is the same: the first's
+    dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in active], axis=1)
+    db = part(active[0], "db", (total,))  # every participant's is the same: the first's
     return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db)
 
 

@@ -66,7 +66,7 @@ def forward(op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Arr
     n, _, oh, ow = conv.output_shape(tuple(x.shape))
     oh, ow = tail_output_hw(oh, ow, tail)
     parts = []
-    for p in plan.busy:  # in order: the concatenation is y
+    for p in plan.active:  # in order: the concatenation is y
         if p.worker is None:
             parts.append(be.to_numpy(y_master))
         else:
@@ -101,10 +101,10 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: KernelSplitState
     dx = None
     if conv.need_dx:  # every participant's partial dX, summed
         dx = np.zeros(kept.x_shape, np.float32)
-        for p in plan.busy:
+        for p in plan.active:
             dx += part(p, "dx", kept.x_shape)
         dx = be.asarray(dx)
     w_shape = (conv.in_channels, conv.kernel, conv.kernel)
-    dw = np.concatenate([part(p, "dw", (p.n_kernels, *w_shape)) for p in plan.busy], axis=0)
-    db = np.concatenate([part(p, "db", (p.n_kernels,)) for p in plan.busy], axis=0)
+    dw = np.concatenate([part(p, "dw", (p.n_kernels, *w_shape)) for p in plan.active], axis=0)
+    db = np.concatenate([part(p, "db", (p.n_kernels,)) for p in plan.active], axis=0)
     return dx, be.asarray(dw), be.asarray(db)

@@ -183,9 +183,9 @@ class Cluster(Runtime):
     def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
         inputs = block_inputs(net.layers, batch_size, self.image_size)
         specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
-        master = self.backend if ("master", None) in self.seats else None
+        master = self.backend if ("master", None) in self.placement else None
         times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
-        return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.seats}
+        return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.placement}
 
     def _time_joiner(self, index: int) -> dict[str, float]:
         times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [index], self._known_time())
@@ -216,7 +216,7 @@ class Cluster(Runtime):
         if block is None:
             attached = ", ".join(b.name for b in self.blocks) or "none"
             raise ValueError(f"no attached layer {layer!r}; attached: {attached}")
-        total, n = block.conv.out_channels, len(self.seats)
+        total, n = block.conv.out_channels, len(self.placement)
         if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != total:
             raise ValueError(
                 f"a plan for {layer} needs {n} counts >= 0 ({', '.join(self.participants)}) "
@@ -234,7 +234,7 @@ class Cluster(Runtime):
     def plan(self, block: ShardedBlock) -> Plan:
         """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
         total = block.conv.out_channels
-        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.seats), total))
+        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.placement), total))
         if sum(counts) != total:
             raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
         channels = None
@@ -243,7 +243,7 @@ class Cluster(Runtime):
             channels = self.channel_counts.get(block.name)
             if channels is None or not _fits(channels, counts, c_in):
                 channels = self.channel_counts[block.name] = apportion([float(k) for k in counts], c_in)
-        return Plan.of(self.seats, counts, block.tail, channels)
+        return Plan.of(self.placement, counts, block.tail, channels)
 
     def _by_channels(self, conv: Conv2D) -> bool:
         """Whether ``conv`` goes by input channels when it can (see _split_by_channels): it needs dX."""
@@ -252,8 +252,8 @@ class Cluster(Runtime):
     def _split_by_channels(self, block: ShardedBlock) -> bool:
         """Whether ``block`` is split by input channels now: it goes so, and has at least one input
         channel and one kernel for every participant."""
-        enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.seats)
-        return block.by_channels and enough and any(k is not None for _, k in self.seats)
+        enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.placement)
+        return block.by_channels and enough and any(k is not None for _, k in self.placement)
 
     def timeout(self, block: ShardedBlock, batch: int) -> float:
         """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
@@ -267,11 +267,11 @@ class Cluster(Runtime):
         the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
         those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
         """
-        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.seats]
+        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.placement]
         moved = self._moved.get(block.name, {})
         transfer = [
             _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
-            for name, k in self.seats
+            for name, k in self.placement
             if k is not None
         ]
         if not known or None in known or None in transfer or self._specs is None:

@@ -34,7 +34,7 @@ class Coordinator(Protocol):
 
     backend: Backend  # the master's
     rpc: Rpc
-    seats: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
+    placement: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
     step: int  # training steps finished
     pipeline: int  # images per chunk of a layer split by input channels (0: the whole batch)
 
@@ -98,7 +98,7 @@ class ShardedBlock(Layer):
             except Lost as e:
                 self.cluster.lose(e.workers)
                 continue
-            return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.seats))
+            return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.placement))
 
     def backward(self, dy: Array) -> Array | None:
         fwd = self.cache
@@ -113,7 +113,7 @@ class ShardedBlock(Layer):
                 self.cluster.lose(e.workers)
         self.cache = None
         self.grads = self.conv.grads = {"w": dw, "b": db}
-        done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, op.stats(self.cluster.seats))
+        done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, op.stats(self.cluster.placement))
         self.cluster.finished(self, done)
         return dx
 

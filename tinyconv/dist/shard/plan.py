@@ -54,19 +54,19 @@ class Plan:
 
     @staticmethod
     def of(
-        seats: Sequence[tuple[str, int | None]],
+        placement: Sequence[tuple[str, int | None]],
         counts: Sequence[int],
         tail: list[dict[str, Any]],
         channel_counts: Sequence[int] | None = None,
     ) -> Plan:
         """The plan giving ``counts[i]`` kernels (and ``channel_counts[i]`` input channels) to
-        ``seats[i]`` = (name, worker index or None), in order; ``tail`` sets the halo."""
+        ``placement[i]`` = (name, worker index or None), in order; ``tail`` sets the halo."""
         total = sum(counts)
         channels = slices(channel_counts) if channel_counts is not None else [None] * len(counts)
         return Plan(
             tuple(
                 Participant(name, worker, slice(s, e), halo_span(s, e, total, tail), None if c is None else slice(*c))
-                for (name, worker), (s, e), c in zip(seats, slices(counts), channels, strict=True)
+                for (name, worker), (s, e), c in zip(placement, slices(counts), channels, strict=True)
             )
         )
 
@@ -83,16 +83,16 @@ class Plan:
         return [p.channels.stop - p.channels.start for p in self.participants]
 
     @property
-    def busy(self) -> list[Participant]:
+    def active(self) -> list[Participant]:
         """The participants with kernels this step."""
         return [p for p in self.participants if p.n_kernels > 0]
 
     @property
     def master(self) -> Participant | None:
         """The master, if it has kernels this step."""
-        return next((p for p in self.busy if p.worker is None), None)
+        return next((p for p in self.active if p.worker is None), None)
 
     @property
     def workers(self) -> list[Participant]:
         """The workers with kernels this step."""
-        return [p for p in self.busy if p.worker is not None]
+        return [p for p in self.active if p.worker is not None]

@@ -123,8 +123,8 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
         raise ValueError(f"{conv.name}: a split of {f} kernels among {len(parts)} participants, got {list(counts)}")
     counts = list(counts)
     tail = list(conv.tail) if fuse == "on" else []
-    seats = [("master", None)] + [(f"worker{i}", i) for i in range(len(parts) - 1)]
-    plan = Plan.of(seats, counts, tail)
+    placement = [("master", None)] + [(f"worker{i}", i) for i in range(len(parts) - 1)]
+    plan = Plan.of(placement, counts, tail)
     computed = [p.halo.stop - p.halo.start if p.n_kernels else 0 for p in plan.participants]
     times = [cost.time(h) for cost, h in zip(costs, computed, strict=True)]
     forward = 1 / (2 + conv.need_dx)  # of the layer's time: 1 GEMM of 2 or 3
