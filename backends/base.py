@@ -110,7 +110,7 @@ class Backend(ABC):
 
         P[f, n] = sum_c x_pad[n, c] (cross-correlated with) w[f, c]: conv2d_forward's y with no bias,
         kernel-major. What a participant of a layer split by its input channels computes, keeps and
-        sends (tinyconv/dist/shard/by_channels.py): a range of kernels is then one contiguous block. This
+        sends (tinyconv/distributed/shard/by_channels.py): a range of kernels is then one contiguous block. This
         one transposes conv2d_forward's y on the host; a backend whose GEMM leaves y kernel-major
         returns it as it is (the numpy backend)."""
         y, cache = self.conv2d_forward(x, w, self.zeros((w.shape[0],)), stride, padding)
@@ -248,7 +248,7 @@ class WireConversion(Protocol):
     """Optional, beside the Backend contract: a backend that converts wire words on its device.
 
     A master may send arrays narrowed (``--wire-precision``); the worker widens and narrows them
-    with numpy on the host (``tinyconv/dist/wire_codec.py``), which every backend gets without
+    with numpy on the host (``tinyconv/distributed/wire_codec.py``), which every backend gets without
     writing anything. A backend that implements these two methods lets the worker narrow a result
     on the device before it is read back, so only the narrow words cross the device's link, and
     widen an input there after only its narrow words were written. None means "not here" -- the

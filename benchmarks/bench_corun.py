@@ -20,7 +20,7 @@ alternating, and the whole layer's work (all kernels, alone) too. A *together* s
 is what the cores share -- the L3 cache, the memory bus, the VM's host -- and the speedup it
 leaves, ``whole alone / half together``, is the most any 2-participant split of the convolutions
 can reach on this machine. Children start ``--warmup`` passes before the timed ones and keep their
-freed memory (``tinyconv/dist/heap.py``), as the grid's participants do. No asserts; medians.
+freed memory (``tinyconv/distributed/heap.py``), as the grid's participants do. No asserts; medians.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ START_TIMEOUT_S = 600.0  # a child answers "ready" after its warm-up; more than 
 def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: int, split: str) -> None:
     """Warm up, say "ready", wait for "go" on stdin, then time ``repeats`` passes; print the seconds."""
     from backends.registry import get_backend
-    from tinyconv.dist.heap import keep_freed_memory
+    from tinyconv.distributed.heap import keep_freed_memory
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
@@ -90,8 +90,12 @@ def run(arch: str, batch: int, share: float, cores: list[int], warmup: int, repe
     cmd = [sys.executable, __file__, "--child", "--arch", arch, "--warmup", str(warmup), "--repeats", str(repeats),
            "--split", split]  # fmt: skip
     procs = [
-        subprocess.Popen([*cmd, "--batch", str(batch), "--share", str(share), "--core", str(c)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [*cmd, "--batch", str(batch), "--share", str(share), "--core", str(c)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for c in cores
     ]
     try:
@@ -159,9 +163,11 @@ def main() -> None:
             batch, f"{whole:.3f}", f"{alone:.3f}", f"{together:.3f}", f"{together / alone:.2f}x",
             f"{whole / together:.2f}x", f"{per_image[0]:.2f}", f"{per_image[1]:.2f}",
         ])  # fmt: skip
-    print(f"\n{args.arch}, conv2 by {args.split}: both convolutions' forward + backward, numpy, 1 BLAS thread "
-          "per pinned core; seconds "
-          f"per pass, median of {args.rounds} rounds x {args.repeats} passes (x 2 children together)")
+    print(
+        f"\n{args.arch}, conv2 by {args.split}: both convolutions' forward + backward, numpy, 1 BLAS thread "
+        "per pinned core; seconds "
+        f"per pass, median of {args.rounds} rounds x {args.repeats} passes (x 2 children together)"
+    )
     print(format_table(
         ["batch", "whole alone", "half alone", "half together", "together / alone", "whole / half together",
          f"whole, per image vs {args.batches[0]}", f"half together, per image vs {args.batches[0]}"],

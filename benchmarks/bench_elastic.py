@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from backends.registry import get_backend  # noqa: E402
-from tinyconv.dist.pool import distribute  # noqa: E402
+from tinyconv.distributed.pool import distribute  # noqa: E402
 from tinyconv.model import paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
@@ -47,8 +47,16 @@ def run(args: argparse.Namespace, sig: signal.Signals | None) -> dict:
     net = paper_net(args.arch, get_backend("numpy"), seed=0)
     opt = SGD(net, lr=0.01, momentum=0.9)
     losses, times, signalled = [], [], None
-    with distribute(net, transport="zmq", workers=2, calibrate=False, rebalance=False,
-                    peer_timeout=args.peer_timeout, batch_size=args.batch_size, announce=lambda _: None) as cluster:
+    with distribute(
+        net,
+        transport="zmq",
+        workers=2,
+        calibrate=False,
+        rebalance=False,
+        peer_timeout=args.peer_timeout,
+        batch_size=args.batch_size,
+        announce=lambda _: None,
+    ) as cluster:
         victim, declared, lose = cluster.workers[1], [], cluster.lose
 
         def timed_lose(workers: dict[int, str]) -> None:  # when the master gives up on the worker
@@ -71,9 +79,14 @@ def run(args: argparse.Namespace, sig: signal.Signals | None) -> dict:
             if sig == signal.SIGSTOP:
                 os.kill(victim.pid, signal.SIGKILL)
     lost = [e for e in events if e["event"] == "worker_lost"]
-    return {"label": label, "losses": losses, "times": times, "lost": lost,
-            "detected_s": declared[0] - signalled if declared else None,
-            "signal_step_s": times[args.at - 1] if sig is not None else None}
+    return {
+        "label": label,
+        "losses": losses,
+        "times": times,
+        "lost": lost,
+        "detected_s": declared[0] - signalled if declared else None,
+        "signal_step_s": times[args.at - 1] if sig is not None else None,
+    }
 
 
 def main() -> None:
@@ -92,14 +105,26 @@ def main() -> None:
     for r in (ref, *hurt):
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True))
         lost = r["lost"][0] if r["lost"] else {}
-        rows.append([r["label"], f"{statistics.median(r['times']):.3f}",
-                     "-" if r["signal_step_s"] is None else f"{r['signal_step_s']:.2f}",
-                     "-" if r["detected_s"] is None else f"{r['detected_s']:.2f}",
-                     lost.get("reason", "-"), f"{diff:.1e}", f"{r['losses'][-1]:.6f}"])
-    print(f"{args.arch}, batch {args.batch_size}, master + 2 zmq workers, {args.steps} steps, "
-          f"worker 1 signalled before step {args.at}, --peer-timeout {args.peer_timeout:g} s")
-    print(format_table(["run", "median step s", "that step s", "lost after s", "reason",
-                        "max rel loss diff", "last loss"], rows))
+        rows.append(
+            [
+                r["label"],
+                f"{statistics.median(r['times']):.3f}",
+                "-" if r["signal_step_s"] is None else f"{r['signal_step_s']:.2f}",
+                "-" if r["detected_s"] is None else f"{r['detected_s']:.2f}",
+                lost.get("reason", "-"),
+                f"{diff:.1e}",
+                f"{r['losses'][-1]:.6f}",
+            ]
+        )
+    print(
+        f"{args.arch}, batch {args.batch_size}, master + 2 zmq workers, {args.steps} steps, "
+        f"worker 1 signalled before step {args.at}, --peer-timeout {args.peer_timeout:g} s"
+    )
+    print(
+        format_table(
+            ["run", "median step s", "that step s", "lost after s", "reason", "max rel loss diff", "last loss"], rows
+        )
+    )
     for r in hurt:
         print(f"{r['label']}: events {r['lost']}")
 

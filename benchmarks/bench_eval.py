@@ -10,7 +10,7 @@ Prints each evaluation's seconds per 10,000 images beside the median training st
 forward-only pass over 10,000 images "should" cost: 10,000 / batch training steps' worth of
 forward passes, about a third of their time (a forward is one GEMM per convolution of the three a
 training step runs). Each evaluation follows training steps, as in a run, so it pays for whatever
-memory those left it (tinyconv/dist/heap.py is on, as in the main job). Random uint8 images: the time,
+memory those left it (tinyconv/distributed/heap.py is on, as in the main job). Random uint8 images: the time,
 not the accuracy, is the point. Not a test: no asserts.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
+from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
+from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, Network, paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402

@@ -90,8 +90,10 @@ def openblas_info() -> str:
         return value.decode().strip() if isinstance(value, bytes) else "?"
 
     threads = call("openblas_get_num_threads", ctypes.c_int)
-    return (f"{Path(openblas_path()).name}: core {text('openblas_get_corename')}, {threads} threads, "
-            f"config '{text('openblas_get_config')}'; env {env or 'none (OPENBLAS_CORETYPE unset)'}")
+    return (
+        f"{Path(openblas_path()).name}: core {text('openblas_get_corename')}, {threads} threads, "
+        f"config '{text('openblas_get_config')}'; env {env or 'none (OPENBLAS_CORETYPE unset)'}"
+    )
 
 
 def clblast_sgemm() -> Callable | None:
@@ -107,15 +109,52 @@ def clblast_sgemm() -> Callable | None:
         return None
     size, ptr = ctypes.c_size_t, ctypes.c_void_p
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, size, size, size, ctypes.c_float,
-                   ptr, size, size, ptr, size, size, ctypes.c_float, ptr, size, size,
-                   ctypes.POINTER(ptr), ctypes.POINTER(ptr)]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        size,
+        size,
+        size,
+        ctypes.c_float,
+        ptr,
+        size,
+        size,
+        ptr,
+        size,
+        size,
+        ctypes.c_float,
+        ptr,
+        size,
+        size,
+        ctypes.POINTER(ptr),
+        ctypes.POINTER(ptr),
+    ]
     row_major, no, yes = 101, 111, 112  # CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes
 
     def sgemm(queue, m: int, n: int, k: int, a, ta: bool, b, tb: bool, c) -> None:
         q = ptr(queue.int_ptr)
-        status = fn(row_major, yes if ta else no, yes if tb else no, m, n, k, 1.0, a.int_ptr, 0, m if ta else k,
-                    b.int_ptr, 0, k if tb else n, 0.0, c.int_ptr, 0, n, ctypes.byref(q), None)
+        status = fn(
+            row_major,
+            yes if ta else no,
+            yes if tb else no,
+            m,
+            n,
+            k,
+            1.0,
+            a.int_ptr,
+            0,
+            m if ta else k,
+            b.int_ptr,
+            0,
+            k if tb else n,
+            0.0,
+            c.int_ptr,
+            0,
+            n,
+            ctypes.byref(q),
+            None,
+        )
         if status != 0:
             raise RuntimeError(f"CLBlastSgemm returned status {status}")
 
@@ -148,6 +187,7 @@ def bench_conv(backends: dict[str, Backend], shape, repeats: int, rng: np.random
     for name, be in backends.items():
         xd, wd, bd, dyd = be.asarray(x), be.asarray(w), be.asarray(b), be.asarray(dy)
         _, cache = be.conv2d_forward(xd, wd, bd, 1, pad)
+
         def forward(be=be, xd=xd, wd=wd, bd=bd):
             return be.conv2d_forward(xd, wd, bd, 1, pad)
 
@@ -181,14 +221,18 @@ def bench_conv(backends: dict[str, Backend], shape, repeats: int, rng: np.random
 
         times["clblast"] = (median_time(cl_forward, q.finish, repeats), median_time(cl_backward, q.finish, repeats))
     for name, (tf, tb) in times.items():
-        rows.append(f"{label:<22} {name:<8} {tf * 1e3:9.1f} {fwd_flop / tf / 1e9:8.1f}   "
-                    f"{tb * 1e3:9.1f} {bwd_flop / tb / 1e9:8.1f}")
+        rows.append(
+            f"{label:<22} {name:<8} {tf * 1e3:9.1f} {fwd_flop / tf / 1e9:8.1f}   "
+            f"{tb * 1e3:9.1f} {bwd_flop / tb / 1e9:8.1f}"
+        )
     o, npy, s, cb = times.get("opencl"), times["numpy"], times["sgemm"], times.get("clblast")
     if o:
         vs_clblast = f"; opencl/clblast fwd {o[0] / cb[0]:.2f}x bwd {o[1] / cb[1]:.2f}x" if cb else ""
-        rows.append(f"{'':<22} {'ratio':<8} opencl/numpy fwd {o[0] / npy[0]:.2f}x bwd {o[1] / npy[1]:.2f}x; "
-                    f"opencl/sgemm fwd {o[0] / s[0]:.2f}x bwd {o[1] / s[1]:.2f}x{vs_clblast} "
-                    "(time ratios, < 1: faster)")
+        rows.append(
+            f"{'':<22} {'ratio':<8} opencl/numpy fwd {o[0] / npy[0]:.2f}x bwd {o[1] / npy[1]:.2f}x; "
+            f"opencl/sgemm fwd {o[0] / s[0]:.2f}x bwd {o[1] / s[1]:.2f}x{vs_clblast} "
+            "(time ratios, < 1: faster)"
+        )
     return rows
 
 
@@ -201,6 +245,7 @@ def bench_step(backends: dict[str, Backend], arch: str, batch: int, repeats: int
     for name, be in backends.items():
         net = paper_net((c1, c2), be, "lrn")
         xd = be.asarray(x)
+
         def step(net=net, xd=xd):
             return net.train_step(xd, labels)
 
@@ -215,14 +260,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="batch size (default 64, the paper's)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is shown")
-    p.add_argument("--arch", default="50:500",
-                   help="comma-separated C1:C2 architectures (default 50:500; the paper's are "
-                        "50:500,150:800,300:1000,500:1500); the training step uses the first")
+    p.add_argument(
+        "--arch",
+        default="50:500",
+        help="comma-separated C1:C2 architectures (default 50:500; the paper's are "
+        "50:500,150:800,300:1000,500:1500); the training step uses the first",
+    )
     p.add_argument("--device", default=None, help="OpenCL device: P:D, gpu/cpu or a name substring")
     p.add_argument("--no-step", action="store_true", help="skip the training-step benchmark")
-    p.add_argument("--blas-threads", type=int, default=None,
-                   help="set OpenBLAS's thread count (default: leave it). On a loaded machine 1 can be "
-                        "much faster: OpenBLAS threads busy-wait for each other")
+    p.add_argument(
+        "--blas-threads",
+        type=int,
+        default=None,
+        help="set OpenBLAS's thread count (default: leave it). On a loaded machine 1 can be "
+        "much faster: OpenBLAS threads busy-wait for each other",
+    )
     args = p.parse_args(argv)
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     for a in archs:

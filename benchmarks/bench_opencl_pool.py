@@ -102,20 +102,55 @@ def ops_of(be, ref, x: np.ndarray, w_shape: tuple[int, ...]) -> list:
         ("relu", "relu bwd", 3 * m, lambda: be.relu_backward(dyd, xd), lambda: ref.relu_backward(dy, x)),
         ("lrn", "lrn fwd", 4 * m, lambda: be.lrn_forward(xd, *lrn), lambda: ref.lrn_forward(x, *lrn)),
         ("lrn", "lrn bwd", 6 * m, lambda: be.lrn_backward(dyd, lrn_cache), lambda: ref.lrn_backward(dy, lrn_ref)),
-        ("relu_lrn", "relu+lrn fwd", 3 * m, lambda: be.relu_lrn_forward(xd, *lrn),
-         lambda: ref.relu_lrn_forward(x, *lrn)),
-        ("relu_lrn", "relu+lrn bwd", 5 * m, lambda: be.relu_lrn_backward(dyd, rl_cache),
-         lambda: ref.relu_lrn_backward(dy, rl_ref)),
-        ("bn", "batchnorm fwd", 5 * m, lambda: be.batchnorm_forward(xd, gd, bd, rm, rv, True),
-         lambda: ref.batchnorm_forward(x, g, b, rm_np, rv_np, True)),
-        ("bn", "batchnorm bwd", 6 * m, lambda: be.batchnorm_backward(dyd, bn_cache),
-         lambda: ref.batchnorm_backward(dy, bn_ref)),
-        ("pool", "maxpool fwd", pool_bytes, lambda: be.maxpool_forward(xd, 3, 2, 1),
-         lambda: ref.maxpool_forward(x, 3, 2, 1)),
-        ("pool", "maxpool bwd", pool_bytes, lambda: be.maxpool_backward(pdyd, pool_cache),
-         lambda: ref.maxpool_backward(pdy, pool_ref)),
-        ("sgd", "sgd (conv2 weights)", 5 * p.nbytes, lambda: be.sgd_update(pd, gwd, vd, 0.01, 0.9, 5e-4),
-         lambda: ref.sgd_update(p, gw, v, 0.01, 0.9, 5e-4)),
+        (
+            "relu_lrn",
+            "relu+lrn fwd",
+            3 * m,
+            lambda: be.relu_lrn_forward(xd, *lrn),
+            lambda: ref.relu_lrn_forward(x, *lrn),
+        ),
+        (
+            "relu_lrn",
+            "relu+lrn bwd",
+            5 * m,
+            lambda: be.relu_lrn_backward(dyd, rl_cache),
+            lambda: ref.relu_lrn_backward(dy, rl_ref),
+        ),
+        (
+            "bn",
+            "batchnorm fwd",
+            5 * m,
+            lambda: be.batchnorm_forward(xd, gd, bd, rm, rv, True),
+            lambda: ref.batchnorm_forward(x, g, b, rm_np, rv_np, True),
+        ),
+        (
+            "bn",
+            "batchnorm bwd",
+            6 * m,
+            lambda: be.batchnorm_backward(dyd, bn_cache),
+            lambda: ref.batchnorm_backward(dy, bn_ref),
+        ),
+        (
+            "pool",
+            "maxpool fwd",
+            pool_bytes,
+            lambda: be.maxpool_forward(xd, 3, 2, 1),
+            lambda: ref.maxpool_forward(x, 3, 2, 1),
+        ),
+        (
+            "pool",
+            "maxpool bwd",
+            pool_bytes,
+            lambda: be.maxpool_backward(pdyd, pool_cache),
+            lambda: ref.maxpool_backward(pdy, pool_ref),
+        ),
+        (
+            "sgd",
+            "sgd (conv2 weights)",
+            5 * p.nbytes,
+            lambda: be.sgd_update(pd, gwd, vd, 0.01, 0.9, 5e-4),
+            lambda: ref.sgd_update(p, gw, v, 0.01, 0.9, 5e-4),
+        ),
     ]
 
 
@@ -139,8 +174,13 @@ def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = 
         f"{kind}_panels_lanes": (panels, n) if transposed else (panels,),
     }
     calls = {
-        name: (lambda name=name, grid=grid: be.rt.launch(name, grid, *simple)) if name.endswith("_panels") else
-        (lambda name=name, grid=grid: be.rt.launch(name, grid, *geometry, defines=conv.window(k, k, 1, pad), rows=True))
+        name: (lambda name=name, grid=grid: be.rt.launch(name, grid, *simple))
+        if name.endswith("_panels")
+        else (
+            lambda name=name, grid=grid: be.rt.launch(
+                name, grid, *geometry, defines=conv.window(k, k, 1, pad), rows=True
+            )
+        )
         for name, grid in grids.items()
     }
     if conv.lanes_fit(k, k, 1, ow, nb, transposed):
@@ -182,9 +222,14 @@ def col2im_ops(be, x_shape: tuple[int, ...], k: int, pad: int) -> tuple:
     i32 = np.int32
     args = (dd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(npix), i32(n * c), dx.data)
     grids = {"col2im": (w, h, n * c), "col2im_rows": (h, n * c), "col2im_lanes": (h, n * c)}  # as conv.py
-    calls = {name: (lambda name=name, grid=grid: be.rt.launch(name, grid, *args, defines=conv.window(k, k, 1, pad),
-                                                              rows=name != "col2im"))
-             for name, grid in grids.items()}
+    calls = {
+        name: (
+            lambda name=name, grid=grid: be.rt.launch(
+                name, grid, *args, defines=conv.window(k, k, 1, pad), rows=name != "col2im"
+            )
+        )
+        for name, grid in grids.items()
+    }
     pick = "col2im_lanes" if conv.col2im_lanes_fit(1, w, c * k * k, npix) else "col2im_rows"
     if pick != "col2im_lanes":  # the lanes kernel cannot run this shape
         del calls["col2im_lanes"]
@@ -211,14 +256,17 @@ def main() -> None:
     timed, panels = [], []
     for label, shape in (("conv1", (a.batch, c1, 32, 32)), ("conv2", (a.batch, c2, 16, 16))):
         x = rng.standard_normal(shape, dtype=np.float32)
-        timed += [(f"{label} {name}", *rest) for group, name, *rest in ops_of(be, ref, x, (c2, c1, 5, 5))
-                  if group in a.only]
+        timed += [
+            (f"{label} {name}", *rest) for group, name, *rest in ops_of(be, ref, x, (c2, c1, 5, 5)) if group in a.only
+        ]
     if "im2col" in a.only:
-        for label, shape, k, pad, transposed in (("conv1 im2col", (a.batch, 3, 32, 32), 5, 2, False),
-                                                 ("conv2 im2col", (a.batch, c1, 16, 16), 5, 2, False),
-                                                 ("conv2 dx: dy panels", (a.batch, c2, 16, 16), 1, 0, False),
-                                                 ("conv1 dW: im2row", (a.batch, 3, 32, 32), 5, 2, True),
-                                                 ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True)):
+        for label, shape, k, pad, transposed in (
+            ("conv1 im2col", (a.batch, 3, 32, 32), 5, 2, False),
+            ("conv2 im2col", (a.batch, c1, 16, 16), 5, 2, False),
+            ("conv2 dx: dy panels", (a.batch, c2, 16, 16), 1, 0, False),
+            ("conv1 dW: im2row", (a.batch, 3, 32, 32), 5, 2, True),
+            ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True),
+        ):
             x = rng.standard_normal(shape, dtype=np.float32)
             panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
         panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch, c1, 16, 16), 5, 2)))
@@ -234,8 +282,10 @@ def main() -> None:
     if not panels:
         return
     print(f"\nim2col/im2row into GEMM panels of width {a.nb}, and col2im, the kernels in turn (* what CPUs run)")
-    print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'walk ms':>9} {'GB/s':>6} {'lanes ms':>9} {'GB/s':>6} "
-          f"{'numpy ms':>9} {'GB/s':>6}")
+    print(
+        f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'walk ms':>9} {'GB/s':>6} {'lanes ms':>9} {'GB/s':>6} "
+        f"{'numpy ms':>9} {'GB/s':>6}"
+    )
     for name, nbytes, calls, pick, on_numpy in panels:
         ms = device_ms_in_turn(be.rt, calls, a.repeats)
         row = f"{name:30}"

@@ -38,7 +38,8 @@ from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 OPS = tuple(
-    name for name, value in vars(Backend).items()
+    name
+    for name, value in vars(Backend).items()
     if callable(value) and not name.startswith("_") and name not in ("describe", "synchronize")
 )
 
@@ -113,8 +114,13 @@ def profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
         k: (per_step_kernels[-1][k][0], statistics.median(s.get(k, (0, 0.0))[1] for s in per_step_kernels[1:]))
         for k in per_step_kernels[-1]
     }
-    return {"step": plain, "observed": statistics.median(observed), "ops": ops_med, "kernels": kernel_table,
-            "describe": be.describe()}
+    return {
+        "step": plain,
+        "observed": statistics.median(observed),
+        "ops": ops_med,
+        "kernels": kernel_table,
+        "describe": be.describe(),
+    }
 
 
 def main() -> None:
@@ -131,26 +137,44 @@ def main() -> None:
     runs = {name: profile(name, args) for name in ("numpy", "opencl")}
     np_, cl_ = runs["numpy"], runs["opencl"]
     print(f"paper_net {args.arch} ({args.norm}), batch {args.batch}, training step; OpenCL: {cl_['describe']}")
-    print(f"step (unobserved): numpy {np_['step']:.3f} s, opencl {cl_['step']:.3f} s, "
-          f"opencl/numpy {cl_['step'] / np_['step']:.2f}x   (observed, with a sync after each op: "
-          f"{np_['observed']:.3f} s, {cl_['observed']:.3f} s)")
+    print(
+        f"step (unobserved): numpy {np_['step']:.3f} s, opencl {cl_['step']:.3f} s, "
+        f"opencl/numpy {cl_['step'] / np_['step']:.2f}x   (observed, with a sync after each op: "
+        f"{np_['observed']:.3f} s, {cl_['observed']:.3f} s)"
+    )
     ops = sorted(set(np_["ops"]) | set(cl_["ops"]), key=lambda op: -cl_["ops"].get(op, 0.0))
     rows = []
     for op in ops:
         a, b = np_["ops"].get(op, 0.0), cl_["ops"].get(op, 0.0)
         rows.append([op, f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / a:.2f}" if a else "-"])
-    rows.append(["sum of ops", f"{sum(np_['ops'].values()) * 1e3:.1f}", f"{sum(cl_['ops'].values()) * 1e3:.1f}",
-                 f"{sum(cl_['ops'].values()) / sum(np_['ops'].values()):.2f}"])
-    print(format_table(["op", "numpy ms/step", "opencl ms/step", "opencl/numpy"], rows,
-                       "each op's host time per step, synchronized (slowest on OpenCL first)"))
+    rows.append(
+        [
+            "sum of ops",
+            f"{sum(np_['ops'].values()) * 1e3:.1f}",
+            f"{sum(cl_['ops'].values()) * 1e3:.1f}",
+            f"{sum(cl_['ops'].values()) / sum(np_['ops'].values()):.2f}",
+        ]
+    )
+    print(
+        format_table(
+            ["op", "numpy ms/step", "opencl ms/step", "opencl/numpy"],
+            rows,
+            "each op's host time per step, synchronized (slowest on OpenCL first)",
+        )
+    )
     kernels = sorted(cl_["kernels"].items(), key=lambda kv: -kv[1][1])
     device = sum(s for _, s in cl_["kernels"].values())
     rows = [[k, str(n), f"{s * 1e3:.1f}", f"{s / device:.0%}"] for k, (n, s) in kernels]
     host = sum(cl_["ops"].values())
     rows.append(["all kernels", str(sum(n for n, _ in cl_["kernels"].values())), f"{device * 1e3:.1f}", "100%"])
     rows.append(["ops' host time - kernels' device time", "", f"{(host - device) * 1e3:.1f}", ""])
-    print(format_table(["OpenCL kernel", "launches/step", "device ms/step", "share"], rows,
-                       "the OpenCL kernels on the device, per step (queue profiling events)"))
+    print(
+        format_table(
+            ["OpenCL kernel", "launches/step", "device ms/step", "share"],
+            rows,
+            "the OpenCL kernels on the device, per step (queue profiling events)",
+        )
+    )
 
 
 if __name__ == "__main__":

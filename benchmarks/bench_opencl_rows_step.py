@@ -61,12 +61,16 @@ def main() -> None:
             if i:
                 times.append(time.perf_counter() - t)
     med = {name: statistics.median(r[-1]) for name, r in runs.items()}
-    print(f"paper_net {a.arch} ({a.norm}), batch {a.batch}, {cl.rt.device.name.strip()}; "
-          f"median of {a.repeats} steps each, taken in turn")
+    print(
+        f"paper_net {a.arch} ({a.norm}), batch {a.batch}, {cl.rt.device.name.strip()}; "
+        f"median of {a.repeats} steps each, taken in turn"
+    )
     for name, t in med.items():
         print(f"  {name:12} {t:7.3f} s/step")
-    print(f"  rows / per-element {med['rows'] / med['per-element']:.2f}x, rows / numpy "
-          f"{med['rows'] / med['numpy']:.2f}x, per-element / numpy {med['per-element'] / med['numpy']:.2f}x")
+    print(
+        f"  rows / per-element {med['rows'] / med['per-element']:.2f}x, rows / numpy "
+        f"{med['rows'] / med['numpy']:.2f}x, per-element / numpy {med['per-element'] / med['numpy']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

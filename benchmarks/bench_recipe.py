@@ -82,8 +82,14 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
     p.add_argument("--classifier-lrs", type=float, nargs="+", default=[1.0, 0.1])
-    p.add_argument("--label-smoothing", type=float, nargs="+", default=[0.0], metavar="EPS",
-                   help="label smoothing values to compare (default 0: none)")
+    p.add_argument(
+        "--label-smoothing",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        metavar="EPS",
+        help="label smoothing values to compare (default 0: none)",
+    )
     p.add_argument("--backend", default="opencl", help="the master's (default %(default)s)")
     p.add_argument("--data-dir", help="CIFAR-10's folder (default: the main job's)")
     p.add_argument("--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="synthetic: a smoke run")

@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tqdm import tqdm  # noqa: E402
 
 from backends.registry import get_backend  # noqa: E402
-from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
-from tinyconv.dist.rebalance import Rebalancer  # noqa: E402
-from tinyconv.dist.shard.by_channels import PIPELINE  # noqa: E402
-from tinyconv.dist.shard.cluster import Cluster  # noqa: E402
+from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
+from tinyconv.distributed.rebalance import Rebalancer  # noqa: E402
+from tinyconv.distributed.shard.by_channels import PIPELINE  # noqa: E402
+from tinyconv.distributed.shard.cluster import Cluster  # noqa: E402
 from tinyconv.lab.experiment.run import alternate, med, one_step, solo_split, training_setup  # noqa: E402
 
 # the timing itself lives in the library, where `tinyconv experiment grid` runs it for every cell
@@ -99,11 +99,9 @@ def main() -> None:
         help="images per chunk of conv2 split by input channels (0: the whole batch at once; default "
         "%(default)s); several values are timed in turn, each alternated with the master alone",
     )
-    p.add_argument(
-        "--rounds", type=int, default=1, help="times through the --pipeline values (default %(default)s)"
-    )
+    p.add_argument("--rounds", type=int, default=1, help="times through the --pipeline values (default %(default)s)")
     args = p.parse_args()
-    keep_freed_memory()  # as the example and the worker do (tinyconv/dist/heap.py)
+    keep_freed_memory()  # as the example and the worker do (tinyconv/distributed/heap.py)
     parse_arch(args.arch)  # a clear error for a malformed one, before the worker starts
     taskset = shutil.which("taskset")
     be = get_backend(args.backend)

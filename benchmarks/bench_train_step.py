@@ -13,7 +13,7 @@ Both run with the same number of threads (torch.set_num_threads and the BLAS poo
 uses). Prints medians over --repeats steps after a warm-up, and the ratio torch /
 tinyconv (> 1 means tinyconv is faster). The two take their steps in turn (tinyconv, torch,
 tinyconv, ...), so on a shared machine both see the same load. The process keeps its freed
-memory for reuse, as the main job does (tinyconv/dist/heap.py; --keep-freed-memory off: glibc's
+memory for reuse, as the main job does (tinyconv/distributed/heap.py; --keep-freed-memory off: glibc's
 default). ``--breakdown`` adds tinyconv's median time per layer, forward and backward. Not a
 test: no asserts. PyTorch is optional (`pip install torch`); without it only tinyconv's times print.
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from backends.registry import get_backend  # noqa: E402
-from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
+from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU  # noqa: E402
 from tinyconv.model import Network, paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> None:
         "--keep-freed-memory",
         choices=("on", "off"),
         default="on",
-        help="keep freed memory for reuse, as the main job does (tinyconv/dist/heap.py); off: glibc's default",
+        help="keep freed memory for reuse, as the main job does (tinyconv/distributed/heap.py); off: glibc's default",
     )
     p.add_argument("--breakdown", action="store_true", help="also tinyconv's median ms per layer, forward and backward")
     p.add_argument(

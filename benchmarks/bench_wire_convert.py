@@ -4,7 +4,7 @@
     python benchmarks/bench_wire_convert.py --arch 50:500 --batch 64 --repeats 31
 
 A worker narrows its results before they go back and widens the narrowed inputs it receives
-(tinyconv/dist/wire_codec.py). For an array on an OpenCL device there are two ways, giving the
+(tinyconv/distributed/wire_codec.py). For an array on an OpenCL device there are two ways, giving the
 same words (tests/test_wire_convert.py checks them bit for bit)::
 
     narrow, host     (a) read the float32 map back (4 bytes a number), wire_precision.narrow it in numpy
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.base import Backend  # noqa: E402
 from backends.registry import get_backend  # noqa: E402
-from tinyconv.dist import wire_precision  # noqa: E402
+from tinyconv.distributed import wire_precision  # noqa: E402
 
 
 def arch(text: str) -> tuple[int, int]:

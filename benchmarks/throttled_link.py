@@ -242,16 +242,16 @@ def step_across(worker_prefix: str, arch: str = "4:8", batch: int = 4) -> int:
 
     import numpy as np
 
-    from tinyconv.dist.pool import stop_workers
-    from tinyconv.dist.protocol import VERSION
-    from tinyconv.dist.shard.cluster import Cluster
+    from tinyconv.distributed.pool import stop_workers
+    from tinyconv.distributed.protocol import VERSION
+    from tinyconv.distributed.shard.cluster import Cluster
     from tinyconv.model import paper_net
     from transports.zmq_master import ZmqTransport
 
     # 10.77.0.1 is not loopback, so it needs keys or insecure: only the two namespaces can reach it
     transport = ZmqTransport(bind=f"tcp://{MASTER_IP}:0", peer_timeout_s=30.0, protocol=VERSION, insecure=True)
-    worker = [sys.executable, "-m", "tinyconv.dist.worker", "--connect", transport.bound_address, "--threads", "1",
-              "--quiet", "--timeout", "30"]  # fmt: skip
+    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", transport.bound_address,
+              "--threads", "1", "--quiet", "--timeout", "30"]  # fmt: skip
     proc = subprocess.Popen([*shlex.split(worker_prefix), *worker], cwd=ROOT)
     try:
         (info,) = transport.start(1, timeout=60)

@@ -36,12 +36,16 @@ def heatmaps(maps: list[np.ndarray], titles: list[str], cell: int = 8) -> str:
         parts.append(f'<text x="{x0}" y="14" font-size="12">{t}</text>')
         for (i, j), v in np.ndenumerate(g):
             c = int(255 * v)
-            parts.append(f'<rect x="{x0 + j * cell}" y="{20 + i * cell}" width="{cell}" height="{cell}" '
-                         f'fill="rgb({c},{c},{c})"/>')
+            parts.append(
+                f'<rect x="{x0 + j * cell}" y="{20 + i * cell}" width="{cell}" height="{cell}" '
+                f'fill="rgb({c},{c},{c})"/>'
+            )
         x0 += m.shape[1] * cell + 30
     height = 30 + max(m.shape[0] for m in maps) * cell
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x0}" height="{height}" '
-            f'font-family="sans-serif">{"".join(parts)}</svg>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{x0}" height="{height}" '
+        f'font-family="sans-serif">{"".join(parts)}</svg>'
+    )
 
 
 # %% [markdown]
@@ -61,10 +65,17 @@ def heatmaps(maps: list[np.ndarray], titles: list[str], cell: int = 8) -> str:
 # %%
 be = tc.get_backend("numpy")  # the reference backend: what every other backend is checked against
 for h, k, s, p in [(32, 5, 1, 2), (32, 5, 1, 0), (32, 3, 2, 1), (7, 3, 2, 0)]:
-    y, _ = be.conv2d_forward(np.zeros((1, 1, h, h), np.float32), np.zeros((1, 1, k, k), np.float32),
-                             np.zeros(1, np.float32), stride=s, padding=p)
-    print(f"H={h:2d} K={k} stride={s} padding={p} -> output {y.shape[2]}x{y.shape[3]}  "
-          f"(formula: {(h + 2 * p - k) // s + 1})")
+    y, _ = be.conv2d_forward(
+        np.zeros((1, 1, h, h), np.float32),
+        np.zeros((1, 1, k, k), np.float32),
+        np.zeros(1, np.float32),
+        stride=s,
+        padding=p,
+    )
+    print(
+        f"H={h:2d} K={k} stride={s} padding={p} -> output {y.shape[2]}x{y.shape[3]}  "
+        f"(formula: {(h + 2 * p - k) // s + 1})"
+    )
 
 # %% [markdown]
 # ## 2. One convolution on a real-looking image
@@ -79,8 +90,13 @@ edge = np.array([[-1, 0, 1], [-2, 0, 2], [-1, 0, 1]], np.float32)  # Sobel
 w = np.stack([np.stack([edge] * 3), np.stack([edge.T] * 3)])  # (2, 3, 3, 3): two kernels
 y, _ = be.conv2d_forward(x, w, np.zeros(2, np.float32), stride=1, padding=1)
 print("x", x.shape, "w", w.shape, "-> y", y.shape)
-show(heatmaps([x[0].mean(0), y[0, 0], y[0, 1]], ["input (mean of RGB)", "kernel 0: vertical edges",
-                                                 "kernel 1: horizontal edges"]), "lesson1_edges.svg")
+show(
+    heatmaps(
+        [x[0].mean(0), y[0, 0], y[0, 1]],
+        ["input (mean of RGB)", "kernel 0: vertical edges", "kernel 1: horizontal edges"],
+    ),
+    "lesson1_edges.svg",
+)
 
 # %% [markdown]
 # ## 3. im2col: the convolution as one matrix product
@@ -120,6 +136,7 @@ print("GEMM vs the backend's convolution, max |difference|:", float(np.abs(y_gem
 #
 # **Exercise 3.** `conv2d_gemm`: your `im2col_loops`, one matrix product, the bias, and the
 # reshape/transpose back to `(N, F, OH, OW)`.
+
 
 # %% tags=["exercise"]
 def conv2d_loops(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, padding: int = 0) -> np.ndarray:
@@ -210,9 +227,14 @@ for size in sizes:
     timings["tinyconv's backend"].append(best_of(be.conv2d_forward, xs, ws, bs, 1, 2))
 ratio = timings["loops"][-1] / timings["tinyconv's backend"][-1]
 print(f"at {sizes[-1]}x{sizes[-1]} pixels the loops take {ratio:.0f}x the backend's time")
-series = [Series(name, [(s, t * 1e3) for s, t in zip(sizes, ts, strict=True)], color)
-          for (name, ts), color in zip(timings.items(), colors(3), strict=True)]
-show(line_chart("A 5x5 convolution, 3 -> 8 channels, batch 2",
-                [Panel(series, "image height and width (pixels)", "milliseconds (best of 3)", ylog=True,
-                       yfrom0=False)]),
-     "lesson1_timing.svg")
+series = [
+    Series(name, [(s, t * 1e3) for s, t in zip(sizes, ts, strict=True)], color)
+    for (name, ts), color in zip(timings.items(), colors(3), strict=True)
+]
+show(
+    line_chart(
+        "A 5x5 convolution, 3 -> 8 channels, batch 2",
+        [Panel(series, "image height and width (pixels)", "milliseconds (best of 3)", ylog=True, yfrom0=False)],
+    ),
+    "lesson1_timing.svg",
+)

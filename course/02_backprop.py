@@ -52,7 +52,7 @@ be = tc.get_backend("numpy")  # the reference ops compute in their inputs' dtype
 rng = np.random.default_rng(0)
 x = rng.standard_normal((1, 4, 3, 3)) * 3
 g = rng.standard_normal(x.shape)
-steps = [10.0 ** -e for e in range(1, 10)] if not QUICK else [1e-1, 1e-3, 1e-5, 1e-7]
+steps = [10.0**-e for e in range(1, 10)] if not QUICK else [1e-1, 1e-3, 1e-5, 1e-7]
 curves = {}
 for dtype in (np.float64, np.float32):
     xd = x.astype(dtype)
@@ -72,11 +72,17 @@ for dtype in (np.float64, np.float32):
     curves[np.dtype(dtype).name] = errs
 for name, errs in curves.items():
     print(f"{name}: best relative error {min(errs):.1e} at h = {steps[int(np.argmin(errs))]:.0e}")
-series = [Series(name, list(zip(steps, errs, strict=True)), c)
-          for (name, errs), c in zip(curves.items(), colors(2), strict=True)]
-show(line_chart("Finite differences against the LRN's backward",
-                [Panel(series, "step h", "relative error", xlog=True, ylog=True, yfrom0=False)]),
-     "lesson2_finite_differences.svg")
+series = [
+    Series(name, list(zip(steps, errs, strict=True)), c)
+    for (name, errs), c in zip(curves.items(), colors(2), strict=True)
+]
+show(
+    line_chart(
+        "Finite differences against the LRN's backward",
+        [Panel(series, "step h", "relative error", xlog=True, ylog=True, yfrom0=False)],
+    ),
+    "lesson2_finite_differences.svg",
+)
 
 # %% [markdown]
 # tinyconv's checker does this for any op or layer: `check_op` for a backend op, `tc.check_layer`
@@ -86,8 +92,15 @@ show(line_chart("Finite differences against the LRN's backward",
 # %%
 from tinyconv.gradcheck import check_op  # noqa: E402
 
-print("conv2d", check_op("conv2d", {"x": rng.standard_normal((2, 3, 5, 5)), "w": rng.standard_normal((4, 3, 3, 3)),
-                                    "b": rng.standard_normal(4)}, stride=2, padding=1))
+print(
+    "conv2d",
+    check_op(
+        "conv2d",
+        {"x": rng.standard_normal((2, 3, 5, 5)), "w": rng.standard_normal((4, 3, 3, 3)), "b": rng.standard_normal(4)},
+        stride=2,
+        padding=1,
+    ),
+)
 print("LRN layer", tc.check_layer(tc.LocalResponseNorm(be, size=5, alpha=0.1), rng.standard_normal((2, 6, 3, 3))))
 
 # %% [markdown]
@@ -109,7 +122,7 @@ x = rng.standard_normal((1, 6, 2, 2)) * 10
 dy = rng.standard_normal(x.shape)
 y, cache = be.lrn_forward(x, 5, 1e-4, 0.75, 1.0)
 s = (x / y) ** (1 / 0.75)  # s_i = (x_i / y_i)^(1/beta)
-diagonal_only = dy * s ** -0.75
+diagonal_only = dy * s**-0.75
 numeric = numeric_grad(lambda v: be.lrn_forward(v, 5, 1e-4, 0.75, 1.0)[0], x, dy)
 print(f"full backward:  {rel_error(be.lrn_backward(dy, cache), numeric):.1e}")
 print(f"diagonal only:  {rel_error(diagonal_only, numeric):.1e}   <- wrong, and finite differences say so")
@@ -134,6 +147,7 @@ print(f"diagonal only:  {rel_error(diagonal_only, numeric):.1e}   <- wrong, and 
 #    `dx = col2im(w^T dY)`. (`im2col`, `col2im` are imported above; lesson 1 wrote im2col.)
 # 6. `lrn_backward(dy, x, size, alpha, beta, k)`: the formula above, both terms.
 
+
 # %% tags=["exercise"]
 def relu_backward(dy: np.ndarray, x: np.ndarray) -> np.ndarray:
     """dx = dy where x > 0, else 0. Any shape."""
@@ -155,8 +169,9 @@ def maxpool_backward(dy: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
     dflat = np.zeros_like(flat)
     np.put_along_axis(dflat, winner[..., None], dy[..., None], axis=-1)
     dx = np.zeros_like(x)
-    dx[:, :, : oh * k, : ow * k] = dflat.reshape(n, c, oh, ow, k, k).transpose(0, 1, 2, 4, 3, 5).reshape(
-        n, c, oh * k, ow * k)
+    dx[:, :, : oh * k, : ow * k] = (
+        dflat.reshape(n, c, oh, ow, k, k).transpose(0, 1, 2, 4, 3, 5).reshape(n, c, oh * k, ow * k)
+    )
     return dx
     # END SOLUTION
 
@@ -235,8 +250,9 @@ results["ReLU"] = rel_error(relu_backward(dy, x), numeric_grad(lambda v: be.relu
 
 x = rng.permutation(np.arange(2 * 3 * 4 * 4, dtype=np.float64)).reshape(2, 3, 4, 4) / 10  # no ties
 dy = rng.standard_normal((2, 3, 2, 2))
-results["max pool"] = rel_error(maxpool_backward(dy, x, 2),
-                                numeric_grad(lambda v: be.maxpool_forward(v, 2, 2, 0)[0], x, dy))
+results["max pool"] = rel_error(
+    maxpool_backward(dy, x, 2), numeric_grad(lambda v: be.maxpool_forward(v, 2, 2, 0)[0], x, dy)
+)
 
 x, w, b = rng.standard_normal((3, 5)), rng.standard_normal((4, 5)), rng.standard_normal(4)
 dy = rng.standard_normal((3, 4))
@@ -259,7 +275,8 @@ results["conv db"] = rel_error(db, numeric_grad(lambda v: be.conv2d_forward(x, w
 
 x = rng.standard_normal((2, 6, 3, 3)) * 5
 dy = rng.standard_normal(x.shape)
-results["LRN"] = rel_error(lrn_backward(dy, x, 4, 0.1, 0.75, 2.0),
-                           numeric_grad(lambda v: be.lrn_forward(v, 4, 0.1, 0.75, 2.0)[0], x, dy))
+results["LRN"] = rel_error(
+    lrn_backward(dy, x, 4, 0.1, 0.75, 2.0), numeric_grad(lambda v: be.lrn_forward(v, 4, 0.1, 0.75, 2.0)[0], x, dy)
+)
 for name, err in results.items():
     print(f"{name:13s} {err:.1e}  {'ok' if err < 1e-7 else 'WRONG: look again'}")

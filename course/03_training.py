@@ -60,8 +60,10 @@ writer = MetricsWriter(metrics_path)
 config = tc.TrainConfig(epochs=epochs, batch_size=32, lr=0.02, progress=not QUICK)
 summary = tc.Trainer(net, data, config, metrics=writer).fit()
 writer.close()
-print(f"test accuracy {summary['test_acc']:.1%} after {summary['steps']} steps "
-      f"(chance is {1 / data.num_classes:.0%}); median step {summary['median_step_s'] * 1e3:.0f} ms")
+print(
+    f"test accuracy {summary['test_acc']:.1%} after {summary['steps']} steps "
+    f"(chance is {1 / data.num_classes:.0%}); median step {summary['median_step_s'] * 1e3:.0f} ms"
+)
 
 # %% [markdown]
 # ## 3. The file, and the charts
@@ -99,6 +101,7 @@ for path in plot_runs([metrics_path], FIGURES / "lesson3_plots"):
 #    `accuracy`; `None` if none is.
 #
 # Grade: `pytest course/ --student-dir YOUR_FOLDER -k lesson3`.
+
 
 # %% tags=["exercise"]
 def read_events(path: str | Path) -> list[dict]:
@@ -146,7 +149,12 @@ print("test accuracy by step:", [(s, round(a, 3)) for s, a in test_accuracy_curv
 split = median_split(events)
 print("median step split (s):", {k: round(v, 4) for k, v in split.items()})
 print("steps to reach 50 %:", steps_to_reach(events, 0.5))
-show(stacked_bars("Median training step, the master alone", "seconds",
-                  [Group(arch, [Bar("1 node", {k: split[k] for k in ("comm_s", "conv_s", "comp_s")})])],
-                  [("comm_s", "comm", "#d62728"), ("conv_s", "conv", "#1f77b4"), ("comp_s", "comp", "#2ca02c")]),
-     "lesson3_split.svg")
+show(
+    stacked_bars(
+        "Median training step, the master alone",
+        "seconds",
+        [Group(arch, [Bar("1 node", {k: split[k] for k in ("comm_s", "conv_s", "comp_s")})])],
+        [("comm_s", "comm", "#d62728"), ("conv_s", "conv", "#1f77b4"), ("comp_s", "comp", "#2ca02c")],
+    ),
+    "lesson3_split.svg",
+)

@@ -53,12 +53,15 @@ ctx = cl.Context([device])
 queue = cl.CommandQueue(ctx)
 print("device:", device.name.strip(), "|", device.platform.name.strip())
 
-program = cl.Program(ctx, """
+program = cl.Program(
+    ctx,
+    """
 __kernel void scale(__global const float *x, __global float *y, const float a, const int n) {
     int i = get_global_id(0);          /* one work-item per element */
     if (i < n) y[i] = a * x[i];        /* the guard: the global size may be rounded up */
 }
-""").build()
+""",
+).build()
 x = np.arange(8, dtype=np.float32)
 mf = cl.mem_flags
 x_buf = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)  # host -> device
@@ -82,6 +85,7 @@ print("scale by 3:", y)
 #
 # Then run the suite's ReLU cases on it (the cell after), and the whole suite. Grade:
 # `pytest course/ --student-dir YOUR_FOLDER -k lesson4`.
+
 
 # %% tags=["exercise"]
 def relu_kernels() -> str:
@@ -183,5 +187,9 @@ for n in sizes:
             runs.append(time.perf_counter() - t0)
         timings[name].append((n, min(runs) * 1e6))  # the best of 3: the least disturbed
 series = [Series(name, pts, c) for (name, pts), c in zip(timings.items(), colors(2), strict=True)]
-show(line_chart("ReLU forward, best of 3", [Panel(series, "elements", "microseconds", xlog=True, ylog=True,
-                                                  yfrom0=False)]), "lesson4_relu_timing.svg")
+show(
+    line_chart(
+        "ReLU forward, best of 3", [Panel(series, "elements", "microseconds", xlog=True, ylog=True, yfrom0=False)]
+    ),
+    "lesson4_relu_timing.svg",
+)

@@ -33,9 +33,9 @@ import tinyconv as tc  # noqa: E402
 be = tc.get_backend("numpy")
 
 # %%
-from tinyconv.dist.protocol import VERSION  # noqa: E402
-from tinyconv.dist.shard.balance import apportion, speed_weights  # noqa: E402
-from tinyconv.dist.worker.handler import Worker  # noqa: E402
+from tinyconv.distributed.protocol import VERSION  # noqa: E402
+from tinyconv.distributed.shard.balance import apportion, speed_weights  # noqa: E402
+from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
 from tinyconv.lab.plot.svg import colors  # noqa: E402
 
@@ -67,13 +67,15 @@ print("stacked slices vs the whole convolution, max |difference|:", np.abs(np.co
 # $F w_i$ kernels is rarely a whole number. Rounding each can miss $F$ by a few; the
 # *largest-remainder* method (Hamilton's) gives each $\lfloor F w_i \rfloor$, then the kernels left
 # over one each to the largest fractional parts — the counts add up to $F$ exactly.
-# tinyconv's `speed_weights` and `apportion` (`tinyconv/dist/shard/balance.py`) do this:
+# tinyconv's `speed_weights` and `apportion` (`tinyconv/distributed/shard/balance.py`) do this:
 
 # %%
 for times in ([1.0, 2.0, 4.0], [1.0, 1.0, 3.0], [0.2, 0.25, 0.3, 0.9]):
     weights = speed_weights(times)
-    print(f"times {times} -> weights {[round(v, 3) for v in weights]} -> of 32 kernels {apportion(weights, 32)}"
-          f"  (rounded one by one: {[round(32 * v) for v in weights]})")
+    print(
+        f"times {times} -> weights {[round(v, 3) for v in weights]} -> of 32 kernels {apportion(weights, 32)}"
+        f"  (rounded one by one: {[round(32 * v) for v in weights]})"
+    )
 
 # %% [markdown]
 # ## 3. The split over the in-process transport
@@ -104,23 +106,38 @@ with tc.get_transport("inproc", handler_factory=make, protocol=VERSION) as trans
     calibration = cluster.calibrate(net, batch_size=batch, image_size=size)
     block = net.layers[0]
     print("participants:", cluster.participants, "(worker2 is 3x slower)")
-    print("calibrated s:", [round(t, 4) for t in calibration["times"][block.name]],
-          "-> eq. 1 kernels:", calibration["shares"][block.name])
+    print(
+        "calibrated s:",
+        [round(t, 4) for t in calibration["times"][block.name]],
+        "-> eq. 1 kernels:",
+        calibration["shares"][block.name],
+    )
     for _ in range(steps):
         y_split, dx_split = block.forward(x), block.backward(dy)
         history.append(cluster.last_step)
     names = cluster.participants
 print("final kernels:", history[-1]["shares"][block.name])
-print(f"max |y difference| {np.abs(y_split - y_ref).max():.1e}, "
-      f"max |dx difference| {np.abs(dx_split - dx_ref).max():.1e}")
-kernels_series = [Series(n, [(s, h["shares"][block.name][i]) for s, h in enumerate(history)], c)
-                  for i, (n, c) in enumerate(zip(names, colors(len(names)), strict=True))]
-time_series = [Series(n, [(s, h["participant_conv_s"][i] * 1e3) for s, h in enumerate(history)], c)
-               for i, (n, c) in enumerate(zip(names, colors(len(names)), strict=True))]
-show(line_chart("One convolution split by kernels by eq. 1, one worker 3x slower",
-                [Panel(kernels_series, "step", "kernels", xinteger=True),
-                 Panel(time_series, "step", "compute ms (forward + backward)", xinteger=True)]),
-     "lesson5_split.svg")
+print(
+    f"max |y difference| {np.abs(y_split - y_ref).max():.1e}, max |dx difference| {np.abs(dx_split - dx_ref).max():.1e}"
+)
+kernels_series = [
+    Series(n, [(s, h["shares"][block.name][i]) for s, h in enumerate(history)], c)
+    for i, (n, c) in enumerate(zip(names, colors(len(names)), strict=True))
+]
+time_series = [
+    Series(n, [(s, h["participant_conv_s"][i] * 1e3) for s, h in enumerate(history)], c)
+    for i, (n, c) in enumerate(zip(names, colors(len(names)), strict=True))
+]
+show(
+    line_chart(
+        "One convolution split by kernels by eq. 1, one worker 3x slower",
+        [
+            Panel(kernels_series, "step", "kernels", xinteger=True),
+            Panel(time_series, "step", "compute ms (forward + backward)", xinteger=True),
+        ],
+    ),
+    "lesson5_split.svg",
+)
 
 # %% [markdown]
 # Read the chart: the slow worker has about a third of a fast worker's kernels (eq. 1 on its
@@ -128,7 +145,7 @@ show(line_chart("One convolution split by kernels by eq. 1, one worker 3x slower
 # the *last* one does. Is the slow worker's time close to the others'? Usually it is still the
 # longest: each participant also repeats work that does not shrink with its share (the im2col of
 # the whole input, the col2im of the whole dX), and the slow worker repeats it 3x slower. Eq. 1
-# assumes time proportional to kernels; `tinyconv/dist/cost.py` fits a fixed part beside it, and
+# assumes time proportional to kernels; `tinyconv/distributed/cost.py` fits a fixed part beside it, and
 # the rebalancer uses that fit. (Exercise for the keen: fit $t = a + b k$ to these numbers.)
 #
 # ## Exercises
@@ -143,6 +160,7 @@ show(line_chart("One convolution split by kernels by eq. 1, one worker 3x slower
 #    outputs stacked along the channels. (A participant with 0 kernels computes nothing.)
 #
 # Grade: `pytest course/ --student-dir YOUR_FOLDER -k lesson5`.
+
 
 # %% tags=["exercise"]
 def eq1_weights(times: list[float]) -> list[float]:
@@ -191,8 +209,12 @@ def conv_by_kernels(
 # ### Try them
 
 # %%
-print("eq. 1 on 1, 2, 4 s:", [round(v, 3) for v in eq1_weights([1.0, 2.0, 4.0])],
-      "-> of 32 kernels:", largest_remainder(eq1_weights([1.0, 2.0, 4.0]), 32))
+print(
+    "eq. 1 on 1, 2, 4 s:",
+    [round(v, 3) for v in eq1_weights([1.0, 2.0, 4.0])],
+    "-> of 32 kernels:",
+    largest_remainder(eq1_weights([1.0, 2.0, 4.0]), 32),
+)
 w_all, b_all = conv.params["w"], conv.params["b"]
 counts = [5, 0, kernels - 5]  # three participants, the second sitting out
 mine = conv_by_kernels(x[:2], w_all, b_all, counts, 1, 2)

@@ -47,8 +47,9 @@ from tinyconv.metrics import MetricsWriter  # noqa: E402
 arch, size, steps = ("8:16", 16, 4) if QUICK else ("50:500", 32, 12)
 data = tc.synthetic_dataset(n_train=32 * steps, n_test=64, seed=0, image_size=size)
 # eval_batch_size 32 too: the workers accept messages up to the largest batch distribute() was told of
-config = tc.TrainConfig(epochs=1, batch_size=32, eval_batch_size=32, lr=0.02, max_steps=steps, progress=False,
-                        augment=False)
+config = tc.TrainConfig(
+    epochs=1, batch_size=32, eval_batch_size=32, lr=0.02, max_steps=steps, progress=False, augment=False
+)
 runs = {}
 for workers in (0, 1) if QUICK else (0, 1, 2):
     net = tc.paper_net(arch, backend="numpy", image_size=size, seed=0)
@@ -58,8 +59,15 @@ for workers in (0, 1) if QUICK else (0, 1, 2):
     if workers == 0:
         tc.Trainer(net, data, config, metrics=writer).fit()
     else:
-        with tc.distribute(net, transport="zmq", workers=workers, batch_size=32, image_size=size,
-                           split="kernels", announce=lambda _: None) as cluster:
+        with tc.distribute(
+            net,
+            transport="zmq",
+            workers=workers,
+            batch_size=32,
+            image_size=size,
+            split="kernels",
+            announce=lambda _: None,
+        ) as cluster:
             tc.Trainer(net, data, config, metrics=writer, cluster=cluster).fit()
             print(f"{workers} worker(s): participants {cluster.participants}, shares {cluster.last_step['shares']}")
     writer.close()
@@ -73,22 +81,34 @@ for workers in (0, 1) if QUICK else (0, 1, 2):
 # faster here: the bars show what the split *costs* — comm appears, and the master's share of conv
 # shrinks. Across machines (part 4) the workers bring their own cores.
 
+
 # %%
 def median_of(events: list[dict], key: str) -> float:
     return statistics.median(e[key] for e in events if e["event"] == "step" and e["step"] > 1)
 
 
-bars = [Bar(f"{n} worker{'s' if n != 1 else ''}", {k: median_of(ev, k) for k in ("comm_s", "conv_s", "comp_s")})
-        for n, ev in runs.items()]
+bars = [
+    Bar(f"{n} worker{'s' if n != 1 else ''}", {k: median_of(ev, k) for k in ("comm_s", "conv_s", "comp_s")})
+    for n, ev in runs.items()
+]
 for bar in bars:
     print(f"{bar.label:10s}", {k: round(v, 4) for k, v in bar.parts.items()})
-show(stacked_bars(f"The median training step of {arch}, batch 32, on one machine", "seconds",
-                  [Group("ZeroMQ workers on this machine", bars)],
-                  [("comm_s", "comm", "#d62728"), ("conv_s", "conv", "#1f77b4"), ("comp_s", "comp", "#2ca02c")]),
-     "lesson6_split.svg")
+show(
+    stacked_bars(
+        f"The median training step of {arch}, batch 32, on one machine",
+        "seconds",
+        [Group("ZeroMQ workers on this machine", bars)],
+        [("comm_s", "comm", "#d62728"), ("conv_s", "conv", "#1f77b4"), ("comp_s", "comp", "#2ca02c")],
+    ),
+    "lesson6_split.svg",
+)
 last = [e for e in runs[max(runs)] if e["event"] == "step"][-1]
-print("bytes one step moved:", {k: last[k] for k in ("bytes_sent", "bytes_recv")},
-      "per participant sent:", dict(zip(last["participants"], last["participant_bytes_sent"], strict=True)))
+print(
+    "bytes one step moved:",
+    {k: last[k] for k in ("bytes_sent", "bytes_recv")},
+    "per participant sent:",
+    dict(zip(last["participants"], last["participant_bytes_sent"], strict=True)),
+)
 
 # %% [markdown]
 # ## 3. The same from the shell
@@ -128,6 +148,7 @@ print("bytes one step moved:", {k: last[k] for k in ("bytes_sent", "bytes_recv")
 #    Participants that computed nothing (0 s) are left out.
 #
 # Grade: `pytest course/ --student-dir YOUR_FOLDER -k lesson6`.
+
 
 # %% tags=["exercise"]
 def split_fractions(step: dict) -> dict[str, float]:

@@ -18,7 +18,7 @@
 # find where they cross, then what that costs on the paper's 5 MB/s Wi-Fi.
 #
 # **What exists in tinyconv.** Model parallelism: all of it (`--parallel model`, the default).
-# Data parallelism: `--parallel data` in `examples/cifar10_dist.py` (`tinyconv/dist/replica/`, a
+# Data parallelism: `--parallel data` in `examples/cifar10_dist.py` (`tinyconv/distributed/replica/`, a
 # parameter server; `docs/how-it-works.md`, "Model, data or hybrid parallelism") — new as this
 # lesson is written, so the cell below checks that your copy has it. A hybrid of the two: not built.
 # The paper's eq. 2 and tinyconv's own byte counts: `tinyconv comm`. The simulator:
@@ -43,8 +43,9 @@ from tinyconv.lab.plot.svg import colors  # noqa: E402
 root = Path(tc.__file__).resolve().parent.parent
 example = root / "examples" / "cifar10_dist.py"
 if example.is_file():
-    help_text = subprocess.run([sys.executable, str(example), "--help"], capture_output=True, text=True,
-                               timeout=60).stdout
+    help_text = subprocess.run(
+        [sys.executable, str(example), "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     print("this copy's main job has --parallel data:", "--parallel" in help_text)
 else:
     print("examples/cifar10_dist.py is not here (an installed tinyconv without the repository)")
@@ -69,8 +70,10 @@ for p in (2, 3, 4):
     convs = conv_shapes(net, 64)
     counts = equal_counts(convs, p)
     to, back = kernel_split_bytes(convs, counts)
-    print(f"50:500, batch 64, {p} participants: eq. 2 {eq2_bytes(convs, counts) / 1e6:6.1f} MB (doubles),"
-          f" tinyconv's paper split {(to + back) / 1e6:6.1f} MB (float32, forward and backward)")
+    print(
+        f"50:500, batch 64, {p} participants: eq. 2 {eq2_bytes(convs, counts) / 1e6:6.1f} MB (doubles),"
+        f" tinyconv's paper split {(to + back) / 1e6:6.1f} MB (float32, forward and backward)"
+    )
 
 # %% [markdown]
 # ## 2. Data parallelism's bytes
@@ -84,6 +87,7 @@ for p in (2, 3, 4):
 #
 # — nearly independent of the batch: the weights dominate. (A ring all-reduce, without a master,
 # would move $2 (W-1)/W \cdot 4P$ per worker instead.)
+
 
 # %%
 def parameters(net: "tc.Network") -> int:
@@ -108,6 +112,7 @@ for a, n in nets.items():
 #    is a function batch -> bytes. `None` if none does.
 #
 # Grade: `pytest course/ --student-dir YOUR_FOLDER -k lesson7`.
+
 
 # %% tags=["exercise"]
 def eq2(convs: list[ConvShape], counts: list[list[int]], word: int = 8) -> int:
@@ -154,6 +159,7 @@ def break_even_batch(model_bytes_at, data_bytes: int, largest: int = 4096) -> in
 batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 series, palette = [], colors(2 * len(nets))
 for i, (a, n) in enumerate(nets.items()):
+
     def model_bytes_at(batch: int, n=n) -> int:
         convs = conv_shapes(n, batch)
         return sum(kernel_split_bytes(convs, equal_counts(convs, 2)))
@@ -165,13 +171,21 @@ for i, (a, n) in enumerate(nets.items()):
     # data's bytes grow a little with the batch too (its images): compare the difference with 0
     cross = break_even_batch(lambda b, m=model_bytes_at, d=data_bytes_at: m(b) - d(b), 0, largest=1024)
     at64 = conv_shapes(n, 64)
-    print(f"{a}: model parallelism moves more than data parallelism from batch {cross} on "
-          f"(data at batch 64: {data / 1e6:.1f} MB a step; eq. 2: {eq2(at64, equal_counts(at64, 2)) / 1e6:.1f} MB)")
+    print(
+        f"{a}: model parallelism moves more than data parallelism from batch {cross} on "
+        f"(data at batch 64: {data / 1e6:.1f} MB a step; eq. 2: {eq2(at64, equal_counts(at64, 2)) / 1e6:.1f} MB)"
+    )
     series.append(Series(f"{a} model (kernels)", [(b, model_bytes_at(b) / 1e6) for b in batches], palette[2 * i]))
-    series.append(Series(f"{a} data (replicas)", [(b, data_bytes_at(b) / 1e6) for b in batches], palette[2 * i + 1],
-                         dash=True))
-show(line_chart("Bytes per step, master + 1 worker", [Panel(series, "batch size", "MB per step", xlog=True,
-                                                            ylog=True, yfrom0=False)]), "lesson7_bytes.svg")
+    series.append(
+        Series(f"{a} data (replicas)", [(b, data_bytes_at(b) / 1e6) for b in batches], palette[2 * i + 1], dash=True)
+    )
+show(
+    line_chart(
+        "Bytes per step, master + 1 worker",
+        [Panel(series, "batch size", "MB per step", xlog=True, ylog=True, yfrom0=False)],
+    ),
+    "lesson7_bytes.svg",
+)
 
 # %% [markdown]
 # ## 4. On a slow link
@@ -207,5 +221,7 @@ for a, n in nets.items():
     model = sum(kernel_split_bytes(convs, equal_counts(convs, 2)))
     data = data_parallel_bytes(parameters(n), 32, 3 * 32 * 32, 10)
     for rate in (5, 100):
-        print(f"{a} batch 64 over {rate:3d} MB/s: model {model / (rate * 1e6):6.2f} s a step, "
-              f"data {data / (rate * 1e6):6.2f} s (transfers only)")
+        print(
+            f"{a} batch 64 over {rate:3d} MB/s: model {model / (rate * 1e6):6.2f} s a step, "
+            f"data {data / (rate * 1e6):6.2f} s (transfers only)"
+        )

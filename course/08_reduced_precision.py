@@ -41,6 +41,7 @@ from tinyconv.lab.plot.bars import Bar, Group, stacked_bars  # noqa: E402
 #
 # Grade: `pytest course/ --student-dir YOUR_FOLDER -k lesson8`.
 
+
 # %% tags=["exercise"]
 def to_bfloat16(x: np.ndarray) -> np.ndarray:
     """x rounded to bfloat16 (round to nearest, ties to even), returned as float32."""
@@ -84,13 +85,26 @@ for arch in archs:
     convs = conv_shapes(tc.paper_net(arch, backend="numpy"), 64)
     counts = equal_counts(convs, 2)
     f32 = sum(kernel_split_bytes(convs, counts))
-    print(f"{arch}: eq. 2 {eq2_bytes(convs, counts) / 1e6:.1f} MB in doubles (the paper's count); tinyconv moves "
-          f"{f32 / 1e6:.1f} MB in float32, would move {wire_bytes(f32, 2) / 1e6:.1f} MB in 16 bits: "
-          f"{wire_bytes(f32, 2) / 5e6:.1f} s instead of {f32 / 5e6:.1f} s a step at 5 MB/s")
-    groups.append(Group(arch, [Bar(name, {"bytes": wire_bytes(f32, word) / 1e6}) for name, word in
-                               (("float64", 8), ("float32", 4), ("16-bit", 2))]))
-show(stacked_bars("Bytes one step moves, master + 1 worker, batch 64", "MB", groups,
-                  [("bytes", "MB per step", "#1f77b4")]), "lesson8_bytes.svg")
+    print(
+        f"{arch}: eq. 2 {eq2_bytes(convs, counts) / 1e6:.1f} MB in doubles (the paper's count); tinyconv moves "
+        f"{f32 / 1e6:.1f} MB in float32, would move {wire_bytes(f32, 2) / 1e6:.1f} MB in 16 bits: "
+        f"{wire_bytes(f32, 2) / 5e6:.1f} s instead of {f32 / 5e6:.1f} s a step at 5 MB/s"
+    )
+    groups.append(
+        Group(
+            arch,
+            [
+                Bar(name, {"bytes": wire_bytes(f32, word) / 1e6})
+                for name, word in (("float64", 8), ("float32", 4), ("16-bit", 2))
+            ],
+        )
+    )
+show(
+    stacked_bars(
+        "Bytes one step moves, master + 1 worker, batch 64", "MB", groups, [("bytes", "MB per step", "#1f77b4")]
+    ),
+    "lesson8_bytes.svg",
+)
 
 # %% [markdown]
 # ## 2. The error in a feature map

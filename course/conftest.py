@@ -38,7 +38,7 @@ def load_exercises(path: Path) -> types.ModuleType:
     cells = [c for c in course_build.parse_cells(path.read_text(), path.name) if c.kind == "code"]
     chosen = [c for c in cells if {"setup", "exercise"} & set(c.tags)]
     if not any("exercise" in c.tags for c in chosen):
-        pytest.fail(f"{path.name} has no cell tagged exercise (# %% tags=[\"exercise\"]); was the tag removed?")
+        pytest.fail(f'{path.name} has no cell tagged exercise (# %% tags=["exercise"]); was the tag removed?')
     module = types.ModuleType(f"lesson_{path.stem}")
     module.__file__ = str(path)
     for c in chosen:

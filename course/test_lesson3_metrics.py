@@ -10,8 +10,17 @@ LESSON = "03_training"
 
 
 def step(epoch: int, step: int, loss: float, acc: float, time_s: float, comm_s: float, conv_s: float, comp_s: float):
-    return {"event": "step", "epoch": epoch, "step": step, "loss": loss, "acc": acc, "time_s": time_s,
-            "comm_s": comm_s, "conv_s": conv_s, "comp_s": comp_s}
+    return {
+        "event": "step",
+        "epoch": epoch,
+        "step": step,
+        "loss": loss,
+        "acc": acc,
+        "time_s": time_s,
+        "comm_s": comm_s,
+        "conv_s": conv_s,
+        "comp_s": comp_s,
+    }
 
 
 EVENTS = [

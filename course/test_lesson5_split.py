@@ -1,4 +1,4 @@
-"""Grades lesson 5 against tinyconv.dist.shard.balance and the unsplit convolution, on fixed seeds."""
+"""Grades lesson 5 against tinyconv.distributed.shard.balance and the unsplit convolution, on fixed seeds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tinyconv as tc
-from tinyconv.dist.shard.balance import apportion, speed_weights
+from tinyconv.distributed.shard.balance import apportion, speed_weights
 
 LESSON = "05_split_by_kernels"
 

@@ -15,11 +15,13 @@ def test_split_fractions(lesson):
 
 def test_split_fractions_alone(lesson):
     assert lesson.split_fractions({"comm_s": 0.0, "conv_s": 0.0, "comp_s": 0.3}) == pytest.approx(
-        {"comm": 0.0, "conv": 0.0, "comp": 1.0})
+        {"comm": 0.0, "conv": 0.0, "comp": 1.0}
+    )
 
 
-@pytest.mark.parametrize("args,want", [((5_000_000, 5.0), 1.0), ((20_000_000, 100.0, 0.002, 8), 0.216),
-                                       ((0, 5.0, 0.01, 3), 0.03)])
+@pytest.mark.parametrize(
+    "args,want", [((5_000_000, 5.0), 1.0), ((20_000_000, 100.0, 0.002, 8), 0.216), ((0, 5.0, 0.01, 3), 0.03)]
+)
 def test_link_seconds(lesson, args, want):
     assert lesson.link_seconds(*args) == pytest.approx(want, rel=1e-12)
 

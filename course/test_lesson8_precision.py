@@ -15,7 +15,7 @@ def bf16_reference(x: np.ndarray) -> np.ndarray:
 
 
 def test_to_bfloat16_rounds_to_nearest(lesson):
-    x = (np.random.default_rng(0).standard_normal(10_000) * 10.0 ** np.random.default_rng(1).integers(-20, 20, 10_000))
+    x = np.random.default_rng(0).standard_normal(10_000) * 10.0 ** np.random.default_rng(1).integers(-20, 20, 10_000)
     x = x.astype(np.float32)
     got = np.asarray(lesson.to_bfloat16(x))
     assert got.dtype == np.float32 and got.shape == x.shape
@@ -36,8 +36,9 @@ def test_to_bfloat16_leaves_its_input_alone(lesson):
     np.testing.assert_array_equal(x, before)
 
 
-@pytest.mark.parametrize("approx,exact,want", [([1.0, 2.1], [1.0, 2.0], 0.05), ([0.0], [0.0], 0.0),
-                                               ([[1, -3.5]], [[1, -4]], 0.125)])
+@pytest.mark.parametrize(
+    "approx,exact,want", [([1.0, 2.1], [1.0, 2.0], 0.05), ([0.0], [0.0], 0.0), ([[1, -3.5]], [[1, -4]], 0.125)]
+)
 def test_relative_error(lesson, approx, exact, want):
     assert lesson.relative_error(np.array(approx), np.array(exact)) == pytest.approx(want, rel=1e-12)
 

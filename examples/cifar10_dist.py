@@ -54,11 +54,11 @@ from backends.registry import available_backends, has_devices  # noqa: E402
 from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint  # noqa: E402
 from tinyconv.cifar10 import DataError, default_data_dir  # noqa: E402
 from tinyconv.data import Dataset, load_dataset  # noqa: E402
-from tinyconv.dist.adaptive_precision import SETTINGS  # noqa: E402
-from tinyconv.dist.heap import keep_freed_memory  # noqa: E402
-from tinyconv.dist.rebalance import Rebalancer  # noqa: E402
-from tinyconv.dist.runtime import Runtime  # noqa: E402
-from tinyconv.dist.worker.handler import Worker  # noqa: E402
+from tinyconv.distributed.adaptive_precision import SETTINGS  # noqa: E402
+from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
+from tinyconv.distributed.rebalance import Rebalancer  # noqa: E402
+from tinyconv.distributed.runtime import Runtime  # noqa: E402
+from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 from tinyconv.memory import available_memory_bytes, format_bytes, step_memory_bytes  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
 from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
@@ -188,7 +188,7 @@ def _compute(p: argparse.ArgumentParser) -> None:
 
 
 PARALLEL = ("model", "data", "hybrid")
-BY_IMAGES = ("data", "hybrid")  # the modes that share each batch out by images (tinyconv/dist/replica/)
+BY_IMAGES = ("data", "hybrid")  # the modes that share each batch out by images (tinyconv/distributed/replica/)
 
 
 def parallel_mode(text: str) -> str:
@@ -781,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
-        keep_freed_memory()  # each step reuses the last step's pages (tinyconv/dist/heap.py)
+        keep_freed_memory()  # each step reuses the last step's pages (tinyconv/distributed/heap.py)
         if args.transport == "mpi" and (code := serve_mpi_rank(args)) is not None:
             return code
         backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))

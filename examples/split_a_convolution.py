@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
-from tinyconv.dist.protocol import VERSION  # noqa: E402
-from tinyconv.dist.shard.balance import apportion, speed_weights  # noqa: E402
-from tinyconv.dist.worker.handler import Worker  # noqa: E402
+from tinyconv.distributed.protocol import VERSION  # noqa: E402
+from tinyconv.distributed.shard.balance import apportion, speed_weights  # noqa: E402
+from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 
 BATCH, C_IN, KERNELS, SIZE, STEPS = 16, 32, 96, 16, 12
 

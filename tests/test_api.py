@@ -252,7 +252,7 @@ def test_the_framework_never_imports_the_runtime_the_lab_or_a_transport():
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad = [n for n in names if n.startswith(("tinyconv.dist", "tinyconv.lab", "transports"))]
+            bad = [n for n in names if n.startswith(("tinyconv.distributed", "tinyconv.lab", "transports"))]
             assert not bad, f"{path.name} imports {bad}"
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tinyconv.dist.shard.balance import apportion, slices, speed_weights
+from tinyconv.distributed.shard.balance import apportion, slices, speed_weights
 
 # ---- eq. 1 ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Conv blocks on kernel slices (tinyconv/dist/shard/block.py): with the halo, slices give the unsharded numbers.
+"""Conv blocks on kernel slices (tinyconv/distributed/shard/block.py): with the halo, slices give the unsharded numbers.
 
 The reference is the plain layer sequence conv -> tail on all kernels; each case cuts
 the kernels into slices (some narrower than the halo, some at the edges), computes each
@@ -15,9 +15,9 @@ import pytest
 from backends.conformance.runner import FN, Expected
 from backends.conformance.runner import assert_close as within_round_off
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist.protocol import VERSION
-from tinyconv.dist.shard.balance import slices
-from tinyconv.dist.shard.block import (
+from tinyconv.distributed.protocol import VERSION
+from tinyconv.distributed.shard.balance import slices
+from tinyconv.distributed.shard.block import (
     block_backward,
     block_forward,
     check_tail,
@@ -28,10 +28,10 @@ from tinyconv.dist.shard.block import (
     tail_forward,
     tail_of,
 )
-from tinyconv.dist.shard.by_channels import halo_sum
-from tinyconv.dist.shard.cluster import Cluster
-from tinyconv.dist.shard.layer import ShardedBlock
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed.shard.by_channels import halo_sum
+from tinyconv.distributed.shard.cluster import Cluster
+from tinyconv.distributed.shard.layer import ShardedBlock
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network, paper_net
 from transports.inproc import InprocTransport

@@ -54,8 +54,9 @@ def test_there_are_eight_lessons_each_with_exercises():
 def test_the_lesson_runs_headless_and_draws_its_charts(lesson, tmp_path):
     if lesson.name.startswith("04") and not has_opencl():
         pytest.skip("lesson 4 needs an OpenCL device (make setup installs PoCL)")
-    out = subprocess.run([sys.executable, str(lesson)], capture_output=True, text=True, timeout=120,
-                         env=env(tmp_path), cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(lesson)], capture_output=True, text=True, timeout=120, env=env(tmp_path), cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     charts = sorted((tmp_path / "figures").rglob("*.svg"))
     assert charts, f"{lesson.name} drew no chart"
@@ -99,9 +100,14 @@ def test_the_generator_refuses_broken_markers():
 def grade(tmp_path: Path, *args: str) -> dict[str, list[tuple[str, str]]]:
     """Run the graders; {grader file: [(test name, outcome or failure message)]}, from pytest's JUnit XML."""
     report = tmp_path / "report.xml"
-    subprocess.run([sys.executable, "-m", "pytest", str(COURSE), "-q", "-p", "no:cacheprovider",
-                    f"--junitxml={report}", *args], capture_output=True, text=True, timeout=180,
-                   env=env(tmp_path), cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "pytest", str(COURSE), "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env(tmp_path),
+        cwd=ROOT,
+    )
     results: dict[str, list[tuple[str, str]]] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
@@ -126,4 +132,5 @@ def test_the_graders_pass_the_solutions_and_fail_the_student_version(tmp_path):
         stubbed = [o for _, o in cases if "NotImplementedError" in o]
         assert stubbed, f"{grader}: no test failed on the stubs: {cases}"
         assert all(o in ("passed", "skipped") or "NotImplementedError" in o for _, o in cases), (
-            f"{grader}: a test failed for another reason than a stub: {cases}")
+            f"{grader}: a test failed for another reason than a stub: {cases}"
+        )

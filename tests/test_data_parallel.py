@@ -1,4 +1,4 @@
-"""Data parallelism (tinyconv/dist/replica/): whole replicas on slices of the batch, gradients summed on the master.
+"""Data parallelism (tinyconv/distributed/replica/): whole replicas on batch slices, gradients summed on the master.
 
 A data-parallel step with LRN equals the single-process step on the whole batch to float32
 round-off, whatever the slices; slower workers get fewer images; a lost worker's images go
@@ -19,15 +19,15 @@ from test_example import SMOKE, _processes_with, run_example
 
 from backends.conformance.runner import FN, Expected, assert_close
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist import runtime
-from tinyconv.dist.pool import distribute
-from tinyconv.dist.protocol import VERSION, TaskError, check_task
-from tinyconv.dist.replica import flat
-from tinyconv.dist.replica.hybrid import Hybrid
-from tinyconv.dist.replica.server import UNIT, Replicas
-from tinyconv.dist.rpc import Lost
-from tinyconv.dist.worker import replica_handlers as worker_replica
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed import runtime
+from tinyconv.distributed.pool import distribute
+from tinyconv.distributed.protocol import VERSION, TaskError, check_task
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.hybrid import Hybrid
+from tinyconv.distributed.replica.server import UNIT, Replicas
+from tinyconv.distributed.rpc import Lost
+from tinyconv.distributed.worker import replica_handlers as worker_replica
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net
@@ -219,7 +219,7 @@ def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_i
 
 @pytest.mark.parametrize("split_by", [Replicas, Hybrid])
 def test_calibration_gives_the_whole_batchs_memory_back_on_the_master_and_the_worker(monkeypatch, split_by):
-    # each participant times the whole batch, more than its share of a step: kept (tinyconv/dist/heap.py),
+    # each participant times the whole batch, more than its share of a step: kept (tinyconv/distributed/heap.py),
     # that memory would stay the run's peak, so both sides give it back once they have timed
     released = []
     monkeypatch.setattr(runtime, "release_freed_memory", lambda: released.append("master"))

@@ -19,14 +19,14 @@ import pytest
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
 from backends.numpy_backend import NumpyBackend
 from tinyconv.data import synthetic_dataset
-from tinyconv.dist.pool import spawn_local_workers, stop_workers
-from tinyconv.dist.protocol import VERSION
-from tinyconv.dist.rebalance import Rebalancer
-from tinyconv.dist.rpc import Link, Lost
-from tinyconv.dist.shard.balance import apportion, slices
-from tinyconv.dist.shard.cluster import Cluster
-from tinyconv.dist.shard.layer import block_inputs
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed.pool import spawn_local_workers, stop_workers
+from tinyconv.distributed.protocol import VERSION
+from tinyconv.distributed.rebalance import Rebalancer
+from tinyconv.distributed.rpc import Link, Lost
+from tinyconv.distributed.shard.balance import apportion, slices
+from tinyconv.distributed.shard.cluster import Cluster
+from tinyconv.distributed.shard.layer import block_inputs
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.model import Network, paper_net
@@ -585,7 +585,7 @@ class SlowCalibration(Worker):
 def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_is_not_lost(monkeypatch):
     # the master's passes "take" 0.05 s a layer: a worker gets 10 x (1 + 1 repeat) x 0.1 s = 2 s, not
     # the 0.2 s of recv_timeout (conv2 of 300:1000 at batch 256 takes ~40 s a pass on one core)
-    import tinyconv.dist.calibrate as calibrate
+    import tinyconv.distributed.calibrate as calibrate
 
     monkeypatch.setattr(calibrate, "time_block", lambda be, spec, repeats: 0.05)
     be = NumpyBackend()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist.protocol import VERSION
-from tinyconv.dist.rpc import Link
-from tinyconv.dist.shard.cluster import Cluster
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed.protocol import VERSION
+from tinyconv.distributed.rpc import Link
+from tinyconv.distributed.shard.cluster import Cluster
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network
 from transports.base import Message, WorkerInfo
@@ -187,7 +187,7 @@ def test_a_worker_process_killed_mid_run_over_zmq_costs_no_step(rng):
     import os
     import signal
 
-    from tinyconv.dist.pool import distribute
+    from tinyconv.distributed.pool import distribute
     from tinyconv.model import paper_net
     from tinyconv.optim import SGD
 

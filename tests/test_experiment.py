@@ -138,10 +138,14 @@ def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker
     cmd = worker_command("tcp://10.0.0.1:5555", "numpy", 3, prefix, ["--timeout", "60"], taskset="/usr/bin/taskset")
     assert cmd[:4] == ["ip", "netns", "exec", "tinyconv w"]
     assert cmd[4:7] == ["/usr/bin/taskset", "-c", "3"]
-    assert cmd[7:10] == [sys.executable, "-m", "tinyconv.dist.worker"]
+    assert cmd[7:10] == [sys.executable, "-m", "tinyconv.distributed.worker"]
     assert cmd[cmd.index("--connect") + 1] == "tcp://10.0.0.1:5555" and cmd[-2:] == ["--timeout", "60"]
     assert {"--serve", "--quiet"} <= set(cmd) and cmd[cmd.index("--threads") + 1] == "1"
-    assert worker_command("tcp://a:1", "numpy", 1)[:3] == [sys.executable, "-m", "tinyconv.dist.worker"]  # no taskset
+    assert worker_command("tcp://a:1", "numpy", 1)[:3] == [
+        sys.executable,
+        "-m",
+        "tinyconv.distributed.worker",
+    ]  # no taskset
 
 
 @pytest.mark.skipif(len(cores()) < 2, reason="a pinned local worker needs a second core")
@@ -302,7 +306,7 @@ def test_a_csv_with_columns_this_grid_does_not_know_is_refused(tmp_path: Path, c
 
 # ---- the pipeline axis -----------------------------------------------------------------------------------------------
 def test_the_grids_default_pipeline_is_the_clusters() -> None:
-    from tinyconv.dist.shard.by_channels import PIPELINE
+    from tinyconv.distributed.shard.by_channels import PIPELINE
     from tinyconv.lab.experiment import grid as grid_module
 
     assert grid_module.PIPELINE == PIPELINE  # grid.py keeps its own copy so as not to load numpy early

@@ -1,4 +1,4 @@
-"""tinyconv.dist.heap: glibc keeps freed memory when asked, and the switch turns it off."""
+"""tinyconv.distributed.heap: glibc keeps freed memory when asked, and the switch turns it off."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 def run(env_value: str | None) -> str:
     """keep_freed_memory() in a fresh interpreter (its settings last for the whole process)."""
     env = {} if env_value is None else {"TINYCONV_KEEP_FREED_MEMORY": env_value}
-    code = "from tinyconv.dist.heap import keep_freed_memory; print(keep_freed_memory())"
+    code = "from tinyconv.distributed.heap import keep_freed_memory; print(keep_freed_memory())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
     return out.stdout.strip()
 
@@ -35,7 +35,7 @@ def test_a_freed_block_over_2_gib_stays_in_the_heap():
     end (sbrk(0)) moves without touching a page."""
     code = (
         "import ctypes, numpy as np\n"
-        "from tinyconv.dist.heap import keep_freed_memory\n"
+        "from tinyconv.distributed.heap import keep_freed_memory\n"
         "assert keep_freed_memory()\n"
         "libc = ctypes.CDLL(None); libc.sbrk.restype = ctypes.c_void_p; libc.sbrk.argtypes = (ctypes.c_ssize_t,)\n"
         "a = np.empty(2_300_000_000, np.uint8); end = libc.sbrk(0); del a\n"
@@ -51,7 +51,7 @@ def test_release_gives_back_a_freed_block_below_the_top():
     release_freed_memory() hands its pages back; the live block keeps the heap's top in use."""
     code = (
         "import numpy as np\n"
-        "from tinyconv.dist.heap import keep_freed_memory, release_freed_memory\n"
+        "from tinyconv.distributed.heap import keep_freed_memory, release_freed_memory\n"
         "assert keep_freed_memory()\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "a = np.ones(400_000_000, np.uint8); b = np.ones(1_000_000, np.uint8)\n"

@@ -1,4 +1,4 @@
-"""The hybrid (tinyconv/dist/replica/hybrid.py): the conv part by data, the classifier on the master.
+"""The hybrid (tinyconv/distributed/replica/hybrid.py): the conv part by data, the classifier on the master.
 
 A hybrid step with LRN equals the single-process step on the whole batch to float32 round-off,
 whatever the slices, and moves exactly the bytes its docstring's formula says; slower workers get
@@ -30,13 +30,13 @@ from test_example import SMOKE, _processes_with, run_example
 
 from backends.conformance.runner import Expected, assert_close
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist.pool import distribute
-from tinyconv.dist.protocol import TaskError, check_task
-from tinyconv.dist.replica import flat
-from tinyconv.dist.replica.conv_part import conv_part, feature_shape
-from tinyconv.dist.replica.hybrid import UNIT, Hybrid
-from tinyconv.dist.replica.server import Replicas
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed.pool import distribute
+from tinyconv.distributed.protocol import TaskError, check_task
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
+from tinyconv.distributed.replica.hybrid import UNIT, Hybrid
+from tinyconv.distributed.replica.server import Replicas
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import SoftmaxCrossEntropy
 from tinyconv.metrics import read_metrics
 from tinyconv.model import paper_net

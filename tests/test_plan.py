@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tinyconv.dist.shard.plan import Participant, Plan
+from tinyconv.distributed.shard.plan import Participant, Plan
 
 SEATS = [("master", None), ("worker0", 0), ("worker1", 1)]
 LRN5 = [{"op": "relu"}, {"op": "lrn", "size": 5, "alpha": 1e-4, "beta": 0.75, "k": 2.0}]

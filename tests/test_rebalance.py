@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyconv.dist.cost import equal_finish_kernels, fit_affine_cost
-from tinyconv.dist.rebalance import Phase, Rebalancer
-from tinyconv.dist.shard.balance import apportion, speed_weights
+from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
+from tinyconv.distributed.rebalance import Phase, Rebalancer
+from tinyconv.distributed.shard.balance import apportion, speed_weights
 
 # ---- the affine cost model: fit and target -------------------------------------------------
 
@@ -307,7 +307,6 @@ def test_a_participant_that_became_fast_wins_kernels_back_at_its_re_probe():
     # proportional first (one k each), then out; re-probed 10 steps later, it is measured fast
     assert history[:3] == [[82, 14], [96, 0], [95, 1]], history
     assert history[3][1] > 1 and abs(counts[1] - 48) <= 3, history  # and wins back about its half
-
 
 
 def test_each_phase_transition_of_the_table():

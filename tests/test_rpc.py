@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist.rpc import Link, Lost, Rpc
+from tinyconv.distributed.rpc import Link, Lost, Rpc
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 BE = NumpyBackend()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist.shard.cluster import Cluster
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed.shard.cluster import Cluster
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
 from transports.base import Message, Transport, WorkerInfo

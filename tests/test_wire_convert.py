@@ -1,5 +1,5 @@
 """bf16 wire words converted on the OpenCL device (backends/opencl/wire.cl) are the host's words
-(tinyconv/dist/wire_precision.py) bit for bit, and a worker that converts there sends the same
+(tinyconv/distributed/wire_precision.py) bit for bit, and a worker that converts there sends the same
 bytes as one that converts on the host.
 
 Every kernel runs both ways: per element (GPUs) and its rows twin (CPUs), so tests/test_oclgrind.py
@@ -14,9 +14,9 @@ import pytest
 
 from backends.base import WireConversion
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist import wire_precision as wp
-from tinyconv.dist.wire_codec import narrowed
-from tinyconv.dist.worker.handler import ON_BACKEND, Worker
+from tinyconv.distributed import wire_precision as wp
+from tinyconv.distributed.wire_codec import narrowed
+from tinyconv.distributed.worker.handler import ON_BACKEND, Worker
 from transports.base import Message
 from transports.wire import check_message, encode
 

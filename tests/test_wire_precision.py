@@ -14,13 +14,13 @@ import pytest
 
 import tinyconv as tc
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist import wire_codec
-from tinyconv.dist import wire_precision as wp
-from tinyconv.dist.adaptive_precision import AdaptivePrecision, FixedPrecision, formats_of, policy
-from tinyconv.dist.protocol import TaskError, check_result, check_task
-from tinyconv.dist.rpc import Lost, Rpc
-from tinyconv.dist.wire_codec import Narrowing, decode_task, narrowed
-from tinyconv.dist.worker.handler import Worker
+from tinyconv.distributed import wire_codec
+from tinyconv.distributed import wire_precision as wp
+from tinyconv.distributed.adaptive_precision import AdaptivePrecision, FixedPrecision, formats_of, policy
+from tinyconv.distributed.protocol import TaskError, check_result, check_task
+from tinyconv.distributed.rpc import Lost, Rpc
+from tinyconv.distributed.wire_codec import Narrowing, decode_task, narrowed
+from tinyconv.distributed.worker.handler import Worker
 from tinyconv.lab.eq2 import block_bytes, conv_shapes, equal_counts, measure, split_bytes, wire_words
 from tinyconv.lab.eq2 import main as comm_main
 from tinyconv.metrics import read_metrics

@@ -17,11 +17,11 @@ import pytest
 
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
 from backends.numpy_backend import NumpyBackend
-from tinyconv.dist.protocol import TASKS, VERSION, TaskError
-from tinyconv.dist.shard.block import block_forward, halo_span, tail_backward
-from tinyconv.dist.worker.handler import Worker
-from tinyconv.dist.worker.main import THREAD_ENV_VARS, main
-from tinyconv.dist.worker.state import STAGES, STANDALONE
+from tinyconv.distributed.protocol import TASKS, VERSION, TaskError
+from tinyconv.distributed.shard.block import block_forward, halo_span, tail_backward
+from tinyconv.distributed.worker.handler import Worker
+from tinyconv.distributed.worker.main import THREAD_ENV_VARS, main
+from tinyconv.distributed.worker.state import STAGES, STANDALONE
 from transports.base import Handler, Message
 from transports.wire import check_message
 
@@ -420,7 +420,7 @@ def test_slowdown_below_one_is_refused():
 
 def test_cli_help_runs_without_numpy():
     code = (
-        "import sys; from tinyconv.dist.worker.main import main\n"
+        "import sys; from tinyconv.distributed.worker.main import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    print('numpy' in sys.modules, e.code)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -456,7 +456,7 @@ SPY = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Spy())
-    from tinyconv.dist.worker.main import main
+    from tinyconv.distributed.worker.main import main
     rc = main(["--connect", {connect!r}, "--threads", "3", "--connect-timeout", "0.3"])
     print(json.dumps({{"rc": rc, "seen": seen}}))
     """
@@ -475,7 +475,7 @@ def test_threads_are_set_before_numpy_is_imported(tmp_path):
 
 def test_python_dash_m_and_the_tinyconv_command_start_the_same_worker():
     out = subprocess.run(
-        [sys.executable, "-m", "tinyconv.dist.worker", "--help"], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "tinyconv.distributed.worker", "--help"], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0 and "usage: tinyconv worker" in out.stdout
 
@@ -483,8 +483,8 @@ def test_python_dash_m_and_the_tinyconv_command_start_the_same_worker():
 def test_calibrate_admits_what_a_batch_256_step_needs():
     # the default cap follows the machine (half its memory, at least 2 GiB), so that a master may time
     # what its real steps allocate anyway: 150:800's conv2 at batch 256 needs about 2.3 GB
-    from tinyconv.dist.calibrate import parse_spec
-    from tinyconv.dist.worker.handler import DEFAULT_MAX_CALIBRATE_BYTES, default_max_calibrate_bytes
+    from tinyconv.distributed.calibrate import parse_spec
+    from tinyconv.distributed.worker.handler import DEFAULT_MAX_CALIBRATE_BYTES, default_max_calibrate_bytes
 
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert DEFAULT_MAX_CALIBRATE_BYTES == default_max_calibrate_bytes() == max(1 << 31, physical // 2)

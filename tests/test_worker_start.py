@@ -11,8 +11,8 @@ import time
 import pytest
 
 import tinyconv as tc
-from tinyconv.dist.pool import _death_notice, _StderrTail
-from tinyconv.dist.protocol import VERSION
+from tinyconv.distributed.pool import _death_notice, _StderrTail
+from tinyconv.distributed.protocol import VERSION
 from transports.base import Message
 from transports.zmq_master import ZmqTransport
 
@@ -59,7 +59,8 @@ def test_a_worker_stopped_in_the_middle_of_a_task_exits_with_its_code_not_a_segf
     """SIGTERM while the compute thread is in a long task (its GEMMs): a plain exit ran OpenBLAS's clean-up
     under the running GEMM and the worker died of SIGSEGV; now it ends with 130 and says why."""
     with ZmqTransport(bind="tcp://127.0.0.1:0", protocol=VERSION, heartbeat_s=0.2, peer_timeout_s=10.0) as transport:
-        cmd = [sys.executable, "-m", "tinyconv.dist.worker", "--connect", transport.bound_address, "--threads", "1"]
+        connect = transport.bound_address
+        cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--threads", "1"]
         proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         try:
             (worker,) = transport.start(1, timeout=60)

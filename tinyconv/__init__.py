@@ -53,8 +53,8 @@ _API = {
     "available_backends": "backends.registry",
     "get_transport": "transports.registry",
     "available_transports": "transports.registry",
-    "distribute": "tinyconv.dist.pool",
-    "Cluster": "tinyconv.dist.shard.cluster",
+    "distribute": "tinyconv.distributed.pool",
+    "Cluster": "tinyconv.distributed.shard.cluster",
 }
 __all__ = ["__version__", *_API]
 

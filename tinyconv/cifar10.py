@@ -153,8 +153,7 @@ def _fetch_tarball(root: Path, url: str, md5: str, progress: bool, timeout: floa
         reason = getattr(err, "reason", None) or err
         raise DataError(
             f"could not download CIFAR-10 from {url} to {part}: {reason}. "
-            f"Check your network connection (and free disk space) and run again. "
-            + _how_to_get(root, url, md5)
+            f"Check your network connection (and free disk space) and run again. " + _how_to_get(root, url, md5)
         ) from None
     if got != md5:
         part.unlink(missing_ok=True)
@@ -173,8 +172,7 @@ def _check_member(member: tarfile.TarInfo, tarball: Path) -> None:
         raise DataError(f"{tarball} has an unsafe path {member.name!r}; delete it and download it again.")
     if not (member.isfile() or member.isdir()):
         raise DataError(
-            f"{tarball} has {member.name!r}, which is a link or special file; "
-            f"delete it and download it again."
+            f"{tarball} has {member.name!r}, which is a link or special file; delete it and download it again."
         )
 
 
@@ -223,8 +221,7 @@ def download_cifar10(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise DataError(
-            f"cannot create the data folder {root}: {err}. "
-            f"Pass --data-dir / set TINYCONV_DATA to a writable folder."
+            f"cannot create the data folder {root}: {err}. Pass --data-dir / set TINYCONV_DATA to a writable folder."
         ) from None
     tarball = _fetch_tarball(root, url, md5, progress, timeout)
     return _extract(tarball, root)
@@ -307,12 +304,7 @@ def load_batch(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
     data, labels = _entry(batch, "data"), _entry(batch, "labels")
     if data is None or labels is None:
         raise DataError(f"{path} has no 'data' and 'labels' entries. {redo}")
-    if (
-        not isinstance(data, np.ndarray)
-        or data.dtype != np.uint8
-        or data.ndim != 2
-        or data.shape[1] != ROW_SIZE
-    ):
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != ROW_SIZE:
         desc = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataError(f"{path}: 'data' is {desc}, expected uint8 of shape (N, {ROW_SIZE}). {redo}")
     if data.shape[0] == 0:
@@ -364,9 +356,7 @@ def load_cifar10(
     if batches_dir is None:
         _check_not_partial(root, url, md5)
         if not download:
-            raise DataError(
-                f"CIFAR-10 was not found in {root} and downloading is off. " + _how_to_get(root, url, md5)
-            )
+            raise DataError(f"CIFAR-10 was not found in {root} and downloading is off. " + _how_to_get(root, url, md5))
         batches_dir = download_cifar10(root, url, md5, progress, timeout)
     x_train, y_train = _load_split(batches_dir, TRAIN_FILES)
     x_test, y_test = _load_split(batches_dir, (TEST_FILE,))

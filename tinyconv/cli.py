@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "worker":
-        from tinyconv.dist.worker.main import main as worker_main
+        from tinyconv.distributed.worker.main import main as worker_main
 
         return worker_main(rest)
     if command in ("devices", "backends"):

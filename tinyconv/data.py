@@ -116,9 +116,7 @@ def synthetic_dataset(
             f"max_shift >= 0 and noise >= 0; got n_train={n_train}, n_test={n_test}, "
             f"num_classes={num_classes}, image_size={image_size}, max_shift={max_shift}, noise={noise}"
         )
-    template_rng, train_rng, test_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
-    )
+    template_rng, train_rng, test_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
     canvas = _class_templates(template_rng, num_classes, image_size + 2 * max_shift).astype(np.float32)
     x_train, y_train = _draw_samples(train_rng, canvas, n_train, image_size, noise)
     x_test, y_test = _draw_samples(test_rng, canvas, n_test, image_size, noise)

@@ -33,7 +33,7 @@ class TrainConfig:
     augment: bool = True
     prefetch: int = 2  # batches made ahead on a thread while a step computes; 0: each made in its step
     # 0: the training batch. Evaluating in batches of the training's size reuses the memory its
-    # steps freed (tinyconv/dist/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
+    # steps freed (tinyconv/distributed/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
     # fresh pages for its 4x larger im2col at each evaluation.
     eval_batch_size: int = 0
     seed: int = 0

@@ -1,4 +1,4 @@
-// Wire words on the device: float32 <-> bfloat16, bit for bit as tinyconv/dist/wire_precision.py
+// Wire words on the device: float32 <-> bfloat16, bit for bit as tinyconv/distributed/wire_precision.py
 // narrows and widens them on the host (an optimisation: a worker that narrows its result here
 // reads back 2 bytes a number instead of 4; see narrow_wire / widen_wire in backend.py).
 //

@@ -6,5 +6,5 @@
 * ``simulate/``    -- a step's time on 1 to 128 participants, predicted (``tinyconv simulate``);
 * ``plot/``        -- charts from metrics files and tables (``tinyconv plot``).
 
-The runtime (``tinyconv/dist``) and the framework never import this package.
+The runtime (``tinyconv/distributed``) and the framework never import this package.
 """

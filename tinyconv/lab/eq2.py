@@ -29,7 +29,7 @@ Split by input channels (``--split channels``, conv2's default with workers on t
 machine), a worker gets x and w of its channels only, but the partial sums of all the kernels
 cross the wire: :func:`channel_split_bytes` counts its two rounds each way.
 
-``--wire-precision`` counts the words the arrays travel in (``tinyconv/dist/wire_precision.py``):
+``--wire-precision`` counts the words the arrays travel in (``tinyconv/distributed/wire_precision.py``):
 bf16 and fp16 2 bytes, adt24 3, s8 1 and a 4-byte scale per plane (each image's and channel's map,
 each kernel's K x K weights of one input channel, a whole bias vector), per role -- weights, maps,
 gradients (``adaptive_precision.py``). So the terms below count each array by its shape
@@ -48,20 +48,23 @@ from typing import Any
 
 import numpy as np
 
-from tinyconv.dist.adaptive_precision import ROLES, SETTINGS
-from tinyconv.dist.conv_shapes import ConvShape, conv_shapes
-from tinyconv.dist.shard.balance import apportion
-from tinyconv.dist.shard.block import tail_output_hw
-from tinyconv.dist.shard.plan import Plan
-from tinyconv.dist.wire_precision import nbytes_of
+from tinyconv.distributed.adaptive_precision import ROLES, SETTINGS
+from tinyconv.distributed.conv_shapes import ConvShape, conv_shapes
+from tinyconv.distributed.shard.balance import apportion
+from tinyconv.distributed.shard.block import tail_output_hw
+from tinyconv.distributed.shard.plan import Plan
+from tinyconv.distributed.wire_precision import nbytes_of
 from tinyconv.model import paper_net
 from tinyconv.report import format_table
 
 F32, F64 = 4, 8  # bytes per float
 FP32_WORDS = dict.fromkeys(ROLES, "fp32")  # role (weights, maps, grads) -> its wire format
 # the splits the table shows: (label, fuse, split), as the main job's --fuse and --split
-SPLITS = (("paper: --fuse off --split kernels", False, "kernels"), ("--split kernels (fused)", True, "kernels"),
-          ("--split channels (fused)", True, "channels"))
+SPLITS = (
+    ("paper: --fuse off --split kernels", False, "kernels"),
+    ("--split kernels (fused)", True, "kernels"),
+    ("--split channels (fused)", True, "channels"),
+)
 
 
 def equal_counts(convs: Sequence[ConvShape], participants: int) -> list[list[int]]:
@@ -202,7 +205,7 @@ def split_bytes(
 def wire_words(setting: str) -> list[tuple[str, dict[str, str]]]:
     """The format of each role under ``--wire-precision setting``, as (label, words) rows: one for a
     fixed format, AWP's start and end for "adaptive"."""
-    from tinyconv.dist.adaptive_precision import AdaptivePrecision
+    from tinyconv.distributed.adaptive_precision import AdaptivePrecision
 
     if setting != "adaptive":
         return [(setting, dict.fromkeys(ROLES, setting))]
@@ -227,15 +230,25 @@ def measure(
 ) -> tuple[int, int]:
     """The bytes one real training step moves (``fuse``, ``split`` and ``wire_precision`` as the main
     job's options): the master and ``participants`` - 1 in-process workers, an equal split, random images."""
-    from tinyconv.dist.pool import distribute
+    from tinyconv.distributed.pool import distribute
 
     net = paper_net(arch, "numpy", image_size=image_size)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, 3, image_size, image_size), dtype=np.float32)
     y = rng.integers(0, 10, batch)
-    with distribute(net, "inproc", participants - 1, split=split, fuse=fuse, calibrate=False,
-                       rebalance=False, batch_size=batch, image_size=image_size, announce=lambda _: None,
-                       wire_precision=wire_precision) as cluster:
+    with distribute(
+        net,
+        "inproc",
+        participants - 1,
+        split=split,
+        fuse=fuse,
+        calibrate=False,
+        rebalance=False,
+        batch_size=batch,
+        image_size=image_size,
+        announce=lambda _: None,
+        wire_precision=wire_precision,
+    ) as cluster:
         net.train_step(x, y)
         step = cluster.last_step
     return step["bytes_sent"], step["bytes_recv"]
@@ -256,15 +269,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--arch", default="50:500", help="kernel counts C1:C2 (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="images per step (default %(default)s)")
-    p.add_argument("--participants", type=int, nargs="+", default=[2, 3, 4],
-                   help="participant counts, the master included (default 2 3 4)")
-    p.add_argument("--wire-precision", nargs="+", default=["fp32"], choices=SETTINGS, metavar="FORMAT",
-                   help=f"the words the shards travel in, one or more of {', '.join(SETTINGS)} (default fp32); "
-                   "s8: 8-bit integers with a scale per plane; adaptive shows AWP's start (weights bf16) and its "
-                   "settled end (weights fp32), the maps s8 and the gradients bf16 in both")
-    p.add_argument("--measure", action="store_true",
-                   help="also run one step per count, split and format with in-process workers (numpy) and show "
-                   "its bytes (adaptive: its start)")
+    p.add_argument(
+        "--participants",
+        type=int,
+        nargs="+",
+        default=[2, 3, 4],
+        help="participant counts, the master included (default 2 3 4)",
+    )
+    p.add_argument(
+        "--wire-precision",
+        nargs="+",
+        default=["fp32"],
+        choices=SETTINGS,
+        metavar="FORMAT",
+        help=f"the words the shards travel in, one or more of {', '.join(SETTINGS)} (default fp32); "
+        "s8: 8-bit integers with a scale per plane; adaptive shows AWP's start (weights bf16) and its "
+        "settled end (weights fp32), the maps s8 and the gradients bf16 in both",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one step per count, split and format with in-process workers (numpy) and show "
+        "its bytes (adaptive: its start)",
+    )
     args = p.parse_args(argv)
     if args.batch < 1 or min(args.participants) < 1:
         p.error("--batch and --participants must be 1 or more")
@@ -294,13 +321,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if args.measure and wire == "adaptive (settled)":
                         row.append("-")  # a real step runs at AWP's start
                     elif args.measure:
-                        got = measure(args.arch, args.batch, n, fuse=fuse, split=split, wire_precision=setting) \
-                            if n > 1 else (0, 0)
+                        got = (
+                            measure(args.arch, args.batch, n, fuse=fuse, split=split, wire_precision=setting)
+                            if n > 1
+                            else (0, 0)
+                        )
                         agree &= got == model
                         row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
                     rows.append(row)
-    print(f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
-          "step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split")
+    print(
+        f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
+        "step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split"
+    )
     print(format_table(header, rows))
     return 0 if agree else 1
 

@@ -12,7 +12,7 @@ under the same conditions on both sides.
 **Participants 1** is the master alone: nothing is split or fused, so its cell is run once
 per (arch, norm, batch, backend, repeat) whatever --fuse, --split and --parallel say, and its
 row says ``fuse = split = "-"`` and ``parallel = "model"`` (as rows written before the
-column existed read). **Data-parallel** cells (``parallel = "data"``, ``tinyconv/dist/replica/``)
+column existed read). **Data-parallel** cells (``parallel = "data"``, ``tinyconv/distributed/replica/``)
 split the batch, not the convolutions, and so do **hybrid** ones (``parallel = "hybrid"``: the
 convolutions by images, the classifier on the master): --fuse and --split mean nothing there,
 and their rows say ``"-"`` for both.
@@ -21,7 +21,7 @@ and their rows say ``"-"`` for both.
 during the cell's steps (warm-up included), as the main job does; "off" keeps the split the
 calibration chose for every step, so a slow link's steady state with a fixed split is measured
 rather than the rebalancer moving kernels while the steps are timed. ``wire`` is the
-``--wire-precision`` the shards travel in (``tinyconv/dist/wire_precision.py``: fp32, adt24,
+``--wire-precision`` the shards travel in (``tinyconv/distributed/wire_precision.py``: fp32, adt24,
 bf16, fp16, s8, or adaptive). A data-parallel or hybrid cell rebalances its images or not
 likewise, but sends float32 only (they refuse narrowing): their cells at any other wire are
 left out, not run. The master alone has no rebalancer and sends nothing: its row says
@@ -29,7 +29,7 @@ left out, not run. The master alone has no rebalancer and sends nothing: its row
 "on" and "fp32" (``"-"`` for the master alone).
 
 **Pipeline.** ``pipeline`` is ``Cluster(pipeline=)``: the images per chunk in which a layer split
-by input channels goes (``tinyconv/dist/shard/by_channels.py``; "0": the whole batch at once). A
+by input channels goes (``tinyconv/distributed/shard/by_channels.py``; "0": the whole batch at once). A
 model-parallel cell runs once per --pipeline value, also when its split turns out to be by
 kernels, which has no pipeline: the grid cannot know what ``split="auto"`` will choose. The master
 alone and data / hybrid cells split no channels: their rows say ``"-"``, and they run once. A row
@@ -53,10 +53,10 @@ NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone spl
 KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "rebalance", "wire", "pipeline",
        "repeat", "link")  # fmt: skip
 PARALLELS = ("model", "data", "hybrid")
-BY_IMAGES = ("data", "hybrid")  # the modes that split the batch, not the convolutions (tinyconv/dist/replica/)
+BY_IMAGES = ("data", "hybrid")  # the modes that split the batch, not the convolutions (tinyconv/distributed/replica/)
 REBALANCES = ("on", "off")
-DATA_WIRE = "fp32"  # the only wire a BY_IMAGES cell runs (tinyconv/dist/replica/ sends float32)
-# tinyconv.dist.shard.by_channels.PIPELINE, the Cluster's default (not imported: it loads numpy before main() set
+DATA_WIRE = "fp32"  # the only wire a BY_IMAGES cell runs (tinyconv/distributed/replica/ sends float32)
+# tinyconv.distributed.shard.by_channels.PIPELINE, the Cluster's default (not imported: it loads numpy before main() set
 # the BLAS threads; tests/test_experiment.py keeps the two equal)
 PIPELINE = 32
 CALIBRATION_STEPS = 3  # about what calibrating costs, in steps: each participant times each layer 3x

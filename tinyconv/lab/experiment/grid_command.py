@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tinyconv.dist.worker.main import THREAD_ENV_VARS
+from tinyconv.distributed.worker.main import THREAD_ENV_VARS
 from tinyconv.lab.experiment.grid import BY_IMAGES, DATA_WIRE, PARALLELS, REBALANCES, Cell, cells, cost, pending
 
 PROG = "tinyconv experiment grid"
@@ -48,8 +48,8 @@ def _int(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tinyconv.dist.adaptive_precision import SETTINGS as WIRE_PRECISIONS
-    from tinyconv.dist.shard.by_channels import PIPELINE
+    from tinyconv.distributed.adaptive_precision import SETTINGS as WIRE_PRECISIONS
+    from tinyconv.distributed.shard.by_channels import PIPELINE
     from tinyconv.model import NORMS, PAPER_ARCHS  # imports numpy: after main() set the BLAS threads
 
     p = _Parser(prog="tinyconv experiment", description="The paper's experiments, one command each.")
@@ -93,16 +93,16 @@ def _add_cell_options(g: argparse.ArgumentParser, archs: Sequence[str], norms: S
                    help="one or more (default auto)")  # fmt: skip
     g.add_argument("--parallel", nargs="+", choices=PARALLELS, default=["model"],
                    help="model (the paper's split of the convolutions), data (whole replicas, the batch split; "
-                   "tinyconv/dist/replica/), hybrid (the convolutions by images, the classifier on the master), or "
-                   "several, to compare them (default model)")  # fmt: skip
+                   "tinyconv/distributed/replica/), hybrid (the convolutions by images, the classifier on the "
+                   "master), or several, to compare them (default model)")  # fmt: skip
     g.add_argument("--rebalance", nargs="+", choices=REBALANCES, default=["on"],
                    help="on: the rebalancer follows the measured times during the steps (warm-up included); off: "
                    "the calibrated split is kept for every step, e.g. a slow link's steady state; or both "
                    "(default on)")  # fmt: skip
     g.add_argument("--wire-precision", nargs="+", choices=wire_precisions, default=["fp32"], metavar="FORMAT",
                    help=f"the words the shards travel in, one or more of {', '.join(wire_precisions)} "
-                   f"(tinyconv/dist/wire_precision.py; default fp32); --parallel data and hybrid run at {DATA_WIRE} "
-                   "only, their cells at the others are left out")  # fmt: skip
+                   f"(tinyconv/distributed/wire_precision.py; default fp32); --parallel data and hybrid run at "
+                   f"{DATA_WIRE} only, their cells at the others are left out")  # fmt: skip
     g.add_argument("--pipeline", nargs="+", type=_int(0), default=[pipeline], metavar="IMAGES",
                    help=f"images per chunk of a layer split by input channels, one or more (0: the whole batch at "
                    f"once; default {pipeline}); model-parallel cells only, the others say -")  # fmt: skip
@@ -215,7 +215,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_grid(args: argparse.Namespace, grid: list[Cell], rows: list[dict[str, Any]]) -> int:
     """Run the pending cells (workers started once), a row each; then the summary. The exit code."""
-    from tinyconv.dist.heap import keep_freed_memory
+    from tinyconv.distributed.heap import keep_freed_memory
     from tinyconv.lab.experiment import table
     from tinyconv.lab.experiment.workers import grid_workers, split_prefix
 
@@ -223,7 +223,7 @@ def run_grid(args: argparse.Namespace, grid: list[Cell], rows: list[dict[str, An
     todo = pending(grid, table.done_keys(rows), args.link_label)
     print(f"{len(grid)} cells, {len(grid) - len(todo)} already in {out}, {len(todo)} to run")
     if todo:
-        keep_freed_memory()  # as the example, bench_speedup and the worker do (tinyconv/dist/heap.py)
+        keep_freed_memory()  # as the example, bench_speedup and the worker do (tinyconv/distributed/heap.py)
         n_workers = max(c.participants for c in todo) - 1
         try:
             with grid_workers(n_workers, args.transport, args.backend[0], bind=args.bind,
@@ -249,7 +249,7 @@ def _loop(args: argparse.Namespace, todo: list[Cell], rows: list[dict[str, Any]]
     from tqdm import tqdm
 
     from backends.registry import get_backend
-    from tinyconv.dist.heap import release_freed_memory
+    from tinyconv.distributed.heap import release_freed_memory
     from tinyconv.lab.experiment import table
     from tinyconv.lab.experiment.run import run_cell
     from tinyconv.lab.experiment.workers import master_pinned

@@ -18,7 +18,7 @@ took in its last step (``wire_formats``) and how many arrays fell back to float3
 by input channels goes in chunks of ``cell.pipeline`` images (``Cluster(pipeline=)``; "0": the
 whole batch at once).
 
-A data-parallel cell (``cell.parallel == "data"``, ``tinyconv/dist/replica/``) alternates the same
+A data-parallel cell (``cell.parallel == "data"``, ``tinyconv/distributed/replica/``) alternates the same
 way, a solo step against one of the replicas (:func:`data_step`), which need no attaching; a
 hybrid cell (``"hybrid"``: the convolutions by images, the classifier on the master) likewise,
 with ``Hybrid`` in place of ``Replicas`` (both a ``BatchSplit``).
@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from tinyconv.dist.pool import PARALLEL
-from tinyconv.dist.rebalance import Rebalancer
-from tinyconv.dist.runtime import Runtime
-from tinyconv.dist.shard.cluster import Cluster
+from tinyconv.distributed.pool import PARALLEL
+from tinyconv.distributed.rebalance import Rebalancer
+from tinyconv.distributed.runtime import Runtime
+from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.lab.experiment.grid import BY_IMAGES, DATA_WIRE, Cell
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network, paper_net, parse_arch
@@ -46,7 +46,7 @@ from tinyconv.optim import SGD
 from transports.base import Transport, WorkerInfo
 
 # A solo step does no I/O, so time it spends in the kernel is memory being faulted in: after a switch from
-# distributed steps the master's kept heap (tinyconv/dist/heap.py) may lack a block the size of the whole layer's
+# distributed steps the master's kept heap (tinyconv/distributed/heap.py) may lack a block the size of the whole layer's
 # columns, and its fresh 2 MB pages cost seconds (150:800 at 256: 5.9 s of a 16.7 s step). After the
 # settling steps, up to SETTLE_MORE more run while the last spent over KERNEL_FRACTION of its time there.
 SETTLE_MORE = 3

@@ -9,7 +9,7 @@ runs the pinned worker inside a network namespace (``benchmarks/throttled_link.p
 worker connects to the address the master bound (``--bind``).
 
 External (``--external-workers N``): the grid binds ``--bind`` (default tcp://*:5555) and
-waits for N ``tinyconv worker --serve`` processes to connect, as ``tinyconv.dist.pool`` does.
+waits for N ``tinyconv worker --serve`` processes to connect, as ``tinyconv.distributed.pool`` does.
 In-process (``--transport inproc``): worker threads, for tests; not for timing.
 
 One transport serves the whole grid: each cell builds its own Cluster on it with as many of
@@ -26,8 +26,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
-from tinyconv.dist.pool import LOCAL_BIND, _handshake, _keys, _local_worker_args, stop_workers, worker_pool
-from tinyconv.dist.protocol import VERSION
+from tinyconv.distributed.pool import LOCAL_BIND, _handshake, _keys, _local_worker_args, stop_workers, worker_pool
+from tinyconv.distributed.protocol import VERSION
 from transports.base import Transport, WorkerInfo
 from transports.registry import get_transport
 
@@ -67,7 +67,7 @@ def worker_command(
     """The command line of one local worker: ``prefix``, then ``taskset -c core`` (when there is a
     taskset and a core), then ``tinyconv worker --serve`` connecting to ``connect`` with one BLAS thread."""
     pin = [taskset, "-c", str(core)] if taskset and core is not None else []
-    worker = [sys.executable, "-m", "tinyconv.dist.worker", "--connect", connect, "--backend", backend,
+    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend,
               "--threads", "1", "--quiet", "--serve"]  # fmt: skip
     return [*prefix, *pin, *worker, *extra]
 

@@ -12,7 +12,7 @@ communication dominates beyond a few nodes. This does the same from measured num
 split and tinyconv's:
 
 * ``devices.py`` -- the measured device file: per conv layer, a device's forward + backward
-  time as fixed + per-kernel seconds (``dist/cost.py``'s affine model), with and without the
+  time as fixed + per-kernel seconds (``distributed/cost.py``'s affine model), with and without the
   fused tails, and the master's other work per step (comp). ``--measure`` times this machine.
 * ``link.py`` -- one op's wall time on a link of bandwidth B and latency L per message: Wi-Fi,
   one shared half-duplex channel where every transfer waits its turn, or switched full-duplex
@@ -21,7 +21,7 @@ split and tinyconv's:
   (exact against real steps), each array in its role's word under ``--wire-precision`` (fp32 4
   bytes, adt24 3, bf16 and fp16 2, s8 1 and a scale per plane; ``adaptive`` at AWP's start), and the step:
   comp + the ops' wall times, which do not overlap one another; within an op, transfers overlap
-  other participants' compute, never the same worker's (``dist/rpc.py``,
+  other participants' compute, never the same worker's (``distributed/rpc.py``,
   ``shard/by_kernels.py``). Formulas there.
 * ``against.py`` -- the model beside an experiment grid's measured rows, with the error: each row in
   its own wire format, at the split it kept with ``--rebalance off``; the rows a fixed split cannot

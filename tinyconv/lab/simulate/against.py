@@ -22,7 +22,7 @@ device file (``split from`` "eq. 1"): the split by input channels, and ``rebalan
 the rebalancer kept moving kernels.
 
 **Rows it cannot predict** are listed with the reason, not given an error that means nothing:
-rows of another ``--parallel`` than model (the batch split, ``tinyconv/dist/replica/``, is not
+rows of another ``--parallel`` than model (the batch split, ``tinyconv/distributed/replica/``, is not
 modelled), rows of an unknown wire format, and ``rebalance`` "on" where the model's own split
 leaves the slowest participant's ready time (a worker's compute plus its transfers) more than the
 rebalancer's threshold (10 %) behind the mean (``model.ready_lag``): on such a link (5 MB/s, say)
@@ -110,7 +110,7 @@ def compare_rows(
     """(compared rows, why each other row was skipped): each compared row has the measured and
     predicted step_s, comm_s and speedup, and the relative errors step_err, speedup_err; its wire,
     rebalance and where its split came from ("row" or "eq. 1")."""
-    from tinyconv.dist.rebalance import Rebalancer
+    from tinyconv.distributed.rebalance import Rebalancer
 
     rebalancer = Rebalancer()  # its defaults, the grid's: the lag past which it moves kernels, and for how long
     done, skipped = [], []
@@ -128,7 +128,7 @@ def compare_rows(
 
 def compare_row(r: dict[str, str], devices: Sequence[Device], link: Link, rebalancer: Any) -> dict[str, Any] | str:
     """One grid row measured beside its prediction, or why the model cannot predict it."""
-    from tinyconv.dist.conv_shapes import conv_shapes
+    from tinyconv.distributed.conv_shapes import conv_shapes
     from tinyconv.model import paper_net
 
     n, batch = int(r["participants"]), int(r["batch"])

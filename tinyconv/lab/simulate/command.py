@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tinyconv.dist.adaptive_precision import SETTINGS as WIRES  # --wire-precision, as the main job's
+from tinyconv.distributed.adaptive_precision import SETTINGS as WIRES  # --wire-precision, as the main job's
 from tinyconv.lab.simulate.devices import Device, load, measure_device, measure_loopback, save, slowed
 from tinyconv.lab.simulate.link import MB, MEDIA, Link
 from tinyconv.lab.simulate.predict import LABELS, SPLITS, Prediction, predict
@@ -111,7 +111,7 @@ def pick(devices: list[Device], args: argparse.Namespace) -> list[Device]:
 def rows_for(args: argparse.Namespace, devices: list[Device]) -> list[dict[str, Any]]:
     """One CSV row per split, medium, bandwidth and node count; speedup against the model's own step
     of the master alone (solo_step_s is the measured one)."""
-    from tinyconv.dist.conv_shapes import conv_shapes
+    from tinyconv.distributed.conv_shapes import conv_shapes
     from tinyconv.model import paper_net
 
     convs = conv_shapes(paper_net(args.arch, "numpy", args.norm), args.batch)

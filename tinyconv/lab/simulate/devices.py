@@ -17,7 +17,7 @@ prediction comes from a file someone measured. The file::
      "links": {"loopback": {"bandwidth_MBps": 2100.0, "latency_ms": 0.05}}}
 
 Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k kernels of that layer
-(``tinyconv/dist/cost.py``'s affine model): with ``fuse`` "off" the convolution alone (the paper's
+(``tinyconv/distributed/cost.py``'s affine model): with ``fuse`` "off" the convolution alone (the paper's
 split), with "on" the convolution and its ReLU / LRN / pool tail (tinyconv's). Its shape (fixed vs
 per kernel) is fitted by :func:`fit_line`, ordinary least squares, to ``calibrate.time_block``
 timings at a few k; its height comes from the same layer timed within the master alone's steps
@@ -163,8 +163,8 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
     """Time this machine (numpy backend, whatever BLAS threads the process has) and return its entry:
     each conv layer at a few k (``calibrate.time_block``), fitted (:func:`fit_line`), with and
     without its tail, and the master alone's whole training step (median of ``repeats``)."""
-    from tinyconv.dist.calibrate import Spec, time_block
-    from tinyconv.dist.conv_shapes import conv_shapes
+    from tinyconv.distributed.calibrate import Spec, time_block
+    from tinyconv.distributed.conv_shapes import conv_shapes
     from tinyconv.layers import Conv2D
     from tinyconv.model import paper_net
 
@@ -204,7 +204,7 @@ def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, flo
     "on": [conv l and its tail]})."""
     import numpy as np
 
-    from tinyconv.dist.shard.block import tail_of
+    from tinyconv.distributed.shard.block import tail_of
     from tinyconv.layers import Conv2D, relu_lrn_forward
     from tinyconv.optim import SGD
 

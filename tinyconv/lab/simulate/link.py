@@ -1,6 +1,6 @@
 """The link between the master and its workers: how long one distributed op takes on the wire.
 
-One op is the forward or the backward of one sharded layer (``tinyconv/dist/rpc.py``). The
+One op is the forward or the backward of one sharded layer (``tinyconv/distributed/rpc.py``). The
 master sends every worker with kernels its task, one message each, in worker order (ZeroMQ's
 ROUTER sends a copy per worker: no broadcast, no multicast), computes its own share meanwhile,
 and waits for every result. A worker starts when its whole task has arrived, and replies when

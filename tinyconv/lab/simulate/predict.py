@@ -58,8 +58,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tinyconv.dist.shard.balance import apportion, speed_weights
-from tinyconv.dist.shard.plan import Plan
+from tinyconv.distributed.shard.balance import apportion, speed_weights
+from tinyconv.distributed.shard.plan import Plan
 from tinyconv.lab.eq2 import FP32_WORDS, ConvShape, block_bytes, channel_split_bytes, wire_words
 from tinyconv.lab.simulate.devices import Device
 from tinyconv.lab.simulate.link import Link, Task, op_wall
@@ -96,7 +96,7 @@ class Op:
 def words_of(wire: str) -> dict[str, str]:
     """The format of each role (weights, maps, grads) under ``--wire-precision wire``, as
     ``tinyconv comm`` counts them; ``adaptive`` at AWP's start. A ValueError for an unknown format."""
-    from tinyconv.dist.adaptive_precision import SETTINGS
+    from tinyconv.distributed.adaptive_precision import SETTINGS
 
     if wire not in SETTINGS:
         raise ValueError(f"wire precision must be one of {', '.join(SETTINGS)}, got {wire!r}")

@@ -1,0 +1,163 @@
+"""Calibration: time every participant on each sharded layer's exact shape.
+
+The paper measures each device once, on "a convolution of the layer's own shape with
+random values", and gives it kernels in proportion to its speed (eq. 1, ``balance.py``;
+``Cluster.calibrate`` applies it). Here every participant times a forward + backward of
+each sharded block -- the convolution and its fused tail -- on the same seeded random
+values (median of ``repeats`` runs after a warm-up), one participant at a time so that
+devices sharing a host do not slow each other's benchmark (:func:`time_everyone`); the
+master runs the very code the workers run (:func:`time_block`).
+
+A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain values::
+
+    {"layer": 1, "x": [N, C, H, W], "w": [F, C, K, K], "stride": 1, "padding": 2,
+     "need_dx": true, "tail": [...]}
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend, conv_output_size
+from tinyconv.distributed.protocol import TaskError
+from tinyconv.distributed.rpc import Rpc
+from tinyconv.distributed.shard.block import block_backward, block_forward, check_tail, tail_output_hw
+from transports.base import Message
+from transports.wire import Int
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One layer to time: its input and weight shapes, and the block around its convolution."""
+
+    layer: int
+    x: tuple[int, int, int, int]  # (N, C, H, W)
+    w: tuple[int, int, int, int]  # (F, C, K, K)
+    stride: int
+    padding: int
+    need_dx: bool
+    tail: list[dict[str, Any]]
+
+    @property
+    def y(self) -> tuple[int, int, int, int]:
+        """The block's output shape (N, F, OH', OW'), after the tail."""
+        n, _, h, w = self.x
+        oh, ow = (conv_output_size(s, self.w[2], self.stride, self.padding) for s in (h, w))
+        return (n, self.w[0], *tail_output_hw(oh, ow, self.tail))
+
+    def floats(self) -> int:
+        """About how many floats timing it holds at once: the im2col columns, C*KH*KW x N*OH*OW,
+        next to x, dx, w, y and dy."""
+        n, c, h, w = self.x
+        f, _, kh, kw = self.w
+        oh, ow = (conv_output_size(s, k, self.stride, self.padding) for s, k in ((h, kh), (w, kw)))
+        return c * kh * kw * n * oh * ow + 2 * math.prod(self.x) + math.prod(self.w) + 6 * n * f * oh * ow
+
+
+def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
+    """Layer spec ``i`` of a calibrate task, checked; a TaskError naming what is wrong."""
+    allowed = {"layer", "x", "w", "stride", "padding", "need_dx", "tail"}
+    if not isinstance(spec, dict) or set(spec) != allowed:
+        raise TaskError(
+            f"layers[{i}] must be a map with layer, x [N,C,H,W], w [F,C,K,K], stride, padding, need_dx, tail; "
+            f"got {spec!r:.200}"
+        )
+    for name in ("x", "w"):
+        shape = spec[name]
+        if not (isinstance(shape, list) and len(shape) == 4 and all(Int.accepts(s) and s > 0 for s in shape)):
+            raise TaskError(f"layers[{i}].{name} must be 4 positive ints, got {shape!r:.100}")
+    if not (all(Int.accepts(spec[k]) for k in ("layer", "stride", "padding")) and isinstance(spec["need_dx"], bool)):
+        raise TaskError(f"layers[{i}]: layer, stride, padding must be ints and need_dx a bool")
+    if spec["x"][1] != spec["w"][1] or spec["stride"] < 1 or spec["padding"] < 0:
+        raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C, stride >= 1, padding >= 0")
+    try:
+        parsed = Spec(
+            spec["layer"],
+            tuple(spec["x"]),
+            tuple(spec["w"]),
+            spec["stride"],
+            spec["padding"],
+            spec["need_dx"],
+            check_tail(spec["tail"]),
+        )
+        parsed.y  # noqa: B018 -- raises ValueError if the kernel or a pool does not fit
+    except ValueError as e:
+        raise TaskError(f"layers[{i}]: {e}") from None
+    if max_bytes is not None and 4 * parsed.floats() > max_bytes:
+        raise TaskError(
+            f"layers[{i}]: timing x {list(parsed.x)}, w {list(parsed.w)} needs about {4 * parsed.floats()} bytes, "
+            f"over this worker's limit of {max_bytes} (half its physical memory): use a smaller batch or "
+            f"architecture, or a worker machine with more memory"
+        )
+    return parsed
+
+
+def time_block(be: Backend, spec: Spec, repeats: int) -> float:
+    """Median seconds of a forward + backward of ``spec``'s block on ``be``, after a warm-up run.
+
+    The values are random but seeded by the layer, the same on every participant: only the
+    device differs. The warm-up keeps first-call costs (allocation, kernel compilation) out."""
+    rng = np.random.default_rng(spec.layer)
+    x = be.asarray(rng.standard_normal(spec.x, dtype=np.float32))
+    w = be.asarray(rng.standard_normal(spec.w, dtype=np.float32) * np.float32(0.1))
+    b = be.asarray(rng.standard_normal(spec.w[0], dtype=np.float32))
+    dy = be.asarray(rng.standard_normal(spec.y, dtype=np.float32))
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        _, cache = block_forward(be, x, w, b, spec.stride, spec.padding, spec.tail)
+        block_backward(be, dy, cache, spec.need_dx)
+        be.synchronize()
+        return time.perf_counter() - t0
+
+    once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+# How many times slower than the reference a worker may be before its calibration counts as lost:
+# a laptop beside a desktop, not a worker that stopped.
+SLOWER = 10
+
+
+def time_everyone(
+    rpc: Rpc,
+    backend: Backend | None,
+    specs: list[dict[str, Any]],
+    repeats: int,
+    workers: list[int],
+    reference: float | None = None,
+) -> dict[int | None, list[float]]:
+    """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and for the
+    master (key None) on ``backend`` if it takes part (not None).
+
+    The master is timed first: a worker's deadline is the Rpc's timeout or, if longer, SLOWER times
+    what the master's own runs took (1 + ``repeats`` forward + backward passes of every layer), so
+    that a large network at a large batch is not taken for a lost worker (conv2 of 300:1000 at batch
+    256 takes ~40 s a pass on one core). ``reference``: seconds of one pass of all the layers on a
+    participant already timed, for when the master does not take part."""
+    times: dict[int | None, list[float]] = {}
+    if backend is not None:
+        times[None] = [time_block(backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
+        reference = sum(times[None])
+    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + repeats) * reference)
+    for k in workers:
+        op = rpc.op("calibration", backend, timeout=timeout)
+        reply = op.gather([op.send(k, Message("calibrate", {"layers": specs, "repeats": repeats}))])[k]
+        got = reply.header["times"]
+        if not (isinstance(got, list) and len(got) == len(specs) and all(map(_positive, got))):
+            raise RuntimeError(
+                f"{rpc.describe(k)} answered calibrate with times {got!r:.200}, expected {len(specs)} "
+                "positive seconds (one per sharded layer); is it running the same tinyconv version?"
+            )
+        times[k] = [float(t) for t in got]
+    return times
+
+
+def _positive(t: Any) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0

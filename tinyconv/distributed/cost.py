@@ -1,0 +1,135 @@
+"""The affine cost model the rebalancer (``rebalance.py``) moves kernels by.
+
+The paper's eq. 1 (``balance.py``) gives each participant kernels in proportion to its speed,
+i.e. it models a participant's time as proportional to its kernels. Measured, a participant's
+time has a fixed part too -- split by kernels, every participant builds the im2col columns of
+the whole input whatever its k, and a GPU adds launch and transfer latency -- so here it is
+affine, t_i(k) = a_i + b_i k: :func:`fit_affine_cost` fits the line to the measurements, and
+:func:`equal_finish_kernels` solves for the split that makes everyone finish together. Pure
+arithmetic on small lists: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MIN_SLOPE_SHARE = 0.05  # a fitted b is at least this share of the time per kernel now, t0 / k0
+SLOPE_CONFIDENCE = 2.0  # the slope used is the fitted one plus this many standard errors
+
+
+def fit_affine_cost(samples: Sequence[tuple[int, float]], smoothing: float) -> tuple[float, float] | None:
+    """Fit t = a + b k to one participant's measurements (k kernels, t seconds), oldest first.
+
+    Weights: the newest measurement weighs 1 and each older one ``1 - smoothing``
+    times the next newer (smoothing 1: only the newest counts).
+
+    *Where the line passes:* through (k0, t0), the newest measurement's kernel
+    count k0 and the weighted mean time t0 of the measurements at k0. That is the
+    plan now in use, so the line predicts the current plan's time as it is being
+    measured (smoothed), and only the slope comes from the other k.
+
+    *Its slope:* exponentially weighted least squares over all the measurements,
+    with weights w_j, W = sum_j w_j and weighted means k_bar, t_bar::
+
+        S_kk = sum_j w_j (k_j - k_bar)^2,     b_ls = sum_j w_j (k_j - k_bar)(t_j - t_bar) / S_kk
+
+    A slope is uncertain when the k are close together and the times noisy, and
+    one too small makes kernels look nearly free, so the target would pile them
+    onto (or strip them from) one participant. So the slope used is the steepest
+    the measurements allow, b = b_ls + SLOPE_CONFIDENCE * se(b_ls): a steeper line
+    moves fewer kernels (a = 0 the fewest), and a move that falls short is
+    completed at the next rebalance, which also has another k to fit::
+
+        se(b_ls)^2 = s^2 sum_j w_j^2 (k_j - k_bar)^2 / S_kk^2
+        s^2 = (sum_j w_j r_j^2 / W) n / (n - 2),   r_j = t_j - t_bar - b_ls (k_j - k_bar),   n = W^2 / sum_j w_j^2
+
+    (s^2 estimates the noise variance from the residuals and n is the effective
+    number of measurements. Exact measurements give se = 0, the least-squares
+    slope itself. With n <= 2 no residual is left to judge the noise by: the
+    slope counts as uncertain, and b = p0, the steepest the clamp allows.)
+
+    *Clamped* to sane values with p0 = t0 / k0, the time per kernel now:
+    b in [MIN_SLOPE_SHARE * p0, p0], then a = t0 - b k0. So a >= 0 (time does
+    not shrink as kernels are added) and b >= 5 % of p0 (kernels are never
+    nearly free). With fewer than two distinct k of positive weight there is no
+    slope, and the fit is the proportional model (0, p0); an uncertain slope
+    lands there too.
+
+    Returns (a, b), or None with no measurement, or no time (t0 <= 0).
+    """
+    weighted = [((1.0 - smoothing) ** age, k, t) for age, (k, t) in enumerate(reversed(samples))]
+    weighted = [(w, k, t) for w, k, t in weighted if w > 0]
+    if not weighted:
+        return None
+    k0 = weighted[0][1]
+    t0 = sum(w * t for w, k, t in weighted if k == k0) / sum(w for w, k, _ in weighted if k == k0)
+    if not t0 > 0:
+        return None
+    p0 = t0 / k0
+    if len({k for _, k, _ in weighted}) < 2:
+        return 0.0, p0
+    b = _steepest_slope(weighted)
+    b = min(max(p0 if b is None else b, MIN_SLOPE_SHARE * p0), p0)
+    return max(0.0, t0 - b * k0), b
+
+
+def _steepest_slope(weighted: Sequence[tuple[float, int, float]]) -> float | None:
+    """The slope of :func:`fit_affine_cost`: b_ls + SLOPE_CONFIDENCE * se(b_ls), from (w_j, k_j, t_j)
+    with at least two distinct k; None when n <= 2 leaves no residual to judge the noise by."""
+    total = sum(w for w, _, _ in weighted)
+    k_bar = sum(w * k for w, k, _ in weighted) / total
+    t_bar = sum(w * t for w, _, t in weighted) / total
+    s_kk = sum(w * (k - k_bar) ** 2 for w, k, _ in weighted)
+    b_ls = sum(w * (k - k_bar) * (t - t_bar) for w, k, t in weighted) / s_kk
+    n_eff = total**2 / sum(w * w for w, _, _ in weighted)
+    if n_eff <= 2:
+        return None
+    residual = sum(w * (t - t_bar - b_ls * (k - k_bar)) ** 2 for w, k, t in weighted) / total
+    s2 = residual * n_eff / (n_eff - 2)
+    return b_ls + SLOPE_CONFIDENCE * math.sqrt(s2 * sum(w * w * (k - k_bar) ** 2 for w, k, _ in weighted)) / s_kk
+
+
+def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: int) -> list[float]:
+    """Real-valued kernel counts that make participants with costs t_i(k) = a_i + b_i k finish together.
+
+    ``costs[i]`` is (a_i, b_i): fixed seconds a_i >= 0, seconds per kernel b_i > 0.
+    Finishing together at T with k_i = (T - a_i) / b_i and sum_i k_i = F gives::
+
+        T = (F + sum_i a_i / b_i) / sum_i (1 / b_i)
+
+    A floor: every participant gets at least 1 kernel when F >= the number of
+    participants (so it keeps being measured; see :class:`Rebalancer`), else at
+    least 0. Whoever's k_i falls below the floor is held at it, and T is solved
+    again for the others with the floor's kernels taken out; repeat until nobody
+    falls below (each pass can only lower T, so the held stay held). With every
+    a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1.
+
+    The counts sum to F (up to float round-off);
+    :func:`~tinyconv.distributed.shard.balance.apportion` makes them whole. Example: costs
+    [(0.05, 0.001), (0.1, 0.002)], F = 96 -> T = 196 / 1500 s, counts [80.67, 15.33].
+    """
+    if len(costs) == 0:
+        raise ValueError("equal_finish_kernels needs at least one participant")
+    if not isinstance(total_kernels, int) or isinstance(total_kernels, bool) or total_kernels < 0:
+        raise ValueError(f"total_kernels must be an int >= 0, got {total_kernels!r}")
+    for i, (a, b) in enumerate(costs):
+        if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b > 0):
+            raise ValueError(f"cost {i} is ({a!r}, {b!r}): need fixed seconds >= 0 and seconds per kernel > 0")
+    n = len(costs)
+    if total_kernels == 0:
+        return [0.0] * n
+    floor = 1.0 if total_kernels >= n else 0.0
+    held = [False] * n
+    while True:
+        free = [i for i in range(n) if not held[i]]
+        if not free:  # everyone at the floor: F = n
+            return [floor] * n
+        rest = total_kernels - floor * (n - len(free))
+        finish = (rest + sum(costs[i][0] / costs[i][1] for i in free)) / sum(1 / costs[i][1] for i in free)
+        below = [i for i in free if (finish - costs[i][0]) / costs[i][1] < floor - 1e-9]
+        if not below:
+            break
+        for i in below:
+            held[i] = True
+    return [floor if held[i] else max(0.0, (finish - a) / b) for i, (a, b) in enumerate(costs)]

@@ -1,0 +1,336 @@
+"""Beyond the paper: moving kernels as the measured step times change (:class:`Rebalancer`).
+
+The paper's split (:mod:`tinyconv.distributed.shard.balance`) is fixed after its benchmark; here each
+participant's time is an affine function of its kernels, and the split aims to make everyone
+finish together. Pure arithmetic on small lists, like the paper's split: no I/O, no clocks.
+
+The time a participant is measured by is how long its share takes to be *ready at the
+master* (``Cluster`` computes it: ``LayerStep.ready_s``): the master's own compute, a worker's
+compute plus its bytes at its link's measured seconds per byte. The step waits for the
+transfers too, so on a slow link kernels move towards the master; on loopback they cost next
+to nothing, and it is the compute that is balanced.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
+from tinyconv.distributed.shard.balance import apportion
+
+
+class Phase(Enum):
+    """Where one layer of a :class:`Rebalancer` is between steps (the transitions: its docstring)."""
+
+    WATCHING = "watching"  # judging each step: counting the steps in a row that the slowest lags
+    COOLING = "cooling"  # after a move: measuring, not judging, for ``cooldown`` steps
+    PROBING = "probing"  # a participant that sat out has one kernel back for this step, judged at once
+
+
+@dataclass
+class _LayerState:
+    """What the Rebalancer remembers about one layer."""
+
+    samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
+    idle: list[int]  # per participant: consecutive steps without kernels
+    reprobe_in: list[int]  # per participant: steps without kernels before it is measured again
+    phase: Phase = Phase.WATCHING
+    late_steps: int = 0  # WATCHING: consecutive steps the slowest participant lagged
+    cooldown_left: int = 0  # COOLING: steps before the layer is judged again (a re-probe pauses it)
+    probing: int | None = None  # PROBING: the participant given one kernel back, this step
+
+
+class Rebalancer:
+    """Proposes a new kernel split when measured times (compute, and a worker's transfers) say the current one is off.
+
+    **Cost model.** A participant's time for one layer (forward + backward) is
+    affine in its kernel count k::
+
+        t_i(k) = a_i + b_i k          a_i >= 0: fixed seconds, b_i > 0: seconds per kernel
+
+    The fixed part is real: split by kernels, every participant builds the im2col
+    columns of the whole input x and the col2im of the whole dx whatever its k; split
+    by input channels (k counts those), the halo's tail and the copies remain; and a
+    GPU adds launch and transfer latency. For each layer and participant the Rebalancer
+    keeps its last ``window`` measurements (k, t): from :meth:`observe`, and from
+    :meth:`record`, which :meth:`Cluster.calibrate
+    <tinyconv.distributed.shard.cluster.Cluster.calibrate>` uses to file its whole-layer
+    times at k = F. :func:`fit_affine_cost` fits the line through the smoothed time
+    at the participant's current k, its slope from all its k (made steeper where
+    noise leaves it uncertain, and clamped so that a_i >= 0). Until a participant has
+    been measured at two different k, it is the proportional model a_i = 0,
+    b_i = (smoothed t) / k, the model of the paper's eq. 1.
+
+    **Target.** The split that makes every participant finish together, with a floor
+    of one kernel (:func:`equal_finish_kernels`; eq. 1 when every a_i = 0), rounded by
+    largest remainder (:func:`~tinyconv.distributed.shard.balance.apportion`)::
+
+        T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
+
+    **When to move.** With the current counts c_i, participant i finishes after
+    f_i = a_i + b_i c_i, its smoothed measured time (the line passes there;
+    participants with no kernels are left out). When the slowest lags the mean
+    of those finishing times by more than ``threshold``,
+    (max f - mean f) / mean f > threshold, for ``patience`` consecutive steps,
+    the target is proposed, provided that it moves at least ``min_move`` kernels
+    (a layer's counts change by sum |new - old| / 2 kernels) and is predicted to
+    end the layer sooner: max_i f_i(new) < max_i f_i(current). After a move the
+    layer waits ``cooldown`` steps (measuring, not judging; its streak starts
+    again from zero). These, and the smoothing, keep noise from making the split
+    flap; the threshold is also the imbalance accepted for good.
+
+    **Convergence.** After calibration the first step is measured at a second k
+    (the calibrated split), so the first move already aims at where the lines
+    cross a common T; exact affine times get there in one move, and stay. Without
+    calibration the first move is proportional, and measures the second k. The
+    proportional model alone reads a fixed part as per-kernel cost: a slow
+    participant's time per kernel (a + b k) / k grows as its k shrinks, so each
+    move falls short, and the split creeps one move (patience + cool-down steps)
+    at a time towards balance, stopping where the lag first drops under the
+    threshold, short of it.
+
+    **The floor** of one kernel keeps every participant measured, so one that
+    was slow for a while (another job on its machine) can win kernels back.
+
+    **Sitting out.** A participant held at the floor whose one kernel alone ends
+    after the others would finish the whole layer without it (its fixed cost a_i is
+    more than their T) can only slow the layer down: a proposal gives it 0 kernels
+    instead, when that is predicted to end the layer sooner (slowest first, one at a
+    time). Without kernels it is not measured, so after ``reprobe`` steps it gets one
+    kernel back for one step, judged at once (no patience, no cool-down): it stays if
+    it has become fast enough, else it sits out again for twice as long as before.
+    ``reprobe=0`` keeps it out for good. A re-probe costs one step at its pace.
+
+    **Phases.** Each layer is in one :class:`Phase` between steps; a step
+    (:meth:`observe`) files its measurements, then does what its phase says::
+
+        phase     a step in it                                             next phase
+        --------  -------------------------------------------------------  --------------------------
+        WATCHING  a re-probe is due: one kernel back to whoever sat out    PROBING
+                  longest, from whoever has the most
+                  else the streak +1 if the slowest lags, else 0; at       COOLING after a move
+                  ``patience`` it is 0 again, and the target is proposed   (WATCHING if ``cooldown``
+                  if it moves >= ``min_move`` kernels and ends sooner      is 0), else WATCHING
+        COOLING   a re-probe is due: as in WATCHING (the cool-down waits)  PROBING
+                  else one step of the cool-down counted off               COOLING, WATCHING after
+                                                                           its last step
+        PROBING   judged at once: the probed one sits out again if the     COOLING after a move, else
+                  target gives it 0; the target proposed as in WATCHING    the phase it broke into
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.10,
+        patience: int = 3,
+        smoothing: float = 0.3,
+        cooldown: int = 5,
+        min_move: int = 1,
+        window: int = 20,
+        reprobe: int = 50,
+    ) -> None:
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (a fraction of the mean finish time), got {threshold!r}")
+        if not (isinstance(patience, int) and patience >= 1):
+            raise ValueError(f"patience must be an int >= 1 (steps), got {patience!r}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1] (1 = no memory), got {smoothing!r}")
+        if not (isinstance(cooldown, int) and cooldown >= 0):
+            raise ValueError(f"cooldown must be an int >= 0 (steps), got {cooldown!r}")
+        if not (isinstance(min_move, int) and min_move >= 1):
+            raise ValueError(f"min_move must be an int >= 1 (kernels), got {min_move!r}")
+        if not (isinstance(window, int) and window >= 2):
+            raise ValueError(f"window must be an int >= 2 (measurements kept per participant), got {window!r}")
+        if not (isinstance(reprobe, int) and reprobe >= 0):
+            raise ValueError(f"reprobe must be an int >= 0 (steps; 0: never), got {reprobe!r}")
+        self.threshold = threshold
+        self.patience = patience
+        self.smoothing = smoothing
+        self.cooldown = cooldown
+        self.min_move = min_move
+        self.window = window
+        self.reprobe = reprobe
+        self._layers: dict[str, _LayerState] = {}
+
+    def fresh(self) -> Rebalancer:
+        """The same settings with nothing remembered: for a new set of participants."""
+        new = copy.copy(self)
+        new._layers = {}
+        return new
+
+    def cost_models(self, layer: str) -> list[tuple[float, float] | None]:
+        """Each participant's fitted (a_i seconds, b_i seconds per kernel); None: never measured."""
+        if layer not in self._layers:
+            return []
+        return [fit_affine_cost(s, self.smoothing) for s in self._layers[layer].samples]
+
+    def record(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> None:
+        """File one measurement per participant of ``layer`` without judging the plan.
+
+        ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
+        counts[i] is 0). Neither the patience streak nor the cool-down advances:
+        this is for measurements that are not a training step, such as the
+        calibration's whole-layer times (counts all F).
+        """
+        state = self._state(layer, counts, times)
+        for samples, c, t in zip(state.samples, counts, times, strict=True):
+            if c > 0:
+                samples.append((int(c), float(t)))
+
+    def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
+        """Record one step of ``layer``; return new counts to use from the next step, or None.
+
+        ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
+        counts[i] is 0). A returned plan sums to sum(counts) and has the same length.
+        What the step does is its layer's phase's row of the table above.
+        """
+        self.record(layer, counts, times)
+        state = self._layers[layer]
+        for i, c in enumerate(counts):
+            state.idle[i] = 0 if c > 0 else state.idle[i] + 1
+        if state.phase is Phase.PROBING:
+            return self._judge_probe(layer, state, counts)
+        if (probe := self._reprobe(state, counts)) is not None:  # due: WATCHING or COOLING alike
+            return probe
+        if state.phase is Phase.COOLING:
+            self._cool(state)
+            return None
+        return self._watch(layer, state, counts)
+
+    def phase(self, layer: str) -> Phase:
+        """Where ``layer`` is between steps (WATCHING before its first)."""
+        return self._layers[layer].phase if layer in self._layers else Phase.WATCHING
+
+    def _watch(self, layer: str, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
+        """WATCHING: extend or end the streak of lagging steps; at ``patience``, propose the target."""
+        models = self._fitted(layer)
+        if models is None:
+            return None
+        finish = [a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0]
+        mean = sum(finish) / len(finish)
+        lag = (max(finish) - mean) / mean if mean > 0 else 0.0
+        state.late_steps = state.late_steps + 1 if lag > self.threshold else 0
+        if state.late_steps < self.patience:
+            return None
+        state.late_steps = 0
+        return self._move(state, models, counts, _target(models, counts))
+
+    def _cool(self, state: _LayerState) -> None:
+        """COOLING: count one step of the cool-down off; after the last, the layer is WATCHING."""
+        state.cooldown_left -= 1
+        if state.cooldown_left == 0:
+            state.phase = Phase.WATCHING
+
+    def _judge_probe(self, layer: str, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
+        """PROBING: judge the step at once (no streak); the probed participant keeps its kernels
+        if the target gives it some, else sits out again, for twice as long as before."""
+        probed, state.probing = state.probing, None
+        state.phase = Phase.COOLING if state.cooldown_left > 0 else Phase.WATCHING  # where the probe broke in
+        models = self._fitted(layer)
+        if models is None:
+            return None
+        target = _target(models, counts)
+        # out again: twice as long before the next try; kept: back to the start
+        state.reprobe_in[probed] = 2 * state.reprobe_in[probed] if target[probed] == 0 else self.reprobe
+        return self._move(state, models, counts, target)
+
+    def _move(
+        self, state: _LayerState, models: list[tuple[float, float]], counts: Sequence[int], target: list[int]
+    ) -> list[int] | None:
+        """``target`` if it moves at least ``min_move`` kernels and ends the layer sooner; else None."""
+        moved = sum(abs(new - old) for new, old in zip(target, counts, strict=True)) // 2
+        if moved < self.min_move or _makespan(models, target) >= _makespan(models, counts) * (1 - 1e-9):
+            return None
+        state.cooldown_left = self.cooldown
+        state.phase = Phase.COOLING if self.cooldown > 0 else Phase.WATCHING
+        return target
+
+    def _fitted(self, layer: str) -> list[tuple[float, float]] | None:
+        """Every participant's cost model; None if one was never measured: nothing to compare."""
+        models = self.cost_models(layer)
+        if any(m is None for m in models):
+            return None
+        return [m for m in models if m is not None]
+
+    def _reprobe(self, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
+        """One kernel back, from whoever has the most, for the participant longest without any
+        once that is ``reprobe_in`` steps or more (the layer goes PROBING); None if nobody is due."""
+        if not self.reprobe or sum(counts) < len(counts):  # fewer kernels than participants: some must sit out
+            return None
+        due = [i for i, c in enumerate(counts) if c == 0 and state.idle[i] >= state.reprobe_in[i]]
+        donor = max(range(len(counts)), key=lambda j: (counts[j], -j))
+        if not due or counts[donor] < 2:
+            return None
+        i = max(due, key=lambda j: (state.idle[j], -j))
+        probe = list(counts)
+        probe[donor] -= 1
+        probe[i] = 1
+        state.phase = Phase.PROBING
+        state.probing = i
+        state.late_steps = 0
+        return probe
+
+    def _state(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> _LayerState:
+        """Check one measurement per participant; this layer's state (created on first use)."""
+        if len(counts) != len(times) or len(counts) == 0:
+            raise ValueError(f"need one time per participant, got counts {list(counts)} and times {list(times)}")
+        for i, (c, t) in enumerate(zip(counts, times, strict=True)):
+            if c < 0 or (c > 0 and not (math.isfinite(t) and t >= 0)):
+                raise ValueError(f"participant {i}: {c} kernels in {t!r} s is not a measurement")
+        if layer not in self._layers:
+            self._layers[layer] = _LayerState(
+                samples=[deque(maxlen=self.window) for _ in counts],
+                idle=[0] * len(counts),
+                reprobe_in=[self.reprobe] * len(counts),
+            )
+        state = self._layers[layer]
+        if len(state.samples) != len(counts):
+            raise ValueError(
+                f"layer {layer!r} had {len(state.samples)} participants, now {len(counts)}; "
+                "use a new Rebalancer when the set of participants changes"
+            )
+        return state
+
+
+def _target(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> list[int]:
+    """The split a proposal aims for: finishing together, whoever can only slow it sitting out."""
+    return _sit_out(models, _equal_finish_among(models, list(range(len(counts))), sum(counts)))
+
+
+def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
+    """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
+    (:func:`equal_finish_kernels`, largest remainder), 0 for the others."""
+    counts = [0] * len(models)
+    split = apportion(equal_finish_kernels([models[i] for i in who], total), total)
+    for i, c in zip(who, split, strict=True):
+        counts[i] = c
+    return counts
+
+
+def _sit_out(models: Sequence[tuple[float, float]], counts: list[int]) -> list[int]:
+    """``counts`` with participants that can only slow the layer down given 0 kernels.
+
+    Such a participant is held at one kernel, and the layer ends sooner without it: the
+    others split all F kernels among themselves (:func:`equal_finish_kernels`) and finish
+    before its one kernel would. Tried slowest first (largest a_i + b_i), one at a time.
+    """
+    total = sum(counts)
+    while True:
+        active = [i for i, c in enumerate(counts) if c > 0]
+        held = [i for i in active if counts[i] == 1]
+        if len(active) < 2 or not held:
+            return counts
+        slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
+        without = _equal_finish_among(models, [i for i in active if i != slowest], total)
+        if _makespan(models, without) >= _makespan(models, counts):
+            return counts
+        counts = without
+
+
+def _makespan(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> float:
+    """Predicted time of a layer: the latest finish a_i + b_i c_i over participants with kernels."""
+    return max(a + b * c for (a, b), c in zip(models, counts, strict=True) if c > 0)

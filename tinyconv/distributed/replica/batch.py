@@ -1,0 +1,253 @@
+"""What every split of the batch needs, whatever each participant computes on its slice.
+
+Data parallelism (``server.py``: whole replicas) and the hybrid (``hybrid.py``: the
+convolutional part by data, the classifier on the master) both share each batch out by
+images: one unit, ``"batch"``, whose count per participant is its images. Who takes part,
+calibration and eq. 1, lost and joining workers are the runtime's (``tinyconv/distributed/runtime.py``);
+here is what a split of the batch adds, once for both:
+
+* calibration: everyone times one slice's work on the whole batch (the master locally, each
+  worker with the subclass's calibration task), eq. 1 and largest remainder give whole images;
+* :class:`Slices`: the step's images per participant, their spans of the batch, and the sums in
+  participant order that every step ends with;
+* a worker lost during a step: its images go to the others and the step runs again from the start;
+* the rebalancer, with images as its units: each participant's ready time is its compute plus its
+  bytes at its link's measured rate, summed over the step's ops;
+* the step's record, with the model-parallel cluster's keys (:func:`~tinyconv.distributed.accounting.batch_record`).
+
+A subclass sets ``parallel`` (the name in the metrics), ``calibrate_task`` (the task kind a
+worker times itself with) and writes ``_time_own`` (the master's timing), ``_start`` (what a
+re-run of the step starts again from) and ``_step`` (one attempt at the step).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import Array, Backend
+from tinyconv.distributed.accounting import OpStats, batch_record
+from tinyconv.distributed.calibrate import SLOWER
+from tinyconv.distributed.rebalance import Rebalancer
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.replica import spec_of
+from tinyconv.distributed.rpc import Lost, Op
+from tinyconv.distributed.runtime import Runtime
+from tinyconv.distributed.shard.balance import apportion, slices
+from tinyconv.model import Network
+from transports.base import Message, Transport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+UNIT = "batch"  # the name the image shares go by in plans, metrics and the rebalancer
+
+
+@dataclass
+class Slices:
+    """One step's images: ``counts`` per participant (plan order), their ``spans`` (start, end) of
+    the batch, ``share`` worker index (None: the master) -> images, ``order`` the indices with images
+    in participant order, ``mine`` the master's span if it has images."""
+
+    batch: int
+    counts: list[int]
+    spans: list[tuple[int, int]]
+    share: dict[int | None, int]
+    order: list[int | None]
+    mine: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, placement: list[tuple[str, int | None]], counts: list[int]) -> Slices:
+        spans = slices(counts)
+        share = {k: c for (_, k), c in zip(placement, counts, strict=True)}
+        mine = next((spans[i] for i, (_, k) in enumerate(placement) if k is None and counts[i] > 0), None)
+        return cls(sum(counts), counts, spans, share, [k for k, c in share.items() if c > 0], mine)
+
+    def workers(self) -> list[tuple[int, int, int]]:
+        """(worker index, start, end) of each worker with images."""
+        return [(k, s, e) for k, (s, e) in zip(self.share, self.spans, strict=True) if k is not None and e > s]
+
+    def sum_into(self, net: Network, grads: dict, stats: dict, buffers: np.ndarray) -> None:
+        """Every participant's gradient summed in participant order (the same sum on every run) into
+        ``net``'s grads; with statistics (``buffers`` not empty), their average weighted by images."""
+        total = grads[self.order[0]].copy()
+        for k in self.order[1:]:
+            total += grads[k]
+        flat.unpack(net, total, "grads")
+        if buffers.size:
+            weighted = sum(stats[k] * np.float32(self.share[k] / self.batch) for k in self.order)
+            flat.unpack(net, weighted.astype(np.float32), "buffers")
+
+
+class BatchSplit(Runtime):
+    """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images.
+
+    ``image_size``: the side of the network's images. ``master_share``, ``rebalance``,
+    ``rebalancer``, ``recv_timeout``, ``calibration_repeats``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
+    """
+
+    splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
+    gives_away = "its images go"  # a lost worker's, in the log
+    calibrate_task = "?"  # the task a worker times its slice's work with
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: Sequence[WorkerInfo],
+        backend: Backend,
+        master_share: str = "auto",
+        rebalance: bool = True,
+        rebalancer: Rebalancer | None = None,
+        recv_timeout: float = 120.0,
+        calibration_repeats: int = 3,
+        image_size: int = 32,
+    ) -> None:
+        super().__init__(
+            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
+        )
+        self.image_size = image_size
+        self.calibrated_batch = 0  # the images everyone was timed on
+        self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
+        self._spec: dict[str, Any] | None = None
+
+    # ---- what a subclass computes -------------------------------------------------------------
+    def _time_own(self, spec: dict[str, Any], batch: int) -> float:
+        """Seconds the master takes for a slice of ``batch`` images (on a copy of the network)."""
+        raise NotImplementedError
+
+    def _start(self, net: Network) -> Any:
+        """What every attempt at a step starts from (packed once, before the first)."""
+        raise NotImplementedError
+
+    def _step(self, net: Network, x: np.ndarray, y: np.ndarray, start: Any, smoothing: float) -> tuple[float, Array]:
+        """One attempt at the step: fills the grads for the loss label-smoothed by ``smoothing`` (0:
+        the plain cross-entropy), returns (mean loss, logits on the master's backend), calls
+        ``_finish``; raises Lost when a worker could not be counted on."""
+        raise NotImplementedError
+
+    # ---- shares -----------------------------------------------------------------------------
+    def _units(self) -> list[str]:
+        return [UNIT]
+
+    def _apportion(self, unit: str, weights: list[float]) -> int:
+        batch = self.calibrated_batch or sum(self.counts.get(UNIT, [])) or len(self.placement)
+        self.counts[UNIT] = apportion(weights, batch)
+        return batch
+
+    def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
+        spec = self._spec = spec_of(net, self.image_size)
+        times: dict[str, float] = {}
+        # the master first: a worker's deadline grows with what its run took (calibrate.SLOWER)
+        for name, k in sorted(self.placement, key=lambda place: place[1] is not None):
+            reference = min(times.values(), default=None)
+            own = k is None
+            times[name] = self._time_own(spec, batch_size) if own else self._time_worker(k, spec, batch_size, reference)
+        self.calibrated_batch = batch_size
+        return {name: {UNIT: t} for name, t in times.items()}
+
+    def _time_joiner(self, index: int) -> dict[str, float]:
+        return {UNIT: self._time_worker(index, self._spec, self.calibrated_batch, self._known_time())}
+
+    def _time_worker(self, k: int, spec: dict[str, Any], batch: int, reference: float | None = None) -> float:
+        """Worker k's seconds for ``batch`` images; ``reference``: a participant's, already timed."""
+        timeout = self.rpc.timeout
+        if reference is not None:  # 1 + repeats runs, each up to SLOWER times the reference's
+            timeout = max(timeout, SLOWER * (1 + self.calibration_repeats) * reference)
+        op = self.rpc.op(f"{self.parallel}-parallel calibration", self.backend, timeout=timeout)
+        task = Message(self.calibrate_task, {"net": spec, "batch": batch, "repeats": self.calibration_repeats})
+        got = op.gather([op.send(k, task)])[k].header["times"]
+        if not (isinstance(got, list) and len(got) == 1 and isinstance(got[0], (int, float)) and got[0] > 0):
+            raise RuntimeError(
+                f"{self.rpc.describe(k)} answered {self.calibrate_task} with {got!r:.100}, "
+                "expected [seconds > 0]; is it running the same tinyconv version?"
+            )
+        return float(got[0])
+
+    def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
+        """Use ``counts`` images per participant (``layer`` must be "batch") from the next step on."""
+        if layer != UNIT or channels:
+            raise ValueError(f"a {self.parallel}-parallel plan splits the {UNIT!r} by images, not {layer!r} by kernels")
+        if len(counts) != len(self.placement) or any(c < 0 for c in counts) or sum(counts) == 0:
+            raise ValueError(
+                f"a plan needs {len(self.placement)} image counts >= 0 ({', '.join(self.participants)}), "
+                f"not all 0; got {list(counts)}"
+            )
+        self.counts[UNIT] = [int(c) for c in counts]
+
+    def shares(self, batch: int) -> list[int]:
+        """Images per participant for a batch of ``batch``: the plan's, scaled by largest remainder
+        when the batch is of another size (equal until calibrated)."""
+        counts = self.counts.get(UNIT)
+        if counts is None or len(counts) != len(self.placement):
+            counts = self.counts[UNIT] = apportion([1.0] * len(self.placement), batch)
+        if sum(counts) != batch:
+            return apportion([float(c) for c in counts], batch)
+        return list(counts)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def train_batch(
+        self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
+    ) -> tuple[float, Array]:
+        """One forward + backward of ``net`` on the batch x (N, C, H, W), y (N,) shared by images: every
+        parameter's grad is the whole batch's, as after ``net.train_step``; returns (the batch's mean
+        loss, its logits on the master's backend). ``smoothing`` in [0, 1): the loss's label smoothing
+        (``SoftmaxCrossEntropy``). A worker lost on the way: its images go to the others and the step
+        runs again."""
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"label smoothing must be in [0, 1), got {smoothing!r}")
+        be = net.backend
+        x = np.ascontiguousarray(x if isinstance(x, np.ndarray) else be.to_numpy(x), dtype=np.float32)
+        y = np.asarray(y)
+        self._spec = self._spec or spec_of(net, self.image_size)
+        start = self._start(net)
+        while True:
+            try:
+                loss, logits = self._step(net, x, y, start, smoothing)
+                break
+            except Lost as e:
+                self.lose(e.workers)
+        self._welcome_joiners()
+        return loss, logits
+
+    def _slices(self, batch: int) -> Slices:
+        """This attempt's images per participant for a batch of ``batch``."""
+        return Slices.of(self.placement, self.shares(batch))
+
+    def _op(self, what: str, batch: int) -> Op:
+        """A new op of the next step, named ``what`` in errors, with the step's deadline."""
+        return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, self.timeout(batch))
+
+    def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
+        """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.placement)`` taken
+        as the op's last result came in) in the order the ops ran); let the rebalancer judge the
+        split by each participant's ready time: its compute plus its bytes at its link's rate."""
+        self.step += 1
+        record = batch_record(self.parallel, UNIT, stats, self.participants, counts)
+        moved = [s + r for s, r in zip(record["participant_bytes_sent"], record["participant_bytes_recv"], strict=True)]
+        self._moved = dict(zip(self.participants, moved, strict=True))
+        if self.rebalancer is not None:
+            links = self._links()
+            ready = [c + b * s for c, b, s in zip(record["participant_conv_s"], moved, links, strict=True)]
+            proposal = self.rebalancer.observe(UNIT, counts, ready)
+            if proposal is not None:
+                log.info("rebalancing images: %s -> %s (%s)", counts, proposal, ", ".join(self.participants))
+                self.counts[UNIT] = list(proposal)
+                record["rebalanced"] = {UNIT: list(proposal)}
+        self.last_step = record
+
+    def timeout(self, batch: int) -> float:
+        """Seconds a worker has to answer one op: ten times its calibrated time (scaled to ``batch``)
+        plus its last step's bytes at its link's rate, at least 10 s, at most ``recv_timeout``; until
+        those are known, ``recv_timeout``."""
+        known = [self.timings.get(name, {}).get(UNIT) for name, _ in self.placement]
+        transfer = [
+            self._moved.get(name, 0) * (self.rpc.link(k).seconds_per_byte(exact=False) or 0.0)
+            for name, k in self.placement
+            if k is not None
+        ]
+        if not known or None in known or not self.calibrated_batch or not self._moved:
+            return self.recv_timeout
+        return self._deadline(max(known) * max(1.0, batch / self.calibrated_batch) + max(transfer, default=0.0))

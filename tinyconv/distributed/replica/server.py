@@ -1,0 +1,131 @@
+"""The parameter server: the master splits each batch among whole replicas and sums their gradients.
+
+    replicas = Replicas(transport, workers, backend)
+    replicas.calibrate(net, batch_size=64)            # everyone times a forward + backward; eq. 1
+    loss, logits = replicas.train_batch(net, x, y)    # one data-parallel step: net's grads filled
+    opt.step()                                        # the master applies the optimiser itself
+    replicas.last_step                                # comm/conv split, bytes, image shares
+
+One step, for participants i = 0, 1, ... (the master first if it takes part, then the
+workers by index) with n_i images each, sum n_i = N::
+
+    1. the master sends worker i its slice x[s_i:e_i], y[s_i:e_i] and the current weights W
+       (and the batch-norm statistics) -- ``replica_step``;
+    2. it computes its own slice meanwhile, on its own network;
+    3. every participant returns g_i, its slice's part of dL/dW for the mean loss over all N
+       images (``replica.py``), and its logits;
+    4. the master sums g = g_0 + g_1 + ... in participant order (deterministic) into its
+       layers' grads; the optimiser then updates W as after a single-process step.
+
+The weights go out whole with every step, not as updates: a worker that applied the
+master's update to its own copy would round differently from the master's SGD and drift;
+whole weights keep every replica exactly the master's, make a worker that joins or comes
+back need nothing but the next step, and cost what the gradients cost on the way back.
+A step moves, to and from each worker i, 4 (2P + n_i (C H W + 1 + classes)) bytes (plus the
+batch-norm statistics twice): for 50:500 at batch 64 and one worker with half the images,
+2 x 3.8 MB of weights and gradients and 0.4 MB of images. Model parallelism moves feature
+maps instead, which grow with the batch; this does not (docs/how-it-works.md compares them).
+
+Batch norm normalises each slice by its own statistics (per-replica batch norm, as
+PyTorch's DataParallel without SyncBatchNorm), so with ``--norm batch`` a step is not the
+single-process step; each participant updates the running statistics from its slice and the
+master keeps their average weighted by n_i / N, which for the running mean is exactly the
+whole batch's update. With LRN (or no normalisation) a step equals the single-process step
+on the whole batch to float32 round-off.
+
+Images are shared like kernels: eq. 1 on the calibrated times, then the rebalancer, with
+images as its units. A worker lost during a step (gone, silent past the timeout, non-finite
+numbers) is dropped as in the model-parallel cluster: its images go to the others by eq. 1
+on their calibrated times and the step runs again from the start. That machinery is the
+hybrid's too (``hybrid.py``), and lives once in ``batch.py`` and, what the model split shares,
+``tinyconv/distributed/runtime.py``; this file is the step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from backends.base import Array
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.batch import UNIT, BatchSplit
+from tinyconv.distributed.replica.conv_part import feature_shape
+from tinyconv.distributed.replica.replica import build, slice_gradients, time_replica
+from tinyconv.model import Network
+from transports.base import Message
+
+__all__ = ["UNIT", "Replicas", "logits_width", "replica_message_bytes"]
+
+
+class Replicas(BatchSplit):
+    """The master (on ``backend``) and ``workers`` (on ``transport``), each with a whole replica.
+
+    ``master_share``: "auto" -- the master computes a slice too, sized by its speed; "0" -- it
+    only coordinates (and sums). ``rebalance``: follow the measured times (``rebalancer``);
+    ``recv_timeout``: the most seconds a worker has to answer one step or its calibration.
+    Shares, calibration, lost and joining workers: :class:`~tinyconv.distributed.replica.batch.BatchSplit`.
+    """
+
+    parallel = "data"
+    calibrate_task = "replica_calibrate"  # a forward + backward of the whole replica
+
+    def _time_own(self, spec: dict[str, Any], batch: int) -> float:
+        own = build(spec, self.backend, batch)  # a copy: the master's net keeps its statistics
+        return time_replica(own, spec, batch, self.calibration_repeats)
+
+    def _start(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
+        return flat.pack(net), flat.pack(net, "buffers")
+
+    def _step(
+        self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
+    ) -> tuple[float, Array]:
+        params, buffers = start
+        cut = self._slices(len(x))
+        op = self._op("data-parallel step", cut.batch)
+        extra = {"buffers": buffers} if buffers.size else {}
+        smoothed = {"smoothing": smoothing} if smoothing else {}
+        tasks = [
+            op.send(
+                k,
+                Message(
+                    "replica_step",
+                    {"net": self._spec, "batch": cut.batch, **smoothed},
+                    {"x": x[s:e], "y": y[s:e], "params": params, **extra},
+                ),
+            )  # fmt: skip
+            for k, s, e in cut.workers()  # a header of its own each: sending adds the task's number to it
+        ]
+        grads, logits, stats = {}, {}, {}
+        if cut.mine is not None:
+            s, e = cut.mine
+            with op.local():
+                flat.unpack(net, buffers, "buffers")  # the step's start, again if it is a re-run
+                logits[None] = slice_gradients(net, x[s:e], y[s:e], cut.batch, smoothing)
+                grads[None], stats[None] = flat.pack(net, "grads"), flat.pack(net, "buffers")
+        for k, reply in op.gather(tasks).items():
+            grads[k] = op.array(k, reply, "grads", params.shape)
+            logits[k] = op.array(k, reply, "logits", (cut.share[k], logits_width(net)))
+            stats[k] = op.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
+        cut.sum_into(net, grads, stats, buffers)
+        self._finish([("step", op.stats(self.placement))], cut.counts)
+        logits_be = net.backend.asarray(np.concatenate([logits[k] for k in cut.order]))
+        loss, _ = net.training_loss(smoothing)(logits_be, y)
+        return loss, logits_be
+
+
+def replica_message_bytes(net: Network, batch: int, image_size: int = 32) -> int:
+    """The most array bytes one replica or hybrid task or result can carry at ``batch`` images: the
+    weights (or gradients) and the statistics, all of the batch's images, labels (as int64), logits
+    and features (the hybrid's, or their gradient)."""
+    p, b = sum(flat.sizes(net)), sum(flat.sizes(net, "buffers"))
+    in_channels = next(layer for layer in net.layers if "w" in layer.params).params["w"].shape[1]
+    features = math.prod(feature_shape(net, image_size))
+    per_image = 4 * in_channels * image_size * image_size + 8 + 4 * logits_width(net) + 4 * features
+    return 4 * (p + b) + batch * per_image
+
+
+def logits_width(net: Network) -> int:
+    """The number of classes: the width of the network's last parameter, the classifier's bias."""
+    return int(net.layers[-1].params["b"].shape[0])

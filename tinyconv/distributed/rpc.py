@@ -1,0 +1,345 @@
+"""Tasks out to the workers, results back: task ids, deadlines, early replies, clear errors.
+
+Each distributed op (the forward or the backward of one sharded layer) opens an
+:class:`Op`. It numbers every task it sends; :meth:`Op.gather` waits for the results of
+some of them, each within the timeout, and keeps any result of the op's other tasks that
+comes first for the gather that wants it. A result of a task no open op is waiting for
+-- one an op gave up on -- is stale and dropped. A worker's ``error`` becomes a
+RuntimeError naming the worker and the op. A worker the op cannot count on -- gone
+(the transport's WorkerLost), silent past the timeout, or answering finite inputs with
+non-finite numbers -- ends the op with :class:`Lost`, naming each and why, so that the
+cluster can share its kernels among the others and run the op again. On the way the op
+counts what it cost (:meth:`Op.stats`), and each worker's :class:`Link` learns how long
+its bytes take.
+
+An op's :class:`Codec` says how its messages go on the wire: :meth:`Op.send` encodes a task
+right before it is sent, and a result is decoded right after it came, so the splits only ever
+see float32. The default is the identity; ``--wire-precision`` narrows the arrays
+(``wire_codec.py``). What an op counts -- bytes, the links' samples -- is what really moved.
+
+The one optimisation here is :meth:`Op.relay`: a second round of tasks that each go out
+as soon as what they need has come back, while the rest of the first round is still
+computing. It is the only place where transfers overlap; the splits that use it
+(``by_channels.py``) read as two plain rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from backends.base import Array, Backend
+from tinyconv.distributed.accounting import OpStats
+from tinyconv.distributed.protocol import check_result
+from transports.base import Message, Transport, WorkerInfo, WorkerLost
+
+log = logging.getLogger(__name__)
+
+
+class Lost(Exception):
+    """Workers an op could not count on: worker index -> why."""
+
+    def __init__(self, workers: dict[int, str]) -> None:
+        super().__init__("; ".join(f"worker {k}: {why}" for k, why in workers.items()))
+        self.workers = workers
+
+
+class Codec(Protocol):
+    """How an op's messages go on the wire, both ways; each also says how many of its arrays could
+    not go as asked (``fallbacks``: float32 where a narrower word would have overflowed)."""
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        """A task (float32 arrays, header complete) -> the message that is sent, and its fallbacks."""
+        ...
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        """A result that came for ``task`` (as it was sent) -> the result in float32, and its fallbacks;
+        a RuntimeError if it is malformed."""
+        ...
+
+
+class Plain:
+    """The identity codec: messages go as they are."""
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        return msg, 0
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        return reply, 0
+
+
+class Link:
+    """One worker's link as its recent tasks measured it: seconds per array byte beyond its compute.
+
+    A task of b bytes (its arrays and its result's), sent at t_send, whose result the master
+    received at t_recv after c seconds of the worker's compute, gives one sample::
+
+        s = (t_recv - t_send - c) / b          seconds per byte: transfers, (de)serialising, queues
+
+    It is *exact* when the master was waiting for that result, so t_recv is its arrival; when
+    it had come while the master was busy (with its own share, or another result), t_recv is
+    later and s only an upper bound. Latency makes small tasks look slow per byte: that errs
+    towards more time. Estimates are medians, so one stall does not count.
+    """
+
+    WINDOW = 20  # samples kept of each kind
+
+    def __init__(self) -> None:
+        self.exact: deque[float] = deque(maxlen=self.WINDOW)
+        self.bounds: deque[float] = deque(maxlen=self.WINDOW)
+
+    def add(self, nbytes: int, seconds: float, exact: bool) -> None:
+        """File one task's ``nbytes`` and its ``seconds`` beyond the worker's compute (none without bytes)."""
+        if nbytes > 0:
+            (self.exact if exact else self.bounds).append(max(0.0, seconds) / nbytes)
+
+    def seconds_per_byte(self, exact: bool = True) -> float | None:
+        """The median exact sample; with ``exact=False`` the median of every sample, upper bounds
+        too (enough for a deadline, where too much is safe). None before there is one."""
+        samples = [*self.exact, *([] if exact else self.bounds)]
+        return statistics.median(samples) if samples else None
+
+
+class Rpc:
+    """The master's side of the task protocol, over one transport.
+
+    ``clock``: seconds, monotonic; the deadlines and the links' samples read it (a test's fake
+    clock can drive both, with a transport that delivers by it).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: list[WorkerInfo],
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"recv_timeout must be > 0 seconds, got {timeout!r}")
+        self.transport = transport
+        self.workers = {w.index: w for w in workers}
+        self.timeout = float(timeout)
+        self.clock = clock
+        self.links: dict[int, Link] = {}  # worker -> what its tasks measured of its link
+        self._next_task = 0
+
+    def link(self, k: int) -> Link:
+        """Worker ``k``'s link (nothing measured yet for a new one)."""
+        return self.links.setdefault(k, Link())
+
+    def op(
+        self,
+        what: str,
+        backend: Backend,
+        fields: dict[str, int] | None = None,
+        timeout: float | None = None,
+        codec: Codec | None = None,
+    ) -> Op:
+        """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
+        share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
+        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather. ``codec``:
+        how its tasks and results go on the wire (default: as they are)."""
+        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec or Plain())
+
+    def describe(self, k: int | None) -> str:
+        if k is None:
+            return "the master"
+        info = self.workers[k]
+        where = info.hostname or info.address or "?"
+        return f"worker {k} ({info.backend} on {info.device.get('device', '?')} at {where})"
+
+    def new_task_id(self) -> int:
+        self._next_task += 1
+        return self._next_task
+
+
+class _Sent(NamedTuple):
+    """A task sent, not yet gathered."""
+
+    worker: int
+    msg: Message  # as the op built it, float32
+    wire: Message  # as it was sent (encoded)
+    at: float  # the Rpc's clock when it was sent
+    alone: bool  # the worker had no other task of the op: its result's wait is its own link and compute
+    nbytes: int  # the array bytes that went, encoded
+
+
+class Op:
+    """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
+
+    def __init__(
+        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Codec
+    ) -> None:
+        self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
+        self.codec = codec
+        self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
+        self.t0 = time.perf_counter()
+        self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
+        self._early: dict[int, Message] = {}  # task -> its result, come before its gather
+        self.sent: dict[int, int] = {}  # worker -> array bytes sent to it
+        self.recv: dict[int, int] = {}
+        self.compute: dict[int, float] = {}  # worker -> seconds it reported
+        self.master_s = 0.0
+        self.waited_s = 0.0  # the master blocked, waiting for a result: the rest of the op's wall it was busy
+
+    def send(self, worker: int, msg: Message) -> int:
+        """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, encoded by the
+        op's codec; returns its task id."""
+        task = self.rpc.new_task_id()
+        msg.header.update(self.fields, task=task)
+        wire, fell_back = self.codec.encode(msg)
+        self.fallbacks += fell_back
+        at = self.rpc.clock()
+        try:
+            self.rpc.transport.send(worker, wire)
+        except WorkerLost as e:
+            raise Lost({worker: e.reason}) from None
+        alone = all(sent.worker != worker for sent in self._pending.values())
+        self._pending[task] = _Sent(worker, msg, wire, at, alone, wire.nbytes())
+        self.sent[worker] = self.sent.get(worker, 0) + wire.nbytes()
+        return task
+
+    @contextmanager
+    def local(self) -> Iterator[None]:
+        """Time the master's own share of the op (computed while the workers compute theirs)."""
+        t = time.perf_counter()
+        yield
+        self.backend.synchronize()
+        self.master_s += time.perf_counter() - t
+
+    def host(self, a: Array) -> np.ndarray:
+        """A master's backend array as a C-contiguous float32 host array, to send (a view when it is one)."""
+        return np.ascontiguousarray(self.backend.to_numpy(a), dtype=np.float32)
+
+    def gather(self, tasks: Iterable[int], each: Callable[[int, Message], None] | None = None) -> dict[int, Message]:
+        """The result of every task in ``tasks``, by worker; ``each(worker, result)`` as each arrives."""
+        waiting = set(tasks)
+        results: dict[int, Message] = {}
+        deadline = self.rpc.clock() + self.timeout
+        while waiting:
+            task = next((t for t in waiting if t in self._early), None)
+            if task is not None:
+                reply = self._early.pop(task)
+            else:
+                task, reply = self._receive(deadline, waiting)
+                if task not in waiting:
+                    continue
+            worker = self._pending.pop(task).worker
+            waiting.discard(task)
+            results[worker] = reply
+            if each is not None:
+                each(worker, reply)
+        return results
+
+    def relay(
+        self,
+        first: dict[int, int],
+        ready: Callable[[int], bool],
+        then: Callable[[int], list[Message]],
+        each: Callable[[int, Message], None],
+    ) -> dict[int, list[int]]:
+        """Gather the first round (worker -> task), ``each(worker, result)`` as results come, and send
+        worker k its second-round tasks ``then(k)`` as soon as ``ready(k)`` -- which can be before the
+        rest of the first round is in, or before its own result is (the optimisation: the second
+        round's transfers overlap the first round's compute). Returns the second round, worker -> its
+        tasks in the order sent.
+        """
+        second: dict[int, list[int]] = {}
+
+        def send_ready() -> None:
+            for k in first:
+                if k not in second and ready(k):
+                    second[k] = [self.send(k, msg) for msg in then(k)]
+
+        def arrived(k: int, reply: Message) -> None:
+            each(k, reply)
+            send_ready()
+
+        send_ready()
+        self.gather(first.values(), arrived)
+        return second
+
+    def array(self, worker: int, reply: Message, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Array ``name`` of a worker's result, which must have ``shape``."""
+        a = reply.arrays.get(name)
+        if a is None or tuple(a.shape) != shape:
+            got = "nothing" if a is None else f"shape {tuple(a.shape)}"
+            raise RuntimeError(
+                f"{self.rpc.describe(worker)} returned {got} for {name!r} in the {self.what}, expected shape "
+                f"{shape}; is it running the same tinyconv version?"
+            )
+        return a
+
+    def stats(self, placement: list[tuple[str, int | None]]) -> OpStats:
+        """What the op cost so far, in participant order (placement: (name, worker index or None))."""
+        return OpStats(
+            names=[name for name, _ in placement],
+            wall_s=time.perf_counter() - self.t0,
+            compute_s=[self.master_s if k is None else self.compute.get(k, 0.0) for _, k in placement],
+            sent=[0 if k is None else self.sent.get(k, 0) for _, k in placement],
+            recv=[0 if k is None else self.recv.get(k, 0) for _, k in placement],
+            fallbacks=self.fallbacks,
+            master_waited_s=self.waited_s,
+        )
+
+    def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
+        """The next result for one of this op's tasks; one of ``waiting`` or kept as early."""
+        while True:
+            k, reply, waited = self._next(deadline, waiting)
+            task = reply.header.get("task")
+            ours = task in self._pending and self._pending[task].worker == k
+            if reply.kind == "error" and (task is None or ours):
+                raise RuntimeError(f"{self.rpc.describe(k)} failed the {self.what}: {reply.header['message']}")
+            if not ours:  # a late answer to an op given up on
+                log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
+                continue
+            if reply.kind != "result":
+                raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
+            sent, nbytes = self._pending[task], reply.nbytes()
+            reply, fell_back = self.codec.decode(reply, sent.wire)  # float32 from here on
+            self.fallbacks += fell_back
+            check_result(reply, sent.msg.kind)
+            _check_finite(k, reply, sent.msg, self.what)
+            compute = float(reply.header["compute_s"])
+            self.recv[k] = self.recv.get(k, 0) + nbytes
+            self.compute[k] = self.compute.get(k, 0.0) + compute
+            if sent.alone:
+                beyond = self.rpc.clock() - sent.at - compute
+                self.rpc.link(k).add(sent.nbytes + nbytes, beyond, exact=waited)
+            if task not in waiting:
+                self._early[task] = reply
+            return task, reply
+
+    def _next(self, deadline: float, waiting: set[int]) -> tuple[int, Message, bool]:
+        """The next message from a worker, and whether the master waited for it: first what has come
+        already (while the master was busy: it arrived earlier), then what comes by ``deadline``
+        (it arrives now)."""
+        try:
+            try:
+                return *self.rpc.transport.recv(timeout=0.0), False
+            except TimeoutError:
+                t = self.rpc.clock()
+                try:
+                    return *self.rpc.transport.recv(timeout=max(0.0, deadline - t)), True
+                finally:
+                    self.waited_s += self.rpc.clock() - t
+        except TimeoutError:
+            why = f"no result for the {self.what} within {self.timeout:g} s"
+            raise Lost({self._pending[t].worker: why for t in waiting}) from None
+        except WorkerLost as e:
+            raise Lost({e.worker: e.reason}) from None
+
+
+def _check_finite(k: int, reply: Message, sent: Message, what: str) -> None:
+    """A worker that answers finite inputs with a NaN or an infinity is not to be trusted: Lost. (From
+    non-finite inputs -- a diverged model -- the master's own numbers are no better: let them through.)"""
+    bad = [name for name, a in reply.arrays.items() if not np.isfinite(a).all()]
+    if bad and all(np.isfinite(a).all() for a in sent.arrays.values()):
+        raise Lost({k: f"returned non-finite values in {', '.join(bad)} for the {what}, from finite inputs"})

@@ -1,0 +1,229 @@
+"""What every parallelism shares: who takes part, how work is shared out, and what a step recorded.
+
+The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and
+the splits of the batch (``replica/batch.py``: images, for data parallelism and the hybrid) are
+both a :class:`Runtime`. Each names its *units*, what it shares out -- a layer's kernels, the
+batch's images -- and says how one unit is apportioned (``_apportion``) and how everyone is timed
+on it (``_time_all``, ``_time_joiner``); the rest is written here once:
+
+* the placement: ``(name, worker index)``, the master first (index ``None``) if it takes part
+  (``master_share="auto"``), then the workers by index -- the order of every list in plans,
+  metrics and sums;
+* calibration: everyone timed on each unit, the unit split by eq. 1 on the times
+  (``balance.py``), the times given to the rebalancer as each participant's first (count, seconds);
+* a worker lost (gone, silent past its deadline, non-finite numbers from finite inputs): it leaves
+  the placement for good and every unit is split again among the others by eq. 1 (:meth:`lose`); the
+  master holds every weight, so however many are lost it can always finish the step alone;
+* a worker that joins the transport late: timed on the units, then given a share at the next step
+  boundary (:meth:`_join`); either way the rebalancer starts afresh and ``events`` records it;
+* deadlines: ten times what an op should take, at least 10 s, at most ``recv_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from backends.base import Backend
+from tinyconv.distributed.heap import release_freed_memory
+from tinyconv.distributed.rebalance import Rebalancer
+from tinyconv.distributed.rpc import Lost, Rpc
+from tinyconv.distributed.shard.balance import speed_weights
+from tinyconv.model import Network
+from transports.base import Transport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+MASTER_SHARES = ("auto", "0")
+MIN_DEADLINE_S = 10.0  # the least a worker has for one op, however fast it was timed
+
+
+class Runtime:
+    """The master (on ``backend``) and ``workers`` (on ``transport``) sharing a network's work.
+
+    ``master_share``: "auto" -- the master computes a share too, sized by its speed like any
+    worker's; "0" -- it only coordinates. ``rebalance``: follow the measured times, compute and
+    transfers (``rebalancer`` to tune it). ``recv_timeout``: seconds every worker has to answer one
+    op or its calibration at most. ``calibration_repeats``: timed runs per participant (their median).
+
+    A subclass sets ``parallel`` (the metrics' name for it), ``splits`` (what its plans count) and
+    writes ``_units``, ``_apportion``, ``_time_all``, ``_time_joiner`` and ``train_batch``.
+    """
+
+    parallel = "?"  # "model", "data", "hybrid"
+    splits = "?"  # what a plan counts: "kernels" or "images"
+    gives_away = "its share goes"  # the log's words for where a lost worker's work goes
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: Sequence[WorkerInfo],
+        backend: Backend,
+        master_share: str = "auto",
+        rebalance: bool = True,
+        rebalancer: Rebalancer | None = None,
+        recv_timeout: float = 120.0,
+        calibration_repeats: int = 3,
+    ) -> None:
+        if master_share not in MASTER_SHARES:
+            raise ValueError(
+                f"master_share must be 'auto' (the master computes a share too) or '0' (it only "
+                f"coordinates), got {master_share!r}"
+            )
+        if not workers and master_share == "0":
+            raise ValueError("no workers and master_share '0': nobody would compute")
+        if not (isinstance(calibration_repeats, int) and calibration_repeats >= 1):
+            raise ValueError(f"calibration_repeats must be an int >= 1, got {calibration_repeats!r}")
+        self.transport, self.backend = transport, backend
+        self.workers = sorted(workers, key=lambda w: w.index)
+        self.rpc = Rpc(transport, self.workers, recv_timeout)
+        self.placement: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
+        self.placement += [(f"worker{w.index}", w.index) for w in self.workers]
+        self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
+        self.recv_timeout, self.calibration_repeats = float(recv_timeout), calibration_repeats
+        self.counts: dict[str, list[int]] = {}  # unit (a layer, "batch") -> its count per participant
+        self.channel_counts: dict[str, list[int]] = {}  # layer -> input channels per participant, if split by them
+        self.timings: dict[str, dict[str, float]] = {}  # participant -> unit -> calibrated seconds
+        self.step = 0  # finished training steps
+        self.last_step: dict[str, Any] | None = None  # the last finished step's record (accounting.py)
+        self.calibration: dict[str, Any] | None = None
+        self.lost: dict[int, str] = {}  # worker index -> why it is no longer a participant
+        self.events: list[dict[str, Any]] = []  # what happened to the participants, for the metrics file
+        self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
+
+    @property
+    def participants(self) -> list[str]:
+        """Participant names in plan order: "master" (if it takes part), "worker0", ..."""
+        return [name for name, _ in self.placement]
+
+    def pop_events(self) -> list[dict[str, Any]]:
+        """The events recorded since the last call (each a dict with an "event" key), oldest first."""
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        """Let go of the network (``_release``), then ``on_close`` (stops the workers distribute() started)."""
+        self._release()
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- what a subclass writes ---------------------------------------------------------------
+    def _units(self) -> list[str]:
+        """What is shared out, in order: the attached layers' names, or ["batch"]."""
+        raise NotImplementedError
+
+    def _apportion(self, unit: str, weights: list[float]) -> int:
+        """Split ``unit`` among the placement in proportion to ``weights`` (into ``counts``, and
+        ``channel_counts`` for a layer split by them); returns how many of what the rebalancer
+        moves the unit has (its kernels, input channels or images)."""
+        raise NotImplementedError
+
+    def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
+        """Every participant's seconds on each unit for ``batch_size`` images: name -> unit -> s."""
+        raise NotImplementedError
+
+    def _time_joiner(self, index: int) -> dict[str, float]:
+        """A joining worker's seconds on each unit, as calibrated; raises Lost or RuntimeError."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Let go of the network on close (the model split puts its own layers back)."""
+
+    # ---- shares -------------------------------------------------------------------------------
+    def calibrate(self, net: Network, batch_size: int) -> dict[str, Any]:
+        """Time every participant on each unit for ``batch_size`` images and split each by eq. 1.
+        Returns, and keeps::
+
+            {"participants": [...], "times": {unit: [s, ...]}, "shares": {unit: [count, ...]},
+             "channel_shares": {layer: [channels, ...]}}    # layers split by input channels
+        """
+        times = self._time_all(net, batch_size)
+        release_freed_memory()  # the timings' whole layers, kept, would stay the run's peak (heap.py)
+        self.timings = {name: times[name] for name in self.participants}
+        result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
+        for unit in self._units():
+            result["times"][unit] = [times[name][unit] for name in self.participants]
+            self._share(unit, result["times"][unit])
+            result["shares"][unit] = list(self.counts[unit])
+            if unit in self.channel_counts:
+                result["channel_shares"][unit] = list(self.channel_counts[unit])
+        self.calibration = result
+        return result
+
+    def _share(self, unit: str, times: list[float | None]) -> None:
+        """``unit`` split by eq. 1 on ``times`` (equally where one is missing); with all of them,
+        the rebalancer's first (count, seconds): each participant measured on the whole unit."""
+        weights = speed_weights(times) if None not in times else [1.0] * len(times)
+        total = self._apportion(unit, weights)
+        if self.rebalancer is not None and None not in times:
+            self.rebalancer.record(unit, [total] * len(times), times)
+
+    def _replan(self) -> None:
+        """Every unit split among the participants now by eq. 1 on their calibrated times, and a
+        rebalancer that starts afresh from those times."""
+        if self.rebalancer is not None:
+            self.rebalancer = self.rebalancer.fresh()
+        for unit in self._units():
+            self._share(unit, [self.timings.get(name, {}).get(unit) for name in self.participants])
+
+    def _links(self) -> list[float]:
+        """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
+        return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
+
+    def _deadline(self, op_s: float) -> float:
+        """Seconds a worker has for an op that should take ``op_s``: ten times that, within bounds."""
+        return min(self.recv_timeout, max(MIN_DEADLINE_S, 10 * op_s))
+
+    # ---- membership -----------------------------------------------------------------------------
+    def lose(self, workers: dict[int, str]) -> None:
+        """``workers`` (index -> why) are no longer participants: their shares go to the others."""
+        for k, why in workers.items():
+            if k in self.lost:
+                continue
+            self.lost[k] = why
+            log.warning("%s lost: %s; %s to the others", self.rpc.describe(k), why, self.gives_away)
+            self.placement = [place for place in self.placement if place[1] != k]
+            self.workers = [w for w in self.workers if w.index != k]
+            if not self.placement:  # the master holds every weight: it can always finish alone
+                self.placement = [("master", None)]
+            self._replan()
+            self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{k}", "reason": why,
+                                "shares": self._shares()})  # fmt: skip
+
+    def _join(self, info: WorkerInfo) -> None:
+        """A worker that joined the transport late: timed on the units (once calibrated), then given a share."""
+        name = f"worker{info.index}"
+        self.rpc.workers[info.index] = info
+        if self.calibration is not None:
+            try:
+                self.timings[name] = self._time_joiner(info.index)
+            except (Lost, RuntimeError) as e:
+                log.warning("%s joined but could not be timed (%s); it is left out", name, e)
+                return
+        self.workers.append(info)
+        self.placement.append((name, info.index))
+        self._replan()
+        log.info("%s joined: %s on %s", name, info.backend, info.device.get("device", "?"))
+        self.events.append({"event": "worker_joined", "step": self.step, "worker": name, "backend": info.backend,
+                            "device": info.device.get("device", "?"), "host": info.hostname,
+                            "shares": self._shares()})  # fmt: skip
+
+    def _welcome_joiners(self) -> None:
+        """Seat the workers that joined the transport since the last step (at a step boundary)."""
+        for info in self.transport.joined():
+            self._join(info)
+
+    def _known_time(self) -> float | None:
+        """The fastest participant's calibrated seconds over all units: a joiner's reference."""
+        return min((sum(t.values()) for t in self.timings.values()), default=None)
+
+    def _shares(self) -> dict[str, list[int]]:
+        return {unit: list(c) for unit, c in self.counts.items()}

@@ -1,0 +1,311 @@
+"""An optimisation beside the paper's split: the convolution split by its *input* channels.
+
+Split by kernels (``by_kernels.py``), every participant reads all of the input: it builds
+the im2col columns of the whole x (491 MB for 300:1000's conv2 at batch 64), streams all
+of them through its forward and its dW GEMM, and computes a full-size partial dX. With
+two participants that duplicated, memory-bound work keeps two halves from costing half
+the time. But a convolution is also a sum over its input channels; with participant i
+holding the channels c_i::
+
+    forward   y_conv = sum_i P_i + b,   P_i = conv(x[:, c_i], w[:, c_i])      (N, F, OH, OW): all F kernels
+    backward  dx[:, c_i], dw[:, c_i] = the conv backward of P_i from all of dY_conv;   db from dY_conv alone
+
+so a participant builds the im2col of its channels only, and its GEMMs read only its
+columns: nothing is computed twice. The tail still goes by kernels (own k_i, halo h_i,
+``block.py``), so each way takes two rounds through the master::
+
+    forward   1. partial_forward    x[:, c_i], w[:, c_i]   -> the parts of P_i the others' halos need
+              2. tail_forward       b[h_i], sum_{j!=i} P_j[h_i]
+                                                           -> y[:, k_i] = tail(P_i[h_i] + sum + b[h_i])
+    backward  1. tail_backward      dy[:, h_i]             -> dyc_i, the conv-output gradient of k_i
+              2. partial_backward   dyc_j for every j != i -> dx[:, c_i], dw[:, c_i], db
+
+What crosses of the conv output -- P's parts, the sums, dyc -- is kernel-major, (F', N, OH, OW),
+the layout the GEMM computes P in and the conv backward reads dY in (``Backend.conv2d_partial``):
+a range of kernels is then one contiguous block, which is sent, summed and joined without a
+transposing copy; only the sum over a participant's halo is turned to (N, F', OH, OW), for its tail.
+
+The price is bytes: each way, every worker sends and receives about its share of the conv
+output, which costs nothing on one machine but more than the kernel split on a LAN (so
+``Cluster``'s ``split="auto"`` uses it only with workers on the master's host). A worker's
+round 2 goes out as soon as the others' round 1 is in (:meth:`~tinyconv.distributed.rpc.Op.relay`).
+
+An optimisation on top, the pipeline: a batch larger than :data:`PIPELINE` images goes in
+chunks of images (header ``images`` = [a, b, N]). Every chunk's partial_forward leaves at once;
+the master computes its own partial chunk by chunk, and sends each worker chunk c's sum
+(tail_forward, b with the last) as soon as it has chunk c of the others, so these bytes cross
+while chunk c + 1 computes; the tail, which may need the whole batch (batch norm), runs once
+the last chunk is summed. The backward's partial_backward goes by the same chunks, each answered
+with its rows of dx (dw and db, summed over the chunks, with the last). At 300:1000's batch 256
+the partial sums are 390 MB each way: whole, they cross while both sides wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import Array
+from tinyconv.distributed.rpc import Op
+from tinyconv.distributed.shard.block import BlockCache, owned, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.plan import Participant, Plan
+from tinyconv.layers import Conv2D
+from transports.base import Message
+
+
+@dataclass
+class ChannelSplitState:
+    """What the master's forward of a layer split by input channels keeps for its backward."""
+
+    master: BlockCache | None  # the master's tail over its partial convolution, when it has channels;
+    #                            its conv cache is a list, one per chunk
+    x_shape: tuple[int, ...]
+    chunks: list[tuple[int, int]]  # the pipeline's image ranges
+
+
+@dataclass
+class Partial:
+    """What the master has of one participant's partial convolution P (F, N, OH, OW), kernel-major:
+    P[:lo_end] as ``lo`` and P[hi_start:] as ``hi`` (all of P, for the master's own: lo = P)."""
+
+    lo: np.ndarray | None
+    hi: np.ndarray | None
+    hi_start: int
+
+    def on(self, kernels: slice) -> np.ndarray:
+        """P[kernels], for a range that lies in one of the two parts (a contiguous view)."""
+        if self.lo is not None and kernels.stop <= self.lo.shape[0]:
+            return self.lo[kernels]
+        return self.hi[kernels.start - self.hi_start : kernels.stop - self.hi_start]
+
+
+# An optimisation, the pipeline: above this many images the batch goes in chunks, so that a chunk's
+# partial sums cross the wire while the next chunk computes. 32, not 64: batch 64 then goes in two
+# chunks, 1-5 % more speedup at 500:1500 in three runs; at 256 the two are alike (docs/how-it-works.md)
+PIPELINE = 32
+
+
+def halo_sum(s: np.ndarray, own: np.ndarray, others: list[np.ndarray]) -> None:
+    """s (N, F', OH, OW) = own + sum(others): a participant's partial over its halo and the others'
+    on it, each (F', N, OH, OW) kernel-major, turned to the tail's layout as they are added."""
+    if others:
+        np.add(own.transpose(1, 0, 2, 3), others[0].transpose(1, 0, 2, 3), out=s)
+    else:
+        s[...] = own.transpose(1, 0, 2, 3)
+    for term in others[1:]:
+        s += term.transpose(1, 0, 2, 3)
+
+
+def _summed(terms: list[np.ndarray]) -> np.ndarray:
+    """The sum of ``terms``, to send: one term as it is (a block of kernels, sent without a copy), more
+    in a new array."""
+    if len(terms) == 1:
+        return terms[0]
+    total = terms[0] + terms[1]
+    for term in terms[2:]:
+        total += term
+    return total
+
+
+def _give(active: list[Participant], i: int, total: int) -> list[int]:
+    """What the others need of participant i's partial, [lo_end, hi_start]: the kernels up to the
+    end of the earlier participants' halos, and from the start of the later ones'."""
+    return [
+        max((q.halo.stop for q in active[:i]), default=0),
+        min((q.halo.start for q in active[i + 1 :]), default=total),
+    ]
+
+
+def chunks(n: int, images: int) -> list[tuple[int, int]]:
+    """The batch of ``n`` images cut into near-equal [a, b) ranges of at most ``images`` each (the
+    pipeline below); ``images`` 0, or a batch no larger: the whole batch, one range."""
+    if images <= 0 or n <= images:
+        return [(0, n)]
+    k = -(-n // images)
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def forward(
+    op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array, pipeline: int = PIPELINE
+) -> tuple[Array, ChannelSplitState]:
+    """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels.
+
+    ``pipeline``: images per chunk of the pipeline (0: the whole batch at once)."""
+    be, total, active, m = op.backend, conv.out_channels, plan.active, plan.master
+    x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
+    n, _, oh, ow = conv.output_shape(x_h.shape)
+    give = {p.worker: _give(active, i, total) for i, p in enumerate(active) if p.worker is not None}
+    parts = chunks(n, pipeline)
+    first = _send_partials(op, conv, tail, plan, x_h, w_h, give, parts)  # round 1
+
+    # chunk by chunk, the master's partial, then each worker the others' partials summed over its
+    # halo as soon as the master has them (round 2); the master's own halo summed as they come (the
+    # bias is added once, to the whole batch's sum)
+    s_m = w_m = None
+    if m is not None:
+        s_m = np.empty((n, m.halo.stop - m.halo.start, oh, ow), np.float32)
+        with op.local():
+            w_m = be.asarray(np.ascontiguousarray(w_h[:, m.channels]))
+    conv_m: list[Any] = []
+    second: dict[int, list[int]] = {k: [] for k in give}
+    for (a, e), sent in zip(parts, first, strict=True):
+        partials: dict[str, Partial] = {}
+        if m is not None:
+            with op.local():
+                x_m = be.asarray(x_h[a:e, m.channels])  # a view: im2col copies it anyway
+                p_m, cache = be.conv2d_partial(x_m, w_m, conv.stride, conv.padding)  # (F, e - a, OH, OW)
+                conv_m.append(cache)
+                partials[m.name] = Partial(p_m, None, total)
+        for k, tasks in _relay_sums(op, plan, give, sent, partials, b_h, (a, e, n), (total, oh, ow)).items():
+            second[k] += tasks
+        if m is not None:
+            with op.local():
+                halo_sum(s_m[a:e], partials[m.name].on(m.halo), _others_on(active, partials, m))
+
+    # the tails, once the whole batch is summed: the master's, and each worker's y with its last chunk
+    y_m = cache = None
+    if m is not None:
+        with op.local():
+            s_m += b_h[m.halo, None, None]
+            y_m, cache = tail_forward(be, be.asarray(s_m), conv_m, tail, m.own)
+            y_m = be.to_numpy(y_m)
+    results = {}
+    for tasks in zip(*second.values(), strict=True):  # every chunk's; the last one's carry y
+        results = op.gather(tasks)
+    oh2, ow2 = tail_output_hw(oh, ow, tail)
+    parts_y = [
+        y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in active
+    ]
+    return be.asarray(np.concatenate(parts_y, axis=1)), ChannelSplitState(cache, x_h.shape, parts)
+
+
+def _send_partials(
+    op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x_h: np.ndarray, w_h: np.ndarray,
+    give: dict[int, list[int]], parts: list[tuple[int, int]],
+) -> list[dict[int, int]]:  # fmt: skip
+    """Round 1 of the forward: each worker's partial convolution, every chunk of it at once (w with the
+    first). Per chunk, worker -> its task."""
+    n, first = x_h.shape[0], []
+    for c, (a, e) in enumerate(parts):
+        tasks = {}
+        for p in plan.workers:
+            header = {"stride": conv.stride, "padding": conv.padding, "tail": tail, "images": [a, e, n]}
+            header |= {"halo": [p.halo.start, p.halo.stop], "own": list(p.own), "give": give[p.worker]}
+            arrays = {"x": np.ascontiguousarray(x_h[a:e, p.channels])}
+            arrays |= {"w": np.ascontiguousarray(w_h[:, p.channels])} if c == 0 else {}
+            tasks[p.worker] = op.send(p.worker, Message("partial_forward", header, arrays))
+        first.append(tasks)
+    return first
+
+
+def _others_on(active: list[Participant], partials: dict[str, Partial], p: Participant) -> list[np.ndarray]:
+    """The others' partials over participant p's halo."""
+    return [partials[q.name].on(p.halo) for q in active if q is not p]
+
+
+def _relay_sums(
+    op: Op, plan: Plan, give: dict[int, list[int]], sent: dict[int, int], partials: dict[str, Partial],
+    b_h: np.ndarray, images: tuple[int, int, int], shape: tuple[int, int, int],
+) -> dict[int, list[int]]:  # fmt: skip
+    """Round 2 of the forward for the chunk of ``images`` [a, e, N]: gather the workers' partials of it
+    (``sent``: worker -> its round-1 task) into ``partials``, and send each worker the others' summed
+    over its halo (tail_forward; b with the last chunk) as soon as they are in. Worker -> its tasks."""
+    (a, e, n), (total, oh, ow) = images, shape
+    worker = {p.worker: p for p in plan.workers}
+
+    def arrived(k: int, reply: Message) -> None:
+        lo_end, hi_start = give[k]
+        lo = op.array(k, reply, "p_lo", (lo_end, e - a, oh, ow)) if lo_end > 0 else None
+        hi = op.array(k, reply, "p_hi", (total - hi_start, e - a, oh, ow)) if hi_start < total else None
+        partials[worker[k].name] = Partial(lo, hi, hi_start)
+
+    def tail_task(k: int) -> list[Message]:
+        terms = _others_on(plan.active, partials, worker[k])
+        arrays = ({"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}) | (
+            {"sum": _summed(terms)} if terms else {}
+        )
+        return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
+
+    def ready(k: int) -> bool:
+        return all(q.name in partials for q in plan.active if q.worker != k)
+
+    return op.relay(sent, ready, tail_task, arrived)
+
+
+def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitState) -> tuple[Array | None, Array, Array]:
+    """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
+    be, active, m = op.backend, plan.active, plan.master
+    dy_h = be.to_numpy(dy)
+    n, c_in, h, wd = kept.x_shape
+    _, total, oh, ow = conv.output_shape(kept.x_shape)
+    worker = {p.worker: p for p in plan.workers}
+    dyc = np.empty((total, n, oh, ow), np.float32)  # all of dY_conv, kernel-major, as each one's own kernels come
+    have: set[str] = set()
+
+    # round 1: each participant's tail backward
+    first = {}
+    for k, p in worker.items():
+        arrays = {"dy": np.ascontiguousarray(dy_h[:, p.halo], dtype=np.float32)}
+        first[k] = op.send(k, Message("tail_backward", {}, arrays))
+    if m is not None:
+        with op.local():
+            d_m = tail_backward(be, be.asarray(dy_h[:, m.halo]), kept.master)
+            dyc[m.kernels] = owned(be, d_m, kept.master).transpose(1, 0, 2, 3)
+            have.add(m.name)
+
+    def arrived(k: int, reply: Message) -> None:
+        p = worker[k]
+        dyc[p.kernels] = op.array(k, reply, "dyc", (p.n_kernels, n, oh, ow))
+        have.add(p.name)
+
+    def conv_tasks(k: int) -> list[Message]:
+        start, stop = worker[k].kernels.start, worker[k].kernels.stop  # its own; the others' lie before and after
+        tasks = []
+        for a, e in kept.chunks:
+            arrays = ({"dyc_lo": dyc[:start, a:e]} if start > 0 else {}) | (
+                {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
+            )
+            tasks.append(Message("partial_backward", {"need_dx": conv.need_dx, "images": [a, e, n]}, arrays))
+        return tasks
+
+    # round 2: each worker the others' conv-output gradients, as soon as the master has them, chunk
+    # by chunk; with all of dY_conv, the conv backward through its partial
+    ready = lambda k: all(q.name in have for q in active if q.worker != k)  # noqa: E731
+    second = op.relay(first, ready, conv_tasks, arrived)
+    width = {p.name: p.channels.stop - p.channels.start for p in active}
+    k_shape = (conv.kernel, conv.kernel)
+    dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None
+    dw_m, db_m = _master_conv_backward(op, plan, kept, dyc, dx) if m is not None else (None, None)
+    results = {}
+    for (a, e), tasks in zip(kept.chunks, zip(*second.values(), strict=True), strict=True):
+        results = op.gather(tasks)  # the last chunk's carry dw and db
+        if conv.need_dx:
+            for p in plan.workers:
+                dx[a:e, p.channels] = op.array(p.worker, results[p.worker], "dx", (e - a, width[p.name], h, wd))
+
+    def part(p: Participant, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return {"dw": dw_m, "db": db_m}[name] if p is m else op.array(p.worker, results[p.worker], name, shape)
+
+    dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in active], axis=1)
+    db = part(active[0], "db", (total,))  # every participant's is the same: the first's
+    return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db)
+
+
+def _master_conv_backward(
+    op: Op, plan: Plan, kept: ChannelSplitState, dyc: np.ndarray, dx: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The master's conv backward through its partial, chunk by chunk, once all of dY_conv is in
+    ``dyc`` (F, N, OH, OW): its columns of dx written into ``dx`` (None: not needed), its (dw, db) returned."""
+    be, m, dw_m, db_m = op.backend, plan.master, None, None
+    with op.local():
+        for (a, e), cache in zip(kept.chunks, kept.master.conv, strict=True):
+            whole = be.asarray(dyc[:, a:e].transpose(1, 0, 2, 3))  # (N, F, OH, OW), a view
+            dx_c, dw_c, db_c = be.conv2d_backward(whole, cache, dx is not None)
+            if dx is not None:
+                dx[a:e, m.channels] = be.to_numpy(dx_c)
+            dw_c, db_c = be.to_numpy(dw_c), be.to_numpy(db_c)
+            dw_m, db_m = (dw_c, db_c) if dw_m is None else (dw_m + dw_c, db_m + db_c)
+    return dw_m, db_m

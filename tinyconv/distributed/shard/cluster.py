@@ -1,0 +1,367 @@
+"""The cluster: the master and its workers, and how each sharded layer is split among them.
+
+    cluster = Cluster(transport, workers, backend)   # workers: the transport's hellos
+    cluster.calibrate(net, batch_size=64)            # attaches, times everyone (calibrate.py), eq. 1
+    cluster.train_batch(net, x, y)                   # net.forward, net.backward: each ShardedBlock
+                                                     # asks plan() and runs its split
+    cluster.last_step                                # the finished step's comm/conv split, bytes, shares
+
+Participants, in this order everywhere (plans, shares, times): the master first if it
+takes part (``master_share="auto"``), then the workers by index; named "master",
+"worker0", .... A step ends when the gradient has come back through every sharded
+layer, i.e. with the backward of the first one: the cluster then records it
+(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which
+changes, if at all, from the next step on -- never between a forward and its backward.
+
+Workers come and go. One that is gone, silent past its op's timeout or returning
+non-finite numbers from finite inputs is *lost*: its share goes to the others (the master
+included, which holds every weight and can always finish alone) and the op runs again
+(:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
+the layers' shapes and given a share at the next step boundary. Either way each layer is
+split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
+records it. That much every parallelism shares (``tinyconv/distributed/runtime.py``); this file is
+what the paper's split adds: the sharded layers, their plans, deadlines and step records.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from backends.base import Array, Backend
+from tinyconv.distributed.accounting import LayerStep, step_record
+from tinyconv.distributed.adaptive_precision import formats_of, policy
+from tinyconv.distributed.calibrate import time_everyone
+from tinyconv.distributed.rebalance import Rebalancer
+from tinyconv.distributed.runtime import Runtime
+from tinyconv.distributed.shard.balance import apportion
+from tinyconv.distributed.shard.block import tail_of
+from tinyconv.distributed.shard.by_channels import PIPELINE
+from tinyconv.distributed.shard.layer import ShardedBlock, block_inputs
+from tinyconv.distributed.shard.plan import Plan
+from tinyconv.distributed.wire_codec import Narrowing
+from tinyconv.layers import Conv2D
+from tinyconv.model import Network
+from tinyconv.parallel import forward_backward
+from transports.base import Transport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("auto", "channels", "kernels")
+
+
+class Cluster(Runtime):
+    """The master (on ``backend``) and ``workers`` (on ``transport``), sharing the network's convolutions.
+
+    ``split``: how a layer that needs dX (every conv but the first) is split. "kernels" -- the
+    paper's way (``by_kernels.py``); "channels" -- the convolution by input channels and its tail
+    by kernels (``by_channels.py``): nothing is computed twice, but partial sums cross the wire;
+    "auto" -- "channels" with at most 2 workers that all run on the master's host (bytes are
+    cheap there), else "kernels", which a LAN carries better.
+    ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
+    channels (``block.py``); False is the paper's split, the convolution alone.
+    ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
+    "bf16", "fp16", "adt24", "s8" for every array, or "adaptive" (AWP: each layer's weights widen as
+    they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
+    ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
+    chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
+    ``image_size``: the side of the images :meth:`calibrate` times the layers on.
+    ``master_share``, ``rebalance``, ``rebalancer``, ``recv_timeout`` (also the most before a
+    link is measured: :meth:`timeout`), ``calibration_repeats``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
+    """
+
+    parallel = "model"
+    splits = "kernels"  # what a checkpoint's plan counts (the batch splits': images)
+
+    def __init__(
+        self,
+        transport: Transport,
+        workers: Sequence[WorkerInfo],
+        backend: Backend,
+        master_share: str = "auto",
+        split: str = "auto",
+        fuse: bool = True,
+        rebalance: bool = True,
+        rebalancer: Rebalancer | None = None,
+        recv_timeout: float = 120.0,
+        calibration_repeats: int = 3,
+        wire_precision: str = "fp32",
+        pipeline: int = PIPELINE,
+        image_size: int = 32,
+    ) -> None:
+        super().__init__(
+            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
+        )
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        if not (isinstance(pipeline, int) and pipeline >= 0):
+            raise ValueError(f"pipeline must be images per chunk, an int >= 0 (0: the whole batch), got {pipeline!r}")
+        self.wire = policy(wire_precision)  # raises ValueError naming the settings
+        self.wire_precision = wire_precision
+        self._roles: dict[str, dict[str, str]] = {}  # layer -> the formats of its arrays this step
+        here = socket.gethostname()
+        local = all(w.hostname == here for w in self.workers)
+        self.split_by_channels = split == "channels" or (split == "auto" and len(self.workers) <= 2 and local)
+        self.pipeline = pipeline
+        self.fuse = fuse
+        self.blocks: list[ShardedBlock] = []  # of the attached network, in order
+        self.image_size = image_size  # the side of the images it is calibrated on
+        self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
+        self._net: Network | None = None
+        self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
+        self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
+
+    # ---- the network ----------------------------------------------------------------------
+    def attach(self, net: Network) -> None:
+        """Replace each Conv2D of ``net`` -- with ``fuse``, and the ReLU / LRN / max pool right after
+        it -- by one :class:`ShardedBlock` computed on this cluster. The parameters stay the same arrays."""
+        if self._net is net:
+            return
+        if self._net is not None:
+            raise ValueError("this cluster already serves another network: detach it first")
+        layers = []
+        i = 0
+        while i < len(net.layers):
+            layer = net.layers[i]
+            if not isinstance(layer, Conv2D):
+                layers.append(layer)
+                i += 1
+                continue
+            tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
+            block = ShardedBlock(self, len(self.blocks), layer, tail, self._by_channels(layer))
+            self.blocks.append(block)
+            layers.append(block)
+            i += 1 + len(tail)
+        if not self.blocks:
+            raise ValueError("the network has no Conv2D layer: there is nothing to distribute")
+        net.layers = layers
+        self._net = net
+
+    def detach(self, net: Network) -> None:
+        """Put ``net``'s own layers back: its convolutions are computed on the master alone again."""
+        if self._net is not net:
+            return
+        net.layers = [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
+        self.blocks, self._net, self._done = [], None, []
+
+    def _release(self) -> None:
+        if self._net is not None:
+            self.detach(self._net)
+
+    def train_batch(
+        self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
+    ) -> tuple[float, Array]:
+        """One forward + backward of the attached ``net`` on the batch x (N, C, H, W), y (N,), as on the
+        master alone (:func:`~tinyconv.parallel.forward_backward`): its sharded blocks run their splits
+        on the way (``layer.py``). Returns (the mean loss, the logits)."""
+        return forward_backward(net, x, y, smoothing)
+
+    def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
+        """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
+        ``batch_size`` images of ``image_size`` pixels (default: the cluster's), and split each layer
+        by the paper's eq. 1.
+
+        The times also go to the rebalancer, if any, as each participant's time for all F kernels
+        (all C channels) of the layer: with the first step's, at the calibrated split, it has two
+        counts per participant to fit its fixed and per-unit cost (``cost.py``). Returns, and keeps::
+
+            {"participants": [...], "times": {"conv1": [s, ...], ...},
+             "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
+             "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
+        """
+        self.attach(net)
+        self.image_size = image_size or self.image_size
+        result = super().calibrate(net, batch_size)
+        result["shapes"] = {b.name: {"x": s["x"], "w": s["w"]} for b, s in zip(self.blocks, self._specs, strict=True)}
+        return result
+
+    def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
+        inputs = block_inputs(net.layers, batch_size, self.image_size)
+        specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
+        master = self.backend if ("master", None) in self.placement else None
+        times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
+        return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.placement}
+
+    def _time_joiner(self, index: int) -> dict[str, float]:
+        times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [index], self._known_time())
+        return {b.name: times[index][i] for i, b in enumerate(self.blocks)}
+
+    # ---- plans ------------------------------------------------------------------------------
+    def _units(self) -> list[str]:
+        return [block.name for block in self.blocks]
+
+    def _apportion(self, unit: str, weights: list[float]) -> int:
+        """Kernels by ``weights`` for layer ``unit``, and its input channels too if it is split by them."""
+        block = next(b for b in self.blocks if b.name == unit)
+        self.counts[unit] = apportion(weights, block.conv.out_channels)
+        self.channel_counts.pop(unit, None)
+        if not self._split_by_channels(block):
+            return block.conv.out_channels
+        self.channel_counts[unit] = apportion(weights, block.conv.in_channels)
+        return block.conv.in_channels
+
+    def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on.
+
+        ``channels``: input channels per participant, for a layer split by them (> 0 exactly
+        where the kernels are). Without it the layer keeps its channel split, or, if that does
+        not fit ``counts``, gets one proportional to them.
+        """
+        block = next((b for b in self.blocks if b.name == layer), None)
+        if block is None:
+            attached = ", ".join(b.name for b in self.blocks) or "none"
+            raise ValueError(f"no attached layer {layer!r}; attached: {attached}")
+        total, n = block.conv.out_channels, len(self.placement)
+        if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != total:
+            raise ValueError(
+                f"a plan for {layer} needs {n} counts >= 0 ({', '.join(self.participants)}) "
+                f"summing to its {total} kernels, got {list(counts)}"
+            )
+        if channels is not None:
+            if not _fits(channels, counts, block.conv.in_channels):
+                raise ValueError(
+                    f"channels for {layer} needs {n} counts >= 0 summing to its {block.conv.in_channels} input "
+                    f"channels, 0 exactly where the kernels are 0 ({list(counts)}); got {list(channels)}"
+                )
+            self.channel_counts[layer] = [int(c) for c in channels]
+        self.counts[layer] = [int(c) for c in counts]
+
+    def plan(self, block: ShardedBlock) -> Plan:
+        """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
+        total = block.conv.out_channels
+        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.placement), total))
+        if sum(counts) != total:
+            raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
+        channels = None
+        if self._split_by_channels(block):  # proportional to the kernels at first, and whenever the kept one
+            c_in = block.conv.in_channels  # does not fit them
+            channels = self.channel_counts.get(block.name)
+            if channels is None or not _fits(channels, counts, c_in):
+                channels = self.channel_counts[block.name] = apportion([float(k) for k in counts], c_in)
+        return Plan.of(self.placement, counts, block.tail, channels)
+
+    def _by_channels(self, conv: Conv2D) -> bool:
+        """Whether ``conv`` goes by input channels when it can (see _split_by_channels): it needs dX."""
+        return conv.need_dx and self.split_by_channels
+
+    def _split_by_channels(self, block: ShardedBlock) -> bool:
+        """Whether ``block`` is split by input channels now: it goes so, and has at least one input
+        channel and one kernel for every participant."""
+        enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.placement)
+        return block.by_channels and enough and any(k is not None for _, k in self.placement)
+
+    def timeout(self, block: ShardedBlock, batch: int) -> float:
+        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
+        the op should take, its compute and its transfers, at least 10 s, at most ``recv_timeout``::
+
+            10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
+
+        t_i: participant i's calibrated time for the whole layer; B_k: the most array bytes one op
+        of the layer moved to and from worker k in the last step; s_k: the seconds per byte its
+        link measured, upper bounds included (:class:`~tinyconv.distributed.rpc.Link`). On a slow link
+        the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
+        those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
+        """
+        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.placement]
+        moved = self._moved.get(block.name, {})
+        transfer = [
+            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
+            for name, k in self.placement
+            if k is not None
+        ]
+        if not known or None in known or None in transfer or self._specs is None:
+            return self.recv_timeout
+        calibrated = self._specs[self.blocks.index(block)]["x"][0]
+        return self._deadline((max(known) + max(transfer, default=0.0)) * max(1.0, batch / calibrated))
+
+    # ---- steps ------------------------------------------------------------------------------
+    def codec(self, block: ShardedBlock) -> Narrowing | None:
+        """How ``block``'s ops go on the wire this step (fixed within a step): narrowed, or None for fp32."""
+        roles = self._roles.setdefault(block.name, self.wire.roles(block.name))
+        return None if self.wire_precision == "fp32" else Narrowing(formats_of(roles))
+
+    def finished(self, block: ShardedBlock, done: LayerStep) -> None:
+        """``block``'s backward is done; with the first block's, the step is."""
+        self._done.append(done)
+        self._moved[done.name] = {
+            name: max(done.forward.moved(name), done.backward.moved(name)) for name in done.participants
+        }
+        if block is not self.blocks[0]:
+            return
+        record = step_record(self._done, self.participants)
+        record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
+        if self.wire_precision != "fp32":  # what each layer's arrays travelled in; AWP then looks at the weights
+            record["wire_precision"] = {d.name: self._roles.get(d.name, {}) for d in reversed(self._done)}
+        self._done, self._roles = [], {}
+        self.step += 1
+        if self.wire_precision == "adaptive":
+            for b in self.blocks:
+                self.wire.observe(self.step, b.name, self.backend.to_numpy(b.conv.params["w"]))
+        self.last_step = record
+        self._welcome_joiners()
+
+    def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
+        """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
+
+        It balances what a layer is split by -- its kernels, or its input channels (its kernels,
+        which then carry only the tail, follow those in proportion) -- against each participant's
+        ready time (:meth:`LayerStep.ready_s`): forward + backward compute, plus a worker's bytes
+        at its link's measured seconds per byte."""
+        rebalanced = {}
+        for d in done:
+            if d.participants != self.participants:  # someone was lost during this step: start afresh
+                continue
+            proposal = self.rebalancer.observe(d.name, d.units, d.ready_s(self._links()))
+            if proposal is None:
+                continue
+            what = "kernels" if d.channels is None else "input channels"
+            log.info("rebalancing %s %s: %s -> %s (%s)", d.name, what, d.units, proposal, ", ".join(self.participants))
+            if d.channels is not None:
+                self.channel_counts[d.name] = proposal
+                proposal = apportion([float(c) for c in proposal], sum(d.counts))
+            self.counts[d.name] = proposal
+            rebalanced[d.name] = list(proposal)
+        return rebalanced
+
+    def lost_any(self, plan: Plan) -> bool:
+        """Whether a worker with a share in ``plan`` is lost."""
+        return any(p.worker in self.lost for p in plan.workers)
+
+
+def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
+    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
+    if nbytes == 0:
+        return 0.0
+    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte
+
+
+def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
+    """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
+    c = block.conv
+    w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
+    return {
+        "layer": block.index,
+        "x": list(x_shape),
+        "w": w,
+        "stride": c.stride,
+        "padding": c.padding,
+        "need_dx": c.need_dx,
+        "tail": block.tail,
+    }
+
+
+def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:
+    """A split of the input channels that works with the kernel split ``counts``: one count >= 0
+    per participant, summing to ``channels``, and 0 exactly for the participants without kernels
+    (a partial convolution needs someone to sum it, a tail someone's partial)."""
+    return (
+        len(channel_counts) == len(counts)
+        and all(isinstance(c, numbers.Integral) and c >= 0 for c in channel_counts)
+        and sum(channel_counts) == channels
+        and all((c == 0) == (k == 0) for c, k in zip(channel_counts, counts, strict=True))
+    )

@@ -1,0 +1,148 @@
+"""ShardedBlock: the layer that stands in a network for a convolution and its tail, computed in shards.
+
+:meth:`Cluster.attach <tinyconv.distributed.shard.cluster.Cluster.attach>` replaces each Conv2D of a
+network, and the ReLU / LRN / max pool right after it (its *tail*, with ``fuse``), by one
+ShardedBlock in the network's list of layers, and ``detach`` puts them back. The block owns
+the very same parameter arrays as its Conv2D, so the optimiser, the checkpoints and the
+numbers do not change; only who computes them does.
+
+Each forward asks the cluster for the layer's plan (``plan.py``) and runs the split it
+calls for: by kernels, the paper's (``by_kernels.py``), or by input channels
+(``by_channels.py``); its backward runs the same split with the same plan, then tells
+the cluster the layer's step is done, with what it cost (``accounting.py``). When a worker
+is lost during either, the cluster shares its kernels among the others and the layer runs
+again -- a backward whose forward had the lost worker runs that forward again first, on the
+input it kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from backends.base import Array, Backend
+from tinyconv.distributed.accounting import LayerStep, OpStats
+from tinyconv.distributed.rpc import Codec, Lost, Op, Rpc
+from tinyconv.distributed.shard import by_channels, by_kernels
+from tinyconv.distributed.shard.block import tail_of, tail_output_hw
+from tinyconv.distributed.shard.plan import Plan
+from tinyconv.layers import Conv2D, Layer, Linear
+
+
+class Coordinator(Protocol):
+    """What a sharded layer needs of the cluster that attached it (``cluster.py``)."""
+
+    backend: Backend  # the master's
+    rpc: Rpc
+    placement: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
+    step: int  # training steps finished
+    pipeline: int  # images per chunk of a layer split by input channels (0: the whole batch)
+
+    def plan(self, block: ShardedBlock) -> Plan: ...
+
+    def timeout(self, block: ShardedBlock, batch: int) -> float: ...
+
+    def lose(self, workers: dict[int, str]) -> None: ...
+
+    def lost_any(self, plan: Plan) -> bool: ...
+
+    def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
+
+    def codec(self, block: ShardedBlock) -> Codec | None: ...
+
+
+@dataclass
+class _Forward:
+    """What a forward keeps for the backward: the plan and split it ran, and what they kept."""
+
+    step: int
+    x: Array  # its input, to run it again if a worker of its plan is lost before the backward
+    plan: Plan
+    split: Any  # the module: by_kernels or by_channels
+    kept: Any
+    stats: OpStats
+
+
+class ShardedBlock(Layer):
+    """x (N, C, H, W) -> the tail's output (N, F, OH', OW'): ``conv`` and ``tail`` on the cluster's shards.
+
+    ``index``: the block's place among the network's sharded layers, by which the workers keep
+    its state. ``by_channels``: the convolution goes by input channels (when a worker has any)
+    rather than by kernels.
+    """
+
+    def __init__(self, cluster: Coordinator, index: int, conv: Conv2D, tail: list[Layer], by_channels: bool) -> None:
+        super().__init__(cluster.backend)
+        self.cluster, self.index, self.conv, self.layers = cluster, index, conv, [conv, *tail]
+        self.name = conv.name
+        self.tail = tail_of(tail)
+        self.by_channels = by_channels
+        self.params = conv.params  # the same dict: the optimiser and the checkpoints see the conv's arrays
+        self.decay = conv.decay
+
+    def forward(self, x: Array, training: bool = False) -> Array:
+        y, self.cache = self._forward(x, self.cluster.step)
+        return y
+
+    def _forward(self, x: Array, step: int) -> tuple[Array, _Forward]:
+        """The forward on the current plan -- again on the next one while workers are lost."""
+        while True:
+            plan = self.cluster.plan(self)
+            split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
+            op = self._op("forward", step, x.shape[0])
+            try:
+                if split is by_channels:
+                    y, kept = split.forward(op, self.conv, self.tail, plan, x, self.cluster.pipeline)
+                else:
+                    y, kept = split.forward(op, self.conv, self.tail, plan, x)
+            except Lost as e:
+                self.cluster.lose(e.workers)
+                continue
+            return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.placement))
+
+    def backward(self, dy: Array) -> Array | None:
+        fwd = self.cache
+        while True:
+            if self.cluster.lost_any(fwd.plan):  # its forward's kept state is gone with the worker
+                _, fwd = self._forward(fwd.x, fwd.step)
+            op = self._op("backward", fwd.step, fwd.x.shape[0])
+            try:
+                dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
+                break
+            except Lost as e:
+                self.cluster.lose(e.workers)
+        self.cache = None
+        self.grads = self.conv.grads = {"w": dw, "b": db}
+        done = LayerStep(
+            self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, op.stats(self.cluster.placement)
+        )
+        self.cluster.finished(self, done)
+        return dx
+
+    def _op(self, what: str, step: int, batch: int) -> Op:
+        """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index,
+        and go on the wire by the cluster's codec for the layer (None: as they are)."""
+        fields = {"step": step, "layer": self.index}
+        timeout, codec = self.cluster.timeout(self, batch), self.cluster.codec(self)
+        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, timeout, codec)
+
+    def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        n, f, oh, ow = self.conv.output_shape(x_shape)
+        return (n, f, *tail_output_hw(oh, ow, self.tail))
+
+    def __repr__(self) -> str:
+        return f"ShardedBlock({' -> '.join(map(repr, self.layers))})"
+
+
+def block_inputs(layers: list[Layer], batch_size: int, image_size: int) -> list[tuple[int, ...]]:
+    """The input shape (N, C, H, W) of each ShardedBlock among a network's ``layers``, for square images."""
+    blocks = [layer for layer in layers if isinstance(layer, ShardedBlock)]
+    shape: tuple[int, ...] = (batch_size, blocks[0].conv.in_channels, image_size, image_size)
+    inputs = []
+    for layer in layers:
+        if isinstance(layer, Linear):
+            break
+        if isinstance(layer, ShardedBlock):
+            inputs.append(shape)
+        shape = layer.output_shape(shape)
+    return inputs

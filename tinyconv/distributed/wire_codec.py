@@ -1,0 +1,188 @@
+"""Reduced precision on the wire as a codec at the edges: narrowed as a message is encoded, widened as it is decoded.
+
+The task protocol (``protocol.py``) speaks float32. With ``--wire-precision`` a layer's task may
+carry its float32 arrays narrowed (``wire_precision.py``), each named in its optional header
+``narrow`` = {array: format} ("bf16", "fp16", "adt24", or ["s8", H, W]: s8 with the plane its
+scales are per; an array not named is float32), and ask for its result's arrays in ``reply`` =
+{result array: format} (format names alone: the worker knows its results' shapes); the result
+names what it narrowed in its own ``narrow`` (an array asked for narrow that comes back float32
+fell back: narrowing would have made a finite number infinite). Every declared format is checked
+against its array's dtype and shape before anything is widened, and the receiver widens to float32
+right after, so every computation -- and every check of ``protocol.py`` -- sees float32.
+
+The two edges:
+
+- the master's, an op's codec (``rpc.py``'s :class:`~tinyconv.distributed.rpc.Codec`, the identity by
+  default): :class:`Narrowing` narrows a task right before it is sent and widens its result right
+  after it came;
+- the worker's (``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back`
+  and :func:`encode_result` as its result goes; a task without ``narrow`` or ``reply`` passes as it is.
+
+A backend that converts words on its device (``backends.base.WireConversion``: OpenCL's bf16) is
+used where it can be: an input the worker puts straight on the backend is widened there after only
+its narrow words were written, and a result still on the device is narrowed there and only its
+narrow words are read back. The same words cross the wire either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend, WireConversion
+from tinyconv.distributed import wire_precision
+from tinyconv.distributed.protocol import RESULT_ARRAYS, TASKS, TaskError
+from tinyconv.distributed.wire_precision import Declared, Narrowed
+from transports.base import Message
+from transports.wire import ProtocolError, check_fields
+
+# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' or the hybrid's)
+NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
+                        "partial_backward"})  # fmt: skip
+_KEYS = ("narrow", "reply")
+
+# widens one narrowed array elsewhere (a worker's device): (its name, the array as it came, its
+# declaration) -> the float32 array there, or None: widened on the host
+WidenElsewhere = Callable[[str, np.ndarray, Declared], Any]
+
+
+class Narrowing:
+    """The codec of an op whose arrays travel in ``formats`` (array name -> format, both ways)."""
+
+    def __init__(self, formats: dict[str, str]) -> None:
+        self.formats = formats
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        """A float32 task as it goes: its arrays narrowed, its result asked for in the same formats;
+        and how many of its arrays fell back to float32."""
+        arrays, narrow, fell_back = narrowed(msg.arrays, self.formats)
+        reply = {name: f for name, f in self.formats.items() if name in RESULT_ARRAYS[msg.kind] and f != "fp32"}
+        header = msg.header | ({"narrow": narrow} if narrow else {}) | ({"reply": reply} if reply else {})
+        return Message(msg.kind, header, arrays), fell_back
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        """A result of ``task`` (as it went) in float32, its ``narrow`` checked and gone; and how many
+        of the arrays the task asked for narrow came back float32 (fell back). A RuntimeError if malformed."""
+        try:
+            check_fields("result", {k: reply.header[k] for k in ("narrow",) if k in reply.header}, {}, {"narrow": dict})
+        except ProtocolError as e:
+            raise RuntimeError(f"a malformed result of {task.kind}: {e}") from None
+        narrow = _declarations(f"a result of {task.kind}", reply, RuntimeError)
+        asked = task.header.get("reply", {})
+        fell_back = sum(1 for name in reply.arrays if name in asked and name not in narrow)
+        header = {k: v for k, v in reply.header.items() if k != "narrow"}
+        return Message(reply.kind, header, widened(reply.arrays, narrow)), fell_back
+
+
+def decode_task(msg: Message, backend: Backend, on_backend: frozenset[str]) -> tuple[Message, dict[str, str]]:
+    """A task as it came -> (the task in float32 without ``narrow`` and ``reply``, the formats its
+    result is asked for in). Its arrays named in ``on_backend`` are widened on the backend where it
+    converts their format there. A task with neither key, or of a kind that may not carry them
+    (``protocol.check_task`` refuses them there), is returned as it is."""
+    if msg.kind not in NARROWABLE or not isinstance(msg.header, dict) or not any(k in msg.header for k in _KEYS):
+        return msg, {}
+    try:
+        check_fields(msg.kind, {k: msg.header[k] for k in _KEYS if k in msg.header}, {}, dict.fromkeys(_KEYS, dict))
+    except ProtocolError as e:
+        raise TaskError(str(e)) from None
+    narrow = _declarations(msg.kind, msg, TaskError, TASKS[msg.kind].labels)
+    reply = msg.header.get("reply", {})
+    _check_formats(f"{msg.kind}'s reply", reply, RESULT_ARRAYS[msg.kind], TaskError)
+
+    def there(name: str, carried: np.ndarray, declared: Declared) -> Any:
+        if name not in on_backend or not isinstance(declared, str):  # s8's declaration is a list: host
+            return None
+        return backend.widen_wire(carried, declared)
+
+    elsewhere = there if isinstance(backend, WireConversion) else None
+    header = {k: v for k, v in msg.header.items() if k not in _KEYS}
+    return Message(msg.kind, header, widened(msg.arrays, narrow, elsewhere)), reply
+
+
+def read_back(backend: Backend, a: Any, fmt: str) -> np.ndarray | Narrowed:
+    """A result array on the host: narrowed on the device if the backend does ``fmt`` there and
+    nothing became infinite (then :func:`encode_result` falls back to float32 from all of it)."""
+    if fmt != "fp32" and not isinstance(a, np.ndarray) and isinstance(backend, WireConversion):
+        got = backend.narrow_wire(a, fmt)
+        if got is not None and not got[1]:
+            return Narrowed(got[0], fmt, False, wire_precision.declare(fmt, tuple(a.shape)))
+    return np.ascontiguousarray(backend.to_numpy(a))
+
+
+def encode_result(arrays: dict[str, np.ndarray | Narrowed], asked: dict[str, str]) -> tuple[dict, dict]:
+    """A result's arrays as they go, in the formats ``asked`` (an overflow goes back float32), and
+    the header keys that say so."""
+    out, narrow, _ = narrowed(arrays, asked)
+    return out, ({"narrow": narrow} if narrow else {})
+
+
+def narrowed(
+    arrays: dict[str, np.ndarray | Narrowed], formats: dict[str, str]
+) -> tuple[dict[str, np.ndarray], dict[str, Declared], int]:
+    """float32 ``arrays`` as they go on the wire, each in ``formats``' format for it (float32 if none):
+    (the arrays, the header's ``narrow`` for them -- each one's declaration, ``Narrowed.declared`` --,
+    how many fell back to float32). An array already narrowed (a ``Narrowed``: a worker's device did
+    it, :func:`read_back`) goes as it is."""
+    out: dict[str, np.ndarray] = {}
+    narrow: dict[str, Declared] = {}
+    fallbacks = 0
+    for name, a in arrays.items():
+        fmt = formats.get(name, "fp32")
+        if fmt == "fp32" and not isinstance(a, Narrowed):
+            out[name] = a
+            continue
+        n = a if isinstance(a, Narrowed) else wire_precision.narrow(a, fmt)
+        out[name], fallbacks = n.carried, fallbacks + n.fell_back
+        if n.fmt != "fp32":
+            narrow[name] = n.declared
+    return out, narrow, fallbacks
+
+
+def widened(
+    arrays: dict[str, np.ndarray], narrow: dict[str, Declared], elsewhere: WidenElsewhere | None = None
+) -> dict[str, Any]:
+    """Checked ``arrays`` (:func:`_declarations`), each float32 again: those ``narrow`` names widened
+    (new arrays), the others as they are. Each narrowed one is offered to ``elsewhere`` first; only
+    what it declines is widened here."""
+    out: dict[str, Any] = {}
+    for name, a in arrays.items():
+        if name not in narrow:
+            out[name] = a
+            continue
+        there = elsewhere(name, a, narrow[name]) if elsewhere is not None else None
+        out[name] = there if there is not None else wire_precision.widen(a, narrow[name])
+    return out
+
+
+def _declarations(
+    what: str, msg: Message, error: type[Exception], labels: frozenset[str] = frozenset()
+) -> dict[str, Declared]:
+    """``msg``'s header ``narrow``, checked: it names some of its float32 arrays, each with a known
+    format, and each of those arrays is a well-formed carrier of what it declares."""
+    narrow = msg.header.get("narrow", {})
+    _check_formats(f"{what}'s narrow", narrow, set(msg.arrays) - labels, error, declared=True)
+    for name, declared in narrow.items():
+        try:
+            wire_precision.check_carried(declared, msg.arrays[name])
+        except ValueError as e:
+            raise error(f"{what}: {name}: {e}") from None
+    return narrow
+
+
+def _check_formats(
+    what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception], declared: bool = False
+) -> None:
+    """``formats`` must map some of ``names`` to known wire formats (``declared``: as a ``narrow``
+    declares them, s8 with its plane, ``wire_precision.check_declared``)."""
+    for name, fmt in formats.items():
+        if name not in names:
+            raise error(f"{what} names {name!r}, which is not one of its float32 arrays {sorted(names)}")
+        if declared and (fmt == "s8" or isinstance(fmt, list)):
+            try:
+                wire_precision.check_declared(fmt)
+            except ValueError as e:
+                raise error(f"{what}: {name}: {e}") from None
+        elif not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
+            raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")

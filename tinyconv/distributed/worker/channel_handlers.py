@@ -1,0 +1,196 @@
+"""The worker's side of a layer split by its input channels (``tinyconv/distributed/shard/by_channels.py``).
+
+Four tasks, one layer's step: ``partial_forward`` (its partial convolution P for all F kernels),
+``tail_forward`` (the others' partials added on its halo, then the tail), ``tail_backward`` (its own
+kernels' conv-output gradient dyc) and ``partial_backward`` (the conv backward of P from all of dY).
+P, the sums and dyc travel kernel-major, (F', N, OH, OW), as the master's side says.
+
+A batch may come in chunks of images (header ``images`` = [a, b, N], the shard's ``by_channels.py``
+pipeline): partial_forward chunk by chunk from image 0, w with the first; tail_forward adds the
+others' sums chunk by chunk and runs the tail with the last (b with it); partial_backward goes
+by the forward's chunks, in order. Without ``images`` a task is the whole batch, one chunk.
+
+Each handler is a plain function of the worker's :class:`~tinyconv.distributed.worker.state.WorkerState`;
+x and w arrive on the backend (``handler.py``'s ON_BACKEND).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tinyconv.distributed.protocol import TaskError
+from tinyconv.distributed.shard.block import owned
+from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
+from tinyconv.distributed.shard.block import tail_forward as run_tail
+from tinyconv.distributed.shard.by_channels import halo_sum
+from tinyconv.distributed.worker.block_handlers import checked_tail
+from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, header_span, task_place, task_slot
+from transports.wire import Int
+
+
+def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """P (F, N, OH, OW), the partial convolution of its input channels for all F kernels, on a chunk
+    of images; returns the parts the others need (p_lo = P[:lo_end], p_hi = P[hi_start:]) and keeps
+    P over its halo, P[cs:ce], until tail_forward sums it."""
+    x, w = a["x"], a.get("w")
+    first, stop, n = _images(h, x.shape[0])
+    if x.ndim != 4 or stop - first != x.shape[0] or (w is not None and (w.ndim != 4 or x.shape[1] != w.shape[1])):
+        raise TaskError(
+            f"layer {h['layer']}: expected x ({stop - first}, c, H, W) for images [{first}, {stop}) and "
+            f"w (F, c, KH, KW), got x {x.shape}" + (f", w {w.shape}" if w is not None else "")
+        )
+    be = state.backend
+    settings = [h[key] for key in ("stride", "padding", "tail", "halo", "own", "give")] + [list(x.shape[1:]), n]
+    if first == 0:
+        if w is None:
+            raise TaskError(f"layer {h['layer']}: the first chunk of partial_forward (image 0 on) brings w")
+        f = w.shape[0]
+        tail = checked_tail(h, x.shape[2:], w.shape[2:])
+        cs, ce = header_span(h, "halo", f)
+        own = header_span(h, "own", ce - cs)
+        give = h["give"]
+        if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
+            raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
+        kept = OpenStep("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=w)
+        kept.settings, kept.halo = settings, (cs, ce)
+    else:
+        kept = state.open.get(task_slot(h))
+        if kept is None or kept.stage != "partial" or kept.step != h["step"] or kept.chunks[-1][1] != first:
+            raise TaskError(
+                f"{task_place(h)}: partial_forward of images from {first} on continues the chunk that ends there; "
+                "send the batch's chunks in order from image 0"
+            )
+        if w is not None:
+            raise TaskError(f"{task_place(h)}: w comes with the first chunk of partial_forward only")
+        if settings != kept.settings:
+            raise TaskError(f"{task_place(h)}: a chunk of partial_forward must repeat its first chunk's settings")
+    f, (cs, ce) = kept.kernels, kept.halo
+    p, conv = be.conv2d_partial(x, kept.w, h["stride"], h["padding"])
+    if first == 0:
+        kept.summed = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
+    kept.partial.append(p[cs:ce])  # a view; p is not written again, so the parts below go out uncopied
+    kept.conv.append(conv)
+    kept.chunks.append((first, stop))
+    state.advance(h, "partial_forward", kept)
+    lo_end, hi_start = h["give"]
+    return ({"p_lo": p[:lo_end]} if lo_end > 0 else {}) | ({"p_hi": p[hi_start:]} if hi_start < f else {})
+
+
+def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
+    """Adds ``sum`` (F', N, OH, OW), the others' partials on its halo, to a chunk of its own; with the
+    last chunk (and ``b``), y = tail(P[halo] + sum + b) of its own kernels."""
+    n, computed, oh, ow = kept.summed.shape
+    first, stop, _ = _images(h, n, kept=kept, computed=kept.chunks[-1][1], at=kept.done)
+    b, others = a.get("b"), a.get("sum")
+    rows = (computed, stop - first, oh, ow)
+    if (b is not None and b.shape != (computed,)) or (others is not None and others.shape != rows):
+        got = (f"b {b.shape}, " if b is not None else "") + (f"sum {others.shape}" if others is not None else "")
+        raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
+    if (b is not None) != (stop == n):
+        raise TaskError(f"layer {h['layer']}: b comes with the last chunk of tail_forward (images up to {n}) only")
+    i = [start for start, _ in kept.chunks].index(first)  # first is kept.done, a chunk's start (_images)
+    if kept.chunks[i] != (first, stop):
+        raise TaskError(
+            f"{task_place(h)}: tail_forward goes by partial_forward's chunks; the next is images {[*kept.chunks[i], n]}"
+        )
+    halo_sum(kept.summed[first:stop], kept.partial[i], [] if others is None else [others])
+    kept.partial[i] = None  # summed: its P can go
+    kept.done = stop
+    if stop < n:
+        return {}
+    s = kept.summed
+    s += b[None, :, None, None]
+    y, kept.cache = run_tail(state.backend, state.backend.asarray(s), kept.conv, kept.tail, kept.own)
+    kept.partial, kept.summed = [], None
+    state.advance(h, "tail_forward", kept)
+    return {"y": y}
+
+
+def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
+    """dyc (own, N, OH, OW), its own kernels' conv-output gradient, from dy over its halo; kept, in
+    its rows of all of dY_conv (F, N, OH, OW), for partial_backward to fill in the others'."""
+    be = state.backend
+    try:
+        d = run_tail_backward(be, a["dy"], kept.cache)
+    except ValueError as e:
+        raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
+    d = owned(be, d, kept.cache)
+    start, stop = _own_kernels(kept)
+    kept.dyc = np.empty((kept.kernels, d.shape[0], *d.shape[2:]), np.float32)
+    kept.dyc[start:stop] = d.transpose(1, 0, 2, 3)
+    kept.done = 0  # chunks through partial_backward
+    state.advance(h, "tail_backward", kept)
+    return {"dyc": kept.dyc[start:stop]}  # rows partial_backward does not write: sent uncopied
+
+
+def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
+    """With the others' dyc before and after its own (dyc_lo, dyc_hi: all of dY_conv, F x N), the
+    conv backward through its partial, one forward chunk at a time: the chunk's dx of its input
+    channels (if need_dx); dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
+    f, n, oh, ow = kept.dyc.shape
+    chunk = kept.chunks[kept.done]
+    first, stop, batch = _images(h, n)
+    if (first, stop, batch) != (*chunk, n):
+        raise TaskError(
+            f"{task_place(h)}: partial_backward goes by the forward's chunks; the next is images {[*chunk, n]}"
+        )
+    start, end = _own_kernels(kept)
+    around = {"dyc_lo": slice(0, start), "dyc_hi": slice(end, f)}  # the others' kernels: rows of dY_conv
+    for key, rows in around.items():
+        part, want = a.get(key), (rows.stop - rows.start, stop - first, oh, ow)
+        if (part is None) != (want[0] == 0) or (part is not None and part.shape != want):
+            raise TaskError(
+                f"layer {h['layer']}: partial_backward takes the others' dyc around this worker's kernels "
+                f"[{start}, {end}) of {f}, dyc_lo those before and dyc_hi those after: {key} must be "
+                f"{want if want[0] else 'absent'}, got {'nothing' if part is None else tuple(part.shape)}"
+            )
+    for key, rows in around.items():
+        if key in a:
+            kept.dyc[rows, first:stop] = a[key]
+    be = state.backend
+    whole = kept.dyc[:, first:stop].transpose(1, 0, 2, 3)  # (images, F, OH, OW), a view
+    dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv[kept.done], h["need_dx"])
+    kept.done += 1
+    if len(kept.chunks) > 1:  # summed over the chunks on the host
+        dw, db = be.to_numpy(dw), be.to_numpy(db)
+        kept.dw, kept.db = (dw, db) if kept.dw is None else (kept.dw + dw, kept.db + db)
+        dw, db = kept.dw, kept.db
+    out = {"dx": dx} if h["need_dx"] else {}
+    if kept.done < len(kept.chunks):
+        return out
+    state.advance(h, "partial_backward", kept)
+    return {"dw": dw, "db": db} | out
+
+
+def _own_kernels(kept: OpenStep) -> tuple[int, int]:
+    """Its own kernels' range [start, stop) among all F."""
+    return kept.halo[0] + kept.own[0], kept.halo[0] + kept.own[1]
+
+
+def _images(
+    h: dict[str, Any], n: int, kept: OpenStep | None = None, computed: int | None = None, at: int | None = None
+) -> tuple[int, int, int]:
+    """Header ``images`` = [a, b, N], a chunk of a batch of N: (a, b, N), checked; absent: (0, n, n),
+    the whole batch. For a task that continues a layer (``kept``), N must be its batch, a must be
+    ``at`` (the next image it expects) and b at most ``computed`` (what its forward has so far)."""
+    v = h.get("images")
+    if v is None:
+        v = [0, n, n]
+    if not (isinstance(v, list) and len(v) == 3 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= v[2]):
+        raise TaskError(f"{task_place(h)}: images must be [a, b, N] with 0 <= a < b <= N, got {v!r}")
+    if kept is not None and (v[2] != n or v[0] != at or v[1] > computed):
+        raise TaskError(
+            f"{task_place(h)}: images {v!r} do not continue this layer's batch of {n}: "
+            f"the next chunk starts at image {at}, and its forward has images up to {computed}"
+        )
+    return v[0], v[1], v[2]
+
+
+HANDLERS: dict[str, Handler] = {
+    "partial_forward": partial_forward,
+    "tail_forward": tail_forward,
+    "tail_backward": tail_backward,
+    "partial_backward": partial_backward,
+}

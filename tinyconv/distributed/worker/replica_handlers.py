@@ -1,0 +1,147 @@
+"""The worker's side of data parallelism and the hybrid (``tinyconv/distributed/replica/``): a whole replica.
+
+``replica_calibrate`` and ``replica_step`` stand alone: each brings everything it needs (the
+weights with every step), and the worker keeps only its replica of the network between them,
+rebuilt when the master describes another one (:func:`_replica`).
+
+The hybrid (``tinyconv/distributed/replica/hybrid.py``) runs the conv part of that same replica on a slice,
+the classifier on the master: ``hybrid_forward`` keeps its caches in the replica's layers, under
+the slot :data:`~tinyconv.distributed.worker.state.HYBRID`, for the step's ``hybrid_backward``;
+``hybrid_calibrate`` stands alone, as ``replica_calibrate``.
+
+Each handler is a plain function of the worker's :class:`~tinyconv.distributed.worker.state.WorkerState`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tinyconv.distributed.heap import release_freed_memory
+from tinyconv.distributed.protocol import TaskError
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.conv_part import (
+    backward_features,
+    conv_part,
+    feature_shape,
+    forward_features,
+    time_conv_part,
+)
+from tinyconv.distributed.replica.replica import build, slice_gradients, time_replica
+from tinyconv.distributed.worker.state import HYBRID, Handler, OpenStep, WorkerState, task_place
+from tinyconv.model import Network
+
+
+def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
+    if not 1 <= h["repeats"] <= 1000:
+        raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+    if not 1 <= h["batch"] <= 1 << 16:
+        raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
+    net = _replica(state, h["net"], h["batch"])
+    seconds = time_replica(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
+    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (tinyconv/distributed/heap.py)
+    return {"times": [seconds]}
+
+
+def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """The replica, given the master's weights (and batch-norm statistics), on its slice x, y of a
+    batch of ``batch``: the slice's part of the gradient (of the loss label-smoothed by ``smoothing``,
+    if the header has it), its logits, its statistics after."""
+    x, y, spec, smoothing = a["x"], a["y"], h["net"], h.get("smoothing", 0.0)
+    if not 0.0 <= smoothing < 1.0:
+        raise TaskError(f"smoothing must be in [0, 1) (label smoothing), got {smoothing}")
+    n = x.shape[0] if x.ndim == 4 else 0
+    if not (x.ndim == 4 and n >= 1 and y.shape == (n,) and n <= h["batch"]):
+        raise TaskError(f"replica_step takes x (n, C, H, W) and y (n,) with 1 <= n <= batch ({h['batch']}); "
+                        f"got x {x.shape}, y {y.shape}")  # fmt: skip
+    net = _replica(state, spec, n)
+    if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
+        raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
+                        f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
+    buffers = a.get("buffers")
+    if (buffers is None) != (sum(flat.sizes(net, "buffers")) == 0):
+        raise TaskError("buffers must come exactly when the replica has batch-norm statistics")
+    try:
+        flat.unpack(net, a["params"])
+        if buffers is not None:
+            flat.unpack(net, buffers, "buffers")
+        logits = slice_gradients(net, x, y, h["batch"], smoothing)
+    except ValueError as e:  # a vector of the wrong size, labels out of range
+        raise TaskError(str(e)) from None
+    out = {"grads": flat.pack(net, "grads"), "logits": logits}
+    return out | ({"buffers": flat.pack(net, "buffers")} if buffers is not None else {})
+
+
+# ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
+def hybrid_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
+    if not 1 <= h["repeats"] <= 1000:
+        raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+    if not 1 <= h["batch"] <= 1 << 16:
+        raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
+    net = _replica(state, h["net"], h["batch"])
+    seconds = time_conv_part(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
+    release_freed_memory()  # as replica_calibrate
+    return {"times": [seconds]}
+
+
+def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
+    ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
+    x, spec = a["x"], h["net"]
+    n = x.shape[0] if x.ndim == 4 else 0
+    if not (x.ndim == 4 and 1 <= n <= h["batch"] <= 1 << 16):
+        raise TaskError(f"hybrid_forward takes x (n, C, H, W) with 1 <= n <= batch ({h['batch']}) <= 65536; "
+                        f"got x {x.shape}")  # fmt: skip
+    net = _replica(state, spec, n)
+    if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
+        raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
+                        f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
+    conv, buffers = conv_part(net), a.get("buffers")
+    if (buffers is None) != (sum(flat.sizes(conv, "buffers")) == 0):
+        raise TaskError("buffers must come exactly when the conv part has batch-norm statistics")
+    try:
+        flat.unpack(conv, a["params"])  # its size checked before anything is set
+        if buffers is not None:
+            flat.unpack(conv, buffers, "buffers")
+    except ValueError as e:
+        raise TaskError(f"hybrid_forward: {e} (the conv part's, without the classifier)") from None
+    features = forward_features(conv, x)
+    kept = OpenStep("hybrid", h["step"], images=n, features=feature_shape(net, spec["image_size"]))
+    state.advance(h, "hybrid_forward", kept)
+    return {"features": features} | ({"buffers": flat.pack(conv, "buffers")} if buffers is not None else {})
+
+
+def hybrid_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
+    """The conv part's backward from its rows of dL/dfeatures (n, F): the slice's conv gradient."""
+    d, want = a["dfeatures"], (kept.images, math.prod(kept.features))
+    if d.shape != want:
+        raise TaskError(f"{task_place(h)}: dfeatures must be {want} (the slice's images x features of its "
+                        f"forward), got {d.shape}")  # fmt: skip
+    conv = conv_part(state.replica[1])
+    backward_features(conv, d, kept.features)
+    state.advance(h, "hybrid_backward", kept)
+    return {"grads": flat.pack(conv, "grads")}
+
+
+def _replica(state: WorkerState, spec: Any, batch: int) -> Network:
+    """The replica ``spec`` describes: the one kept, or a new one (within this worker's memory limit).
+    Whoever asks for it runs it, so the hybrid's kept forward, whose caches it holds, is forgotten."""
+    state.open.pop(HYBRID, None)
+    key = repr(sorted(spec.items()))
+    if state.replica is None or state.replica[0] != key:
+        try:
+            state.replica = key, build(spec, state.backend, batch, state.max_calibrate_bytes)
+        except ValueError as e:
+            raise TaskError(f"replica: {e}") from None
+    return state.replica[1]
+
+
+HANDLERS: dict[str, Handler] = {
+    "replica_calibrate": replica_calibrate,
+    "replica_step": replica_step,
+    "hybrid_calibrate": hybrid_calibrate,
+    "hybrid_forward": hybrid_forward,
+    "hybrid_backward": hybrid_backward,
+}

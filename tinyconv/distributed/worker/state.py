@@ -1,0 +1,150 @@
+"""What a worker keeps between tasks: :class:`WorkerState`, the one object every task handler gets.
+
+It holds the worker's backend and settings, the replica of data parallelism (``replica_handlers.py``),
+and for each layer whose step is under way an :class:`OpenStep`: what the layer's forward left for
+the rest of its step, in a slot per layer (or the hybrid's one slot, :data:`HYBRID`). Which task may
+come next is explicit, one row per task kind (:data:`STAGES`)::
+
+    task              the layer must be at     it leaves the layer at
+    block_forward     anything                 "block"    the block's cache       (split by kernels)
+    block_backward    "block"                  nothing
+    partial_forward   anything                 "partial"  its partial convolution (split by input channels)
+    tail_forward      "partial"                "tail"     the tail's cache
+    tail_backward     "tail"                   "dyc"      its kernels' conv-output gradient
+    partial_backward  "dyc"                    nothing
+    hybrid_forward    anything                 "hybrid"   the conv part's caches  (the hybrid: one slot,
+    hybrid_backward   "hybrid"                 nothing                             the whole conv part)
+
+A task that continues a layer must also be of the step its forward was. A refused task changes
+nothing, so the right one can follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend
+from tinyconv.distributed.protocol import TaskError
+from tinyconv.distributed.shard.block import BlockCache
+from tinyconv.model import Network
+from transports.wire import Int
+
+HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
+
+# task kind -> (the stage the layer must be at, None: anything; the stage it leaves, None: nothing kept)
+STAGES: dict[str, tuple[str | None, str | None]] = {
+    "block_forward": (None, "block"),
+    "block_backward": ("block", None),
+    "partial_forward": (None, "partial"),
+    "tail_forward": ("partial", "tail"),
+    "tail_backward": ("tail", "dyc"),
+    "partial_backward": ("dyc", None),
+    "hybrid_forward": (None, "hybrid"),
+    "hybrid_backward": ("hybrid", None),
+}
+# the tasks that continue no layer and leave none: each brings all it needs
+STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step", "hybrid_calibrate"})
+_LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
+
+
+@dataclass
+class OpenStep:
+    """What one layer's forward left on this worker for the rest of its step."""
+
+    stage: str
+    step: int
+    cache: BlockCache | None = None  # "block", "tail", "dyc": the block's (or the tail's) cache
+    conv: Any = None  # "partial" on: the backend's cache of the partial convolution
+    partial: list[np.ndarray | None] = field(default_factory=list)  # "partial": per chunk, the partial
+    #                                        convolution on the computed kernels (F', n, OH, OW), until summed
+    summed: np.ndarray | None = None  # "partial": (N, F', OH, OW), the sums tail_forward has added so far
+    tail: list[dict[str, Any]] = field(default_factory=list)
+    own: tuple[int, int] = (0, 0)  # the own kernels, as offsets into the computed ones
+    dyc: np.ndarray | None = None  # "dyc": all of dY_conv (F, N, OH, OW), its own rows from tail_backward,
+    #                                the others' from partial_backward
+    kernels: int = 0  # all F kernels of a layer split by input channels
+    w: Any = None  # "partial": its weights on the backend, for the chunks after the first
+    settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
+    halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
+    done: int = 0  # images summed by tail_forward; then chunks through partial_backward
+    dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
+    db: np.ndarray | None = None
+    images: int = 0  # "hybrid": the slice's images
+    features: tuple[int, int, int] = (0, 0, 0)  # "hybrid": (C2, H', W') of one image
+
+
+@dataclass
+class WorkerState:
+    """A worker's backend and settings, and what it keeps between tasks.
+
+    ``slowdown`` F >= 1 scales the calibration times it reports (``handler.py``);
+    ``max_calibrate_bytes`` caps what one calibration or replica may allocate."""
+
+    backend: Backend
+    slowdown: float
+    max_calibrate_bytes: int
+    open: dict[int | str, OpenStep] = field(default_factory=dict)  # slot -> its layer's open step
+    replica: tuple[str, Network] | None = None  # data parallelism: (its description, the network)
+
+    def forget(self) -> None:
+        """A new session: nothing kept from an earlier one."""
+        self.open.clear()
+        self.replica = None
+
+    def expect(self, kind: str, h: dict[str, Any]) -> OpenStep | None:
+        """The layer's open step, if a ``kind`` task continues one; a TaskError if it cannot."""
+        if kind not in STAGES or STAGES[kind][0] is None:
+            return None
+        where, needs = task_place(h), STAGES[kind][0]
+        kept = self.open.get(task_slot(h))
+        if kept is None:
+            raise TaskError(
+                f"{where}: nothing kept of this layer's forward: send {_LEFT_BY[needs]} first "
+                "(or again, if this worker was restarted)"
+            )
+        if kept.step != h["step"]:
+            whose = "this layer's" if isinstance(task_slot(h), int) else "the conv part's"
+            raise TaskError(f"{where}: {whose} kept forward is of step {kept.step}")
+        if kept.stage != needs:
+            raise TaskError(
+                f"{where}: {kind} follows {_LEFT_BY[needs]}, but this layer's last task was {_LEFT_BY[kept.stage]}"
+            )
+        return kept
+
+    def advance(self, h: dict[str, Any], kind: str, kept: OpenStep) -> None:
+        """The layer moves on to the stage ``kind`` leaves it at (forgotten at the end of its step)."""
+        leaves = STAGES[kind][1]
+        if leaves is None:
+            del self.open[task_slot(h)]  # one backward per forward; frees what it kept
+        else:
+            kept.stage = leaves
+            self.open[task_slot(h)] = kept
+
+
+# a task handler: (the worker's state, the task's header, its arrays, the layer's open step if the task
+# continues one) -> its result's arrays (and "times", for a calibration)
+Handler = Callable[[WorkerState, dict[str, Any], dict[str, Any], OpenStep | None], dict[str, Any]]
+
+
+def task_slot(h: dict[str, Any]) -> int | str:
+    """Where a task's open step lives: its layer's index, or the hybrid's one slot."""
+    return h.get("layer", HYBRID)
+
+
+def task_place(h: dict[str, Any]) -> str:
+    """The task's place in a step, for errors: "layer 1 step 3", "the conv part step 3"."""
+    slot = task_slot(h)
+    return f"{'layer ' if isinstance(slot, int) else 'the '}{slot} step {h['step']}"
+
+
+def header_span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
+    """Header ``key``, a non-empty range [a, b] with 0 <= a < b <= limit, as a tuple."""
+    v = h[key]
+    if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):
+        raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
+    return v[0], v[1]
