@@ -6,9 +6,9 @@
   carries over), ``handler.hello()`` once, then the hello again with exponential
   backoff (0.5 s doubling to 10 s) and heartbeats meanwhile, so a master that is
   not admitting yet keeps the worker's place, until a ``welcome``.
-* *Serving* (:mod:`transports.worker_loop`): the calling thread runs the I/O loop,
-  the only code that touches the socket, and a compute thread runs the handler, so
-  heartbeats keep flowing while a long task computes. Every message whose kind is
+* *Serving* (:class:`transports.session.worker.Serving` over :class:`ZmqWorkerLink`): the
+  calling thread runs the I/O loop, the only code that touches the socket, and a compute
+  thread runs the handler, so heartbeats keep flowing while a long task computes. Every message whose kind is
   not a session kind (:data:`transports.wire.SESSION_KINDS`) is a task.
 * A master silent for ``peer_timeout_s`` is lost: the worker looks again for up to
   ``retry_for`` seconds. After a ``shutdown`` it exits, or with ``forever`` looks for
@@ -35,23 +35,26 @@ from zmq.utils.monitor import recv_monitor_message
 from transports import wire
 from transports.base import Handler, Message
 from transports.curve import CurveClient
-from transports.wakeup import Wakeup
-from transports.worker_loop import (
+from transports.session.link import WorkerLink
+from transports.session.worker import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     MASTER_LOST,
+    SHUTDOWN,
     Compute,
     Hello,
-    ServeLoop,
+    Serving,
+    answer_to_hello,
 )
+from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "serve"]
 
 BACKOFF_FIRST_S = 0.5  # the first hello is repeated after this long without a welcome...
 BACKOFF_MAX_S = 10.0  # ... doubling up to this
 _POLL_SLICE_S = 0.25  # while looking, how often to look at the stop event
-_SHUTDOWN = -2  # internal: the master said shutdown before it welcomed this worker
+_DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
 _HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
@@ -151,7 +154,7 @@ def _serve_masters(
     while True:
         session += 1
         found = _find_master(ctx, compute, session, setup, deadline, giving_up)
-        if found == _SHUTDOWN:
+        if found == SHUTDOWN:
             code = EXIT_OK
         elif isinstance(found, int):
             return found
@@ -180,20 +183,42 @@ def _serve_masters(
 
 
 def _serve_one(sock: zmq.Socket, welcome: Message, compute: Compute, session: int, setup: _Setup) -> int:
-    master_heartbeat_s = float(welcome.header["heartbeat_s"])
-    loop = ServeLoop(
-        sock,
-        compute,
-        session,
-        heartbeat_s=min(setup.heartbeat_s, master_heartbeat_s),  # never quieter than the master expects
-        peer_timeout_s=max(setup.peer_timeout_s, 3 * master_heartbeat_s),  # nor give up between its heartbeats
-        max_bytes=setup.max_bytes,
-        stop=setup.stop,
-        log_line=setup.log_line,
-        info=setup.info,
-    )
+    link = ZmqWorkerLink(sock, compute.wakeup)
+    serving = Serving(link, compute, session, welcome, heartbeat_s=setup.heartbeat_s,
+                      peer_timeout_s=setup.peer_timeout_s, max_bytes=setup.max_bytes, stop=setup.stop,
+                      say=setup.log_line, info=setup.info)  # fmt: skip
     setup.info(f"worker {welcome.header['index']} serving the master at {setup.connect}")
-    return loop.run()
+    return serving.run()
+
+
+class ZmqWorkerLink(WorkerLink):
+    """The DEALER, welcomed: the socket polled beside the compute thread's wake-up."""
+
+    def __init__(self, sock: zmq.Socket, wakeup: Wakeup) -> None:
+        self.sock, self.wakeup = sock, wakeup
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(wakeup.fileno(), zmq.POLLIN)
+
+    def wait(self, timeout: float) -> None:
+        if self.wakeup.fileno() in dict(self.poller.poll(max(1, int(timeout * 1000)))):
+            self.wakeup.drain()
+
+    def receive(self) -> list[list | None]:
+        out: list[list | None] = []
+        for _ in range(_DRAIN_BATCH):
+            try:
+                out.append(self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        return out
+
+    def send(self, frames: list, *, control: bool = False) -> bool:
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
 
 # ---- looking for a master ---------------------------------------------------------------------
@@ -202,7 +227,7 @@ def _serve_one(sock: zmq.Socket, welcome: Message, compute: Compute, session: in
 def _find_master(
     ctx: zmq.Context, compute: Compute, session: int, setup: _Setup, deadline: float | None, giving_up: str
 ) -> tuple[zmq.Socket, Message] | int:
-    """A connected socket and the master's welcome, or the exit code (or _SHUTDOWN) to act on."""
+    """A connected socket and the master's welcome, or the exit code (or SHUTDOWN) to act on."""
     hello = _make_hello(compute, session, setup, deadline, giving_up)
     if isinstance(hello, int):
         return hello
@@ -363,24 +388,16 @@ class _Search:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            connect = self.setup.connect
-            try:
-                msg = wire.decode(frames, self.setup.max_bytes)
-            except wire.VersionMismatch as e:
-                mismatch = wire.VersionMismatch(e.what, e.theirs, e.ours, peer="the master", here="this worker")
-                self.setup.log_line(f"cannot talk to the master at {connect}: {mismatch}")
-                return EXIT_FAILED
-            except wire.ProtocolError as e:
-                if not self.complained:
-                    self.setup.log_line(f"the master at {connect} sent something unreadable: {e}; waiting on")
-                    self.complained = True
-                continue
-            if msg.kind == "welcome":
-                return self.sock, msg
-            if msg.kind == "error":
-                self.setup.log_line(f"the master at {connect} refused this worker: {msg.header['message']}")
-                return EXIT_FAILED
-            if msg.kind == "shutdown":
-                reason = msg.header["reason"]
-                self.setup.info(f"the master at {connect} shut down before welcoming this worker ({reason})")
-                return _SHUTDOWN
+            setup = self.setup
+            found = answer_to_hello(frames, setup.max_bytes, f"the master at {setup.connect}", setup.log_line,
+                                    setup.info, self._complain)  # fmt: skip
+            if isinstance(found, Message):
+                return self.sock, found
+            if found is not None:
+                return found
+
+    def _complain(self, line: str) -> None:
+        """Say once that the master sent something unreadable."""
+        if not self.complained:
+            self.setup.log_line(line)
+            self.complained = True

@@ -1,13 +1,14 @@
-"""A ZeroMQ worker's two threads while it serves one master (:func:`transports.zmq_worker.serve` runs them).
+"""The worker's session, over any :class:`~transports.session.link.WorkerLink`: its two threads while it
+serves one master, and what the master's first answer to its hello means.
 
-* :class:`Compute`, the compute thread, makes every call into the handler
-  (``hello()`` and ``handle(msg)``), one at a time, so heartbeats keep flowing while a
-  long task computes. Each call is tagged with the *session* (one per master) it is
-  for: a result that comes back after its master is gone is dropped, never sent to
-  the next master.
-* :class:`ServeLoop`, the I/O loop once a master welcomed the worker: the only code
-  that touches the socket; tasks in, replies and heartbeats out, until the master
-  says shutdown or goes silent.
+* :class:`Compute`, the compute thread, makes every call into the handler (``hello()`` and
+  ``handle(msg)``), one at a time, so heartbeats keep flowing while a long task computes. Each
+  call is tagged with the *session* (one per master) it is for: a result that comes back after
+  its master is gone is dropped, never sent to the next master.
+* :func:`answer_to_hello` reads what a master sends a worker that waits for its welcome.
+* :class:`Serving`, the I/O loop once a master welcomed the worker: the only code that calls
+  the link; tasks in, replies and heartbeats out, until the master says shutdown, goes silent
+  or goes.
 """
 
 from __future__ import annotations
@@ -18,18 +19,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import zmq
-
 from transports import wire
 from transports.base import Handler, Message
+from transports.session.link import WorkerLink
 from transports.wakeup import Wakeup
 
 EXIT_OK = 0  # the master said shutdown
 EXIT_FAILED = 1  # refused, never welcomed, master gone for good, bad address
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM / the stop event
 MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
+SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
 
-_DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
 _IDLE_POLL_S = 0.5  # how often an idle compute thread looks whether the worker is done
 
 
@@ -42,7 +42,8 @@ class Hello:
 
 
 class Compute:
-    """The compute thread: the handler's calls, in order, each tagged with its session."""
+    """The compute thread: the handler's calls, in order, each tagged with its session. It wakes the
+    I/O thread through ``wakeup`` (which that thread's link waits on) when a result is ready."""
 
     def __init__(self, handler: Handler, wakeup: Wakeup) -> None:
         self.handler, self.wakeup = handler, wakeup
@@ -102,60 +103,91 @@ class Compute:
             return Hello(None, f"this worker cannot say hello: {type(e).__name__}: {e}")
 
 
-class ServeLoop:
+def answer_to_hello(
+    frames: list,
+    max_bytes: int,
+    master: str,
+    say: Callable[[str], None],
+    info: Callable[[str], None],
+    unreadable: Callable[[str], None],
+) -> Message | int | None:
+    """What ``master`` (e.g. "the master at tcp://...") sent a worker that waits for its welcome: the
+    welcome; EXIT_FAILED when it refused this worker or speaks another wire; SHUTDOWN when it ended
+    first; None for anything else (wait on). Each outcome but the welcome is said in one line, through
+    ``say``, ``info`` or, for what cannot be read, ``unreadable``."""
+    try:
+        msg = wire.decode(frames, max_bytes)
+    except wire.VersionMismatch as e:
+        say(f"cannot talk to {master}: {wire.VersionMismatch(e.what, e.theirs, e.ours, 'the master', 'this worker')}")
+        return EXIT_FAILED
+    except wire.ProtocolError as e:
+        unreadable(f"{master} sent something unreadable: {e}; waiting on")
+        return None
+    if msg.kind == "welcome":
+        return msg
+    if msg.kind == "error":
+        say(f"{master} refused this worker: {msg.header['message']}")
+        return EXIT_FAILED
+    if msg.kind == "shutdown":
+        info(f"shutdown: {msg.header['reason']} (from {master}, before it welcomed this worker)")
+        return SHUTDOWN
+    return None
+
+
+class Serving:
     """The I/O loop once welcomed: tasks in, replies and heartbeats out, until shutdown.
 
-    :meth:`run` returns EXIT_OK on the master's shutdown, MASTER_LOST when it was silent
-    for ``peer_timeout_s``, EXIT_INTERRUPTED when ``stop`` is set.
+    :meth:`run` returns EXIT_OK on the master's shutdown, MASTER_LOST when nothing came from it
+    for ``peer_timeout_s``, EXIT_FAILED when the link says it is gone, EXIT_INTERRUPTED when
+    ``stop`` is set. The welcome's ``heartbeat_s`` can only make this side's pace faster, and its
+    patience longer: never quieter than the master expects, nor giving up between its heartbeats.
     """
 
     def __init__(
         self,
-        sock: zmq.Socket,
+        link: WorkerLink,
         compute: Compute,
         session: int,
+        welcome: Message,
         *,
         heartbeat_s: float,
         peer_timeout_s: float,
         max_bytes: int,
         stop: threading.Event | None,
-        log_line: Callable[[str], None],
+        say: Callable[[str], None],
         info: Callable[[str], None],
     ) -> None:
-        self.sock, self.compute, self.session = sock, compute, session
-        self.heartbeat_s, self.peer_timeout_s, self.max_bytes = heartbeat_s, peer_timeout_s, max_bytes
-        self.stop, self.log_line, self.info = stop, log_line, info
+        master_heartbeat_s = float(welcome.header["heartbeat_s"])
+        self.link, self.compute, self.session = link, compute, session
+        self.heartbeat_s = min(heartbeat_s, master_heartbeat_s)
+        self.peer_timeout_s = max(peer_timeout_s, 3 * master_heartbeat_s)
+        self.max_bytes, self.stop, self.say, self.info = max_bytes, stop, say, info
         self.heartbeat = wire.encode(Message("heartbeat"))
         self.last_heard = self.last_sent = time.monotonic()
         self.complained = False
 
     def run(self) -> int:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.compute.wakeup.fileno(), zmq.POLLIN)
-        tick_ms = max(1, int(self.heartbeat_s * 250))  # a quarter heartbeat: timers stay accurate
         while True:
             if self.stop is not None and self.stop.is_set():
                 self.info("stop requested; worker stopping")
                 return EXIT_INTERRUPTED
-            ready = dict(poller.poll(tick_ms))
-            if self.compute.wakeup.fileno() in ready:
-                self.compute.wakeup.drain()
+            self.link.wait(self.heartbeat_s / 4)  # a quarter heartbeat: timers stay accurate
             self._send_results()
-            code = self._drain_socket() if self.sock in ready else None
+            code = self._receive()
+            if code is None and self.link.gone:
+                self.say(self.link.gone)
+                return EXIT_FAILED
             if code is None:
                 code = self._tick()
             if code is not None:
                 return code
 
-    def _send(self, frames: list) -> None:
-        try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    def _send(self, frames: list, control: bool = False) -> None:
+        if self.link.send(frames, control=control):
             self.last_sent = time.monotonic()
-        except zmq.Again:  # the pipe to the master is full: the timeout will tell
-            if not self.complained:
-                self.log_line("the master is not reading; dropping messages to it")
-                self.complained = True
+        elif not self.complained:  # the pipe to the master is full: its silence will tell
+            self.say("the master is not reading; dropping messages to it")
+            self.complained = True
 
     def _send_results(self) -> None:
         for reply in self.compute.take(self.session):
@@ -167,17 +199,15 @@ class ServeLoop:
                 frames = wire.encode(wire.error_reply(reply, f"the worker produced an unsendable reply: {e}"))
             self._send(frames)
 
-    def _drain_socket(self) -> int | None:
-        for _ in range(_DRAIN_BATCH):
-            try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return None
-            self.last_heard = time.monotonic()
+    def _receive(self) -> int | None:
+        for frames in self.link.receive():
+            self.last_heard = time.monotonic()  # any bytes from the master show it is alive
+            if frames is None:
+                continue
             try:
                 msg = wire.decode(frames, self.max_bytes)
             except wire.ProtocolError as e:
-                self.log_line(f"bad message from the master: {e}")
+                self.say(f"bad message from the master: {e}")
                 self._send(wire.encode(wire.error_reply(None, f"bad message: {e}")))
                 continue
             code = self._on_message(msg)
@@ -193,7 +223,7 @@ class ServeLoop:
             self.info(f"shutdown: {msg.header['reason']}")
             return EXIT_OK
         elif msg.kind == "error":
-            self.log_line(f"the master reports: {msg.header['message']}")
+            self.say(f"the master reports: {msg.header['message']}")
         elif msg.kind == "hello":
             self._send(wire.encode(wire.error_reply(msg, "a worker does not accept 'hello' messages")))
         return None  # heartbeat, or a repeated welcome: last_heard is all they change
@@ -201,8 +231,8 @@ class ServeLoop:
     def _tick(self) -> int | None:
         now = time.monotonic()
         if now - self.last_heard > self.peer_timeout_s:
-            self.log_line(f"lost the master: nothing heard for {now - self.last_heard:.1f} s")
+            self.say(f"lost the master: nothing heard for {now - self.last_heard:.1f} s")
             return MASTER_LOST
         if now - self.last_sent >= self.heartbeat_s:
-            self._send(self.heartbeat)
+            self._send(self.heartbeat, control=True)
         return None
