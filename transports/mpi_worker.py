@@ -26,7 +26,6 @@ import os
 import select
 import socket
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +41,8 @@ from transports.session.worker import (
     MASTER_LOST,
     SHUTDOWN,
     Compute,
-    Hello,
     Serving,
-    answer_to_hello,
+    await_welcome,
 )
 from transports.wakeup import Wakeup
 
@@ -126,7 +124,21 @@ def serve(
     compute = Compute(handler, wakeup)
     link = MpiWorkerLink(Link(comm, [MASTER], max_message_bytes), wakeup)
     try:
-        welcome = _await_welcome(link, compute, max_message_bytes, welcome_timeout_s, say, info)
+        giving_up = (
+            f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
+            "same program, with the mpi transport?"
+        )
+        welcome = await_welcome(
+            link,
+            compute,
+            _SESSION,
+            max_bytes=max_message_bytes,
+            timeout_s=welcome_timeout_s,
+            master="the master",
+            giving_up=giving_up,
+            say=say,
+            info=info,
+        )
         if not isinstance(welcome, Message):
             return EXIT_OK if welcome == SHUTDOWN else welcome
         info(
@@ -181,37 +193,3 @@ class MpiWorkerLink(WorkerLink):
     def send(self, frames: list, *, control: bool = False) -> bool:
         self.link.send(MASTER, frames)
         return True
-
-
-def _await_welcome(
-    link: MpiWorkerLink,
-    compute: Compute,
-    max_bytes: int,
-    timeout_s: float,
-    say: Callable[[str], None],
-    info: Callable[[str], None],
-) -> Message | int:
-    """Say hello once (made by the compute thread) and wait for the welcome; else an exit code, or SHUTDOWN."""
-    compute.submit(_SESSION, None)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        link.wait(POLL_S)
-        for hello in compute.take(_SESSION):
-            if isinstance(hello, Hello) and hello.frames is None:
-                say(hello.problem)
-                link.send(wire.encode(Message("error", {"message": hello.problem})))
-                return EXIT_FAILED
-            if isinstance(hello, Hello):
-                link.send(hello.frames)
-        for frames in link.receive():
-            found = None if frames is None else answer_to_hello(frames, max_bytes, "the master", say, info, say)
-            if found is not None:
-                return found
-        if link.gone:
-            say(link.gone)
-            return EXIT_FAILED
-    say(
-        f"no welcome from the master (rank {MASTER}) within {timeout_s:g} s; is rank 0 running the same program, "
-        "with the mpi transport?"
-    )
-    return EXIT_FAILED

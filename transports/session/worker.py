@@ -5,7 +5,8 @@ serves one master, and what the master's first answer to its hello means.
   ``handle(msg)``), one at a time, so heartbeats keep flowing while a long task computes. Each
   call is tagged with the *session* (one per master) it is for: a result that comes back after
   its master is gone is dropped, never sent to the next master.
-* :func:`answer_to_hello` reads what a master sends a worker that waits for its welcome.
+* :func:`answer_to_hello` reads what a master sends a worker that waits for its welcome, and
+  :func:`await_welcome` waits for it on a link that needs no search (a fixed peer, MPI's rank 0).
 * :class:`Serving`, the I/O loop once a master welcomed the worker: the only code that calls
   the link; tasks in, replies and heartbeats out, until the master says shutdown, goes silent
   or goes.
@@ -132,6 +133,45 @@ def answer_to_hello(
         info(f"shutdown: {msg.header['reason']} (from {master}, before it welcomed this worker)")
         return SHUTDOWN
     return None
+
+
+def await_welcome(
+    link: WorkerLink,
+    compute: Compute,
+    session: int,
+    *,
+    max_bytes: int,
+    timeout_s: float,
+    master: str,
+    giving_up: str,
+    say: Callable[[str], None],
+    info: Callable[[str], None],
+) -> Message | int:
+    """Say hello once (the compute thread makes it) and wait up to ``timeout_s`` for ``master``'s welcome.
+
+    Returns the welcome, SHUTDOWN, or EXIT_FAILED (refused, another wire, ``giving_up`` said at the
+    deadline, the link gone, or a handler that cannot say hello: the master is told why instead).
+    """
+    compute.submit(session, None)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        link.wait(min(0.25, timeout_s))
+        for hello in compute.take(session):
+            if isinstance(hello, Hello) and hello.frames is None:
+                say(hello.problem)
+                link.send(wire.encode(Message("error", {"message": hello.problem})))
+                return EXIT_FAILED
+            if isinstance(hello, Hello):
+                link.send(hello.frames)
+        for frames in link.receive():
+            found = None if frames is None else answer_to_hello(frames, max_bytes, master, say, info, say)
+            if found is not None:
+                return found
+        if link.gone:
+            say(link.gone)
+            return EXIT_FAILED
+    say(giving_up)
+    return EXIT_FAILED
 
 
 class Serving:
