@@ -22,9 +22,7 @@ with it (``mpiexec`` ends every rank).
 
 from __future__ import annotations
 
-import os
 import select
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -39,16 +37,13 @@ from transports.session.worker import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     MASTER_LOST,
-    SHUTDOWN,
     Compute,
-    Serving,
-    await_welcome,
+    Settings,
+    serve_master,
 )
 from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "rank_and_size", "serve", "serve_if_worker"]
-
-_SESSION = 1  # Compute tags each call with a session; an MPI worker serves one master
 
 
 def _stderr(line: str) -> None:
@@ -119,7 +114,13 @@ def serve(
     def say(line: str) -> None:
         log_line(f"MPI rank {rank}: {line}")
 
-    info: Callable[[str], None] = (lambda line: None) if quiet else say
+    settings = Settings(
+        heartbeat_s=heartbeat_s,
+        peer_timeout_s=peer_timeout_s,
+        max_bytes=max_message_bytes,
+        say=say,
+        info=(lambda line: None) if quiet else say,
+    )
     wakeup = Wakeup()
     compute = Compute(handler, wakeup)
     link = MpiWorkerLink(Link(comm, [MASTER], max_message_bytes), wakeup)
@@ -128,35 +129,9 @@ def serve(
             f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
             "same program, with the mpi transport?"
         )
-        welcome = await_welcome(
-            link,
-            compute,
-            _SESSION,
-            max_bytes=max_message_bytes,
-            timeout_s=welcome_timeout_s,
-            master="the master",
-            giving_up=giving_up,
-            say=say,
-            info=info,
+        code = serve_master(
+            link, compute, settings, master="the master", timeout_s=welcome_timeout_s, giving_up=giving_up
         )
-        if not isinstance(welcome, Message):
-            return EXIT_OK if welcome == SHUTDOWN else welcome
-        info(
-            f"worker {welcome.header['index']} serving the master, rank {MASTER} (pid {os.getpid()}, "
-            f"{socket.gethostname()})"
-        )
-        code = Serving(
-            link,
-            compute,
-            _SESSION,
-            welcome,
-            heartbeat_s=heartbeat_s,
-            peer_timeout_s=peer_timeout_s,
-            max_bytes=max_message_bytes,
-            stop=None,
-            say=say,
-            info=info,
-        ).run()
         if code == MASTER_LOST:
             say("the master went away; worker exiting")
             return EXIT_FAILED

@@ -45,6 +45,7 @@ from transports.session.worker import (
     Compute,
     Hello,
     Serving,
+    Settings,
     answer_to_hello,
 )
 from transports.wakeup import Wakeup
@@ -67,19 +68,10 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@dataclass
-class _Setup:
+@dataclass(kw_only=True)
+class _Setup(Settings):
     connect: str
-    heartbeat_s: float
-    peer_timeout_s: float
-    max_bytes: int
-    stop: threading.Event | None
-    log_line: Callable[[str], None]
-    info: Callable[[str], None]
     curve: CurveClient | None
-
-    def stopped(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
 
 
 def serve(
@@ -120,7 +112,16 @@ def serve(
     welcome_timeout_s = math.inf if welcome_timeout_s is None else float(welcome_timeout_s)
     retry_for = math.inf if retry_for is None else float(retry_for)
     info: Callable[[str], None] = (lambda line: None) if quiet else log_line
-    setup = _Setup(connect, heartbeat_s, peer_timeout_s, int(max_message_bytes), stop, log_line, info, curve)
+    setup = _Setup(
+        connect=connect,
+        heartbeat_s=heartbeat_s,
+        peer_timeout_s=peer_timeout_s,
+        max_bytes=int(max_message_bytes),
+        stop=stop,
+        say=log_line,
+        info=info,
+        curve=curve,
+    )
     ctx = zmq.Context()
     wakeup = Wakeup()
     compute = Compute(handler, wakeup)
@@ -169,14 +170,14 @@ def _serve_masters(
             setup.info(f"waiting for the next master at {setup.connect}")
             deadline = None
         elif code == MASTER_LOST and retry_for > 0:
-            setup.log_line(f"saying hello again to {setup.connect} for up to {retry_for:g} s")
+            setup.say(f"saying hello again to {setup.connect} for up to {retry_for:g} s")
             deadline = _deadline(retry_for)
             giving_up = (
                 f"master went away: no master at {setup.connect} for {retry_for:g} s since the last one was lost; "
                 "worker exiting"
             )
         elif code == MASTER_LOST:
-            setup.log_line("master went away; worker exiting")
+            setup.say("master went away; worker exiting")
             return EXIT_FAILED
         else:
             return code
@@ -184,9 +185,7 @@ def _serve_masters(
 
 def _serve_one(sock: zmq.Socket, welcome: Message, compute: Compute, session: int, setup: _Setup) -> int:
     link = ZmqWorkerLink(sock, compute.wakeup)
-    serving = Serving(link, compute, session, welcome, heartbeat_s=setup.heartbeat_s,
-                      peer_timeout_s=setup.peer_timeout_s, max_bytes=setup.max_bytes, stop=setup.stop,
-                      say=setup.log_line, info=setup.info)  # fmt: skip
+    serving = Serving(link, compute, session, welcome, setup)
     setup.info(f"worker {welcome.header['index']} serving the master at {setup.connect}")
     return serving.run()
 
@@ -240,7 +239,7 @@ def _find_master(
         sock.connect(setup.connect)
         result = _Search(sock, monitor, hello, setup).run(deadline, giving_up)
     except zmq.ZMQError as e:
-        setup.log_line(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
+        setup.say(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)
@@ -256,13 +255,13 @@ def _make_hello(compute: Compute, session: int, setup: _Setup, deadline: float |
         for result in compute.take(session):
             if isinstance(result, Hello):
                 if result.frames is None:
-                    setup.log_line(result.problem)
+                    setup.say(result.problem)
                     return EXIT_FAILED
                 return result.frames
         if setup.stopped():
             return EXIT_INTERRUPTED
         if deadline is not None and time.monotonic() >= deadline:
-            setup.log_line(giving_up)
+            setup.say(giving_up)
             return EXIT_FAILED
         if zmq.select([compute.wakeup.fileno()], [], [], _POLL_SLICE_S)[0]:
             compute.wakeup.drain()
@@ -279,7 +278,7 @@ def _dealer(ctx: zmq.Context, setup: _Setup) -> zmq.Socket | None:
             setup.curve.apply(sock)
         except zmq.ZMQError as e:
             sock.close(linger=0)
-            setup.log_line(f"cannot use the CURVE keys {setup.curve!r}: {e}")
+            setup.say(f"cannot use the CURVE keys {setup.curve!r}: {e}")
             return None
     return sock
 
@@ -311,7 +310,7 @@ class _Search:
                 return EXIT_INTERRUPTED
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                self.setup.log_line(giving_up)
+                self.setup.say(giving_up)
                 return EXIT_FAILED
             if now >= self.next_hello:
                 if self._send(self.hello):
@@ -379,7 +378,7 @@ class _Search:
                 f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps the "
                 f"master requires CURVE keys (start this worker with {_KEYS_HINT})"
             )
-        self.setup.log_line(f"cannot join: {why}")
+        self.setup.say(f"cannot join: {why}")
         return EXIT_FAILED
 
     def _read(self) -> tuple[zmq.Socket, Message] | int | None:
@@ -388,9 +387,7 @@ class _Search:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            setup = self.setup
-            found = answer_to_hello(frames, setup.max_bytes, f"the master at {setup.connect}", setup.log_line,
-                                    setup.info, self._complain)  # fmt: skip
+            found = answer_to_hello(frames, f"the master at {self.setup.connect}", self.setup, self._complain)
             if isinstance(found, Message):
                 return self.sock, found
             if found is not None:
@@ -399,5 +396,5 @@ class _Search:
     def _complain(self, line: str) -> None:
         """Say once that the master sent something unreadable."""
         if not self.complained:
-            self.setup.log_line(line)
+            self.setup.say(line)
             self.complained = True

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 10.0  # at close, how long the I/O thread may take to say goodbye and stop
 
 
-def check_options(protocol: Any, heartbeat_s: float, peer_timeout_s: float) -> None:
+def check_options(protocol: Any, heartbeat_s: float = 1.0, peer_timeout_s: float = 5.0, **_: Any) -> None:
     """TypeError or ValueError for options no session can run with; call it before making a link."""
     if not wire.Int.accepts(protocol):
         raise TypeError(f"protocol must be an int, the version of the task protocol; got {protocol!r}")
@@ -37,7 +37,7 @@ class SessionTransport(Transport):
     says another is refused, and told why. A worker silent for ``peer_timeout_s`` is lost;
     both sides heartbeat after ``heartbeat_s`` of quiet. ``max_message_bytes`` caps the array
     data of one message. Arrays handed to :meth:`send` are sent without copying, so leave them
-    unmodified until the worker's reply arrives.
+    unmodified until the worker's reply arrives. Options meant for other transports are ignored.
     """
 
     def __init__(
@@ -48,6 +48,7 @@ class SessionTransport(Transport):
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
+        **_: Any,
     ) -> None:
         check_options(protocol, heartbeat_s, peer_timeout_s)
         self._link, self._book = link, Book()

@@ -6,7 +6,8 @@ serves one master, and what the master's first answer to its hello means.
   call is tagged with the *session* (one per master) it is for: a result that comes back after
   its master is gone is dropped, never sent to the next master.
 * :func:`answer_to_hello` reads what a master sends a worker that waits for its welcome, and
-  :func:`await_welcome` waits for it on a link that needs no search (a fixed peer, MPI's rank 0).
+  :func:`serve_master` is a whole session with a master the link reaches without a search
+  (MPI's rank 0).
 * :class:`Serving`, the I/O loop once a master welcomed the worker: the only code that calls
   the link; tasks in, replies and heartbeats out, until the master says shutdown, goes silent
   or goes.
@@ -15,9 +16,10 @@ serves one master, and what the master's first answer to its hello means.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from transports import wire
@@ -31,7 +33,28 @@ EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM / the stop event
 MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
 SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
 
+_FIXED = 1  # the session of a worker that serves one fixed master
 _IDLE_POLL_S = 0.5  # how often an idle compute thread looks whether the worker is done
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """How a worker keeps its sessions. A welcome's ``heartbeat_s`` can only make the pace faster and the
+    patience longer: never quieter than the master expects, nor giving up between its heartbeats."""
+
+    heartbeat_s: float = 1.0  # a heartbeat after this long without sending
+    peer_timeout_s: float = 5.0  # a master silent for this long is lost
+    max_bytes: int = wire.DEFAULT_MAX_BYTES  # the array data of one message
+    say: Callable[[str], None] = _stderr  # problems, one line each
+    info: Callable[[str], None] = _stderr  # what happens (a quiet worker passes a no-op)
+    stop: threading.Event | None = None  # set: the worker stops
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
 
 
 @dataclass
@@ -105,19 +128,15 @@ class Compute:
 
 
 def answer_to_hello(
-    frames: list,
-    max_bytes: int,
-    master: str,
-    say: Callable[[str], None],
-    info: Callable[[str], None],
-    unreadable: Callable[[str], None],
+    frames: list, master: str, settings: Settings, unreadable: Callable[[str], None]
 ) -> Message | int | None:
     """What ``master`` (e.g. "the master at tcp://...") sent a worker that waits for its welcome: the
     welcome; EXIT_FAILED when it refused this worker or speaks another wire; SHUTDOWN when it ended
     first; None for anything else (wait on). Each outcome but the welcome is said in one line, through
-    ``say``, ``info`` or, for what cannot be read, ``unreadable``."""
+    the settings' ``say`` and ``info`` or, for what cannot be read, ``unreadable``."""
+    say, info = settings.say, settings.info
     try:
-        msg = wire.decode(frames, max_bytes)
+        msg = wire.decode(frames, settings.max_bytes)
     except wire.VersionMismatch as e:
         say(f"cannot talk to {master}: {wire.VersionMismatch(e.what, e.theirs, e.ours, 'the master', 'this worker')}")
         return EXIT_FAILED
@@ -135,42 +154,39 @@ def answer_to_hello(
     return None
 
 
-def await_welcome(
-    link: WorkerLink,
-    compute: Compute,
-    session: int,
-    *,
-    max_bytes: int,
-    timeout_s: float,
-    master: str,
-    giving_up: str,
-    say: Callable[[str], None],
-    info: Callable[[str], None],
-) -> Message | int:
-    """Say hello once (the compute thread makes it) and wait up to ``timeout_s`` for ``master``'s welcome.
+def serve_master(
+    link: WorkerLink, compute: Compute, settings: Settings, *, master: str, timeout_s: float, giving_up: str
+) -> int:
+    """Serve ``master``, a peer the link reaches without a search (MPI's rank 0): say hello once (the
+    compute thread makes it), wait up to ``timeout_s`` for the welcome, then serve until shutdown.
 
-    Returns the welcome, SHUTDOWN, or EXIT_FAILED (refused, another wire, ``giving_up`` said at the
-    deadline, the link gone, or a handler that cannot say hello: the master is told why instead).
+    Returns EXIT_OK on shutdown (also one before the welcome), MASTER_LOST when the master went
+    silent, EXIT_FAILED when refused, at the deadline (``giving_up`` said), when the link is gone,
+    or when the handler cannot say hello (the master is told why instead).
     """
-    compute.submit(session, None)
+    compute.submit(_FIXED, None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         link.wait(min(0.25, timeout_s))
-        for hello in compute.take(session):
+        for hello in compute.take(_FIXED):
             if isinstance(hello, Hello) and hello.frames is None:
-                say(hello.problem)
+                settings.say(hello.problem)
                 link.send(wire.encode(Message("error", {"message": hello.problem})))
                 return EXIT_FAILED
             if isinstance(hello, Hello):
                 link.send(hello.frames)
-        for frames in link.receive():
-            found = None if frames is None else answer_to_hello(frames, max_bytes, master, say, info, say)
+        arrived = link.receive()
+        for i, frames in enumerate(arrived):
+            found = None if frames is None else answer_to_hello(frames, master, settings, settings.say)
+            if isinstance(found, Message):
+                settings.info(f"worker {found.header['index']} serving {master}")
+                return Serving(link, compute, _FIXED, found, settings).run(arrived[i + 1 :])
             if found is not None:
-                return found
+                return EXIT_OK if found == SHUTDOWN else found
         if link.gone:
-            say(link.gone)
+            settings.say(link.gone)
             return EXIT_FAILED
-    say(giving_up)
+    settings.say(giving_up)
     return EXIT_FAILED
 
 
@@ -179,48 +195,35 @@ class Serving:
 
     :meth:`run` returns EXIT_OK on the master's shutdown, MASTER_LOST when nothing came from it
     for ``peer_timeout_s``, EXIT_FAILED when the link says it is gone, EXIT_INTERRUPTED when
-    ``stop`` is set. The welcome's ``heartbeat_s`` can only make this side's pace faster, and its
-    patience longer: never quieter than the master expects, nor giving up between its heartbeats.
+    ``stop`` is set.
     """
 
-    def __init__(
-        self,
-        link: WorkerLink,
-        compute: Compute,
-        session: int,
-        welcome: Message,
-        *,
-        heartbeat_s: float,
-        peer_timeout_s: float,
-        max_bytes: int,
-        stop: threading.Event | None,
-        say: Callable[[str], None],
-        info: Callable[[str], None],
-    ) -> None:
+    def __init__(self, link: WorkerLink, compute: Compute, session: int, welcome: Message, settings: Settings) -> None:
         master_heartbeat_s = float(welcome.header["heartbeat_s"])
         self.link, self.compute, self.session = link, compute, session
-        self.heartbeat_s = min(heartbeat_s, master_heartbeat_s)
-        self.peer_timeout_s = max(peer_timeout_s, 3 * master_heartbeat_s)
-        self.max_bytes, self.stop, self.say, self.info = max_bytes, stop, say, info
+        self.heartbeat_s = min(settings.heartbeat_s, master_heartbeat_s)
+        self.peer_timeout_s = max(settings.peer_timeout_s, 3 * master_heartbeat_s)
+        self.max_bytes, self.stop, self.say, self.info = settings.max_bytes, settings.stop, settings.say, settings.info
         self.heartbeat = wire.encode(Message("heartbeat"))
         self.last_heard = self.last_sent = time.monotonic()
         self.complained = False
 
-    def run(self) -> int:
-        while True:
+    def run(self, arrived: Sequence[list | None] = ()) -> int:
+        """Serve, starting with what ``arrived`` after the welcome, in the same receive as it."""
+        code = self._handle(arrived)
+        while code is None:
             if self.stop is not None and self.stop.is_set():
                 self.info("stop requested; worker stopping")
                 return EXIT_INTERRUPTED
             self.link.wait(self.heartbeat_s / 4)  # a quarter heartbeat: timers stay accurate
             self._send_results()
-            code = self._receive()
+            code = self._handle(self.link.receive())
             if code is None and self.link.gone:
                 self.say(self.link.gone)
                 return EXIT_FAILED
             if code is None:
                 code = self._tick()
-            if code is not None:
-                return code
+        return code
 
     def _send(self, frames: list, control: bool = False) -> None:
         if self.link.send(frames, control=control):
@@ -239,8 +242,8 @@ class Serving:
                 frames = wire.encode(wire.error_reply(reply, f"the worker produced an unsendable reply: {e}"))
             self._send(frames)
 
-    def _receive(self) -> int | None:
-        for frames in self.link.receive():
+    def _handle(self, arrived: Sequence[list | None]) -> int | None:
+        for frames in arrived:
             self.last_heard = time.monotonic()  # any bytes from the master show it is alive
             if frames is None:
                 continue
