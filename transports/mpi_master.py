@@ -111,17 +111,8 @@ class MpiTransport(SessionTransport):
 
     name = "mpi"
 
-    def __init__(
-        self,
-        *,
-        protocol: int,
-        heartbeat_s: float = 1.0,
-        peer_timeout_s: float = 5.0,
-        max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
-        comm: Any = None,
-        **_: Any,
-    ) -> None:
-        check_options(protocol, heartbeat_s, peer_timeout_s)
+    def __init__(self, *, comm: Any = None, **options: Any) -> None:
+        check_options(**options)
         MPI = require_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
@@ -136,13 +127,7 @@ class MpiTransport(SessionTransport):
                 "(rank 0 the master, ranks 1..N-1 the workers), e.g. mpiexec -n 3 for 2 workers"
             )
         self.size = size
-        super().__init__(
-            MpiLink(comm, int(max_message_bytes)),
-            protocol=protocol,
-            heartbeat_s=heartbeat_s,
-            peer_timeout_s=peer_timeout_s,
-            max_message_bytes=max_message_bytes,
-        )
+        super().__init__(MpiLink(comm, int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))), **options)
 
     @property
     def bound_address(self) -> str:

@@ -23,7 +23,6 @@ with it (``mpiexec`` ends every rank).
 from __future__ import annotations
 
 import select
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,14 +39,11 @@ from transports.session.worker import (
     Compute,
     Settings,
     serve_master,
+    to_stderr,
 )
 from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "rank_and_size", "serve", "serve_if_worker"]
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def rank_and_size(comm: Any = None) -> tuple[int, int]:
@@ -67,7 +63,7 @@ def serve_if_worker(make_handler: Callable[[], Handler], comm: Any = None, **opt
     rank = comm.Get_rank()
     if rank == MASTER:
         return None
-    log_line = options.get("log_line", _stderr)
+    log_line = options.get("log_line", to_stderr)
     try:
         handler = make_handler()
     except Exception as e:  # unknown backend, missing driver, no such device: tell the master, in one line
@@ -93,7 +89,7 @@ def serve(
     peer_timeout_s: float = 5.0,
     welcome_timeout_s: float = 600.0,
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
-    log_line: Callable[[str], None] = _stderr,
+    log_line: Callable[[str], None] = to_stderr,
     quiet: bool = False,
 ) -> int:
     """Serve ``handler`` to rank 0 of ``comm`` (default COMM_WORLD) until it says shutdown; return an exit code.

@@ -119,37 +119,21 @@ class ZmqTransport(SessionTransport):
     name = "zmq"
 
     def __init__(
-        self,
-        bind: str = "tcp://*:5555",
-        *,
-        protocol: int,
-        heartbeat_s: float = 1.0,
-        peer_timeout_s: float = 5.0,
-        max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
-        curve: CurveServer | None = None,
-        insecure: bool = False,
-        **_: Any,
+        self, bind: str = "tcp://*:5555", *, curve: CurveServer | None = None, insecure: bool = False, **options: Any
     ) -> None:
-        check_options(protocol, heartbeat_s, peer_timeout_s)
+        check_options(**options)
         if curve is not None and not isinstance(curve, CurveServer):
             raise TypeError(f"curve must be a transports.curve.CurveServer, got {type(curve).__name__}")
         check_exposure(bind, secured=curve is not None, insecure=insecure)
         self.secured = curve is not None
         ctx = zmq.Context()
         try:
-            sock, auth = _bind(ctx, bind, int(max_message_bytes), curve)
+            sock, auth = _bind(ctx, bind, int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES)), curve)
         except BaseException:
             ctx.term()
             raise
         self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        link = ZmqLink(ctx, sock, auth)
-        super().__init__(
-            link,
-            protocol=protocol,
-            heartbeat_s=heartbeat_s,
-            peer_timeout_s=peer_timeout_s,
-            max_message_bytes=max_message_bytes,
-        )
+        super().__init__(ZmqLink(ctx, sock, auth), **options)
 
     @property
     def bound_address(self) -> str:
@@ -157,6 +141,5 @@ class ZmqTransport(SessionTransport):
         return self._endpoint
 
     def missing(self, live: list, n_workers: int, timeout: float) -> str:
-        return (
-            f"{super().missing(live, n_workers, timeout)}; start workers that connect to {connect_hint(self._endpoint)}"
-        )
+        hint = connect_hint(self._endpoint)
+        return f"{super().missing(live, n_workers, timeout)}; start workers that connect to {hint}"

@@ -79,10 +79,13 @@ class WorkerLink(ABC):
     """A worker's end of a medium, to its one master; only the worker's I/O thread calls it.
 
     ``gone`` turns from "" to why, in a line, once the master can no longer be heard (it ended
-    the session, or its framing broke): the worker stops serving.
+    the session, its framing broke, it refused this worker's keys): the worker stops. A link sets
+    ``renewed`` when its connection was made anew, perhaps to another master: a worker waiting
+    for its welcome says hello again at once.
     """
 
     gone: str = ""
+    renewed: bool = False
 
     @abstractmethod
     def wait(self, timeout: float) -> None:
@@ -95,5 +98,5 @@ class WorkerLink(ABC):
 
     @abstractmethod
     def send(self, frames: list, *, control: bool = False) -> bool:
-        """Queue ``frames`` for the master without blocking; False if they were dropped (it is not reading).
-        ``control`` is :meth:`Link.send`'s."""
+        """Queue ``frames`` for the master without blocking; False if they were not (no connection yet, or
+        the master is not reading). ``control`` is :meth:`Link.send`'s."""

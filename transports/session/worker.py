@@ -5,9 +5,9 @@ serves one master, and what the master's first answer to its hello means.
   ``handle(msg)``), one at a time, so heartbeats keep flowing while a long task computes. Each
   call is tagged with the *session* (one per master) it is for: a result that comes back after
   its master is gone is dropped, never sent to the next master.
-* :func:`answer_to_hello` reads what a master sends a worker that waits for its welcome, and
-  :func:`serve_master` is a whole session with a master the link reaches without a search
-  (MPI's rank 0).
+* :func:`greet` says hello and waits for the welcome (:func:`answer_to_hello` reads what the
+  master sends meanwhile); :func:`serve_master` is a whole session with a master the link
+  reaches without a search (MPI's rank 0), ZeroMQ's worker greets each master it finds.
 * :class:`Serving`, the I/O loop once a master welcomed the worker: the only code that calls
   the link; tasks in, replies and heartbeats out, until the master says shutdown, goes silent
   or goes.
@@ -33,11 +33,16 @@ EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM / the stop event
 MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
 SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
 
+BACKOFF_FIRST_S = 0.5  # a hello is said again after this long without a welcome...
+BACKOFF_MAX_S = 10.0  # ... doubling up to this
+_SLICE_S = 0.25  # while waiting for a welcome, how often to look at the clock and the stop event
+_HEARTBEAT = wire.encode(Message("heartbeat"))
 _FIXED = 1  # the session of a worker that serves one fixed master
 _IDLE_POLL_S = 0.5  # how often an idle compute thread looks whether the worker is done
 
 
-def _stderr(line: str) -> None:
+def to_stderr(line: str) -> None:
+    """A worker's default way to say a line."""
     print(line, file=sys.stderr, flush=True)
 
 
@@ -49,8 +54,8 @@ class Settings:
     heartbeat_s: float = 1.0  # a heartbeat after this long without sending
     peer_timeout_s: float = 5.0  # a master silent for this long is lost
     max_bytes: int = wire.DEFAULT_MAX_BYTES  # the array data of one message
-    say: Callable[[str], None] = _stderr  # problems, one line each
-    info: Callable[[str], None] = _stderr  # what happens (a quiet worker passes a no-op)
+    say: Callable[[str], None] = to_stderr  # problems, one line each
+    info: Callable[[str], None] = to_stderr  # what happens (a quiet worker passes a no-op)
     stop: threading.Event | None = None  # set: the worker stops
 
     def stopped(self) -> bool:
@@ -154,40 +159,90 @@ def answer_to_hello(
     return None
 
 
-def serve_master(
-    link: WorkerLink, compute: Compute, settings: Settings, *, master: str, timeout_s: float, giving_up: str
-) -> int:
-    """Serve ``master``, a peer the link reaches without a search (MPI's rank 0): say hello once (the
-    compute thread makes it), wait up to ``timeout_s`` for the welcome, then serve until shutdown.
+def greet(
+    link: WorkerLink,
+    compute: Compute,
+    session: int,
+    settings: Settings,
+    *,
+    master: str,
+    deadline: float | None,
+    giving_up: str,
+) -> tuple[Message, list] | int:
+    """Say hello to ``master`` and wait for its welcome until ``deadline`` (None: no limit).
 
-    Returns EXIT_OK on shutdown (also one before the welcome), MASTER_LOST when the master went
-    silent, EXIT_FAILED when refused, at the deadline (``giving_up`` said), when the link is gone,
-    or when the handler cannot say hello (the master is told why instead).
+    The hello, made by the compute thread (once the previous master's last task is done), goes
+    again with backoff (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S), and at once over a link that
+    was ``renewed``; heartbeats go meanwhile, so a master that is not admitting yet keeps this
+    worker's place. Returns (the welcome, what arrived after it in the same receive), SHUTDOWN, or
+    an exit code: EXIT_INTERRUPTED when ``stop`` is set, EXIT_FAILED when refused, at the deadline
+    (``giving_up`` said), when the link is gone, or when the handler cannot say hello (the master
+    is told why instead).
     """
-    compute.submit(_FIXED, None)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        link.wait(min(0.25, timeout_s))
-        for hello in compute.take(_FIXED):
-            if isinstance(hello, Hello) and hello.frames is None:
-                settings.say(hello.problem)
-                link.send(wire.encode(Message("error", {"message": hello.problem})))
+    compute.submit(session, None)
+    hello, delay, next_hello, last_sent = None, BACKOFF_FIRST_S, 0.0, None
+    unreadable = _Once(settings.say)
+    while deadline is None or time.monotonic() < deadline:
+        if settings.stopped():
+            return EXIT_INTERRUPTED
+        slice_s = min(_SLICE_S, settings.heartbeat_s)
+        link.wait(slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic())))
+        for made in compute.take(session):
+            if isinstance(made, Hello) and made.frames is None:
+                settings.say(made.problem)
+                link.send(wire.encode(Message("error", {"message": made.problem})))
                 return EXIT_FAILED
-            if isinstance(hello, Hello):
-                link.send(hello.frames)
+            hello = made.frames if isinstance(made, Hello) else hello
+        now = time.monotonic()
+        if link.renewed:  # a new connection, perhaps to a new master: hello at once
+            next_hello, link.renewed = now, False
+        if hello is not None and now >= next_hello:
+            if link.send(hello):
+                next_hello, delay, last_sent = now + delay, min(2 * delay, BACKOFF_MAX_S), now
+            else:  # the link cannot send yet: try again soon
+                next_hello = now + _SLICE_S
+        elif last_sent is not None and now - last_sent >= settings.heartbeat_s and link.send(_HEARTBEAT, control=True):
+            last_sent = now
         arrived = link.receive()
         for i, frames in enumerate(arrived):
-            found = None if frames is None else answer_to_hello(frames, master, settings, settings.say)
+            found = None if frames is None else answer_to_hello(frames, master, settings, unreadable)
             if isinstance(found, Message):
-                settings.info(f"worker {found.header['index']} serving {master}")
-                return Serving(link, compute, _FIXED, found, settings).run(arrived[i + 1 :])
+                return found, arrived[i + 1 :]
             if found is not None:
-                return EXIT_OK if found == SHUTDOWN else found
+                return found
         if link.gone:
             settings.say(link.gone)
             return EXIT_FAILED
     settings.say(giving_up)
     return EXIT_FAILED
+
+
+class _Once:
+    """Says its first line only."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say, self.said = say, False
+
+    def __call__(self, line: str) -> None:
+        if not self.said:
+            self.say(line)
+            self.said = True
+
+
+def serve_master(
+    link: WorkerLink, compute: Compute, settings: Settings, *, master: str, timeout_s: float, giving_up: str
+) -> int:
+    """Serve ``master``, a peer the link reaches without a search (MPI's rank 0): :func:`greet` it for
+    up to ``timeout_s``, then serve until shutdown. Returns EXIT_OK on shutdown (also one before the
+    welcome), MASTER_LOST when the master went silent, else :func:`greet`'s or :class:`Serving`'s code."""
+    found = greet(
+        link, compute, _FIXED, settings, master=master, deadline=time.monotonic() + timeout_s, giving_up=giving_up
+    )
+    if isinstance(found, int):
+        return EXIT_OK if found == SHUTDOWN else found
+    welcome, arrived = found
+    settings.info(f"worker {welcome.header['index']} serving {master}")
+    return Serving(link, compute, _FIXED, welcome, settings).run(arrived)
 
 
 class Serving:
@@ -204,7 +259,6 @@ class Serving:
         self.heartbeat_s = min(settings.heartbeat_s, master_heartbeat_s)
         self.peer_timeout_s = max(settings.peer_timeout_s, 3 * master_heartbeat_s)
         self.max_bytes, self.stop, self.say, self.info = settings.max_bytes, settings.stop, settings.say, settings.info
-        self.heartbeat = wire.encode(Message("heartbeat"))
         self.last_heard = self.last_sent = time.monotonic()
         self.complained = False
 
@@ -277,5 +331,5 @@ class Serving:
             self.say(f"lost the master: nothing heard for {now - self.last_heard:.1f} s")
             return MASTER_LOST
         if now - self.last_sent >= self.heartbeat_s:
-            self._send(self.heartbeat, control=True)
+            self._send(_HEARTBEAT, control=True)
         return None
