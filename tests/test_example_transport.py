@@ -4,9 +4,12 @@ it passes the checks every transport passes, and it is the very code the guide s
 from __future__ import annotations
 
 import socket
+import struct
 import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from echo_worker import PROTOCOL, TIMEOUT, EchoHandler
 from example_transport import Stream, TcpTransport, serve
@@ -63,3 +66,25 @@ def test_a_worker_whose_connection_closes_is_lost_at_once():
         stream.sock.close()
         with pytest.raises(WorkerLost, match=r"worker 0 lost: (?!silent)"):  # it is gone, not silent
             t.recv(TIMEOUT)
+
+
+def test_any_bytes_keep_a_worker_alive_not_only_heartbeats():
+    """A worker whose large reply trickles in for twice the peer timeout, with no heartbeat, is not lost:
+    every sign of life counts (the session's liveness, apart from bulk data)."""
+    pace = threading.Event()  # never set: its wait paces the trickle, as a slow link would
+    with TcpTransport(protocol=PROTOCOL, heartbeat_s=0.1, peer_timeout_s=0.5) as t:
+        host, port = t.bound_address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        Stream(sock, 1 << 20).send(encode(Message("hello", EchoHandler().hello())))
+        t.start(1, timeout=TIMEOUT)
+        frames = encode(Message("echoed", {"task": 1}, {"y": np.arange(1000, dtype=np.float32)}))
+        lengths = [len(bytes(f)) for f in frames]
+        wire_bytes = struct.pack(f"!I{len(frames)}Q", len(frames), *lengths) + b"".join(bytes(f) for f in frames)
+        deadline = time.monotonic() + 1.0  # twice the peer timeout
+        for i in range(0, len(wire_bytes), 100):
+            sock.sendall(wire_bytes[i : i + 100])
+            pace.wait(max(0.0, (deadline - time.monotonic()) / max(1, (len(wire_bytes) - i) // 100)))
+        k, reply = t.recv(TIMEOUT)  # no WorkerLost first
+        assert (k, reply.kind, reply.header) == (0, "echoed", {"task": 1})
+        np.testing.assert_array_equal(reply.arrays["y"], np.arange(1000, dtype=np.float32))
+        sock.close()
