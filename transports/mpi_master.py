@@ -2,33 +2,25 @@
 
     mpiexec -n 3 python examples/cifar10_dist.py --transport mpi     # rank 0 the master, ranks 1, 2 workers
 
-Every rank runs the same script; :func:`transports.mpi_worker.serve_if_worker` sends
-ranks 1.. to the worker loop, and rank 0 builds this transport. What the ZeroMQ
-transport does with sockets it does with MPI point-to-point messages
-(:mod:`transports.mpi_link`: the wire's frames as byte buffers, never pickled):
-
-* worker ``k`` is rank ``k + 1``: the job's size is fixed when it starts, so ``start(n)``
-  needs exactly ``size - 1`` workers, and ``joined`` never has anything new;
-* each worker says ``hello``; ``start`` answers ``welcome`` (``index``, ``heartbeat_s``) and
-  refuses a rank of another version by raising :class:`~transports.wire.VersionMismatch`
-  (after telling that rank why: it exits), since no other rank could take its place;
-* heartbeats both ways whenever a side was quiet for ``heartbeat_s``; a worker silent for
-  ``peer_timeout_s`` is lost (:class:`WorkerLost`), e.g. a rank stopped with SIGSTOP;
-* ``close`` sends ``shutdown`` to every rank that was not refused, lost ones included, then
-  ends with the closing handshake (:meth:`transports.mpi_link.Link.finish`): MPI cannot
-  finalise while a message sent to a rank was never received.
+Every rank runs the same script; :func:`transports.mpi_worker.serve_if_worker` sends ranks 1..
+to the worker loop, and rank 0 builds this transport. This file is only the medium:
+:class:`MpiLink` moves the wire's frames between the session (:mod:`transports.session`) and
+MPI (:mod:`transports.mpi_link`: byte buffers, never pickled). The ranks are a *closed group*:
+worker ``k`` is rank ``k + 1``, ``start(n)`` needs exactly ``size - 1`` workers, ``joined``
+never has anything new, and a rank that cannot be admitted (another version, a handler that
+could not be built) makes ``start`` raise why at once, since no other rank could take its
+place. ``close`` says goodbye to every rank that was not refused, lost ones included, then ends
+with the closing handshake (:meth:`transports.mpi_link.Link.finish`): MPI cannot finalise while
+a message sent to a rank was never received.
 
 A worker *process* that dies is another matter: MPI jobs are all or nothing, and
 ``mpiexec`` (MPICH's Hydra) ends every rank, this one included, when one exits abnormally
 or is killed. So over MPI a dead worker ends the run rather than raising WorkerLost;
 checkpoints (``--checkpoint``) are how such a run goes on.
 
-This file is only the medium: :class:`MpiLink` moves frames between MPI and the session
-(:mod:`transports.session`), whose one *I/O thread* makes every MPI call (MPI needs at least
-``MPI_THREAD_SERIALIZED`` for that, and mpi4py asks for ``MPI_THREAD_MULTIPLE``). The ranks
-are a closed group: a rank that cannot be admitted cannot be replaced. The thread sends what
-:meth:`~MpiTransport.send` queued as soon as it is queued, polls for what arrives (every
-:data:`~transports.mpi_link.POLL_S`: MPI cannot wake a thread), and so keeps the replies moving
+The session's one I/O thread makes every MPI call (MPI needs at least ``MPI_THREAD_SERIALIZED``
+for that; mpi4py asks for ``MPI_THREAD_MULTIPLE``). It polls every
+:data:`~transports.mpi_link.POLL_S` (MPI cannot wake a thread), and so keeps the replies moving
 while the caller computes: a large message moves only while its receiver calls MPI.
 """
 
