@@ -44,14 +44,23 @@ MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shut
 # ---- the pytest side: one mpiexec job per scenario --------------------------------------------
 
 
-def run_job(scenario: str, ranks: int) -> tuple[str, dict[int, int]]:
-    """Run SCENARIO on ``ranks`` ranks; (stderr, {rank: its exit code}). Fails on rank 0's failure."""
+# Run first in a process: from then on ``import zmq`` (and any zmq.*) raises ImportError, as where pyzmq is missing.
+FORBID_ZMQ = "import sys; sys.modules['zmq'] = None"
+
+
+def run_job(scenario: str, ranks: int, without_zmq: bool = False) -> tuple[str, dict[int, int]]:
+    """Run SCENARIO on ``ranks`` ranks (every rank unable to import zmq if ``without_zmq``); (stderr,
+    {rank: its exit code}). Fails on rank 0's failure."""
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed (pip install -e '.[mpi]' or make setup)")
     if MPIEXEC is None:
         pytest.skip("no mpiexec beside this python nor on PATH (pip install -e '.[mpi]' installs MPICH's)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, str(Path(__file__)), scenario]
+    program = [str(Path(__file__))]
+    if without_zmq:
+        run = f"runpy.run_path({str(Path(__file__))!r}, run_name='__main__')"
+        program = ["-c", f"{FORBID_ZMQ}; sys.path.insert(0, {str(HERE)!r}); import runpy; {run}"]
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, *program, scenario]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
     try:
@@ -73,6 +82,24 @@ def test_mpi_conformance_echo_errors_bad_messages_and_clean_shutdown():
     for rank in (1, 2):
         assert f"MPI rank {rank}: shutdown: train over" in err
     assert "Traceback" not in err
+
+
+def test_the_mpi_transport_imports_nothing_of_zmq():
+    code = (
+        f"{FORBID_ZMQ}\n"
+        "import transports.mpi_master, transports.mpi_worker, transports.mpi_link, transports.session.worker\n"
+        "from transports.registry import load_transport\n"
+        "assert load_transport('mpi') is transports.mpi_master.MpiTransport\n"
+        "assert not [m for m in sys.modules if m.startswith('zmq.')], sorted(sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_mpi_conformance_without_pyzmq():
+    err, codes = run_job("conformance", 3, without_zmq=True)  # masters and workers alike
+    assert codes == {0: 0, 1: 0, 2: 0} and "Traceback" not in err
 
 
 def test_mpi_heartbeats_flow_while_a_long_task_computes():
@@ -288,9 +315,9 @@ def fake_master(rank: int) -> int:
         while not inbox[peer]:
             assert time.monotonic() < deadline, f"nothing from rank {peer} within {TIMEOUT:g} s"
             for got in link.poll():
-                assert got.problem is None, got.problem
-                if got.message.kind != "heartbeat":
-                    inbox[got.source].append(got.message)
+                msg = None if got.frames is None else wire.decode(got.frames)
+                if msg is not None and msg.kind != "heartbeat":
+                    inbox[got.source].append(msg)
             _pause(0.001)
         return inbox[peer].pop(0)
 
@@ -335,8 +362,9 @@ def fake_worker(rank: int) -> int:
             while True:
                 assert time.monotonic() < deadline, f"no {kind} from the master"
                 for got in link.poll():
-                    if got.message is not None and got.message.kind == kind:
-                        return got.message
+                    msg = None if got.frames is None else wire.decode(got.frames)
+                    if msg is not None and msg.kind == kind:
+                        return msg
                 _pause(0.001)
 
         link.send(0, wire.encode(Message("hello", EchoHandler().hello())))

@@ -1,7 +1,9 @@
 """Transports: the Transport interface (``transports/base.py``), the wire (``transports/wire.py``)
-and the ways a master reaches its workers: threads (``inproc.py``) and ZeroMQ
-(``zmq_master.py`` and its I/O thread ``master_io.py``; ``zmq_worker.py`` and
-``worker_loop.py``), with CURVE keys (``curve.py``) for workers on other machines.
+and the ways a master reaches its workers: threads (``inproc.py``), and for workers in other
+processes one session layer (``session/``: hello, admission, heartbeats, loss, joins, goodbye)
+over links that move frames: ZeroMQ (``zmq_master.py``, ``zmq_worker.py``, with CURVE keys in
+``curve.py`` for workers on other machines) and MPI (``mpi_master.py``, ``mpi_worker.py``,
+``mpi_link.py``).
 
 A transport moves envelopes and admits workers by the version of the task
 protocol they speak; what the tasks mean is the application's business. The

@@ -37,9 +37,7 @@ class VersionMismatch(ProtocolError):
     two sides in the text.
     """
 
-    def __init__(
-        self, what: str, theirs: object, ours: int, peer: str = "the peer", here: str = "this side"
-    ) -> None:
+    def __init__(self, what: str, theirs: object, ours: int, peer: str = "the peer", here: str = "this side") -> None:
         super().__init__(
             f"{what} version mismatch: {peer} speaks version {theirs!r}, {here} version {ours}; "
             "run the same release on the master and every worker"

@@ -69,9 +69,7 @@ class InprocTransport(Transport):
         for i in range(n_workers):
             self._tasks.append(queue.Queue())
             self._traffic[i] = [0, 0]
-            t = threading.Thread(
-                target=self._serve, args=(i,), name=f"inproc-worker-{i}", daemon=True
-            )
+            t = threading.Thread(target=self._serve, args=(i,), name=f"inproc-worker-{i}", daemon=True)
             self._threads.append(t)
             t.start()
         deadline = time.monotonic() + timeout

@@ -54,7 +54,6 @@ from typing import Any
 import numpy as np
 
 from transports import wire
-from transports.base import Message
 
 # COMM_WORLD tags this transport uses; a program sharing COMM_WORLD must leave them alone.
 TAG_PREFIX = 0x7C01
@@ -156,19 +155,20 @@ class _Incoming:
 
 @dataclass
 class Received:
-    """What :meth:`Link.poll` got from ``source``: a message, or why its frames did not decode."""
+    """What :meth:`Link.poll` got from ``source``: a whole message's ``frames`` (to decode with
+    :func:`transports.wire.decode`), or None when only its prefix has arrived (a sign of life: the
+    rest of a large message is on its way)."""
 
     source: int
-    message: Message | None = None
-    problem: wire.ProtocolError | None = None
-    nbytes: int = 0
+    frames: list[np.ndarray] | None = None
 
 
 class Link:
     """Non-blocking messages between this rank and ``peers`` (ranks of ``comm``); one thread owns it.
 
     ``send(dest, frames)`` posts a message and returns at once; ``poll()`` moves what is in
-    flight along and returns what has arrived whole, each peer's in the order it sent them.
+    flight along and returns what has arrived whole (and the first sign of each large message),
+    each peer's in the order it sent them.
     ``broken`` maps each peer whose framing broke to why; ``said_bye`` holds the peers that
     said bye (nothing more comes from them), ``bye_sent`` those this side said it to (nothing
     more may go to them).
@@ -241,13 +241,17 @@ class Link:
 
     def _receive_one(self, peer: int) -> Received | None:
         """The next message from ``peer`` if it has arrived whole (starting to receive it if it was only
-        announced); None if there is none yet. A bye adds ``peer`` to ``said_bye``."""
-        incoming = self._incoming.get(peer) or self._start_receiving(peer)
-        if incoming is None:
-            return None
+        announced: then, if it is not whole yet, only a sign of life); None if there is none yet. A bye
+        adds ``peer`` to ``said_bye``."""
+        incoming = self._incoming.get(peer)
+        began = incoming is None
+        if began:
+            incoming = self._start_receiving(peer)
+            if incoming is None:
+                return None
         try:
             if not self.MPI.Request.Testall(incoming.requests, incoming.statuses):
-                return None
+                return Received(peer) if began else None
         except self.MPI.Exception as e:  # e.g. a frame longer than announced: MPI_ERR_TRUNCATE
             del self._incoming[peer]
             raise LinkBroken(f"a frame could not be received as announced: {e}") from None
@@ -256,11 +260,7 @@ class Link:
         announced = [f.nbytes for f in incoming.frames]
         if counts != announced:  # a shorter frame would leave uninitialised bytes in its buffer
             raise LinkBroken(f"frames of {counts} bytes where the prefix announced {announced}")
-        nbytes = sum(announced)
-        try:
-            return Received(peer, wire.decode(incoming.frames, self.max_bytes), nbytes=nbytes)
-        except wire.ProtocolError as e:  # the framing was fine, the content is not: the link goes on
-            return Received(peer, problem=e, nbytes=nbytes)
+        return Received(peer, incoming.frames)
 
     def _start_receiving(self, peer: int) -> _Incoming | None:
         """The message whose prefix has arrived from ``peer``, its frames' receives posted; None if none has."""

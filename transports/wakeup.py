@@ -1,9 +1,9 @@
-"""A way to wake an I/O thread that is waiting in ``zmq.Poller.poll``.
+"""A way to wake an I/O thread that is waiting on its sockets (``zmq.Poller``, ``select``, ``selectors``).
 
-A zmq socket belongs to one thread, so another thread that has something to send
-cannot touch it; it queues the message and calls :meth:`Wakeup.wake`. The I/O
-thread polls :meth:`Wakeup.fileno` next to its zmq socket (zmq polls plain file
-descriptors too), and calls :meth:`Wakeup.drain` when it fired.
+A socket belongs to the I/O thread, so another thread that has something to send (the
+caller's, a worker's compute thread) cannot touch it; it queues the message and calls
+:meth:`Wakeup.wake`. The I/O thread waits on :meth:`Wakeup.fileno` next to its sockets
+(zmq polls plain file descriptors too), and calls :meth:`Wakeup.drain` when it fired.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Wakeup:
         self._w.setblocking(False)
 
     def fileno(self) -> int:
-        """The descriptor to register with a ``zmq.Poller`` (``zmq.POLLIN``)."""
+        """The descriptor to wait on for reading (``zmq.POLLIN`` in a ``zmq.Poller``)."""
         return self._r.fileno()
 
     def wake(self) -> None:

@@ -6,9 +6,9 @@
   carries over), ``handler.hello()`` once, then the hello again with exponential
   backoff (0.5 s doubling to 10 s) and heartbeats meanwhile, so a master that is
   not admitting yet keeps the worker's place, until a ``welcome``.
-* *Serving* (:mod:`transports.worker_loop`): the calling thread runs the I/O loop,
-  the only code that touches the socket, and a compute thread runs the handler, so
-  heartbeats keep flowing while a long task computes. Every message whose kind is
+* *Serving* (:class:`transports.session.worker.Serving` over :class:`ZmqWorkerLink`): the
+  calling thread runs the I/O loop, the only code that touches the socket, and a compute
+  thread runs the handler, so heartbeats keep flowing while a long task computes. Every message whose kind is
   not a session kind (:data:`transports.wire.SESSION_KINDS`) is a task.
 * A master silent for ``peer_timeout_s`` is lost: the worker looks again for up to
   ``retry_for`` seconds. After a ``shutdown`` it exits, or with ``forever`` looks for
@@ -22,7 +22,6 @@ mismatch of keys on one side only, ends the worker with one line saying which.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 import uuid
@@ -35,23 +34,25 @@ from zmq.utils.monitor import recv_monitor_message
 from transports import wire
 from transports.base import Handler, Message
 from transports.curve import CurveClient
-from transports.wakeup import Wakeup
-from transports.worker_loop import (
+from transports.session.link import WorkerLink
+from transports.session.worker import (
+    BACKOFF_MAX_S,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     MASTER_LOST,
+    SHUTDOWN,
     Compute,
-    Hello,
-    ServeLoop,
+    Serving,
+    Settings,
+    greet,
+    to_stderr,
 )
+from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "serve"]
 
-BACKOFF_FIRST_S = 0.5  # the first hello is repeated after this long without a welcome...
-BACKOFF_MAX_S = 10.0  # ... doubling up to this
-_POLL_SLICE_S = 0.25  # while looking, how often to look at the stop event
-_SHUTDOWN = -2  # internal: the master said shutdown before it welcomed this worker
+_DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
 _HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
@@ -60,23 +61,10 @@ _KEYS_HINT = "its secret key and the master's public key (see the `keygen` comma
 _WATCHED = _HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-@dataclass
-class _Setup:
+@dataclass(kw_only=True)
+class _Setup(Settings):
     connect: str
-    heartbeat_s: float
-    peer_timeout_s: float
-    max_bytes: int
-    stop: threading.Event | None
-    log_line: Callable[[str], None]
-    info: Callable[[str], None]
     curve: CurveClient | None
-
-    def stopped(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
 
 
 def serve(
@@ -87,7 +75,7 @@ def serve(
     welcome_timeout_s: float | None = 60.0,
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
     stop: threading.Event | None = None,
-    log_line: Callable[[str], None] = _stderr,
+    log_line: Callable[[str], None] = to_stderr,
     quiet: bool = False,
     *,
     curve: CurveClient | None = None,
@@ -117,7 +105,16 @@ def serve(
     welcome_timeout_s = math.inf if welcome_timeout_s is None else float(welcome_timeout_s)
     retry_for = math.inf if retry_for is None else float(retry_for)
     info: Callable[[str], None] = (lambda line: None) if quiet else log_line
-    setup = _Setup(connect, heartbeat_s, peer_timeout_s, int(max_message_bytes), stop, log_line, info, curve)
+    setup = _Setup(
+        connect=connect,
+        heartbeat_s=heartbeat_s,
+        peer_timeout_s=peer_timeout_s,
+        max_bytes=int(max_message_bytes),
+        stop=stop,
+        say=log_line,
+        info=info,
+        curve=curve,
+    )
     ctx = zmq.Context()
     wakeup = Wakeup()
     compute = Compute(handler, wakeup)
@@ -151,96 +148,63 @@ def _serve_masters(
     while True:
         session += 1
         found = _find_master(ctx, compute, session, setup, deadline, giving_up)
-        if found == _SHUTDOWN:
+        if found == SHUTDOWN:
             code = EXIT_OK
         elif isinstance(found, int):
             return found
         else:
-            sock, welcome = found
+            link, welcome, arrived = found
+            setup.info(f"worker {welcome.header['index']} serving the master at {setup.connect}")
             try:
-                code = _serve_one(sock, welcome, compute, session, setup)
+                code = Serving(link, compute, session, welcome, setup).run(arrived)
             finally:
-                sock.close(linger=0)
+                link.close()
             compute.forget()
         if code == EXIT_OK and forever:
             setup.info(f"waiting for the next master at {setup.connect}")
             deadline = None
         elif code == MASTER_LOST and retry_for > 0:
-            setup.log_line(f"saying hello again to {setup.connect} for up to {retry_for:g} s")
+            setup.say(f"saying hello again to {setup.connect} for up to {retry_for:g} s")
             deadline = _deadline(retry_for)
             giving_up = (
                 f"master went away: no master at {setup.connect} for {retry_for:g} s since the last one was lost; "
                 "worker exiting"
             )
         elif code == MASTER_LOST:
-            setup.log_line("master went away; worker exiting")
+            setup.say("master went away; worker exiting")
             return EXIT_FAILED
         else:
             return code
 
 
-def _serve_one(sock: zmq.Socket, welcome: Message, compute: Compute, session: int, setup: _Setup) -> int:
-    master_heartbeat_s = float(welcome.header["heartbeat_s"])
-    loop = ServeLoop(
-        sock,
-        compute,
-        session,
-        heartbeat_s=min(setup.heartbeat_s, master_heartbeat_s),  # never quieter than the master expects
-        peer_timeout_s=max(setup.peer_timeout_s, 3 * master_heartbeat_s),  # nor give up between its heartbeats
-        max_bytes=setup.max_bytes,
-        stop=setup.stop,
-        log_line=setup.log_line,
-        info=setup.info,
-    )
-    setup.info(f"worker {welcome.header['index']} serving the master at {setup.connect}")
-    return loop.run()
-
-
-# ---- looking for a master ---------------------------------------------------------------------
-
-
 def _find_master(
     ctx: zmq.Context, compute: Compute, session: int, setup: _Setup, deadline: float | None, giving_up: str
-) -> tuple[zmq.Socket, Message] | int:
-    """A connected socket and the master's welcome, or the exit code (or _SHUTDOWN) to act on."""
-    hello = _make_hello(compute, session, setup, deadline, giving_up)
-    if isinstance(hello, int):
-        return hello
+) -> tuple[ZmqWorkerLink, Message, list] | int:
+    """A fresh socket, connected, and the master's welcome (with what came after it), or the exit code (or
+    SHUTDOWN) to act on."""
     sock = _dealer(ctx, setup)
     if sock is None:
         return EXIT_FAILED
-    monitor = sock.get_monitor_socket(_WATCHED)
-    result: tuple[zmq.Socket, Message] | int = EXIT_FAILED
+    link = ZmqWorkerLink(sock, compute.wakeup, setup)
     try:
         sock.connect(setup.connect)
-        result = _Search(sock, monitor, hello, setup).run(deadline, giving_up)
+        found = greet(
+            link,
+            compute,
+            session,
+            setup,
+            master=f"the master at {setup.connect}",
+            deadline=deadline,
+            giving_up=giving_up,
+        )
     except zmq.ZMQError as e:
-        setup.log_line(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        if isinstance(result, int):
-            sock.close(linger=0)
-    return result
-
-
-def _make_hello(compute: Compute, session: int, setup: _Setup, deadline: float | None, giving_up: str) -> list | int:
-    """The hello's frames, made by the compute thread once the previous master's last task is done."""
-    compute.submit(session, None)
-    while True:
-        for result in compute.take(session):
-            if isinstance(result, Hello):
-                if result.frames is None:
-                    setup.log_line(result.problem)
-                    return EXIT_FAILED
-                return result.frames
-        if setup.stopped():
-            return EXIT_INTERRUPTED
-        if deadline is not None and time.monotonic() >= deadline:
-            setup.log_line(giving_up)
-            return EXIT_FAILED
-        if zmq.select([compute.wakeup.fileno()], [], [], _POLL_SLICE_S)[0]:
-            compute.wakeup.drain()
+        setup.say(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
+        found = EXIT_FAILED
+    if isinstance(found, int):
+        link.close()
+        return found
+    link.welcomed()
+    return (link, *found)
 
 
 def _dealer(ctx: zmq.Context, setup: _Setup) -> zmq.Socket | None:
@@ -254,84 +218,77 @@ def _dealer(ctx: zmq.Context, setup: _Setup) -> zmq.Socket | None:
             setup.curve.apply(sock)
         except zmq.ZMQError as e:
             sock.close(linger=0)
-            setup.log_line(f"cannot use the CURVE keys {setup.curve!r}: {e}")
+            setup.say(f"cannot use the CURVE keys {setup.curve!r}: {e}")
             return None
     return sock
 
 
-class _Search:
-    """Hello with backoff, heartbeats meanwhile, until a welcome, a refusal, or the deadline.
+class ZmqWorkerLink(WorkerLink):
+    """The DEALER, polled beside the compute thread's wake-up and, until the welcome, its monitor: it
+    sends only once a handshake succeeded, so that nothing piles up in zmq's queue for a master that is
+    not there yet, and a refused key or a mismatch of keys makes it ``gone``."""
 
-    It sends only while the socket's monitor says a handshake succeeded, so that nothing
-    piles up in zmq's queue for a master that is not there yet.
-    """
+    def __init__(self, sock: zmq.Socket, wakeup: Wakeup, setup: _Setup) -> None:
+        self.sock, self.wakeup, self.setup = sock, wakeup, setup
+        self.monitor: zmq.Socket | None = sock.get_monitor_socket(_WATCHED)
+        self.connected, self.failed_handshakes = False, 0
+        self.poller = zmq.Poller()
+        for polled in (sock, wakeup.fileno(), self.monitor):
+            self.poller.register(polled, zmq.POLLIN)
 
-    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket, hello: list, setup: _Setup) -> None:
-        self.sock, self.monitor, self.hello, self.setup = sock, monitor, hello, setup
-        self.heartbeat = wire.encode(Message("heartbeat"))
-        self.connected = False
-        self.next_hello = 0.0
-        self.failed_handshakes = 0
-        self.said_hello = False
-        self.last_sent = 0.0
-        self.complained = False
+    def welcomed(self) -> None:
+        """Stop watching: from now on zmq queues what is sent while it reconnects."""
+        self.poller.unregister(self.monitor)
+        self._unwatch()
+        self.connected = True
 
-    def run(self, deadline: float | None, giving_up: str) -> tuple[zmq.Socket, Message] | int:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        delay, self.next_hello = BACKOFF_FIRST_S, time.monotonic()
-        while True:
-            if self.setup.stopped():
-                return EXIT_INTERRUPTED
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                self.setup.log_line(giving_up)
-                return EXIT_FAILED
-            if now >= self.next_hello:
-                if self._send(self.hello):
-                    self.said_hello = True
-                    self.next_hello, delay = now + delay, min(2 * delay, BACKOFF_MAX_S)
-                else:  # no finished handshake yet: try again soon, zmq's reconnects do the backing off
-                    self.next_hello = now + _POLL_SLICE_S
-            elif self.said_hello and now - self.last_sent >= self.setup.heartbeat_s:
-                self._send(self.heartbeat)
-            wait = min(self.next_hello - now, self.setup.heartbeat_s, _POLL_SLICE_S)
-            if deadline is not None:
-                wait = min(wait, deadline - now)
-            ready = dict(poller.poll(max(1, int(wait * 1000))))
-            if self.monitor in ready:
-                code = self._on_event(recv_monitor_message(self.monitor))
-                if code is not None:
-                    return code
-            if self.sock in ready:
-                found = self._read()
-                if found is not None:
-                    return found
+    def close(self) -> None:
+        self._unwatch()
+        self.sock.close(linger=0)
 
-    def _send(self, frames: list) -> bool:
+    def _unwatch(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
+
+    def wait(self, timeout: float) -> None:
+        ready = dict(self.poller.poll(max(1, int(timeout * 1000))))
+        if self.wakeup.fileno() in ready:
+            self.wakeup.drain()
+        if self.monitor is not None and self.monitor in ready:
+            self._on_event(recv_monitor_message(self.monitor))
+
+    def receive(self) -> list[list | None]:
+        out: list[list | None] = []
+        for _ in range(_DRAIN_BATCH):
+            try:
+                out.append(self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        return out
+
+    def send(self, frames: list, *, control: bool = False) -> bool:
         if not self.connected:
             return False
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        self.last_sent = time.monotonic()
         return True
 
-    def _on_event(self, event: dict) -> int | None:
+    def _on_event(self, event: dict) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected, self.failed_handshakes = True, 0
-            self.next_hello = time.monotonic()  # a new connection, perhaps a new master: hello at once
+            self.connected, self.failed_handshakes, self.renewed = True, 0, True
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self.connected = False
         else:
-            return self._handshake_failed(event)
-        return None
+            why = self._handshake_failed(event)
+            self.gone = f"cannot join: {why}" if why else ""
 
-    def _handshake_failed(self, event: dict) -> int | None:
-        """One line and EXIT_FAILED for a refused key or a mismatch of keys; other failures (which
-        may be the network's) only after _HANDSHAKE_ATTEMPTS in a row."""
+    def _handshake_failed(self, event: dict) -> str:
+        """Why a refused key or a mismatch of keys ends the search; other failures (which may be the
+        network's) only after _HANDSHAKE_ATTEMPTS in a row ("" before)."""
         connect, curve = self.setup.connect, self.setup.curve
         mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
         self.failed_handshakes += 1
@@ -343,7 +300,7 @@ class _Search:
         elif mismatch:
             why = f"the master at {connect} requires CURVE keys: start this worker with {_KEYS_HINT}"
         elif self.failed_handshakes < _HANDSHAKE_ATTEMPTS:
-            return None
+            return ""
         elif curve is not None:
             why = (
                 f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps "
@@ -354,33 +311,4 @@ class _Search:
                 f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps the "
                 f"master requires CURVE keys (start this worker with {_KEYS_HINT})"
             )
-        self.setup.log_line(f"cannot join: {why}")
-        return EXIT_FAILED
-
-    def _read(self) -> tuple[zmq.Socket, Message] | int | None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return None
-            connect = self.setup.connect
-            try:
-                msg = wire.decode(frames, self.setup.max_bytes)
-            except wire.VersionMismatch as e:
-                mismatch = wire.VersionMismatch(e.what, e.theirs, e.ours, peer="the master", here="this worker")
-                self.setup.log_line(f"cannot talk to the master at {connect}: {mismatch}")
-                return EXIT_FAILED
-            except wire.ProtocolError as e:
-                if not self.complained:
-                    self.setup.log_line(f"the master at {connect} sent something unreadable: {e}; waiting on")
-                    self.complained = True
-                continue
-            if msg.kind == "welcome":
-                return self.sock, msg
-            if msg.kind == "error":
-                self.setup.log_line(f"the master at {connect} refused this worker: {msg.header['message']}")
-                return EXIT_FAILED
-            if msg.kind == "shutdown":
-                reason = msg.header["reason"]
-                self.setup.info(f"the master at {connect} shut down before welcoming this worker ({reason})")
-                return _SHUTDOWN
+        return why
