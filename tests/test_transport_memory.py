@@ -134,8 +134,10 @@ def handshake_failed(monitor: zmq.Socket) -> None:
 
 def report(name: str, before: dict, after: dict) -> int:
     growth = after["rss_kib"] - before["rss_kib"]
-    print(f"\n{name}: master RSS {before['rss_kib'] / 1024:.1f} MiB -> {after['rss_kib'] / 1024:.1f} MiB "
-          f"(+{growth / 1024:.1f} MiB); dropped {after['dropped']}, refused from the admitted peer {after['refused']}")
+    print(
+        f"\n{name}: master RSS {before['rss_kib'] / 1024:.1f} MiB -> {after['rss_kib'] / 1024:.1f} MiB "
+        f"(+{growth / 1024:.1f} MiB); dropped {after['dropped']}, refused from the admitted peer {after['refused']}"
+    )
     return growth
 
 

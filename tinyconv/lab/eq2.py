@@ -258,7 +258,34 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.2f}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def rows_for(args: argparse.Namespace, convs: Sequence[ConvShape], n: int) -> list[tuple[list[str], Any, Any]]:
+    """The table's rows for ``n`` participants: (row, the model's bytes, the measured ones or None)."""
+    counts = equal_counts(convs, n)
+    eq2_doubles = eq2_bytes(convs, counts)
+    eq2 = [mb(eq2_doubles), mb(eq2_bytes(convs, counts, F32))]
+    out = []
+    for label, fuse, split in SPLITS if n > 1 else SPLITS[:1]:  # the master alone moves nothing
+        for setting in args.wire_precision:
+            for wire, words in wire_words(setting):
+                model = split_bytes(convs, counts, fuse, split, words)
+                forward = sum(split_bytes(convs, counts, fuse, split, words, forward_only=True))
+                paper = split == "kernels" and not fuse
+                ratios = [f"{100 * b / eq2_doubles:.2f} %" if eq2_doubles else "" for b in (forward, sum(model))]
+                row = [str(n), label, wire, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}",
+                       *ratios]  # fmt: skip
+                got = None
+                if args.measure and wire == "adaptive (settled)":
+                    row.append("-")  # a real step runs at AWP's start
+                elif args.measure:
+                    got = (0, 0)  # the master alone moves nothing
+                    if n > 1:
+                        got = measure(args.arch, args.batch, n, fuse=fuse, split=split, wire_precision=setting)
+                    row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
+                out.append((row, model, got))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tinyconv comm",
         description="Bytes one training step moves: the paper's eq. 2 (forward, doubles and float32) beside "
@@ -292,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also run one step per count, split and format with in-process workers (numpy) and show "
         "its bytes (adaptive: its start)",
     )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.batch < 1 or min(args.participants) < 1:
         p.error("--batch and --participants must be 1 or more")
@@ -306,29 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         header.append("measured")
     rows, agree = [], True
     for n in args.participants:
-        counts = equal_counts(convs, n)
-        eq2_doubles = eq2_bytes(convs, counts)
-        eq2 = [mb(eq2_doubles), mb(eq2_bytes(convs, counts, F32))]
-        for label, fuse, split in SPLITS if n > 1 else SPLITS[:1]:  # the master alone moves nothing
-            for setting in args.wire_precision:
-                for wire, words in wire_words(setting):
-                    model = split_bytes(convs, counts, fuse, split, words)
-                    forward = sum(split_bytes(convs, counts, fuse, split, words, forward_only=True))
-                    paper = split == "kernels" and not fuse
-                    ratios = [f"{100 * b / eq2_doubles:.2f} %" if eq2_doubles else "" for b in (forward, sum(model))]
-                    row = [str(n), label, wire, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}",
-                           *ratios]  # fmt: skip
-                    if args.measure and wire == "adaptive (settled)":
-                        row.append("-")  # a real step runs at AWP's start
-                    elif args.measure:
-                        got = (
-                            measure(args.arch, args.batch, n, fuse=fuse, split=split, wire_precision=setting)
-                            if n > 1
-                            else (0, 0)
-                        )
-                        agree &= got == model
-                        row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
-                    rows.append(row)
+        for row, model, got in rows_for(args, convs, n):
+            agree &= got is None or got == model
+            rows.append(row)
     print(
         f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
         "step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split"
