@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   -- the main job (distributed training over ZeroMQ on the OpenCL backend)
-#   make test   -- ruff and the whole test suite
+#   make test   -- ruff (lint and format) and the whole test suite
 # Each creates or refreshes .venv first (idempotent: reinstalls only when pyproject.toml changes).
 
 PYTHON ?= python3
@@ -63,6 +63,7 @@ PROBE := import numpy; a = numpy.ones((8, 8), "f"); a @ a
 
 test: $(STAMP) opencl-runtime oclgrind
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 	@for core in $(NUMERICS_CORES); do \
 		said=$$(OPENBLAS_CORETYPE=$$core OPENBLAS_VERBOSE=2 $(PY) -c '$(PROBE)' 2>&1); \
