@@ -23,12 +23,11 @@ from tinyconv.distributed.shard.block import (
     check_tail,
     halo_span,
     halo_width,
-    owned,
     tail_backward,
     tail_forward,
     tail_of,
 )
-from tinyconv.distributed.shard.by_channels import halo_sum
+from tinyconv.distributed.shard.by_channels import halo_sum, owned
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.shard.layer import ShardedBlock
 from tinyconv.distributed.worker.handler import Worker

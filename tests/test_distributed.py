@@ -19,10 +19,11 @@ import pytest
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
 from backends.numpy_backend import NumpyBackend
 from tinyconv.data import synthetic_dataset
+from tinyconv.distributed.link_speed import Link
 from tinyconv.distributed.pool import spawn_local_workers, stop_workers
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.rebalance import Rebalancer
-from tinyconv.distributed.rpc import Link, Lost
+from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.balance import apportion, slices
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.shard.layer import block_inputs

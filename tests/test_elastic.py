@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.distributed.link_speed import Link
 from tinyconv.distributed.protocol import VERSION
-from tinyconv.distributed.rpc import Link
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.rpc import Link, Lost, Rpc
+from tinyconv.distributed.link_speed import Link
+from tinyconv.distributed.rpc import Lost, Rpc
+from tinyconv.distributed.shard.by_channels import relay
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 BE = NumpyBackend()
@@ -128,7 +130,7 @@ def test_relay_sends_each_second_round_task_as_soon_as_it_is_ready():
         if k == 1:
             transport.release(0)  # worker 0 answers only now
 
-    second = op.relay(first, lambda k: (1 - k) in have, lambda k: [Message("tail_forward", {})], arrived)
+    second = relay(op, first, lambda k: (1 - k) in have, lambda k: [Message("tail_forward", {})], arrived)
     assert transport.sent == [
         (0, "partial_forward", 1),
         (1, "partial_forward", 2),

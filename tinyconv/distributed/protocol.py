@@ -15,59 +15,14 @@ Split by kernels, the paper's way (``by_kernels.py``)::
     block_backward    need_dx                        dy (N, F', OH', OW'), over every computed kernel
                       -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,)
 
-Split by input channels, the optimisation (``by_channels.py``); a participant holds
-c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into them), the
-kernels [ks, ke) of all F. What crosses of the conv output is kernel-major, (kernels, N, OH, OW)::
-
-    partial_forward   stride, padding, tail, halo, own, give = [lo_end, hi_start]
-                                                     x (N, c, H, W), w (F, c, K, K)
-                      -> p_lo (lo_end, N, OH, OW), p_hi (F - hi_start, N, OH, OW): the parts of
-                         its partial convolution the others need (each absent when empty)
-    tail_forward      -                              b (ce - cs,), sum (ce - cs, N, OH, OW) if any
-                      -> y (N, own, OH', OW'): the tail on its partial + sum + b
-    tail_backward     -                              dy (N, ce - cs, OH', OW')
-                      -> dyc (ke - ks, N, OH, OW): the own kernels' conv-output gradient
-    partial_backward  need_dx                        dyc_lo (ks, N, OH, OW), dyc_hi (F - ke, N, OH,
-                                                     OW): the others' dyc, before and after its own
-                                                     (each absent when empty)
-                      -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
-
-A batch may go in chunks of images (the pipeline): partial_forward, tail_forward and
-partial_backward then carry ``images`` = [a, b, N], and N above is b - a: partial_forward's
-chunks in order from image 0, w with the first only; tail_forward's by the same chunks, b with the
-last only, which alone returns y (the others return nothing); partial_backward's by the forward's
-chunks, each returning its dx, the last dw and db too (summed over the chunks).
-
 And once, before training (``calibrate.py``)::
 
     calibrate         layers, repeats                -> times: seconds per layer, no arrays
 
-Data parallelism (``tinyconv/distributed/replica/``): every participant holds a whole replica of the
-network, described by ``net`` = {"arch": "C1:C2", "norm", "pool_kernel", "num_classes"};
-its P parameters (and B batch-norm statistics) travel as one flat vector each, in the
-network's ``named_params`` order (``tinyconv/distributed/replica/flat.py``)::
-
-    replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
-                                                        of ``batch`` images], no arrays
-    replica_step      step, net, batch               x (n, C, H, W), y (n,) int, params (P,),
-                      [smoothing]                    buffers (B,) if the network has any
-                      -> grads (P,): the slice's part of the gradient of the mean loss over the
-                         whole ``batch`` (label-smoothed by ``smoothing`` in [0, 1), if it is given);
-                         logits (n, classes); buffers (B,) after the slice's forward
-
-The hybrid (``tinyconv/distributed/replica/hybrid.py``): the conv part (every layer before the classifier)
-by data, the classifier on the master. The worker builds the same replica from ``net`` but runs
-only its conv part; P_conv, B are the conv part's parameters and statistics, F = C2 H' W' the
-features of one image (the last pool's output, flattened)::
-
-    hybrid_calibrate  net, batch, repeats            -> times: [seconds of one forward + backward
-                                                        of the conv part on ``batch`` images]
-    hybrid_forward    step, net, batch               x (n, C, H, W), params (P_conv,), buffers (B,)
-                                                     if the network has any
-                      -> features (n, F); buffers (B,) after the slice's forward; the forward's
-                         caches stay on the worker for the step's hybrid_backward
-    hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
-                      -> grads (P_conv,): the slice's part of the conv part's gradient
+The other tasks -- split by input channels (``by_channels.py``): ``partial_forward``, ``tail_forward``,
+``tail_backward``, ``partial_backward``; data parallelism: ``replica_calibrate``, ``replica_step``; the
+hybrid: ``hybrid_calibrate``, ``hybrid_forward``, ``hybrid_backward`` -- are laid out beside their handlers
+(``worker/channel_handlers.py``, ``worker/replica_handlers.py``); their schemas are entries below.
 
 All arrays are float32 but the labels ``y`` (int32 or int64). Which task may follow which on one layer is the worker's
 business (``tinyconv/distributed/worker/state.py``).
@@ -86,11 +41,8 @@ from dataclasses import dataclass
 from transports.base import Message
 from transports.wire import Int, Num, ProtocolError, check_fields
 
-# of this task protocol (2 added the replica tasks, 3 narrowed arrays: ``narrow`` and ``reply``, wire_codec.py's,
-# 4 the hybrid's tasks: hybrid_calibrate, hybrid_forward, hybrid_backward, 5 the s8 format, declared in ``narrow``
-# as ["s8", H, W], 6 a batch in chunks: ``images`` on partial_forward, tail_forward, partial_backward, 7 the channel
-# split's p_lo, p_hi, sum, dyc, dyc_lo and dyc_hi kernel-major, 8 replica_step's optional ``smoothing``); a worker's
-# hello says which it speaks, the transport admits equals
+# of this task protocol, wire_codec.py's ``narrow`` and ``reply`` included: one more for any change to a task or
+# result; a worker's hello says which it speaks, the transport admits equals
 VERSION = 8
 
 

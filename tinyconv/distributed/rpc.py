@@ -9,35 +9,28 @@ RuntimeError naming the worker and the op. A worker the op cannot count on -- go
 (the transport's WorkerLost), silent past the timeout, or answering finite inputs with
 non-finite numbers -- ends the op with :class:`Lost`, naming each and why, so that the
 cluster can share its kernels among the others and run the op again. On the way the op
-counts what it cost (:meth:`Op.stats`), and each worker's :class:`Link` learns how long
-its bytes take.
+counts what it cost (:meth:`Op.stats`), and each worker's link its seconds per byte
+(``link_speed.py``).
 
-An op's :class:`Codec` says how its messages go on the wire: :meth:`Op.send` encodes a task
-right before it is sent, and a result is decoded right after it came, so the splits only ever
-see float32. The default is the identity; ``--wire-precision`` narrows the arrays
-(``wire_codec.py``). What an op counts -- bytes, the links' samples -- is what really moved.
-
-The one optimisation here is :meth:`Op.relay`: a second round of tasks that each go out
-as soon as what they need has come back, while the rest of the first round is still
-computing. It is the only place where transfers overlap; the splits that use it
-(``by_channels.py``) read as two plain rounds.
+An op's codec encodes a task right before it is sent and decodes a result right after it came,
+so the splits only ever see float32; the default is the identity (``wire_codec.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats
+from tinyconv.distributed.link_speed import Link
 from tinyconv.distributed.protocol import check_result
+from tinyconv.distributed.wire_codec import Codec, Plain
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -49,62 +42,6 @@ class Lost(Exception):
     def __init__(self, workers: dict[int, str]) -> None:
         super().__init__("; ".join(f"worker {k}: {why}" for k, why in workers.items()))
         self.workers = workers
-
-
-class Codec(Protocol):
-    """How an op's messages go on the wire, both ways; each also says how many of its arrays could
-    not go as asked (``fallbacks``: float32 where a narrower word would have overflowed)."""
-
-    def encode(self, msg: Message) -> tuple[Message, int]:
-        """A task (float32 arrays, header complete) -> the message that is sent, and its fallbacks."""
-        ...
-
-    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
-        """A result that came for ``task`` (as it was sent) -> the result in float32, and its fallbacks;
-        a RuntimeError if it is malformed."""
-        ...
-
-
-class Plain:
-    """The identity codec: messages go as they are."""
-
-    def encode(self, msg: Message) -> tuple[Message, int]:
-        return msg, 0
-
-    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
-        return reply, 0
-
-
-class Link:
-    """One worker's link as its recent tasks measured it: seconds per array byte beyond its compute.
-
-    A task of b bytes (its arrays and its result's), sent at t_send, whose result the master
-    received at t_recv after c seconds of the worker's compute, gives one sample::
-
-        s = (t_recv - t_send - c) / b          seconds per byte: transfers, (de)serialising, queues
-
-    It is *exact* when the master was waiting for that result, so t_recv is its arrival; when
-    it had come while the master was busy (with its own share, or another result), t_recv is
-    later and s only an upper bound. Latency makes small tasks look slow per byte: that errs
-    towards more time. Estimates are medians, so one stall does not count.
-    """
-
-    WINDOW = 20  # samples kept of each kind
-
-    def __init__(self) -> None:
-        self.exact: deque[float] = deque(maxlen=self.WINDOW)
-        self.bounds: deque[float] = deque(maxlen=self.WINDOW)
-
-    def add(self, nbytes: int, seconds: float, exact: bool) -> None:
-        """File one task's ``nbytes`` and its ``seconds`` beyond the worker's compute (none without bytes)."""
-        if nbytes > 0:
-            (self.exact if exact else self.bounds).append(max(0.0, seconds) / nbytes)
-
-    def seconds_per_byte(self, exact: bool = True) -> float | None:
-        """The median exact sample; with ``exact=False`` the median of every sample, upper bounds
-        too (enough for a deadline, where too much is safe). None before there is one."""
-        samples = [*self.exact, *([] if exact else self.bounds)]
-        return statistics.median(samples) if samples else None
 
 
 class Rpc:
@@ -237,34 +174,6 @@ class Op:
             if each is not None:
                 each(worker, reply)
         return results
-
-    def relay(
-        self,
-        first: dict[int, int],
-        ready: Callable[[int], bool],
-        then: Callable[[int], list[Message]],
-        each: Callable[[int, Message], None],
-    ) -> dict[int, list[int]]:
-        """Gather the first round (worker -> task), ``each(worker, result)`` as results come, and send
-        worker k its second-round tasks ``then(k)`` as soon as ``ready(k)`` -- which can be before the
-        rest of the first round is in, or before its own result is (the optimisation: the second
-        round's transfers overlap the first round's compute). Returns the second round, worker -> its
-        tasks in the order sent.
-        """
-        second: dict[int, list[int]] = {}
-
-        def send_ready() -> None:
-            for k in first:
-                if k not in second and ready(k):
-                    second[k] = [self.send(k, msg) for msg in then(k)]
-
-        def arrived(k: int, reply: Message) -> None:
-            each(k, reply)
-            send_ready()
-
-        send_ready()
-        self.gather(first.values(), arrived)
-        return second
 
     def array(self, worker: int, reply: Message, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """Array ``name`` of a worker's result, which must have ``shape``."""

@@ -12,8 +12,8 @@ right after, so every computation -- and every check of ``protocol.py`` -- sees 
 
 The two edges:
 
-- the master's, an op's codec (``rpc.py``'s :class:`~tinyconv.distributed.rpc.Codec`, the identity by
-  default): :class:`Narrowing` narrows a task right before it is sent and widens its result right
+- the master's, an op's :class:`Codec` in ``rpc.py`` (:class:`Plain`, the identity, by default):
+  :class:`Narrowing` narrows a task right before it is sent and widens its result right
   after it came;
 - the worker's (``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back`
   and :func:`encode_result` as its result goes; a task without ``narrow`` or ``reply`` passes as it is.
@@ -27,7 +27,7 @@ narrow words are read back. The same words cross the wire either way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,6 +46,30 @@ _KEYS = ("narrow", "reply")
 # widens one narrowed array elsewhere (a worker's device): (its name, the array as it came, its
 # declaration) -> the float32 array there, or None: widened on the host
 WidenElsewhere = Callable[[str, np.ndarray, Declared], Any]
+
+
+class Codec(Protocol):
+    """How an op's messages go on the wire, both ways; each also says how many of its arrays could
+    not go as asked (``fallbacks``: float32 where a narrower word would have overflowed)."""
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        """A task (float32 arrays, header complete) -> the message that is sent, and its fallbacks."""
+        ...
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        """A result that came for ``task`` (as it was sent) -> the result in float32, and its fallbacks;
+        a RuntimeError if it is malformed."""
+        ...
+
+
+class Plain:
+    """The identity codec: messages go as they are."""
+
+    def encode(self, msg: Message) -> tuple[Message, int]:
+        return msg, 0
+
+    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
+        return reply, 0
 
 
 class Narrowing:

@@ -47,8 +47,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from backends.base import Array, Backend, conv_output_size
 from tinyconv.layers import Fused, LocalResponseNorm, MaxPool2D, ReLU
 from transports.wire import Int, Num
@@ -232,12 +230,6 @@ def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
         host[:, hi:] = 0
         d = be.asarray(host)
     return d
-
-
-def owned(be: Backend, d: Array, cache: BlockCache) -> np.ndarray:
-    """The owned kernels' channels [lo, hi) of a conv-output gradient from :func:`tail_backward` (host)."""
-    lo, hi = cache.own
-    return be.to_numpy(d)[:, lo:hi]
 
 
 def conv_backward(be: Backend, d: Array, cache: BlockCache, need_dx: bool = True) -> tuple[Array | None, Array, Array]:

@@ -28,7 +28,7 @@ transposing copy; only the sum over a participant's halo is turned to (N, F', OH
 The price is bytes: each way, every worker sends and receives about its share of the conv
 output, which costs nothing on one machine but more than the kernel split on a LAN (so
 ``Cluster``'s ``split="auto"`` uses it only with workers on the master's host). A worker's
-round 2 goes out as soon as the others' round 1 is in (:meth:`~tinyconv.distributed.rpc.Op.relay`).
+round 2 goes out as soon as the others' round 1 is in (:func:`relay`).
 
 An optimisation on top, the pipeline: a batch larger than :data:`PIPELINE` images goes in
 chunks of images (header ``images`` = [a, b, N]). Every chunk's partial_forward leaves at once;
@@ -42,14 +42,15 @@ the partial sums are 390 MB each way: whole, they cross while both sides wait.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from backends.base import Array
+from backends.base import Array, Backend
 from tinyconv.distributed.rpc import Op
-from tinyconv.distributed.shard.block import BlockCache, owned, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import BlockCache, tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.shard.plan import Participant, Plan
 from tinyconv.layers import Conv2D
 from transports.base import Message
@@ -116,6 +117,41 @@ def _give(active: list[Participant], i: int, total: int) -> list[int]:
         max((q.halo.stop for q in active[:i]), default=0),
         min((q.halo.start for q in active[i + 1 :]), default=total),
     ]
+
+
+def owned(be: Backend, d: Array, cache: BlockCache) -> np.ndarray:
+    """The owned kernels' channels [lo, hi) of a conv-output gradient from ``block.py``'s tail_backward (host)."""
+    lo, hi = cache.own
+    return be.to_numpy(d)[:, lo:hi]
+
+
+def relay(
+    op: Op,
+    first: dict[int, int],
+    ready: Callable[[int], bool],
+    then: Callable[[int], list[Message]],
+    each: Callable[[int, Message], None],
+) -> dict[int, list[int]]:
+    """Gather the first round (worker -> task), ``each(worker, result)`` as results come, and send
+    worker k its second-round tasks ``then(k)`` as soon as ``ready(k)`` -- which can be before the
+    rest of the first round is in, or before its own result is (the optimisation: the second
+    round's transfers overlap the first round's compute, the only place where transfers overlap).
+    Returns the second round, worker -> its tasks in the order sent.
+    """
+    second: dict[int, list[int]] = {}
+
+    def send_ready() -> None:
+        for k in first:
+            if k not in second and ready(k):
+                second[k] = [op.send(k, msg) for msg in then(k)]
+
+    def arrived(k: int, reply: Message) -> None:
+        each(k, reply)
+        send_ready()
+
+    send_ready()
+    op.gather(first.values(), arrived)
+    return second
 
 
 def chunks(n: int, images: int) -> list[tuple[int, int]]:
@@ -232,7 +268,7 @@ def _relay_sums(
     def ready(k: int) -> bool:
         return all(q.name in partials for q in plan.active if q.worker != k)
 
-    return op.relay(sent, ready, tail_task, arrived)
+    return relay(op, sent, ready, tail_task, arrived)
 
 
 def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitState) -> tuple[Array | None, Array, Array]:
@@ -274,7 +310,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
     # round 2: each worker the others' conv-output gradients, as soon as the master has them, chunk
     # by chunk; with all of dY_conv, the conv backward through its partial
     ready = lambda k: all(q.name in have for q in active if q.worker != k)  # noqa: E731
-    second = op.relay(first, ready, conv_tasks, arrived)
+    second = relay(op, first, ready, conv_tasks, arrived)
     width = {p.name: p.channels.stop - p.channels.start for p in active}
     k_shape = (conv.kernel, conv.kernel)
     dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None

@@ -22,10 +22,11 @@ from typing import Any, Protocol
 
 from backends.base import Array, Backend
 from tinyconv.distributed.accounting import LayerStep, OpStats
-from tinyconv.distributed.rpc import Codec, Lost, Op, Rpc
+from tinyconv.distributed.rpc import Lost, Op, Rpc
 from tinyconv.distributed.shard import by_channels, by_kernels
 from tinyconv.distributed.shard.block import tail_of, tail_output_hw
 from tinyconv.distributed.shard.plan import Plan
+from tinyconv.distributed.wire_codec import Codec
 from tinyconv.layers import Conv2D, Layer, Linear
 
 

@@ -1,14 +1,28 @@
 """The worker's side of a layer split by its input channels (``tinyconv/distributed/shard/by_channels.py``).
 
-Four tasks, one layer's step: ``partial_forward`` (its partial convolution P for all F kernels),
-``tail_forward`` (the others' partials added on its halo, then the tail), ``tail_backward`` (its own
-kernels' conv-output gradient dyc) and ``partial_backward`` (the conv backward of P from all of dY).
-P, the sums and dyc travel kernel-major, (F', N, OH, OW), as the master's side says.
+Four tasks, one layer's step, each checked against its schema (``protocol.py``) first. A participant
+holds c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into them), the
+kernels [ks, ke) of all F. What crosses of the conv output is kernel-major, (kernels, N, OH, OW)::
 
-A batch may come in chunks of images (header ``images`` = [a, b, N], the shard's ``by_channels.py``
-pipeline): partial_forward chunk by chunk from image 0, w with the first; tail_forward adds the
-others' sums chunk by chunk and runs the tail with the last (b with it); partial_backward goes
-by the forward's chunks, in order. Without ``images`` a task is the whole batch, one chunk.
+    partial_forward   stride, padding, tail, halo, own, give = [lo_end, hi_start]
+                                                     x (N, c, H, W), w (F, c, K, K)
+                      -> p_lo (lo_end, N, OH, OW), p_hi (F - hi_start, N, OH, OW): the parts of
+                         its partial convolution the others need (each absent when empty)
+    tail_forward      -                              b (ce - cs,), sum (ce - cs, N, OH, OW) if any
+                      -> y (N, own, OH', OW'): the tail on its partial + sum + b
+    tail_backward     -                              dy (N, ce - cs, OH', OW')
+                      -> dyc (ke - ks, N, OH, OW): the own kernels' conv-output gradient
+    partial_backward  need_dx                        dyc_lo (ks, N, OH, OW), dyc_hi (F - ke, N, OH,
+                                                     OW): the others' dyc, before and after its own
+                                                     (each absent when empty)
+                      -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
+
+A batch may come in chunks of images (the pipeline): partial_forward, tail_forward and
+partial_backward then carry ``images`` = [a, b, N], and N above is b - a: partial_forward's
+chunks in order from image 0, w with the first only; tail_forward's by the same chunks, b with the
+last only, which alone returns y (the others return nothing); partial_backward's by the forward's
+chunks, each returning its dx, the last dw and db too (summed over the chunks). Without ``images``
+a task is the whole batch, one chunk.
 
 Each handler is a plain function of the worker's :class:`~tinyconv.distributed.worker.state.WorkerState`;
 x and w arrive on the backend (``handler.py``'s ON_BACKEND).
@@ -21,10 +35,9 @@ from typing import Any
 import numpy as np
 
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.shard.block import owned
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
-from tinyconv.distributed.shard.by_channels import halo_sum
+from tinyconv.distributed.shard.by_channels import halo_sum, owned
 from tinyconv.distributed.worker.block_handlers import checked_tail
 from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, header_span, task_place, task_slot
 from transports.wire import Int

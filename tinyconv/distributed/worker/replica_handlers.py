@@ -1,5 +1,32 @@
 """The worker's side of data parallelism and the hybrid (``tinyconv/distributed/replica/``): a whole replica.
 
+Data parallelism: every participant holds a whole replica of the network, described by
+``net`` = {"arch": "C1:C2", "norm", "pool_kernel", "num_classes"}; its P parameters (and B
+batch-norm statistics) travel as one flat vector each, in the network's ``named_params`` order
+(``tinyconv/distributed/replica/flat.py``). Each task is checked against its schema (``protocol.py``) first::
+
+    replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
+                                                        of ``batch`` images], no arrays
+    replica_step      step, net, batch               x (n, C, H, W), y (n,) int, params (P,),
+                      [smoothing]                    buffers (B,) if the network has any
+                      -> grads (P,): the slice's part of the gradient of the mean loss over the
+                         whole ``batch`` (label-smoothed by ``smoothing`` in [0, 1), if it is given);
+                         logits (n, classes); buffers (B,) after the slice's forward
+
+The hybrid (``tinyconv/distributed/replica/hybrid.py``): the conv part (every layer before the classifier)
+by data, the classifier on the master. The worker builds the same replica from ``net`` but runs
+only its conv part; P_conv, B are the conv part's parameters and statistics, F = C2 H' W' the
+features of one image (the last pool's output, flattened)::
+
+    hybrid_calibrate  net, batch, repeats            -> times: [seconds of one forward + backward
+                                                        of the conv part on ``batch`` images]
+    hybrid_forward    step, net, batch               x (n, C, H, W), params (P_conv,), buffers (B,)
+                                                     if the network has any
+                      -> features (n, F); buffers (B,) after the slice's forward; the forward's
+                         caches stay on the worker for the step's hybrid_backward
+    hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
+                      -> grads (P_conv,): the slice's part of the conv part's gradient
+
 ``replica_calibrate`` and ``replica_step`` stand alone: each brings everything it needs (the
 weights with every step), and the worker keeps only its replica of the network between them,
 rebuilt when the master describes another one (:func:`_replica`).

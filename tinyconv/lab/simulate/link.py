@@ -6,7 +6,7 @@ ROUTER sends a copy per worker: no broadcast, no multicast), computes its own sh
 and waits for every result. A worker starts when its whole task has arrived, and replies when
 it has computed. So transfers overlap *other* participants' compute, never the same worker's,
 and nothing overlaps across ops: the next layer needs this one's result. (The split by input
-channels overlaps a second round with the first, ``Op.relay``; its two rounds are modelled as
+channels overlaps a second round with the first, ``by_channels.relay``; its two rounds are modelled as
 one op each way here.)
 
 With B the bandwidth (bytes/s), L the latency per message (s), and for worker j in send order
