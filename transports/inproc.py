@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from transports.base import HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
-from transports.wire import SESSION_KINDS, Int, VersionMismatch, call_handler, check_message, error_reply
+from transports.session.compute import call_handler
+from transports.wire import SESSION_KINDS, Int, VersionMismatch, check_message, error_reply
 
 log = logging.getLogger(__name__)
 

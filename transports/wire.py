@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from transports.base import Handler, Message
+from transports.base import Message
 from transports.header import (
     KIND_PATTERN,
     MAX_DEPTH,
@@ -255,7 +255,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message
     return Message(kind, header, _parse_arrays(kind, env["arrays"], frames[1:], max_bytes))
 
 
-# ---- serving: replies always follow the wire ------------------------------------------------
+# ---- error replies -------------------------------------------------------------------
 
 
 def error_reply(request: Message | None, text: str) -> Message:
@@ -265,24 +265,6 @@ def error_reply(request: Message | None, text: str) -> Message:
     if request is not None and isinstance(request.header, dict) and Int.accepts(request.header.get("task")):
         header["task"] = request.header["task"]
     return Message("error", header)
-
-
-def call_handler(handler: Handler, msg: Message) -> Message | None:
-    """``handler.handle(msg)``, made safe for a worker loop.
-
-    An exception becomes an ``error`` reply, and so does a reply that breaks the
-    wire, so a bad task (or a handler bug) never kills the worker and the master
-    always gets a message it can decode.
-    """
-    try:
-        reply = handler.handle(msg)
-        if reply is not None:
-            check_message(reply)
-        return reply
-    except ProtocolError as e:
-        return error_reply(msg, f"{msg.kind}: the worker produced an invalid reply: {e}")
-    except Exception as e:  # report and keep serving; the traceback is no use to the master
-        return error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
 
 
 # ---- byte counting (metrics) -------------------------------------------------------
@@ -314,7 +296,6 @@ __all__ = [
     "Num",
     "ProtocolError",
     "VersionMismatch",
-    "call_handler",
     "check_fields",
     "check_message",
     "decode",
