@@ -20,9 +20,11 @@ from typing import Any
 
 from transports import wire
 from transports.base import Handler
+from transports.session.compute import Compute
 from transports.session.link import Arrival, Link, WorkerLink
+from transports.session.settings import EXIT_FAILED, MASTER_LOST, Settings
 from transports.session.transport import SessionTransport, check_options
-from transports.session.worker import EXIT_FAILED, MASTER_LOST, Compute, Settings, serve_master
+from transports.session.worker import serve_master
 from transports.wakeup import Wakeup
 
 SEND_TIMEOUT_S = 5.0  # a peer that takes no bytes for this long has stopped reading
@@ -183,7 +185,7 @@ class TcpWorkerLink(WorkerLink):
 
 def serve(address: str, handler: Handler, welcome_timeout_s: float = 60.0, **settings: Any) -> int:
     """Serve ``handler`` to the master at ``address`` (``HOST:PORT``) until it says shutdown; an exit code.
-    ``settings`` are :class:`~transports.session.worker.Settings`' (``heartbeat_s``, ``say``, ...)."""
+    ``settings`` are :class:`~transports.session.settings.Settings`' (``heartbeat_s``, ``say``, ...)."""
     host, port = address.rsplit(":", 1)
     settings = Settings(**settings)
     wakeup = Wakeup()

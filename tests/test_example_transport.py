@@ -16,7 +16,7 @@ from example_transport import Stream, TcpTransport, serve
 from transport_conformance import check_bad_messages_fail_at_send, check_echoes, check_error_replies, check_exact_arrays
 
 from transports import Message, WorkerLost
-from transports.session.worker import EXIT_OK
+from transports.session.settings import EXIT_OK
 from transports.wire import encode
 
 HERE = Path(__file__).resolve().parent

@@ -46,7 +46,7 @@ def hello_header(pid: int) -> dict:
 class LogWaiter(logging.Handler):
     """Collects a logger's records, so a test can wait for one."""
 
-    def __init__(self, name: str = "transports.session.master") -> None:
+    def __init__(self, name: str = "transports.session") -> None:
         super().__init__(logging.DEBUG)
         self.logger = logging.getLogger(name)
         self.lines: list[str] = []

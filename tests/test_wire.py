@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transports.base import Message
+from transports.session.compute import call_handler
 from transports.wire import (
     MAX_ARRAYS,
     MAX_DEPTH,
@@ -23,7 +24,6 @@ from transports.wire import (
     Num,
     ProtocolError,
     VersionMismatch,
-    call_handler,
     check_fields,
     check_message,
     decode,

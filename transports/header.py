@@ -1,4 +1,4 @@
-"""What a message's kind and header may be: the rules the wire applies before anything else.
+"""What a message's kind, header and arrays may be: the rules the wire applies, and the session's kinds.
 
 * A kind is a short identifier (:data:`KIND_PATTERN`).
 * A header is plain data: a map with str keys whose values are None, bool, int,
@@ -8,7 +8,12 @@
 * The transport's own *session* kinds (:data:`SESSION_KINDS`) have fixed header
   schemas. Every other kind is a task, whose header only the application reads;
   the application declares its schemas with the same helper, :func:`check_fields`
-  with :class:`Int` and :class:`Num`.
+  with :class:`Int` and :class:`Num`. :func:`error_reply` answers a message with the
+  session's ``error`` kind.
+* Arrays: at most :data:`MAX_ARRAYS`, with distinct non-empty names, a dtype of
+  :data:`DTYPES` and a rank of at most :data:`MAX_RANK`; a session kind carries none.
+* A message about to be sent: :func:`check_message` checks all of the above, and that
+  its header packs into at most :data:`MAX_HEADER_BYTES` of msgpack.
 
 :mod:`transports.wire` re-exports the public names; import them from there.
 """
@@ -16,14 +21,32 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
+
+from transports.base import Message
 
 MAX_LIST_LEN = 100_000  # items in one list of a header
 MAX_MAP_LEN = 1_000  # keys in one map of a header
 MAX_DEPTH = 32  # lists and maps nested in a header
+MAX_HEADER_BYTES = 1 << 20  # the msgpack frame: a header is small, a megabyte is generous
 KIND_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_RANK = 6  # dimensions of one array
+MAX_ARRAYS = 16  # arrays in one message
+
+# dtype name on the wire -> the exact numpy dtype (little-endian, as on every machine we target)
+# (float16 and uint16 carry the narrowed words of --wire-precision: fp16, and bf16's top 2 bytes of a float32)
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint8": np.dtype("u1"),
+    "float16": np.dtype("<f2"),
+    "uint16": np.dtype("<u2"),
+}
 
 
 class ProtocolError(ValueError):
@@ -192,3 +215,83 @@ def check_header(kind: str, header: Any) -> None:
     _check_plain(kind, header)
     if kind in SESSION_KINDS:
         check_fields(kind, header, *SESSION_HEADERS[kind])
+
+
+# ---- arrays -------------------------------------------------------------------------------
+
+
+def check_array_names(kind: str, names: Sequence[Any]) -> None:
+    """Raise ProtocolError unless ``names`` are at most MAX_ARRAYS distinct non-empty strs (none for a session kind)."""
+    if len(names) > MAX_ARRAYS:
+        raise ProtocolError(f"{kind}: {len(names)} arrays, at most {MAX_ARRAYS} allowed")
+    if names and kind in SESSION_KINDS:
+        raise ProtocolError(f"{kind}: unexpected array(s) {', '.join(map(str, names))}; it carries no arrays")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"{kind}: array names must be non-empty str, got {name!r}")
+    if len(set(names)) != len(names):
+        raise ProtocolError(f"{kind}: duplicate array names in {list(names)}")
+
+
+def check_arrays(kind: str, arrays: Any) -> None:
+    """Raise ProtocolError unless ``arrays``, about to be sent, map names to numpy arrays the wire carries."""
+    if not isinstance(arrays, dict):
+        raise ProtocolError(f"{kind}: arrays must be a dict of name -> numpy array")
+    check_array_names(kind, list(arrays))
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray):
+            raise ProtocolError(f"{kind}: array {name!r} is a {type(a).__name__}, not a numpy array")
+        if a.dtype.name not in DTYPES or a.dtype.byteorder == ">":
+            raise ProtocolError(
+                f"{kind}: array {name!r} has dtype {a.dtype}; the wire carries only "
+                f"{', '.join(DTYPES)} (cast it, e.g. .astype(np.float32))"
+            )
+        if a.ndim > MAX_RANK:
+            raise ProtocolError(f"{kind}: array {name!r} has rank {a.ndim} > {MAX_RANK}")
+
+
+# ---- a whole message -------------------------------------------------------------------
+
+
+def check_structure(msg: Message) -> None:
+    """Everything :func:`check_message` checks but the header's packed size (``encode`` packs it in the envelope)."""
+    if not isinstance(msg, Message):
+        raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
+    check_kind(msg.kind)
+    check_header(msg.kind, msg.header)
+    check_arrays(msg.kind, msg.arrays)
+
+
+def pack(kind: str, obj: Any) -> bytes:
+    """``obj`` (a header, or the envelope holding it) as msgpack, within MAX_HEADER_BYTES."""
+    try:
+        packed = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. a str that is not valid unicode
+        raise ProtocolError(f"{kind}: header cannot be packed: {type(e).__name__}: {e}") from e
+    if len(packed) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"{kind}: header is {len(packed)} bytes, over the {MAX_HEADER_BYTES} limit")
+    return packed
+
+
+def check_message(msg: Message) -> None:
+    """Validate a Message about to be sent: kind, header, array names, dtypes and ranks.
+
+    A session kind's header must follow its schema; any other kind's header must be
+    plain data (exact types: a numpy scalar is refused even where msgpack would take
+    it). The in-process transport calls this too, so a malformed message fails the
+    same way whichever transport carries it.
+    """
+    check_structure(msg)
+    pack(msg.kind, msg.header)
+
+
+# ---- error replies -------------------------------------------------------------------------
+
+
+def error_reply(request: Message | None, text: str) -> Message:
+    """An ``error`` message answering ``request``, echoing its header's ``task`` when that is
+    an int, so the master can tell which task failed."""
+    header: dict[str, Any] = {"message": text}
+    if request is not None and isinstance(request.header, dict) and Int.accepts(request.header.get("task")):
+        header["task"] = request.header["task"]
+    return Message("error", header)

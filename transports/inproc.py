@@ -21,7 +21,10 @@ import time
 from typing import Any
 
 from transports.base import HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
-from transports.wire import SESSION_KINDS, Int, VersionMismatch, call_handler, check_message, error_reply
+from transports.session.admission import worker_info
+from transports.session.compute import call_handler
+from transports.session.transport import check_options
+from transports.wire import SESSION_KINDS, VersionMismatch, check_message, error_reply
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +47,7 @@ class InprocTransport(Transport):
                 "InprocTransport needs handler_factory: a callable i -> handler with .hello() and "
                 f".handle(msg); got {handler_factory!r}"
             )
-        if not Int.accepts(protocol):
-            raise TypeError(f"protocol must be an int, the version of the task protocol; got {protocol!r}")
+        check_options(protocol)  # the protocol's type, checked as every transport checks it
         self._factory = handler_factory
         self._protocol = protocol
         self._heartbeat_s = float(heartbeat_s)
@@ -98,14 +100,7 @@ class InprocTransport(Transport):
             raise VersionMismatch(
                 "task protocol", hello["protocol"], self._protocol, peer=f"in-process worker {i}", here="the master"
             )
-        return WorkerInfo(
-            index=i,
-            backend=hello["backend"],
-            device=hello["device"],
-            address="inproc",
-            hostname=hello["hostname"],
-            pid=hello["pid"],
-        )
+        return worker_info(i, hello, "inproc")
 
     def send(self, worker: int, msg: Message) -> None:
         self._check_worker(worker)

@@ -30,17 +30,10 @@ from transports import wire
 from transports.base import Handler, Message
 from transports.mpi_link import POLL_S, Link, require_mpi
 from transports.mpi_master import MASTER, SHUTDOWN_LINGER_S
+from transports.session.compute import Compute
 from transports.session.link import WorkerLink
-from transports.session.worker import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    MASTER_LOST,
-    Compute,
-    Settings,
-    serve_master,
-    to_stderr,
-)
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, MASTER_LOST, Settings, to_stderr
+from transports.session.worker import serve_master
 from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "rank_and_size", "serve", "serve_if_worker"]

@@ -10,13 +10,11 @@ Arrays are never pickled and never copied on the way out (a frame is a
 ``memoryview`` of the array's own memory) nor on the way in (a decoded array is a
 read-only ``np.frombuffer`` view of its frame).
 
-:data:`WIRE_VERSION` versions this envelope alone. A kind is any short
-identifier; the transport's own *session* kinds (:data:`SESSION_KINDS`: hello,
-welcome, heartbeat, shutdown, error) have header schemas, and every other kind is
-a task whose header is plain data that only the application reads
-(:mod:`transports.header`, whose public names this module re-exports: the
-application declares its task headers with :func:`check_fields`, :class:`Int`
-and :class:`Num`).
+:data:`WIRE_VERSION` versions this envelope alone. What a kind, a header and the
+arrays may be is :mod:`transports.header`'s, and so is :func:`check_message`, which
+:func:`encode` applies to a message about to be sent; this module re-exports its
+public names (the application declares its task headers with :func:`check_fields`,
+:class:`Int` and :class:`Num`).
 
 Frames come from the network, so :func:`decode` trusts nothing. In this order it
 checks: the header frame's size; that it parses as plain msgpack (limits on every
@@ -39,40 +37,34 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from transports.base import Handler, Message
+from transports.base import Message
 from transports.header import (
+    DTYPES,
     KIND_PATTERN,
+    MAX_ARRAYS,
     MAX_DEPTH,
+    MAX_HEADER_BYTES,
     MAX_LIST_LEN,
     MAX_MAP_LEN,
+    MAX_RANK,
     SESSION_KINDS,
     Int,
     Num,
     ProtocolError,
     VersionMismatch,
+    check_array_names,
     check_fields,
     check_header,
     check_kind,
+    check_message,
+    check_structure,
+    error_reply,
+    pack,
 )
 
 WIRE_VERSION = 1
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of array data per message
-MAX_HEADER_BYTES = 1 << 20  # the msgpack frame: a header is small, a megabyte is generous
-MAX_RANK = 6
-MAX_ARRAYS = 16
-
-# dtype name on the wire -> the exact numpy dtype (little-endian, as on every machine we target)
-# (float16 and uint16 carry the narrowed words of --wire-precision: fp16, and bf16's top 2 bytes of a float32)
-DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype("<f4"),
-    "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"),
-    "uint8": np.dtype("u1"),
-    "float16": np.dtype("<f2"),
-    "uint16": np.dtype("<u2"),
-}
-
 # Bounds for msgpack itself, so a hostile header cannot make the parser allocate much.
 _UNPACK_LIMITS = dict(
     max_str_len=MAX_HEADER_BYTES,
@@ -81,61 +73,6 @@ _UNPACK_LIMITS = dict(
     max_map_len=MAX_MAP_LEN,
     max_ext_len=0,  # no extension types (timestamps, custom objects)
 )
-
-
-def _check_array_names(kind: str, names: Sequence[Any]) -> None:
-    if len(names) > MAX_ARRAYS:
-        raise ProtocolError(f"{kind}: {len(names)} arrays, at most {MAX_ARRAYS} allowed")
-    if names and kind in SESSION_KINDS:
-        raise ProtocolError(f"{kind}: unexpected array(s) {', '.join(map(str, names))}; it carries no arrays")
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise ProtocolError(f"{kind}: array names must be non-empty str, got {name!r}")
-    if len(set(names)) != len(names):
-        raise ProtocolError(f"{kind}: duplicate array names in {list(names)}")
-
-
-def _check_structure(msg: Message) -> None:
-    """Everything :func:`check_message` checks but the header's packed size."""
-    if not isinstance(msg, Message):
-        raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
-    check_kind(msg.kind)
-    check_header(msg.kind, msg.header)
-    if not isinstance(msg.arrays, dict):
-        raise ProtocolError(f"{msg.kind}: arrays must be a dict of name -> numpy array")
-    _check_array_names(msg.kind, list(msg.arrays))
-    for name, a in msg.arrays.items():
-        if not isinstance(a, np.ndarray):
-            raise ProtocolError(f"{msg.kind}: array {name!r} is a {type(a).__name__}, not a numpy array")
-        if a.dtype.name not in DTYPES or a.dtype.byteorder == ">":
-            raise ProtocolError(
-                f"{msg.kind}: array {name!r} has dtype {a.dtype}; the wire carries only "
-                f"{', '.join(DTYPES)} (cast it, e.g. .astype(np.float32))"
-            )
-        if a.ndim > MAX_RANK:
-            raise ProtocolError(f"{msg.kind}: array {name!r} has rank {a.ndim} > {MAX_RANK}")
-
-
-def _pack(kind: str, obj: Any) -> bytes:
-    try:
-        packed = msgpack.packb(obj, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:  # e.g. a str that is not valid unicode
-        raise ProtocolError(f"{kind}: header cannot be packed: {type(e).__name__}: {e}") from e
-    if len(packed) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"{kind}: header is {len(packed)} bytes, over the {MAX_HEADER_BYTES} limit")
-    return packed
-
-
-def check_message(msg: Message) -> None:
-    """Validate a Message about to be sent: kind, header, array names, dtypes and ranks.
-
-    A session kind's header must follow its schema; any other kind's header must be
-    plain data (exact types: a numpy scalar is refused even where msgpack would take
-    it). The in-process transport calls this too, so a malformed message fails the
-    same way whichever transport carries it.
-    """
-    _check_structure(msg)
-    _pack(msg.kind, msg.header)
 
 
 # ---- encode -----------------------------------------------------------------------
@@ -147,7 +84,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     The buffers alias the arrays' memory, so do not modify an array until the
     send is done (the master naturally waits for the reply first).
     """
-    _check_structure(msg)
+    check_structure(msg)
     descriptors = []
     buffers: list[bytes | memoryview] = []
     for name, a in msg.arrays.items():
@@ -156,7 +93,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         # reshape(-1).view(uint8): a flat byte view of the same memory, fine for 0-d and empty arrays
         buffers.append(memoryview(a.reshape(-1).view(np.uint8)))
     envelope = {"v": WIRE_VERSION, "kind": msg.kind, "header": msg.header, "arrays": descriptors}
-    return [_pack(msg.kind, envelope), *buffers]
+    return [pack(msg.kind, envelope), *buffers]
 
 
 # ---- decode -----------------------------------------------------------------------
@@ -214,7 +151,7 @@ def _parse_arrays(kind: str, descriptors: Any, frames: Sequence[Any], max_bytes:
     if not isinstance(descriptors, list) or len(descriptors) > MAX_ARRAYS:
         raise ProtocolError(f"{kind}: 'arrays' must be a list of at most {MAX_ARRAYS} descriptors")
     parsed = [_parse_descriptor(kind, i, d) for i, d in enumerate(descriptors)]
-    _check_array_names(kind, [p[0] for p in parsed])
+    check_array_names(kind, [p[0] for p in parsed])
     total = sum(p[3] for p in parsed)
     if total > max_bytes:
         raise ProtocolError(
@@ -255,36 +192,6 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message
     return Message(kind, header, _parse_arrays(kind, env["arrays"], frames[1:], max_bytes))
 
 
-# ---- serving: replies always follow the wire ------------------------------------------------
-
-
-def error_reply(request: Message | None, text: str) -> Message:
-    """An ``error`` message answering ``request``, echoing its header's ``task`` when that is
-    an int, so the master can tell which task failed."""
-    header: dict[str, Any] = {"message": text}
-    if request is not None and isinstance(request.header, dict) and Int.accepts(request.header.get("task")):
-        header["task"] = request.header["task"]
-    return Message("error", header)
-
-
-def call_handler(handler: Handler, msg: Message) -> Message | None:
-    """``handler.handle(msg)``, made safe for a worker loop.
-
-    An exception becomes an ``error`` reply, and so does a reply that breaks the
-    wire, so a bad task (or a handler bug) never kills the worker and the master
-    always gets a message it can decode.
-    """
-    try:
-        reply = handler.handle(msg)
-        if reply is not None:
-            check_message(reply)
-        return reply
-    except ProtocolError as e:
-        return error_reply(msg, f"{msg.kind}: the worker produced an invalid reply: {e}")
-    except Exception as e:  # report and keep serving; the traceback is no use to the master
-        return error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
-
-
 # ---- byte counting (metrics) -------------------------------------------------------
 
 
@@ -314,7 +221,6 @@ __all__ = [
     "Num",
     "ProtocolError",
     "VersionMismatch",
-    "call_handler",
     "check_fields",
     "check_message",
     "decode",

@@ -34,20 +34,19 @@ from zmq.utils.monitor import recv_monitor_message
 from transports import wire
 from transports.base import Handler, Message
 from transports.curve import CurveClient
+from transports.session.compute import Compute
 from transports.session.link import WorkerLink
-from transports.session.worker import (
-    BACKOFF_MAX_S,
+from transports.session.settings import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     MASTER_LOST,
     SHUTDOWN,
-    Compute,
-    Serving,
     Settings,
-    greet,
     to_stderr,
 )
+from transports.session.welcome import BACKOFF_MAX_S, greet
+from transports.session.worker import Serving
 from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "serve"]

@@ -15,12 +15,14 @@ sees :class:`~transports.base.Transport` on the master and a
 :class:`~transports.base.Handler` on each worker.
 
 * Master side: :class:`~transports.session.master.MasterSession` runs the one I/O thread
-  that calls the link; :class:`~transports.session.transport.SessionTransport` is the
+  that calls the link, and :class:`~transports.session.admission.Admission` decides, in that
+  thread, who becomes a worker; :class:`~transports.session.transport.SessionTransport` is the
   Transport API the caller's threads use, talking to that thread through queues.
-* Worker side: :class:`~transports.session.worker.Compute` runs the handler in a thread of
+* Worker side: :class:`~transports.session.compute.Compute` runs the handler in a thread of
   its own, so the link keeps being read and heartbeats keep flowing while a task computes;
+  :func:`~transports.session.welcome.greet` says hello until a master welcomes the worker;
   :class:`~transports.session.worker.Serving` serves one master over a worker's link until
-  its shutdown or its silence.
+  its shutdown or its silence (:mod:`transports.session.settings`: its settings and exit codes).
 
 **Liveness apart from bulk data.** A peer is alive while *anything* comes from it: every
 :class:`~transports.session.link.Arrival` counts, a whole message of any kind or only a

@@ -2,7 +2,8 @@
 
 A link knows peers only as opaque, hashable ids (a ZeroMQ identity, an MPI rank, a socket)
 and messages only as lists of frames (:func:`transports.wire.encode`'s). Hello, welcome,
-admission, heartbeats, loss and goodbye are :class:`transports.session.master.MasterSession`'s.
+admission, heartbeats, loss and goodbye are the session's (:mod:`transports.session.master`,
+:mod:`transports.session.admission`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ from typing import Any
 
 from transports import wire
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
+from transports.session.book import Book
 from transports.session.link import Link
-from transports.session.master import Book, MasterSession
+from transports.session.master import MasterSession
 
 log = logging.getLogger(__name__)
 

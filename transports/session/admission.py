@@ -1,0 +1,206 @@
+"""Admission: which peers become workers of a master's session, under which index, and which are turned away.
+
+Before start() the master holds hellos back (at most ``MAX_PENDING``; in an open group it
+forgets a peer that said hello and then nothing for ``peer_timeout_s``). From start() on it
+admits every hello, each under a new index (a worker that comes back after being lost is a new
+worker), with a welcome. Nothing a peer that is not a worker sends can end the run: a hello of
+another version is answered with both versions, anything else unreadable is dropped, and each
+kind is logged in one line per 10 s (:class:`~transports.droplog.DropLog`). In a closed group
+(MPI's ranks) a peer that cannot be admitted is given up on and ``start`` raises why: no other
+could take its place. A worker's message over ``max_bytes`` is refused before it is decoded
+(:func:`oversize`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from transports import wire
+from transports.base import Message, WorkerInfo
+from transports.droplog import DropLog
+from transports.session.book import Book
+from transports.session.link import Arrival, Link
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 1000  # peers whose hello waits for start(); more are turned away
+
+
+@dataclass
+class _Pending:
+    hello: Message
+    address: str
+    heard: float
+
+
+def oversize(body: list, max_bytes: int) -> str | None:
+    """Why the frames of one message are too many or too big to decode, or None: at most a header of
+    MAX_HEADER_BYTES and MAX_ARRAYS array frames adding up to ``max_bytes``."""
+    if len(body) > 1 + wire.MAX_ARRAYS:
+        return f"{len(body)} frames, more than a header and {wire.MAX_ARRAYS} arrays"
+    if body and len(body[0]) > wire.MAX_HEADER_BYTES:
+        return f"a header frame of {len(body[0])} bytes, over the {wire.MAX_HEADER_BYTES} limit"
+    total = sum(len(f) for f in body[1:])
+    if total > max_bytes:
+        return (
+            f"array frames adding up to {total} bytes, over the limit of {max_bytes} bytes "
+            "(raise max_message_bytes if this is intended)"
+        )
+    return None
+
+
+def worker_info(k: int, hello: dict, address: str) -> WorkerInfo:
+    """Worker ``k`` as its hello's header describes it."""
+    return WorkerInfo(k, hello["backend"], hello["device"], address, hello["hostname"], hello["pid"])
+
+
+def _label(a: Arrival) -> str:
+    return a.address or f"peer {a.peer.hex()[:8] if isinstance(a.peer, bytes) else a.peer}"
+
+
+class Admission:
+    """The I/O thread's record of who is a worker (``index``, ``peer``), who waits for start()
+    (``pending``) and who never will be; it answers whatever comes from a peer that is not a live worker."""
+
+    def __init__(
+        self, link: Link, book: Book, drops: DropLog, *, protocol: int, heartbeat_s: float, peer_timeout_s: float
+    ) -> None:
+        self.link, self.book, self.drops = link, book, drops
+        self.protocol, self.heartbeat_s, self.peer_timeout_s = protocol, heartbeat_s, peer_timeout_s
+        self.index: dict[Hashable, int] = {}  # peer -> index, for every worker ever admitted
+        self.peer: dict[int, Hashable] = {}  # and back
+        self.pending: dict[Hashable, _Pending] = {}  # hellos before start(), oldest first
+        self._given_up: set[Hashable] = set()  # closed group: peers that will never be workers
+
+    def welcome(self, k: int) -> list:
+        """The frames of worker ``k``'s welcome: its index and the heartbeat pace."""
+        return wire.encode(Message("welcome", {"index": k, "heartbeat_s": self.heartbeat_s}))
+
+    def admit_waiting(self, now: float) -> list[int]:
+        """Forget silent hellos (open group) and, once start() was called, admit the waiting ones; their indices."""
+        if self.link.group is None:
+            self._forget_silent(now)
+        with self.book.cond:
+            admitting = self.book.admitting
+        admitted: list[int] = []
+        if admitting and self.pending:
+            pending, self.pending = self.pending, {}
+            for peer, p in pending.items():
+                admitted += self._admit(peer, p.hello, p.address)
+        return admitted
+
+    def hear(self, a: Arrival) -> list[int]:
+        """Answer what came from a peer that is not a live worker; [the index of the worker it became], or []."""
+        k = self.index.get(a.peer)
+        if a.gone:
+            if k is None and a.peer not in self._given_up and self.link.group is not None:
+                self._give_up(a.peer, RuntimeError(f"{_label(a)} is gone before its welcome: {a.gone}"))
+            self.pending.pop(a.peer, None)
+        elif a.frames is None:
+            if a.peer in self.pending:
+                self.pending[a.peer].heard = time.monotonic()
+        elif k is not None:
+            self.drops.drop("lost", _label(a), f"worker {k} was declared lost; to come back it must say hello again")
+        elif a.peer in self._given_up:
+            self.drops.drop("stray", _label(a), "a peer this master gave up on")
+        else:
+            return self._from_stranger(a)
+        return []
+
+    def _forget_silent(self, now: float) -> None:
+        """A hello followed by silence frees its place: the peer must say hello again."""
+        for peer, p in list(self.pending.items()):
+            silent = now - p.heard
+            if silent > self.peer_timeout_s:
+                del self.pending[peer]
+                where, pid = p.address or "?", p.hello.header["pid"]
+                log.info("forgot a peer at %s (pid %d): it said hello, then nothing for %.1f s", where, pid, silent)
+
+    def _from_stranger(self, a: Arrival) -> list[int]:
+        """A peer that is not a worker: only a hello (one small frame) or, while its hello waits for
+        start(), a heartbeat make sense (and, in a closed group, an error: it could not start);
+        anything else is dropped and counted."""
+        label, body = _label(a), a.frames
+        if len(body) != 1:
+            self.drops.drop("stray", label, f"{len(body)} frames; a peer must say hello (one frame) first")
+            return []
+        if len(body[0]) > wire.MAX_HEADER_BYTES:
+            self.drops.drop("oversized", label, f"a frame of {len(body[0])} bytes from a peer that has not said hello")
+            return []
+        try:
+            msg = wire.decode(body, 0)
+        except wire.VersionMismatch as e:
+            self._refuse(a, e.what, e.theirs)
+            return []
+        except wire.ProtocolError as e:
+            self.drops.drop("unreadable", label, str(e))
+            return []
+        if msg.kind == "hello":
+            return self._on_hello(a, msg)
+        elif msg.kind == "heartbeat" and a.peer in self.pending:
+            self.pending[a.peer].heard = time.monotonic()
+        elif msg.kind == "error" and self.link.group is not None:
+            self._give_up(a.peer, RuntimeError(f"{label} could not start: {msg.header['message']}"))
+        else:
+            self.drops.drop("stray", label, f"a {msg.kind!r} message")
+        return []
+
+    def _refuse(self, a: Arrival, what: str, theirs: object) -> None:
+        """Turn away a worker that speaks another version of ``what``, telling it both versions."""
+        ours = wire.WIRE_VERSION if what == "wire" else self.protocol
+        told = wire.VersionMismatch(what, theirs, ours, peer="the worker", here="the master")
+        refusal = Message("error", {"message": f"{told} (worker at {a.address or 'unknown address'})"})
+        self.link.send(a.peer, wire.encode(refusal))  # best effort: the peer is no worker
+        if self.link.group is None:
+            self.drops.drop("version", _label(a), str(told))
+        else:
+            self._give_up(a.peer, wire.VersionMismatch(what, theirs, ours, peer=_label(a), here="the master"))
+
+    def _give_up(self, peer: Hashable, why: BaseException) -> None:
+        """A member of a closed group that will never be a worker: the link lets it go, start() raises ``why``."""
+        self._given_up.add(peer)
+        self.link.let_go(peer)
+        with self.book.cond:
+            if self.book.refusal is None:
+                self.book.refusal = why
+            self.book.cond.notify_all()
+
+    def _on_hello(self, a: Arrival, msg: Message) -> list[int]:
+        if msg.header["protocol"] != self.protocol:
+            self._refuse(a, "task protocol", msg.header["protocol"])
+            return []
+        with self.book.cond:
+            admitting = self.book.admitting
+        if admitting:
+            return self._admit(a.peer, msg, a.address)
+        if a.peer in self.pending or len(self.pending) < MAX_PENDING:
+            if a.peer not in self.pending:
+                log.debug(
+                    "holding the hello of a worker at %s (pid %d) until start()", a.address or "?", msg.header["pid"]
+                )
+            self.pending[a.peer] = _Pending(msg, a.address, time.monotonic())
+        else:
+            self.drops.drop("crowd", _label(a), f"{MAX_PENDING} peers already wait for start()")
+        return []
+
+    def _admit(self, peer: Hashable, msg: Message, address: str) -> list[int]:
+        """Welcome ``peer`` as a new worker: [its index], or [] if the welcome cannot reach it."""
+        h = msg.header
+        # The book stays locked from the welcome's send to the worker's entry in it, so that a
+        # worker holding its welcome is already in joined() (the send does not block).
+        with self.book.cond:
+            k = len(self.index) if self.link.group is None else self.link.group.index(peer)
+            welcome = self.welcome(k)
+            why = self.link.send(peer, welcome)
+            if why:  # it said hello, then left: not a worker
+                log.info("a worker at %s left before its welcome (%s); not counting it", address or "?", why)
+                return []
+            self.index[peer], self.peer[k] = k, peer
+            self.book.traffic[k] = [wire.frames_nbytes(welcome), 0]
+            self.book.fresh.append(worker_info(k, h, address))
+            self.book.cond.notify_all()
+        log.info("worker %d: %s on %s (%s, pid %d)", k, h["backend"], h["device"].get("device"), address, h["pid"])
+        return [k]

@@ -1,0 +1,40 @@
+"""What a worker's session is told and what it tells: its :class:`Settings` and its exit codes."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transports import wire
+from transports.base import Message
+
+EXIT_OK = 0  # the master said shutdown
+EXIT_FAILED = 1  # refused, never welcomed, master gone for good, bad address
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM / the stop event
+MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
+SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
+
+HEARTBEAT = wire.encode(Message("heartbeat"))  # sent after heartbeat_s of quiet, waiting or serving
+
+
+def to_stderr(line: str) -> None:
+    """A worker's default way to say a line."""
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """How a worker keeps its sessions. A welcome's ``heartbeat_s`` can only make the pace faster and the
+    patience longer: never quieter than the master expects, nor giving up between its heartbeats."""
+
+    heartbeat_s: float = 1.0  # a heartbeat after this long without sending
+    peer_timeout_s: float = 5.0  # a master silent for this long is lost
+    max_bytes: int = wire.DEFAULT_MAX_BYTES  # the array data of one message
+    say: Callable[[str], None] = to_stderr  # problems, one line each
+    info: Callable[[str], None] = to_stderr  # what happens (a quiet worker passes a no-op)
+    stop: threading.Event | None = None  # set: the worker stops
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()

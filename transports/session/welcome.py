@@ -1,0 +1,118 @@
+"""A worker's wait for its welcome: it says hello until the master answers, and reads the answer.
+
+:func:`greet` says hello (made by the compute thread) and says it again with backoff until the
+master's welcome comes; :func:`answer_to_hello` reads what the master sends meanwhile: a
+welcome, a refusal, a shutdown, or something to wait on past.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from transports import wire
+from transports.base import Message
+from transports.session.compute import Compute, Hello
+from transports.session.link import WorkerLink
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, HEARTBEAT, SHUTDOWN, Settings
+
+BACKOFF_FIRST_S = 0.5  # a hello is said again after this long without a welcome...
+BACKOFF_MAX_S = 10.0  # ... doubling up to this
+_SLICE_S = 0.25  # while waiting for a welcome, how often to look at the clock and the stop event
+
+
+def answer_to_hello(
+    frames: list, master: str, settings: Settings, unreadable: Callable[[str], None]
+) -> Message | int | None:
+    """What ``master`` (e.g. "the master at tcp://...") sent a worker that waits for its welcome: the
+    welcome; EXIT_FAILED when it refused this worker or speaks another wire; SHUTDOWN when it ended
+    first; None for anything else (wait on). Each outcome but the welcome is said in one line, through
+    the settings' ``say`` and ``info`` or, for what cannot be read, ``unreadable``."""
+    say, info = settings.say, settings.info
+    try:
+        msg = wire.decode(frames, settings.max_bytes)
+    except wire.VersionMismatch as e:
+        say(f"cannot talk to {master}: {wire.VersionMismatch(e.what, e.theirs, e.ours, 'the master', 'this worker')}")
+        return EXIT_FAILED
+    except wire.ProtocolError as e:
+        unreadable(f"{master} sent something unreadable: {e}; waiting on")
+        return None
+    if msg.kind == "welcome":
+        return msg
+    if msg.kind == "error":
+        say(f"{master} refused this worker: {msg.header['message']}")
+        return EXIT_FAILED
+    if msg.kind == "shutdown":
+        info(f"shutdown: {msg.header['reason']} (from {master}, before it welcomed this worker)")
+        return SHUTDOWN
+    return None
+
+
+def greet(
+    link: WorkerLink,
+    compute: Compute,
+    session: int,
+    settings: Settings,
+    *,
+    master: str,
+    deadline: float | None,
+    giving_up: str,
+) -> tuple[Message, list] | int:
+    """Say hello to ``master`` and wait for its welcome until ``deadline`` (None: no limit).
+
+    The hello, made by the compute thread (once the previous master's last task is done), goes
+    again with backoff (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S), and at once over a link that
+    was ``renewed``; heartbeats go meanwhile, so a master that is not admitting yet keeps this
+    worker's place. Returns (the welcome, what arrived after it in the same receive), SHUTDOWN, or
+    an exit code: EXIT_INTERRUPTED when ``stop`` is set, EXIT_FAILED when refused, at the deadline
+    (``giving_up`` said), when the link is gone, or when the handler cannot say hello (the master
+    is told why instead).
+    """
+    compute.submit(session, None)
+    hello, delay, next_hello, last_sent = None, BACKOFF_FIRST_S, 0.0, None
+    unreadable = _Once(settings.say)
+    while deadline is None or time.monotonic() < deadline:
+        if settings.stopped():
+            return EXIT_INTERRUPTED
+        slice_s = min(_SLICE_S, settings.heartbeat_s)
+        link.wait(slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic())))
+        for made in compute.take(session):
+            if isinstance(made, Hello) and made.frames is None:
+                settings.say(made.problem)
+                link.send(wire.encode(Message("error", {"message": made.problem})))
+                return EXIT_FAILED
+            hello = made.frames if isinstance(made, Hello) else hello
+        now = time.monotonic()
+        if link.renewed:  # a new connection, perhaps to a new master: hello at once
+            next_hello, link.renewed = now, False
+        if hello is not None and now >= next_hello:
+            if link.send(hello):
+                next_hello, delay, last_sent = now + delay, min(2 * delay, BACKOFF_MAX_S), now
+            else:  # the link cannot send yet: try again soon
+                next_hello = now + _SLICE_S
+        elif last_sent is not None and now - last_sent >= settings.heartbeat_s and link.send(HEARTBEAT, control=True):
+            last_sent = now
+        arrived = link.receive()
+        for i, frames in enumerate(arrived):
+            found = None if frames is None else answer_to_hello(frames, master, settings, unreadable)
+            if isinstance(found, Message):
+                return found, arrived[i + 1 :]
+            if found is not None:
+                return found
+        if link.gone:
+            settings.say(link.gone)
+            return EXIT_FAILED
+    settings.say(giving_up)
+    return EXIT_FAILED
+
+
+class _Once:
+    """Says its first line only."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say, self.said = say, False
+
+    def __call__(self, line: str) -> None:
+        if not self.said:
+            self.say(line)
+            self.said = True
