@@ -29,10 +29,11 @@ cla = pytest.importorskip("pyopencl.array")
 
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
-from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, list_devices, select_device  # noqa: E402
+from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
 from backends.opencl.backend import plane_defines  # noqa: E402
-from backends.opencl.gemm import AView, CView, TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
+from backends.opencl.gemm import AView, CView  # noqa: E402
+from backends.opencl.gemm_configs import TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
 from backends.registry import get_backend  # noqa: E402
 
 REF = NumpyBackend()
@@ -165,7 +166,7 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     saved = json.loads(tune_file.read_text())
     assert tuner.tune_key.startswith(be.rt.limits.key) and "gemm.cl " in tuner.tune_key
     entry = saved[tuner.tune_key][f"test M{m} N{n} K{k} KI{k}"]
-    assert gemm_module.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
+    assert gemm_configs.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
 
     again = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
@@ -203,11 +204,11 @@ def test_the_kernels_need_no_double_precision_and_no_images():
 
 
 def test_gemm_candidates_respect_the_device_limits(be):
-    small = gemm_module.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096, vector_width=4)
+    small = gemm_configs.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096, vector_width=4)
     cands = candidates(small)
     assert cands and all(c.fits(small) for c in cands)
     assert all(c.tx * c.ty <= 64 and c.local_bytes() <= 4096 for c in cands if isinstance(c, TiledConfig))
-    cpu = gemm_module.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
+    cpu = gemm_configs.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
     assert all(isinstance(c, VecConfig) and c.vw == 16 for c in candidates(cpu))
     assert all(c.vw == 8 for c in candidates(cpu, 8))
 
@@ -221,12 +222,12 @@ def test_pocl_compiling_for_a_cpu_without_avx512_gets_8_wide_vectors():
         )
 
     hstr = "OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-"
-    assert gemm_module.pocl_llvm_cpu(hstr + "skylake-avx512") == "skylake-avx512"
-    assert gemm_module.pocl_llvm_cpu("OpenCL 3.0 CUDA") is None
-    widths = {cpu: gemm_module.DeviceLimits.of(device(hstr + cpu), "cpu").vector_width for cpu in ("znver3", "znver4")}
+    assert gemm_configs.pocl_llvm_cpu(hstr + "skylake-avx512") == "skylake-avx512"
+    assert gemm_configs.pocl_llvm_cpu("OpenCL 3.0 CUDA") is None
+    widths = {cpu: gemm_configs.DeviceLimits.of(device(hstr + cpu), "cpu").vector_width for cpu in ("znver3", "znver4")}
     assert widths == {"znver3": 8, "znver4": 16}  # Zen 4 hosts are compiled for as Zen 3 by PoCL 3.0's wheels
-    assert gemm_module.DeviceLimits.of(device("OpenCL 3.0 other"), "cpu").vector_width == 16  # not PoCL: trusted
-    assert gemm_module.DeviceLimits.of(device(hstr + "znver3", 4), "cpu").vector_width == 4
+    assert gemm_configs.DeviceLimits.of(device("OpenCL 3.0 other"), "cpu").vector_width == 16  # not PoCL: trusted
+    assert gemm_configs.DeviceLimits.of(device(hstr + "znver3", 4), "cpu").vector_width == 4
 
 
 def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):

@@ -25,7 +25,8 @@ import pyopencl.array as cla
 from backends.base import Backend, WireConversion, conv_output_size, require_batch_statistics
 from backends.opencl import conv
 from backends.opencl.device import describe_device, select_device
-from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, cdiv
+from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView
+from backends.opencl.gemm_configs import cdiv
 from backends.opencl.runtime import Runtime
 from backends.opencl.tune_file import default_tune_file
 

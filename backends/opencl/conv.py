@@ -26,7 +26,8 @@ import numpy as np
 import pyopencl.array as cla
 
 from backends.base import Cache, conv_output_size
-from backends.opencl.gemm import AView, CView, cdiv
+from backends.opencl.gemm import AView, CView
+from backends.opencl.gemm_configs import cdiv
 from backends.opencl.runtime import Runtime
 
 i32 = np.int32

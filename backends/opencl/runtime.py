@@ -24,7 +24,8 @@ import pyopencl.array as cla
 import pyopencl.tools as cl_tools
 
 from backends.opencl.device import device_kind
-from backends.opencl.gemm import DeviceLimits, Gemm, cdiv, pocl_llvm_cpu
+from backends.opencl.gemm import Gemm
+from backends.opencl.gemm_configs import DeviceLimits, cdiv, pocl_llvm_cpu
 
 F32 = np.float32
 i32 = np.int32
