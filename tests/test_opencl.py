@@ -31,9 +31,9 @@ from backends.conformance.runner import FN, Expected, assert_close, conv2d_expec
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
-from backends.opencl.backend import plane_defines  # noqa: E402
 from backends.opencl.gemm import AView, CView  # noqa: E402
 from backends.opencl.gemm_configs import TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
+from backends.opencl.maxpool import plane_defines  # noqa: E402
 from backends.registry import get_backend  # noqa: E402
 
 REF = NumpyBackend()
@@ -463,7 +463,7 @@ def with_nans(rng, shape):
 
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_relu_and_sgd_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape):
-    monkeypatch.setattr(be, "CHUNK", 4)  # several chunks and a partial last one, even on these sizes
+    monkeypatch.setattr(be.rt, "CHUNK", 4)  # several chunks and a partial last one, even on these sizes
     x, dy = with_nans(rng, shape), with_nans(rng, shape)
     xd, dyd = be.asarray(x), be.asarray(dy)
     y, dx = both_variants(be, monkeypatch, lambda: (be.relu_forward(xd)[0], be.relu_backward(dyd, xd)))
@@ -492,9 +492,9 @@ def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, 
     place of the walk) and the walk along the channels (4 pixels per work-item: several blocks
     and a partial last one; or a whole plane)."""
     if walk == "planes":
-        monkeypatch.setattr(be, "_channel_walk", be._planes)
+        monkeypatch.setattr(be.rt, "channel_walk", be.rt.planes)
     else:
-        monkeypatch.setattr(be, "LRN_BLOCK", walk)
+        monkeypatch.setattr(be.rt, "LRN_BLOCK", walk)
     x, dy = with_nans(rng, shape), with_nans(rng, shape)
     xd, dyd = be.asarray(x), be.asarray(dy)
 
@@ -523,11 +523,11 @@ def test_batchnorm_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, 
 
     def run():
         out = [be.rt.empty(shape) for _ in range(3)]
-        be._planes("bn_forward", n, c, h * w, xd.data, mean.data, invstd.data, gamma.data, beta.data, np.int32(c),
-                   np.int32(h * w), np.int32(n), out[0].data, out[1].data)
-        be._planes("bn_backward", n, c, h * w, dyd.data, xhatd.data, gamma.data, invstd.data, dgamma.data,
-                   dbeta.data, np.int32(training), F32(n * h * w), np.int32(c), np.int32(h * w), np.int32(n),
-                   out[2].data)
+        be.rt.planes("bn_forward", n, c, h * w, xd.data, mean.data, invstd.data, gamma.data, beta.data, np.int32(c),
+                     np.int32(h * w), np.int32(n), out[0].data, out[1].data)
+        be.rt.planes("bn_backward", n, c, h * w, dyd.data, xhatd.data, gamma.data, invstd.data, dgamma.data,
+                     dbeta.data, np.int32(training), F32(n * h * w), np.int32(c), np.int32(h * w), np.int32(n),
+                     out[2].data)
         return out
 
     both_variants(be, monkeypatch, run)
