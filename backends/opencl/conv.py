@@ -88,7 +88,6 @@ def forward(
     kdim, npix = c * kh * kw, n * oh * ow
     pixel, tap = im2col_tables(rt, x.shape, kh, kw, stride, padding, oh, ow)
     geometry, build = (i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n)), window(kh, kw, stride, padding)
-    tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
 
     def cols(nb: int) -> cla.Array:  # B(k, p) = x_pad[n, c, oh*s + i, ow*s + j], k = (c, i, j)
         out = rt.empty((cdiv(npix, nb) * kdim * nb,))
@@ -98,6 +97,7 @@ def forward(
         elif rt.rows:  # optimisation (layout.cl): a work-item copies a tap over an image
             rt.launch("im2col_panels_rows", (kdim, n), x.data, *geometry, *panel, defines=build, rows=True)
         else:
+            tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
             rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, *tables, *panel)
         return out
 
@@ -123,7 +123,6 @@ def backward(
         raise ValueError(f"conv2d_backward: dy {dy.shape} does not match the forward output {y_shape}")
     q, kdim, npix = oh * ow, c * kh * kw, n * oh * ow
     geometry, build = (i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n)), window(kh, kw, stride, padding)
-    tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
 
     def cols_t(nb: int) -> cla.Array:  # B(p, k) = [cols^T | 1]: the columns again, from x
         out = rt.empty((cdiv(kdim + 1, nb) * npix * nb,))
@@ -133,6 +132,7 @@ def backward(
         elif rt.rows:  # optimisation (layout.cl): a work-item writes a panel's block of an image
             rt.launch("im2row_panels_rows", grid, x.data, *geometry, *panel, defines=build, rows=True)
         else:
+            tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
             rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), x.data, *tables, *panel)
         return out
 
