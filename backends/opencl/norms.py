@@ -146,6 +146,6 @@ def batchnorm_backward(rt: Runtime, dy: cla.Array, cache: Cache) -> tuple[cla.Ar
     dgamma = rt.channel_sums(dy, n, c, hw, mode=1, src2=xhat)
     dx = rt.empty(dy.shape)
     inputs = (dy.data, xhat.data, gamma.data, invstd.data, dgamma.data, dbeta.data)
-    sizes = (i32(training), F32(n * hw), i32(c), i32(hw), i32(n))
-    rt.planes("bn_backward", n, c, hw, *inputs, *sizes, dx.data)
+    constants = (i32(training), F32(n * hw), i32(c), i32(hw), i32(n))
+    rt.planes("bn_backward", n, c, hw, *inputs, *constants, dx.data)
     return dx, dgamma, dbeta
