@@ -45,9 +45,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _channel_window_sum(
-    a: np.ndarray, before: int, after: int, out: np.ndarray | None = None
-) -> np.ndarray:
+def _channel_window_sum(a: np.ndarray, before: int, after: int, out: np.ndarray | None = None) -> np.ndarray:
     """out[:, c] = sum of a[:, c-before .. c+after] along axis 1, clipped at the edges."""
     if out is None:
         out = a.copy()
@@ -341,9 +339,7 @@ class NumpyBackend(Backend):
     def linear_forward(self, x, w, b):
         x2 = x.reshape(x.shape[0], -1)
         if x2.shape[1] != w.shape[1]:
-            raise ValueError(
-                f"linear: input {x.shape} flattens to {x2.shape[1]}, weights expect {w.shape[1]}"
-            )
+            raise ValueError(f"linear: input {x.shape} flattens to {x2.shape[1]}, weights expect {w.shape[1]}")
         return x2 @ w.T + b, (x.shape, x2, w)
 
     def linear_backward(self, dy, cache):

@@ -35,7 +35,13 @@ def test_the_paper_net_runs_each_relu_and_lrn_as_one_op():
     be = CountingBackend()
     net = paper_net("4:6", be, image_size=16)
     assert [tuple(layer.name for layer in run) for run in net.runs()] == [
-        ("conv1",), ("relu1", "lrn1"), ("pool1",), ("conv2",), ("relu2", "lrn2"), ("pool2",), ("fc1",)
+        ("conv1",),
+        ("relu1", "lrn1"),
+        ("pool1",),
+        ("conv2",),
+        ("relu2", "lrn2"),
+        ("pool2",),
+        ("fc1",),
     ]
     net.train_step(*batch())
     assert be.calls["relu_lrn_forward"] == be.calls["relu_lrn_backward"] == 2

@@ -29,10 +29,11 @@ cla = pytest.importorskip("pyopencl.array")
 
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
-from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, list_devices, select_device  # noqa: E402
+from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
-from backends.opencl.backend import plane_defines  # noqa: E402
-from backends.opencl.gemm import AView, CView, TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
+from backends.opencl.gemm import AView, CView  # noqa: E402
+from backends.opencl.gemm_configs import TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
+from backends.opencl.maxpool import plane_defines  # noqa: E402
 from backends.registry import get_backend  # noqa: E402
 
 REF = NumpyBackend()
@@ -165,7 +166,7 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     saved = json.loads(tune_file.read_text())
     assert tuner.tune_key.startswith(be.rt.limits.key) and "gemm.cl " in tuner.tune_key
     entry = saved[tuner.tune_key][f"test M{m} N{n} K{k} KI{k}"]
-    assert gemm_module.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
+    assert gemm_configs.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
 
     again = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
@@ -203,11 +204,11 @@ def test_the_kernels_need_no_double_precision_and_no_images():
 
 
 def test_gemm_candidates_respect_the_device_limits(be):
-    small = gemm_module.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096, vector_width=4)
+    small = gemm_configs.DeviceLimits("k", "gpu", 8, max_work_group_size=64, local_mem_bytes=4096, vector_width=4)
     cands = candidates(small)
     assert cands and all(c.fits(small) for c in cands)
     assert all(c.tx * c.ty <= 64 and c.local_bytes() <= 4096 for c in cands if isinstance(c, TiledConfig))
-    cpu = gemm_module.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
+    cpu = gemm_configs.DeviceLimits("k", "cpu", 2, 4096, 1 << 20, 16)
     assert all(isinstance(c, VecConfig) and c.vw == 16 for c in candidates(cpu))
     assert all(c.vw == 8 for c in candidates(cpu, 8))
 
@@ -216,17 +217,23 @@ def test_pocl_compiling_for_a_cpu_without_avx512_gets_8_wide_vectors():
     def device(version: str, width: int = 16) -> SimpleNamespace:
         platform = SimpleNamespace(name="Portable Computing Language")
         return SimpleNamespace(
-            preferred_vector_width_float=width, version=version, platform=platform, name="cpu", driver_version="3.0",
-            max_compute_units=2, max_work_group_size=4096, local_mem_size=1 << 20,
+            preferred_vector_width_float=width,
+            version=version,
+            platform=platform,
+            name="cpu",
+            driver_version="3.0",
+            max_compute_units=2,
+            max_work_group_size=4096,
+            local_mem_size=1 << 20,
         )
 
     hstr = "OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-"
-    assert gemm_module.pocl_llvm_cpu(hstr + "skylake-avx512") == "skylake-avx512"
-    assert gemm_module.pocl_llvm_cpu("OpenCL 3.0 CUDA") is None
-    widths = {cpu: gemm_module.DeviceLimits.of(device(hstr + cpu), "cpu").vector_width for cpu in ("znver3", "znver4")}
+    assert gemm_configs.pocl_llvm_cpu(hstr + "skylake-avx512") == "skylake-avx512"
+    assert gemm_configs.pocl_llvm_cpu("OpenCL 3.0 CUDA") is None
+    widths = {cpu: gemm_configs.DeviceLimits.of(device(hstr + cpu), "cpu").vector_width for cpu in ("znver3", "znver4")}
     assert widths == {"znver3": 8, "znver4": 16}  # Zen 4 hosts are compiled for as Zen 3 by PoCL 3.0's wheels
-    assert gemm_module.DeviceLimits.of(device("OpenCL 3.0 other"), "cpu").vector_width == 16  # not PoCL: trusted
-    assert gemm_module.DeviceLimits.of(device(hstr + "znver3", 4), "cpu").vector_width == 4
+    assert gemm_configs.DeviceLimits.of(device("OpenCL 3.0 other"), "cpu").vector_width == 16  # not PoCL: trusted
+    assert gemm_configs.DeviceLimits.of(device(hstr + "znver3", 4), "cpu").vector_width == 4
 
 
 def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):
@@ -290,8 +297,10 @@ def test_lrn_defaults_are_numpys(be, rng):
     check(be, be.lrn_forward(be.asarray(x))[0], Expected(REF.lrn_forward(x, 5, 1e-4, 0.75, 1.0)[0], 5 + 3 + FN))
 
 
-@pytest.mark.parametrize("shape, momentum", [((2, 4, 5, 5), 0.1), ((1, 3, 4, 3), 0.2), ((4, 6, 1, 1), 0.1),
-                                            ((2, 3, 7, 5), 0.1)])  # planes of 35: two 16-lane blocks and a tail
+# (2, 3, 7, 5): planes of 35, two 16-lane blocks and a tail
+@pytest.mark.parametrize(
+    "shape, momentum", [((2, 4, 5, 5), 0.1), ((1, 3, 4, 3), 0.2), ((4, 6, 1, 1), 0.1), ((2, 3, 7, 5), 0.1)]
+)
 @pytest.mark.parametrize("rows", [False, True])
 def test_batchnorm_train_then_eval_with_running_stats(be, rng, monkeypatch, shape, momentum, rows):
     """Both variants (per-element kernels and one work-group per channel; rows kernels and
@@ -421,10 +430,12 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, 
     plain[..., 0, 0] = noisy[..., 0, 0] = -0.0  # -0 summed from 0.0f gives +0 in every kernel alike
     for dy, exact in ((plain, REF.maxpool_backward(plain, cache_ref)), (noisy, None)):
         dx = {}
-        for name, dims, defines in (("maxpool_backward", (w, h, n * c), window),
-                                    ("maxpool_backward_rows", n * c * h, window),
-                                    ("maxpool_backward_planes", n * c, plane_defines(window, h, w, 1)),
-                                    ("maxpool_backward_planes 2", cdiv(n * c, 2), plane_defines(window, h, w, 2))):
+        for name, dims, defines in (
+            ("maxpool_backward", (w, h, n * c), window),
+            ("maxpool_backward_rows", n * c * h, window),
+            ("maxpool_backward_planes", n * c, plane_defines(window, h, w, 1)),
+            ("maxpool_backward_planes 2", cdiv(n * c, 2), plane_defines(window, h, w, 2)),
+        ):
             out = be.rt.empty(x_shape)
             be.rt.launch(name.split()[0], dims, be.asarray(dy).data, arg.data, *geometry, out.data, defines=defines)
             dx[name] = be.to_numpy(out)
@@ -462,7 +473,7 @@ def with_nans(rng, shape):
 
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_relu_and_sgd_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape):
-    monkeypatch.setattr(be, "CHUNK", 4)  # several chunks and a partial last one, even on these sizes
+    monkeypatch.setattr(be.rt, "CHUNK", 4)  # several chunks and a partial last one, even on these sizes
     x, dy = with_nans(rng, shape), with_nans(rng, shape)
     xd, dyd = be.asarray(x), be.asarray(dy)
     y, dx = both_variants(be, monkeypatch, lambda: (be.relu_forward(xd)[0], be.relu_backward(dyd, xd)))
@@ -470,6 +481,7 @@ def test_relu_and_sgd_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shap
     assert np.array_equal(dx, REF.relu_backward(dy, REF.relu_forward(x)[1]), equal_nan=True)
     p, g, v = with_nans(rng, shape), normal(rng, *shape), normal(rng, *shape)
     for wd in (0.0, 5e-4):
+
         def sgd(wd=wd):
             p_d, v_d = be.asarray(p), be.asarray(v)
             be.sgd_update(p_d, be.asarray(g), v_d, 0.05, 0.9, wd)
@@ -477,8 +489,10 @@ def test_relu_and_sgd_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shap
 
         p_ref, v_ref = p.copy(), v.copy()
         REF.sgd_update(p_ref, g, v_ref, 0.05, 0.9, wd)
-        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(both_variants(be, monkeypatch, sgd),
-                                                                         (p_ref, v_ref), strict=True))
+        assert all(
+            np.array_equal(a, b, equal_nan=True)
+            for a, b in zip(both_variants(be, monkeypatch, sgd), (p_ref, v_ref), strict=True)
+        )
 
 
 @pytest.mark.parametrize("shape", ROW_SHAPES)
@@ -491,9 +505,9 @@ def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, 
     place of the walk) and the walk along the channels (4 pixels per work-item: several blocks
     and a partial last one; or a whole plane)."""
     if walk == "planes":
-        monkeypatch.setattr(be, "_channel_walk", be._planes)
+        monkeypatch.setattr(be.rt, "channel_walk", be.rt.planes)
     else:
-        monkeypatch.setattr(be, "LRN_BLOCK", walk)
+        monkeypatch.setattr(be.rt, "LRN_BLOCK", walk)
     x, dy = with_nans(rng, shape), with_nans(rng, shape)
     xd, dyd = be.asarray(x), be.asarray(dy)
 
@@ -522,11 +536,11 @@ def test_batchnorm_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, 
 
     def run():
         out = [be.rt.empty(shape) for _ in range(3)]
-        be._planes("bn_forward", n, c, h * w, xd.data, mean.data, invstd.data, gamma.data, beta.data, np.int32(c),
-                   np.int32(h * w), np.int32(n), out[0].data, out[1].data)
-        be._planes("bn_backward", n, c, h * w, dyd.data, xhatd.data, gamma.data, invstd.data, dgamma.data,
-                   dbeta.data, np.int32(training), F32(n * h * w), np.int32(c), np.int32(h * w), np.int32(n),
-                   out[2].data)
+        sizes = (np.int32(c), np.int32(h * w), np.int32(n))
+        stats = (mean.data, invstd.data, gamma.data, beta.data)
+        be.rt.planes("bn_forward", n, c, h * w, xd.data, *stats, *sizes, out[0].data, out[1].data)
+        grads = (dyd.data, xhatd.data, gamma.data, invstd.data, dgamma.data, dbeta.data)
+        be.rt.planes("bn_backward", n, c, h * w, *grads, np.int32(training), F32(n * h * w), *sizes, out[2].data)
         return out
 
     both_variants(be, monkeypatch, run)
@@ -534,8 +548,15 @@ def test_batchnorm_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, 
 
 @pytest.mark.parametrize(
     "n, c, h, w, k, stride, pad",
-    [(1, 1, 3, 5, 3, 1, 1), (2, 3, 7, 9, 5, 1, 2), (3, 2, 9, 7, 3, 2, 1), (2, 3, 11, 10, 5, 2, 2),
-     (2, 4, 6, 6, 1, 1, 0), (1, 1, 5, 5, 5, 2, 0), (1, 2, 4, 21, 3, 1, 1)],
+    [
+        (1, 1, 3, 5, 3, 1, 1),
+        (2, 3, 7, 9, 5, 1, 2),
+        (3, 2, 9, 7, 3, 2, 1),
+        (2, 3, 11, 10, 5, 2, 2),
+        (2, 4, 6, 6, 1, 1, 0),
+        (1, 1, 5, 5, 5, 2, 0),
+        (1, 2, 4, 21, 3, 1, 1),
+    ],
 )
 @pytest.mark.parametrize("nb", [3, 8, 24])
 def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, w, k, stride, pad, nb):
@@ -554,10 +575,11 @@ def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, 
     for out in (simple, rows):
         out.fill(F32(12345.0))  # a value no input has: what a kernel leaves unwritten shows
     i32 = np.int32
-    be.rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), xd.data, pixel.data, tap.data, i32(h), i32(w),
-                 i32(npix), i32(kdim), i32(nb), simple.data)
-    be.rt.launch("im2col_panels_rows", (kdim, n), xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(n),
-                 i32(nb), rows.data, defines=conv.window(k, k, stride, pad), rows=True)
+    tables = (pixel.data, tap.data, i32(h), i32(w), i32(npix), i32(kdim), i32(nb))
+    geometry = (i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(n), i32(nb))
+    build = conv.window(k, k, stride, pad)
+    be.rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), xd.data, *tables, simple.data)
+    be.rt.launch("im2col_panels_rows", (kdim, n), xd.data, *geometry, rows.data, defines=build, rows=True)
     simple, rows = be.to_numpy(simple), be.to_numpy(rows)
     assert not (simple == 12345.0).any()
     assert np.array_equal(simple.view(np.int32), rows.view(np.int32))
@@ -565,10 +587,8 @@ def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, 
     simple, rows = (be.rt.empty((cdiv(kdim + 1, nb) * npix * nb,)) for _ in range(2))
     for out in (simple, rows):
         out.fill(F32(12345.0))
-    be.rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), xd.data, pixel.data, tap.data, i32(h), i32(w),
-                 i32(npix), i32(kdim), i32(nb), simple.data)
-    be.rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), xd.data, i32(c), i32(h), i32(w), i32(oh), i32(ow),
-                 i32(n), i32(nb), rows.data, defines=conv.window(k, k, stride, pad), rows=True)
+    be.rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), xd.data, *tables, simple.data)
+    be.rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), xd.data, *geometry, rows.data, defines=build, rows=True)
     simple, rows = be.to_numpy(simple), be.to_numpy(rows)
     assert not (simple == 12345.0).any()
     assert np.array_equal(simple.view(np.int32), rows.view(np.int32))
@@ -576,8 +596,16 @@ def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, 
 
 @pytest.mark.parametrize(
     "n, c, h, w, k, stride, pad",
-    [(1, 1, 3, 5, 3, 1, 1), (2, 3, 7, 9, 5, 1, 2), (3, 2, 9, 7, 3, 2, 1), (2, 3, 11, 10, 5, 2, 2),
-     (2, 4, 6, 6, 1, 1, 0), (1, 1, 5, 5, 5, 2, 0), (1, 2, 4, 21, 3, 1, 1), (1, 2, 8, 8, 2, 3, 0)],
+    [
+        (1, 1, 3, 5, 3, 1, 1),
+        (2, 3, 7, 9, 5, 1, 2),
+        (3, 2, 9, 7, 3, 2, 1),
+        (2, 3, 11, 10, 5, 2, 2),
+        (2, 4, 6, 6, 1, 1, 0),
+        (1, 1, 5, 5, 5, 2, 0),
+        (1, 2, 4, 21, 3, 1, 1),
+        (1, 2, 8, 8, 2, 3, 0),
+    ],
 )
 def test_col2im_rows_kernel_gives_the_same_bits(be, rng, n, c, h, w, k, stride, pad):
     """col2im_rows (a work-item per input row, tap by tap) against the per-element col2im gather:
@@ -804,14 +832,16 @@ def test_pack_layout_is_panels(be, rng):
 # for stride 1 or 2 with OW and NB multiples of 8 (conv.lanes_fit), against the per-element kernels.
 @pytest.mark.parametrize(
     "n, c, h, w, k, stride, pad",
-    [(1, 1, 1, 8, 3, 1, 1),  # one input row: every row_lanes reads the first and last row of x (clamped)
-     (2, 3, 5, 8, 5, 1, 2),  # rows shorter than the window, padding 2 on every side
-     (3, 2, 7, 16, 3, 1, 1),  # odd heights, two vectors a row
-     (2, 3, 9, 12, 5, 1, 0),  # no padding: OW = 8 from W = 12
-     (2, 4, 3, 24, 1, 1, 0),  # 1x1: im2row's column of ones lands mid-panel
-     (1, 10, 2, 8, 5, 1, 2),  # Kdim 250 > NB: several im2row panels, the last (NB 8) with 2 taps and the ones
-     (2, 3, 15, 15, 3, 2, 1),  # stride 2: 16-float loads, odd W, the last lanes past the row
-     (1, 2, 6, 19, 4, 2, 0)],  # stride 2, even window, no padding: the last input column never read
+    [
+        (1, 1, 1, 8, 3, 1, 1),  # one input row: every row_lanes reads the first and last row of x (clamped)
+        (2, 3, 5, 8, 5, 1, 2),  # rows shorter than the window, padding 2 on every side
+        (3, 2, 7, 16, 3, 1, 1),  # odd heights, two vectors a row
+        (2, 3, 9, 12, 5, 1, 0),  # no padding: OW = 8 from W = 12
+        (2, 4, 3, 24, 1, 1, 0),  # 1x1: im2row's column of ones lands mid-panel
+        (1, 10, 2, 8, 5, 1, 2),  # Kdim 250 > NB: several im2row panels, the last (NB 8) with 2 taps and the ones
+        (2, 3, 15, 15, 3, 2, 1),  # stride 2: 16-float loads, odd W, the last lanes past the row
+        (1, 2, 6, 19, 4, 2, 0),  # stride 2, even window, no padding: the last input column never read
+    ],
 )
 @pytest.mark.parametrize("nb", [8, 24, 64])
 def test_im2col_and_im2row_lanes_kernels_write_the_same_panels(be, rng, n, c, h, w, k, stride, pad, nb):
@@ -827,19 +857,18 @@ def test_im2col_and_im2row_lanes_kernels_write_the_same_panels(be, rng, n, c, h,
     xd = be.asarray(x)
     pixel, tap = conv.im2col_tables(be.rt, x.shape, k, k, stride, pad, oh, ow)
     i32 = np.int32
-    shape = (c, h, w, oh, ow, n, nb)
+    shape, build = (c, h, w, oh, ow, n, nb), conv.window(k, k, stride, pad)
+    panels_t = (cdiv(kdim + 1, nb), n)  # im2row_panels_lanes' grid: a work-item per panel and image
     for simple_name, simple_dims, lanes_name, lanes_dims, size in (
         ("im2col_panels", (nb, kdim, cdiv(npix, nb)), "im2col_panels_lanes", (cdiv(npix, nb),), cdiv(npix, nb) * kdim),
-        ("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), "im2row_panels_lanes", (cdiv(kdim + 1, nb), n),
-         cdiv(kdim + 1, nb) * npix),
+        ("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), "im2row_panels_lanes", panels_t, panels_t[0] * npix),
     ):
         simple, lanes = (be.rt.empty((size * nb,)) for _ in range(2))
         for out in (simple, lanes):
             out.fill(F32(12345.0))  # a value no input has: what a kernel leaves unwritten shows
-        be.rt.launch(simple_name, simple_dims, xd.data, pixel.data, tap.data, i32(h), i32(w), i32(npix), i32(kdim),
-                     i32(nb), simple.data)
-        be.rt.launch(lanes_name, lanes_dims, xd.data, *map(i32, shape), lanes.data,
-                     defines=conv.window(k, k, stride, pad), rows=True)
+        tables = (pixel.data, tap.data, i32(h), i32(w), i32(npix), i32(kdim), i32(nb))
+        be.rt.launch(simple_name, simple_dims, xd.data, *tables, simple.data)
+        be.rt.launch(lanes_name, lanes_dims, xd.data, *map(i32, shape), lanes.data, defines=build, rows=True)
         simple, lanes = be.to_numpy(simple), be.to_numpy(lanes)
         assert not (simple == 12345.0).any()
         assert np.array_equal(simple.view(np.int32), lanes.view(np.int32)), lanes_name
@@ -856,8 +885,9 @@ def test_lanes_fit_refuses_what_the_lanes_kernels_cannot_take():
     assert not lanes_fit(1, 1, 1, 16, 16, False) and lanes_fit(1, 1, 1, 16, 16, True)  # 1x1 im2col: the walk
 
 
-@pytest.mark.parametrize("n, c, h, w, f, k, stride, pad", [(2, 2, 5, 8, 3, 5, 1, 2), (3, 2, 3, 16, 2, 3, 1, 1),
-                                                          (2, 2, 4, 15, 3, 3, 2, 1)])
+@pytest.mark.parametrize(
+    "n, c, h, w, f, k, stride, pad", [(2, 2, 5, 8, 3, 5, 1, 2), (3, 2, 3, 16, 2, 3, 1, 1), (2, 2, 4, 15, 3, 3, 2, 1)]
+)
 def test_conv2d_with_the_lanes_kernels_gives_the_per_element_bits(be, rng, monkeypatch, n, c, h, w, f, k, stride, pad):
     """The convolution end to end, forward and backward, as conv.py launches its kernels on CPUs (lanes
     where they fit, with the GEMM's own NB) and on GPUs: the same panels, so the same GEMMs' bits."""
@@ -875,14 +905,16 @@ def test_conv2d_with_the_lanes_kernels_gives_the_per_element_bits(be, rng, monke
 # (conv.col2im_lanes_fit), against the per-element col2im gather.
 @pytest.mark.parametrize(
     "n, c, h, w, k, pad",
-    [(1, 1, 1, 8, 3, 1),  # one plane of one row: every load at the first or last float of dcols (clamped)
-     (2, 3, 5, 8, 5, 2),  # rows shorter than the window, padding 2 on every side
-     (3, 2, 7, 16, 3, 1),  # odd heights, two vectors a row
-     (2, 3, 9, 16, 5, 0),  # no padding: OW = 12, not a multiple of 8; the last lanes of a row read past it
-     (1, 2, 5, 8, 5, 0),  # OW = 4, OH = 1: half of every vector masked
-     (2, 5, 4, 24, 1, 0),  # 1x1: one tap, a plain copy
-     (1, 3, 6, 8, 2, 1),  # an even window: OW = W + 1, the last output column read by the first lane only
-     (2, 2, 3, 8, 4, 2)],  # padding 2 with a 4-wide window: OW = 9, vectors straddle output rows
+    [
+        (1, 1, 1, 8, 3, 1),  # one plane of one row: every load at the first or last float of dcols (clamped)
+        (2, 3, 5, 8, 5, 2),  # rows shorter than the window, padding 2 on every side
+        (3, 2, 7, 16, 3, 1),  # odd heights, two vectors a row
+        (2, 3, 9, 16, 5, 0),  # no padding: OW = 12, not a multiple of 8; the last lanes of a row read past it
+        (1, 2, 5, 8, 5, 0),  # OW = 4, OH = 1: half of every vector masked
+        (2, 5, 4, 24, 1, 0),  # 1x1: one tap, a plain copy
+        (1, 3, 6, 8, 2, 1),  # an even window: OW = W + 1, the last output column read by the first lane only
+        (2, 2, 3, 8, 4, 2),  # padding 2 with a 4-wide window: OW = 9, vectors straddle output rows
+    ],
 )
 def test_col2im_lanes_kernel_gives_the_same_bits(be, rng, n, c, h, w, k, pad):
     """col2im_lanes against col2im bit for bit, NaN and -0 in dcols included: the same terms in

@@ -19,9 +19,7 @@ from backends.base import Backend
 from backends.conformance.checks import EXACT, F32, REF, TOLERANCES, Case, Trial
 
 
-def _conv(
-    n: int, c: int, h: int, w: int, f: int, k: int, stride: int, padding: int, need_dx: bool = True
-) -> Case:
+def _conv(n: int, c: int, h: int, w: int, f: int, k: int, stride: int, padding: int, need_dx: bool = True) -> Case:
     def run(t: Trial) -> None:
         x, wt, b = t.normal(n, c, h, w), t.normal(f, c, k, k, scale=0.3), t.normal(f)
         xd, wd, bd = t.dev(x), t.dev(wt), t.dev(b)
@@ -81,9 +79,7 @@ def _relu(*shape: int) -> Case:
     return Case("relu", "x".join(map(str, shape)), run)
 
 
-def _lrn(
-    n: int, c: int, h: int, w: int, size: int, alpha: float, beta: float, k: float, scale: float
-) -> Case:
+def _lrn(n: int, c: int, h: int, w: int, size: int, alpha: float, beta: float, k: float, scale: float) -> Case:
     def run(t: Trial) -> None:
         x = t.normal(n, c, h, w, scale=scale)
         xd = t.dev(x)

@@ -128,10 +128,7 @@ def assert_conforms(backend: str | Backend | Callable[[], Backend], seed: int = 
     print(format_table(results))
     failed = [r for r in results if not r.passed]
     if failed:
-        lines = [
-            f"{r.op} [{r.case}] {r.output}: err {r.max_abs_err:.2e}, tol {r.tol:.2e} {r.note}"
-            for r in failed
-        ]
+        lines = [f"{r.op} [{r.case}] {r.output}: err {r.max_abs_err:.2e}, tol {r.tol:.2e} {r.note}" for r in failed]
         raise AssertionError(f"{len(failed)} conformance check(s) failed:\n" + "\n".join(lines))
 
 
@@ -174,9 +171,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m backends.conforma
         description="Check a tinyconv backend op by op against the numpy reference.",
     )
     parser.add_argument("--backend", required=True, help="a name registered as a tinyconv.backends entry")
-    parser.add_argument("--device", default=None,
-                        help="the backend's device, for one that has several (opencl: P:D, gpu, cpu or a name "
-                             "substring, as `tinyconv devices` lists them)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="the backend's device, for one that has several (opencl: P:D, gpu, cpu or a name "
+        "substring, as `tinyconv devices` lists them)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     args = parser.parse_args(argv)
     try:

@@ -4,9 +4,10 @@
 
 ``OpenCLBackend(device=None)`` runs on ``select_device(device)``; ``list_devices()``
 lists what this machine has (for a CLI's device table). See backend.py for the
-ops, conv.py for the convolution, gemm.py for the GEMM and its per-device tuning,
-runtime.py for the device plumbing (programs, launches, buffers), device.py for
-device choice.
+ops, conv.py for the convolution, norms.py for the normalisations, maxpool.py for
+max pooling, gemm.py for the GEMM and its per-device tuning (gemm_configs.py for its
+variants), runtime.py for the device plumbing (programs, launches, buffers),
+device.py for device choice.
 """
 
 from backends.opencl.backend import OpenCLBackend

@@ -26,7 +26,8 @@ import numpy as np
 import pyopencl.array as cla
 
 from backends.base import Cache, conv_output_size
-from backends.opencl.gemm import AView, CView, cdiv
+from backends.opencl.gemm import AView, CView
+from backends.opencl.gemm_configs import cdiv
 from backends.opencl.runtime import Runtime
 
 i32 = np.int32
@@ -61,8 +62,8 @@ def im2col_tables(
     n, c, h, w = x_shape
     npix, kdim = n * oh * ow, c * kh * kw
     pixel, tap = rt.empty((npix, 4), np.int32), rt.empty((kdim, 4), np.int32)
-    rt.launch("pixel_table", npix, i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(stride), i32(padding),
-              i32(npix), pixel.data)
+    geometry = (i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(stride), i32(padding))
+    rt.launch("pixel_table", npix, *geometry, i32(npix), pixel.data)
     rt.launch("tap_table", kdim, i32(h), i32(w), i32(kh), i32(kw), i32(kdim), tap.data)
     return pixel, tap
 
@@ -86,24 +87,24 @@ def forward(
     ow = conv_output_size(wd, kw, stride, padding)
     kdim, npix = c * kh * kw, n * oh * ow
     pixel, tap = im2col_tables(rt, x.shape, kh, kw, stride, padding, oh, ow)
+    geometry, build = (i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n)), window(kh, kw, stride, padding)
 
     def cols(nb: int) -> cla.Array:  # B(k, p) = x_pad[n, c, oh*s + i, ow*s + j], k = (c, i, j)
         out = rt.empty((cdiv(npix, nb) * kdim * nb,))
+        panel = (i32(nb), out.data)
         if rt.rows and lanes_fit(kh, kw, stride, ow, nb, False):  # optimisation (layout.cl): vectors of pixels
-            rt.launch("im2col_panels_lanes", (cdiv(npix, nb),), x.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow),
-                      i32(n), i32(nb), out.data, defines=window(kh, kw, stride, padding), rows=True)
+            rt.launch("im2col_panels_lanes", (cdiv(npix, nb),), x.data, *geometry, *panel, defines=build, rows=True)
         elif rt.rows:  # optimisation (layout.cl): a work-item copies a tap over an image
-            rt.launch("im2col_panels_rows", (kdim, n), x.data, i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n),
-                      i32(nb), out.data, defines=window(kh, kw, stride, padding), rows=True)
+            rt.launch("im2col_panels_rows", (kdim, n), x.data, *geometry, *panel, defines=build, rows=True)
         else:
-            rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, pixel.data, tap.data, i32(h),
-                      i32(wd), i32(npix), i32(kdim), i32(nb), out.data)
+            tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
+            rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, *tables, *panel)
         return out
 
     # Y (F, N*OH*OW) = W (F, K) @ cols, stored as y[n, f, q]: column p = (n, q)
     y = rt.empty((n, f, oh, ow))
-    rt.gemm("conv_fwd", f, npix, kdim, AView(w.data, kdim, 1, kdim), cols,
-            CView(y.data, oh * ow, 1, oh * ow, f * oh * ow), bias=b)
+    a, c_view = AView(w.data, kdim, 1, kdim), CView(y.data, oh * ow, 1, oh * ow, f * oh * ow)
+    rt.gemm("conv_fwd", f, npix, kdim, a, cols, c_view, bias=b)
     return y, (x, w, stride, padding, pixel, tap)
 
 
@@ -121,25 +122,24 @@ def backward(
     if dy.shape != y_shape:
         raise ValueError(f"conv2d_backward: dy {dy.shape} does not match the forward output {y_shape}")
     q, kdim, npix = oh * ow, c * kh * kw, n * oh * ow
+    geometry, build = (i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n)), window(kh, kw, stride, padding)
 
     def cols_t(nb: int) -> cla.Array:  # B(p, k) = [cols^T | 1]: the columns again, from x
         out = rt.empty((cdiv(kdim + 1, nb) * npix * nb,))
+        panel, grid = (i32(nb), out.data), (cdiv(kdim + 1, nb), n)
         if rt.rows and lanes_fit(kh, kw, stride, ow, nb, True):  # optimisation (layout.cl): 8x8 tiles
-            rt.launch("im2row_panels_lanes", (cdiv(kdim + 1, nb), n), x.data, i32(c), i32(h), i32(wd), i32(oh),
-                      i32(ow), i32(n), i32(nb), out.data, defines=window(kh, kw, stride, padding), rows=True)
+            rt.launch("im2row_panels_lanes", grid, x.data, *geometry, *panel, defines=build, rows=True)
         elif rt.rows:  # optimisation (layout.cl): a work-item writes a panel's block of an image
-            rt.launch("im2row_panels_rows", (cdiv(kdim + 1, nb), n), x.data, i32(c), i32(h), i32(wd), i32(oh),
-                      i32(ow), i32(n), i32(nb), out.data, defines=window(kh, kw, stride, padding), rows=True)
+            rt.launch("im2row_panels_rows", grid, x.data, *geometry, *panel, defines=build, rows=True)
         else:
-            rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), x.data, pixel.data, tap.data,
-                      i32(h), i32(wd), i32(npix), i32(kdim), i32(nb), out.data)
+            tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
+            rt.launch("im2row_panels", (nb, npix, cdiv(kdim + 1, nb)), x.data, *tables, *panel)
         return out
 
     # [dW | db] (F, K + 1) = dY (F, N*OH*OW) @ [cols^T | 1], with dY read in place: column
     # p = (n, q) of dY is dy[n, f, q]. The column of ones makes db = sum_{n, q} dy[n, f, q].
     dwb = rt.empty((f * (kdim + 1),))
-    rt.gemm("conv_dw", f, kdim + 1, npix, AView(dy.data, q, 1, q, f * q), cols_t,
-            CView.rows(dwb.data, kdim + 1))
+    rt.gemm("conv_dw", f, kdim + 1, npix, AView(dy.data, q, 1, q, f * q), cols_t, CView.rows(dwb.data, kdim + 1))
     dw, db = rt.empty(w.shape), rt.empty((f,))
     rt.launch("split_last_column", (kdim + 1, f), dwb.data, i32(f), i32(kdim), dw.data, db.data)
     if not need_dx:
@@ -147,9 +147,7 @@ def backward(
     return conv_dx(rt, dy, w, x.shape, stride, padding), dw, db
 
 
-def conv_dx(
-    rt: Runtime, dy: cla.Array, w: cla.Array, x_shape: tuple[int, ...], stride: int, padding: int
-) -> cla.Array:
+def conv_dx(rt: Runtime, dy: cla.Array, w: cla.Array, x_shape: tuple[int, ...], stride: int, padding: int) -> cla.Array:
     """dx = col2im(W^T dY) for dy (N, F, OH, OW), w (F, C, KH, KW) on the device."""
     n, c, h, wd = x_shape
     f, _, kh, kw = w.shape
@@ -159,12 +157,13 @@ def conv_dx(
 
     def dy_panels(nb: int) -> cla.Array:  # B(f, p) = dy[n, f, q]: im2col of dy with a 1x1 kernel
         out = rt.empty((cdiv(npix, nb) * f * nb,))
+        panel = (i32(nb), out.data)
         if rt.rows:  # optimisation, the row walk (lanes_fit: not for 1x1)
-            rt.launch("im2col_panels_rows", (f, n), dy.data, i32(f), i32(oh), i32(ow), i32(oh), i32(ow), i32(n),
-                      i32(nb), out.data, defines=window(1, 1, 1, 0), rows=True)
+            geometry = (i32(f), i32(oh), i32(ow), i32(oh), i32(ow), i32(n))
+            rt.launch("im2col_panels_rows", (f, n), dy.data, *geometry, *panel, defines=window(1, 1, 1, 0), rows=True)
         else:
-            rt.launch("im2col_panels", (nb, f, cdiv(npix, nb)), dy.data, dy_pixel.data, dy_tap.data,
-                      i32(oh), i32(ow), i32(npix), i32(f), i32(nb), out.data)
+            tables = (dy_pixel.data, dy_tap.data, i32(oh), i32(ow), i32(npix), i32(f))
+            rt.launch("im2col_panels", (nb, f, cdiv(npix, nb)), dy.data, *tables, *panel)
         return out
 
     # dcols (K, N*OH*OW) = W^T (K, F) @ dY, then the col2im gather into dx. W^T is made

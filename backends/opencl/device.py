@@ -87,9 +87,7 @@ def list_devices() -> list[dict[str, Any]]:
 
 
 def _table(found: list[tuple[int, int, cl.Platform, cl.Device]]) -> str:
-    return "; ".join(
-        f"{pi}:{di} {d.name.strip()} ({device_kind(d)}, {p.name.strip()})" for pi, di, p, d in found
-    )
+    return "; ".join(f"{pi}:{di} {d.name.strip()} ({device_kind(d)}, {p.name.strip()})" for pi, di, p, d in found)
 
 
 def select_device(spec: str | None = None) -> cl.Device:

@@ -5,9 +5,11 @@
     rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # a kernel on a grid
     rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
 
-The ops themselves are in backend.py (and the convolution in conv.py); this module only
-builds programs, looks up and launches kernels, allocates and checks buffers, and runs the
-few data-movement kernels several ops share (row reductions, GEMM panel packing, transposes).
+The ops themselves are in backend.py, conv.py, norms.py and maxpool.py; this module only
+builds programs, looks up and launches kernels (and picks between an op's per-element kernel
+and its rows twin for CPUs: ``flat``, ``planes``, ``channel_walk``), allocates and checks
+buffers, and runs the few data-movement kernels several ops share (row and channel
+reductions, GEMM panel packing, transposes).
 
 Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a memory pool.
 All work goes to one in-order queue, so kernels never wait for each other on the host.
@@ -24,7 +26,8 @@ import pyopencl.array as cla
 import pyopencl.tools as cl_tools
 
 from backends.opencl.device import device_kind
-from backends.opencl.gemm import DeviceLimits, Gemm, cdiv, pocl_llvm_cpu
+from backends.opencl.gemm import Gemm
+from backends.opencl.gemm_configs import DeviceLimits, cdiv, pocl_llvm_cpu
 
 F32 = np.float32
 i32 = np.int32
@@ -61,8 +64,9 @@ class Runtime:
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
-        self.gemm = Gemm(self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file,
-                         self.ran)
+        self.gemm = Gemm(
+            self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file, self.ran
+        )
 
     # ---- programs and launches ---------------------------------------------------
     def program(self, filenames: str | tuple[str, ...], options: str = "") -> cl.Program:
@@ -97,9 +101,7 @@ class Runtime:
             self._kernels[key] = (knl, min(self.wg, limit))
         return self._kernels[key]
 
-    def launch(
-        self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "", rows: bool = False
-    ) -> None:
+    def launch(self, name: str, dims: int | tuple[int, ...], *args: Any, defines: str = "", rows: bool = False) -> None:
         """Run the kernel ``name`` of OPS_SOURCES over a 1-3 dimensional grid of ``dims`` work-items.
 
         Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
@@ -125,6 +127,42 @@ class Runtime:
         unit, so the cores share the work evenly, and no more (PoCL pays microseconds per group)."""
         return max(1, min(256, items // (16 * self.limits.compute_units)))
 
+    # ---- the ops' launches: per element, or their rows twins on CPUs (see ops.cl) ------------
+    # An optimisation, the rows kernels: elements per work-item of the flat ones.
+    CHUNK = 2048
+
+    def flat(self, name: str, total: int, *args: Any) -> None:
+        """Launch the elementwise kernel ``name`` over ``total`` elements: per element, or its rows
+        twin, whose arguments are the same and then the chunk."""
+        if self.rows:
+            items = -(-total // self.CHUNK)
+            self.launch(f"{name}_rows", items, *args, i32(self.CHUNK), rows=True)
+        else:
+            self.launch(name, total, *args)
+
+    def planes(self, name: str, n: int, c: int, hw: int, *args: Any, defines: str = "") -> None:
+        """Launch the per-pixel kernel ``name`` of an (n, c, h*w) map: global (hw, c, n), or its
+        rows twin, one work-item per plane: global (c, n). The same arguments."""
+        if self.rows:
+            self.launch(f"{name}_rows", (c, n), *args, defines=defines, rows=True)
+        else:
+            self.launch(name, (hw, c, n), *args, defines=defines)
+
+    # An optimisation, LRN's backward on CPUs: pixels per work-item walking the channels, at
+    # most (a whole plane of conv1 or conv2: measured fastest, 256-1024 beside 32-128).
+    LRN_BLOCK = 1024
+
+    def channel_walk(self, name: str, n: int, c: int, hw: int, *args: Any, defines: str = "") -> None:
+        """Launch the LRN backward kernel ``name``: per pixel, global (hw, c, n), or on CPUs its
+        walk twin, one work-item per block of up to LRN_BLOCK pixels of an image walking the
+        channels: global (blocks, n). The same arguments."""
+        if self.rows:
+            block = min(hw, self.LRN_BLOCK)  # the ring's width, compiled in
+            walk_defines = f"{defines} -DLRN_BLOCK={block}"
+            self.launch(f"{name}_walk", (cdiv(hw, block), n), *args, defines=walk_defines, rows=True)
+        else:
+            self.launch(name, (hw, c, n), *args, defines=defines)
+
     # ---- profiling (benchmarks/bench_opencl_profile.py) ----------------------------------
     def ran(self, name: str, event: cl.Event) -> None:
         """Keep a kernel's event when profiling; nothing otherwise."""
@@ -149,8 +187,7 @@ class Runtime:
         size = int(np.prod(shape))
         if size > MAX_ELEMENTS:
             raise ValueError(
-                f"an array of {size} elements {shape} is past the kernels' 32-bit indexing; "
-                f"use a smaller batch"
+                f"an array of {size} elements {shape} is past the kernels' 32-bit indexing; use a smaller batch"
             )
         return cla.empty(self.queue, shape, dtype, allocator=self.pool)
 
@@ -195,17 +232,38 @@ class Runtime:
             return out
         knl, _ = self.kernel("reduce_rows")
         s0, s1, s2 = strides
-        event = knl(self.queue, (rows * self.rl,), (self.rl,), src.data, None if src2 is None else src2.data,
-                    None if center is None else center.data, i32(mode), i32(na), i32(nb), i32(s0), i32(s1), i32(s2),
-                    F32(divisor), out.data)
+        inputs = (src.data, None if src2 is None else src2.data, None if center is None else center.data)
+        walk = (i32(mode), i32(na), i32(nb), i32(s0), i32(s1), i32(s2))
+        event = knl(self.queue, (rows * self.rl,), (self.rl,), *inputs, *walk, F32(divisor), out.data)
         self.ran("reduce_rows", event)
         return out
+
+    def channel_sums(
+        self,
+        src: cla.Array,
+        n: int,
+        c: int,
+        hw: int,
+        mode: int = 0,
+        src2: cla.Array | None = None,
+        center: cla.Array | None = None,
+        divisor: float = 1.0,
+    ) -> cla.Array:
+        """out[c] = sum over (n, q) of f(src[n, c, q]) / divisor (f by mode: see reduce_rows in ops.cl).
+
+        On CPUs (an optimisation): each plane summed by one work-item (reduce_planes), then the
+        n partials of each channel; otherwise one work-group per channel (reduce_rows)."""
+        if not self.rows:
+            return self.reduce_rows(src, c, n, hw, (hw, c * hw, 1), mode, src2, center, divisor)
+        partial = self.empty((n * c,))
+        inputs = (src.data, None if src2 is None else src2.data, None if center is None else center.data)
+        self.launch("reduce_planes", (c, n), *inputs, i32(mode), i32(c), i32(hw), i32(n), partial.data, rows=True)
+        return self.reduce_rows(partial, c, n, 1, (1, c, 0), divisor=divisor)
 
     def pack(self, src: cla.Array, k: int, n: int, sk: int, sn: int, nb: int) -> cla.Array:
         """B(k, n) = src[k*sk + n*sn] in the GEMM's panel layout of width nb."""
         out = self.empty((cdiv(n, nb) * k * nb,))
-        self.launch("pack_panels", (nb, k, cdiv(n, nb)), src.data, i32(k), i32(n), i32(sk), i32(sn), i32(nb),
-                    out.data)
+        self.launch("pack_panels", (nb, k, cdiv(n, nb)), src.data, i32(k), i32(n), i32(sk), i32(sn), i32(nb), out.data)
         return out
 
     def transpose(self, src: cla.Array, rows: int, cols: int) -> cla.Array:

@@ -1,0 +1,91 @@
+"""The OpenCL backend's max pooling, forward and backward.
+
+One work-item per output scans its window and keeps the first strict maximum in row-major
+order -- the element numpy's separable max selects -- or its last NaN, as torch does, and its
+position; backward is a gather over the windows that contain each input (on CPUs, one
+work-item per plane, or several, scattering from the last window to the first: the same sums
+in the same order). The kernels are in ops.cl.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyopencl.array as cla
+
+from backends.base import Cache, conv_output_size
+from backends.opencl.gemm_configs import cdiv
+from backends.opencl.runtime import Runtime
+
+i32 = np.int32
+
+# An optimisation, the planes kernels' work-items: input elements one walks, in whole planes
+# (several small planes per item: PoCL pays per work-item, and conv2's are 256 elements).
+POOL_WALK = 4096
+
+
+def plane_defines(window: str, h: int, w: int, group: int) -> str:
+    """The planes kernels' build: the window, the (h, w) plane size and planes per work-item (see ops.cl)."""
+    return f"{window} -DPLANE_H={h} -DPLANE_W={w} -DPLANE_GROUP={group}"
+
+
+def pool_group(rt: Runtime, h: int, w: int, planes: int) -> int:
+    """Planes per work-item of the planes kernels: about POOL_WALK elements, and at least 4
+    items per compute unit while there are planes for them."""
+    per_unit = max(1, planes // (4 * rt.limits.compute_units))
+    return max(1, min(POOL_WALK // (h * w), per_unit))
+
+
+def _launch_at(
+    rt: Runtime, name: str, dims: tuple[int, ...], offset: tuple[int, ...], args: tuple, defines: str
+) -> None:
+    """rt.launch of one block of a grid, at a global offset (the first and last plane)."""
+    knl, _ = rt.kernel(name, defines)
+    rt.ran(name, knl(rt.queue, dims, None, *args, global_offset=offset))
+
+
+def forward(rt: Runtime, x: cla.Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[cla.Array, Cache]:
+    """x (N, C, H, W) -> (y (N, C, OH, OW), cache), padding counting as -inf."""
+    x = rt.operand(x, "maxpool x")
+    if x.ndim != 4:
+        raise ValueError(f"maxpool: expected an (N, C, H, W) input, got {x.shape}")
+    n, c, h, w = x.shape
+    if kernel < 1 or stride < 1 or not 0 <= 2 * padding <= kernel:
+        raise ValueError(
+            f"maxpool: need kernel >= 1, stride >= 1 and 0 <= padding <= kernel/2, "
+            f"got kernel {kernel}, stride {stride}, padding {padding}"
+        )
+    oh = conv_output_size(h, kernel, stride, padding)
+    ow = conv_output_size(w, kernel, stride, padding)
+    y, arg = rt.empty((n, c, oh, ow)), rt.empty((n, c, oh, ow), np.int32)
+    geometry = (i32(h), i32(w), i32(oh), i32(ow), i32(n * c))
+    window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
+    args = (x.data, *geometry, y.data, arg.data)
+    if rt.rows:  # optimisation (see ops.cl): a work-item walks a plane, its size compiled in
+        group = pool_group(rt, h, w, n * c)
+        build = plane_defines(window, h, w, group)
+        rt.launch("maxpool_forward_planes", cdiv(n * c, group), *args, defines=build, rows=True)
+    elif n * c <= 2:
+        rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
+    else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
+        for plane in (0, n * c - 1):
+            _launch_at(rt, "maxpool_forward", (ow, oh, 1), (0, 0, plane), args, window)
+        rt.launch("maxpool_forward_inner", (ow, oh, n * c - 2), *args, defines=window)
+    return y, (x.shape, arg, geometry, window)
+
+
+def backward(rt: Runtime, dy: cla.Array, cache: Cache) -> cla.Array:
+    """dy (N, C, OH, OW) -> dx (N, C, H, W): each dy summed into the input its window's maximum came from."""
+    x_shape, arg, geometry, window = cache
+    dy = rt.operand(dy, "maxpool dy")
+    if dy.shape != arg.shape:
+        raise ValueError(f"maxpool_backward: dy {dy.shape} does not match the forward output {arg.shape}")
+    dx = rt.empty(x_shape)
+    n, c, h, w = x_shape
+    args = (dy.data, arg.data, *geometry, dx.data)
+    if rt.rows:  # optimisation (see ops.cl): a work-item scatters a plane's dy, its size compiled in
+        group = pool_group(rt, h, w, n * c)
+        build = plane_defines(window, h, w, group)
+        rt.launch("maxpool_backward_planes", cdiv(n * c, group), *args, defines=build, rows=True)
+    else:
+        rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
+    return dx
