@@ -50,7 +50,7 @@ START_TIMEOUT_S = 600.0  # a child answers "ready" after its warm-up; more than 
 
 def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: int, split: str) -> None:
     """Warm up, say "ready", wait for "go" on stdin, then time ``repeats`` passes; print the seconds."""
-    from backends.registry import get_backend
+    from backends import get_backend
     from tinyconv.distributed.heap import keep_freed_memory
 
     if hasattr(os, "sched_setaffinity"):

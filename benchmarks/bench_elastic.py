@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from backends.registry import get_backend  # noqa: E402
+from backends import get_backend  # noqa: E402
 from tinyconv.distributed.pool import distribute  # noqa: E402
 from tinyconv.model import paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402

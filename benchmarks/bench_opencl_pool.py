@@ -44,10 +44,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backends import get_backend  # noqa: E402
 from backends.numpy_backend import NumpyBackend, col2im, im2col  # noqa: E402
 from backends.opencl import conv  # noqa: E402
 from backends.opencl.gemm import cdiv  # noqa: E402
-from backends.registry import get_backend  # noqa: E402
 
 GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd", "im2col")
 

@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout too
 
+from backends import get_backend  # noqa: E402
 from backends.base import Backend  # noqa: E402
-from backends.registry import get_backend  # noqa: E402
 from tinyconv.model import NORMS, paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.registry import get_backend  # noqa: E402
+from backends import get_backend  # noqa: E402
 from tinyconv.model import NORMS, paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 

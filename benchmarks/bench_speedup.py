@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from backends.registry import get_backend  # noqa: E402
+from backends import get_backend  # noqa: E402
 from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 from tinyconv.distributed.rebalance import Rebalancer  # noqa: E402
 from tinyconv.distributed.shard.by_channels import PIPELINE  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from backends.registry import get_backend  # noqa: E402
+from backends import get_backend  # noqa: E402
 from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU  # noqa: E402
 from tinyconv.model import Network, paper_net, parse_arch  # noqa: E402

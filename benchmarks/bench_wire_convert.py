@@ -45,8 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backends import get_backend  # noqa: E402
 from backends.base import Backend  # noqa: E402
-from backends.registry import get_backend  # noqa: E402
 from tinyconv.distributed import wire_precision  # noqa: E402
 
 

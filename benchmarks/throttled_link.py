@@ -56,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tinyconv.lab.simulate.link import parse_rate  # noqa: E402
+from tinyconv.lab.simulate.link_model import parse_rate  # noqa: E402
 
 MASTER_IP, WORKER_IP = "10.77.0.1", "10.77.0.2"
 

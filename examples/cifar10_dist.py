@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyconv as tc  # noqa: E402
-from backends.registry import available_backends, has_devices  # noqa: E402
+from backends import available_backends, has_devices  # noqa: E402
 from tinyconv.checkpoint import Checkpoint, check_compatible, read_checkpoint  # noqa: E402
 from tinyconv.cifar10 import DataError, default_data_dir  # noqa: E402
 from tinyconv.data import Dataset, load_dataset  # noqa: E402
@@ -66,8 +66,8 @@ from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
+from transports import available_transports  # noqa: E402
 from transports.mpi_worker import rank_and_size, serve_if_worker  # noqa: E402
-from transports.registry import available_transports  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "equal")
 ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)

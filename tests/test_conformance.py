@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import backends.opencl
+from backends import get_backend
 from backends.base import Backend
 from backends.conformance.runner import (
     CASES,
@@ -24,7 +25,6 @@ from backends.conformance.runner import (
     run_conformance,
 )
 from backends.numpy_backend import NumpyBackend, _channel_window_sum
-from backends.registry import get_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 

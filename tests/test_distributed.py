@@ -19,7 +19,7 @@ import pytest
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
 from backends.numpy_backend import NumpyBackend
 from tinyconv.data import synthetic_dataset
-from tinyconv.distributed.link_speed import Link
+from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.pool import spawn_local_workers, stop_workers
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.rebalance import Rebalancer
@@ -549,7 +549,7 @@ class MeteredWorker(Worker):
         return reply
 
 
-class FreeLink(Link):
+class FreeLink(LinkSpeed):
     """A link that costs nothing. The metered workers here report modelled compute times: the real
     time around them is this machine's noise (a tail task reported as 0 s took real time), not a
     transfer, and would blur the splits these tests check exactly (test_slow_link.py has slow links)."""

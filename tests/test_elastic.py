@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.link_speed import Link
+from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.worker.handler import Worker
@@ -222,7 +222,7 @@ def test_the_time_a_worker_has_scales_with_the_batch_past_the_calibrated_one(rng
         assert cluster.timeout(block, 2) == 1000.0  # calibrated, but the link not measured yet
         exact_step(net, conv, ref)
         cluster.timings = {name: {"conv1": 3.0} for name in cluster.timings}  # the slowest: 3 s a layer
-        cluster.rpc.links[0] = Link()
+        cluster.rpc.links[0] = LinkSpeed()
         cluster.rpc.links[0].add(1, 0.0, exact=True)  # a link that takes no time
         assert cluster.timeout(block, 2) == 30.0  # ten times the calibrated time
         assert cluster.timeout(block, 1) == 30.0  # a smaller batch gets no less
@@ -231,7 +231,7 @@ def test_the_time_a_worker_has_scales_with_the_batch_past_the_calibrated_one(rng
         moved = cluster._moved["conv1"]["worker0"]  # the most bytes one op moved
         cluster.rpc.links[0].add(moved, 2 * 7.0, exact=False)  # 7 s to move them; the median of 0 and 14 s
         assert cluster.timeout(block, 2) == pytest.approx(100.0)  # ten times compute and transfer
-        cluster.rpc.links[0] = Link()
+        cluster.rpc.links[0] = LinkSpeed()
         cluster.timings = {name: {"conv1": 0.01} for name in cluster.timings}
         cluster.rpc.links[0].add(1, 0.0, exact=True)
         assert cluster.timeout(block, 2) == 10.0  # at least 10 s

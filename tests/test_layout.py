@@ -104,6 +104,19 @@ def test_no_file_over_400_lines_and_no_function_over_60():
     assert lines.over_limits() == []
 
 
+def test_no_two_library_files_and_no_two_classes_share_a_name():
+    """A name says which room a reader is in: each file and each top-level class is named once (``__init__.py``,
+    ``__main__.py`` and the two contracts named ``base.py`` by the architecture aside)."""
+    names: dict[str, list[str]] = {}
+    for path in GRAPH:
+        if path.name not in ("__init__.py", "__main__.py", "base.py"):
+            names.setdefault(path.name, []).append(str(path))
+        for node in ast.parse((ROOT / path).read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                names.setdefault(f"class {node.name}", []).append(str(path))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
 def test_the_reading_path_names_files_that_exist():
     path = lines.reading_path()
     assert path and [str(p) for p in path if not (ROOT / p).is_file()] == []

@@ -88,7 +88,7 @@ def test_the_mpi_transport_imports_nothing_of_zmq():
     code = (
         f"{FORBID_ZMQ}\n"
         "import transports.mpi_master, transports.mpi_worker, transports.mpi_link, transports.session.worker\n"
-        "from transports.registry import load_transport\n"
+        "from transports import load_transport\n"
         "assert load_transport('mpi') is transports.mpi_master.MpiTransport\n"
         "assert not [m for m in sys.modules if m.startswith('zmq.')], sorted(sys.modules)\n"
     )
@@ -157,8 +157,8 @@ def test_mpi_transport_without_mpi4py_names_what_to_install(monkeypatch):
 
 
 def test_mpi_transport_is_registered():
+    from transports import available_transports, load_transport
     from transports.mpi_master import MpiTransport
-    from transports.registry import available_transports, load_transport
 
     assert "mpi" in available_transports() and load_transport("mpi") is MpiTransport
 
@@ -302,11 +302,11 @@ def fake_master(rank: int) -> int:
     """Rank 0 sends raw frames: rank 1 a welcome of a future wire, rank 2 bad messages, rank 3 a broken prefix."""
     from mpi4py import MPI
 
-    from transports.mpi_link import TAG_PREFIX, Link
+    from transports.mpi_link import TAG_PREFIX, MpiChannel
 
     if rank:
         return _serve(heartbeat_s=0.2)
-    link = Link(MPI.COMM_WORLD, [1, 2, 3])
+    link = MpiChannel(MPI.COMM_WORLD, [1, 2, 3])
     inbox: dict[int, list[Message]] = {1: [], 2: [], 3: []}
 
     def next_from(peer: int) -> Message:
@@ -350,12 +350,12 @@ def fake_worker(rank: int) -> int:
     """Rank 1 speaks raw frames to a real master: a malformed message, a reply, then a broken prefix."""
     from mpi4py import MPI
 
-    from transports.mpi_link import TAG_PREFIX, Link
+    from transports.mpi_link import TAG_PREFIX, MpiChannel
     from transports.mpi_master import MpiTransport
 
     comm = MPI.COMM_WORLD
     if rank:
-        link = Link(comm, [0])
+        link = MpiChannel(comm, [0])
 
         def wait_for(kind: str) -> Message:
             deadline = time.monotonic() + TIMEOUT

@@ -27,6 +27,7 @@ import pytest
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
 
+from backends import get_backend  # noqa: E402
 from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs, list_devices, select_device  # noqa: E402
@@ -34,7 +35,6 @@ from backends.opencl import gemm as gemm_module  # noqa: E402
 from backends.opencl.gemm import AView, CView  # noqa: E402
 from backends.opencl.gemm_configs import TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
 from backends.opencl.maxpool import plane_defines  # noqa: E402
-from backends.registry import get_backend  # noqa: E402
 
 REF = NumpyBackend()
 F32 = np.float32

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.link_speed import Link
+from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.rpc import Lost, Rpc
 from tinyconv.distributed.shard.by_channels import relay
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
@@ -213,7 +213,7 @@ def test_the_op_counts_only_the_time_the_master_sat_blocked_on_a_result():
 
 
 def test_a_link_is_the_median_of_its_samples_and_ignores_tasks_without_bytes():
-    link = Link()
+    link = LinkSpeed()
     for nbytes, seconds in [(100, 1.0), (100, 1.0), (100, 50.0), (0, 9.0), (100, -1.0)]:
         link.add(nbytes, seconds, exact=True)  # one stall; a task without arrays; compute reported long
     assert list(link.exact) == [0.01, 0.01, 0.5, 0.0] and link.seconds_per_byte() == pytest.approx(0.01)

@@ -12,7 +12,7 @@ from tinyconv.lab.eq2 import ConvShape, conv_shapes, split_bytes, wire_words
 from tinyconv.lab.simulate import main
 from tinyconv.lab.simulate.against import compare_rows, read_grid
 from tinyconv.lab.simulate.devices import FORMAT, VERSION, Device, LayerCost, SplitCost, fit_line, load, save
-from tinyconv.lab.simulate.link import Link, Task, op_wall, parse_rate
+from tinyconv.lab.simulate.link_model import LinkModel, Task, op_wall, parse_rate
 from tinyconv.lab.simulate.predict import predict
 from tinyconv.model import paper_net
 
@@ -50,7 +50,7 @@ def test_two_equal_devices_by_hand():
     forward 0.01 + 0.416 + 0.1 + 0.256 + 0.01 = 0.792, backward 0.01 + 0.256 + 0.1 + 0.032 + 0.01 = 0.408."""
     dev = device("d", [(4, 0.1, 0.05)])
     for medium in ("wifi", "ethernet"):  # one worker: no difference
-        p = predict([TOY], [dev], 2, "off", "kernels", Link(medium, 1000.0, 0.01))
+        p = predict([TOY], [dev], 2, "off", "kernels", LinkModel(medium, 1000.0, 0.01))
         assert p.shares == ((2, 2),)
         assert (p.bytes_sent, p.bytes_recv) == (416 + 256, 256 + 32)
         assert p.step_s == pytest.approx(0.5 + 0.792 + 0.408)
@@ -59,7 +59,7 @@ def test_two_equal_devices_by_hand():
 
 
 def test_alone_is_the_solo_step():
-    p = predict([TOY], [device("d", [(4, 0.1, 0.05)])], 1, "off", "kernels", Link("wifi", 1.0))
+    p = predict([TOY], [device("d", [(4, 0.1, 0.05)])], 1, "off", "kernels", LinkModel("wifi", 1.0))
     assert (p.step_s, p.comm_s, p.speedup, p.bytes_sent) == (pytest.approx(0.8), 0.0, 1.0, 0)
 
 
@@ -67,24 +67,26 @@ def test_wifi_serialises_both_directions_ethernet_overlaps_them():
     """Two workers, 100 bytes each way, no compute, 100 B/s: wifi 1 + 1 out, then 1 + 1 back = 4 s;
     ethernet: tasks at 1 and 2 s, results on the other direction at 1-2 and 2-3 s = 3 s."""
     tasks = [Task(100, 0.0, 100), Task(100, 0.0, 100)]
-    assert op_wall(Link("wifi", 100.0), 0.0, tasks) == pytest.approx(4.0)
-    assert op_wall(Link("ethernet", 100.0), 0.0, tasks) == pytest.approx(3.0)
+    assert op_wall(LinkModel("wifi", 100.0), 0.0, tasks) == pytest.approx(4.0)
+    assert op_wall(LinkModel("ethernet", 100.0), 0.0, tasks) == pytest.approx(3.0)
     # latency: a message's channel time on wifi (4 messages), a delay each way on ethernet
-    assert op_wall(Link("wifi", 100.0, 0.5), 0.0, tasks) == pytest.approx(6.0)
-    assert op_wall(Link("ethernet", 100.0, 0.5), 0.0, tasks) == pytest.approx(4.0)
-    assert op_wall(Link("wifi", 100.0), 7.0, tasks) == 7.0  # the master's own share outlasts the link
-    net = predict([TOY], [device("d", [(4, 0.1, 0.05)])], 4, "off", "kernels", Link("ethernet", 1000.0))
-    air = predict([TOY], [device("d", [(4, 0.1, 0.05)])], 4, "off", "kernels", Link("wifi", 1000.0))
+    assert op_wall(LinkModel("wifi", 100.0, 0.5), 0.0, tasks) == pytest.approx(6.0)
+    assert op_wall(LinkModel("ethernet", 100.0, 0.5), 0.0, tasks) == pytest.approx(4.0)
+    assert op_wall(LinkModel("wifi", 100.0), 7.0, tasks) == 7.0  # the master's own share outlasts the link
+    net = predict([TOY], [device("d", [(4, 0.1, 0.05)])], 4, "off", "kernels", LinkModel("ethernet", 1000.0))
+    air = predict([TOY], [device("d", [(4, 0.1, 0.05)])], 4, "off", "kernels", LinkModel("wifi", 1000.0))
     assert air.step_s > net.step_s and air.conv_s == net.conv_s
 
 
 def test_eq1_gives_a_twice_faster_device_twice_the_kernels():
     fast, slow = device("fast", [(300, 0.0, 0.001)]), device("slow", [(300, 0.0, 0.002)])
     toy = ConvShape("conv1", (2, 3, 4, 4), (300, 3, 1, 1), (2, 300, 4, 4), need_dx=False)
-    p = predict([toy], [fast, slow], 2, "off", "kernels", Link("ethernet", 1e12))
+    p = predict([toy], [fast, slow], 2, "off", "kernels", LinkModel("ethernet", 1e12))
     assert p.shares == ((200, 100),)
     assert p.conv_s == pytest.approx(0.2)  # both finish together: 200 * 1 ms = 100 * 2 ms
-    assert predict([toy], [fast, slow], 4, "off", "kernels", Link("ethernet", 1e12)).shares == ((100, 50, 100, 50),)
+    assert predict([toy], [fast, slow], 4, "off", "kernels", LinkModel("ethernet", 1e12)).shares == (
+        (100, 50, 100, 50),
+    )
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16", "adt24", "adaptive"])
@@ -94,7 +96,7 @@ def test_bytes_are_comm_py_s(fuse, split, wire):
     (exact against real steps in test_comm.py, test_wire_precision.py); adaptive at AWP's start."""
     convs = conv_shapes(paper_net("8:16", "numpy"), 2)
     devs = [device("a", [(8, 0.0, 0.001), (16, 0.0, 0.003)]), device("b", [(8, 0.0, 0.002), (16, 0.0, 0.001)])]
-    p = predict(convs, devs, 3, fuse, split, Link("wifi", 1e6), wire)
+    p = predict(convs, devs, 3, fuse, split, LinkModel("wifi", 1e6), wire)
     words = wire_words(wire)[0][1]
     assert (p.bytes_sent, p.bytes_recv) == split_bytes(convs, p.shares, fuse == "on", split, words)
 
@@ -104,7 +106,7 @@ def test_bf16_halves_the_papers_comm_exactly():
     2-byte words make it fp32's / 2 exactly; the compute does not change. adt24: 3/4."""
     convs = conv_shapes(paper_net("8:16", "numpy"), 2)
     dev = device("d", [(8, 0.01, 0.001), (16, 0.02, 0.003)])
-    link = Link("ethernet", 1e4)  # no latency: nothing but bytes on the link
+    link = LinkModel("ethernet", 1e4)  # no latency: nothing but bytes on the link
     fp32, bf16, adt24 = (predict(convs, [dev], 2, "off", "kernels", link, w) for w in ("fp32", "bf16", "adt24"))
     assert (bf16.bytes_sent * 2, bf16.bytes_recv * 2) == (fp32.bytes_sent, fp32.bytes_recv)
     assert (adt24.bytes_sent * 4, adt24.bytes_recv * 4) == (fp32.bytes_sent * 3, fp32.bytes_recv * 3)
@@ -118,19 +120,19 @@ def test_bf16_halves_the_papers_comm_exactly():
 def test_a_given_split_is_taken_and_checked():
     convs = conv_shapes(paper_net("8:16", "numpy"), 2)
     dev = device("d", [(8, 0.01, 0.001), (16, 0.02, 0.003)])
-    p = predict(convs, [dev], 2, "off", "kernels", Link("wifi", 1e6), shares=[[3, 5], [10, 6]])
+    p = predict(convs, [dev], 2, "off", "kernels", LinkModel("wifi", 1e6), shares=[[3, 5], [10, 6]])
     assert p.shares == ((3, 5), (10, 6))
     assert (p.bytes_sent, p.bytes_recv) == split_bytes(convs, [[3, 5], [10, 6]], False, "kernels")
     with pytest.raises(ValueError, match="a split of 8 kernels among 2"):
-        predict(convs, [dev], 2, "off", "kernels", Link("wifi", 1e6), shares=[[3, 4], [10, 6]])
+        predict(convs, [dev], 2, "off", "kernels", LinkModel("wifi", 1e6), shares=[[3, 4], [10, 6]])
 
 
 def test_the_rebalancers_lag_grows_as_the_link_slows():
     """Eq. 1 balances compute: equal devices finish together on a free link (lag 0), and a worker's
     transfers put it behind on a slow one -- with 2, lag = (r_w - r_m) / (r_w + r_m)."""
     dev = device("d", [(4, 0.1, 0.05)])
-    assert predict([TOY], [dev], 2, "off", "kernels", Link("ethernet", 1e15)).lag < 1e-9
-    p = predict([TOY], [dev], 2, "off", "kernels", Link("ethernet", 1000.0))
+    assert predict([TOY], [dev], 2, "off", "kernels", LinkModel("ethernet", 1e15)).lag < 1e-9
+    p = predict([TOY], [dev], 2, "off", "kernels", LinkModel("ethernet", 1000.0))
     worker = 0.2 + (p.bytes_sent + p.bytes_recv) / 1000.0  # compute 0.2 s, bytes 928 at 1000 B/s
     assert p.lag == pytest.approx((worker - 0.2) / (worker + 0.2))
 
@@ -193,8 +195,8 @@ def test_against_reports_the_relative_error(tmp_path, devices_file, capsys):
     assert len(done) == 3 and len(skipped) == 1 and "50:500" in skipped[0]
     assert done[2]["speedup"] == 1.0 and done[2]["step_err"] == pytest.approx(0.2 + 2 * 0.01 + 0.01 * (8 + 16) - 1)
     convs = conv_shapes(paper_net("8:16", "numpy"), 2)
-    loop = predict(convs, devices, 2, "off", "kernels", Link("ethernet", 1000e6, 0.02e-3))
-    shaped = predict(convs, devices, 2, "on", "kernels", Link("ethernet", 5e6, 1e-3))
+    loop = predict(convs, devices, 2, "off", "kernels", LinkModel("ethernet", 1000e6, 0.02e-3))
+    shaped = predict(convs, devices, 2, "on", "kernels", LinkModel("ethernet", 5e6, 1e-3))
     assert done[0]["step_err"] == pytest.approx(loop.step_s / 0.5 - 1)
     assert done[0]["speedup_err"] == pytest.approx(loop.speedup / 1.5 - 1)
     assert done[1]["step_err"] == pytest.approx(shaped.step_s / 2.0 - 1)
@@ -240,7 +242,7 @@ def test_against_predicts_each_row_in_its_wire_format_at_its_split(tmp_path, dev
         counts = [[3, 5], [10, 6]] if d["split_from"] == "row" else [[4, 4], [8, 8]]
         assert (d["bytes_sent"], d["bytes_recv"]) == split_bytes(convs, counts, False, "kernels",
                                                                  wire_words(d["wire"])[0][1])  # fmt: skip
-        p = predict(convs, devices, 2, "off", "kernels", Link("ethernet", 5e6), d["wire"], counts)
+        p = predict(convs, devices, 2, "off", "kernels", LinkModel("ethernet", 5e6), d["wire"], counts)
         assert (d["comm_s"], d["step_s"]) == (p.comm_s, p.step_s)
         assert d["comm_err"] == pytest.approx(p.comm_s / 0.5 - 1)
     assert done[1]["bytes_sent"] * 2 == done[0]["bytes_sent"]
@@ -321,7 +323,7 @@ def test_a_slower_device_takes_longer_on_the_same_link():
     from tinyconv.lab.simulate.devices import slowed
 
     dev = device("d", [(4, 0.1, 0.05)])
-    fast = predict([TOY], [dev], 2, "off", "kernels", Link("wifi", 1000.0))
-    slow = predict([TOY], [slowed(dev, 3.0)], 2, "off", "kernels", Link("wifi", 1000.0))
+    fast = predict([TOY], [dev], 2, "off", "kernels", LinkModel("wifi", 1000.0))
+    slow = predict([TOY], [slowed(dev, 3.0)], 2, "off", "kernels", LinkModel("wifi", 1000.0))
     assert (slow.conv_s, slow.comp_s) == (pytest.approx(3 * fast.conv_s), pytest.approx(3 * fast.comp_s))
     assert slow.comm_s == pytest.approx(fast.comm_s) and slow.speedup > fast.speedup

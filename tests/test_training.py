@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from backends.registry import get_backend
+from backends import get_backend
 from tinyconv.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from tinyconv.data import synthetic_dataset
 from tinyconv.memory import step_memory_bytes

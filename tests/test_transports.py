@@ -27,9 +27,16 @@ from transport_conformance import (
     echo,
 )
 
-from transports import WIRE_VERSION, Message, ProtocolError, VersionMismatch
+from transports import (
+    WIRE_VERSION,
+    Message,
+    ProtocolError,
+    VersionMismatch,
+    available_transports,
+    get_transport,
+    load_transport,
+)
 from transports.inproc import InprocTransport
-from transports.registry import available_transports, get_transport, load_transport
 from transports.wire import decode, encode
 from transports.zmq_master import ZmqTransport
 from transports.zmq_worker import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, serve

@@ -49,10 +49,10 @@ _API = {
     "check_layer": "tinyconv.gradcheck",
     "check_network": "tinyconv.gradcheck",
     # devices and distribution
-    "get_backend": "backends.registry",
-    "available_backends": "backends.registry",
-    "get_transport": "transports.registry",
-    "available_transports": "transports.registry",
+    "get_backend": "backends",
+    "available_backends": "backends",
+    "get_transport": "transports",
+    "available_transports": "transports",
     "distribute": "tinyconv.distributed.pool",
     "Cluster": "tinyconv.distributed.shard.cluster",
 }

@@ -48,7 +48,7 @@ def devices(argv: Sequence[str] = ()) -> int:
         description="List the registered backends and every OpenCL platform and device this machine can see, "
         "with the P:D index that --device takes.",
     ).parse_args(argv)
-    from backends.registry import available_backends
+    from backends import available_backends
 
     print("backends:", ", ".join(available_backends()))
     try:

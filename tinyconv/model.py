@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from backends import as_backend
 from backends.base import Array, Backend
-from backends.registry import as_backend
 from tinyconv.layers import (
     BatchNorm2D,
     Conv2D,

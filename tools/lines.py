@@ -19,17 +19,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("tinyconv", "backends", "transports")
-BUDGETS = {  # lines; the parts outside the lab are what a user installs to train
-    "Framework": 3200,
-    "Door": 250,
-    "Dist": 5500,
-    "Lab": 3800,
+BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
+    "Framework": 3150,
+    "Door": 230,
+    "Dist": 5900,
+    "Lab": 3700,
     "Backends": 3500,
-    "Transports": 3400,
-    "library outside the lab": 15600,
-    "reading path": 3000,
-    "reading path files": 12,
+    "Transports": 3600,
+    "library outside the lab": 16250,  # what a user installs to train: framework, runtime, backends, transports
+    "reading path": 1850,
+    "reading path files": 11,
 }
+GOALS = {"library outside the lab": 13000, "reading path": 1500, "reading path files": 8}  # where the budgets head
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -110,8 +111,10 @@ def main(argv: list[str]) -> int:
     totals = measure()
     width = max(map(len, totals))
     for name, n in totals.items():
-        budget = BUDGETS.get(name)
-        print(f"{name:<{width}}  {n:>6}" + (f"  (budget {budget})" if budget else ""))
+        budget, goal = BUDGETS.get(name), GOALS.get(name)
+        print(
+            f"{name:<{width}}  {n:>6}" + (f"  budget {budget}" if budget else "") + (f", goal {goal}" if goal else "")
+        )
     print("\nreading path:", " -> ".join(str(p) for p in reading_path()))
     problems = over_budget(totals) + over_limits()
     for line in problems:

@@ -22,7 +22,7 @@ only its buffer API (``Isend``/``Irecv`` of bytes) is used.
 MPI has no receive with a timeout, and a blocking ``Recv`` would block forever if the
 peer never sends. So everything here is non-blocking: ``Iprobe`` to see whether a
 prefix has arrived, ``Irecv``/``Isend`` posted and later ``Test``-ed. The owner of a
-:class:`Link` calls :meth:`Link.poll` in a loop, with a short pause between rounds
+:class:`MpiChannel` calls :meth:`MpiChannel.poll` in a loop, with a short pause between rounds
 (:data:`POLL_S`), which is also what makes MPI move the bytes: MPICH progresses a
 transfer only inside MPI calls, and with its wheels here a large message moves when the
 *receiving* rank calls MPI (one that computes without calling it holds back what is sent
@@ -36,7 +36,7 @@ what it sends from then on is received and dropped (up to ``max_bytes`` a messag
 Why *bye*, and why drop rather than ignore: MPI_Finalize, which mpi4py calls as the process
 exits, fails, and ``mpiexec`` ends the whole job, when a message sent to the rank was never
 received (MPICH: "Communicator being freed has 1 unmatched message(s)"). So the two sides
-end with a handshake, :meth:`Link.finish`: each says bye and reads, and drops, everything
+end with a handshake, :meth:`MpiChannel.finish`: each says bye and reads, and drops, everything
 until the other's bye; after it nothing is in flight either way.
 
 mpi4py is imported lazily (:func:`require_mpi`), so this module loads without it and
@@ -155,7 +155,7 @@ class _Incoming:
 
 @dataclass
 class Received:
-    """What :meth:`Link.poll` got from ``source``: a whole message's ``frames`` (to decode with
+    """What :meth:`MpiChannel.poll` got from ``source``: a whole message's ``frames`` (to decode with
     :func:`transports.wire.decode`), or None when only its prefix has arrived (a sign of life: the
     rest of a large message is on its way)."""
 
@@ -163,7 +163,7 @@ class Received:
     frames: list[np.ndarray] | None = None
 
 
-class Link:
+class MpiChannel:
     """Non-blocking messages between this rank and ``peers`` (ranks of ``comm``); one thread owns it.
 
     ``send(dest, frames)`` posts a message and returns at once; ``poll()`` moves what is in

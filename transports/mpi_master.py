@@ -10,7 +10,7 @@ worker ``k`` is rank ``k + 1``, ``start(n)`` needs exactly ``size - 1`` workers,
 never has anything new, and a rank that cannot be admitted (another version, a handler that
 could not be built) makes ``start`` raise why at once, since no other rank could take its
 place. ``close`` says goodbye to every rank that was not refused, lost ones included, then ends
-with the closing handshake (:meth:`transports.mpi_link.Link.finish`): MPI cannot finalise while
+with the closing handshake (:meth:`transports.mpi_link.MpiChannel.finish`): MPI cannot finalise while
 a message sent to a rank was never received.
 
 A worker *process* that dies is another matter: MPI jobs are all or nothing, and
@@ -33,7 +33,7 @@ from typing import Any
 
 from transports import wire
 from transports.base import WorkerInfo
-from transports.mpi_link import POLL_S, Link, require_mpi
+from transports.mpi_link import POLL_S, MpiChannel, require_mpi
 from transports.session.link import Arrival
 from transports.session.link import Link as SessionLink
 from transports.session.transport import SessionTransport, check_options
@@ -51,7 +51,7 @@ class MpiLink(SessionLink):
 
     def __init__(self, comm: Any, max_bytes: int) -> None:
         self.group = list(range(1, comm.Get_size()))
-        self.link = Link(comm, self.group, max_bytes)
+        self.link = MpiChannel(comm, self.group, max_bytes)
         self.kick = threading.Event()
         self._gone: set[int] = set()  # ranks already reported gone
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from transports import wire
 from transports.base import Handler, Message
-from transports.mpi_link import POLL_S, Link, require_mpi
+from transports.mpi_link import POLL_S, MpiChannel, require_mpi
 from transports.mpi_master import MASTER, SHUTDOWN_LINGER_S
 from transports.session.compute import Compute
 from transports.session.link import WorkerLink
@@ -69,7 +69,7 @@ def serve_if_worker(make_handler: Callable[[], Handler], comm: Any = None, **opt
 
 def _tell_master(comm: Any, msg: Message, max_bytes: int | None) -> None:
     """Send one message to the master, then end the session (the master answers with its bye)."""
-    link = Link(comm, [MASTER], max_bytes or wire.DEFAULT_MAX_BYTES)
+    link = MpiChannel(comm, [MASTER], max_bytes or wire.DEFAULT_MAX_BYTES)
     link.send(MASTER, wire.encode(msg))
     link.finish([MASTER], SHUTDOWN_LINGER_S)
 
@@ -112,7 +112,7 @@ def serve(
     )
     wakeup = Wakeup()
     compute = Compute(handler, wakeup)
-    link = MpiWorkerLink(Link(comm, [MASTER], max_message_bytes), wakeup)
+    link = MpiWorkerLink(MpiChannel(comm, [MASTER], max_message_bytes), wakeup)
     try:
         giving_up = (
             f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
@@ -139,7 +139,7 @@ def serve(
 class MpiWorkerLink(WorkerLink):
     """The link to rank 0, polled every POLL_S (MPI cannot wake a thread) or when the compute thread wakes."""
 
-    def __init__(self, link: Link, wakeup: Wakeup) -> None:
+    def __init__(self, link: MpiChannel, wakeup: Wakeup) -> None:
         self.link, self.wakeup = link, wakeup
 
     def wait(self, timeout: float) -> None:

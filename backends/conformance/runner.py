@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import get_backend, has_devices
 from backends.base import Backend
 from backends.conformance import CASES, EXACT, TOLERANCES, Case, CheckResult, Tolerance, Trial
 from backends.conformance.checks import (
@@ -48,7 +49,6 @@ from backends.conformance.checks import (
     gamma,
     linear_expected,
 )
-from backends.registry import get_backend, has_devices
 
 __all__ = [  # the public names third-party backends' tests use, and the classes they are made of
     "CASES",

@@ -6,7 +6,7 @@
 lists what this machine has (for a CLI's device table). See backend.py for the
 ops, conv.py for the convolution, norms.py for the normalisations, maxpool.py for
 max pooling, gemm.py for the GEMM and its per-device tuning (gemm_configs.py for its
-variants), runtime.py for the device plumbing (programs, launches, buffers),
+variants), cl_runtime.py for the device plumbing (programs, launches, buffers),
 device.py for device choice.
 """
 

@@ -6,7 +6,7 @@ this calls a kernel of ``ops.cl``, and where numpy calls BLAS this calls the one
 GEMM of ``gemm.cl`` (through ``gemm.py``, which picks its variant per device).
 The convolution, im2col + that GEMM, is in ``conv.py``, the normalisations in
 ``norms.py`` and max pooling in ``maxpool.py``: functions of the device plumbing
-(programs, kernel launches, buffers) in ``runtime.py``, ``self.rt`` here.
+(programs, kernel launches, buffers) in ``cl_runtime.py``, ``self.rt`` here.
 
 Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a
 memory pool, and stay on the device between ops: the host sees data only in
@@ -25,9 +25,9 @@ import pyopencl.array as cla
 
 from backends.base import Backend, WireConversion
 from backends.opencl import conv, maxpool, norms
+from backends.opencl.cl_runtime import ClRuntime
 from backends.opencl.device import describe_device, select_device
 from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView
-from backends.opencl.runtime import Runtime
 from backends.opencl.tune_file import default_tune_file
 
 F32 = np.float32
@@ -62,7 +62,7 @@ class OpenCLBackend(Backend, WireConversion):
         if autotune is None:
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
-        self.rt = Runtime(select_device(device), autotune, tune_path, profile)
+        self.rt = ClRuntime(select_device(device), autotune, tune_path, profile)
         # narrow_wire / widen_wire convert bf16 wire words here, on every device: where the reads and
         # writes cross a bus, half the bytes cross it; and on PoCL's CPU device, whose buffers are host
         # memory, one kernel pass still beats numpy's dozen (benchmarks/bench_wire_convert.py: conv2's
@@ -71,7 +71,7 @@ class OpenCLBackend(Backend, WireConversion):
 
     @property
     def rows(self) -> bool:
-        """Whether the rows kernels run (see Runtime.rows): True on CPU devices."""
+        """Whether the rows kernels run (see ClRuntime.rows): True on CPU devices."""
         return self.rt.rows
 
     @rows.setter

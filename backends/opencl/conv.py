@@ -15,7 +15,7 @@ one cheap pass over x and saves holding K*N*OH*OW floats per conv layer between
 forward and backward. Integer division is slow on CPUs, so the kernels never
 split a flat index per element: im2col adds entries of two small tables, and
 col2im is compiled per window (see layout.cl, where the kernels are). CPUs run
-the kernels' row variants (Runtime.rows): a work-item walks a tap's rows, or, where
+the kernels' row variants (ClRuntime.rows): a work-item walks a tap's rows, or, where
 lanes_fit() allows, copies vectors of 8 pixels (the paper's layers; col2im where
 col2im_lanes_fit() allows, 8 dx elements a vector).
 """
@@ -26,9 +26,9 @@ import numpy as np
 import pyopencl.array as cla
 
 from backends.base import Cache, conv_output_size
+from backends.opencl.cl_runtime import ClRuntime
 from backends.opencl.gemm import AView, CView
 from backends.opencl.gemm_configs import cdiv
-from backends.opencl.runtime import Runtime
 
 i32 = np.int32
 
@@ -56,7 +56,7 @@ def col2im_lanes_fit(stride: int, w: int, kdim: int, npix: int) -> bool:
 
 
 def im2col_tables(
-    rt: Runtime, x_shape: tuple[int, ...], kh: int, kw: int, stride: int, padding: int, oh: int, ow: int
+    rt: ClRuntime, x_shape: tuple[int, ...], kh: int, kw: int, stride: int, padding: int, oh: int, ow: int
 ) -> tuple[cla.Array, cla.Array]:
     """The pixel and tap tables of layout.cl's im2col: (N*OH*OW, 4) and (C*KH*KW, 4) int32."""
     n, c, h, w = x_shape
@@ -69,7 +69,7 @@ def im2col_tables(
 
 
 def forward(
-    rt: Runtime, x: cla.Array, w: cla.Array, b: cla.Array, stride: int = 1, padding: int = 0
+    rt: ClRuntime, x: cla.Array, w: cla.Array, b: cla.Array, stride: int = 1, padding: int = 0
 ) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W), w (F, C, KH, KW), b (F,) -> (y (N, F, OH, OW), cache): Y = W @ cols + b."""
     x, w, b = rt.operand(x, "conv2d x"), rt.operand(w, "conv2d w"), rt.operand(b, "conv2d b")
@@ -109,7 +109,7 @@ def forward(
 
 
 def backward(
-    rt: Runtime, dy: cla.Array, cache: Cache, need_dx: bool = True
+    rt: ClRuntime, dy: cla.Array, cache: Cache, need_dx: bool = True
 ) -> tuple[cla.Array | None, cla.Array, cla.Array]:
     """dy (N, F, OH, OW) -> (dx or None, dw, db): [dW | db] = dY @ [cols^T | 1], dx by conv_dx."""
     x, w, stride, padding, pixel, tap = cache
@@ -147,7 +147,9 @@ def backward(
     return conv_dx(rt, dy, w, x.shape, stride, padding), dw, db
 
 
-def conv_dx(rt: Runtime, dy: cla.Array, w: cla.Array, x_shape: tuple[int, ...], stride: int, padding: int) -> cla.Array:
+def conv_dx(
+    rt: ClRuntime, dy: cla.Array, w: cla.Array, x_shape: tuple[int, ...], stride: int, padding: int
+) -> cla.Array:
     """dx = col2im(W^T dY) for dy (N, F, OH, OW), w (F, C, KH, KW) on the device."""
     n, c, h, wd = x_shape
     f, _, kh, kw = w.shape

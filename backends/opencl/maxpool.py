@@ -13,8 +13,8 @@ import numpy as np
 import pyopencl.array as cla
 
 from backends.base import Cache, conv_output_size
+from backends.opencl.cl_runtime import ClRuntime
 from backends.opencl.gemm_configs import cdiv
-from backends.opencl.runtime import Runtime
 
 i32 = np.int32
 
@@ -28,7 +28,7 @@ def plane_defines(window: str, h: int, w: int, group: int) -> str:
     return f"{window} -DPLANE_H={h} -DPLANE_W={w} -DPLANE_GROUP={group}"
 
 
-def pool_group(rt: Runtime, h: int, w: int, planes: int) -> int:
+def pool_group(rt: ClRuntime, h: int, w: int, planes: int) -> int:
     """Planes per work-item of the planes kernels: about POOL_WALK elements, and at least 4
     items per compute unit while there are planes for them."""
     per_unit = max(1, planes // (4 * rt.limits.compute_units))
@@ -36,14 +36,14 @@ def pool_group(rt: Runtime, h: int, w: int, planes: int) -> int:
 
 
 def _launch_at(
-    rt: Runtime, name: str, dims: tuple[int, ...], offset: tuple[int, ...], args: tuple, defines: str
+    rt: ClRuntime, name: str, dims: tuple[int, ...], offset: tuple[int, ...], args: tuple, defines: str
 ) -> None:
     """rt.launch of one block of a grid, at a global offset (the first and last plane)."""
     knl, _ = rt.kernel(name, defines)
     rt.ran(name, knl(rt.queue, dims, None, *args, global_offset=offset))
 
 
-def forward(rt: Runtime, x: cla.Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[cla.Array, Cache]:
+def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W) -> (y (N, C, OH, OW), cache), padding counting as -inf."""
     x = rt.operand(x, "maxpool x")
     if x.ndim != 4:
@@ -73,7 +73,7 @@ def forward(rt: Runtime, x: cla.Array, kernel: int = 2, stride: int = 2, padding
     return y, (x.shape, arg, geometry, window)
 
 
-def backward(rt: Runtime, dy: cla.Array, cache: Cache) -> cla.Array:
+def backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
     """dy (N, C, OH, OW) -> dx (N, C, H, W): each dy summed into the input its window's maximum came from."""
     x_shape, arg, geometry, window = cache
     dy = rt.operand(dy, "maxpool dy")

@@ -1,6 +1,6 @@
 """The OpenCL backend's normalisations: LRN, ReLU and LRN fused, and batch norm, forward and backward.
 
-Each is a few kernels of ops.cl launched through the Runtime's shared launchers: ``rt.planes``
+Each is a few kernels of ops.cl launched through the ClRuntime's shared launchers: ``rt.planes``
 (per pixel, or a plane per work-item on CPUs), ``rt.channel_walk`` (LRN's backward: on CPUs a
 work-item walks the channels of a block of pixels) and ``rt.channel_sums`` (batch norm's
 per-channel statistics and gradients). The arithmetic is the numpy reference's
@@ -13,7 +13,7 @@ import numpy as np
 import pyopencl.array as cla
 
 from backends.base import Cache, require_batch_statistics
-from backends.opencl.runtime import Runtime
+from backends.opencl.cl_runtime import ClRuntime
 
 F32 = np.float32
 i32 = np.int32
@@ -24,14 +24,14 @@ def lrn_defines(before: int, after: int, beta: float) -> str:
     return f"-DLRN_BEFORE={before} -DLRN_AFTER={after} -DLRN_BETA_075={int(beta == 0.75)}"
 
 
-def _lrn_input(rt: Runtime, x: cla.Array, size: int, what: str) -> cla.Array:
+def _lrn_input(rt: ClRuntime, x: cla.Array, size: int, what: str) -> cla.Array:
     x = rt.operand(x, f"{what} x")
     if x.ndim != 4 or size < 1:
         raise ValueError(f"{what}: expected an (N, C, H, W) input and size >= 1, got {x.shape} and {size}")
     return x
 
 
-def _lrn_dy(rt: Runtime, dy: cla.Array, x: cla.Array, what: str) -> cla.Array:
+def _lrn_dy(rt: ClRuntime, dy: cla.Array, x: cla.Array, what: str) -> cla.Array:
     dy = rt.operand(dy, f"{what} dy")
     if dy.shape != x.shape:
         raise ValueError(f"{what}_backward: dy {dy.shape} does not match the forward input {x.shape}")
@@ -39,7 +39,7 @@ def _lrn_dy(rt: Runtime, dy: cla.Array, x: cla.Array, what: str) -> cla.Array:
 
 
 def lrn_forward(
-    rt: Runtime, x: cla.Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
+    rt: ClRuntime, x: cla.Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
 ) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W) -> y = x * s^-beta, s = k + alpha/size * (sum of x^2 over the channel window)."""
     x = _lrn_input(rt, x, size, "lrn")
@@ -53,7 +53,7 @@ def lrn_forward(
     return y, (x, y, s, p, size, alpha, beta, before, after)
 
 
-def lrn_backward(rt: Runtime, dy: cla.Array, cache: Cache) -> cla.Array:
+def lrn_backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
     """dy (N, C, H, W) -> dx."""
     x, y, s, p, size, alpha, beta, before, after = cache
     build = lrn_defines(before, after, beta)
@@ -70,7 +70,7 @@ def lrn_backward(rt: Runtime, dy: cla.Array, cache: Cache) -> cla.Array:
 # (ops.cl: read the map once, write it once). The cache holds the ReLU's input x, not its
 # output, and s but not p = s^-beta: the backward recomputes both, so neither is ever written.
 def relu_lrn_forward(
-    rt: Runtime, x: cla.Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
+    rt: ClRuntime, x: cla.Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
 ) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W) -> y = lrn(relu(x))."""
     x = _lrn_input(rt, x, size, "relu_lrn")
@@ -83,7 +83,7 @@ def relu_lrn_forward(
     return y, (x, y, s, size, alpha, beta, before, after)
 
 
-def relu_lrn_backward(rt: Runtime, dy: cla.Array, cache: Cache) -> cla.Array:
+def relu_lrn_backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
     """dy (N, C, H, W) -> dx, through the LRN and then the ReLU."""
     x, y, s, size, alpha, beta, before, after = cache
     build = lrn_defines(before, after, beta)
@@ -97,7 +97,7 @@ def relu_lrn_backward(rt: Runtime, dy: cla.Array, cache: Cache) -> cla.Array:
 
 
 def batchnorm_forward(
-    rt: Runtime,
+    rt: ClRuntime,
     x: cla.Array,
     gamma: cla.Array,
     beta: cla.Array,
@@ -136,7 +136,7 @@ def batchnorm_forward(
     return y, (xhat, gamma, invstd, training)
 
 
-def batchnorm_backward(rt: Runtime, dy: cla.Array, cache: Cache) -> tuple[cla.Array, cla.Array, cla.Array]:
+def batchnorm_backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> tuple[cla.Array, cla.Array, cla.Array]:
     """dy (N, C, H, W) -> (dx, dgamma (C,), dbeta (C,))."""
     xhat, gamma, invstd, training = cache
     dy = rt.operand(dy, "batchnorm dy")

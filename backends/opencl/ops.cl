@@ -21,7 +21,7 @@
 // per chunk, image plane or output row): the same float operations in the same order, so the
 // two give the same bits. Inside the loops every condition is a select, never a branch, and
 // the rows kernels' buffers are `restrict` (the backend never aliases them), so the loop
-// vectorises without run-time overlap checks. Runtime.rows (runtime.py) picks them on CPUs.
+// vectorises without run-time overlap checks. ClRuntime.rows (cl_runtime.py) picks them on CPUs.
 //
 // Arithmetic follows backends/numpy_backend.py operation by operation (same
 // order, same float32 roundings), and contraction of a*b+c into a fused

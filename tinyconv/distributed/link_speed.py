@@ -11,7 +11,7 @@ import statistics
 from collections import deque
 
 
-class Link:
+class LinkSpeed:
     """One worker's link as its recent tasks measured it: seconds per array byte beyond its compute.
 
     A task of b bytes (its arrays and its result's), sent at t_send, whose result the master

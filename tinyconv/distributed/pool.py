@@ -33,7 +33,7 @@ from pathlib import Path
 from subprocess import PIPE
 from typing import Any
 
-from backends.registry import get_backend
+from backends import get_backend
 from tinyconv.distributed.adaptive_precision import policy
 from tinyconv.distributed.conv_shapes import conv_shapes
 from tinyconv.distributed.protocol import VERSION, message_cap_bytes
@@ -43,10 +43,10 @@ from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.model import Network
+from transports import get_transport
 from transports.base import Transport, WorkerInfo
 from transports.curve import CurveServer, KeyFiles, local_keys
 from transports.endpoints import connect_hint, is_local
-from transports.registry import get_transport
 from transports.wire import DEFAULT_MAX_BYTES
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"

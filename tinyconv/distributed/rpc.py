@@ -28,7 +28,7 @@ import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats
-from tinyconv.distributed.link_speed import Link
+from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import check_result
 from tinyconv.distributed.wire_codec import Codec, Plain
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
@@ -64,12 +64,12 @@ class Rpc:
         self.workers = {w.index: w for w in workers}
         self.timeout = float(timeout)
         self.clock = clock
-        self.links: dict[int, Link] = {}  # worker -> what its tasks measured of its link
+        self.links: dict[int, LinkSpeed] = {}  # worker -> what its tasks measured of its link
         self._next_task = 0
 
-    def link(self, k: int) -> Link:
+    def link(self, k: int) -> LinkSpeed:
         """Worker ``k``'s link (nothing measured yet for a new one)."""
-        return self.links.setdefault(k, Link())
+        return self.links.setdefault(k, LinkSpeed())
 
     def op(
         self,

@@ -263,7 +263,7 @@ class Cluster(Runtime):
 
         t_i: participant i's calibrated time for the whole layer; B_k: the most array bytes one op
         of the layer moved to and from worker k in the last step; s_k: the seconds per byte its
-        link measured, upper bounds included (:class:`~tinyconv.distributed.link_speed.Link`). On a slow link
+        link measured, upper bounds included (:class:`~tinyconv.distributed.link_speed.LinkSpeed`). On a slow link
         the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
         those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
         """

@@ -170,7 +170,7 @@ def end_if_computing(code: int, before: set[threading.Thread]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from backends.registry import get_backend
+    from backends import get_backend
     from tinyconv.distributed.worker.handler import Worker
     from transports.curve import CurveClient
     from transports.zmq_worker import serve

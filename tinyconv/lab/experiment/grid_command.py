@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]:
     """Check the options and the --out file; the grid's cells and the rows already measured."""
-    from backends.registry import available_backends
+    from backends import available_backends
     from tinyconv.lab.experiment import table
     from tinyconv.lab.experiment.workers import cores
     from tinyconv.model import parse_arch
@@ -248,7 +248,7 @@ def _loop(args: argparse.Namespace, todo: list[Cell], rows: list[dict[str, Any]]
     """Each pending cell in order: measured, appended to the CSV and JSON, a line printed."""
     from tqdm import tqdm
 
-    from backends.registry import get_backend
+    from backends import get_backend
     from tinyconv.distributed.heap import release_freed_memory
     from tinyconv.lab.experiment import table
     from tinyconv.lab.experiment.run import run_cell

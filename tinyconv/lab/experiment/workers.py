@@ -28,8 +28,8 @@ from contextlib import ExitStack, contextmanager
 
 from tinyconv.distributed.pool import LOCAL_BIND, _handshake, _keys, _local_worker_args, stop_workers, worker_pool
 from tinyconv.distributed.protocol import VERSION
+from transports import get_transport
 from transports.base import Transport, WorkerInfo
-from transports.registry import get_transport
 
 PEER_TIMEOUT_S = 60.0  # as bench_speedup: a busy master still heartbeats, this is for a dead one
 

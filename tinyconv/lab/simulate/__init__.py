@@ -14,7 +14,7 @@ split and tinyconv's:
 * ``devices.py`` -- the measured device file: per conv layer, a device's forward + backward
   time as fixed + per-kernel seconds (``distributed/cost.py``'s affine model), with and without the
   fused tails, and the master's other work per step (comp). ``--measure`` times this machine.
-* ``link.py`` -- one op's wall time on a link of bandwidth B and latency L per message: Wi-Fi,
+* ``link_model.py`` -- one op's wall time on a link of bandwidth B and latency L per message: Wi-Fi,
   one shared half-duplex channel where every transfer waits its turn, or switched full-duplex
   Ethernet, where the master's NIC is the bottleneck each way. Formulas there.
 * ``predict.py`` -- shares by the paper's eq. 1, bytes per worker as ``eq2.py`` counts them

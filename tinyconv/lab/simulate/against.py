@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tinyconv.lab.simulate.devices import Device
-from tinyconv.lab.simulate.link import MB, Link, parse_rate
+from tinyconv.lab.simulate.link_model import MB, LinkModel, parse_rate
 from tinyconv.lab.simulate.predict import predict, words_of
 
 NEEDED = ("arch", "norm", "batch", "participants", "fuse", "split", "step_s", "comm_s", "speedup", "link")
@@ -62,7 +62,9 @@ def read_grid(path: str) -> list[dict[str, str]]:
     return rows
 
 
-def link_of(label: str, links: dict[str, dict[str, float]], loopback_mbps: float | None, latency_ms: float) -> Link:
+def link_of(
+    label: str, links: dict[str, dict[str, float]], loopback_mbps: float | None, latency_ms: float
+) -> LinkModel:
     """The link model for a grid row's ``link`` label; a ValueError if it names none."""
     if label.strip().lower() == "loopback":
         measured = links.get("loopback")
@@ -70,8 +72,8 @@ def link_of(label: str, links: dict[str, dict[str, float]], loopback_mbps: float
             raise ValueError("no loopback bandwidth: measure one with --measure or give --loopback-MBps")
         bw = loopback_mbps if loopback_mbps is not None else measured["bandwidth_MBps"]
         lat = measured["latency_ms"] if measured else 0.0
-        return Link("ethernet", bw * MB, lat / 1e3)
-    return Link("ethernet", parse_rate(label), latency_ms / 1e3)
+        return LinkModel("ethernet", bw * MB, lat / 1e3)
+    return LinkModel("ethernet", parse_rate(label), latency_ms / 1e3)
 
 
 def parse_shares(text: str, names: Sequence[str], participants: int) -> list[list[int]] | None:
@@ -126,7 +128,7 @@ def compare_rows(
     return done, skipped
 
 
-def compare_row(r: dict[str, str], devices: Sequence[Device], link: Link, rebalancer: Any) -> dict[str, Any] | str:
+def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, rebalancer: Any) -> dict[str, Any] | str:
     """One grid row measured beside its prediction, or why the model cannot predict it."""
     from tinyconv.distributed.conv_shapes import conv_shapes
     from tinyconv.model import paper_net

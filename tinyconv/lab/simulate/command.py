@@ -1,4 +1,4 @@
-"""``tinyconv simulate``: options, the prediction table and its CSV (the model: ``predict.py``, ``link.py``)."""
+"""``tinyconv simulate``: options, the prediction table and its CSV (the model: ``predict.py``, ``link_model.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from tinyconv.distributed.adaptive_precision import SETTINGS as WIRES  # --wire-precision, as the main job's
 from tinyconv.lab.simulate.devices import Device, load, measure_device, measure_loopback, save, slowed
-from tinyconv.lab.simulate.link import MB, MEDIA, Link
+from tinyconv.lab.simulate.link_model import MB, MEDIA, LinkModel
 from tinyconv.lab.simulate.predict import LABELS, SPLITS, Prediction, predict
 
 # the CSV's columns; the first twelve are the contract the plots read
@@ -121,14 +121,14 @@ def rows_for(args: argparse.Namespace, devices: list[Device]) -> list[dict[str, 
         for wire in args.wire_precision:
             for medium in args.medium:
                 for bw in args.bandwidth:
-                    link = Link(medium, bw * MB, args.latency_ms / 1e3)
+                    link = LinkModel(medium, bw * MB, args.latency_ms / 1e3)
                     for n in args.nodes:
                         p = predict(convs, devices, n, fuse, split, link, wire)
                         rows.append(row(args, devices, (fuse, split), link, p, wire))
     return rows
 
 
-def row(args: argparse.Namespace, devices: list[Device], fs: tuple[str, str], link: Link, p: Prediction,
+def row(args: argparse.Namespace, devices: list[Device], fs: tuple[str, str], link: LinkModel, p: Prediction,
         wire: str) -> dict:  # fmt: skip
     return {"arch": args.arch, "batch": args.batch, "split": fs[1], "medium": link.medium,
             "bandwidth_MBps": link.bandwidth / MB, "latency_ms": link.latency * 1e3, "nodes": p.nodes,

@@ -62,7 +62,7 @@ from tinyconv.distributed.shard.balance import apportion, speed_weights
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.lab.eq2 import FP32_WORDS, ConvShape, block_bytes, channel_split_bytes, wire_words
 from tinyconv.lab.simulate.devices import Device
-from tinyconv.lab.simulate.link import Link, Task, op_wall
+from tinyconv.lab.simulate.link_model import LinkModel, Task, op_wall
 
 # the splits a prediction is made for: (fuse, split), as the main job's --fuse and --split
 SPLITS = (("off", "kernels"), ("on", "kernels"), ("on", "channels"))
@@ -86,7 +86,7 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class Op:
+class PredictedOp:
     """One op of one layer: the master's compute and each worker's task."""
 
     master_s: float
@@ -111,7 +111,7 @@ def participants(devices: Sequence[Device], nodes: int) -> list[Device]:
 
 def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, split: str,
               words: dict[str, str] = FP32_WORDS,
-              counts: Sequence[int] | None = None) -> tuple[Op, Op, list[int]]:  # fmt: skip
+              counts: Sequence[int] | None = None) -> tuple[PredictedOp, PredictedOp, list[int]]:  # fmt: skip
     """The forward and backward op of conv layer ``layer`` (index into the devices' layers) among
     ``parts``, and its kernels per participant: ``counts`` if given, else eq. 1's; arrays in
     ``words`` (role -> wire format)."""
@@ -147,11 +147,11 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
             to_f, back_f, to_b, back_b = block_bytes(conv, h, p.n_kernels, tail, words)
         fwd.append(Task(to_f, forward * t, back_f))
         bwd.append(Task(to_b, (1 - forward) * t, back_b))
-    return Op(forward * times[0], tuple(fwd)), Op((1 - forward) * times[0], tuple(bwd)), counts
+    return PredictedOp(forward * times[0], tuple(fwd)), PredictedOp((1 - forward) * times[0], tuple(bwd)), counts
 
 
 def predict(convs: Sequence[ConvShape], devices: Sequence[Device], nodes: int, fuse: str, split: str,
-            link: Link, wire: str = "fp32",
+            link: LinkModel, wire: str = "fp32",
             shares: Sequence[Sequence[int]] | None = None) -> Prediction:  # fmt: skip
     """The step of ``nodes`` participants (``devices`` in turn, the master first) with ``fuse`` and
     ``split`` on ``link``, the shards in ``--wire-precision wire``: the model in the module docstring.
@@ -183,7 +183,7 @@ def predict(convs: Sequence[ConvShape], devices: Sequence[Device], nodes: int, f
     return Prediction(nodes, step, wall - conv, conv, comp, alone / step, sent, recv, tuple(split_as), lag)
 
 
-def ready_lag(forward: Op, backward: Op, master_busy: bool, link: Link) -> float:
+def ready_lag(forward: PredictedOp, backward: PredictedOp, master_busy: bool, link: LinkModel) -> float:
     """How far the slowest of a layer's participants lags their mean, (max r - mean r) / mean r, in
     ready times r as the rebalancer measures them: the master's compute, a worker's compute plus the
     bytes it moved / B (``LayerStep.ready_s``); participants without kernels left out."""

@@ -48,7 +48,7 @@ MB = 1e6  # the paper's MB/s: 10^6 bytes
 
 
 @dataclass(frozen=True)
-class Link:
+class LinkModel:
     """A link model: ``medium`` (wifi or ethernet), ``bandwidth`` bytes/s, ``latency`` s per message."""
 
     medium: str
@@ -71,7 +71,7 @@ class Task:
     back: int
 
 
-def op_wall(link: Link, master_s: float, tasks: Sequence[Task]) -> float:
+def op_wall(link: LinkModel, master_s: float, tasks: Sequence[Task]) -> float:
     """Wall time of one op: the schedule in the module docstring, ``tasks`` in send order."""
     b, lat = link.bandwidth, link.latency
     shared = link.medium == "wifi"

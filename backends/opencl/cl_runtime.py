@@ -1,6 +1,6 @@
 """The device plumbing of the OpenCL backend: one device's context, queue, buffers and kernels.
 
-    rt = Runtime(device, autotune, tune_file)
+    rt = ClRuntime(device, autotune, tune_file)
     y = rt.empty((n, c, h, w))                               # a float32 buffer from the pool
     rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # a kernel on a grid
     rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
@@ -36,7 +36,7 @@ MAX_ELEMENTS = 2**31 - 1  # kernels index with 32-bit ints
 OPS_SOURCES = ("layout.cl", "ops.cl", "wire.cl")  # one program: every kernel but the GEMM's
 
 
-class Runtime:
+class ClRuntime:
     """One OpenCL device: context, in-order queue, buffer pool, built programs, and its GEMM.
 
     ``autotune``: time the GEMM variants on first use of each large shape; ``tune_file``:
@@ -172,7 +172,7 @@ class Runtime:
     def kernel_times(self) -> dict[str, tuple[int, float]]:
         """Per kernel name, (launches, seconds on the device) since the last call; needs ``profile``."""
         if self.events is None:
-            raise RuntimeError("kernel_times() needs a Runtime made with profile=True")
+            raise RuntimeError("kernel_times() needs a ClRuntime made with profile=True")
         self.queue.finish()
         times: dict[str, tuple[int, float]] = {}
         for name, ev in self.events:
