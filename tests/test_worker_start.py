@@ -3,6 +3,7 @@ its own words; one stopped in the middle of a task ends with its own exit code."
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -50,6 +51,19 @@ def test_death_notices():
     )
 
 
+def _cpu_seconds(pid: int) -> float:
+    """The user + system CPU time a process has used (Linux's /proc): only its compute thread uses much."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_until(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        time.sleep(0.01)
+
+
 def _replica_calibrate(task: int, arch: str, batch: int, repeats: int) -> Message:
     net = {"arch": arch, "norm": "lrn", "pool_kernel": 3, "num_classes": 10, "in_channels": 3, "image_size": 32}
     return Message("replica_calibrate", {"task": task, "net": net, "batch": batch, "repeats": repeats})
@@ -65,9 +79,11 @@ def test_a_worker_stopped_in_the_middle_of_a_task_exits_with_its_code_not_a_segf
         try:
             (worker,) = transport.start(1, timeout=60)
             transport.send(worker.index, _replica_calibrate(1, "4:8", 2, 1))  # short
-            transport.send(worker.index, _replica_calibrate(2, "64:256", 32, 1000))  # minutes of GEMMs
             _, reply = transport.recv(timeout=60)
-            assert reply.kind == "result" and reply.header["task"] == 1  # the compute thread has task 2 now
+            assert reply.kind == "result" and reply.header["task"] == 1  # the compute thread is up
+            busy_from = _cpu_seconds(proc.pid)
+            transport.send(worker.index, _replica_calibrate(2, "64:256", 32, 1000))  # minutes of GEMMs
+            _wait_until(lambda: _cpu_seconds(proc.pid) > busy_from + 0.5, timeout=60)  # computing task 2 now
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
         finally:
