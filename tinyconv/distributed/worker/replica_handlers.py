@@ -59,13 +59,18 @@ from tinyconv.distributed.worker.state import HYBRID, Handler, OpenStep, WorkerS
 from tinyconv.model import Network
 
 
-def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
-    """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
+def _timed_replica(state: WorkerState, h: dict[str, Any]) -> Network:
+    """The replica a calibration times, once its ``repeats`` and ``batch`` are checked."""
     if not 1 <= h["repeats"] <= 1000:
         raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
     if not 1 <= h["batch"] <= 1 << 16:
         raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
-    net = _replica(state, h["net"], h["batch"])
+    return _replica(state, h["net"], h["batch"])
+
+
+def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
+    net = _timed_replica(state, h)
     seconds = time_replica(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
     release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (tinyconv/distributed/heap.py)
     return {"times": [seconds]}
@@ -103,11 +108,7 @@ def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: No
 # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
 def hybrid_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
-    if not 1 <= h["repeats"] <= 1000:
-        raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
-    if not 1 <= h["batch"] <= 1 << 16:
-        raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
-    net = _replica(state, h["net"], h["batch"])
+    net = _timed_replica(state, h)
     seconds = time_conv_part(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
     release_freed_memory()  # as replica_calibrate
     return {"times": [seconds]}
