@@ -10,8 +10,9 @@ package; :func:`tinyconv.distribute` plugs it in. Read in this order:
 * the runtime every parallelism uses: ``runtime.py`` (participants and where they run, loss, joins,
   deadlines, calibration by eq. 1), ``calibrate.py``, ``cost.py``, ``rebalance.py`` and
   ``link_speed.py`` (timing and re-apportioning), ``accounting.py`` (the step's comm / conv /
-  comp), ``rpc.py`` and ``protocol.py`` (the tasks on the wire), ``wire_codec.py`` (optional narrower words, a codec at the edges: ``wire_precision.py``
-  the formats, ``adaptive_precision.py`` which array goes in which), ``conv_shapes.py`` and ``heap.py``;
+  comp), ``rpc.py`` and ``protocol.py`` (the tasks on the wire), ``wire_codec.py`` (optional
+  narrower words, a codec at the edges: ``wire_precision.py`` the formats, ``adaptive_precision.py``
+  which array goes in which), ``conv_shapes.py`` and ``heap.py``;
 * ``worker/`` -- what a worker runs: the task handlers that answer the master's split;
 * ``pool.py`` -- starting and stopping workers, and :func:`~tinyconv.distributed.pool.distribute`.
 """
