@@ -20,11 +20,11 @@ from typing import Any
 
 from transports import wire
 from transports.base import Handler
-from transports.session.compute import Compute
 from transports.session.link import Arrival, Link, WorkerLink
-from transports.session.settings import EXIT_FAILED, MASTER_LOST, Settings
-from transports.session.transport import SessionTransport, check_options
-from transports.session.worker import serve_master
+from transports.session.master import SessionTransport
+from transports.session.settings import EXIT_FAILED, MASTER_LOST, Settings, check_options
+from transports.session.welcome import serve_master
+from transports.session.worker import Compute
 from transports.wakeup import Wakeup
 
 SEND_TIMEOUT_S = 5.0  # a peer that takes no bytes for this long has stopped reading
@@ -188,9 +188,8 @@ def serve(address: str, handler: Handler, welcome_timeout_s: float = 60.0, **set
     ``settings`` are :class:`~transports.session.settings.Settings`' (``heartbeat_s``, ``say``, ...)."""
     host, port = address.rsplit(":", 1)
     settings = Settings(**settings)
-    wakeup = Wakeup()
-    compute = Compute(handler, wakeup)
-    link = TcpWorkerLink(Stream(socket.create_connection((host, int(port))), settings.max_bytes), wakeup)
+    compute = Compute(handler)
+    link = TcpWorkerLink(Stream(socket.create_connection((host, int(port))), settings.max_bytes), compute.wakeup)
     try:
         code = serve_master(
             link,
@@ -204,4 +203,3 @@ def serve(address: str, handler: Handler, welcome_timeout_s: float = 60.0, **set
     finally:
         compute.stop()
         link.stream.sock.close()
-        wakeup.close()

@@ -87,7 +87,7 @@ def test_mpi_conformance_echo_errors_bad_messages_and_clean_shutdown():
 def test_the_mpi_transport_imports_nothing_of_zmq():
     code = (
         f"{FORBID_ZMQ}\n"
-        "import transports.mpi_master, transports.mpi_worker, transports.mpi_link, transports.session.worker\n"
+        "import transports.mpi_master, transports.mpi_worker, transports.mpi_link, transports.session.welcome\n"
         "from transports import load_transport\n"
         "assert load_transport('mpi') is transports.mpi_master.MpiTransport\n"
         "assert not [m for m in sys.modules if m.startswith('zmq.')], sorted(sys.modules)\n"

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -231,6 +232,23 @@ def check_array_names(kind: str, names: Sequence[Any]) -> None:
             raise ProtocolError(f"{kind}: array names must be non-empty str, got {name!r}")
     if len(set(names)) != len(names):
         raise ProtocolError(f"{kind}: duplicate array names in {list(names)}")
+
+
+def check_descriptor(kind: str, i: int, d: Any) -> tuple[str, np.dtype, tuple[int, ...], int]:
+    """One received array descriptor -> (name, dtype, shape, nbytes), all checked; ``i`` is its place."""
+    if not isinstance(d, dict) or set(d) != {"name", "dtype", "shape"}:
+        raise ProtocolError(f"{kind}: array descriptor {i} must be a map with keys name, dtype, shape")
+    name, dtype, shape = d["name"], d["dtype"], d["shape"]
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"{kind}: array descriptor {i} needs a non-empty str name")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f"{kind}: array {name!r} has dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise ProtocolError(f"{kind}: array {name!r} shape must be a list of at most {MAX_RANK} ints")
+    if not all(Int.accepts(s) and s >= 0 for s in shape):
+        raise ProtocolError(f"{kind}: array {name!r} shape {shape!r} must hold non-negative ints")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize  # Python ints: no overflow
+    return name, DTYPES[dtype], tuple(shape), nbytes
 
 
 def check_arrays(kind: str, arrays: Any) -> None:

@@ -22,8 +22,8 @@ from typing import Any
 
 from transports.base import HandlerFactory, Message, Transport, WorkerInfo, WorkerLost
 from transports.session.admission import worker_info
-from transports.session.compute import call_handler
-from transports.session.transport import check_options
+from transports.session.settings import check_options
+from transports.session.worker import call_handler
 from transports.wire import SESSION_KINDS, VersionMismatch, check_message, error_reply
 
 log = logging.getLogger(__name__)

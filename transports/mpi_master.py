@@ -36,7 +36,8 @@ from transports.base import WorkerInfo
 from transports.mpi_link import POLL_S, MpiChannel, require_mpi
 from transports.session.link import Arrival
 from transports.session.link import Link as SessionLink
-from transports.session.transport import SessionTransport, check_options
+from transports.session.master import SessionTransport
+from transports.session.settings import check_options
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class MpiTransport(SessionTransport):
 
     ``max_message_bytes`` caps the array data of one message, checked from its prefix before
     anything is allocated; the other options are the session's
-    (:class:`~transports.session.transport.SessionTransport`). Options of other transports
+    (:class:`~transports.session.master.SessionTransport`). Options of other transports
     (``bind``, ``curve``, ...) are accepted and ignored.
     """
 

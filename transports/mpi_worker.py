@@ -30,10 +30,10 @@ from transports import wire
 from transports.base import Handler, Message
 from transports.mpi_link import POLL_S, MpiChannel, require_mpi
 from transports.mpi_master import MASTER, SHUTDOWN_LINGER_S
-from transports.session.compute import Compute
 from transports.session.link import WorkerLink
 from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, MASTER_LOST, Settings, to_stderr
-from transports.session.worker import serve_master
+from transports.session.welcome import serve_master
+from transports.session.worker import Compute
 from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "rank_and_size", "serve", "serve_if_worker"]
@@ -110,9 +110,8 @@ def serve(
         say=say,
         info=(lambda line: None) if quiet else say,
     )
-    wakeup = Wakeup()
-    compute = Compute(handler, wakeup)
-    link = MpiWorkerLink(MpiChannel(comm, [MASTER], max_message_bytes), wakeup)
+    compute = Compute(handler)
+    link = MpiWorkerLink(MpiChannel(comm, [MASTER], max_message_bytes), compute.wakeup)
     try:
         giving_up = (
             f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
@@ -133,7 +132,6 @@ def serve(
         # the closing handshake: MPI cannot finalise while a message sent to this rank is unread
         if link.link.finish([MASTER], SHUTDOWN_LINGER_S):
             say(f"the master did not say bye within {SHUTDOWN_LINGER_S:g} s; MPI may complain as this rank exits")
-        wakeup.close()
 
 
 class MpiWorkerLink(WorkerLink):

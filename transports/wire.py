@@ -6,31 +6,21 @@ A message on the wire is a list of frames::
                           "arrays": [{"name": str, "dtype": str, "shape": [int, ...]}, ...]}
     frame 1..n   the raw bytes of each array, C order, in descriptor order
 
-Arrays are never pickled and never copied on the way out (a frame is a
-``memoryview`` of the array's own memory) nor on the way in (a decoded array is a
-read-only ``np.frombuffer`` view of its frame).
+Arrays are never pickled and never copied on the way out (a frame is a ``memoryview`` of the
+array's own memory) nor on the way in (a decoded array is a read-only view of its frame).
+:data:`WIRE_VERSION` versions this envelope alone; what a kind, a header and the arrays may be
+is :mod:`transports.header`'s, whose public names this module re-exports (the application
+declares its task headers with :func:`check_fields`, :class:`Int` and :class:`Num`).
 
-:data:`WIRE_VERSION` versions this envelope alone. What a kind, a header and the
-arrays may be is :mod:`transports.header`'s, and so is :func:`check_message`, which
-:func:`encode` applies to a message about to be sent; this module re-exports its
-public names (the application declares its task headers with :func:`check_fields`,
-:class:`Int` and :class:`Num`).
-
-Frames come from the network, so :func:`decode` trusts nothing. In this order it
-checks: the header frame's size; that it parses as plain msgpack (limits on every
-string, list, map; no binary, no extension types); the wire version; exact
-envelope keys; the kind; the header (plain data nested at most ``MAX_DEPTH``
-deep; a session kind's keys and value types); array descriptors (at most
-``MAX_ARRAYS``, non-empty distinct names, dtypes against an allow-list, shapes of
-rank <= ``MAX_RANK``); the declared total against ``max_bytes``; the number of
-frames; and each frame's length against its shape. Only then does it build
-arrays. Every failure is a :class:`ProtocolError` whose message says what was
-wrong.
+Frames come from the network, so :func:`decode` trusts nothing: it checks the header frame's
+size, that it parses as plain msgpack within limits, the wire version, the envelope, the kind,
+the header, each array descriptor, the declared total against ``max_bytes``, the number of
+frames and each frame's length, and only then builds arrays. Every failure is a
+:class:`ProtocolError` whose message says what was wrong.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,27 +30,25 @@ import numpy as np
 from transports.base import Message
 from transports.header import (
     DTYPES,
-    KIND_PATTERN,
     MAX_ARRAYS,
-    MAX_DEPTH,
     MAX_HEADER_BYTES,
     MAX_LIST_LEN,
     MAX_MAP_LEN,
-    MAX_RANK,
-    SESSION_KINDS,
     Int,
-    Num,
     ProtocolError,
     VersionMismatch,
     check_array_names,
-    check_fields,
+    check_descriptor,
     check_header,
     check_kind,
-    check_message,
     check_structure,
-    error_reply,
     pack,
 )
+from transports.header import SESSION_KINDS as SESSION_KINDS  # re-exported: the application's names
+from transports.header import Num as Num
+from transports.header import check_fields as check_fields
+from transports.header import check_message as check_message
+from transports.header import error_reply as error_reply
 
 WIRE_VERSION = 1
 
@@ -130,27 +118,10 @@ def _parse_envelope(head: memoryview) -> dict:
     return env
 
 
-def _parse_descriptor(kind: str, i: int, d: Any) -> tuple[str, np.dtype, tuple[int, ...], int]:
-    """One array descriptor -> (name, dtype, shape, nbytes), all checked."""
-    if not isinstance(d, dict) or set(d) != {"name", "dtype", "shape"}:
-        raise ProtocolError(f"{kind}: array descriptor {i} must be a map with keys name, dtype, shape")
-    name, dtype, shape = d["name"], d["dtype"], d["shape"]
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(f"{kind}: array descriptor {i} needs a non-empty str name")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ProtocolError(f"{kind}: array {name!r} has dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or len(shape) > MAX_RANK:
-        raise ProtocolError(f"{kind}: array {name!r} shape must be a list of at most {MAX_RANK} ints")
-    if not all(Int.accepts(s) and s >= 0 for s in shape):
-        raise ProtocolError(f"{kind}: array {name!r} shape {shape!r} must hold non-negative ints")
-    nbytes = math.prod(shape) * DTYPES[dtype].itemsize  # Python ints: no overflow
-    return name, DTYPES[dtype], tuple(shape), nbytes
-
-
 def _parse_arrays(kind: str, descriptors: Any, frames: Sequence[Any], max_bytes: int) -> dict[str, np.ndarray]:
     if not isinstance(descriptors, list) or len(descriptors) > MAX_ARRAYS:
         raise ProtocolError(f"{kind}: 'arrays' must be a list of at most {MAX_ARRAYS} descriptors")
-    parsed = [_parse_descriptor(kind, i, d) for i, d in enumerate(descriptors)]
+    parsed = [check_descriptor(kind, i, d) for i, d in enumerate(descriptors)]
     check_array_names(kind, [p[0] for p in parsed])
     total = sum(p[3] for p in parsed)
     if total > max_bytes:
@@ -192,40 +163,6 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message
     return Message(kind, header, _parse_arrays(kind, env["arrays"], frames[1:], max_bytes))
 
 
-# ---- byte counting (metrics) -------------------------------------------------------
-
-
 def frames_nbytes(frames: Sequence[Any]) -> int:
     """Total bytes of a list of frames, as they cross the wire (header + arrays)."""
     return sum(len(_buffer(f)) for f in frames)
-
-
-def message_nbytes(msg: Message) -> int:
-    """Bytes ``msg`` takes on the wire: its encoded header plus its array data."""
-    return frames_nbytes(encode(msg))
-
-
-__all__ = [
-    "DEFAULT_MAX_BYTES",
-    "DTYPES",
-    "KIND_PATTERN",
-    "MAX_ARRAYS",
-    "MAX_DEPTH",
-    "MAX_HEADER_BYTES",
-    "MAX_LIST_LEN",
-    "MAX_MAP_LEN",
-    "MAX_RANK",
-    "SESSION_KINDS",
-    "WIRE_VERSION",
-    "Int",
-    "Num",
-    "ProtocolError",
-    "VersionMismatch",
-    "check_fields",
-    "check_message",
-    "decode",
-    "encode",
-    "error_reply",
-    "frames_nbytes",
-    "message_nbytes",
-]

@@ -24,7 +24,8 @@ from transports import wire
 from transports.curve import CurveServer
 from transports.endpoints import check_exposure, connect_hint, peer_address
 from transports.session.link import Arrival, Link
-from transports.session.transport import SessionTransport, check_options
+from transports.session.master import SessionTransport
+from transports.session.settings import check_options
 from transports.wakeup import Wakeup
 
 SHUTDOWN_LINGER_S = 1.0  # at close, how long queued shutdown messages may take to leave
@@ -113,7 +114,7 @@ class ZmqTransport(SessionTransport):
     (:class:`~transports.curve.CurveServer`); binding beyond this machine without it raises
     ValueError unless ``insecure``. ``max_message_bytes`` caps the array data of one message
     (its frames in all, and what its header declares); the other options are the session's
-    (:class:`~transports.session.transport.SessionTransport`).
+    (:class:`~transports.session.master.SessionTransport`).
     """
 
     name = "zmq"

@@ -34,7 +34,6 @@ from zmq.utils.monitor import recv_monitor_message
 from transports import wire
 from transports.base import Handler, Message
 from transports.curve import CurveClient
-from transports.session.compute import Compute
 from transports.session.link import WorkerLink
 from transports.session.settings import (
     EXIT_FAILED,
@@ -46,7 +45,7 @@ from transports.session.settings import (
     to_stderr,
 )
 from transports.session.welcome import BACKOFF_MAX_S, greet
-from transports.session.worker import Serving
+from transports.session.worker import Compute, Serving
 from transports.wakeup import Wakeup
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "serve"]
@@ -115,8 +114,7 @@ def serve(
         curve=curve,
     )
     ctx = zmq.Context()
-    wakeup = Wakeup()
-    compute = Compute(handler, wakeup)
+    compute = Compute(handler)
     try:
         return _serve_masters(ctx, compute, setup, welcome_timeout_s, retry_for, forever)
     except KeyboardInterrupt:
@@ -125,7 +123,6 @@ def serve(
     finally:
         compute.stop()
         ctx.term()  # only this thread ever touched zmq, and it closed its sockets: this cannot wait
-        wakeup.close()
 
 
 def _deadline(seconds: float) -> float | None:

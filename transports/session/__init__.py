@@ -16,9 +16,9 @@ sees :class:`~transports.base.Transport` on the master and a
 
 * Master side: :class:`~transports.session.master.MasterSession` runs the one I/O thread
   that calls the link, and :class:`~transports.session.admission.Admission` decides, in that
-  thread, who becomes a worker; :class:`~transports.session.transport.SessionTransport` is the
+  thread, who becomes a worker; :class:`~transports.session.master.SessionTransport` is the
   Transport API the caller's threads use, talking to that thread through queues.
-* Worker side: :class:`~transports.session.compute.Compute` runs the handler in a thread of
+* Worker side: :class:`~transports.session.worker.Compute` runs the handler in a thread of
   its own, so the link keeps being read and heartbeats keep flowing while a task computes;
   :func:`~transports.session.welcome.greet` says hello until a master welcomes the worker;
   :class:`~transports.session.worker.Serving` serves one master over a worker's link until

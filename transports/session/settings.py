@@ -1,4 +1,5 @@
-"""What a worker's session is told and what it tells: its :class:`Settings` and its exit codes."""
+"""What a session is told and what it tells: the options a master checks (:func:`check_options`), a
+worker's :class:`Settings` and its exit codes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from transports import wire
 from transports.base import Message
@@ -17,6 +19,14 @@ MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
 SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
 
 HEARTBEAT = wire.encode(Message("heartbeat"))  # sent after heartbeat_s of quiet, waiting or serving
+
+
+def check_options(protocol: Any, heartbeat_s: float = 1.0, peer_timeout_s: float = 5.0, **_: Any) -> None:
+    """TypeError or ValueError for options no session can run with; call it before making a link."""
+    if not wire.Int.accepts(protocol):
+        raise TypeError(f"protocol must be an int, the version of the task protocol; got {protocol!r}")
+    if not heartbeat_s > 0 or not peer_timeout_s > heartbeat_s:
+        raise ValueError(f"need 0 < heartbeat_s < peer_timeout_s, got {heartbeat_s} and {peer_timeout_s}")
 
 
 def to_stderr(line: str) -> None:

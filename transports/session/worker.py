@@ -1,58 +1,125 @@
-"""The worker's session, over any :class:`~transports.session.link.WorkerLink`: serving one master.
+"""The worker's side of a session, over any :class:`~transports.session.link.WorkerLink`: two threads.
 
-A worker runs two threads. The compute thread (:class:`~transports.session.compute.Compute`)
-makes every call into the handler; this module's :class:`Serving` is the other, the I/O loop
-once a master welcomed the worker (:func:`~transports.session.welcome.greet` waits for that):
-the only code that calls the link. One task's way through it:
+:class:`Compute` is the compute thread: it makes every call into the handler (``hello()`` and
+``handle(msg)``), so the link keeps being read and heartbeats keep flowing while a long task
+computes. Each call is tagged with the *session* (one per master) it is for: a result that comes
+back after its master is gone is dropped, never sent to the next master.
+
+:class:`Serving` is the I/O loop once a master welcomed the worker
+(:func:`~transports.session.welcome.greet` waits for that): the only code that calls the link.
+One task's way through it:
 
 1. the link's :meth:`~transports.session.link.WorkerLink.receive` returns the task's frames;
 2. :meth:`Serving._handle` decodes them (:func:`transports.wire.decode` checks everything);
-3. :meth:`Serving._on_message` hands a task to the compute thread, which calls the handler;
+3. :meth:`Serving._on_message` hands the task to the compute thread, which calls the handler
+   through :func:`call_handler`;
 4. :meth:`Serving._send_results` takes the reply, encodes it and sends it to the master.
 
 Meanwhile a heartbeat goes out after ``heartbeat_s`` of quiet, and anything from the master
-shows it is alive, until it says shutdown, goes silent or goes. :func:`serve_master` is a whole
-session with a master the link reaches without a search (MPI's rank 0); ZeroMQ's worker greets
-each master it finds.
+shows it is alive, until it says shutdown, goes silent or goes.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from transports import wire
-from transports.base import Message
-from transports.session.compute import Compute
+from transports.base import Handler, Message
 from transports.session.link import WorkerLink
-from transports.session.settings import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    HEARTBEAT,
-    MASTER_LOST,
-    SHUTDOWN,
-    Settings,
-)
-from transports.session.welcome import greet
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, MASTER_LOST, Settings
+from transports.wakeup import Wakeup
 
-_FIXED = 1  # the session of a worker that serves one fixed master
+_IDLE_POLL_S = 0.5  # how often an idle compute thread looks whether the worker is done
 
 
-def serve_master(
-    link: WorkerLink, compute: Compute, settings: Settings, *, master: str, timeout_s: float, giving_up: str
-) -> int:
-    """Serve ``master``, a peer the link reaches without a search (MPI's rank 0): :func:`greet` it for
-    up to ``timeout_s``, then serve until shutdown. Returns EXIT_OK on shutdown (also one before the
-    welcome), MASTER_LOST when the master went silent, else :func:`greet`'s or :class:`Serving`'s code."""
-    found = greet(
-        link, compute, _FIXED, settings, master=master, deadline=time.monotonic() + timeout_s, giving_up=giving_up
-    )
-    if isinstance(found, int):
-        return EXIT_OK if found == SHUTDOWN else found
-    welcome, arrived = found
-    settings.info(f"worker {welcome.header['index']} serving {master}")
-    return Serving(link, compute, _FIXED, welcome, settings).run(arrived)
+def call_handler(handler: Handler, msg: Message) -> Message | None:
+    """``handler.handle(msg)``, made safe for a worker loop: an exception becomes an ``error`` reply, and
+    so does a reply that breaks the wire, so a bad task (or a handler bug) never kills the worker and the
+    master always gets a message it can decode."""
+    try:
+        reply = handler.handle(msg)
+        if reply is not None:
+            wire.check_message(reply)
+        return reply
+    except wire.ProtocolError as e:
+        return wire.error_reply(msg, f"{msg.kind}: the worker produced an invalid reply: {e}")
+    except Exception as e:  # report and keep serving; the traceback is no use to the master
+        return wire.error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
+
+
+@dataclass
+class Hello:
+    """What the compute thread made of ``handler.hello()``: the encoded hello, or why there is none."""
+
+    frames: list | None
+    problem: str = ""
+
+
+class Compute:
+    """The compute thread: the handler's calls, in order, each tagged with its session. It wakes the
+    I/O thread through ``wakeup`` (which that thread's link waits on) when a result is ready."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler, self.wakeup = handler, Wakeup()
+        self.tasks: queue.Queue[tuple[int, Message | None] | None] = queue.Queue()  # None: stop
+        self.results: queue.Queue[tuple[int, Message | Hello]] = queue.Queue()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="worker-compute", daemon=True)
+        self.thread.start()
+
+    def submit(self, session: int, msg: Message | None) -> None:
+        """A task of ``session``'s master, or None: say hello to a new master."""
+        self.tasks.put((session, msg))
+
+    def forget(self) -> None:
+        """Drop the tasks not yet started: their master is gone."""
+        try:
+            while True:
+                self.tasks.get_nowait()
+        except queue.Empty:
+            pass
+
+    def take(self, session: int) -> list[Message | Hello]:
+        """What the thread has finished for ``session``; results of earlier sessions are dropped."""
+        out = []
+        while True:
+            try:
+                tag, result = self.results.get_nowait()
+            except queue.Empty:
+                return out
+            if tag == session:
+                out.append(result)
+
+    def stop(self) -> None:
+        """End the thread (a task still running ends with the process: the thread is a daemon); close ``wakeup``."""
+        self.done.set()
+        self.tasks.put(None)
+        self.thread.join(timeout=1.0)
+        self.wakeup.close()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            try:
+                item = self.tasks.get(timeout=_IDLE_POLL_S)  # the timeout only lets it notice `done`
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            session, msg = item
+            result = self._hello() if msg is None else call_handler(self.handler, msg)
+            if result is not None:
+                self.results.put((session, result))
+                self.wakeup.wake()
+
+    def _hello(self) -> Hello:
+        try:
+            return Hello(wire.encode(Message("hello", self.handler.hello())))
+        except Exception as e:  # a ProtocolError, or the handler's own failure
+            return Hello(None, f"this worker cannot say hello: {type(e).__name__}: {e}")
 
 
 class Serving:
