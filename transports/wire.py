@@ -6,11 +6,10 @@ A message on the wire is a list of frames::
                           "arrays": [{"name": str, "dtype": str, "shape": [int, ...]}, ...]}
     frame 1..n   the raw bytes of each array, C order, in descriptor order
 
-Arrays are never pickled and never copied on the way out (a frame is a ``memoryview`` of the
-array's own memory) nor on the way in (a decoded array is a read-only view of its frame).
-:data:`WIRE_VERSION` versions this envelope alone; what a kind, a header and the arrays may be
-is :mod:`transports.header`'s, whose public names this module re-exports (the application
-declares its task headers with :func:`check_fields`, :class:`Int` and :class:`Num`).
+Arrays are never pickled, nor copied on the way out (a frame is a ``memoryview`` of the array)
+or in (a decoded array is a read-only view of its frame). :data:`WIRE_VERSION` versions this
+envelope alone; what a kind, a header and the arrays may be is :mod:`transports.header`'s, whose
+public names this module re-exports (the application declares its task headers with them).
 
 Frames come from the network, so :func:`decode` trusts nothing: it checks the header frame's
 size, that it parses as plain msgpack within limits, the wire version, the envelope, the kind,
@@ -63,9 +62,6 @@ _UNPACK_LIMITS = dict(
 )
 
 
-# ---- encode -----------------------------------------------------------------------
-
-
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Message -> frames: a msgpack header then one zero-copy buffer per array.
 
@@ -82,9 +78,6 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         buffers.append(memoryview(a.reshape(-1).view(np.uint8)))
     envelope = {"v": WIRE_VERSION, "kind": msg.kind, "header": msg.header, "arrays": descriptors}
     return [pack(msg.kind, envelope), *buffers]
-
-
-# ---- decode -----------------------------------------------------------------------
 
 
 def _buffer(frame: Any) -> memoryview:

@@ -23,6 +23,7 @@ from transports.base import Message, WorkerInfo
 from transports.droplog import DropLog
 from transports.session.book import Book
 from transports.session.link import Arrival, Link
+from transports.session.settings import MasterSettings
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ class Admission:
     """The I/O thread's record of who is a worker (``index``, ``peer``), who waits for start()
     (``pending``) and who never will be; it answers whatever comes from a peer that is not a live worker."""
 
-    def __init__(
-        self, link: Link, book: Book, drops: DropLog, *, protocol: int, heartbeat_s: float, peer_timeout_s: float
-    ) -> None:
-        self.link, self.book, self.drops = link, book, drops
-        self.protocol, self.heartbeat_s, self.peer_timeout_s = protocol, heartbeat_s, peer_timeout_s
+    def __init__(self, link: Link, book: Book, drops: DropLog, settings: MasterSettings) -> None:
+        self.link, self.book, self.drops, self.settings = link, book, drops, settings
         self.index: dict[Hashable, int] = {}  # peer -> index, for every worker ever admitted
         self.peer: dict[int, Hashable] = {}  # and back
         self.pending: dict[Hashable, _Pending] = {}  # hellos before start(), oldest first
@@ -77,7 +75,7 @@ class Admission:
 
     def welcome(self, k: int) -> list:
         """The frames of worker ``k``'s welcome: its index and the heartbeat pace."""
-        return wire.encode(Message("welcome", {"index": k, "heartbeat_s": self.heartbeat_s}))
+        return wire.encode(Message("welcome", {"index": k, "heartbeat_s": self.settings.heartbeat_s}))
 
     def admit_waiting(self, now: float) -> list[int]:
         """Forget silent hellos (open group) and, once start() was called, admit the waiting ones; their indices."""
@@ -114,7 +112,7 @@ class Admission:
         """A hello followed by silence frees its place: the peer must say hello again."""
         for peer, p in list(self.pending.items()):
             silent = now - p.heard
-            if silent > self.peer_timeout_s:
+            if silent > self.settings.peer_timeout_s:
                 del self.pending[peer]
                 where, pid = p.address or "?", p.hello.header["pid"]
                 log.info("forgot a peer at %s (pid %d): it said hello, then nothing for %.1f s", where, pid, silent)
@@ -150,7 +148,7 @@ class Admission:
 
     def _refuse(self, a: Arrival, what: str, theirs: object) -> None:
         """Turn away a worker that speaks another version of ``what``, telling it both versions."""
-        ours = wire.WIRE_VERSION if what == "wire" else self.protocol
+        ours = wire.WIRE_VERSION if what == "wire" else self.settings.protocol
         told = wire.VersionMismatch(what, theirs, ours, peer="the worker", here="the master")
         refusal = Message("error", {"message": f"{told} (worker at {a.address or 'unknown address'})"})
         self.link.send(a.peer, wire.encode(refusal))  # best effort: the peer is no worker
@@ -169,7 +167,7 @@ class Admission:
             self.book.cond.notify_all()
 
     def _on_hello(self, a: Arrival, msg: Message) -> list[int]:
-        if msg.header["protocol"] != self.protocol:
+        if msg.header["protocol"] != self.settings.protocol:
             self._refuse(a, "task protocol", msg.header["protocol"])
             return []
         with self.book.cond:

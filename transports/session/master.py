@@ -1,17 +1,14 @@
 """The master's side of a session: :class:`SessionTransport`, the :class:`~transports.base.Transport`
-the caller's threads use, and :class:`MasterSession`, the one I/O thread that calls the
-:class:`~transports.session.link.Link` and turns it into workers. They talk through a
-:class:`~transports.session.book.Book` and two queues. A transport built on them makes its link
-and passes it to the constructor; who becomes a worker is
-:class:`~transports.session.admission.Admission`'s.
+the caller's threads use, over a :class:`~transports.session.link.Link`, and :class:`MasterSession`,
+the one I/O thread that calls the link. They share a :class:`~transports.session.book.Book` and two
+queues; who becomes a worker is :class:`~transports.session.admission.Admission`'s.
 
-One task's way: ``send`` encodes it (:func:`transports.wire.encode`, which validates it in the
-caller) and puts it in the ``outbox``; the I/O thread hands its frames to the link; the worker's
-reply arrives as an :class:`~transports.session.link.Arrival`, is checked against ``max_bytes`` and
-decoded (:func:`transports.wire.decode`), and goes to the ``inbox``, where ``recv`` takes it.
-Meanwhile the I/O thread sends heartbeats after ``heartbeat_s`` of quiet and declares a worker lost
-when nothing came from it for ``peer_timeout_s``, when the link cannot reach it, or when the link
-says it is gone. At the end it says goodbye.
+One task's way: ``send`` encodes it (:func:`transports.wire.encode` validates it, in the caller) into
+the ``outbox``; the I/O thread hands its frames to the link; the reply arrives as an
+:class:`~transports.session.link.Arrival`, is checked against ``max_bytes`` and decoded
+(:func:`transports.wire.decode`) into the ``inbox``, where ``recv`` takes it. Meanwhile the I/O thread
+heartbeats after ``heartbeat_s`` of quiet, declares a worker lost when nothing came from it for
+``peer_timeout_s`` or the link cannot reach it, and at the end says goodbye.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Hashable
 from typing import Any
 
 from transports import wire
@@ -29,12 +25,11 @@ from transports.droplog import DropLog
 from transports.session.admission import Admission, oversize
 from transports.session.book import Book
 from transports.session.link import Arrival, Link
-from transports.session.settings import check_options
+from transports.session.settings import MasterSettings, check_options
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 10.0  # at close, how long the I/O thread may take to say goodbye and stop
-_GOODBYE = Message("shutdown", {"reason": "train over"})
 
 
 class SessionTransport(Transport):
@@ -59,14 +54,8 @@ class SessionTransport(Transport):
     ) -> None:
         check_options(protocol, heartbeat_s, peer_timeout_s)
         self._link, self._book = link, Book()
-        self._io = MasterSession(
-            link,
-            self._book,
-            protocol=protocol,
-            heartbeat_s=float(heartbeat_s),
-            peer_timeout_s=float(peer_timeout_s),
-            max_bytes=int(max_message_bytes),
-        )
+        settings = MasterSettings(protocol, float(heartbeat_s), float(peer_timeout_s), int(max_message_bytes))
+        self._io = MasterSession(link, self._book, settings)
         self._started = self._closed = False
         self._thread = threading.Thread(target=self._io.run, name=f"{self.name}-master-io", daemon=True)
         self._thread.start()
@@ -162,8 +151,7 @@ class SessionTransport(Transport):
             raise RuntimeError(f"the {self.name} transport's I/O thread failed: {failure!r}") from failure
 
     def dropped(self) -> dict[str, int]:
-        """How many messages the master dropped since it was made, by kind (see transports.droplog.KINDS):
-        from peers that were not workers, or from workers declared lost."""
+        """Messages dropped since the start, from peers that were not workers or were lost, by kind (droplog.KINDS)."""
         return self._io.drops.counts()
 
     def traffic(self) -> dict[int, tuple[int, int]]:
@@ -192,18 +180,13 @@ class MasterSession:
     ``recv`` reads: ("message" | "malformed" | "lost" | "failed", index, payload)), ``outbox``
     ((index, frames) to send, then ``link.wake()``) and ``stop``."""
 
-    def __init__(
-        self, link: Link, book: Book, *, protocol: int, heartbeat_s: float, peer_timeout_s: float, max_bytes: int
-    ) -> None:
-        self.link, self.book = link, book
-        self.heartbeat_s, self.peer_timeout_s, self.max_bytes = heartbeat_s, peer_timeout_s, max_bytes
+    def __init__(self, link: Link, book: Book, settings: MasterSettings) -> None:
+        self.link, self.book, self.settings = link, book, settings
         self.inbox: queue.Queue[tuple[str, int | None, Any]] = queue.Queue()
         self.outbox: queue.Queue[tuple[int, list]] = queue.Queue()
         self.stop = threading.Event()
         self.drops = DropLog(log)
-        self.admission = Admission(
-            link, book, self.drops, protocol=protocol, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s
-        )
+        self.admission = Admission(link, book, self.drops, settings)
         self._heard: dict[int, float] = {}  # live workers only: when anything last came from each
         self._said: dict[int, float] = {}  # and when last sent to
         self._heartbeat = wire.encode(Message("heartbeat"))
@@ -212,7 +195,7 @@ class MasterSession:
         graceful = False
         try:
             while not self.stop.is_set():
-                self.link.wait(self.heartbeat_s / 4)  # a quarter heartbeat: timers stay accurate
+                self.link.wait(self.settings.heartbeat_s / 4)  # a quarter heartbeat: timers stay accurate
                 self._flush_outbox()
                 for arrival in self.link.receive():
                     self._on_arrival(arrival)
@@ -237,12 +220,11 @@ class MasterSession:
             self._heard[k] = self._said[k] = time.monotonic()
         for k in list(self._heard):
             silent = now - self._heard[k]
-            if silent > self.peer_timeout_s:
-                self._mark_lost(k, f"silent for {silent:.1f} s (peer timeout {self.peer_timeout_s:g} s)")
-            elif now - self._said[k] >= self.heartbeat_s:
+            if silent > self.settings.peer_timeout_s:
+                self._mark_lost(k, f"silent for {silent:.1f} s (peer timeout {self.settings.peer_timeout_s:g} s)")
+            elif now - self._said[k] >= self.settings.heartbeat_s:
                 self._send_to(k, self._heartbeat, control=True)
 
-    # ---- sending ----------------------------------------------------------------------
     def _flush_outbox(self) -> None:
         while True:
             try:
@@ -262,10 +244,6 @@ class MasterSession:
         with self.book.cond:
             self.book.traffic[k][0] += wire.frames_nbytes(frames)
 
-    def _send_raw(self, peer: Hashable, msg: Message) -> None:
-        """Best effort to a peer that is not (or no longer) a worker."""
-        self.link.send(peer, wire.encode(msg))
-
     def _mark_lost(self, k: int, reason: str) -> None:
         self._heard.pop(k, None)
         self._said.pop(k, None)
@@ -278,15 +256,14 @@ class MasterSession:
     def _say_goodbye(self) -> None:
         """The paper's "train over" flag: every worker, admitted or still waiting (in a closed group,
         every member: one that was lost and comes back exits at once), may go."""
-        frames = wire.encode(_GOODBYE)
+        frames = wire.encode(Message("shutdown", {"reason": "train over"}))
         live = {self.admission.peer[k] for k in self._heard}
         for k in list(self._heard):
             self._send_to(k, frames)
         for peer in self.admission.pending if self.link.group is None else self.link.group:
             if peer not in live:
-                self._send_raw(peer, _GOODBYE)
+                self.link.send(peer, frames)  # best effort: it is not (or no longer) a worker
 
-    # ---- receiving --------------------------------------------------------------------
     def _on_arrival(self, a: Arrival) -> None:
         k = self.admission.index.get(a.peer)
         if k is None or k not in self._heard:  # not a live worker: admission answers
@@ -304,12 +281,12 @@ class MasterSession:
         with self.book.cond:
             self.book.traffic[k][1] += wire.frames_nbytes(a.frames)
         try:
-            problem = oversize(a.frames, self.max_bytes)
+            problem = oversize(a.frames, self.settings.max_bytes)
             if problem:
                 raise wire.ProtocolError(f"refused a message of {problem}")
-            msg = wire.decode(a.frames, self.max_bytes)
+            msg = wire.decode(a.frames, self.settings.max_bytes)
         except wire.ProtocolError as e:
-            self._send_raw(a.peer, wire.error_reply(None, f"the master could not read your message: {e}"))
+            self.link.send(a.peer, wire.encode(wire.error_reply(None, f"the master could not read your message: {e}")))
             self.inbox.put(("malformed", k, str(e)))
             return
         if msg.kind not in wire.SESSION_KINDS or msg.kind == "error":

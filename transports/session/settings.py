@@ -1,5 +1,5 @@
-"""What a session is told and what it tells: the options a master checks (:func:`check_options`), a
-worker's :class:`Settings` and its exit codes."""
+"""What a session is told and what it tells: a master's options (:func:`check_options`,
+:class:`MasterSettings`), a worker's :class:`Settings` and its exit codes."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ def check_options(protocol: Any, heartbeat_s: float = 1.0, peer_timeout_s: float
         raise TypeError(f"protocol must be an int, the version of the task protocol; got {protocol!r}")
     if not heartbeat_s > 0 or not peer_timeout_s > heartbeat_s:
         raise ValueError(f"need 0 < heartbeat_s < peer_timeout_s, got {heartbeat_s} and {peer_timeout_s}")
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    """How a master keeps its sessions (:class:`~transports.session.master.SessionTransport`'s options)."""
+
+    protocol: int  # the version of the task protocol it speaks: a worker's hello must say the same
+    heartbeat_s: float  # a heartbeat after this long without sending; also the welcome's pace
+    peer_timeout_s: float  # a worker silent for this long is lost
+    max_bytes: int  # the array data of one message
 
 
 def to_stderr(line: str) -> None:

@@ -1,22 +1,15 @@
 """The worker's side of a session, over any :class:`~transports.session.link.WorkerLink`: two threads.
 
-:class:`Compute` is the compute thread: it makes every call into the handler (``hello()`` and
-``handle(msg)``), so the link keeps being read and heartbeats keep flowing while a long task
-computes. Each call is tagged with the *session* (one per master) it is for: a result that comes
-back after its master is gone is dropped, never sent to the next master.
-
-:class:`Serving` is the I/O loop once a master welcomed the worker
-(:func:`~transports.session.welcome.greet` waits for that): the only code that calls the link.
-One task's way through it:
-
-1. the link's :meth:`~transports.session.link.WorkerLink.receive` returns the task's frames;
-2. :meth:`Serving._handle` decodes them (:func:`transports.wire.decode` checks everything);
-3. :meth:`Serving._on_message` hands the task to the compute thread, which calls the handler
-   through :func:`call_handler`;
-4. :meth:`Serving._send_results` takes the reply, encodes it and sends it to the master.
-
-Meanwhile a heartbeat goes out after ``heartbeat_s`` of quiet, and anything from the master
-shows it is alive, until it says shutdown, goes silent or goes.
+:class:`Compute`, the compute thread, makes every call into the handler, so the link keeps being
+read and heartbeats keep flowing while a long task computes; each call is tagged with the session
+(one per master) it is for, so that a result whose master is gone never reaches the next one.
+:class:`Serving`, the I/O loop once a master welcomed the worker
+(:func:`~transports.session.welcome.greet` waits for that), is the only code that calls the link.
+One task's way: the link's ``receive`` returns its frames; :meth:`Serving._handle` decodes them
+(:func:`transports.wire.decode` checks everything); :meth:`Serving._on_message` hands the task to
+the compute thread, which calls the handler through :func:`call_handler`; :meth:`Serving._send_results`
+encodes the reply and sends it. A heartbeat goes out after ``heartbeat_s`` of quiet, and anything
+from the master shows it is alive, until it says shutdown, goes silent or goes.
 """
 
 from __future__ import annotations
@@ -123,19 +116,15 @@ class Compute:
 
 
 class Serving:
-    """The I/O loop once welcomed: tasks in, replies and heartbeats out, until shutdown.
-
-    :meth:`run` returns EXIT_OK on the master's shutdown, MASTER_LOST when nothing came from it
-    for ``peer_timeout_s``, EXIT_FAILED when the link says it is gone, EXIT_INTERRUPTED when
-    ``stop`` is set.
-    """
+    """The I/O loop once welcomed. :meth:`run` returns EXIT_OK on the master's shutdown, MASTER_LOST when
+    nothing came from it for ``peer_timeout_s``, EXIT_FAILED when the link says it is gone, EXIT_INTERRUPTED
+    when ``stop`` is set."""
 
     def __init__(self, link: WorkerLink, compute: Compute, session: int, welcome: Message, settings: Settings) -> None:
         master_heartbeat_s = float(welcome.header["heartbeat_s"])
-        self.link, self.compute, self.session = link, compute, session
+        self.link, self.compute, self.session, self.settings = link, compute, session, settings
         self.heartbeat_s = min(settings.heartbeat_s, master_heartbeat_s)
         self.peer_timeout_s = max(settings.peer_timeout_s, 3 * master_heartbeat_s)
-        self.max_bytes, self.stop, self.say, self.info = settings.max_bytes, settings.stop, settings.say, settings.info
         self.last_heard = self.last_sent = time.monotonic()
         self.complained = False
 
@@ -143,14 +132,14 @@ class Serving:
         """Serve, starting with what ``arrived`` after the welcome, in the same receive as it."""
         code = self._handle(arrived)
         while code is None:
-            if self.stop is not None and self.stop.is_set():
-                self.info("stop requested; worker stopping")
+            if self.settings.stopped():
+                self.settings.info("stop requested; worker stopping")
                 return EXIT_INTERRUPTED
             self.link.wait(self.heartbeat_s / 4)  # a quarter heartbeat: timers stay accurate
             self._send_results()
             code = self._handle(self.link.receive())
             if code is None and self.link.gone:
-                self.say(self.link.gone)
+                self.settings.say(self.link.gone)
                 return EXIT_FAILED
             if code is None:
                 code = self._tick()
@@ -160,7 +149,7 @@ class Serving:
         if self.link.send(frames, control=control):
             self.last_sent = time.monotonic()
         elif not self.complained:  # the pipe to the master is full: its silence will tell
-            self.say("the master is not reading; dropping messages to it")
+            self.settings.say("the master is not reading; dropping messages to it")
             self.complained = True
 
     def _send_results(self) -> None:
@@ -179,9 +168,9 @@ class Serving:
             if frames is None:
                 continue
             try:
-                msg = wire.decode(frames, self.max_bytes)
+                msg = wire.decode(frames, self.settings.max_bytes)
             except wire.ProtocolError as e:
-                self.say(f"bad message from the master: {e}")
+                self.settings.say(f"bad message from the master: {e}")
                 self._send(wire.encode(wire.error_reply(None, f"bad message: {e}")))
                 continue
             code = self._on_message(msg)
@@ -194,10 +183,10 @@ class Serving:
         if msg.kind not in wire.SESSION_KINDS:
             self.compute.submit(self.session, msg)
         elif msg.kind == "shutdown":
-            self.info(f"shutdown: {msg.header['reason']}")
+            self.settings.info(f"shutdown: {msg.header['reason']}")
             return EXIT_OK
         elif msg.kind == "error":
-            self.say(f"the master reports: {msg.header['message']}")
+            self.settings.say(f"the master reports: {msg.header['message']}")
         elif msg.kind == "hello":
             self._send(wire.encode(wire.error_reply(msg, "a worker does not accept 'hello' messages")))
         return None  # heartbeat, or a repeated welcome: last_heard is all they change
@@ -205,7 +194,7 @@ class Serving:
     def _tick(self) -> int | None:
         now = time.monotonic()
         if now - self.last_heard > self.peer_timeout_s:
-            self.say(f"lost the master: nothing heard for {now - self.last_heard:.1f} s")
+            self.settings.say(f"lost the master: nothing heard for {now - self.last_heard:.1f} s")
             return MASTER_LOST
         if now - self.last_sent >= self.heartbeat_s:
             self._send(HEARTBEAT, control=True)
