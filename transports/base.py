@@ -1,12 +1,7 @@
 """The Transport interface: the master's view of a pool of workers.
 
-A transport moves :class:`Message` objects between the master and N workers. It
-knows nothing about the tasks it carries: the worker side is a *handler*
-(:class:`Handler`) supplied by the application, and a task's kind, header and
-arrays mean something only to the handler and the master's code. This package
-never imports the application.
-
-Lifecycle, as the master sees it::
+A transport moves :class:`Message` objects between the master and N workers, knowing nothing of
+the tasks it carries: the worker side is the application's :class:`Handler`. As the master sees it::
 
     workers = transport.start(n_workers, timeout)   # wait for every hello
     transport.send(k, msg)                          # a task to worker k
@@ -14,10 +9,9 @@ Lifecycle, as the master sees it::
     new = transport.joined()                        # workers that came since (never blocks)
     transport.close()                               # "train over": workers exit
 
-``recv`` raises :class:`TimeoutError` when nothing arrives in time and
-:class:`WorkerLost` when a worker is known to be gone; nothing blocks forever.
-Workers may come and go: a lost index is never used again, and a worker that
-comes back, like any new one, is reported by ``joined`` under a new index.
+``recv`` raises :class:`TimeoutError` when nothing arrives in time and :class:`WorkerLost` when a
+worker is known to be gone. A lost index is never used again: a worker that comes back, like any
+new one, is reported by ``joined`` under a new index.
 """
 
 from __future__ import annotations
@@ -32,12 +26,8 @@ import numpy as np
 
 @dataclass
 class Message:
-    """One message: a kind, a small header of plain values, and named arrays.
-
-    ``header`` holds only plain data: str keys; None, bool, int, float, str,
-    lists and maps as values (task id, step, timings, ...). ``arrays`` holds
-    numpy arrays, which cross a process boundary as raw frames, never pickled.
-    """
+    """One message: a kind, a header of plain data (str keys; None, bool, int, float, str, lists and maps),
+    and named numpy arrays, which cross a process boundary as raw frames, never pickled."""
 
     kind: str
     header: dict[str, Any] = field(default_factory=dict)
@@ -63,19 +53,12 @@ class WorkerInfo:
 class Handler(Protocol):
     """The worker side of every transport: what actually serves tasks.
 
-    ``hello()`` returns the header of the worker's ``hello`` message:
-    ``protocol`` (the version of the task protocol it speaks, which the master
-    compares with its own), ``backend``, ``device``, ``pid``, ``hostname``.
-    ``handle(msg)`` answers one task -- any message whose kind is not one of the
-    transport's session kinds (``transports.wire.SESSION_KINDS``) -- with a reply
-    message, or None for no reply. Transports turn an exception from ``handle``
-    into an ``error`` reply, so a worker never dies of a bad task.
-
-    A worker may serve several masters in turn (its master went away and another
-    took its address, or the worker serves ``forever``): ``hello()`` is called once
-    for every new master, before any of that master's tasks, so a handler may drop
-    what it kept for the previous master there. Both methods are called from one
-    thread, one call at a time.
+    ``hello()`` returns the header of the worker's ``hello``: ``protocol`` (the version of the task
+    protocol it speaks), ``backend``, ``device``, ``pid``, ``hostname``. It is called once for every
+    new master (a worker may serve several in turn), before that master's tasks, so a handler may drop
+    what it kept for the previous one there. ``handle(msg)`` answers one task (a message whose kind is
+    not a session kind) with a reply, or None; an exception becomes an ``error`` reply. Both are called
+    from one thread, one call at a time.
     """
 
     def hello(self) -> dict[str, Any]: ...
@@ -83,8 +66,7 @@ class Handler(Protocol):
     def handle(self, msg: Message) -> Message | None: ...
 
 
-# Builds worker i's handler. The in-process transport calls it in worker i's own
-# thread, so each worker creates its own Backend there.
+# Builds worker i's handler; the in-process transport calls it in worker i's own thread.
 HandlerFactory = Callable[[int], Handler]
 
 
@@ -120,11 +102,7 @@ class Transport(ABC):
 
     def joined(self) -> list[WorkerInfo]:
         """Workers admitted since start() or the previous call, each under a new index; never blocks.
-
-        A transport whose workers cannot come late (the base class, in-process threads)
-        returns []. Messages from a worker reported here arrive through ``recv`` like
-        any other's.
-        """
+        [] where workers cannot come late."""
         return []
 
     def traffic(self) -> dict[int, tuple[int, int]]:

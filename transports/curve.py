@@ -1,15 +1,10 @@
 """CURVE: who may be a worker, and nobody else reads the traffic. All crypto is ZeroMQ's (``zmq.auth``).
 
-Each side has a key pair, two files made by :func:`generate_keys` (the command line's ``keygen``):
-``NAME.key`` holds the public key and may be shown to anyone; ``NAME.key_secret`` holds
-both keys and must stay private (mode 0600). The master runs a :class:`CurveServer` with
-its secret file and a directory of the workers' public files, the only keys it admits;
-each worker runs a :class:`CurveClient` with its own secret file and the master's public
-file. A peer without an authorised key fails ZeroMQ's handshake, so it never reaches the
-transport at all: it gets no worker slot, sees no data and can send nothing.
-
-:func:`local_keys` makes a fresh pair for a master and one for its local workers, for a
-master that starts worker processes on its own machine.
+Each side has a key pair, two files made by :func:`generate_keys` (the ``keygen`` command):
+``NAME.key``, public, and ``NAME.key_secret``, both keys, mode 0600. The master runs a
+:class:`CurveServer` with its secret file and a directory of the workers' public files, the only
+keys it admits; each worker a :class:`CurveClient` with its own secret file and the master's public
+file. A peer without an authorised key fails ZeroMQ's handshake: it never reaches the transport.
 """
 
 from __future__ import annotations
@@ -52,11 +47,8 @@ def _write_key_pair(directory: Path, name: str, overwrite: bool) -> tuple[str, s
 
 
 def generate_keys(directory: PathLike, name: str) -> tuple[str, str]:
-    """Write a new key pair, ``directory/NAME.key`` (public) and ``NAME.key_secret`` (mode 0600).
-
-    Returns (public_path, secret_path). A missing ``directory`` is created with mode
-    0700; existing key files are never overwritten (FileExistsError).
-    """
+    """Write a new key pair, ``directory/NAME.key`` and ``NAME.key_secret``; (public_path, secret_path).
+    A missing ``directory`` is made mode 0700; existing key files are never overwritten (FileExistsError)."""
     directory = Path(directory)
     directory.mkdir(mode=_PRIVATE_DIR, parents=True, exist_ok=True)
     return _write_key_pair(directory, name, overwrite=False)
@@ -86,12 +78,8 @@ def _z85_invalid(key: bytes) -> bool:
 
 
 class CurveServer:
-    """The master's side: its secret key file, and the directory of the public keys it admits.
-
-    The directory is read when the transport starts (``*.key`` files); a key added later
-    needs a new transport. :meth:`apply` is what :class:`~transports.zmq_master.ZmqTransport`
-    calls on its ROUTER before binding.
-    """
+    """The master's side: its secret key file, and the directory of the public keys (``*.key``) it admits,
+    read once: a key added later needs a new transport."""
 
     def __init__(self, secret_key_file: PathLike, authorized_keys_dir: PathLike) -> None:
         self.secret_key_file = str(secret_key_file)
@@ -153,14 +141,9 @@ class KeyFiles(NamedTuple):
 
 
 def local_keys(directory: PathLike) -> tuple[CurveServer, CurveClient, KeyFiles]:
-    """A fresh key pair for a master (``master.key``, ``master.key_secret``) and one for its local
-    workers (``worker.key``, ``worker.key_secret``) in ``directory``, with the worker's public key the
-    only one in ``directory/authorized``.
-
-    ``directory`` is the master's own: it is made (or set) mode 0700, the secret files are mode
-    0600, and keys already there are replaced. Start each local worker with
-    ``CurveClient(files.worker_secret, files.server_public)``.
-    """
+    """A fresh key pair for a master (``master.key``, ``master.key_secret``) and one for the workers it starts
+    on its own machine (``worker.key``, ``worker.key_secret``) in ``directory`` (made or set mode 0700; keys
+    already there are replaced), with the worker's public key the only one in ``directory/authorized``."""
     directory = Path(directory)
     directory.mkdir(mode=_PRIVATE_DIR, parents=True, exist_ok=True)
     os.chmod(directory, _PRIVATE_DIR)

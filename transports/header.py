@@ -1,21 +1,12 @@
 """What a message's kind, header and arrays may be: the rules the wire applies, and the session's kinds.
 
-* A kind is a short identifier (:data:`KIND_PATTERN`).
-* A header is plain data: a map with str keys whose values are None, bool, int,
-  float, str, lists and maps, nested at most :data:`MAX_DEPTH` deep. Exact types:
-  a numpy scalar or a tuple would arrive as something else on the other side, so
-  they are refused here rather than changed on the way.
-* The transport's own *session* kinds (:data:`SESSION_KINDS`) have fixed header
-  schemas. Every other kind is a task, whose header only the application reads;
-  the application declares its schemas with the same helper, :func:`check_fields`
-  with :class:`Int` and :class:`Num`. :func:`error_reply` answers a message with the
-  session's ``error`` kind.
-* Arrays: at most :data:`MAX_ARRAYS`, with distinct non-empty names, a dtype of
-  :data:`DTYPES` and a rank of at most :data:`MAX_RANK`; a session kind carries none.
-* A message about to be sent: :func:`check_message` checks all of the above, and that
-  its header packs into at most :data:`MAX_HEADER_BYTES` of msgpack.
-
-:mod:`transports.wire` re-exports the public names; import them from there.
+A kind is a short identifier (:data:`KIND_PATTERN`). A header is plain data of exact types (a numpy
+scalar or a tuple would arrive as something else, so they are refused rather than changed), nested
+at most :data:`MAX_DEPTH` deep. The transport's own *session* kinds (:data:`SESSION_KINDS`) have
+fixed schemas and carry no arrays; every other kind is a task, whose header the application
+declares with the same :func:`check_fields`. Arrays: at most :data:`MAX_ARRAYS`, distinct non-empty
+names, a dtype of :data:`DTYPES`, a rank of at most :data:`MAX_RANK`. :mod:`transports.wire`
+re-exports the public names; import them from there.
 """
 
 from __future__ import annotations
@@ -55,20 +46,15 @@ class ProtocolError(ValueError):
 
 
 class VersionMismatch(ProtocolError):
-    """Two sides speak different versions of ``what`` (the wire, or a task protocol).
-
-    ``theirs`` and ``ours`` are the two versions; ``peer`` and ``here`` name the
-    two sides in the text.
-    """
+    """Two sides speak different versions of ``what`` (the wire, or a task protocol); ``peer`` and ``here``
+    name the sides in the text."""
 
     def __init__(self, what: str, theirs: object, ours: int, peer: str = "the peer", here: str = "this side") -> None:
         super().__init__(
             f"{what} version mismatch: {peer} speaks version {theirs!r}, {here} version {ours}; "
             "run the same release on the master and every worker"
         )
-        self.what = what
-        self.theirs = theirs
-        self.ours = ours
+        self.what, self.theirs, self.ours = what, theirs, ours
 
 
 # ---- schemas ------------------------------------------------------------------------------
@@ -109,13 +95,9 @@ def _type_name(spec: type) -> str:
 
 
 def check_fields(what: str, header: Any, required: dict[str, type], optional: dict[str, type]) -> None:
-    """Raise ProtocolError unless ``header`` has every ``required`` key, no key but those and
-    the ``optional`` ones, and each value of its key's type.
-
-    A type is anything ``isinstance`` takes: ``str``, ``bool``, ``list``, ``dict``, or
-    :class:`Int` / :class:`Num`, which refuse bools. ``what`` names the message kind
-    in the error text.
-    """
+    """Raise ProtocolError unless ``header`` has every ``required`` key, no key but those and the ``optional``
+    ones, and each value of its key's type: anything ``isinstance`` takes (:class:`Int`, :class:`Num` refuse
+    bools). ``what`` names the message kind in the error text."""
     if not isinstance(header, dict):
         raise ProtocolError(f"{what}: header must be a map, got {type(header).__name__}")
     missing = [key for key in required if key not in header]
@@ -292,13 +274,9 @@ def pack(kind: str, obj: Any) -> bytes:
 
 
 def check_message(msg: Message) -> None:
-    """Validate a Message about to be sent: kind, header, array names, dtypes and ranks.
-
-    A session kind's header must follow its schema; any other kind's header must be
-    plain data (exact types: a numpy scalar is refused even where msgpack would take
-    it). The in-process transport calls this too, so a malformed message fails the
-    same way whichever transport carries it.
-    """
+    """Validate a Message about to be sent: kind, header (its schema for a session kind), array names,
+    dtypes and ranks, and that its header packs into MAX_HEADER_BYTES. The in-process transport calls it
+    too, so a malformed message fails the same way whichever transport carries it."""
     check_structure(msg)
     pack(msg.kind, msg.header)
 

@@ -1,46 +1,27 @@
 """How a :class:`~transports.base.Message` crosses MPI: the wire's frames as raw byte buffers.
 
-MPI moves typed buffers between *ranks* (the processes ``mpiexec`` started); it has no
-multi-part messages. So one Message is ``1 + n`` MPI messages from one rank to another,
-all on ``COMM_WORLD``:
+MPI moves typed buffers between *ranks*, and has no multi-part messages, so one Message is
+``1 + n`` MPI messages on ``COMM_WORLD``:
 
     tag TAG_PREFIX   int64[PREFIX_LEN]: MAGIC, the frame count n, then each frame's length
                      (zeros after the n-th)
     tag TAG_FRAME    frame 0: the msgpack header of :func:`transports.wire.encode`
     tag TAG_FRAME    frame 1..n-1: one array's raw bytes each, in descriptor order
 
-and a prefix with n = 0 is *bye*: "nothing more from me".
+and a prefix with n = 0 is *bye*: "nothing more from me". MPI never reorders messages between
+two ranks on one tag, so the frames after a prefix are that message's. The receiver checks the
+prefix before it allocates anything, receives each frame into a buffer of exactly the announced
+size, and hands the frames to :func:`transports.wire.decode`. Nothing is pickled (only the buffer
+API, ``Isend``/``Irecv``), and nothing blocks: MPI has no receive with a timeout, so the owner of a
+:class:`MpiChannel` calls :meth:`MpiChannel.poll` every :data:`POLL_S`, which is also what makes
+MPI move the bytes (MPICH progresses a transfer only inside MPI calls).
 
-MPI never reorders messages between one pair of ranks on one tag, so the frames that
-follow a prefix are that message's. The receiver checks the fixed-size prefix *before* it
-allocates anything (frame count, header size, the arrays' total against ``max_bytes``),
-then receives each frame into a buffer of exactly the announced size and hands the frames
-to :func:`transports.wire.decode`, which validates the rest as it does for ZeroMQ.
-Nothing is pickled: mpi4py's lowercase ``send``/``recv`` would pickle Python objects, so
-only its buffer API (``Isend``/``Irecv`` of bytes) is used.
-
-MPI has no receive with a timeout, and a blocking ``Recv`` would block forever if the
-peer never sends. So everything here is non-blocking: ``Iprobe`` to see whether a
-prefix has arrived, ``Irecv``/``Isend`` posted and later ``Test``-ed. The owner of a
-:class:`MpiChannel` calls :meth:`MpiChannel.poll` in a loop, with a short pause between rounds
-(:data:`POLL_S`), which is also what makes MPI move the bytes: MPICH progresses a
-transfer only inside MPI calls, and with its wheels here a large message moves when the
-*receiving* rank calls MPI (one that computes without calling it holds back what is sent
-to it, not what it sent).
-
-A peer whose framing breaks (a prefix of the wrong size, a wrong MAGIC, impossible or
-oversized lengths, a frame of another size than announced) cannot be resynchronised: the
-frames that follow would be taken for the next message's. That peer is reported *broken*;
-what it sends from then on is received and dropped (up to ``max_bytes`` a message).
-
-Why *bye*, and why drop rather than ignore: MPI_Finalize, which mpi4py calls as the process
-exits, fails, and ``mpiexec`` ends the whole job, when a message sent to the rank was never
-received (MPICH: "Communicator being freed has 1 unmatched message(s)"). So the two sides
-end with a handshake, :meth:`MpiChannel.finish`: each says bye and reads, and drops, everything
-until the other's bye; after it nothing is in flight either way.
-
-mpi4py is imported lazily (:func:`require_mpi`), so this module loads without it and
-the missing package is named in one line.
+A peer whose framing breaks cannot be resynchronised (what follows would be taken for the next
+message): it is *broken*, and what it sends from then on is received and dropped. The two sides
+end with a handshake (:meth:`MpiChannel.finish`: bye, then drop everything until the other's
+bye), since MPI_Finalize fails while a message sent to the rank is unreceived. The reasons, and
+what was measured, are in docs/writing-a-transport.md. mpi4py is imported lazily
+(:func:`require_mpi`), so this module loads without it.
 """
 
 from __future__ import annotations
@@ -62,11 +43,8 @@ MAGIC = 0x74696E79636F6E76  # "tinyconv" in ASCII: a prefix that does not start 
 PREFIX_LEN = 2 + 1 + wire.MAX_ARRAYS  # MAGIC, n, and at most a header and MAX_ARRAYS array lengths
 PREFIX_BYTES = PREFIX_LEN * 8
 
-# How long the owner waits between two poll rounds. MPI cannot wake a thread when a message
-# arrives, so a message waits up to this long before it is noticed; what the owner sends goes
-# out at once (its wait is woken for it). Measured here with the MPICH wheels: one Test call
-# moves megabytes, so a 20 MB message polled every 1 ms arrives in ~4 ms, as when polled
-# without pause; a shorter interval would only cost CPU.
+# Between two poll rounds: MPI cannot wake a thread, so a message waits up to this long to be noticed.
+# One Test moves megabytes (20 MB polled every 1 ms arrives in ~4 ms): a shorter pause would only cost CPU.
 POLL_S = 0.001
 _DRAIN_BATCH = 256  # messages read from one peer per round, at most
 
@@ -114,12 +92,8 @@ def make_prefix(frames: list) -> np.ndarray:
 
 
 def check_prefix(prefix: np.ndarray, max_bytes: int) -> list[int]:
-    """The frame lengths a received prefix announces, all checked ([] for a bye); LinkBroken otherwise.
-
-    Checked before any frame buffer is allocated: the MAGIC, 0 <= n <= 1 + MAX_ARRAYS, zeros
-    after the n-th length, a header of 1..MAX_HEADER_BYTES bytes, arrays of >= 0 bytes
-    adding up to at most ``max_bytes``.
-    """
+    """The frame lengths a received prefix announces ([] for a bye), all checked before any frame buffer is
+    allocated; LinkBroken otherwise."""
     if int(prefix[0]) != MAGIC:
         raise LinkBroken(f"a prefix without this transport's MAGIC ({int(prefix[0]):#x}): not a tinyconv peer")
     n = int(prefix[1])
@@ -147,7 +121,6 @@ def check_prefix(prefix: np.ndarray, max_bytes: int) -> list[int]:
 class _Incoming:
     """One message being received: its frame buffers, their receive requests, and their statuses."""
 
-    source: int
     frames: list[np.ndarray]
     requests: list[Any]
     statuses: list[Any]
@@ -166,12 +139,8 @@ class Received:
 class MpiChannel:
     """Non-blocking messages between this rank and ``peers`` (ranks of ``comm``); one thread owns it.
 
-    ``send(dest, frames)`` posts a message and returns at once; ``poll()`` moves what is in
-    flight along and returns what has arrived whole (and the first sign of each large message),
-    each peer's in the order it sent them.
-    ``broken`` maps each peer whose framing broke to why; ``said_bye`` holds the peers that
-    said bye (nothing more comes from them), ``bye_sent`` those this side said it to (nothing
-    more may go to them).
+    ``broken`` maps each peer whose framing broke to why; ``said_bye`` holds the peers that said bye
+    (nothing more comes from them), ``bye_sent`` those this side said it to (nothing more may go to them).
     """
 
     def __init__(self, comm: Any, peers: list[int], max_bytes: int = wire.DEFAULT_MAX_BYTES) -> None:
@@ -183,13 +152,9 @@ class MpiChannel:
         self._incoming: dict[int, _Incoming] = {}  # at most one message per peer at a time
         self._outgoing: deque[tuple[list[Any], list[Any]]] = deque()  # (requests, the buffers they read)
 
-    # ---- sending ------------------------------------------------------------------------
-    def send(self, dest: int, frames: list) -> int:
-        """Post ``frames`` (from :func:`transports.wire.encode`) to rank ``dest``; returns their bytes.
-
-        Never blocks: the buffers are kept until MPI is done with them (the arrays' own
-        memory: leave them unmodified until the reply comes, as with ZeroMQ).
-        """
+    def send(self, dest: int, frames: list) -> None:
+        """Post ``frames`` (from :func:`transports.wire.encode`) to rank ``dest``, never blocking: the buffers
+        (the arrays' own memory: leave them unmodified until the reply comes) are kept until MPI is done."""
         if dest in self.bye_sent:
             raise RuntimeError(f"this rank said bye to rank {dest}: nothing more may go to it")
         MPI = self.MPI
@@ -199,19 +164,12 @@ class MpiChannel:
         self._outgoing.append((requests, [prefix, *frames]))
         if not frames:
             self.bye_sent.add(dest)
-        return int(prefix[2:].sum())
 
     def send_bye(self, dest: int) -> None:
         """Tell ``dest`` that nothing more comes from this rank (once; later calls do nothing)."""
         if dest not in self.bye_sent:
             self.send(dest, [])
 
-    def sending(self) -> bool:
-        """Whether sends are still in flight (MPI lets a send go only once the peer has received it, or
-        has it buffered)."""
-        return bool(self._outgoing)
-
-    # ---- receiving ----------------------------------------------------------------------
     def poll(self) -> list[Received]:
         """One round: let go of finished sends; from each peer, every message that has arrived whole.
 
@@ -279,7 +237,7 @@ class MpiChannel:
             return None
         frames = [np.empty(n, dtype=np.uint8) for n in lengths]  # sizes checked just above
         requests = [self.comm.Irecv([f, MPI.BYTE], source=peer, tag=TAG_FRAME) for f in frames]
-        self._incoming[peer] = _Incoming(peer, frames, requests, [MPI.Status() for _ in frames])
+        self._incoming[peer] = _Incoming(frames, requests, [MPI.Status() for _ in frames])
         return self._incoming[peer]
 
     def _drop_one(self, peer: int) -> bool:
@@ -303,7 +261,6 @@ class MpiChannel:
                 self.said_bye.add(peer)
         return True
 
-    # ---- the end ------------------------------------------------------------------------
     def finish(self, peers: list[int], linger_s: float) -> list[int]:
         """Say bye to ``peers``, then receive (and drop) what they send until each said bye, for at most
         ``linger_s`` seconds; returns the peers that did not say bye in time. Afterwards nothing is in
@@ -315,7 +272,7 @@ class MpiChannel:
         while True:
             self.poll()
             missing = [p for p in peers if p not in self.said_bye]
-            if (not missing and not self.sending()) or time.monotonic() >= deadline:
+            if (not missing and not self._outgoing) or time.monotonic() >= deadline:
                 break
             pace.wait(POLL_S)
         for incoming in self._incoming.values():  # peers that never said bye: take back their receives

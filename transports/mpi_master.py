@@ -2,26 +2,14 @@
 
     mpiexec -n 3 python examples/cifar10_dist.py --transport mpi     # rank 0 the master, ranks 1, 2 workers
 
-Every rank runs the same script; :func:`transports.mpi_worker.serve_if_worker` sends ranks 1..
-to the worker loop, and rank 0 builds this transport. This file is only the medium:
-:class:`MpiLink` moves the wire's frames between the session (:mod:`transports.session`) and
-MPI (:mod:`transports.mpi_link`: byte buffers, never pickled). The ranks are a *closed group*:
-worker ``k`` is rank ``k + 1``, ``start(n)`` needs exactly ``size - 1`` workers, ``joined``
-never has anything new, and a rank that cannot be admitted (another version, a handler that
-could not be built) makes ``start`` raise why at once, since no other rank could take its
-place. ``close`` says goodbye to every rank that was not refused, lost ones included, then ends
-with the closing handshake (:meth:`transports.mpi_link.MpiChannel.finish`): MPI cannot finalise while
-a message sent to a rank was never received.
-
-A worker *process* that dies is another matter: MPI jobs are all or nothing, and
-``mpiexec`` (MPICH's Hydra) ends every rank, this one included, when one exits abnormally
-or is killed. So over MPI a dead worker ends the run rather than raising WorkerLost;
-checkpoints (``--checkpoint``) are how such a run goes on.
-
-The session's one I/O thread makes every MPI call (MPI needs at least ``MPI_THREAD_SERIALIZED``
-for that; mpi4py asks for ``MPI_THREAD_MULTIPLE``). It polls every
-:data:`~transports.mpi_link.POLL_S` (MPI cannot wake a thread), and so keeps the replies moving
-while the caller computes: a large message moves only while its receiver calls MPI.
+Every rank runs the same script; :func:`transports.mpi_worker.serve_if_worker` sends ranks 1.. to
+the worker loop, and rank 0 builds this transport. :class:`MpiLink` moves the wire's frames between
+the session and MPI (:mod:`transports.mpi_link`). The ranks are a *closed group*: worker ``k`` is
+rank ``k + 1``, ``start(n)`` needs exactly ``size - 1`` workers, and a rank that cannot be admitted
+makes ``start`` raise why at once. ``close`` ends with the closing handshake
+(:meth:`transports.mpi_link.MpiChannel.finish`). A worker *process* that dies ends the whole job
+(``mpiexec`` ends every rank), so over MPI it ends the run rather than raising WorkerLost. The
+session's one I/O thread makes every MPI call, polling every :data:`~transports.mpi_link.POLL_S`.
 """
 
 from __future__ import annotations
@@ -95,12 +83,7 @@ class MpiLink(SessionLink):
 
 class MpiTransport(SessionTransport):
     """Master side, on rank 0 of ``comm`` (default ``MPI.COMM_WORLD``); ranks 1.. are workers 0...
-
-    ``max_message_bytes`` caps the array data of one message, checked from its prefix before
-    anything is allocated; the other options are the session's
-    (:class:`~transports.session.master.SessionTransport`). Options of other transports
-    (``bind``, ``curve``, ...) are accepted and ignored.
-    """
+    The options are the session's (:class:`~transports.session.master.SessionTransport`)."""
 
     name = "mpi"
 
@@ -128,11 +111,7 @@ class MpiTransport(SessionTransport):
         return f"mpi://ranks 1..{self.size - 1}"
 
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
-        """Wait until every other rank said hello (``n_workers`` must be ``size - 1``); return them, by index.
-
-        Raises VersionMismatch for a rank of another version and RuntimeError for one that could
-        not start (each told the master why), TimeoutError when some are still silent.
-        """
+        """Wait until every other rank said hello (``n_workers`` must be ``size - 1``); return them, by index."""
         if isinstance(n_workers, int) and n_workers >= 1 and n_workers != self.size - 1:
             raise ValueError(
                 f"{n_workers} worker(s) asked for, but mpiexec started {self.size} ranks: rank 0 the master and "

@@ -1,23 +1,15 @@
 """MPI, the worker's side: ranks 1.. of an ``mpiexec`` job serve rank 0, the master.
 
-``mpiexec -n 3 python examples/cifar10_dist.py --transport mpi`` runs the same script on
-three ranks. The script calls :func:`serve_if_worker` early, once it knows its options:
+Every rank runs the same script, which calls :func:`serve_if_worker` early, once it knows its options:
 
     code = serve_if_worker(lambda: Worker(get_backend("numpy")))
     if code is not None:      # ranks 1..: they served the master, and are done
         return code
     ...                       # rank 0: the master, with transport "mpi" (transports.mpi_master)
 
-:func:`serve` is the worker's session (:mod:`transports.session.worker`) over
-:class:`MpiWorkerLink`, as ZeroMQ's is over its socket: ``hello`` (``handler.hello()``) to
-rank 0, wait for its ``welcome``, then serve tasks until ``shutdown``; heartbeats when quiet.
-The handler's calls run in the session's compute thread, one at a time, so this thread keeps
-polling MPI and heartbeating while a long task computes.
-
-There is no second master to look for: the ranks of an MPI job are fixed when it starts.
-A master silent for ``peer_timeout_s`` ends the worker (EXIT_FAILED), and so does a master
-that refuses it (another task-protocol version). A master that dies takes the whole job
-with it (``mpiexec`` ends every rank).
+:func:`serve` is the worker's session (:mod:`transports.session.worker`) over :class:`MpiWorkerLink`,
+as ZeroMQ's is over its socket. There is no second master to look for (the ranks of an MPI job are
+fixed when it starts): a master silent for ``peer_timeout_s``, or one that refuses the worker, ends it.
 """
 
 from __future__ import annotations
@@ -46,12 +38,9 @@ def rank_and_size(comm: Any = None) -> tuple[int, int]:
 
 
 def serve_if_worker(make_handler: Callable[[], Handler], comm: Any = None, **options: Any) -> int | None:
-    """On rank 0: None (this process is the master). On any other rank: serve ``make_handler()`` to
-    rank 0 until it says shutdown, and return the exit code (:func:`serve`'s ``options``).
-
-    A handler that cannot be built (no such device, say) is reported to the master, whose
-    ``start`` then raises with this rank's message, and the rank exits with EXIT_FAILED.
-    """
+    """On rank 0: None (this process is the master). On any other rank: serve ``make_handler()`` to rank 0
+    until it says shutdown, and return the exit code (:func:`serve`'s ``options``). A handler that cannot be
+    built is reported to the master, whose ``start`` then raises with this rank's message."""
     comm = require_mpi().COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
     if rank == MASTER:
@@ -87,13 +76,10 @@ def serve(
 ) -> int:
     """Serve ``handler`` to rank 0 of ``comm`` (default COMM_WORLD) until it says shutdown; return an exit code.
 
-    Says hello once and waits up to ``welcome_timeout_s`` for the welcome (the master may
-    load its data first: the default is generous). Then tasks in, replies out, a heartbeat
-    after ``heartbeat_s`` of quiet (or sooner, if the welcome asks for a faster pace). Returns
-    EXIT_OK on shutdown (also one that comes before the welcome: the master ended early);
-    EXIT_FAILED when refused, never welcomed, or the master was silent for ``peer_timeout_s``;
-    EXIT_INTERRUPTED on Ctrl-C. Problems are reported through ``log_line``, one line each,
-    prefixed with the rank; ``quiet`` drops the informational ones.
+    Waits up to ``welcome_timeout_s`` for the welcome (the master may load its data first: the default
+    is generous). Returns EXIT_OK on shutdown (also one before the welcome); EXIT_FAILED when refused,
+    never welcomed, or the master was silent for ``peer_timeout_s``; EXIT_INTERRUPTED on Ctrl-C.
+    Problems go to ``log_line``, one line each, prefixed with the rank; ``quiet`` drops the rest.
     """
     comm = require_mpi().COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()

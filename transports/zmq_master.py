@@ -1,16 +1,10 @@
-"""ZeroMQ, the master's side: a ROUTER socket that every worker's DEALER
-(:mod:`transports.zmq_worker`) connects to, over ``tcp://`` or ``ipc://``. Messages
-are :mod:`transports.wire` frames: arrays travel zero-copy, never pickled.
-
-This file is only the medium: :class:`ZmqLink` moves frames between the socket and the
-session (:mod:`transports.session`), whose I/O thread admits workers, heartbeats, loses and
-says goodbye. A zmq socket belongs to one thread, so that thread alone touches the socket;
-the caller's threads queue what they send and wake it with a :class:`~transports.wakeup.Wakeup`
-polled beside the socket. Workers may come and go: the group is open.
-
-With ``curve`` (:class:`transports.curve.CurveServer`) only workers whose public key is
-authorised get past ZeroMQ's handshake, and all traffic is encrypted. Without it the
-master binds only addresses of this machine, unless ``insecure=True``.
+"""ZeroMQ, the master's side: a ROUTER socket that every worker's DEALER (:mod:`transports.zmq_worker`)
+connects to, over ``tcp://`` or ``ipc://``. :class:`ZmqLink` moves frames between the socket and the
+session (:mod:`transports.session`); only the session's I/O thread touches the socket, woken by a
+:class:`~transports.wakeup.Wakeup` polled beside it. The group is open: workers may come and go.
+With ``curve`` (:class:`transports.curve.CurveServer`) only workers whose public key is authorised
+get past ZeroMQ's handshake, and all traffic is encrypted; without it the master binds only
+addresses of this machine, unless ``insecure=True``.
 """
 
 from __future__ import annotations
@@ -107,13 +101,9 @@ class ZmqLink(Link):
 
 
 class ZmqTransport(SessionTransport):
-    """Master side: a ROUTER bound at ``bind``, one DEALER per worker.
-
-    ``bind`` is ``tcp://*:5555`` (all interfaces), ``tcp://127.0.0.1:0`` (a free port;
-    read :attr:`bound_address`), or ``ipc:///path``. ``curve`` authenticates and encrypts
-    (:class:`~transports.curve.CurveServer`); binding beyond this machine without it raises
-    ValueError unless ``insecure``. ``max_message_bytes`` caps the array data of one message
-    (its frames in all, and what its header declares); the other options are the session's
+    """Master side: a ROUTER bound at ``bind``: ``tcp://*:5555`` (all interfaces), ``tcp://127.0.0.1:0``
+    (a free port: read :attr:`bound_address`) or ``ipc:///path``. Binding beyond this machine without
+    ``curve`` raises ValueError unless ``insecure``. The other options are the session's
     (:class:`~transports.session.master.SessionTransport`).
     """
 

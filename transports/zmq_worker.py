@@ -1,22 +1,11 @@
 """ZeroMQ, the worker's side: a DEALER that connects to the master's ROUTER and serves a handler.
 
-:func:`serve` looks for a master, serves it, and, when it is gone, looks again:
-
-* *Looking*: a fresh socket (a new identity, so nothing of an earlier master
-  carries over), ``handler.hello()`` once, then the hello again with exponential
-  backoff (0.5 s doubling to 10 s) and heartbeats meanwhile, so a master that is
-  not admitting yet keeps the worker's place, until a ``welcome``.
-* *Serving* (:class:`transports.session.worker.Serving` over :class:`ZmqWorkerLink`): the
-  calling thread runs the I/O loop, the only code that touches the socket, and a compute
-  thread runs the handler, so heartbeats keep flowing while a long task computes. Every message whose kind is
-  not a session kind (:data:`transports.wire.SESSION_KINDS`) is a task.
-* A master silent for ``peer_timeout_s`` is lost: the worker looks again for up to
-  ``retry_for`` seconds. After a ``shutdown`` it exits, or with ``forever`` looks for
-  the next master.
-
-With ``curve`` (:class:`transports.curve.CurveClient`) the socket authenticates with
-the worker's key and encrypts everything; a master that refuses the key, or a
-mismatch of keys on one side only, ends the worker with one line saying which.
+:func:`serve` looks for a master (on a fresh socket, so nothing of an earlier master carries over:
+:func:`~transports.session.welcome.greet`), serves it (:class:`~transports.session.worker.Serving`
+over :class:`ZmqWorkerLink`) and, when it is lost, looks again. With ``curve``
+(:class:`transports.curve.CurveClient`) the socket authenticates with the worker's key and encrypts
+everything; a master that refuses the key, or keys on one side only, ends the worker with one line
+saying which.
 """
 
 from __future__ import annotations
@@ -47,8 +36,6 @@ from transports.session.settings import (
 from transports.session.welcome import BACKOFF_MAX_S, greet
 from transports.session.worker import Compute, Serving
 from transports.wakeup import Wakeup
-
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "serve"]
 
 _DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
 _HANDSHAKE_FAILURES = (
@@ -82,21 +69,13 @@ def serve(
 ) -> int:
     """Serve ``handler`` to the master at ``connect``, and to the masters after it; return an exit code.
 
-    Says hello (``handler.hello()``, once per master) and waits up to
-    ``welcome_timeout_s`` for the first master's welcome. A heartbeat goes out after
-    ``heartbeat_s`` without sending (or sooner, if the welcome asks for a faster
-    pace), also while a task computes. A master silent for ``peer_timeout_s`` is
-    lost: the worker says hello again, with backoff, until ``retry_for`` seconds have
-    passed (0: exit at once). After the master's shutdown it returns, or with
-    ``forever`` waits for the next master with no time limit. ``welcome_timeout_s`` and
-    ``retry_for`` may be None (or infinite): no limit. ``curve`` authenticates and
-    encrypts (:class:`~transports.curve.CurveClient`).
-
-    Returns :data:`EXIT_OK` on shutdown; :data:`EXIT_FAILED` when refused (another
-    version, or a key the master does not know), never welcomed, or when no master
-    came back within ``retry_for``; :data:`EXIT_INTERRUPTED` when ``stop`` is set or on
-    Ctrl-C. Problems are reported through ``log_line``, one line each; ``quiet`` drops
-    the informational lines.
+    Waits up to ``welcome_timeout_s`` for the first master's welcome. A master silent for
+    ``peer_timeout_s`` is lost: the worker says hello again, with backoff, until ``retry_for`` seconds
+    have passed (0: exit at once). After the master's shutdown it returns, or with ``forever`` waits
+    for the next master with no time limit. ``welcome_timeout_s`` and ``retry_for`` may be None: no limit.
+    Returns EXIT_OK on shutdown; EXIT_FAILED when refused (another version, or a key the master does
+    not know), never welcomed, or when no master came back within ``retry_for``; EXIT_INTERRUPTED when
+    ``stop`` is set or on Ctrl-C. Problems go to ``log_line``, one line each; ``quiet`` drops the rest.
     """
     if curve is not None and not isinstance(curve, CurveClient):
         raise TypeError(f"curve must be a transports.curve.CurveClient, got {type(curve).__name__}")
@@ -184,15 +163,8 @@ def _find_master(
     link = ZmqWorkerLink(sock, compute.wakeup, setup)
     try:
         sock.connect(setup.connect)
-        found = greet(
-            link,
-            compute,
-            session,
-            setup,
-            master=f"the master at {setup.connect}",
-            deadline=deadline,
-            giving_up=giving_up,
-        )
+        master = f"the master at {setup.connect}"
+        found = greet(link, compute, session, setup, master=master, deadline=deadline, giving_up=giving_up)
     except zmq.ZMQError as e:
         setup.say(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
         found = EXIT_FAILED

@@ -1,10 +1,6 @@
-"""What the session layer needs from a medium: a :class:`Link` that moves frames, and nothing else.
-
-A link knows peers only as opaque, hashable ids (a ZeroMQ identity, an MPI rank, a socket)
-and messages only as lists of frames (:func:`transports.wire.encode`'s). Hello, welcome,
-admission, heartbeats, loss and goodbye are the session's (:mod:`transports.session.master`,
-:mod:`transports.session.admission`).
-"""
+"""What the session needs from a medium: a :class:`Link` (the master's end) and a :class:`WorkerLink` that
+move frames (:func:`transports.wire.encode`'s) between peers known only as hashable ids (a ZeroMQ
+identity, an MPI rank, a socket), and nothing else."""
 
 from __future__ import annotations
 
@@ -15,16 +11,9 @@ from dataclasses import dataclass
 
 @dataclass
 class Arrival:
-    """What a link got from ``peer``, one of three things:
-
-    * ``frames``: a whole message, as :func:`transports.wire.encode` made it on the other side;
-    * neither ``frames`` nor ``gone``: only a sign of life (the first bytes of a large message
-      arrived), which keeps the peer alive as a whole message would;
-    * ``gone``: the link can no longer talk with the peer (it ended its session, or its framing
-      broke), and why, in words that follow "worker k lost: ".
-
-    ``address`` names the peer for logs and :class:`~transports.base.WorkerInfo` ("" if unknown).
-    """
+    """What a link got from ``peer``: a whole message's ``frames``; or, when the link can no longer talk
+    with it, why it is ``gone`` (words that follow "worker k lost: "); or neither: only a sign of life
+    (the first bytes of a large message). ``address`` names the peer for logs ("" if unknown)."""
 
     peer: Hashable
     frames: list | None = None
@@ -33,12 +22,11 @@ class Arrival:
 
 
 class Link(ABC):
-    """The master's end of a medium; one thread (the session's) calls every method but :meth:`wake`.
+    """The master's end of a medium; the session's thread calls every method but :meth:`wake`.
 
-    ``group`` is None for an open membership (anyone who reaches the master may say hello, and
-    come again after being lost) or, for a closed one, every peer there will ever be, in index
-    order: peer ``group[k]`` is worker ``k``, a refused peer cannot be replaced, and the
-    session says goodbye to each of them at the end.
+    ``group`` is None for an open membership (anyone who reaches the master may say hello, and come
+    again after being lost) or, for a closed one, every peer there will ever be: peer ``group[k]`` is
+    worker ``k``, and a refused peer cannot be replaced.
     """
 
     group: list[Hashable] | None = None
@@ -58,12 +46,7 @@ class Link(ABC):
     @abstractmethod
     def send(self, peer: Hashable, frames: list, *, control: bool = False) -> str:
         """Queue ``frames`` for ``peer`` without blocking; "" when queued, else why the peer cannot be reached.
-
-        ``control`` marks a small session message (a heartbeat) that may overtake the bulk
-        frames queued before it: a link with a second lane (a socket, an MPI tag) for control
-        sends it there, so liveness does not wait behind a large task. A link with one lane
-        sends it in order.
-        """
+        ``control`` marks a heartbeat, which a link with a second lane may send ahead of bulk frames."""
 
     def let_go(self, peer: Hashable) -> None:  # noqa: B027 (a medium that cannot tell a peer does nothing)
         """Nothing more goes to ``peer``, a refused member of a closed group; tell it if the medium can."""
@@ -79,10 +62,8 @@ class Link(ABC):
 class WorkerLink(ABC):
     """A worker's end of a medium, to its one master; only the worker's I/O thread calls it.
 
-    ``gone`` turns from "" to why, in a line, once the master can no longer be heard (it ended
-    the session, its framing broke, it refused this worker's keys): the worker stops. A link sets
-    ``renewed`` when its connection was made anew, perhaps to another master: a worker waiting
-    for its welcome says hello again at once.
+    ``gone`` turns from "" to why once the master can no longer be heard: the worker stops. ``renewed``
+    is set when the connection was made anew, perhaps to another master: a waiting worker says hello.
     """
 
     gone: str = ""
@@ -94,10 +75,9 @@ class WorkerLink(ABC):
 
     @abstractmethod
     def receive(self) -> list[list | None]:
-        """What arrived since the last call, never blocking: each message's frames, or None for only a
-        sign of life (the first bytes of a large message)."""
+        """What arrived since the last call, never blocking: each message's frames, or None for a sign of life."""
 
     @abstractmethod
     def send(self, frames: list, *, control: bool = False) -> bool:
-        """Queue ``frames`` for the master without blocking; False if they were not (no connection yet, or
-        the master is not reading). ``control`` is :meth:`Link.send`'s."""
+        """Queue ``frames`` for the master without blocking; False if not (no connection yet, or the master
+        is not reading). ``control`` is :meth:`Link.send`'s."""
