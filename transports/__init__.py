@@ -1,16 +1,10 @@
-"""Transports: the Transport interface (``transports/base.py``), the wire (``transports/wire.py``)
-and the ways a master reaches its workers: threads (``inproc.py``), and for workers in other
-processes one session layer (``session/``: hello, admission, heartbeats, loss, joins, goodbye)
-over links that move frames: ZeroMQ (``zmq_master.py``, ``zmq_worker.py``, with CURVE keys in
-``curve.py`` for workers on other machines) and MPI (``mpi_master.py``, ``mpi_worker.py``,
-``mpi_link.py``).
-
-A transport moves envelopes and admits workers by the version of the task protocol they speak;
-what the tasks mean is the application's business; this package never imports the application.
-The application finds a transport by name (``get_transport("zmq", ...)``): a class registered
-under the entry-point group ``tinyconv.transports``, so a separate package can add one
-(docs/writing-a-transport.md). The built-in ones register the same way (``pyproject.toml``);
-:data:`BUILTIN` is only the fallback for a source checkout that was never pip-installed.
+"""Transports: the Transport interface (``base.py``), the wire (``wire.py``) and the ways a master reaches
+its workers: threads (``inproc.py``), and for workers in other processes one session layer
+(``session/``) over links that move frames: ZeroMQ (``zmq_master.py``, ``zmq_worker.py``, with CURVE
+keys in ``curve.py``) and MPI (``mpi_master.py``, ``mpi_worker.py``, ``mpi_link.py``). This package
+never imports the application. A transport is found by name (``get_transport("zmq", ...)``): a class
+registered under the entry-point group ``tinyconv.transports`` (docs/writing-a-transport.md);
+:data:`BUILTIN` is the fallback for a source checkout that was never pip-installed.
 """
 
 from __future__ import annotations
@@ -64,9 +58,6 @@ def available_transports() -> list[str]:
 
 
 def get_transport(name: str, **options: Any) -> Transport:
-    """A new instance of the transport registered as ``name``; options go to its constructor.
-
-    Every built-in transport ignores options meant for another one, so a caller can
-    pass one set (``handler_factory=...``, ``bind=...``, ``protocol=...``).
-    """
+    """A new instance of the transport registered as ``name``; options go to its constructor (every built-in
+    one ignores options meant for another, so a caller can pass one set)."""
     return load_transport(name)(**options)

@@ -1,11 +1,8 @@
 """Rate-limited reports of what a master dropped: one line per kind per window, not one per message.
 
-A master on a shared network hears all sorts: workers of another release, a port
-scanner, a peer sending garbage as fast as it can. Each is dropped (or answered) and
-counted; the first of a kind is logged at once with its details, the rest in one
-summary line per kind per ``window_s``::
-
-    dropped 312 unreadable messages from 1 peer in the last 10 s; the latest: ...
+A master on a shared network hears all sorts (workers of another release, a port scanner, a peer
+sending garbage as fast as it can): the first of a kind is logged at once with its details, the
+rest in one summary line per kind per ``window_s``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """In-process transport: every worker is a thread of the master's process.
 
-No serialisation at all: a task's arrays reach the worker's handler as the very
-same numpy objects, and so do the replies. Messages are still checked as the wire
-checks them (:func:`transports.wire.check_message`), so code that works here
-sends messages the zmq transport accepts too.
-
-Each worker thread calls ``handler_factory(i)`` once, in its own thread (so it
-builds its own Backend there), says hello with ``handler.hello()``, waits for the
-master's welcome, then serves tasks with ``handler.handle(msg)`` until shutdown.
-A task is any message whose kind is not a session kind
-(:data:`transports.wire.SESSION_KINDS`); the session kinds are the transport's.
+No serialisation at all: a task's arrays reach the worker's handler as the very same numpy objects,
+and so do the replies. Messages are still checked as the wire checks them
+(:func:`transports.wire.check_message`), so code that works here sends messages the other transports
+accept too. Worker i's thread calls ``handler_factory(i)`` (so it builds its own Backend there), says
+hello, and serves tasks until shutdown.
 """
 
 from __future__ import annotations
@@ -28,20 +23,17 @@ from transports.wire import SESSION_KINDS, VersionMismatch, check_message, error
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.5  # how often an idle worker thread checks whether the transport closed
 _JOIN_TIMEOUT_S = 5.0
 
 
 class InprocTransport(Transport):
     """Workers as threads; ``handler_factory(i)`` builds worker i's :class:`~transports.base.Handler`.
-
-    ``protocol`` is the version of the task protocol the master speaks; a worker
-    whose hello says another is refused.
-    """
+    ``protocol`` is the version of the task protocol the master speaks; a worker whose hello says another
+    is refused."""
 
     name = "inproc"
 
-    def __init__(self, handler_factory: HandlerFactory, *, protocol: int, heartbeat_s: float = 1.0, **_: Any) -> None:
+    def __init__(self, handler_factory: HandlerFactory, *, protocol: int, **_: Any) -> None:
         if not callable(handler_factory):
             raise TypeError(
                 "InprocTransport needs handler_factory: a callable i -> handler with .hello() and "
@@ -50,7 +42,6 @@ class InprocTransport(Transport):
         check_options(protocol)  # the protocol's type, checked as every transport checks it
         self._factory = handler_factory
         self._protocol = protocol
-        self._heartbeat_s = float(heartbeat_s)
         # worker threads -> master: ("hello" | "reply" | "lost", worker index, payload)
         self._inbox: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._tasks: list[queue.Queue[Message]] = []
@@ -58,10 +49,8 @@ class InprocTransport(Transport):
         self._lost: dict[int, str] = {}
         self._traffic: dict[int, list[int]] = {}
         self._closing = threading.Event()
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
 
-    # ---- master side -------------------------------------------------------------
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
         if self._started or self._closed:
             raise RuntimeError("start() can be called once, on a transport that is not closed")
@@ -90,8 +79,6 @@ class InprocTransport(Transport):
                 raise RuntimeError(f"in-process worker {i} could not start: {payload.header['message']}")
             else:
                 raise RuntimeError(f"in-process worker {i} sent {kind!r} before its hello")
-        for i in range(n_workers):
-            self._tasks[i].put(Message("welcome", {"index": i, "heartbeat_s": self._heartbeat_s}))
         return [infos[i] for i in range(n_workers)]
 
     def _worker_info(self, i: int, hello: dict[str, Any]) -> WorkerInfo:
@@ -103,7 +90,10 @@ class InprocTransport(Transport):
         return worker_info(i, hello, "inproc")
 
     def send(self, worker: int, msg: Message) -> None:
-        self._check_worker(worker)
+        if not self._started or self._closed:
+            raise RuntimeError("send() needs a started, open transport")
+        if not isinstance(worker, int) or not 0 <= worker < len(self._tasks):
+            raise ValueError(f"no worker {worker!r}; workers are 0..{len(self._tasks) - 1}")
         if worker in self._lost:
             raise WorkerLost(worker, self._lost[worker])
         check_message(msg)
@@ -123,10 +113,6 @@ class InprocTransport(Transport):
         self._traffic[i][1] += payload.nbytes()
         return i, payload
 
-    def joined(self) -> list[WorkerInfo]:
-        """Always []: in-process workers are the threads start() made, none comes later."""
-        return []
-
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Array bytes handed to and received from each worker (nothing is copied in-process)."""
         return {i: (s, r) for i, (s, r) in self._traffic.items()}
@@ -144,14 +130,8 @@ class InprocTransport(Transport):
             if t.is_alive():  # a handler still computing; the thread is a daemon and ends with it
                 log.warning("%s still busy after %.0f s; leaving it to finish", t.name, _JOIN_TIMEOUT_S)
 
-    def _check_worker(self, worker: int) -> None:
-        if not self._started or self._closed:
-            raise RuntimeError("send() needs a started, open transport")
-        if not isinstance(worker, int) or not 0 <= worker < len(self._tasks):
-            raise ValueError(f"no worker {worker!r}; workers are 0..{len(self._tasks) - 1}")
-
-    # ---- worker side (runs in worker i's thread) ------------------------------------
     def _serve(self, i: int) -> None:
+        """Worker i's thread."""
         reason = "its thread ended unexpectedly"
         try:
             try:
@@ -163,12 +143,7 @@ class InprocTransport(Transport):
                 return
             self._inbox.put(("hello", i, hello))
             while True:
-                try:
-                    msg = self._tasks[i].get(timeout=_IDLE_POLL_S)
-                except queue.Empty:
-                    if self._closing.is_set():
-                        return
-                    continue
+                msg = self._tasks[i].get()  # close() puts a shutdown in every queue
                 if msg.kind == "shutdown":
                     return
                 if msg.kind == "hello":

@@ -1,14 +1,12 @@
 """Admission: which peers become workers of a master's session, under which index, and which are turned away.
 
-Before start() the master holds hellos back (at most ``MAX_PENDING``; in an open group it
-forgets a peer that said hello and then nothing for ``peer_timeout_s``). From start() on it
-admits every hello, each under a new index (a worker that comes back after being lost is a new
-worker), with a welcome. Nothing a peer that is not a worker sends can end the run: a hello of
-another version is answered with both versions, anything else unreadable is dropped, and each
-kind is logged in one line per 10 s (:class:`~transports.droplog.DropLog`). In a closed group
-(MPI's ranks) a peer that cannot be admitted is given up on and ``start`` raises why: no other
-could take its place. A worker's message over ``max_bytes`` is refused before it is decoded
-(:func:`oversize`).
+Before start() the master holds hellos back (at most ``MAX_PENDING``; in an open group it forgets
+a peer that said hello and then nothing for ``peer_timeout_s``). From start() on it admits every
+hello with a welcome, each under a new index (a worker that comes back after being lost is a new
+worker). Nothing a peer that is not a worker sends can end the run: a hello of another version is
+answered with both versions, anything else unreadable is dropped and counted
+(:class:`~transports.droplog.DropLog`). In a closed group (MPI's ranks) a peer that cannot be
+admitted is given up on and ``start`` raises why: no other could take its place.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ class _Pending:
 
 
 def oversize(body: list, max_bytes: int) -> str | None:
-    """Why the frames of one message are too many or too big to decode, or None: at most a header of
-    MAX_HEADER_BYTES and MAX_ARRAYS array frames adding up to ``max_bytes``."""
+    """Why the frames of a worker's message are too many or too big to decode, or None."""
     if len(body) > 1 + wire.MAX_ARRAYS:
         return f"{len(body)} frames, more than a header and {wire.MAX_ARRAYS} arrays"
     if body and len(body[0]) > wire.MAX_HEADER_BYTES:
@@ -118,9 +115,8 @@ class Admission:
                 log.info("forgot a peer at %s (pid %d): it said hello, then nothing for %.1f s", where, pid, silent)
 
     def _from_stranger(self, a: Arrival) -> list[int]:
-        """A peer that is not a worker: only a hello (one small frame) or, while its hello waits for
-        start(), a heartbeat make sense (and, in a closed group, an error: it could not start);
-        anything else is dropped and counted."""
+        """A peer that is not a worker: only a hello (one small frame), a heartbeat while its hello waits, or
+        in a closed group an error (it could not start) make sense; anything else is dropped and counted."""
         label, body = _label(a), a.frames
         if len(body) != 1:
             self.drops.drop("stray", label, f"{len(body)} frames; a peer must say hello (one frame) first")

@@ -27,10 +27,9 @@ _FIXED = 1  # the session of a worker that serves one fixed master
 def answer_to_hello(
     frames: list, master: str, settings: Settings, unreadable: Callable[[str], None]
 ) -> Message | int | None:
-    """What ``master`` (e.g. "the master at tcp://...") sent a worker that waits for its welcome: the
-    welcome; EXIT_FAILED when it refused this worker or speaks another wire; SHUTDOWN when it ended
-    first; None for anything else (wait on). Each outcome but the welcome is said in one line, through
-    the settings' ``say`` and ``info`` or, for what cannot be read, ``unreadable``."""
+    """What ``master`` sent a worker that waits for its welcome: the welcome; EXIT_FAILED when it refused this
+    worker or speaks another wire; SHUTDOWN when it ended first; None for anything else (wait on). Each
+    outcome but the welcome is said in one line (what cannot be read, through ``unreadable``)."""
     say, info = settings.say, settings.info
     try:
         msg = wire.decode(frames, settings.max_bytes)
@@ -63,13 +62,11 @@ def greet(
 ) -> tuple[Message, list] | int:
     """Say hello to ``master`` and wait for its welcome until ``deadline`` (None: no limit).
 
-    The hello, made by the compute thread (once the previous master's last task is done), goes
-    again with backoff (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S), and at once over a link that
-    was ``renewed``; heartbeats go meanwhile, so a master that is not admitting yet keeps this
-    worker's place. Returns (the welcome, what arrived after it in the same receive), SHUTDOWN, or
-    an exit code: EXIT_INTERRUPTED when ``stop`` is set, EXIT_FAILED when refused, at the deadline
-    (``giving_up`` said), when the link is gone, or when the handler cannot say hello (the master
-    is told why instead).
+    The hello, made by the compute thread, goes again with backoff, and at once over a link that was
+    ``renewed``; heartbeats go meanwhile, so a master that is not admitting yet keeps this worker's place.
+    Returns (the welcome, what arrived after it in the same receive), SHUTDOWN, EXIT_INTERRUPTED when
+    ``stop`` is set, or EXIT_FAILED: refused, at the deadline (``giving_up`` said), the link gone, or a
+    handler that cannot say hello (the master is told why).
     """
     compute.submit(session, None)
     hello, delay, next_hello, last_sent = None, BACKOFF_FIRST_S, 0.0, None
