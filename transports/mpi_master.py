@@ -103,12 +103,8 @@ class MpiTransport(SessionTransport):
                 "(rank 0 the master, ranks 1..N-1 the workers), e.g. mpiexec -n 3 for 2 workers"
             )
         self.size = size
+        self.bound_address = f"mpi://ranks 1..{size - 1}"  # where the workers are; nothing to connect to
         super().__init__(MpiLink(comm, int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))), **options)
-
-    @property
-    def bound_address(self) -> str:
-        """Where workers are: the other ranks of this MPI job (for messages; nothing to connect to)."""
-        return f"mpi://ranks 1..{self.size - 1}"
 
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
         """Wait until every other rank said hello (``n_workers`` must be ``size - 1``); return them, by index."""

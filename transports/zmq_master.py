@@ -25,8 +25,6 @@ from transports.wakeup import Wakeup
 SHUTDOWN_LINGER_S = 1.0  # at close, how long queued shutdown messages may take to leave
 _DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
 
-__all__ = ["ZmqTransport", "connect_hint"]
-
 
 def _bind(ctx: zmq.Context, bind: str, max_bytes: int, curve: CurveServer | None) -> tuple[zmq.Socket, Any]:
     """The master's ROUTER, bound, with its authenticator (None without CURVE)."""
@@ -123,14 +121,9 @@ class ZmqTransport(SessionTransport):
         except BaseException:
             ctx.term()
             raise
-        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # e.g. tcp://127.0.0.1:41234 for port 0
         super().__init__(ZmqLink(ctx, sock, auth), **options)
 
-    @property
-    def bound_address(self) -> str:
-        """The endpoint actually bound, e.g. ``tcp://127.0.0.1:41234`` after binding port 0."""
-        return self._endpoint
-
     def missing(self, live: list, n_workers: int, timeout: float) -> str:
-        hint = connect_hint(self._endpoint)
+        hint = connect_hint(self.bound_address)
         return f"{super().missing(live, n_workers, timeout)}; start workers that connect to {hint}"

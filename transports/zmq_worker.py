@@ -81,7 +81,6 @@ def serve(
         raise TypeError(f"curve must be a transports.curve.CurveClient, got {type(curve).__name__}")
     welcome_timeout_s = math.inf if welcome_timeout_s is None else float(welcome_timeout_s)
     retry_for = math.inf if retry_for is None else float(retry_for)
-    info: Callable[[str], None] = (lambda line: None) if quiet else log_line
     setup = _Setup(
         connect=connect,
         heartbeat_s=heartbeat_s,
@@ -89,7 +88,7 @@ def serve(
         max_bytes=int(max_message_bytes),
         stop=stop,
         say=log_line,
-        info=info,
+        info=(lambda line: None) if quiet else log_line,
         curve=curve,
     )
     ctx = zmq.Context()
