@@ -157,6 +157,3 @@ def local_keys(directory: PathLike) -> tuple[CurveServer, CurveClient, KeyFiles]
     shutil.copyfile(worker_public, authorized / "worker.key")
     files = KeyFiles(server_public, server_secret, worker_public, worker_secret, str(authorized))
     return CurveServer(server_secret, authorized), CurveClient(worker_secret, server_public), files
-
-
-__all__ = ["CurveClient", "CurveServer", "KeyFiles", "generate_keys", "local_keys"]

@@ -1,8 +1,4 @@
-"""ZeroMQ addresses: which ones stay on this machine, what a worker should connect to, who sent a frame.
-
-A master that binds beyond loopback without CURVE keys lets anyone who can reach
-it become a worker: :func:`check_exposure` refuses that unless told to accept the risk.
-"""
+"""ZeroMQ addresses: which ones stay on this machine, what a worker should connect to, who sent a frame."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ _WILDCARDS = ("0.0.0.0", "*", "::", None)
 
 
 def is_local(endpoint: str) -> bool:
-    """True for an address only this machine can reach: ``ipc://``, ``inproc://``, or ``tcp://`` on
-    127.0.0.1, ::1 or localhost. Anything else (``tcp://*``, an interface, another scheme) is public."""
+    """True for an address only this machine can reach: ``ipc://``, ``inproc://``, or ``tcp://`` on loopback."""
     try:
         parts = urlsplit(endpoint)
         host = parts.hostname
@@ -44,13 +39,9 @@ def check_exposure(bind: str, secured: bool, insecure: bool) -> None:
 
 
 def connect_hint(endpoint: str) -> str:
-    """The address a worker on another machine should connect to, given what the master bound.
-
-    A wildcard bind (``tcp://0.0.0.0:5555``, ``tcp://*:5555``) becomes this machine's address on
-    its default route (``tcp://192.168.1.20:5555``), which other machines of its network can
-    reach; its host name may resolve to 127.0.0.1 elsewhere, or not at all. Without a route
-    (an offline machine), the host name.
-    """
+    """The address a worker on another machine should connect to, given what the master bound: a wildcard
+    bind becomes this machine's address on its default route (its host name may resolve to 127.0.0.1
+    elsewhere), or without a route its host name."""
     parts = urlsplit(endpoint)
     if parts.scheme == "tcp" and parts.hostname in _WILDCARDS:
         return f"tcp://{_routed_address() or socket.gethostname()}:{parts.port}"
@@ -58,8 +49,7 @@ def connect_hint(endpoint: str) -> str:
 
 
 def _routed_address() -> str | None:
-    """This machine's IPv4 address on its default route, or None. A UDP socket's connect picks
-    the route and the source address without sending anything."""
+    """This machine's IPv4 address on its default route, or None (a UDP connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): never answered, only routed

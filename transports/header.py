@@ -57,9 +57,6 @@ class VersionMismatch(ProtocolError):
         self.what, self.theirs, self.ours = what, theirs, ours
 
 
-# ---- schemas ------------------------------------------------------------------------------
-
-
 class _Spec(type):
     """A header type that isinstance checks with the class's own ``accepts``."""
 
@@ -124,9 +121,6 @@ SESSION_HEADERS: dict[str, tuple[dict[str, type], dict[str, type]]] = {
     "error": ({"message": str}, {"task": Int}),
 }
 SESSION_KINDS = frozenset(SESSION_HEADERS)
-
-
-# ---- plain data -------------------------------------------------------------------------
 
 _INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack can carry
 _SCALARS = (type(None), bool, int, float, str)
@@ -200,9 +194,6 @@ def check_header(kind: str, header: Any) -> None:
         check_fields(kind, header, *SESSION_HEADERS[kind])
 
 
-# ---- arrays -------------------------------------------------------------------------------
-
-
 def check_array_names(kind: str, names: Sequence[Any]) -> None:
     """Raise ProtocolError unless ``names`` are at most MAX_ARRAYS distinct non-empty strs (none for a session kind)."""
     if len(names) > MAX_ARRAYS:
@@ -250,9 +241,6 @@ def check_arrays(kind: str, arrays: Any) -> None:
             raise ProtocolError(f"{kind}: array {name!r} has rank {a.ndim} > {MAX_RANK}")
 
 
-# ---- a whole message -------------------------------------------------------------------
-
-
 def check_structure(msg: Message) -> None:
     """Everything :func:`check_message` checks but the header's packed size (``encode`` packs it in the envelope)."""
     if not isinstance(msg, Message):
@@ -279,9 +267,6 @@ def check_message(msg: Message) -> None:
     too, so a malformed message fails the same way whichever transport carries it."""
     check_structure(msg)
     pack(msg.kind, msg.header)
-
-
-# ---- error replies -------------------------------------------------------------------------
 
 
 def error_reply(request: Message | None, text: str) -> Message:

@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 MASTER = 0  # the master's rank
 SHUTDOWN_LINGER_S = 5.0  # at close, how long the workers may take to say bye (they do within a poll or two)
 
-__all__ = ["MASTER", "MpiTransport"]
-
 
 class MpiLink(SessionLink):
     """Ranks 1.. of ``comm``, a closed group; a peer is a rank, and worker ``k`` is rank ``k + 1``."""

@@ -51,16 +51,11 @@ def serve_if_worker(make_handler: Callable[[], Handler], comm: Any = None, **opt
     except Exception as e:  # unknown backend, missing driver, no such device: tell the master, in one line
         why = f"{type(e).__name__}: {e}"
         log_line(f"MPI rank {rank}: cannot start: {why}")
-        _tell_master(comm, Message("error", {"message": why}), options.get("max_message_bytes"))
+        channel = MpiChannel(comm, [MASTER], options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))
+        channel.send(MASTER, wire.encode(Message("error", {"message": why})))
+        channel.finish([MASTER], SHUTDOWN_LINGER_S)  # the master answers with its bye
         return EXIT_FAILED
     return serve(handler, comm, **options)
-
-
-def _tell_master(comm: Any, msg: Message, max_bytes: int | None) -> None:
-    """Send one message to the master, then end the session (the master answers with its bye)."""
-    link = MpiChannel(comm, [MASTER], max_bytes or wire.DEFAULT_MAX_BYTES)
-    link.send(MASTER, wire.encode(msg))
-    link.finish([MASTER], SHUTDOWN_LINGER_S)
 
 
 def serve(

@@ -1,9 +1,6 @@
-"""A way to wake an I/O thread that is waiting on its sockets (``zmq.Poller``, ``select``, ``selectors``).
-
-A socket belongs to the I/O thread, so another thread that has something to send (the
-caller's, a worker's compute thread) cannot touch it; it queues the message and calls
-:meth:`Wakeup.wake`. The I/O thread waits on :meth:`Wakeup.fileno` next to its sockets
-(zmq polls plain file descriptors too), and calls :meth:`Wakeup.drain` when it fired.
+"""A way to wake an I/O thread that waits on its sockets (``zmq.Poller``, ``select``, ``selectors``): another
+thread, which may not touch them, queues what it has and calls :meth:`Wakeup.wake`; the I/O thread waits on
+:meth:`Wakeup.fileno` beside its sockets and calls :meth:`Wakeup.drain` when it fired.
 """
 
 from __future__ import annotations

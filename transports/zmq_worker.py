@@ -250,32 +250,29 @@ class ZmqWorkerLink(WorkerLink):
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self.connected = False
         else:
+            self.failed_handshakes += 1
             why = self._handshake_failed(event)
             self.gone = f"cannot join: {why}" if why else ""
 
     def _handshake_failed(self, event: dict) -> str:
         """Why a refused key or a mismatch of keys ends the search; other failures (which may be the
         network's) only after _HANDSHAKE_ATTEMPTS in a row ("" before)."""
-        connect, curve = self.setup.connect, self.setup.curve
-        mismatch = event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-        self.failed_handshakes += 1
+        connect, curve, n = self.setup.connect, self.setup.curve, self.failed_handshakes
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            why = f"the master at {connect} refused this worker's key ({curve.public_key.decode() if curve else '?'})"
-            why += ": it is not among the master's authorised keys"
-        elif mismatch and curve is not None:
-            why = f"the master at {connect} does not use CURVE keys, but this worker does; use keys on both or neither"
-        elif mismatch:
-            why = f"the master at {connect} requires CURVE keys: start this worker with {_KEYS_HINT}"
-        elif self.failed_handshakes < _HANDSHAKE_ATTEMPTS:
+            key = curve.public_key.decode() if curve else "?"
+            return f"the master at {connect} refused this worker's key ({key}): not among the master's authorised keys"
+        if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and curve is not None:
+            return f"the master at {connect} does not use CURVE keys, but this worker does; use keys on both or neither"
+        if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return f"the master at {connect} requires CURVE keys: start this worker with {_KEYS_HINT}"
+        if n < _HANDSHAKE_ATTEMPTS:
             return ""
-        elif curve is not None:
-            why = (
-                f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps "
+        if curve is not None:
+            return (
+                f"the handshake with the master at {connect} failed {n} times: perhaps "
                 f"{curve.server_public_key_file} is not the master's public key, or it does not use CURVE keys"
             )
-        else:
-            why = (
-                f"the handshake with the master at {connect} failed {self.failed_handshakes} times: perhaps the "
-                f"master requires CURVE keys (start this worker with {_KEYS_HINT})"
-            )
-        return why
+        return (
+            f"the handshake with the master at {connect} failed {n} times: perhaps the "
+            f"master requires CURVE keys (start this worker with {_KEYS_HINT})"
+        )

@@ -25,7 +25,7 @@ from transports.droplog import DropLog
 from transports.session.admission import Admission, oversize
 from transports.session.book import Book
 from transports.session.link import Arrival, Link
-from transports.session.settings import MasterSettings, check_options
+from transports.session.settings import HEARTBEAT, MasterSettings, check_options
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,6 @@ class MasterSession:
         self.admission = Admission(link, book, self.drops, settings)
         self._heard: dict[int, float] = {}  # live workers only: when anything last came from each
         self._said: dict[int, float] = {}  # and when last sent to
-        self._heartbeat = wire.encode(Message("heartbeat"))
 
     def run(self) -> None:
         graceful = False
@@ -223,7 +222,7 @@ class MasterSession:
             if silent > self.settings.peer_timeout_s:
                 self._mark_lost(k, f"silent for {silent:.1f} s (peer timeout {self.settings.peer_timeout_s:g} s)")
             elif now - self._said[k] >= self.settings.heartbeat_s:
-                self._send_to(k, self._heartbeat, control=True)
+                self._send_to(k, HEARTBEAT, control=True)
 
     def _flush_outbox(self) -> None:
         while True:
