@@ -196,7 +196,7 @@ def serve(address: str, handler: Handler, welcome_timeout_s: float = 60.0, **set
             compute,
             settings,
             master=f"the master at {address}",
-            timeout_s=welcome_timeout_s,
+            deadline=time.monotonic() + welcome_timeout_s,
             giving_up=f"no welcome from {address} within {welcome_timeout_s:g} s",
         )
         return EXIT_FAILED if code == MASTER_LOST else code  # this worker does not look for another master

@@ -15,6 +15,7 @@ fixed when it starts): a master silent for ``peer_timeout_s``, or one that refus
 from __future__ import annotations
 
 import select
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,9 +99,8 @@ def serve(
             f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
             "same program, with the mpi transport?"
         )
-        code = serve_master(
-            link, compute, settings, master="the master", timeout_s=welcome_timeout_s, giving_up=giving_up
-        )
+        deadline = time.monotonic() + welcome_timeout_s
+        code = serve_master(link, compute, settings, master="the master", deadline=deadline, giving_up=giving_up)
         if code == MASTER_LOST:
             say("the master went away; worker exiting")
             return EXIT_FAILED

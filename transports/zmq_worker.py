@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transports import wire
-from transports.base import Handler, Message
+from transports.base import Handler
 from transports.curve import CurveClient
 from transports.session.link import WorkerLink
 from transports.session.settings import (
@@ -29,12 +29,11 @@ from transports.session.settings import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     MASTER_LOST,
-    SHUTDOWN,
     Settings,
     to_stderr,
 )
-from transports.session.welcome import BACKOFF_MAX_S, greet
-from transports.session.worker import Compute, Serving
+from transports.session.welcome import BACKOFF_MAX_S, serve_master
+from transports.session.worker import Compute
 from transports.wakeup import Wakeup
 
 _DRAIN_BATCH = 256  # messages read per wake-up before heartbeats get their turn again
@@ -118,22 +117,19 @@ def _serve_masters(
         f"no welcome from a master at {setup.connect} within {welcome_timeout_s:g} s; is the master running, "
         "waiting for workers, and reachable from this machine?"
     )
-    session = 0
+    master, session = f"the master at {setup.connect}", 0
     while True:
         session += 1
-        found = _find_master(ctx, compute, session, setup, deadline, giving_up)
-        if found == SHUTDOWN:
-            code = EXIT_OK
-        elif isinstance(found, int):
-            return found
-        else:
-            link, welcome, arrived = found
-            setup.info(f"worker {welcome.header['index']} serving the master at {setup.connect}")
-            try:
-                code = Serving(link, compute, session, welcome, setup).run(arrived)
-            finally:
-                link.close()
-            compute.forget()
+        link = _connect(ctx, compute.wakeup, setup)
+        if link is None:
+            return EXIT_FAILED
+        try:
+            code = serve_master(
+                link, compute, setup, master=master, deadline=deadline, giving_up=giving_up, session=session
+            )
+        finally:
+            link.close()
+        compute.forget()
         if code == EXIT_OK and forever:
             setup.info(f"waiting for the next master at {setup.connect}")
             deadline = None
@@ -151,30 +147,9 @@ def _serve_masters(
             return code
 
 
-def _find_master(
-    ctx: zmq.Context, compute: Compute, session: int, setup: _Setup, deadline: float | None, giving_up: str
-) -> tuple[ZmqWorkerLink, Message, list] | int:
-    """A fresh socket, connected, and the master's welcome (with what came after it), or the exit code (or
-    SHUTDOWN) to act on."""
-    sock = _dealer(ctx, setup)
-    if sock is None:
-        return EXIT_FAILED
-    link = ZmqWorkerLink(sock, compute.wakeup, setup)
-    try:
-        sock.connect(setup.connect)
-        master = f"the master at {setup.connect}"
-        found = greet(link, compute, session, setup, master=master, deadline=deadline, giving_up=giving_up)
-    except zmq.ZMQError as e:
-        setup.say(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
-        found = EXIT_FAILED
-    if isinstance(found, int):
-        link.close()
-        return found
-    link.welcomed()
-    return (link, *found)
-
-
-def _dealer(ctx: zmq.Context, setup: _Setup) -> zmq.Socket | None:
+def _connect(ctx: zmq.Context, wakeup: Wakeup, setup: _Setup) -> ZmqWorkerLink | None:
+    """A fresh DEALER (a new identity: nothing of an earlier master carries over), connecting; None if it
+    cannot be made (said why)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     sock.setsockopt(zmq.LINGER, 0)
@@ -187,7 +162,14 @@ def _dealer(ctx: zmq.Context, setup: _Setup) -> zmq.Socket | None:
             sock.close(linger=0)
             setup.say(f"cannot use the CURVE keys {setup.curve!r}: {e}")
             return None
-    return sock
+    link = ZmqWorkerLink(sock, wakeup, setup)
+    try:
+        sock.connect(setup.connect)
+    except zmq.ZMQError as e:
+        link.close()
+        setup.say(f"cannot connect to {setup.connect!r}: {e}; expected tcp://HOST:PORT or ipc:///path")
+        return None
+    return link
 
 
 class ZmqWorkerLink(WorkerLink):

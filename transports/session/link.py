@@ -77,6 +77,9 @@ class WorkerLink(ABC):
     def receive(self) -> list[list | None]:
         """What arrived since the last call, never blocking: each message's frames, or None for a sign of life."""
 
+    def welcomed(self) -> None:  # noqa: B027 (a link with nothing to change once welcomed does nothing)
+        """The master welcomed this worker: a link may stop watching how its connection is made."""
+
     @abstractmethod
     def send(self, frames: list, *, control: bool = False) -> bool:
         """Queue ``frames`` for the master without blocking; False if not (no connection yet, or the master

@@ -3,8 +3,7 @@
 :func:`greet` says hello (made by the compute thread) and says it again with backoff until the
 master's welcome comes; :func:`answer_to_hello` reads what the master sends meanwhile: a
 welcome, a refusal, a shutdown, or something to wait on past. :func:`serve_master` is a whole
-session with a master the link reaches without a search (MPI's rank 0): greet it, then serve
-(:class:`~transports.session.worker.Serving`); ZeroMQ's worker greets each master it finds.
+session: greet, then serve (:class:`~transports.session.worker.Serving`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from transports.session.worker import Compute, Hello, Serving
 BACKOFF_FIRST_S = 0.5  # a hello is said again after this long without a welcome...
 BACKOFF_MAX_S = 10.0  # ... doubling up to this
 _SLICE_S = 0.25  # while waiting for a welcome, how often to look at the clock and the stop event
-_FIXED = 1  # the session of a worker that serves one fixed master
+_FIXED = 1  # the session of a worker that serves one master
 
 
 def answer_to_hello(
@@ -107,19 +106,25 @@ def greet(
 
 
 def serve_master(
-    link: WorkerLink, compute: Compute, settings: Settings, *, master: str, timeout_s: float, giving_up: str
+    link: WorkerLink,
+    compute: Compute,
+    settings: Settings,
+    *,
+    master: str,
+    deadline: float | None,
+    giving_up: str,
+    session: int = _FIXED,
 ) -> int:
-    """Serve ``master``, a peer the link reaches without a search: :func:`greet` it for up to ``timeout_s``,
-    then serve until shutdown. Returns EXIT_OK on shutdown (also one before the welcome), MASTER_LOST when
-    the master went silent, else :func:`greet`'s or :class:`~transports.session.worker.Serving`'s code."""
-    found = greet(
-        link, compute, _FIXED, settings, master=master, deadline=time.monotonic() + timeout_s, giving_up=giving_up
-    )
+    """A whole session with ``master``: :func:`greet` it until ``deadline``, then serve until shutdown. Returns
+    EXIT_OK on shutdown (also one before the welcome), MASTER_LOST when the master went silent, else
+    :func:`greet`'s or :class:`~transports.session.worker.Serving`'s code."""
+    found = greet(link, compute, session, settings, master=master, deadline=deadline, giving_up=giving_up)
     if isinstance(found, int):
         return EXIT_OK if found == SHUTDOWN else found
     welcome, arrived = found
+    link.welcomed()
     settings.info(f"worker {welcome.header['index']} serving {master}")
-    return Serving(link, compute, _FIXED, welcome, settings).run(arrived)
+    return Serving(link, compute, session, welcome, settings).run(arrived)
 
 
 class _Once:
