@@ -75,8 +75,7 @@ class WorkerLost(RuntimeError):
 
     def __init__(self, worker: int, reason: str) -> None:
         super().__init__(f"worker {worker} lost: {reason}")
-        self.worker = worker
-        self.reason = reason
+        self.worker, self.reason = worker, reason
 
 
 class Transport(ABC):

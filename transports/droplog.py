@@ -46,22 +46,18 @@ class DropLog:
     def drop(self, kind: str, peer: str, detail: str) -> None:
         """Note one dropped message of ``kind`` (a key of :data:`KINDS`) from ``peer`` (its address, or
         any name for it); ``detail`` says why."""
-        one, _ = KINDS[kind]
         with self._lock:
             self._totals[kind] = self._totals.get(kind, 0) + 1
             window = self._windows.get(kind)
-            if window is None:  # the first in a while: say it now, in full
-                self._windows[kind] = _Window(self._clock())
-                first = True
-            else:
+            if window is not None:  # summarised when the window is over
                 window.count += 1
                 window.peers.add(peer)
                 window.latest = detail
-                first = False
-        if first:
-            self._log.warning(
-                "dropped one %s from %s: %s (more are summarised every %g s)", one, peer, detail, self._window_s
-            )
+                return
+            self._windows[kind] = _Window(self._clock())  # the first in a while: said now, in full
+        self._log.warning(
+            "dropped one %s from %s: %s (more are summarised every %g s)", KINDS[kind][0], peer, detail, self._window_s
+        )
 
     def counts(self) -> dict[str, int]:
         """Every drop so far, by kind."""

@@ -241,15 +241,6 @@ def check_arrays(kind: str, arrays: Any) -> None:
             raise ProtocolError(f"{kind}: array {name!r} has rank {a.ndim} > {MAX_RANK}")
 
 
-def check_structure(msg: Message) -> None:
-    """Everything :func:`check_message` checks but the header's packed size (``encode`` packs it in the envelope)."""
-    if not isinstance(msg, Message):
-        raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
-    check_kind(msg.kind)
-    check_header(msg.kind, msg.header)
-    check_arrays(msg.kind, msg.arrays)
-
-
 def pack(kind: str, obj: Any) -> bytes:
     """``obj`` (a header, or the envelope holding it) as msgpack, within MAX_HEADER_BYTES."""
     try:
@@ -265,7 +256,11 @@ def check_message(msg: Message) -> None:
     """Validate a Message about to be sent: kind, header (its schema for a session kind), array names,
     dtypes and ranks, and that its header packs into MAX_HEADER_BYTES. The in-process transport calls it
     too, so a malformed message fails the same way whichever transport carries it."""
-    check_structure(msg)
+    if not isinstance(msg, Message):
+        raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
+    check_kind(msg.kind)
+    check_header(msg.kind, msg.header)
+    check_arrays(msg.kind, msg.arrays)
     pack(msg.kind, msg.header)
 
 

@@ -128,9 +128,8 @@ class _Incoming:
 
 @dataclass
 class Received:
-    """What :meth:`MpiChannel.poll` got from ``source``: a whole message's ``frames`` (to decode with
-    :func:`transports.wire.decode`), or None when only its prefix has arrived (a sign of life: the
-    rest of a large message is on its way)."""
+    """What :meth:`MpiChannel.poll` got from ``source``: a whole message's ``frames``, or None when only its
+    prefix has arrived (a sign of life: the rest of a large message is on its way)."""
 
     source: int
     frames: list[np.ndarray] | None = None
@@ -171,11 +170,8 @@ class MpiChannel:
             self.send(dest, [])
 
     def poll(self) -> list[Received]:
-        """One round: let go of finished sends; from each peer, every message that has arrived whole.
-
-        Small messages are already here when their prefix is (MPI sends them eagerly), so a
-        round receives them at once; a large one finishes in a later round.
-        """
+        """One round: let go of finished sends; from each peer, every message that has arrived whole (small
+        ones come with their prefix; a large one finishes in a later round)."""
         Testall = self.MPI.Request.Testall
         self._outgoing = deque(o for o in self._outgoing if not Testall(o[0]))
         out: list[Received] = []

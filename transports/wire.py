@@ -40,13 +40,12 @@ from transports.header import (
     check_descriptor,
     check_header,
     check_kind,
-    check_structure,
+    check_message,
     pack,
 )
 from transports.header import SESSION_KINDS as SESSION_KINDS  # re-exported: the application's names
 from transports.header import Num as Num
 from transports.header import check_fields as check_fields
-from transports.header import check_message as check_message
 from transports.header import error_reply as error_reply
 
 WIRE_VERSION = 1
@@ -68,7 +67,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     The buffers alias the arrays' memory, so do not modify an array until the
     send is done (the master naturally waits for the reply first).
     """
-    check_structure(msg)
+    check_message(msg)
     descriptors = []
     buffers: list[bytes | memoryview] = []
     for name, a in msg.arrays.items():
