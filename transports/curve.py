@@ -63,18 +63,14 @@ def _load_key_file(path: PathLike, secret: bool) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read a CURVE key from {path}: {e}; {hint}") from e
     if secret and secret_key is None:
         raise ValueError(f"{path} holds no secret key; pass the NAME.key_secret file, not the public NAME.key")
-    for key in (public, secret_key):
-        if key is not None and (len(key) != 40 or _z85_invalid(key)):
-            raise ValueError(f"{path} holds a malformed key (a CURVE key is 40 Z85 characters)")
-    return public, secret_key
-
-
-def _z85_invalid(key: bytes) -> bool:
     try:
-        z85.decode(key)
-    except (ValueError, KeyError, IndexError, TypeError):
-        return True
-    return False
+        for key in filter(None, (public, secret_key)):
+            if len(key) != 40:
+                raise ValueError(f"{len(key)} characters")
+            z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError):  # z85.decode's, for a character outside Z85
+        raise ValueError(f"{path} holds a malformed key (a CURVE key is 40 Z85 characters)") from None
+    return public, secret_key
 
 
 class CurveServer:
