@@ -24,14 +24,7 @@ from transports import wire
 from transports.base import Handler
 from transports.curve import CurveClient
 from transports.session.link import WorkerLink
-from transports.session.settings import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    MASTER_LOST,
-    Settings,
-    to_stderr,
-)
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, MASTER_LOST, Settings, to_stderr
 from transports.session.welcome import BACKOFF_MAX_S, serve_master
 from transports.session.worker import Compute
 from transports.wakeup import Wakeup
@@ -187,7 +180,6 @@ class ZmqWorkerLink(WorkerLink):
 
     def welcomed(self) -> None:
         """Stop watching: from now on zmq queues what is sent while it reconnects."""
-        self.poller.unregister(self.monitor)
         self._unwatch()
         self.connected = True
 
@@ -197,6 +189,7 @@ class ZmqWorkerLink(WorkerLink):
 
     def _unwatch(self) -> None:
         if self.monitor is not None:
+            self.poller.unregister(self.monitor)
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
             self.monitor = None
