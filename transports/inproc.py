@@ -48,7 +48,6 @@ class InprocTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._lost: dict[int, str] = {}
         self._traffic: dict[int, list[int]] = {}
-        self._closing = threading.Event()
         self._started = self._closed = False
 
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
@@ -120,8 +119,7 @@ class InprocTransport(Transport):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._closing.set()
+        self._closed = True  # before the shutdowns: a worker thread that ends after one is not lost
         for q in self._tasks:
             q.put(Message("shutdown", {"reason": "train over"}))
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
@@ -158,5 +156,5 @@ class InprocTransport(Transport):
             reason = f"its thread died: {type(e).__name__}: {e}"
             raise
         finally:
-            if not self._closing.is_set():
+            if not self._closed:
                 self._inbox.put(("lost", i, reason))

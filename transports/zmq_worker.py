@@ -96,9 +96,7 @@ def serve(
 
 
 def _deadline(seconds: float) -> float | None:
-    if math.isinf(seconds):
-        return None
-    return time.monotonic() + max(0.0, seconds)
+    return None if math.isinf(seconds) else time.monotonic() + max(0.0, seconds)
 
 
 def _serve_masters(

@@ -26,8 +26,6 @@ from transports.session.link import WorkerLink
 from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, MASTER_LOST, Settings
 from transports.wakeup import Wakeup
 
-_IDLE_POLL_S = 0.5  # how often an idle compute thread looks whether the worker is done
-
 
 def call_handler(handler: Handler, msg: Message) -> Message | None:
     """``handler.handle(msg)``, made safe for a worker loop: an exception becomes an ``error`` reply, and
@@ -60,7 +58,6 @@ class Compute:
         self.handler, self.wakeup = handler, Wakeup()
         self.tasks: queue.Queue[tuple[int, Message | None] | None] = queue.Queue()  # None: stop
         self.results: queue.Queue[tuple[int, Message | Hello]] = queue.Queue()
-        self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="worker-compute", daemon=True)
         self.thread.start()
 
@@ -88,20 +85,15 @@ class Compute:
                 out.append(result)
 
     def stop(self) -> None:
-        """End the thread (a task still running ends with the process: the thread is a daemon); close ``wakeup``."""
-        self.done.set()
+        """Drop the tasks not started, end the thread (a task still running ends with the process: the thread
+        is a daemon), close ``wakeup``."""
+        self.forget()
         self.tasks.put(None)
         self.thread.join(timeout=1.0)
         self.wakeup.close()
 
     def _run(self) -> None:
-        while not self.done.is_set():
-            try:
-                item = self.tasks.get(timeout=_IDLE_POLL_S)  # the timeout only lets it notice `done`
-            except queue.Empty:
-                continue
-            if item is None:
-                return
+        while (item := self.tasks.get()) is not None:
             session, msg = item
             result = self._hello() if msg is None else call_handler(self.handler, msg)
             if result is not None:
