@@ -84,11 +84,8 @@ class Num(metaclass=_Spec):
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_TYPE_NAMES = {dict: "map", list: "list", str: "str", bool: "bool", float: "float", int: "int"}
-
-
 def _type_name(spec: type) -> str:
-    return _TYPE_NAMES.get(spec) or getattr(spec, "description", spec.__name__)
+    return "map" if spec is dict else getattr(spec, "description", spec.__name__)
 
 
 def check_fields(what: str, header: Any, required: dict[str, type], optional: dict[str, type]) -> None:

@@ -225,12 +225,8 @@ class MasterSession:
                 self._send_to(k, HEARTBEAT, control=True)
 
     def _flush_outbox(self) -> None:
-        while True:
-            try:
-                k, frames = self.outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._send_to(k, frames)
+        while not self.outbox.empty():  # this thread is the only one that takes from it
+            self._send_to(*self.outbox.get_nowait())
 
     def _send_to(self, k: int, frames: list, control: bool = False) -> None:
         if k not in self._heard:  # lost: nothing more goes to it

@@ -76,13 +76,11 @@ class Compute:
     def take(self, session: int) -> list[Message | Hello]:
         """What the thread has finished for ``session``; results of earlier sessions are dropped."""
         out = []
-        while True:
-            try:
-                tag, result = self.results.get_nowait()
-            except queue.Empty:
-                return out
+        while not self.results.empty():  # the I/O thread is the only one that takes from it
+            tag, result = self.results.get_nowait()
             if tag == session:
                 out.append(result)
+        return out
 
     def stop(self) -> None:
         """Drop the tasks not started, end the thread (a task still running ends with the process: the thread
