@@ -108,7 +108,8 @@ def _serve_masters(
         f"no welcome from a master at {setup.connect} within {welcome_timeout_s:g} s; is the master running, "
         "waiting for workers, and reachable from this machine?"
     )
-    master, session = f"the master at {setup.connect}", 0
+    master = f"the master at {setup.connect}"
+    session = 0  # one per master: a result computed for an earlier one is dropped
     while True:
         session += 1
         link = _connect(ctx, compute.wakeup, setup)
