@@ -171,8 +171,7 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     again = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
     assert (
-        again.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
-        == tuner.chosen[f"test M{m} N{n} K{k} KI{k}"]
+        again.config(f"test M{m} N{n} K{k} KI{k}", 2.0 * m * n * k, None) == tuner.chosen[f"test M{m} N{n} K{k} KI{k}"]
     )
 
     tune_file.write_text("{not json")  # a damaged file is ignored (and rewritten), not fatal
@@ -186,7 +185,7 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     fourth = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
     timed = []
     monkeypatch.setattr(fourth, "_tune", lambda key, *a: timed.append(key) or fourth.candidates[0])
-    fourth.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
+    fourth.config(f"test M{m} N{n} K{k} KI{k}", 2.0 * m * n * k, None)
     assert timed == [f"test M{m} N{n} K{k} KI{k}"]
 
 
@@ -512,13 +511,13 @@ def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, 
     xd, dyd = be.asarray(x), be.asarray(dy)
 
     def lrn():
-        y, (_, _, s, p, *_) = be.lrn_forward(xd, size, 2e-2, beta, 2.0)
+        y, (_, _, (_, s, p), *_) = be.lrn_forward(xd, size, 2e-2, beta, 2.0)
         cache = be.lrn_forward(xd, size, 2e-2, beta, 2.0)[1]
         return y, s, p, be.lrn_backward(dyd, cache)
 
     def relu_lrn():
         y, cache = be.relu_lrn_forward(xd, size, 2e-2, beta, 2.0)
-        return y, cache[2], be.relu_lrn_backward(dyd, cache)
+        return y, cache[2][1], be.relu_lrn_backward(dyd, cache)
 
     both_variants(be, monkeypatch, lrn)
     both_variants(be, monkeypatch, relu_lrn)

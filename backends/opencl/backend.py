@@ -172,10 +172,9 @@ class OpenCLBackend(Backend, WireConversion):
 
     # An optimisation beside relu_* and lrn_*, which stay: ReLU then LRN as one kernel each way (norms.py).
     def relu_lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
-        return norms.relu_lrn_forward(self.rt, x, size, alpha, beta, k)
+        return norms.lrn_forward(self.rt, x, size, alpha, beta, k, relu=True)
 
-    def relu_lrn_backward(self, dy, cache):
-        return norms.relu_lrn_backward(self.rt, dy, cache)
+    relu_lrn_backward = lrn_backward  # the cache says which kernel
 
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         return norms.batchnorm_forward(self.rt, x, gamma, beta, running_mean, running_var, training, momentum, eps)

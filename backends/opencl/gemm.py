@@ -130,9 +130,13 @@ class Gemm:
     ) -> None:
         """C = A @ B (+ bias[m]). ``pack_b(nb)`` returns B in panels of width nb. ``tag`` names the
         call site (the layout of A and C) for the tune file."""
-        cfg = self.config(tag, m, n, k, a, pack_b, c, bias)
+
+        def run(cfg: Config) -> None:
+            self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+
+        cfg = self.config(f"{tag} M{m} N{n} K{k} KI{min(a.ki, k)}", 2.0 * m * n * k, run)
         self.tag = tag
-        self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+        run(cfg)
 
     def kernel(self, options: str, name: str) -> cl.Kernel:
         key = (options, name)
@@ -175,37 +179,18 @@ class Gemm:
         self.ran(f"gemm {self.tag} split-K sum", event)
 
     # ---- choosing -----------------------------------------------------------------
-    def config(
-        self,
-        tag: str,
-        m: int,
-        n: int,
-        k: int,
-        a: AView,
-        pack_b: Callable[[int], cla.Array],
-        c: CView,
-        bias: cla.Array | None,
-    ) -> Config:
-        key = f"{tag} M{m} N{n} K{k} KI{min(a.ki, k)}"
+    def config(self, key: str, flop: float, run: Callable[[Config], None]) -> Config:
+        """The variant for the GEMM ``key`` (call site and shape): chosen once per process, timed
+        with ``run`` when it is worth it, or remembered from the tune file."""
         if key in self.chosen:
             return self.chosen[key]
         cfg = self.candidates[0]
-        if self.autotune and 2.0 * m * n * k >= TUNE_MIN_FLOP and len(self.candidates) > 1:
-            cfg = self._load(key) or self._tune(key, m, n, k, a, pack_b, c, bias)
+        if self.autotune and flop >= TUNE_MIN_FLOP and len(self.candidates) > 1:
+            cfg = self._load(key) or self._tune(key, run)
         self.chosen[key] = cfg
         return cfg
 
-    def _tune(
-        self,
-        key: str,
-        m: int,
-        n: int,
-        k: int,
-        a: AView,
-        pack_b: Callable[[int], cla.Array],
-        c: CView,
-        bias: cla.Array | None,
-    ) -> Config:
+    def _tune(self, key: str, run: Callable[[Config], None]) -> Config:
         """Time every candidate (packing included: it depends on NB) and keep the fastest.
 
         Each candidate runs once to compile (PoCL builds work-group code on first launch), then
@@ -215,7 +200,7 @@ class Gemm:
 
         def once(cfg: Config) -> float:
             t0 = time.perf_counter()
-            self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+            run(cfg)
             self.queue.finish()
             return time.perf_counter() - t0
 
