@@ -16,27 +16,43 @@ import math
 import numpy as np
 
 from backends.base import Backend
-from backends.conformance.checks import EXACT, F32, REF, TOLERANCES, Case, Trial
+from backends.conformance.checks import EXACT, F32, REF, TOLERANCES, Case, Tolerance, Trial
+
+
+def _through(
+    t: Trial,
+    op: str,
+    inputs: dict[str, np.ndarray],
+    args: tuple = (),
+    backward_args: tuple = (),
+    y_tol: Tolerance | None = None,
+    grad_tol: Tolerance | None = None,
+) -> None:
+    """``op``_forward(*inputs, *args), then ``op``_backward(dy, cache, *backward_args) with a random dy,
+    on the backend and the reference: y and each gradient (dx, dw, db, as many as the op returns; a
+    dx the reference leaves None must be None) compared, and no input modified."""
+    dev = {name: t.dev(a) for name, a in inputs.items()}
+    y_ref, cache_ref = getattr(REF, f"{op}_forward")(*inputs.values(), *args)
+    y, cache = getattr(t.backend, f"{op}_forward")(*dev.values(), *args)
+    t.compare("y", y, y_ref, y_tol)
+    inputs["dy"] = t.normal(*y_ref.shape)
+    dev["dy"] = t.dev(inputs["dy"])
+    refs = getattr(REF, f"{op}_backward")(inputs["dy"], cache_ref, *backward_args)
+    grads = getattr(t.backend, f"{op}_backward")(dev["dy"], cache, *backward_args)
+    if not isinstance(refs, tuple):
+        refs, grads = (refs,), (grads,)
+    for name, got, ref in zip(("dx", "dw", "db"), grads, refs, strict=False):
+        if ref is None:
+            t.check("dx is None", got is None, "need_dx=False must return dx=None")
+        else:
+            t.compare(name, got, ref, grad_tol)
+    t.unchanged(**{name: (dev[name], a) for name, a in inputs.items()})
 
 
 def _conv(n: int, c: int, h: int, w: int, f: int, k: int, stride: int, padding: int, need_dx: bool = True) -> Case:
     def run(t: Trial) -> None:
-        x, wt, b = t.normal(n, c, h, w), t.normal(f, c, k, k, scale=0.3), t.normal(f)
-        xd, wd, bd = t.dev(x), t.dev(wt), t.dev(b)
-        y_ref, cache_ref = REF.conv2d_forward(x, wt, b, stride, padding)
-        y, cache = t.backend.conv2d_forward(xd, wd, bd, stride, padding)
-        t.compare("y", y, y_ref)
-        dy = t.normal(*y_ref.shape)
-        dyd = t.dev(dy)
-        dx_ref, dw_ref, db_ref = REF.conv2d_backward(dy, cache_ref, need_dx)
-        dx, dw, db = t.backend.conv2d_backward(dyd, cache, need_dx)
-        if need_dx:
-            t.compare("dx", dx, dx_ref)
-        else:
-            t.check("dx is None", dx is None, "need_dx=False must return dx=None")
-        t.compare("dw", dw, dw_ref)
-        t.compare("db", db, db_ref)
-        t.unchanged(x=(xd, x), w=(wd, wt), b=(bd, b), dy=(dyd, dy))
+        inputs = {"x": t.normal(n, c, h, w), "w": t.normal(f, c, k, k, scale=0.3), "b": t.normal(f)}
+        _through(t, "conv2d", inputs, (stride, padding), (need_dx,))
 
     dx_note = "" if need_dx else " no-dx"
     return Case("conv2d", f"N{n} C{c} {h}x{w} F{f} k{k} s{stride} p{padding}{dx_note}", run)
@@ -66,30 +82,14 @@ def _conv_partial(n: int, c: int, h: int, w: int, f: int, k: int, stride: int, p
 
 def _relu(*shape: int) -> Case:
     def run(t: Trial) -> None:
-        x = t.normal(*shape)
-        xd = t.dev(x)
-        y_ref, cache_ref = REF.relu_forward(x)
-        y, cache = t.backend.relu_forward(xd)
-        t.compare("y", y, y_ref, EXACT)
-        dy = t.normal(*shape)
-        dyd = t.dev(dy)
-        t.compare("dx", t.backend.relu_backward(dyd, cache), REF.relu_backward(dy, cache_ref), EXACT)
-        t.unchanged(x=(xd, x), dy=(dyd, dy))
+        _through(t, "relu", {"x": t.normal(*shape)}, y_tol=EXACT, grad_tol=EXACT)
 
     return Case("relu", "x".join(map(str, shape)), run)
 
 
 def _lrn(n: int, c: int, h: int, w: int, size: int, alpha: float, beta: float, k: float, scale: float) -> Case:
     def run(t: Trial) -> None:
-        x = t.normal(n, c, h, w, scale=scale)
-        xd = t.dev(x)
-        y_ref, cache_ref = REF.lrn_forward(x, size, alpha, beta, k)
-        y, cache = t.backend.lrn_forward(xd, size, alpha, beta, k)
-        t.compare("y", y, y_ref)
-        dy = t.normal(n, c, h, w)
-        dyd = t.dev(dy)
-        t.compare("dx", t.backend.lrn_backward(dyd, cache), REF.lrn_backward(dy, cache_ref))
-        t.unchanged(x=(xd, x), dy=(dyd, dy))
+        _through(t, "lrn", {"x": t.normal(n, c, h, w, scale=scale)}, (size, alpha, beta, k))
 
     return Case("lrn", f"N{n} C{c} {h}x{w} size{size} alpha{alpha:g} beta{beta:g} k{k:g} |x|~{scale:g}", run)
 
@@ -106,16 +106,7 @@ def _relu_lrn(
             x[t.rng.random(x.shape) < 0.3] = 0.0
         if values == "nan":
             x[t.rng.random(x.shape) < 0.05] = np.nan
-        xd = t.dev(x)
-        r_ref, relu_ref = REF.relu_forward(x)
-        y_ref, lrn_ref = REF.lrn_forward(r_ref, size, alpha, beta, 2.0)
-        y, cache = t.backend.relu_lrn_forward(xd, size, alpha, beta, 2.0)
-        t.compare("y", y, y_ref)
-        dy = t.normal(n, c, h, w)
-        dyd = t.dev(dy)
-        dx_ref = REF.relu_backward(REF.lrn_backward(dy, lrn_ref), relu_ref)
-        t.compare("dx", t.backend.relu_lrn_backward(dyd, cache), dx_ref)
-        t.unchanged(x=(xd, x), dy=(dyd, dy))
+        _through(t, "relu_lrn", {"x": x}, (size, alpha, beta, 2.0))  # the reference's is the composition
 
     note = "" if values == "normal" else f" {values}"
     return Case("relu_lrn", f"N{n} C{c} {h}x{w} size{size} alpha{alpha:g} beta{beta:g} |x|~{scale:g}{note}", run)
@@ -195,14 +186,7 @@ def _pool_input(t: Trial, shape: tuple[int, ...], kernel: int, stride: int, padd
 def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: int, values: str = "") -> Case:
     def run(t: Trial) -> None:
         x = _pool_input(t, (n, c, h, w), kernel, stride, padding, values)
-        xd = t.dev(x)
-        y_ref, cache_ref = REF.maxpool_forward(x, kernel, stride, padding)
-        y, cache = t.backend.maxpool_forward(xd, kernel, stride, padding)
-        t.compare("y", y, y_ref, EXACT)  # NaN exactly where the reference has it
-        dy = t.normal(*y_ref.shape)
-        dyd = t.dev(dy)
-        t.compare("dx", t.backend.maxpool_backward(dyd, cache), REF.maxpool_backward(dy, cache_ref))
-        t.unchanged(x=(xd, x), dy=(dyd, dy))
+        _through(t, "maxpool", {"x": x}, (kernel, stride, padding), y_tol=EXACT)  # NaN exactly where the reference's
 
     return Case("maxpool", f"N{n} C{c} {h}x{w} k{kernel} s{stride} p{padding} {values}".rstrip(), run)
 
@@ -210,19 +194,7 @@ def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: 
 def _linear(x_shape: tuple[int, ...], m: int) -> Case:
     def run(t: Trial) -> None:
         d = int(np.prod(x_shape[1:]))
-        x, wt, b = t.normal(*x_shape), t.normal(m, d, scale=0.3), t.normal(m)
-        xd, wd, bd = t.dev(x), t.dev(wt), t.dev(b)
-        y_ref, cache_ref = REF.linear_forward(x, wt, b)
-        y, cache = t.backend.linear_forward(xd, wd, bd)
-        t.compare("y", y, y_ref)
-        dy = t.normal(x_shape[0], m)
-        dyd = t.dev(dy)
-        dx_ref, dw_ref, db_ref = REF.linear_backward(dy, cache_ref)
-        dx, dw, db = t.backend.linear_backward(dyd, cache)
-        t.compare("dx", dx, dx_ref)  # in x's original shape
-        t.compare("dw", dw, dw_ref)
-        t.compare("db", db, db_ref)
-        t.unchanged(x=(xd, x), w=(wd, wt), b=(bd, b), dy=(dyd, dy))
+        _through(t, "linear", {"x": t.normal(*x_shape), "w": t.normal(m, d, scale=0.3), "b": t.normal(m)})
 
     return Case("linear", f"x{'x'.join(map(str, x_shape))} M{m}", run)
 
