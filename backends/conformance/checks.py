@@ -1,15 +1,9 @@
 """How tinyconv compares float32 results: the one tolerance; the conformance suite's results and trials.
 
-Tolerances
-----------
-Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a
-backend -- takes its tolerance from ``float32_tolerance(k, terms)``, whose docstring states
-the math: two float32 computations of one value, summing in any order (another BLAS kernel,
-tiles, partial sums from several machines, fused multiply-adds), are within
-``2 gamma_k * terms`` of each other, gamma_k = k u / (1 - k u), u = 2^-24, with k the number
-of roundings on the way (a sum of K products: K) and terms the sum of the absolute values of
-what is summed -- computed entry by entry where it can be (``Expected``, ``conv2d_expected``,
-``linear_expected``), else the scale of the values (its scale form).
+Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a backend --
+is ``float32_tolerance(k, terms)`` (its docstring has the math): k the number of roundings on the
+way, terms the sum of the absolute values summed, entry by entry where it can be computed
+(``Expected``, ``conv2d_expected``, ``linear_expected``), else the scale of the values.
 
 k, the longest path of roundings from an input to an output, for each op (n: the reduction;
 FN = 32 for each pow, exp, log, sqrt or division, see ``FN``):
