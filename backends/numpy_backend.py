@@ -72,32 +72,6 @@ def _neg_pow(s: np.ndarray, beta: float, out: np.ndarray, scratch: np.ndarray) -
     return np.power(s, -beta, out=out)
 
 
-def _lrn_forward_into(x, s, p, y, scratch, size, alpha, beta, k, before, after) -> None:
-    """LRN forward into preallocated s, p, y; every pass writes in place (``out=``), because on
-    maps of tens of MB a freshly allocated array costs about as much again in page faults."""
-    np.multiply(x, x, out=scratch)
-    _channel_window_sum(scratch, before, after, out=s)
-    s *= alpha / size
-    s += k  # s = k + alpha/size * (window sum of x^2)
-    _neg_pow(s, beta, out=p, scratch=scratch)  # p = s^-beta
-    np.multiply(x, p, out=y)
-
-
-def _lrn_backward_into(dy, x, y, s, p, dx, scratch, size, alpha, beta, before, after) -> None:
-    """dx = dy * p - (2 alpha beta / size) * x * T(dy * y / s), written into dx.
-
-    y_i depends on x_j for every j in window(i), so T sums over {i : j in window(i)}:
-    the transposed window, with before and after swapped.
-    """
-    np.multiply(dy, y, out=scratch)
-    scratch /= s
-    _channel_window_sum(scratch, after, before, out=dx)
-    dx *= x
-    dx *= -2.0 * alpha * beta / size
-    np.multiply(dy, p, out=scratch)
-    dx += scratch
-
-
 def _channel_sum(a: np.ndarray) -> np.ndarray:
     """Per-channel sum of an (N, C, H, W) float32 map: (C,) float32.
 
@@ -226,17 +200,31 @@ class NumpyBackend(Backend):
     def relu_backward(self, dy, cache):
         return dy * (cache > 0)
 
+    # Every pass of the LRN writes in place (``out=``): on maps of tens of MB a freshly allocated
+    # array costs about as much again in page faults.
     def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
         before, after = size // 2, (size - 1) // 2
         s, p, y = (np.empty_like(x) for _ in range(3))
-        # y is written last, so it is the scratch until then: one map fewer at the peak
-        _lrn_forward_into(x, s, p, y, y, size, alpha, beta, k, before, after)
+        np.multiply(x, x, out=y)  # y is written last, so it is the scratch until then: one map fewer at the peak
+        _channel_window_sum(y, before, after, out=s)
+        s *= alpha / size
+        s += k  # s = k + alpha/size * (window sum of x^2)
+        _neg_pow(s, beta, out=p, scratch=y)  # p = s^-beta
+        np.multiply(x, p, out=y)
         return y, (x, y, s, p, size, alpha, beta, before, after)
 
     def lrn_backward(self, dy, cache):
+        """dx = dy * p - (2 alpha beta / size) * x * T(dy * y / s). y_i depends on x_j for every j in
+        window(i), so T sums over {i : j in window(i)}: the transposed window, before and after swapped."""
         x, y, s, p, size, alpha, beta, before, after = cache
         dx, scratch = np.empty_like(dy), np.empty_like(dy)
-        _lrn_backward_into(dy, x, y, s, p, dx, scratch, size, alpha, beta, before, after)
+        np.multiply(dy, y, out=scratch)
+        scratch /= s
+        _channel_window_sum(scratch, after, before, out=dx)
+        dx *= x
+        dx *= -2.0 * alpha * beta / size
+        np.multiply(dy, p, out=scratch)
+        dx += scratch
         return dx
 
     # Batch norm, optimised (tests/test_batchnorm_numpy.py holds it to the same math written out). Each
