@@ -1,17 +1,10 @@
 """The OpenCL backend: the numpy reference's ops, one for one, on arrays that live on the device.
 
-Read it side by side with ``backends/numpy_backend.py``: the methods come in the
-same order and do the same arithmetic; where numpy calls a vectorised expression
-this calls a kernel of ``ops.cl``, and where numpy calls BLAS this calls the one
-GEMM of ``gemm.cl`` (through ``gemm.py``, which picks its variant per device).
-The convolution, im2col + that GEMM, is in ``conv.py``, the normalisations in
-``norms.py`` and max pooling in ``maxpool.py``: functions of the device plumbing
-(programs, kernel launches, buffers) in ``cl_runtime.py``, ``self.rt`` here.
-
-Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a
-memory pool, and stay on the device between ops: the host sees data only in
-``asarray``, ``to_numpy`` and the scalar loss. All work goes to one in-order
-queue, so ops never wait for each other on the host; ``synchronize()`` does.
+Read it side by side with ``backends/numpy_backend.py``: the methods come in the same order and do
+the same arithmetic; where numpy calls a vectorised expression this calls a kernel of ``ops.cl``,
+and where numpy calls BLAS this calls the one GEMM of ``gemm.cl`` (``gemm.py``). The host sees data
+only in ``asarray``, ``to_numpy`` and the scalar loss; ``self.rt`` (``cl_runtime.py``) holds the
+device, its queue and buffers.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ class OpenCLBackend(Backend, WireConversion):
     GPUs want). True on CPU devices; tests and benchmarks set it to run either variant.
 
     ``wire_on_device``: narrow and widen bf16 wire words on the device (``narrow_wire``,
-    ``widen_wire``) rather than leave them to the host: on, measured cheaper (see __init__).
+    ``widen_wire``) rather than leave them to the host.
     """
 
     name = "opencl"
@@ -103,13 +96,7 @@ class OpenCLBackend(Backend, WireConversion):
 
     def describe(self) -> dict[str, Any]:
         d = describe_device(self.rt.device)
-        return {
-            "backend": self.name,
-            "device": d.pop("name"),
-            "kind": d.pop("kind"),
-            "compute_units": d.pop("compute_units"),
-            **d,
-        }
+        return {"backend": self.name, "device": d.pop("name"), **d}
 
     def synchronize(self) -> None:
         self.rt.queue.finish()

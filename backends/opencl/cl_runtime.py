@@ -5,14 +5,11 @@
     rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # a kernel on a grid
     rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
 
-The ops themselves are in backend.py, conv.py, norms.py and maxpool.py; this module only
-builds programs, looks up and launches kernels (and picks between an op's per-element kernel
+It builds programs, looks up and launches kernels (and picks between an op's per-element kernel
 and its rows twin for CPUs: ``flat``, ``planes``, ``channel_walk``), allocates and checks
-buffers, and runs the few data-movement kernels several ops share (row and channel
-reductions, GEMM panel packing, transposes).
-
-Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a memory pool.
-All work goes to one in-order queue, so kernels never wait for each other on the host.
+buffers, and runs the few data-movement kernels several ops share (row and channel reductions,
+GEMM panel packing, transposes). Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) from
+a memory pool; all work goes to one in-order queue, so kernels never wait for each other on the host.
 """
 
 from __future__ import annotations
