@@ -61,9 +61,7 @@ class ClRuntime:
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
-        self.gemm = Gemm(
-            self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file, self.ran
-        )
+        self.gemm = Gemm(self, autotune, tune_file)
 
     # ---- programs and launches ---------------------------------------------------
     def program(self, filenames: str | tuple[str, ...], options: str = "") -> cl.Program:

@@ -24,13 +24,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
-from backends.opencl.gemm_configs import Config, DeviceLimits, candidates, cdiv, config_from_json, config_to_json
+from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json, config_to_json
 from backends.opencl.tune_file import load_entry, save_entry, source_digest
+
+if TYPE_CHECKING:
+    from backends.opencl.cl_runtime import ClRuntime
 
 log = logging.getLogger(__name__)
 
@@ -69,39 +73,29 @@ class CView:
 
 
 class Gemm:
-    """Runs C = A @ B (+ bias) on one context and queue, choosing and remembering the variant."""
+    """Runs C = A @ B (+ bias) on a ClRuntime's device and queue, choosing and remembering the variant."""
 
-    def __init__(
-        self,
-        program: Callable[[str, str], cl.Program],
-        queue: cl.CommandQueue,
-        limits: DeviceLimits,
-        empty: Callable[[int], cla.Array],
-        autotune: bool,
-        tune_file: Path,
-        ran: Callable[[str, cl.Event], None] | None = None,
-    ) -> None:
-        self.program, self.queue, self.limits, self.empty = program, queue, limits, empty
+    def __init__(self, rt: ClRuntime, autotune: bool, tune_file: Path) -> None:
+        self.rt, self.queue, self.limits = rt, rt.queue, rt.limits
         self.autotune, self.tune_file = autotune, tune_file
-        self.ran = ran or (lambda name, event: None)  # each kernel's event, for a profile
         self.tag = ""  # the call site of the GEMM running now, for that profile
         self.chosen: dict[str, Config] = {}  # shape key -> config, this process
         # Choices are kept per device, driver and GEMM source: another runtime, an upgrade or an
         # edited kernel re-tunes instead of reusing a choice timed on something else.
-        self.tune_key = f"{limits.key} | gemm.cl {source_digest()}"
+        self.tune_key = f"{self.limits.key} | gemm.cl {source_digest()}"
         self._kernels: dict[tuple[str, str], cl.Kernel] = {}
         # the device's preferred vector width first, narrower ones only if none of those builds
         tried: list[Config] = []
         self.candidates: list[Config] = []
-        vw = limits.vector_width
+        vw = self.limits.vector_width
         while not self.candidates and vw >= 4:
-            fitting = candidates(limits, vw)
+            fitting = candidates(self.limits, vw)
             self.candidates = [cfg for cfg in fitting if self._builds(cfg)]
             tried += fitting
             vw //= 2
         if not self.candidates:
             raise RuntimeError(
-                f"no GEMM configuration builds on this device ({limits.key}); tried "
+                f"no GEMM configuration builds on this device ({self.limits.key}); tried "
                 f"{', '.join(cfg.options() for cfg in tried) or 'none: none fits its limits'}"
             )
 
@@ -141,7 +135,7 @@ class Gemm:
     def kernel(self, options: str, name: str) -> cl.Kernel:
         key = (options, name)
         if key not in self._kernels:
-            self._kernels[key] = cl.Kernel(self.program("gemm.cl", options), name)
+            self._kernels[key] = cl.Kernel(self.rt.program("gemm.cl", options), name)
         return self._kernels[key]
 
     def splits(self, cfg: Config, m: int, n: int, k: int) -> int:
@@ -166,17 +160,17 @@ class Gemm:
         c_args = (c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb))
         bias_args = (None if bias is None else bias.data, i32(bias is not None))
         if s == 1:
-            self.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *c_args, *bias_args))
+            self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *c_args, *bias_args))
             return
-        partial = self.empty(s * m * n)  # (s, m, n) row-major, summed into C below
+        partial = self.rt.empty((s * m * n,))  # (s, m, n) row-major, summed into C below
         partial_args = (partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0))  # a plain C, no bias
-        self.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *partial_args))
+        self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *partial_args))
         wg = min(64, self.limits.max_work_group_size)
         total = self.kernel("", "gemm_sum_splits")
         event = total(
             self.queue, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data, *c_args, *bias_args
         )
-        self.ran(f"gemm {self.tag} split-K sum", event)
+        self.rt.ran(f"gemm {self.tag} split-K sum", event)
 
     # ---- choosing -----------------------------------------------------------------
     def config(self, key: str, flop: float, run: Callable[[Config], None]) -> Config:
