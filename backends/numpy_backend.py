@@ -131,9 +131,7 @@ class NumpyBackend(Backend):
     # ---- edges -------------------------------------------------------------
     def asarray(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
-        if x.dtype.kind == "f":
-            return np.ascontiguousarray(x, dtype=F32)
-        return np.ascontiguousarray(x)
+        return np.ascontiguousarray(x, dtype=F32 if x.dtype.kind == "f" else None)
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)

@@ -53,16 +53,12 @@ __all__ = ["FN", "Expected", "assert_close", "conv2d_expected", "float32_toleran
 
 
 def _resolve(backend: str | Backend | Callable[[], Backend]) -> Backend:
-    if isinstance(backend, Backend):
-        return backend
     if isinstance(backend, str):
         return get_backend(backend)
-    if callable(backend):
-        made = backend()
-        if not isinstance(made, Backend):
-            raise TypeError(f"the backend factory returned {type(made).__name__}, not a Backend")
-        return made
-    raise TypeError(f"expected a backend name, a Backend or a factory, got {type(backend).__name__}")
+    made = backend if isinstance(backend, Backend) else backend()
+    if not isinstance(made, Backend):
+        raise TypeError(f"expected a backend name, a Backend or a factory of one, got {type(made).__name__}")
+    return made
 
 
 def run_case(backend: Backend, case: Case, seed: int = 0) -> list[CheckResult]:

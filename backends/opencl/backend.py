@@ -73,11 +73,9 @@ class OpenCLBackend(Backend, WireConversion):
 
     # ---- edges ---------------------------------------------------------------------
     def asarray(self, x: np.ndarray) -> cla.Array:
-        if isinstance(x, cla.Array):  # already on a device: copy it here
-            x = x.copy() if x.context == self.rt.context else x.get()
-            if isinstance(x, cla.Array):
-                return x
-        a = np.asarray(x)
+        if isinstance(x, cla.Array) and x.context == self.rt.context:
+            return x.copy()
+        a = np.asarray(self.to_numpy(x))  # from the host, or from another device through it
         if a.dtype.kind == "f":
             a = np.ascontiguousarray(a, dtype=F32)
         elif a.dtype.kind in "iub":
@@ -87,9 +85,7 @@ class OpenCLBackend(Backend, WireConversion):
         return cla.to_device(self.rt.queue, a, allocator=self.rt.pool)
 
     def to_numpy(self, x: cla.Array) -> np.ndarray:
-        if isinstance(x, cla.Array):
-            return x.get()
-        return np.asarray(x)
+        return x.get() if isinstance(x, cla.Array) else np.asarray(x)
 
     def zeros(self, shape: tuple[int, ...]) -> cla.Array:
         return cla.zeros(self.rt.queue, tuple(shape), F32, allocator=self.rt.pool)
@@ -209,9 +205,7 @@ class OpenCLBackend(Backend, WireConversion):
 
     def softmax_cross_entropy(self, logits, labels):
         logits = self.rt.operand(logits, "softmax_cross_entropy logits")
-        if isinstance(labels, cla.Array):
-            labels = labels.get()
-        labels = np.asarray(labels)
+        labels = self.to_numpy(labels)
         if logits.ndim != 2:
             raise ValueError(f"softmax_cross_entropy: logits must be (N, K), got {logits.shape}")
         n, k = logits.shape

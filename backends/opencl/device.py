@@ -31,13 +31,9 @@ class NoOpenCLDevice(RuntimeError):
 
 def device_kind(device: cl.Device) -> str:
     """'gpu', 'cpu', 'accelerator' or 'other', from the device type bits."""
-    t = device.type
-    if t & cl.device_type.GPU:
-        return "gpu"
-    if t & cl.device_type.CPU:
-        return "cpu"
-    if t & cl.device_type.ACCELERATOR:
-        return "accelerator"
+    for kind in ("gpu", "cpu", "accelerator"):
+        if device.type & getattr(cl.device_type, kind.upper()):
+            return kind
     return "other"
 
 
@@ -105,12 +101,10 @@ def select_device(spec: str | None = None) -> cl.Device:
         gpus = [f for f in found if device_kind(f[3]) == "gpu"]
         return (gpus or found)[0][3]
     spec = spec.strip()
-    m = re.fullmatch(r"(\d+):(\d+)", spec)
-    if m:
-        pi, di = int(m.group(1)), int(m.group(2))
-        for fpi, fdi, _, d in found:
-            if (fpi, fdi) == (pi, di):
-                return d
+    by_index = {f"{pi}:{di}": d for pi, di, _, d in found}
+    if spec in by_index:
+        return by_index[spec]
+    if re.fullmatch(r"\d+:\d+", spec):
         raise ValueError(f"no OpenCL device {spec!r} (platform:device); devices: {_table(found)}")
     want = spec.lower()
     if want in ("gpu", "cpu", "accelerator"):

@@ -159,12 +159,11 @@ class Gemm:
         a_args = (a.buf, i32(a.sm), i32(a.sk), i32(a.ki), i32(a.skb))
         c_args = (c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb))
         bias_args = (None if bias is None else bias.data, i32(bias is not None))
+        partial = self.rt.empty((s * m * n,)) if s > 1 else None  # (s, m, n) row-major, summed into C below
+        out = (partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0)) if s > 1 else (*c_args, *bias_args)
+        self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *out))
         if s == 1:
-            self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *c_args, *bias_args))
             return
-        partial = self.rt.empty((s * m * n,))  # (s, m, n) row-major, summed into C below
-        partial_args = (partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0))  # a plain C, no bias
-        self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *partial_args))
         wg = min(64, self.limits.max_work_group_size)
         total = self.kernel("", "gemm_sum_splits")
         event = total(
@@ -180,7 +179,8 @@ class Gemm:
             return self.chosen[key]
         cfg = self.candidates[0]
         if self.autotune and flop >= TUNE_MIN_FLOP and len(self.candidates) > 1:
-            cfg = self._load(key) or self._tune(key, run)
+            saved = config_from_json(load_entry(self.tune_file, self.tune_key, key) or {})
+            cfg = saved if saved in self.candidates else self._tune(key, run)  # a choice it can still run
         self.chosen[key] = cfg
         return cfg
 
@@ -207,13 +207,5 @@ class Gemm:
         log.info(
             "gemm %s: %s (%s)", key, best, ", ".join(f"{cf.options()} {t * 1e3:.1f} ms" for cf, t in times.items())
         )
-        self._save(key, best, times[best])
+        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(best), "ms": round(times[best] * 1e3, 3)})
         return best
-
-    def _load(self, key: str) -> Config | None:
-        entry = load_entry(self.tune_file, self.tune_key, key)
-        cfg = config_from_json(entry) if entry is not None else None
-        return cfg if cfg in self.candidates else None  # only choices this device can still run
-
-    def _save(self, key: str, cfg: Config, seconds: float) -> None:
-        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(cfg), "ms": round(seconds * 1e3, 3)})
