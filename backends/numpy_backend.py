@@ -47,17 +47,13 @@ def _cpu_name() -> str:
 
 def _channel_window_sum(a: np.ndarray, before: int, after: int, out: np.ndarray | None = None) -> np.ndarray:
     """out[:, c] = sum of a[:, c-before .. c+after] along axis 1, clipped at the edges."""
-    if out is None:
-        out = a.copy()
-    else:
-        np.copyto(out, a)
+    out = np.empty_like(a) if out is None else out
+    np.copyto(out, a)
     c = a.shape[1]
-    for d in range(1, before + 1):
-        if d < c:
-            out[:, d:] += a[:, : c - d]
-    for d in range(1, after + 1):
-        if d < c:
-            out[:, : c - d] += a[:, d:]
+    for d in range(1, min(before, c - 1) + 1):
+        out[:, d:] += a[:, : c - d]
+    for d in range(1, min(after, c - 1) + 1):
+        out[:, : c - d] += a[:, d:]
     return out
 
 

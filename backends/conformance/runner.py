@@ -22,11 +22,11 @@ How to run it
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import zlib
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -111,22 +111,19 @@ def conformance_tests(backend: str | Backend | Callable[[], Backend], seed: int 
     """
     import pytest
 
-    made: dict[str, Any] = {}
-
-    def instance() -> Backend:
-        if "error" in made:
-            raise made["error"]
-        if "backend" not in made:
-            try:
-                made["backend"] = _resolve(backend)
-            except BaseException as e:  # a skip, a missing device: the same outcome for every case
-                made["error"] = e
-                raise
-        return made["backend"]
+    @functools.cache
+    def instance() -> Backend | BaseException:
+        try:
+            return _resolve(backend)
+        except BaseException as e:  # a skip, a missing device: the same outcome for every case
+            return e
 
     @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
     def test_conformance(case: Case) -> None:
-        results = run_case(instance(), case, seed)
+        made = instance()
+        if isinstance(made, BaseException):
+            raise made
+        results = run_case(made, case, seed)
         assert results, f"case {case.id} checked nothing"
         if not all(r.passed for r in results):
             pytest.fail("\n" + format_table(results), pytrace=False)

@@ -34,9 +34,7 @@ class OpenCLBackend(Backend, WireConversion):
     unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept;
     ``profile``: keep every kernel's device time for ``self.rt.kernel_times()`` (benchmarks).
 
-    ``rows``: run the rows kernels of ops.cl (one work-item walks a chunk, plane or row: PoCL
-    turns the walk into vector code) instead of the per-element ones (many small work-items, as
-    GPUs want). True on CPU devices; tests and benchmarks set it to run either variant.
+    ``rows``: run the rows kernels of ops.cl rather than the per-element ones (``ClRuntime.rows``).
 
     ``wire_on_device``: narrow and widen bf16 wire words on the device (``narrow_wire``,
     ``widen_wire``) rather than leave them to the host.
@@ -64,7 +62,7 @@ class OpenCLBackend(Backend, WireConversion):
 
     @property
     def rows(self) -> bool:
-        """Whether the rows kernels run (see ClRuntime.rows): True on CPU devices."""
+        """Whether the rows kernels run: True on CPU devices; tests and benchmarks set it to run either."""
         return self.rt.rows
 
     @rows.setter
@@ -76,12 +74,9 @@ class OpenCLBackend(Backend, WireConversion):
         if isinstance(x, cla.Array) and x.context == self.rt.context:
             return x.copy()
         a = np.asarray(self.to_numpy(x))  # from the host, or from another device through it
-        if a.dtype.kind == "f":
-            a = np.ascontiguousarray(a, dtype=F32)
-        elif a.dtype.kind in "iub":
-            a = np.ascontiguousarray(a)
-        else:
+        if a.dtype.kind not in "fiub":
             raise TypeError(f"asarray: cannot put a {a.dtype} array on an OpenCL device; use float32 or ints")
+        a = np.ascontiguousarray(a, dtype=F32 if a.dtype.kind == "f" else None)
         return cla.to_device(self.rt.queue, a, allocator=self.rt.pool)
 
     def to_numpy(self, x: cla.Array) -> np.ndarray:

@@ -102,12 +102,13 @@ class ClRuntime:
         Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
         up to whole groups and every kernel checks its bounds. ``defines`` selects a build of
         the kernels with a layer's window compiled in (see the header of ops.cl). ``rows``: a rows
-        kernel, whose items each run a loop: groups of rows_group(items) items.
+        kernel, whose items each run a loop: about 16 groups per compute unit, so the cores share the
+        work evenly, and no more (PoCL pays microseconds per group).
         """
         knl, wg = self.kernel(name, defines)
         dims = (dims,) if isinstance(dims, int) else dims
         if rows:
-            wg = min(wg, self.rows_group(int(np.prod(dims))))
+            wg = min(wg, 256, max(1, int(np.prod(dims)) // (16 * self.limits.compute_units)))
         if min(dims) <= 0:
             return
         local: list[int] = []
@@ -116,11 +117,6 @@ class ClRuntime:
             local.append(min(1 << (d - 1).bit_length(), room))
         grid = tuple(cdiv(d, lo) * lo for d, lo in zip(dims, local, strict=True))
         self.ran(name, knl(self.queue, grid, tuple(local), *args))
-
-    def rows_group(self, items: int) -> int:
-        """Work-items per group for a rows kernel of ``items`` items: about 16 groups per compute
-        unit, so the cores share the work evenly, and no more (PoCL pays microseconds per group)."""
-        return max(1, min(256, items // (16 * self.limits.compute_units)))
 
     # ---- the ops' launches: per element, or their rows twins on CPUs (see ops.cl) ------------
     # An optimisation, the rows kernels: elements per work-item of the flat ones.

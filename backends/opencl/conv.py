@@ -96,8 +96,6 @@ def forward(
 ) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W), w (F, C, KH, KW), b (F,) -> (y (N, F, OH, OW), cache): Y = W @ cols + b."""
     x, w, b = rt.operand(x, "conv2d x"), rt.operand(w, "conv2d w"), rt.operand(b, "conv2d b")
-    if w.ndim != 4:
-        raise ValueError(f"conv2d: weights must be (F, C, KH, KW), got {w.shape}")
     if stride < 1 or padding < 0:
         raise ValueError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
     f, c, kh, kw = w.shape

@@ -2,19 +2,14 @@
 
     C (M x N) = A (M x K) @ B (K x N) [+ bias per row]
 
-A and C are strided views of existing buffers (``AView``, ``CView``); B comes
-packed in column panels of width NB by a callback, because the best NB depends
-on the kernel variant (see the header of gemm.cl for the index maps, and
-gemm_configs.py for the variants).
+A and C are strided views of existing buffers (``AView``, ``CView``); B comes packed in column
+panels of width NB by a callback, because the best NB depends on the kernel variant (see the
+header of gemm.cl for the index maps, and gemm_configs.py for the variants).
 
-How a variant is chosen
------------------------
-Every configuration that fits the device's limits (work-group size, local memory,
-preferred vector width) and that its compiler builds is a candidate. A GEMM big enough
-for the choice to matter (>= ``TUNE_MIN_FLOP``) is timed with each candidate the first
-time its shape is seen, and the winner is kept per device, driver and gemm.cl source in a
-small JSON file in the user cache directory (tune_file.py): later runs start tuned, and
-another runtime, an upgrade or an edited kernel re-tunes. Smaller GEMMs use the device's default.
+How a variant is chosen: every configuration that fits the device's limits and that its compiler
+builds is a candidate. A GEMM big enough for the choice to matter (>= ``TUNE_MIN_FLOP``) is timed
+with each candidate the first time its shape is seen, and the winner kept in the tune file
+(tune_file.py): later runs start tuned. Smaller GEMMs use the device's default.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import pyopencl as cl
@@ -32,9 +27,6 @@ import pyopencl.array as cla
 
 from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json, config_to_json
 from backends.opencl.tune_file import load_entry, save_entry, source_digest
-
-if TYPE_CHECKING:
-    from backends.opencl.cl_runtime import ClRuntime
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +65,14 @@ class CView:
 
 
 class Gemm:
-    """Runs C = A @ B (+ bias) on a ClRuntime's device and queue, choosing and remembering the variant."""
+    """Runs C = A @ B (+ bias) on the device of ``rt``, the ClRuntime that owns it (its programs, queue,
+    buffers and profile), choosing and remembering the variant."""
 
-    def __init__(self, rt: ClRuntime, autotune: bool, tune_file: Path) -> None:
+    def __init__(self, rt: Any, autotune: bool, tune_file: Path) -> None:
         self.rt, self.queue, self.limits = rt, rt.queue, rt.limits
         self.autotune, self.tune_file = autotune, tune_file
         self.tag = ""  # the call site of the GEMM running now, for that profile
         self.chosen: dict[str, Config] = {}  # shape key -> config, this process
-        # Choices are kept per device, driver and GEMM source: another runtime, an upgrade or an
-        # edited kernel re-tunes instead of reusing a choice timed on something else.
         self.tune_key = f"{self.limits.key} | gemm.cl {source_digest()}"
         self._kernels: dict[tuple[str, str], cl.Kernel] = {}
         # the device's preferred vector width first, narrower ones only if none of those builds

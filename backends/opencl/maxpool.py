@@ -41,8 +41,6 @@ def _planes(rt: ClRuntime, name: str, shape: tuple[int, ...], window: str, args:
 def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W) -> (y (N, C, OH, OW), cache), padding counting as -inf."""
     x = rt.operand(x, "maxpool x")
-    if x.ndim != 4:
-        raise ValueError(f"maxpool: expected an (N, C, H, W) input, got {x.shape}")
     n, c, h, w = x.shape
     if kernel < 1 or stride < 1 or not 0 <= 2 * padding <= kernel:
         raise ValueError(

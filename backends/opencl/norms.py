@@ -73,8 +73,6 @@ def batchnorm_forward(
     """x (N, C, H, W), gamma, beta and the running statistics (C,) -> y; in training the batch's
     statistics normalise and update the running ones in place, otherwise the running ones normalise."""
     x = rt.operand(x, "batchnorm x")
-    if x.ndim != 4:
-        raise ValueError(f"batchnorm: expected an (N, C, H, W) input, got {x.shape}")
     gamma, beta = rt.operand(gamma, "batchnorm gamma"), rt.operand(beta, "batchnorm beta")
     running_mean = rt.operand(running_mean, "batchnorm running_mean", in_place=True)
     running_var = rt.operand(running_var, "batchnorm running_var", in_place=True)
