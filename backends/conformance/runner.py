@@ -6,17 +6,10 @@ module runs them, and re-exports the tolerance every float32 comparison of tinyc
 backend's own tests: ``float32_tolerance`` (its docstring has the math), ``Expected``,
 ``assert_close``, ``conv2d_expected``, ``linear_expected``.
 
-How to run it
--------------
-* in a script or notebook: ``run_conformance(backend)`` returns the results,
-  ``assert_conforms(backend)`` prints the table and raises if anything failed;
-* from the shell: ``python -m backends.conformance.runner --backend NAME`` prints the table
-  and exits 0 if every check passed, 1 otherwise;
-* in a third party's pytest suite, one line in a test file gives one test per case::
-
-      from backends.conformance.runner import conformance_tests
-      test_mybackend = conformance_tests("mybackend")   # a registered name, a Backend,
-                                                        # or a function returning one
+In a script, ``run_conformance(backend)`` returns the results and ``assert_conforms(backend)``
+prints the table and raises if anything failed; ``python -m backends.conformance.runner --backend
+NAME`` prints it and exits 1 if anything failed; in a pytest suite, one line gives one test per case:
+``test_mybackend = conformance_tests("mybackend")`` (a registered name, a Backend or a factory).
 """
 
 from __future__ import annotations

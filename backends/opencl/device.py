@@ -3,9 +3,8 @@
     list_devices()          every device of every platform, as plain dicts (for a CLI table)
     select_device(spec)     one pyopencl Device: "P:D", a kind, a name substring, or the default
 
-The default is ``$TINYCONV_OPENCL_DEVICE`` if set, else the first GPU, else the
-first device of any kind. A machine with no OpenCL runtime at all raises
-``NoOpenCLDevice`` saying how to install one, never a bare pyopencl traceback.
+A machine with no OpenCL runtime at all raises ``NoOpenCLDevice`` saying how to install one,
+never a bare pyopencl traceback.
 """
 
 from __future__ import annotations
@@ -95,12 +94,10 @@ def select_device(spec: str | None = None) -> cl.Device:
     if set, else the first GPU, else the first device.
     """
     found = _all_devices()
-    if spec is None:
-        spec = os.environ.get(ENV_DEVICE, "").strip() or None
-    if spec is None:
+    spec = (spec or os.environ.get(ENV_DEVICE, "")).strip()
+    if not spec:
         gpus = [f for f in found if device_kind(f[3]) == "gpu"]
         return (gpus or found)[0][3]
-    spec = spec.strip()
     by_index = {f"{pi}:{di}": d for pi, di, _, d in found}
     if spec in by_index:
         return by_index[spec]
