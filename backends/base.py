@@ -213,13 +213,7 @@ class Backend(ABC):
     # ---- optimiser ----------------------------------------------------------
     @abstractmethod
     def sgd_update(
-        self,
-        param: Array,
-        grad: Array,
-        velocity: Array,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
+        self, param: Array, grad: Array, velocity: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
         """In place, PyTorch SGD semantics:
         g = grad + weight_decay * param;  v = momentum * v + g;  param -= lr * v.
