@@ -126,8 +126,7 @@ class ClRuntime:
         """Launch the elementwise kernel ``name`` over ``total`` elements: per element, or its rows
         twin, whose arguments are the same and then the chunk."""
         if self.rows:
-            items = -(-total // self.CHUNK)
-            self.launch(f"{name}_rows", items, *args, i32(self.CHUNK), rows=True)
+            self.launch(f"{name}_rows", cdiv(total, self.CHUNK), *args, i32(self.CHUNK), rows=True)
         else:
             self.launch(name, total, *args)
 
