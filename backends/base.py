@@ -37,12 +37,9 @@ Cache = Any  # whatever a forward op keeps for its backward
 
 
 def require_batch_statistics(x_shape: tuple[int, ...]) -> None:
-    """Refuse training-mode batch norm of an (N, C, H, W) input with one value per channel.
-
-    With m = N*H*W = 1 the batch variance is 0, so every output would be beta and no
-    gradient would reach x or gamma; torch refuses it too ("Expected more than 1 value
-    per channel when training").
-    """
+    """Refuse training-mode batch norm of an (N, C, H, W) input with one value per channel: with
+    N*H*W = 1 the batch variance is 0, every output would be beta and no gradient would flow (torch
+    refuses it too)."""
     n, _, h, w = x_shape
     if n * h * w == 1:
         raise ValueError(
@@ -109,10 +106,9 @@ class Backend(ABC):
         """x (N, C, H, W), w (F, C, KH, KW) -> (P (F, N, OH, OW) on the host, the cache conv2d_backward takes).
 
         P[f, n] = sum_c x_pad[n, c] (cross-correlated with) w[f, c]: conv2d_forward's y with no bias,
-        kernel-major. What a participant of a layer split by its input channels computes, keeps and
-        sends (tinyconv/distributed/shard/by_channels.py): a range of kernels is then one contiguous block. This
-        one transposes conv2d_forward's y on the host; a backend whose GEMM leaves y kernel-major
-        returns it as it is (the numpy backend)."""
+        kernel-major, so that a range of kernels is one contiguous block (what a participant of a layer
+        split by its input channels sends: tinyconv/distributed/shard/by_channels.py). A backend whose
+        GEMM leaves y kernel-major returns it as it is (the numpy backend)."""
         y, cache = self.conv2d_forward(x, w, self.zeros((w.shape[0],)), stride, padding)
         return np.ascontiguousarray(self.to_numpy(y).transpose(1, 0, 2, 3)), cache
 
@@ -139,9 +135,8 @@ class Backend(ABC):
     def lrn_backward(self, dy: Array, cache: Cache) -> Array:
         """dx (N, C, H, W) for lrn_forward."""
 
-    # An optimisation beside the plain ops, which stay: ReLU then LRN as one op, so that a
-    # device can read the map once and write it once (numpy cannot fuse; it runs the two).
-    # The default is the plain composition, the reference every override is checked against.
+    # An optimisation beside the plain ops: ReLU then LRN as one op, so that a device reads the map
+    # once and writes it once. The default, the composition, is what every override is checked against.
     def relu_lrn_forward(
         self, x: Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
     ) -> tuple[Array, Cache]:
@@ -177,12 +172,10 @@ class Backend(ABC):
     ) -> tuple[Array, Cache]:
         """Per-channel batch norm over (N, H, W). x (N, C, H, W), gamma/beta (C,).
 
-        Training: normalise with the batch statistics (biased variance) and update
-        running_mean / running_var *in place*, PyTorch style:
-        r <- (1 - momentum) r + momentum * batch_stat (unbiased variance for r).
-        Training with one value per channel (N*H*W == 1) raises ValueError before
-        touching anything, as torch does (see ``require_batch_statistics``).
-        Eval: normalise with the running statistics (any N*H*W).
+        Training: normalise with the batch statistics (biased variance) and update running_mean /
+        running_var *in place*, PyTorch style: r <- (1 - momentum) r + momentum * batch_stat
+        (unbiased variance for r); one value per channel (N*H*W == 1) raises ValueError before
+        touching anything (``require_batch_statistics``). Eval: the running statistics (any N*H*W).
         """
 
     @abstractmethod
@@ -194,10 +187,9 @@ class Backend(ABC):
     def maxpool_forward(self, x: Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[Array, Cache]:
         """x (N, C, H, W) -> y (N, C, OH, OW), OH = (H + 2*padding - kernel)//stride + 1.
 
-        Padding is -inf (never selected). Ties go to the first maximum in
-        row-major window order. NaN propagates as in torch's max_pool2d: a window
-        holding a NaN outputs NaN and selects its *last* NaN in row-major order
-        (torch's loop: ``if (val > maxval || isnan(val)) select val``).
+        Padding is -inf (never selected). Ties go to the first maximum in row-major window order. NaN
+        propagates as in torch's max_pool2d: a window holding a NaN outputs NaN and selects its *last*
+        NaN in row-major order (torch's loop: ``if (val > maxval || isnan(val)) select val``).
         """
 
     @abstractmethod
@@ -221,13 +213,7 @@ class Backend(ABC):
     # ---- optimiser ----------------------------------------------------------
     @abstractmethod
     def sgd_update(
-        self,
-        param: Array,
-        grad: Array,
-        velocity: Array,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
+        self, param: Array, grad: Array, velocity: Array, lr: float, momentum: float, weight_decay: float
     ) -> None:
         """In place, PyTorch SGD semantics:
         g = grad + weight_decay * param;  v = momentum * v + g;  param -= lr * v.
@@ -247,13 +233,11 @@ class Backend(ABC):
 class WireConversion(Protocol):
     """Optional, beside the Backend contract: a backend that converts wire words on its device.
 
-    A master may send arrays narrowed (``--wire-precision``); the worker widens and narrows them
-    with numpy on the host (``tinyconv/distributed/wire_codec.py``), which every backend gets without
-    writing anything. A backend that implements these two methods lets the worker narrow a result
-    on the device before it is read back, so only the narrow words cross the device's link, and
-    widen an input there after only its narrow words were written. None means "not here" -- the
-    format is not offered, or converting here is not cheaper on this device -- and the host
-    converts, as it would without these methods.
+    Arrays sent narrowed (``--wire-precision``) are converted with numpy on the host
+    (``tinyconv/distributed/wire_codec.py``) for every backend. One with these two methods narrows a
+    result on the device before it is read back and widens an input there, so only the narrow words
+    cross the device's link. None means "not here" (the format is not offered, or not cheaper on
+    this device): the host converts.
     """
 
     def narrow_wire(self, x: Array, fmt: str) -> tuple[np.ndarray, bool] | None:

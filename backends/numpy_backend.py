@@ -47,55 +47,14 @@ def _cpu_name() -> str:
 
 def _channel_window_sum(a: np.ndarray, before: int, after: int, out: np.ndarray | None = None) -> np.ndarray:
     """out[:, c] = sum of a[:, c-before .. c+after] along axis 1, clipped at the edges."""
-    if out is None:
-        out = a.copy()
-    else:
-        np.copyto(out, a)
+    out = np.empty_like(a) if out is None else out
+    np.copyto(out, a)
     c = a.shape[1]
-    for d in range(1, before + 1):
-        if d < c:
-            out[:, d:] += a[:, : c - d]
-    for d in range(1, after + 1):
-        if d < c:
-            out[:, : c - d] += a[:, d:]
+    for d in range(1, min(before, c - 1) + 1):
+        out[:, d:] += a[:, : c - d]
+    for d in range(1, min(after, c - 1) + 1):
+        out[:, : c - d] += a[:, d:]
     return out
-
-
-def _neg_pow(s: np.ndarray, beta: float, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """out = s ** -beta; the common beta = 0.75 is done by square roots (5x faster than pow)."""
-    if beta == 0.75:
-        np.sqrt(s, out=out)
-        np.divide(1.0, out, out=out)  # r = s^-1/2
-        np.sqrt(out, out=scratch)
-        out *= scratch  # r * r^1/2 = s^-3/4
-        return out
-    return np.power(s, -beta, out=out)
-
-
-def _lrn_forward_into(x, s, p, y, scratch, size, alpha, beta, k, before, after) -> None:
-    """LRN forward into preallocated s, p, y; every pass writes in place (``out=``), because on
-    maps of tens of MB a freshly allocated array costs about as much again in page faults."""
-    np.multiply(x, x, out=scratch)
-    _channel_window_sum(scratch, before, after, out=s)
-    s *= alpha / size
-    s += k  # s = k + alpha/size * (window sum of x^2)
-    _neg_pow(s, beta, out=p, scratch=scratch)  # p = s^-beta
-    np.multiply(x, p, out=y)
-
-
-def _lrn_backward_into(dy, x, y, s, p, dx, scratch, size, alpha, beta, before, after) -> None:
-    """dx = dy * p - (2 alpha beta / size) * x * T(dy * y / s), written into dx.
-
-    y_i depends on x_j for every j in window(i), so T sums over {i : j in window(i)}:
-    the transposed window, with before and after swapped.
-    """
-    np.multiply(dy, y, out=scratch)
-    scratch /= s
-    _channel_window_sum(scratch, after, before, out=dx)
-    dx *= x
-    dx *= -2.0 * alpha * beta / size
-    np.multiply(dy, p, out=scratch)
-    dx += scratch
 
 
 def _channel_sum(a: np.ndarray) -> np.ndarray:
@@ -192,9 +151,7 @@ class NumpyBackend(Backend):
     # ---- edges -------------------------------------------------------------
     def asarray(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
-        if x.dtype.kind == "f":
-            return np.ascontiguousarray(x, dtype=F32)
-        return np.ascontiguousarray(x)
+        return np.ascontiguousarray(x, dtype=F32 if x.dtype.kind == "f" else None)
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)
@@ -261,17 +218,37 @@ class NumpyBackend(Backend):
     def relu_backward(self, dy, cache):
         return dy * (cache > 0)
 
+    # Every pass of the LRN writes in place (``out=``): on maps of tens of MB a freshly allocated
+    # array costs about as much again in page faults.
     def lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
         before, after = size // 2, (size - 1) // 2
         s, p, y = (np.empty_like(x) for _ in range(3))
-        # y is written last, so it is the scratch until then: one map fewer at the peak
-        _lrn_forward_into(x, s, p, y, y, size, alpha, beta, k, before, after)
+        np.multiply(x, x, out=y)  # y is written last, so it is the scratch until then: one map fewer at the peak
+        _channel_window_sum(y, before, after, out=s)
+        s *= alpha / size
+        s += k  # s = k + alpha/size * (window sum of x^2)
+        if beta == 0.75:  # p = s^-beta by square roots, 5x faster than pow
+            np.sqrt(s, out=p)
+            np.divide(1.0, p, out=p)  # r = s^-1/2
+            np.sqrt(p, out=y)
+            p *= y  # r * r^1/2 = s^-3/4
+        else:
+            np.power(s, -beta, out=p)
+        np.multiply(x, p, out=y)
         return y, (x, y, s, p, size, alpha, beta, before, after)
 
     def lrn_backward(self, dy, cache):
+        """dx = dy * p - (2 alpha beta / size) * x * T(dy * y / s). y_i depends on x_j for every j in
+        window(i), so T sums over {i : j in window(i)}: the transposed window, before and after swapped."""
         x, y, s, p, size, alpha, beta, before, after = cache
         dx, scratch = np.empty_like(dy), np.empty_like(dy)
-        _lrn_backward_into(dy, x, y, s, p, dx, scratch, size, alpha, beta, before, after)
+        np.multiply(dy, y, out=scratch)
+        scratch /= s
+        _channel_window_sum(scratch, after, before, out=dx)
+        dx *= x
+        dx *= -2.0 * alpha * beta / size
+        np.multiply(dy, p, out=scratch)
+        dx += scratch
         return dx
 
     # Batch norm, optimised (an optimisation: batchnorm_forward_plain / batchnorm_backward_plain below

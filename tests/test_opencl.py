@@ -153,7 +153,7 @@ def test_every_gemm_variant_with_and_without_splits(be, rng, monkeypatch, m, n, 
 def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_module, "TUNE_MIN_FLOP", 0)  # tune even this small shape
     tune_file, rt = tmp_path / "tune.json", be.rt
-    tuner = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
+    tuner = gemm_module.Gemm(rt, True, tune_file)
     m, n, k = 20, 70, 40
     a, b = normal(rng, m, k), normal(rng, k, n)
     a_d, b_d, c_d = be.asarray(a), be.asarray(b), be.zeros((m, n))
@@ -168,25 +168,24 @@ def test_gemm_autotune_saves_and_reuses_its_choice(be, rng, tmp_path, monkeypatc
     entry = saved[tuner.tune_key][f"test M{m} N{n} K{k} KI{k}"]
     assert gemm_configs.config_from_json(entry) in tuner.candidates and entry["ms"] > 0
 
-    again = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
+    again = gemm_module.Gemm(rt, True, tune_file)
     monkeypatch.setattr(again, "_tune", lambda *a: pytest.fail("a saved choice must not be re-timed"))
     assert (
-        again.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
-        == tuner.chosen[f"test M{m} N{n} K{k} KI{k}"]
+        again.config(f"test M{m} N{n} K{k} KI{k}", 2.0 * m * n * k, None) == tuner.chosen[f"test M{m} N{n} K{k} KI{k}"]
     )
 
     tune_file.write_text("{not json")  # a damaged file is ignored (and rewritten), not fatal
-    third = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
+    third = gemm_module.Gemm(rt, True, tune_file)
     third("test", m, n, k, AView(a_d.data, k, 1, k), pack, CView.rows(c_d.data, n))
     check(be, c_d, gemm_expected(a, b))
     assert json.loads(tune_file.read_text())[third.tune_key]
 
     # another gemm.cl (or driver): the choice is timed again, not taken from the old entry
     monkeypatch.setattr(gemm_module, "source_digest", lambda: "edited")
-    fourth = gemm_module.Gemm(rt.program, rt.queue, rt.limits, lambda n: rt.empty((n,)), True, tune_file)
+    fourth = gemm_module.Gemm(rt, True, tune_file)
     timed = []
     monkeypatch.setattr(fourth, "_tune", lambda key, *a: timed.append(key) or fourth.candidates[0])
-    fourth.config("test", m, n, k, AView(a_d.data, k, 1, k), None, None, None)
+    fourth.config(f"test M{m} N{n} K{k} KI{k}", 2.0 * m * n * k, None)
     assert timed == [f"test M{m} N{n} K{k} KI{k}"]
 
 
@@ -240,10 +239,11 @@ def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_buil
     # as PoCL 3.0 on an AMD Zen 4 does: it reports 16-wide floats and builds no float16 kernel
     rt = be.rt
     wide = dataclasses.replace(rt.limits, vector_width=16, kind="cpu")  # a CPU's candidates, on any device
+    monkeypatch.setattr(rt, "limits", wide)
 
     def gemm(builds):
         monkeypatch.setattr(gemm_module.Gemm, "_builds", lambda self, cfg: builds(cfg))
-        return gemm_module.Gemm(rt.program, rt.queue, wide, lambda n: rt.empty((n,)), False, tmp_path / "gemm.json")
+        return gemm_module.Gemm(rt, False, tmp_path / "gemm.json")
 
     assert {c.vw for c in gemm(lambda cfg: cfg.vw < 16).candidates} == {8}
     assert {c.vw for c in gemm(lambda cfg: True).candidates} == {16}
@@ -512,13 +512,13 @@ def test_lrn_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, size, 
     xd, dyd = be.asarray(x), be.asarray(dy)
 
     def lrn():
-        y, (_, _, s, p, *_) = be.lrn_forward(xd, size, 2e-2, beta, 2.0)
+        y, (_, _, (_, s, p), *_) = be.lrn_forward(xd, size, 2e-2, beta, 2.0)
         cache = be.lrn_forward(xd, size, 2e-2, beta, 2.0)[1]
         return y, s, p, be.lrn_backward(dyd, cache)
 
     def relu_lrn():
         y, cache = be.relu_lrn_forward(xd, size, 2e-2, beta, 2.0)
-        return y, cache[2], be.relu_lrn_backward(dyd, cache)
+        return y, cache[2][1], be.relu_lrn_backward(dyd, cache)
 
     both_variants(be, monkeypatch, lrn)
     both_variants(be, monkeypatch, relu_lrn)

@@ -1,10 +1,8 @@
-"""The conformance suite's checks and cases: any Backend, op by op, against the numpy reference.
+"""The conformance suite: any Backend, op by op, against the numpy reference.
 
-    checks.py   how an output is compared (tolerances, NaN-aware), CheckResult, Trial, Case
-    cases.py    what is compared: CASES, every op on the shapes and values that catch bugs
-
-Running them -- ``run_conformance``, ``assert_conforms``, ``conformance_tests``, the command
-line -- is ``backends.conformance.runner``, which re-exports these names.
+checks.py   how an output is compared (tolerances, NaN-aware), CheckResult, Trial, Case
+cases.py    what is compared: CASES, every op on the shapes and values that catch bugs
+runner.py   running them: run_conformance, assert_conforms, conformance_tests, the command line
 """
 
 from backends.conformance.cases import CASES

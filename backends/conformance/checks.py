@@ -1,15 +1,9 @@
 """How tinyconv compares float32 results: the one tolerance; the conformance suite's results and trials.
 
-Tolerances
-----------
-Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a
-backend -- takes its tolerance from ``float32_tolerance(k, terms)``, whose docstring states
-the math: two float32 computations of one value, summing in any order (another BLAS kernel,
-tiles, partial sums from several machines, fused multiply-adds), are within
-``2 gamma_k * terms`` of each other, gamma_k = k u / (1 - k u), u = 2^-24, with k the number
-of roundings on the way (a sum of K products: K) and terms the sum of the absolute values of
-what is summed -- computed entry by entry where it can be (``Expected``, ``conv2d_expected``,
-``linear_expected``), else the scale of the values (its scale form).
+Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a backend --
+is ``float32_tolerance(k, terms)`` (its docstring has the math): k the number of roundings on the
+way, terms the sum of the absolute values summed, entry by entry where it can be computed
+(``Expected``, ``conv2d_expected``, ``linear_expected``), else the scale of the values.
 
 k, the longest path of roundings from an input to an output, for each op (n: the reduction;
 FN = 32 for each pow, exp, log, sqrt or division, see ``FN``):
@@ -165,8 +159,17 @@ def assert_close(got: Any, expected: Expected, what: str = "") -> None:
         )
 
 
-def _abs64(a: np.ndarray) -> np.ndarray:
-    return np.abs(np.asarray(a, np.float64))
+def _bounded(op: str, inputs: tuple, args: tuple, dy: Any, backward_args: tuple, ks: tuple) -> tuple[Any, ...]:
+    """The reference ``op``'s y (and given dy, its gradients) as Expected values with the k of ``ks``,
+    their terms the same op on |inputs| and |dy| in float64; a gradient the op leaves None stays None."""
+    forward, backward = getattr(REF, f"{op}_forward"), getattr(REF, f"{op}_backward")
+    y, cache = forward(*inputs, *args)
+    y_terms, terms_cache = forward(*(np.abs(np.asarray(a, np.float64)) for a in inputs), *args)
+    values, terms = [y], [y_terms]
+    if dy is not None:
+        values += backward(dy, cache, *backward_args)
+        terms += backward(np.abs(np.asarray(dy, np.float64)), terms_cache, *backward_args)
+    return tuple(None if v is None else Expected(v, k, t) for v, k, t in zip(values, ks, terms, strict=False))
 
 
 def conv2d_expected(
@@ -181,31 +184,17 @@ def conv2d_expected(
     """The reference convolution with rigorous bounds: (y,) or, given dy, (y, dx or None, dw, db), each
     an Expected whose terms are the same op on |x|, |w|, |b|, |dy| in float64, k as in the table above."""
     f, c, kh, kw = w.shape
-    y, cache = REF.conv2d_forward(x, w, b, stride, padding)
-    y_terms, terms_cache = REF.conv2d_forward(_abs64(x), _abs64(w), _abs64(b), stride, padding)
-    out: list[Any] = [Expected(y, c * kh * kw + 1, y_terms)]
-    if dy is not None:
-        n_sums = dy.shape[0] * dy.shape[2] * dy.shape[3]  # N*OH*OW: dw's and db's reduction
-        dx, dw, db = REF.conv2d_backward(dy, cache, need_dx)
-        dx_terms, dw_terms, db_terms = REF.conv2d_backward(_abs64(dy), terms_cache, need_dx)
-        out.append(Expected(dx, f * kh * kw, dx_terms) if need_dx else None)
-        out += [Expected(dw, n_sums, dw_terms), Expected(db, n_sums, db_terms)]
-    return tuple(out)
+    n_sums = 0 if dy is None else dy.shape[0] * dy.shape[2] * dy.shape[3]  # N*OH*OW: dw's and db's reduction
+    return _bounded(
+        "conv2d", (x, w, b), (stride, padding), dy, (need_dx,), (c * kh * kw + 1, f * kh * kw, n_sums, n_sums)
+    )
 
 
 def linear_expected(x: np.ndarray, w: np.ndarray, b: np.ndarray, dy: np.ndarray | None = None) -> tuple[Expected, ...]:
     """The reference linear layer with rigorous bounds: (y,) or, given dy, (y, dx, dw, db), as
     ``conv2d_expected``: y's k is D + 1, dx's M, dw's and db's N."""
-    m, d = w.shape
-    y, cache = REF.linear_forward(x, w, b)
-    y_terms, terms_cache = REF.linear_forward(_abs64(x), _abs64(w), _abs64(b))
-    out = [Expected(y, d + 1, y_terms)]
-    if dy is not None:
-        dx, dw, db = REF.linear_backward(dy, cache)
-        dx_terms, dw_terms, db_terms = REF.linear_backward(_abs64(dy), terms_cache)
-        n = dy.shape[0]
-        out += [Expected(dx, m, dx_terms), Expected(dw, n, dw_terms), Expected(db, n, db_terms)]
-    return tuple(out)
+    (m, d), n = w.shape, x.shape[0]
+    return _bounded("linear", (x, w, b), (), dy, (), (d + 1, m, n, n))
 
 
 def max_error(got: np.ndarray, ref: np.ndarray) -> float:

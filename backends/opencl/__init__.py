@@ -13,11 +13,4 @@ device.py for device choice.
 from backends.opencl.backend import OpenCLBackend
 from backends.opencl.device import NoOpenCLDevice, describe_device, device_kind, list_devices, select_device
 
-__all__ = [
-    "OpenCLBackend",
-    "NoOpenCLDevice",
-    "list_devices",
-    "select_device",
-    "describe_device",
-    "device_kind",
-]
+__all__ = ["OpenCLBackend", "NoOpenCLDevice", "list_devices", "select_device", "describe_device", "device_kind"]

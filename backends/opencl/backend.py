@@ -1,17 +1,10 @@
 """The OpenCL backend: the numpy reference's ops, one for one, on arrays that live on the device.
 
-Read it side by side with ``backends/numpy_backend.py``: the methods come in the
-same order and do the same arithmetic; where numpy calls a vectorised expression
-this calls a kernel of ``ops.cl``, and where numpy calls BLAS this calls the one
-GEMM of ``gemm.cl`` (through ``gemm.py``, which picks its variant per device).
-The convolution, im2col + that GEMM, is in ``conv.py``, the normalisations in
-``norms.py`` and max pooling in ``maxpool.py``: functions of the device plumbing
-(programs, kernel launches, buffers) in ``cl_runtime.py``, ``self.rt`` here.
-
-Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a
-memory pool, and stay on the device between ops: the host sees data only in
-``asarray``, ``to_numpy`` and the scalar loss. All work goes to one in-order
-queue, so ops never wait for each other on the host; ``synchronize()`` does.
+Read it side by side with ``backends/numpy_backend.py``: the methods come in the same order and do
+the same arithmetic; where numpy calls a vectorised expression this calls a kernel of ``ops.cl``,
+and where numpy calls BLAS this calls the one GEMM of ``gemm.cl`` (``gemm.py``). The host sees data
+only in ``asarray``, ``to_numpy`` and the scalar loss; ``self.rt`` (``cl_runtime.py``) holds the
+device, its queue and buffers.
 """
 
 from __future__ import annotations
@@ -41,12 +34,10 @@ class OpenCLBackend(Backend, WireConversion):
     unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept;
     ``profile``: keep every kernel's device time for ``self.rt.kernel_times()`` (benchmarks).
 
-    ``rows``: run the rows kernels of ops.cl (one work-item walks a chunk, plane or row: PoCL
-    turns the walk into vector code) instead of the per-element ones (many small work-items, as
-    GPUs want). True on CPU devices; tests and benchmarks set it to run either variant.
+    ``rows``: run the rows kernels of ops.cl rather than the per-element ones (``ClRuntime.rows``).
 
     ``wire_on_device``: narrow and widen bf16 wire words on the device (``narrow_wire``,
-    ``widen_wire``) rather than leave them to the host: on, measured cheaper (see __init__).
+    ``widen_wire``) rather than leave them to the host.
     """
 
     name = "opencl"
@@ -71,7 +62,7 @@ class OpenCLBackend(Backend, WireConversion):
 
     @property
     def rows(self) -> bool:
-        """Whether the rows kernels run (see ClRuntime.rows): True on CPU devices."""
+        """Whether the rows kernels run: True on CPU devices; tests and benchmarks set it to run either."""
         return self.rt.rows
 
     @rows.setter
@@ -80,36 +71,23 @@ class OpenCLBackend(Backend, WireConversion):
 
     # ---- edges ---------------------------------------------------------------------
     def asarray(self, x: np.ndarray) -> cla.Array:
-        if isinstance(x, cla.Array):  # already on a device: copy it here
-            x = x.copy() if x.context == self.rt.context else x.get()
-            if isinstance(x, cla.Array):
-                return x
-        a = np.asarray(x)
-        if a.dtype.kind == "f":
-            a = np.ascontiguousarray(a, dtype=F32)
-        elif a.dtype.kind in "iub":
-            a = np.ascontiguousarray(a)
-        else:
+        if isinstance(x, cla.Array) and x.context == self.rt.context:
+            return x.copy()
+        a = np.asarray(self.to_numpy(x))  # from the host, or from another device through it
+        if a.dtype.kind not in "fiub":
             raise TypeError(f"asarray: cannot put a {a.dtype} array on an OpenCL device; use float32 or ints")
+        a = np.ascontiguousarray(a, dtype=F32 if a.dtype.kind == "f" else None)
         return cla.to_device(self.rt.queue, a, allocator=self.rt.pool)
 
     def to_numpy(self, x: cla.Array) -> np.ndarray:
-        if isinstance(x, cla.Array):
-            return x.get()
-        return np.asarray(x)
+        return x.get() if isinstance(x, cla.Array) else np.asarray(x)
 
     def zeros(self, shape: tuple[int, ...]) -> cla.Array:
         return cla.zeros(self.rt.queue, tuple(shape), F32, allocator=self.rt.pool)
 
     def describe(self) -> dict[str, Any]:
         d = describe_device(self.rt.device)
-        return {
-            "backend": self.name,
-            "device": d.pop("name"),
-            "kind": d.pop("kind"),
-            "compute_units": d.pop("compute_units"),
-            **d,
-        }
+        return {"backend": self.name, "device": d.pop("name"), **d}
 
     def synchronize(self) -> None:
         self.rt.queue.finish()
@@ -172,10 +150,9 @@ class OpenCLBackend(Backend, WireConversion):
 
     # An optimisation beside relu_* and lrn_*, which stay: ReLU then LRN as one kernel each way (norms.py).
     def relu_lrn_forward(self, x, size=5, alpha=1e-4, beta=0.75, k=1.0):
-        return norms.relu_lrn_forward(self.rt, x, size, alpha, beta, k)
+        return norms.lrn_forward(self.rt, x, size, alpha, beta, k, relu=True)
 
-    def relu_lrn_backward(self, dy, cache):
-        return norms.relu_lrn_backward(self.rt, dy, cache)
+    relu_lrn_backward = lrn_backward  # the cache says which kernel
 
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         return norms.batchnorm_forward(self.rt, x, gamma, beta, running_mean, running_var, training, momentum, eps)
@@ -223,9 +200,7 @@ class OpenCLBackend(Backend, WireConversion):
 
     def softmax_cross_entropy(self, logits, labels):
         logits = self.rt.operand(logits, "softmax_cross_entropy logits")
-        if isinstance(labels, cla.Array):
-            labels = labels.get()
-        labels = np.asarray(labels)
+        labels = self.to_numpy(labels)
         if logits.ndim != 2:
             raise ValueError(f"softmax_cross_entropy: logits must be (N, K), got {logits.shape}")
         n, k = logits.shape

@@ -5,14 +5,11 @@
     rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # a kernel on a grid
     rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
 
-The ops themselves are in backend.py, conv.py, norms.py and maxpool.py; this module only
-builds programs, looks up and launches kernels (and picks between an op's per-element kernel
+It builds programs, looks up and launches kernels (and picks between an op's per-element kernel
 and its rows twin for CPUs: ``flat``, ``planes``, ``channel_walk``), allocates and checks
-buffers, and runs the few data-movement kernels several ops share (row and channel
-reductions, GEMM panel packing, transposes).
-
-Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) allocated from a memory pool.
-All work goes to one in-order queue, so kernels never wait for each other on the host.
+buffers, and runs the few data-movement kernels several ops share (row and channel reductions,
+GEMM panel packing, transposes). Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) from
+a memory pool; all work goes to one in-order queue, so kernels never wait for each other on the host.
 """
 
 from __future__ import annotations
@@ -64,9 +61,7 @@ class ClRuntime:
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
-        self.gemm = Gemm(
-            self.program, self.queue, self.limits, lambda n: self.empty((n,)), autotune, tune_file, self.ran
-        )
+        self.gemm = Gemm(self, autotune, tune_file)
 
     # ---- programs and launches ---------------------------------------------------
     def program(self, filenames: str | tuple[str, ...], options: str = "") -> cl.Program:
@@ -107,12 +102,13 @@ class ClRuntime:
         Work-groups fill up to self.wg items, innermost dimension first; the grid is rounded
         up to whole groups and every kernel checks its bounds. ``defines`` selects a build of
         the kernels with a layer's window compiled in (see the header of ops.cl). ``rows``: a rows
-        kernel, whose items each run a loop: groups of rows_group(items) items.
+        kernel, whose items each run a loop: about 16 groups per compute unit, so the cores share the
+        work evenly, and no more (PoCL pays microseconds per group).
         """
         knl, wg = self.kernel(name, defines)
         dims = (dims,) if isinstance(dims, int) else dims
         if rows:
-            wg = min(wg, self.rows_group(int(np.prod(dims))))
+            wg = min(wg, 256, max(1, int(np.prod(dims)) // (16 * self.limits.compute_units)))
         if min(dims) <= 0:
             return
         local: list[int] = []
@@ -122,11 +118,6 @@ class ClRuntime:
         grid = tuple(cdiv(d, lo) * lo for d, lo in zip(dims, local, strict=True))
         self.ran(name, knl(self.queue, grid, tuple(local), *args))
 
-    def rows_group(self, items: int) -> int:
-        """Work-items per group for a rows kernel of ``items`` items: about 16 groups per compute
-        unit, so the cores share the work evenly, and no more (PoCL pays microseconds per group)."""
-        return max(1, min(256, items // (16 * self.limits.compute_units)))
-
     # ---- the ops' launches: per element, or their rows twins on CPUs (see ops.cl) ------------
     # An optimisation, the rows kernels: elements per work-item of the flat ones.
     CHUNK = 2048
@@ -135,8 +126,7 @@ class ClRuntime:
         """Launch the elementwise kernel ``name`` over ``total`` elements: per element, or its rows
         twin, whose arguments are the same and then the chunk."""
         if self.rows:
-            items = -(-total // self.CHUNK)
-            self.launch(f"{name}_rows", items, *args, i32(self.CHUNK), rows=True)
+            self.launch(f"{name}_rows", cdiv(total, self.CHUNK), *args, i32(self.CHUNK), rows=True)
         else:
             self.launch(name, total, *args)
 

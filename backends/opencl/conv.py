@@ -22,6 +22,8 @@ col2im_lanes_fit() allows, 8 dx elements a vector).
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pyopencl.array as cla
 
@@ -68,13 +70,32 @@ def im2col_tables(
     return pixel, tap
 
 
+def im2col_panels(
+    rt: ClRuntime, x: cla.Array, win: tuple[int, int, int, int], oh: int, ow: int, tables: tuple, nb: int
+) -> cla.Array:
+    """B(k, p) = x_pad[n, c, oh*s + i, ow*s + j], k = (c, i, j), p = (n, oh, ow): the columns of x
+    (N, C, H, W) for ``win`` (KH, KW, stride, padding), in the GEMM's panels of width nb."""
+    kh, kw, stride, padding = win
+    n, c, h, w = x.shape
+    npix, kdim, build = n * oh * ow, c * kh * kw, window(*win)
+    out = rt.empty((cdiv(npix, nb) * kdim * nb,))
+    geometry, panel = (i32(c), i32(h), i32(w), i32(oh), i32(ow), i32(n)), (i32(nb), out.data)
+    if rt.rows and lanes_fit(kh, kw, stride, ow, nb, False):  # optimisation (layout.cl): vectors of pixels
+        rt.launch("im2col_panels_lanes", (cdiv(npix, nb),), x.data, *geometry, *panel, defines=build, rows=True)
+    elif rt.rows:  # optimisation (layout.cl): a work-item copies a tap over an image
+        rt.launch("im2col_panels_rows", (kdim, n), x.data, *geometry, *panel, defines=build, rows=True)
+    else:
+        pixel, tap = tables
+        args = (pixel.data, tap.data, i32(h), i32(w), i32(npix), i32(kdim))
+        rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, *args, *panel)
+    return out
+
+
 def forward(
     rt: ClRuntime, x: cla.Array, w: cla.Array, b: cla.Array, stride: int = 1, padding: int = 0
 ) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W), w (F, C, KH, KW), b (F,) -> (y (N, F, OH, OW), cache): Y = W @ cols + b."""
     x, w, b = rt.operand(x, "conv2d x"), rt.operand(w, "conv2d w"), rt.operand(b, "conv2d b")
-    if w.ndim != 4:
-        raise ValueError(f"conv2d: weights must be (F, C, KH, KW), got {w.shape}")
     if stride < 1 or padding < 0:
         raise ValueError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
     f, c, kh, kw = w.shape
@@ -87,19 +108,7 @@ def forward(
     ow = conv_output_size(wd, kw, stride, padding)
     kdim, npix = c * kh * kw, n * oh * ow
     pixel, tap = im2col_tables(rt, x.shape, kh, kw, stride, padding, oh, ow)
-    geometry, build = (i32(c), i32(h), i32(wd), i32(oh), i32(ow), i32(n)), window(kh, kw, stride, padding)
-
-    def cols(nb: int) -> cla.Array:  # B(k, p) = x_pad[n, c, oh*s + i, ow*s + j], k = (c, i, j)
-        out = rt.empty((cdiv(npix, nb) * kdim * nb,))
-        panel = (i32(nb), out.data)
-        if rt.rows and lanes_fit(kh, kw, stride, ow, nb, False):  # optimisation (layout.cl): vectors of pixels
-            rt.launch("im2col_panels_lanes", (cdiv(npix, nb),), x.data, *geometry, *panel, defines=build, rows=True)
-        elif rt.rows:  # optimisation (layout.cl): a work-item copies a tap over an image
-            rt.launch("im2col_panels_rows", (kdim, n), x.data, *geometry, *panel, defines=build, rows=True)
-        else:
-            tables = (pixel.data, tap.data, i32(h), i32(wd), i32(npix), i32(kdim))
-            rt.launch("im2col_panels", (nb, kdim, cdiv(npix, nb)), x.data, *tables, *panel)
-        return out
+    cols = partial(im2col_panels, rt, x, (kh, kw, stride, padding), oh, ow, (pixel, tap))  # cols(nb): B panels
 
     # Y (F, N*OH*OW) = W (F, K) @ cols, stored as y[n, f, q]: column p = (n, q)
     y = rt.empty((n, f, oh, ow))
@@ -155,18 +164,8 @@ def conv_dx(
     f, _, kh, kw = w.shape
     oh, ow = dy.shape[2], dy.shape[3]
     kdim, npix = c * kh * kw, n * oh * ow
-    dy_pixel, dy_tap = im2col_tables(rt, dy.shape, 1, 1, 1, 0, oh, ow)
-
-    def dy_panels(nb: int) -> cla.Array:  # B(f, p) = dy[n, f, q]: im2col of dy with a 1x1 kernel
-        out = rt.empty((cdiv(npix, nb) * f * nb,))
-        panel = (i32(nb), out.data)
-        if rt.rows:  # optimisation, the row walk (lanes_fit: not for 1x1)
-            geometry = (i32(f), i32(oh), i32(ow), i32(oh), i32(ow), i32(n))
-            rt.launch("im2col_panels_rows", (f, n), dy.data, *geometry, *panel, defines=window(1, 1, 1, 0), rows=True)
-        else:
-            tables = (dy_pixel.data, dy_tap.data, i32(oh), i32(ow), i32(npix), i32(f))
-            rt.launch("im2col_panels", (nb, f, cdiv(npix, nb)), dy.data, *tables, *panel)
-        return out
+    # B(f, p) = dy[n, f, q]: im2col of dy with a 1x1 kernel
+    dy_panels = partial(im2col_panels, rt, dy, (1, 1, 1, 0), oh, ow, im2col_tables(rt, dy.shape, 1, 1, 1, 0, oh, ow))
 
     # dcols (K, N*OH*OW) = W^T (K, F) @ dY, then the col2im gather into dx. W^T is made
     # explicitly (it is small) so A is read along rows: ~2x faster than a strided W^T view.

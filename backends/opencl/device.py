@@ -3,9 +3,8 @@
     list_devices()          every device of every platform, as plain dicts (for a CLI table)
     select_device(spec)     one pyopencl Device: "P:D", a kind, a name substring, or the default
 
-The default is ``$TINYCONV_OPENCL_DEVICE`` if set, else the first GPU, else the
-first device of any kind. A machine with no OpenCL runtime at all raises
-``NoOpenCLDevice`` saying how to install one, never a bare pyopencl traceback.
+A machine with no OpenCL runtime at all raises ``NoOpenCLDevice`` saying how to install one,
+never a bare pyopencl traceback.
 """
 
 from __future__ import annotations
@@ -31,13 +30,9 @@ class NoOpenCLDevice(RuntimeError):
 
 def device_kind(device: cl.Device) -> str:
     """'gpu', 'cpu', 'accelerator' or 'other', from the device type bits."""
-    t = device.type
-    if t & cl.device_type.GPU:
-        return "gpu"
-    if t & cl.device_type.CPU:
-        return "cpu"
-    if t & cl.device_type.ACCELERATOR:
-        return "accelerator"
+    for kind in ("gpu", "cpu", "accelerator"):
+        if device.type & getattr(cl.device_type, kind.upper()):
+            return kind
     return "other"
 
 
@@ -99,18 +94,14 @@ def select_device(spec: str | None = None) -> cl.Device:
     if set, else the first GPU, else the first device.
     """
     found = _all_devices()
-    if spec is None:
-        spec = os.environ.get(ENV_DEVICE, "").strip() or None
-    if spec is None:
+    spec = (spec or os.environ.get(ENV_DEVICE, "")).strip()
+    if not spec:
         gpus = [f for f in found if device_kind(f[3]) == "gpu"]
         return (gpus or found)[0][3]
-    spec = spec.strip()
-    m = re.fullmatch(r"(\d+):(\d+)", spec)
-    if m:
-        pi, di = int(m.group(1)), int(m.group(2))
-        for fpi, fdi, _, d in found:
-            if (fpi, fdi) == (pi, di):
-                return d
+    by_index = {f"{pi}:{di}": d for pi, di, _, d in found}
+    if spec in by_index:
+        return by_index[spec]
+    if re.fullmatch(r"\d+:\d+", spec):
         raise ValueError(f"no OpenCL device {spec!r} (platform:device); devices: {_table(found)}")
     want = spec.lower()
     if want in ("gpu", "cpu", "accelerator"):

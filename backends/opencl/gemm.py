@@ -2,19 +2,14 @@
 
     C (M x N) = A (M x K) @ B (K x N) [+ bias per row]
 
-A and C are strided views of existing buffers (``AView``, ``CView``); B comes
-packed in column panels of width NB by a callback, because the best NB depends
-on the kernel variant (see the header of gemm.cl for the index maps, and
-gemm_configs.py for the variants).
+A and C are strided views of existing buffers (``AView``, ``CView``); B comes packed in column
+panels of width NB by a callback, because the best NB depends on the kernel variant (see the
+header of gemm.cl for the index maps, and gemm_configs.py for the variants).
 
-How a variant is chosen
------------------------
-Every configuration that fits the device's limits (work-group size, local memory,
-preferred vector width) and that its compiler builds is a candidate. A GEMM big enough
-for the choice to matter (>= ``TUNE_MIN_FLOP``) is timed with each candidate the first
-time its shape is seen, and the winner is kept per device, driver and gemm.cl source in a
-small JSON file in the user cache directory (tune_file.py): later runs start tuned, and
-another runtime, an upgrade or an edited kernel re-tunes. Smaller GEMMs use the device's default.
+How a variant is chosen: every configuration that fits the device's limits and that its compiler
+builds is a candidate. A GEMM big enough for the choice to matter (>= ``TUNE_MIN_FLOP``) is timed
+with each candidate the first time its shape is seen, and the winner kept in the tune file
+(tune_file.py): later runs start tuned. Smaller GEMMs use the device's default.
 """
 
 from __future__ import annotations
@@ -24,12 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
-from backends.opencl.gemm_configs import Config, DeviceLimits, candidates, cdiv, config_from_json, config_to_json
+from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json, config_to_json
 from backends.opencl.tune_file import load_entry, save_entry, source_digest
 
 log = logging.getLogger(__name__)
@@ -69,39 +65,28 @@ class CView:
 
 
 class Gemm:
-    """Runs C = A @ B (+ bias) on one context and queue, choosing and remembering the variant."""
+    """Runs C = A @ B (+ bias) on the device of ``rt``, the ClRuntime that owns it (its programs, queue,
+    buffers and profile), choosing and remembering the variant."""
 
-    def __init__(
-        self,
-        program: Callable[[str, str], cl.Program],
-        queue: cl.CommandQueue,
-        limits: DeviceLimits,
-        empty: Callable[[int], cla.Array],
-        autotune: bool,
-        tune_file: Path,
-        ran: Callable[[str, cl.Event], None] | None = None,
-    ) -> None:
-        self.program, self.queue, self.limits, self.empty = program, queue, limits, empty
+    def __init__(self, rt: Any, autotune: bool, tune_file: Path) -> None:
+        self.rt, self.queue, self.limits = rt, rt.queue, rt.limits
         self.autotune, self.tune_file = autotune, tune_file
-        self.ran = ran or (lambda name, event: None)  # each kernel's event, for a profile
         self.tag = ""  # the call site of the GEMM running now, for that profile
         self.chosen: dict[str, Config] = {}  # shape key -> config, this process
-        # Choices are kept per device, driver and GEMM source: another runtime, an upgrade or an
-        # edited kernel re-tunes instead of reusing a choice timed on something else.
-        self.tune_key = f"{limits.key} | gemm.cl {source_digest()}"
+        self.tune_key = f"{self.limits.key} | gemm.cl {source_digest()}"
         self._kernels: dict[tuple[str, str], cl.Kernel] = {}
         # the device's preferred vector width first, narrower ones only if none of those builds
         tried: list[Config] = []
         self.candidates: list[Config] = []
-        vw = limits.vector_width
+        vw = self.limits.vector_width
         while not self.candidates and vw >= 4:
-            fitting = candidates(limits, vw)
+            fitting = candidates(self.limits, vw)
             self.candidates = [cfg for cfg in fitting if self._builds(cfg)]
             tried += fitting
             vw //= 2
         if not self.candidates:
             raise RuntimeError(
-                f"no GEMM configuration builds on this device ({limits.key}); tried "
+                f"no GEMM configuration builds on this device ({self.limits.key}); tried "
                 f"{', '.join(cfg.options() for cfg in tried) or 'none: none fits its limits'}"
             )
 
@@ -130,14 +115,18 @@ class Gemm:
     ) -> None:
         """C = A @ B (+ bias[m]). ``pack_b(nb)`` returns B in panels of width nb. ``tag`` names the
         call site (the layout of A and C) for the tune file."""
-        cfg = self.config(tag, m, n, k, a, pack_b, c, bias)
+
+        def run(cfg: Config) -> None:
+            self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+
+        cfg = self.config(f"{tag} M{m} N{n} K{k} KI{min(a.ki, k)}", 2.0 * m * n * k, run)
         self.tag = tag
-        self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+        run(cfg)
 
     def kernel(self, options: str, name: str) -> cl.Kernel:
         key = (options, name)
         if key not in self._kernels:
-            self._kernels[key] = cl.Kernel(self.program("gemm.cl", options), name)
+            self._kernels[key] = cl.Kernel(self.rt.program("gemm.cl", options), name)
         return self._kernels[key]
 
     def splits(self, cfg: Config, m: int, n: int, k: int) -> int:
@@ -161,51 +150,32 @@ class Gemm:
         a_args = (a.buf, i32(a.sm), i32(a.sk), i32(a.ki), i32(a.skb))
         c_args = (c.buf, i32(c.sm), i32(c.sn), i32(c.ni), i32(c.snb))
         bias_args = (None if bias is None else bias.data, i32(bias is not None))
+        partial = self.rt.empty((s * m * n,)) if s > 1 else None  # (s, m, n) row-major, summed into C below
+        out = (partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0)) if s > 1 else (*c_args, *bias_args)
+        self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *out))
         if s == 1:
-            self.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *c_args, *bias_args))
             return
-        partial = self.empty(s * m * n)  # (s, m, n) row-major, summed into C below
-        partial_args = (partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0))  # a plain C, no bias
-        self.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *partial_args))
         wg = min(64, self.limits.max_work_group_size)
         total = self.kernel("", "gemm_sum_splits")
         event = total(
             self.queue, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data, *c_args, *bias_args
         )
-        self.ran(f"gemm {self.tag} split-K sum", event)
+        self.rt.ran(f"gemm {self.tag} split-K sum", event)
 
     # ---- choosing -----------------------------------------------------------------
-    def config(
-        self,
-        tag: str,
-        m: int,
-        n: int,
-        k: int,
-        a: AView,
-        pack_b: Callable[[int], cla.Array],
-        c: CView,
-        bias: cla.Array | None,
-    ) -> Config:
-        key = f"{tag} M{m} N{n} K{k} KI{min(a.ki, k)}"
+    def config(self, key: str, flop: float, run: Callable[[Config], None]) -> Config:
+        """The variant for the GEMM ``key`` (call site and shape): chosen once per process, timed
+        with ``run`` when it is worth it, or remembered from the tune file."""
         if key in self.chosen:
             return self.chosen[key]
         cfg = self.candidates[0]
-        if self.autotune and 2.0 * m * n * k >= TUNE_MIN_FLOP and len(self.candidates) > 1:
-            cfg = self._load(key) or self._tune(key, m, n, k, a, pack_b, c, bias)
+        if self.autotune and flop >= TUNE_MIN_FLOP and len(self.candidates) > 1:
+            saved = config_from_json(load_entry(self.tune_file, self.tune_key, key) or {})
+            cfg = saved if saved in self.candidates else self._tune(key, run)  # a choice it can still run
         self.chosen[key] = cfg
         return cfg
 
-    def _tune(
-        self,
-        key: str,
-        m: int,
-        n: int,
-        k: int,
-        a: AView,
-        pack_b: Callable[[int], cla.Array],
-        c: CView,
-        bias: cla.Array | None,
-    ) -> Config:
+    def _tune(self, key: str, run: Callable[[Config], None]) -> Config:
         """Time every candidate (packing included: it depends on NB) and keep the fastest.
 
         Each candidate runs once to compile (PoCL builds work-group code on first launch), then
@@ -215,7 +185,7 @@ class Gemm:
 
         def once(cfg: Config) -> float:
             t0 = time.perf_counter()
-            self.run(cfg, m, n, k, a, pack_b(cfg.nb), c, bias)
+            run(cfg)
             self.queue.finish()
             return time.perf_counter() - t0
 
@@ -228,13 +198,5 @@ class Gemm:
         log.info(
             "gemm %s: %s (%s)", key, best, ", ".join(f"{cf.options()} {t * 1e3:.1f} ms" for cf, t in times.items())
         )
-        self._save(key, best, times[best])
+        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(best), "ms": round(times[best] * 1e3, 3)})
         return best
-
-    def _load(self, key: str) -> Config | None:
-        entry = load_entry(self.tune_file, self.tune_key, key)
-        cfg = config_from_json(entry) if entry is not None else None
-        return cfg if cfg in self.candidates else None  # only choices this device can still run
-
-    def _save(self, key: str, cfg: Config, seconds: float) -> None:
-        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(cfg), "ms": round(seconds * 1e3, 3)})

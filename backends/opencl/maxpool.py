@@ -28,26 +28,19 @@ def plane_defines(window: str, h: int, w: int, group: int) -> str:
     return f"{window} -DPLANE_H={h} -DPLANE_W={w} -DPLANE_GROUP={group}"
 
 
-def pool_group(rt: ClRuntime, h: int, w: int, planes: int) -> int:
-    """Planes per work-item of the planes kernels: about POOL_WALK elements, and at least 4
-    items per compute unit while there are planes for them."""
-    per_unit = max(1, planes // (4 * rt.limits.compute_units))
-    return max(1, min(POOL_WALK // (h * w), per_unit))
-
-
-def _launch_at(
-    rt: ClRuntime, name: str, dims: tuple[int, ...], offset: tuple[int, ...], args: tuple, defines: str
-) -> None:
-    """rt.launch of one block of a grid, at a global offset (the first and last plane)."""
-    knl, _ = rt.kernel(name, defines)
-    rt.ran(name, knl(rt.queue, dims, None, *args, global_offset=offset))
+def _planes(rt: ClRuntime, name: str, shape: tuple[int, ...], window: str, args: tuple) -> None:
+    """Launch the planes kernel ``name`` (a work-item walks whole planes of the (N, C, H, W) input, their
+    size compiled in) with about POOL_WALK elements an item, and at least 4 items per compute unit while
+    there are planes for them."""
+    n, c, h, w = shape
+    per_unit = max(1, n * c // (4 * rt.limits.compute_units))
+    group = max(1, min(POOL_WALK // (h * w), per_unit))
+    rt.launch(name, cdiv(n * c, group), *args, defines=plane_defines(window, h, w, group), rows=True)
 
 
 def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, padding: int = 0) -> tuple[cla.Array, Cache]:
     """x (N, C, H, W) -> (y (N, C, OH, OW), cache), padding counting as -inf."""
     x = rt.operand(x, "maxpool x")
-    if x.ndim != 4:
-        raise ValueError(f"maxpool: expected an (N, C, H, W) input, got {x.shape}")
     n, c, h, w = x.shape
     if kernel < 1 or stride < 1 or not 0 <= 2 * padding <= kernel:
         raise ValueError(
@@ -60,15 +53,14 @@ def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, paddi
     geometry = (i32(h), i32(w), i32(oh), i32(ow), i32(n * c))
     window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
     args = (x.data, *geometry, y.data, arg.data)
-    if rt.rows:  # optimisation (see ops.cl): a work-item walks a plane, its size compiled in
-        group = pool_group(rt, h, w, n * c)
-        build = plane_defines(window, h, w, group)
-        rt.launch("maxpool_forward_planes", cdiv(n * c, group), *args, defines=build, rows=True)
+    if rt.rows:  # optimisation (see ops.cl): a work-item walks a plane
+        _planes(rt, "maxpool_forward_planes", x.shape, window, args)
     elif n * c <= 2:
         rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
     else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
-        for plane in (0, n * c - 1):
-            _launch_at(rt, "maxpool_forward", (ow, oh, 1), (0, 0, plane), args, window)
+        knl, _ = rt.kernel("maxpool_forward", window)
+        for plane in (0, n * c - 1):  # one plane of the grid, at a global offset
+            rt.ran("maxpool_forward", knl(rt.queue, (ow, oh, 1), None, *args, global_offset=(0, 0, plane)))
         rt.launch("maxpool_forward_inner", (ow, oh, n * c - 2), *args, defines=window)
     return y, (x.shape, arg, geometry, window)
 
@@ -82,10 +74,8 @@ def backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
     dx = rt.empty(x_shape)
     n, c, h, w = x_shape
     args = (dy.data, arg.data, *geometry, dx.data)
-    if rt.rows:  # optimisation (see ops.cl): a work-item scatters a plane's dy, its size compiled in
-        group = pool_group(rt, h, w, n * c)
-        build = plane_defines(window, h, w, group)
-        rt.launch("maxpool_backward_planes", cdiv(n * c, group), *args, defines=build, rows=True)
+    if rt.rows:  # optimisation (see ops.cl): a work-item scatters a plane's dy
+        _planes(rt, "maxpool_backward_planes", x_shape, window, args)
     else:
         rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
     return dx

@@ -24,75 +24,38 @@ def lrn_defines(before: int, after: int, beta: float) -> str:
     return f"-DLRN_BEFORE={before} -DLRN_AFTER={after} -DLRN_BETA_075={int(beta == 0.75)}"
 
 
-def _lrn_input(rt: ClRuntime, x: cla.Array, size: int, what: str) -> cla.Array:
-    x = rt.operand(x, f"{what} x")
-    if x.ndim != 4 or size < 1:
-        raise ValueError(f"{what}: expected an (N, C, H, W) input and size >= 1, got {x.shape} and {size}")
-    return x
-
-
-def _lrn_dy(rt: ClRuntime, dy: cla.Array, x: cla.Array, what: str) -> cla.Array:
-    dy = rt.operand(dy, f"{what} dy")
-    if dy.shape != x.shape:
-        raise ValueError(f"{what}_backward: dy {dy.shape} does not match the forward input {x.shape}")
-    return dy
-
-
 def lrn_forward(
-    rt: ClRuntime, x: cla.Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
+    rt: ClRuntime, x: cla.Array, size: int, alpha: float, beta: float, k: float, relu: bool = False
 ) -> tuple[cla.Array, Cache]:
-    """x (N, C, H, W) -> y = x * s^-beta, s = k + alpha/size * (sum of x^2 over the channel window)."""
-    x = _lrn_input(rt, x, size, "lrn")
+    """x (N, C, H, W) -> y = r * s^-beta, s = k + alpha/size * (sum of r^2 over the channel window),
+    r = x, or with ``relu`` r = max(x, 0): ReLU then LRN as one kernel (an optimisation beside the
+    two, which stay: ops.cl reads the map once and writes it once). The fused cache holds the ReLU's
+    input x, not r, and s but not p = s^-beta: the backward recomputes both, so neither is written."""
+    x = rt.operand(x, "lrn x")
+    if x.ndim != 4 or size < 1:
+        raise ValueError(f"lrn: expected an (N, C, H, W) input and size >= 1, got {x.shape} and {size}")
     before, after = size // 2, (size - 1) // 2
-    build = lrn_defines(before, after, beta)
     n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
-    y, s, p = rt.empty(x.shape), rt.empty(x.shape), rt.empty(x.shape)
+    maps = [rt.empty(x.shape) for _ in range(2 if relu else 3)]  # y, s and (plain LRN) p
     constants = (i32(c), i32(hw), i32(n), F32(alpha / size), F32(k), F32(beta))
-    outputs = (y.data, s.data, p.data)
-    rt.planes("lrn_forward", n, c, hw, x.data, *constants, *outputs, defines=build)
-    return y, (x, y, s, p, size, alpha, beta, before, after)
+    name, build = "relu_lrn_forward" if relu else "lrn_forward", lrn_defines(before, after, beta)
+    rt.planes(name, n, c, hw, x.data, *constants, *(a.data for a in maps), defines=build)
+    return maps[0], (relu, x, maps, size, alpha, beta, before, after)
 
 
 def lrn_backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
-    """dy (N, C, H, W) -> dx."""
-    x, y, s, p, size, alpha, beta, before, after = cache
-    build = lrn_defines(before, after, beta)
-    dy = _lrn_dy(rt, dy, x, "lrn")
+    """dy (N, C, H, W) -> dx, through the LRN (and then the ReLU, for the fused op's cache)."""
+    relu, x, maps, size, alpha, beta, before, after = cache
+    dy = rt.operand(dy, "lrn dy")
+    if dy.shape != x.shape:
+        raise ValueError(f"lrn_backward: dy {dy.shape} does not match the forward input {x.shape}")
     n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
     dx = rt.empty(x.shape)
-    inputs = (dy.data, x.data, y.data, s.data, p.data)
-    constants = (i32(c), i32(hw), i32(n), F32(2.0 * alpha * beta / size))
-    rt.channel_walk("lrn_backward", n, c, hw, *inputs, *constants, dx.data, defines=build)
-    return dx
-
-
-# An optimisation beside relu_* and lrn_*, which stay: ReLU then LRN as one kernel each way
-# (ops.cl: read the map once, write it once). The cache holds the ReLU's input x, not its
-# output, and s but not p = s^-beta: the backward recomputes both, so neither is ever written.
-def relu_lrn_forward(
-    rt: ClRuntime, x: cla.Array, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
-) -> tuple[cla.Array, Cache]:
-    """x (N, C, H, W) -> y = lrn(relu(x))."""
-    x = _lrn_input(rt, x, size, "relu_lrn")
-    before, after = size // 2, (size - 1) // 2
-    build = lrn_defines(before, after, beta)
-    n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
-    y, s = rt.empty(x.shape), rt.empty(x.shape)
-    constants = (i32(c), i32(hw), i32(n), F32(alpha / size), F32(k), F32(beta))
-    rt.planes("relu_lrn_forward", n, c, hw, x.data, *constants, y.data, s.data, defines=build)
-    return y, (x, y, s, size, alpha, beta, before, after)
-
-
-def relu_lrn_backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
-    """dy (N, C, H, W) -> dx, through the LRN and then the ReLU."""
-    x, y, s, size, alpha, beta, before, after = cache
-    build = lrn_defines(before, after, beta)
-    dy = _lrn_dy(rt, dy, x, "relu_lrn")
-    n, c, hw = x.shape[0], x.shape[1], x.shape[2] * x.shape[3]
-    dx = rt.empty(x.shape)
-    constants = (i32(c), i32(hw), i32(n), F32(beta), F32(2.0 * alpha * beta / size))
-    inputs = (dy.data, x.data, y.data, s.data)
-    rt.channel_walk("relu_lrn_backward", n, c, hw, *inputs, *constants, dx.data, defines=build)
+    inputs = (dy.data, x.data, *(a.data for a in maps))
+    scale = F32(2.0 * alpha * beta / size)
+    constants = (i32(c), i32(hw), i32(n), F32(beta), scale) if relu else (i32(c), i32(hw), i32(n), scale)
+    name, build = "relu_lrn_backward" if relu else "lrn_backward", lrn_defines(before, after, beta)
+    rt.channel_walk(name, n, c, hw, *inputs, *constants, dx.data, defines=build)
     return dx
 
 
@@ -110,8 +73,6 @@ def batchnorm_forward(
     """x (N, C, H, W), gamma, beta and the running statistics (C,) -> y; in training the batch's
     statistics normalise and update the running ones in place, otherwise the running ones normalise."""
     x = rt.operand(x, "batchnorm x")
-    if x.ndim != 4:
-        raise ValueError(f"batchnorm: expected an (N, C, H, W) input, got {x.shape}")
     gamma, beta = rt.operand(gamma, "batchnorm gamma"), rt.operand(beta, "batchnorm beta")
     running_mean = rt.operand(running_mean, "batchnorm running_mean", in_place=True)
     running_var = rt.operand(running_var, "batchnorm running_var", in_place=True)

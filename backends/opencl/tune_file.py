@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import platformdirs  # a dependency of pyopencl
+
 log = logging.getLogger(__name__)
 
 ENV_TUNE_FILE = "TINYCONV_OPENCL_TUNE_FILE"  # where the tuned choices are kept
@@ -27,13 +29,7 @@ def default_tune_file() -> Path:
     """$TINYCONV_OPENCL_TUNE_FILE, else tinyconv/opencl-gemm.json in the user cache directory."""
     if os.environ.get(ENV_TUNE_FILE):
         return Path(os.environ[ENV_TUNE_FILE])
-    try:
-        import platformdirs  # a dependency of pyopencl
-
-        base = Path(platformdirs.user_cache_dir("tinyconv", False))
-    except ImportError:
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinyconv"
-    return base / "opencl-gemm.json"
+    return Path(platformdirs.user_cache_dir("tinyconv", False)) / "opencl-gemm.json"
 
 
 def source_digest() -> str:
