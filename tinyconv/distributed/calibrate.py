@@ -6,7 +6,7 @@ random values", and gives it kernels in proportion to its speed (eq. 1, ``balanc
 each sharded block -- the convolution and its fused tail -- on the same seeded random
 values (median of ``repeats`` runs after a warm-up), one participant at a time so that
 devices sharing a host do not slow each other's benchmark (:func:`time_everyone`); the
-master runs the very code the workers run (:func:`time_block`).
+master runs the very code the workers run (:func:`time_block`); a worker answers with :func:`calibrate`.
 
 A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain values::
 
@@ -17,6 +17,7 @@ A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain valu
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
+from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.rpc import Rpc
 from tinyconv.distributed.shard.block import block_backward, block_forward, check_tail, tail_output_hw
+from tinyconv.distributed.worker.state import WorkerState
 from transports.base import Message
 from transports.wire import Int
 
@@ -118,6 +121,32 @@ def time_block(be: Backend, spec: Spec, repeats: int) -> float:
 
     once()
     return statistics.median(once() for _ in range(repeats))
+
+
+def default_max_calibrate_bytes() -> int:
+    """Half this machine's physical memory, at least 2 GiB: what one calibration may allocate.
+
+    The cap keeps a master from making a worker allocate without bound, but it must admit what a
+    real training step at the same shapes allocates anyway (150:800 at batch 256 needs 2.3 GB to
+    time conv2, 500:1500 with its tail at batch 64 about 1.6 GB), so it follows the machine."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the old fixed cap
+        physical = 0
+    return max(1 << 31, physical // 2)
+
+
+def calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """The worker's handler of ``calibrate``: ``times``, seconds per layer, each the median of ``repeats``
+    runs after a warm-up, times the worker's slowdown."""
+    if not 1 <= h["repeats"] <= 1000:
+        raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+    if not h["layers"]:
+        raise TaskError("layers is empty: nothing to calibrate")
+    specs = [parse_spec(i, spec, state.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
+    times = [time_block(state.backend, spec, h["repeats"]) * state.slowdown for spec in specs]
+    release_freed_memory()  # the whole layers' memory, kept, would stay the run's peak (heap.py)
+    return {"times": times}
 
 
 # How many times slower than the reference a worker may be before its calibration counts as lost:

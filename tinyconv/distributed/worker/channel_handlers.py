@@ -38,8 +38,15 @@ from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
 from tinyconv.distributed.shard.by_channels import halo_sum, owned
-from tinyconv.distributed.worker.block_handlers import checked_tail
-from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, header_span, task_place, task_slot
+from tinyconv.distributed.worker.state import (
+    Handler,
+    OpenStep,
+    WorkerState,
+    checked_tail,
+    header_span,
+    task_place,
+    task_slot,
+)
 from transports.wire import Int
 
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, conv_output_size
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.shard.block import BlockCache
+from tinyconv.distributed.shard.block import BlockCache, check_tail, tail_output_hw
 from tinyconv.model import Network
 from transports.wire import Int
 
@@ -148,3 +148,15 @@ def header_span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
     if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):
         raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
     return v[0], v[1]
+
+
+def checked_tail(h: dict[str, Any], size: tuple[int, ...], kernel: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The task's tail, checked against the convolution's output size."""
+    if h["stride"] < 1 or h["padding"] < 0:
+        raise TaskError(f"layer {h['layer']}: need stride >= 1 and padding >= 0, got {h['stride']} and {h['padding']}")
+    try:
+        oh, ow = (conv_output_size(s, k, h["stride"], h["padding"]) for s, k in zip(size, kernel, strict=True))
+        tail_output_hw(oh, ow, check_tail(h["tail"]))
+    except ValueError as e:
+        raise TaskError(f"layer {h['layer']}: {e}") from None
+    return h["tail"]
