@@ -20,6 +20,7 @@ orphans, no ports left bound.
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from typing import Any
 from backends import get_backend
 from tinyconv.distributed.adaptive_precision import policy
 from tinyconv.distributed.conv_shapes import conv_shapes
-from tinyconv.distributed.protocol import VERSION, message_cap_bytes
+from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.replica.hybrid import Hybrid
 from tinyconv.distributed.replica.server import Replicas, replica_message_bytes
 from tinyconv.distributed.runtime import Runtime
@@ -129,9 +130,13 @@ def _check_options(parallel: str, options: dict[str, Any]) -> None:
 
 
 def message_cap(net: Network, batch_size: int, image_size: int, parallel: str = "model") -> int:
-    """The most bytes a task or result may carry at ``batch_size``: a sharded layer's arrays, and for
-    the splits of the batch twice the larger of those and a replica's weights and slices."""
-    cap = message_cap_bytes([(c.x, c.y, c.w) for c in conv_shapes(net, batch_size, image_size)])
+    """The most bytes a task or result may carry at ``batch_size``, at least 1 MiB. Of a sharded layer, one layer's
+    x, two of its conv outputs (p_lo and p_hi may overlap), its weights and biases (the tails only shrink the maps,
+    the halos only widen a slice to at most F); for the splits of the batch, twice the larger of that and a
+    replica's weights and slices."""
+    convs = conv_shapes(net, batch_size, image_size)
+    biggest = max((math.prod(c.x) + 2 * math.prod(c.y) + math.prod(c.w) + c.w[0] for c in convs), default=0)
+    cap = max(1 << 20, 4 * biggest)
     return cap if parallel == "model" else 2 * max(replica_message_bytes(net, batch_size, image_size), cap)
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from backends.base import Backend, WireConversion
 from tinyconv.distributed import wire_precision
-from tinyconv.distributed.protocol import RESULT_ARRAYS, TASKS, TaskError
+from tinyconv.distributed.protocol import TASKS, TaskError
 from tinyconv.distributed.wire_precision import Declared, Narrowed
 from transports.base import Message
 from transports.wire import ProtocolError, check_fields
@@ -82,7 +82,7 @@ class Narrowing:
         """A float32 task as it goes: its arrays narrowed, its result asked for in the same formats;
         and how many of its arrays fell back to float32."""
         arrays, narrow, fell_back = narrowed(msg.arrays, self.formats)
-        reply = {name: f for name, f in self.formats.items() if name in RESULT_ARRAYS[msg.kind] and f != "fp32"}
+        reply = {name: f for name, f in self.formats.items() if name in TASKS[msg.kind].result.split() and f != "fp32"}
         header = msg.header | ({"narrow": narrow} if narrow else {}) | ({"reply": reply} if reply else {})
         return Message(msg.kind, header, arrays), fell_back
 
@@ -111,9 +111,9 @@ def decode_task(msg: Message, backend: Backend, on_backend: frozenset[str]) -> t
         check_fields(msg.kind, {k: msg.header[k] for k in _KEYS if k in msg.header}, {}, dict.fromkeys(_KEYS, dict))
     except ProtocolError as e:
         raise TaskError(str(e)) from None
-    narrow = _declarations(msg.kind, msg, TaskError, TASKS[msg.kind].labels)
+    narrow = _declarations(msg.kind, msg, TaskError, frozenset(TASKS[msg.kind].labels.split()))
     reply = msg.header.get("reply", {})
-    _check_formats(f"{msg.kind}'s reply", reply, RESULT_ARRAYS[msg.kind], TaskError)
+    _check_formats(f"{msg.kind}'s reply", reply, set(TASKS[msg.kind].result.split()), TaskError)
 
     def there(name: str, carried: np.ndarray, declared: Declared) -> Any:
         if name not in on_backend or not isinstance(declared, str):  # s8's declaration is a list: host
