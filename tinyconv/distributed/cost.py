@@ -1,12 +1,8 @@
-"""The affine cost model the rebalancer (``rebalance.py``) moves kernels by.
+"""The affine cost model the rebalancer (``rebalance.py``, which says why affine) moves kernels by.
 
-The paper's eq. 1 (``balance.py``) gives each participant kernels in proportion to its speed,
-i.e. it models a participant's time as proportional to its kernels. Measured, a participant's
-time has a fixed part too -- split by kernels, every participant builds the im2col columns of
-the whole input whatever its k, and a GPU adds launch and transfer latency -- so here it is
-affine, t_i(k) = a_i + b_i k: :func:`fit_affine_cost` fits the line to the measurements, and
-:func:`equal_finish_kernels` solves for the split that makes everyone finish together. Pure
-arithmetic on small lists: no I/O, no clocks.
+A participant's time is t_i(k) = a_i + b_i k for k kernels: :func:`fit_affine_cost` fits the line
+to its measurements, :func:`equal_finish_kernels` solves for the split that makes everyone finish
+together. Pure arithmetic on small lists: no I/O, no clocks.
 """
 
 from __future__ import annotations
