@@ -6,11 +6,8 @@
         loss, logits = cluster.train_batch(net, x, y)                # the convolutions run in shards
         print(cluster.last_step["shares"])
 
-:func:`distribute` starts the workers (:func:`worker_pool`) and builds the runtime of the
-parallelism asked for -- ``parallel="model"``: the :class:`~tinyconv.distributed.shard.cluster.Cluster`,
-which puts a ShardedBlock in the network for each convolution; "data" and "hybrid": a split of
-each batch by images (``replica/``) -- times every participant and splits the work by the
-paper's eq. 1. Closing it puts the network's own layers back and stops the workers.
+:func:`distribute` starts the workers (:func:`worker_pool`), builds the runtime of the parallelism
+asked for and times everyone to split the work by the paper's eq. 1; closing it stops the workers.
 
 :func:`worker_pool` is a context manager, so the workers go away whatever happens (a
 finished run, an exception, Ctrl-C): the transport tells every worker the training is
@@ -358,24 +355,17 @@ def spawn_local_workers(
     backend: str = "numpy",
     extra_args: Sequence[str] = (),
     threads: int | None = None,
-    quiet: bool = True,
     stderr: int | None = None,
 ) -> list[subprocess.Popen]:
-    """Start ``n`` worker processes on this machine that connect to ``connect``.
+    """Start ``n`` quiet worker processes on this machine that connect to ``connect``.
 
     They stay in this process's group, so a Ctrl-C reaches them too; and each exits on its own
     within its ``--timeout`` and ``--retry-for`` (see :func:`worker_pool`) if this process dies. Stop them with
     :func:`stop_workers` after closing the transport. ``stderr``: theirs (default: this
     process's; ``subprocess.PIPE`` for a pipe that the caller must read).
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    if quiet:
-        cmd.append("--quiet")
-    cmd += list(extra_args)
+    cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend, "--quiet"]
+    cmd += (["--threads", str(threads)] if threads else []) + list(extra_args)
     return [subprocess.Popen(cmd, stderr=stderr) for _ in range(n)]
 
 
