@@ -46,6 +46,7 @@ class Runtime:
     worker's; "0" -- it only coordinates. ``rebalance``: follow the measured times, compute and
     transfers (``rebalancer`` to tune it). ``recv_timeout``: seconds every worker has to answer one
     op or its calibration at most. ``calibration_repeats``: timed runs per participant (their median).
+    ``image_size``: the side of the images it calibrates on.
 
     A subclass sets ``parallel`` (the metrics' name for it), ``splits`` (what its plans count) and
     writes ``_units``, ``_apportion``, ``_time_all``, ``_time_joiner`` and ``train_batch``.
@@ -65,6 +66,7 @@ class Runtime:
         rebalancer: Rebalancer | None = None,
         recv_timeout: float = 120.0,
         calibration_repeats: int = 3,
+        image_size: int = 32,
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -82,6 +84,7 @@ class Runtime:
         self.placement += [(f"worker{w.index}", w.index) for w in self.workers]
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
         self.recv_timeout, self.calibration_repeats = float(recv_timeout), calibration_repeats
+        self.image_size = image_size
         self.counts: dict[str, list[int]] = {}  # unit (a layer, "batch") -> its count per participant
         self.channel_counts: dict[str, list[int]] = {}  # layer -> input channels per participant, if split by them
         self.timings: dict[str, dict[str, float]] = {}  # participant -> unit -> calibrated seconds

@@ -32,7 +32,6 @@ import numpy as np
 from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats, batch_record
 from tinyconv.distributed.calibrate import SLOWER
-from tinyconv.distributed.rebalance import Rebalancer
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.replica import spec_of
 from tinyconv.distributed.rpc import Lost, Op
@@ -83,32 +82,15 @@ class Slices:
 
 
 class BatchSplit(Runtime):
-    """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images.
-
-    ``image_size``: the side of the network's images. ``master_share``, ``rebalance``,
-    ``rebalancer``, ``recv_timeout``, ``calibration_repeats``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
-    """
+    """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images;
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s."""
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
     gives_away = "its images go"  # a lost worker's, in the log
     calibrate_task = "?"  # the task a worker times its slice's work with
 
-    def __init__(
-        self,
-        transport: Transport,
-        workers: Sequence[WorkerInfo],
-        backend: Backend,
-        master_share: str = "auto",
-        rebalance: bool = True,
-        rebalancer: Rebalancer | None = None,
-        recv_timeout: float = 120.0,
-        calibration_repeats: int = 3,
-        image_size: int = 32,
-    ) -> None:
-        super().__init__(
-            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
-        )
-        self.image_size = image_size
+    def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
+        super().__init__(transport, workers, backend, **options)
         self.calibrated_batch = 0  # the images everyone was timed on
         self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
         self._spec: dict[str, Any] | None = None

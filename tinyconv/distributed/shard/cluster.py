@@ -37,7 +37,6 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import LayerStep, step_record
 from tinyconv.distributed.adaptive_precision import formats_of, policy
 from tinyconv.distributed.calibrate import time_everyone
-from tinyconv.distributed.rebalance import Rebalancer
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion
 from tinyconv.distributed.shard.block import tail_of
@@ -70,9 +69,8 @@ class Cluster(Runtime):
     they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
-    ``image_size``: the side of the images :meth:`calibrate` times the layers on.
-    ``master_share``, ``rebalance``, ``rebalancer``, ``recv_timeout`` (also the most before a
-    link is measured: :meth:`timeout`), ``calibration_repeats``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most
+    before a link is measured: :meth:`timeout`).
     """
 
     parallel = "model"
@@ -83,20 +81,13 @@ class Cluster(Runtime):
         transport: Transport,
         workers: Sequence[WorkerInfo],
         backend: Backend,
-        master_share: str = "auto",
         split: str = "auto",
         fuse: bool = True,
-        rebalance: bool = True,
-        rebalancer: Rebalancer | None = None,
-        recv_timeout: float = 120.0,
-        calibration_repeats: int = 3,
         wire_precision: str = "fp32",
         pipeline: int = PIPELINE,
-        image_size: int = 32,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
-        )
+        super().__init__(transport, workers, backend, **options)
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not (isinstance(pipeline, int) and pipeline >= 0):
@@ -110,7 +101,6 @@ class Cluster(Runtime):
         self.pipeline = pipeline
         self.fuse = fuse
         self.blocks: list[ShardedBlock] = []  # of the attached network, in order
-        self.image_size = image_size  # the side of the images it is calibrated on
         self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
