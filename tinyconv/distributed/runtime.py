@@ -142,8 +142,9 @@ class Runtime:
 
     # ---- shares -------------------------------------------------------------------------------
     def calibrate(self, net: Network, batch_size: int) -> dict[str, Any]:
-        """Time every participant on each unit for ``batch_size`` images and split each by eq. 1.
-        Returns, and keeps::
+        """Time every participant on each unit for ``batch_size`` images and split each by eq. 1. The
+        times also go to the rebalancer as each participant's for the whole unit: with the first step's,
+        at the calibrated split, it has two counts to fit a fixed and a per-unit cost by. Returns, and keeps::
 
             {"participants": [...], "times": {unit: [s, ...]}, "shares": {unit: [count, ...]},
              "channel_shares": {layer: [channels, ...]}}    # layers split by input channels

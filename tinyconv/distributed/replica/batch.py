@@ -4,16 +4,10 @@ Data parallelism (``server.py``: whole replicas) and the hybrid (``hybrid.py``: 
 convolutional part by data, the classifier on the master) both share each batch out by
 images: one unit, ``"batch"``, whose count per participant is its images. Who takes part,
 calibration and eq. 1, lost and joining workers are the runtime's (``tinyconv/distributed/runtime.py``);
-here is what a split of the batch adds, once for both:
-
-* calibration: everyone times one slice's work on the whole batch (the master locally, each
-  worker with the subclass's calibration task), eq. 1 and largest remainder give whole images;
-* :class:`Slices`: the step's images per participant, their spans of the batch, and the sums in
-  participant order that every step ends with;
-* a worker lost during a step: its images go to the others and the step runs again from the start;
-* the rebalancer, with images as its units: each participant's ready time is its compute plus its
-  bytes at its link's measured rate, summed over the step's ops;
-* the step's record, with the model-parallel cluster's keys (:func:`~tinyconv.distributed.accounting.batch_record`).
+here is what a split of the batch adds, once for both: everyone timed on one slice's work on the
+whole batch (the master locally, a worker with the subclass's calibration task); the step's
+:class:`Slices`; a step run again from the start when a worker is lost; the rebalancer with images
+as its units; and the step's record, with the model-parallel cluster's keys (``accounting.py``).
 
 A subclass sets ``parallel`` (the name in the metrics), ``calibrate_task`` (the task kind a
 worker times itself with) and writes ``_time_own`` (the master's timing), ``_start`` (what a

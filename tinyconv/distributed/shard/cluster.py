@@ -6,21 +6,12 @@
                                                      # asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
-Participants, in this order everywhere (plans, shares, times): the master first if it
-takes part (``master_share="auto"``), then the workers by index; named "master",
-"worker0", .... A step ends when the gradient has come back through every sharded
-layer, i.e. with the backward of the first one: the cluster then records it
-(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which
-changes, if at all, from the next step on -- never between a forward and its backward.
-
-Workers come and go. One that is gone, silent past its op's timeout or returning
-non-finite numbers from finite inputs is *lost*: its share goes to the others (the master
-included, which holds every weight and can always finish alone) and the op runs again
-(:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
-the layers' shapes and given a share at the next step boundary. Either way each layer is
-split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
-records it. That much every parallelism shares (``tinyconv/distributed/runtime.py``); this file is
-what the paper's split adds: the sharded layers, their plans, deadlines and step records.
+Who takes part and in which order, a worker lost (its share goes to the others and the op runs
+again) or joining, calibration by eq. 1 and deadlines are every parallelism's (``runtime.py``);
+this file is what the paper's split adds: the sharded layers, their plans, deadlines and step
+records. A step ends with the backward of the first sharded layer: the cluster then records it
+(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which changes, if
+at all, from the next step on -- never between a forward and its backward.
 """
 
 from __future__ import annotations
@@ -123,7 +114,8 @@ class Cluster(Runtime):
                 i += 1
                 continue
             tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
-            block = ShardedBlock(self, len(self.blocks), layer, tail, self._by_channels(layer))
+            by_channels = layer.need_dx and self.split_by_channels  # the first conv needs no dX: by kernels
+            block = ShardedBlock(self, len(self.blocks), layer, tail, by_channels)
             self.blocks.append(block)
             layers.append(block)
             i += 1 + len(tail)
@@ -152,18 +144,10 @@ class Cluster(Runtime):
         return forward_backward(net, x, y, smoothing)
 
     def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
-        """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
-        ``batch_size`` images of ``image_size`` pixels (default: the cluster's), and split each layer
-        by the paper's eq. 1.
-
-        The times also go to the rebalancer, if any, as each participant's time for all F kernels
-        (all C channels) of the layer: with the first step's, at the calibrated split, it has two
-        counts per participant to fit its fixed and per-unit cost (``cost.py``). Returns, and keeps::
-
-            {"participants": [...], "times": {"conv1": [s, ...], ...},
-             "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
-             "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
-        """
+        """Attach ``net`` and calibrate as :meth:`Runtime.calibrate
+        <tinyconv.distributed.runtime.Runtime.calibrate>` does, each sharded layer's shape timed
+        (``calibrate.py``) on ``image_size`` pixels (default: the cluster's); the result also says
+        ``"shapes": {"conv1": {"x": [...], "w": [...]}, ...}``."""
         self.attach(net)
         self.image_size = image_size or self.image_size
         result = super().calibrate(net, batch_size)
@@ -234,10 +218,6 @@ class Cluster(Runtime):
             if channels is None or not _fits(channels, counts, c_in):
                 channels = self.channel_counts[block.name] = apportion([float(k) for k in counts], c_in)
         return Plan.of(self.placement, counts, block.tail, channels)
-
-    def _by_channels(self, conv: Conv2D) -> bool:
-        """Whether ``conv`` goes by input channels when it can (see _split_by_channels): it needs dX."""
-        return conv.need_dx and self.split_by_channels
 
     def _split_by_channels(self, block: ShardedBlock) -> bool:
         """Whether ``block`` is split by input channels now: it goes so, and has at least one input
