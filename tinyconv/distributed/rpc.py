@@ -1,23 +1,20 @@
 """Tasks out to the workers, results back: task ids, deadlines, early replies, clear errors.
 
-Each distributed op (the forward or the backward of one sharded layer) opens an
-:class:`Op`. It numbers every task it sends; :meth:`Op.gather` waits for the results of
-some of them, each within the timeout, and keeps any result of the op's other tasks that
-comes first for the gather that wants it. A result of a task no open op is waiting for
--- one an op gave up on -- is stale and dropped. A worker's ``error`` becomes a
-RuntimeError naming the worker and the op. A worker the op cannot count on -- gone
-(the transport's WorkerLost), silent past the timeout, or answering finite inputs with
-non-finite numbers -- ends the op with :class:`Lost`, naming each and why, so that the
-cluster can share its kernels among the others and run the op again. On the way the op
-counts what it cost (:meth:`Op.stats`), and each worker's link its seconds per byte
-(``link_speed.py``).
-
-An op's codec encodes a task right before it is sent and decodes a result right after it came,
-so the splits only ever see float32; the default is the identity (``wire_codec.py``).
+Each distributed op (the forward or the backward of one sharded layer) opens an :class:`Op`. It
+numbers every task it sends; :meth:`Op.gather` waits for the results of some of them, each within
+the timeout, and keeps a result that comes before its gather asks for it. A result no open op
+waits for (an op gave up on it) is stale and dropped. A worker's ``error`` becomes a RuntimeError
+naming it and the op. A worker the op cannot count on -- gone (the transport's WorkerLost), silent
+past the timeout, or answering finite inputs with non-finite numbers -- ends the op with
+:class:`Lost`, so that the runtime can share its work among the others and run the op again. On
+the way the op counts what it cost (:meth:`Op.stats`) and each worker's link its seconds per byte
+(``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
+and decodes each result as it comes, so the splits only ever see float32.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -45,11 +42,8 @@ class Lost(Exception):
 
 
 class Rpc:
-    """The master's side of the task protocol, over one transport.
-
-    ``clock``: seconds, monotonic; the deadlines and the links' samples read it (a test's fake
-    clock can drive both, with a transport that delivers by it).
-    """
+    """The master's side of the task protocol, over one transport. ``clock`` (monotonic seconds) times the
+    deadlines and the links' samples: a test's fake clock can drive both, with a transport that delivers by it."""
 
     def __init__(
         self,
@@ -65,7 +59,7 @@ class Rpc:
         self.timeout = float(timeout)
         self.clock = clock
         self.links: dict[int, LinkSpeed] = {}  # worker -> what its tasks measured of its link
-        self._next_task = 0
+        self.task_ids = itertools.count(1)
 
     def link(self, k: int) -> LinkSpeed:
         """Worker ``k``'s link (nothing measured yet for a new one)."""
@@ -79,10 +73,8 @@ class Rpc:
         timeout: float | None = None,
         codec: Codec | None = None,
     ) -> Op:
-        """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
-        share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
-        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather. ``codec``:
-        how its tasks and results go on the wire (default: as they are)."""
+        """A new op named ``what`` in errors ("forward of conv2"), the master's share on ``backend``; its
+        tasks carry ``fields`` (a layer's step and index), each gather waits ``timeout`` s (the Rpc's)."""
         return Op(self, what, backend, fields or {}, timeout or self.timeout, codec or Plain())
 
     def describe(self, k: int | None) -> str:
@@ -91,10 +83,6 @@ class Rpc:
         info = self.workers[k]
         where = info.hostname or info.address or "?"
         return f"worker {k} ({info.backend} on {info.device.get('device', '?')} at {where})"
-
-    def new_task_id(self) -> int:
-        self._next_task += 1
-        return self._next_task
 
 
 class _Sent(NamedTuple):
@@ -129,7 +117,7 @@ class Op:
     def send(self, worker: int, msg: Message) -> int:
         """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, encoded by the
         op's codec; returns its task id."""
-        task = self.rpc.new_task_id()
+        task = next(self.rpc.task_ids)
         msg.header.update(self.fields, task=task)
         wire, fell_back = self.codec.encode(msg)
         self.fallbacks += fell_back
@@ -227,9 +215,8 @@ class Op:
             return task, reply
 
     def _next(self, deadline: float, waiting: set[int]) -> tuple[int, Message, bool]:
-        """The next message from a worker, and whether the master waited for it: first what has come
-        already (while the master was busy: it arrived earlier), then what comes by ``deadline``
-        (it arrives now)."""
+        """The next message from a worker, and whether the master waited for it (it arrived now), or
+        not (it came while the master was busy); by ``deadline``."""
         try:
             try:
                 return *self.rpc.transport.recv(timeout=0.0), False
