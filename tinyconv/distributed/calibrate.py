@@ -29,8 +29,8 @@ from backends.base import Backend, conv_output_size
 from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.rpc import Rpc
-from tinyconv.distributed.shard.block import block_backward, block_forward, check_tail, tail_output_hw
-from tinyconv.distributed.worker.state import WorkerState
+from tinyconv.distributed.shard.block import block_backward, block_forward, tail_output_hw
+from tinyconv.distributed.worker.state import WorkerState, check_tail
 from transports.base import Message
 from transports.wire import Int
 

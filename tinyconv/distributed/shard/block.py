@@ -39,13 +39,6 @@ from typing import Any
 
 from backends.base import Array, Backend, conv_output_size
 from tinyconv.layers import Fused, LocalResponseNorm, MaxPool2D, ReLU
-from transports.wire import Int, Num
-
-TAIL_OPS = {  # op -> its parameters and their types
-    "relu": {},
-    "lrn": {"size": int, "alpha": float, "beta": float, "k": float},
-    "maxpool": {"kernel": int, "stride": int, "padding": int},
-}
 
 
 def tail_of(layers: list[Any]) -> list[dict[str, Any]]:
@@ -61,29 +54,6 @@ def tail_of(layers: list[Any]) -> list[dict[str, Any]]:
             tail.append({"op": "maxpool", "kernel": layer.kernel, "stride": layer.stride, "padding": layer.padding})
         else:
             break
-    return tail
-
-
-def check_tail(tail: Any) -> list[dict[str, Any]]:
-    """Raise ValueError unless ``tail`` is a list of valid specs; returns it."""
-    if not isinstance(tail, list):
-        raise ValueError(f"tail must be a list of layer specs, got {type(tail).__name__}")
-    for i, spec in enumerate(tail):
-        if not isinstance(spec, dict) or spec.get("op") not in TAIL_OPS:
-            raise ValueError(f"tail[{i}] must be a map with op one of {sorted(TAIL_OPS)}, got {spec!r:.200}")
-        params = TAIL_OPS[spec["op"]]
-        if set(spec) != {"op", *params}:
-            raise ValueError(f"tail[{i}] ({spec['op']}) needs exactly the keys {sorted(params)}, got {sorted(spec)}")
-        for key, kind in params.items():
-            v = spec[key]
-            if not (Int.accepts(v) if kind is int else Num.accepts(v)):
-                raise ValueError(f"tail[{i}].{key} must be a{'n int' if kind is int else ' number'}, got {v!r}")
-        if spec["op"] == "lrn" and not (1 <= spec["size"] <= 64 and spec["k"] > 0 and spec["beta"] >= 0):
-            raise ValueError(f"tail[{i}]: lrn needs 1 <= size <= 64, k > 0, beta >= 0, got {spec}")
-        if spec["op"] == "maxpool" and not (
-            spec["kernel"] >= 1 and spec["stride"] >= 1 and 0 <= spec["padding"] < spec["kernel"]
-        ):
-            raise ValueError(f"tail[{i}]: maxpool needs kernel >= 1, stride >= 1, 0 <= padding < kernel, got {spec}")
     return tail
 
 

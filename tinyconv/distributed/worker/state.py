@@ -1,4 +1,5 @@
-"""What a worker keeps between tasks: :class:`WorkerState`, the one object every task handler gets.
+"""What a worker keeps between tasks: :class:`WorkerState`, the one object every task handler gets; and the
+checks of a task's spans and tail that the handlers share.
 
 It holds the worker's backend and settings, the replica of data parallelism (``replica_handlers.py``),
 and for each layer whose step is under way an :class:`OpenStep`: what the layer's forward left for
@@ -29,9 +30,9 @@ import numpy as np
 
 from backends.base import Backend, conv_output_size
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.shard.block import BlockCache, check_tail, tail_output_hw
+from tinyconv.distributed.shard.block import BlockCache, tail_output_hw
 from tinyconv.model import Network
-from transports.wire import Int
+from transports.wire import Int, Num
 
 HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
 
@@ -160,3 +161,33 @@ def checked_tail(h: dict[str, Any], size: tuple[int, ...], kernel: tuple[int, ..
     except ValueError as e:
         raise TaskError(f"layer {h['layer']}: {e}") from None
     return h["tail"]
+
+
+TAIL_OPS = {  # op -> its parameters and their types
+    "relu": {},
+    "lrn": {"size": int, "alpha": float, "beta": float, "k": float},
+    "maxpool": {"kernel": int, "stride": int, "padding": int},
+}
+
+
+def check_tail(tail: Any) -> list[dict[str, Any]]:
+    """Raise ValueError unless ``tail`` is a list of valid specs; returns it."""
+    if not isinstance(tail, list):
+        raise ValueError(f"tail must be a list of layer specs, got {type(tail).__name__}")
+    for i, spec in enumerate(tail):
+        if not isinstance(spec, dict) or spec.get("op") not in TAIL_OPS:
+            raise ValueError(f"tail[{i}] must be a map with op one of {sorted(TAIL_OPS)}, got {spec!r:.200}")
+        params = TAIL_OPS[spec["op"]]
+        if set(spec) != {"op", *params}:
+            raise ValueError(f"tail[{i}] ({spec['op']}) needs exactly the keys {sorted(params)}, got {sorted(spec)}")
+        for key, kind in params.items():
+            v = spec[key]
+            if not (Int.accepts(v) if kind is int else Num.accepts(v)):
+                raise ValueError(f"tail[{i}].{key} must be a{'n int' if kind is int else ' number'}, got {v!r}")
+        if spec["op"] == "lrn" and not (1 <= spec["size"] <= 64 and spec["k"] > 0 and spec["beta"] >= 0):
+            raise ValueError(f"tail[{i}]: lrn needs 1 <= size <= 64, k > 0, beta >= 0, got {spec}")
+        if spec["op"] == "maxpool" and not (
+            spec["kernel"] >= 1 and spec["stride"] >= 1 and 0 <= spec["padding"] < spec["kernel"]
+        ):
+            raise ValueError(f"tail[{i}]: maxpool needs kernel >= 1, stride >= 1, 0 <= padding < kernel, got {spec}")
+    return tail
