@@ -27,7 +27,7 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats
 from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import check_result
-from tinyconv.distributed.wire_codec import Codec, Plain
+from tinyconv.distributed.wire_codec import Narrowing
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,11 @@ class Rpc:
         backend: Backend,
         fields: dict[str, int] | None = None,
         timeout: float | None = None,
-        codec: Codec | None = None,
+        codec: Narrowing | None = None,
     ) -> Op:
         """A new op named ``what`` in errors ("forward of conv2"), the master's share on ``backend``; its
         tasks carry ``fields`` (a layer's step and index), each gather waits ``timeout`` s (the Rpc's)."""
-        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec or Plain())
+        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec)
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -100,10 +100,10 @@ class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
     def __init__(
-        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Codec
+        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Narrowing | None
     ) -> None:
         self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
-        self.codec = codec
+        self.codec = codec  # None: the arrays go as they are, float32
         self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
         self.t0 = time.perf_counter()
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
@@ -119,7 +119,7 @@ class Op:
         op's codec; returns its task id."""
         task = next(self.rpc.task_ids)
         msg.header.update(self.fields, task=task)
-        wire, fell_back = self.codec.encode(msg)
+        wire, fell_back = self.codec.encode(msg) if self.codec else (msg, 0)
         self.fallbacks += fell_back
         at = self.rpc.clock()
         try:
@@ -200,7 +200,7 @@ class Op:
             if reply.kind != "result":
                 raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
             sent, nbytes = self._pending[task], reply.nbytes()
-            reply, fell_back = self.codec.decode(reply, sent.wire)  # float32 from here on
+            reply, fell_back = self.codec.decode(reply, sent.wire) if self.codec else (reply, 0)  # float32 now
             self.fallbacks += fell_back
             check_result(reply, sent.msg.kind)
             _check_finite(k, reply, sent.msg, self.what)

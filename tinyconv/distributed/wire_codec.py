@@ -12,9 +12,8 @@ right after, so every computation -- and every check of ``protocol.py`` -- sees 
 
 The two edges:
 
-- the master's, an op's :class:`Codec` in ``rpc.py`` (:class:`Plain`, the identity, by default):
-  :class:`Narrowing` narrows a task right before it is sent and widens its result right
-  after it came;
+- the master's, an op's codec in ``rpc.py``: :class:`Narrowing` narrows a task right before it
+  is sent and widens its result right after it came;
 - the worker's (``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back`
   and :func:`encode_result` as its result goes; a task without ``narrow`` or ``reply`` passes as it is.
 
@@ -27,7 +26,7 @@ narrow words are read back. The same words cross the wire either way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -48,32 +47,9 @@ _KEYS = ("narrow", "reply")
 WidenElsewhere = Callable[[str, np.ndarray, Declared], Any]
 
 
-class Codec(Protocol):
-    """How an op's messages go on the wire, both ways; each also says how many of its arrays could
-    not go as asked (``fallbacks``: float32 where a narrower word would have overflowed)."""
-
-    def encode(self, msg: Message) -> tuple[Message, int]:
-        """A task (float32 arrays, header complete) -> the message that is sent, and its fallbacks."""
-        ...
-
-    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
-        """A result that came for ``task`` (as it was sent) -> the result in float32, and its fallbacks;
-        a RuntimeError if it is malformed."""
-        ...
-
-
-class Plain:
-    """The identity codec: messages go as they are."""
-
-    def encode(self, msg: Message) -> tuple[Message, int]:
-        return msg, 0
-
-    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
-        return reply, 0
-
-
 class Narrowing:
-    """The codec of an op whose arrays travel in ``formats`` (array name -> format, both ways)."""
+    """The codec of an op whose arrays travel in ``formats`` (array name -> format, both ways); each way
+    also says how many arrays could not go as asked (float32 where a narrower word would overflow)."""
 
     def __init__(self, formats: dict[str, str]) -> None:
         self.formats = formats

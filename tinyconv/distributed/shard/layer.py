@@ -26,7 +26,7 @@ from tinyconv.distributed.rpc import Lost, Op, Rpc
 from tinyconv.distributed.shard import by_channels, by_kernels
 from tinyconv.distributed.shard.block import tail_of, tail_output_hw
 from tinyconv.distributed.shard.plan import Plan
-from tinyconv.distributed.wire_codec import Codec
+from tinyconv.distributed.wire_codec import Narrowing
 from tinyconv.layers import Conv2D, Layer, Linear
 
 
@@ -49,7 +49,7 @@ class Coordinator(Protocol):
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
-    def codec(self, block: ShardedBlock) -> Codec | None: ...
+    def codec(self, block: ShardedBlock) -> Narrowing | None: ...
 
 
 @dataclass
