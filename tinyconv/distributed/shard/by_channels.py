@@ -22,22 +22,17 @@ columns: nothing is computed twice. The tail still goes by kernels (own k_i, hal
 
 What crosses of the conv output -- P's parts, the sums, dyc -- is kernel-major, (F', N, OH, OW),
 the layout the GEMM computes P in and the conv backward reads dY in (``Backend.conv2d_partial``):
-a range of kernels is then one contiguous block, which is sent, summed and joined without a
-transposing copy; only the sum over a participant's halo is turned to (N, F', OH, OW), for its tail.
+a range of kernels is one contiguous block, sent, summed and joined without a transposing copy.
 
-The price is bytes: each way, every worker sends and receives about its share of the conv
-output, which costs nothing on one machine but more than the kernel split on a LAN (so
-``Cluster``'s ``split="auto"`` uses it only with workers on the master's host). A worker's
-round 2 goes out as soon as the others' round 1 is in (:func:`relay`).
-
-An optimisation on top, the pipeline: a batch larger than :data:`PIPELINE` images goes in
-chunks of images (header ``images`` = [a, b, N]). Every chunk's partial_forward leaves at once;
-the master computes its own partial chunk by chunk, and sends each worker chunk c's sum
-(tail_forward, b with the last) as soon as it has chunk c of the others, so these bytes cross
-while chunk c + 1 computes; the tail, which may need the whole batch (batch norm), runs once
-the last chunk is summed. The backward's partial_backward goes by the same chunks, each answered
-with its rows of dx (dw and db, summed over the chunks, with the last). At 300:1000's batch 256
-the partial sums are 390 MB each way: whole, they cross while both sides wait.
+The price is bytes: each way, every worker sends and receives about its share of the conv output,
+nothing on one machine but more than the kernel split on a LAN (so ``Cluster``'s ``split="auto"``
+uses it only with workers on the master's host). A worker's round 2 goes out as soon as the
+others' round 1 is in (:func:`relay`). And a batch larger than :data:`PIPELINE` images goes in
+chunks (header ``images`` = [a, b, N]): every chunk's partial_forward leaves at once, and each
+worker gets chunk c's sum as soon as the master has chunk c of the others, so these bytes cross
+while chunk c + 1 computes (at 300:1000's batch 256 the partial sums are 390 MB each way); the
+tail, which may need the whole batch (batch norm), runs once the last chunk is summed, and the
+backward's partial_backward goes by the same chunks.
 """
 
 from __future__ import annotations

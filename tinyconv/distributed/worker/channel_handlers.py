@@ -23,8 +23,6 @@ chunks in order from image 0, w with the first only; tail_forward's by the same 
 last only, which alone returns y (the others return nothing); partial_backward's by the forward's
 chunks, each returning its dx, the last dw and db too (summed over the chunks). Without ``images``
 a task is the whole batch, one chunk.
-
-Each handler is a plain function of the worker's :class:`~tinyconv.distributed.worker.state.WorkerState`;
 x and w arrive on the backend (``handler.py``'s ON_BACKEND).
 """
 
