@@ -1,22 +1,16 @@
 """What every parallelism shares: who takes part, how work is shared out, and what a step recorded.
 
-The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and
-the splits of the batch (``replica/batch.py``: images, for data parallelism and the hybrid) are
-both a :class:`Runtime`. Each names its *units*, what it shares out -- a layer's kernels, the
-batch's images -- and says how one unit is apportioned (``_apportion``) and how everyone is timed
-on it (``_time_all``, ``_time_joiner``); the rest is written here once:
-
-* the placement: ``(name, worker index)``, the master first (index ``None``) if it takes part
-  (``master_share="auto"``), then the workers by index -- the order of every list in plans,
-  metrics and sums;
-* calibration: everyone timed on each unit, the unit split by eq. 1 on the times
-  (``balance.py``), the times given to the rebalancer as each participant's first (count, seconds);
-* a worker lost (gone, silent past its deadline, non-finite numbers from finite inputs): it leaves
-  the placement for good and every unit is split again among the others by eq. 1 (:meth:`lose`); the
-  master holds every weight, so however many are lost it can always finish the step alone;
-* a worker that joins the transport late: timed on the units, then given a share at the next step
-  boundary (:meth:`_join`); either way the rebalancer starts afresh and ``events`` records it;
-* deadlines: ten times what an op should take, at least 10 s, at most ``recv_timeout``.
+The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and the
+splits of the batch (``replica/batch.py``: images) are each a :class:`Runtime`. Each names its
+*units*, what it shares out, and says how one unit is apportioned and how everyone is timed on it;
+the rest is written here once. The placement is ``(name, worker index)``, the master first (index
+``None``) if it takes part, then the workers by index: the order of every list in plans, metrics and
+sums. Calibration splits each unit by eq. 1 on everyone's times (``balance.py``). A worker lost
+(gone, silent past its deadline, non-finite numbers from finite inputs) leaves the placement for
+good and every unit is split again among the others (:meth:`Runtime.lose`): the master holds every
+weight, so it can always finish the step alone. A worker that joins the transport late is timed on
+the units, then given a share at the next step boundary. Either way the rebalancer starts afresh,
+and ``events`` records it.
 """
 
 from __future__ import annotations
