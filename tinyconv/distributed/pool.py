@@ -52,6 +52,10 @@ LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this pr
 WATCH_S = 0.05  # how often the master looks at its local worker processes while it waits for hellos
 PARALLEL: dict[str, type[Runtime]] = {"model": Cluster, "data": Replicas, "hybrid": Hybrid}
 MODEL_ONLY = ("split", "fuse", "pipeline", "wire_precision")  # options of the model split alone
+# distribute()'s options that go to worker_pool()
+POOL_OPTIONS = (
+    "worker_device bind external worker_threads start_timeout peer_timeout key authorized_keys insecure".split()
+)
 
 
 def distribute(
@@ -61,15 +65,6 @@ def distribute(
     *,
     parallel: str = "model",
     worker_backend: str | None = None,
-    worker_device: str | None = None,
-    bind: str | None = None,
-    external: bool = False,
-    worker_threads: int | None = None,
-    start_timeout: float = 60.0,
-    peer_timeout: float = 5.0,
-    key: str | None = None,
-    authorized_keys: str | None = None,
-    insecure: bool = False,
     batch_size: int = 64,
     largest_batch: int | None = None,
     image_size: int = 32,
@@ -89,21 +84,19 @@ def distribute(
     images of ``image_size`` pixels and split by eq. 1; otherwise start from an equal split.
     A message may carry no more than a step at ``largest_batch`` calls for (the largest batch the
     network will be given, evaluation's say; default ``batch_size``): a bigger one is refused.
-    The pool's keywords (worker_device to announce): see :func:`worker_pool`. ``options`` go to the
-    runtime: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats for all three;
-    split, fuse, pipeline, wire_precision (``adaptive_precision.py``) for the model split alone.
+    ``options``: the pool's (:data:`POOL_OPTIONS`: worker_device to insecure, :func:`worker_pool`'s), and
+    the runtime's: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats for all
+    three; split, fuse, pipeline, wire_precision (``adaptive_precision.py``) for the model split alone.
     Returns the runtime; ``close()`` it, or use it in a ``with`` block.
     """
+    pool_options = {k: options.pop(k) for k in POOL_OPTIONS if k in options}
     _check_options(parallel, options)  # before any worker starts
     cap = message_cap(net, max(batch_size, largest_batch or 0), image_size, parallel)  # checked before arrays are built
     stack = ExitStack()
     try:
-        pool, infos = stack.enter_context(worker_pool(
-            transport, workers, worker_backend=worker_backend or net.backend.name, worker_device=worker_device,
-            bind=bind, external=external, worker_threads=worker_threads, start_timeout=start_timeout,
-            peer_timeout=peer_timeout, key=key, authorized_keys=authorized_keys, insecure=insecure,
-            max_message_bytes=cap, announce=announce,
-        ))  # fmt: skip
+        backend = worker_backend or net.backend.name
+        pool = worker_pool(transport, workers, backend, max_message_bytes=cap, announce=announce, **pool_options)
+        pool, infos = stack.enter_context(pool)
         runtime = PARALLEL[parallel](pool, infos, net.backend, image_size=image_size, **options)
         runtime.on_close = stack.close
         if calibrate:
