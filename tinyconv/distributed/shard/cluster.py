@@ -180,12 +180,9 @@ class Cluster(Runtime):
         return block.conv.in_channels
 
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
-        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on.
-
-        ``channels``: input channels per participant, for a layer split by them (> 0 exactly
-        where the kernels are). Without it the layer keeps its channel split, or, if that does
-        not fit ``counts``, gets one proportional to them.
-        """
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on;
+        ``channels``: input channels per participant, for a layer split by them (> 0 exactly where the
+        kernels are). Without it the layer keeps its channel split if that fits, else one proportional."""
         block = next((b for b in self.blocks if b.name == layer), None)
         if block is None:
             attached = ", ".join(b.name for b in self.blocks) or "none"
@@ -207,10 +204,7 @@ class Cluster(Runtime):
 
     def plan(self, block: ShardedBlock) -> Plan:
         """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
-        total = block.conv.out_channels
-        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.placement), total))
-        if sum(counts) != total:
-            raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
+        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.placement), block.conv.out_channels))
         channels = None
         if self._split_by_channels(block):  # proportional to the kernels at first, and whenever the kept one
             c_in = block.conv.in_channels  # does not fit them
