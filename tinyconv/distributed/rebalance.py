@@ -13,11 +13,10 @@ to nothing, and it is the compute that is balanced.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
@@ -45,6 +44,7 @@ class _LayerState:
     probing: int | None = None  # PROBING: the participant given one kernel back, this step
 
 
+@dataclass
 class Rebalancer:
     """Proposes a new kernel split when measured times (compute, and a worker's transfers) say the current one is off.
 
@@ -97,44 +97,35 @@ class Rebalancer:
                   target gives it 0; the target proposed as in WATCHING    the phase it broke into
     """
 
-    def __init__(
-        self,
-        threshold: float = 0.10,
-        patience: int = 3,
-        smoothing: float = 0.3,
-        cooldown: int = 5,
-        min_move: int = 1,
-        window: int = 20,
-        reprobe: int = 50,
-    ) -> None:
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0 (a fraction of the mean finish time), got {threshold!r}")
-        if not (isinstance(patience, int) and patience >= 1):
-            raise ValueError(f"patience must be an int >= 1 (steps), got {patience!r}")
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1] (1 = no memory), got {smoothing!r}")
-        if not (isinstance(cooldown, int) and cooldown >= 0):
-            raise ValueError(f"cooldown must be an int >= 0 (steps), got {cooldown!r}")
-        if not (isinstance(min_move, int) and min_move >= 1):
-            raise ValueError(f"min_move must be an int >= 1 (kernels), got {min_move!r}")
-        if not (isinstance(window, int) and window >= 2):
-            raise ValueError(f"window must be an int >= 2 (measurements kept per participant), got {window!r}")
-        if not (isinstance(reprobe, int) and reprobe >= 0):
-            raise ValueError(f"reprobe must be an int >= 0 (steps; 0: never), got {reprobe!r}")
-        self.threshold = threshold
-        self.patience = patience
-        self.smoothing = smoothing
-        self.cooldown = cooldown
-        self.min_move = min_move
-        self.window = window
-        self.reprobe = reprobe
-        self._layers: dict[str, _LayerState] = {}
+    threshold: float = 0.10
+    patience: int = 3
+    smoothing: float = 0.3
+    cooldown: int = 5
+    min_move: int = 1
+    window: int = 20
+    reprobe: int = 50
+    _layers: dict[str, _LayerState] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (a fraction of the mean finish time), got {self.threshold!r}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1] (1 = no memory), got {self.smoothing!r}")
+        counts = {
+            "patience": (1, "steps"),
+            "cooldown": (0, "steps"),
+            "min_move": (1, "kernels"),
+            "window": (2, "measurements kept per participant"),
+            "reprobe": (0, "steps; 0: never"),
+        }
+        for name, (least, what) in counts.items():
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= least):
+                raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
     def fresh(self) -> Rebalancer:
         """The same settings with nothing remembered: for a new set of participants."""
-        new = copy.copy(self)
-        new._layers = {}
-        return new
+        return replace(self)  # _layers is not an init field: a new, empty one
 
     def cost_models(self, layer: str) -> list[tuple[float, float] | None]:
         """Each participant's fitted (a_i seconds, b_i seconds per kernel); None: never measured."""
