@@ -94,17 +94,6 @@ def halo_sum(s: np.ndarray, own: np.ndarray, others: list[np.ndarray]) -> None:
         s += term.transpose(1, 0, 2, 3)
 
 
-def _summed(terms: list[np.ndarray]) -> np.ndarray:
-    """The sum of ``terms``, to send: one term as it is (a block of kernels, sent without a copy), more
-    in a new array."""
-    if len(terms) == 1:
-        return terms[0]
-    total = terms[0] + terms[1]
-    for term in terms[2:]:
-        total += term
-    return total
-
-
 def _give(active: list[Participant], i: int, total: int) -> list[int]:
     """What the others need of participant i's partial, [lo_end, hi_start]: the kernels up to the
     end of the earlier participants' halos, and from the start of the later ones'."""
@@ -254,10 +243,9 @@ def _relay_sums(
         partials[worker[k].name] = Partial(lo, hi, hi_start)
 
     def tail_task(k: int) -> list[Message]:
-        terms = _others_on(plan.active, partials, worker[k])
-        arrays = ({"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}) | (
-            {"sum": _summed(terms)} if terms else {}
-        )
+        terms = _others_on(plan.active, partials, worker[k])  # summed to send; one is sent as it is
+        arrays = {"sum": sum(terms[1:], terms[0])} if terms else {}
+        arrays |= {"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}
         return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
 
     def ready(k: int) -> bool:
@@ -296,9 +284,8 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
         start, stop = worker[k].kernels.start, worker[k].kernels.stop  # its own; the others' lie before and after
         tasks = []
         for a, e in kept.chunks:
-            arrays = ({"dyc_lo": dyc[:start, a:e]} if start > 0 else {}) | (
-                {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
-            )
+            arrays = {"dyc_lo": dyc[:start, a:e]} if start > 0 else {}
+            arrays |= {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
             tasks.append(Message("partial_backward", {"need_dx": conv.need_dx, "images": [a, e, n]}, arrays))
         return tasks
 
