@@ -80,15 +80,7 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
     if spec["x"][1] != spec["w"][1] or spec["stride"] < 1 or spec["padding"] < 0:
         raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C, stride >= 1, padding >= 0")
     try:
-        parsed = Spec(
-            spec["layer"],
-            tuple(spec["x"]),
-            tuple(spec["w"]),
-            spec["stride"],
-            spec["padding"],
-            spec["need_dx"],
-            check_tail(spec["tail"]),
-        )
+        parsed = Spec(**spec | {"x": tuple(spec["x"]), "w": tuple(spec["w"]), "tail": check_tail(spec["tail"])})
         parsed.y  # noqa: B018 -- raises ValueError if the kernel or a pool does not fit
     except ValueError as e:
         raise TaskError(f"layers[{i}]: {e}") from None
@@ -162,30 +154,34 @@ def time_everyone(
     workers: list[int],
     reference: float | None = None,
 ) -> dict[int | None, list[float]]:
-    """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and for the
-    master (key None) on ``backend`` if it takes part (not None).
-
-    The master is timed first: a worker's deadline is the Rpc's timeout or, if longer, SLOWER times
-    what the master's own runs took (1 + ``repeats`` forward + backward passes of every layer), so
-    that a large network at a large batch is not taken for a lost worker (conv2 of 300:1000 at batch
-    256 takes ~40 s a pass on one core). ``reference``: seconds of one pass of all the layers on a
-    participant already timed, for when the master does not take part."""
+    """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and first for
+    the master (key None) on ``backend`` if it takes part (not None): its time is each worker's
+    ``reference`` (else the one given: a participant already timed, one pass of all the layers)."""
     times: dict[int | None, list[float]] = {}
     if backend is not None:
         times[None] = [time_block(backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
         reference = sum(times[None])
-    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + repeats) * reference)
+    task = Message("calibrate", {"layers": specs, "repeats": repeats})
     for k in workers:
-        op = rpc.op("calibration", backend, timeout=timeout)
-        reply = op.gather([op.send(k, Message("calibrate", {"layers": specs, "repeats": repeats}))])[k]
-        got = reply.header["times"]
-        if not (isinstance(got, list) and len(got) == len(specs) and all(map(_positive, got))):
-            raise RuntimeError(
-                f"{rpc.describe(k)} answered calibrate with times {got!r:.200}, expected {len(specs)} "
-                "positive seconds (one per sharded layer); is it running the same tinyconv version?"
-            )
-        times[k] = [float(t) for t in got]
+        times[k] = worker_times(rpc, k, task, "calibration", len(specs), reference)
     return times
+
+
+def worker_times(rpc: Rpc, k: int, task: Message, what: str, n: int, reference: float | None) -> list[float]:
+    """Worker k's answer to a calibration ``task`` (``what`` in errors): ``n`` seconds > 0.
+
+    Its deadline is the Rpc's timeout or, if longer, SLOWER times the 1 + repeats runs would take
+    at ``reference`` seconds a run, so that a large network at a large batch is not taken for a lost
+    worker (conv2 of 300:1000 at batch 256 takes ~40 s a pass on one core)."""
+    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + task.header["repeats"]) * reference)
+    op = rpc.op(what, None, timeout=timeout)
+    got = op.gather([op.send(k, Message(task.kind, dict(task.header)))])[k].header["times"]
+    if not (isinstance(got, list) and len(got) == n and all(map(_positive, got))):
+        raise RuntimeError(
+            f"{rpc.describe(k)} answered {task.kind} with times {got!r:.200}, expected {n} positive seconds; "
+            "is it running the same tinyconv version?"
+        )
+    return [float(t) for t in got]
 
 
 def _positive(t: Any) -> bool:

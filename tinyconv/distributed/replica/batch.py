@@ -25,7 +25,7 @@ import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats, batch_record
-from tinyconv.distributed.calibrate import SLOWER
+from tinyconv.distributed.calibrate import worker_times
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.replica import spec_of
 from tinyconv.distributed.rpc import Lost, Op
@@ -129,18 +129,8 @@ class BatchSplit(Runtime):
 
     def _time_worker(self, k: int, spec: dict[str, Any], batch: int, reference: float | None = None) -> float:
         """Worker k's seconds for ``batch`` images; ``reference``: a participant's, already timed."""
-        timeout = self.rpc.timeout
-        if reference is not None:  # 1 + repeats runs, each up to SLOWER times the reference's
-            timeout = max(timeout, SLOWER * (1 + self.calibration_repeats) * reference)
-        op = self.rpc.op(f"{self.parallel}-parallel calibration", self.backend, timeout=timeout)
         task = Message(self.calibrate_task, {"net": spec, "batch": batch, "repeats": self.calibration_repeats})
-        got = op.gather([op.send(k, task)])[k].header["times"]
-        if not (isinstance(got, list) and len(got) == 1 and isinstance(got[0], (int, float)) and got[0] > 0):
-            raise RuntimeError(
-                f"{self.rpc.describe(k)} answered {self.calibrate_task} with {got!r:.100}, "
-                "expected [seconds > 0]; is it running the same tinyconv version?"
-            )
-        return float(got[0])
+        return worker_times(self.rpc, k, task, f"{self.parallel}-parallel calibration", 1, reference)[0]
 
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
         """Use ``counts`` images per participant (``layer`` must be "batch") from the next step on."""
