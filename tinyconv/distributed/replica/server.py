@@ -72,17 +72,10 @@ class Replicas(BatchSplit):
         op = self._op("data-parallel step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
         smoothed = {"smoothing": smoothing} if smoothing else {}
-        tasks = [
-            op.send(
-                k,
-                Message(
-                    "replica_step",
-                    {"net": self._spec, "batch": cut.batch, **smoothed},
-                    {"x": x[s:e], "y": y[s:e], "params": params, **extra},
-                ),
-            )  # fmt: skip
-            for k, s, e in cut.workers()  # a header of its own each: sending adds the task's number to it
-        ]
+        tasks = []
+        for k, s, e in cut.workers():  # a header of its own each: sending adds the task's number to it
+            header, arrays = {"net": self._spec, "batch": cut.batch, **smoothed}, {"x": x[s:e], "y": y[s:e]}
+            tasks.append(op.send(k, Message("replica_step", header, arrays | {"params": params, **extra})))
         grads, logits, stats = {}, {}, {}
         if cut.mine is not None:
             s, e = cut.mine
