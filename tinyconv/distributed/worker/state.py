@@ -4,20 +4,8 @@ checks of a task's spans and tail that the handlers share.
 It holds the worker's backend and settings, the replica of data parallelism (``replica_handlers.py``),
 and for each layer whose step is under way an :class:`OpenStep`: what the layer's forward left for
 the rest of its step, in a slot per layer (or the hybrid's one slot, :data:`HYBRID`). Which task may
-come next is explicit, one row per task kind (:data:`STAGES`)::
-
-    task              the layer must be at     it leaves the layer at
-    block_forward     anything                 "block"    the block's cache       (split by kernels)
-    block_backward    "block"                  nothing
-    partial_forward   anything                 "partial"  its partial convolution (split by input channels)
-    tail_forward      "partial"                "tail"     the tail's cache
-    tail_backward     "tail"                   "dyc"      its kernels' conv-output gradient
-    partial_backward  "dyc"                    nothing
-    hybrid_forward    anything                 "hybrid"   the conv part's caches  (the hybrid: one slot,
-    hybrid_backward   "hybrid"                 nothing                             the whole conv part)
-
-A task that continues a layer must also be of the step its forward was. A refused task changes
-nothing, so the right one can follow.
+come next is explicit, one row per task kind (:data:`STAGES`). A task that continues a layer must
+also be of the step its forward was. A refused task changes nothing, so the right one can follow.
 """
 
 from __future__ import annotations
@@ -38,13 +26,13 @@ HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv
 
 # task kind -> (the stage the layer must be at, None: anything; the stage it leaves, None: nothing kept)
 STAGES: dict[str, tuple[str | None, str | None]] = {
-    "block_forward": (None, "block"),
+    "block_forward": (None, "block"),  # the block's cache (split by kernels)
     "block_backward": ("block", None),
-    "partial_forward": (None, "partial"),
-    "tail_forward": ("partial", "tail"),
-    "tail_backward": ("tail", "dyc"),
+    "partial_forward": (None, "partial"),  # its partial convolution (split by input channels)
+    "tail_forward": ("partial", "tail"),  # the tail's cache
+    "tail_backward": ("tail", "dyc"),  # its kernels' conv-output gradient
     "partial_backward": ("dyc", None),
-    "hybrid_forward": (None, "hybrid"),
+    "hybrid_forward": (None, "hybrid"),  # the conv part's caches, in the one slot of the whole conv part
     "hybrid_backward": ("hybrid", None),
 }
 # the tasks that continue no layer and leave none: each brings all it needs
