@@ -37,9 +37,8 @@ from tinyconv.distributed.wire_precision import Declared, Narrowed
 from transports.base import Message
 from transports.wire import ProtocolError, check_fields
 
-# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' or the hybrid's)
-NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
-                        "partial_backward"})  # fmt: skip
+# the tasks whose arrays may travel narrowed: a layer's, which say ``layer`` (not calibrations, not the replicas')
+NARROWABLE = frozenset(kind for kind, schema in TASKS.items() if "layer" in schema.header)
 _KEYS = ("narrow", "reply")
 
 # widens one narrowed array elsewhere (a worker's device): (its name, the array as it came, its
