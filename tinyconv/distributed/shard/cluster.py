@@ -308,15 +308,8 @@ def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
     """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
     c = block.conv
     w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
-    return {
-        "layer": block.index,
-        "x": list(x_shape),
-        "w": w,
-        "stride": c.stride,
-        "padding": c.padding,
-        "need_dx": c.need_dx,
-        "tail": block.tail,
-    }
+    conv = {"stride": c.stride, "padding": c.padding, "need_dx": c.need_dx}
+    return {"layer": block.index, "x": list(x_shape), "w": w, **conv, "tail": block.tail}
 
 
 def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:
