@@ -256,30 +256,15 @@ def _worker_command(connect: str, backend: str, keys: tuple | None, external: bo
 def _handshake(
     pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], command: str
 ) -> list[WorkerInfo]:
-    """Every worker's hello; a timeout says how a worker joins. With local worker processes, one that
-    exits ends the wait at once, with its exit code and the last lines it wrote to stderr."""
+    """Every worker's hello; a timeout says how a worker joins. With local worker processes, ``pool.start``
+    runs in a thread (a transport's start cannot be cut in slices) while this one polls them: the first
+    that exits ends the wait at once, a RuntimeError with its exit code and the last lines of its stderr."""
     if not procs:
         try:
             return pool.start(n, timeout=timeout)
         except TimeoutError as e:
             raise TimeoutError(f"{e}; a worker joins with: {command}" if command else str(e)) from e
     tails = [_StderrTail(p) for p in procs]
-    try:
-        infos = _watched_start(pool, n, timeout, procs, tails)
-    except TimeoutError:
-        for t in tails:  # what the living ones said may explain it
-            t.release()
-        raise
-    for t in tails:  # from now on, what the workers say goes to the master's stderr as they say it
-        t.release()
-    return infos
-
-
-def _watched_start(
-    pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], tails: list[_StderrTail]
-) -> list[WorkerInfo]:
-    """``pool.start`` in a thread (a transport's start cannot be cut in slices), while this one polls
-    the local processes: the first that exits raises RuntimeError with its exit code and stderr."""
     outcome: dict[str, object] = {}
 
     def start() -> None:
@@ -295,6 +280,8 @@ def _watched_start(
         dead = next((i for i, p in enumerate(procs) if p.poll() is not None), None)
         if dead is not None and waiter.is_alive():
             raise RuntimeError(_death_notice(dead, procs[dead].returncode, tails[dead].last()))
+    for t in tails:  # from now on what the workers say goes to our stderr (after a timeout, it may explain it)
+        t.release()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["infos"]  # type: ignore[return-value]
