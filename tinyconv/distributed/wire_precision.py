@@ -135,9 +135,7 @@ def carried_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
 
 def nbytes_of(shape: tuple[int, ...], fmt: str) -> int:
     """Bytes an array of ``shape`` takes on the wire in ``fmt``, exactly (s8: a scale per plane)."""
-    if fmt == "s8":
-        return math.prod(carried_shape(shape, fmt))
-    return math.prod(shape) * WORD_BYTES[fmt]
+    return math.prod(carried_shape(shape, fmt)) * CARRIER[fmt][0].itemsize
 
 
 def check_carried(declared: object, a: np.ndarray) -> None:
