@@ -99,15 +99,10 @@ class Hybrid(BatchSplit):
         # 1. forward: every participant's features
         fwd = self._op("hybrid forward, step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
-        tasks = [
-            fwd.send(
-                k,
-                Message(
-                    "hybrid_forward", {"net": self._spec, "batch": cut.batch}, {"x": x[s:e], "params": params, **extra}
-                ),
-            )  # fmt: skip
-            for k, s, e in cut.workers()
-        ]
+        tasks = []
+        for k, s, e in cut.workers():
+            header, arrays = {"net": self._spec, "batch": cut.batch}, {"x": x[s:e], "params": params, **extra}
+            tasks.append(fwd.send(k, Message("hybrid_forward", header, arrays)))
         features, stats = {}, {}
         if cut.mine is not None:
             with fwd.local():
