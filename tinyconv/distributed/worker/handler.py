@@ -98,8 +98,13 @@ class Worker:
         device = dict(self.state.backend.describe())
         if self.state.slowdown != 1.0:
             device["slowdown"] = self.state.slowdown
-        backend, pid, hostname = self.state.backend.name, os.getpid(), socket.gethostname()
-        return {"protocol": VERSION, "backend": backend, "device": device, "pid": pid, "hostname": hostname}
+        return {
+            "protocol": VERSION,
+            "backend": self.state.backend.name,
+            "device": device,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
 
     def handle(self, msg: Message) -> Message:
         """Answer one task with a ``result``, or an ``error`` naming what was wrong with it. A backend
