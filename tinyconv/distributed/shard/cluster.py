@@ -270,12 +270,9 @@ class Cluster(Runtime):
         self._welcome_joiners()
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
-        """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
-
-        It balances what a layer is split by -- its kernels, or its input channels (its kernels,
-        which then carry only the tail, follow those in proportion) -- against each participant's
-        ready time (:meth:`LayerStep.ready_s`): forward + backward compute, plus a worker's bytes
-        at its link's measured seconds per byte."""
+        """Feed the rebalancer each layer's step, by what the layer is split by -- its kernels, or its input
+        channels (whose kernels then follow in proportion) -- and each participant's ready time
+        (:meth:`LayerStep.ready_s`); the layers whose kernel counts change, with the new ones."""
         rebalanced = {}
         for d in done:
             if d.participants != self.participants:  # someone was lost during this step: start afresh

@@ -90,12 +90,10 @@ class ShardedBlock(Layer):
         while True:
             plan = self.cluster.plan(self)
             split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
+            pipeline = (self.cluster.pipeline,) if split is by_channels else ()  # images per chunk
             op = self._op("forward", step, x.shape[0])
             try:
-                if split is by_channels:
-                    y, kept = split.forward(op, self.conv, self.tail, plan, x, self.cluster.pipeline)
-                else:
-                    y, kept = split.forward(op, self.conv, self.tail, plan, x)
+                y, kept = split.forward(op, self.conv, self.tail, plan, x, *pipeline)
             except Lost as e:
                 self.cluster.lose(e.workers)
                 continue
