@@ -10,12 +10,9 @@ fell back: narrowing would have made a finite number infinite). Every declared f
 against its array's dtype and shape before anything is widened, and the receiver widens to float32
 right after, so every computation -- and every check of ``protocol.py`` -- sees float32.
 
-The two edges:
-
-- the master's, an op's codec in ``rpc.py``: :class:`Narrowing` narrows a task right before it
-  is sent and widens its result right after it came;
-- the worker's (``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back`
-  and :func:`encode_result` as its result goes; a task without ``narrow`` or ``reply`` passes as it is.
+The two edges: the master's, an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's
+(``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back` and
+:func:`encode_result` as its result goes (a task without ``narrow`` or ``reply`` passes as it is).
 
 A backend that converts words on its device (``backends.base.WireConversion``: OpenCL's bf16) is
 used where it can be: an input the worker puts straight on the backend is widened there after only

@@ -221,15 +221,14 @@ class Cluster(Runtime):
 
     def timeout(self, block: ShardedBlock, batch: int) -> float:
         """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
-        the op should take, its compute and its transfers, at least 10 s, at most ``recv_timeout``::
+        the op should take, at least 10 s, at most ``recv_timeout``::
 
             10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
 
-        t_i: participant i's calibrated time for the whole layer; B_k: the most array bytes one op
-        of the layer moved to and from worker k in the last step; s_k: the seconds per byte its
-        link measured, upper bounds included (:class:`~tinyconv.distributed.link_speed.LinkSpeed`). On a slow link
-        the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
-        those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
+        t_i: participant i's calibrated time for the layer; B_k: the most array bytes one op of the
+        layer moved to and from worker k last step; s_k: the seconds per byte its link measured,
+        upper bounds included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all
+        of those are known, ``recv_timeout``.
         """
         known = [self.timings.get(name, {}).get(block.name) for name, _ in self.placement]
         moved = self._moved.get(block.name, {})
