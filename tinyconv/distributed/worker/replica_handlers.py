@@ -36,6 +36,7 @@ the slot :data:`~tinyconv.distributed.worker.state.HYBRID`, for the step's ``hyb
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from tinyconv.distributed.heap import release_freed_memory
@@ -53,21 +54,21 @@ from tinyconv.distributed.worker.state import HYBRID, Handler, OpenStep, WorkerS
 from tinyconv.model import Network
 
 
-def _timed_replica(state: WorkerState, h: dict[str, Any]) -> Network:
-    """The replica a calibration times, once its ``repeats`` and ``batch`` are checked."""
+def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -> dict[str, Any]:
+    """``times``: [seconds of ``timer`` on the replica ``net`` describes, for ``batch`` random images],
+    once ``repeats`` and ``batch`` are checked."""
     if not 1 <= h["repeats"] <= 1000:
         raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
     if not 1 <= h["batch"] <= 1 << 16:
         raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
-    return _replica(state, h["net"], h["batch"])
+    seconds = timer(_replica(state, h["net"], h["batch"]), h["net"], h["batch"], h["repeats"]) * state.slowdown
+    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (tinyconv/distributed/heap.py)
+    return {"times": [seconds]}
 
 
 def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
-    net = _timed_replica(state, h)
-    seconds = time_replica(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
-    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (tinyconv/distributed/heap.py)
-    return {"times": [seconds]}
+    return _timed(state, h, time_replica)
 
 
 def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
@@ -119,10 +120,7 @@ def _load(net: Network, a: dict[str, Any], what: str, note: str) -> bool:
 # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
 def hybrid_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
-    net = _timed_replica(state, h)
-    seconds = time_conv_part(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
-    release_freed_memory()  # as replica_calibrate
-    return {"times": [seconds]}
+    return _timed(state, h, time_conv_part)
 
 
 def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
