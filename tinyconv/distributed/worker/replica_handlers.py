@@ -62,7 +62,7 @@ def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -
     if not 1 <= h["batch"] <= 1 << 16:
         raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
     seconds = timer(_replica(state, h["net"], h["batch"]), h["net"], h["batch"], h["repeats"]) * state.slowdown
-    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (tinyconv/distributed/heap.py)
+    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (heap.py)
     return {"times": [seconds]}
 
 
