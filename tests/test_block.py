@@ -20,7 +20,6 @@ from tinyconv.distributed.shard.balance import slices
 from tinyconv.distributed.shard.block import (
     block_backward,
     block_forward,
-    check_tail,
     halo_span,
     halo_width,
     tail_backward,
@@ -31,6 +30,7 @@ from tinyconv.distributed.shard.by_channels import halo_sum, owned
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.shard.layer import ShardedBlock
 from tinyconv.distributed.worker.handler import Worker
+from tinyconv.distributed.worker.state import check_tail
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network, paper_net
 from transports.inproc import InprocTransport

@@ -23,8 +23,9 @@ from tinyconv.distributed import runtime
 from tinyconv.distributed.pool import distribute
 from tinyconv.distributed.protocol import VERSION, TaskError, check_task
 from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.batch import UNIT
 from tinyconv.distributed.replica.hybrid import Hybrid
-from tinyconv.distributed.replica.server import UNIT, Replicas
+from tinyconv.distributed.replica.server import Replicas
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.worker import replica_handlers as worker_replica
 from tinyconv.distributed.worker.handler import Worker

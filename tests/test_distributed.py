@@ -299,7 +299,7 @@ def test_a_batch_in_chunks_gives_the_unsharded_numbers_and_moves_the_same_bytes(
     with inproc_pool(n, lambda i: Recording(NumpyBackend())) as (transport, workers):
         for pipeline in (2, 0):  # 5 images in chunks [0, 1), [1, 3), [3, 5); then whole
             settings = {"split": "channels", "recv_timeout": TIMEOUT, "pipeline": pipeline}
-            cluster = Cluster(transport, workers, conv.backend, master_share, **settings)
+            cluster = Cluster(transport, workers, conv.backend, master_share=master_share, **settings)
             block = attached(cluster, net)
             cluster.set_plan("conv1", plan, channels)
             seen.clear()

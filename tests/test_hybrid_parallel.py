@@ -33,8 +33,9 @@ from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.pool import distribute
 from tinyconv.distributed.protocol import TaskError, check_task
 from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.batch import UNIT
 from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
-from tinyconv.distributed.replica.hybrid import UNIT, Hybrid
+from tinyconv.distributed.replica.hybrid import Hybrid
 from tinyconv.distributed.replica.server import Replicas
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import SoftmaxCrossEntropy

@@ -23,6 +23,7 @@ from tinyconv.distributed.worker.handler import Worker
 from tinyconv.distributed.worker.main import THREAD_ENV_VARS, main
 from tinyconv.distributed.worker.state import STAGES, STANDALONE
 from transports.base import Handler, Message
+from transports.session.worker import call_handler
 from transports.wire import check_message
 
 RNG = np.random.default_rng(7)
@@ -365,7 +366,7 @@ def test_a_backend_failure_is_a_reply_too():
         def conv2d_forward(self, *args, **kw):
             raise MemoryError("out of device memory")
 
-    reply = Worker(Broken()).handle(forward(task=5))
+    reply = call_handler(Worker(Broken()), forward(task=5))  # as every transport calls the worker
     assert "MemoryError: out of device memory" in error_text(reply) and reply.header["task"] == 5
 
 
@@ -483,11 +484,10 @@ def test_python_dash_m_and_the_tinyconv_command_start_the_same_worker():
 def test_calibrate_admits_what_a_batch_256_step_needs():
     # the default cap follows the machine (half its memory, at least 2 GiB), so that a master may time
     # what its real steps allocate anyway: 150:800's conv2 at batch 256 needs about 2.3 GB
-    from tinyconv.distributed.calibrate import parse_spec
-    from tinyconv.distributed.worker.handler import DEFAULT_MAX_CALIBRATE_BYTES, default_max_calibrate_bytes
+    from tinyconv.distributed.calibrate import default_max_calibrate_bytes, parse_spec
 
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert DEFAULT_MAX_CALIBRATE_BYTES == default_max_calibrate_bytes() == max(1 << 31, physical // 2)
+    assert default_max_calibrate_bytes() == max(1 << 31, physical // 2)
     spec = {
         "layer": 1,
         "x": [256, 150, 16, 16],
@@ -498,6 +498,6 @@ def test_calibrate_admits_what_a_batch_256_step_needs():
         "tail": [],
     }
     if physical // 2 >= 2_400_000_000:  # this machine can hold it: admitted
-        assert parse_spec(1, spec, DEFAULT_MAX_CALIBRATE_BYTES).w == (800, 150, 5, 5)
+        assert parse_spec(1, spec, default_max_calibrate_bytes()).w == (800, 150, 5, 5)
     with pytest.raises(TaskError, match="half its physical memory"):  # a small worker says what to do
         parse_spec(1, spec, 1 << 31)

@@ -99,14 +99,37 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
     """
     ran = [(d.name, "forward", d.forward) for d in reversed(layers)]
     ran += [(d.name, "backward", d.backward) for d in layers]
-    ops = [stats for _, _, stats in ran]
-
-    def each(field: str, op_list: list[OpStats] = ops) -> list:
-        return [sum(op.of(name, field) for op in op_list) for name in participants]
 
     def shares(d: LayerStep, counts: list[int]) -> list[int]:
         by_name = dict(zip(d.participants, counts, strict=True))
         return [by_name.get(name, 0) for name in participants]
+
+    return _record(ran, participants) | {
+        "shares": {d.name: shares(d, d.counts) for d in reversed(layers)},
+        "channel_shares": {d.name: shares(d, d.channels) for d in reversed(layers) if d.channels is not None},
+    }
+
+
+def batch_record(
+    parallel: str, unit: str, stats: list[tuple[str, OpStats]], participants: list[str], counts: list[int]
+) -> dict[str, Any]:
+    """A step of a split of the batch, with :func:`step_record`'s keys (``stats``: (op name, its
+    stats) in the order the ops ran; ``counts``: images per participant): its ``unit`` ("batch")
+    stands for a layer in ``shares`` and ``ops``; ``rebalanced`` is the caller's."""
+    record = _record([(unit, op, s) for op, s in stats], participants)
+    return record | {"parallel": parallel, "shares": {unit: list(counts)}, "channel_shares": {}, "rebalanced": {}}
+
+
+def _record(ran: list[tuple[str, str, OpStats]], participants: list[str]) -> dict[str, Any]:
+    """What every step's record says of its ops, (layer, "forward" or another op name, its stats) as they ran."""
+    ops = [stats for _, _, stats in ran]
+
+    def each(field: str, only: list[OpStats] = ops) -> list:
+        return [sum(op.of(name, field) for op in only) for name in participants]
+
+    def entry(layer: str, op: str, s: OpStats) -> dict[str, Any]:
+        compute, waited = each("compute_s", [s]), s.master_waited_s
+        return {"layer": layer, "op": op, "wall_s": s.wall_s, "compute_s": compute, "master_waited_s": waited}
 
     return {
         "comm_s": sum(op.comm_s for op in ops),
@@ -116,47 +139,7 @@ def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, A
         "wire_fallbacks": sum(op.fallbacks for op in ops),
         "participant_bytes_sent": each("sent"),
         "participant_bytes_recv": each("recv"),
-        "shares": {d.name: shares(d, d.counts) for d in reversed(layers)},
-        "channel_shares": {d.name: shares(d, d.channels) for d in reversed(layers) if d.channels is not None},
         "participants": list(participants),
         "participant_conv_s": each("compute_s"),
-        "ops": [
-            {
-                "layer": name,
-                "op": op,
-                "wall_s": stats.wall_s,
-                "compute_s": each("compute_s", [stats]),
-                "master_waited_s": stats.master_waited_s,
-            }
-            for name, op, stats in ran
-        ],
-    }
-
-
-def batch_record(
-    parallel: str, unit: str, stats: list[tuple[str, OpStats]], participants: list[str], counts: list[int]
-) -> dict[str, Any]:
-    """A step of a split of the batch, with :func:`step_record`'s keys (``stats``: (op name, its
-    stats) in the order the ops ran; ``counts``: images per participant): conv_s the slowest
-    participant's compute summed over the ops, comm_s the rest of their wall time; its ``unit``
-    ("batch") stands for a layer in ``shares`` and ``ops``; ``rebalanced`` is the caller's."""
-
-    def each(field: str, only: list[OpStats] | None = None) -> list:
-        return [sum(s.of(name, field) for s in (only or [s for _, s in stats])) for name in participants]
-
-    sent, recv = each("sent"), each("recv")
-    return {
-        "parallel": parallel,
-        "comm_s": sum(s.comm_s for _, s in stats),
-        "conv_s": sum(s.conv_s for _, s in stats),
-        "bytes_sent": sum(sent),
-        "bytes_recv": sum(recv),
-        "participant_bytes_sent": sent,
-        "participant_bytes_recv": recv,
-        "shares": {unit: list(counts)},
-        "channel_shares": {},
-        "participants": list(participants),
-        "participant_conv_s": each("compute_s"),
-        "ops": [{"layer": unit, "op": op, "wall_s": s.wall_s, "compute_s": each("compute_s", [s])} for op, s in stats],
-        "rebalanced": {},
+        "ops": [entry(*op) for op in ran],
     }

@@ -8,38 +8,24 @@ A layer's arrays play three roles (the names are ``protocol.py``'s)::
 
 A fixed setting sends all three in one format. ``adaptive`` is AWP, the Adaptive Weight Precision
 of Zhuang, Malossi and Casas (*Reducing Data Motion to Accelerate the Training of Deep Neural
-Networks*, 2020, the paper behind the issue's DTWP/ADT): it chooses the weights' precision per
-layer from how fast the layer's weights still change, measured by their L2 norm every ``interval``
-steps::
+Networks*, 2020): each layer's weights' precision follows how fast they still change, measured by
+their L2 norm every ``interval`` steps::
 
     r = | ||W_t|| - ||W_{t - interval}|| | / ||W_{t - interval}||        the norm's relative change
     if r < threshold[rung]:  rung += 1                               a finer word, from the next step
 
 on the ladder bf16 (2 bytes) -> adt24 (3) -> fp32 (4), starting at bf16; the rung never goes down.
-Why finer as training settles: early on each step moves a weight by far more than bf16's rounding
-(a relative 2^-8), so the workers' rounded copy loses nothing that matters; once the steps get
-small, a worker computing on a copy rounded to 2^-8 no longer sees them, and the word must widen.
+Early on each step moves a weight by far more than bf16's rounding, so a worker's rounded copy
+loses nothing that matters; once the steps get small, a copy rounded to 2^-8 no longer sees them,
+and the word must widen. The rule is AWP as we recall it (only the paper's abstract was found);
+the numbers are ours: a rung widens when the norm moves less than twice its word's rounding bound
+per interval (2^-7 for bf16, 2^-15 for adt24); 20 steps is ~2 % of a CIFAR-10 epoch at batch 50.
 
-Where the rule and the numbers come from: only the paper's abstract was found here, which says
-the weights' representation adapts during training and drives the compression (ADT); the rule
-above is the paper's AWP as we recall it (per-layer L2 norm, a check interval, a threshold, a
-widening by one byte), and the thresholds and interval are ours: a rung widens when the norm
-moves less than twice the current word's rounding bound per interval (2^-7 for bf16, 2^-15 for
-adt24), i.e. when the changes it carries are within a couple of rounding steps; 20 steps is ~2 %
-of a CIFAR-10 epoch at batch 50. The issue describes AWP as coarser while training is settled
-and finer while it moves; our weights go the other way, for the reason above (a settled
-weight's small steps are what a coarse copy loses), and only ever widen.
-
-Maps and gradients are not AWP's (it adapts the weights): they get ``maps`` and ``grads``.
-Maps (x, y, the partial sums) go in s8, 8-bit integers scaled per plane (``wire_precision.py``):
-they are ~95 % of the bytes eq. 2 counts (for 50:500 at batch 64, the paper's split: x and y
-against w), so their word decides the total; and a map rounded to 1/254 of its plane's largest
-value perturbs only this step's forward -- it is recomputed from the weights every step, never
-accumulated the way a weight is, across steps, by the optimiser. So the coarse word goes where
-the bytes are, the fine one where errors accumulate. Gradients stay bf16, not s8 and not fp16: a
-gradient's range is float32's (fp16 flushes its small values to zero), and dW is summed into the
-weights step after step, where s8's error -- absolute, up to 1/254 of a plane's largest, so a
-plane's small gradients become 0 -- would accumulate like a weight's.
+Maps go in s8 (``wire_precision.py``): they are ~95 % of the bytes (50:500 at batch 64, split by
+kernels), and a map's rounding perturbs only this step's forward, never accumulates as a weight's
+does across steps. Gradients stay bf16: their range is float32's (fp16 flushes small values to
+zero), and dW is summed into the weights step after step, where s8's absolute error would
+accumulate like a weight's.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ random values", and gives it kernels in proportion to its speed (eq. 1, ``balanc
 each sharded block -- the convolution and its fused tail -- on the same seeded random
 values (median of ``repeats`` runs after a warm-up), one participant at a time so that
 devices sharing a host do not slow each other's benchmark (:func:`time_everyone`); the
-master runs the very code the workers run (:func:`time_block`).
+master runs the very code the workers run (:func:`time_block`); a worker answers with :func:`calibrate`.
 
 A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain values::
 
@@ -17,6 +17,7 @@ A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain valu
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
+from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.rpc import Rpc
-from tinyconv.distributed.shard.block import block_backward, block_forward, check_tail, tail_output_hw
+from tinyconv.distributed.shard.block import block_backward, block_forward, tail_output_hw
+from tinyconv.distributed.worker.state import WorkerState, check_tail
 from transports.base import Message
 from transports.wire import Int
 
@@ -77,15 +80,7 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
     if spec["x"][1] != spec["w"][1] or spec["stride"] < 1 or spec["padding"] < 0:
         raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C, stride >= 1, padding >= 0")
     try:
-        parsed = Spec(
-            spec["layer"],
-            tuple(spec["x"]),
-            tuple(spec["w"]),
-            spec["stride"],
-            spec["padding"],
-            spec["need_dx"],
-            check_tail(spec["tail"]),
-        )
+        parsed = Spec(**spec | {"x": tuple(spec["x"]), "w": tuple(spec["w"]), "tail": check_tail(spec["tail"])})
         parsed.y  # noqa: B018 -- raises ValueError if the kernel or a pool does not fit
     except ValueError as e:
         raise TaskError(f"layers[{i}]: {e}") from None
@@ -120,6 +115,32 @@ def time_block(be: Backend, spec: Spec, repeats: int) -> float:
     return statistics.median(once() for _ in range(repeats))
 
 
+def default_max_calibrate_bytes() -> int:
+    """Half this machine's physical memory, at least 2 GiB: what one calibration may allocate.
+
+    The cap keeps a master from making a worker allocate without bound, but it must admit what a
+    real training step at the same shapes allocates anyway (150:800 at batch 256 needs 2.3 GB to
+    time conv2, 500:1500 with its tail at batch 64 about 1.6 GB), so it follows the machine."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the old fixed cap
+        physical = 0
+    return max(1 << 31, physical // 2)
+
+
+def calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """The worker's handler of ``calibrate``: ``times``, seconds per layer, each the median of ``repeats``
+    runs after a warm-up, times the worker's slowdown."""
+    if not 1 <= h["repeats"] <= 1000:
+        raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
+    if not h["layers"]:
+        raise TaskError("layers is empty: nothing to calibrate")
+    specs = [parse_spec(i, spec, state.max_calibrate_bytes) for i, spec in enumerate(h["layers"])]
+    times = [time_block(state.backend, spec, h["repeats"]) * state.slowdown for spec in specs]
+    release_freed_memory()  # the whole layers' memory, kept, would stay the run's peak (heap.py)
+    return {"times": times}
+
+
 # How many times slower than the reference a worker may be before its calibration counts as lost:
 # a laptop beside a desktop, not a worker that stopped.
 SLOWER = 10
@@ -133,30 +154,34 @@ def time_everyone(
     workers: list[int],
     reference: float | None = None,
 ) -> dict[int | None, list[float]]:
-    """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and for the
-    master (key None) on ``backend`` if it takes part (not None).
-
-    The master is timed first: a worker's deadline is the Rpc's timeout or, if longer, SLOWER times
-    what the master's own runs took (1 + ``repeats`` forward + backward passes of every layer), so
-    that a large network at a large batch is not taken for a lost worker (conv2 of 300:1000 at batch
-    256 takes ~40 s a pass on one core). ``reference``: seconds of one pass of all the layers on a
-    participant already timed, for when the master does not take part."""
+    """Seconds per layer of ``specs`` for each of ``workers`` (by index), one at a time, and first for
+    the master (key None) on ``backend`` if it takes part (not None): its time is each worker's
+    ``reference`` (else the one given: a participant already timed, one pass of all the layers)."""
     times: dict[int | None, list[float]] = {}
     if backend is not None:
         times[None] = [time_block(backend, parse_spec(i, s), repeats) for i, s in enumerate(specs)]
         reference = sum(times[None])
-    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + repeats) * reference)
+    task = Message("calibrate", {"layers": specs, "repeats": repeats})
     for k in workers:
-        op = rpc.op("calibration", backend, timeout=timeout)
-        reply = op.gather([op.send(k, Message("calibrate", {"layers": specs, "repeats": repeats}))])[k]
-        got = reply.header["times"]
-        if not (isinstance(got, list) and len(got) == len(specs) and all(map(_positive, got))):
-            raise RuntimeError(
-                f"{rpc.describe(k)} answered calibrate with times {got!r:.200}, expected {len(specs)} "
-                "positive seconds (one per sharded layer); is it running the same tinyconv version?"
-            )
-        times[k] = [float(t) for t in got]
+        times[k] = worker_times(rpc, k, task, "calibration", len(specs), reference)
     return times
+
+
+def worker_times(rpc: Rpc, k: int, task: Message, what: str, n: int, reference: float | None) -> list[float]:
+    """Worker k's answer to a calibration ``task`` (``what`` in errors): ``n`` seconds > 0.
+
+    Its deadline is the Rpc's timeout or, if longer, SLOWER times the 1 + repeats runs would take
+    at ``reference`` seconds a run, so that a large network at a large batch is not taken for a lost
+    worker (conv2 of 300:1000 at batch 256 takes ~40 s a pass on one core)."""
+    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + task.header["repeats"]) * reference)
+    op = rpc.op(what, None, timeout=timeout)
+    got = op.gather([op.send(k, Message(task.kind, dict(task.header)))])[k].header["times"]
+    if not (isinstance(got, list) and len(got) == n and all(map(_positive, got))):
+        raise RuntimeError(
+            f"{rpc.describe(k)} answered {task.kind} with times {got!r:.200}, expected {n} positive seconds; "
+            "is it running the same tinyconv version?"
+        )
+    return [float(t) for t in got]
 
 
 def _positive(t: Any) -> bool:

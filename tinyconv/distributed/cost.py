@@ -1,12 +1,8 @@
-"""The affine cost model the rebalancer (``rebalance.py``) moves kernels by.
+"""The affine cost model the rebalancer (``rebalance.py``, which says why affine) moves kernels by.
 
-The paper's eq. 1 (``balance.py``) gives each participant kernels in proportion to its speed,
-i.e. it models a participant's time as proportional to its kernels. Measured, a participant's
-time has a fixed part too -- split by kernels, every participant builds the im2col columns of
-the whole input whatever its k, and a GPU adds launch and transfer latency -- so here it is
-affine, t_i(k) = a_i + b_i k: :func:`fit_affine_cost` fits the line to the measurements, and
-:func:`equal_finish_kernels` solves for the split that makes everyone finish together. Pure
-arithmetic on small lists: no I/O, no clocks.
+A participant's time is t_i(k) = a_i + b_i k for k kernels: :func:`fit_affine_cost` fits the line
+to its measurements, :func:`equal_finish_kernels` solves for the split that makes everyone finish
+together. Pure arithmetic on small lists: no I/O, no clocks.
 """
 
 from __future__ import annotations
@@ -21,40 +17,27 @@ SLOPE_CONFIDENCE = 2.0  # the slope used is the fitted one plus this many standa
 def fit_affine_cost(samples: Sequence[tuple[int, float]], smoothing: float) -> tuple[float, float] | None:
     """Fit t = a + b k to one participant's measurements (k kernels, t seconds), oldest first.
 
-    Weights: the newest measurement weighs 1 and each older one ``1 - smoothing``
-    times the next newer (smoothing 1: only the newest counts).
-
-    *Where the line passes:* through (k0, t0), the newest measurement's kernel
-    count k0 and the weighted mean time t0 of the measurements at k0. That is the
-    plan now in use, so the line predicts the current plan's time as it is being
-    measured (smoothed), and only the slope comes from the other k.
-
-    *Its slope:* exponentially weighted least squares over all the measurements,
-    with weights w_j, W = sum_j w_j and weighted means k_bar, t_bar::
+    Weights: the newest measurement weighs 1 and each older one ``1 - smoothing`` times the next
+    newer. The line passes through (k0, t0), the newest measurement's k and the weighted mean time
+    of the measurements at k0: the plan in use, so the line predicts its time as measured, and only
+    the slope comes from the other k. The slope is exponentially weighted least squares, with
+    weights w_j, W = sum_j w_j and weighted means k_bar, t_bar::
 
         S_kk = sum_j w_j (k_j - k_bar)^2,     b_ls = sum_j w_j (k_j - k_bar)(t_j - t_bar) / S_kk
 
-    A slope is uncertain when the k are close together and the times noisy, and
-    one too small makes kernels look nearly free, so the target would pile them
-    onto (or strip them from) one participant. So the slope used is the steepest
-    the measurements allow, b = b_ls + SLOPE_CONFIDENCE * se(b_ls): a steeper line
-    moves fewer kernels (a = 0 the fewest), and a move that falls short is
+    A slope too small makes kernels look nearly free, so the target would pile them onto (or strip
+    them from) one participant; so the slope used is the steepest the measurements allow, b = b_ls +
+    SLOPE_CONFIDENCE * se(b_ls): a steeper line moves fewer kernels, and a move that falls short is
     completed at the next rebalance, which also has another k to fit::
 
         se(b_ls)^2 = s^2 sum_j w_j^2 (k_j - k_bar)^2 / S_kk^2
         s^2 = (sum_j w_j r_j^2 / W) n / (n - 2),   r_j = t_j - t_bar - b_ls (k_j - k_bar),   n = W^2 / sum_j w_j^2
 
-    (s^2 estimates the noise variance from the residuals and n is the effective
-    number of measurements. Exact measurements give se = 0, the least-squares
-    slope itself. With n <= 2 no residual is left to judge the noise by: the
-    slope counts as uncertain, and b = p0, the steepest the clamp allows.)
-
-    *Clamped* to sane values with p0 = t0 / k0, the time per kernel now:
-    b in [MIN_SLOPE_SHARE * p0, p0], then a = t0 - b k0. So a >= 0 (time does
-    not shrink as kernels are added) and b >= 5 % of p0 (kernels are never
-    nearly free). With fewer than two distinct k of positive weight there is no
-    slope, and the fit is the proportional model (0, p0); an uncertain slope
-    lands there too.
+    (s^2: the noise variance from the residuals; n: the effective number of measurements. With
+    n <= 2 no residual is left to judge the noise by, and b = p0.) Then, with p0 = t0 / k0, the time
+    per kernel now, b is clamped to [MIN_SLOPE_SHARE * p0, p0] and a = t0 - b k0: a >= 0, and
+    kernels are never nearly free. With fewer than two distinct k there is no slope: the
+    proportional model (0, p0).
 
     Returns (a, b), or None with no measurement, or no time (t0 <= 0).
     """

@@ -1,36 +1,24 @@
 """Keep freed memory in the process, so every training step reuses the last step's pages.
 
-A step allocates and frees the same large arrays each time: im2col columns of hundreds
-of MB, feature maps of tens. glibc returns any block over 32 MB to the kernel when it is
-freed (munmap), so the next step's allocation faults in fresh zeroed pages, one 4 KiB page
-at a time. Measured on the development machine (a 2-core VM): writing a fresh 491 MB array
-took 0.14-1.07 s against 0.05 s for a reused one, and two processes faulting at once slowed
-each other down, so a conv block on half the kernels took 6-7.5 s on each core against
-4.9-6 s with its memory kept (``benchmarks/bench_speedup.py`` measures the effect on a whole step).
+A step allocates and frees the same large arrays each time (im2col columns of hundreds of MB).
+glibc returns any block over 32 MB to the kernel when it is freed, so the next step faults in
+fresh zeroed pages: on a 2-core VM, writing a fresh 491 MB array took 0.14-1.07 s against 0.05 s
+for a reused one, and a conv block on half the kernels 6-7.5 s a core against 4.9-6 s with its
+memory kept (``benchmarks/bench_speedup.py``).
 
-:func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap
-(``M_MMAP_MAX`` = 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, which
-glibc reads as the largest size_t), and to use one arena for all threads (``M_ARENA_MAX`` = 1,
-so a worker's compute thread shares it). A freed block is then reused by the next allocation
-of its size. The price is that the process keeps its peak memory for its lifetime -- which a
-training process reaches again at every step anyway, once calibration is over (below). The
-master and the worker call it at start; ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off.
-Elsewhere than glibc it does nothing.
+:func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap (``M_MMAP_MAX``
+= 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, read as the largest size_t:
+INT_MAX would still give back a top of over 2 GB, and 300:1000's conv2 columns at batch 256 are
+1.97 GB, faulted back in at every step) and to use one arena for all threads (``M_ARENA_MAX`` = 1,
+so a worker's compute thread shares it). The process keeps its peak memory for its lifetime,
+which a training process reaches at every step anyway. The master and the worker call it at
+start; ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc it does nothing.
 
-The peak kept is the process's, though, and a calibration is its own peak: every participant
-times the *whole* layer on the whole batch (``tinyconv/distributed/calibrate.py``), where a step computes
-its share. :func:`release_freed_memory` (glibc's ``malloc_trim``) gives every free page back, and
-the master and the worker call it once their calibration is done. Measured on the 2-core Xeon,
-300:1000 at batch 256: the worker kept 5.9 GB through its steps without it, 2.9-3.0 GB with it
-(2.8 GB at most with nothing kept); at 500:1500 it kept 9.8 GB beside the master's 14.6 GB, and
-the kernel killed the master (24 GB machine). Releasing at other points is no cure for
-fragmentation: the grid's master, releasing at every switch between its steps alone and its
-distributed steps, grew to 10.2 GB against 8.5 GB without.
-
-Why -1 and not INT_MAX: mallopt takes an int, and a threshold of 2**31 - 1 bytes still gives back
-a top of over 2 GB -- conv2's columns of ``300:1000`` at batch 256 are 1.97 GB, so the master alone
-trimmed them at every step and faulted them back in, huge page by huge page, in 3-6 s of system
-time a step (seen in /proc/PID/stat on the 2-core Xeon).
+A calibration is its own peak, though: every participant times the *whole* layer on the whole
+batch (``calibrate.py``), where a step computes its share. :func:`release_freed_memory`
+(``malloc_trim``) gives every free page back once calibration is done: at 300:1000, batch 256,
+the worker kept 5.9 GB through its steps without it, 2.9-3.0 GB with it. Releasing at other
+points is no cure for fragmentation (the grid's master grew to 10.2 GB against 8.5 GB without).
 """
 
 from __future__ import annotations

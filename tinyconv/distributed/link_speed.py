@@ -12,7 +12,7 @@ from collections import deque
 
 
 class LinkSpeed:
-    """One worker's link as its recent tasks measured it: seconds per array byte beyond its compute.
+    """One worker's link.
 
     A task of b bytes (its arrays and its result's), sent at t_send, whose result the master
     received at t_recv after c seconds of the worker's compute, gives one sample::

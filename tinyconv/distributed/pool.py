@@ -6,11 +6,8 @@
         loss, logits = cluster.train_batch(net, x, y)                # the convolutions run in shards
         print(cluster.last_step["shares"])
 
-:func:`distribute` starts the workers (:func:`worker_pool`) and builds the runtime of the
-parallelism asked for -- ``parallel="model"``: the :class:`~tinyconv.distributed.shard.cluster.Cluster`,
-which puts a ShardedBlock in the network for each convolution; "data" and "hybrid": a split of
-each batch by images (``replica/``) -- times every participant and splits the work by the
-paper's eq. 1. Closing it puts the network's own layers back and stops the workers.
+:func:`distribute` starts the workers (:func:`worker_pool`), builds the runtime of the parallelism
+asked for and times everyone to split the work by the paper's eq. 1; closing it stops the workers.
 
 :func:`worker_pool` is a context manager, so the workers go away whatever happens (a
 finished run, an exception, Ctrl-C): the transport tells every worker the training is
@@ -20,6 +17,7 @@ orphans, no ports left bound.
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
@@ -36,7 +34,7 @@ from typing import Any
 from backends import get_backend
 from tinyconv.distributed.adaptive_precision import policy
 from tinyconv.distributed.conv_shapes import conv_shapes
-from tinyconv.distributed.protocol import VERSION, message_cap_bytes
+from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.replica.hybrid import Hybrid
 from tinyconv.distributed.replica.server import Replicas, replica_message_bytes
 from tinyconv.distributed.runtime import Runtime
@@ -54,6 +52,10 @@ LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this pr
 WATCH_S = 0.05  # how often the master looks at its local worker processes while it waits for hellos
 PARALLEL: dict[str, type[Runtime]] = {"model": Cluster, "data": Replicas, "hybrid": Hybrid}
 MODEL_ONLY = ("split", "fuse", "pipeline", "wire_precision")  # options of the model split alone
+# distribute()'s options that go to worker_pool()
+POOL_OPTIONS = (
+    "worker_device bind external worker_threads start_timeout peer_timeout key authorized_keys insecure".split()
+)
 
 
 def distribute(
@@ -63,15 +65,6 @@ def distribute(
     *,
     parallel: str = "model",
     worker_backend: str | None = None,
-    worker_device: str | None = None,
-    bind: str | None = None,
-    external: bool = False,
-    worker_threads: int | None = None,
-    start_timeout: float = 60.0,
-    peer_timeout: float = 5.0,
-    key: str | None = None,
-    authorized_keys: str | None = None,
-    insecure: bool = False,
     batch_size: int = 64,
     largest_batch: int | None = None,
     image_size: int = 32,
@@ -91,21 +84,19 @@ def distribute(
     images of ``image_size`` pixels and split by eq. 1; otherwise start from an equal split.
     A message may carry no more than a step at ``largest_batch`` calls for (the largest batch the
     network will be given, evaluation's say; default ``batch_size``): a bigger one is refused.
-    The pool's keywords (worker_device to announce): see :func:`worker_pool`. ``options`` go to the
-    runtime: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats for all three;
-    split, fuse, pipeline, wire_precision (``adaptive_precision.py``) for the model split alone.
+    ``options``: the pool's (:data:`POOL_OPTIONS`: worker_device to insecure, :func:`worker_pool`'s), and
+    the runtime's: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats for all
+    three; split, fuse, pipeline, wire_precision (``adaptive_precision.py``) for the model split alone.
     Returns the runtime; ``close()`` it, or use it in a ``with`` block.
     """
+    pool_options = {k: options.pop(k) for k in POOL_OPTIONS if k in options}
     _check_options(parallel, options)  # before any worker starts
     cap = message_cap(net, max(batch_size, largest_batch or 0), image_size, parallel)  # checked before arrays are built
     stack = ExitStack()
     try:
-        pool, infos = stack.enter_context(worker_pool(
-            transport, workers, worker_backend=worker_backend or net.backend.name, worker_device=worker_device,
-            bind=bind, external=external, worker_threads=worker_threads, start_timeout=start_timeout,
-            peer_timeout=peer_timeout, key=key, authorized_keys=authorized_keys, insecure=insecure,
-            max_message_bytes=cap, announce=announce,
-        ))  # fmt: skip
+        backend = worker_backend or net.backend.name
+        pool = worker_pool(transport, workers, backend, max_message_bytes=cap, announce=announce, **pool_options)
+        pool, infos = stack.enter_context(pool)
         runtime = PARALLEL[parallel](pool, infos, net.backend, image_size=image_size, **options)
         runtime.on_close = stack.close
         if calibrate:
@@ -129,9 +120,13 @@ def _check_options(parallel: str, options: dict[str, Any]) -> None:
 
 
 def message_cap(net: Network, batch_size: int, image_size: int, parallel: str = "model") -> int:
-    """The most bytes a task or result may carry at ``batch_size``: a sharded layer's arrays, and for
-    the splits of the batch twice the larger of those and a replica's weights and slices."""
-    cap = message_cap_bytes([(c.x, c.y, c.w) for c in conv_shapes(net, batch_size, image_size)])
+    """The most bytes a task or result may carry at ``batch_size``, at least 1 MiB. Of a sharded layer, one layer's
+    x, two of its conv outputs (p_lo and p_hi may overlap), its weights and biases (the tails only shrink the maps,
+    the halos only widen a slice to at most F); for the splits of the batch, twice the larger of that and a
+    replica's weights and slices."""
+    convs = conv_shapes(net, batch_size, image_size)
+    biggest = max((math.prod(c.x) + 2 * math.prod(c.y) + math.prod(c.w) + c.w[0] for c in convs), default=0)
+    cap = max(1 << 20, 4 * biggest)
     return cap if parallel == "model" else 2 * max(replica_message_bytes(net, batch_size, image_size), cap)
 
 
@@ -161,11 +156,10 @@ def worker_pool(
     worker processes here, with ``external`` it announces the command to run on the other machines
     and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
 
-    Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``), the
-    master's secret ``key`` file and the folder of the workers' public keys,
-    ``authorized_keys``, unless ``insecure``; local worker processes on such a bind get a
-    fresh key pair of their own. On loopback nothing else can reach the master: no keys, and
-    none of their cost (encrypting a message takes about 4 times as long as sending it).
+    Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``, :func:`_keys`),
+    the master's secret ``key`` file and the folder of the workers' public ``authorized_keys``,
+    unless ``insecure``. On loopback nothing else can reach the master: no keys, and none of
+    their cost (encrypting a message takes about 4 times as long as sending it).
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
@@ -261,30 +255,15 @@ def _worker_command(connect: str, backend: str, keys: tuple | None, external: bo
 def _handshake(
     pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], command: str
 ) -> list[WorkerInfo]:
-    """Every worker's hello; a timeout says how a worker joins. With local worker processes, one that
-    exits ends the wait at once, with its exit code and the last lines it wrote to stderr."""
+    """Every worker's hello; a timeout says how a worker joins. With local worker processes, ``pool.start``
+    runs in a thread (a transport's start cannot be cut in slices) while this one polls them: the first
+    that exits ends the wait at once, a RuntimeError with its exit code and the last lines of its stderr."""
     if not procs:
         try:
             return pool.start(n, timeout=timeout)
         except TimeoutError as e:
             raise TimeoutError(f"{e}; a worker joins with: {command}" if command else str(e)) from e
     tails = [_StderrTail(p) for p in procs]
-    try:
-        infos = _watched_start(pool, n, timeout, procs, tails)
-    except TimeoutError:
-        for t in tails:  # what the living ones said may explain it
-            t.release()
-        raise
-    for t in tails:  # from now on, what the workers say goes to the master's stderr as they say it
-        t.release()
-    return infos
-
-
-def _watched_start(
-    pool: Transport, n: int, timeout: float, procs: list[subprocess.Popen], tails: list[_StderrTail]
-) -> list[WorkerInfo]:
-    """``pool.start`` in a thread (a transport's start cannot be cut in slices), while this one polls
-    the local processes: the first that exits raises RuntimeError with its exit code and stderr."""
     outcome: dict[str, object] = {}
 
     def start() -> None:
@@ -300,6 +279,8 @@ def _watched_start(
         dead = next((i for i, p in enumerate(procs) if p.poll() is not None), None)
         if dead is not None and waiter.is_alive():
             raise RuntimeError(_death_notice(dead, procs[dead].returncode, tails[dead].last()))
+    for t in tails:  # from now on what the workers say goes to our stderr (after a timeout, it may explain it)
+        t.release()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["infos"]  # type: ignore[return-value]
@@ -353,24 +334,17 @@ def spawn_local_workers(
     backend: str = "numpy",
     extra_args: Sequence[str] = (),
     threads: int | None = None,
-    quiet: bool = True,
     stderr: int | None = None,
 ) -> list[subprocess.Popen]:
-    """Start ``n`` worker processes on this machine that connect to ``connect``.
+    """Start ``n`` quiet worker processes on this machine that connect to ``connect``.
 
     They stay in this process's group, so a Ctrl-C reaches them too; and each exits on its own
     within its ``--timeout`` and ``--retry-for`` (see :func:`worker_pool`) if this process dies. Stop them with
     :func:`stop_workers` after closing the transport. ``stderr``: theirs (default: this
     process's; ``subprocess.PIPE`` for a pipe that the caller must read).
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    if quiet:
-        cmd.append("--quiet")
-    cmd += list(extra_args)
+    cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend, "--quiet"]
+    cmd += (["--threads", str(threads)] if threads else []) + list(extra_args)
     return [subprocess.Popen(cmd, stderr=stderr) for _ in range(n)]
 
 

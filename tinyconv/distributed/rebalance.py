@@ -13,11 +13,10 @@ to nothing, and it is the compute that is balanced.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
@@ -45,69 +44,44 @@ class _LayerState:
     probing: int | None = None  # PROBING: the participant given one kernel back, this step
 
 
+@dataclass
 class Rebalancer:
     """Proposes a new kernel split when measured times (compute, and a worker's transfers) say the current one is off.
 
-    **Cost model.** A participant's time for one layer (forward + backward) is
-    affine in its kernel count k::
+    **Cost model** (``cost.py``). A participant's time for one layer (forward + backward) is affine
+    in its kernel count k, t_i(k) = a_i + b_i k: a_i >= 0 fixed seconds (split by kernels, every
+    participant builds the im2col of the whole x whatever its k; a GPU adds latency), b_i > 0
+    seconds per kernel. For each layer and participant it keeps the last ``window`` measurements
+    (k, t), from :meth:`observe` and from :meth:`record` (the calibration's whole-layer times at
+    k = F), and fits the line (:func:`fit_affine_cost`); until a participant has been measured at
+    two different k, it is the proportional model of the paper's eq. 1, a_i = 0.
 
-        t_i(k) = a_i + b_i k          a_i >= 0: fixed seconds, b_i > 0: seconds per kernel
-
-    The fixed part is real: split by kernels, every participant builds the im2col
-    columns of the whole input x and the col2im of the whole dx whatever its k; split
-    by input channels (k counts those), the halo's tail and the copies remain; and a
-    GPU adds launch and transfer latency. For each layer and participant the Rebalancer
-    keeps its last ``window`` measurements (k, t): from :meth:`observe`, and from
-    :meth:`record`, which :meth:`Cluster.calibrate
-    <tinyconv.distributed.shard.cluster.Cluster.calibrate>` uses to file its whole-layer
-    times at k = F. :func:`fit_affine_cost` fits the line through the smoothed time
-    at the participant's current k, its slope from all its k (made steeper where
-    noise leaves it uncertain, and clamped so that a_i >= 0). Until a participant has
-    been measured at two different k, it is the proportional model a_i = 0,
-    b_i = (smoothed t) / k, the model of the paper's eq. 1.
-
-    **Target.** The split that makes every participant finish together, with a floor
-    of one kernel (:func:`equal_finish_kernels`; eq. 1 when every a_i = 0), rounded by
-    largest remainder (:func:`~tinyconv.distributed.shard.balance.apportion`)::
+    **Target.** The split that makes every participant finish together, with a floor of one kernel
+    (:func:`equal_finish_kernels`), rounded by largest remainder::
 
         T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
 
-    **When to move.** With the current counts c_i, participant i finishes after
-    f_i = a_i + b_i c_i, its smoothed measured time (the line passes there;
-    participants with no kernels are left out). When the slowest lags the mean
-    of those finishing times by more than ``threshold``,
-    (max f - mean f) / mean f > threshold, for ``patience`` consecutive steps,
-    the target is proposed, provided that it moves at least ``min_move`` kernels
-    (a layer's counts change by sum |new - old| / 2 kernels) and is predicted to
-    end the layer sooner: max_i f_i(new) < max_i f_i(current). After a move the
-    layer waits ``cooldown`` steps (measuring, not judging; its streak starts
-    again from zero). These, and the smoothing, keep noise from making the split
-    flap; the threshold is also the imbalance accepted for good.
+    **When to move.** With the current counts c_i, participant i finishes after f_i = a_i + b_i c_i.
+    When the slowest lags the mean of those (participants with kernels) by more than ``threshold``,
+    (max f - mean f) / mean f > threshold, for ``patience`` consecutive steps, the target is
+    proposed, provided that it moves at least ``min_move`` kernels (sum |new - old| / 2) and is
+    predicted to end the layer sooner: max_i f_i(new) < max_i f_i(current). After a move the layer
+    waits ``cooldown`` steps, measuring, not judging. These, and the smoothing, keep noise from
+    making the split flap; the threshold is also the imbalance accepted for good. After
+    calibration the first move already aims where the lines cross a common T: exact affine times
+    get there in one move. The proportional model alone reads a fixed part as per-kernel cost, so
+    each move falls short and the split creeps towards balance, one move at a time.
 
-    **Convergence.** After calibration the first step is measured at a second k
-    (the calibrated split), so the first move already aims at where the lines
-    cross a common T; exact affine times get there in one move, and stay. Without
-    calibration the first move is proportional, and measures the second k. The
-    proportional model alone reads a fixed part as per-kernel cost: a slow
-    participant's time per kernel (a + b k) / k grows as its k shrinks, so each
-    move falls short, and the split creeps one move (patience + cool-down steps)
-    at a time towards balance, stopping where the lag first drops under the
-    threshold, short of it.
+    **The floor** of one kernel keeps every participant measured, so one that was slow for a while
+    (another job on its machine) can win kernels back. **Sitting out:** one held at the floor
+    whose single kernel ends after the others would finish the whole layer without it (a_i is more
+    than their T) gets 0 kernels instead, when that is predicted to end the layer sooner (slowest
+    first, one at a time). After ``reprobe`` steps it gets one kernel back for one step, judged at
+    once: it stays if it has become fast enough, else sits out again for twice as long
+    (``reprobe=0``: out for good).
 
-    **The floor** of one kernel keeps every participant measured, so one that
-    was slow for a while (another job on its machine) can win kernels back.
-
-    **Sitting out.** A participant held at the floor whose one kernel alone ends
-    after the others would finish the whole layer without it (its fixed cost a_i is
-    more than their T) can only slow the layer down: a proposal gives it 0 kernels
-    instead, when that is predicted to end the layer sooner (slowest first, one at a
-    time). Without kernels it is not measured, so after ``reprobe`` steps it gets one
-    kernel back for one step, judged at once (no patience, no cool-down): it stays if
-    it has become fast enough, else it sits out again for twice as long as before.
-    ``reprobe=0`` keeps it out for good. A re-probe costs one step at its pace.
-
-    **Phases.** Each layer is in one :class:`Phase` between steps; a step
-    (:meth:`observe`) files its measurements, then does what its phase says::
+    **Phases.** Each layer is in one :class:`Phase` between steps; a step (:meth:`observe`)
+    files its measurements, then does what its phase says::
 
         phase     a step in it                                             next phase
         --------  -------------------------------------------------------  --------------------------
@@ -123,44 +97,35 @@ class Rebalancer:
                   target gives it 0; the target proposed as in WATCHING    the phase it broke into
     """
 
-    def __init__(
-        self,
-        threshold: float = 0.10,
-        patience: int = 3,
-        smoothing: float = 0.3,
-        cooldown: int = 5,
-        min_move: int = 1,
-        window: int = 20,
-        reprobe: int = 50,
-    ) -> None:
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0 (a fraction of the mean finish time), got {threshold!r}")
-        if not (isinstance(patience, int) and patience >= 1):
-            raise ValueError(f"patience must be an int >= 1 (steps), got {patience!r}")
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1] (1 = no memory), got {smoothing!r}")
-        if not (isinstance(cooldown, int) and cooldown >= 0):
-            raise ValueError(f"cooldown must be an int >= 0 (steps), got {cooldown!r}")
-        if not (isinstance(min_move, int) and min_move >= 1):
-            raise ValueError(f"min_move must be an int >= 1 (kernels), got {min_move!r}")
-        if not (isinstance(window, int) and window >= 2):
-            raise ValueError(f"window must be an int >= 2 (measurements kept per participant), got {window!r}")
-        if not (isinstance(reprobe, int) and reprobe >= 0):
-            raise ValueError(f"reprobe must be an int >= 0 (steps; 0: never), got {reprobe!r}")
-        self.threshold = threshold
-        self.patience = patience
-        self.smoothing = smoothing
-        self.cooldown = cooldown
-        self.min_move = min_move
-        self.window = window
-        self.reprobe = reprobe
-        self._layers: dict[str, _LayerState] = {}
+    threshold: float = 0.10
+    patience: int = 3
+    smoothing: float = 0.3
+    cooldown: int = 5
+    min_move: int = 1
+    window: int = 20
+    reprobe: int = 50
+    _layers: dict[str, _LayerState] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (a fraction of the mean finish time), got {self.threshold!r}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1] (1 = no memory), got {self.smoothing!r}")
+        counts = {
+            "patience": (1, "steps"),
+            "cooldown": (0, "steps"),
+            "min_move": (1, "kernels"),
+            "window": (2, "measurements kept per participant"),
+            "reprobe": (0, "steps; 0: never"),
+        }
+        for name, (least, what) in counts.items():
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= least):
+                raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
     def fresh(self) -> Rebalancer:
         """The same settings with nothing remembered: for a new set of participants."""
-        new = copy.copy(self)
-        new._layers = {}
-        return new
+        return replace(self)  # _layers is not an init field: a new, empty one
 
     def cost_models(self, layer: str) -> list[tuple[float, float] | None]:
         """Each participant's fitted (a_i seconds, b_i seconds per kernel); None: never measured."""
@@ -169,25 +134,16 @@ class Rebalancer:
         return [fit_affine_cost(s, self.smoothing) for s in self._layers[layer].samples]
 
     def record(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> None:
-        """File one measurement per participant of ``layer`` without judging the plan.
-
-        ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
-        counts[i] is 0). Neither the patience streak nor the cool-down advances:
-        this is for measurements that are not a training step, such as the
-        calibration's whole-layer times (counts all F).
-        """
+        """File ``counts[i]`` kernels in ``times[i]`` seconds for each participant i (none for 0 kernels)
+        without judging the plan: measurements that are not a training step (the calibration's, at F)."""
         state = self._state(layer, counts, times)
         for samples, c, t in zip(state.samples, counts, times, strict=True):
             if c > 0:
                 samples.append((int(c), float(t)))
 
     def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
-        """Record one step of ``layer``; return new counts to use from the next step, or None.
-
-        ``counts[i]`` kernels took participant i ``times[i]`` seconds (ignored when
-        counts[i] is 0). A returned plan sums to sum(counts) and has the same length.
-        What the step does is its layer's phase's row of the table above.
-        """
+        """Record one step of ``layer`` as :meth:`record` does, then do its phase's row of the table
+        above; returns new counts (summing to the same) to use from the next step, or None."""
         self.record(layer, counts, times)
         state = self._layers[layer]
         for i, c in enumerate(counts):

@@ -1,23 +1,20 @@
 """Tasks out to the workers, results back: task ids, deadlines, early replies, clear errors.
 
-Each distributed op (the forward or the backward of one sharded layer) opens an
-:class:`Op`. It numbers every task it sends; :meth:`Op.gather` waits for the results of
-some of them, each within the timeout, and keeps any result of the op's other tasks that
-comes first for the gather that wants it. A result of a task no open op is waiting for
--- one an op gave up on -- is stale and dropped. A worker's ``error`` becomes a
-RuntimeError naming the worker and the op. A worker the op cannot count on -- gone
-(the transport's WorkerLost), silent past the timeout, or answering finite inputs with
-non-finite numbers -- ends the op with :class:`Lost`, naming each and why, so that the
-cluster can share its kernels among the others and run the op again. On the way the op
-counts what it cost (:meth:`Op.stats`), and each worker's link its seconds per byte
-(``link_speed.py``).
-
-An op's codec encodes a task right before it is sent and decodes a result right after it came,
-so the splits only ever see float32; the default is the identity (``wire_codec.py``).
+Each distributed op (the forward or the backward of one sharded layer) opens an :class:`Op`. It
+numbers every task it sends; :meth:`Op.gather` waits for the results of some of them, each within
+the timeout, and keeps a result that comes before its gather asks for it. A result no open op
+waits for (an op gave up on it) is stale and dropped. A worker's ``error`` becomes a RuntimeError
+naming it and the op. A worker the op cannot count on -- gone (the transport's WorkerLost), silent
+past the timeout, or answering finite inputs with non-finite numbers -- ends the op with
+:class:`Lost`, so that the runtime can share its work among the others and run the op again. On
+the way the op counts what it cost (:meth:`Op.stats`) and each worker's link its seconds per byte
+(``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
+and decodes each result as it comes, so the splits only ever see float32.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +27,7 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats
 from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import check_result
-from tinyconv.distributed.wire_codec import Codec, Plain
+from tinyconv.distributed.wire_codec import Narrowing
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -45,11 +42,8 @@ class Lost(Exception):
 
 
 class Rpc:
-    """The master's side of the task protocol, over one transport.
-
-    ``clock``: seconds, monotonic; the deadlines and the links' samples read it (a test's fake
-    clock can drive both, with a transport that delivers by it).
-    """
+    """The master's side of the task protocol, over one transport. ``clock`` (monotonic seconds) times the
+    deadlines and the links' samples: a test's fake clock can drive both, with a transport that delivers by it."""
 
     def __init__(
         self,
@@ -65,7 +59,7 @@ class Rpc:
         self.timeout = float(timeout)
         self.clock = clock
         self.links: dict[int, LinkSpeed] = {}  # worker -> what its tasks measured of its link
-        self._next_task = 0
+        self.task_ids = itertools.count(1)
 
     def link(self, k: int) -> LinkSpeed:
         """Worker ``k``'s link (nothing measured yet for a new one)."""
@@ -77,13 +71,11 @@ class Rpc:
         backend: Backend,
         fields: dict[str, int] | None = None,
         timeout: float | None = None,
-        codec: Codec | None = None,
+        codec: Narrowing | None = None,
     ) -> Op:
-        """A new op, ``what`` naming it in errors ("forward of conv2"), the master computing its own
-        share on ``backend``; every task it sends carries ``fields`` (a layer's step and index), and
-        every worker has ``timeout`` seconds (default: the Rpc's) to answer each gather. ``codec``:
-        how its tasks and results go on the wire (default: as they are)."""
-        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec or Plain())
+        """A new op named ``what`` in errors ("forward of conv2"), the master's share on ``backend``; its
+        tasks carry ``fields`` (a layer's step and index), each gather waits ``timeout`` s (the Rpc's)."""
+        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec)
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -91,10 +83,6 @@ class Rpc:
         info = self.workers[k]
         where = info.hostname or info.address or "?"
         return f"worker {k} ({info.backend} on {info.device.get('device', '?')} at {where})"
-
-    def new_task_id(self) -> int:
-        self._next_task += 1
-        return self._next_task
 
 
 class _Sent(NamedTuple):
@@ -112,10 +100,10 @@ class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
     def __init__(
-        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Codec
+        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Narrowing | None
     ) -> None:
         self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
-        self.codec = codec
+        self.codec = codec  # None: the arrays go as they are, float32
         self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
         self.t0 = time.perf_counter()
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
@@ -129,9 +117,9 @@ class Op:
     def send(self, worker: int, msg: Message) -> int:
         """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, encoded by the
         op's codec; returns its task id."""
-        task = self.rpc.new_task_id()
+        task = next(self.rpc.task_ids)
         msg.header.update(self.fields, task=task)
-        wire, fell_back = self.codec.encode(msg)
+        wire, fell_back = self.codec.encode(msg) if self.codec else (msg, 0)
         self.fallbacks += fell_back
         at = self.rpc.clock()
         try:
@@ -212,7 +200,7 @@ class Op:
             if reply.kind != "result":
                 raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
             sent, nbytes = self._pending[task], reply.nbytes()
-            reply, fell_back = self.codec.decode(reply, sent.wire)  # float32 from here on
+            reply, fell_back = self.codec.decode(reply, sent.wire) if self.codec else (reply, 0)  # float32 now
             self.fallbacks += fell_back
             check_result(reply, sent.msg.kind)
             _check_finite(k, reply, sent.msg, self.what)
@@ -227,9 +215,8 @@ class Op:
             return task, reply
 
     def _next(self, deadline: float, waiting: set[int]) -> tuple[int, Message, bool]:
-        """The next message from a worker, and whether the master waited for it: first what has come
-        already (while the master was busy: it arrived earlier), then what comes by ``deadline``
-        (it arrives now)."""
+        """The next message from a worker, and whether the master waited for it (it arrived now), or
+        not (it came while the master was busy); by ``deadline``."""
         try:
             try:
                 return *self.rpc.transport.recv(timeout=0.0), False

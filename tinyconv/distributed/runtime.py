@@ -1,22 +1,16 @@
 """What every parallelism shares: who takes part, how work is shared out, and what a step recorded.
 
-The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and
-the splits of the batch (``replica/batch.py``: images, for data parallelism and the hybrid) are
-both a :class:`Runtime`. Each names its *units*, what it shares out -- a layer's kernels, the
-batch's images -- and says how one unit is apportioned (``_apportion``) and how everyone is timed
-on it (``_time_all``, ``_time_joiner``); the rest is written here once:
-
-* the placement: ``(name, worker index)``, the master first (index ``None``) if it takes part
-  (``master_share="auto"``), then the workers by index -- the order of every list in plans,
-  metrics and sums;
-* calibration: everyone timed on each unit, the unit split by eq. 1 on the times
-  (``balance.py``), the times given to the rebalancer as each participant's first (count, seconds);
-* a worker lost (gone, silent past its deadline, non-finite numbers from finite inputs): it leaves
-  the placement for good and every unit is split again among the others by eq. 1 (:meth:`lose`); the
-  master holds every weight, so however many are lost it can always finish the step alone;
-* a worker that joins the transport late: timed on the units, then given a share at the next step
-  boundary (:meth:`_join`); either way the rebalancer starts afresh and ``events`` records it;
-* deadlines: ten times what an op should take, at least 10 s, at most ``recv_timeout``.
+The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and the
+splits of the batch (``replica/batch.py``: images) are each a :class:`Runtime`. Each names its
+*units*, what it shares out, and says how one unit is apportioned and how everyone is timed on it;
+the rest is written here once. The placement is ``(name, worker index)``, the master first (index
+``None``) if it takes part, then the workers by index: the order of every list in plans, metrics and
+sums. Calibration splits each unit by eq. 1 on everyone's times (``balance.py``). A worker lost
+(gone, silent past its deadline, non-finite numbers from finite inputs) leaves the placement for
+good and every unit is split again among the others (:meth:`Runtime.lose`): the master holds every
+weight, so it can always finish the step alone. A worker that joins the transport late is timed on
+the units, then given a share at the next step boundary. Either way the rebalancer starts afresh,
+and ``events`` records it.
 """
 
 from __future__ import annotations
@@ -46,6 +40,7 @@ class Runtime:
     worker's; "0" -- it only coordinates. ``rebalance``: follow the measured times, compute and
     transfers (``rebalancer`` to tune it). ``recv_timeout``: seconds every worker has to answer one
     op or its calibration at most. ``calibration_repeats``: timed runs per participant (their median).
+    ``image_size``: the side of the images it calibrates on.
 
     A subclass sets ``parallel`` (the metrics' name for it), ``splits`` (what its plans count) and
     writes ``_units``, ``_apportion``, ``_time_all``, ``_time_joiner`` and ``train_batch``.
@@ -65,6 +60,7 @@ class Runtime:
         rebalancer: Rebalancer | None = None,
         recv_timeout: float = 120.0,
         calibration_repeats: int = 3,
+        image_size: int = 32,
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -82,6 +78,7 @@ class Runtime:
         self.placement += [(f"worker{w.index}", w.index) for w in self.workers]
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None
         self.recv_timeout, self.calibration_repeats = float(recv_timeout), calibration_repeats
+        self.image_size = image_size
         self.counts: dict[str, list[int]] = {}  # unit (a layer, "batch") -> its count per participant
         self.channel_counts: dict[str, list[int]] = {}  # layer -> input channels per participant, if split by them
         self.timings: dict[str, dict[str, float]] = {}  # participant -> unit -> calibrated seconds
@@ -139,8 +136,9 @@ class Runtime:
 
     # ---- shares -------------------------------------------------------------------------------
     def calibrate(self, net: Network, batch_size: int) -> dict[str, Any]:
-        """Time every participant on each unit for ``batch_size`` images and split each by eq. 1.
-        Returns, and keeps::
+        """Time every participant on each unit for ``batch_size`` images and split each by eq. 1. The
+        times also go to the rebalancer as each participant's for the whole unit: with the first step's,
+        at the calibrated split, it has two counts to fit a fixed and a per-unit cost by. Returns, and keeps::
 
             {"participants": [...], "times": {unit: [s, ...]}, "shares": {unit: [count, ...]},
              "channel_shares": {layer: [channels, ...]}}    # layers split by input channels

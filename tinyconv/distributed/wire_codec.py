@@ -10,13 +10,9 @@ fell back: narrowing would have made a finite number infinite). Every declared f
 against its array's dtype and shape before anything is widened, and the receiver widens to float32
 right after, so every computation -- and every check of ``protocol.py`` -- sees float32.
 
-The two edges:
-
-- the master's, an op's :class:`Codec` in ``rpc.py`` (:class:`Plain`, the identity, by default):
-  :class:`Narrowing` narrows a task right before it is sent and widens its result right
-  after it came;
-- the worker's (``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back`
-  and :func:`encode_result` as its result goes; a task without ``narrow`` or ``reply`` passes as it is.
+The two edges: the master's, an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's
+(``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back` and
+:func:`encode_result` as its result goes (a task without ``narrow`` or ``reply`` passes as it is).
 
 A backend that converts words on its device (``backends.base.WireConversion``: OpenCL's bf16) is
 used where it can be: an input the worker puts straight on the backend is widened there after only
@@ -27,20 +23,19 @@ narrow words are read back. The same words cross the wire either way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from backends.base import Backend, WireConversion
 from tinyconv.distributed import wire_precision
-from tinyconv.distributed.protocol import RESULT_ARRAYS, TASKS, TaskError
+from tinyconv.distributed.protocol import TASKS, TaskError
 from tinyconv.distributed.wire_precision import Declared, Narrowed
 from transports.base import Message
 from transports.wire import ProtocolError, check_fields
 
-# the tasks whose arrays may travel narrowed: a layer's (not calibrations, not the replicas' or the hybrid's)
-NARROWABLE = frozenset({"block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward",
-                        "partial_backward"})  # fmt: skip
+# the tasks whose arrays may travel narrowed: a layer's, which say ``layer`` (not calibrations, not the replicas')
+NARROWABLE = frozenset(kind for kind, schema in TASKS.items() if "layer" in schema.header)
 _KEYS = ("narrow", "reply")
 
 # widens one narrowed array elsewhere (a worker's device): (its name, the array as it came, its
@@ -48,32 +43,9 @@ _KEYS = ("narrow", "reply")
 WidenElsewhere = Callable[[str, np.ndarray, Declared], Any]
 
 
-class Codec(Protocol):
-    """How an op's messages go on the wire, both ways; each also says how many of its arrays could
-    not go as asked (``fallbacks``: float32 where a narrower word would have overflowed)."""
-
-    def encode(self, msg: Message) -> tuple[Message, int]:
-        """A task (float32 arrays, header complete) -> the message that is sent, and its fallbacks."""
-        ...
-
-    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
-        """A result that came for ``task`` (as it was sent) -> the result in float32, and its fallbacks;
-        a RuntimeError if it is malformed."""
-        ...
-
-
-class Plain:
-    """The identity codec: messages go as they are."""
-
-    def encode(self, msg: Message) -> tuple[Message, int]:
-        return msg, 0
-
-    def decode(self, reply: Message, task: Message) -> tuple[Message, int]:
-        return reply, 0
-
-
 class Narrowing:
-    """The codec of an op whose arrays travel in ``formats`` (array name -> format, both ways)."""
+    """The codec of an op whose arrays travel in ``formats`` (array name -> format, both ways); each way
+    also says how many arrays could not go as asked (float32 where a narrower word would overflow)."""
 
     def __init__(self, formats: dict[str, str]) -> None:
         self.formats = formats
@@ -82,7 +54,7 @@ class Narrowing:
         """A float32 task as it goes: its arrays narrowed, its result asked for in the same formats;
         and how many of its arrays fell back to float32."""
         arrays, narrow, fell_back = narrowed(msg.arrays, self.formats)
-        reply = {name: f for name, f in self.formats.items() if name in RESULT_ARRAYS[msg.kind] and f != "fp32"}
+        reply = {name: f for name, f in self.formats.items() if name in TASKS[msg.kind].result.split() and f != "fp32"}
         header = msg.header | ({"narrow": narrow} if narrow else {}) | ({"reply": reply} if reply else {})
         return Message(msg.kind, header, arrays), fell_back
 
@@ -111,9 +83,9 @@ def decode_task(msg: Message, backend: Backend, on_backend: frozenset[str]) -> t
         check_fields(msg.kind, {k: msg.header[k] for k in _KEYS if k in msg.header}, {}, dict.fromkeys(_KEYS, dict))
     except ProtocolError as e:
         raise TaskError(str(e)) from None
-    narrow = _declarations(msg.kind, msg, TaskError, TASKS[msg.kind].labels)
+    narrow = _declarations(msg.kind, msg, TaskError, frozenset(TASKS[msg.kind].labels.split()))
     reply = msg.header.get("reply", {})
-    _check_formats(f"{msg.kind}'s reply", reply, RESULT_ARRAYS[msg.kind], TaskError)
+    _check_formats(f"{msg.kind}'s reply", reply, set(TASKS[msg.kind].result.split()), TaskError)
 
     def there(name: str, carried: np.ndarray, declared: Declared) -> Any:
         if name not in on_backend or not isinstance(declared, str):  # s8's declaration is a list: host

@@ -1,10 +1,8 @@
 """Reduced-precision words on the wire: float32 arrays narrowed to 3, 2 or 1 bytes per number, and back.
 
-A shard's arrays (input maps, weights, feature maps, gradients) are float32, 4 bytes a number.
-Most of those bits are mantissa the training does not need to *see* on the way: the master keeps
-every weight in float32 and all arithmetic runs in float32; only the transfer is narrowed (right
-before a message is sent), and widened back to float32 right after it is validated (``wire_codec.py``,
-the codec at the edges that applies these formats to messages). The formats::
+Only the transfer is narrowed: the master keeps every weight in float32 and all arithmetic runs
+in float32; an array is narrowed right before it is sent and widened right after it is validated
+(``wire_codec.py`` applies these formats to messages). The formats::
 
     format   bytes  carried as                      kept of a float32 (sign s, exponent e, mantissa m)
     fp32     4      float32 (x)                     everything
@@ -14,10 +12,9 @@ the codec at the edges that applies these formats to messages). The formats::
     s8       1      uint8 (lead..., 4 + H W)        int8 multiples of a float32 scale per (H, W) plane,
                                                     the scale's 4 bytes ahead of each plane
 
-adt24 and bf16 are a float32 with its low 1 or 2 bytes dropped (Zhuang, Malossi and Casas's ADT
-packs words this way), rounded to nearest, ties to even (RNE), not truncated: the error is half a
-unit in the last kept place, and unbiased. Round-trip error bounds, for a finite float32 x that
-stays finite (``widen(narrow(x))`` = x'):
+adt24 and bf16 are a float32 with its low 1 or 2 bytes dropped (as Zhuang, Malossi and Casas's
+ADT packs words), rounded to nearest, ties to even: the error is half a unit in the last kept
+place, and unbiased. For a finite float32 x that stays finite, x' = widen(narrow(x))::
 
     fp32    x' = x
     adt24   |x' - x| <= 2^-16 |x|   for normal x (|x| >= 2^-126); <= 2^-142 absolute for subnormals
@@ -25,43 +22,32 @@ stays finite (``widen(narrow(x))`` = x'):
     fp16    |x' - x| <= 2^-11 |x|   for 2^-14 <= |x| <= 65504;      <= 2^-25 absolute below 2^-14
             (fp16's subnormals end at 2^-24: smaller numbers become +-0)
 
-+-0, +-inf and NaN travel as themselves in every format above (a NaN stays a NaN, its payload may
-not). s8, below, is another kind of word: not a float32 cut short but a scaled integer.
++-0, +-inf and NaN travel as themselves in these (a NaN stays a NaN, its payload may not).
 
 **s8: scaled 8-bit integers, per plane.** A plane is the last two axes of an array of 3 or more
-dimensions (one (H, W) feature map of one image and channel, one K x K kernel of one input
-channel), or the whole array of fewer. With m = max |v| over the plane::
+dimensions (one feature map of one image and channel, one K x K kernel of one input channel),
+or the whole array of fewer. With m = max |v| over the plane::
 
     s = m / 127 (float32, rounded up if need be so that 127 s >= m)      the plane's scale
     q = round-to-nearest-even(v / s)  in -127..127, an int8               each number
     x' = q * s  (float32)                                                  widened
 
-carried as uint8 bytes, each plane its 4 scale bytes (little-endian float32) then its int8
-values: an array of shape (lead..., H, W) travels as (lead..., 4 + H W). A zero plane has s = 0
-and q = 0. The bound, for every number of a finite plane: |x' - x| <= s / 2 + 2^-24 |x'|, i.e.
-half a step of 1/127 of the plane's largest magnitude (s / 2 = m / 254, up to s's own rounding),
-plus the float32 rounding of the product q s (at most 2^-17 s). The error is absolute, not
-relative: a number much smaller than its plane's largest may become 0 (and -0 becomes +0).
-The receiver cannot tell H from W in (lead..., 4 + H W), so the message's header declares an s8
-array with its plane: ``["s8", H, W]`` (``["s8", *shape]`` for fewer than 3 dimensions), and
-:func:`check_carried` holds the carrier to it. A plane holding an infinity or NaN has no scale:
-such an array travels in fp32 and counts as a fallback, like fp16's overflow.
+carried as uint8, each plane its 4 scale bytes (little-endian float32) then its int8 values: an
+array (lead..., H, W) travels as (lead..., 4 + H W). A zero plane has s = 0. The error is
+absolute, |x' - x| <= s / 2 + 2^-24 |x'|: half a step of 1/127 of the plane's largest magnitude,
+plus the rounding of q s; a number much smaller than its plane's largest may become 0. The
+receiver cannot tell H from W, so the header declares an s8 array with its plane, ``["s8", H, W]``
+(``["s8", *shape]`` for fewer than 3 dimensions), and :func:`check_carried` holds the carrier to it.
 
-**Safety.** Narrowing must never *make* a number non-finite: fp16 overflows above 65504, and
-bf16 / adt24 round the very largest float32s (within half a unit of 2^128) up to infinity.
-:func:`narrow` checks, and when any finite number would become inf it sends that array in fp32
-instead and says so (the caller counts these fallbacks in the step's metrics). A NaN or an
-infinity already in the float32 data is not narrowing's doing: it travels narrowed like any
-other number (in s8, which cannot scale it, the array goes fp32, a fallback), so the master's
-check on workers that answer finite inputs with NaN still works.
+**Safety.** Narrowing must never *make* a number non-finite: fp16 overflows above 65504, bf16 and
+adt24 round the very largest float32s up to infinity, and a plane holding an inf or NaN has no s8
+scale. :func:`narrow` then sends that array in fp32 and says so (a *fallback*, counted in the
+step's metrics). A NaN or an infinity already in the data travels like any other number, so the
+master's check on workers that answer finite inputs with NaN still works.
 
-ADT's 8-bit word (the top byte: the sign and 7 of the 8 exponent bits, no mantissa) is not
-offered: every number becomes a power of 4 -- truncated, the relative error on 10^6 N(0, 1)
-numbers had a median of 52 % and a maximum of 75 % (rounded to nearest: 34 %, up to 100 %) --
-which no map, weight or gradient survives. s8 spends its 8 bits on a mantissa instead, and the
-exponent once per plane.
-
-Everything here is vectorised numpy on whole arrays: a handful of passes over the data.
+ADT's 8-bit word (the sign and 7 exponent bits, no mantissa) is not offered: every number becomes
+a power of 4, a median relative error of 52 % on 10^6 N(0, 1) numbers, which no map, weight or
+gradient survives. s8 spends its 8 bits on a mantissa instead, and the exponent once per plane.
 """
 
 from __future__ import annotations
@@ -149,9 +135,7 @@ def carried_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
 
 def nbytes_of(shape: tuple[int, ...], fmt: str) -> int:
     """Bytes an array of ``shape`` takes on the wire in ``fmt``, exactly (s8: a scale per plane)."""
-    if fmt == "s8":
-        return math.prod(carried_shape(shape, fmt))
-    return math.prod(shape) * WORD_BYTES[fmt]
+    return math.prod(carried_shape(shape, fmt)) * CARRIER[fmt][0].itemsize
 
 
 def check_carried(declared: object, a: np.ndarray) -> None:
@@ -207,8 +191,10 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if fmt == "s8":
         return _narrow_s8(x)
-    if fmt == "fp32" or x.size == 0:
-        return Narrowed(x, "fp32", False, "fp32") if fmt == "fp32" else Narrowed(_empty(x.shape, fmt), fmt, False, fmt)
+    if fmt == "fp32":
+        return Narrowed(x, "fp32", False, "fp32")
+    if x.size == 0:
+        return Narrowed(np.empty(carried_shape(x.shape, fmt), CARRIER[fmt][0]), fmt, False, fmt)
     if fmt == "fp16":
         with np.errstate(over="ignore"):  # overflow is checked just below
             carried = x.astype(np.float16)  # numpy rounds to nearest, ties to even
@@ -268,13 +254,3 @@ def widen(carried: np.ndarray, declared: Declared) -> np.ndarray:
     word = np.zeros((*shape, 4), np.uint8)  # a zero low byte, then the three that came
     word[..., 1:] = carried
     return word.view("<f4").reshape(shape)
-
-
-def _empty(shape: tuple[int, ...], fmt: str) -> np.ndarray:
-    dtype, extra = CARRIER[fmt]
-    return np.empty((*shape, *extra), dtype)
-
-
-def nbytes(n: int, fmt: str) -> int:
-    """Bytes ``n`` numbers take on the wire in ``fmt``, but for s8's scales (:func:`nbytes_of` counts them)."""
-    return n * WORD_BYTES[fmt]

@@ -4,16 +4,10 @@ Data parallelism (``server.py``: whole replicas) and the hybrid (``hybrid.py``: 
 convolutional part by data, the classifier on the master) both share each batch out by
 images: one unit, ``"batch"``, whose count per participant is its images. Who takes part,
 calibration and eq. 1, lost and joining workers are the runtime's (``tinyconv/distributed/runtime.py``);
-here is what a split of the batch adds, once for both:
-
-* calibration: everyone times one slice's work on the whole batch (the master locally, each
-  worker with the subclass's calibration task), eq. 1 and largest remainder give whole images;
-* :class:`Slices`: the step's images per participant, their spans of the batch, and the sums in
-  participant order that every step ends with;
-* a worker lost during a step: its images go to the others and the step runs again from the start;
-* the rebalancer, with images as its units: each participant's ready time is its compute plus its
-  bytes at its link's measured rate, summed over the step's ops;
-* the step's record, with the model-parallel cluster's keys (:func:`~tinyconv.distributed.accounting.batch_record`).
+here is what a split of the batch adds, once for both: everyone timed on one slice's work on the
+whole batch (the master locally, a worker with the subclass's calibration task); the step's
+:class:`Slices`; a step run again from the start when a worker is lost; the rebalancer with images
+as its units; and the step's record, with the model-parallel cluster's keys (``accounting.py``).
 
 A subclass sets ``parallel`` (the name in the metrics), ``calibrate_task`` (the task kind a
 worker times itself with) and writes ``_time_own`` (the master's timing), ``_start`` (what a
@@ -31,8 +25,7 @@ import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats, batch_record
-from tinyconv.distributed.calibrate import SLOWER
-from tinyconv.distributed.rebalance import Rebalancer
+from tinyconv.distributed.calibrate import worker_times
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.replica import spec_of
 from tinyconv.distributed.rpc import Lost, Op
@@ -83,32 +76,15 @@ class Slices:
 
 
 class BatchSplit(Runtime):
-    """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images.
-
-    ``image_size``: the side of the network's images. ``master_share``, ``rebalance``,
-    ``rebalancer``, ``recv_timeout``, ``calibration_repeats``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
-    """
+    """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images;
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s."""
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
     gives_away = "its images go"  # a lost worker's, in the log
     calibrate_task = "?"  # the task a worker times its slice's work with
 
-    def __init__(
-        self,
-        transport: Transport,
-        workers: Sequence[WorkerInfo],
-        backend: Backend,
-        master_share: str = "auto",
-        rebalance: bool = True,
-        rebalancer: Rebalancer | None = None,
-        recv_timeout: float = 120.0,
-        calibration_repeats: int = 3,
-        image_size: int = 32,
-    ) -> None:
-        super().__init__(
-            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
-        )
-        self.image_size = image_size
+    def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
+        super().__init__(transport, workers, backend, **options)
         self.calibrated_batch = 0  # the images everyone was timed on
         self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
         self._spec: dict[str, Any] | None = None
@@ -153,18 +129,8 @@ class BatchSplit(Runtime):
 
     def _time_worker(self, k: int, spec: dict[str, Any], batch: int, reference: float | None = None) -> float:
         """Worker k's seconds for ``batch`` images; ``reference``: a participant's, already timed."""
-        timeout = self.rpc.timeout
-        if reference is not None:  # 1 + repeats runs, each up to SLOWER times the reference's
-            timeout = max(timeout, SLOWER * (1 + self.calibration_repeats) * reference)
-        op = self.rpc.op(f"{self.parallel}-parallel calibration", self.backend, timeout=timeout)
         task = Message(self.calibrate_task, {"net": spec, "batch": batch, "repeats": self.calibration_repeats})
-        got = op.gather([op.send(k, task)])[k].header["times"]
-        if not (isinstance(got, list) and len(got) == 1 and isinstance(got[0], (int, float)) and got[0] > 0):
-            raise RuntimeError(
-                f"{self.rpc.describe(k)} answered {self.calibrate_task} with {got!r:.100}, "
-                "expected [seconds > 0]; is it running the same tinyconv version?"
-            )
-        return float(got[0])
+        return worker_times(self.rpc, k, task, f"{self.parallel}-parallel calibration", 1, reference)[0]
 
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
         """Use ``counts`` images per participant (``layer`` must be "batch") from the next step on."""

@@ -43,9 +43,9 @@ for 50:500 at batch 64 with one worker taking 32 images: 4 (2 * 629,300 + 32 (3,
 to 4096 x 4096 fully connected layers: there the classifier is most of the weights and the
 hybrid saves at any batch.
 
-Shares, calibration (on the conv part's forward + backward), the rebalancer, lost and joining
-workers are data parallelism's (``batch.py``, ``tinyconv/distributed/runtime.py``): a worker lost in
-either round has its images given to the others and the step runs again from its forward.
+Shares, calibration (on the conv part), the rebalancer, lost and joining workers are data
+parallelism's (``batch.py``): a worker lost in either round has its images given to the others
+and the step runs again from its forward.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import numpy as np
 
 from backends.base import Array
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.batch import UNIT, BatchSplit
+from tinyconv.distributed.replica.batch import BatchSplit
 from tinyconv.distributed.replica.conv_part import (
     backward_features,
     classifier,
@@ -69,8 +69,6 @@ from tinyconv.distributed.replica.conv_part import (
 from tinyconv.distributed.replica.replica import build
 from tinyconv.model import Network
 from transports.base import Message
-
-__all__ = ["UNIT", "Hybrid"]
 
 
 class Hybrid(BatchSplit):
@@ -101,15 +99,10 @@ class Hybrid(BatchSplit):
         # 1. forward: every participant's features
         fwd = self._op("hybrid forward, step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
-        tasks = [
-            fwd.send(
-                k,
-                Message(
-                    "hybrid_forward", {"net": self._spec, "batch": cut.batch}, {"x": x[s:e], "params": params, **extra}
-                ),
-            )  # fmt: skip
-            for k, s, e in cut.workers()
-        ]
+        tasks = []
+        for k, s, e in cut.workers():
+            header, arrays = {"net": self._spec, "batch": cut.batch}, {"x": x[s:e], "params": params, **extra}
+            tasks.append(fwd.send(k, Message("hybrid_forward", header, arrays)))
         features, stats = {}, {}
         if cut.mine is not None:
             with fwd.local():

@@ -26,19 +26,12 @@ batch-norm statistics twice): for 50:500 at batch 64 and one worker with half th
 2 x 3.8 MB of weights and gradients and 0.4 MB of images. Model parallelism moves feature
 maps instead, which grow with the batch; this does not (docs/how-it-works.md compares them).
 
-Batch norm normalises each slice by its own statistics (per-replica batch norm, as
-PyTorch's DataParallel without SyncBatchNorm), so with ``--norm batch`` a step is not the
-single-process step; each participant updates the running statistics from its slice and the
-master keeps their average weighted by n_i / N, which for the running mean is exactly the
-whole batch's update. With LRN (or no normalisation) a step equals the single-process step
-on the whole batch to float32 round-off.
-
-Images are shared like kernels: eq. 1 on the calibrated times, then the rebalancer, with
-images as its units. A worker lost during a step (gone, silent past the timeout, non-finite
-numbers) is dropped as in the model-parallel cluster: its images go to the others by eq. 1
-on their calibrated times and the step runs again from the start. That machinery is the
-hybrid's too (``hybrid.py``), and lives once in ``batch.py`` and, what the model split shares,
-``tinyconv/distributed/runtime.py``; this file is the step.
+Batch norm normalises each slice by its own statistics (per-replica batch norm, as PyTorch's
+DataParallel without SyncBatchNorm), so with ``--norm batch`` a step is not the single-process
+step; the master keeps the running statistics' average weighted by n_i / N, which for the running
+mean is exactly the whole batch's update. With LRN (or no normalisation) a step equals the
+single-process step on the whole batch to float32 round-off. Shares, calibration, the rebalancer
+and lost and joining workers are ``batch.py``'s and ``runtime.py``'s; this file is the step.
 """
 
 from __future__ import annotations
@@ -50,23 +43,16 @@ import numpy as np
 
 from backends.base import Array
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.batch import UNIT, BatchSplit
+from tinyconv.distributed.replica.batch import BatchSplit
 from tinyconv.distributed.replica.conv_part import feature_shape
 from tinyconv.distributed.replica.replica import build, slice_gradients, time_replica
 from tinyconv.model import Network
 from transports.base import Message
 
-__all__ = ["UNIT", "Replicas", "logits_width", "replica_message_bytes"]
-
 
 class Replicas(BatchSplit):
     """The master (on ``backend``) and ``workers`` (on ``transport``), each with a whole replica.
-
-    ``master_share``: "auto" -- the master computes a slice too, sized by its speed; "0" -- it
-    only coordinates (and sums). ``rebalance``: follow the measured times (``rebalancer``);
-    ``recv_timeout``: the most seconds a worker has to answer one step or its calibration.
-    Shares, calibration, lost and joining workers: :class:`~tinyconv.distributed.replica.batch.BatchSplit`.
-    """
+    Options, shares, calibration, lost and joining workers: :class:`~tinyconv.distributed.replica.batch.BatchSplit`."""
 
     parallel = "data"
     calibrate_task = "replica_calibrate"  # a forward + backward of the whole replica
@@ -86,17 +72,10 @@ class Replicas(BatchSplit):
         op = self._op("data-parallel step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
         smoothed = {"smoothing": smoothing} if smoothing else {}
-        tasks = [
-            op.send(
-                k,
-                Message(
-                    "replica_step",
-                    {"net": self._spec, "batch": cut.batch, **smoothed},
-                    {"x": x[s:e], "y": y[s:e], "params": params, **extra},
-                ),
-            )  # fmt: skip
-            for k, s, e in cut.workers()  # a header of its own each: sending adds the task's number to it
-        ]
+        tasks = []
+        for k, s, e in cut.workers():  # a header of its own each: sending adds the task's number to it
+            header, arrays = {"net": self._spec, "batch": cut.batch, **smoothed}, {"x": x[s:e], "y": y[s:e]}
+            tasks.append(op.send(k, Message("replica_step", header, arrays | {"params": params, **extra})))
         grads, logits, stats = {}, {}, {}
         if cut.mine is not None:
             s, e = cut.mine

@@ -1,37 +1,27 @@
 """A conv block on a slice of kernels: the convolution plus the per-channel layers after it.
 
-The paper sends workers only the convolution and runs every other layer on the
-master. But the layers after a convolution -- ReLU, max pool, LRN -- work channel
-by channel (LRN on a window of neighbouring channels), so they split by kernels
-just as the convolution does. A participant that owns kernels [s, e) can run
-conv -> ReLU -> LRN -> pool ("the tail") for exactly its channels if it also
-computes a few neighbouring kernels, the *halo*; then the master keeps no
-per-channel work and the maps that come back are the pooled ones, 4x smaller.
+The paper sends workers only the convolution and runs every other layer on the master. But
+ReLU, max pool and LRN work channel by channel (LRN on a window of neighbouring channels), so
+they split by kernels just as the convolution does: a participant that owns kernels [s, e) can
+run conv -> ReLU -> LRN -> pool ("the tail") for exactly its channels if it also computes a few
+neighbouring kernels, the *halo*; then the master keeps no per-channel work, and the maps that
+come back are the pooled ones, 4x smaller.
 
-The halo, for one cross-channel layer whose output i reads inputs
-[i - before, i + after] (LRN: before = size // 2, after = (size - 1) // 2):
+The halo, for one cross-channel layer whose output i reads inputs [i - before, i + after]
+(LRN: before = size // 2, after = (size - 1) // 2)::
 
     forward   output [lo, hi) needs input  [lo - before, hi + after)
-    backward  dx_j = ... sum over i with j in window(i), i.e. i in [j - after, j + before]:
-              input gradient [s, e) needs the output gradient and the saved
-              outputs on [s - after, e + before)
+    backward  input gradient [s, e) needs the output gradient and the saved outputs on
+              [s - after, e + before)   (dx_j sums over the outputs i whose window holds j)
 
-With E = sum over the tail of (before + after), a participant owning [s, e):
-
-1. computes the convolution for kernels [s - E, e + E), clipped to [0, F) (:func:`halo_span`);
-2. runs the tail over all of them. Each layer's output is exact wherever its
-   window stayed inside the computed range or hit the true edge 0 or F; that
-   range shrinks by (before, after) per layer and stays a superset of what
-   backward reads, [s - A, e + B) with A = sum(after), B = sum(before);
-3. returns the tail output for [s, e), which is exact.
-
-Backward receives the gradient of the tail output over every computed kernel, runs
-the tail backward (the gradient it gives for [s, e) is exact: it reads only
-[s - A, e + B), where the saved outputs are), zeroes the conv gradient outside
-[s, e) -- the halo kernels' gradients are their owners' to give -- and runs the conv
-backward: dW and db rows for [s, e) and this participant's partial dX =
-W[s:e]^T-convolution of dY[s:e]. The halo costs 2E extra kernels in the forward
-convolution and in dW (8 of 500 for LRN size 5).
+With E = sum over the tail of (before + after), a participant owning [s, e) computes the
+convolution for kernels [s - E, e + E), clipped to [0, F) (:func:`halo_span`), and runs the tail
+over all of them. Each layer's output is exact wherever its window stayed inside the computed
+range or hit the true edge 0 or F; that range shrinks by (before, after) per layer and stays a
+superset of what backward reads, so the tail output for [s, e) it returns is exact. Backward, the
+tail's gradient for [s, e) is exact too; the conv gradient outside [s, e) is zeroed -- the halo
+kernels' gradients are their owners' to give -- and the conv backward gives dW and db rows for
+[s, e) and this participant's partial dX. The halo costs 2E kernels more (8 of 500 for LRN size 5).
 
 A tail is a list of specs, the form they travel in over the wire::
 
@@ -49,13 +39,6 @@ from typing import Any
 
 from backends.base import Array, Backend, conv_output_size
 from tinyconv.layers import Fused, LocalResponseNorm, MaxPool2D, ReLU
-from transports.wire import Int, Num
-
-TAIL_OPS = {  # op -> its parameters and their types
-    "relu": {},
-    "lrn": {"size": int, "alpha": float, "beta": float, "k": float},
-    "maxpool": {"kernel": int, "stride": int, "padding": int},
-}
 
 
 def tail_of(layers: list[Any]) -> list[dict[str, Any]]:
@@ -65,42 +48,12 @@ def tail_of(layers: list[Any]) -> list[dict[str, Any]]:
         if isinstance(layer, ReLU):
             tail.append({"op": "relu"})
         elif isinstance(layer, LocalResponseNorm):
-            tail.append(
-                {
-                    "op": "lrn",
-                    "size": layer.size,
-                    "alpha": float(layer.alpha),
-                    "beta": float(layer.beta),
-                    "k": float(layer.k),
-                }
-            )
+            floats = {k: float(getattr(layer, k)) for k in ("alpha", "beta", "k")}
+            tail.append({"op": "lrn", "size": layer.size, **floats})
         elif isinstance(layer, MaxPool2D):
             tail.append({"op": "maxpool", "kernel": layer.kernel, "stride": layer.stride, "padding": layer.padding})
         else:
             break
-    return tail
-
-
-def check_tail(tail: Any) -> list[dict[str, Any]]:
-    """Raise ValueError unless ``tail`` is a list of valid specs; returns it."""
-    if not isinstance(tail, list):
-        raise ValueError(f"tail must be a list of layer specs, got {type(tail).__name__}")
-    for i, spec in enumerate(tail):
-        if not isinstance(spec, dict) or spec.get("op") not in TAIL_OPS:
-            raise ValueError(f"tail[{i}] must be a map with op one of {sorted(TAIL_OPS)}, got {spec!r:.200}")
-        params = TAIL_OPS[spec["op"]]
-        if set(spec) != {"op", *params}:
-            raise ValueError(f"tail[{i}] ({spec['op']}) needs exactly the keys {sorted(params)}, got {sorted(spec)}")
-        for key, kind in params.items():
-            v = spec[key]
-            if not (Int.accepts(v) if kind is int else Num.accepts(v)):
-                raise ValueError(f"tail[{i}].{key} must be a{'n int' if kind is int else ' number'}, got {v!r}")
-        if spec["op"] == "lrn" and not (1 <= spec["size"] <= 64 and spec["k"] > 0 and spec["beta"] >= 0):
-            raise ValueError(f"tail[{i}]: lrn needs 1 <= size <= 64, k > 0, beta >= 0, got {spec}")
-        if spec["op"] == "maxpool" and not (
-            spec["kernel"] >= 1 and spec["stride"] >= 1 and 0 <= spec["padding"] < spec["kernel"]
-        ):
-            raise ValueError(f"tail[{i}]: maxpool needs kernel >= 1, stride >= 1, 0 <= padding < kernel, got {spec}")
     return tail
 
 
@@ -159,9 +112,8 @@ def tail_forward(
 ) -> tuple[Array, BlockCache]:
     """The tail over a conv output y (N, computed, OH, OW) -> its output for kernels ``own`` = [lo, hi).
 
-    ``conv_cache`` is kept for the backward: the backend's cache of the convolution that made y
-    (for a layer split by input channels, ``by_channels.py``, the cache of this participant's
-    partial convolution, and y the sum of every participant's partial)."""
+    ``conv_cache``, kept for the backward: the backend's cache of the convolution that made y (split
+    by input channels, ``by_channels.py``: of this participant's partial, and y the sum of all)."""
     computed = y.shape[1]
     lo, hi = own
     if not 0 <= lo < hi <= computed:
@@ -192,13 +144,8 @@ def tail_forward(
 def block_backward(
     be: Backend, dy: Array, cache: BlockCache, need_dx: bool = True
 ) -> tuple[Array | None, Array, Array]:
-    """dy (N, computed, OH, OW): the tail-output gradient of every kernel the forward computed.
-    Returns (partial dx (N, C, H, W) or None, dw (hi - lo, C, K, K), db (hi - lo,)) for the owned
-    kernels [lo, hi).
-
-    A layer split by input channels (``by_channels.py``) runs the two halves apart: the tail's
-    backward here, then, with every participant's conv-output gradient, the conv's backward
-    through its partial convolution."""
+    """dy (N, computed, OH, OW), the tail-output gradient of every kernel the forward computed ->
+    (partial dx (N, C, H, W) or None, dw (hi - lo, C, K, K), db (hi - lo,)) of the owned kernels [lo, hi)."""
     return conv_backward(be, tail_backward(be, dy, cache), cache, need_dx)
 
 

@@ -22,22 +22,17 @@ columns: nothing is computed twice. The tail still goes by kernels (own k_i, hal
 
 What crosses of the conv output -- P's parts, the sums, dyc -- is kernel-major, (F', N, OH, OW),
 the layout the GEMM computes P in and the conv backward reads dY in (``Backend.conv2d_partial``):
-a range of kernels is then one contiguous block, which is sent, summed and joined without a
-transposing copy; only the sum over a participant's halo is turned to (N, F', OH, OW), for its tail.
+a range of kernels is one contiguous block, sent, summed and joined without a transposing copy.
 
-The price is bytes: each way, every worker sends and receives about its share of the conv
-output, which costs nothing on one machine but more than the kernel split on a LAN (so
-``Cluster``'s ``split="auto"`` uses it only with workers on the master's host). A worker's
-round 2 goes out as soon as the others' round 1 is in (:func:`relay`).
-
-An optimisation on top, the pipeline: a batch larger than :data:`PIPELINE` images goes in
-chunks of images (header ``images`` = [a, b, N]). Every chunk's partial_forward leaves at once;
-the master computes its own partial chunk by chunk, and sends each worker chunk c's sum
-(tail_forward, b with the last) as soon as it has chunk c of the others, so these bytes cross
-while chunk c + 1 computes; the tail, which may need the whole batch (batch norm), runs once
-the last chunk is summed. The backward's partial_backward goes by the same chunks, each answered
-with its rows of dx (dw and db, summed over the chunks, with the last). At 300:1000's batch 256
-the partial sums are 390 MB each way: whole, they cross while both sides wait.
+The price is bytes: each way, every worker sends and receives about its share of the conv output,
+nothing on one machine but more than the kernel split on a LAN (so ``Cluster``'s ``split="auto"``
+uses it only with workers on the master's host). A worker's round 2 goes out as soon as the
+others' round 1 is in (:func:`relay`). And a batch larger than :data:`PIPELINE` images goes in
+chunks (header ``images`` = [a, b, N]): every chunk's partial_forward leaves at once, and each
+worker gets chunk c's sum as soon as the master has chunk c of the others, so these bytes cross
+while chunk c + 1 computes (at 300:1000's batch 256 the partial sums are 390 MB each way); the
+tail, which may need the whole batch (batch norm), runs once the last chunk is summed, and the
+backward's partial_backward goes by the same chunks.
 """
 
 from __future__ import annotations
@@ -97,17 +92,6 @@ def halo_sum(s: np.ndarray, own: np.ndarray, others: list[np.ndarray]) -> None:
         s[...] = own.transpose(1, 0, 2, 3)
     for term in others[1:]:
         s += term.transpose(1, 0, 2, 3)
-
-
-def _summed(terms: list[np.ndarray]) -> np.ndarray:
-    """The sum of ``terms``, to send: one term as it is (a block of kernels, sent without a copy), more
-    in a new array."""
-    if len(terms) == 1:
-        return terms[0]
-    total = terms[0] + terms[1]
-    for term in terms[2:]:
-        total += term
-    return total
 
 
 def _give(active: list[Participant], i: int, total: int) -> list[int]:
@@ -259,10 +243,9 @@ def _relay_sums(
         partials[worker[k].name] = Partial(lo, hi, hi_start)
 
     def tail_task(k: int) -> list[Message]:
-        terms = _others_on(plan.active, partials, worker[k])
-        arrays = ({"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}) | (
-            {"sum": _summed(terms)} if terms else {}
-        )
+        terms = _others_on(plan.active, partials, worker[k])  # summed to send; one is sent as it is
+        arrays = {"sum": sum(terms[1:], terms[0])} if terms else {}
+        arrays |= {"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}
         return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
 
     def ready(k: int) -> bool:
@@ -301,9 +284,8 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
         start, stop = worker[k].kernels.start, worker[k].kernels.stop  # its own; the others' lie before and after
         tasks = []
         for a, e in kept.chunks:
-            arrays = ({"dyc_lo": dyc[:start, a:e]} if start > 0 else {}) | (
-                {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
-            )
+            arrays = {"dyc_lo": dyc[:start, a:e]} if start > 0 else {}
+            arrays |= {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
             tasks.append(Message("partial_backward", {"need_dx": conv.need_dx, "images": [a, e, n]}, arrays))
         return tasks
 

@@ -6,21 +6,12 @@
                                                      # asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
-Participants, in this order everywhere (plans, shares, times): the master first if it
-takes part (``master_share="auto"``), then the workers by index; named "master",
-"worker0", .... A step ends when the gradient has come back through every sharded
-layer, i.e. with the backward of the first one: the cluster then records it
-(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which
-changes, if at all, from the next step on -- never between a forward and its backward.
-
-Workers come and go. One that is gone, silent past its op's timeout or returning
-non-finite numbers from finite inputs is *lost*: its share goes to the others (the master
-included, which holds every weight and can always finish alone) and the op runs again
-(:meth:`lose`), so the step completes. A worker that joins the transport late is timed on
-the layers' shapes and given a share at the next step boundary. Either way each layer is
-split again by eq. 1 on the calibrated times, and the rebalancer starts afresh; ``events``
-records it. That much every parallelism shares (``tinyconv/distributed/runtime.py``); this file is
-what the paper's split adds: the sharded layers, their plans, deadlines and step records.
+Who takes part and in which order, a worker lost (its share goes to the others and the op runs
+again) or joining, calibration by eq. 1 and deadlines are every parallelism's (``runtime.py``);
+this file is what the paper's split adds: the sharded layers, their plans, deadlines and step
+records. A step ends with the backward of the first sharded layer: the cluster then records it
+(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which changes, if
+at all, from the next step on -- never between a forward and its backward.
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import LayerStep, step_record
 from tinyconv.distributed.adaptive_precision import formats_of, policy
 from tinyconv.distributed.calibrate import time_everyone
-from tinyconv.distributed.rebalance import Rebalancer
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion
 from tinyconv.distributed.shard.block import tail_of
@@ -70,9 +60,8 @@ class Cluster(Runtime):
     they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
-    ``image_size``: the side of the images :meth:`calibrate` times the layers on.
-    ``master_share``, ``rebalance``, ``rebalancer``, ``recv_timeout`` (also the most before a
-    link is measured: :meth:`timeout`), ``calibration_repeats``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most
+    before a link is measured: :meth:`timeout`).
     """
 
     parallel = "model"
@@ -83,20 +72,13 @@ class Cluster(Runtime):
         transport: Transport,
         workers: Sequence[WorkerInfo],
         backend: Backend,
-        master_share: str = "auto",
         split: str = "auto",
         fuse: bool = True,
-        rebalance: bool = True,
-        rebalancer: Rebalancer | None = None,
-        recv_timeout: float = 120.0,
-        calibration_repeats: int = 3,
         wire_precision: str = "fp32",
         pipeline: int = PIPELINE,
-        image_size: int = 32,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            transport, workers, backend, master_share, rebalance, rebalancer, recv_timeout, calibration_repeats
-        )
+        super().__init__(transport, workers, backend, **options)
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not (isinstance(pipeline, int) and pipeline >= 0):
@@ -110,7 +92,6 @@ class Cluster(Runtime):
         self.pipeline = pipeline
         self.fuse = fuse
         self.blocks: list[ShardedBlock] = []  # of the attached network, in order
-        self.image_size = image_size  # the side of the images it is calibrated on
         self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
@@ -133,7 +114,8 @@ class Cluster(Runtime):
                 i += 1
                 continue
             tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
-            block = ShardedBlock(self, len(self.blocks), layer, tail, self._by_channels(layer))
+            by_channels = layer.need_dx and self.split_by_channels  # the first conv needs no dX: by kernels
+            block = ShardedBlock(self, len(self.blocks), layer, tail, by_channels)
             self.blocks.append(block)
             layers.append(block)
             i += 1 + len(tail)
@@ -162,18 +144,10 @@ class Cluster(Runtime):
         return forward_backward(net, x, y, smoothing)
 
     def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
-        """Attach ``net``, time every participant on each sharded layer's shape (``calibrate.py``) for
-        ``batch_size`` images of ``image_size`` pixels (default: the cluster's), and split each layer
-        by the paper's eq. 1.
-
-        The times also go to the rebalancer, if any, as each participant's time for all F kernels
-        (all C channels) of the layer: with the first step's, at the calibrated split, it has two
-        counts per participant to fit its fixed and per-unit cost (``cost.py``). Returns, and keeps::
-
-            {"participants": [...], "times": {"conv1": [s, ...], ...},
-             "shares": {"conv1": [kernels, ...], ...}, "channel_shares": {"conv2": [channels, ...]},
-             "shapes": {"conv1": {"x": [...], "w": [...]}, ...}}
-        """
+        """Attach ``net`` and calibrate as :meth:`Runtime.calibrate
+        <tinyconv.distributed.runtime.Runtime.calibrate>` does, each sharded layer's shape timed
+        (``calibrate.py``) on ``image_size`` pixels (default: the cluster's); the result also says
+        ``"shapes": {"conv1": {"x": [...], "w": [...]}, ...}``."""
         self.attach(net)
         self.image_size = image_size or self.image_size
         result = super().calibrate(net, batch_size)
@@ -206,12 +180,9 @@ class Cluster(Runtime):
         return block.conv.in_channels
 
     def set_plan(self, layer: str, counts: Sequence[int], channels: Sequence[int] | None = None) -> None:
-        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on.
-
-        ``channels``: input channels per participant, for a layer split by them (> 0 exactly
-        where the kernels are). Without it the layer keeps its channel split, or, if that does
-        not fit ``counts``, gets one proportional to them.
-        """
+        """Use ``counts`` kernels per participant (plan order) for ``layer`` from its next forward on;
+        ``channels``: input channels per participant, for a layer split by them (> 0 exactly where the
+        kernels are). Without it the layer keeps its channel split if that fits, else one proportional."""
         block = next((b for b in self.blocks if b.name == layer), None)
         if block is None:
             attached = ", ".join(b.name for b in self.blocks) or "none"
@@ -233,10 +204,7 @@ class Cluster(Runtime):
 
     def plan(self, block: ShardedBlock) -> Plan:
         """``block``'s plan for its next forward: an equal split until calibrate or set_plan says otherwise."""
-        total = block.conv.out_channels
-        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.placement), total))
-        if sum(counts) != total:
-            raise RuntimeError(f"the plan for {block.name} has {sum(counts)} kernels, the layer {total}")
+        counts = self.counts.setdefault(block.name, apportion([1.0] * len(self.placement), block.conv.out_channels))
         channels = None
         if self._split_by_channels(block):  # proportional to the kernels at first, and whenever the kept one
             c_in = block.conv.in_channels  # does not fit them
@@ -244,10 +212,6 @@ class Cluster(Runtime):
             if channels is None or not _fits(channels, counts, c_in):
                 channels = self.channel_counts[block.name] = apportion([float(k) for k in counts], c_in)
         return Plan.of(self.placement, counts, block.tail, channels)
-
-    def _by_channels(self, conv: Conv2D) -> bool:
-        """Whether ``conv`` goes by input channels when it can (see _split_by_channels): it needs dX."""
-        return conv.need_dx and self.split_by_channels
 
     def _split_by_channels(self, block: ShardedBlock) -> bool:
         """Whether ``block`` is split by input channels now: it goes so, and has at least one input
@@ -257,15 +221,14 @@ class Cluster(Runtime):
 
     def timeout(self, block: ShardedBlock, batch: int) -> float:
         """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
-        the op should take, its compute and its transfers, at least 10 s, at most ``recv_timeout``::
+        the op should take, at least 10 s, at most ``recv_timeout``::
 
             10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
 
-        t_i: participant i's calibrated time for the whole layer; B_k: the most array bytes one op
-        of the layer moved to and from worker k in the last step; s_k: the seconds per byte its
-        link measured, upper bounds included (:class:`~tinyconv.distributed.link_speed.LinkSpeed`). On a slow link
-        the transfers are most of it: 20 MB of feature maps take 4 s at 5 MB/s. Until all of
-        those are known -- before calibration, before a worker's first step -- ``recv_timeout``.
+        t_i: participant i's calibrated time for the layer; B_k: the most array bytes one op of the
+        layer moved to and from worker k last step; s_k: the seconds per byte its link measured,
+        upper bounds included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all
+        of those are known, ``recv_timeout``.
         """
         known = [self.timings.get(name, {}).get(block.name) for name, _ in self.placement]
         moved = self._moved.get(block.name, {})
@@ -306,12 +269,9 @@ class Cluster(Runtime):
         self._welcome_joiners()
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
-        """Feed the rebalancer each layer's step; the layers whose kernel counts change, with the new ones.
-
-        It balances what a layer is split by -- its kernels, or its input channels (its kernels,
-        which then carry only the tail, follow those in proportion) -- against each participant's
-        ready time (:meth:`LayerStep.ready_s`): forward + backward compute, plus a worker's bytes
-        at its link's measured seconds per byte."""
+        """Feed the rebalancer each layer's step, by what the layer is split by -- its kernels, or its input
+        channels (whose kernels then follow in proportion) -- and each participant's ready time
+        (:meth:`LayerStep.ready_s`); the layers whose kernel counts change, with the new ones."""
         rebalanced = {}
         for d in done:
             if d.participants != self.participants:  # someone was lost during this step: start afresh
@@ -344,15 +304,8 @@ def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
     """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
     c = block.conv
     w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
-    return {
-        "layer": block.index,
-        "x": list(x_shape),
-        "w": w,
-        "stride": c.stride,
-        "padding": c.padding,
-        "need_dx": c.need_dx,
-        "tail": block.tail,
-    }
+    conv = {"stride": c.stride, "padding": c.padding, "need_dx": c.need_dx}
+    return {"layer": block.index, "x": list(x_shape), "w": w, **conv, "tail": block.tail}
 
 
 def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:

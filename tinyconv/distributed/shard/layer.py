@@ -26,7 +26,7 @@ from tinyconv.distributed.rpc import Lost, Op, Rpc
 from tinyconv.distributed.shard import by_channels, by_kernels
 from tinyconv.distributed.shard.block import tail_of, tail_output_hw
 from tinyconv.distributed.shard.plan import Plan
-from tinyconv.distributed.wire_codec import Codec
+from tinyconv.distributed.wire_codec import Narrowing
 from tinyconv.layers import Conv2D, Layer, Linear
 
 
@@ -49,7 +49,7 @@ class Coordinator(Protocol):
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
-    def codec(self, block: ShardedBlock) -> Codec | None: ...
+    def codec(self, block: ShardedBlock) -> Narrowing | None: ...
 
 
 @dataclass
@@ -90,12 +90,10 @@ class ShardedBlock(Layer):
         while True:
             plan = self.cluster.plan(self)
             split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
+            pipeline = (self.cluster.pipeline,) if split is by_channels else ()  # images per chunk
             op = self._op("forward", step, x.shape[0])
             try:
-                if split is by_channels:
-                    y, kept = split.forward(op, self.conv, self.tail, plan, x, self.cluster.pipeline)
-                else:
-                    y, kept = split.forward(op, self.conv, self.tail, plan, x)
+                y, kept = split.forward(op, self.conv, self.tail, plan, x, *pipeline)
             except Lost as e:
                 self.cluster.lose(e.workers)
                 continue

@@ -23,8 +23,6 @@ chunks in order from image 0, w with the first only; tail_forward's by the same 
 last only, which alone returns y (the others return nothing); partial_backward's by the forward's
 chunks, each returning its dx, the last dw and db too (summed over the chunks). Without ``images``
 a task is the whole batch, one chunk.
-
-Each handler is a plain function of the worker's :class:`~tinyconv.distributed.worker.state.WorkerState`;
 x and w arrive on the backend (``handler.py``'s ON_BACKEND).
 """
 
@@ -38,8 +36,15 @@ from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
 from tinyconv.distributed.shard.by_channels import halo_sum, owned
-from tinyconv.distributed.worker.block_handlers import checked_tail
-from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, header_span, task_place, task_slot
+from tinyconv.distributed.worker.state import (
+    Handler,
+    OpenStep,
+    WorkerState,
+    checked_tail,
+    header_span,
+    task_place,
+    task_slot,
+)
 from transports.wire import Int
 
 

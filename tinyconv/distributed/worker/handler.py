@@ -1,20 +1,14 @@
 """The worker: answers the master's tasks (``tinyconv/distributed/protocol.py``) on one Backend.
 
-:class:`Worker` is the handler every transport serves: ``hello()`` and ``handle(msg)``
-(``transports.base.Handler``). Each task kind has one small handler, a plain function of the
-worker's :class:`~tinyconv.distributed.worker.state.WorkerState` (``state.py``: what a worker keeps
-between tasks, and which task may follow which), found in :data:`HANDLERS`: the split by kernels
-and calibration in ``block_handlers.py``, the split by input channels in ``channel_handlers.py``,
-data parallelism and the hybrid in ``replica_handlers.py``. Any problem becomes an ``error`` reply
-naming it, and the worker keeps serving.
+:class:`Worker` is the handler every transport serves (``transports.base.Handler``). Each task kind
+has one handler, a plain function of the worker's state (``state.py``: what it keeps between tasks,
+and which task may follow which), found in :data:`HANDLERS`: the paper's split by kernels here, by
+input channels in ``channel_handlers.py``, data parallelism and the hybrid in ``replica_handlers.py``,
+calibration in ``calibrate.py``. A task the worker cannot run becomes an ``error`` reply naming why.
 
-The inputs a handler only hands to the backend (:data:`ON_BACKEND`) are put there as the task
-arrives, so the handlers read as the computation alone.
-
-At its edges the worker applies the wire codec (``tinyconv/distributed/wire_codec.py``): a layer's task
-may bring arrays narrowed (``--wire-precision``), which are checked and widened to float32 as the
-task arrives, and ask for its result in narrower words, into which the result is narrowed as it
-goes back; every handler computes in float32. A task without them passes as it is.
+A layer's task may bring its arrays in narrower words and ask for its result in them
+(``--wire-precision``): the wire codec (``wire_codec.py``) widens them to float32 as the task
+arrives and narrows the result as it goes, so every handler computes in float32.
 """
 
 from __future__ import annotations
@@ -29,42 +23,51 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
+from tinyconv.distributed.calibrate import calibrate, default_max_calibrate_bytes
 from tinyconv.distributed.protocol import VERSION, TaskError, check_task
+from tinyconv.distributed.shard.block import block_backward as run_block_backward
+from tinyconv.distributed.shard.block import block_forward as run_block_forward
 from tinyconv.distributed.wire_codec import decode_task, encode_result, read_back
-from tinyconv.distributed.worker import block_handlers, channel_handlers, replica_handlers
-from tinyconv.distributed.worker.state import Handler, WorkerState
+from tinyconv.distributed.worker import channel_handlers, replica_handlers
+from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, checked_tail, header_span
 from transports.base import Message
 from transports.wire import error_reply
 
-__all__ = [
-    "DEFAULT_MAX_CALIBRATE_BYTES",
-    "HANDLERS",
-    "ON_BACKEND",
-    "Worker",
-    "default_max_calibrate_bytes",
-]
+
+def block_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
+    """The block (conv and tail) of the F' kernels it got, its cache kept; y of the ``own`` ones."""
+    x, w, b = a["x"], a["w"], a["b"]
+    if x.ndim != 4 or w.ndim != 4 or x.shape[1] != w.shape[1] or tuple(b.shape) != tuple(w.shape[:1]):
+        raise TaskError(
+            f"layer {h['layer']}: expected x (N, C, H, W), w (F, C, KH, KW) and b (F,) with matching C and F; "
+            f"got x {x.shape}, w {w.shape}, b {b.shape}"
+        )
+    tail = checked_tail(h, x.shape[2:], w.shape[2:])
+    own = header_span(h, "own", w.shape[0])
+    y, cache = run_block_forward(state.backend, x, w, b, h["stride"], h["padding"], tail, own)
+    state.advance(h, "block_forward", OpenStep("block", h["step"], cache=cache))
+    return {"y": y}
 
 
-def default_max_calibrate_bytes() -> int:
-    """Half this machine's physical memory, at least 2 GiB: what one calibration may allocate.
-
-    The cap keeps a master from making a worker allocate without bound, but it must admit what a
-    real training step at the same shapes allocates anyway (150:800 at batch 256 needs 2.3 GB to
-    time conv2, 500:1500 with its tail at batch 64 about 1.6 GB), so it follows the machine."""
+def block_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
+    """dw, db of its own kernels and a partial dx, from dy over every kernel its forward computed."""
     try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: the old fixed cap
-        physical = 0
-    return max(1 << 31, physical // 2)
+        dx, dw, db = run_block_backward(state.backend, a["dy"], kept.cache, h["need_dx"])
+    except ValueError as e:  # a dy that does not fit the forward, which stays for a good one
+        raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
+    state.advance(h, "block_backward", kept)
+    return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {})
 
 
-DEFAULT_MAX_CALIBRATE_BYTES = default_max_calibrate_bytes()
-
-# task kind -> its handler
-HANDLERS: dict[str, Handler] = block_handlers.HANDLERS | channel_handlers.HANDLERS | replica_handlers.HANDLERS
-# task kind -> the inputs its handler only hands to the backend, which are put there on arrival (and may
-# therefore be widened there, wire_codec.py); the others (tail_forward's b and sum, partial_backward's dyc_lo and
-# dyc_hi) meet numpy arithmetic first, so they stay on the host
+HANDLERS: dict[str, Handler] = {
+    "block_forward": block_forward,
+    "block_backward": block_backward,
+    "calibrate": calibrate,
+    **channel_handlers.HANDLERS,
+    **replica_handlers.HANDLERS,
+}
+# task kind -> the inputs its handler only hands to the backend, put there as the task arrives (and maybe
+# widened there, wire_codec.py); the others meet numpy arithmetic first, so they stay on the host
 ON_BACKEND: dict[str, frozenset[str]] = {
     "block_forward": frozenset({"x", "w", "b"}),
     "block_backward": frozenset({"dy"}),
@@ -78,63 +81,52 @@ class Worker:
 
     ``slowdown`` F >= 1 is a testing aid that emulates a slower device: after each task the
     worker waits an extra (F - 1) x its compute time and reports F x that time (calibration
-    times included), so a master balances it as slower. ``max_calibrate_bytes`` refuses to
-    time a layer that would need more memory.
+    times included), so a master balances it as slower. ``max_calibrate_bytes`` (default: half
+    the machine's memory) refuses to time a layer that would need more.
     """
 
-    def __init__(
-        self, backend: Backend, slowdown: float = 1.0, max_calibrate_bytes: int = DEFAULT_MAX_CALIBRATE_BYTES
-    ) -> None:
+    def __init__(self, backend: Backend, slowdown: float = 1.0, max_calibrate_bytes: int | None = None) -> None:
         if not (isinstance(slowdown, (int, float)) and math.isfinite(slowdown) and slowdown >= 1):
             raise ValueError(f"slowdown must be a finite number >= 1, got {slowdown!r}")
-        self.state = WorkerState(backend, float(slowdown), int(max_calibrate_bytes))
+        max_bytes = default_max_calibrate_bytes() if max_calibrate_bytes is None else max_calibrate_bytes
+        self.state = WorkerState(backend, float(slowdown), int(max_bytes))
         self._idle = threading.Event()  # never set: waiting on it is how slowdown passes time
 
     def hello(self) -> dict[str, Any]:
-        """The ``hello`` header: protocol version, backend, device facts, pid, hostname. A hello
-        starts a session with a (new) master: nothing kept from an earlier one."""
+        """The ``hello`` header. A hello starts a session with a (new) master: nothing kept from an earlier one."""
         self.state.forget()
-        backend = self.state.backend
-        device = dict(backend.describe())
+        device = dict(self.state.backend.describe())
         if self.state.slowdown != 1.0:
             device["slowdown"] = self.state.slowdown
         return {
             "protocol": VERSION,
-            "backend": backend.name,
+            "backend": self.state.backend.name,
             "device": device,
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
         }
 
     def handle(self, msg: Message) -> Message:
-        """Answer one task with a ``result``, or an ``error`` naming what was wrong. Never raises."""
+        """Answer one task with a ``result``, or an ``error`` naming what was wrong with it. A backend
+        failure raises, and the transport sends it as an ``error`` (``transports.base.Handler``)."""
+        t0 = time.perf_counter()
+        be, on_backend = self.state.backend, ON_BACKEND.get(msg.kind, frozenset())
         try:
-            t0 = time.perf_counter()
-            be, on_backend = self.state.backend, ON_BACKEND.get(msg.kind, frozenset())
             task, asked = decode_task(msg, be, on_backend)  # float32 from here on
             check_task(task)
             kept = self.state.expect(task.kind, task.header)
-            arrays = {name: _put(be, a) if name in on_backend else a for name, a in task.arrays.items()}
+            # an input on the backend: a host array copied there, one the codec widened there as it is
+            arrays = {
+                k: be.asarray(a) if k in on_backend and isinstance(a, np.ndarray) else a for k, a in task.arrays.items()
+            }
             reply = HANDLERS[task.kind](self.state, task.header, arrays, kept)
-            times = reply.pop("times", None)
-            out = {name: read_back(be, a, asked.get(name, "fp32")) for name, a in reply.items()}
-            be.synchronize()
-            header = {"task": task.header["task"], "compute_s": self._emulate(time.perf_counter() - t0)}
-            out, narrow = encode_result(out, asked)
-            return Message("result", header | narrow | ({"times": times} if times is not None else {}), out)
         except TaskError as e:
             return error_reply(msg, f"{msg.kind}: {e}")
-        except Exception as e:  # a backend failure: report it, keep serving
-            return error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
-
-    def _emulate(self, compute_s: float) -> float:
-        """Apply the slowdown factor: wait the extra time, return the time to report."""
-        slowdown = self.state.slowdown
-        if slowdown > 1.0:
-            self._idle.wait((slowdown - 1.0) * compute_s)  # emulation of a slower device, not a sync
-        return compute_s * slowdown
-
-
-def _put(backend: Backend, a: Any) -> Any:
-    """An input on the backend: a host array copied there, one the codec widened there as it is."""
-    return backend.asarray(a) if isinstance(a, np.ndarray) else a
+        times = reply.pop("times", None)
+        out = {k: read_back(be, a, asked.get(k, "fp32")) for k, a in reply.items()}
+        be.synchronize()
+        compute_s = time.perf_counter() - t0
+        out, narrow = encode_result(out, asked)
+        self._idle.wait((self.state.slowdown - 1.0) * compute_s)  # emulating a slower device, not a sync
+        header = {"task": task.header["task"], "compute_s": compute_s * self.state.slowdown} | narrow
+        return Message("result", header | ({"times": times} if times is not None else {}), out)

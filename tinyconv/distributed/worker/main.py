@@ -64,51 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tinyconv worker",
         description="Serve convolution shards to a tinyconv master until it says the training is over.",
     )
+    seconds = _positive(float)
     p.add_argument(
         "--connect", required=True, metavar="ADDR", help="the master's address: tcp://HOST:5555 or ipc:///path"
     )
     p.add_argument("--backend", default="numpy", help="compute backend: numpy or opencl (default: numpy)")
     p.add_argument("--device", metavar="SPEC", help="which device the backend should use (backend-specific)")
-    p.add_argument(
-        "--threads",
-        type=_positive(int),
-        metavar="N",
-        help="limit BLAS/OpenMP threads to N (sets OMP/OPENBLAS/MKL_NUM_THREADS before numpy loads)",
-    )
-    p.add_argument(
-        "--slowdown", type=_slowdown, default=1.0, metavar="F", help="testing aid: emulate a device F times slower"
-    )
-    p.add_argument(
-        "--heartbeat",
-        type=_positive(float),
-        default=1.0,
-        metavar="S",
-        help="send a heartbeat after S idle seconds (at least as often as the master asks; default: 1)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=_positive(float),
-        default=5.0,
-        metavar="S",
-        help="the master is gone when it has been silent for S seconds (default: 5)",
-    )
-    p.add_argument(
-        "--retry-for",
-        type=_positive(float),
-        default=600.0,
-        metavar="S",
-        help="after losing the master, look for it again (with backoff) for S seconds before exiting (default: 600)",
-    )
+    threads = "limit BLAS/OpenMP threads to N (sets OMP/OPENBLAS/MKL_NUM_THREADS before numpy loads)"
+    p.add_argument("--threads", type=_positive(int), metavar="N", help=threads)
+    slowdown = "testing aid: emulate a device F times slower"
+    p.add_argument("--slowdown", type=_slowdown, default=1.0, metavar="F", help=slowdown)
+    heartbeat = "send a heartbeat after S idle seconds (at least as often as the master asks; default: 1)"
+    p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="S", help=heartbeat)
+    timeout = "the master is gone when it has been silent for S seconds (default: 5)"
+    p.add_argument("--timeout", type=seconds, default=5.0, metavar="S", help=timeout)
+    retry = "after losing the master, look for it again (with backoff) for S seconds before exiting (default: 600)"
+    p.add_argument("--retry-for", type=seconds, default=600.0, metavar="S", help=retry)
     p.add_argument("--serve", action="store_true", help="stay up after a run ('train over') and serve the next master")
     p.add_argument("--key", metavar="FILE", help="this worker's secret key file (NAME.key_secret from tinyconv keygen)")
     p.add_argument("--master-key", metavar="FILE", help="the master's public key file (NAME.key), with --key")
-    p.add_argument(
-        "--connect-timeout",
-        type=_positive(float),
-        default=60.0,
-        metavar="S",
-        help="give up when no master has welcomed this worker within S seconds (default: 60)",
-    )
+    connect = "give up when no master has welcomed this worker within S seconds (default: 60)"
+    p.add_argument("--connect-timeout", type=seconds, default=60.0, metavar="S", help=connect)
     p.add_argument("--quiet", action="store_true", help="print only problems, not progress")
     return p
 

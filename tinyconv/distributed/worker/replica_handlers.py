@@ -27,21 +27,16 @@ features of one image (the last pool's output, flattened)::
     hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
                       -> grads (P_conv,): the slice's part of the conv part's gradient
 
-``replica_calibrate`` and ``replica_step`` stand alone: each brings everything it needs (the
-weights with every step), and the worker keeps only its replica of the network between them,
-rebuilt when the master describes another one (:func:`_replica`).
-
-The hybrid (``tinyconv/distributed/replica/hybrid.py``) runs the conv part of that same replica on a slice,
-the classifier on the master: ``hybrid_forward`` keeps its caches in the replica's layers, under
-the slot :data:`~tinyconv.distributed.worker.state.HYBRID`, for the step's ``hybrid_backward``;
-``hybrid_calibrate`` stands alone, as ``replica_calibrate``.
-
-Each handler is a plain function of the worker's :class:`~tinyconv.distributed.worker.state.WorkerState`.
+Every task but ``hybrid_backward`` stands alone: it brings everything it needs (the weights with
+every step), and the worker keeps only its replica between them, rebuilt when the master describes
+another one (:func:`_replica`); ``hybrid_forward`` keeps its caches in the replica's layers, under
+the slot :data:`~tinyconv.distributed.worker.state.HYBRID`, for the step's ``hybrid_backward``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from tinyconv.distributed.heap import release_freed_memory
@@ -59,86 +54,86 @@ from tinyconv.distributed.worker.state import HYBRID, Handler, OpenStep, WorkerS
 from tinyconv.model import Network
 
 
-def _timed_replica(state: WorkerState, h: dict[str, Any]) -> Network:
-    """The replica a calibration times, once its ``repeats`` and ``batch`` are checked."""
+def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -> dict[str, Any]:
+    """``times``: [seconds of ``timer`` on the replica ``net`` describes, for ``batch`` random images],
+    once ``repeats`` and ``batch`` are checked."""
     if not 1 <= h["repeats"] <= 1000:
         raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
     if not 1 <= h["batch"] <= 1 << 16:
         raise TaskError(f"batch must be in 1..65536, got {h['batch']}")
-    return _replica(state, h["net"], h["batch"])
+    seconds = timer(_replica(state, h["net"], h["batch"]), h["net"], h["batch"], h["repeats"]) * state.slowdown
+    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (heap.py)
+    return {"times": [seconds]}
 
 
 def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
-    net = _timed_replica(state, h)
-    seconds = time_replica(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
-    release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (tinyconv/distributed/heap.py)
-    return {"times": [seconds]}
+    return _timed(state, h, time_replica)
 
 
 def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """The replica, given the master's weights (and batch-norm statistics), on its slice x, y of a
     batch of ``batch``: the slice's part of the gradient (of the loss label-smoothed by ``smoothing``,
     if the header has it), its logits, its statistics after."""
-    x, y, spec, smoothing = a["x"], a["y"], h["net"], h.get("smoothing", 0.0)
+    x, y, smoothing = a["x"], a["y"], h.get("smoothing", 0.0)
     if not 0.0 <= smoothing < 1.0:
         raise TaskError(f"smoothing must be in [0, 1) (label smoothing), got {smoothing}")
-    n = x.shape[0] if x.ndim == 4 else 0
-    if not (x.ndim == 4 and n >= 1 and y.shape == (n,) and n <= h["batch"]):
-        raise TaskError(f"replica_step takes x (n, C, H, W) and y (n,) with 1 <= n <= batch ({h['batch']}); "
-                        f"got x {x.shape}, y {y.shape}")  # fmt: skip
+    net = _slice_replica(state, h, x, "replica_step")
+    if y.shape != x.shape[:1]:
+        raise TaskError(f"replica_step takes y ({x.shape[0]},), one label per image, got y {y.shape}")
+    buffers = _load(net, a, "replica", "")
+    try:
+        logits = slice_gradients(net, x, y, h["batch"], smoothing)
+    except ValueError as e:  # labels out of range
+        raise TaskError(str(e)) from None
+    out = {"grads": flat.pack(net, "grads"), "logits": logits}
+    return out | ({"buffers": flat.pack(net, "buffers")} if buffers else {})
+
+
+def _slice_replica(state: WorkerState, h: dict[str, Any], x: Any, kind: str) -> Network:
+    """The replica ``h["net"]`` describes, for a slice x (n, C, H, W) of a batch of ``batch`` that fits it."""
+    spec, n = h["net"], x.shape[0] if x.ndim == 4 else 0
+    if not (x.ndim == 4 and 1 <= n <= h["batch"] <= 1 << 16):
+        raise TaskError(f"{kind} takes x (n, C, H, W) with 1 <= n <= batch ({h['batch']}) <= 65536; got x {x.shape}")
     net = _replica(state, spec, n)
     if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
         raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
                         f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
+    return net
+
+
+def _load(net: Network, a: dict[str, Any], what: str, note: str) -> bool:
+    """The master's ``params`` (and ``buffers``, which must come exactly when ``net`` has batch-norm
+    statistics) into ``net``, ``what`` the replica or its conv part; whether there were buffers."""
     buffers = a.get("buffers")
     if (buffers is None) != (sum(flat.sizes(net, "buffers")) == 0):
-        raise TaskError("buffers must come exactly when the replica has batch-norm statistics")
+        raise TaskError(f"buffers must come exactly when the {what} has batch-norm statistics")
     try:
-        flat.unpack(net, a["params"])
+        flat.unpack(net, a["params"])  # its size checked before anything is set
         if buffers is not None:
             flat.unpack(net, buffers, "buffers")
-        logits = slice_gradients(net, x, y, h["batch"], smoothing)
-    except ValueError as e:  # a vector of the wrong size, labels out of range
-        raise TaskError(str(e)) from None
-    out = {"grads": flat.pack(net, "grads"), "logits": logits}
-    return out | ({"buffers": flat.pack(net, "buffers")} if buffers is not None else {})
+    except ValueError as e:
+        raise TaskError(f"{e}{note}") from None
+    return buffers is not None
 
 
 # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
 def hybrid_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
-    net = _timed_replica(state, h)
-    seconds = time_conv_part(net, h["net"], h["batch"], h["repeats"]) * state.slowdown
-    release_freed_memory()  # as replica_calibrate
-    return {"times": [seconds]}
+    return _timed(state, h, time_conv_part)
 
 
 def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
     ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
-    x, spec = a["x"], h["net"]
-    n = x.shape[0] if x.ndim == 4 else 0
-    if not (x.ndim == 4 and 1 <= n <= h["batch"] <= 1 << 16):
-        raise TaskError(f"hybrid_forward takes x (n, C, H, W) with 1 <= n <= batch ({h['batch']}) <= 65536; "
-                        f"got x {x.shape}")  # fmt: skip
-    net = _replica(state, spec, n)
-    if x.shape[1:] != (spec["in_channels"], spec["image_size"], spec["image_size"]):
-        raise TaskError(f"x {x.shape} does not fit the replica's {spec['in_channels']} channels of "
-                        f"{spec['image_size']}x{spec['image_size']} pixels")  # fmt: skip
-    conv, buffers = conv_part(net), a.get("buffers")
-    if (buffers is None) != (sum(flat.sizes(conv, "buffers")) == 0):
-        raise TaskError("buffers must come exactly when the conv part has batch-norm statistics")
-    try:
-        flat.unpack(conv, a["params"])  # its size checked before anything is set
-        if buffers is not None:
-            flat.unpack(conv, buffers, "buffers")
-    except ValueError as e:
-        raise TaskError(f"hybrid_forward: {e} (the conv part's, without the classifier)") from None
+    x = a["x"]
+    net = _slice_replica(state, h, x, "hybrid_forward")
+    conv = conv_part(net)
+    buffers = _load(conv, a, "conv part", " (the conv part's, without the classifier)")
     features = forward_features(conv, x)
-    kept = OpenStep("hybrid", h["step"], images=n, features=feature_shape(net, spec["image_size"]))
+    kept = OpenStep("hybrid", h["step"], images=x.shape[0], features=feature_shape(net, h["net"]["image_size"]))
     state.advance(h, "hybrid_forward", kept)
-    return {"features": features} | ({"buffers": flat.pack(conv, "buffers")} if buffers is not None else {})
+    return {"features": features} | ({"buffers": flat.pack(conv, "buffers")} if buffers else {})
 
 
 def hybrid_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:

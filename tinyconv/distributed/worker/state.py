@@ -1,22 +1,11 @@
-"""What a worker keeps between tasks: :class:`WorkerState`, the one object every task handler gets.
+"""What a worker keeps between tasks: :class:`WorkerState`, the one object every task handler gets; and the
+checks of a task's spans and tail that the handlers share.
 
 It holds the worker's backend and settings, the replica of data parallelism (``replica_handlers.py``),
 and for each layer whose step is under way an :class:`OpenStep`: what the layer's forward left for
 the rest of its step, in a slot per layer (or the hybrid's one slot, :data:`HYBRID`). Which task may
-come next is explicit, one row per task kind (:data:`STAGES`)::
-
-    task              the layer must be at     it leaves the layer at
-    block_forward     anything                 "block"    the block's cache       (split by kernels)
-    block_backward    "block"                  nothing
-    partial_forward   anything                 "partial"  its partial convolution (split by input channels)
-    tail_forward      "partial"                "tail"     the tail's cache
-    tail_backward     "tail"                   "dyc"      its kernels' conv-output gradient
-    partial_backward  "dyc"                    nothing
-    hybrid_forward    anything                 "hybrid"   the conv part's caches  (the hybrid: one slot,
-    hybrid_backward   "hybrid"                 nothing                             the whole conv part)
-
-A task that continues a layer must also be of the step its forward was. A refused task changes
-nothing, so the right one can follow.
+come next is explicit, one row per task kind (:data:`STAGES`). A task that continues a layer must
+also be of the step its forward was. A refused task changes nothing, so the right one can follow.
 """
 
 from __future__ import annotations
@@ -27,23 +16,23 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, conv_output_size
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.shard.block import BlockCache
+from tinyconv.distributed.shard.block import BlockCache, tail_output_hw
 from tinyconv.model import Network
-from transports.wire import Int
+from transports.wire import Int, Num
 
 HYBRID = "conv part"  # the slot the hybrid's forward is kept in: the whole conv part, not one layer
 
 # task kind -> (the stage the layer must be at, None: anything; the stage it leaves, None: nothing kept)
 STAGES: dict[str, tuple[str | None, str | None]] = {
-    "block_forward": (None, "block"),
+    "block_forward": (None, "block"),  # the block's cache (split by kernels)
     "block_backward": ("block", None),
-    "partial_forward": (None, "partial"),
-    "tail_forward": ("partial", "tail"),
-    "tail_backward": ("tail", "dyc"),
+    "partial_forward": (None, "partial"),  # its partial convolution (split by input channels)
+    "tail_forward": ("partial", "tail"),  # the tail's cache
+    "tail_backward": ("tail", "dyc"),  # its kernels' conv-output gradient
     "partial_backward": ("dyc", None),
-    "hybrid_forward": (None, "hybrid"),
+    "hybrid_forward": (None, "hybrid"),  # the conv part's caches, in the one slot of the whole conv part
     "hybrid_backward": ("hybrid", None),
 }
 # the tasks that continue no layer and leave none: each brings all it needs
@@ -148,3 +137,45 @@ def header_span(h: dict[str, Any], key: str, limit: int) -> tuple[int, int]:
     if not (isinstance(v, list) and len(v) == 2 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= limit):
         raise TaskError(f"layer {h['layer']}: {key} must be [a, b] with 0 <= a < b <= {limit}, got {v!r}")
     return v[0], v[1]
+
+
+def checked_tail(h: dict[str, Any], size: tuple[int, ...], kernel: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The task's tail, checked against the convolution's output size."""
+    if h["stride"] < 1 or h["padding"] < 0:
+        raise TaskError(f"layer {h['layer']}: need stride >= 1 and padding >= 0, got {h['stride']} and {h['padding']}")
+    try:
+        oh, ow = (conv_output_size(s, k, h["stride"], h["padding"]) for s, k in zip(size, kernel, strict=True))
+        tail_output_hw(oh, ow, check_tail(h["tail"]))
+    except ValueError as e:
+        raise TaskError(f"layer {h['layer']}: {e}") from None
+    return h["tail"]
+
+
+TAIL_OPS = {  # op -> its parameters and their types
+    "relu": {},
+    "lrn": {"size": int, "alpha": float, "beta": float, "k": float},
+    "maxpool": {"kernel": int, "stride": int, "padding": int},
+}
+
+
+def check_tail(tail: Any) -> list[dict[str, Any]]:
+    """Raise ValueError unless ``tail`` is a list of valid specs; returns it."""
+    if not isinstance(tail, list):
+        raise ValueError(f"tail must be a list of layer specs, got {type(tail).__name__}")
+    for i, spec in enumerate(tail):
+        if not isinstance(spec, dict) or spec.get("op") not in TAIL_OPS:
+            raise ValueError(f"tail[{i}] must be a map with op one of {sorted(TAIL_OPS)}, got {spec!r:.200}")
+        params = TAIL_OPS[spec["op"]]
+        if set(spec) != {"op", *params}:
+            raise ValueError(f"tail[{i}] ({spec['op']}) needs exactly the keys {sorted(params)}, got {sorted(spec)}")
+        for key, kind in params.items():
+            v = spec[key]
+            if not (Int.accepts(v) if kind is int else Num.accepts(v)):
+                raise ValueError(f"tail[{i}].{key} must be a{'n int' if kind is int else ' number'}, got {v!r}")
+        if spec["op"] == "lrn" and not (1 <= spec["size"] <= 64 and spec["k"] > 0 and spec["beta"] >= 0):
+            raise ValueError(f"tail[{i}]: lrn needs 1 <= size <= 64, k > 0, beta >= 0, got {spec}")
+        if spec["op"] == "maxpool" and not (
+            spec["kernel"] >= 1 and spec["stride"] >= 1 and 0 <= spec["padding"] < spec["kernel"]
+        ):
+            raise ValueError(f"tail[{i}]: maxpool needs kernel >= 1, stride >= 1, 0 <= padding < kernel, got {spec}")
+    return tail
