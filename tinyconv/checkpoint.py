@@ -89,13 +89,10 @@ def save_checkpoint(
     return path.stat().st_size
 
 
-def remove_stale_temporaries(path: Path) -> list[Path]:
-    """Delete the temporary files an interrupted save of ``path`` left in its folder; returns them."""
-    stale = [*path.parent.glob(f".{path.name}.*{TMP_SUFFIX}")]
-    stale += [p for p in [path.with_name(path.name + TMP_SUFFIX)] if p.exists()]  # older tinyconv's name
-    for p in stale:
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files an interrupted save of ``path`` left in its folder."""
+    for p in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):
         p.unlink(missing_ok=True)
-    return stale
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -107,12 +104,6 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """-> (model arrays, optimizer arrays, meta). Clear ValueError if it isn't a sound one of ours."""
-    c = read_checkpoint(path)
-    return c.model, c.optim, c.meta
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
