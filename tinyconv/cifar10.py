@@ -116,13 +116,9 @@ def _md5_of_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download(url: str, dest: Path, progress: bool, timeout: float) -> str:
-    """Stream ``url`` into ``dest``; return the md5 of what was written.
-
-    ``timeout`` (seconds) bounds the connection and every read, so a stalled server
-    cannot hang the caller.
-    """
-    digest = hashlib.md5(usedforsecurity=False)
+def _download(url: str, dest: Path, progress: bool, timeout: float) -> None:
+    """Stream ``url`` into ``dest``. ``timeout`` (seconds) bounds the connection and every read, so a
+    stalled server cannot hang the caller."""
     with urllib.request.urlopen(url, timeout=timeout) as response, open(dest, "wb") as out:
         total = response.headers.get("Content-Length")
         bar = tqdm(
@@ -133,9 +129,7 @@ def _download(url: str, dest: Path, progress: bool, timeout: float) -> str:
         with bar:
             for chunk in iter(lambda: response.read(1 << 20), b""):
                 out.write(chunk)
-                digest.update(chunk)
                 bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 def _fetch_tarball(root: Path, url: str, md5: str, progress: bool, timeout: float) -> Path:
@@ -146,7 +140,8 @@ def _fetch_tarball(root: Path, url: str, md5: str, progress: bool, timeout: floa
         return tarball  # a complete earlier (or manual) download
     part = root / (TARBALL_NAME + ".part")
     try:
-        got = _download(url, part, progress, timeout)
+        _download(url, part, progress, timeout)
+        got = _md5_of_file(part)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
         # offline, refused, timed out, HTTP error, cut short, bad url, or the disk is full
         part.unlink(missing_ok=True)

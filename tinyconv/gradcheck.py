@@ -255,11 +255,7 @@ def check_network(
     """
     if not isinstance(net.backend, NumpyBackend):
         raise ValueError(f"check_network runs on the numpy reference, got {type(net.backend).__name__}")
-    if any(hasattr(layer, "cluster") for layer in net.layers):
-        raise ValueError("check_network needs a network without sharded layers: build a fresh one")
-    for layer in net.layers:
-        layer.params = {k: np.array(v, dtype=F64) for k, v in layer.params.items()}
-        layer.buffers = {k: np.array(v, dtype=F64) for k, v in layer.buffers.items()}
+    net.layers = [_float64_copy(layer) for layer in net.layers]
     x64 = np.array(x, dtype=F64)
     rng = np.random.default_rng(seed)
     errors = {}

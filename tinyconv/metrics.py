@@ -106,11 +106,8 @@ def _beyond(line: bytes, step: int) -> bool:
         event = json.loads(line)
     except ValueError:  # a damaged line amid finished ones: not ours to judge
         return False
-    return isinstance(event, dict) and event.get("event") == "step" and _int(event.get("step")) > step
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) else -1
+    is_step = isinstance(event, dict) and event.get("event") == "step"
+    return is_step and isinstance(event.get("step"), int) and event["step"] > step
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

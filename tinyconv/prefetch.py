@@ -1,29 +1,21 @@
 """Prefetching: the next batches are prepared on a background thread while the current step computes.
 
-A training batch is made in four moves -- gather the shuffled images, random crop, flip, normalise
-to float32 (``tinyconv/data.py``) -- and each is a numpy array operation that releases the GIL while
-it copies. So a thread can make batch b+1 (and b+2) while the main thread runs step b's forward and
-backward, and the step never waits for its data unless the data is the slower of the two.
+Gathering the shuffled images, cropping, flipping and normalising (``tinyconv/data.py``) are numpy
+copies that release the GIL, so a thread can make batch b+1 while the main thread runs step b.
 
-The numbers are those of the loop without the thread, bit for bit. Batch b is always made from the
-same images with the augmentation generator in the same state, because the thread works through
-the batches in order with its *own copy* of the trainer's generator; each batch it hands over
-carries the generator's state after it was made. The trainer adopts that state only when the step
-that used the batch is committed, so a checkpoint, a rolled-back step or a resume sees exactly the
-state the loop without the thread would have had:
+The numbers are those of the loop without the thread, bit for bit: the thread works through the
+batches in order with its *own copy* of the augmentation generator, and each batch carries the
+generator's state after it was made, which the trainer adopts only when that batch's step is
+committed (so a checkpoint, a rolled-back step or a resume sees the state the plain loop would have):
 
     with Prefetcher(make_batch, range(b0, b1), rng_state, depth=2) as batches:
         for b in range(b0, b1):
-            batch = batches.next()           # waits (with a timeout per get) only if it is not ready
+            batch = batches.next()           # waits only if it is not ready; ``batches.waited_s``: how long
             ... step on batch.x, batch.y ...
             rng.bit_generator.state = batch.rng_state    # on commit
 
-``batches.waited_s`` is how long ``next()`` waited for the last batch: the trainer records it as
-the step's ``data_wait_s`` (docs/metrics.md), which is how "the data never shows" is measured.
-
-Shutting down: leaving the ``with`` block (normally, on an error, on Ctrl-C) tells the thread to
-stop and joins it. The thread never blocks without a timeout either: its ``put`` gives up every
-``poll_s`` to look at the stop flag, so it ends within one poll and one batch of the close.
+Leaving the ``with`` block (normally, on an error, on Ctrl-C) stops the thread and joins it; its
+``put`` gives up every ``poll_s`` to look at the stop flag, so it ends within one poll and one batch.
 """
 
 from __future__ import annotations
