@@ -127,7 +127,7 @@ def test_the_classifier_rate_reaches_the_optimiser(numpy_backend):
 def test_label_smoothing_trains_against_the_smoothed_target_and_tests_against_the_label(numpy_backend, tiny_data):
     def first_step(eps: float) -> tuple[float, Trainer]:
         trainer = _trainer(numpy_backend, tiny_data, label_smoothing=eps, augment=False)
-        return trainer._forward_backward(trainer.normalize(tiny_data.x_train[:32]), tiny_data.y_train[:32])[0], trainer
+        return trainer.train_step(tiny_data.x_train[:32], tiny_data.y_train[:32])[0], trainer
 
     plain, _ = first_step(0.0)
     smoothed, trainer = first_step(0.2)
@@ -346,14 +346,14 @@ def test_a_signal_mid_step_checkpoints_the_step_before(numpy_backend, tiny_data,
 def test_a_signal_during_the_update_waits_for_its_end(numpy_backend, tiny_data, tmp_path):
     path = tmp_path / "c.npz"
     t = _trainer(numpy_backend, tiny_data, tmp_path, epochs=2, checkpoint=str(path))
-    real = t.opt.step
+    real = t._update
 
-    def step():
+    def update():
         if t.step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         real()
 
-    t.opt.step = step
+    t._update = update
     with pytest.raises(Stopped):
         t.fit()
     t.metrics.close()

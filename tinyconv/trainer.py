@@ -72,8 +72,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
         self.history: list[dict[str, Any]] = []
-        self.step_times: list[float] = []
-        self.step_splits: list[dict[str, Any]] = []
+        self.step_splits: list[dict[str, Any]] = []  # each step's metrics record
         self.saved: tuple[int, str] | None = None  # (step, path) of the last checkpoint written
         self.save_error: str | None = None  # why the checkpoint on the way out failed
         self.plan_restored = False  # resume took up the checkpoint's split
@@ -82,15 +81,28 @@ class Trainer:
         self._whole = True  # False while an update is half done: nothing to checkpoint then
 
     # ---- one step ------------------------------------------------------------
+    def train_step(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, float, dict[str, Any]]:
+        """One SGD step on a uint8 batch, outside the loop (nothing counted or written).
+        Returns (loss, batch accuracy, timing record)."""
+        t0 = time.perf_counter()
+        x = self._prepare(xb, self.augment_rng)
+        data_wait = time.perf_counter() - t0
+        loss, logits = self._forward_backward(x, yb)
+        self._update()
+        return (loss, *self._record(t0, logits, yb, data_wait))
+
+    def _prepare(self, xb: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """uint8 (B, C, H, W) -> float32 (B, C, H, W): augmented (drawing from ``rng``) and normalised."""
+        return self.normalize(augment(xb, rng) if self.cfg.augment else xb)
+
     def _batches(self, order: np.ndarray, first: int, last: int) -> Prefetcher | InOrder:
         """Batches ``first``..``last - 1`` of the epoch shuffled as ``order``, prepared ahead on a thread
         (``prefetch`` > 0) or each when asked for; both draw the same numbers in the same order."""
         x, y, bs = self.data.x_train, self.data.y_train, self.cfg.batch_size
 
         def make(b: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-            """Batch b: uint8 (B, C, H, W) -> float32, augmented (drawing from ``rng``) and normalised."""
             idx = order[b * bs : (b + 1) * bs]
-            return self.normalize(augment(x[idx], rng) if self.cfg.augment else x[idx]), y[idx]
+            return self._prepare(x[idx], rng), y[idx]
 
         state = self.augment_rng.bit_generator.state
         if self.cfg.prefetch:
@@ -107,9 +119,12 @@ class Trainer:
             )
         return loss, logits
 
-    def _record(
-        self, t0: float, loss: float, logits: Any, yb: np.ndarray, data_wait: float
-    ) -> tuple[float, float, dict[str, Any]]:
+    def _update(self) -> None:
+        self.opt.lr = learning_rate(self.step, self.total_steps, self.cfg.lr, self.cfg.schedule, self.warmup_steps)
+        self.opt.step()
+
+    def _record(self, t0: float, logits: Any, yb: np.ndarray, data_wait: float) -> tuple[float, dict[str, Any]]:
+        """The step's batch accuracy and its metrics record: times (from ``t0``) and, distributed, its split."""
         be = self.net.backend
         acc = float(np.mean(be.to_numpy(logits).argmax(axis=1) == yb))
         be.synchronize()
@@ -118,12 +133,12 @@ class Trainer:
         if self.cluster is not None:
             split.update(self.cluster.last_step)
         split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"])
-        return loss, acc, {"lr": self.opt.lr, "time_s": dt, "data_wait_s": data_wait, **split}
+        return acc, {"lr": self.opt.lr, "time_s": dt, "data_wait_s": data_wait, **split}
 
     def _step(self, batches: Prefetcher | InOrder) -> tuple[float, float]:
         """The next step of the loop, whole or not at all: cut short, it is rolled back; its update,
         recorded and counted, runs with signals held. Its time counts from asking for its batch."""
-        cfg, undo = self.cfg, self._undo_point()
+        undo = self._undo_point()
         t0 = time.perf_counter()
         try:
             batch: Batch = batches.next()
@@ -134,14 +149,12 @@ class Trainer:
             raise
         with self.signals.held():
             self._whole = False
-            self.opt.lr = learning_rate(self.step, self.total_steps, cfg.lr, cfg.schedule, self.warmup_steps)
-            self.opt.step()
+            self._update()
             self.augment_rng.bit_generator.state = batch.rng_state  # the batch's draws, now committed
             self.step += 1
             self.batch_in_epoch = batch.index + 1
             self._whole = True
-            loss, acc, rec = self._record(t0, loss, logits, batch.y, batches.waited_s)
-            self.step_times.append(rec["time_s"])
+            acc, rec = self._record(t0, logits, batch.y, batches.waited_s)
             self.step_splits.append(rec)
             self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
             self._write_cluster_events()
@@ -335,4 +348,5 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """The run's results so far (``tinyconv/report.py``)."""
         distributed = self.cluster is not None
-        return summarize(self.history, self.step_times, self.step_splits, self.epoch, self.step, distributed)
+        times = [s["time_s"] for s in self.step_splits]
+        return summarize(self.history, times, self.step_splits, self.epoch, self.step, distributed)
