@@ -40,8 +40,6 @@ class MetricsWriter:
 
     ``append``: add to the file rather than replace it. ``resume_step``: with ``append``, first
     drop the file's lines from the first step after this one on (see :func:`drop_after_step`).
-    Events before the first step or summary are held in memory until it comes (and dropped,
-    with the file untouched, if it never does).
     """
 
     def __init__(self, path: str | Path | None, append: bool = False, resume_step: int | None = None) -> None:

@@ -99,11 +99,3 @@ PRESETS: dict[str, Preset] = {
     )
 }
 DEFAULT_PRESET = "best"
-
-
-def get_preset(name: str) -> Preset:
-    """The preset called ``name``; a ValueError listing the choices for any other."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
