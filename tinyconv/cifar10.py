@@ -134,6 +134,12 @@ def _download(url: str, dest: Path, progress: bool, timeout: float) -> None:
 
 def _fetch_tarball(root: Path, url: str, md5: str, progress: bool, timeout: float) -> Path:
     """``root/cifar-10-python.tar.gz`` with the right md5, downloading it if needed."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(
+            f"cannot create the data folder {root}: {err}. Pass --data-dir / set TINYCONV_DATA to a writable folder."
+        ) from None
     md5 = md5.strip().lower()
     tarball = root / TARBALL_NAME
     if tarball.is_file() and _md5_of_file(tarball) == md5:
@@ -197,29 +203,6 @@ def _extract(tarball: Path, root: Path) -> Path:
         return target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def download_cifar10(
-    root: Path | str,
-    url: str = OFFICIAL_URL,
-    md5: str = OFFICIAL_MD5,
-    progress: bool = True,
-    timeout: float = 60.0,
-) -> Path:
-    """Download (if not already there), verify and extract the tarball into ``root``.
-
-    Returns ``root/cifar-10-batches-py``. Raises DataError when offline, on a bad
-    checksum (the bad file is deleted) or a corrupt or unsafe tarball.
-    """
-    root = Path(root).expanduser()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(
-            f"cannot create the data folder {root}: {err}. Pass --data-dir / set TINYCONV_DATA to a writable folder."
-        ) from None
-    tarball = _fetch_tarball(root, url, md5, progress, timeout)
-    return _extract(tarball, root)
 
 
 # ---- safe loading ---------------------------------------------------------------
@@ -352,7 +335,7 @@ def load_cifar10(
         _check_not_partial(root, url, md5)
         if not download:
             raise DataError(f"CIFAR-10 was not found in {root} and downloading is off. " + _how_to_get(root, url, md5))
-        batches_dir = download_cifar10(root, url, md5, progress, timeout)
+        batches_dir = _extract(_fetch_tarball(root, url, md5, progress, timeout), root)
     x_train, y_train = _load_split(batches_dir, TRAIN_FILES)
     x_test, y_test = _load_split(batches_dir, (TEST_FILE,))
     return x_train, y_train, x_test, y_test
