@@ -76,13 +76,6 @@ class InOrder:
         return Batch(b, x, y, self._rng.bit_generator.state)
 
 
-class _Failed:
-    """What the thread puts instead of a batch when making one raised: the exception, re-raised by next()."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 class Prefetcher:
     """Makes ``make_batch(b, rng)`` for every b of ``indices`` on a thread, at most ``depth`` ahead.
 
@@ -106,7 +99,7 @@ class Prefetcher:
             raise ValueError(f"prefetch depth must be an int >= 1, got {depth!r}")
         self._make, self._indices = make_batch, list(indices)
         self._rng = generator_at(rng_state)
-        self._queue: queue.Queue[Batch | _Failed] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[Batch | BaseException] = queue.Queue(maxsize=depth)  # an exception: making one raised
         self._stop = threading.Event()
         self._timeout_s, self._poll_s = timeout_s, poll_s
         self._thread = threading.Thread(target=self._run, name="tinyconv-prefetch", daemon=True)
@@ -124,16 +117,16 @@ class Prefetcher:
         for b in self._indices:
             try:
                 x, y = self._make(b, self._rng)
-                item: Batch | _Failed = Batch(b, x, y, self._rng.bit_generator.state)
+                item: Batch | BaseException = Batch(b, x, y, self._rng.bit_generator.state)
             except BaseException as e:  # handed to the main thread, which raises it where the step is
-                item = _Failed(e)
+                item = e
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=self._poll_s)
                     break
                 except queue.Full:
                     continue
-            if self._stop.is_set() or isinstance(item, _Failed):
+            if self._stop.is_set() or isinstance(item, BaseException):
                 return
 
     def next(self) -> Batch:
@@ -155,8 +148,8 @@ class Prefetcher:
                         f"should take milliseconds; is the machine swapping?"
                     ) from None
         self.waited_s = time.perf_counter() - t0
-        if isinstance(item, _Failed):
-            raise item.error
+        if isinstance(item, BaseException):
+            raise item
         self._handed += 1
         return item
 
