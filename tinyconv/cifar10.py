@@ -255,14 +255,6 @@ def safe_load_pickle(f: BinaryIO) -> Any:
     return _RestrictedUnpickler(f, encoding="bytes").load()
 
 
-def _entry(batch: dict, key: str) -> Any:
-    """``batch[b"key"]`` or ``batch["key"]`` (pickles read with encoding="latin1" have str keys)."""
-    for k in (key.encode(), key):
-        if k in batch:
-            return batch[k]
-    return None
-
-
 def load_batch(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
     """One batch file -> (data uint8 (N, 3072), labels int64 (N,)), validated."""
     path = Path(path)
@@ -279,7 +271,8 @@ def load_batch(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
 
     if not isinstance(batch, dict):
         raise DataError(f"{path} holds a {type(batch).__name__}, not the dict of a CIFAR-10 batch. {redo}")
-    data, labels = _entry(batch, "data"), _entry(batch, "labels")
+    # b"data", or "data" in a pickle written with str keys
+    data, labels = (batch.get(key.encode(), batch.get(key)) for key in ("data", "labels"))
     if data is None or labels is None:
         raise DataError(f"{path} has no 'data' and 'labels' entries. {redo}")
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != ROW_SIZE:

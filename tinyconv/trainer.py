@@ -347,6 +347,5 @@ class Trainer:
     # ---- reporting --------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """The run's results so far (``tinyconv/report.py``)."""
-        distributed = self.cluster is not None
         times = [s["time_s"] for s in self.step_splits]
-        return summarize(self.history, times, self.step_splits, self.epoch, self.step, distributed)
+        return summarize(self.history, times, self.step_splits, self.epoch, self.step, self.cluster is not None)
