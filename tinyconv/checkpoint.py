@@ -70,7 +70,8 @@ def save_checkpoint(
     Returns the checkpoint's size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
+    for stale in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):  # what an interrupted save left
+        stale.unlink(missing_ok=True)
     arrays = {f"model/{k}": v for k, v in model.items()}
     arrays.update({f"optim/{k}": v for k, v in optimizer.items()})
     arrays["meta"] = np.array(json.dumps({"format": FORMAT, **meta}))
@@ -87,12 +88,6 @@ def save_checkpoint(
         raise
     _fsync_folder(path.parent)
     return path.stat().st_size
-
-
-def remove_stale_temporaries(path: Path) -> None:
-    """Delete the temporary files an interrupted save of ``path`` left in its folder."""
-    for p in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):
-        p.unlink(missing_ok=True)
 
 
 def _fsync_folder(folder: Path) -> None:
