@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tinyconv import checkpoint as ck
-from tinyconv.checkpoint import check_compatible, load_checkpoint, read_checkpoint, save_checkpoint
+from tinyconv.checkpoint import check_compatible, read_checkpoint, save_checkpoint
 
 
 def sound_meta(**changes) -> dict:
@@ -41,9 +41,9 @@ def write(path: Path, meta: dict | None = None) -> Path:
 # ---- writing -----------------------------------------------------------------------------------
 def test_round_trip(tmp_path):
     path = write(tmp_path / "c.npz")
-    model, optim, meta = load_checkpoint(path)
-    assert np.array_equal(model["conv1.w"], np.arange(6).reshape(2, 3)) and optim["conv1.w"].shape == (2, 3)
-    assert meta["step"] == 5 and meta["plan"]["counts"] == {"conv1": [2, 2]}
+    ck = read_checkpoint(path)
+    assert np.array_equal(ck.model["conv1.w"], np.arange(6).reshape(2, 3)) and ck.optim["conv1.w"].shape == (2, 3)
+    assert ck.meta["step"] == 5 and ck.meta["plan"]["counts"] == {"conv1": [2, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left
 
 
@@ -84,7 +84,7 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_no_temporary(tmp_path, monke
 
 
 def test_stale_temporaries_of_a_crashed_save_are_removed_at_the_next(tmp_path):
-    stale = [tmp_path / ".c.npz.k2j4x9.tmp", tmp_path / "c.npz.tmp"]  # this tinyconv's name, and the older one
+    stale = [tmp_path / ".c.npz.k2j4x9.tmp"]
     for p in stale:
         p.write_bytes(b"a save that never finished")
     other = tmp_path / ".d.npz.abc.tmp"  # another checkpoint's: not ours to remove
@@ -120,7 +120,7 @@ def test_corrupted_bytes_are_a_clear_error_or_harmless(tmp_path):
     nothing reads (a timestamp) changes nothing. Never another exception than ValueError."""
     path = write(tmp_path / "c.npz")
     raw = path.read_bytes()
-    reference = load_checkpoint(path)
+    reference = read_checkpoint(path)
     bad = tmp_path / "bad.npz"
     rng = np.random.default_rng(7)
     refused = 0
@@ -129,12 +129,12 @@ def test_corrupted_bytes_are_a_clear_error_or_harmless(tmp_path):
         flipped[pos] ^= 0xFF
         bad.write_bytes(bytes(flipped))
         try:
-            model, optim, meta = load_checkpoint(bad)
+            ck = read_checkpoint(bad)
         except ValueError as e:
             assert str(bad) in str(e)
             refused += 1
             continue
-        assert meta == reference[2] and np.array_equal(model["conv1.w"], reference[0]["conv1.w"])
+        assert ck.meta == reference.meta and np.array_equal(ck.model["conv1.w"], reference.model["conv1.w"])
     assert refused > 100
 
 

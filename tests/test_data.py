@@ -1,4 +1,4 @@
-"""Datasets, normalisation, augmentation and batching, on tiny seeded arrays."""
+"""Datasets, normalisation and augmentation, on tiny seeded arrays."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from tinyconv.data import (
     Normalizer,
     augment,
     channel_stats,
-    iterate_batches,
     load_dataset,
-    num_batches,
     synthetic_dataset,
 )
 
@@ -172,39 +170,3 @@ def test_augment_rejects_bad_arguments():
         augment(_images(), np.random.default_rng(0), crop_pad=-1)
     with pytest.raises(ValueError, match=r"\(N, C, H, W\)"):
         augment(np.zeros((3, 8, 8), np.uint8), np.random.default_rng(0))
-
-
-# ---- batching -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_iterate_batches_covers_each_sample_once_per_epoch(drop_last):
-    n, bs = 10, 3
-    x = np.arange(n)[:, None] * np.ones((1, 2), dtype=np.int64)  # row i holds i
-    y = np.arange(n)
-    batches = list(iterate_batches(x, y, bs, np.random.default_rng(0), drop_last=drop_last))
-    sizes = [len(yb) for _, yb in batches]
-    assert sizes == ([3, 3, 3] if drop_last else [3, 3, 3, 1]) and len(batches) == num_batches(n, bs, drop_last)
-    seen = np.concatenate([yb for _, yb in batches])
-    for xb, yb in batches:
-        np.testing.assert_array_equal(xb[:, 0], yb)  # x and y stay aligned
-    assert len(set(seen.tolist())) == len(seen)  # no repeats
-    if not drop_last:
-        assert sorted(seen.tolist()) == list(range(n))
-    assert seen.tolist() != sorted(seen.tolist())  # shuffled
-
-
-def test_iterate_batches_without_rng_keeps_order_and_reshuffles_per_epoch_with_rng():
-    x, y = np.arange(7), np.arange(7)
-    assert [yb.tolist() for _, yb in iterate_batches(x, y, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
-    rng = np.random.default_rng(0)
-    first = np.concatenate([yb for _, yb in iterate_batches(x, y, 7, rng)])
-    second = np.concatenate([yb for _, yb in iterate_batches(x, y, 7, rng)])
-    assert first.tolist() != second.tolist()
-
-
-def test_iterate_batches_rejects_bad_arguments_immediately():
-    with pytest.raises(ValueError, match="x has 3 samples but y has 2"):
-        iterate_batches(np.zeros(3), np.zeros(2), 1)
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
-        iterate_batches(np.zeros(3), np.zeros(3), 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyconv.checkpoint import load_checkpoint
+from tinyconv.checkpoint import read_checkpoint
 from tinyconv.metrics import read_metrics
 from tinyconv.trainer import Trainer
 
@@ -287,7 +287,7 @@ def test_a_signal_checkpoints_the_last_step_and_the_run_resumes_without_duplicat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == code and said in err and "Traceback" not in err, err
-    step = load_checkpoint(ck)[2]["step"]
+    step = read_checkpoint(ck).meta["step"]
     assert step >= 1 and [e["step"] for e in steps_of(metrics)] == list(range(1, step + 1))
     assert f"last checkpoint: step {step} in {ck}; continue with --resume {ck}" in err
     out = run_example(*common, "--resume", str(ck), "--steps", str(step + 2))
@@ -352,7 +352,7 @@ def test_plan_fixed_resumes_with_the_checkpoints_split(main, tmp_path, monkeypat
     with monkeypatch.context() as m:
         fail_after(m, 3)
         assert main(*fixed) == 2
-    saved = load_checkpoint(ck)[2]["plan"]
+    saved = read_checkpoint(ck).meta["plan"]
     assert saved["participants"] == ["master", "worker0", "worker1"] and sum(saved["counts"]["conv2"]) == 8
     capsys.readouterr()
     assert main(*fixed, "--resume", str(ck)) == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from backends import get_backend
-from tinyconv.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from tinyconv.checkpoint import read_checkpoint, save_checkpoint
 from tinyconv.data import synthetic_dataset
 from tinyconv.memory import step_memory_bytes
 from tinyconv.metrics import MetricsWriter, read_metrics
@@ -280,7 +280,7 @@ def test_checkpoint_every_n_steps_and_at_each_epoch_end(numpy_backend, tiny_data
     _trainer(numpy_backend, tiny_data, epochs=3, checkpoint=str(tmp_path / "c.npz"), checkpoint_every=3).fit()
     # 4 steps per epoch: every 3 steps, and each epoch's end (step 12, the last, only once)
     assert saves == [3, 4, 6, 8, 9, 12]
-    assert load_checkpoint(tmp_path / "c.npz")[2]["step"] == 12
+    assert read_checkpoint(tmp_path / "c.npz").meta["step"] == 12
 
 
 def test_checkpoint_every_m_minutes(numpy_backend, tiny_data, tmp_path, monkeypatch):
@@ -375,7 +375,7 @@ def test_an_update_cut_short_is_not_checkpointed(numpy_backend, tiny_data, tmp_p
     with pytest.raises(MemoryError):
         t.fit()
     assert t.saved == (4, str(path))  # the epoch's end; never the half-updated step 6
-    assert load_checkpoint(path)[2]["step"] == 4
+    assert read_checkpoint(path).meta["step"] == 4
 
 
 def test_a_nan_loss_is_refused_before_the_update(numpy_backend, tiny_data, tmp_path):
@@ -383,7 +383,7 @@ def test_a_nan_loss_is_refused_before_the_update(numpy_backend, tiny_data, tmp_p
     t.net.loss_fn = lambda logits, y: (float("nan"), None)
     with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
         t.fit()
-    assert all(np.isfinite(v).all() for v in load_checkpoint(tmp_path / "c.npz")[0].values())
+    assert all(np.isfinite(v).all() for v in read_checkpoint(tmp_path / "c.npz").model.values())
 
 
 # ---- the metrics file --------------------------------------------------------------------------------

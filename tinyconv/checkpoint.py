@@ -70,7 +70,8 @@ def save_checkpoint(
     Returns the checkpoint's size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
+    for stale in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):  # what an interrupted save left
+        stale.unlink(missing_ok=True)
     arrays = {f"model/{k}": v for k, v in model.items()}
     arrays.update({f"optim/{k}": v for k, v in optimizer.items()})
     arrays["meta"] = np.array(json.dumps({"format": FORMAT, **meta}))
@@ -89,15 +90,6 @@ def save_checkpoint(
     return path.stat().st_size
 
 
-def remove_stale_temporaries(path: Path) -> list[Path]:
-    """Delete the temporary files an interrupted save of ``path`` left in its folder; returns them."""
-    stale = [*path.parent.glob(f".{path.name}.*{TMP_SUFFIX}")]
-    stale += [p for p in [path.with_name(path.name + TMP_SUFFIX)] if p.exists()]  # older tinyconv's name
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return stale
-
-
 def _fsync_folder(folder: Path) -> None:
     """Make a rename in ``folder`` durable (POSIX; elsewhere a folder cannot be opened, nor needs it)."""
     if os.name != "posix":
@@ -107,12 +99,6 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """-> (model arrays, optimizer arrays, meta). Clear ValueError if it isn't a sound one of ours."""
-    c = read_checkpoint(path)
-    return c.model, c.optim, c.meta
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

@@ -116,13 +116,9 @@ def _md5_of_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download(url: str, dest: Path, progress: bool, timeout: float) -> str:
-    """Stream ``url`` into ``dest``; return the md5 of what was written.
-
-    ``timeout`` (seconds) bounds the connection and every read, so a stalled server
-    cannot hang the caller.
-    """
-    digest = hashlib.md5(usedforsecurity=False)
+def _download(url: str, dest: Path, progress: bool, timeout: float) -> None:
+    """Stream ``url`` into ``dest``. ``timeout`` (seconds) bounds the connection and every read, so a
+    stalled server cannot hang the caller."""
     with urllib.request.urlopen(url, timeout=timeout) as response, open(dest, "wb") as out:
         total = response.headers.get("Content-Length")
         bar = tqdm(
@@ -133,20 +129,25 @@ def _download(url: str, dest: Path, progress: bool, timeout: float) -> str:
         with bar:
             for chunk in iter(lambda: response.read(1 << 20), b""):
                 out.write(chunk)
-                digest.update(chunk)
                 bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 def _fetch_tarball(root: Path, url: str, md5: str, progress: bool, timeout: float) -> Path:
     """``root/cifar-10-python.tar.gz`` with the right md5, downloading it if needed."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(
+            f"cannot create the data folder {root}: {err}. Pass --data-dir / set TINYCONV_DATA to a writable folder."
+        ) from None
     md5 = md5.strip().lower()
     tarball = root / TARBALL_NAME
     if tarball.is_file() and _md5_of_file(tarball) == md5:
         return tarball  # a complete earlier (or manual) download
     part = root / (TARBALL_NAME + ".part")
     try:
-        got = _download(url, part, progress, timeout)
+        _download(url, part, progress, timeout)
+        got = _md5_of_file(part)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
         # offline, refused, timed out, HTTP error, cut short, bad url, or the disk is full
         part.unlink(missing_ok=True)
@@ -204,29 +205,6 @@ def _extract(tarball: Path, root: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def download_cifar10(
-    root: Path | str,
-    url: str = OFFICIAL_URL,
-    md5: str = OFFICIAL_MD5,
-    progress: bool = True,
-    timeout: float = 60.0,
-) -> Path:
-    """Download (if not already there), verify and extract the tarball into ``root``.
-
-    Returns ``root/cifar-10-batches-py``. Raises DataError when offline, on a bad
-    checksum (the bad file is deleted) or a corrupt or unsafe tarball.
-    """
-    root = Path(root).expanduser()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(
-            f"cannot create the data folder {root}: {err}. Pass --data-dir / set TINYCONV_DATA to a writable folder."
-        ) from None
-    tarball = _fetch_tarball(root, url, md5, progress, timeout)
-    return _extract(tarball, root)
-
-
 # ---- safe loading ---------------------------------------------------------------
 
 
@@ -277,14 +255,6 @@ def safe_load_pickle(f: BinaryIO) -> Any:
     return _RestrictedUnpickler(f, encoding="bytes").load()
 
 
-def _entry(batch: dict, key: str) -> Any:
-    """``batch[b"key"]`` or ``batch["key"]`` (pickles read with encoding="latin1" have str keys)."""
-    for k in (key.encode(), key):
-        if k in batch:
-            return batch[k]
-    return None
-
-
 def load_batch(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
     """One batch file -> (data uint8 (N, 3072), labels int64 (N,)), validated."""
     path = Path(path)
@@ -301,7 +271,8 @@ def load_batch(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
 
     if not isinstance(batch, dict):
         raise DataError(f"{path} holds a {type(batch).__name__}, not the dict of a CIFAR-10 batch. {redo}")
-    data, labels = _entry(batch, "data"), _entry(batch, "labels")
+    # b"data", or "data" in a pickle written with str keys
+    data, labels = (batch.get(key.encode(), batch.get(key)) for key in ("data", "labels"))
     if data is None or labels is None:
         raise DataError(f"{path} has no 'data' and 'labels' entries. {redo}")
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != ROW_SIZE:
@@ -357,7 +328,7 @@ def load_cifar10(
         _check_not_partial(root, url, md5)
         if not download:
             raise DataError(f"CIFAR-10 was not found in {root} and downloading is off. " + _how_to_get(root, url, md5))
-        batches_dir = download_cifar10(root, url, md5, progress, timeout)
+        batches_dir = _extract(_fetch_tarball(root, url, md5, progress, timeout), root)
     x_train, y_train = _load_split(batches_dir, TRAIN_FILES)
     x_test, y_test = _load_split(batches_dir, (TEST_FILE,))
     return x_train, y_train, x_test, y_test

@@ -18,18 +18,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from importlib import import_module
 
-COMMANDS = {
-    "worker": "serve convolution shards for a master (see `tinyconv worker --help`)",
+COMMANDS = {  # name -> what it does; `tinyconv NAME --help` says how
+    "worker": "serve convolution shards for a master",
     "devices": "list the backends and every OpenCL platform/device this machine can see",
     "backends": "the same as devices",
-    "conformance": "run the backend conformance suite (see `tinyconv conformance --help`)",
-    "plot": "draw charts from metrics files, the grid's CSV or the simulator's (see `tinyconv plot --help`)",
-    "keygen": "write a CURVE key pair, NAME.key (public) and NAME.key_secret (see `tinyconv keygen --help`)",
-    "comm": "the bytes a step moves: the paper's eq. 2 beside tinyconv's count (see `tinyconv comm --help`)",
-    "experiment": "run the paper's speedup grid: archs x batches x participants (see `tinyconv experiment --help`)",
-    "simulate": "predict step time and speedup to 128 nodes from measured devices and a link model "
-    "(see `tinyconv simulate --help`)",
+    "conformance": "run the backend conformance suite",
+    "plot": "draw charts from metrics files, the grid's CSV or the simulator's",
+    "keygen": "write a CURVE key pair, NAME.key (public) and NAME.key_secret",
+    "comm": "the bytes a step moves: the paper's eq. 2 beside tinyconv's count",
+    "experiment": "run the paper's speedup grid: archs x batches x participants",
+    "simulate": "predict step time and speedup to 128 nodes from measured devices and a link model",
+}
+MAINS = {  # the commands whose main(argv) lives elsewhere, imported only when run
+    "worker": "tinyconv.distributed.worker.main",
+    "comm": "tinyconv.lab.eq2",
+    "experiment": "tinyconv.lab.experiment",
+    "simulate": "tinyconv.lab.simulate",
+    "plot": "tinyconv.lab.plot",
 }
 
 
@@ -110,10 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("tinyconv (not installed: `make setup` or `pip install -e .`)")
         return 0
     command, rest = args[0], args[1:]
-    if command == "worker":
-        from tinyconv.distributed.worker.main import main as worker_main
-
-        return worker_main(rest)
+    if command in MAINS:
+        return import_module(MAINS[command]).main(rest)
     if command in ("devices", "backends"):
         return devices(rest)
     if command == "conformance":
@@ -122,22 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return conformance_main(rest, prog="tinyconv conformance")
     if command == "keygen":
         return keygen(rest)
-    if command == "comm":
-        from tinyconv.lab.eq2 import main as comm_main
-
-        return comm_main(rest)
-    if command == "experiment":
-        from tinyconv.lab.experiment import main as experiment_main
-
-        return experiment_main(rest)
-    if command == "simulate":
-        from tinyconv.lab.simulate import main as simulate_main
-
-        return simulate_main(rest)
-    if command == "plot":
-        from tinyconv.lab.plot import main as plot_main
-
-        return plot_main(rest)
     print(f"tinyconv: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -1,10 +1,9 @@
-"""Datasets, normalisation, augmentation and batching.
+"""Datasets, normalisation and augmentation.
 
-Images stay uint8 NCHW (N, 3, H, W) until a batch is drawn; then
+Images stay uint8 NCHW (N, 3, H, W) until a batch is drawn (``tinyconv/trainer.py``); then
 
-    xb, yb = next(iterate_batches(x, y, batch_size, rng))   # uint8 (B, 3, H, W), int64 (B,)
     xb = augment(xb, rng)                                    # training only
-    xb = normalizer(xb)                                      # float32 (B, 3, H, W)
+    xb = normalizer(xb)                                      # uint8 (B, 3, H, W) -> float32
 
 so a 50000-image training set costs 150 MB, not 600 MB of float32. Randomness always
 comes from an explicit ``numpy.random.Generator``: nothing here touches global state.
@@ -12,7 +11,6 @@ comes from an explicit ``numpy.random.Generator``: nothing here touches global s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,9 +180,6 @@ class Normalizer:
         out += self._shift
         return out
 
-    def __repr__(self) -> str:
-        return f"Normalizer(mean={self.mean.round(4).tolist()}, std={self.std.round(4).tolist()})"
-
 
 # ---- augmentation -------------------------------------------------------------------
 
@@ -210,44 +205,3 @@ def augment(x: np.ndarray, rng: np.random.Generator, crop_pad: int = 4, flip: bo
     out = windows[np.arange(n), :, oy, ox]  # (N, C, H, W), a fresh array
     out[mirror] = out[mirror, :, :, ::-1]
     return out
-
-
-# ---- batching -----------------------------------------------------------------------
-
-
-def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
-    """How many batches ``iterate_batches`` yields for n samples."""
-    return n // batch_size if drop_last else -(-n // batch_size)
-
-
-def iterate_batches(
-    x: np.ndarray,
-    y: np.ndarray,
-    batch_size: int,
-    rng: np.random.Generator | None = None,
-    drop_last: bool = False,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """One epoch of (xb (B, ...), yb (B,)) batches, shuffled by ``rng`` if given.
-
-    Every sample appears exactly once, except that ``drop_last`` skips a final batch
-    smaller than ``batch_size``. Bad arguments raise ValueError here, not at the first batch.
-    Without ``rng`` the batches are views in order; with it, fresh arrays.
-    """
-    if len(x) != len(y):
-        raise ValueError(f"x has {len(x)} samples but y has {len(y)}; they must match")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    order = rng.permutation(len(x)) if rng is not None else None
-    return _batches(x, y, int(batch_size), order, drop_last)
-
-
-def _batches(
-    x: np.ndarray, y: np.ndarray, batch_size: int, order: np.ndarray | None, drop_last: bool
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    stop = num_batches(len(x), batch_size, drop_last) * batch_size
-    for start in range(0, stop, batch_size):
-        if order is None:
-            yield x[start : start + batch_size], y[start : start + batch_size]
-        else:
-            idx = order[start : start + batch_size]
-            yield x[idx], y[idx]

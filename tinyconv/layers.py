@@ -235,15 +235,9 @@ class BatchNorm2D(Layer):
         }
 
     def forward(self, x, training=False):
+        p, b = self.params, self.buffers
         y, self.cache = self.backend.batchnorm_forward(
-            x,
-            self.params["gamma"],
-            self.params["beta"],
-            self.buffers["running_mean"],
-            self.buffers["running_var"],
-            training,
-            self.momentum,
-            self.eps,
+            x, p["gamma"], p["beta"], b["running_mean"], b["running_var"], training, self.momentum, self.eps
         )
         return y
 

@@ -40,8 +40,6 @@ class MetricsWriter:
 
     ``append``: add to the file rather than replace it. ``resume_step``: with ``append``, first
     drop the file's lines from the first step after this one on (see :func:`drop_after_step`).
-    Events before the first step or summary are held in memory until it comes (and dropped,
-    with the file untouched, if it never does).
     """
 
     def __init__(self, path: str | Path | None, append: bool = False, resume_step: int | None = None) -> None:
@@ -106,11 +104,8 @@ def _beyond(line: bytes, step: int) -> bool:
         event = json.loads(line)
     except ValueError:  # a damaged line amid finished ones: not ours to judge
         return False
-    return isinstance(event, dict) and event.get("event") == "step" and _int(event.get("step")) > step
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) else -1
+    is_step = isinstance(event, dict) and event.get("event") == "step"
+    return is_step and isinstance(event.get("step"), int) and event["step"] > step
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

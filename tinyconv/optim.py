@@ -43,18 +43,17 @@ class SGD:
         weight_decay: float = 0.0,
         layer_lr: dict[str, float] | None = None,
     ) -> None:
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            if not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         self.layer_lr = dict(layer_lr or {})
         names = [layer.name for layer in net.layers if layer.params]
-        for layer_name, factor in self.layer_lr.items():
+        for layer_name in self.layer_lr:
             if layer_name not in names:
                 raise ValueError(
                     f"layer_lr names {layer_name!r}, which has no parameters; the layers are {', '.join(names)}"
                 )
-            if not (isinstance(factor, (int, float)) and factor >= 0):
-                raise ValueError(f"layer_lr[{layer_name!r}] must be a number >= 0, got {factor!r}")
+        factors = [(f"layer_lr[{k!r}]", v) for k, v in self.layer_lr.items()]
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), *factors):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         self.net, self.lr, self.momentum, self.weight_decay = net, lr, momentum, weight_decay
         be = net.backend
         self.velocity = {key: be.zeros(tuple(layer.params[name].shape)) for key, layer, name in net.named_params()}

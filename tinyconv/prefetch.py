@@ -1,29 +1,21 @@
 """Prefetching: the next batches are prepared on a background thread while the current step computes.
 
-A training batch is made in four moves -- gather the shuffled images, random crop, flip, normalise
-to float32 (``tinyconv/data.py``) -- and each is a numpy array operation that releases the GIL while
-it copies. So a thread can make batch b+1 (and b+2) while the main thread runs step b's forward and
-backward, and the step never waits for its data unless the data is the slower of the two.
+Gathering the shuffled images, cropping, flipping and normalising (``tinyconv/data.py``) are numpy
+copies that release the GIL, so a thread can make batch b+1 while the main thread runs step b.
 
-The numbers are those of the loop without the thread, bit for bit. Batch b is always made from the
-same images with the augmentation generator in the same state, because the thread works through
-the batches in order with its *own copy* of the trainer's generator; each batch it hands over
-carries the generator's state after it was made. The trainer adopts that state only when the step
-that used the batch is committed, so a checkpoint, a rolled-back step or a resume sees exactly the
-state the loop without the thread would have had:
+The numbers are those of the loop without the thread, bit for bit: the thread works through the
+batches in order with its *own copy* of the augmentation generator, and each batch carries the
+generator's state after it was made, which the trainer adopts only when that batch's step is
+committed (so a checkpoint, a rolled-back step or a resume sees the state the plain loop would have):
 
     with Prefetcher(make_batch, range(b0, b1), rng_state, depth=2) as batches:
         for b in range(b0, b1):
-            batch = batches.next()           # waits (with a timeout per get) only if it is not ready
+            batch = batches.next()           # waits only if it is not ready; ``batches.waited_s``: how long
             ... step on batch.x, batch.y ...
             rng.bit_generator.state = batch.rng_state    # on commit
 
-``batches.waited_s`` is how long ``next()`` waited for the last batch: the trainer records it as
-the step's ``data_wait_s`` (docs/metrics.md), which is how "the data never shows" is measured.
-
-Shutting down: leaving the ``with`` block (normally, on an error, on Ctrl-C) tells the thread to
-stop and joins it. The thread never blocks without a timeout either: its ``put`` gives up every
-``poll_s`` to look at the stop flag, so it ends within one poll and one batch of the close.
+Leaving the ``with`` block (normally, on an error, on Ctrl-C) stops the thread and joins it; its
+``put`` gives up every ``poll_s`` to look at the stop flag, so it ends within one poll and one batch.
 """
 
 from __future__ import annotations
@@ -84,13 +76,6 @@ class InOrder:
         return Batch(b, x, y, self._rng.bit_generator.state)
 
 
-class _Failed:
-    """What the thread puts instead of a batch when making one raised: the exception, re-raised by next()."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 class Prefetcher:
     """Makes ``make_batch(b, rng)`` for every b of ``indices`` on a thread, at most ``depth`` ahead.
 
@@ -114,7 +99,7 @@ class Prefetcher:
             raise ValueError(f"prefetch depth must be an int >= 1, got {depth!r}")
         self._make, self._indices = make_batch, list(indices)
         self._rng = generator_at(rng_state)
-        self._queue: queue.Queue[Batch | _Failed] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[Batch | BaseException] = queue.Queue(maxsize=depth)  # an exception: making one raised
         self._stop = threading.Event()
         self._timeout_s, self._poll_s = timeout_s, poll_s
         self._thread = threading.Thread(target=self._run, name="tinyconv-prefetch", daemon=True)
@@ -132,16 +117,16 @@ class Prefetcher:
         for b in self._indices:
             try:
                 x, y = self._make(b, self._rng)
-                item: Batch | _Failed = Batch(b, x, y, self._rng.bit_generator.state)
+                item: Batch | BaseException = Batch(b, x, y, self._rng.bit_generator.state)
             except BaseException as e:  # handed to the main thread, which raises it where the step is
-                item = _Failed(e)
+                item = e
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=self._poll_s)
                     break
                 except queue.Full:
                     continue
-            if self._stop.is_set() or isinstance(item, _Failed):
+            if self._stop.is_set() or isinstance(item, BaseException):
                 return
 
     def next(self) -> Batch:
@@ -163,8 +148,8 @@ class Prefetcher:
                         f"should take milliseconds; is the machine swapping?"
                     ) from None
         self.waited_s = time.perf_counter() - t0
-        if isinstance(item, _Failed):
-            raise item.error
+        if isinstance(item, BaseException):
+            raise item
         self._handed += 1
         return item
 

@@ -5,9 +5,6 @@ decay) and what it is expected to reach: test accuracy on CIFAR-10 and wall time
 default distributed set-up on a 2-core machine -- only *as measured*, with the command that measured
 it. A preset not measured yet has ``None`` there, and says so; a figure is never guessed. No preset
 sets ``--label-smoothing``: at 0.1 it changed nothing measurable (``benchmarks/bench_recipe.py``).
-
-All three are measured: ``best``, the default, 83.8 % in 89 minutes; ``quick`` 77.0 % in 16 minutes;
-``paper``, the paper's own network, 76.9 % in 51 minutes.
 """
 
 from __future__ import annotations
@@ -25,10 +22,12 @@ class Preset:
     epochs: int
     batch_size: int
     lr: float
-    schedule: str
-    warmup: float  # fraction of the run's planned steps (tinyconv.schedule.warmup_steps)
-    weight_decay: float
-    classifier_lr: float = 1.0  # a factor on lr for the classifier (TrainConfig.classifier_lr)
+    # what every preset shares: a cosine decay after a warm-up of 5 % of the run's planned steps
+    # (tinyconv.schedule.warmup_steps), and the classifier at a tenth of the rate (TrainConfig.classifier_lr)
+    schedule: str = "cosine"
+    warmup: float = 0.05
+    weight_decay: float = 5e-4
+    classifier_lr: float = 0.1
     expected_accuracy: float | None = None  # CIFAR-10 test accuracy, as measured
     expected_minutes: float | None = None  # wall time, 2 cores, default distributed set-up, as measured
     measured_by: str | None = None  # the command that measured them
@@ -57,22 +56,12 @@ PRESETS: dict[str, Preset] = {
             norm="lrn",
             epochs=10,
             batch_size=64,
-            # benchmarks/bench_init.py --steps 150 (a 7-step warm-up, then constant): today's net spikes to
-            # a loss of 33-41 in the first 20 steps, from the 32,000-wide classifier's updates, and ends
-            # lower at 0.01 than at 0.02 (mean loss of the last 20 steps 1.75 vs 1.91; 39.4 vs 35.8 % on
-            # 2,000 test images). A zero or 0.1x classifier does not help (21-38, no better after); that
-            # layer at a tenth of the rate does: under 3.3 in the first 20 steps at 0.01, and 1.67 and
-            # 40.2 % at the end, better than today's at the same rate (and 40.6 % at 0.04, where today's
-            # net is stuck at chance). The rate stays 0.01 until a whole run at a higher one is measured.
+            # benchmarks/bench_init.py --steps 150: the 32,000-wide classifier's updates throw the first 20
+            # steps' loss to 33-41; that layer at a tenth of the rate keeps it under 3.3 and ends better
+            # (1.67 and 40.2 % on 2,000 test images). 0.01 ends lower than 0.02 (1.75 vs 1.91)
             lr=0.01,
-            schedule="cosine",
-            warmup=0.05,
-            weight_decay=5e-4,
-            classifier_lr=0.1,
-            # a 2-core Xeon: 76.88 % in 51.4 min (248-381 s per epoch + 17-26 s evaluation); per epoch 56.3,
-            # 64.4, 66.3, 72.2, 72.7, 74.6, 75.6, 76.4, 76.8, 76.9 %. The local worker shares the master's 2
-            # cores, which OpenCL already uses: from epoch 4 the split gave conv2 to the master alone (the
-            # worker sat out 5,199 of 7,810 steps) and the step fell from 0.42 to 0.32 s
+            # a 2-core Xeon, 248-381 s per epoch + 17-26 s evaluation; per epoch 56.3, 64.4, 66.3, 72.2,
+            # 72.7, 74.6, 75.6, 76.4, 76.8, 76.9 %
             expected_accuracy=0.7688,
             expected_minutes=51.4,
             measured_by="python examples/cifar10_dist.py --transport zmq --backend opencl --preset paper",
@@ -82,19 +71,11 @@ PRESETS: dict[str, Preset] = {
             ">= 75 % in under 30 minutes on 2 cores: 48:96 with batch norm, 7 epochs",
             arch="48:96",
             norm="batch",
-            # the main job (zmq, opencl, one local worker) takes 0.30 s per step (median), 118-133 s per
-            # epoch: 7 epochs and their evaluations fit in 30 minutes with room to spare
-            epochs=7,
+            epochs=7,  # 0.30 s per step, 118-133 s per epoch: 7 epochs and their evaluations fit in 30 min
             batch_size=128,
-            # best's rates (bench_recipe.py, below): at lr 0.02 and the whole rate for the classifier this
-            # preset reached 76.17 % in 16.2 min (2-core EPYC), per epoch 58.7, 68.0, 70.3 ... %
-            lr=0.05,
-            schedule="cosine",
-            warmup=0.05,
-            weight_decay=5e-4,
-            classifier_lr=0.1,
-            # a quiet 2-core Xeon: 76.98 % in 15.5 min (118-133 s per epoch + 10 s evaluation), per epoch
-            # 59.5, 69.2, 71.1, 72.3, 74.1, 76.6, 77.0 %
+            lr=0.05,  # best's rates (below)
+            # a quiet 2-core Xeon, 118-133 s per epoch + 10 s evaluation; per epoch 59.5, 69.2, 71.1, 72.3,
+            # 74.1, 76.6, 77.0 %
             expected_accuracy=0.7698,
             expected_minutes=15.5,
             measured_by="python examples/cifar10_dist.py --transport zmq --backend opencl --preset quick",
@@ -102,7 +83,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "best",
             "the most accurate run within about 2 hours on 2 cores (the default): 64:128 with batch norm, 30 epochs",
-            # quick's run ended under-fitted (train 74.0 %, test 76.2 %): more kernels and more epochs.
+            # quick ends under-fitted (train 74.0 %, test 76.2 %): more kernels and more epochs.
             # benchmarks/bench_recipe.py, 2-epoch runs of 64:128: lr 0.02 66.8 %, 0.05 63.1 %, 0.1 diverged
             # (the 8,192-wide classifier); with the classifier at 0.1x the rate, 0.02 68.6 %, 0.05 69.4 %
             arch="64:128",
@@ -110,12 +91,7 @@ PRESETS: dict[str, Preset] = {
             epochs=30,
             batch_size=128,
             lr=0.05,
-            schedule="cosine",
-            warmup=0.05,
-            weight_decay=5e-4,
-            classifier_lr=0.1,
-            # a quiet 2-core Xeon: 83.81 % in 89.2 min (165 s per epoch + 13 s evaluation, 0.415 s per step);
-            # 79.4 % after 17 epochs, 81.5 % after 20
+            # a quiet 2-core Xeon, 165 s per epoch + 13 s evaluation, 0.415 s per step; 79.4 % after 17 epochs
             expected_accuracy=0.8381,
             expected_minutes=89.2,
             measured_by="python examples/cifar10_dist.py --transport zmq --backend opencl --preset best",
@@ -123,11 +99,3 @@ PRESETS: dict[str, Preset] = {
     )
 }
 DEFAULT_PRESET = "best"
-
-
-def get_preset(name: str) -> Preset:
-    """The preset called ``name``; a ValueError listing the choices for any other."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None

@@ -118,11 +118,10 @@ def summarize(
         return out
     for k in ("comm_s", "conv_s", "comp_s"):
         out[f"median_{k}"] = float(np.median([s[k] for s in step_splits]))
-    out["bytes_sent"] = int(sum(s["bytes_sent"] for s in step_splits))
-    out["bytes_recv"] = int(sum(s["bytes_recv"] for s in step_splits))
-    # each participant's, by name (the master's are 0: it keeps its share), over the steps that had them
+    # in all, and each participant's by name (the master's are 0: it keeps its share) over the steps that had them
     names = step_splits[-1]["participants"]
     for key in ("bytes_sent", "bytes_recv"):
+        out[key] = int(sum(s[key] for s in step_splits))
         per = {name: 0 for name in names}
         for s in step_splits:
             for name, b in zip(s["participants"], s[f"participant_{key}"], strict=True):

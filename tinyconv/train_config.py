@@ -24,17 +24,15 @@ class TrainConfig:
     # parallelism (each runtime's train_batch takes it); the test loss stays the plain cross-entropy
     label_smoothing: float = 0.0
     schedule: str = "cosine"
-    # Warm-up as a fraction of the planned steps. 5 %: the default 10-epoch run ramps up for half an
-    # epoch (it had one, and trained stably), a 400-step run for 20 steps instead of never reaching its
-    # peak; large-batch SGD recipes (Goyal et al. 2017: 5 of 90 epochs) ramp for about as long.
+    # Warm-up as a fraction of the planned steps: 5 % ramps a 10-epoch run for half an epoch and a 400-step
+    # run for 20 steps; large-batch SGD recipes (Goyal et al. 2017: 5 of 90 epochs) ramp for about as long.
     warmup: float = 0.05
     warmup_epochs: float | None = None  # instead of ``warmup``: this many epochs, whatever the run's length
     max_steps: int | None = None  # stop after this many steps in total (smoke runs)
     augment: bool = True
     prefetch: int = 2  # batches made ahead on a thread while a step computes; 0: each made in its step
-    # 0: the training batch. Evaluating in batches of the training's size reuses the memory its
-    # steps freed (tinyconv/distributed/heap.py) and, distributed, runs the shapes the split was timed on; 500 cost
-    # fresh pages for its 4x larger im2col at each evaluation.
+    # 0: the training batch's size, which reuses the memory its steps freed (tinyconv/distributed/heap.py)
+    # and, distributed, runs the shapes the split was timed on
     eval_batch_size: int = 0
     seed: int = 0
     checkpoint: str | None = None  # written at each epoch end, at the stop, and on the way out

@@ -1,29 +1,19 @@
 """The training loop: batches, SGD steps, evaluation, metrics, checkpoints, summary.
 
-One step: take a batch of uint8 images, augment (random crop + flip), normalise per
-channel, move to the backend, forward + loss + backward, SGD update. The first three are
-done ahead, on a thread, while the step before computes (``tinyconv/prefetch.py``,
-``prefetch`` batches ahead; 0 makes each in the step): the same batches, bit for bit, and
-each step records how long it waited for its batch (``data_wait_s``). The step may be
-shared with workers: given the runtime ``tinyconv.distribute`` returns (a
-:class:`~tinyconv.parallel.Parallel`), the loop hands it each batch's forward and backward
-(``train_batch``, which fills the same grads) and asks it for the step's comm/conv split and
-its events to record, whatever it splits; without one it runs them on the master.
+One step: take a batch of uint8 images, augment (random crop + flip), normalise per channel,
+forward + loss + backward, SGD update. The batch is made ahead on a thread (``tinyconv/prefetch.py``).
+Given the runtime ``tinyconv.distribute`` returns (a :class:`~tinyconv.parallel.Parallel`), the loop
+hands it each batch's forward and backward; without one it runs them on the master.
 
-Resuming is bit-identical: the checkpoint keeps the parameters, the momentum
-buffers, the global step, the position within the epoch, the state of both
-random generators (the epoch's shuffle and the augmentation) and, when distributed,
-the split (``tinyconv/checkpoint.py``: a run of the same participants takes it up again).
+Resuming is bit-identical: the checkpoint keeps the parameters, the momentum buffers, the global
+step, the position within the epoch, both random generators' states (the epoch's shuffle and the
+augmentation) and, when distributed, the split (``tinyconv/checkpoint.py``).
 
-Nothing is lost on the way out. Checkpoints are written at each epoch's end, every
-``checkpoint_every`` steps or ``checkpoint_minutes`` minutes, and when training ends any
-other way: an error, Ctrl-C or SIGTERM (which :meth:`Trainer.fit` turns into
-:class:`~tinyconv.stopping.Stopped`, a KeyboardInterrupt). Each is of a whole step: a step that an error or a
-signal cuts short is rolled back first (batch-norm's running statistics, the only state it
-changes before its update: the augmentation's generator takes the state its batch was drawn
-with only at the update, whatever the prefetch thread has drawn beyond), and the update itself
--- the parameters, the momentum, the step count and its metrics line -- runs with signals
-held until it is done, so a checkpoint never holds half of one.
+Checkpoints are written at each epoch's end, every ``checkpoint_every`` steps or
+``checkpoint_minutes`` minutes, and when training ends any other way: an error, Ctrl-C or SIGTERM
+(``tinyconv/stopping.py``). Each is of a whole step: a step cut short is rolled back first
+(batch-norm's running statistics are the only state it changes before its update), and the update
+runs with signals held until it is done.
 """
 
 from __future__ import annotations
@@ -82,8 +72,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
         self.history: list[dict[str, Any]] = []
-        self.step_times: list[float] = []
-        self.step_splits: list[dict[str, Any]] = []
+        self.step_splits: list[dict[str, Any]] = []  # each step's metrics record
         self.saved: tuple[int, str] | None = None  # (step, path) of the last checkpoint written
         self.save_error: str | None = None  # why the checkpoint on the way out failed
         self.plan_restored = False  # resume took up the checkpoint's split
@@ -93,19 +82,18 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------
     def train_step(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, float, dict[str, Any]]:
-        """One SGD step on a uint8 batch. Returns (loss, batch accuracy, timing record)."""
+        """One SGD step on a uint8 batch, outside the loop (nothing counted or written).
+        Returns (loss, batch accuracy, timing record)."""
         t0 = time.perf_counter()
         x = self._prepare(xb, self.augment_rng)
         data_wait = time.perf_counter() - t0
         loss, logits = self._forward_backward(x, yb)
         self._update()
-        return self._record(t0, loss, logits, yb, data_wait)
+        return (loss, *self._record(t0, logits, yb, data_wait))
 
     def _prepare(self, xb: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """uint8 (B, C, H, W) -> float32 (B, C, H, W): augmented (drawing from ``rng``) and normalised."""
-        if self.cfg.augment:
-            xb = augment(xb, rng)
-        return self.normalize(xb)
+        return self.normalize(augment(xb, rng) if self.cfg.augment else xb)
 
     def _batches(self, order: np.ndarray, first: int, last: int) -> Prefetcher | InOrder:
         """Batches ``first``..``last - 1`` of the epoch shuffled as ``order``, prepared ahead on a thread
@@ -135,9 +123,8 @@ class Trainer:
         self.opt.lr = learning_rate(self.step, self.total_steps, self.cfg.lr, self.cfg.schedule, self.warmup_steps)
         self.opt.step()
 
-    def _record(
-        self, t0: float, loss: float, logits: Any, yb: np.ndarray, data_wait: float
-    ) -> tuple[float, float, dict[str, Any]]:
+    def _record(self, t0: float, logits: Any, yb: np.ndarray, data_wait: float) -> tuple[float, dict[str, Any]]:
+        """The step's batch accuracy and its metrics record: times (from ``t0``) and, distributed, its split."""
         be = self.net.backend
         acc = float(np.mean(be.to_numpy(logits).argmax(axis=1) == yb))
         be.synchronize()
@@ -146,7 +133,7 @@ class Trainer:
         if self.cluster is not None:
             split.update(self.cluster.last_step)
         split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"])
-        return loss, acc, {"lr": self.opt.lr, "time_s": dt, "data_wait_s": data_wait, **split}
+        return acc, {"lr": self.opt.lr, "time_s": dt, "data_wait_s": data_wait, **split}
 
     def _step(self, batches: Prefetcher | InOrder) -> tuple[float, float]:
         """The next step of the loop, whole or not at all: cut short, it is rolled back; its update,
@@ -167,24 +154,19 @@ class Trainer:
             self.step += 1
             self.batch_in_epoch = batch.index + 1
             self._whole = True
-            loss, acc, rec = self._record(t0, loss, logits, batch.y, batches.waited_s)
-            self.step_times.append(rec["time_s"])
+            acc, rec = self._record(t0, logits, batch.y, batches.waited_s)
             self.step_splits.append(rec)
             self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
             self._write_cluster_events()
         return loss, acc
 
-    def _undo_point(self) -> tuple[dict[str, Any], dict[tuple[int, str], np.ndarray]]:
-        """What a step changes before its update: batch-norm's statistics (and the augmentation's generator,
-        which the loop moves only at the update, but ``_forward_backward``'s callers may have moved)."""
+    def _undo_point(self) -> dict[tuple[int, str], np.ndarray]:
+        """What a step changes before its update: batch-norm's running statistics, by (layer index, name)."""
         be = self.net.backend
         layers = enumerate(self.net.layers)
-        buffers = {(i, name): be.to_numpy(a).copy() for i, layer in layers for name, a in layer.buffers.items()}
-        return self.augment_rng.bit_generator.state, buffers
+        return {(i, name): be.to_numpy(a).copy() for i, layer in layers for name, a in layer.buffers.items()}
 
-    def _roll_back(self, undo: tuple[dict[str, Any], dict[tuple[int, str], np.ndarray]]) -> None:
-        state, buffers = undo
-        self.augment_rng.bit_generator.state = state
+    def _roll_back(self, buffers: dict[tuple[int, str], np.ndarray]) -> None:
         for (i, name), a in buffers.items():
             self.net.layers[i].buffers[name] = self.net.backend.asarray(a)
 
@@ -274,7 +256,8 @@ class Trainer:
                 accs.append(acc)
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.opt.lr:.3g}")
                 if self._checkpoint_due():
-                    self._save_held()
+                    with self.signals.held():
+                        self.save(self.cfg.checkpoint)
         bar.close()
         return losses, accs
 
@@ -287,10 +270,6 @@ class Trainer:
         every = cfg.checkpoint_every is not None and self.step % cfg.checkpoint_every == 0
         late = cfg.checkpoint_minutes is not None and time.monotonic() - self._saved_at >= 60 * cfg.checkpoint_minutes
         return every or late
-
-    def _save_held(self) -> None:
-        with self.signals.held():
-            self.save(self.cfg.checkpoint)
 
     def _end_epoch(self, losses: list[float], accs: list[float], train_s: float) -> dict[str, Any]:
         """Evaluate, record and report the epoch (or the part of it that ran); checkpoint."""
@@ -368,5 +347,5 @@ class Trainer:
     # ---- reporting --------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """The run's results so far (``tinyconv/report.py``)."""
-        distributed = self.cluster is not None
-        return summarize(self.history, self.step_times, self.step_splits, self.epoch, self.step, distributed)
+        times = [s["time_s"] for s in self.step_splits]
+        return summarize(self.history, times, self.step_splits, self.epoch, self.step, self.cluster is not None)
