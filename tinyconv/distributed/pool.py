@@ -6,13 +6,8 @@
         loss, logits = cluster.train_batch(net, x, y)                # the convolutions run in shards
         print(cluster.last_step["shares"])
 
-:func:`distribute` starts the workers (:func:`worker_pool`), builds the runtime of the parallelism
-asked for and times everyone to split the work by the paper's eq. 1; closing it stops the workers.
-
-:func:`worker_pool` is a context manager, so the workers go away whatever happens (a
-finished run, an exception, Ctrl-C): the transport tells every worker the training is
-over, and local worker processes are waited for, then terminated, then killed. No
-orphans, no ports left bound.
+:func:`worker_pool` is a context manager, so the workers go away whatever happens (a finished run,
+an exception, Ctrl-C): no orphans, no ports left bound.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What every parallelism shares: who takes part, how work is shared out, and what a step recorded.
 
-The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and the
-splits of the batch (``replica/batch.py``: images) are each a :class:`Runtime`. Each names its
-*units*, what it shares out, and says how one unit is apportioned and how everyone is timed on it;
-the rest is written here once. The placement is ``(name, worker index)``, the master first (index
-``None``) if it takes part, then the workers by index: the order of every list in plans, metrics and
-sums. Calibration splits each unit by eq. 1 on everyone's times (``balance.py``). A worker lost
-(gone, silent past its deadline, non-finite numbers from finite inputs) leaves the placement for
-good and every unit is split again among the others (:meth:`Runtime.lose`): the master holds every
-weight, so it can always finish the step alone. A worker that joins the transport late is timed on
-the units, then given a share at the next step boundary. Either way the rebalancer starts afresh,
-and ``events`` records it.
+The model split (``shard/cluster.py``: kernels and input channels of each layer) and the splits of
+the batch (``replica/batch.py``: images) are each a :class:`Runtime`; each names its *units*, what it
+shares out. The placement is ``(name, worker index)``, the master first (index ``None``) if it takes
+part, then the workers by index: the order of every list in plans, metrics and sums. A worker lost or
+joining late: docs/how-it-works.md, "When workers come and go".
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """What every split of the batch needs, whatever each participant computes on its slice.
 
-Data parallelism (``server.py``: whole replicas) and the hybrid (``hybrid.py``: the
-convolutional part by data, the classifier on the master) both share each batch out by
-images: one unit, ``"batch"``, whose count per participant is its images. Who takes part,
-calibration and eq. 1, lost and joining workers are the runtime's (``tinyconv/distributed/runtime.py``);
-here is what a split of the batch adds, once for both: everyone timed on one slice's work on the
-whole batch (the master locally, a worker with the subclass's calibration task); the step's
-:class:`Slices`; a step run again from the start when a worker is lost; the rebalancer with images
-as its units; and the step's record, with the model-parallel cluster's keys (``accounting.py``).
-
-A subclass sets ``parallel`` (the name in the metrics), ``calibrate_task`` (the task kind a
-worker times itself with) and writes ``_time_own`` (the master's timing), ``_start`` (what a
-re-run of the step starts again from) and ``_step`` (one attempt at the step).
+Data parallelism (``server.py``) and the hybrid (``hybrid.py``) share each batch by images: one unit,
+``"batch"``, whose count per participant is its images. Here, once for both: everyone timed on one
+slice's work, the step's :class:`Slices`, a step run again when a worker is lost, and the step's record.
 """
 
 from __future__ import annotations

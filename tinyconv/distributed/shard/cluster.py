@@ -6,12 +6,9 @@
                                                      # asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
-Who takes part and in which order, a worker lost (its share goes to the others and the op runs
-again) or joining, calibration by eq. 1 and deadlines are every parallelism's (``runtime.py``);
-this file is what the paper's split adds: the sharded layers, their plans, deadlines and step
-records. A step ends with the backward of the first sharded layer: the cluster then records it
-(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which changes, if
-at all, from the next step on -- never between a forward and its backward.
+Participants, loss and joins, calibration and deadlines are ``runtime.py``'s; this file adds the
+sharded layers, their plans and the step's record, taken with the first layer's backward. The
+rebalancer's new split applies from the next step on, never between a forward and its backward.
 """
 
 from __future__ import annotations
@@ -28,14 +25,15 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import LayerStep, step_record
 from tinyconv.distributed.adaptive_precision import formats_of, policy
 from tinyconv.distributed.calibrate import time_everyone
+from tinyconv.distributed.conv_shapes import conv_shapes
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion
 from tinyconv.distributed.shard.block import tail_of
 from tinyconv.distributed.shard.by_channels import PIPELINE
-from tinyconv.distributed.shard.layer import ShardedBlock, block_inputs
+from tinyconv.distributed.shard.layer import ShardedBlock
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.wire_codec import Narrowing
-from tinyconv.layers import Conv2D
+from tinyconv.layers import Conv2D, Layer
 from tinyconv.model import Network
 from tinyconv.parallel import forward_backward
 from transports.base import Transport, WorkerInfo
@@ -128,8 +126,12 @@ class Cluster(Runtime):
         """Put ``net``'s own layers back: its convolutions are computed on the master alone again."""
         if self._net is not net:
             return
-        net.layers = [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
+        net.layers = self._unfused(net)
         self.blocks, self._net, self._done = [], None, []
+
+    def _unfused(self, net: Network) -> list[Layer]:
+        """``net``'s own layers: each ShardedBlock of this cluster opened into its convolution and tail."""
+        return [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
 
     def _release(self) -> None:
         if self._net is not None:
@@ -155,8 +157,8 @@ class Cluster(Runtime):
         return result
 
     def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
-        inputs = block_inputs(net.layers, batch_size, self.image_size)
-        specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
+        convs = conv_shapes(Network(net.backend, self._unfused(net)), batch_size, self.image_size)
+        specs = self._specs = [_spec(block, c.x) for block, c in zip(self.blocks, convs, strict=True)]
         master = self.backend if ("master", None) in self.placement else None
         times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
         return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.placement}
@@ -287,10 +289,6 @@ class Cluster(Runtime):
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
-
-    def lost_any(self, plan: Plan) -> bool:
-        """Whether a worker with a share in ``plan`` is lost."""
-        return any(p.worker in self.lost for p in plan.workers)
 
 
 def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
