@@ -42,7 +42,6 @@ class Runtime:
 
     parallel = "?"  # "model", "data", "hybrid"
     splits = "?"  # what a plan counts: "kernels" or "images"
-    gives_away = "its share goes"  # the log's words for where a lost worker's work goes
 
     def __init__(
         self,
@@ -181,7 +180,7 @@ class Runtime:
             if k in self.lost:
                 continue
             self.lost[k] = why
-            log.warning("%s lost: %s; %s to the others", self.rpc.describe(k), why, self.gives_away)
+            log.warning("%s lost: %s; its work goes to the others", self.rpc.describe(k), why)
             self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]
             if not self.placement:  # the master holds every weight: it can always finish alone

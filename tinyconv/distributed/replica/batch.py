@@ -8,7 +8,7 @@ slice's work, the step's :class:`Slices`, a step run again when a worker is lost
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats, batch_record
 from tinyconv.distributed.calibrate import worker_times
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.replica import spec_of
+from tinyconv.distributed.replica.replica import build, spec_of
 from tinyconv.distributed.rpc import Lost, Op
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion, slices
@@ -71,8 +71,8 @@ class BatchSplit(Runtime):
     ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s."""
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
-    gives_away = "its images go"  # a lost worker's, in the log
     calibrate_task = "?"  # the task a worker times its slice's work with
+    time_slice: Callable[[Network, dict[str, Any], int, int], float]  # (net, spec, batch, repeats) -> the master's s
 
     def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
         super().__init__(transport, workers, backend, **options)
@@ -82,8 +82,9 @@ class BatchSplit(Runtime):
 
     # ---- what a subclass computes -------------------------------------------------------------
     def _time_own(self, spec: dict[str, Any], batch: int) -> float:
-        """Seconds the master takes for a slice of ``batch`` images (on a copy of the network)."""
-        raise NotImplementedError
+        """Seconds the master takes for a slice of ``batch`` images, on a copy of the network (its own keeps
+        its caches and statistics)."""
+        return self.time_slice(build(spec, self.backend, batch), spec, batch, self.calibration_repeats)
 
     def _start(self, net: Network) -> Any:
         """What every attempt at a step starts from (packed once, before the first)."""
@@ -168,10 +169,6 @@ class BatchSplit(Runtime):
                 self.lose(e.workers)
         self._welcome_joiners()
         return loss, logits
-
-    def _slices(self, batch: int) -> Slices:
-        """This attempt's images per participant for a batch of ``batch``."""
-        return Slices.of(self.placement, self.shares(batch))
 
     def _op(self, what: str, batch: int) -> Op:
         """A new op of the next step, named ``what`` in errors, with the step's deadline."""

@@ -18,12 +18,11 @@ not depend on who computed which images.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from typing import Any
 
 import numpy as np
 
+from tinyconv.distributed.replica.replica import median_seconds
 from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network
 
@@ -77,18 +76,16 @@ def backward_features(conv: Network, dfeatures: np.ndarray, shape: tuple[int, in
 
 
 def time_conv_part(net: Network, spec: dict[str, Any], batch: int, repeats: int) -> float:
-    """Seconds of one forward + backward of ``net``'s conv part (``net`` built from ``spec``) on
-    ``batch`` random images: the median of ``repeats`` runs after a warm-up."""
+    """Seconds of one forward + backward of ``net``'s conv part (``net`` built from ``spec``) on ``batch``
+    random images."""
     rng = np.random.default_rng(0)
     size = spec["image_size"]
     x = rng.standard_normal((batch, spec["in_channels"], size, size)).astype(np.float32)
     conv, shape = conv_part(net), feature_shape(net, size)
     d = rng.standard_normal((batch, math.prod(shape))).astype(np.float32) / np.float32(batch)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
+
+    def step() -> None:
         forward_features(conv, x)
         backward_features(conv, d, shape)
-        net.backend.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+
+    return median_seconds(step, net.backend, repeats)

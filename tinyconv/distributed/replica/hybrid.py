@@ -14,13 +14,12 @@ hybrid parallelism") the step and its bytes. Shares, calibration, lost and joini
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from backends.base import Array
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.batch import BatchSplit
+from tinyconv.distributed.replica.batch import BatchSplit, Slices
 from tinyconv.distributed.replica.conv_part import (
     backward_features,
     classifier,
@@ -29,7 +28,6 @@ from tinyconv.distributed.replica.conv_part import (
     forward_features,
     time_conv_part,
 )
-from tinyconv.distributed.replica.replica import build
 from tinyconv.model import Network
 from transports.base import Message
 
@@ -41,10 +39,7 @@ class Hybrid(BatchSplit):
 
     parallel = "hybrid"
     calibrate_task = "hybrid_calibrate"  # a forward + backward of the conv part
-
-    def _time_own(self, spec: dict[str, Any], batch: int) -> float:
-        own = build(spec, self.backend, batch)  # a copy: the master's net keeps its caches and statistics
-        return time_conv_part(own, spec, batch, self.calibration_repeats)
+    time_slice = staticmethod(time_conv_part)
 
     def _start(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
         conv = conv_part(net)
@@ -57,7 +52,7 @@ class Hybrid(BatchSplit):
         conv, fc = conv_part(net), classifier(net)
         shape = feature_shape(net, self.image_size)
         f = math.prod(shape)
-        cut = self._slices(len(x))
+        cut = Slices.of(self.placement, self.shares(len(x)))
 
         # 1. forward: every participant's features
         fwd = self._op("hybrid forward, step", cut.batch)

@@ -15,15 +15,14 @@ whole, what a step moves, and what batch norm does per slice.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from backends.base import Array
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.batch import BatchSplit
+from tinyconv.distributed.replica.batch import BatchSplit, Slices
 from tinyconv.distributed.replica.conv_part import feature_shape
-from tinyconv.distributed.replica.replica import build, slice_gradients, time_replica
+from tinyconv.distributed.replica.replica import slice_gradients, time_replica
 from tinyconv.model import Network
 from transports.base import Message
 
@@ -34,10 +33,7 @@ class Replicas(BatchSplit):
 
     parallel = "data"
     calibrate_task = "replica_calibrate"  # a forward + backward of the whole replica
-
-    def _time_own(self, spec: dict[str, Any], batch: int) -> float:
-        own = build(spec, self.backend, batch)  # a copy: the master's net keeps its statistics
-        return time_replica(own, spec, batch, self.calibration_repeats)
+    time_slice = staticmethod(time_replica)
 
     def _start(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
         return flat.pack(net), flat.pack(net, "buffers")
@@ -46,7 +42,7 @@ class Replicas(BatchSplit):
         self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
     ) -> tuple[float, Array]:
         params, buffers = start
-        cut = self._slices(len(x))
+        cut = Slices.of(self.placement, self.shares(len(x)))
         op = self._op("data-parallel step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
         smoothed = {"smoothing": smoothing} if smoothing else {}

@@ -103,20 +103,15 @@ class Cluster(Runtime):
             return
         if self._net is not None:
             raise ValueError("this cluster already serves another network: detach it first")
-        layers = []
-        i = 0
+        layers, i = [], 0
         while i < len(net.layers):
-            layer = net.layers[i]
-            if not isinstance(layer, Conv2D):
-                layers.append(layer)
-                i += 1
-                continue
-            tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
-            by_channels = layer.need_dx and self.split_by_channels  # the first conv needs no dX: by kernels
-            block = ShardedBlock(self, len(self.blocks), layer, tail, by_channels)
-            self.blocks.append(block)
-            layers.append(block)
-            i += 1 + len(tail)
+            layer, i = net.layers[i], i + 1
+            if isinstance(layer, Conv2D):
+                tail = net.layers[i : i + len(tail_of(net.layers[i:]))] if self.fuse else []
+                by_channels = layer.need_dx and self.split_by_channels  # the first conv needs no dX: by kernels
+                layer, i = ShardedBlock(self, len(self.blocks), layer, tail, by_channels), i + len(tail)
+                self.blocks.append(layer)
+            layers.append(layer)
         if not self.blocks:
             raise ValueError("the network has no Conv2D layer: there is nothing to distribute")
         net.layers = layers
