@@ -33,9 +33,8 @@ from transports.base import Message
 
 
 class Hybrid(BatchSplit):
-    """The master (on ``backend``) and ``workers`` (on ``transport``): the conv part of each batch
-    shared by images, the classifier on the master. Options as
-    :class:`~tinyconv.distributed.replica.batch.BatchSplit`'s."""
+    """The master and its workers: the conv part of each batch by images, the classifier on the master
+    (options: :class:`BatchSplit`'s)."""
 
     parallel = "hybrid"
     calibrate_task = "hybrid_calibrate"  # a forward + backward of the conv part

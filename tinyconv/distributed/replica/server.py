@@ -28,8 +28,7 @@ from transports.base import Message
 
 
 class Replicas(BatchSplit):
-    """The master (on ``backend``) and ``workers`` (on ``transport``), each with a whole replica.
-    Options, shares, calibration, lost and joining workers: :class:`~tinyconv.distributed.replica.batch.BatchSplit`."""
+    """The master and its workers, each with a whole replica (options: :class:`BatchSplit`'s)."""
 
     parallel = "data"
     calibrate_task = "replica_calibrate"  # a forward + backward of the whole replica

@@ -135,9 +135,8 @@ class Cluster(Runtime):
     def train_batch(
         self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
     ) -> tuple[float, Array]:
-        """One forward + backward of the attached ``net`` on the batch x (N, C, H, W), y (N,), as on the
-        master alone (:func:`~tinyconv.parallel.forward_backward`): its sharded blocks run their splits
-        on the way (``layer.py``). Returns (the mean loss, the logits)."""
+        """:func:`~tinyconv.parallel.forward_backward` of the attached ``net``: its sharded blocks run their
+        splits on the way. Returns (the mean loss, the logits)."""
         return forward_backward(net, x, y, smoothing)
 
     def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
