@@ -169,9 +169,26 @@ class Runtime:
         """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
         return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
 
-    def _deadline(self, op_s: float) -> float:
-        """Seconds a worker has for an op that should take ``op_s``: ten times that, within bounds."""
-        return min(self.recv_timeout, max(MIN_DEADLINE_S, 10 * op_s))
+    def _timeout(self, unit: str, scale: float, moved: dict[str, int]) -> float:
+        """Seconds a worker has to answer one op of ``unit``: ten times what the op should take, at least
+        10 s, at most ``recv_timeout``::
+
+            10 * scale * (max_i t_i + max_k B_k s_k),    scale = max(1, batch / calibrated batch)
+
+        t_i: participant i's calibrated time for ``unit``; B_k: ``moved``, the most array bytes one op
+        moved to and from worker k last step; s_k: the seconds per byte its link measured, upper bounds
+        included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all of those are
+        known, ``recv_timeout``.
+        """
+        known = [self.timings.get(name, {}).get(unit) for name, _ in self.placement]
+        transfer = [
+            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
+            for name, k in self.placement
+            if k is not None
+        ]
+        if not known or None in known or None in transfer:
+            return self.recv_timeout
+        return min(self.recv_timeout, max(MIN_DEADLINE_S, 10 * scale * (max(known) + max(transfer, default=0.0))))
 
     # ---- membership -----------------------------------------------------------------------------
     def lose(self, workers: dict[int, str]) -> None:
@@ -218,3 +235,10 @@ class Runtime:
 
     def _shares(self) -> dict[str, list[int]]:
         return {unit: list(c) for unit, c in self.counts.items()}
+
+
+def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
+    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
+    if nbytes == 0:
+        return 0.0
+    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte

@@ -193,15 +193,5 @@ class BatchSplit(Runtime):
         self.last_step = record
 
     def timeout(self, batch: int) -> float:
-        """Seconds a worker has to answer one op: ten times its calibrated time (scaled to ``batch``)
-        plus its last step's bytes at its link's rate, at least 10 s, at most ``recv_timeout``; until
-        those are known, ``recv_timeout``."""
-        known = [self.timings.get(name, {}).get(UNIT) for name, _ in self.placement]
-        transfer = [
-            self._moved.get(name, 0) * (self.rpc.link(k).seconds_per_byte(exact=False) or 0.0)
-            for name, k in self.placement
-            if k is not None
-        ]
-        if not known or None in known or not self.calibrated_batch or not self._moved:
-            return self.recv_timeout
-        return self._deadline(max(known) * max(1.0, batch / self.calibrated_batch) + max(transfer, default=0.0))
+        """Seconds a worker has to answer one op of a step of ``batch`` images (:meth:`Runtime._timeout`)."""
+        return self._timeout(UNIT, max(1.0, batch / (self.calibrated_batch or batch)), self._moved)

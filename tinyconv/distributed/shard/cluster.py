@@ -216,27 +216,11 @@ class Cluster(Runtime):
         return block.by_channels and enough and any(k is not None for _, k in self.placement)
 
     def timeout(self, block: ShardedBlock, batch: int) -> float:
-        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
-        the op should take, at least 10 s, at most ``recv_timeout``::
-
-            10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
-
-        t_i: participant i's calibrated time for the layer; B_k: the most array bytes one op of the
-        layer moved to and from worker k last step; s_k: the seconds per byte its link measured,
-        upper bounds included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all
-        of those are known, ``recv_timeout``.
-        """
-        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.placement]
-        moved = self._moved.get(block.name, {})
-        transfer = [
-            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
-            for name, k in self.placement
-            if k is not None
-        ]
-        if not known or None in known or None in transfer or self._specs is None:
+        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images (:meth:`Runtime._timeout`)."""
+        if self._specs is None:
             return self.recv_timeout
         calibrated = self._specs[self.blocks.index(block)]["x"][0]
-        return self._deadline((max(known) + max(transfer, default=0.0)) * max(1.0, batch / calibrated))
+        return self._timeout(block.name, max(1.0, batch / calibrated), self._moved.get(block.name, {}))
 
     # ---- steps ------------------------------------------------------------------------------
     def codec(self, block: ShardedBlock) -> Narrowing | None:
@@ -283,13 +267,6 @@ class Cluster(Runtime):
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
-
-
-def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
-    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
-    if nbytes == 0:
-        return 0.0
-    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte
 
 
 def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
