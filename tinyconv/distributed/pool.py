@@ -87,20 +87,16 @@ def distribute(
     pool_options = {k: options.pop(k) for k in POOL_OPTIONS if k in options}
     _check_options(parallel, options)  # before any worker starts
     cap = message_cap(net, max(batch_size, largest_batch or 0), image_size, parallel)  # checked before arrays are built
-    stack = ExitStack()
-    try:
+    with ExitStack() as stack:  # stops the workers if anything below fails
         backend = worker_backend or net.backend.name
         pool = worker_pool(transport, workers, backend, max_message_bytes=cap, announce=announce, **pool_options)
         pool, infos = stack.enter_context(pool)
         runtime = PARALLEL[parallel](pool, infos, net.backend, image_size=image_size, **options)
-        runtime.on_close = stack.close
         if calibrate:
             runtime.calibrate(net, batch_size)
         elif isinstance(runtime, Cluster):
             runtime.attach(net)
-    except BaseException:
-        stack.close()
-        raise
+        runtime.on_close = stack.pop_all().close
     return runtime
 
 
