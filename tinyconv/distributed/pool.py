@@ -147,10 +147,8 @@ def worker_pool(
     worker processes here, with ``external`` it announces the command to run on the other machines
     and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
 
-    Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``, :func:`_keys`),
-    the master's secret ``key`` file and the folder of the workers' public ``authorized_keys``,
-    unless ``insecure``. On loopback nothing else can reach the master: no keys, and none of
-    their cost (encrypting a message takes about 4 times as long as sending it).
+    Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
+    the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``.
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
