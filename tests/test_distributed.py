@@ -26,7 +26,6 @@ from tinyconv.distributed.rebalance import Rebalancer
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.balance import apportion, slices
 from tinyconv.distributed.shard.cluster import Cluster
-from tinyconv.distributed.shard.layer import block_inputs
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.metrics import MetricsWriter, read_metrics
@@ -450,21 +449,13 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
     assert_close(got, Expected(np.array(test_loss), 3 * STEP_K + LOSS_K), "test loss")
 
 
-def test_block_inputs_follow_the_network():
+def test_calibration_shapes_follow_the_network():
     be = NumpyBackend()
     with inproc_pool(1) as (transport, workers):
-        cluster = Cluster(transport, workers, be)
-        net = paper_net("6:10", be)
-        cluster.attach(net)
-        assert block_inputs(net.layers, 8, 32) == [(8, 3, 32, 32), (8, 6, 16, 16)]
-        cluster.detach(net)
+        cluster = Cluster(transport, workers, be, calibration_repeats=1)
         net = paper_net("6:10", be, pool_kernel=2, image_size=16)
-        cluster.attach(net)
-        shapes = block_inputs(net.layers, 2, 16)
-    assert shapes == [
-        (2, 3, 16, 16),
-        (2, 6, 8, 8),
-    ]
+        shapes = cluster.calibrate(net, 2, image_size=16)["shapes"]
+    assert [s["x"] for s in shapes.values()] == [[2, 3, 16, 16], [2, 6, 8, 8]]
 
 
 # ---- failures are clear -------------------------------------------------------------------------

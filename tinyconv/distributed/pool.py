@@ -6,13 +6,8 @@
         loss, logits = cluster.train_batch(net, x, y)                # the convolutions run in shards
         print(cluster.last_step["shares"])
 
-:func:`distribute` starts the workers (:func:`worker_pool`), builds the runtime of the parallelism
-asked for and times everyone to split the work by the paper's eq. 1; closing it stops the workers.
-
-:func:`worker_pool` is a context manager, so the workers go away whatever happens (a
-finished run, an exception, Ctrl-C): the transport tells every worker the training is
-over, and local worker processes are waited for, then terminated, then killed. No
-orphans, no ports left bound.
+:func:`worker_pool` is a context manager, so the workers go away whatever happens (a finished run,
+an exception, Ctrl-C): no orphans, no ports left bound.
 """
 
 from __future__ import annotations
@@ -92,20 +87,16 @@ def distribute(
     pool_options = {k: options.pop(k) for k in POOL_OPTIONS if k in options}
     _check_options(parallel, options)  # before any worker starts
     cap = message_cap(net, max(batch_size, largest_batch or 0), image_size, parallel)  # checked before arrays are built
-    stack = ExitStack()
-    try:
+    with ExitStack() as stack:  # stops the workers if anything below fails
         backend = worker_backend or net.backend.name
         pool = worker_pool(transport, workers, backend, max_message_bytes=cap, announce=announce, **pool_options)
         pool, infos = stack.enter_context(pool)
         runtime = PARALLEL[parallel](pool, infos, net.backend, image_size=image_size, **options)
-        runtime.on_close = stack.close
         if calibrate:
             runtime.calibrate(net, batch_size)
         elif isinstance(runtime, Cluster):
             runtime.attach(net)
-    except BaseException:
-        stack.close()
-        raise
+        runtime.on_close = stack.pop_all().close
     return runtime
 
 
@@ -156,10 +147,8 @@ def worker_pool(
     worker processes here, with ``external`` it announces the command to run on the other machines
     and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
 
-    Who may join: a bind beyond loopback needs CURVE keys (``transports/curve.py``, :func:`_keys`),
-    the master's secret ``key`` file and the folder of the workers' public ``authorized_keys``,
-    unless ``insecure``. On loopback nothing else can reach the master: no keys, and none of
-    their cost (encrypting a message takes about 4 times as long as sending it).
+    Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
+    the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``.
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")

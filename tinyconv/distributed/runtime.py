@@ -1,16 +1,10 @@
 """What every parallelism shares: who takes part, how work is shared out, and what a step recorded.
 
-The model-parallel cluster (``shard/cluster.py``: kernels and input channels of each layer) and the
-splits of the batch (``replica/batch.py``: images) are each a :class:`Runtime`. Each names its
-*units*, what it shares out, and says how one unit is apportioned and how everyone is timed on it;
-the rest is written here once. The placement is ``(name, worker index)``, the master first (index
-``None``) if it takes part, then the workers by index: the order of every list in plans, metrics and
-sums. Calibration splits each unit by eq. 1 on everyone's times (``balance.py``). A worker lost
-(gone, silent past its deadline, non-finite numbers from finite inputs) leaves the placement for
-good and every unit is split again among the others (:meth:`Runtime.lose`): the master holds every
-weight, so it can always finish the step alone. A worker that joins the transport late is timed on
-the units, then given a share at the next step boundary. Either way the rebalancer starts afresh,
-and ``events`` records it.
+The model split (``shard/cluster.py``: kernels and input channels of each layer) and the splits of
+the batch (``replica/batch.py``: images) are each a :class:`Runtime`; each names its *units*, what it
+shares out. The placement is ``(name, worker index)``, the master first (index ``None``) if it takes
+part, then the workers by index: the order of every list in plans, metrics and sums. A worker lost or
+joining late: docs/how-it-works.md, "When workers come and go".
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ class Runtime:
 
     parallel = "?"  # "model", "data", "hybrid"
     splits = "?"  # what a plan counts: "kernels" or "images"
-    gives_away = "its share goes"  # the log's words for where a lost worker's work goes
 
     def __init__(
         self,
@@ -176,9 +169,26 @@ class Runtime:
         """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
         return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
 
-    def _deadline(self, op_s: float) -> float:
-        """Seconds a worker has for an op that should take ``op_s``: ten times that, within bounds."""
-        return min(self.recv_timeout, max(MIN_DEADLINE_S, 10 * op_s))
+    def _timeout(self, unit: str, scale: float, moved: dict[str, int]) -> float:
+        """Seconds a worker has to answer one op of ``unit``: ten times what the op should take, at least
+        10 s, at most ``recv_timeout``::
+
+            10 * scale * (max_i t_i + max_k B_k s_k),    scale = max(1, batch / calibrated batch)
+
+        t_i: participant i's calibrated time for ``unit``; B_k: ``moved``, the most array bytes one op
+        moved to and from worker k last step; s_k: the seconds per byte its link measured, upper bounds
+        included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all of those are
+        known, ``recv_timeout``.
+        """
+        known = [self.timings.get(name, {}).get(unit) for name, _ in self.placement]
+        transfer = [
+            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
+            for name, k in self.placement
+            if k is not None
+        ]
+        if not known or None in known or None in transfer:
+            return self.recv_timeout
+        return min(self.recv_timeout, max(MIN_DEADLINE_S, 10 * scale * (max(known) + max(transfer, default=0.0))))
 
     # ---- membership -----------------------------------------------------------------------------
     def lose(self, workers: dict[int, str]) -> None:
@@ -187,7 +197,7 @@ class Runtime:
             if k in self.lost:
                 continue
             self.lost[k] = why
-            log.warning("%s lost: %s; %s to the others", self.rpc.describe(k), why, self.gives_away)
+            log.warning("%s lost: %s; its work goes to the others", self.rpc.describe(k), why)
             self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]
             if not self.placement:  # the master holds every weight: it can always finish alone
@@ -225,3 +235,10 @@ class Runtime:
 
     def _shares(self) -> dict[str, list[int]]:
         return {unit: list(c) for unit, c in self.counts.items()}
+
+
+def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
+    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
+    if nbytes == 0:
+        return 0.0
+    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte

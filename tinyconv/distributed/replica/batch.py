@@ -1,23 +1,14 @@
 """What every split of the batch needs, whatever each participant computes on its slice.
 
-Data parallelism (``server.py``: whole replicas) and the hybrid (``hybrid.py``: the
-convolutional part by data, the classifier on the master) both share each batch out by
-images: one unit, ``"batch"``, whose count per participant is its images. Who takes part,
-calibration and eq. 1, lost and joining workers are the runtime's (``tinyconv/distributed/runtime.py``);
-here is what a split of the batch adds, once for both: everyone timed on one slice's work on the
-whole batch (the master locally, a worker with the subclass's calibration task); the step's
-:class:`Slices`; a step run again from the start when a worker is lost; the rebalancer with images
-as its units; and the step's record, with the model-parallel cluster's keys (``accounting.py``).
-
-A subclass sets ``parallel`` (the name in the metrics), ``calibrate_task`` (the task kind a
-worker times itself with) and writes ``_time_own`` (the master's timing), ``_start`` (what a
-re-run of the step starts again from) and ``_step`` (one attempt at the step).
+Data parallelism (``server.py``) and the hybrid (``hybrid.py``) share each batch by images: one unit,
+``"batch"``, whose count per participant is its images. Here, once for both: everyone timed on one
+slice's work, the step's :class:`Slices`, a step run again when a worker is lost, and the step's record.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +18,7 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats, batch_record
 from tinyconv.distributed.calibrate import worker_times
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.replica import spec_of
+from tinyconv.distributed.replica.replica import build, spec_of
 from tinyconv.distributed.rpc import Lost, Op
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion, slices
@@ -80,8 +71,8 @@ class BatchSplit(Runtime):
     ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s."""
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
-    gives_away = "its images go"  # a lost worker's, in the log
     calibrate_task = "?"  # the task a worker times its slice's work with
+    time_slice: Callable[[Network, dict[str, Any], int, int], float]  # (net, spec, batch, repeats) -> the master's s
 
     def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
         super().__init__(transport, workers, backend, **options)
@@ -91,8 +82,9 @@ class BatchSplit(Runtime):
 
     # ---- what a subclass computes -------------------------------------------------------------
     def _time_own(self, spec: dict[str, Any], batch: int) -> float:
-        """Seconds the master takes for a slice of ``batch`` images (on a copy of the network)."""
-        raise NotImplementedError
+        """Seconds the master takes for a slice of ``batch`` images, on a copy of the network (its own keeps
+        its caches and statistics)."""
+        return self.time_slice(build(spec, self.backend, batch), spec, batch, self.calibration_repeats)
 
     def _start(self, net: Network) -> Any:
         """What every attempt at a step starts from (packed once, before the first)."""
@@ -178,10 +170,6 @@ class BatchSplit(Runtime):
         self._welcome_joiners()
         return loss, logits
 
-    def _slices(self, batch: int) -> Slices:
-        """This attempt's images per participant for a batch of ``batch``."""
-        return Slices.of(self.placement, self.shares(batch))
-
     def _op(self, what: str, batch: int) -> Op:
         """A new op of the next step, named ``what`` in errors, with the step's deadline."""
         return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, self.timeout(batch))
@@ -205,15 +193,5 @@ class BatchSplit(Runtime):
         self.last_step = record
 
     def timeout(self, batch: int) -> float:
-        """Seconds a worker has to answer one op: ten times its calibrated time (scaled to ``batch``)
-        plus its last step's bytes at its link's rate, at least 10 s, at most ``recv_timeout``; until
-        those are known, ``recv_timeout``."""
-        known = [self.timings.get(name, {}).get(UNIT) for name, _ in self.placement]
-        transfer = [
-            self._moved.get(name, 0) * (self.rpc.link(k).seconds_per_byte(exact=False) or 0.0)
-            for name, k in self.placement
-            if k is not None
-        ]
-        if not known or None in known or not self.calibrated_batch or not self._moved:
-            return self.recv_timeout
-        return self._deadline(max(known) * max(1.0, batch / self.calibrated_batch) + max(transfer, default=0.0))
+        """Seconds a worker has to answer one op of a step of ``batch`` images (:meth:`Runtime._timeout`)."""
+        return self._timeout(UNIT, max(1.0, batch / (self.calibrated_batch or batch)), self._moved)

@@ -1,22 +1,13 @@
 """The hybrid's cut through the network: its convolutional part, shared by images, and the classifier.
 
-Krizhevsky's "one weird trick" (2014) splits a CNN where its costs change character: the
-convolutions hold few weights and do most of the arithmetic, so they go by data (every
-participant its slice of the images, the weights whole); the fully connected layers hold most
-of the weights and little arithmetic, so they stay in one place. Here::
-
     conv part   conv1 -> ReLU -> norm -> pool -> conv2 -> ReLU -> norm -> pool     every layer before the
                 x (n, C, H, W) -> features (n, F), F = C2 H' W' (the last pool's       first Linear, on each
                 output, flattened)                                                   participant's slice
     classifier  fc: features (N, F) -> logits (N, classes), the softmax loss        the master, whole batch
 
-Forward, a participant runs the conv part on its n_i images and returns their features. The
-master concatenates the features of all N images in participant order and runs the classifier
-and the loss over the whole batch: its dlogits are (softmax - onehot) / N, the whole batch's
-mean loss, and its backward gives dL/dfeatures (N, F). Backward, each participant runs the conv
-part backward from its rows of dL/dfeatures. No rescaling is needed (data parallelism's slices
-scale their own loss by n_i / N, ``replica.py``): the 1/N is already in dL/dfeatures, so a
-slice's conv gradient is its part of dL/dW_conv and the master sums them::
+The master's classifier backward over the whole batch gives dL/dfeatures (N, F) with the mean loss's
+1/N already in it, so no slice rescales (data parallelism's do, ``replica.py``): a slice's conv
+gradient is its part of dL/dW_conv and the master sums them::
 
     dL/dW_conv = sum_i  sum_{n in slice i} (dL/dfeatures_n) (dfeatures_n / dW_conv)
 
@@ -27,12 +18,11 @@ not depend on who computed which images.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from typing import Any
 
 import numpy as np
 
+from tinyconv.distributed.replica.replica import median_seconds
 from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network
 
@@ -86,18 +76,16 @@ def backward_features(conv: Network, dfeatures: np.ndarray, shape: tuple[int, in
 
 
 def time_conv_part(net: Network, spec: dict[str, Any], batch: int, repeats: int) -> float:
-    """Seconds of one forward + backward of ``net``'s conv part (``net`` built from ``spec``) on
-    ``batch`` random images: the median of ``repeats`` runs after a warm-up."""
+    """Seconds of one forward + backward of ``net``'s conv part (``net`` built from ``spec``) on ``batch``
+    random images."""
     rng = np.random.default_rng(0)
     size = spec["image_size"]
     x = rng.standard_normal((batch, spec["in_channels"], size, size)).astype(np.float32)
     conv, shape = conv_part(net), feature_shape(net, size)
     d = rng.standard_normal((batch, math.prod(shape))).astype(np.float32) / np.float32(batch)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
+
+    def step() -> None:
         forward_features(conv, x)
         backward_features(conv, d, shape)
-        net.backend.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+
+    return median_seconds(step, net.backend, repeats)

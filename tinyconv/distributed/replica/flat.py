@@ -28,11 +28,16 @@ def _tables(net: Network, table: str) -> list[tuple[dict, str]]:
     return [(getattr(layer, table), name) for _, layer, name in net.named_params()]
 
 
+def _shapes(net: Network, table: str) -> list[tuple[int, ...]]:
+    """Each entry's shape in vector order: a buffer's, or its parameter's (a gradient has the same)."""
+    if table == "buffers":
+        return [tuple(layer.buffers[name].shape) for layer in net.layers for name in layer.buffers]
+    return [tuple(layer.params[name].shape) for _, layer, name in net.named_params()]
+
+
 def sizes(net: Network, table: str = "params") -> list[int]:
     """The number of floats of each parameter (or buffer, ``table="buffers"``), in vector order."""
-    if table == "buffers":
-        return [math.prod(layer.buffers[name].shape) for layer in net.layers for name in layer.buffers]
-    return [math.prod(layer.params[name].shape) for _, layer, name in net.named_params()]
+    return [math.prod(shape) for shape in _shapes(net, table)]
 
 
 def pack(net: Network, table: str = "params") -> np.ndarray:
@@ -45,9 +50,7 @@ def pack(net: Network, table: str = "params") -> np.ndarray:
 def unpack(net: Network, vector: np.ndarray, table: str = "params") -> None:
     """Set ``table`` of every layer from ``vector`` (as ``pack`` made it), on the network's backend."""
     be, start = net.backend, 0
-    shapes = [tuple(layer.params[name].shape) for _, layer, name in net.named_params()]
-    if table == "buffers":
-        shapes = [tuple(layer.buffers[name].shape) for layer in net.layers for name in layer.buffers]
+    shapes = _shapes(net, table)
     total = sum(math.prod(s) for s in shapes)
     if vector.shape != (total,):
         raise ValueError(f"a {table} vector of this network has shape ({total},), got {tuple(vector.shape)}")

@@ -5,59 +5,21 @@
     loss, logits = hybrid.train_batch(net, x, y)    # one hybrid step: net's grads filled
     opt.step()                                      # the master applies the optimiser itself
 
-One step, for participants i = 0, 1, ... (the master first if it takes part, then the workers
-by index) with n_i images each, sum n_i = N (``conv_part.py`` has the math)::
-
-    1. forward: the master sends worker i its images x[s_i:e_i] and the conv part's current
-       weights W_conv, whole (and its batch-norm statistics) -- ``hybrid_forward``; it runs its
-       own slice meanwhile; each participant returns its features (n_i, F), F = C2 H' W', and
-       keeps its forward's caches;
-    2. the classifier, on the master alone: the features concatenated in participant order
-       (N, F), the fully connected layer, the loss over all N images and its backward -- the
-       classifier's gradients complete, and dL/dfeatures (N, F);
-    3. backward: the master sends each worker its rows of dL/dfeatures -- ``hybrid_backward``;
-       every participant runs the conv part backward from the caches its forward kept and
-       returns its conv-part gradient (for the mean loss over all N: the 1/N is in dL/dfeatures);
-    4. the master sums the conv gradients in participant order (deterministic) into its layers'
-       grads; the optimiser updates every weight as after a single-process step.
-
-The conv weights go whole every step, as in data parallelism (``server.py``) and for the same
-reasons: a worker that applied the updates itself would round differently from the master's SGD
-and drift, and a worker that joins needs nothing but the next step. The labels never leave the
-master. With LRN (or no normalisation) a step equals the single-process step on the whole batch
-to float32 round-off; batch norm normalises each slice by its own statistics (per-replica batch
-norm, as in data parallelism: the master keeps the statistics' average weighted by n_i / N).
-
-**Bytes per step**, to and from worker i (float32; P_conv the conv part's parameters, C H W an
-image, F the features of one image; plus 2 B with batch norm's B statistics)::
-
-    hybrid    4 (2 P_conv + n_i (C H W + 2 F))       W_conv out, dW_conv back; images, features, dfeatures
-    data      4 (2 P + n_i (C H W + classes)) + 8 n_i        P = P_conv + F classes + classes
-
-so the hybrid saves the classifier's weights and gradient, 8 (F + 1) classes bytes, and pays
-8 F bytes for each image of the slice: it moves fewer bytes than data parallelism only when
-n_i (2 F - classes - 2) < 2 (F + 1) classes, that is for slices of fewer than about ``classes``
-images. The paper's network has a small classifier (F = C2 * 8 * 8 features -> 10 classes), so
-for 50:500 at batch 64 with one worker taking 32 images: 4 (2 * 629,300 + 32 (3,072 + 64,000))
-= 13.6 MB against data parallelism's 8.0 MB. AlexNet, the trick's network, feeds 9,216 features
-to 4096 x 4096 fully connected layers: there the classifier is most of the weights and the
-hybrid saves at any batch.
-
-Shares, calibration (on the conv part), the rebalancer, lost and joining workers are data
-parallelism's (``batch.py``): a worker lost in either round has its images given to the others
-and the step runs again from its forward.
+A step is two rounds with the classifier between them, on the master: ``hybrid_forward`` (images and
+the conv part's weights out, features (n_i, F) back) and ``hybrid_backward`` (rows of dL/dfeatures
+out, conv-part gradients back). ``conv_part.py`` has the math; docs/how-it-works.md ("Model, data or
+hybrid parallelism") the step and its bytes. Shares, calibration, lost and joining workers: ``batch.py``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from backends.base import Array
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.batch import BatchSplit
+from tinyconv.distributed.replica.batch import BatchSplit, Slices
 from tinyconv.distributed.replica.conv_part import (
     backward_features,
     classifier,
@@ -66,22 +28,17 @@ from tinyconv.distributed.replica.conv_part import (
     forward_features,
     time_conv_part,
 )
-from tinyconv.distributed.replica.replica import build
 from tinyconv.model import Network
 from transports.base import Message
 
 
 class Hybrid(BatchSplit):
-    """The master (on ``backend``) and ``workers`` (on ``transport``): the conv part of each batch
-    shared by images, the classifier on the master. Options as
-    :class:`~tinyconv.distributed.replica.batch.BatchSplit`'s."""
+    """The master and its workers: the conv part of each batch by images, the classifier on the master
+    (options: :class:`BatchSplit`'s)."""
 
     parallel = "hybrid"
     calibrate_task = "hybrid_calibrate"  # a forward + backward of the conv part
-
-    def _time_own(self, spec: dict[str, Any], batch: int) -> float:
-        own = build(spec, self.backend, batch)  # a copy: the master's net keeps its caches and statistics
-        return time_conv_part(own, spec, batch, self.calibration_repeats)
+    time_slice = staticmethod(time_conv_part)
 
     def _start(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
         conv = conv_part(net)
@@ -94,7 +51,7 @@ class Hybrid(BatchSplit):
         conv, fc = conv_part(net), classifier(net)
         shape = feature_shape(net, self.image_size)
         f = math.prod(shape)
-        cut = self._slices(len(x))
+        cut = Slices.of(self.placement, self.shares(len(x)))
 
         # 1. forward: every participant's features
         fwd = self._op("hybrid forward, step", cut.batch)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -86,16 +87,21 @@ def slice_gradients(net: Network, x: np.ndarray, y: np.ndarray, batch: int, smoo
 
 
 def time_replica(net: Network, spec: dict[str, Any], batch: int, repeats: int) -> float:
-    """Seconds of one forward + backward of ``net`` (built from ``spec``) on ``batch`` random images:
-    the median of ``repeats`` runs after a warm-up (which pays for first-use allocations)."""
+    """Seconds of one forward + backward of ``net`` (built from ``spec``) on ``batch`` random images."""
     rng = np.random.default_rng(0)
     size = spec["image_size"]
     x = rng.standard_normal((batch, spec["in_channels"], size, size)).astype(np.float32)
     y = rng.integers(0, spec["num_classes"], batch)
+    return median_seconds(lambda: slice_gradients(net, x, y, batch), net.backend, repeats)
+
+
+def median_seconds(run: Callable[[], object], be: Backend, repeats: int) -> float:
+    """The median of ``repeats`` timed runs of ``run`` on ``be``, after a warm-up (which pays for first-use
+    allocations)."""
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
-        slice_gradients(net, x, y, batch)
-        net.backend.synchronize()
+        run()
+        be.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])

@@ -6,60 +6,33 @@
     opt.step()                                        # the master applies the optimiser itself
     replicas.last_step                                # comm/conv split, bytes, image shares
 
-One step, for participants i = 0, 1, ... (the master first if it takes part, then the
-workers by index) with n_i images each, sum n_i = N::
-
-    1. the master sends worker i its slice x[s_i:e_i], y[s_i:e_i] and the current weights W
-       (and the batch-norm statistics) -- ``replica_step``;
-    2. it computes its own slice meanwhile, on its own network;
-    3. every participant returns g_i, its slice's part of dL/dW for the mean loss over all N
-       images (``replica.py``), and its logits;
-    4. the master sums g = g_0 + g_1 + ... in participant order (deterministic) into its
-       layers' grads; the optimiser then updates W as after a single-process step.
-
-The weights go out whole with every step, not as updates: a worker that applied the
-master's update to its own copy would round differently from the master's SGD and drift;
-whole weights keep every replica exactly the master's, make a worker that joins or comes
-back need nothing but the next step, and cost what the gradients cost on the way back.
-A step moves, to and from each worker i, 4 (2P + n_i (C H W + 1 + classes)) bytes (plus the
-batch-norm statistics twice): for 50:500 at batch 64 and one worker with half the images,
-2 x 3.8 MB of weights and gradients and 0.4 MB of images. Model parallelism moves feature
-maps instead, which grow with the batch; this does not (docs/how-it-works.md compares them).
-
-Batch norm normalises each slice by its own statistics (per-replica batch norm, as PyTorch's
-DataParallel without SyncBatchNorm), so with ``--norm batch`` a step is not the single-process
-step; the master keeps the running statistics' average weighted by n_i / N, which for the running
-mean is exactly the whole batch's update. With LRN (or no normalisation) a step equals the
-single-process step on the whole batch to float32 round-off. Shares, calibration, the rebalancer
-and lost and joining workers are ``batch.py``'s and ``runtime.py``'s; this file is the step.
+One step: worker i gets its slice x[s_i:e_i], y[s_i:e_i] and the weights, whole (``replica_step``),
+the master computes its own slice meanwhile, and sums the slices' gradients (``replica.py``) in
+participant order. docs/how-it-works.md ("Model, data or hybrid parallelism") says why the weights go
+whole, what a step moves, and what batch norm does per slice.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from backends.base import Array
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.batch import BatchSplit
+from tinyconv.distributed.replica.batch import BatchSplit, Slices
 from tinyconv.distributed.replica.conv_part import feature_shape
-from tinyconv.distributed.replica.replica import build, slice_gradients, time_replica
+from tinyconv.distributed.replica.replica import slice_gradients, time_replica
 from tinyconv.model import Network
 from transports.base import Message
 
 
 class Replicas(BatchSplit):
-    """The master (on ``backend``) and ``workers`` (on ``transport``), each with a whole replica.
-    Options, shares, calibration, lost and joining workers: :class:`~tinyconv.distributed.replica.batch.BatchSplit`."""
+    """The master and its workers, each with a whole replica (options: :class:`BatchSplit`'s)."""
 
     parallel = "data"
     calibrate_task = "replica_calibrate"  # a forward + backward of the whole replica
-
-    def _time_own(self, spec: dict[str, Any], batch: int) -> float:
-        own = build(spec, self.backend, batch)  # a copy: the master's net keeps its statistics
-        return time_replica(own, spec, batch, self.calibration_repeats)
+    time_slice = staticmethod(time_replica)
 
     def _start(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
         return flat.pack(net), flat.pack(net, "buffers")
@@ -68,7 +41,7 @@ class Replicas(BatchSplit):
         self, net: Network, x: np.ndarray, y: np.ndarray, start: tuple[np.ndarray, np.ndarray], smoothing: float
     ) -> tuple[float, Array]:
         params, buffers = start
-        cut = self._slices(len(x))
+        cut = Slices.of(self.placement, self.shares(len(x)))
         op = self._op("data-parallel step", cut.batch)
         extra = {"buffers": buffers} if buffers.size else {}
         smoothed = {"smoothing": smoothing} if smoothing else {}

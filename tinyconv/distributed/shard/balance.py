@@ -1,23 +1,9 @@
 """How many kernels each participant gets: the paper's split (Marques et al. 2017).
 
-Pure arithmetic on small lists (no I/O, no clocks), so the sharded convolution
-(``tinyconv/distributed/shard/``) can be read and tested apart from it. A
-*participant* is anyone computing kernels: the master, if it takes part, and
-each worker. The same arithmetic apportions a layer's input channels
-(``by_channels.py``) and a batch's images (``tinyconv/distributed/replica/``).
-
-1. :func:`speed_weights` -- the paper's eq. 1. From each participant's time t_i
-   for the same benchmark (a convolution of the layer's own shape)::
-
-       w_i = (max_j t_j / t_i) / sum_k (max_j t_j / t_k)
-
-   i.e. shares proportional to speed 1/t_i, normalised to sum to 1.
-2. :func:`apportion` -- turns weights into whole kernels (or channels, or images)
-   that add up to the layer's F exactly (largest-remainder apportionment), and :func:`slices` into
-   contiguous ranges [start, stop) of the weight tensor's rows.
-
-The paper fixes the split after the benchmark; moving kernels as the measured step
-times change goes beyond it, in :mod:`tinyconv.distributed.rebalance`.
+Pure arithmetic on small lists: :func:`speed_weights` is the paper's eq. 1 (times -> weights),
+:func:`apportion` turns weights into whole kernels (or input channels, or images) that add up
+exactly, and :func:`slices` into contiguous ranges. The paper fixes the split after the benchmark;
+moving kernels as the measured step times change goes beyond it, in :mod:`tinyconv.distributed.rebalance`.
 """
 
 from __future__ import annotations

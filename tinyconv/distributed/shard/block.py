@@ -1,11 +1,8 @@
 """A conv block on a slice of kernels: the convolution plus the per-channel layers after it.
 
-The paper sends workers only the convolution and runs every other layer on the master. But
-ReLU, max pool and LRN work channel by channel (LRN on a window of neighbouring channels), so
-they split by kernels just as the convolution does: a participant that owns kernels [s, e) can
-run conv -> ReLU -> LRN -> pool ("the tail") for exactly its channels if it also computes a few
-neighbouring kernels, the *halo*; then the master keeps no per-channel work, and the maps that
-come back are the pooled ones, 4x smaller.
+ReLU, max pool and LRN work channel by channel (LRN on a window of neighbours), so a participant
+that owns kernels [s, e) runs conv -> ReLU -> LRN -> pool ("the tail") for its channels if it also
+computes a few neighbouring kernels, the *halo* (docs/how-it-works.md, "The tail rides along").
 
 The halo, for one cross-channel layer whose output i reads inputs [i - before, i + after]
 (LRN: before = size // 2, after = (size - 1) // 2)::

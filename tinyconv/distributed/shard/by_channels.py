@@ -1,18 +1,12 @@
 """An optimisation beside the paper's split: the convolution split by its *input* channels.
 
-Split by kernels (``by_kernels.py``), every participant reads all of the input: it builds
-the im2col columns of the whole x (491 MB for 300:1000's conv2 at batch 64), streams all
-of them through its forward and its dW GEMM, and computes a full-size partial dX. With
-two participants that duplicated, memory-bound work keeps two halves from costing half
-the time. But a convolution is also a sum over its input channels; with participant i
-holding the channels c_i::
+A convolution is a sum over its input channels; with participant i holding the channels c_i::
 
     forward   y_conv = sum_i P_i + b,   P_i = conv(x[:, c_i], w[:, c_i])      (N, F, OH, OW): all F kernels
     backward  dx[:, c_i], dw[:, c_i] = the conv backward of P_i from all of dY_conv;   db from dY_conv alone
 
-so a participant builds the im2col of its channels only, and its GEMMs read only its
-columns: nothing is computed twice. The tail still goes by kernels (own k_i, halo h_i,
-``block.py``), so each way takes two rounds through the master::
+so nothing is computed twice (split by kernels, everyone builds the im2col of all of x). The tail
+still goes by kernels (own k_i, halo h_i, ``block.py``), so each way takes two rounds through the master::
 
     forward   1. partial_forward    x[:, c_i], w[:, c_i]   -> the parts of P_i the others' halos need
               2. tail_forward       b[h_i], sum_{j!=i} P_j[h_i]
@@ -20,19 +14,10 @@ columns: nothing is computed twice. The tail still goes by kernels (own k_i, hal
     backward  1. tail_backward      dy[:, h_i]             -> dyc_i, the conv-output gradient of k_i
               2. partial_backward   dyc_j for every j != i -> dx[:, c_i], dw[:, c_i], db
 
-What crosses of the conv output -- P's parts, the sums, dyc -- is kernel-major, (F', N, OH, OW),
-the layout the GEMM computes P in and the conv backward reads dY in (``Backend.conv2d_partial``):
-a range of kernels is one contiguous block, sent, summed and joined without a transposing copy.
-
-The price is bytes: each way, every worker sends and receives about its share of the conv output,
-nothing on one machine but more than the kernel split on a LAN (so ``Cluster``'s ``split="auto"``
-uses it only with workers on the master's host). A worker's round 2 goes out as soon as the
-others' round 1 is in (:func:`relay`). And a batch larger than :data:`PIPELINE` images goes in
-chunks (header ``images`` = [a, b, N]): every chunk's partial_forward leaves at once, and each
-worker gets chunk c's sum as soon as the master has chunk c of the others, so these bytes cross
-while chunk c + 1 computes (at 300:1000's batch 256 the partial sums are 390 MB each way); the
-tail, which may need the whole batch (batch norm), runs once the last chunk is summed, and the
-backward's partial_backward goes by the same chunks.
+What crosses of the conv output is kernel-major, (F', N, OH, OW). A worker's round 2 goes out as soon
+as the others' round 1 is in (:func:`relay`), and a batch larger than :data:`PIPELINE` goes in chunks
+(header ``images`` = [a, b, N]). docs/how-it-works.md ("Splitting a convolution by kernels") says why
+each, what they cost in bytes, and what they were measured to gain.
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@
                                                      # asks plan() and runs its split
     cluster.last_step                                # the finished step's comm/conv split, bytes, shares
 
-Who takes part and in which order, a worker lost (its share goes to the others and the op runs
-again) or joining, calibration by eq. 1 and deadlines are every parallelism's (``runtime.py``);
-this file is what the paper's split adds: the sharded layers, their plans, deadlines and step
-records. A step ends with the backward of the first sharded layer: the cluster then records it
-(``accounting.py``) and lets the rebalancer (``rebalance.py``) judge the split, which changes, if
-at all, from the next step on -- never between a forward and its backward.
+Participants, loss and joins, calibration and deadlines are ``runtime.py``'s; this file adds the
+sharded layers, their plans and the step's record, taken with the first layer's backward. The
+rebalancer's new split applies from the next step on, never between a forward and its backward.
 """
 
 from __future__ import annotations
@@ -28,14 +25,15 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import LayerStep, step_record
 from tinyconv.distributed.adaptive_precision import formats_of, policy
 from tinyconv.distributed.calibrate import time_everyone
+from tinyconv.distributed.conv_shapes import conv_shapes
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion
 from tinyconv.distributed.shard.block import tail_of
 from tinyconv.distributed.shard.by_channels import PIPELINE
-from tinyconv.distributed.shard.layer import ShardedBlock, block_inputs
+from tinyconv.distributed.shard.layer import ShardedBlock
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.wire_codec import Narrowing
-from tinyconv.layers import Conv2D
+from tinyconv.layers import Conv2D, Layer
 from tinyconv.model import Network
 from tinyconv.parallel import forward_backward
 from transports.base import Transport, WorkerInfo
@@ -105,20 +103,15 @@ class Cluster(Runtime):
             return
         if self._net is not None:
             raise ValueError("this cluster already serves another network: detach it first")
-        layers = []
-        i = 0
+        layers, i = [], 0
         while i < len(net.layers):
-            layer = net.layers[i]
-            if not isinstance(layer, Conv2D):
-                layers.append(layer)
-                i += 1
-                continue
-            tail = net.layers[i + 1 : i + 1 + len(tail_of(net.layers[i + 1 :]))] if self.fuse else []
-            by_channels = layer.need_dx and self.split_by_channels  # the first conv needs no dX: by kernels
-            block = ShardedBlock(self, len(self.blocks), layer, tail, by_channels)
-            self.blocks.append(block)
-            layers.append(block)
-            i += 1 + len(tail)
+            layer, i = net.layers[i], i + 1
+            if isinstance(layer, Conv2D):
+                tail = net.layers[i : i + len(tail_of(net.layers[i:]))] if self.fuse else []
+                by_channels = layer.need_dx and self.split_by_channels  # the first conv needs no dX: by kernels
+                layer, i = ShardedBlock(self, len(self.blocks), layer, tail, by_channels), i + len(tail)
+                self.blocks.append(layer)
+            layers.append(layer)
         if not self.blocks:
             raise ValueError("the network has no Conv2D layer: there is nothing to distribute")
         net.layers = layers
@@ -128,8 +121,12 @@ class Cluster(Runtime):
         """Put ``net``'s own layers back: its convolutions are computed on the master alone again."""
         if self._net is not net:
             return
-        net.layers = [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
+        net.layers = self._unfused(net)
         self.blocks, self._net, self._done = [], None, []
+
+    def _unfused(self, net: Network) -> list[Layer]:
+        """``net``'s own layers: each ShardedBlock of this cluster opened into its convolution and tail."""
+        return [inner for layer in net.layers for inner in (layer.layers if layer in self.blocks else [layer])]
 
     def _release(self) -> None:
         if self._net is not None:
@@ -138,9 +135,8 @@ class Cluster(Runtime):
     def train_batch(
         self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
     ) -> tuple[float, Array]:
-        """One forward + backward of the attached ``net`` on the batch x (N, C, H, W), y (N,), as on the
-        master alone (:func:`~tinyconv.parallel.forward_backward`): its sharded blocks run their splits
-        on the way (``layer.py``). Returns (the mean loss, the logits)."""
+        """:func:`~tinyconv.parallel.forward_backward` of the attached ``net``: its sharded blocks run their
+        splits on the way. Returns (the mean loss, the logits)."""
         return forward_backward(net, x, y, smoothing)
 
     def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
@@ -155,8 +151,8 @@ class Cluster(Runtime):
         return result
 
     def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
-        inputs = block_inputs(net.layers, batch_size, self.image_size)
-        specs = self._specs = [_spec(block, x) for block, x in zip(self.blocks, inputs, strict=True)]
+        convs = conv_shapes(Network(net.backend, self._unfused(net)), batch_size, self.image_size)
+        specs = self._specs = [_spec(block, c.x) for block, c in zip(self.blocks, convs, strict=True)]
         master = self.backend if ("master", None) in self.placement else None
         times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
         return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.placement}
@@ -220,27 +216,11 @@ class Cluster(Runtime):
         return block.by_channels and enough and any(k is not None for _, k in self.placement)
 
     def timeout(self, block: ShardedBlock, batch: int) -> float:
-        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images: ten times what
-        the op should take, at least 10 s, at most ``recv_timeout``::
-
-            10 * max(1, batch / calibrated batch) * (max_i t_i + max_k B_k s_k)
-
-        t_i: participant i's calibrated time for the layer; B_k: the most array bytes one op of the
-        layer moved to and from worker k last step; s_k: the seconds per byte its link measured,
-        upper bounds included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all
-        of those are known, ``recv_timeout``.
-        """
-        known = [self.timings.get(name, {}).get(block.name) for name, _ in self.placement]
-        moved = self._moved.get(block.name, {})
-        transfer = [
-            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
-            for name, k in self.placement
-            if k is not None
-        ]
-        if not known or None in known or None in transfer or self._specs is None:
+        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images (:meth:`Runtime._timeout`)."""
+        if self._specs is None:
             return self.recv_timeout
         calibrated = self._specs[self.blocks.index(block)]["x"][0]
-        return self._deadline((max(known) + max(transfer, default=0.0)) * max(1.0, batch / calibrated))
+        return self._timeout(block.name, max(1.0, batch / calibrated), self._moved.get(block.name, {}))
 
     # ---- steps ------------------------------------------------------------------------------
     def codec(self, block: ShardedBlock) -> Narrowing | None:
@@ -287,17 +267,6 @@ class Cluster(Runtime):
             self.counts[d.name] = proposal
             rebalanced[d.name] = list(proposal)
         return rebalanced
-
-    def lost_any(self, plan: Plan) -> bool:
-        """Whether a worker with a share in ``plan`` is lost."""
-        return any(p.worker in self.lost for p in plan.workers)
-
-
-def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
-    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
-    if nbytes == 0:
-        return 0.0
-    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte
 
 
 def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:

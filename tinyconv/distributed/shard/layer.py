@@ -1,18 +1,9 @@
 """ShardedBlock: the layer that stands in a network for a convolution and its tail, computed in shards.
 
-:meth:`Cluster.attach <tinyconv.distributed.shard.cluster.Cluster.attach>` replaces each Conv2D of a
-network, and the ReLU / LRN / max pool right after it (its *tail*, with ``fuse``), by one
-ShardedBlock in the network's list of layers, and ``detach`` puts them back. The block owns
-the very same parameter arrays as its Conv2D, so the optimiser, the checkpoints and the
-numbers do not change; only who computes them does.
-
-Each forward asks the cluster for the layer's plan (``plan.py``) and runs the split it
-calls for: by kernels, the paper's (``by_kernels.py``), or by input channels
-(``by_channels.py``); its backward runs the same split with the same plan, then tells
-the cluster the layer's step is done, with what it cost (``accounting.py``). When a worker
-is lost during either, the cluster shares its kernels among the others and the layer runs
-again -- a backward whose forward had the lost worker runs that forward again first, on the
-input it kept.
+It owns the very same parameter arrays as its Conv2D, so the optimiser, the checkpoints and the
+numbers do not change; only who computes them does. Each forward runs the split its plan calls for
+(``by_kernels.py`` or ``by_channels.py``), the backward the same one; a worker lost during either:
+the layer runs again on a new plan, a backward whose forward had the lost worker its forward first.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from tinyconv.distributed.shard import by_channels, by_kernels
 from tinyconv.distributed.shard.block import tail_of, tail_output_hw
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.wire_codec import Narrowing
-from tinyconv.layers import Conv2D, Layer, Linear
+from tinyconv.layers import Conv2D, Layer
 
 
 class Coordinator(Protocol):
@@ -36,6 +27,7 @@ class Coordinator(Protocol):
     backend: Backend  # the master's
     rpc: Rpc
     placement: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
+    lost: dict[int, str]  # the workers lost, index -> why
     step: int  # training steps finished
     pipeline: int  # images per chunk of a layer split by input channels (0: the whole batch)
 
@@ -44,8 +36,6 @@ class Coordinator(Protocol):
     def timeout(self, block: ShardedBlock, batch: int) -> float: ...
 
     def lose(self, workers: dict[int, str]) -> None: ...
-
-    def lost_any(self, plan: Plan) -> bool: ...
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
@@ -102,7 +92,7 @@ class ShardedBlock(Layer):
     def backward(self, dy: Array) -> Array | None:
         fwd = self.cache
         while True:
-            if self.cluster.lost_any(fwd.plan):  # its forward's kept state is gone with the worker
+            if any(p.worker in self.cluster.lost for p in fwd.plan.workers):  # its kept state went with it
                 _, fwd = self._forward(fwd.x, fwd.step)
             op = self._op("backward", fwd.step, fwd.x.shape[0])
             try:
@@ -131,17 +121,3 @@ class ShardedBlock(Layer):
 
     def __repr__(self) -> str:
         return f"ShardedBlock({' -> '.join(map(repr, self.layers))})"
-
-
-def block_inputs(layers: list[Layer], batch_size: int, image_size: int) -> list[tuple[int, ...]]:
-    """The input shape (N, C, H, W) of each ShardedBlock among a network's ``layers``, for square images."""
-    blocks = [layer for layer in layers if isinstance(layer, ShardedBlock)]
-    shape: tuple[int, ...] = (batch_size, blocks[0].conv.in_channels, image_size, image_size)
-    inputs = []
-    for layer in layers:
-        if isinstance(layer, Linear):
-            break
-        if isinstance(layer, ShardedBlock):
-            inputs.append(shape)
-        shape = layer.output_shape(shape)
-    return inputs
