@@ -95,11 +95,58 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def summarize(
-    history: list[dict[str, Any]], step_times: list[float], step_splits: list[dict[str, Any]], epoch: int,
-    step: int, distributed: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """The run's summary from its epochs' records (``history``), each step's time and split: the last
+class Tally:
+    """Each step's metrics record, aggregated as it comes, so that a run of any length holds the same
+    memory: the medians are over the last ``window`` steps, the bytes and who sat out over all of them."""
+
+    TIMES = ("time_s", "comm_s", "conv_s", "comp_s")
+
+    def __init__(self, window: int = 8192) -> None:
+        self.steps = 0
+        self._times = np.zeros((window, len(self.TIMES)))  # a ring: step i's row is i % window
+        self.bytes = {"bytes_sent": 0, "bytes_recv": 0}  # in all, and each participant's by name
+        self.per: dict[str, dict[str, int]] = {"bytes_sent": {}, "bytes_recv": {}}
+        self.last: dict[str, Any] = {}  # the last distributed step's record: its participants and shares
+        self.split_steps = 0
+        self._idle: dict[tuple[str, str], dict[str, Any]] = {}  # (participant, layer) -> its steps without work
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self._times[self.steps % len(self._times)] = [rec.get(k, 0.0) for k in self.TIMES]
+        self.steps += 1
+        if "participants" not in rec:  # the master alone: no split to add up
+            return
+        self.last, self.split_steps = rec, self.split_steps + 1
+        for key, per in self.per.items():
+            self.bytes[key] += int(rec[key])
+            for name, b in zip(rec["participants"], rec[f"participant_{key}"], strict=True):
+                per[name] = per.get(name, 0) + int(b)
+        channels = rec.get("channel_shares") or {}
+        for layer, kernels in rec["shares"].items():
+            for i, (name, k) in enumerate(zip(rec["participants"], kernels, strict=True)):
+                if k == 0 and (layer not in channels or channels[layer][i] == 0):  # input channels are work too
+                    e = self._idle.setdefault((name, layer), {"steps": 0, "few": 0, "kernels": sum(kernels)})
+                    e["steps"] += 1
+                    e["few"] += sum(kernels) < len(kernels)
+                    e["participants"] = len(kernels)
+
+    def median(self, key: str) -> float | None:
+        n = min(self.steps, len(self._times))
+        return float(np.median(self._times[:n, self.TIMES.index(key)])) if n else None
+
+    def sat_out(self) -> list[dict[str, Any]]:
+        """Who computed nothing of a layer (no kernels, nor input channels where it is split by them), in
+        how many of the steps, and why: "too few kernels" (fewer than participants, so someone must) or
+        "too slow" (the rebalancer found its one kernel would outlast the others' whole layer)."""
+        return [
+            {"participant": name, "layer": layer, "steps": e["steps"], "of": self.split_steps,
+             "reason": "too few kernels" if e["few"] == e["steps"] else "too slow", "kernels": e["kernels"],
+             "participants": e["participants"]}
+            for (name, layer), e in self._idle.items()
+        ]  # fmt: skip
+
+
+def summarize(history: list[dict[str, Any]], tally: Tally, epoch: int, step: int) -> dict[str, Any]:
+    """The run's summary from its epochs' records (``history``) and its steps' ``tally``: the last
     epoch's losses and accuracy, the best accuracy, times per epoch and step; when distributed, the
     median comm/conv/comp split, the bytes (in all and each participant's) and the last shares."""
     last = history[-1] if history else {}
@@ -112,46 +159,19 @@ def summarize(
         "test_acc": last.get("test_acc"),
         "best_test_acc": max((h["test_acc"] for h in history), default=None),
         "time_per_epoch_s": float(np.mean(full)) if full else None,
-        "median_step_s": float(np.median(step_times)) if step_times else None,
+        "median_step_s": tally.median("time_s"),
     }
-    if not (distributed and step_splits):
+    if not tally.last:
         return out
     for k in ("comm_s", "conv_s", "comp_s"):
-        out[f"median_{k}"] = float(np.median([s[k] for s in step_splits]))
-    # in all, and each participant's by name (the master's are 0: it keeps its share) over the steps that had them
-    names = step_splits[-1]["participants"]
-    for key in ("bytes_sent", "bytes_recv"):
-        out[key] = int(sum(s[key] for s in step_splits))
-        per = {name: 0 for name in names}
-        for s in step_splits:
-            for name, b in zip(s["participants"], s[f"participant_{key}"], strict=True):
-                per[name] = per.get(name, 0) + int(b)
-        out[f"participant_{key}"] = per
+        out[f"median_{k}"] = tally.median(k)
+    names = tally.last["participants"]
+    for key, per in tally.per.items():  # the master's are 0: it keeps its share
+        out[key] = tally.bytes[key]
+        out[f"participant_{key}"] = {**{name: per.get(name, 0) for name in names}, **per}  # the last step's first
     out["participants"] = list(names)  # the order of the shares' lists
-    out["final_shares"] = step_splits[-1]["shares"]
-    if step_splits[-1].get("channel_shares"):  # input channels, for layers split by them
-        out["final_channel_shares"] = step_splits[-1]["channel_shares"]
-    out["sat_out"] = sat_out(step_splits)
+    out["final_shares"] = tally.last["shares"]
+    if tally.last.get("channel_shares"):  # input channels, for layers split by them
+        out["final_channel_shares"] = tally.last["channel_shares"]
+    out["sat_out"] = tally.sat_out()
     return out
-
-
-def sat_out(step_splits: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Who computed nothing of a layer (no kernels, nor input channels where it is split by them), in
-    how many of the steps, and why: "too few kernels" (fewer than participants, so someone must) or
-    "too slow" (the rebalancer found its one kernel would outlast the others' whole layer)."""
-    seen: dict[tuple[str, str], dict[str, Any]] = {}
-    for s in step_splits:
-        channels = s.get("channel_shares") or {}
-        for layer, kernels in s["shares"].items():
-            for i, (name, k) in enumerate(zip(s["participants"], kernels, strict=True)):
-                if k == 0 and (layer not in channels or channels[layer][i] == 0):
-                    entry = seen.setdefault((name, layer), {"steps": 0, "few": 0, "kernels": sum(kernels)})
-                    entry["steps"] += 1
-                    entry["few"] += sum(kernels) < len(kernels)
-                    entry["participants"] = len(kernels)
-    return [
-        {"participant": name, "layer": layer, "steps": e["steps"], "of": len(step_splits),
-         "reason": "too few kernels" if e["few"] == e["steps"] else "too slow", "kernels": e["kernels"],
-         "participants": e["participants"]}
-        for (name, layer), e in seen.items()
-    ]  # fmt: skip

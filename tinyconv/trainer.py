@@ -41,7 +41,7 @@ from tinyconv.model import Network
 from tinyconv.optim import SGD
 from tinyconv.parallel import Parallel, forward_backward
 from tinyconv.prefetch import Batch, InOrder, Prefetcher
-from tinyconv.report import summarize
+from tinyconv.report import Tally, summarize
 from tinyconv.schedule import learning_rate
 from tinyconv.stopping import SignalGuard
 from tinyconv.train_config import TrainConfig, planned_steps
@@ -72,7 +72,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
         self.history: list[dict[str, Any]] = []
-        self.step_splits: list[dict[str, Any]] = []  # each step's metrics record
+        self.tally = Tally()  # the steps' records, aggregated as they come: memory stays flat however long the run
         self.saved: tuple[int, str] | None = None  # (step, path) of the last checkpoint written
         self.save_error: str | None = None  # why the checkpoint on the way out failed
         self.plan_restored = False  # resume took up the checkpoint's split
@@ -155,7 +155,7 @@ class Trainer:
             self.batch_in_epoch = batch.index + 1
             self._whole = True
             acc, rec = self._record(t0, logits, batch.y, batches.waited_s)
-            self.step_splits.append(rec)
+            self.tally.add(rec)
             self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
             self._write_cluster_events()
         return loss, acc
@@ -347,5 +347,4 @@ class Trainer:
     # ---- reporting --------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """The run's results so far (``tinyconv/report.py``)."""
-        times = [s["time_s"] for s in self.step_splits]
-        return summarize(self.history, times, self.step_splits, self.epoch, self.step, self.cluster is not None)
+        return summarize(self.history, self.tally, self.epoch, self.step)
