@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -281,6 +282,31 @@ def test_checkpoint_every_n_steps_and_at_each_epoch_end(numpy_backend, tiny_data
     # 4 steps per epoch: every 3 steps, and each epoch's end (step 12, the last, only once)
     assert saves == [3, 4, 6, 8, 9, 12]
     assert read_checkpoint(tmp_path / "c.npz").meta["step"] == 12
+
+
+def test_a_checkpoint_that_cannot_be_written_is_reported_and_tried_again(
+    numpy_backend, tiny_data, tmp_path, monkeypatch, capsys
+):
+    # a full disk at steps 4 and 6: the run goes on, the checkpoint of step 3 stays whole, step 8's is written
+    path, savez, held = tmp_path / "c.npz", np.savez, []
+
+    def full_disk(f, **arrays):
+        step = json.loads(str(arrays["meta"]))["step"]
+        if step in (4, 6):
+            held.append(read_checkpoint(path).meta["step"])
+            f.write(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        savez(f, **arrays)
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    trainer = _trainer(numpy_backend, tiny_data, tmp_path, epochs=3, checkpoint=str(path), checkpoint_every=3)
+    assert trainer.fit()["steps"] == 12
+    assert held == [3, 3]  # what the failed writes found there: the last good checkpoint, whole
+    failed = [e for e in read_metrics(tmp_path / "m.jsonl") if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [4, 6] and "No space left" in failed[0]["error"]
+    assert "the checkpoint of step 4 could not be written" in capsys.readouterr().err
+    assert read_checkpoint(path).meta["step"] == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "m.jsonl"]  # no half-written file left
 
 
 def test_checkpoint_every_m_minutes(numpy_backend, tiny_data, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ runs with signals held until it is done.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -257,7 +258,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.opt.lr:.3g}")
                 if self._checkpoint_due():
                     with self.signals.held():
-                        self.save(self.cfg.checkpoint)
+                        self._save_between_steps()
         bar.close()
         return losses, accs
 
@@ -295,7 +296,7 @@ class Trainer:
                 self.epoch += 1
                 self.batch_in_epoch = 0
             if self.cfg.checkpoint:
-                self.save(self.cfg.checkpoint)
+                self._save_between_steps()
         train_loss = record["train_loss"] if losses else float("nan")
         tqdm.write(
             f"epoch {record['epoch']}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
@@ -321,6 +322,20 @@ class Trainer:
         self.saved = (self.step, str(path))
         self._saved_at = time.monotonic()
         return size
+
+    def _save_between_steps(self) -> None:
+        """A periodic or epoch-end checkpoint. One that cannot be written (a full disk) does not end the
+        run: it is reported, the last checkpoint stays as it was (the write is atomic), and the next
+        interval tries again."""
+        try:
+            self.save(self.cfg.checkpoint)
+        except OSError as e:
+            self._saved_at = time.monotonic()  # the next try is an interval away, not a step
+            kept = f"the one of step {self.saved[0]} stays" if self.saved else "there is none yet"
+            tqdm.write(
+                f"warning: the checkpoint of step {self.step} could not be written ({e}); {kept}", file=sys.stderr
+            )
+            self.metrics.write("checkpoint_failed", step=self.step, error=f"{type(e).__name__}: {e}")
 
     def resume(self, source: str | Path | Checkpoint) -> str | None:
         """Restore everything ``save`` wrote; training then continues exactly as if never stopped.
