@@ -65,6 +65,7 @@ from tinyconv.model import NORMS, PAPER_ARCHS, parse_arch  # noqa: E402
 from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
+from tinyconv.stopping import SignalGuard  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
 from transports import available_transports  # noqa: E402
 from transports.mpi_worker import rank_and_size, serve_if_worker  # noqa: E402
@@ -777,6 +778,15 @@ def load_data(args: argparse.Namespace) -> Dataset:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with SignalGuard().installed():  # SIGTERM at any moment, start-up included, ends with a message and 143
+        try:
+            return start(argv)
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM before the trainer holds them
+            return stopped(getattr(e, "signum", signal.SIGINT), None)
+
+
+def start(argv: list[str] | None) -> int:
+    """Check the options, load the data, build the network, then train (``run``); -> the exit code."""
     started = time.monotonic()
     try:
         args = build_parser().parse_args(argv)
@@ -789,8 +799,6 @@ def main(argv: list[str] | None = None) -> int:
         print(plan_line(args, kernels, len(data.x_train)), flush=True)
     except (UsageError, DataError, *ERRORS) as e:
         return fail(e)
-    except KeyboardInterrupt:
-        return stopped(signal.SIGINT, None)
     net = tc.paper_net(kernels, backend, args.norm, seed=args.seed, pool_kernel=args.pool)
     print(net)
     print(f"{net.num_params():,} parameters; master: {backend.describe()['device']} ({args.backend})")

@@ -296,6 +296,24 @@ def test_a_signal_checkpoints_the_last_step_and_the_run_resumes_without_duplicat
     assert [e["step"] for e in steps_of(metrics)] == list(range(1, step + 3))
 
 
+def test_sigterm_while_waiting_for_workers_ends_with_a_message(tmp_path):
+    # before training starts the trainer holds no signal: the command's own guard turns SIGTERM into 143
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *SMOKE, "--transport", "zmq", "--external-workers",
+           "--workers", "1", "--bind", "tcp://127.0.0.1:0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        for line in proc.stdout:  # the waiting line is the synchronisation
+            if line.startswith("waiting for 1 worker"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, err
+
+
 @pytest.fixture(scope="module")
 def example():
     spec = importlib.util.spec_from_file_location("cifar10_dist_inprocess", EXAMPLE)

@@ -34,13 +34,18 @@ class SignalGuard:
     @contextmanager
     def installed(self) -> Iterator[None]:
         """Ctrl-C and SIGTERM raise :class:`Stopped` inside the block. Only in the main thread, and only
-        where nobody else handles them (the defaults are in place)."""
+        where nobody else handles them: the defaults are in place, or another guard's (a command's, around
+        its start-up), which this one stands in for until its block ends."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
         defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
         previous = {s: signal.getsignal(s) for s in defaults}
-        mine = [s for s in defaults if previous[s] is defaults[s]]
+        mine = [
+            s
+            for s in defaults
+            if previous[s] is defaults[s] or isinstance(getattr(previous[s], "__self__", None), SignalGuard)
+        ]
         for s in mine:
             signal.signal(s, self._on_signal)
         try:
