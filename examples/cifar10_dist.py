@@ -66,6 +66,7 @@ from tinyconv.presets import DEFAULT_PRESET, PRESETS, Preset  # noqa: E402
 from tinyconv.report import summary_table  # noqa: E402
 from tinyconv.schedule import SCHEDULES  # noqa: E402
 from tinyconv.stopping import SignalGuard  # noqa: E402
+from tinyconv.supervisor import restartable_command, supervise  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
 from transports import available_transports  # noqa: E402
 from transports.mpi_worker import rank_and_size, serve_if_worker  # noqa: E402
@@ -414,6 +415,14 @@ def _output(p: argparse.ArgumentParser) -> None:
         "--resume",
         help="resume bit-identically from this checkpoint (same --arch, --norm, --pool and --batch-size)",
     )
+    g.add_argument(
+        "--max-restarts",
+        type=count(0),
+        default=0,
+        metavar="N",
+        help="run training under a supervisor that restarts it from --checkpoint when it dies abnormally (a crash, "
+        "SIGKILL, the out-of-memory killer), at most N times; workers rejoin the new master (default 0: no supervisor)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -440,6 +449,11 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[int, int], Checkpoint | 
     check_writable(args.checkpoint, "--checkpoint")
     if (args.checkpoint_every or args.checkpoint_minutes) and not args.checkpoint:
         raise UsageError("--checkpoint-every and --checkpoint-minutes need --checkpoint FILE to save to")
+    if args.max_restarts and not args.checkpoint:
+        raise UsageError("--max-restarts restarts training from its checkpoint: give --checkpoint FILE too "
+                         "(and --checkpoint-every N to lose at most N steps)")  # fmt: skip
+    if args.max_restarts and args.transport == "mpi":
+        raise UsageError("--max-restarts supervises one master process; under mpiexec, run the job again with --resume")
     return kernels, check_resume(args, *kernels)
 
 
@@ -791,6 +805,9 @@ def start(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
+        if args.max_restarts:  # this process only supervises; a child trains (tinyconv/supervisor.py)
+            command = restartable_command(str(Path(__file__).resolve()), sys.argv[1:] if argv is None else argv)
+            return supervise(command, Path(args.checkpoint), args.max_restarts)
         keep_freed_memory()  # each step reuses the last step's pages (tinyconv/distributed/heap.py)
         if args.transport == "mpi" and (code := serve_mpi_rank(args)) is not None:
             return code

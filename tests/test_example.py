@@ -314,6 +314,56 @@ def test_sigterm_while_waiting_for_workers_ends_with_a_message(tmp_path):
     assert proc.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, err
 
 
+def test_a_supervised_master_killed_mid_run_comes_back_from_its_checkpoint(tmp_path):
+    metrics, ck = tmp_path / "run.jsonl", tmp_path / "run.npz"
+    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *SMOKE, "--workers", "0", "--steps", "300", "--checkpoint",
+           str(ck), "--checkpoint-every", "1", "--metrics-out", str(metrics), "--max-restarts", "2"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("supervisor: training in process "), first
+        wait_for_a_step(proc, metrics)
+        deadline = time.monotonic() + 60
+        while not ck.exists():  # the first checkpoint follows the first step line
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint within the timeout"
+            time.sleep(0.02)  # polling the file: its appearance is the synchronisation
+        os.kill(int(first.split()[-1]), signal.SIGKILL)  # the master, not its supervisor
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "supervisor: training died (exit 137); restart 1 of 2" in out
+    assert f"resumed from {ck}" in out
+    assert [e["step"] for e in steps_of(metrics)] == list(range(1, 301))  # every step once, none twice
+
+
+def test_sigterm_to_the_supervisor_stops_the_run_as_it_stops_an_unsupervised_one(tmp_path):
+    metrics, ck = tmp_path / "run.jsonl", tmp_path / "run.npz"
+    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *SMOKE, "--workers", "0", "--steps", "300", "--checkpoint",
+           str(ck), "--metrics-out", str(metrics), "--max-restarts", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        wait_for_a_step(proc, metrics)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "stopped by SIGTERM" in err and "restart" not in out, err
+    assert f"continue with --resume {ck}" in err
+
+
+def test_a_run_that_ends_as_asked_is_not_restarted(tmp_path):
+    out = run_example(*SMOKE, "--workers", "0", "--steps", "2", "--checkpoint", str(tmp_path / "c.npz"),
+                      "--max-restarts", "3")  # fmt: skip
+    assert out.returncode == 0 and out.stdout.count("supervisor: training in process") == 1, out.stderr
+    refused = run_example(*SMOKE, "--workers", "0", "--max-restarts", "3")
+    assert refused.returncode == 2 and "--max-restarts restarts training from its checkpoint" in refused.stderr
+
+
 @pytest.fixture(scope="module")
 def example():
     spec = importlib.util.spec_from_file_location("cifar10_dist_inprocess", EXAMPLE)
