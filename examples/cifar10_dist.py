@@ -727,6 +727,12 @@ def run(args: argparse.Namespace, argv: list[str] | None, net, backend, data, ch
     return 0
 
 
+INSECURE = (
+    "--insecure: workers join without keys and the traffic is not encrypted: any process that reaches the "
+    "master's address can join as a worker, read the batches and weights and send poisoned results"
+)
+
+
 def plan_line(args: argparse.Namespace, kernels: tuple[int, int], n_train: int) -> str:
     """What the run will do, in one line before it starts: the preset, the network, the epochs and steps,
     and what to expect (the preset's measured figures, which a changed option makes another run's)."""
@@ -744,6 +750,8 @@ def plan_line(args: argparse.Namespace, kernels: tuple[int, int], n_train: int) 
     )
     if args.changed:
         line += f" -- for the preset as it is; this run changes {', '.join(args.changed)}"
+    if args.insecure:
+        line += " -- INSECURE: workers join without keys"
     return line
 
 
@@ -813,6 +821,8 @@ def start(argv: list[str] | None) -> int:
             return code
         backend = tc.get_backend(args.backend, **({"device": args.device} if args.device else {}))
         data = load_data(args)
+        if args.insecure:
+            print(f"warning: {INSECURE}", file=sys.stderr)
         print(plan_line(args, kernels, len(data.x_train)), flush=True)
     except (UsageError, DataError, *ERRORS) as e:
         return fail(e)

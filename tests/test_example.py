@@ -356,6 +356,15 @@ def test_sigterm_to_the_supervisor_stops_the_run_as_it_stops_an_unsupervised_one
     assert f"continue with --resume {ck}" in err
 
 
+def test_insecure_is_said_at_start_and_in_the_plan_line():
+    out = run_example(*SMOKE, "--workers", "0", "--steps", "1", "--insecure")
+    assert out.returncode == 0, out.stderr
+    assert "warning: --insecure: workers join without keys" in out.stderr
+    plan = next(line for line in out.stdout.splitlines() if line.startswith("preset "))
+    assert plan.endswith("-- INSECURE: workers join without keys")
+    assert "INSECURE" not in run_example(*SMOKE, "--workers", "0", "--steps", "1").stdout
+
+
 def test_a_run_that_ends_as_asked_is_not_restarted(tmp_path):
     out = run_example(*SMOKE, "--workers", "0", "--steps", "2", "--checkpoint", str(tmp_path / "c.npz"),
                       "--max-restarts", "3")  # fmt: skip
