@@ -16,7 +16,7 @@ import tinyconv as tc
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed import wire_codec
 from tinyconv.distributed import wire_precision as wp
-from tinyconv.distributed.adaptive_precision import AdaptivePrecision, FixedPrecision, formats_of, policy
+from tinyconv.distributed.adaptive_precision import AdaptivePrecision, formats_of, policy
 from tinyconv.distributed.protocol import TaskError, check_result, check_task
 from tinyconv.distributed.rpc import Lost, Rpc
 from tinyconv.distributed.wire_codec import Narrowing, decode_task, narrowed
@@ -308,7 +308,7 @@ class Loopback(Transport):
 def test_an_overflowing_array_goes_fp32_both_ways_and_is_counted():
     worker = Worker(NumpyBackend())
     rpc = Rpc(Loopback([worker.handle]), Loopback([]).start(1), timeout=5.0)
-    formats = formats_of(FixedPrecision("fp16").roles("conv1"))
+    formats = formats_of(policy("fp16").roles("conv1"))
     x = np.ones((1, 1, 4, 4), np.float32)
     for x_max, w, fallbacks in ((1e5, 1e-6, 1), (1.0, 1e5, 2), (1.0, 1.0, 0)):  # x alone; w and the maps y
         x[0, 0, 0, 0] = x_max

@@ -1,23 +1,14 @@
 """Reduced precision on the wire as a codec at the edges: narrowed as a message is encoded, widened as it is decoded.
 
-The task protocol (``protocol.py``) speaks float32. With ``--wire-precision`` a layer's task may
-carry its float32 arrays narrowed (``wire_precision.py``), each named in its optional header
-``narrow`` = {array: format} ("bf16", "fp16", "adt24", or ["s8", H, W]: s8 with the plane its
-scales are per; an array not named is float32), and ask for its result's arrays in ``reply`` =
-{result array: format} (format names alone: the worker knows its results' shapes); the result
-names what it narrowed in its own ``narrow`` (an array asked for narrow that comes back float32
-fell back: narrowing would have made a finite number infinite). Every declared format is checked
-against its array's dtype and shape before anything is widened, and the receiver widens to float32
-right after, so every computation -- and every check of ``protocol.py`` -- sees float32.
-
-The two edges: the master's, an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's
-(``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back` and
-:func:`encode_result` as its result goes (a task without ``narrow`` or ``reply`` passes as it is).
-
-A backend that converts words on its device (``backends.base.WireConversion``: OpenCL's bf16) is
-used where it can be: an input the worker puts straight on the backend is widened there after only
-its narrow words were written, and a result still on the device is narrowed there and only its
-narrow words are read back. The same words cross the wire either way.
+With ``--wire-precision`` a layer's task names its narrowed arrays in its optional header ``narrow`` = {array:
+format} ("bf16", "fp16", "adt24", or ["s8", H, W]: s8 with its plane; an array not named is float32), and asks
+for its result's arrays in ``reply`` = {result array: format}; the result names what it narrowed in its own
+``narrow`` (an array asked for narrow that comes back float32 fell back). Every declaration is checked against
+its array's dtype and shape before anything is widened, so every computation and every check of ``protocol.py``
+sees float32. The master's edge is an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's is
+``worker/handler.py``'s :func:`decode_task`, :func:`read_back` and :func:`encode_result`. A backend that converts
+words on its device (``backends.base.WireConversion``) widens and narrows there what it holds; the same words
+cross the wire either way.
 """
 
 from __future__ import annotations
