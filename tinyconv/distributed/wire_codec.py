@@ -76,7 +76,8 @@ def decode_task(msg: Message, backend: Backend, on_backend: frozenset[str]) -> t
         raise TaskError(str(e)) from None
     narrow = _declarations(msg.kind, msg, TaskError, frozenset(TASKS[msg.kind].labels.split()))
     reply = msg.header.get("reply", {})
-    _check_formats(f"{msg.kind}'s reply", reply, set(TASKS[msg.kind].result.split()), TaskError)
+    results = set(TASKS[msg.kind].result.split())
+    _check_formats(f"{msg.kind}'s reply", reply, results, TaskError, lambda _, fmt: wire_precision.check_format(fmt))
 
     def there(name: str, carried: np.ndarray, declared: Declared) -> Any:
         if name not in on_backend or not isinstance(declared, str):  # s8's declaration is a list: host
@@ -146,30 +147,24 @@ def widened(
 def _declarations(
     what: str, msg: Message, error: type[Exception], labels: frozenset[str] = frozenset()
 ) -> dict[str, Declared]:
-    """``msg``'s header ``narrow``, checked: it names some of its float32 arrays, each with a known
-    format, and each of those arrays is a well-formed carrier of what it declares."""
+    """``msg``'s header ``narrow``, checked: it names some of its float32 arrays, each a well-formed carrier of
+    what it declares (``wire_precision.check_carried``)."""
     narrow = msg.header.get("narrow", {})
-    _check_formats(f"{what}'s narrow", narrow, set(msg.arrays) - labels, error, declared=True)
-    for name, declared in narrow.items():
-        try:
-            wire_precision.check_carried(declared, msg.arrays[name])
-        except ValueError as e:
-            raise error(f"{what}: {name}: {e}") from None
+    names = set(msg.arrays) - labels
+    _check_formats(
+        f"{what}'s narrow", narrow, names, error, lambda name, d: wire_precision.check_carried(d, msg.arrays[name])
+    )
     return narrow
 
 
 def _check_formats(
-    what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception], declared: bool = False
+    what: str, formats: dict, names: set[str], error: type[Exception], check: Callable[[str, Any], object]
 ) -> None:
-    """``formats`` must map some of ``names`` to known wire formats (``declared``: as a ``narrow``
-    declares them, s8 with its plane, ``wire_precision.check_declared``)."""
+    """``formats`` must map some of ``names`` to what ``check(name, format)`` accepts (a ValueError: not)."""
     for name, fmt in formats.items():
         if name not in names:
             raise error(f"{what} names {name!r}, which is not one of its float32 arrays {sorted(names)}")
-        if declared and (fmt == "s8" or isinstance(fmt, list)):
-            try:
-                wire_precision.check_declared(fmt)
-            except ValueError as e:
-                raise error(f"{what}: {name}: {e}") from None
-        elif not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
-            raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")
+        try:
+            check(name, fmt)
+        except ValueError as e:
+            raise error(f"{what}: {name}: {e}") from None

@@ -173,7 +173,7 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
 
 
 def _narrow_s8(x: np.ndarray) -> Narrowed:
-    """x (float32, C-contiguous) -> s8: per plane a scale and int8 multiples of it (module docstring)."""
+    """x (float32, C-contiguous) -> s8: per plane a scale and int8 multiples of it (docs/how-it-works.md)."""
     lead = carried_shape(x.shape, "s8")[:-1]
     planes = x.reshape(*lead, math.prod(plane_of(x.shape)))  # (lead..., plane size): each row one plane
     m = np.abs(planes).max(axis=-1, keepdims=True, initial=np.float32(0))  # NaN propagates
