@@ -1,17 +1,11 @@
-"""Calibration: time every participant on each sharded layer's exact shape.
+"""Calibration: time every participant on each sharded layer's exact shape (docs/how-it-works.md).
 
-The paper measures each device once, on "a convolution of the layer's own shape with
-random values", and gives it kernels in proportion to its speed (eq. 1, ``balance.py``;
-``Cluster.calibrate`` applies it). Here every participant times a forward + backward of
-each sharded block -- the convolution and its fused tail -- on the same seeded random
-values (median of ``repeats`` runs after a warm-up), one participant at a time so that
-devices sharing a host do not slow each other's benchmark (:func:`time_everyone`); the
-master runs the very code the workers run (:func:`time_block`); a worker answers with :func:`calibrate`.
-
+Every participant times a forward + backward of each sharded block on the same seeded random values, one
+participant at a time so that devices sharing a host do not slow each other's benchmark (:func:`time_everyone`);
+the master runs the very code the workers run (:func:`time_block`); a worker answers with :func:`calibrate`.
 A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain values::
 
-    {"layer": 1, "x": [N, C, H, W], "w": [F, C, K, K], "stride": 1, "padding": 2,
-     "need_dx": true, "tail": [...]}
+    {"layer": 1, "x": [N, C, H, W], "w": [F, C, K, K], "stride": 1, "padding": 2, "need_dx": true, "tail": [...]}
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from tinyconv.distributed.rpc import Rpc
 from tinyconv.distributed.shard.block import block_backward, block_forward, tail_output_hw
 from tinyconv.distributed.worker.state import WorkerState, check_tail
 from transports.base import Message
-from transports.wire import Int
+from transports.wire import Int, Num
 
 
 @dataclass(frozen=True)
@@ -176,13 +170,11 @@ def worker_times(rpc: Rpc, k: int, task: Message, what: str, n: int, reference: 
     timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + task.header["repeats"]) * reference)
     op = rpc.op(what, None, timeout=timeout)
     got = op.gather([op.send(k, Message(task.kind, dict(task.header)))])[k].header["times"]
-    if not (isinstance(got, list) and len(got) == n and all(map(_positive, got))):
+    if not (
+        isinstance(got, list) and len(got) == n and all(Num.accepts(t) and math.isfinite(t) and t > 0 for t in got)
+    ):
         raise RuntimeError(
             f"{rpc.describe(k)} answered {task.kind} with times {got!r:.200}, expected {n} positive seconds; "
             "is it running the same tinyconv version?"
         )
     return [float(t) for t in got]
-
-
-def _positive(t: Any) -> bool:
-    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
