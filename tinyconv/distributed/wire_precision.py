@@ -137,12 +137,6 @@ def _rne_drop(bits: np.ndarray, drop: int) -> np.ndarray:
     return rounded
 
 
-def _infinite_bits(rounded: np.ndarray, drop: int) -> np.ndarray:
-    """Where narrowed bit patterns (float32's top bits) are +-inf or NaN: the exponent all ones."""
-    exponent = _EXPONENT >> np.uint32(drop)
-    return (rounded & exponent) == exponent
-
-
 def narrow(x: np.ndarray, fmt: str) -> Narrowed:
     """x (any shape, float32) -> how it travels in ``fmt``: a new C-contiguous array of the carrier
     dtype (``carried_shape``), or x itself for fp32 -- or in fp32, if ``fmt`` would turn one of x's
@@ -162,7 +156,8 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
     else:
         drop = 16 if fmt == "bf16" else 8
         rounded = _rne_drop(x.view(np.uint32), drop)
-        overflow = _infinite_bits(rounded, drop)
+        exponent = _EXPONENT >> np.uint32(drop)
+        overflow = (rounded & exponent) == exponent  # +-inf or NaN: the exponent all ones
         if fmt == "bf16":
             carried = rounded.astype(np.uint16)
         else:  # the low 3 bytes of the little-endian uint32: float32's top 3
