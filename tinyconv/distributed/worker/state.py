@@ -60,7 +60,7 @@ class OpenStep:
     settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
     halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
     chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
-    done: int = 0  # images summed by tail_forward; then chunks through partial_backward
+    done: int = 0  # chunks through tail_forward, then through partial_backward
     dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
     db: np.ndarray | None = None
     images: int = 0  # "hybrid": the slice's images
