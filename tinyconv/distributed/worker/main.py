@@ -90,10 +90,6 @@ def limit_threads(n: int) -> None:
         os.environ[var] = str(n)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the worker the same clean way as Ctrl-C
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``tinyconv worker ...``: returns 0 after the master's shutdown, non-zero with a message otherwise."""
     args = build_parser().parse_args(argv)
@@ -101,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         limit_threads(args.threads)  # before _serve's imports load numpy
     keep_freed_memory()  # before the compute thread starts: it shares the main heap
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    # SIGTERM ends the worker the same clean way as Ctrl-C: a KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main_thread else None
     before = set(threading.enumerate())
     try:
         code = _serve(args)
