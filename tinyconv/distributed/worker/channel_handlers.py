@@ -17,13 +17,10 @@ kernels [ks, ke) of all F. What crosses of the conv output is kernel-major, (ker
                                                      (each absent when empty)
                       -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
 
-A batch may come in chunks of images (the pipeline): partial_forward, tail_forward and
-partial_backward then carry ``images`` = [a, b, N], and N above is b - a: partial_forward's
-chunks in order from image 0, w with the first only; tail_forward's by the same chunks, b with the
-last only, which alone returns y (the others return nothing); partial_backward's by the forward's
-chunks, each returning its dx, the last dw and db too (summed over the chunks). Without ``images``
-a task is the whole batch, one chunk.
-x and w arrive on the backend (``handler.py``'s ON_BACKEND).
+A batch may come in chunks of images (the pipeline): these tasks then carry ``images`` = [a, b, N], and N above
+is b - a. partial_forward's chunks come in order from image 0, w with the first only; tail_forward and
+partial_backward go by the same chunks: b with tail_forward's last, which alone returns y; each partial_backward
+returns its dx, the last dw and db too (summed over the chunks). Without ``images`` a task is the whole batch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The worker's side of data parallelism and the hybrid (``tinyconv/distributed/replica/``): a whole replica.
 
-Data parallelism: every participant holds a whole replica of the network, described by
-``net`` = {"arch": "C1:C2", "norm", "pool_kernel", "num_classes"}; its P parameters (and B
-batch-norm statistics) travel as one flat vector each, in the network's ``named_params`` order
-(``tinyconv/distributed/replica/flat.py``). Each task is checked against its schema (``protocol.py``) first::
+Every participant holds a whole replica of the network, described by ``net`` = {"arch": "C1:C2", "norm",
+"pool_kernel", "num_classes"}; its P parameters (and B batch-norm statistics) travel as one flat vector each, in
+the network's ``named_params`` order (``replica/flat.py``). Each task is checked against its schema first::
 
     replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
                                                         of ``batch`` images], no arrays
@@ -13,10 +12,8 @@ batch-norm statistics) travel as one flat vector each, in the network's ``named_
                          whole ``batch`` (label-smoothed by ``smoothing`` in [0, 1), if it is given);
                          logits (n, classes); buffers (B,) after the slice's forward
 
-The hybrid (``tinyconv/distributed/replica/hybrid.py``): the conv part (every layer before the classifier)
-by data, the classifier on the master. The worker builds the same replica from ``net`` but runs
-only its conv part; P_conv, B are the conv part's parameters and statistics, F = C2 H' W' the
-features of one image (the last pool's output, flattened)::
+The hybrid (``replica/hybrid.py``) runs only the replica's conv part (every layer before the classifier) by data;
+P_conv, B are its parameters and statistics, F = C2 H' W' the features of one image (the last pool's output)::
 
     hybrid_calibrate  net, batch, repeats            -> times: [seconds of one forward + backward
                                                         of the conv part on ``batch`` images]
@@ -27,10 +24,8 @@ features of one image (the last pool's output, flattened)::
     hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
                       -> grads (P_conv,): the slice's part of the conv part's gradient
 
-Every task but ``hybrid_backward`` stands alone: it brings everything it needs (the weights with
-every step), and the worker keeps only its replica between them, rebuilt when the master describes
-another one (:func:`_replica`); ``hybrid_forward`` keeps its caches in the replica's layers, under
-the slot :data:`~tinyconv.distributed.worker.state.HYBRID`, for the step's ``hybrid_backward``.
+Every task but ``hybrid_backward`` brings everything it needs; between them the worker keeps only its replica
+(:func:`_replica`), whose layers hold ``hybrid_forward``'s caches under the slot ``state.HYBRID``.
 """
 
 from __future__ import annotations
