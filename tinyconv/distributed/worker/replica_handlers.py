@@ -50,8 +50,8 @@ from tinyconv.model import Network
 
 
 def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -> dict[str, Any]:
-    """``times``: [seconds of ``timer`` on the replica ``net`` describes, for ``batch`` random images],
-    once ``repeats`` and ``batch`` are checked."""
+    """``replica_calibrate``'s and ``hybrid_calibrate``'s ``times``: [seconds of ``timer`` (a forward + backward
+    of the replica or its conv part) on the replica ``net`` describes, for ``batch`` random images]."""
     if not 1 <= h["repeats"] <= 1000:
         raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
     if not 1 <= h["batch"] <= 1 << 16:
@@ -59,11 +59,6 @@ def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -
     seconds = timer(_replica(state, h["net"], h["batch"]), h["net"], h["batch"], h["repeats"]) * state.slowdown
     release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (heap.py)
     return {"times": [seconds]}
-
-
-def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
-    """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
-    return _timed(state, h, time_replica)
 
 
 def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
@@ -113,11 +108,6 @@ def _load(net: Network, a: dict[str, Any], what: str, note: str) -> bool:
 
 
 # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
-def hybrid_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
-    """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
-    return _timed(state, h, time_conv_part)
-
-
 def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
     ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
@@ -157,9 +147,9 @@ def _replica(state: WorkerState, spec: Any, batch: int) -> Network:
 
 
 HANDLERS: dict[str, Handler] = {
-    "replica_calibrate": replica_calibrate,
+    "replica_calibrate": lambda state, h, a, _: _timed(state, h, time_replica),
     "replica_step": replica_step,
-    "hybrid_calibrate": hybrid_calibrate,
+    "hybrid_calibrate": lambda state, h, a, _: _timed(state, h, time_conv_part),
     "hybrid_forward": hybrid_forward,
     "hybrid_backward": hybrid_backward,
 }
