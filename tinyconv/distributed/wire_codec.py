@@ -29,10 +29,6 @@ from transports.wire import ProtocolError, check_fields
 NARROWABLE = frozenset(kind for kind, schema in TASKS.items() if "layer" in schema.header)
 _KEYS = ("narrow", "reply")
 
-# widens one narrowed array elsewhere (a worker's device): (its name, the array as it came, its
-# declaration) -> the float32 array there, or None: widened on the host
-WidenElsewhere = Callable[[str, np.ndarray, Declared], Any]
-
 
 class Narrowing:
     """The codec of an op whose arrays travel in ``formats`` (array name -> format, both ways); each way
@@ -79,14 +75,16 @@ def decode_task(msg: Message, backend: Backend, on_backend: frozenset[str]) -> t
     results = set(TASKS[msg.kind].result.split())
     _check_formats(f"{msg.kind}'s reply", reply, results, TaskError, lambda _, fmt: wire_precision.check_format(fmt))
 
-    def there(name: str, carried: np.ndarray, declared: Declared) -> Any:
-        if name not in on_backend or not isinstance(declared, str):  # s8's declaration is a list: host
-            return None
-        return backend.widen_wire(carried, declared)
+    def widen(name: str, carried: np.ndarray, declared: Declared) -> Any:
+        # on a backend that converts the format there (s8's declaration is a list: on the host)
+        if name in on_backend and isinstance(declared, str) and isinstance(backend, WireConversion):
+            there = backend.widen_wire(carried, declared)
+            if there is not None:
+                return there
+        return wire_precision.widen(carried, declared)
 
-    elsewhere = there if isinstance(backend, WireConversion) else None
     header = {k: v for k, v in msg.header.items() if k not in _KEYS}
-    return Message(msg.kind, header, widened(msg.arrays, narrow, elsewhere)), reply
+    return Message(msg.kind, header, widened(msg.arrays, narrow, widen)), reply
 
 
 def read_back(backend: Backend, a: Any, fmt: str) -> np.ndarray | Narrowed:
@@ -129,19 +127,13 @@ def narrowed(
 
 
 def widened(
-    arrays: dict[str, np.ndarray], narrow: dict[str, Declared], elsewhere: WidenElsewhere | None = None
+    arrays: dict[str, np.ndarray],
+    narrow: dict[str, Declared],
+    widen: Callable[[str, np.ndarray, Declared], Any] = lambda _, a, declared: wire_precision.widen(a, declared),
 ) -> dict[str, Any]:
-    """Checked ``arrays`` (:func:`_declarations`), each float32 again: those ``narrow`` names widened
-    (new arrays), the others as they are. Each narrowed one is offered to ``elsewhere`` first; only
-    what it declines is widened here."""
-    out: dict[str, Any] = {}
-    for name, a in arrays.items():
-        if name not in narrow:
-            out[name] = a
-            continue
-        there = elsewhere(name, a, narrow[name]) if elsewhere is not None else None
-        out[name] = there if there is not None else wire_precision.widen(a, narrow[name])
-    return out
+    """Checked ``arrays`` (:func:`_declarations`), each float32 again: those ``narrow`` names widened by
+    ``widen(name, carried, declared)`` (new arrays; by default on the host), the others as they are."""
+    return {name: widen(name, a, narrow[name]) if name in narrow else a for name, a in arrays.items()}
 
 
 def _declarations(
