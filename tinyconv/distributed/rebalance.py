@@ -206,38 +206,33 @@ class Rebalancer:
 
 
 def _target(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> list[int]:
-    """The split a proposal aims for: finishing together, whoever can only slow it sitting out."""
-    return _sit_out(models, _equal_finish_among(models, list(range(len(counts))), sum(counts)))
+    """The split a proposal aims for: finishing together, whoever can only slow the layer down sitting out.
+
+    Such a participant is held at one kernel, and the layer ends sooner without it: the others split all F
+    kernels among themselves (:func:`equal_finish_kernels`) and finish before its one kernel would. Tried
+    slowest first (largest a_i + b_i), one at a time.
+    """
+    total = sum(counts)
+    target = _equal_finish_among(models, list(range(len(counts))), total)
+    while True:
+        active = [i for i, c in enumerate(target) if c > 0]
+        held = [i for i in active if target[i] == 1]
+        if len(active) < 2 or not held:
+            return target
+        slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
+        without = _equal_finish_among(models, [i for i in active if i != slowest], total)
+        if _makespan(models, without) >= _makespan(models, target):
+            return target
+        target = without
 
 
 def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
     """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
     (:func:`equal_finish_kernels`, largest remainder), 0 for the others."""
     counts = [0] * len(models)
-    split = apportion(equal_finish_kernels([models[i] for i in who], total), total)
-    for i, c in zip(who, split, strict=True):
+    for i, c in zip(who, apportion(equal_finish_kernels([models[i] for i in who], total), total), strict=True):
         counts[i] = c
     return counts
-
-
-def _sit_out(models: Sequence[tuple[float, float]], counts: list[int]) -> list[int]:
-    """``counts`` with participants that can only slow the layer down given 0 kernels.
-
-    Such a participant is held at one kernel, and the layer ends sooner without it: the
-    others split all F kernels among themselves (:func:`equal_finish_kernels`) and finish
-    before its one kernel would. Tried slowest first (largest a_i + b_i), one at a time.
-    """
-    total = sum(counts)
-    while True:
-        active = [i for i, c in enumerate(counts) if c > 0]
-        held = [i for i in active if counts[i] == 1]
-        if len(active) < 2 or not held:
-            return counts
-        slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
-        without = _equal_finish_among(models, [i for i in active if i != slowest], total)
-        if _makespan(models, without) >= _makespan(models, counts):
-            return counts
-        counts = without
 
 
 def _makespan(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> float:
