@@ -108,7 +108,7 @@ def test_a_nan_or_inf_already_in_the_data_is_not_a_fallback():
 
 
 def test_unknown_formats_and_empty_arrays():
-    with pytest.raises(ValueError, match="unknown wire format 'bf8'.*fp32, adt24, bf16, fp16"):
+    with pytest.raises(ValueError, match="unknown wire format 'bf8'.*fp32, bf16, fp16, adt24"):
         wp.narrow(np.zeros(3, np.float32), "bf8")
     for fmt in NARROW:
         assert wp.widen(wp.narrow(np.zeros((0, 4), np.float32), fmt).carried, fmt).shape == (0, 4)
@@ -194,7 +194,7 @@ def block_forward(narrow=None, reply=None, **arrays):
         ({"x": "bf16"}, None, {}, "x: declared bf16, which travels as uint16, but the array is float32"),
         ({"x": "fp16"}, None, {"x": np.ones((1, 1, 3, 3), np.uint16)}, "declared fp16.*float16.*uint16"),
         ({"x": "adt24"}, None, {"x": np.ones((1, 1, 3, 4), np.uint8)}, "last axis of 3 bytes.*\\(1, 1, 3, 4\\)"),
-        ({"x": "bf8"}, None, {}, "x: unknown wire format 'bf8'; the formats are fp32, adt24, bf16, fp16"),
+        ({"x": "bf8"}, None, {}, "x: unknown wire format 'bf8'; the formats are fp32, bf16, fp16, adt24"),
         ({"dy": "bf16"}, None, {}, "names 'dy', which is not one of its float32 arrays"),
         (None, {"y": 16}, {}, "reply: y: unknown wire format 16"),
         (None, {"dw": "bf16"}, {}, "reply names 'dw'"),

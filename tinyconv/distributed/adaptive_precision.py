@@ -22,8 +22,7 @@ ROLES: dict[str, tuple[str, ...]] = {
 }
 # --wire-precision: every fixed format of wire_precision.py, then AWP; the main job, tinyconv comm, simulate and
 # the grid take their choices from here
-SETTINGS = ("fp32", "bf16", "fp16", "adt24", "s8", "adaptive")
-assert set(SETTINGS) == {*FORMATS, "adaptive"}, "a format of wire_precision.py is missing from SETTINGS"
+SETTINGS = (*FORMATS, "adaptive")
 
 
 def formats_of(roles: dict[str, str]) -> dict[str, str]:

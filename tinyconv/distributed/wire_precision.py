@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 # format -> bytes per number on the wire (s8 adds SCALE_BYTES per plane: see nbytes_of)
-WORD_BYTES: dict[str, int] = {"fp32": 4, "adt24": 3, "bf16": 2, "fp16": 2, "s8": 1}
+WORD_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "adt24": 3, "s8": 1}
 FORMATS = tuple(WORD_BYTES)
 SCALE_BYTES = 4  # s8's float32 scale, ahead of each plane's values
 # format -> (the wire dtype it is carried as, the trailing axis it adds); s8 reshapes instead (carried_shape)
