@@ -78,23 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def limit_threads(n: int) -> None:
-    """Ask BLAS / OpenMP for ``n`` threads. Only works before numpy is imported."""
-    if "numpy" in sys.modules:
-        print(
-            "tinyconv worker: warning: numpy was already imported, so --threads may not take effect; "
-            "start the worker with `tinyconv worker` or `python -m tinyconv.distributed.worker`",
-            file=sys.stderr,
-        )
-    for var in THREAD_ENV_VARS:
-        os.environ[var] = str(n)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``tinyconv worker ...``: returns 0 after the master's shutdown, non-zero with a message otherwise."""
     args = build_parser().parse_args(argv)
-    if args.threads:
-        limit_threads(args.threads)  # before _serve's imports load numpy
+    if args.threads:  # before _serve's imports load numpy: BLAS / OpenMP read these once, then
+        if "numpy" in sys.modules:
+            print(
+                "tinyconv worker: warning: numpy was already imported, so --threads may not take effect; "
+                "start the worker with `tinyconv worker` or `python -m tinyconv.distributed.worker`",
+                file=sys.stderr,
+            )
+        os.environ.update(dict.fromkeys(THREAD_ENV_VARS, str(args.threads)))
     keep_freed_memory()  # before the compute thread starts: it shares the main heap
     in_main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM ends the worker the same clean way as Ctrl-C: a KeyboardInterrupt
