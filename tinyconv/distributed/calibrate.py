@@ -24,7 +24,7 @@ from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.rpc import Rpc
 from tinyconv.distributed.shard.block import block_backward, block_forward, tail_output_hw
-from tinyconv.distributed.worker.state import WorkerState, check_tail
+from tinyconv.distributed.worker.state import WorkerState, checked_tail
 from transports.base import Message
 from transports.wire import Int, Num
 
@@ -71,13 +71,10 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
             raise TaskError(f"layers[{i}].{name} must be 4 positive ints, got {shape!r:.100}")
     if not (all(Int.accepts(spec[k]) for k in ("layer", "stride", "padding")) and isinstance(spec["need_dx"], bool)):
         raise TaskError(f"layers[{i}]: layer, stride, padding must be ints and need_dx a bool")
-    if spec["x"][1] != spec["w"][1] or spec["stride"] < 1 or spec["padding"] < 0:
-        raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C, stride >= 1, padding >= 0")
-    try:
-        parsed = Spec(**spec | {"x": tuple(spec["x"]), "w": tuple(spec["w"]), "tail": check_tail(spec["tail"])})
-        parsed.y  # noqa: B018 -- raises ValueError if the kernel or a pool does not fit
-    except ValueError as e:
-        raise TaskError(f"layers[{i}]: {e}") from None
+    if spec["x"][1] != spec["w"][1]:
+        raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C")
+    tail = checked_tail(spec, spec["x"][2:], spec["w"][2:])  # stride, padding, and the tail fits the output
+    parsed = Spec(**spec | {"x": tuple(spec["x"]), "w": tuple(spec["w"]), "tail": tail})
     if max_bytes is not None and 4 * parsed.floats() > max_bytes:
         raise TaskError(
             f"layers[{i}]: timing x {list(parsed.x)}, w {list(parsed.w)} needs about {4 * parsed.floats()} bytes, "
