@@ -147,8 +147,6 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
         return _narrow_s8(x)
     if fmt == "fp32":
         return Narrowed(x, "fp32", False, "fp32")
-    if x.size == 0:
-        return Narrowed(np.empty(carried_shape(x.shape, fmt), CARRIER[fmt][0]), fmt, False, fmt)
     if fmt == "fp16":
         with np.errstate(over="ignore"):  # overflow is checked just below
             carried = x.astype(np.float16)  # numpy rounds to nearest, ties to even
