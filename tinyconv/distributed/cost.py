@@ -1,8 +1,6 @@
-"""The affine cost model the rebalancer (``rebalance.py``, which says why affine) moves kernels by.
-
-A participant's time is t_i(k) = a_i + b_i k for k kernels: :func:`fit_affine_cost` fits the line
-to its measurements, :func:`equal_finish_kernels` solves for the split that makes everyone finish
-together. Pure arithmetic on small lists: no I/O, no clocks.
+"""The affine cost model t_i(k) = a_i + b_i k the rebalancer (``rebalance.py``) moves kernels by (why affine:
+docs/how-it-works.md): :func:`fit_affine_cost` fits the line, :func:`equal_finish_kernels` solves for the split
+that makes everyone finish together. Pure arithmetic on small lists: no I/O, no clocks.
 """
 
 from __future__ import annotations

@@ -56,7 +56,6 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
             f"layer {h['layer']}: expected x ({stop - first}, c, H, W) for images [{first}, {stop}) and "
             f"w (F, c, KH, KW), got x {x.shape}" + (f", w {w.shape}" if w is not None else "")
         )
-    be = state.backend
     settings = [h[key] for key in ("stride", "padding", "tail", "halo", "own", "give")] + [list(x.shape[1:]), n]
     if first == 0:
         if w is None:
@@ -82,7 +81,7 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
         if settings != kept.settings:
             raise TaskError(f"{task_place(h)}: a chunk of partial_forward must repeat its first chunk's settings")
     f, (cs, ce) = kept.kernels, kept.halo
-    p, conv = be.conv2d_partial(x, kept.w, h["stride"], h["padding"])
+    p, conv = state.backend.conv2d_partial(x, kept.w, h["stride"], h["padding"])
     if first == 0:
         kept.summed = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
     kept.partial.append(p[cs:ce])  # a view; p is not written again, so the parts below go out uncopied
