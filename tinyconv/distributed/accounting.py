@@ -1,17 +1,10 @@
 """What a distributed step cost: the paper's comm / conv split, bytes, and each participant's time.
 
-Every list here is in participant order (the master first if it takes part, then the
-workers), the order of ``names``. For one *op* -- the forward or the backward of one
-sharded layer:
-
-    conv_s = the slowest participant's compute (what the paper calls conv)
-    comm_s = the op's wall time on the master minus that: transfers, waiting, slicing and
-             concatenating, at least 0
-
-A step's record (:func:`step_record`) sums them over its ops. Bytes are the arrays of the
-tasks and results (``Message.nbytes``), counted the same for every transport: the in-process
-one moves nothing over a wire, but what a network would carry is counted anyway. Headers,
-framing, heartbeats and calibration are not (``transport.traffic()`` has the zmq totals).
+Every list here is in participant order (the master first if it takes part, then the workers). For one *op* (the
+forward or the backward of one sharded layer), conv_s is the slowest participant's compute and comm_s the rest
+of the op's wall time on the master (docs/how-it-works.md, "What a step costs"). Bytes are the arrays of the tasks
+and results (``Message.nbytes``), counted the same for every transport; headers, framing, heartbeats and
+calibration are not (``transport.traffic()`` has the zmq totals).
 """
 
 from __future__ import annotations
@@ -81,22 +74,10 @@ class LayerStep:
 
 
 def step_record(layers: list[LayerStep], participants: list[str]) -> dict[str, Any]:
-    """The step's accounting, from its layers in the order their backwards finished::
-
-        {"comm_s": float, "conv_s": float,            # summed over the step's ops
-         "bytes_sent": int, "bytes_recv": int,        # array bytes to / from workers, as they travelled
-         "wire_fallbacks": int,                       # arrays sent in float32: narrowed, they would overflow
-         "participant_bytes_sent": [int, ...], "participant_bytes_recv": [int, ...],  # the same, each
-         "shares": {"conv1": [kernels per participant], ...},
-         "channel_shares": {"conv2": [input channels per participant]},  # layers split by them
-         "participants": ["master", "worker0", ...],  # the order of every list here
-         "participant_conv_s": [s, ...],              # each one's compute this step
-         "ops": [{"layer": "conv1", "op": "forward", "wall_s": s, "compute_s": [s, ...]}, ...]}
-
-    ``ops`` are in the order they ran: the forwards, then the backwards, which finish the
-    layers in reverse. The lists are for ``participants``, those of the cluster when the step
-    ended: a worker lost during the step no longer counts, one that joined counts 0.
-    """
+    """The step's accounting (its keys: docs/metrics.md), from its layers in the order their backwards
+    finished. ``ops`` are in the order they ran: the forwards, then the backwards, which finish the layers in
+    reverse. The lists are for ``participants``, those of the cluster when the step ended: a worker lost during
+    the step no longer counts, one that joined counts 0."""
     ran = [(d.name, "forward", d.forward) for d in reversed(layers)]
     ran += [(d.name, "backward", d.backward) for d in layers]
 

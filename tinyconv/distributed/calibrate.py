@@ -1,17 +1,11 @@
-"""Calibration: time every participant on each sharded layer's exact shape.
+"""Calibration: time every participant on each sharded layer's exact shape (docs/how-it-works.md).
 
-The paper measures each device once, on "a convolution of the layer's own shape with
-random values", and gives it kernels in proportion to its speed (eq. 1, ``balance.py``;
-``Cluster.calibrate`` applies it). Here every participant times a forward + backward of
-each sharded block -- the convolution and its fused tail -- on the same seeded random
-values (median of ``repeats`` runs after a warm-up), one participant at a time so that
-devices sharing a host do not slow each other's benchmark (:func:`time_everyone`); the
-master runs the very code the workers run (:func:`time_block`); a worker answers with :func:`calibrate`.
-
+Every participant times a forward + backward of each sharded block on the same seeded random values, one
+participant at a time so that devices sharing a host do not slow each other's benchmark (:func:`time_everyone`);
+the master runs the very code the workers run (:func:`time_block`); a worker answers with :func:`calibrate`.
 A layer's spec travels in the ``calibrate`` task (``protocol.py``) as plain values::
 
-    {"layer": 1, "x": [N, C, H, W], "w": [F, C, K, K], "stride": 1, "padding": 2,
-     "need_dx": true, "tail": [...]}
+    {"layer": 1, "x": [N, C, H, W], "w": [F, C, K, K], "stride": 1, "padding": 2, "need_dx": true, "tail": [...]}
 """
 
 from __future__ import annotations
@@ -30,9 +24,9 @@ from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
 from tinyconv.distributed.rpc import Rpc
 from tinyconv.distributed.shard.block import block_backward, block_forward, tail_output_hw
-from tinyconv.distributed.worker.state import WorkerState, check_tail
+from tinyconv.distributed.worker.state import WorkerState, checked_tail
 from transports.base import Message
-from transports.wire import Int
+from transports.wire import Int, Num
 
 
 @dataclass(frozen=True)
@@ -77,13 +71,10 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
             raise TaskError(f"layers[{i}].{name} must be 4 positive ints, got {shape!r:.100}")
     if not (all(Int.accepts(spec[k]) for k in ("layer", "stride", "padding")) and isinstance(spec["need_dx"], bool)):
         raise TaskError(f"layers[{i}]: layer, stride, padding must be ints and need_dx a bool")
-    if spec["x"][1] != spec["w"][1] or spec["stride"] < 1 or spec["padding"] < 0:
-        raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C, stride >= 1, padding >= 0")
-    try:
-        parsed = Spec(**spec | {"x": tuple(spec["x"]), "w": tuple(spec["w"]), "tail": check_tail(spec["tail"])})
-        parsed.y  # noqa: B018 -- raises ValueError if the kernel or a pool does not fit
-    except ValueError as e:
-        raise TaskError(f"layers[{i}]: {e}") from None
+    if spec["x"][1] != spec["w"][1]:
+        raise TaskError(f"layers[{i}]: x {spec['x']} and w {spec['w']} need the same C")
+    tail = checked_tail(spec, spec["x"][2:], spec["w"][2:])  # stride, padding, and the tail fits the output
+    parsed = Spec(**spec | {"x": tuple(spec["x"]), "w": tuple(spec["w"]), "tail": tail})
     if max_bytes is not None and 4 * parsed.floats() > max_bytes:
         raise TaskError(
             f"layers[{i}]: timing x {list(parsed.x)}, w {list(parsed.w)} needs about {4 * parsed.floats()} bytes, "
@@ -176,13 +167,11 @@ def worker_times(rpc: Rpc, k: int, task: Message, what: str, n: int, reference: 
     timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + task.header["repeats"]) * reference)
     op = rpc.op(what, None, timeout=timeout)
     got = op.gather([op.send(k, Message(task.kind, dict(task.header)))])[k].header["times"]
-    if not (isinstance(got, list) and len(got) == n and all(map(_positive, got))):
+    if not (
+        isinstance(got, list) and len(got) == n and all(Num.accepts(t) and math.isfinite(t) and t > 0 for t in got)
+    ):
         raise RuntimeError(
             f"{rpc.describe(k)} answered {task.kind} with times {got!r:.200}, expected {n} positive seconds; "
             "is it running the same tinyconv version?"
         )
     return [float(t) for t in got]
-
-
-def _positive(t: Any) -> bool:
-    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0

@@ -1,8 +1,6 @@
-"""The affine cost model the rebalancer (``rebalance.py``, which says why affine) moves kernels by.
-
-A participant's time is t_i(k) = a_i + b_i k for k kernels: :func:`fit_affine_cost` fits the line
-to its measurements, :func:`equal_finish_kernels` solves for the split that makes everyone finish
-together. Pure arithmetic on small lists: no I/O, no clocks.
+"""The affine cost model t_i(k) = a_i + b_i k the rebalancer (``rebalance.py``) moves kernels by (why affine:
+docs/how-it-works.md): :func:`fit_affine_cost` fits the line, :func:`equal_finish_kernels` solves for the split
+that makes everyone finish together. Pure arithmetic on small lists: no I/O, no clocks.
 """
 
 from __future__ import annotations
@@ -74,38 +72,24 @@ def _steepest_slope(weighted: Sequence[tuple[float, int, float]]) -> float | Non
 
 
 def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: int) -> list[float]:
-    """Real-valued kernel counts that make participants with costs t_i(k) = a_i + b_i k finish together.
-
-    ``costs[i]`` is (a_i, b_i): fixed seconds a_i >= 0, seconds per kernel b_i > 0.
-    Finishing together at T with k_i = (T - a_i) / b_i and sum_i k_i = F gives::
+    """Real-valued kernel counts that make participants with costs t_i(k) = a_i + b_i k (a_i >= 0 fixed
+    seconds, b_i > 0 seconds per kernel) finish together: at T, with k_i = (T - a_i) / b_i and sum_i k_i = F::
 
         T = (F + sum_i a_i / b_i) / sum_i (1 / b_i)
 
-    A floor: every participant gets at least 1 kernel when F >= the number of
-    participants (so it keeps being measured; see :class:`Rebalancer`), else at
-    least 0. Whoever's k_i falls below the floor is held at it, and T is solved
-    again for the others with the floor's kernels taken out; repeat until nobody
-    falls below (each pass can only lower T, so the held stay held). With every
-    a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1.
-
-    The counts sum to F (up to float round-off);
-    :func:`~tinyconv.distributed.shard.balance.apportion` makes them whole. Example: costs
-    [(0.05, 0.001), (0.1, 0.002)], F = 96 -> T = 196 / 1500 s, counts [80.67, 15.33].
+    A floor: every participant gets at least 1 kernel when F >= the number of participants (so it keeps being
+    measured), else at least 0. Whoever's k_i falls below the floor is held at it, and T is solved again for
+    the others with the floor's kernels taken out, until nobody falls below (each pass can only lower T, so the
+    held stay held). With every a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1. The counts
+    sum to F (up to round-off); ``balance.apportion`` makes them whole.
     """
-    if len(costs) == 0:
-        raise ValueError("equal_finish_kernels needs at least one participant")
-    if not isinstance(total_kernels, int) or isinstance(total_kernels, bool) or total_kernels < 0:
-        raise ValueError(f"total_kernels must be an int >= 0, got {total_kernels!r}")
-    for i, (a, b) in enumerate(costs):
-        if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b > 0):
-            raise ValueError(f"cost {i} is ({a!r}, {b!r}): need fixed seconds >= 0 and seconds per kernel > 0")
     n = len(costs)
     if total_kernels == 0:
         return [0.0] * n
     floor = 1.0 if total_kernels >= n else 0.0
-    held = [False] * n
+    held: set[int] = set()
     while True:
-        free = [i for i in range(n) if not held[i]]
+        free = [i for i in range(n) if i not in held]
         if not free:  # everyone at the floor: F = n
             return [floor] * n
         rest = total_kernels - floor * (n - len(free))
@@ -113,6 +97,5 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
         below = [i for i in free if (finish - costs[i][0]) / costs[i][1] < floor - 1e-9]
         if not below:
             break
-        for i in below:
-            held[i] = True
-    return [floor if held[i] else max(0.0, (finish - a) / b) for i, (a, b) in enumerate(costs)]
+        held.update(below)
+    return [floor if i in held else max(0.0, (finish - a) / b) for i, (a, b) in enumerate(costs)]

@@ -1,24 +1,14 @@
 """Keep freed memory in the process, so every training step reuses the last step's pages.
 
-A step allocates and frees the same large arrays each time (im2col columns of hundreds of MB).
-glibc returns any block over 32 MB to the kernel when it is freed, so the next step faults in
-fresh zeroed pages: on a 2-core VM, writing a fresh 491 MB array took 0.14-1.07 s against 0.05 s
-for a reused one, and a conv block on half the kernels 6-7.5 s a core against 4.9-6 s with its
-memory kept (``benchmarks/bench_speedup.py``).
-
-:func:`keep_freed_memory` tells glibc's malloc to serve every block from its heap (``M_MMAP_MAX``
-= 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, read as the largest size_t:
-INT_MAX would still give back a top of over 2 GB, and 300:1000's conv2 columns at batch 256 are
-1.97 GB, faulted back in at every step) and to use one arena for all threads (``M_ARENA_MAX`` = 1,
-so a worker's compute thread shares it). The process keeps its peak memory for its lifetime,
-which a training process reaches at every step anyway. The master and the worker call it at
-start; ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off. Elsewhere than glibc it does nothing.
-
-A calibration is its own peak, though: every participant times the *whole* layer on the whole
-batch (``calibrate.py``), where a step computes its share. :func:`release_freed_memory`
-(``malloc_trim``) gives every free page back once calibration is done: at 300:1000, batch 256,
-the worker kept 5.9 GB through its steps without it, 2.9-3.0 GB with it. Releasing at other
-points is no cure for fragmentation (the grid's master grew to 10.2 GB against 8.5 GB without).
+A step allocates and frees the same large arrays each time (im2col columns of hundreds of MB), and glibc returns
+a freed block over 32 MB to the kernel, so the next step faults in fresh zeroed pages (the measurements:
+docs/how-it-works.md). :func:`keep_freed_memory` tells malloc to serve every block from its heap (``M_MMAP_MAX``
+= 0), never to give the heap's top back (``M_TRIM_THRESHOLD`` = -1, read as the largest size_t: INT_MAX would
+still give back a top of over 2 GB, as 300:1000's conv2 columns are at batch 256) and to use one arena for all
+threads (``M_ARENA_MAX`` = 1, so a worker's compute thread shares it). The master and the worker call it at
+start; ``TINYCONV_KEEP_FREED_MEMORY=0`` turns it off; elsewhere than glibc it does nothing. A calibration times
+the *whole* layer on the whole batch, its own peak: :func:`release_freed_memory` (``malloc_trim``) gives every
+free page back once it is done.
 """
 
 from __future__ import annotations

@@ -77,12 +77,9 @@ TASKS: dict[str, Schema] = {
 }
 
 
-def check_task(msg: Message) -> Schema:
+def check_task(msg: Message) -> None:
     """Raise TaskError unless ``msg`` is a known task with exactly its header keys, its arrays, float32.
-
-    Returns the kind's schema. Values are checked for type only; their meaning (spans that fit,
-    shapes that match) is each handler's to check.
-    """
+    Values are checked for type only; their meaning (spans that fit, shapes that match) is each handler's."""
     schema = TASKS.get(msg.kind)
     if schema is None:
         raise TaskError(f"a worker does not handle {msg.kind!r} messages; send one of {', '.join(TASKS)}")
@@ -91,7 +88,6 @@ def check_task(msg: Message) -> Schema:
     except ProtocolError as e:
         raise TaskError(str(e)) from None
     _check_arrays(msg.kind, msg, schema.arrays, f"{schema.arrays} {schema.optional}", TaskError, schema.labels)
-    return schema
 
 
 def check_result(msg: Message, task_kind: str) -> None:

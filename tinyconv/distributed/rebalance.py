@@ -1,14 +1,10 @@
 """Beyond the paper: moving kernels as the measured step times change (:class:`Rebalancer`).
 
-The paper's split (:mod:`tinyconv.distributed.shard.balance`) is fixed after its benchmark; here each
-participant's time is an affine function of its kernels, and the split aims to make everyone
-finish together. Pure arithmetic on small lists, like the paper's split: no I/O, no clocks.
-
-The time a participant is measured by is how long its share takes to be *ready at the
-master* (``Cluster`` computes it: ``LayerStep.ready_s``): the master's own compute, a worker's
-compute plus its bytes at its link's measured seconds per byte. The step waits for the
-transfers too, so on a slow link kernels move towards the master; on loopback they cost next
-to nothing, and it is the compute that is balanced.
+Each participant's time is an affine function of its kernels (``cost.py``), measured as how long its share
+takes to be *ready at the master* (``LayerStep.ready_s``: a worker's compute plus its bytes at its link's
+seconds per byte), and the split aims to make everyone finish together. Pure arithmetic on small lists: no
+I/O, no clocks. The model, the target, when to move, sitting out and the phases: docs/how-it-works.md,
+"How many kernels (or channels) each participant gets".
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from tinyconv.distributed.shard.balance import apportion
 
 
 class Phase(Enum):
-    """Where one layer of a :class:`Rebalancer` is between steps (the transitions: its docstring)."""
+    """Where one layer of a :class:`Rebalancer` is between steps (the transitions: docs/how-it-works.md)."""
 
     WATCHING = "watching"  # judging each step: counting the steps in a row that the slowest lags
     COOLING = "cooling"  # after a move: measuring, not judging, for ``cooldown`` steps
@@ -38,63 +34,29 @@ class _LayerState:
     samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
     idle: list[int]  # per participant: consecutive steps without kernels
     reprobe_in: list[int]  # per participant: steps without kernels before it is measured again
-    phase: Phase = Phase.WATCHING
     late_steps: int = 0  # WATCHING: consecutive steps the slowest participant lagged
     cooldown_left: int = 0  # COOLING: steps before the layer is judged again (a re-probe pauses it)
     probing: int | None = None  # PROBING: the participant given one kernel back, this step
+
+    @property
+    def phase(self) -> Phase:
+        if self.probing is not None:
+            return Phase.PROBING
+        return Phase.COOLING if self.cooldown_left > 0 else Phase.WATCHING
 
 
 @dataclass
 class Rebalancer:
     """Proposes a new kernel split when measured times (compute, and a worker's transfers) say the current one is off.
 
-    **Cost model** (``cost.py``). A participant's time for one layer (forward + backward) is affine
-    in its kernel count k, t_i(k) = a_i + b_i k: a_i >= 0 fixed seconds (split by kernels, every
-    participant builds the im2col of the whole x whatever its k; a GPU adds latency), b_i > 0
-    seconds per kernel. For each layer and participant it keeps the last ``window`` measurements
-    (k, t), from :meth:`observe` and from :meth:`record` (the calibration's whole-layer times at
-    k = F), and fits the line (:func:`fit_affine_cost`); until a participant has been measured at
-    two different k, it is the proportional model of the paper's eq. 1, a_i = 0.
-
-    **Target.** The split that makes every participant finish together, with a floor of one kernel
-    (:func:`equal_finish_kernels`), rounded by largest remainder::
-
-        T = (F + sum_i a_i / b_i) / sum_i (1 / b_i),     k_i = (T - a_i) / b_i
-
-    **When to move.** With the current counts c_i, participant i finishes after f_i = a_i + b_i c_i.
-    When the slowest lags the mean of those (participants with kernels) by more than ``threshold``,
-    (max f - mean f) / mean f > threshold, for ``patience`` consecutive steps, the target is
-    proposed, provided that it moves at least ``min_move`` kernels (sum |new - old| / 2) and is
-    predicted to end the layer sooner: max_i f_i(new) < max_i f_i(current). After a move the layer
-    waits ``cooldown`` steps, measuring, not judging. These, and the smoothing, keep noise from
-    making the split flap; the threshold is also the imbalance accepted for good. After
-    calibration the first move already aims where the lines cross a common T: exact affine times
-    get there in one move. The proportional model alone reads a fixed part as per-kernel cost, so
-    each move falls short and the split creeps towards balance, one move at a time.
-
-    **The floor** of one kernel keeps every participant measured, so one that was slow for a while
-    (another job on its machine) can win kernels back. **Sitting out:** one held at the floor
-    whose single kernel ends after the others would finish the whole layer without it (a_i is more
-    than their T) gets 0 kernels instead, when that is predicted to end the layer sooner (slowest
-    first, one at a time). After ``reprobe`` steps it gets one kernel back for one step, judged at
-    once: it stays if it has become fast enough, else sits out again for twice as long
-    (``reprobe=0``: out for good).
-
-    **Phases.** Each layer is in one :class:`Phase` between steps; a step (:meth:`observe`)
-    files its measurements, then does what its phase says::
-
-        phase     a step in it                                             next phase
-        --------  -------------------------------------------------------  --------------------------
-        WATCHING  a re-probe is due: one kernel back to whoever sat out    PROBING
-                  longest, from whoever has the most
-                  else the streak +1 if the slowest lags, else 0; at       COOLING after a move
-                  ``patience`` it is 0 again, and the target is proposed   (WATCHING if ``cooldown``
-                  if it moves >= ``min_move`` kernels and ends sooner      is 0), else WATCHING
-        COOLING   a re-probe is due: as in WATCHING (the cool-down waits)  PROBING
-                  else one step of the cool-down counted off               COOLING, WATCHING after
-                                                                           its last step
-        PROBING   judged at once: the probed one sits out again if the     COOLING after a move, else
-                  target gives it 0; the target proposed as in WATCHING    the phase it broke into
+    For each layer and participant it keeps the last ``window`` measurements (k, t), from :meth:`observe` and
+    :meth:`record` (the calibration's whole-layer times at k = F), and fits t_i(k) = a_i + b_i k
+    (:func:`fit_affine_cost`). The target is the equal-finish split with a floor of one kernel
+    (:func:`equal_finish_kernels`), from which a participant that can only slow the layer sits out. With the
+    current counts c_i each finishes after f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold``
+    for ``patience`` steps in a row, the target is proposed if it moves at least ``min_move`` kernels and
+    predicts max_i f_i(new) < max_i f_i(current); then ``cooldown`` steps measured, not judged. One sitting out
+    gets a kernel back for one step after ``reprobe`` steps (0: never), twice as long each time it stays slow.
     """
 
     threshold: float = 0.10
@@ -142,8 +104,8 @@ class Rebalancer:
                 samples.append((int(c), float(t)))
 
     def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
-        """Record one step of ``layer`` as :meth:`record` does, then do its phase's row of the table
-        above; returns new counts (summing to the same) to use from the next step, or None."""
+        """Record one step of ``layer`` as :meth:`record` does, then do its phase's row of the phase
+        table (docs/how-it-works.md); returns new counts (summing to the same) to use from the next step, or None."""
         self.record(layer, counts, times)
         state = self._layers[layer]
         for i, c in enumerate(counts):
@@ -152,8 +114,8 @@ class Rebalancer:
             return self._judge_probe(layer, state, counts)
         if (probe := self._reprobe(state, counts)) is not None:  # due: WATCHING or COOLING alike
             return probe
-        if state.phase is Phase.COOLING:
-            self._cool(state)
+        if state.phase is Phase.COOLING:  # one step of the cool-down counted off
+            state.cooldown_left -= 1
             return None
         return self._watch(layer, state, counts)
 
@@ -175,17 +137,10 @@ class Rebalancer:
         state.late_steps = 0
         return self._move(state, models, counts, _target(models, counts))
 
-    def _cool(self, state: _LayerState) -> None:
-        """COOLING: count one step of the cool-down off; after the last, the layer is WATCHING."""
-        state.cooldown_left -= 1
-        if state.cooldown_left == 0:
-            state.phase = Phase.WATCHING
-
     def _judge_probe(self, layer: str, state: _LayerState, counts: Sequence[int]) -> list[int] | None:
         """PROBING: judge the step at once (no streak); the probed participant keeps its kernels
         if the target gives it some, else sits out again, for twice as long as before."""
-        probed, state.probing = state.probing, None
-        state.phase = Phase.COOLING if state.cooldown_left > 0 else Phase.WATCHING  # where the probe broke in
+        probed, state.probing = state.probing, None  # back to the phase the probe broke into
         models = self._fitted(layer)
         if models is None:
             return None
@@ -202,7 +157,6 @@ class Rebalancer:
         if moved < self.min_move or _makespan(models, target) >= _makespan(models, counts) * (1 - 1e-9):
             return None
         state.cooldown_left = self.cooldown
-        state.phase = Phase.COOLING if self.cooldown > 0 else Phase.WATCHING
         return target
 
     def _fitted(self, layer: str) -> list[tuple[float, float]] | None:
@@ -225,7 +179,6 @@ class Rebalancer:
         probe = list(counts)
         probe[donor] -= 1
         probe[i] = 1
-        state.phase = Phase.PROBING
         state.probing = i
         state.late_steps = 0
         return probe
@@ -253,38 +206,33 @@ class Rebalancer:
 
 
 def _target(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> list[int]:
-    """The split a proposal aims for: finishing together, whoever can only slow it sitting out."""
-    return _sit_out(models, _equal_finish_among(models, list(range(len(counts))), sum(counts)))
+    """The split a proposal aims for: finishing together, whoever can only slow the layer down sitting out.
+
+    Such a participant is held at one kernel, and the layer ends sooner without it: the others split all F
+    kernels among themselves (:func:`equal_finish_kernels`) and finish before its one kernel would. Tried
+    slowest first (largest a_i + b_i), one at a time.
+    """
+    total = sum(counts)
+    target = _equal_finish_among(models, list(range(len(counts))), total)
+    while True:
+        active = [i for i, c in enumerate(target) if c > 0]
+        held = [i for i in active if target[i] == 1]
+        if len(active) < 2 or not held:
+            return target
+        slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
+        without = _equal_finish_among(models, [i for i in active if i != slowest], total)
+        if _makespan(models, without) >= _makespan(models, target):
+            return target
+        target = without
 
 
 def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
     """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
     (:func:`equal_finish_kernels`, largest remainder), 0 for the others."""
     counts = [0] * len(models)
-    split = apportion(equal_finish_kernels([models[i] for i in who], total), total)
-    for i, c in zip(who, split, strict=True):
+    for i, c in zip(who, apportion(equal_finish_kernels([models[i] for i in who], total), total), strict=True):
         counts[i] = c
     return counts
-
-
-def _sit_out(models: Sequence[tuple[float, float]], counts: list[int]) -> list[int]:
-    """``counts`` with participants that can only slow the layer down given 0 kernels.
-
-    Such a participant is held at one kernel, and the layer ends sooner without it: the
-    others split all F kernels among themselves (:func:`equal_finish_kernels`) and finish
-    before its one kernel would. Tried slowest first (largest a_i + b_i), one at a time.
-    """
-    total = sum(counts)
-    while True:
-        active = [i for i, c in enumerate(counts) if c > 0]
-        held = [i for i in active if counts[i] == 1]
-        if len(active) < 2 or not held:
-            return counts
-        slowest = max(held, key=lambda i: (models[i][0] + models[i][1], -i))
-        without = _equal_finish_among(models, [i for i in active if i != slowest], total)
-        if _makespan(models, without) >= _makespan(models, counts):
-            return counts
-        counts = without
 
 
 def _makespan(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> float:

@@ -93,7 +93,6 @@ class _Sent(NamedTuple):
     wire: Message  # as it was sent (encoded)
     at: float  # the Rpc's clock when it was sent
     alone: bool  # the worker had no other task of the op: its result's wait is its own link and compute
-    nbytes: int  # the array bytes that went, encoded
 
 
 class Op:
@@ -127,7 +126,7 @@ class Op:
         except WorkerLost as e:
             raise Lost({worker: e.reason}) from None
         alone = all(sent.worker != worker for sent in self._pending.values())
-        self._pending[task] = _Sent(worker, msg, wire, at, alone, wire.nbytes())
+        self._pending[task] = _Sent(worker, msg, wire, at, alone)
         self.sent[worker] = self.sent.get(worker, 0) + wire.nbytes()
         return task
 
@@ -209,7 +208,7 @@ class Op:
             self.compute[k] = self.compute.get(k, 0.0) + compute
             if sent.alone:
                 beyond = self.rpc.clock() - sent.at - compute
-                self.rpc.link(k).add(sent.nbytes + nbytes, beyond, exact=waited)
+                self.rpc.link(k).add(sent.wire.nbytes() + nbytes, beyond, exact=waited)
             if task not in waiting:
                 self._early[task] = reply
             return task, reply

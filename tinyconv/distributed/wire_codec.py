@@ -1,23 +1,14 @@
 """Reduced precision on the wire as a codec at the edges: narrowed as a message is encoded, widened as it is decoded.
 
-The task protocol (``protocol.py``) speaks float32. With ``--wire-precision`` a layer's task may
-carry its float32 arrays narrowed (``wire_precision.py``), each named in its optional header
-``narrow`` = {array: format} ("bf16", "fp16", "adt24", or ["s8", H, W]: s8 with the plane its
-scales are per; an array not named is float32), and ask for its result's arrays in ``reply`` =
-{result array: format} (format names alone: the worker knows its results' shapes); the result
-names what it narrowed in its own ``narrow`` (an array asked for narrow that comes back float32
-fell back: narrowing would have made a finite number infinite). Every declared format is checked
-against its array's dtype and shape before anything is widened, and the receiver widens to float32
-right after, so every computation -- and every check of ``protocol.py`` -- sees float32.
-
-The two edges: the master's, an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's
-(``worker/handler.py``): :func:`decode_task` as a task arrives, :func:`read_back` and
-:func:`encode_result` as its result goes (a task without ``narrow`` or ``reply`` passes as it is).
-
-A backend that converts words on its device (``backends.base.WireConversion``: OpenCL's bf16) is
-used where it can be: an input the worker puts straight on the backend is widened there after only
-its narrow words were written, and a result still on the device is narrowed there and only its
-narrow words are read back. The same words cross the wire either way.
+With ``--wire-precision`` a layer's task names its narrowed arrays in its optional header ``narrow`` = {array:
+format} ("bf16", "fp16", "adt24", or ["s8", H, W]: s8 with its plane; an array not named is float32), and asks
+for its result's arrays in ``reply`` = {result array: format}; the result names what it narrowed in its own
+``narrow`` (an array asked for narrow that comes back float32 fell back). Every declaration is checked against
+its array's dtype and shape before anything is widened, so every computation and every check of ``protocol.py``
+sees float32. The master's edge is an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's is
+``worker/handler.py``'s :func:`decode_task`, :func:`read_back` and :func:`encode_result`. A backend that converts
+words on its device (``backends.base.WireConversion``) widens and narrows there what it holds; the same words
+cross the wire either way.
 """
 
 from __future__ import annotations
@@ -37,10 +28,6 @@ from transports.wire import ProtocolError, check_fields
 # the tasks whose arrays may travel narrowed: a layer's, which say ``layer`` (not calibrations, not the replicas')
 NARROWABLE = frozenset(kind for kind, schema in TASKS.items() if "layer" in schema.header)
 _KEYS = ("narrow", "reply")
-
-# widens one narrowed array elsewhere (a worker's device): (its name, the array as it came, its
-# declaration) -> the float32 array there, or None: widened on the host
-WidenElsewhere = Callable[[str, np.ndarray, Declared], Any]
 
 
 class Narrowing:
@@ -85,16 +72,19 @@ def decode_task(msg: Message, backend: Backend, on_backend: frozenset[str]) -> t
         raise TaskError(str(e)) from None
     narrow = _declarations(msg.kind, msg, TaskError, frozenset(TASKS[msg.kind].labels.split()))
     reply = msg.header.get("reply", {})
-    _check_formats(f"{msg.kind}'s reply", reply, set(TASKS[msg.kind].result.split()), TaskError)
+    results = set(TASKS[msg.kind].result.split())
+    _check_formats(f"{msg.kind}'s reply", reply, results, TaskError, lambda _, fmt: wire_precision.check_format(fmt))
 
-    def there(name: str, carried: np.ndarray, declared: Declared) -> Any:
-        if name not in on_backend or not isinstance(declared, str):  # s8's declaration is a list: host
-            return None
-        return backend.widen_wire(carried, declared)
+    def widen(name: str, carried: np.ndarray, declared: Declared) -> Any:
+        # on a backend that converts the format there (s8's declaration is a list: on the host)
+        if name in on_backend and isinstance(declared, str) and isinstance(backend, WireConversion):
+            there = backend.widen_wire(carried, declared)
+            if there is not None:
+                return there
+        return wire_precision.widen(carried, declared)
 
-    elsewhere = there if isinstance(backend, WireConversion) else None
     header = {k: v for k, v in msg.header.items() if k not in _KEYS}
-    return Message(msg.kind, header, widened(msg.arrays, narrow, elsewhere)), reply
+    return Message(msg.kind, header, widened(msg.arrays, narrow, widen)), reply
 
 
 def read_back(backend: Backend, a: Any, fmt: str) -> np.ndarray | Narrowed:
@@ -137,48 +127,36 @@ def narrowed(
 
 
 def widened(
-    arrays: dict[str, np.ndarray], narrow: dict[str, Declared], elsewhere: WidenElsewhere | None = None
+    arrays: dict[str, np.ndarray],
+    narrow: dict[str, Declared],
+    widen: Callable[[str, np.ndarray, Declared], Any] = lambda _, a, declared: wire_precision.widen(a, declared),
 ) -> dict[str, Any]:
-    """Checked ``arrays`` (:func:`_declarations`), each float32 again: those ``narrow`` names widened
-    (new arrays), the others as they are. Each narrowed one is offered to ``elsewhere`` first; only
-    what it declines is widened here."""
-    out: dict[str, Any] = {}
-    for name, a in arrays.items():
-        if name not in narrow:
-            out[name] = a
-            continue
-        there = elsewhere(name, a, narrow[name]) if elsewhere is not None else None
-        out[name] = there if there is not None else wire_precision.widen(a, narrow[name])
-    return out
+    """Checked ``arrays`` (:func:`_declarations`), each float32 again: those ``narrow`` names widened by
+    ``widen(name, carried, declared)`` (new arrays; by default on the host), the others as they are."""
+    return {name: widen(name, a, narrow[name]) if name in narrow else a for name, a in arrays.items()}
 
 
 def _declarations(
     what: str, msg: Message, error: type[Exception], labels: frozenset[str] = frozenset()
 ) -> dict[str, Declared]:
-    """``msg``'s header ``narrow``, checked: it names some of its float32 arrays, each with a known
-    format, and each of those arrays is a well-formed carrier of what it declares."""
+    """``msg``'s header ``narrow``, checked: it names some of its float32 arrays, each a well-formed carrier of
+    what it declares (``wire_precision.check_carried``)."""
     narrow = msg.header.get("narrow", {})
-    _check_formats(f"{what}'s narrow", narrow, set(msg.arrays) - labels, error, declared=True)
-    for name, declared in narrow.items():
-        try:
-            wire_precision.check_carried(declared, msg.arrays[name])
-        except ValueError as e:
-            raise error(f"{what}: {name}: {e}") from None
+    names = set(msg.arrays) - labels
+    _check_formats(
+        f"{what}'s narrow", narrow, names, error, lambda name, d: wire_precision.check_carried(d, msg.arrays[name])
+    )
     return narrow
 
 
 def _check_formats(
-    what: str, formats: dict, names: frozenset[str] | set[str], error: type[Exception], declared: bool = False
+    what: str, formats: dict, names: set[str], error: type[Exception], check: Callable[[str, Any], object]
 ) -> None:
-    """``formats`` must map some of ``names`` to known wire formats (``declared``: as a ``narrow``
-    declares them, s8 with its plane, ``wire_precision.check_declared``)."""
+    """``formats`` must map some of ``names`` to what ``check(name, format)`` accepts (a ValueError: not)."""
     for name, fmt in formats.items():
         if name not in names:
             raise error(f"{what} names {name!r}, which is not one of its float32 arrays {sorted(names)}")
-        if declared and (fmt == "s8" or isinstance(fmt, list)):
-            try:
-                wire_precision.check_declared(fmt)
-            except ValueError as e:
-                raise error(f"{what}: {name}: {e}") from None
-        elif not isinstance(fmt, str) or fmt not in wire_precision.WORD_BYTES:
-            raise error(f"{what}: {name} has format {fmt!r}; the formats are {', '.join(wire_precision.FORMATS)}")
+        try:
+            check(name, fmt)
+        except ValueError as e:
+            raise error(f"{what}: {name}: {e}") from None

@@ -1,53 +1,13 @@
 """Reduced-precision words on the wire: float32 arrays narrowed to 3, 2 or 1 bytes per number, and back.
 
-Only the transfer is narrowed: the master keeps every weight in float32 and all arithmetic runs
-in float32; an array is narrowed right before it is sent and widened right after it is validated
-(``wire_codec.py`` applies these formats to messages). The formats::
+Only the transfer is narrowed: every weight stays float32 on the master and all arithmetic runs in float32
+(``wire_codec.py`` applies these formats to messages). The formats, their error bounds and s8's layout (an int8
+per number and a float32 scale per (H, W) plane): docs/how-it-works.md, "Narrower words on the wire".
 
-    format   bytes  carried as                      kept of a float32 (sign s, exponent e, mantissa m)
-    fp32     4      float32 (x)                     everything
-    adt24    3      uint8 (x..., 3)                 s, e, the top 15 of m's 23 bits (ADT's 24-bit word)
-    bf16     2      uint16 (x)                      s, e, the top 7 bits of m (bfloat16)
-    fp16     2      float16 (x)                     IEEE half: s, 5-bit e, 10-bit m; |x| <= 65504
-    s8       1      uint8 (lead..., 4 + H W)        int8 multiples of a float32 scale per (H, W) plane,
-                                                    the scale's 4 bytes ahead of each plane
-
-adt24 and bf16 are a float32 with its low 1 or 2 bytes dropped (as Zhuang, Malossi and Casas's
-ADT packs words), rounded to nearest, ties to even: the error is half a unit in the last kept
-place, and unbiased. For a finite float32 x that stays finite, x' = widen(narrow(x))::
-
-    fp32    x' = x
-    adt24   |x' - x| <= 2^-16 |x|   for normal x (|x| >= 2^-126); <= 2^-142 absolute for subnormals
-    bf16    |x' - x| <= 2^-8  |x|   for normal x;                   <= 2^-134 absolute for subnormals
-    fp16    |x' - x| <= 2^-11 |x|   for 2^-14 <= |x| <= 65504;      <= 2^-25 absolute below 2^-14
-            (fp16's subnormals end at 2^-24: smaller numbers become +-0)
-
-+-0, +-inf and NaN travel as themselves in these (a NaN stays a NaN, its payload may not).
-
-**s8: scaled 8-bit integers, per plane.** A plane is the last two axes of an array of 3 or more
-dimensions (one feature map of one image and channel, one K x K kernel of one input channel),
-or the whole array of fewer. With m = max |v| over the plane::
-
-    s = m / 127 (float32, rounded up if need be so that 127 s >= m)      the plane's scale
-    q = round-to-nearest-even(v / s)  in -127..127, an int8               each number
-    x' = q * s  (float32)                                                  widened
-
-carried as uint8, each plane its 4 scale bytes (little-endian float32) then its int8 values: an
-array (lead..., H, W) travels as (lead..., 4 + H W). A zero plane has s = 0. The error is
-absolute, |x' - x| <= s / 2 + 2^-24 |x'|: half a step of 1/127 of the plane's largest magnitude,
-plus the rounding of q s; a number much smaller than its plane's largest may become 0. The
-receiver cannot tell H from W, so the header declares an s8 array with its plane, ``["s8", H, W]``
-(``["s8", *shape]`` for fewer than 3 dimensions), and :func:`check_carried` holds the carrier to it.
-
-**Safety.** Narrowing must never *make* a number non-finite: fp16 overflows above 65504, bf16 and
-adt24 round the very largest float32s up to infinity, and a plane holding an inf or NaN has no s8
-scale. :func:`narrow` then sends that array in fp32 and says so (a *fallback*, counted in the
-step's metrics). A NaN or an infinity already in the data travels like any other number, so the
-master's check on workers that answer finite inputs with NaN still works.
-
-ADT's 8-bit word (the sign and 7 exponent bits, no mantissa) is not offered: every number becomes
-a power of 4, a median relative error of 52 % on 10^6 N(0, 1) numbers, which no map, weight or
-gradient survives. s8 spends its 8 bits on a mantissa instead, and the exponent once per plane.
+**Safety.** Narrowing must never *make* a number non-finite: fp16 overflows above 65504, bf16 and adt24 round
+the very largest float32s up to infinity, and a plane holding an inf or NaN has no s8 scale. :func:`narrow`
+then sends that array in fp32 and says so (a *fallback*). A NaN or an infinity already in the data travels like
+any other number, so the master's check on workers that answer finite inputs with NaN still works.
 """
 
 from __future__ import annotations
@@ -58,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 # format -> bytes per number on the wire (s8 adds SCALE_BYTES per plane: see nbytes_of)
-WORD_BYTES: dict[str, int] = {"fp32": 4, "adt24": 3, "bf16": 2, "fp16": 2, "s8": 1}
+WORD_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "adt24": 3, "s8": 1}
 FORMATS = tuple(WORD_BYTES)
 SCALE_BYTES = 4  # s8's float32 scale, ahead of each plane's values
 # format -> (the wire dtype it is carried as, the trailing axis it adds); s8 reshapes instead (carried_shape)
@@ -69,7 +29,7 @@ CARRIER: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "fp16": (np.dtype("<f2"), ()),
     "s8": (np.dtype("u1"), ()),
 }
-# the bound on |x' - x| / |x| for a normal x, stated above and checked by the tests (s8's is absolute: S8_STEPS)
+# the bound on |x' - x| / |x| for a normal x (docs/how-it-works.md), checked by the tests (s8's is absolute: S8_STEPS)
 RELATIVE_ERROR: dict[str, float] = {"fp32": 0.0, "adt24": 2.0**-16, "bf16": 2.0**-8, "fp16": 2.0**-11}
 S8_STEPS = 127  # s8's largest |q|: a plane's largest magnitude is 127 steps of its scale
 
@@ -177,12 +137,6 @@ def _rne_drop(bits: np.ndarray, drop: int) -> np.ndarray:
     return rounded
 
 
-def _infinite_bits(rounded: np.ndarray, drop: int) -> np.ndarray:
-    """Where narrowed bit patterns (float32's top bits) are +-inf or NaN: the exponent all ones."""
-    exponent = _EXPONENT >> np.uint32(drop)
-    return (rounded & exponent) == exponent
-
-
 def narrow(x: np.ndarray, fmt: str) -> Narrowed:
     """x (any shape, float32) -> how it travels in ``fmt``: a new C-contiguous array of the carrier
     dtype (``carried_shape``), or x itself for fp32 -- or in fp32, if ``fmt`` would turn one of x's
@@ -193,8 +147,6 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
         return _narrow_s8(x)
     if fmt == "fp32":
         return Narrowed(x, "fp32", False, "fp32")
-    if x.size == 0:
-        return Narrowed(np.empty(carried_shape(x.shape, fmt), CARRIER[fmt][0]), fmt, False, fmt)
     if fmt == "fp16":
         with np.errstate(over="ignore"):  # overflow is checked just below
             carried = x.astype(np.float16)  # numpy rounds to nearest, ties to even
@@ -202,7 +154,8 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
     else:
         drop = 16 if fmt == "bf16" else 8
         rounded = _rne_drop(x.view(np.uint32), drop)
-        overflow = _infinite_bits(rounded, drop)
+        exponent = _EXPONENT >> np.uint32(drop)
+        overflow = (rounded & exponent) == exponent  # +-inf or NaN: the exponent all ones
         if fmt == "bf16":
             carried = rounded.astype(np.uint16)
         else:  # the low 3 bytes of the little-endian uint32: float32's top 3
@@ -213,7 +166,7 @@ def narrow(x: np.ndarray, fmt: str) -> Narrowed:
 
 
 def _narrow_s8(x: np.ndarray) -> Narrowed:
-    """x (float32, C-contiguous) -> s8: per plane a scale and int8 multiples of it (module docstring)."""
+    """x (float32, C-contiguous) -> s8: per plane a scale and int8 multiples of it (docs/how-it-works.md)."""
     lead = carried_shape(x.shape, "s8")[:-1]
     planes = x.reshape(*lead, math.prod(plane_of(x.shape)))  # (lead..., plane size): each row one plane
     m = np.abs(planes).max(axis=-1, keepdims=True, initial=np.float32(0))  # NaN propagates

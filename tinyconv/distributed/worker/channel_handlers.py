@@ -17,13 +17,10 @@ kernels [ks, ke) of all F. What crosses of the conv output is kernel-major, (ker
                                                      (each absent when empty)
                       -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
 
-A batch may come in chunks of images (the pipeline): partial_forward, tail_forward and
-partial_backward then carry ``images`` = [a, b, N], and N above is b - a: partial_forward's
-chunks in order from image 0, w with the first only; tail_forward's by the same chunks, b with the
-last only, which alone returns y (the others return nothing); partial_backward's by the forward's
-chunks, each returning its dx, the last dw and db too (summed over the chunks). Without ``images``
-a task is the whole batch, one chunk.
-x and w arrive on the backend (``handler.py``'s ON_BACKEND).
+A batch may come in chunks of images (the pipeline): these tasks then carry ``images`` = [a, b, N], and N above
+is b - a. partial_forward's chunks come in order from image 0, w with the first only; tail_forward and
+partial_backward go by the same chunks: b with tail_forward's last, which alone returns y; each partial_backward
+returns its dx, the last dw and db too (summed over the chunks). Without ``images`` a task is the whole batch.
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
             f"layer {h['layer']}: expected x ({stop - first}, c, H, W) for images [{first}, {stop}) and "
             f"w (F, c, KH, KW), got x {x.shape}" + (f", w {w.shape}" if w is not None else "")
         )
-    be = state.backend
     settings = [h[key] for key in ("stride", "padding", "tail", "halo", "own", "give")] + [list(x.shape[1:]), n]
     if first == 0:
         if w is None:
@@ -85,7 +81,7 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
         if settings != kept.settings:
             raise TaskError(f"{task_place(h)}: a chunk of partial_forward must repeat its first chunk's settings")
     f, (cs, ce) = kept.kernels, kept.halo
-    p, conv = be.conv2d_partial(x, kept.w, h["stride"], h["padding"])
+    p, conv = state.backend.conv2d_partial(x, kept.w, h["stride"], h["padding"])
     if first == 0:
         kept.summed = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
     kept.partial.append(p[cs:ce])  # a view; p is not written again, so the parts below go out uncopied
@@ -100,7 +96,7 @@ def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept:
     """Adds ``sum`` (F', N, OH, OW), the others' partials on its halo, to a chunk of its own; with the
     last chunk (and ``b``), y = tail(P[halo] + sum + b) of its own kernels."""
     n, computed, oh, ow = kept.summed.shape
-    first, stop, _ = _images(h, n, kept=kept, computed=kept.chunks[-1][1], at=kept.done)
+    first, stop = _next_chunk(h, kept, n, "tail_forward goes by partial_forward's chunks")
     b, others = a.get("b"), a.get("sum")
     rows = (computed, stop - first, oh, ow)
     if (b is not None and b.shape != (computed,)) or (others is not None and others.shape != rows):
@@ -108,14 +104,9 @@ def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept:
         raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
     if (b is not None) != (stop == n):
         raise TaskError(f"layer {h['layer']}: b comes with the last chunk of tail_forward (images up to {n}) only")
-    i = [start for start, _ in kept.chunks].index(first)  # first is kept.done, a chunk's start (_images)
-    if kept.chunks[i] != (first, stop):
-        raise TaskError(
-            f"{task_place(h)}: tail_forward goes by partial_forward's chunks; the next is images {[*kept.chunks[i], n]}"
-        )
-    halo_sum(kept.summed[first:stop], kept.partial[i], [] if others is None else [others])
-    kept.partial[i] = None  # summed: its P can go
-    kept.done = stop
+    halo_sum(kept.summed[first:stop], kept.partial[kept.done], [] if others is None else [others])
+    kept.partial[kept.done] = None  # summed: its P can go
+    kept.done += 1
     if stop < n:
         return {}
     s = kept.summed
@@ -148,12 +139,7 @@ def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], k
     conv backward through its partial, one forward chunk at a time: the chunk's dx of its input
     channels (if need_dx); dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
     f, n, oh, ow = kept.dyc.shape
-    chunk = kept.chunks[kept.done]
-    first, stop, batch = _images(h, n)
-    if (first, stop, batch) != (*chunk, n):
-        raise TaskError(
-            f"{task_place(h)}: partial_backward goes by the forward's chunks; the next is images {[*chunk, n]}"
-        )
+    first, stop = _next_chunk(h, kept, n, "partial_backward goes by the forward's chunks")
     start, end = _own_kernels(kept)
     around = {"dyc_lo": slice(0, start), "dyc_hi": slice(end, f)}  # the others' kernels: rows of dY_conv
     for key, rows in around.items():
@@ -187,23 +173,21 @@ def _own_kernels(kept: OpenStep) -> tuple[int, int]:
     return kept.halo[0] + kept.own[0], kept.halo[0] + kept.own[1]
 
 
-def _images(
-    h: dict[str, Any], n: int, kept: OpenStep | None = None, computed: int | None = None, at: int | None = None
-) -> tuple[int, int, int]:
-    """Header ``images`` = [a, b, N], a chunk of a batch of N: (a, b, N), checked; absent: (0, n, n),
-    the whole batch. For a task that continues a layer (``kept``), N must be its batch, a must be
-    ``at`` (the next image it expects) and b at most ``computed`` (what its forward has so far)."""
-    v = h.get("images")
-    if v is None:
-        v = [0, n, n]
+def _images(h: dict[str, Any], n: int) -> tuple[int, int, int]:
+    """Header ``images`` = [a, b, N], a chunk of a batch of N, checked; absent: (0, n, n), the whole batch."""
+    v = h.get("images", [0, n, n])
     if not (isinstance(v, list) and len(v) == 3 and all(Int.accepts(i) for i in v) and 0 <= v[0] < v[1] <= v[2]):
         raise TaskError(f"{task_place(h)}: images must be [a, b, N] with 0 <= a < b <= N, got {v!r}")
-    if kept is not None and (v[2] != n or v[0] != at or v[1] > computed):
-        raise TaskError(
-            f"{task_place(h)}: images {v!r} do not continue this layer's batch of {n}: "
-            f"the next chunk starts at image {at}, and its forward has images up to {computed}"
-        )
     return v[0], v[1], v[2]
+
+
+def _next_chunk(h: dict[str, Any], kept: OpenStep, n: int, rule: str) -> tuple[int, int]:
+    """The task's chunk [a, b) of the batch of ``n``, which must be partial_forward's chunk ``kept.done``."""
+    chunk = kept.chunks[kept.done] if kept.done < len(kept.chunks) else None
+    if chunk is None or _images(h, n) != (*chunk, n):
+        nxt = f"images {[*chunk, n]}" if chunk else f"a chunk after images {kept.chunks[-1][1]}, not computed yet"
+        raise TaskError(f"{task_place(h)}: {rule}; the next is {nxt}")
+    return chunk
 
 
 HANDLERS: dict[str, Handler] = {

@@ -3,15 +3,9 @@
     tinyconv worker --connect tcp://HOST:5555 --backend opencl --device 0:1
     tinyconv worker --connect tcp://HOST:5555 --key me.key_secret --master-key master.key --serve
 
-A worker that loses its master (a restart, a network hiccup) looks for it again for
-``--retry-for`` seconds; with ``--serve`` it also stays up after a run and waits for the next
-master. With ``--key`` and ``--master-key`` (files from ``tinyconv keygen``) it talks CURVE:
-authenticated and encrypted, as a master bound beyond loopback requires.
-
-``--threads N`` limits BLAS / OpenMP threads through environment variables, which those
-libraries read once, when numpy is first imported. So this launcher parses its arguments
-and sets the variables before it imports the handler, the backends or the transport (all
-of which import numpy); nothing above :func:`_serve` may import them.
+``--threads N`` limits BLAS / OpenMP threads through environment variables, which those libraries read once,
+when numpy is first imported. So this launcher parses its arguments and sets the variables before it imports the
+handler, the backends or the transport (all of which import numpy); nothing above :func:`_serve` may import them.
 """
 
 from __future__ import annotations
@@ -39,24 +33,19 @@ EXIT_FAILED = 1  # = transports.zmq_worker's; not imported from there, which wou
 EXIT_INTERRUPTED = 130
 
 
-def _positive(kind: type) -> Any:
+def _number(kind: type, least: float = 0.0) -> Any:
+    """An argparse type: a finite ``kind`` above 0, and at least ``least``."""
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n int' if kind is int else ' number'}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        if not (math.isfinite(value) and value > 0 and value >= least):
+            raise argparse.ArgumentTypeError(f"{text!r} must be " + (f">= {least:g}" if least else "> 0"))
         return value
 
     return parse
-
-
-def _slowdown(text: str) -> float:
-    value = _positive(float)(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"slowdown {text!r} must be >= 1 (1 = full speed, 2 = half speed)")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,16 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tinyconv worker",
         description="Serve convolution shards to a tinyconv master until it says the training is over.",
     )
-    seconds = _positive(float)
+    seconds = _number(float)
     p.add_argument(
         "--connect", required=True, metavar="ADDR", help="the master's address: tcp://HOST:5555 or ipc:///path"
     )
     p.add_argument("--backend", default="numpy", help="compute backend: numpy or opencl (default: numpy)")
     p.add_argument("--device", metavar="SPEC", help="which device the backend should use (backend-specific)")
     threads = "limit BLAS/OpenMP threads to N (sets OMP/OPENBLAS/MKL_NUM_THREADS before numpy loads)"
-    p.add_argument("--threads", type=_positive(int), metavar="N", help=threads)
-    slowdown = "testing aid: emulate a device F times slower"
-    p.add_argument("--slowdown", type=_slowdown, default=1.0, metavar="F", help=slowdown)
+    p.add_argument("--threads", type=_number(int), metavar="N", help=threads)
+    slowdown = "testing aid: emulate a device F >= 1 times slower (1 = full speed, 2 = half speed)"
+    p.add_argument("--slowdown", type=_number(float, 1.0), default=1.0, metavar="F", help=slowdown)
     heartbeat = "send a heartbeat after S idle seconds (at least as often as the master asks; default: 1)"
     p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="S", help=heartbeat)
     timeout = "the master is gone when it has been silent for S seconds (default: 5)"
@@ -89,30 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def limit_threads(n: int) -> None:
-    """Ask BLAS / OpenMP for ``n`` threads. Only works before numpy is imported."""
-    if "numpy" in sys.modules:
-        print(
-            "tinyconv worker: warning: numpy was already imported, so --threads may not take effect; "
-            "start the worker with `tinyconv worker` or `python -m tinyconv.distributed.worker`",
-            file=sys.stderr,
-        )
-    for var in THREAD_ENV_VARS:
-        os.environ[var] = str(n)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the worker the same clean way as Ctrl-C
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``tinyconv worker ...``: returns 0 after the master's shutdown, non-zero with a message otherwise."""
     args = build_parser().parse_args(argv)
-    if args.threads:
-        limit_threads(args.threads)  # before _serve's imports load numpy
+    if args.threads:  # before _serve's imports load numpy: BLAS / OpenMP read these once, then
+        if "numpy" in sys.modules:
+            print(
+                "tinyconv worker: warning: numpy was already imported, so --threads may not take effect; "
+                "start the worker with `tinyconv worker` or `python -m tinyconv.distributed.worker`",
+                file=sys.stderr,
+            )
+        os.environ.update(dict.fromkeys(THREAD_ENV_VARS, str(args.threads)))
     keep_freed_memory()  # before the compute thread starts: it shares the main heap
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    # SIGTERM ends the worker the same clean way as Ctrl-C: a KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main_thread else None
     before = set(threading.enumerate())
     try:
         code = _serve(args)
@@ -130,12 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def end_if_computing(code: int, before: set[threading.Thread]) -> None:
     """End the process now, with ``code``, if a compute thread started since ``before`` is still in a task.
 
-    A worker leaves mid-task on Ctrl-C or SIGTERM, or when its master is gone for good. The
-    compute thread is a daemon, but a normal exit runs OpenBLAS's clean-up at exit, which frees
-    the buffers that thread's GEMM is still using: the worker died of a segfault (exit 139, seen
-    after a master was killed mid-step) in place of its own code and message. os._exit skips the
-    clean-up; the process's memory goes with it. Only the worker's process entry calls this: an
-    in-process caller (a test) keeps its threads.
+    A worker leaves mid-task on Ctrl-C or SIGTERM, or when its master is gone for good. The compute thread is a
+    daemon, but a normal exit runs OpenBLAS's clean-up, which frees the buffers that thread's GEMM is still
+    using: a segfault (exit 139) in place of the worker's own code and message. os._exit skips the clean-up.
+    Only the worker's process entry calls this: an in-process caller (a test) keeps its threads.
     """
     busy = [t for t in threading.enumerate() if t.name == "worker-compute" and t not in before and t.is_alive()]
     if busy:

@@ -1,9 +1,8 @@
 """The worker's side of data parallelism and the hybrid (``tinyconv/distributed/replica/``): a whole replica.
 
-Data parallelism: every participant holds a whole replica of the network, described by
-``net`` = {"arch": "C1:C2", "norm", "pool_kernel", "num_classes"}; its P parameters (and B
-batch-norm statistics) travel as one flat vector each, in the network's ``named_params`` order
-(``tinyconv/distributed/replica/flat.py``). Each task is checked against its schema (``protocol.py``) first::
+Every participant holds a whole replica of the network, described by ``net`` = {"arch": "C1:C2", "norm",
+"pool_kernel", "num_classes"}; its P parameters (and B batch-norm statistics) travel as one flat vector each, in
+the network's ``named_params`` order (``replica/flat.py``). Each task is checked against its schema first::
 
     replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
                                                         of ``batch`` images], no arrays
@@ -13,10 +12,8 @@ batch-norm statistics) travel as one flat vector each, in the network's ``named_
                          whole ``batch`` (label-smoothed by ``smoothing`` in [0, 1), if it is given);
                          logits (n, classes); buffers (B,) after the slice's forward
 
-The hybrid (``tinyconv/distributed/replica/hybrid.py``): the conv part (every layer before the classifier)
-by data, the classifier on the master. The worker builds the same replica from ``net`` but runs
-only its conv part; P_conv, B are the conv part's parameters and statistics, F = C2 H' W' the
-features of one image (the last pool's output, flattened)::
+The hybrid (``replica/hybrid.py``) runs only the replica's conv part (every layer before the classifier) by data;
+P_conv, B are its parameters and statistics, F = C2 H' W' the features of one image (the last pool's output)::
 
     hybrid_calibrate  net, batch, repeats            -> times: [seconds of one forward + backward
                                                         of the conv part on ``batch`` images]
@@ -27,10 +24,8 @@ features of one image (the last pool's output, flattened)::
     hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
                       -> grads (P_conv,): the slice's part of the conv part's gradient
 
-Every task but ``hybrid_backward`` stands alone: it brings everything it needs (the weights with
-every step), and the worker keeps only its replica between them, rebuilt when the master describes
-another one (:func:`_replica`); ``hybrid_forward`` keeps its caches in the replica's layers, under
-the slot :data:`~tinyconv.distributed.worker.state.HYBRID`, for the step's ``hybrid_backward``.
+Every task but ``hybrid_backward`` brings everything it needs; between them the worker keeps only its replica
+(:func:`_replica`), whose layers hold ``hybrid_forward``'s caches under the slot ``state.HYBRID``.
 """
 
 from __future__ import annotations
@@ -55,8 +50,8 @@ from tinyconv.model import Network
 
 
 def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -> dict[str, Any]:
-    """``times``: [seconds of ``timer`` on the replica ``net`` describes, for ``batch`` random images],
-    once ``repeats`` and ``batch`` are checked."""
+    """``replica_calibrate``'s and ``hybrid_calibrate``'s ``times``: [seconds of ``timer`` (a forward + backward
+    of the replica or its conv part) on the replica ``net`` describes, for ``batch`` random images]."""
     if not 1 <= h["repeats"] <= 1000:
         raise TaskError(f"repeats must be in 1..1000, got {h['repeats']}")
     if not 1 <= h["batch"] <= 1 << 16:
@@ -64,11 +59,6 @@ def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -
     seconds = timer(_replica(state, h["net"], h["batch"]), h["net"], h["batch"], h["repeats"]) * state.slowdown
     release_freed_memory()  # the whole batch's memory, kept, would stay the run's peak (heap.py)
     return {"times": [seconds]}
-
-
-def replica_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
-    """``times``: [seconds of one forward + backward of the replica on ``batch`` random images]."""
-    return _timed(state, h, time_replica)
 
 
 def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
@@ -118,11 +108,6 @@ def _load(net: Network, a: dict[str, Any], what: str, note: str) -> bool:
 
 
 # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
-def hybrid_calibrate(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
-    """``times``: [seconds of one forward + backward of the replica's conv part on ``batch`` images]."""
-    return _timed(state, h, time_conv_part)
-
-
 def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
     ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
@@ -162,9 +147,9 @@ def _replica(state: WorkerState, spec: Any, batch: int) -> Network:
 
 
 HANDLERS: dict[str, Handler] = {
-    "replica_calibrate": replica_calibrate,
+    "replica_calibrate": lambda state, h, a, _: _timed(state, h, time_replica),
     "replica_step": replica_step,
-    "hybrid_calibrate": hybrid_calibrate,
+    "hybrid_calibrate": lambda state, h, a, _: _timed(state, h, time_conv_part),
     "hybrid_forward": hybrid_forward,
     "hybrid_backward": hybrid_backward,
 }

@@ -1,11 +1,10 @@
-"""What a worker keeps between tasks: :class:`WorkerState`, the one object every task handler gets; and the
-checks of a task's spans and tail that the handlers share.
+"""What a worker keeps between tasks (:class:`WorkerState`, which every task handler gets), and the checks of a
+task's spans and tail that the handlers share.
 
-It holds the worker's backend and settings, the replica of data parallelism (``replica_handlers.py``),
-and for each layer whose step is under way an :class:`OpenStep`: what the layer's forward left for
-the rest of its step, in a slot per layer (or the hybrid's one slot, :data:`HYBRID`). Which task may
-come next is explicit, one row per task kind (:data:`STAGES`). A task that continues a layer must
-also be of the step its forward was. A refused task changes nothing, so the right one can follow.
+For each layer whose step is under way it keeps an :class:`OpenStep`, what the layer's forward left for the rest
+of its step, in a slot per layer (or the hybrid's one slot, :data:`HYBRID`). Which task may come next is one row
+per task kind (:data:`STAGES`), and a task that continues a layer must be of its forward's step. A refused task
+changes nothing, so the right one can follow.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class OpenStep:
     settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
     halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
     chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
-    done: int = 0  # images summed by tail_forward; then chunks through partial_backward
+    done: int = 0  # chunks through tail_forward, then through partial_backward
     dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
     db: np.ndarray | None = None
     images: int = 0  # "hybrid": the slice's images
@@ -69,10 +68,7 @@ class OpenStep:
 
 @dataclass
 class WorkerState:
-    """A worker's backend and settings, and what it keeps between tasks.
-
-    ``slowdown`` F >= 1 scales the calibration times it reports (``handler.py``);
-    ``max_calibrate_bytes`` caps what one calibration or replica may allocate."""
+    """A worker's backend and settings (``handler.Worker``'s), and what it keeps between tasks."""
 
     backend: Backend
     slowdown: float
