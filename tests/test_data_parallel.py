@@ -26,7 +26,6 @@ from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.batch import UNIT
 from tinyconv.distributed.replica.hybrid import Hybrid
 from tinyconv.distributed.replica.server import Replicas
-from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.worker import replica_handlers as worker_replica
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import SoftmaxCrossEntropy
@@ -214,8 +213,9 @@ def test_a_worker_calibrating_past_the_timeout_but_within_ten_times_the_master_i
         replicas = replicas_timing_own_as(0.05)
         assert replicas.calibrate(net, batch_size=4)["times"][UNIT][0] == 0.05
         lazy = replicas_timing_own_as(0.001)  # 10 x 2 x 0.001 s < 0.5 s
-        with pytest.raises(Lost, match="no result for the data-parallel calibration within 0.2 s"):
-            lazy.calibrate(net, batch_size=4)
+        got = lazy.calibrate(net, batch_size=4)
+        assert "no result for the data-parallel calibration within 0.2 s" in lazy.lost[0]  # lost: the run goes on
+        assert got["participants"] == ["master"]
 
 
 @pytest.mark.parametrize("split_by", [Replicas, Hybrid])

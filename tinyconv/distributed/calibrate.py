@@ -22,7 +22,7 @@ import numpy as np
 from backends.base import Backend, conv_output_size
 from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.rpc import Rpc
+from tinyconv.distributed.rpc import Lost, Rpc
 from tinyconv.distributed.shard.block import block_backward, block_forward, tail_output_hw
 from tinyconv.distributed.worker.state import WorkerState, checked_tail
 from transports.base import Message
@@ -170,8 +170,6 @@ def worker_times(rpc: Rpc, k: int, task: Message, what: str, n: int, reference: 
     if not (
         isinstance(got, list) and len(got) == n and all(Num.accepts(t) and math.isfinite(t) and t > 0 for t in got)
     ):
-        raise RuntimeError(
-            f"{rpc.describe(k)} answered {task.kind} with times {got!r:.200}, expected {n} positive seconds; "
-            "is it running the same tinyconv version?"
-        )
+        why = f"answered {task.kind} with times {got!r:.200}, expected {n} positive seconds (same tinyconv version?)"
+        raise Lost({k: why})
     return [float(t) for t in got]

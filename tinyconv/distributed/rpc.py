@@ -3,9 +3,9 @@
 Each distributed op (the forward or the backward of one sharded layer) opens an :class:`Op`. It
 numbers every task it sends; :meth:`Op.gather` waits for the results of some of them, each within
 the timeout, and keeps a result that comes before its gather asks for it. A result no open op
-waits for (an op gave up on it) is stale and dropped. A worker's ``error`` becomes a RuntimeError
-naming it and the op. A worker the op cannot count on -- gone (the transport's WorkerLost), silent
-past the timeout, or answering finite inputs with non-finite numbers -- ends the op with
+waits for (an op gave up on it) is stale and dropped. A worker the op cannot count on -- gone (the transport's
+WorkerLost), silent past the timeout, answering with an error (out of memory, a driver's), with a
+malformed or wrong-shape result, or with non-finite numbers from finite inputs -- ends the op with
 :class:`Lost`, so that the runtime can share its work among the others and run the op again. On
 the way the op counts what it cost (:meth:`Op.stats`) and each worker's link its seconds per byte
 (``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
@@ -167,10 +167,8 @@ class Op:
         a = reply.arrays.get(name)
         if a is None or tuple(a.shape) != shape:
             got = "nothing" if a is None else f"shape {tuple(a.shape)}"
-            raise RuntimeError(
-                f"{self.rpc.describe(worker)} returned {got} for {name!r} in the {self.what}, expected shape "
-                f"{shape}; is it running the same tinyconv version?"
-            )
+            why = f"returned {got} for {name!r} in the {self.what}, expected shape {shape} (the same tinyconv version?)"
+            raise Lost({worker: why})
         return a
 
     def stats(self, placement: list[tuple[str, int | None]]) -> OpStats:
@@ -191,17 +189,20 @@ class Op:
             k, reply, waited = self._next(deadline, waiting)
             task = reply.header.get("task")
             ours = task in self._pending and self._pending[task].worker == k
-            if reply.kind == "error" and (task is None or ours):
-                raise RuntimeError(f"{self.rpc.describe(k)} failed the {self.what}: {reply.header['message']}")
+            if reply.kind == "error" and (task is None or ours):  # out of memory, a driver's error, ...
+                raise Lost({k: f"failed the {self.what}: {reply.header['message']}"})
             if not ours:  # a late answer to an op given up on
                 log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
                 continue
             if reply.kind != "result":
-                raise RuntimeError(f"{self.rpc.describe(k)} answered the {self.what} with a {reply.kind!r}")
+                raise Lost({k: f"answered the {self.what} with a {reply.kind!r}"})
             sent, nbytes = self._pending[task], reply.nbytes()
-            reply, fell_back = self.codec.decode(reply, sent.wire) if self.codec else (reply, 0)  # float32 now
+            try:
+                reply, fell_back = self.codec.decode(reply, sent.wire) if self.codec else (reply, 0)  # float32 now
+                check_result(reply, sent.msg.kind)
+            except RuntimeError as e:
+                raise Lost({k: f"sent a malformed result for the {self.what}: {e}"}) from None
             self.fallbacks += fell_back
-            check_result(reply, sent.msg.kind)
             _check_finite(k, reply, sent.msg, self.what)
             compute = float(reply.header["compute_s"])
             self.recv[k] = self.recv.get(k, 0) + nbytes

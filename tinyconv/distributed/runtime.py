@@ -136,7 +136,14 @@ class Runtime:
             {"participants": [...], "times": {unit: [s, ...]}, "shares": {unit: [count, ...]},
              "channel_shares": {layer: [channels, ...]}}    # layers split by input channels
         """
-        times = self._time_all(net, batch_size)
+        while True:
+            try:
+                times = self._time_all(net, batch_size)
+                break
+            except Lost as e:  # failed, silent or gone while timed: lost as in a step, and the others timed again
+                if set(e.workers) <= set(self.lost):
+                    raise
+                self.lose(e.workers)
         release_freed_memory()  # the timings' whole layers, kept, would stay the run's peak (heap.py)
         self.timings = {name: times[name] for name in self.participants}
         result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
