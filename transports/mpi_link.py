@@ -1,27 +1,10 @@
 """How a :class:`~transports.base.Message` crosses MPI: the wire's frames as raw byte buffers.
 
-MPI moves typed buffers between *ranks*, and has no multi-part messages, so one Message is
-``1 + n`` MPI messages on ``COMM_WORLD``:
-
-    tag TAG_PREFIX   int64[PREFIX_LEN]: MAGIC, the frame count n, then each frame's length
-                     (zeros after the n-th)
-    tag TAG_FRAME    frame 0: the msgpack header of :func:`transports.wire.encode`
-    tag TAG_FRAME    frame 1..n-1: one array's raw bytes each, in descriptor order
-
-and a prefix with n = 0 is *bye*: "nothing more from me". MPI never reorders messages between
-two ranks on one tag, so the frames after a prefix are that message's. The receiver checks the
-prefix before it allocates anything, receives each frame into a buffer of exactly the announced
-size, and hands the frames to :func:`transports.wire.decode`. Nothing is pickled (only the buffer
-API, ``Isend``/``Irecv``), and nothing blocks: MPI has no receive with a timeout, so the owner of a
-:class:`MpiChannel` calls :meth:`MpiChannel.poll` every :data:`POLL_S`, which is also what makes
-MPI move the bytes (MPICH progresses a transfer only inside MPI calls).
-
-A peer whose framing breaks cannot be resynchronised (what follows would be taken for the next
-message): it is *broken*, and what it sends from then on is received and dropped. The two sides
-end with a handshake (:meth:`MpiChannel.finish`: bye, then drop everything until the other's
-bye), since MPI_Finalize fails while a message sent to the rank is unreceived. The reasons, and
-what was measured, are in docs/writing-a-transport.md. mpi4py is imported lazily
-(:func:`require_mpi`), so this module loads without it.
+One Message is ``1 + n`` MPI messages on ``COMM_WORLD``: a prefix on TAG_PREFIX (int64[PREFIX_LEN]: MAGIC,
+the frame count n, each frame's length, zeros after), then the n frames on TAG_FRAME; n = 0 is *bye*. A
+peer whose framing breaks is *broken* (what follows could not be resynchronised); :meth:`MpiChannel.finish`
+is the closing handshake. Why buffers, polling and the handshake: docs/writing-a-transport.md, "A second
+worked example: MPI". mpi4py is imported lazily (:func:`require_mpi`), so this module loads without it.
 """
 
 from __future__ import annotations
