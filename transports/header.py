@@ -160,19 +160,6 @@ def _walk(value: Any, depth: int) -> None:
     raise _NotPlain(f"a {kind.__module__}.{kind.__qualname__}{hint}".replace("builtins.", ""))
 
 
-def _check_plain(what: str, header: Any) -> None:
-    if type(header) is not dict:
-        raise ProtocolError(f"{what}: header must be a map, got {type(header).__name__}")
-    try:
-        _walk(header, 0)
-    except _NotPlain as e:
-        where = "header" + "".join(f"[{key!r}]" for key in reversed(e.path))
-        raise ProtocolError(
-            f"{what}: {where} is not plain data: {e.problem}; a header holds only None, bool, int, "
-            "float, str, lists and maps with str keys"
-        ) from None
-
-
 def check_kind(kind: Any) -> None:
     """Raise ProtocolError unless ``kind`` is a short identifier (:data:`KIND_PATTERN`)."""
     if not isinstance(kind, str):
@@ -186,7 +173,16 @@ def check_kind(kind: Any) -> None:
 
 def check_header(kind: str, header: Any) -> None:
     """Raise ProtocolError unless ``header`` is plain data and, for a session kind, follows its schema."""
-    _check_plain(kind, header)
+    if type(header) is not dict:
+        raise ProtocolError(f"{kind}: header must be a map, got {type(header).__name__}")
+    try:
+        _walk(header, 0)
+    except _NotPlain as e:
+        where = "header" + "".join(f"[{key!r}]" for key in reversed(e.path))
+        raise ProtocolError(
+            f"{kind}: {where} is not plain data: {e.problem}; a header holds only None, bool, int, "
+            "float, str, lists and maps with str keys"
+        ) from None
     if kind in SESSION_KINDS:
         check_fields(kind, header, *SESSION_HEADERS[kind])
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from transports import wire
+from transports.session.link import Arrival
 
 # COMM_WORLD tags this transport uses; a program sharing COMM_WORLD must leave them alone.
 TAG_PREFIX = 0x7C01
@@ -109,15 +110,6 @@ class _Incoming:
     statuses: list[Any]
 
 
-@dataclass
-class Received:
-    """What :meth:`MpiChannel.poll` got from ``source``: a whole message's ``frames``, or None when only its
-    prefix has arrived (a sign of life: the rest of a large message is on its way)."""
-
-    source: int
-    frames: list[np.ndarray] | None = None
-
-
 class MpiChannel:
     """Non-blocking messages between this rank and ``peers`` (ranks of ``comm``); one thread owns it.
 
@@ -152,12 +144,13 @@ class MpiChannel:
         if dest not in self.bye_sent:
             self.send(dest, [])
 
-    def poll(self) -> list[Received]:
+    def poll(self) -> list[Arrival]:
         """One round: let go of finished sends; from each peer, every message that has arrived whole (small
-        ones come with their prefix; a large one finishes in a later round)."""
+        ones come with their prefix; a large one finishes in a later round), or only a sign of life (frames
+        None: the prefix of a large message, the rest on its way)."""
         Testall = self.MPI.Request.Testall
         self._outgoing = deque(o for o in self._outgoing if not Testall(o[0]))
-        out: list[Received] = []
+        out: list[Arrival] = []
         for peer in self.peers:
             for _ in range(_DRAIN_BATCH):  # bounded: one chatty peer cannot starve the others
                 if peer in self.said_bye:
@@ -176,7 +169,7 @@ class MpiChannel:
                 out.append(got)
         return out
 
-    def _receive_one(self, peer: int) -> Received | None:
+    def _receive_one(self, peer: int) -> Arrival | None:
         """The next message from ``peer`` if it has arrived whole (starting to receive it if it was only
         announced: then, if it is not whole yet, only a sign of life); None if there is none yet. A bye
         adds ``peer`` to ``said_bye``."""
@@ -188,7 +181,7 @@ class MpiChannel:
                 return None
         try:
             if not self.MPI.Request.Testall(incoming.requests, incoming.statuses):
-                return Received(peer) if began else None
+                return Arrival(peer, address=f"MPI rank {peer}") if began else None
         except self.MPI.Exception as e:  # e.g. a frame longer than announced: MPI_ERR_TRUNCATE
             del self._incoming[peer]
             raise LinkBroken(f"a frame could not be received as announced: {e}") from None
@@ -197,7 +190,7 @@ class MpiChannel:
         announced = [f.nbytes for f in incoming.frames]
         if counts != announced:  # a shorter frame would leave uninitialised bytes in its buffer
             raise LinkBroken(f"frames of {counts} bytes where the prefix announced {announced}")
-        return Received(peer, incoming.frames)
+        return Arrival(peer, incoming.frames, f"MPI rank {peer}")
 
     def _start_receiving(self, peer: int) -> _Incoming | None:
         """The message whose prefix has arrived from ``peer``, its frames' receives posted; None if none has."""

@@ -41,7 +41,7 @@ class MpiLink(SessionLink):
         self.kick.set()
 
     def receive(self) -> list[Arrival]:
-        out = [Arrival(got.source, got.frames, f"MPI rank {got.source}") for got in self.link.poll()]
+        out = self.link.poll()
         for rank, why in self.link.broken.items():
             if rank not in self._gone:
                 out.append(Arrival(rank, address=f"MPI rank {rank}", gone=f"its messages cannot be read: {why}"))

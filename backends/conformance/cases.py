@@ -1,12 +1,6 @@
-"""The conformance cases: every op of ``backends/base.py`` on the shapes and values that catch bugs.
-
-Odd sizes, stride 2, padding 0/1/2, batch 1, ties in a max and NaNs in a max pool
-(a window with two, windows that overlap), an LRN whose cross-channel term
-matters, the fused ReLU + LRN against the composition of the two, batch norm's
-running statistics and its refusal of one value per channel in training, three
-``sgd_update`` steps, ``take_kernels``, the edges and ``describe()``. Each case runs
-the backend under test and the reference on the same inputs and records one
-CheckResult per output (see checks.py).
+"""The conformance cases: every op of ``backends/base.py`` on the shapes and values that catch bugs
+(docs/writing-a-backend.md lists them). Each case runs the backend under test and the reference on the
+same inputs and records one CheckResult per output (see checks.py).
 """
 
 from __future__ import annotations

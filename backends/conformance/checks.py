@@ -21,11 +21,8 @@ and along several layers in a row, the sum of theirs. The suite compares in the 
 at least every case's k (the longest: batch norm's dx on 2x5x5, 3*50 + 14 + 64 = 228; conv dx
 with 6 5x5 kernels, 150). A real bug -- a dropped term, a misrouted gradient, an off-by-one
 window -- is off by 1e-2 * max|ref| or more; 2 gamma_256 = 3e-5. Data movement (asarray/to_numpy,
-take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0.
-
-NaN. Where the reference output is NaN (a max pool window holding a NaN), the
-backend's must be NaN too, and nowhere else; the error and the scale are taken
-over the other entries. Equal entries (infinities included) differ by 0.
+take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0. Where the reference
+is NaN the backend must be NaN too, and nowhere else; the error and the scale are over the other entries.
 """
 
 from __future__ import annotations
