@@ -201,12 +201,11 @@ def check_array_names(kind: str, names: Sequence[Any]) -> None:
 
 
 def check_descriptor(kind: str, i: int, d: Any) -> tuple[str, np.dtype, tuple[int, ...], int]:
-    """One received array descriptor -> (name, dtype, shape, nbytes), all checked; ``i`` is its place."""
+    """One received array descriptor -> (name, dtype, shape, nbytes), checked (the names are
+    :func:`check_array_names`'s); ``i`` is its place."""
     if not isinstance(d, dict) or set(d) != {"name", "dtype", "shape"}:
         raise ProtocolError(f"{kind}: array descriptor {i} must be a map with keys name, dtype, shape")
     name, dtype, shape = d["name"], d["dtype"], d["shape"]
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(f"{kind}: array descriptor {i} needs a non-empty str name")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ProtocolError(f"{kind}: array {name!r} has dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
