@@ -1,28 +1,12 @@
-"""The Backend interface: the short, enumerated list of ops a device must provide.
+"""The Backend interface: the short, enumerated list of ops a device must provide (docs/writing-a-backend.md).
 
-A backend is one object per device. It works on *backend-native* arrays (numpy
-arrays for the reference backend, device buffers for OpenCL) and converts only at
-the edges, with ``asarray`` and ``to_numpy``.
-
-Every layer op comes as a forward/backward pair with a uniform contract
-(CS231n style)::
-
-    y, cache = backend.op_forward(x, ...)
-    dx, ... = backend.op_backward(dy, cache)
-
-``cache`` is opaque: only the backend that made it reads it. Conventions:
-
-* backend arrays expose ``.shape`` (a tuple of ints), so shapes never need a host copy;
-* tensors are NCHW float32; conv weights are (C_out, C_in, KH, KW), biases (C_out,);
-* linear weights are (D_out, D_in) as in PyTorch; a linear input of any shape
-  (N, ...) is flattened to (N, D_in);
-* labels are a host ``numpy`` int array of shape (N,);
-* ops never modify their inputs, except ``sgd_update`` (params and velocity) and
-  ``batchnorm_forward`` in training mode (running statistics), which are
-  documented as in-place.
-
-The numpy backend (``backends/numpy_backend.py``) is the reference; every other
-backend is checked op by op against it by ``backends.conformance.runner``.
+A backend is one object per device, on *backend-native* arrays (numpy arrays, device buffers: each
+exposes ``.shape``) converted only at the edges, ``asarray`` and ``to_numpy``. Every layer op is a pair,
+``y, cache = op_forward(x, ...)`` and ``dx, ... = op_backward(dy, cache)``, the cache opaque. Tensors are
+NCHW float32; conv weights (C_out, C_in, KH, KW), biases (C_out,); linear weights (D_out, D_in), a linear
+input (N, ...) flattened to (N, D_in); labels a host int array (N,). Ops never modify their inputs, but
+``sgd_update`` and ``batchnorm_forward`` in training, in place. The numpy backend is the reference,
+against which ``backends.conformance.runner`` checks every other op by op.
 """
 
 from __future__ import annotations

@@ -270,10 +270,10 @@ def test_a_workers_message_over_the_total_cap_is_refused():
             assert decode(d.recv_multipart()).kind == "welcome"
             arrays = {f"a{i}": np.zeros(100, np.float32) for i in range(3)}  # 3 frames of 400 bytes: 1200 in all
             d.send_multipart(encode(Message("result", {"task": 1}, arrays)))
-            with pytest.raises(ProtocolError, match="array frames adding up to 1200 bytes, over the limit of 1000"):
+            with pytest.raises(ProtocolError, match="arrays declare 1200 bytes in all, over the limit of 1000 bytes"):
                 t.recv(TIMEOUT)
             d.send_multipart([b"x"] * 18)
-            with pytest.raises(ProtocolError, match="18 frames, more than a header and 16 arrays"):
+            with pytest.raises(ProtocolError, match="malformed message: header frame must be a msgpack map"):
                 t.recv(TIMEOUT)
             replies = [decode(d.recv_multipart()) for _ in range(2)]
             assert all("could not read your message" in r.header["message"] for r in replies)

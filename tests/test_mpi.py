@@ -317,7 +317,7 @@ def fake_master(rank: int) -> int:
             for got in link.poll():
                 msg = None if got.frames is None else wire.decode(got.frames)
                 if msg is not None and msg.kind != "heartbeat":
-                    inbox[got.source].append(msg)
+                    inbox[got.peer].append(msg)
             _pause(0.001)
         return inbox[peer].pop(0)
 

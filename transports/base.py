@@ -1,17 +1,8 @@
-"""The Transport interface: the master's view of a pool of workers.
+"""The Transport interface: the master's view of a pool of workers (docs/how-it-works.md, "Transports").
 
-A transport moves :class:`Message` objects between the master and N workers, knowing nothing of
-the tasks it carries: the worker side is the application's :class:`Handler`. As the master sees it::
-
-    workers = transport.start(n_workers, timeout)   # wait for every hello
-    transport.send(k, msg)                          # a task to worker k
-    k, reply = transport.recv(timeout)              # the next reply, from anyone
-    new = transport.joined()                        # workers that came since (never blocks)
-    transport.close()                               # "train over": workers exit
-
-``recv`` raises :class:`TimeoutError` when nothing arrives in time and :class:`WorkerLost` when a
-worker is known to be gone. A lost index is never used again: a worker that comes back, like any
-new one, is reported by ``joined`` under a new index.
+A transport moves :class:`Message` objects between the master and N workers, knowing nothing of the
+tasks it carries: the worker side is the application's :class:`Handler`. A lost index is never used
+again: a worker that comes back, like any new one, is reported by ``joined`` under a new index.
 """
 
 from __future__ import annotations

@@ -160,19 +160,6 @@ def _walk(value: Any, depth: int) -> None:
     raise _NotPlain(f"a {kind.__module__}.{kind.__qualname__}{hint}".replace("builtins.", ""))
 
 
-def _check_plain(what: str, header: Any) -> None:
-    if type(header) is not dict:
-        raise ProtocolError(f"{what}: header must be a map, got {type(header).__name__}")
-    try:
-        _walk(header, 0)
-    except _NotPlain as e:
-        where = "header" + "".join(f"[{key!r}]" for key in reversed(e.path))
-        raise ProtocolError(
-            f"{what}: {where} is not plain data: {e.problem}; a header holds only None, bool, int, "
-            "float, str, lists and maps with str keys"
-        ) from None
-
-
 def check_kind(kind: Any) -> None:
     """Raise ProtocolError unless ``kind`` is a short identifier (:data:`KIND_PATTERN`)."""
     if not isinstance(kind, str):
@@ -186,7 +173,16 @@ def check_kind(kind: Any) -> None:
 
 def check_header(kind: str, header: Any) -> None:
     """Raise ProtocolError unless ``header`` is plain data and, for a session kind, follows its schema."""
-    _check_plain(kind, header)
+    if type(header) is not dict:
+        raise ProtocolError(f"{kind}: header must be a map, got {type(header).__name__}")
+    try:
+        _walk(header, 0)
+    except _NotPlain as e:
+        where = "header" + "".join(f"[{key!r}]" for key in reversed(e.path))
+        raise ProtocolError(
+            f"{kind}: {where} is not plain data: {e.problem}; a header holds only None, bool, int, "
+            "float, str, lists and maps with str keys"
+        ) from None
     if kind in SESSION_KINDS:
         check_fields(kind, header, *SESSION_HEADERS[kind])
 
@@ -205,12 +201,11 @@ def check_array_names(kind: str, names: Sequence[Any]) -> None:
 
 
 def check_descriptor(kind: str, i: int, d: Any) -> tuple[str, np.dtype, tuple[int, ...], int]:
-    """One received array descriptor -> (name, dtype, shape, nbytes), all checked; ``i`` is its place."""
+    """One received array descriptor -> (name, dtype, shape, nbytes), checked (the names are
+    :func:`check_array_names`'s); ``i`` is its place."""
     if not isinstance(d, dict) or set(d) != {"name", "dtype", "shape"}:
         raise ProtocolError(f"{kind}: array descriptor {i} must be a map with keys name, dtype, shape")
     name, dtype, shape = d["name"], d["dtype"], d["shape"]
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(f"{kind}: array descriptor {i} needs a non-empty str name")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ProtocolError(f"{kind}: array {name!r} has dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_RANK:

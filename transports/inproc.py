@@ -34,11 +34,8 @@ class InprocTransport(Transport):
     name = "inproc"
 
     def __init__(self, handler_factory: HandlerFactory, *, protocol: int, **_: Any) -> None:
-        if not callable(handler_factory):
-            raise TypeError(
-                "InprocTransport needs handler_factory: a callable i -> handler with .hello() and "
-                f".handle(msg); got {handler_factory!r}"
-            )
+        if not callable(handler_factory):  # one set of options goes to every transport: this one needs it
+            raise TypeError(f"InprocTransport needs handler_factory, a callable i -> Handler; got {handler_factory!r}")
         check_options(protocol)  # the protocol's type, checked as every transport checks it
         self._factory = handler_factory
         self._protocol = protocol
@@ -73,20 +70,16 @@ class InprocTransport(Transport):
                     "a handler factory is slow or stuck"
                 ) from None
             if kind == "hello":
-                infos[i] = self._worker_info(i, payload)
+                check_message(Message("hello", payload))
+                if payload["protocol"] != self._protocol:
+                    who = f"in-process worker {i}"
+                    raise VersionMismatch("task protocol", payload["protocol"], self._protocol, who, "the master")
+                infos[i] = worker_info(i, payload, "inproc")
             elif kind == "reply" and payload.kind == "error":
                 raise RuntimeError(f"in-process worker {i} could not start: {payload.header['message']}")
             else:
                 raise RuntimeError(f"in-process worker {i} sent {kind!r} before its hello")
         return [infos[i] for i in range(n_workers)]
-
-    def _worker_info(self, i: int, hello: dict[str, Any]) -> WorkerInfo:
-        check_message(Message("hello", hello))
-        if hello["protocol"] != self._protocol:
-            raise VersionMismatch(
-                "task protocol", hello["protocol"], self._protocol, peer=f"in-process worker {i}", here="the master"
-            )
-        return worker_info(i, hello, "inproc")
 
     def send(self, worker: int, msg: Message) -> None:
         if not self._started or self._closed:

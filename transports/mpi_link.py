@@ -1,27 +1,10 @@
 """How a :class:`~transports.base.Message` crosses MPI: the wire's frames as raw byte buffers.
 
-MPI moves typed buffers between *ranks*, and has no multi-part messages, so one Message is
-``1 + n`` MPI messages on ``COMM_WORLD``:
-
-    tag TAG_PREFIX   int64[PREFIX_LEN]: MAGIC, the frame count n, then each frame's length
-                     (zeros after the n-th)
-    tag TAG_FRAME    frame 0: the msgpack header of :func:`transports.wire.encode`
-    tag TAG_FRAME    frame 1..n-1: one array's raw bytes each, in descriptor order
-
-and a prefix with n = 0 is *bye*: "nothing more from me". MPI never reorders messages between
-two ranks on one tag, so the frames after a prefix are that message's. The receiver checks the
-prefix before it allocates anything, receives each frame into a buffer of exactly the announced
-size, and hands the frames to :func:`transports.wire.decode`. Nothing is pickled (only the buffer
-API, ``Isend``/``Irecv``), and nothing blocks: MPI has no receive with a timeout, so the owner of a
-:class:`MpiChannel` calls :meth:`MpiChannel.poll` every :data:`POLL_S`, which is also what makes
-MPI move the bytes (MPICH progresses a transfer only inside MPI calls).
-
-A peer whose framing breaks cannot be resynchronised (what follows would be taken for the next
-message): it is *broken*, and what it sends from then on is received and dropped. The two sides
-end with a handshake (:meth:`MpiChannel.finish`: bye, then drop everything until the other's
-bye), since MPI_Finalize fails while a message sent to the rank is unreceived. The reasons, and
-what was measured, are in docs/writing-a-transport.md. mpi4py is imported lazily
-(:func:`require_mpi`), so this module loads without it.
+One Message is ``1 + n`` MPI messages on ``COMM_WORLD``: a prefix on TAG_PREFIX (int64[PREFIX_LEN]: MAGIC,
+the frame count n, each frame's length, zeros after), then the n frames on TAG_FRAME; n = 0 is *bye*. A
+peer whose framing breaks is *broken* (what follows could not be resynchronised); :meth:`MpiChannel.finish`
+is the closing handshake. Why buffers, polling and the handshake: docs/writing-a-transport.md, "A second
+worked example: MPI". mpi4py is imported lazily (:func:`require_mpi`), so this module loads without it.
 """
 
 from __future__ import annotations
@@ -35,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from transports import wire
+from transports.session.link import Arrival
 
 # COMM_WORLD tags this transport uses; a program sharing COMM_WORLD must leave them alone.
 TAG_PREFIX = 0x7C01
@@ -126,15 +110,6 @@ class _Incoming:
     statuses: list[Any]
 
 
-@dataclass
-class Received:
-    """What :meth:`MpiChannel.poll` got from ``source``: a whole message's ``frames``, or None when only its
-    prefix has arrived (a sign of life: the rest of a large message is on its way)."""
-
-    source: int
-    frames: list[np.ndarray] | None = None
-
-
 class MpiChannel:
     """Non-blocking messages between this rank and ``peers`` (ranks of ``comm``); one thread owns it.
 
@@ -169,12 +144,13 @@ class MpiChannel:
         if dest not in self.bye_sent:
             self.send(dest, [])
 
-    def poll(self) -> list[Received]:
+    def poll(self) -> list[Arrival]:
         """One round: let go of finished sends; from each peer, every message that has arrived whole (small
-        ones come with their prefix; a large one finishes in a later round)."""
+        ones come with their prefix; a large one finishes in a later round), or only a sign of life (frames
+        None: the prefix of a large message, the rest on its way)."""
         Testall = self.MPI.Request.Testall
         self._outgoing = deque(o for o in self._outgoing if not Testall(o[0]))
-        out: list[Received] = []
+        out: list[Arrival] = []
         for peer in self.peers:
             for _ in range(_DRAIN_BATCH):  # bounded: one chatty peer cannot starve the others
                 if peer in self.said_bye:
@@ -193,7 +169,7 @@ class MpiChannel:
                 out.append(got)
         return out
 
-    def _receive_one(self, peer: int) -> Received | None:
+    def _receive_one(self, peer: int) -> Arrival | None:
         """The next message from ``peer`` if it has arrived whole (starting to receive it if it was only
         announced: then, if it is not whole yet, only a sign of life); None if there is none yet. A bye
         adds ``peer`` to ``said_bye``."""
@@ -205,7 +181,7 @@ class MpiChannel:
                 return None
         try:
             if not self.MPI.Request.Testall(incoming.requests, incoming.statuses):
-                return Received(peer) if began else None
+                return Arrival(peer, address=f"MPI rank {peer}") if began else None
         except self.MPI.Exception as e:  # e.g. a frame longer than announced: MPI_ERR_TRUNCATE
             del self._incoming[peer]
             raise LinkBroken(f"a frame could not be received as announced: {e}") from None
@@ -214,7 +190,7 @@ class MpiChannel:
         announced = [f.nbytes for f in incoming.frames]
         if counts != announced:  # a shorter frame would leave uninitialised bytes in its buffer
             raise LinkBroken(f"frames of {counts} bytes where the prefix announced {announced}")
-        return Received(peer, incoming.frames)
+        return Arrival(peer, incoming.frames, f"MPI rank {peer}")
 
     def _start_receiving(self, peer: int) -> _Incoming | None:
         """The message whose prefix has arrived from ``peer``, its frames' receives posted; None if none has."""

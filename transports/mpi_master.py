@@ -1,15 +1,6 @@
-"""MPI, the master's side: rank 0 of an ``mpiexec`` job, whose other ranks are its workers.
-
-    mpiexec -n 3 python examples/cifar10_dist.py --transport mpi     # rank 0 the master, ranks 1, 2 workers
-
-Every rank runs the same script; :func:`transports.mpi_worker.serve_if_worker` sends ranks 1.. to
-the worker loop, and rank 0 builds this transport. :class:`MpiLink` moves the wire's frames between
-the session and MPI (:mod:`transports.mpi_link`). The ranks are a *closed group*: worker ``k`` is
-rank ``k + 1``, ``start(n)`` needs exactly ``size - 1`` workers, and a rank that cannot be admitted
-makes ``start`` raise why at once. ``close`` ends with the closing handshake
-(:meth:`transports.mpi_link.MpiChannel.finish`). A worker *process* that dies ends the whole job
-(``mpiexec`` ends every rank), so over MPI it ends the run rather than raising WorkerLost. The
-session's one I/O thread makes every MPI call, polling every :data:`~transports.mpi_link.POLL_S`.
+"""MPI, the master's side: rank 0 of an ``mpiexec`` job, whose ranks 1.. are its workers (a closed group:
+worker ``k`` is rank ``k + 1``). What maps to what, and why: docs/writing-a-transport.md, "A second worked
+example: MPI". The session's one I/O thread makes every MPI call, polling every :data:`~transports.mpi_link.POLL_S`.
 """
 
 from __future__ import annotations
@@ -50,7 +41,7 @@ class MpiLink(SessionLink):
         self.kick.set()
 
     def receive(self) -> list[Arrival]:
-        out = [Arrival(got.source, got.frames, f"MPI rank {got.source}") for got in self.link.poll()]
+        out = self.link.poll()
         for rank, why in self.link.broken.items():
             if rank not in self._gone:
                 out.append(Arrival(rank, address=f"MPI rank {rank}", gone=f"its messages cannot be read: {why}"))

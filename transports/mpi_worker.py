@@ -1,15 +1,9 @@
 """MPI, the worker's side: ranks 1.. of an ``mpiexec`` job serve rank 0, the master.
 
-Every rank runs the same script, which calls :func:`serve_if_worker` early, once it knows its options:
-
-    code = serve_if_worker(lambda: Worker(get_backend("numpy")))
-    if code is not None:      # ranks 1..: they served the master, and are done
-        return code
-    ...                       # rank 0: the master, with transport "mpi" (transports.mpi_master)
-
-:func:`serve` is the worker's session (:mod:`transports.session.worker`) over :class:`MpiWorkerLink`,
-as ZeroMQ's is over its socket. There is no second master to look for (the ranks of an MPI job are
-fixed when it starts): a master silent for ``peer_timeout_s``, or one that refuses the worker, ends it.
+Every rank runs the same script, which calls :func:`serve_if_worker` early: it serves on ranks 1.. and
+returns their exit code, and returns None on rank 0 (docs/writing-a-transport.md, "A second worked example:
+MPI"). :func:`serve` is the worker's session over :class:`MpiWorkerLink`; the ranks are fixed when the job
+starts, so a master silent for ``peer_timeout_s``, or one that refuses the worker, ends it.
 """
 
 from __future__ import annotations

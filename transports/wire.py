@@ -11,11 +11,8 @@ or in (a decoded array is a read-only view of its frame). :data:`WIRE_VERSION` v
 envelope alone; what a kind, a header and the arrays may be is :mod:`transports.header`'s, whose
 public names this module re-exports (the application declares its task headers with them).
 
-Frames come from the network, so :func:`decode` trusts nothing: it checks the header frame's
-size, that it parses as plain msgpack within limits, the wire version, the envelope, the kind,
-the header, each array descriptor, the declared total against ``max_bytes``, the number of
-frames and each frame's length, and only then builds arrays. Every failure is a
-:class:`ProtocolError` whose message says what was wrong.
+Frames come from the network, so :func:`decode` checks everything (docs/how-it-works.md lists what)
+before it builds an array; every failure is a :class:`ProtocolError` that says what was wrong.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """ZeroMQ, the worker's side: a DEALER that connects to the master's ROUTER and serves a handler.
 
-:func:`serve` looks for a master (on a fresh socket, so nothing of an earlier master carries over:
-:func:`~transports.session.welcome.greet`), serves it (:class:`~transports.session.worker.Serving`
-over :class:`ZmqWorkerLink`) and, when it is lost, looks again. With ``curve``
-(:class:`transports.curve.CurveClient`) the socket authenticates with the worker's key and encrypts
-everything; a master that refuses the key, or keys on one side only, ends the worker with one line
-saying which.
+:func:`serve` looks for a master on a fresh socket each time, so nothing of an earlier master carries
+over, serves it (:func:`~transports.session.welcome.serve_master` over :class:`ZmqWorkerLink`) and,
+when it is lost, looks again. With ``curve`` (:class:`transports.curve.CurveClient`) the socket
+authenticates with the worker's key and encrypts everything.
 """
 
 from __future__ import annotations

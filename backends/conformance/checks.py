@@ -17,15 +17,12 @@ FN = 32 for each pow, exp, log, sqrt or division, see ``FN``):
     sgd_update    6 a step
 
 and along several layers in a row, the sum of theirs. The suite compares in the scale form,
-``max |got - ref| <= float32_tolerance(K_CASES, max|ref|)`` (``Tolerance``), K_CASES = 256 being
+``max |got - ref| <= float32_tolerance(K_CASES, max|ref|)`` (``Trial.compare``), K_CASES = 256 being
 at least every case's k (the longest: batch norm's dx on 2x5x5, 3*50 + 14 + 64 = 228; conv dx
 with 6 5x5 kernels, 150). A real bug -- a dropped term, a misrouted gradient, an off-by-one
 window -- is off by 1e-2 * max|ref| or more; 2 gamma_256 = 3e-5. Data movement (asarray/to_numpy,
-take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0.
-
-NaN. Where the reference output is NaN (a max pool window holding a NaN), the
-backend's must be NaN too, and nowhere else; the error and the scale are taken
-over the other entries. Equal entries (infinities included) differ by 0.
+take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0. Where the reference
+is NaN the backend must be NaN too, and nowhere else; the error and the scale are over the other entries.
 """
 
 from __future__ import annotations
@@ -102,19 +99,7 @@ def scale(ref: np.ndarray) -> float:
     return float(np.max(finite)) if finite.size else 0.0
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """The suite's check, ``float32_tolerance``'s scale form: pass iff max|got - ref| <=
-    float32_tolerance(k, max|ref|), over ref's finite entries (see above). k = 0: exact."""
-
-    k: int
-
-    def of(self, ref: np.ndarray) -> float:
-        return float(float32_tolerance(self.k, scale(ref)))
-
-
-TOLERANCES: dict[str, Tolerance] = {"float32": Tolerance(K_CASES)}
-EXACT = Tolerance(0)
+EXACT = 0  # the k of data movement: no rounding on the way, so the tolerance is 0
 
 
 # ------------------------------------------------------------------ expected values, for tests
@@ -245,8 +230,9 @@ class Trial:
         """A yes/no check (no error to measure): ``note`` says what went wrong if it failed."""
         self.add(output, 0.0 if passed else math.nan, 0.0, passed, "" if passed else note)
 
-    def compare(self, output: str, got: Any, ref: np.ndarray, tolerance: Tolerance | None = None) -> None:
-        """Check one backend output (still on the device) against the reference's, NaN-aware."""
+    def compare(self, output: str, got: Any, ref: np.ndarray, k: int = K_CASES) -> None:
+        """Check one backend output (still on the device) against the reference's, NaN-aware, in
+        float32_tolerance's scale form: max|got - ref| <= float32_tolerance(k, max|ref|)."""
         ref = np.asarray(ref)
         if got is None:
             return self.add(output, math.nan, 0.0, False, "returned None")
@@ -255,7 +241,7 @@ class Trial:
             return self.add(output, math.nan, 0.0, False, f"shape {host.shape}, expected {ref.shape}")
         if host.dtype != ref.dtype:
             return self.add(output, math.nan, 0.0, False, f"dtype {host.dtype}, expected {ref.dtype}")
-        tol = (tolerance or TOLERANCES[ref.dtype.name]).of(ref)
+        tol = float(float32_tolerance(k, scale(ref)))
         wrong_nan = int(np.count_nonzero(np.isnan(host) != np.isnan(ref)))
         if wrong_nan:
             note = f"NaN differs from the reference at {wrong_nan} of {ref.size} entries"

@@ -1,15 +1,9 @@
-"""Running the conformance suite: any Backend, op by op, against the numpy reference.
+"""Running the conformance suite: any Backend, op by op, against the numpy reference (cases.py, checks.py).
 
-The cases (``backends/conformance/cases.py``) run every op of ``backends/base.py`` on the
-backend under test and on the reference; how their outputs are compared is ``checks.py``. This
-module runs them, and re-exports the tolerance every float32 comparison of tinyconv uses, for a
-backend's own tests: ``float32_tolerance`` (its docstring has the math), ``Expected``,
-``assert_close``, ``conv2d_expected``, ``linear_expected``.
-
-In a script, ``run_conformance(backend)`` returns the results and ``assert_conforms(backend)``
-prints the table and raises if anything failed; ``python -m backends.conformance.runner --backend
-NAME`` prints it and exits 1 if anything failed; in a pytest suite, one line gives one test per case:
-``test_mybackend = conformance_tests("mybackend")`` (a registered name, a Backend or a factory).
+``run_conformance`` returns the results, ``assert_conforms`` prints the table and raises on a failure,
+``conformance_tests`` makes one pytest test per case, and ``python -m backends.conformance.runner
+--backend NAME`` prints it and exits 1 on a failure (docs/writing-a-backend.md). It re-exports
+checks.py's float32 tolerance for a backend's own tests.
 """
 
 from __future__ import annotations

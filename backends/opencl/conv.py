@@ -14,10 +14,8 @@ columns are rebuilt from x in backward rather than kept from forward: that costs
 one cheap pass over x and saves holding K*N*OH*OW floats per conv layer between
 forward and backward. Integer division is slow on CPUs, so the kernels never
 split a flat index per element: im2col adds entries of two small tables, and
-col2im is compiled per window (see layout.cl, where the kernels are). CPUs run
-the kernels' row variants (ClRuntime.rows): a work-item walks a tap's rows, or, where
-lanes_fit() allows, copies vectors of 8 pixels (the paper's layers; col2im where
-col2im_lanes_fit() allows, 8 dx elements a vector).
+col2im is compiled per window (layout.cl). CPUs run the kernels' rows and lanes
+variants (docs/gpus.md).
 """
 
 from __future__ import annotations

@@ -4,12 +4,7 @@
 
 A and C are strided views of existing buffers (``AView``, ``CView``); B comes packed in column
 panels of width NB by a callback, because the best NB depends on the kernel variant (see the
-header of gemm.cl for the index maps, and gemm_configs.py for the variants).
-
-How a variant is chosen: every configuration that fits the device's limits and that its compiler
-builds is a candidate. A GEMM big enough for the choice to matter (>= ``TUNE_MIN_FLOP``) is timed
-with each candidate the first time its shape is seen, and the winner kept in the tune file
-(tune_file.py): later runs start tuned. Smaller GEMMs use the device's default.
+header of gemm.cl for the index maps). How a variant is chosen and kept: docs/gpus.md.
 """
 
 from __future__ import annotations

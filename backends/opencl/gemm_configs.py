@@ -1,16 +1,5 @@
-"""The GEMM's kernel configurations (the variants of gemm.cl) and which of them fit a device.
-
-* ``VecConfig``   register blocking with explicit float vectors, no local memory.
-  What CPUs need: PoCL only vectorises a work-item loop whose body has no loop
-  of its own, so a GEMM written per scalar runs at ~1 GFLOP/s there.
-* ``TiledConfig`` the GPU classic with local-memory tiles and a WM x WN register
-  block per work-item. Correct everywhere, but ~60x slower than VecConfig on
-  PoCL (1 vs 65 GFLOP/s: CPU "local memory" is ordinary cache and the scalar
-  work-items run one after another), so on CPUs it is not even tried.
-
-``candidates(limits)`` lists every configuration that fits the device's limits (``DeviceLimits``:
-work-group size, local memory, preferred vector width), the default first; gemm.py keeps those
-its compiler builds and times them.
+"""The GEMM's kernel configurations (the variants of gemm.cl: ``VecConfig`` for CPUs, ``TiledConfig`` for
+GPUs, docs/gpus.md says why) and which of them fit a device: ``candidates(limits)``, the default first.
 """
 
 from __future__ import annotations
@@ -163,7 +152,7 @@ def candidates(d: DeviceLimits, vector_width: int | None = None) -> list[Config]
     vw = vector_width or d.vector_width
     blocks = VEC_BLOCKS_32_REGISTERS if vw >= 16 else VEC_BLOCKS_16_REGISTERS
     vec: list[Config] = [VecConfig(rm, vw, rn, local) for rm, rn in blocks]
-    if d.kind == "cpu":  # gemm_tiled is ~60x slower on a CPU runtime (see the module docstring)
+    if d.kind == "cpu":  # gemm_tiled is ~60x slower on a CPU runtime (docs/gpus.md)
         return [c for c in vec if c.fits(d)]
     tiled: list[Config] = [TiledConfig(*t) for t in TILED]
     return [c for c in tiled + vec[:1] if c.fits(d)]

@@ -1,11 +1,6 @@
-"""Where the GEMM's tuned choices are kept between runs: one small JSON file per user.
+"""Where the GEMM's tuned choices are kept between runs: one small JSON file per user (docs/gpus.md).
 
-    {"<device> | <driver> | gemm.cl <digest>": {"<call site> M.. N.. K.. KI..": {config..., "ms": ..}}}
-
-The outer key names the device, its driver and the source of gemm.cl, so another runtime, an
-upgrade or an edited kernel starts a fresh entry instead of reusing a choice timed on something
-else. Several processes (a master and its local workers) share the file: a save re-reads it and
-replaces it atomically, and a damaged or unreadable file counts as empty.
+{"<device> | <driver> | gemm.cl <digest>": {"<call site> M.. N.. K.. KI..": {config..., "ms": ..}}}
 """
 
 from __future__ import annotations

@@ -6,10 +6,5 @@ after ``start``, each under a new index) and goodbye (``shutdown``, the paper's 
 Below it a *link* moves frames and nothing else (:mod:`transports.session.link`); above it the
 application sees a :class:`~transports.base.Transport` on the master (:mod:`.master`, with
 :mod:`.admission`) and its :class:`~transports.base.Handler` on each worker (:mod:`.worker`, with
-:mod:`.welcome`).
-
-A peer is alive while *anything* comes from it: every :class:`~transports.session.link.Arrival`
-counts, a whole message or only its first bytes, so a worker sending a large result is not lost
-because its heartbeat waits behind that result. Heartbeats go out only after ``heartbeat_s`` of
-quiet, marked ``control=True``: where a link with a second lane may send them ahead of bulk frames.
+:mod:`.welcome`). Liveness and heartbeats: docs/writing-a-transport.md.
 """

@@ -35,21 +35,6 @@ class _Pending:
     heard: float
 
 
-def oversize(body: list, max_bytes: int) -> str | None:
-    """Why the frames of a worker's message are too many or too big to decode, or None."""
-    if len(body) > 1 + wire.MAX_ARRAYS:
-        return f"{len(body)} frames, more than a header and {wire.MAX_ARRAYS} arrays"
-    if body and len(body[0]) > wire.MAX_HEADER_BYTES:
-        return f"a header frame of {len(body[0])} bytes, over the {wire.MAX_HEADER_BYTES} limit"
-    total = sum(len(f) for f in body[1:])
-    if total > max_bytes:
-        return (
-            f"array frames adding up to {total} bytes, over the limit of {max_bytes} bytes "
-            "(raise max_message_bytes if this is intended)"
-        )
-    return None
-
-
 def worker_info(k: int, hello: dict, address: str) -> WorkerInfo:
     """Worker ``k`` as its hello's header describes it."""
     return WorkerInfo(k, hello["backend"], hello["device"], address, hello["hostname"], hello["pid"])

@@ -22,7 +22,7 @@ from typing import Any
 from transports import wire
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 from transports.droplog import DropLog
-from transports.session.admission import Admission, oversize
+from transports.session.admission import Admission
 from transports.session.book import Book
 from transports.session.link import Arrival, Link
 from transports.session.settings import HEARTBEAT, MasterSettings, check_options
@@ -276,9 +276,6 @@ class MasterSession:
         with self.book.cond:
             self.book.traffic[k][1] += wire.frames_nbytes(a.frames)
         try:
-            problem = oversize(a.frames, self.settings.max_bytes)
-            if problem:
-                raise wire.ProtocolError(f"refused a message of {problem}")
             msg = wire.decode(a.frames, self.settings.max_bytes)
         except wire.ProtocolError as e:
             self.link.send(a.peer, wire.encode(wire.error_reply(None, f"the master could not read your message: {e}")))

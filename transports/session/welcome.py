@@ -1,9 +1,5 @@
-"""A worker's wait for its welcome: it says hello until the master answers, and reads the answer.
-
-:func:`greet` says hello (made by the compute thread) and says it again with backoff until the
-master's welcome comes; :func:`answer_to_hello` reads what the master sends meanwhile: a
-welcome, a refusal, a shutdown, or something to wait on past. :func:`serve_master` is a whole
-session: greet, then serve (:class:`~transports.session.worker.Serving`).
+"""A worker's wait for its welcome (:func:`greet`, reading what comes meanwhile with :func:`answer_to_hello`),
+and :func:`serve_master`, a whole session: greet, then serve (:class:`~transports.session.worker.Serving`).
 """
 
 from __future__ import annotations
