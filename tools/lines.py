@@ -20,15 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("tinyconv", "backends", "transports")
 BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
-    "Framework": 3150,
-    "Door": 230,
-    "Dist": 5900,
+    "Framework": 3080,
+    "Door": 215,
+    "Dist": 4950,
     "Lab": 3700,
-    "Backends": 3500,
-    "Transports": 3600,
-    "library outside the lab": 16250,  # what a user installs to train: framework, runtime, backends, transports
-    "reading path": 1850,
-    "reading path files": 11,
+    "Backends": 3150,
+    "Transports": 3000,
+    "library outside the lab": 14300,  # what a user installs to train: framework, runtime, backends, transports
+    "reading path": 1450,
+    "reading path files": 8,
 }
 GOALS = {"library outside the lab": 13000, "reading path": 1500, "reading path files": 8}  # where the budgets head
 MAX_FILE_LINES = 400
