@@ -74,14 +74,15 @@ class EchoHandler:
         return error_reply(msg, f"the echo handler does not handle {msg.kind!r}")
 
 
-def spawn(address: str, *args: str) -> subprocess.Popen:
-    """A real worker process: this file serving the echo handler at ``address`` (stderr captured)."""
+def spawn(address: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A real worker process: this file serving the echo handler at ``address`` (stderr captured), with
+    ``env`` added to the environment."""
     path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, str(HERE / "echo_worker.py"), address, *args],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": path},
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
     )
 
 

@@ -8,10 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from echo_worker import TIMEOUT, reap, spawn
 
 import tinyconv as tc
 from backends.base import Backend
 from backends.conformance.runner import FN, Expected, assert_close
+from tinyconv.distributed.protocol import VERSION
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.parallel import forward_backward
 
@@ -63,6 +65,19 @@ def test_distribute_over_zmq_starts_and_stops_worker_processes():
         assert all(w.pid != os.getpid() for w in cluster.workers)  # two other processes said hello
         assert_close(net.train_step(X, Y), Expected(np.asarray(ref.train_step(X, Y)), LOSS_K), "loss")
     assert cluster.on_close is None  # stopped, once
+
+
+def test_another_process_cannot_take_a_local_workers_place():
+    # on loopback without keys, the master admits only the workers it started: they carry the run's secret
+    net = small_net()
+    with tc.distribute(net, transport="zmq", workers=1, batch_size=4, image_size=16, calibrate=False) as cluster:
+        stranger = spawn(cluster.transport.bound_address, "--protocol", str(VERSION))  # no secret: another user
+        try:
+            _, err = stranger.communicate(timeout=TIMEOUT)
+        finally:
+            reap([stranger])
+        assert stranger.returncode != 0 and "admits only the workers it started" in err, err
+        assert [w.index for w in cluster.workers] == [0] and cluster.transport.joined() == []
 
 
 def test_layers_built_by_hand_start_he_initialised():

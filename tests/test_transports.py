@@ -37,6 +37,7 @@ from transports import (
     load_transport,
 )
 from transports.inproc import InprocTransport
+from transports.session.settings import SECRET_ENV
 from transports.wire import decode, encode
 from transports.zmq_master import ZmqTransport
 from transports.zmq_worker import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, serve
@@ -238,6 +239,29 @@ def test_zmq_worker_of_another_task_protocol_is_refused_and_the_master_keeps_wai
         finally:
             t.close()
             reap([wrong, good])
+
+
+def test_an_ipc_socket_is_for_this_user_alone(tmp_path):
+    path = tmp_path / "workers.sock"
+    with ZmqTransport(bind=f"ipc://{path}", protocol=PROTOCOL):
+        assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_master_with_a_join_secret_admits_only_the_workers_given_it():
+    # what another local user's process meets on loopback: a refusal, and the master waits on for its own
+    with ZmqTransport(bind=LOCAL, protocol=PROTOCOL, secret="this run's") as t:
+        stranger = spawn(t.bound_address)
+        wrong = spawn(t.bound_address, env={SECRET_ENV: "a guess"})
+        try:
+            for p in (stranger, wrong):
+                _, err = p.communicate(timeout=TIMEOUT)
+                assert p.returncode == EXIT_FAILED and "admits only the workers it started" in err, err
+            own = spawn(t.bound_address, env={SECRET_ENV: "this run's"})
+            (info,) = t.start(1, timeout=TIMEOUT)
+            assert info.pid == own.pid
+        finally:
+            t.close()
+            reap([stranger, wrong, own])
 
 
 def test_zmq_master_reports_malformed_messages_and_admits_extra_workers_later():

@@ -18,6 +18,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "unreadable": ("unreadable message", "unreadable messages"),
     "oversized": ("oversized message", "oversized messages"),
     "version": ("hello of another version", "hellos of another version"),
+    "secret": ("hello without the run's secret", "hellos without the run's secret"),
     "stray": ("message from a peer that has not said hello", "messages from peers that have not said hello"),
     "lost": ("message from a worker declared lost", "messages from workers declared lost"),
     "crowd": ("hello while too many peers wait for start()", "hellos while too many peers wait for start()"),

@@ -111,7 +111,7 @@ def check_fields(what: str, header: Any, required: dict[str, type], optional: di
 
 # The transport's own kinds: kind -> (required keys, optional keys). They carry no arrays.
 SESSION_HEADERS: dict[str, tuple[dict[str, type], dict[str, type]]] = {
-    "hello": ({"protocol": Int, "backend": str, "device": dict, "pid": Int, "hostname": str}, {}),
+    "hello": ({"protocol": Int, "backend": str, "device": dict, "pid": Int, "hostname": str}, {"secret": str}),
     "welcome": ({"index": Int, "heartbeat_s": Num}, {}),
     "heartbeat": ({}, {}),
     "shutdown": ({"reason": str}, {}),

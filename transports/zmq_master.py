@@ -9,6 +9,7 @@ addresses of this machine, unless ``insecure=True``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from typing import Any
 
@@ -38,6 +39,8 @@ def _bind(ctx: zmq.Context, bind: str, max_bytes: int, curve: CurveServer | None
         if curve is not None:
             auth = curve.apply(ctx, sock)
         sock.bind(bind)
+        if bind.startswith("ipc://"):  # the socket file: only this user may connect (others could take a slot)
+            os.chmod(bind[len("ipc://") :], 0o600)
     except zmq.ZMQError as e:
         sock.close(linger=0)
         if auth is not None:

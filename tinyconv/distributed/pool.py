@@ -13,6 +13,8 @@ an exception, Ctrl-C): no orphans, no ports left bound.
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -40,6 +42,7 @@ from transports import get_transport
 from transports.base import Transport, WorkerInfo
 from transports.curve import CurveServer, KeyFiles, local_keys
 from transports.endpoints import connect_hint, is_local
+from transports.session.settings import SECRET_ENV
 from transports.wire import DEFAULT_MAX_BYTES
 
 DEFAULT_PUBLIC_BIND = "tcp://*:5555"
@@ -148,7 +151,8 @@ def worker_pool(
     and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
 
     Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
-    the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``.
+    the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``;
+    the workers it starts here carry a per-run secret in their environment, and the master admits only them.
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
@@ -158,7 +162,10 @@ def worker_pool(
     if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
-        options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes}
+        # the workers it starts carry this run's secret, so no other local user's process takes their place
+        secret = None if external or insecure else secrets.token_hex(16)
+        options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes,
+                   "secret": secret}  # fmt: skip
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
     procs, command = [], ""  # local worker processes; how a worker joins this master, for the messages
     try:
@@ -169,7 +176,9 @@ def worker_pool(
         elif bound:
             extra = _local_worker_args(worker_device, peer_timeout, keys)
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
-            procs = spawn_local_workers(n_workers, connect, worker_backend, extra, worker_threads, stderr=PIPE)
+            procs = spawn_local_workers(
+                n_workers, connect, worker_backend, extra, worker_threads, stderr=PIPE, env={SECRET_ENV: secret}
+            )
         yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
@@ -324,17 +333,19 @@ def spawn_local_workers(
     extra_args: Sequence[str] = (),
     threads: int | None = None,
     stderr: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     """Start ``n`` quiet worker processes on this machine that connect to ``connect``.
 
     They stay in this process's group, so a Ctrl-C reaches them too; and each exits on its own
     within its ``--timeout`` and ``--retry-for`` (see :func:`worker_pool`) if this process dies. Stop them with
     :func:`stop_workers` after closing the transport. ``stderr``: theirs (default: this
-    process's; ``subprocess.PIPE`` for a pipe that the caller must read).
+    process's; ``subprocess.PIPE`` for a pipe that the caller must read). ``env``: added to this process's
+    environment (the run's join secret: another user can read a command line, not an environment).
     """
     cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend, "--quiet"]
     cmd += (["--threads", str(threads)] if threads else []) + list(extra_args)
-    return [subprocess.Popen(cmd, stderr=stderr) for _ in range(n)]
+    return [subprocess.Popen(cmd, stderr=stderr, env={**os.environ, **(env or {})}) for _ in range(n)]
 
 
 def stop_workers(procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> list[int]:

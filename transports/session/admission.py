@@ -11,6 +11,7 @@ admitted is given up on and ``start`` raises why: no other could take its place.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Hashable
@@ -150,6 +151,12 @@ class Admission:
     def _on_hello(self, a: Arrival, msg: Message) -> list[int]:
         if msg.header["protocol"] != self.settings.protocol:
             self._refuse(a, "task protocol", msg.header["protocol"])
+            return []
+        secret = self.settings.secret
+        if secret is not None and not hmac.compare_digest(msg.header.get("secret", "").encode(), secret.encode()):
+            told = "this master admits only the workers it started (give it --key and --authorized-keys for others)"
+            self.link.send(a.peer, wire.encode(Message("error", {"message": told})))  # best effort: no worker
+            self.drops.drop("secret", _label(a), "a hello without this run's secret")
             return []
         with self.book.cond:
             admitting = self.book.admitting

@@ -38,8 +38,10 @@ class SessionTransport(Transport):
     ``protocol`` is the version of the task protocol the master speaks: a worker whose hello
     says another is refused, and told why. A worker silent for ``peer_timeout_s`` is lost;
     both sides heartbeat after ``heartbeat_s`` of quiet. ``max_message_bytes`` caps the array
-    data of one message. Arrays handed to :meth:`send` are sent without copying, so leave them
-    unmodified until the worker's reply arrives. Options meant for other transports are ignored.
+    data of one message; with ``secret``, only workers whose hello carries it are admitted (the others
+    are told so, and reported with their address, rate-limited). Arrays handed to :meth:`send` are sent
+    without copying, so leave them unmodified until the worker's reply arrives. Options meant for other
+    transports are ignored.
     """
 
     def __init__(
@@ -50,11 +52,12 @@ class SessionTransport(Transport):
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
+        secret: str | None = None,
         **_: Any,
     ) -> None:
         check_options(protocol, heartbeat_s, peer_timeout_s)
         self._link, self._book = link, Book()
-        settings = MasterSettings(protocol, float(heartbeat_s), float(peer_timeout_s), int(max_message_bytes))
+        settings = MasterSettings(protocol, float(heartbeat_s), float(peer_timeout_s), int(max_message_bytes), secret)
         self._io = MasterSession(link, self._book, settings)
         self._started = self._closed = False
         self._thread = threading.Thread(target=self._io.run, name=f"{self.name}-master-io", daemon=True)

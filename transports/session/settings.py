@@ -19,6 +19,10 @@ MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
 SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
 
 HEARTBEAT = wire.encode(Message("heartbeat"))  # sent after heartbeat_s of quiet, waiting or serving
+# A master that starts its own workers may admit only them: it gives each this run's secret in this
+# environment variable (another user cannot read a process's environment, unlike its command line),
+# and a worker's hello carries it.
+SECRET_ENV = "TINYCONV_JOIN_SECRET"
 
 
 def check_options(protocol: Any, heartbeat_s: float = 1.0, peer_timeout_s: float = 5.0, **_: Any) -> None:
@@ -37,6 +41,7 @@ class MasterSettings:
     heartbeat_s: float  # a heartbeat after this long without sending; also the welcome's pace
     peer_timeout_s: float  # a worker silent for this long is lost
     max_bytes: int  # the array data of one message
+    secret: str | None = None  # if given, a hello must carry it (SECRET_ENV): only the workers given it join
 
 
 def to_stderr(line: str) -> None:

@@ -14,6 +14,7 @@ from the master shows it is alive, until it says shutdown, goes silent or goes.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -23,7 +24,15 @@ from dataclasses import dataclass
 from transports import wire
 from transports.base import Handler, Message
 from transports.session.link import WorkerLink
-from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, MASTER_LOST, Settings
+from transports.session.settings import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    HEARTBEAT,
+    MASTER_LOST,
+    SECRET_ENV,
+    Settings,
+)
 from transports.wakeup import Wakeup
 
 
@@ -100,7 +109,8 @@ class Compute:
 
     def _hello(self) -> Hello:
         try:
-            return Hello(wire.encode(Message("hello", self.handler.hello())))
+            secret = {"secret": s} if (s := os.environ.get(SECRET_ENV)) else {}  # given by the master that started it
+            return Hello(wire.encode(Message("hello", {**self.handler.hello(), **secret})))
         except Exception as e:  # a ProtocolError, or the handler's own failure
             return Hello(None, f"this worker cannot say hello: {type(e).__name__}: {e}")
 
