@@ -639,8 +639,9 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> Runtime | None:
         **(model if args.parallel == "model" else {}),
     )
     what = {"data": ", a whole replica", "hybrid": ", the convolutions of a replica (hybrid)"}.get(args.parallel, "")
-    for w in cluster.workers:
-        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}){what}")
+    for w in cluster.workers:  # who was admitted: where from, and with which key (its NAME.key's first characters)
+        whence = (f" from {w.address}" if w.address else "") + (f", key {w.key[:12]}..." if w.key else "")
+        print(f"worker {w.index}: {w.backend} on {w.device.get('device')} ({w.hostname or 'local'}{whence}){what}")
     return cluster
 
 
@@ -653,7 +654,17 @@ def record_run(metrics: MetricsWriter, args: argparse.Namespace, argv: list[str]
         backend=backend.describe(),
         transport=args.transport if workers else None,
         parallel=args.parallel if workers else None,
-        workers=[{"index": w.index, "backend": w.backend, "device": w.device, "host": w.hostname} for w in workers],
+        workers=[
+            {
+                "index": w.index,
+                "backend": w.backend,
+                "device": w.device,
+                "host": w.hostname,
+                "address": w.address,
+                "key": w.key,
+            }
+            for w in workers
+        ],  # fmt: skip
         arch=net.config,
         dataset=args.dataset,
         batch_size=args.batch_size,

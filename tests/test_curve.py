@@ -112,7 +112,7 @@ def test_a_public_bind_without_keys_is_refused_unless_insecure(tmp_path):
 # ---- admission ---------------------------------------------------------------------------
 
 
-def test_curve_admits_the_authorised_worker_and_never_a_rogue(tmp_path):
+def test_curve_admits_the_authorised_worker_and_never_a_rogue(tmp_path, caplog):
     server, _, files = local_keys(tmp_path / "master")
     _, stranger_secret = generate_keys(tmp_path / "stranger", "rogue")
     with ZmqTransport(bind=LOCAL, protocol=PROTOCOL, curve=server) as t:
@@ -125,7 +125,8 @@ def test_curve_admits_the_authorised_worker_and_never_a_rogue(tmp_path):
         good = spawn(address, "--secret-key", files.worker_secret, "--server-key", files.server_public)
         try:
             (info,) = t.start(1, timeout=TIMEOUT)
-            assert info.pid == good.pid
+            assert info.pid == good.pid and info.address == "127.0.0.1"
+            assert info.key == open(files.worker_public).read().split('public-key = "')[1][:40]  # its NAME.key's
             t.send(0, Message("echo", {"task": 1}, {"x": np.arange(4, dtype=np.float32)}))
             k, reply = t.recv(TIMEOUT)  # tasks and results cross encrypted, like any other
             np.testing.assert_array_equal(reply.arrays["y"], np.arange(4) * 2 + 1)
@@ -136,6 +137,8 @@ def test_curve_admits_the_authorised_worker_and_never_a_rogue(tmp_path):
             assert "refused this worker's key" in errs[1] and "not among the master's authorised keys" in errs[1]
             assert f"perhaps {files.worker_public} is not the master's public key" in errs[2]
             assert all("Traceback" not in e for e in errs)
+            refused = [r.getMessage() for r in caplog.records if "key not authorised" in r.getMessage()]
+            assert refused and "from 127.0.0.1" in refused[0]  # the master says who knocked, rate-limited
             assert t.joined() == [] and list(t.traffic()) == [0]  # no rogue ever got a slot
             t.close()
             _, err = good.communicate(timeout=TIMEOUT)

@@ -38,6 +38,7 @@ class WorkerInfo:
     address: str = ""
     hostname: str = ""
     pid: int = 0
+    key: str = ""  # the public key it authenticated with (z85, as in its NAME.key file); "" without keys
 
 
 @runtime_checkable

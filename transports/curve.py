@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -95,7 +96,7 @@ class CurveServer:
     def apply(self, ctx: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator:
         """Start ``ctx``'s authenticator, which admits only the authorised keys, and make ``sock`` a
         CURVE server. Returns the authenticator: ``stop()`` it before terminating ``ctx``."""
-        auth = ThreadAuthenticator(ctx)
+        auth = ReportingAuthenticator(ctx)
         auth.start()
         auth.configure_curve(domain="*", location=self.authorized_keys_dir)
         sock.curve_secretkey = self._secret_key
@@ -105,6 +106,22 @@ class CurveServer:
 
     def __repr__(self) -> str:
         return f"CurveServer({self.secret_key_file!r}, {self.authorized_keys_dir!r})"
+
+
+class ReportingAuthenticator(ThreadAuthenticator):
+    """ZeroMQ's authenticator, which also tells ``on_refused(address, why)`` of each attempt it turns away
+    (a key not authorised, say): such a peer never reaches the transport, so only here can it be reported."""
+
+    on_refused: Callable[[str, str], None] | None = None
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"  # ZAP: version, id, domain, address
+        await super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes, *rest: str) -> None:
+        if status_code != b"200" and self.on_refused is not None:
+            self.on_refused(getattr(self, "_address", "?"), status_text.decode("utf-8", "replace"))
+        super()._send_zap_reply(request_id, status_code, status_text, *rest)
 
 
 class CurveClient:

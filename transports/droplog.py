@@ -19,6 +19,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "oversized": ("oversized message", "oversized messages"),
     "version": ("hello of another version", "hellos of another version"),
     "secret": ("hello without the run's secret", "hellos without the run's secret"),
+    "key": ("connection with a key not authorised", "connections with keys not authorised"),
     "stray": ("message from a peer that has not said hello", "messages from peers that have not said hello"),
     "lost": ("message from a worker declared lost", "messages from workers declared lost"),
     "crowd": ("hello while too many peers wait for start()", "hellos while too many peers wait for start()"),

@@ -61,7 +61,16 @@ def _routed_address() -> str | None:
 
 def peer_address(frame: Any) -> str:
     """The sender's IP address of a received zmq Frame, or "" where the transport does not know it (ipc)."""
+    return _property(frame, "Peer-Address")
+
+
+def peer_key(frame: Any) -> str:
+    """The public key (z85) the sender of a received zmq Frame authenticated with under CURVE, else ""."""
+    return _property(frame, "User-Id")
+
+
+def _property(frame: Any, name: str) -> str:
     try:
-        return frame.get("Peer-Address") or ""
-    except (zmq.ZMQError, ValueError, TypeError, AttributeError):
+        return frame.get(name) or ""
+    except (zmq.ZMQError, ValueError, TypeError, AttributeError):  # no frame, or no such property
         return ""

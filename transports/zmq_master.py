@@ -17,7 +17,7 @@ import zmq
 
 from transports import wire
 from transports.curve import CurveServer
-from transports.endpoints import check_exposure, connect_hint, peer_address
+from transports.endpoints import check_exposure, connect_hint, peer_address, peer_key
 from transports.session.link import Arrival, Link
 from transports.session.master import SessionTransport
 from transports.session.settings import check_options
@@ -77,7 +77,8 @@ class ZmqLink(Link):
             except zmq.Again:
                 break
             body = frames[1:]
-            out.append(Arrival(frames[0].bytes, body, address=peer_address(body[0]) if body else ""))
+            first = body[0] if body else None
+            out.append(Arrival(frames[0].bytes, body, address=peer_address(first), key=peer_key(first)))
         return out
 
     def send(self, peer: Hashable, frames: list, *, control: bool = False) -> str:
@@ -126,6 +127,8 @@ class ZmqTransport(SessionTransport):
             raise
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # e.g. tcp://127.0.0.1:41234 for port 0
         super().__init__(ZmqLink(ctx, sock, auth), **options)
+        if auth is not None:  # a refused key never reaches the session: the authenticator reports it there
+            auth.on_refused = lambda address, why: self._io.drops.drop("key", address, f"a key refused ({why})")
 
     def missing(self, live: list, n_workers: int, timeout: float) -> str:
         hint = connect_hint(self.bound_address)

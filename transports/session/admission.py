@@ -34,11 +34,12 @@ class _Pending:
     hello: Message
     address: str
     heard: float
+    key: str = ""
 
 
-def worker_info(k: int, hello: dict, address: str) -> WorkerInfo:
-    """Worker ``k`` as its hello's header describes it."""
-    return WorkerInfo(k, hello["backend"], hello["device"], address, hello["hostname"], hello["pid"])
+def worker_info(k: int, hello: dict, address: str, key: str = "") -> WorkerInfo:
+    """Worker ``k`` as its hello's header describes it, at ``address``, with its public ``key``."""
+    return WorkerInfo(k, hello["backend"], hello["device"], address, hello["hostname"], hello["pid"], key)
 
 
 def _label(a: Arrival) -> str:
@@ -70,7 +71,7 @@ class Admission:
         if admitting and self.pending:
             pending, self.pending = self.pending, {}
             for peer, p in pending.items():
-                admitted += self._admit(peer, p.hello, p.address)
+                admitted += self._admit(peer, p.hello, p.address, p.key)
         return admitted
 
     def hear(self, a: Arrival) -> list[int]:
@@ -161,18 +162,18 @@ class Admission:
         with self.book.cond:
             admitting = self.book.admitting
         if admitting:
-            return self._admit(a.peer, msg, a.address)
+            return self._admit(a.peer, msg, a.address, a.key)
         if a.peer in self.pending or len(self.pending) < MAX_PENDING:
             if a.peer not in self.pending:
                 log.debug(
                     "holding the hello of a worker at %s (pid %d) until start()", a.address or "?", msg.header["pid"]
                 )
-            self.pending[a.peer] = _Pending(msg, a.address, time.monotonic())
+            self.pending[a.peer] = _Pending(msg, a.address, time.monotonic(), a.key)
         else:
             self.drops.drop("crowd", _label(a), f"{MAX_PENDING} peers already wait for start()")
         return []
 
-    def _admit(self, peer: Hashable, msg: Message, address: str) -> list[int]:
+    def _admit(self, peer: Hashable, msg: Message, address: str, key: str = "") -> list[int]:
         """Welcome ``peer`` as a new worker: [its index], or [] if the welcome cannot reach it."""
         h = msg.header
         # The book stays locked from the welcome's send to the worker's entry in it, so that a
@@ -186,7 +187,7 @@ class Admission:
                 return []
             self.index[peer], self.peer[k] = k, peer
             self.book.traffic[k] = [wire.frames_nbytes(welcome), 0]
-            self.book.fresh.append(worker_info(k, h, address))
+            self.book.fresh.append(worker_info(k, h, address, key))
             self.book.cond.notify_all()
         log.info("worker %d: %s on %s (%s, pid %d)", k, h["backend"], h["device"].get("device"), address, h["pid"])
         return [k]

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 class Arrival:
     """What a link got from ``peer``: a whole message's ``frames``; or, when the link can no longer talk
     with it, why it is ``gone`` (words that follow "worker k lost: "); or neither: only a sign of life
-    (the first bytes of a large message). ``address`` names the peer for logs ("" if unknown)."""
+    (the first bytes of a large message). ``address`` names the peer for logs ("" if unknown); ``key`` is
+    the public key it authenticated with, where the medium has keys (ZeroMQ's CURVE), else ""."""
 
     peer: Hashable
     frames: list | None = None
     address: str = ""
     gone: str = ""
+    key: str = ""
 
 
 class Link(ABC):
