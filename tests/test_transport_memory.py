@@ -181,7 +181,8 @@ def test_master_memory_under_a_flood_with_curve(tmp_path):
             handshake_failed(noisy_monitor)
             handshake_failed(admitted_monitor)
         after = master.stats()
-        assert after["dropped"] == {} and after["refused"] == 0  # nothing of theirs reached the transport
+        # nothing of theirs reached the transport: their knocks were counted, as refused keys, and no more
+        assert set(after["dropped"]) <= {"key"} and after["refused"] == 0
         print(f"\n(with CURVE, zmq queued {taken} of the flood's messages in the peers, to send after a handshake)")
         assert report("with CURVE", before, after) < 16 * 1024
     finally:

@@ -18,6 +18,7 @@ import zmq
 from transports import wire
 from transports.curve import CurveServer
 from transports.endpoints import check_exposure, connect_hint, peer_address, peer_key
+from transports.pieces import Reassembly, is_piece, pieces
 from transports.session.link import Arrival, Link
 from transports.session.master import SessionTransport
 from transports.session.settings import check_options
@@ -53,10 +54,12 @@ def _bind(ctx: zmq.Context, bind: str, max_bytes: int, curve: CurveServer | None
 
 
 class ZmqLink(Link):
-    """The bound ROUTER: a peer is a DEALER's identity; its address comes with each message it sends."""
+    """The bound ROUTER: a peer is a DEALER's identity; its address comes with each message it sends. A large
+    message goes, and comes, in pieces (``pieces.py``): each piece shows its sender alive."""
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, auth: Any) -> None:
-        self.ctx, self.sock, self.auth = ctx, sock, auth
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, auth: Any, max_bytes: int) -> None:
+        self.ctx, self.sock, self.auth, self.max_bytes = ctx, sock, auth, max_bytes
+        self.assembling: dict[bytes, Reassembly] = {}  # by peer: the message in pieces it is sending
         self.wakeup = Wakeup()
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
@@ -76,14 +79,23 @@ class ZmqLink(Link):
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            body = frames[1:]
+            peer, body = frames[0].bytes, frames[1:]
             first = body[0] if body else None
-            out.append(Arrival(frames[0].bytes, body, address=peer_address(first), key=peer_key(first)))
+            address, key = peer_address(first), peer_key(first)
+            if not is_piece(body):
+                out.append(Arrival(peer, body, address=address, key=key))
+                continue
+            try:  # None until its last piece: a sign of life
+                whole = self.assembling.setdefault(peer, Reassembly(self.max_bytes)).add(body)
+                out.append(Arrival(peer, whole, address=address, key=key))
+            except wire.ProtocolError as e:
+                out.append(Arrival(peer, address=address, key=key, gone=f"its message in pieces broke: {e}"))
         return out
 
     def send(self, peer: Hashable, frames: list, *, control: bool = False) -> str:
         try:
-            self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
+            for message in pieces(frames) or [frames]:
+                self.sock.send_multipart([peer, *message], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return "its queue is full: the worker stopped reading"
         except zmq.ZMQError as e:
@@ -126,7 +138,8 @@ class ZmqTransport(SessionTransport):
             ctx.term()
             raise
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # e.g. tcp://127.0.0.1:41234 for port 0
-        super().__init__(ZmqLink(ctx, sock, auth), **options)
+        max_bytes = int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))
+        super().__init__(ZmqLink(ctx, sock, auth, max_bytes), **options)
         if auth is not None:  # a refused key never reaches the session: the authenticator reports it there
             auth.on_refused = lambda address, why: self._io.drops.drop("key", address, f"a key refused ({why})")
 

@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 from transports import wire
 from transports.base import Handler
 from transports.curve import CurveClient
+from transports.pieces import Reassembly, is_piece, pieces
 from transports.session.link import WorkerLink
 from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, MASTER_LOST, Settings, to_stderr
 from transports.session.welcome import BACKOFF_MAX_S, serve_master
@@ -169,6 +170,7 @@ class ZmqWorkerLink(WorkerLink):
 
     def __init__(self, sock: zmq.Socket, wakeup: Wakeup, setup: _Setup) -> None:
         self.sock, self.wakeup, self.setup = sock, wakeup, setup
+        self.assembly = Reassembly(setup.max_bytes)  # the master's message in pieces (``pieces.py``), if any
         self.monitor: zmq.Socket | None = sock.get_monitor_socket(_WATCHED)
         self.connected, self.failed_handshakes = False, 0
         self.poller = zmq.Poller()
@@ -202,8 +204,16 @@ class ZmqWorkerLink(WorkerLink):
         out: list[list | None] = []
         for _ in range(_DRAIN_BATCH):
             try:
-                out.append(self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                break
+            if not is_piece(frames):
+                out.append(frames)
+                continue
+            try:
+                out.append(self.assembly.add(frames))  # None until its last piece: a sign of life
+            except wire.ProtocolError as e:
+                self.gone = f"the master's message in pieces broke: {e}"
                 break
         return out
 
@@ -211,8 +221,9 @@ class ZmqWorkerLink(WorkerLink):
         if not self.connected:
             return False
         try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+            for message in pieces(frames) or [frames]:
+                self.sock.send_multipart(message, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # a message cut short: the master drops it when the next one begins
             return False
         return True
 
