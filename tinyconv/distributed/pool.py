@@ -156,17 +156,16 @@ def worker_pool(
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
-    stack, keys = ExitStack(), None  # the temporary key folder of local workers, if any
+    stack, keys, secret = ExitStack(), None, None  # the temporary key folder of local workers, if any
     pool = _in_process(transport, worker_backend, worker_device, external, peer_timeout, max_message_bytes)
     bound = pool is None  # the master binds an address that workers connect to
     if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
-        # the workers it starts carry this run's secret, so no other local user's process takes their place
-        secret = None if external or insecure else secrets.token_hex(16)
-        options = {"curve": keys[0] if keys else None, "insecure": insecure, "max_message_bytes": max_message_bytes,
-                   "secret": secret}  # fmt: skip
-        pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION, **options)
+        secret = None if external or insecure else secrets.token_hex(16)  # its own workers' (no other user's)
+        options = {"curve": keys[0] if keys else None, "insecure": insecure, "secret": secret}
+        pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION,
+                             max_message_bytes=max_message_bytes, **options)  # fmt: skip
     procs, command = [], ""  # local worker processes; how a worker joins this master, for the messages
     try:
         if bound:
@@ -176,9 +175,8 @@ def worker_pool(
         elif bound:
             extra = _local_worker_args(worker_device, peer_timeout, keys)
             connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
-            procs = spawn_local_workers(
-                n_workers, connect, worker_backend, extra, worker_threads, stderr=PIPE, env={SECRET_ENV: secret}
-            )
+            env = {SECRET_ENV: secret} if secret else {}
+            procs = spawn_local_workers(n_workers, connect, worker_backend, extra, worker_threads, PIPE, env)
         yield pool, _handshake(pool, n_workers, start_timeout, procs, command)
     finally:
         pool.close()
