@@ -447,6 +447,36 @@ def test_metrics_file_is_untouched_until_the_first_step(tmp_path):
     assert [e["event"] for e in read_metrics(path)] == ["run", "step"] and read_metrics(path)[0]["seed"] == 1
 
 
+class FullDisk:
+    """A raw file that takes nothing while ``full``, then a few bytes a write (a disk freeing up slowly)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.full = f, True
+
+    def write(self, data) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(bytes(data[:7]))
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def test_metrics_lines_wait_out_a_full_disk_and_come_in_order(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    m = MetricsWriter(path)
+    m.write("step", step=1)
+    disk = m._f = FullDisk(m._f)
+    m.write("step", step=2)
+    m.write("step", step=3)  # the run goes on: nothing raised
+    assert m.write_error is not None and capsys.readouterr().err.count("takes no more lines") == 1
+    disk.full = False
+    m.write("step", step=4)
+    assert m.write_error is None
+    m.close()
+    assert [e["step"] for e in read_metrics(path)] == [1, 2, 3, 4]
+
+
 def test_a_resume_drops_the_steps_after_its_checkpoint(tmp_path):
     path = tmp_path / "m.jsonl"
     lines = [{"event": "run"}, *({"event": "step", "step": s} for s in (1, 2, 3)), {"event": "epoch", "steps": 3}]

@@ -10,16 +10,21 @@ are held, so a run that fails before training -- a worker that never said hello,
 calibration -- leaves an existing file as it was. A resumed run first drops what the file
 holds beyond the checkpoint's step (the steps the checkpoint does not have, which the
 resumed run computes again), then appends: no step appears twice.
+
+A line that cannot be written (a full disk) does not end the run: it waits in memory, with the
+ones after it, until the file takes them again; a warning says so once.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 LIVE_EVENTS = ("step", "summary")  # the first of these opens the file
+MAX_UNWRITTEN = 64 << 20  # bytes of lines kept in memory while the file takes none; beyond, new lines are lost
 
 
 def _clean(value: Any) -> Any:
@@ -45,9 +50,12 @@ class MetricsWriter:
     def __init__(self, path: str | Path | None, append: bool = False, resume_step: int | None = None) -> None:
         self.path = Path(path) if path else None
         self.append, self.resume_step = append, resume_step
-        self._f: TextIO | None = None
+        self._f: BinaryIO | None = None
         self._held: list[str] = []
+        self._unwritten = bytearray()  # lines the file did not take yet (a full disk)
         self.dropped = 0  # lines a resume dropped
+        self.lost = 0  # lines lost because the file took nothing for MAX_UNWRITTEN bytes
+        self.write_error: str | None = None  # why the file takes nothing now
 
     def write(self, event: str, **fields: Any) -> None:
         if self.path is None:
@@ -58,21 +66,38 @@ class MetricsWriter:
                 self._held.append(line)
                 return
             self._open()
-        self._f.write(line)
-        self._f.flush()
+        self._put(line.encode())
+
+    def _put(self, data: bytes) -> None:
+        """Write ``data`` after the lines still waiting; what the file does not take now waits for the next."""
+        if len(self._unwritten) + len(data) > MAX_UNWRITTEN:
+            self.lost += 1
+        else:
+            self._unwritten += data
+        try:
+            while self._unwritten:  # an unbuffered file: a write may take part, or raise with nothing taken
+                del self._unwritten[: self._f.write(self._unwritten)]
+        except OSError as e:
+            if self.write_error is None:
+                print(f"warning: the metrics file {self.path} takes no more lines ({e}); they wait in memory "
+                      "and are written once it takes them again", file=sys.stderr)  # fmt: skip
+            self.write_error = f"{type(e).__name__}: {e}"
+            return
+        self.write_error = None
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.append and self.resume_step is not None:
             self.dropped = drop_after_step(self.path, self.resume_step)
-        self._f = open(self.path, "a" if self.append else "w")
-        self._f.writelines(self._held)
-        self._held = []
+        self._f = open(self.path, "ab" if self.append else "wb", buffering=0)  # each line written as it comes
+        held, self._held = "".join(self._held), []
+        self._put(held.encode())
 
     def close(self) -> None:
         """Close the file; events still held (no step ever came) are dropped."""
         self._held = []
         if self._f is not None:
+            self._put(b"")  # a last try for the lines still waiting
             self._f.close()
             self._f = None
 
