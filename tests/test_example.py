@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -259,13 +261,32 @@ def steps_of(path: Path) -> list[dict]:
     return [e for e in read_metrics(path) if e["event"] == "step"]
 
 
-def wait_for_a_step(proc: subprocess.Popen, metrics: Path, timeout: float = 120) -> None:
-    """Until the run's metrics file holds a step line: it is training."""
+@contextlib.contextmanager
+def running_example(*args: str) -> Iterator[subprocess.Popen]:
+    """The main job in a process of its own (its output unbuffered, piped), killed if the test leaves it running."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_until(proc: subprocess.Popen, done: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Until ``done()``: polling a file the run writes, whose contents are the synchronisation."""
     deadline = time.monotonic() + timeout
-    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+    while not done():
         assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, "no step within the timeout"
-        time.sleep(0.02)  # polling the file: the step line is the synchronisation
+        assert time.monotonic() < deadline, f"no {what} within the timeout"
+        time.sleep(0.02)
+
+
+def wait_for_a_step(proc: subprocess.Popen, metrics: Path) -> None:
+    """Until the run's metrics file holds a step line: it is training."""
+    wait_until(proc, lambda: metrics.exists() and '"event": "step"' in metrics.read_text(), "step")
 
 
 @pytest.mark.parametrize(
@@ -274,18 +295,10 @@ def wait_for_a_step(proc: subprocess.Popen, metrics: Path, timeout: float = 120)
 def test_a_signal_checkpoints_the_last_step_and_the_run_resumes_without_duplicates(tmp_path, signum, code, said):
     metrics, ck = tmp_path / "run.jsonl", tmp_path / "run.npz"
     common = (*SMOKE, "--workers", "0", "--epochs", "50", "--checkpoint", str(ck), "--metrics-out", str(metrics))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--no-progress", *common],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
-    try:
+    with running_example(*common) as proc:
         wait_for_a_step(proc, metrics)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == code and said in err and "Traceback" not in err, err
     step = read_checkpoint(ck).meta["step"]
     assert step >= 1 and [e["step"] for e in steps_of(metrics)] == list(range(1, step + 1))
@@ -298,41 +311,25 @@ def test_a_signal_checkpoints_the_last_step_and_the_run_resumes_without_duplicat
 
 def test_sigterm_while_waiting_for_workers_ends_with_a_message(tmp_path):
     # before training starts the trainer holds no signal: the command's own guard turns SIGTERM into 143
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *SMOKE, "--transport", "zmq", "--external-workers",
-           "--workers", "1", "--bind", "tcp://127.0.0.1:0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    try:
+    external = ("--transport", "zmq", "--external-workers", "--workers", "1", "--bind", "tcp://127.0.0.1:0")
+    with running_example(*SMOKE, *external) as proc:
         for line in proc.stdout:  # the waiting line is the synchronisation
             if line.startswith("waiting for 1 worker"):
                 break
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, err
 
 
 def test_a_supervised_master_killed_mid_run_comes_back_from_its_checkpoint(tmp_path):
     metrics, ck = tmp_path / "run.jsonl", tmp_path / "run.npz"
-    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *SMOKE, "--workers", "0", "--steps", "300", "--checkpoint",
-           str(ck), "--checkpoint-every", "1", "--metrics-out", str(metrics), "--max-restarts", "2"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    try:
+    supervised = ("--steps", "300", "--checkpoint", str(ck), "--metrics-out", str(metrics), "--max-restarts", "2")
+    with running_example(*SMOKE, "--workers", "0", "--checkpoint-every", "1", *supervised) as proc:
         first = proc.stdout.readline()
         assert first.startswith("supervisor: training in process "), first
-        wait_for_a_step(proc, metrics)
-        deadline = time.monotonic() + 60
-        while not ck.exists():  # the first checkpoint follows the first step line
-            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint within the timeout"
-            time.sleep(0.02)  # polling the file: its appearance is the synchronisation
+        wait_until(proc, ck.exists, "checkpoint")  # the first checkpoint, after the first step
         os.kill(int(first.split()[-1]), signal.SIGKILL)  # the master, not its supervisor
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err
     assert "supervisor: training died (exit 137); restart 1 of 2" in out
     assert f"resumed from {ck}" in out
@@ -341,17 +338,11 @@ def test_a_supervised_master_killed_mid_run_comes_back_from_its_checkpoint(tmp_p
 
 def test_sigterm_to_the_supervisor_stops_the_run_as_it_stops_an_unsupervised_one(tmp_path):
     metrics, ck = tmp_path / "run.jsonl", tmp_path / "run.npz"
-    cmd = [sys.executable, str(EXAMPLE), "--no-progress", *SMOKE, "--workers", "0", "--steps", "300", "--checkpoint",
-           str(ck), "--metrics-out", str(metrics), "--max-restarts", "2"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    try:
+    supervised = ("--steps", "300", "--checkpoint", str(ck), "--metrics-out", str(metrics), "--max-restarts", "2")
+    with running_example(*SMOKE, "--workers", "0", *supervised) as proc:
         wait_for_a_step(proc, metrics)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 143 and "stopped by SIGTERM" in err and "restart" not in out, err
     assert f"continue with --resume {ck}" in err
 

@@ -43,7 +43,10 @@ def pieces(frames: Sequence[Any]) -> list[list] | None:
 
 
 def is_piece(frames: Sequence[Any]) -> bool:
-    return len(frames) == 3 and bytes(_buffer(frames[0])) == MARK
+    if len(frames) != 3:
+        return False
+    first = _buffer(frames[0])
+    return len(first) == 1 and first[0] == MARK[0]  # a look at one byte, no copy of a header
 
 
 class Reassembly:
