@@ -546,17 +546,21 @@ def test_batchnorm_rows_kernels_give_the_same_bits(be, rng, monkeypatch, shape, 
     both_variants(be, monkeypatch, run)
 
 
+# (n, c, h, w, k, stride, pad): odd sizes, strides, paddings, a 1x1 kernel and a kernel as large as the image
+CONV_CASES = [
+    (1, 1, 3, 5, 3, 1, 1),
+    (2, 3, 7, 9, 5, 1, 2),
+    (3, 2, 9, 7, 3, 2, 1),
+    (2, 3, 11, 10, 5, 2, 2),
+    (2, 4, 6, 6, 1, 1, 0),
+    (1, 1, 5, 5, 5, 2, 0),
+    (1, 2, 4, 21, 3, 1, 1),
+]
+
+
 @pytest.mark.parametrize(
     "n, c, h, w, k, stride, pad",
-    [
-        (1, 1, 3, 5, 3, 1, 1),
-        (2, 3, 7, 9, 5, 1, 2),
-        (3, 2, 9, 7, 3, 2, 1),
-        (2, 3, 11, 10, 5, 2, 2),
-        (2, 4, 6, 6, 1, 1, 0),
-        (1, 1, 5, 5, 5, 2, 0),
-        (1, 2, 4, 21, 3, 1, 1),
-    ],
+    CONV_CASES,
 )
 @pytest.mark.parametrize("nb", [3, 8, 24])
 def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, w, k, stride, pad, nb):
@@ -596,16 +600,7 @@ def test_im2col_and_im2row_rows_kernels_write_the_same_panels(be, rng, n, c, h, 
 
 @pytest.mark.parametrize(
     "n, c, h, w, k, stride, pad",
-    [
-        (1, 1, 3, 5, 3, 1, 1),
-        (2, 3, 7, 9, 5, 1, 2),
-        (3, 2, 9, 7, 3, 2, 1),
-        (2, 3, 11, 10, 5, 2, 2),
-        (2, 4, 6, 6, 1, 1, 0),
-        (1, 1, 5, 5, 5, 2, 0),
-        (1, 2, 4, 21, 3, 1, 1),
-        (1, 2, 8, 8, 2, 3, 0),
-    ],
+    [*CONV_CASES, (1, 2, 8, 8, 2, 3, 0)],  # a kernel smaller than its stride too
 )
 def test_col2im_rows_kernel_gives_the_same_bits(be, rng, n, c, h, w, k, stride, pad):
     """col2im_rows (a work-item per input row, tap by tap) against the per-element col2im gather:
