@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from tinyconv.prefetch import InOrder, Prefetcher
+from tinyconv.prefetch import Prefetcher
 
 
 def _make(b: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -27,7 +27,7 @@ def _threads() -> list[threading.Thread]:
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_prefetched_batches_and_generator_states_equal_the_ones_made_in_order(depth):
-    with InOrder(_make, range(2, 9), _state()) as plain:
+    with Prefetcher(_make, range(2, 9), _state(), depth=0) as plain:
         expected = [plain.next() for _ in range(7)]
     with Prefetcher(_make, range(2, 9), _state(), depth=depth) as ahead:
         got = [ahead.next() for _ in range(7)]
@@ -65,5 +65,5 @@ def test_next_past_the_end_and_a_bad_depth_are_refused():
         ahead.next()
         with pytest.raises(IndexError, match="already handed out"):
             ahead.next()
-    with pytest.raises(ValueError, match="depth must be an int >= 1"):
-        Prefetcher(_make, range(1), _state(), depth=0)
+    with pytest.raises(ValueError, match="depth must be an int >= 0"):
+        Prefetcher(_make, range(1), _state(), depth=-1)

@@ -1,38 +1,15 @@
 """The gradient checker that sits beside the layers (CS231n's gradient_check.py).
 
-Every backward in tinyconv is written by hand, so every backward is checked
-against the definition of a derivative, centred finite differences:
+Every backward in tinyconv is written by hand, so every backward is checked against centred finite
+differences (error O(h^2)); for an op with an array output y = f(x), that is the vector-Jacobian product
+backward computes, with a random upstream gradient g (backward's dy):
 
-    df/dx_i  ~  (f(x + h e_i) - f(x - h e_i)) / (2h)          error O(h^2)
+    dx_i  =  sum_j g_j dy_j/dx_i  ~  sum_j g_j (f(x + h e_i)_j - f(x - h e_i)_j) / (2h)
 
-For an op with an array output y = f(x) we check the vector-Jacobian product
-that backward computes: with a random upstream gradient g (the "dy" of backward),
-
-    dx_i  =  sum_j g_j d y_j / d x_i  ~  sum_j g_j (f(x + h e_i)_j - f(x - h e_i)_j) / (2h).
-
-This only works in float64. In float32 the round-off in f is ~1e-7 |f|, which
-divided by 2h = 2e-5 is an error of ~1e-2 |f|: the check would be noise. So the
-checks run the *numpy reference math* on float64 arrays: the reference ops
-compute in their inputs' dtype, so float64 in gives float64 throughout.
-
-Agreement is measured by :func:`rel_error`, relative to the gradient's scale: ~1e-8 or
-smaller for a correct backward in float64 with h = 1e-5, ~1e-2 or larger for a wrong one.
-
-Near a kink (ReLU at 0, a max with two nearly equal inputs) the finite
-difference straddles the kink and is *not* the derivative: check on inputs kept
-away from kinks, and test ties separately.
-
-In a notebook::
-
-    from tinyconv.gradcheck import check_op
-    x = np.random.default_rng(0).standard_normal((2, 3, 7, 7))
-    w = np.random.default_rng(1).standard_normal((4, 3, 3, 3))
-    check_op("conv2d", {"x": x, "w": w, "b": np.zeros(4)}, stride=2, padding=1)
-    # -> {'x': 1e-11, 'w': 8e-12, 'b': 3e-11}: anything below ~1e-7 is right
-
-and likewise ``check_layer(layer, x)`` for a tinyconv.layers layer (dx and every
-parameter), ``check_loss(logits, labels)`` for the softmax cross-entropy, and
-``check_network(net, x, labels)`` for d loss / d w of a whole network.
+Only in float64: in float32 the round-off in f, ~1e-7 |f|, divided by 2h = 2e-5 is an error of ~1e-2 |f|.
+So the checks run the numpy reference ops, which compute in their inputs' dtype, on float64 arrays.
+A correct backward agrees to a :func:`rel_error` of ~1e-8 or less, a wrong one is off by ~1e-2 or more.
+How to use it in a notebook, and the mistakes to avoid: docs/teaching.md.
 """
 
 from __future__ import annotations
@@ -64,11 +41,9 @@ OP_GRADS: dict[str, tuple[str, ...]] = {
 def rel_error(a: np.ndarray, b: np.ndarray) -> float:
     """max_i |a_i - b_i| / max(1e-8, max_i (|a_i| + |b_i|)): 0 if equal, 1 for opposite signs.
 
-    The worst error relative to the *scale of the gradient*, not of each entry
-    (CS231n divides entry by entry): a finite difference carries an absolute
-    round-off of ~1e-10, which entry by entry turns a correct but tiny gradient
-    entry (a border pixel, a class with probability 1e-6) into a "1e-4 error".
-    Any wrong entry bigger than tol * scale still shows.
+    Relative to the *scale of the gradient*, not entry by entry as CS231n's: a finite difference's
+    absolute round-off of ~1e-10 would make a correct but tiny entry (a border pixel, a class with
+    probability 1e-6) a "1e-4 error". Any wrong entry bigger than tol * scale still shows.
     """
     a, b = np.asarray(a, dtype=F64), np.asarray(b, dtype=F64)
     if a.shape != b.shape:
@@ -105,19 +80,11 @@ def numeric_grad(
             f"{getattr(x, 'dtype', '')}: in float32 the round-off divided by 2h swamps the derivative"
         )
 
-    def g() -> np.ndarray:
-        out = np.array(f(x), dtype=F64)  # a copy: f may hand back a buffer it reuses
-        if df is not None and out.shape != df.shape:
-            raise ValueError(f"numeric_grad: f returned shape {out.shape}, df has shape {df.shape}")
-        if df is None and out.ndim != 0:
-            raise ValueError(f"numeric_grad: without df, f must return a scalar, got shape {out.shape}")
-        return out
-
     grad = np.zeros_like(x)
     it = np.nditer(x, flags=["multi_index"])
     for _ in it:
         i = it.multi_index
-        plus, minus = _plus_minus(x, i, h, g)
+        plus, minus = _plus_minus(x, i, h, lambda: np.array(f(x), dtype=F64))  # a copy: f may reuse its buffer
         # difference first, then weight: outputs that x_i does not reach cancel exactly,
         # so the round-off is that of the few outputs it does reach, not of the whole sum
         diff = plus - minus
@@ -133,13 +100,11 @@ def check_gradients(
     h: float = 1e-5,
     seed: int = 0,
 ) -> dict[str, float]:
-    """The general check: analytic backward vs. numeric gradient, one rel_error per array.
+    """The general check: analytic backward vs. numeric gradient, one rel_error per array of ``wrt``.
 
-    forward():   runs the op reading the float64 arrays in ``wrt`` (which get
-                 perturbed in place) and returns y.
-    backward(dy): called once, right after an unperturbed forward; returns
-                 {name: analytic gradient} for every name in ``wrt``.
-    dy:          the upstream gradient (random normal from ``(seed, 1)`` if None).
+    ``forward()`` runs the op reading the float64 arrays in ``wrt`` (perturbed in place) and returns y;
+    ``backward(dy)``, called once right after an unperturbed forward, returns {name: analytic gradient}.
+    ``dy``: the upstream gradient (random normal from ``(seed, 1)`` if None).
     """
     y = np.asarray(forward())
     if dy is None:
@@ -147,13 +112,7 @@ def check_gradients(
         # would get dy == x, which for batch norm lies in the null space of the backward (dx ~ 0)
         dy = np.random.default_rng((seed, 1)).standard_normal(y.shape)
     analytic = backward(dy)
-    errors = {}
-    for name, arr in wrt.items():
-        if analytic.get(name) is None:
-            raise ValueError(f"backward returned no gradient for {name!r}")
-        numeric = numeric_grad(lambda _: forward(), arr, dy, h)
-        errors[name] = rel_error(analytic[name], numeric)
-    return errors
+    return {name: rel_error(analytic[name], numeric_grad(lambda _: forward(), arr, dy, h)) for name, arr in wrt.items()}
 
 
 def check_op(
@@ -164,22 +123,13 @@ def check_op(
     seed: int = 0,
     **options: Any,
 ) -> dict[str, float]:
-    """Check one reference op's backward in float64; returns {input name: rel_error}.
+    """Check the backward of one reference op (a key of OP_GRADS) in float64 -> {input name: rel_error}.
 
-    op:      a key of OP_GRADS ("conv2d", "relu", "lrn", "batchnorm", "maxpool", "linear").
-    inputs:  the forward's array arguments by name, e.g. {"x": .., "w": .., "b": ..};
-             for batchnorm also "running_mean" and "running_var" (copied per call,
-             so the in-place running-statistics update does not accumulate).
-    options: the forward's other arguments (stride, padding, size, alpha, training, ...).
-    Gradients are checked for every name of OP_GRADS[op] (and the float copies
-    of ``inputs`` are made here, so the caller's arrays are left alone).
+    ``inputs``: the forward's array arguments by name, e.g. {"x": .., "w": .., "b": ..} (float64 copies
+    are made, and copied again per call, so batchnorm's in-place running statistics do not accumulate);
+    ``options``: its other arguments (stride, padding, size, alpha, training, ...).
     """
-    if op not in OP_GRADS:
-        raise ValueError(f"unknown op {op!r}; checkable ops: {', '.join(OP_GRADS)} (and check_loss)")
     arrays = {k: np.array(v, dtype=F64) for k, v in inputs.items()}
-    missing = [n for n in OP_GRADS[op] if n not in arrays]
-    if missing:
-        raise ValueError(f"check_op({op!r}): inputs lack {missing}")
     ref = NumpyBackend()  # float64 inputs stay float64 through every op
     fwd = getattr(ref, f"{op}_forward")
     bwd = getattr(ref, f"{op}_backward")
@@ -220,12 +170,8 @@ def _float64_copy(layer: Layer) -> Layer:
 
 
 def check_layer(layer: Layer, x: np.ndarray, training: bool = True, h: float = 1e-5, seed: int = 0) -> dict[str, float]:
-    """Check a layer's backward (dx and every parameter gradient) in float64.
-
-    The layer itself is left alone: a float64 copy on the numpy reference is
-    checked. Returns {"x": rel_error of dx, "<param>": rel_error of its grad}.
-    A Conv2D built with need_dx=False has no dx to check, so "x" is left out.
-    """
+    """Check a float64 copy of ``layer`` on the numpy reference -> {"x": rel_error of dx, "<param>": of its
+    grad}; "x" is left out for a Conv2D built with need_dx=False, which has no dx."""
     twin = _float64_copy(layer)
     x64 = np.array(x, dtype=F64)
     buffers = {k: v.copy() for k, v in twin.buffers.items()}
@@ -247,12 +193,8 @@ def check_layer(layer: Layer, x: np.ndarray, training: bool = True, h: float = 1
 def check_network(
     net: Any, x: np.ndarray, labels: np.ndarray, per_param: int = 3, h: float = 1e-5, seed: int = 0
 ) -> dict[str, float]:
-    """End to end: d loss / d w for ``per_param`` random entries of every parameter.
-
-    ``net`` is a tinyconv.model.Network on the numpy backend; it is converted to
-    float64 *in place* (build a fresh one for the check). Returns
-    {"<layer name>.<param>": rel_error over the sampled entries}.
-    """
+    """End to end: d loss / d w for ``per_param`` random entries of every parameter -> {"<layer name>.<param>":
+    rel_error over the sampled entries}. ``net`` (a Network) is converted to float64 *in place*."""
     if not isinstance(net.backend, NumpyBackend):
         raise ValueError(f"check_network runs on the numpy reference, got {type(net.backend).__name__}")
     net.layers = [_float64_copy(layer) for layer in net.layers]

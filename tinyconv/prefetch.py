@@ -14,8 +14,7 @@ committed (so a checkpoint, a rolled-back step or a resume sees the state the pl
             ... step on batch.x, batch.y ...
             rng.bit_generator.state = batch.rng_state    # on commit
 
-Leaving the ``with`` block (normally, on an error, on Ctrl-C) stops the thread and joins it; its
-``put`` gives up every ``poll_s`` to look at the stop flag, so it ends within one poll and one batch.
+Leaving the ``with`` block (normally, on an error, on Ctrl-C) stops the thread and joins it.
 """
 
 from __future__ import annotations
@@ -52,38 +51,14 @@ def generator_at(state: dict[str, Any]) -> np.random.Generator:
     return np.random.Generator(bit_generator)
 
 
-class InOrder:
-    """The simple version, no thread: ``next()`` makes each batch when it is asked for (``--prefetch 0``).
-
-    Same interface and the same batches as :class:`Prefetcher`; ``waited_s`` is then the time making
-    the batch took, all of it in the step."""
-
-    def __init__(self, make_batch: MakeBatch, indices: Iterable[int], rng_state: dict[str, Any]) -> None:
-        self._make, self._indices, self._rng = make_batch, iter(indices), generator_at(rng_state)
-        self.waited_s = 0.0
-
-    def __enter__(self) -> InOrder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def next(self) -> Batch:
-        t0 = time.perf_counter()
-        b = next(self._indices)
-        x, y = self._make(b, self._rng)
-        self.waited_s = time.perf_counter() - t0
-        return Batch(b, x, y, self._rng.bit_generator.state)
-
-
 class Prefetcher:
-    """Makes ``make_batch(b, rng)`` for every b of ``indices`` on a thread, at most ``depth`` ahead.
+    """Makes ``make_batch(b, rng)`` for every b of ``indices``, in order, on a thread at most ``depth`` ahead
+    (memory: depth batches of float32 images); ``depth`` 0 (``--prefetch 0``): no thread, each batch made
+    when ``next()`` asks for it, the same batches.
 
-    ``rng_state``: the augmentation generator's ``bit_generator.state`` before the first batch;
-    the thread draws from its own generator started there (a PCG64 like the trainer's).
-    ``depth`` >= 1: how many batches may wait ready (memory: depth batches of float32 images).
-    ``timeout_s``: how long ``next()`` waits for a batch before it raises TimeoutError -- only if
-    the thread made no progress at all in that time, since making one batch takes milliseconds.
+    ``rng_state``: the augmentation generator's ``bit_generator.state`` before the first batch; the batches
+    draw from a generator of their own started there. ``timeout_s``: how long ``next()`` waits for a batch
+    before it raises TimeoutError -- making one takes milliseconds.
     """
 
     def __init__(
@@ -93,39 +68,36 @@ class Prefetcher:
         rng_state: dict[str, Any],
         depth: int = 2,
         timeout_s: float = 60.0,
-        poll_s: float = 0.05,
     ) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"prefetch depth must be an int >= 1, got {depth!r}")
-        self._make, self._indices = make_batch, list(indices)
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
+        self._make, self._indices, self._timeout_s = make_batch, list(indices), timeout_s
         self._rng = generator_at(rng_state)
         self._queue: queue.Queue[Batch | BaseException] = queue.Queue(maxsize=depth)  # an exception: making one raised
         self._stop = threading.Event()
-        self._timeout_s, self._poll_s = timeout_s, poll_s
-        self._thread = threading.Thread(target=self._run, name="tinyconv-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tinyconv-prefetch", daemon=True) if depth else None
         self._handed = 0
-        self.waited_s = 0.0  # how long the last next() waited
+        self.waited_s = 0.0  # how long the last next() waited (without a thread: how long making the batch took)
 
     def __enter__(self) -> Prefetcher:
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _batch(self, b: int) -> Batch:
+        x, y = self._make(b, self._rng)
+        return Batch(b, x, y, self._rng.bit_generator.state)
+
     def _run(self) -> None:
         for b in self._indices:
             try:
-                x, y = self._make(b, self._rng)
-                item: Batch | BaseException = Batch(b, x, y, self._rng.bit_generator.state)
+                item: Batch | BaseException = self._batch(b)
             except BaseException as e:  # handed to the main thread, which raises it where the step is
                 item = e
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=self._poll_s)
-                    break
-                except queue.Full:
-                    continue
+            self._queue.put(item)  # close() sets the stop flag, then empties the queue: this put ends
             if self._stop.is_set() or isinstance(item, BaseException):
                 return
 
@@ -134,19 +106,16 @@ class Prefetcher:
         if self._handed >= len(self._indices):
             raise IndexError(f"all {len(self._indices)} batches were already handed out")
         t0 = time.perf_counter()
-        deadline = t0 + self._timeout_s
-        while True:
+        if self._thread is None:
+            item = self._batch(self._indices[self._handed])
+        else:
             try:
-                item = self._queue.get(timeout=self._poll_s)
-                break
+                item = self._queue.get(timeout=self._timeout_s)
             except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the prefetch thread ended without making the next batch") from None
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(
-                        f"no batch from the prefetch thread in {self._timeout_s:g} s: making one batch "
-                        f"should take milliseconds; is the machine swapping?"
-                    ) from None
+                raise TimeoutError(
+                    f"no batch from the prefetch thread in {self._timeout_s:g} s: making one batch "
+                    f"should take milliseconds; is the machine swapping?"
+                ) from None
         self.waited_s = time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
@@ -154,12 +123,13 @@ class Prefetcher:
         return item
 
     def close(self) -> None:
-        """Stop the thread and wait for it (it ends within a poll and one batch's making)."""
+        """Stop the thread and wait for it (it ends within one batch's making)."""
+        if self._thread is None or not self._thread.is_alive():
+            return
         self._stop.set()
         while True:  # empty the queue, so a put in progress cannot wait on it
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if self._thread.is_alive():
-            self._thread.join(timeout=self._timeout_s)
+        self._thread.join(timeout=self._timeout_s)

@@ -41,7 +41,7 @@ from tinyconv.metrics import MetricsWriter
 from tinyconv.model import Network
 from tinyconv.optim import SGD
 from tinyconv.parallel import Parallel, forward_backward
-from tinyconv.prefetch import Batch, InOrder, Prefetcher
+from tinyconv.prefetch import Batch, Prefetcher
 from tinyconv.report import Tally, summarize
 from tinyconv.schedule import learning_rate
 from tinyconv.stopping import SignalGuard
@@ -96,7 +96,7 @@ class Trainer:
         """uint8 (B, C, H, W) -> float32 (B, C, H, W): augmented (drawing from ``rng``) and normalised."""
         return self.normalize(augment(xb, rng) if self.cfg.augment else xb)
 
-    def _batches(self, order: np.ndarray, first: int, last: int) -> Prefetcher | InOrder:
+    def _batches(self, order: np.ndarray, first: int, last: int) -> Prefetcher:
         """Batches ``first``..``last - 1`` of the epoch shuffled as ``order``, prepared ahead on a thread
         (``prefetch`` > 0) or each when asked for; both draw the same numbers in the same order."""
         x, y, bs = self.data.x_train, self.data.y_train, self.cfg.batch_size
@@ -105,10 +105,7 @@ class Trainer:
             idx = order[b * bs : (b + 1) * bs]
             return self._prepare(x[idx], rng), y[idx]
 
-        state = self.augment_rng.bit_generator.state
-        if self.cfg.prefetch:
-            return Prefetcher(make, range(first, last), state, depth=self.cfg.prefetch)
-        return InOrder(make, range(first, last), state)
+        return Prefetcher(make, range(first, last), self.augment_rng.bit_generator.state, self.cfg.prefetch)
 
     def _forward_backward(self, x: np.ndarray, yb: np.ndarray) -> tuple[float, Any]:
         """Forward, loss, backward on a prepared float32 batch: every grad filled, no parameter changed yet."""
@@ -136,7 +133,7 @@ class Trainer:
         split["comp_s"] = max(0.0, dt - split["comm_s"] - split["conv_s"])
         return acc, {"lr": self.opt.lr, "time_s": dt, "data_wait_s": data_wait, **split}
 
-    def _step(self, batches: Prefetcher | InOrder) -> tuple[float, float]:
+    def _step(self, batches: Prefetcher) -> tuple[float, float]:
         """The next step of the loop, whole or not at all: cut short, it is rolled back; its update,
         recorded and counted, runs with signals held. Its time counts from asking for its batch."""
         undo = self._undo_point()
