@@ -1,21 +1,11 @@
 """Checkpoints: parameters, optimizer state, progress and RNG state in one .npz file.
 
-Nothing is pickled: arrays are stored as arrays and the rest as one JSON string,
-so a checkpoint from anywhere is safe to load (``allow_pickle=False``).
-
-Writes are atomic: the arrays go to a temporary file in the checkpoint's folder, which is
-flushed and fsynced, then renamed over the old checkpoint, and the folder is fsynced so
-that the rename itself survives a power cut. A crash at any moment leaves the old
-checkpoint or the new one, never half of one; the temporary file a crashed save left
-behind is removed by the next save.
-
-Reading checks everything before a run relies on it: a truncated, corrupted or empty
-file, a missing or wrong-typed field, and (:func:`check_compatible`, :func:`check_resumable`) a
-checkpoint of another network, batch size, epoch length or warm-up each give one ValueError that
-says what is wrong.
-
-A distributed run's checkpoint also keeps its split (:func:`plan_of`): a run of the same
-participants takes it up again (:func:`restore_plan`), any other keeps its own.
+Nothing is pickled (arrays as arrays, the rest as one JSON string), so a checkpoint from anywhere is safe
+to load. A write goes to a temporary file, fsynced, renamed over the old checkpoint, and the folder
+fsynced: a crash at any moment leaves the old checkpoint or the new one, never half of one.
+Reading checks everything a run relies on: a damaged file or one of another run (network, batch size,
+epoch length, warm-up) is one ValueError that says what is wrong. A distributed run's checkpoint keeps
+its split (:func:`plan_of`), which a run of the same participants takes up again (:func:`restore_plan`).
 """
 
 from __future__ import annotations
@@ -30,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from tinyconv.model import Network
     from tinyconv.parallel import Parallel
 
 FORMAT = "tinyconv-checkpoint-2"  # parameters keyed by layer name ("conv1.w")
@@ -221,15 +210,6 @@ def check_resumable(
             f"checkpoint {ck.path} was trained with a {epochs:g}-epoch warm-up ({theirs} steps), from before "
             f"--warmup; this run's is {warmup_steps} steps: resume it with --warmup-epochs {epochs:g}"
         )
-
-
-def check_momentum(ck: Checkpoint, net: Network) -> None:
-    """Raise ValueError unless ``ck`` has a momentum buffer of the right shape for each of ``net``'s parameters."""
-    for key, layer, name in net.named_params():
-        v = ck.optim.get(key)
-        if v is None or tuple(v.shape) != tuple(layer.params[name].shape):
-            got = "nothing" if v is None else f"shape {tuple(v.shape)}"
-            raise ValueError(f"checkpoint {ck.path} has {got} for the momentum of {key}: it is damaged")
 
 
 def plan_of(runtime: Parallel | None) -> dict[str, Any] | None:

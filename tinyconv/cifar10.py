@@ -1,22 +1,14 @@
-"""The real CIFAR-10, read from its canonical python format (``cifar-10-batches-py/``).
+"""The real CIFAR-10, read from its canonical python format: ``cifar-10-python.tar.gz`` unpacks to
+``cifar-10-batches-py/``, data_batch_1 ... data_batch_5 (50000 training images, 10000 a file) and
+test_batch (10000 test images).
 
-The official tarball ``cifar-10-python.tar.gz`` unpacks to::
+Each batch is a Python-2 pickle (protocol 2) of a dict with ``b"data"``, a uint8 array (N, 3072) holding
+the R, G and B planes in that order, each 32x32 row-major (so ``reshape(N, 3, 32, 32)`` is already NCHW),
+and ``b"labels"``, a list of N ints in [0, 10).
 
-    cifar-10-batches-py/
-        data_batch_1 ... data_batch_5   50000 training images, 10000 per file
-        test_batch                      10000 test images
-        batches.meta                    label names (not needed: see LABEL_NAMES)
-
-Each batch is a Python-2 pickle (protocol 2) of a dict with ``b"data"``, a uint8
-array (N, 3072) holding the R, G and B planes in that order, each 32x32 row-major,
-and ``b"labels"``, a list of N ints in [0, 10). So ``data.reshape(N, 3, 32, 32)`` is
-already NCHW.
-
-Pickles can run arbitrary code when loaded, so the batches are read with a restricted
-unpickler that only knows how to rebuild numpy arrays and raises ``DataError`` for
-anything else. Every problem (missing files, no network, bad checksum, corrupt file)
-is a ``DataError`` whose message says what was wrong and what to do; a command-line
-tool prints ``str(err)`` and exits, with no traceback.
+Pickles can run arbitrary code when loaded, so the batches are read with a restricted unpickler that only
+rebuilds numpy arrays. Every problem (missing files, no network, bad checksum, corrupt file) is a
+``DataError`` whose message says what was wrong and what to do: a command prints it, no traceback.
 """
 
 from __future__ import annotations

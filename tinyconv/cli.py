@@ -1,13 +1,4 @@
-"""The ``tinyconv`` command: one entry point for the things a user runs by hand.
-
-    tinyconv worker --connect tcp://HOST:5555 --backend opencl   # serve a master's convolutions
-    tinyconv devices                                           # backends and OpenCL devices seen here
-    tinyconv conformance --backend NAME                        # check a backend op by op against numpy
-    tinyconv plot run.jsonl runs/grid.csv -o plots/            # curves, speedup and comm/conv/comp charts
-    tinyconv keygen keys/ --name laptop1                       # a CURVE key pair for a master or a worker
-    tinyconv comm --arch 300:1000 --batch 64 --measure         # the bytes of a step: the paper's eq. 2, ours
-    tinyconv experiment grid --archs 50:500 300:1000           # the paper's speedup grid, one CSV row a run
-    tinyconv simulate --nodes 1 2 4 8 16 32 64 128             # predicted speedup to 128 nodes on a link model
+"""The ``tinyconv`` command: one entry point for the things a user runs by hand (``tinyconv --help`` lists them).
 
 Training itself is ``python examples/cifar10_dist.py``. Nothing heavy is imported
 before the subcommand is known: ``worker --threads`` must set BLAS thread counts

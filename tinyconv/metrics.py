@@ -1,18 +1,6 @@
 """The JSON-lines metrics file: one object per line, each with an ``event`` field.
 
-The schema is a contract that plots, reports and outside tools read
-(docs/metrics.md): ``run`` first, then ``step`` per training step and ``epoch``
-per epoch, and ``summary`` last; the cluster's own events (``worker_lost``,
-``worker_joined``) after the step they happened in.
-
-The file is not touched until the run's first step (or its summary): the events before it
-are held, so a run that fails before training -- a worker that never said hello, a bad
-calibration -- leaves an existing file as it was. A resumed run first drops what the file
-holds beyond the checkpoint's step (the steps the checkpoint does not have, which the
-resumed run computes again), then appends: no step appears twice.
-
-A line that cannot be written (a full disk) does not end the run: it waits in memory, with the
-ones after it, until the file takes them again; a warning says so once.
+Its schema, when the file is first touched, what a resumed run drops and what a full disk does: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -73,8 +73,9 @@ class SGD:
         return {key: be.to_numpy(v).copy() for key, v in self.velocity.items()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        be = self.net.backend
-        for key in self.velocity:
-            if key not in state:
-                raise ValueError(f"optimizer state has no velocity for {key!r}")
-            self.velocity[key] = be.asarray(state[key].astype(np.float32))
+        for key, v in self.velocity.items():
+            got = state.get(key)
+            if got is None or got.shape != tuple(v.shape):
+                found = "nothing" if got is None else f"shape {got.shape}"
+                raise ValueError(f"the optimizer state has {found} for the velocity of {key}: it is damaged")
+            self.velocity[key] = self.net.backend.asarray(got.astype(np.float32))

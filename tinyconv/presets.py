@@ -3,8 +3,9 @@
 Each preset is a whole recipe (network, epochs, batch, learning rate and schedule, warm-up, weight
 decay) and what it is expected to reach: test accuracy on CIFAR-10 and wall time with the main job's
 default distributed set-up on a 2-core machine -- only *as measured*, with the command that measured
-it. A preset not measured yet has ``None`` there, and says so; a figure is never guessed. No preset
-sets ``--label-smoothing``: at 0.1 it changed nothing measurable (``benchmarks/bench_recipe.py``).
+it (the runs in full: README.md's results). A preset not measured yet has ``None`` there, and says so; a
+figure is never guessed. No preset sets ``--label-smoothing``: at 0.1 it changed nothing measurable
+(``benchmarks/bench_recipe.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ PRESETS: dict[str, Preset] = {
             # steps' loss to 33-41; that layer at a tenth of the rate keeps it under 3.3 and ends better
             # (1.67 and 40.2 % on 2,000 test images). 0.01 ends lower than 0.02 (1.75 vs 1.91)
             lr=0.01,
-            # a 2-core Xeon, 248-381 s per epoch + 17-26 s evaluation; per epoch 56.3, 64.4, 66.3, 72.2,
-            # 72.7, 74.6, 75.6, 76.4, 76.8, 76.9 %
             expected_accuracy=0.7688,
             expected_minutes=51.4,
             measured_by="python examples/cifar10_dist.py --transport zmq --backend opencl --preset paper",
@@ -74,8 +73,6 @@ PRESETS: dict[str, Preset] = {
             epochs=7,  # 0.30 s per step, 118-133 s per epoch: 7 epochs and their evaluations fit in 30 min
             batch_size=128,
             lr=0.05,  # best's rates (below)
-            # a quiet 2-core Xeon, 118-133 s per epoch + 10 s evaluation; per epoch 59.5, 69.2, 71.1, 72.3,
-            # 74.1, 76.6, 77.0 %
             expected_accuracy=0.7698,
             expected_minutes=15.5,
             measured_by="python examples/cifar10_dist.py --transport zmq --backend opencl --preset quick",
@@ -91,7 +88,6 @@ PRESETS: dict[str, Preset] = {
             epochs=30,
             batch_size=128,
             lr=0.05,
-            # a quiet 2-core Xeon, 165 s per epoch + 13 s evaluation, 0.415 s per step; 79.4 % after 17 epochs
             expected_accuracy=0.8381,
             expected_minutes=89.2,
             measured_by="python examples/cifar10_dist.py --transport zmq --backend opencl --preset best",

@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 from tinyconv.checkpoint import (
     Checkpoint,
-    check_momentum,
     check_resumable,
     plan_of,
     read_checkpoint,
@@ -343,7 +342,6 @@ class Trainer:
         ck = source if isinstance(source, Checkpoint) else read_checkpoint(source)
         check_resumable(ck, self.net.config, self.cfg.batch_size, self.steps_per_epoch, self.warmup_steps)
         self.net.load_state_dict(ck.model)
-        check_momentum(ck, self.net)
         self.opt.load_state_dict(ck.optim)
         meta = ck.meta
         self.step, self.epoch, self.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
