@@ -33,10 +33,6 @@ class Dataset:
     name: str
     classes: list[str]
 
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
 
 def load_dataset(
     name: str,
@@ -45,11 +41,8 @@ def load_dataset(
     seed: int = 0,
     progress: bool = True,
 ) -> Dataset:
-    """``"cifar10"`` (the real thing, see tinyconv/cifar10.py) or ``"synthetic"`` (seeded, offline).
-
-    ``data_dir``, ``download`` and ``progress`` apply to cifar10, ``seed`` to synthetic.
-    Raises ``cifar10.DataError`` if CIFAR-10 cannot be had, ValueError for an unknown name.
-    """
+    """``"cifar10"`` (tinyconv/cifar10.py: ``data_dir``, ``download``, ``progress``; ``DataError`` if it cannot
+    be had) or ``"synthetic"`` (seeded by ``seed``, offline)."""
     if name == "cifar10":
         x_train, y_train, x_test, y_test = load_cifar10(data_dir, download=download, progress=progress)
         return Dataset(x_train, y_train, x_test, y_test, name="cifar10", classes=list(LABEL_NAMES))
@@ -62,11 +55,9 @@ def load_dataset(
 
 
 def _class_templates(rng: np.random.Generator, num_classes: int, size: int, waves: int = 3) -> np.ndarray:
-    """One smooth coloured pattern per class: float64 (num_classes, 3, size, size) in ~[0, 255].
-
-    Each channel is a base colour plus a few low-frequency plane waves, so classes differ
-    both in colour and in texture, and a shifted copy still looks like its class.
-    """
+    """One smooth coloured pattern per class: float64 (num_classes, 3, size, size) in ~[0, 255]. Each channel
+    is a base colour plus a few low-frequency plane waves: classes differ in colour and texture, and a
+    shifted copy still looks like its class."""
     yy, xx = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
     base = rng.uniform(60, 196, size=(num_classes, 3, 1, 1))
     freq = rng.uniform(-2.0, 2.0, size=(num_classes, 3, waves, 2)) * (2 * np.pi / size)  # <= 2 cycles
@@ -101,13 +92,9 @@ def synthetic_dataset(
     max_shift: int = 4,
     noise: float = 24.0,
 ) -> Dataset:
-    """A CIFAR-shaped, offline stand-in: uint8 (N, 3, image_size, image_size), balanced labels.
-
-    Class k is a seeded smooth coloured template (see ``_class_templates``), shifted by up to
-    ``max_shift`` pixels and with Gaussian noise of std ``noise`` (in 0..255 units). Train and
-    test share the templates. A small CNN learns it in a few dozen SGD steps. Same seed, same
-    data; the test set does not depend on ``n_train``.
-    """
+    """A CIFAR-shaped, offline stand-in: uint8 (N, 3, image_size, image_size), balanced labels. Class k is its
+    template shifted by up to ``max_shift`` pixels, plus Gaussian noise of std ``noise`` (in 0..255 units).
+    A small CNN learns it in a few dozen SGD steps. Same seed, same data, whatever ``n_train``."""
     if n_train < 1 or n_test < 1 or num_classes < 2 or image_size < 1 or max_shift < 0 or noise < 0:
         raise ValueError(
             f"synthetic_dataset needs n_train, n_test >= 1, num_classes >= 2, image_size >= 1, "
@@ -155,11 +142,8 @@ def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[np.ndarray, np.ndar
 
 
 class Normalizer:
-    """uint8 (N, C, H, W) -> float32 (N, C, H, W) = (x / 255 - mean) / std, per channel.
-
-    ``mean`` and ``std`` are (C,) in [0, 1] units, as from ``channel_stats``. Computed as one
-    cast plus an in-place multiply-add with precomputed float32 scale and shift.
-    """
+    """uint8 (N, C, H, W) -> float32 (N, C, H, W) = (x / 255 - mean) / std, per channel; ``mean`` and ``std``
+    (C,) in [0, 1] units, as from ``channel_stats``. One cast, then an in-place multiply-add."""
 
     def __init__(self, mean: np.ndarray, std: np.ndarray) -> None:
         mean, std = np.asarray(mean, dtype=np.float64), np.asarray(std, dtype=np.float64)
@@ -187,9 +171,8 @@ class Normalizer:
 def augment(x: np.ndarray, rng: np.random.Generator, crop_pad: int = 4, flip: bool = True) -> np.ndarray:
     """Random crop after zero padding, and random horizontal flip; (N, C, H, W) -> same shape/dtype.
 
-    Each image is padded by ``crop_pad`` zeros on every side, a random H x W window is cut from
-    it (offsets uniform in [0, 2 * crop_pad]), and with ``flip`` it is mirrored left-right with
-    probability 1/2. Vectorised: one pad, then one gather over a sliding-window view.
+    Each image is padded by ``crop_pad`` zeros on every side, a random H x W window cut from it, and with
+    ``flip`` mirrored left-right with probability 1/2: one pad, then one gather over a sliding-window view.
     """
     if not isinstance(x, np.ndarray) or x.ndim != 4:
         raise ValueError(f"augment expects images of shape (N, C, H, W), got {getattr(x, 'shape', type(x))}")

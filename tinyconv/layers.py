@@ -29,14 +29,10 @@ def he_init(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np
 
 
 class Layer:
-    """Base: no parameters, no state. ``params``/``grads`` map names to backend arrays.
+    """Base: no parameters, no state. ``params``/``grads`` map names to backend arrays; ``name`` keys
+    the parameters in optimisers and checkpoints ("conv1.w"), given by the Network (``kind`` + order)."""
 
-    ``name`` keys the layer's parameters in optimisers and checkpoints ("conv1.w");
-    a :class:`~tinyconv.model.Network` names its layers by kind and order ("conv1",
-    "relu1", "fc1") unless they were given one.
-    """
-
-    kind = "layer"  # the stem of the name a Network gives it
+    kind = "layer"
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -75,8 +71,6 @@ class Conv2D(Layer):
 
     ``need_dx=False`` (the first layer) skips the dX GEMM entirely.
     Weights start He-initialised from ``rng`` (a fresh generator if None), biases at 0.
-    (To compute it in shards across machines, ``tinyconv.distribute`` puts a
-    ``ShardedBlock`` in its place in the network; the numbers stay the same.)
     """
 
     kind = "conv"
@@ -174,12 +168,10 @@ class LocalResponseNorm(Layer):
         return f"LocalResponseNorm(size={self.size}, alpha={self.alpha}, beta={self.beta}, k={self.k})"
 
 
-# An optimisation beside the layers, which stay as they are: a ReLU directly followed by an LRN
-# runs as one backend op (Backend.relu_lrn_forward, the two ops' composition by default), which a
-# device backend fuses into one pass over the map each way. tinyconv.model.Network's forward calls
-# relu_lrn_forward for such a pair; each layer's backward then sees a Fused cache: the LRN's runs
-# both backwards at once (relu_lrn_backward) and the ReLU's passes its gradient through. The
-# numbers are those of relu.forward then lrn.forward, and their backwards.
+# An optimisation beside the layers, which stay as they are: a ReLU directly followed by an LRN runs
+# as one backend op (Backend.relu_lrn_forward), which a device backend fuses into one pass over the map
+# each way. Each layer's backward then sees a Fused cache: the LRN's runs both backwards at once
+# (relu_lrn_backward), the ReLU's passes its gradient through. The numbers stay the same.
 
 
 @dataclass
@@ -190,8 +182,7 @@ class Fused:
 
 
 def relu_then_lrn(first: Layer, second: Layer) -> bool:
-    """Whether ``first`` then ``second`` is a plain ReLU then a plain LocalResponseNorm (not subclasses,
-    which may compute something else)."""
+    """A plain ReLU then a plain LocalResponseNorm (not subclasses, which may compute something else)."""
     return type(first) is ReLU and type(second) is LocalResponseNorm
 
 

@@ -77,10 +77,9 @@ class Network:
         return x
 
     def predict(self, x: Array) -> Array:
-        """Inference, x (N, C, H, W) -> logits (N, classes): ``forward(x, training=False)``, except
-        that each layer's cache (what its backward would read: a conv's im2col columns, tens to
-        hundreds of MB) is dropped as soon as the layer is done, so the next layer and the next
-        batch reuse that memory instead of holding two copies. No backward can follow it."""
+        """Inference, x (N, C, H, W) -> logits (N, classes): ``forward(x)``, dropping each layer's cache (a
+        conv's im2col columns: tens to hundreds of MB) as soon as it is done, so the next layer reuses that
+        memory. No backward can follow it."""
         for run in self.runs():
             x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training=False)
             for layer in run:
@@ -96,11 +95,8 @@ class Network:
                 break
 
     def runs(self) -> list[tuple[Layer, ...]]:
-        """The layers in the order the forward runs them, one by one, except that a ReLU directly
-        followed by an LRN runs as one backend op, ``relu_lrn_forward`` (an optimisation: the same
-        numbers, one pass over the map on a device; see layers.py; the backward goes layer by
-        layer as ever). Read from the list at each call, since a cluster's attach and detach
-        change it."""
+        """The layers in the order the forward runs them, a ReLU directly followed by an LRN as one pair
+        (``relu_lrn_forward``, see layers.py). Read at each call: a cluster's attach and detach change it."""
         runs: list[tuple[Layer, ...]] = []
         for layer in self.layers:
             if runs and len(runs[-1]) == 1 and relu_then_lrn(runs[-1][0], layer):
@@ -110,8 +106,7 @@ class Network:
         return runs
 
     def training_loss(self, smoothing: float = 0.0) -> SoftmaxCrossEntropy:
-        """The loss a training step takes its gradient from: ``loss_fn``, or with ``smoothing`` > 0 the
-        cross-entropy against the label-smoothed target (``SoftmaxCrossEntropy``)."""
+        """``loss_fn``, or with ``smoothing`` > 0 the cross-entropy against the label-smoothed target."""
         return SoftmaxCrossEntropy(self.backend, smoothing) if smoothing else self.loss_fn
 
     def train_step(self, x: Array | np.ndarray, labels: np.ndarray) -> float:

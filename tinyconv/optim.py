@@ -21,18 +21,13 @@ from tinyconv.model import Network
 
 
 class SGD:
-    """``SGD(net, lr, momentum=0, weight_decay=0, layer_lr=None)``; ``step()`` applies the last backward's grads.
+    """``step()`` applies the last backward's grads, finding the parameters through ``net.named_params()``
+    each time: a layer ``tinyconv.distribute`` swaps for a sharded one has the same arrays, names too.
 
-    Parameters are found through ``net.named_params()`` at every step, so the optimiser
-    keeps working when ``tinyconv.distribute`` swaps layers for sharded ones (their
-    parameters are the same arrays, under the same names). ``lr`` may be changed between
-    steps (a schedule does).
-
-    ``layer_lr`` gives some layers, by name, a factor on the rate: ``{"fc1": 0.1}`` steps the
-    classifier by ``0.1 * lr * v``. Its velocity v is the same (grad + weight_decay * w, as
-    above); only the step is scaled, as torch's per-group ``lr`` does. Why the paper's net wants
-    it: its classifier reads 32,000 features, so one step moves the logits by about
-    lr * |x|^2 and the first steps' loss jumps to 30-40 (``benchmarks/bench_init.py``).
+    ``layer_lr`` gives some layers, by name, a factor on the rate: ``{"fc1": 0.1}`` steps the classifier
+    by ``0.1 * lr * v`` with the same v, as torch's per-group ``lr``. The paper's classifier reads 32,000
+    features, so one step moves the logits by about lr * |x|^2 and the first steps' loss jumps to 30-40
+    at the full rate (``benchmarks/bench_init.py``).
     """
 
     def __init__(

@@ -1,11 +1,5 @@
-"""Stopping training cleanly: Ctrl-C and SIGTERM become :class:`Stopped`, held while an update runs.
-
-A signal can come at any point of a step. :meth:`SignalGuard.installed` turns Ctrl-C and SIGTERM
-into the exception :class:`Stopped` (a KeyboardInterrupt) while training, so the trainer can
-checkpoint on the way out; :meth:`SignalGuard.held` runs a block whole -- the update of the
-parameters, the momentum and the step count -- and raises a signal that came meanwhile at its
-end, so a checkpoint never holds half an update.
-"""
+"""Stopping training cleanly: Ctrl-C and SIGTERM become :class:`Stopped`, so the trainer can checkpoint
+on the way out, and wait while an update runs, so a checkpoint never holds half of one."""
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
 """The training loop: batches, SGD steps, evaluation, metrics, checkpoints, summary.
 
-One step: take a batch of uint8 images, augment (random crop + flip), normalise per channel,
-forward + loss + backward, SGD update. The batch is made ahead on a thread (``tinyconv/prefetch.py``).
-Given the runtime ``tinyconv.distribute`` returns (a :class:`~tinyconv.parallel.Parallel`), the loop
-hands it each batch's forward and backward; without one it runs them on the master.
+One step: take a batch of uint8 images, augment (random crop + flip), normalise per channel, forward +
+loss + backward, SGD update; the batch is made ahead on a thread (``tinyconv/prefetch.py``). Given the
+runtime ``tinyconv.distribute`` returns (a :class:`~tinyconv.parallel.Parallel`), the loop hands it each
+batch's forward and backward; without one it runs them on the master.
 
-Resuming is bit-identical: the checkpoint keeps the parameters, the momentum buffers, the global
-step, the position within the epoch, both random generators' states (the epoch's shuffle and the
-augmentation) and, when distributed, the split (``tinyconv/checkpoint.py``).
-
-Checkpoints are written at each epoch's end, every ``checkpoint_every`` steps or
-``checkpoint_minutes`` minutes, and when training ends any other way: an error, Ctrl-C or SIGTERM
-(``tinyconv/stopping.py``). Each is of a whole step: a step cut short is rolled back first
-(batch-norm's running statistics are the only state it changes before its update), and the update
-runs with signals held until it is done.
+Resuming is bit-identical: the checkpoint (``tinyconv/checkpoint.py``) keeps everything a step reads,
+both random generators' states and the split included. However training ends (an error, Ctrl-C,
+SIGTERM: ``tinyconv/stopping.py``) it checkpoints a whole step: a step cut short is rolled back first
+(batch-norm's running statistics are the only state it changes before its update), and the update runs
+with signals held until it is done.
 """
 
 from __future__ import annotations
@@ -135,14 +131,17 @@ class Trainer:
     def _step(self, batches: Prefetcher) -> tuple[float, float]:
         """The next step of the loop, whole or not at all: cut short, it is rolled back; its update,
         recorded and counted, runs with signals held. Its time counts from asking for its batch."""
-        undo = self._undo_point()
+        be, layers = self.net.backend, self.net.layers
+        # what a step changes before its update: batch-norm's running statistics, by (layer index, name)
+        undo = {(i, name): be.to_numpy(a).copy() for i, layer in enumerate(layers) for name, a in layer.buffers.items()}
         t0 = time.perf_counter()
         try:
             batch: Batch = batches.next()
             loss, logits = self._forward_backward(batch.x, batch.y)
         except BaseException:
             with self.signals.held(raise_pending=False):
-                self._roll_back(undo)
+                for (i, name), a in undo.items():
+                    layers[i].buffers[name] = be.asarray(a)
             raise
         with self.signals.held():
             self._whole = False
@@ -156,16 +155,6 @@ class Trainer:
             self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
             self._write_cluster_events()
         return loss, acc
-
-    def _undo_point(self) -> dict[tuple[int, str], np.ndarray]:
-        """What a step changes before its update: batch-norm's running statistics, by (layer index, name)."""
-        be = self.net.backend
-        layers = enumerate(self.net.layers)
-        return {(i, name): be.to_numpy(a).copy() for i, layer in layers for name, a in layer.buffers.items()}
-
-    def _roll_back(self, buffers: dict[tuple[int, str], np.ndarray]) -> None:
-        for (i, name), a in buffers.items():
-            self.net.layers[i].buffers[name] = self.net.backend.asarray(a)
 
     def _write_cluster_events(self) -> None:
         """What happened to the cluster (workers lost or joined) into the metrics file."""
@@ -216,7 +205,7 @@ class Trainer:
             epochs_bar.update(1)
             epochs_bar.set_postfix(test_acc=f"{record['test_acc']:.3f}")
         epochs_bar.close()
-        summary = self.summary()
+        summary = summarize(self.history, self.tally, self.epoch, self.step)
         self.metrics.write("summary", **summary)
         return summary
 
@@ -353,8 +342,3 @@ class Trainer:
         note, restored = restore_plan(self.cluster, meta.get("plan"))
         self.plan_restored = self.plan_restored or restored
         return note
-
-    # ---- reporting --------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        """The run's results so far (``tinyconv/report.py``)."""
-        return summarize(self.history, self.tally, self.epoch, self.step)
