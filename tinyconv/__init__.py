@@ -27,35 +27,20 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = {
-    # the network
-    "paper_net": "tinyconv.model",
-    "parse_arch": "tinyconv.model",
-    "PAPER_ARCHS": "tinyconv.model",
-    "Network": "tinyconv.model",
-    "Conv2D": "tinyconv.layers",
-    "ReLU": "tinyconv.layers",
-    "LocalResponseNorm": "tinyconv.layers",
-    "BatchNorm2D": "tinyconv.layers",
-    "MaxPool2D": "tinyconv.layers",
-    "Linear": "tinyconv.layers",
-    "SoftmaxCrossEntropy": "tinyconv.layers",
-    # training
-    "SGD": "tinyconv.optim",
-    "Trainer": "tinyconv.trainer",
-    "TrainConfig": "tinyconv.train_config",
-    "load_dataset": "tinyconv.data",
-    "synthetic_dataset": "tinyconv.data",
-    "check_layer": "tinyconv.gradcheck",
-    "check_network": "tinyconv.gradcheck",
-    # devices and distribution
-    "get_backend": "backends",
-    "available_backends": "backends",
-    "get_transport": "transports",
-    "available_transports": "transports",
-    "distribute": "tinyconv.distributed.pool",
-    "Cluster": "tinyconv.distributed.shard.cluster",
+_MODULES = {  # where each name of tc.* lives: the network, training, devices and distribution
+    "tinyconv.model": "paper_net parse_arch PAPER_ARCHS Network",
+    "tinyconv.layers": "Conv2D ReLU LocalResponseNorm BatchNorm2D MaxPool2D Linear SoftmaxCrossEntropy",
+    "tinyconv.optim": "SGD",
+    "tinyconv.trainer": "Trainer",
+    "tinyconv.train_config": "TrainConfig",
+    "tinyconv.data": "load_dataset synthetic_dataset",
+    "tinyconv.gradcheck": "check_layer check_network",
+    "backends": "get_backend available_backends",
+    "transports": "get_transport available_transports",
+    "tinyconv.distributed.pool": "distribute",
+    "tinyconv.distributed.shard.cluster": "Cluster",
 }
+_API = {name: module for module, names in _MODULES.items() for name in names.split()}
 __all__ = ["__version__", *_API]
 
 
