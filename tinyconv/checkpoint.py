@@ -55,8 +55,7 @@ class Checkpoint:
 def save_checkpoint(
     path: str | Path, model: dict[str, np.ndarray], optimizer: dict[str, np.ndarray], meta: dict[str, Any]
 ) -> int:
-    """Write model and optimizer arrays plus JSON-able ``meta`` (epoch, step, rng states...) atomically.
-    Returns the checkpoint's size in bytes."""
+    """Write model and optimizer arrays plus JSON-able ``meta`` atomically -> the file's size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):  # what an interrupted save left
@@ -91,8 +90,8 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read and check a checkpoint: FileNotFoundError if there is none at ``path``, ValueError (one line,
-    saying what is wrong) if it is empty, truncated, corrupted, of another format or missing a field."""
+    """Read and check a checkpoint: FileNotFoundError if there is none at ``path``, else a one-line ValueError
+    for anything wrong with it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; check --resume, or train without it first")
@@ -171,8 +170,8 @@ def _counts(value: Any) -> bool:
 
 
 def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], batch_size: int, path: str | Path) -> None:
-    """Raise ValueError, naming each option that differs and both values, unless a run of the network
-    ``model_config`` with ``batch_size`` can resume from a checkpoint with ``meta``."""
+    """Raise ValueError, naming each option that differs, unless a run of ``model_config`` at ``batch_size``
+    can resume from a checkpoint with ``meta``."""
     here = {"model_config": model_config, "train_config": {"batch_size": batch_size}}
     differ = [
         f"{option} {meta[where][key]} there, {here[where][key]} here"
@@ -213,8 +212,7 @@ def check_resumable(
 
 
 def plan_of(runtime: Parallel | None) -> dict[str, Any] | None:
-    """The runtime's split, to save: its participants and their counts (kernels, images) and input
-    channels per unit; None when nothing is distributed."""
+    """The runtime's split, to save (its participants, their counts and input channels per unit), or None."""
     if runtime is None:
         return None
     counts = {k: [int(n) for n in v] for k, v in runtime.counts.items()}

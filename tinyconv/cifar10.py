@@ -54,8 +54,6 @@ class DataError(Exception):
 
 
 # ---- where the data lives -------------------------------------------------------
-
-
 def default_data_dir() -> Path:
     """``$TINYCONV_DATA`` if set, else ``$XDG_CACHE_HOME/tinyconv``, else ``~/.cache/tinyconv``."""
     env = os.environ.get("TINYCONV_DATA", "").strip()
@@ -98,8 +96,6 @@ def _check_not_partial(root: Path, url: str, md5: str) -> None:
 
 
 # ---- download and extract -------------------------------------------------------
-
-
 def _md5_of_file(path: Path) -> str:
     digest = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:
@@ -198,8 +194,6 @@ def _extract(tarball: Path, root: Path) -> Path:
 
 
 # ---- safe loading ---------------------------------------------------------------
-
-
 def _reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
     """numpy's pickle entry point for arrays, limited to plain ndarrays."""
     if subtype is not np.ndarray:

@@ -52,8 +52,6 @@ def load_dataset(
 
 
 # ---- synthetic data ---------------------------------------------------------------
-
-
 def _class_templates(rng: np.random.Generator, num_classes: int, size: int, waves: int = 3) -> np.ndarray:
     """One smooth coloured pattern per class: float64 (num_classes, 3, size, size) in ~[0, 255]. Each channel
     is a base colour plus a few low-frequency plane waves: classes differ in colour and texture, and a
@@ -110,8 +108,6 @@ def synthetic_dataset(
 
 
 # ---- normalisation ------------------------------------------------------------------
-
-
 def _check_images(x: np.ndarray, what: str) -> None:
     if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 4:
         desc = f"{x.dtype} {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
@@ -166,8 +162,6 @@ class Normalizer:
 
 
 # ---- augmentation -------------------------------------------------------------------
-
-
 def augment(x: np.ndarray, rng: np.random.Generator, crop_pad: int = 4, flip: bool = True) -> np.ndarray:
     """Random crop after zero padding, and random horizontal flip; (N, C, H, W) -> same shape/dtype.
 

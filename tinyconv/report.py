@@ -32,9 +32,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
 
 
 def summary_table(summary: dict[str, Any], steps_per_epoch: int | None = None) -> str:
-    """The end-of-run table for the terminal, in units a person reads (%, s, MB), shares by participant
-    and who sat a layer out in words; the metrics file keeps the raw numbers. ``steps_per_epoch``: a run
-    with no whole epoch gets a time per epoch projected from its steps."""
+    """The end-of-run table for the terminal, in units a person reads (%, s, MB); the metrics file keeps the
+    raw numbers. ``steps_per_epoch``: a run with no whole epoch gets a time per epoch projected from its steps."""
     names = summary.get("participants")
     rows = []
     for key, value in summary.items():
@@ -96,8 +95,8 @@ def _mb(n: int) -> str:
 
 
 class Tally:
-    """Each step's metrics record, aggregated as it comes, so that a run of any length holds the same
-    memory: the medians are over the last ``window`` steps, the bytes and who sat out over all of them."""
+    """Each step's metrics record, aggregated as it comes, so a run of any length holds the same memory:
+    the medians are over the last ``window`` steps, the bytes and who sat out over all of them."""
 
     TIMES = ("time_s", "comm_s", "conv_s", "comp_s")
 
@@ -135,8 +134,7 @@ class Tally:
 
     def sat_out(self) -> list[dict[str, Any]]:
         """Who computed nothing of a layer (no kernels, nor input channels where it is split by them), in
-        how many of the steps, and why: "too few kernels" (fewer than participants, so someone must) or
-        "too slow" (the rebalancer found its one kernel would outlast the others' whole layer)."""
+        how many of the steps, and why (``sentence`` says it in words)."""
         return [
             {"participant": name, "layer": layer, "steps": e["steps"], "of": self.split_steps,
              "reason": "too few kernels" if e["few"] == e["steps"] else "too slow", "kernels": e["kernels"],
@@ -146,9 +144,7 @@ class Tally:
 
 
 def summarize(history: list[dict[str, Any]], tally: Tally, epoch: int, step: int) -> dict[str, Any]:
-    """The run's summary from its epochs' records (``history``) and its steps' ``tally``: the last
-    epoch's losses and accuracy, the best accuracy, times per epoch and step; when distributed, the
-    median comm/conv/comp split, the bytes (in all and each participant's) and the last shares."""
+    """The run's summary (docs/metrics.md's ``summary`` event) from its epochs' records and its steps' tally."""
     last = history[-1] if history else {}
     full = [h["time_s"] for h in history if h["complete"]]
     out: dict[str, Any] = {

@@ -1,11 +1,7 @@
 """A master that comes back by itself: training runs in a child process, restarted from its last checkpoint
-when it dies abnormally.
-
-Abnormal is a crash (an uncaught exception, exit 1) or a death by a signal the run did not handle
-(SIGKILL, the out-of-memory killer, a segfault). A run that ends as asked -- done (0), refused or
-failed with a message (2), Ctrl-C (130), SIGTERM (143) -- is not restarted: it would only end the
-same way again. Each restart resumes from ``checkpoint`` (``--resume``) where one was written;
-workers rejoin the new master as they join any master.
+(``--resume``) when it dies abnormally: a crash (exit 1) or a signal it did not handle (SIGKILL, the
+out-of-memory killer, a segfault). A run that ends as asked -- done (0), refused or failed with a message
+(2), Ctrl-C (130), SIGTERM (143) -- would only end the same way again. Workers rejoin the new master.
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ def abnormal(returncode: int) -> bool:
 def supervise(
     command: Callable[[Path | None], list[str]], checkpoint: Path, max_restarts: int, say: Callable[[str], Any] = print
 ) -> int:
-    """Run ``command(resume)`` (the training's argv; ``resume`` is the checkpoint to resume from, or None)
-    until it ends as asked or has been restarted ``max_restarts`` times; -> its last exit code (a death
-    by signal s as 128 + s, as a shell says it). SIGTERM and Ctrl-C reach the child and end it as they would
-    end an unsupervised run."""
+    """Run ``command(resume)`` (the training's argv; ``resume`` the checkpoint to resume from, or None) until
+    it ends as asked or has been restarted ``max_restarts`` times -> its last exit code (a death by signal s
+    as 128 + s, as a shell says it)."""
     restarts, resume = 0, None
     while True:
         child = subprocess.Popen(command(resume))
