@@ -1,23 +1,8 @@
 """tinyconv: a small, readable CNN framework whose convolutions are split across machines.
 
-In a shell or a notebook::
-
-    import tinyconv as tc
-    net = tc.paper_net("50:500", backend="numpy")      # the paper's network, He-initialised from seed 0
-    opt = tc.SGD(net, lr=0.01, momentum=0.9)
-    loss = net.train_step(x, y)                         # x (N, 3, 32, 32) float32, y (N,) ints
-    opt.step()
-    net.forward(x)                                      # inference: batch norm uses its running statistics
-
-    cluster = tc.distribute(net, transport="zmq", workers=2)   # two local worker processes
-    loss = net.train_step(x, y)                         # now the convolutions run in shards
-    cluster.last_step["shares"]                         # who computed how many kernels
-    cluster.close()                                     # the network's own layers back, workers stopped
-    replicas = tc.distribute(net, workers=2, parallel="data")  # or "hybrid": each batch shared by images
-    loss, logits = replicas.train_batch(net, x, y)      # every parallelism's step: net's grads filled
-
-Each name is imported on its first use, so that ``tinyconv worker --threads N`` can set
-the BLAS thread count before anything loads numpy.
+``import tinyconv as tc``; README.md's "From Python" shows the names in use. Each name is imported on
+its first use, so that ``tinyconv worker --threads N`` can set the BLAS thread count before anything
+loads numpy.
 """
 
 from __future__ import annotations

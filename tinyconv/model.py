@@ -49,12 +49,9 @@ def parse_arch(arch: str | tuple[int, int]) -> tuple[int, int]:
 
 
 class Network:
-    """An ordered list of layers and the softmax cross-entropy loss after them.
-
-    Layers without a name get one by kind and order ("conv1", "relu1", "lrn1", "pool1",
-    "conv2", ..., "fc1"); parameters are keyed "<layer name>.<param>" ("conv1.w") in
-    optimisers and checkpoints, so a layer keeps its key wherever it stands in the list.
-    """
+    """An ordered list of layers and the softmax cross-entropy loss after them. Layers without a name get one
+    by kind and order ("conv1", "relu1", "lrn1", "pool1", "conv2", ..., "fc1"), which keys their parameters
+    ("conv1.w") in optimisers and checkpoints wherever they stand in the list."""
 
     def __init__(self, backend: Backend, layers: list[Layer], config: dict[str, Any] | None = None) -> None:
         self.backend = backend

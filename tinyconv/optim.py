@@ -6,11 +6,9 @@ torch.optim.SGD's update, so runs compare 1:1 (dampening 0, no Nesterov)::
     v = momentum * v + g            (v starts at 0, so the first v is g, as torch's buffer)
     w = w - lr * v
 
-One difference, on purpose: weight decay applies only to the weights of convolutions and
-fully connected layers (each layer's ``decay`` set), never to biases or batch-norm
-parameters, where torch decays every parameter it is given. To get the same numbers from
-torch, give it two parameter groups: the weights with ``weight_decay``, the rest with 0
-(``benchmarks/bench_train_step.py`` does).
+One difference, on purpose: weight decay applies only to the weights of convolutions and fully
+connected layers (each layer's ``decay`` set), where torch decays every parameter it is given; torch
+gives the same numbers with two parameter groups (``benchmarks/bench_train_step.py``).
 """
 
 from __future__ import annotations

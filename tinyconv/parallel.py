@@ -1,11 +1,5 @@
-"""What the trainer asks of a parallel runtime: one door, whatever is split.
-
-``tinyconv.distribute(net, parallel="model" | "data" | "hybrid")`` returns a runtime that shares
-the training step with workers: the paper's split of each convolution's kernels, or a split of the
-batch among replicas (the hybrid: among the convolutional parts). The trainer sees none of that: it
-hands the runtime each batch (:meth:`Parallel.train_batch`), reads what the step cost
-(``last_step``) and what happened (``pop_events``), and saves and restores its split (``counts``,
-``set_plan``). Without one it runs the same step on the master alone (:func:`forward_backward`).
+"""What the trainer asks of a parallel runtime, whatever it splits (kernels, or the batch among replicas):
+:class:`Parallel`. Without one the trainer runs the same step on the master alone (:func:`forward_backward`).
 """
 
 from __future__ import annotations

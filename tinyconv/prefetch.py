@@ -6,14 +6,7 @@ copies that release the GIL, so a thread can make batch b+1 while the main threa
 The numbers are those of the loop without the thread, bit for bit: the thread works through the
 batches in order with its *own copy* of the augmentation generator, and each batch carries the
 generator's state after it was made, which the trainer adopts only when that batch's step is
-committed (so a checkpoint, a rolled-back step or a resume sees the state the plain loop would have):
-
-    with Prefetcher(make_batch, range(b0, b1), rng_state, depth=2) as batches:
-        for b in range(b0, b1):
-            batch = batches.next()           # waits only if it is not ready; ``batches.waited_s``: how long
-            ... step on batch.x, batch.y ...
-            rng.bit_generator.state = batch.rng_state    # on commit
-
+committed (so a checkpoint, a rolled-back step or a resume sees the state the plain loop would have).
 Leaving the ``with`` block (normally, on an error, on Ctrl-C) stops the thread and joins it.
 """
 

@@ -17,9 +17,7 @@ class TrainConfig:
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    # a factor on the rate of the classifier (the network's last layer): 0.1 keeps the paper's
-    # 32,000-wide classifier from throwing the first steps' loss to 30-40 (tinyconv/optim.py)
-    classifier_lr: float = 1.0
+    classifier_lr: float = 1.0  # a factor on the rate of the network's last layer (why: tinyconv/optim.py)
     # the training loss's target (1 - eps) onehot + eps / K (layers.SoftmaxCrossEntropy), whatever the
     # parallelism (each runtime's train_batch takes it); the test loss stays the plain cross-entropy
     label_smoothing: float = 0.0

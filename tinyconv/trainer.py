@@ -63,9 +63,7 @@ class Trainer:
         self.augment_rng = np.random.default_rng([config.seed, 2])
         self.steps_per_epoch, self.total_steps, self.warmup_steps = planned_steps(len(data.x_train), config)
         # progress: the epoch in course, batches done in it, and the shuffle state it began with
-        self.step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0
+        self.step = self.epoch = self.batch_in_epoch = 0
         self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
         self.history: list[dict[str, Any]] = []
         self.tally = Tally()  # the steps' records, aggregated as they come: memory stays flat however long the run
@@ -323,11 +321,9 @@ class Trainer:
             self.metrics.write("checkpoint_failed", step=self.step, error=f"{type(e).__name__}: {e}")
 
     def resume(self, source: str | Path | Checkpoint) -> str | None:
-        """Restore everything ``save`` wrote; training then continues exactly as if never stopped.
-
-        ``source``: a checkpoint's path, or one :func:`~tinyconv.checkpoint.read_checkpoint` read.
-        Returns a line about the split, when distributed: taken up (same participants, sets
-        ``plan_restored``) or not (other participants: the cluster keeps its own)."""
+        """Restore everything ``save`` wrote from ``source`` (a path, or a checkpoint read); training then
+        continues exactly as if never stopped. -> a line about the split, when distributed: taken up (same
+        participants, sets ``plan_restored``) or not."""
         ck = source if isinstance(source, Checkpoint) else read_checkpoint(source)
         check_resumable(ck, self.net.config, self.cfg.batch_size, self.steps_per_epoch, self.warmup_steps)
         self.net.load_state_dict(ck.model)
