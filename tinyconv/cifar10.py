@@ -296,15 +296,10 @@ def load_cifar10(
     progress: bool = True,
     timeout: float = 60.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """CIFAR-10 as (x_train, y_train, x_test, y_test).
-
-    x_train uint8 (50000, 3, 32, 32) NCHW, y_train int64 (50000,),
-    x_test uint8 (10000, 3, 32, 32), y_test int64 (10000,).
-
-    ``data_dir`` (default ``default_data_dir()``) is the ``cifar-10-batches-py`` folder
-    or a folder containing it. If the batches are missing and ``download`` is true, the
-    tarball is downloaded from ``url``, checked against ``md5`` and extracted there.
-    Raises DataError with instructions on any problem; never substitutes other data.
+    """CIFAR-10 as x_train uint8 (50000, 3, 32, 32) NCHW, y_train int64 (50000,), x_test uint8 (10000, 3, 32,
+    32), y_test int64 (10000,), from ``data_dir`` (default ``default_data_dir()``): the batches' folder or
+    one containing it. If they are missing and ``download`` is true, the tarball is downloaded from
+    ``url``, checked against ``md5`` and extracted there. Never substitutes other data.
     """
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     if root.exists() and not root.is_dir():

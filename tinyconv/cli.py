@@ -7,6 +7,7 @@ before numpy loads.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -39,8 +40,6 @@ def _usage() -> str:
 
 def devices(argv: Sequence[str] = ()) -> int:
     """Print every registered backend and every OpenCL device; never a traceback."""
-    import argparse
-
     argparse.ArgumentParser(
         prog="tinyconv devices",
         description="List the registered backends and every OpenCL platform and device this machine can see, "
@@ -72,8 +71,6 @@ def devices(argv: Sequence[str] = ()) -> int:
 
 def keygen(argv: Sequence[str]) -> int:
     """``tinyconv keygen DIR --name NAME``: a key pair for the master or a worker, never over an old one."""
-    import argparse
-
     p = argparse.ArgumentParser(
         prog="tinyconv keygen",
         description="Write a CURVE key pair: DIR/NAME.key, the public key to hand out (a worker's goes into "

@@ -44,8 +44,7 @@ def load_dataset(
     """``"cifar10"`` (tinyconv/cifar10.py: ``data_dir``, ``download``, ``progress``; ``DataError`` if it cannot
     be had) or ``"synthetic"`` (seeded by ``seed``, offline)."""
     if name == "cifar10":
-        x_train, y_train, x_test, y_test = load_cifar10(data_dir, download=download, progress=progress)
-        return Dataset(x_train, y_train, x_test, y_test, name="cifar10", classes=list(LABEL_NAMES))
+        return Dataset(*load_cifar10(data_dir, download=download, progress=progress), "cifar10", list(LABEL_NAMES))
     if name == "synthetic":
         return synthetic_dataset(seed=seed)
     raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")

@@ -1,8 +1,5 @@
-"""How much memory a training step of the paper's network needs, and how much this machine has.
-
-The main job checks the two before it starts, so that an architecture or a batch too large
-for the machine is refused with both figures rather than swapping or being killed.
-"""
+"""How much memory a training step of the paper's network needs, and how much this machine has: the main
+job refuses a run too large for the machine with both figures, rather than swap or be killed."""
 
 from __future__ import annotations
 

@@ -30,10 +30,7 @@ def _clean(value: Any) -> Any:
 
 class MetricsWriter:
     """Writes events to a .jsonl file, flushed per line, so a crash loses nothing once training runs.
-
-    ``append``: add to the file rather than replace it. ``resume_step``: with ``append``, first
-    drop the file's lines from the first step after this one on (see :func:`drop_after_step`).
-    """
+    ``append``: add to the file, first dropping its lines past ``resume_step`` (:func:`drop_after_step`)."""
 
     def __init__(self, path: str | Path | None, append: bool = False, resume_step: int | None = None) -> None:
         self.path = Path(path) if path else None

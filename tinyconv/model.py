@@ -176,20 +176,15 @@ def paper_net(
         raise ValueError(f"pool_kernel must be 2 or 3, got {pool_kernel}")
     pool_pad = 1 if pool_kernel == 3 else 0
     rng = np.random.default_rng(seed)
-
-    def norm_layer(channels: int) -> list[Layer]:
-        if norm == "lrn":  # k = 2, AlexNet's, as this preset has always had (torch's default is 1)
-            return [LocalResponseNorm(backend, k=2.0)]
-        if norm == "batch":
-            return [BatchNorm2D(backend, channels)]
-        return []
-
     size = image_size
     layers: list[Layer] = []
     for i, (cin, cout) in enumerate(((in_channels, c1), (c1, c2))):
         layers.append(Conv2D(backend, cin, cout, 5, stride=1, padding=2, need_dx=i > 0, rng=rng))
         layers.append(ReLU(backend))
-        layers += norm_layer(cout)
+        if norm == "lrn":  # k = 2, AlexNet's, as this preset has always had (torch's default is 1)
+            layers.append(LocalResponseNorm(backend, k=2.0))
+        elif norm == "batch":
+            layers.append(BatchNorm2D(backend, cout))
         layers.append(MaxPool2D(backend, pool_kernel, 2, pool_pad))
         size = (size + 2 * pool_pad - pool_kernel) // 2 + 1
     classifier = Linear(backend, c2 * size * size, num_classes, rng=rng)

@@ -14,6 +14,7 @@ with signals held until it is done.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import asdict
@@ -179,10 +180,8 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train until ``epochs`` or ``max_steps``; evaluate each epoch; return the summary.
-
-        However training ends -- an exception, Ctrl-C, SIGTERM (raised as :class:`Stopped`) -- the
-        last whole step is checkpointed (with ``checkpoint``) and the exception goes on."""
+        """Train until ``epochs`` or ``max_steps``, evaluating each epoch -> the summary. However training
+        ends (an exception, Ctrl-C, SIGTERM as :class:`Stopped`) the last whole step is checkpointed."""
         self._saved_at = time.monotonic()
         with self.signals.installed():
             try:
@@ -210,10 +209,8 @@ class Trainer:
     def _on_the_way_out(self) -> None:
         """Training ends by an exception: record the cluster's last events, checkpoint the last whole step."""
         with self.signals.held(raise_pending=False):  # a second Ctrl-C does not cut the checkpoint short
-            try:
+            with contextlib.suppress(Exception):  # the metrics file may be what failed; the checkpoint matters more
                 self._write_cluster_events()
-            except Exception:  # the metrics file may be what failed; the checkpoint matters more
-                pass
             if self.cfg.checkpoint and self._whole:
                 try:
                     self.save(self.cfg.checkpoint)
