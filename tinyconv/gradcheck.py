@@ -25,9 +25,8 @@ from tinyconv.layers import Layer
 
 F64 = np.float64
 
-# op name -> the names of the inputs its backward returns gradients for, in order.
-# The forward is ``backend.<op>_forward(**inputs, **options)``, the backward
-# ``backend.<op>_backward(dy, cache)``; see backends/base.py.
+# op -> the inputs its backward returns gradients for, in order; the forward is
+# ``backend.<op>_forward(**inputs, **options)``, the backward ``backend.<op>_backward(dy, cache)``.
 OP_GRADS: dict[str, tuple[str, ...]] = {
     "conv2d": ("x", "w", "b"),
     "relu": ("x",),
@@ -67,13 +66,9 @@ def _plus_minus(x: np.ndarray, i: tuple[int, ...], h: float, g: Callable[[], Any
 def numeric_grad(
     f: Callable[[np.ndarray], Any], x: np.ndarray, df: np.ndarray | None = None, h: float = 1e-5
 ) -> np.ndarray:
-    """Centred finite-difference gradient of ``sum(f(x) * df)`` (or of ``f(x)`` if ``df`` is None).
-
-    x: float64 array, perturbed *in place* one element at a time (and restored),
-       so ``f`` may read it through a closure instead of its argument.
-    f: x -> array of df's shape, or a scalar when df is None.
-    Returns an array of x's shape: grad_i = (g(x + h e_i) - g(x - h e_i)) / (2h).
-    """
+    """Centred finite-difference gradient of ``sum(f(x) * df)`` (or of a scalar ``f(x)`` if ``df`` is None),
+    of x's shape. x (float64) is perturbed *in place* one element at a time and restored, so ``f`` may read
+    it through a closure instead of its argument."""
     if not isinstance(x, np.ndarray) or x.dtype != F64:
         raise ValueError(
             f"numeric_grad needs a float64 numpy array to perturb, got {type(x).__name__} "

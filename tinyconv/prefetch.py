@@ -37,13 +37,6 @@ class Batch:
 MakeBatch = Callable[[int, np.random.Generator], tuple[np.ndarray, np.ndarray]]
 
 
-def generator_at(state: dict[str, Any]) -> np.random.Generator:
-    """A fresh Generator whose bit generator (of the kind ``state`` names, e.g. PCG64) is at ``state``."""
-    bit_generator = getattr(np.random, state["bit_generator"])()
-    bit_generator.state = state
-    return np.random.Generator(bit_generator)
-
-
 class Prefetcher:
     """Makes ``make_batch(b, rng)`` for every b of ``indices``, in order, on a thread at most ``depth`` ahead
     (memory: depth batches of float32 images); ``depth`` 0 (``--prefetch 0``): no thread, each batch made
@@ -65,7 +58,9 @@ class Prefetcher:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
         self._make, self._indices, self._timeout_s = make_batch, list(indices), timeout_s
-        self._rng = generator_at(rng_state)
+        bit_generator = getattr(np.random, rng_state["bit_generator"])()  # of the kind the state names (PCG64)
+        bit_generator.state = rng_state
+        self._rng = np.random.Generator(bit_generator)
         self._queue: queue.Queue[Batch | BaseException] = queue.Queue(maxsize=depth)  # an exception: making one raised
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tinyconv-prefetch", daemon=True) if depth else None

@@ -39,19 +39,13 @@ def summary_table(summary: dict[str, Any], steps_per_epoch: int | None = None) -
     for key, value in summary.items():
         if key == "sat_out":
             rows += [("sat out" if i == 0 else "", sentence(s)) for i, s in enumerate(value)]
-        elif key == "time_per_epoch_s" and value is None:
-            rows += _projected_epoch(summary, steps_per_epoch)
+        elif key == "time_per_epoch_s" and value is None:  # no whole epoch: its median step times an epoch's
+            step_s, steps = summary.get("median_step_s"), summary.get("steps")
+            if step_s and steps and steps_per_epoch:
+                rows.append((f"time per epoch (projected from {steps} steps)", f"{step_s * steps_per_epoch:.3g} s"))
         elif value is not None:
             rows.append((key, _readable(key, value, names)))
     return format_table(("result", "value"), rows, title="Summary")
-
-
-def _projected_epoch(summary: dict[str, Any], steps_per_epoch: int | None) -> list[tuple[str, str]]:
-    """A run shorter than an epoch: its median step time times an epoch's steps (evaluation not included)."""
-    step_s, steps = summary.get("median_step_s"), summary.get("steps")
-    if not (step_s and steps and steps_per_epoch):
-        return []
-    return [(f"time per epoch (projected from {steps} steps)", f"{step_s * steps_per_epoch:.3g} s")]
 
 
 def sentence(sat: dict[str, Any]) -> str:
@@ -72,8 +66,8 @@ def _readable(key: str, value: Any, names: Sequence[str] | None = None) -> Any:
         return f"{value:.2%}"
     if "bytes" in key:  # a total, or each participant's by name
         if isinstance(value, dict):
-            return "; ".join(f"{name}: {_mb(b)}" for name, b in value.items())
-        return _mb(value)
+            return "; ".join(f"{name}: {b / 1e6:.1f} MB" for name, b in value.items())
+        return f"{value / 1e6:.1f} MB"
     if key.endswith("_s"):
         return f"{value:.3g} s"
     if isinstance(value, dict):  # shares: kernels (or input channels) per participant, by layer
@@ -88,10 +82,6 @@ def _by_name(counts: Sequence[int], names: Sequence[str] | None) -> str:
     if names is None or len(names) != len(counts):
         return str(list(counts))
     return ", ".join(f"{name} {c}" for name, c in zip(names, counts, strict=True))
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 class Tally:

@@ -8,10 +8,8 @@ SCHEDULES = ("constant", "step", "cosine")
 
 
 def warmup_steps(total_steps: int, fraction: float) -> int:
-    """The warm-up's length: ``fraction`` (in [0, 1)) of the run's planned steps, rounded down.
-
-    A fraction, not a number of epochs, so that a short run warms up in proportion: a one-epoch
-    warm-up left a 400-step run below its peak rate for all of it."""
+    """The warm-up's length: ``fraction`` (in [0, 1)) of the run's planned steps, rounded down. A fraction, not
+    epochs, so a short run warms up in proportion: one epoch's left a 400-step run below its peak rate."""
     if not 0 <= fraction < 1:  # NaN fails this too
         raise ValueError(f"the warm-up (--warmup) must be a fraction of the run in [0, 1), got {fraction}")
     return int(fraction * total_steps)
