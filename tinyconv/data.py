@@ -66,10 +66,8 @@ def _class_templates(rng: np.random.Generator, num_classes: int, size: int, wave
 def _draw_samples(
     rng: np.random.Generator, canvas: np.ndarray, n: int, size: int, noise: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """n balanced labels, and for each a randomly shifted window of its class canvas plus noise.
-
-    canvas float32 (K, 3, size + 2 * shift, size + 2 * shift) -> uint8 (n, 3, size, size), int64 (n,).
-    """
+    """n balanced labels, and for each a randomly shifted window of its class canvas plus noise:
+    canvas float32 (K, 3, size + 2 * shift, size + 2 * shift) -> uint8 (n, 3, size, size), int64 (n,)."""
     num_classes, max_shift = canvas.shape[0], (canvas.shape[-1] - size) // 2
     labels = rng.permutation(np.arange(n) % num_classes).astype(np.int64)
     oy, ox = rng.integers(0, 2 * max_shift + 1, size=(2, n))

@@ -96,7 +96,6 @@ def check_gradients(
     seed: int = 0,
 ) -> dict[str, float]:
     """The general check: analytic backward vs. numeric gradient, one rel_error per array of ``wrt``.
-
     ``forward()`` runs the op reading the float64 arrays in ``wrt`` (perturbed in place) and returns y;
     ``backward(dy)``, called once right after an unperturbed forward, returns {name: analytic gradient}.
     ``dy``: the upstream gradient (random normal from ``(seed, 1)`` if None).

@@ -23,8 +23,7 @@ from backends.base import Array, Backend, conv_output_size
 
 
 def he_init(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
-    """He (Kaiming) normal initialisation, N(0, 2 / fan_in), float32: keeps the variance of
-    activations through a ReLU from one layer to the next."""
+    """He (Kaiming) normal, N(0, 2 / fan_in), float32: keeps the activations' variance through a ReLU."""
     return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
 
 

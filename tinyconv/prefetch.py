@@ -40,11 +40,9 @@ MakeBatch = Callable[[int, np.random.Generator], tuple[np.ndarray, np.ndarray]]
 class Prefetcher:
     """Makes ``make_batch(b, rng)`` for every b of ``indices``, in order, on a thread at most ``depth`` ahead
     (memory: depth batches of float32 images); ``depth`` 0 (``--prefetch 0``): no thread, each batch made
-    when ``next()`` asks for it, the same batches.
-
-    ``rng_state``: the augmentation generator's ``bit_generator.state`` before the first batch; the batches
-    draw from a generator of their own started there. ``timeout_s``: how long ``next()`` waits for a batch
-    before it raises TimeoutError -- making one takes milliseconds.
+    when ``next()`` asks for it, the same batches. They draw from a generator of their own, started at
+    ``rng_state``. ``timeout_s``: how long ``next()`` waits for a batch before it raises TimeoutError --
+    making one takes milliseconds.
     """
 
     def __init__(

@@ -17,10 +17,6 @@ ENDED_AS_ASKED = (0, 2, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def abnormal(returncode: int) -> bool:
-    return returncode not in ENDED_AS_ASKED
-
-
 def supervise(
     command: Callable[[Path | None], list[str]], checkpoint: Path, max_restarts: int, say: Callable[[str], Any] = print
 ) -> int:
@@ -33,8 +29,8 @@ def supervise(
         say(f"supervisor: training in process {child.pid}" + (f", resumed from {resume}" if resume else ""))
         code = _wait(child)
         code = 128 - code if code < 0 else code
-        if not abnormal(code) or restarts == max_restarts:
-            if abnormal(code):
+        if code in ENDED_AS_ASKED or restarts == max_restarts:
+            if code not in ENDED_AS_ASKED:
                 say(f"supervisor: training died (exit {code}) after {restarts} restart(s), the most allowed")
             return code
         restarts += 1

@@ -91,8 +91,7 @@ class Trainer:
         return self.normalize(augment(xb, rng) if self.cfg.augment else xb)
 
     def _batches(self, order: np.ndarray, first: int, last: int) -> Prefetcher:
-        """Batches ``first``..``last - 1`` of the epoch shuffled as ``order``, prepared ahead on a thread
-        (``prefetch`` > 0) or each when asked for; both draw the same numbers in the same order."""
+        """Batches ``first``..``last - 1`` of the epoch shuffled as ``order``, made ahead (``prefetch``)."""
         x, y, bs = self.data.x_train, self.data.y_train, self.cfg.batch_size
 
         def make(b: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
