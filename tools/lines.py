@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("tinyconv", "backends", "transports")
 BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
-    "Framework": 3080,
-    "Door": 215,
+    "Framework": 2785,
+    "Door": 166,
     "Dist": 4950,
     "Lab": 3700,
     "Backends": 3150,
