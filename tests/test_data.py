@@ -28,7 +28,7 @@ def _images(n: int = 6, c: int = 3, h: int = 8, w: int = 8, seed: int = 0) -> np
 
 def test_synthetic_shapes_dtypes_and_balance():
     ds = synthetic_dataset(n_train=200, n_test=50, seed=0)
-    assert isinstance(ds, Dataset) and ds.name == "synthetic" and len(ds.classes) == 10
+    assert isinstance(ds, Dataset) and ds.name == "synthetic" and ds.num_classes == 10
     assert ds.x_train.shape == (200, 3, 32, 32) and ds.x_train.dtype == np.uint8
     assert ds.x_test.shape == (50, 3, 32, 32) and ds.x_test.dtype == np.uint8
     assert ds.y_train.shape == (200,) and ds.y_train.dtype == np.int64

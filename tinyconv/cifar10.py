@@ -66,8 +66,7 @@ def default_data_dir() -> Path:
 
 
 def find_batches_dir(data_dir: Path | str) -> Path | None:
-    """The folder holding data_batch_1..5 and test_batch: ``data_dir`` itself or
-    ``data_dir/cifar-10-batches-py``; None if neither is complete."""
+    """The folder holding all the batches, ``data_dir`` or ``data_dir/cifar-10-batches-py``; None if neither."""
     root = Path(data_dir).expanduser()
     for candidate in (root, root / BATCHES_DIRNAME):
         if all((candidate / name).is_file() for name in REQUIRED_FILES):
@@ -105,8 +104,7 @@ def _md5_of_file(path: Path) -> str:
 
 
 def _download(url: str, dest: Path, progress: bool, timeout: float) -> None:
-    """Stream ``url`` into ``dest``. ``timeout`` (seconds) bounds the connection and every read, so a
-    stalled server cannot hang the caller."""
+    """Stream ``url`` into ``dest``; ``timeout`` (s) bounds the connection and every read: no hang on a stall."""
     with urllib.request.urlopen(url, timeout=timeout) as response, open(dest, "wb") as out:
         total = response.headers.get("Content-Length")
         bar = tqdm(

@@ -33,6 +33,10 @@ class Dataset:
     name: str
     classes: list[str]
 
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
 
 def load_dataset(
     name: str,

@@ -74,9 +74,8 @@ class Network:
         return x
 
     def predict(self, x: Array) -> Array:
-        """Inference, x (N, C, H, W) -> logits (N, classes): ``forward(x)``, dropping each layer's cache (a
-        conv's im2col columns: tens to hundreds of MB) as soon as it is done, so the next layer reuses that
-        memory. No backward can follow it."""
+        """Inference, x (N, C, H, W) -> logits (N, classes): ``forward(x)``, dropping each layer's cache (a conv's
+        im2col columns: tens to hundreds of MB) once it is done, for the next layer to reuse. No backward follows."""
         for run in self.runs():
             x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training=False)
             for layer in run:

@@ -27,9 +27,8 @@ class SignalGuard:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """Ctrl-C and SIGTERM raise :class:`Stopped` inside the block. Only in the main thread, and only
-        where nobody else handles them: the defaults are in place, or another guard's (a command's, around
-        its start-up), which this one stands in for until its block ends."""
+        """Ctrl-C and SIGTERM raise :class:`Stopped` inside the block, in the main thread, where nobody else
+        handles them: the defaults are in place, or another guard's (a command's start-up), stood in for."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return

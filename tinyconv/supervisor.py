@@ -39,8 +39,7 @@ def supervise(
 
 
 def _wait(child: subprocess.Popen) -> int:
-    """The child's exit code. SIGTERM is passed on; Ctrl-C reaches the child by itself (the terminal sends it to
-    the whole process group), so this process only waits for it to end."""
+    """The child's exit code. SIGTERM is passed on; Ctrl-C reaches the child by itself (the process group's)."""
 
     def forward(signum: int, _: Any) -> None:
         child.send_signal(signum)

@@ -242,8 +242,7 @@ class Trainer:
         return losses, accs
 
     def _checkpoint_due(self) -> bool:
-        """A step checkpoint (``checkpoint_every``, ``checkpoint_minutes``) is due; not at an epoch's
-        end or the last step, whose checkpoint follows the evaluation."""
+        """A step checkpoint is due; not at an epoch's end or the last step, whose follows the evaluation."""
         cfg = self.cfg
         if not cfg.checkpoint or self.batch_in_epoch == self.steps_per_epoch or self.step == self.total_steps:
             return False
