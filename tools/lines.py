@@ -22,7 +22,7 @@ LIBRARY = ("tinyconv", "backends", "transports")
 BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
     "Framework": 3080,
     "Door": 215,
-    "Dist": 4880,
+    "Dist": 4870,
     "Lab": 3700,
     "Backends": 3150,
     "Transports": 3180,
