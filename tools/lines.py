@@ -22,7 +22,7 @@ LIBRARY = ("tinyconv", "backends", "transports")
 BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
     "Framework": 2785,
     "Door": 166,
-    "Dist": 4950,
+    "Dist": 4870,
     "Lab": 3700,
     "Backends": 3150,
     "Transports": 3180,

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,23 +88,30 @@ def parse_spec(i: int, spec: Any, max_bytes: int | None = None) -> Spec:
 def time_block(be: Backend, spec: Spec, repeats: int) -> float:
     """Median seconds of a forward + backward of ``spec``'s block on ``be``, after a warm-up run.
 
-    The values are random but seeded by the layer, the same on every participant: only the
-    device differs. The warm-up keeps first-call costs (allocation, kernel compilation) out."""
+    The values are random but seeded by the layer, the same on every participant: only the device differs."""
     rng = np.random.default_rng(spec.layer)
     x = be.asarray(rng.standard_normal(spec.x, dtype=np.float32))
     w = be.asarray(rng.standard_normal(spec.w, dtype=np.float32) * np.float32(0.1))
     b = be.asarray(rng.standard_normal(spec.w[0], dtype=np.float32))
     dy = be.asarray(rng.standard_normal(spec.y, dtype=np.float32))
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> None:
         _, cache = block_forward(be, x, w, b, spec.stride, spec.padding, spec.tail)
         block_backward(be, dy, cache, spec.need_dx)
-        be.synchronize()
-        return time.perf_counter() - t0
 
-    once()
-    return statistics.median(once() for _ in range(repeats))
+    return median_seconds(once, be, repeats)
+
+
+def median_seconds(run: Callable[[], object], be: Backend, repeats: int) -> float:
+    """The median of ``repeats`` timed runs of ``run`` on ``be``, after a warm-up (which pays for first-use
+    allocations and kernel compilation)."""
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        run()
+        be.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def default_max_calibrate_bytes() -> int:

@@ -13,31 +13,15 @@ SLOPE_CONFIDENCE = 2.0  # the slope used is the fitted one plus this many standa
 
 
 def fit_affine_cost(samples: Sequence[tuple[int, float]], smoothing: float) -> tuple[float, float] | None:
-    """Fit t = a + b k to one participant's measurements (k kernels, t seconds), oldest first.
+    """Fit t = a + b k to one participant's measurements (k kernels, t seconds), oldest first: (a, b), or None
+    with no measurement, or no time (t0 <= 0).
 
-    Weights: the newest measurement weighs 1 and each older one ``1 - smoothing`` times the next
-    newer. The line passes through (k0, t0), the newest measurement's k and the weighted mean time
-    of the measurements at k0: the plan in use, so the line predicts its time as measured, and only
-    the slope comes from the other k. The slope is exponentially weighted least squares, with
-    weights w_j, W = sum_j w_j and weighted means k_bar, t_bar::
-
-        S_kk = sum_j w_j (k_j - k_bar)^2,     b_ls = sum_j w_j (k_j - k_bar)(t_j - t_bar) / S_kk
-
-    A slope too small makes kernels look nearly free, so the target would pile them onto (or strip
-    them from) one participant; so the slope used is the steepest the measurements allow, b = b_ls +
-    SLOPE_CONFIDENCE * se(b_ls): a steeper line moves fewer kernels, and a move that falls short is
-    completed at the next rebalance, which also has another k to fit::
-
-        se(b_ls)^2 = s^2 sum_j w_j^2 (k_j - k_bar)^2 / S_kk^2
-        s^2 = (sum_j w_j r_j^2 / W) n / (n - 2),   r_j = t_j - t_bar - b_ls (k_j - k_bar),   n = W^2 / sum_j w_j^2
-
-    (s^2: the noise variance from the residuals; n: the effective number of measurements. With
-    n <= 2 no residual is left to judge the noise by, and b = p0.) Then, with p0 = t0 / k0, the time
-    per kernel now, b is clamped to [MIN_SLOPE_SHARE * p0, p0] and a = t0 - b k0: a >= 0, and
-    kernels are never nearly free. With fewer than two distinct k there is no slope: the
-    proportional model (0, p0).
-
-    Returns (a, b), or None with no measurement, or no time (t0 <= 0).
+    Weights: the newest measurement weighs 1 and each older one ``1 - smoothing`` times the next newer. The line
+    passes through (k0, t0), the newest k and the weighted mean time at it: the plan in use, whose time it then
+    predicts as measured; only the slope comes from the other k (:func:`_steepest_slope`). A slope too small makes
+    kernels look nearly free, so the target would pile them onto (or strip them from) one participant: the slope
+    is the steepest the measurements allow, clamped to [MIN_SLOPE_SHARE * p0, p0] with p0 = t0 / k0, the time per
+    kernel now, and a = t0 - b k0 >= 0. With fewer than two distinct k there is no slope: the proportional (0, p0).
     """
     weighted = [((1.0 - smoothing) ** age, k, t) for age, (k, t) in enumerate(reversed(samples))]
     weighted = [(w, k, t) for w, k, t in weighted if w > 0]
@@ -56,8 +40,17 @@ def fit_affine_cost(samples: Sequence[tuple[int, float]], smoothing: float) -> t
 
 
 def _steepest_slope(weighted: Sequence[tuple[float, int, float]]) -> float | None:
-    """The slope of :func:`fit_affine_cost`: b_ls + SLOPE_CONFIDENCE * se(b_ls), from (w_j, k_j, t_j)
-    with at least two distinct k; None when n <= 2 leaves no residual to judge the noise by."""
+    """The slope of :func:`fit_affine_cost` from (w_j, k_j, t_j) with at least two distinct k: exponentially
+    weighted least squares plus SLOPE_CONFIDENCE standard errors (a steeper line moves fewer kernels, and a move
+    that falls short is completed at the next rebalance, which also has another k to fit). With W = sum_j w_j
+    and weighted means k_bar, t_bar::
+
+        S_kk = sum_j w_j (k_j - k_bar)^2,     b_ls = sum_j w_j (k_j - k_bar)(t_j - t_bar) / S_kk
+        se(b_ls)^2 = s^2 sum_j w_j^2 (k_j - k_bar)^2 / S_kk^2
+        s^2 = (sum_j w_j r_j^2 / W) n / (n - 2),   r_j = t_j - t_bar - b_ls (k_j - k_bar),   n = W^2 / sum_j w_j^2
+
+    (s^2: the noise variance from the residuals; n: the effective number of measurements.) None when n <= 2
+    leaves no residual to judge the noise by."""
     total = sum(w for w, _, _ in weighted)
     k_bar = sum(w * k for w, k, _ in weighted) / total
     t_bar = sum(w * t for w, _, t in weighted) / total

@@ -353,9 +353,6 @@ def stop_workers(procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> lis
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        if p.poll() is None:
             p.terminate()
     for p in procs:
         try:

@@ -16,7 +16,7 @@ The paper's split by kernels (``by_kernels.py``)::
 
 The other tasks -- calibration (``calibrate.py``), the split by input channels
 (``worker/channel_handlers.py``), data parallelism and the hybrid (``worker/replica_handlers.py``)
--- are laid out beside their handlers. All arrays are float32 but labels (int32 or int64). Which
+-- are laid out in docs/how-it-works.md. All arrays are float32 but labels (int32 or int64). Which
 task may follow which on one layer is the worker's business (``worker/state.py``). Narrower words
 on the wire (``--wire-precision``) are a codec at the edges (``wire_codec.py``), undone before
 anything here checks a message.

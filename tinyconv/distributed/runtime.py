@@ -36,8 +36,12 @@ class Runtime:
     op or its calibration at most. ``calibration_repeats``: timed runs per participant (their median).
     ``image_size``: the side of the images it calibrates on.
 
-    A subclass sets ``parallel`` (the metrics' name for it), ``splits`` (what its plans count) and
-    writes ``_units``, ``_apportion``, ``_time_all``, ``_time_joiner`` and ``train_batch``.
+    A subclass sets ``parallel`` (the metrics' name for it), ``splits`` (what its plans count) and writes
+    ``train_batch``; ``_units()``, what is shared out in order (the attached layers' names, or ["batch"]);
+    ``_apportion(unit, weights)``, ``unit`` split among the placement in proportion to ``weights`` (into ``counts``,
+    and ``channel_counts`` for a layer split by them), returning how many of what the rebalancer moves the unit
+    has; ``_time_all(net, batch_size)``, every participant's seconds on each unit for ``batch_size`` images (name ->
+    unit -> s); ``_time_joiner(index)``, a joining worker's, as calibrated (raising Lost or RuntimeError).
     """
 
     parallel = "?"  # "model", "data", "hybrid"
@@ -104,25 +108,6 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- what a subclass writes ---------------------------------------------------------------
-    def _units(self) -> list[str]:
-        """What is shared out, in order: the attached layers' names, or ["batch"]."""
-        raise NotImplementedError
-
-    def _apportion(self, unit: str, weights: list[float]) -> int:
-        """Split ``unit`` among the placement in proportion to ``weights`` (into ``counts``, and
-        ``channel_counts`` for a layer split by them); returns how many of what the rebalancer
-        moves the unit has (its kernels, input channels or images)."""
-        raise NotImplementedError
-
-    def _time_all(self, net: Network, batch_size: int) -> dict[str, dict[str, float]]:
-        """Every participant's seconds on each unit for ``batch_size`` images: name -> unit -> s."""
-        raise NotImplementedError
-
-    def _time_joiner(self, index: int) -> dict[str, float]:
-        """A joining worker's seconds on each unit, as calibrated; raises Lost or RuntimeError."""
-        raise NotImplementedError
 
     def _release(self) -> None:
         """Let go of the network on close (the model split puts its own layers back)."""

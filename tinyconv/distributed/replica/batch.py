@@ -68,7 +68,12 @@ class Slices:
 
 class BatchSplit(Runtime):
     """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images;
-    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s."""
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
+
+    A subclass writes ``_start(net)``, what every attempt at a step starts from (packed once, before the first),
+    and ``_step(net, x, y, start, smoothing)``, one attempt: it fills the grads for the loss label-smoothed by
+    ``smoothing``, calls ``_finish`` and returns (mean loss, logits on the master's backend), or raises Lost when
+    a worker could not be counted on."""
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
     calibrate_task = "?"  # the task a worker times its slice's work with
@@ -85,16 +90,6 @@ class BatchSplit(Runtime):
         """Seconds the master takes for a slice of ``batch`` images, on a copy of the network (its own keeps
         its caches and statistics)."""
         return self.time_slice(build(spec, self.backend, batch), spec, batch, self.calibration_repeats)
-
-    def _start(self, net: Network) -> Any:
-        """What every attempt at a step starts from (packed once, before the first)."""
-        raise NotImplementedError
-
-    def _step(self, net: Network, x: np.ndarray, y: np.ndarray, start: Any, smoothing: float) -> tuple[float, Array]:
-        """One attempt at the step: fills the grads for the loss label-smoothed by ``smoothing`` (0:
-        the plain cross-entropy), returns (mean loss, logits on the master's backend), calls
-        ``_finish``; raises Lost when a worker could not be counted on."""
-        raise NotImplementedError
 
     # ---- shares -----------------------------------------------------------------------------
     def _units(self) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tinyconv.distributed.replica.replica import median_seconds
+from tinyconv.distributed.calibrate import median_seconds
 from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network
 

@@ -30,9 +30,7 @@ def _tables(net: Network, table: str) -> list[tuple[dict, str]]:
 
 def _shapes(net: Network, table: str) -> list[tuple[int, ...]]:
     """Each entry's shape in vector order: a buffer's, or its parameter's (a gradient has the same)."""
-    if table == "buffers":
-        return [tuple(layer.buffers[name].shape) for layer in net.layers for name in layer.buffers]
-    return [tuple(layer.params[name].shape) for _, layer, name in net.named_params()]
+    return [tuple(entries[name].shape) for entries, name in _tables(net, "params" if table == "grads" else table)]
 
 
 def sizes(net: Network, table: str = "params") -> list[int]:

@@ -18,14 +18,12 @@ line above holds with q in its place: the loss is still a mean over the images.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from backends.base import Backend
+from tinyconv.distributed.calibrate import median_seconds
 from tinyconv.layers import Conv2D
 from tinyconv.memory import step_memory_bytes
 from tinyconv.model import NORMS, Network, paper_net, parse_arch
@@ -93,15 +91,3 @@ def time_replica(net: Network, spec: dict[str, Any], batch: int, repeats: int) -
     x = rng.standard_normal((batch, spec["in_channels"], size, size)).astype(np.float32)
     y = rng.integers(0, spec["num_classes"], batch)
     return median_seconds(lambda: slice_gradients(net, x, y, batch), net.backend, repeats)
-
-
-def median_seconds(run: Callable[[], object], be: Backend, repeats: int) -> float:
-    """The median of ``repeats`` timed runs of ``run`` on ``be``, after a warm-up (which pays for first-use
-    allocations)."""
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        run()
-        be.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])

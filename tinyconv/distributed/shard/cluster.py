@@ -53,9 +53,8 @@ class Cluster(Runtime):
     cheap there), else "kernels", which a LAN carries better.
     ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
     channels (``block.py``); False is the paper's split, the convolution alone.
-    ``wire_precision``: the words a layer's arrays travel in (``adaptive_precision.py``): "fp32",
-    "bf16", "fp16", "adt24", "s8" for every array, or "adaptive" (AWP: each layer's weights widen as
-    they settle, the maps in s8, the gradients in bf16). Every computation stays float32.
+    ``wire_precision``: the words a layer's arrays travel in, one of ``adaptive_precision.SETTINGS`` (a
+    fixed format, or AWP's "adaptive"); every computation stays float32.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
     ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most

@@ -1,26 +1,8 @@
 """The worker's side of a layer split by its input channels (``tinyconv/distributed/shard/by_channels.py``).
 
-Four tasks, one layer's step, each checked against its schema (``protocol.py``) first. A participant
-holds c input channels, the kernels ``halo`` = [cs, ce) and owns ``own`` (offsets into them), the
-kernels [ks, ke) of all F. What crosses of the conv output is kernel-major, (kernels, N, OH, OW)::
-
-    partial_forward   stride, padding, tail, halo, own, give = [lo_end, hi_start]
-                                                     x (N, c, H, W), w (F, c, K, K)
-                      -> p_lo (lo_end, N, OH, OW), p_hi (F - hi_start, N, OH, OW): the parts of
-                         its partial convolution the others need (each absent when empty)
-    tail_forward      -                              b (ce - cs,), sum (ce - cs, N, OH, OW) if any
-                      -> y (N, own, OH', OW'): the tail on its partial + sum + b
-    tail_backward     -                              dy (N, ce - cs, OH', OW')
-                      -> dyc (ke - ks, N, OH, OW): the own kernels' conv-output gradient
-    partial_backward  need_dx                        dyc_lo (ks, N, OH, OW), dyc_hi (F - ke, N, OH,
-                                                     OW): the others' dyc, before and after its own
-                                                     (each absent when empty)
-                      -> dx (N, c, H, W) if need_dx, dw (F, c, K, K), db (F,)
-
-A batch may come in chunks of images (the pipeline): these tasks then carry ``images`` = [a, b, N], and N above
-is b - a. partial_forward's chunks come in order from image 0, w with the first only; tail_forward and
-partial_backward go by the same chunks: b with tail_forward's last, which alone returns y; each partial_backward
-returns its dx, the last dw and db too (summed over the chunks). Without ``images`` a task is the whole batch.
+Four tasks, one layer's step, each checked against its schema (``protocol.py``) first; their headers and arrays,
+and how a batch goes in chunks of images (header ``images`` = [a, b, N]): docs/how-it-works.md, "The tasks of the
+other splits". What crosses of the conv output is kernel-major, (kernels, N, OH, OW).
 """
 
 from __future__ import annotations

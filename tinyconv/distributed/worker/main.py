@@ -23,11 +23,7 @@ from tinyconv.distributed.heap import keep_freed_memory
 
 # The variables the common BLAS / OpenMP builds read for their thread count.
 THREAD_ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
+    "OMP_NUM_THREADS OPENBLAS_NUM_THREADS MKL_NUM_THREADS VECLIB_MAXIMUM_THREADS NUMEXPR_NUM_THREADS".split()
 )
 EXIT_FAILED = 1  # = transports.zmq_worker's; not imported from there, which would load numpy
 EXIT_INTERRUPTED = 130

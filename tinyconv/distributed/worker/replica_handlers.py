@@ -1,31 +1,9 @@
 """The worker's side of data parallelism and the hybrid (``tinyconv/distributed/replica/``): a whole replica.
 
-Every participant holds a whole replica of the network, described by ``net`` = {"arch": "C1:C2", "norm",
-"pool_kernel", "num_classes"}; its P parameters (and B batch-norm statistics) travel as one flat vector each, in
-the network's ``named_params`` order (``replica/flat.py``). Each task is checked against its schema first::
-
-    replica_calibrate net, batch, repeats            -> times: [seconds of one forward + backward
-                                                        of ``batch`` images], no arrays
-    replica_step      step, net, batch               x (n, C, H, W), y (n,) int, params (P,),
-                      [smoothing]                    buffers (B,) if the network has any
-                      -> grads (P,): the slice's part of the gradient of the mean loss over the
-                         whole ``batch`` (label-smoothed by ``smoothing`` in [0, 1), if it is given);
-                         logits (n, classes); buffers (B,) after the slice's forward
-
-The hybrid (``replica/hybrid.py``) runs only the replica's conv part (every layer before the classifier) by data;
-P_conv, B are its parameters and statistics, F = C2 H' W' the features of one image (the last pool's output)::
-
-    hybrid_calibrate  net, batch, repeats            -> times: [seconds of one forward + backward
-                                                        of the conv part on ``batch`` images]
-    hybrid_forward    step, net, batch               x (n, C, H, W), params (P_conv,), buffers (B,)
-                                                     if the network has any
-                      -> features (n, F); buffers (B,) after the slice's forward; the forward's
-                         caches stay on the worker for the step's hybrid_backward
-    hybrid_backward   step                           dfeatures (n, F): its rows of dL/dfeatures
-                      -> grads (P_conv,): the slice's part of the conv part's gradient
-
-Every task but ``hybrid_backward`` brings everything it needs; between them the worker keeps only its replica
-(:func:`_replica`), whose layers hold ``hybrid_forward``'s caches under the slot ``state.HYBRID``.
+Its P parameters (and B batch-norm statistics) travel as one flat vector each (``replica/flat.py``); each task is
+checked against its schema first (the tasks, their headers and arrays: docs/how-it-works.md, "The tasks of the other
+splits"). Every task but ``hybrid_backward`` brings everything it needs; between them the worker keeps only its
+replica (:func:`_replica`), whose layers hold ``hybrid_forward``'s caches under the slot ``state.HYBRID``.
 """
 
 from __future__ import annotations

@@ -34,8 +34,6 @@ STAGES: dict[str, tuple[str | None, str | None]] = {
     "hybrid_forward": (None, "hybrid"),  # the conv part's caches, in the one slot of the whole conv part
     "hybrid_backward": ("hybrid", None),
 }
-# the tasks that continue no layer and leave none: each brings all it needs
-STANDALONE = frozenset({"calibrate", "replica_calibrate", "replica_step", "hybrid_calibrate"})
 _LEFT_BY = {leaves: kind for kind, (_, leaves) in STAGES.items() if leaves}
 
 
