@@ -27,8 +27,10 @@ import pytest
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
 
+from float32_expected import Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
+
 from backends import get_backend  # noqa: E402
-from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
+from backends.conformance.runner import FN  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
