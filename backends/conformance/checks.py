@@ -3,26 +3,8 @@
 Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a backend --
 is ``float32_tolerance(k, terms)`` (its docstring has the math): k the number of roundings on the
 way, terms the sum of the absolute values summed, entry by entry where it can be computed
-(tests/float32_expected.py), else the scale of the values.
-
-k, the longest path of roundings from an input to an output, for each op (n: the reduction;
-FN = 32 for each pow, exp, log, sqrt or division, see ``FN``):
-
-    conv2d        y C*KH*KW + 1, dx F*KH*KW, dw and db N*OH*OW
-    linear        y D + 1, dx M, dw and db N
-    lrn           y n + 3 + FN, dx 2n + 7 + 2 FN            (n: the window)
-    batchnorm     y 2n + 8 + 2 FN, dx 3n + 14 + 2 FN, dgamma 3n + 10 + 2 FN, dbeta n   (n = N*H*W)
-    softmax_ce    loss and dlogits n + N + 3 + 2 FN          (n: the classes)
-    maxpool       dx: the windows overlapping an entry; relu, the max, data movement: 0 (exact)
-    sgd_update    6 a step
-
-and along several layers in a row, the sum of theirs. The suite compares in the scale form,
-``max |got - ref| <= float32_tolerance(K_CASES, max|ref|)`` (``Trial.compare``), K_CASES = 256 being
-at least every case's k (the longest: batch norm's dx on 2x5x5, 3*50 + 14 + 64 = 228; conv dx
-with 6 5x5 kernels, 150). A real bug -- a dropped term, a misrouted gradient, an off-by-one
-window -- is off by 1e-2 * max|ref| or more; 2 gamma_256 = 3e-5. Data movement (asarray/to_numpy,
-take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0. Where the reference
-is NaN the backend must be NaN too, and nowhere else; the error and the scale are over the other entries.
+(tests/float32_expected.py), else the scale of the values. docs/writing-a-backend.md tables each
+op's k, and why the suite's scale form with K_CASES = 256 separates round-off from a real bug.
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ F32 = np.float32
 U = 2.0**-24  # float32's unit round-off: fl(a op b) = (a op b)(1 + d), |d| <= U, for + - * / and sqrt
 TINY = 2.0**-149  # float32's smallest subnormal: a product that underflows is off by at most TINY / 2
 FN = 32  # the k of one pow, exp, log, sqrt or division: OpenCL allows pow 16 ulp off, and 1 ulp <= 2 U
-K_CASES = 256  # at least the k of every output of cases.py (see the table above)
+K_CASES = 256  # at least the k of every output of cases.py (docs/writing-a-backend.md tables them)
 
 
 def gamma(k: int) -> float:

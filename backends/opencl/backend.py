@@ -20,8 +20,7 @@ from backends.base import Backend, WireConversion
 from backends.opencl import conv, maxpool, norms
 from backends.opencl.cl_runtime import ClRuntime
 from backends.opencl.device import describe_device, select_device
-from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView
-from backends.opencl.tune_file import default_tune_file
+from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, default_tune_file
 
 F32 = np.float32
 i32 = np.int32
