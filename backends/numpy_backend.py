@@ -2,10 +2,7 @@
 
 Ops compute in their inputs' dtype (float32 in training; float64 arrays passed
 straight to the ops stay float64, which is how tinyconv/gradcheck.py checks them).
-
-No Python loop here runs over the batch, pixels or channels; the only loops run
-over the few offsets of a kernel window (at most KH*KW strided copies or adds),
-and over cache-sized blocks of a parameter in sgd_update (an optimisation).
+No Python loop runs over the batch, pixels or channels, only over a window's offsets.
 
 Convolution keeps its columns in the layout (C*KH*KW, N*OH*OW), so forward, dW
 and dX are each *one* large GEMM, which is where BLAS is fastest:
@@ -65,8 +62,7 @@ def _channel_sum(a: np.ndarray) -> np.ndarray:
     halves), then the N row sums of each channel one after the other. A value passes through at
     most d = N + ceil(log2(H*W)) + 16 roundings, so |error| <= d * 2^-24 * sum |a| (to first
     order; tests/test_batchnorm_numpy.py checks it against float64). ``a.sum(axis=(0, 2, 3))`` sums
-    in this order too, as fast (numpy merges the contiguous H, W axes); written out, the order and
-    its bound are stated rather than numpy's internals.
+    in this order too, but that is numpy's internals; this states it.
     """
     n, c = a.shape[:2]
     return a.reshape(n, c, -1).sum(axis=2).sum(axis=0)
@@ -216,13 +212,10 @@ class NumpyBackend(Backend):
         dx += scratch
         return dx
 
-    # Batch norm, optimised (an optimisation: tests/numpy_plain.py writes the same math out, and
-    # tests/test_batchnorm_numpy.py holds the two together). Each
-    # map-sized pass writes into one of two buffers (xhat and y; dx in the backward) instead of a
-    # fresh temporary (on maps of tens of MB a fresh array costs about as much again in page faults),
-    # the per-channel constants are folded first, and eval mode is one affine pass. Channel sums are
-    # row sums of the (N, C, H*W) view, each row pairwise (_channel_sum, with its round-off bound).
-    # The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
+    # Batch norm, optimised (tests/numpy_plain.py writes the same math out; tests/test_batchnorm_numpy.py
+    # holds the two together): each map-sized pass writes into one of two buffers (xhat and y; dx in the
+    # backward), as the LRN does, the per-channel constants are folded first, and eval mode is one
+    # affine pass. The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if not training:  # a fixed affine map: y = x * scale + shift, one pass and one array
             invstd = 1.0 / np.sqrt(running_var + eps)

@@ -1,7 +1,10 @@
-"""The numpy backend's max pool, separable: a max over the window's columns, then over its rows.
+"""The numpy backend's max pool, separable: a k x k max as a max over k columns, then over k rows.
 
-tests/test_numpy_strided.py holds it to the definition written out (tests/numpy_plain.py: every
-window copied out as a row, and its argmax).
+2k strided passes instead of k*k, and no padded copy of the input. Each stage keeps the offset of its
+first strict maximum, so together they select the first maximum in row-major window order, and backward
+runs the two stages in reverse, routing each gradient through the offset that won. A window holding a
+NaN selects its last NaN, as torch does: the last row whose column max is NaN, and in it the last NaN
+column. tests/test_numpy_strided.py holds it to the definition written out (tests/numpy_plain.py).
 """
 
 from __future__ import annotations
@@ -87,14 +90,6 @@ def _max_stage_backward(dy: np.ndarray, arg: np.ndarray, in_shape, taps, axis: i
     return dx
 
 
-# A k x k max is done as a max over k columns, then over k rows ("separable"):
-# 2k strided passes instead of k*k, and no padded copy of the input. Each stage
-# keeps the offset of its first strict maximum, so together they select the
-# first maximum in row-major window order, and backward just runs the two
-# stages in reverse, routing each gradient through the offset that won.
-# A window holding a NaN outputs NaN and selects its last NaN, as torch does: the
-# last row whose column max is NaN, and in it the last NaN column -- together the
-# last NaN in row-major order.
 def maxpool_forward(x: np.ndarray, kernel: int, stride: int, padding: int) -> tuple[np.ndarray, tuple]:
     """x (N, C, H, W) -> (y (N, C, OH, OW), the cache maxpool_backward takes): the numpy backend's max pool."""
     n, c, h, w = x.shape

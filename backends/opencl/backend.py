@@ -32,11 +32,6 @@ class OpenCLBackend(Backend, WireConversion):
     ``autotune``: time the GEMM variants on first use of each large shape (default: on,
     unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept;
     ``profile``: keep every kernel's device time for ``self.rt.kernel_times()`` (benchmarks).
-
-    ``rows``: run the rows kernels of ops.cl rather than the per-element ones (``ClRuntime.rows``).
-
-    ``wire_on_device``: narrow and widen bf16 wire words on the device (``narrow_wire``,
-    ``widen_wire``) rather than leave them to the host.
     """
 
     name = "opencl"
@@ -53,10 +48,10 @@ class OpenCLBackend(Backend, WireConversion):
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
         self.rt = ClRuntime(select_device(device), autotune, tune_path, profile)
-        # narrow_wire / widen_wire convert bf16 wire words here, on every device: where the reads and
-        # writes cross a bus, half the bytes cross it; and on PoCL's CPU device, whose buffers are host
-        # memory, one kernel pass still beats numpy's dozen (benchmarks/bench_wire_convert.py: conv2's
-        # 64x500x16x16 output narrowed in 3.3 ms instead of 100, widened in 3.4 instead of 6.9)
+        # narrow_wire / widen_wire convert bf16 wire words here (False: the host does), on every device:
+        # where the reads and writes cross a bus, half the bytes cross it; and on PoCL's CPU device, whose
+        # buffers are host memory, one kernel pass still beats numpy's dozen (benchmarks/bench_wire_convert.py:
+        # conv2's 64x500x16x16 output narrowed in 3.3 ms instead of 100, widened in 3.4 instead of 6.9)
         self.wire_on_device = True
 
     @property
