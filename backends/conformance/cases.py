@@ -62,11 +62,10 @@ def _conv_partial(n: int, c: int, h: int, w: int, f: int, k: int, stride: int, p
         t.check("on the host", isinstance(p, np.ndarray), f"got a {type(p).__name__}, not a numpy array")
         t.compare("P", p, y_ref.transpose(1, 0, 2, 3))
         dy = t.normal(f, *y_ref.shape[:1], *y_ref.shape[2:]).transpose(1, 0, 2, 3)  # (N, F, OH, OW), F-major
-        dx_ref, dw_ref, db_ref = REF.conv2d_backward(np.ascontiguousarray(dy), cache_ref, True)
-        dx, dw, db = t.backend.conv2d_backward(t.backend.asarray(dy), cache, True)
-        t.compare("dx", dx, dx_ref)
-        t.compare("dw", dw, dw_ref)
-        t.compare("db", db, db_ref)
+        refs = REF.conv2d_backward(np.ascontiguousarray(dy), cache_ref, True)
+        grads = t.backend.conv2d_backward(t.backend.asarray(dy), cache, True)
+        for name, got, ref in zip(("dx", "dw", "db"), grads, refs, strict=True):
+            t.compare(name, got, ref)
         t.unchanged(x=(xd, x), w=(wd, wt))
 
     return Case("conv2d_partial", f"N{n} C{c} {h}x{w} F{f} k{k} s{stride} p{padding}", run)
