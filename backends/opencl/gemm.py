@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import platformdirs  # a dependency of pyopencl
 import pyopencl as cl
 import pyopencl.array as cla
 
-from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json, config_to_json
+from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json
 
 log = logging.getLogger(__name__)
 i32 = np.int32
@@ -244,5 +244,6 @@ class Gemm:
         log.info(
             "gemm %s: %s (%s)", key, best, ", ".join(f"{cf.options()} {t * 1e3:.1f} ms" for cf, t in times.items())
         )
-        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(best), "ms": round(times[best] * 1e3, 3)})
+        entry = {"kind": best.kind, **asdict(best), "ms": round(times[best] * 1e3, 3)}
+        save_entry(self.tune_file, self.tune_key, key, entry)
         return best
