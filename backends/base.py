@@ -32,6 +32,13 @@ def require_batch_statistics(x_shape: tuple[int, ...]) -> None:
         )
 
 
+def check_labels(labels: np.ndarray, n: int, k: int) -> None:
+    """Refuse labels that are not (N,) ints in [0, K): a loss would read past a row of logits."""
+    ints = labels.dtype.kind in "iu" or labels.size == 0
+    if labels.shape != (n,) or not ints or labels.min(initial=0) < 0 or labels.max(initial=0) >= k:
+        raise ValueError(f"labels must be {n} ints in [0, {k}), got shape {labels.shape} ({labels.dtype})")
+
+
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
     """Output length of a window of ``kernel`` sliding with ``stride`` over ``size + 2*padding``."""
     out = (size + 2 * padding - kernel) // stride + 1

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from backends import numpy_maxpool
-from backends.base import Backend, conv_output_size, require_batch_statistics
+from backends.base import Backend, check_labels, conv_output_size, require_batch_statistics
 from backends.numpy_columns import col2im, im2col, transposed
 
 F32 = np.float32
@@ -284,8 +284,7 @@ class NumpyBackend(Backend):
     def softmax_cross_entropy(self, logits, labels):
         labels = np.asarray(labels)
         n, k = logits.shape
-        if labels.shape != (n,) or labels.min(initial=0) < 0 or labels.max(initial=0) >= k:
-            raise ValueError(f"labels must be {n} ints in [0, {k}), got shape {labels.shape}")
+        check_labels(labels, n, k)
         z = logits - logits.max(axis=1, keepdims=True)
         e = np.exp(z)
         se = e.sum(axis=1, keepdims=True)

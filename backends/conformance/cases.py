@@ -129,8 +129,8 @@ def _batchnorm(n: int, c: int, h: int, w: int, training: bool, momentum: float =
         t.compare("running_var", rvd, rv_ref)
         dy = t.normal(n, c, h, w)
         dyd = t.dev(dy)
-        grads = zip(t.backend.batchnorm_backward(dyd, cache), REF.batchnorm_backward(dy, cache_ref), strict=True)
-        for name, (got, ref) in zip(("dx", "dgamma", "dbeta"), grads, strict=True):
+        grads, refs = t.backend.batchnorm_backward(dyd, cache), REF.batchnorm_backward(dy, cache_ref)
+        for name, got, ref in zip(("dx", "dgamma", "dbeta"), grads, refs, strict=True):
             t.compare(name, got, ref)
         return t.unchanged(x=(xd, x), gamma=(gd, gamma), beta=(bd, beta), dy=(dyd, dy))
 
@@ -138,29 +138,23 @@ def _batchnorm(n: int, c: int, h: int, w: int, training: bool, momentum: float =
     return Case("batchnorm", f"N{n} C{c} {h}x{w} {mode}", run)
 
 
-def _pool_input(t: Trial, shape: tuple[int, ...], kernel: int, stride: int, padding: int, values: str) -> np.ndarray:
+def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: int, values: str = "") -> Case:
     """Normal values; "ties": few distinct values, so many windows hold several equal maxima;
     "nan": normal values with NaNs -- two in the window at output (1, 1) of image 0, channel 0
     (its first and last corner: torch routes the gradient to the last), and about one in ten
     entries of the last channel, in windows that overlap when stride < kernel; "-inf": normal
     values with the first channel all -inf, so windows that start in the padding hold nothing
     else (the gradient goes to the window's first input)."""
-    if values == "ties":
-        return t.rng.integers(0, 3, size=shape).astype(F32)
-    x = t.normal(*shape)
-    if values == "-inf":
-        x[:, 0] = -np.inf
-    if values == "nan":
-        top = stride - padding
-        x[0, 0, top, top] = x[0, 0, top + kernel - 1, top + kernel - 1] = np.nan
-        last = x[:, -1]
-        last[t.rng.random(last.shape) < 0.1] = np.nan
-    return x
 
-
-def _maxpool(n: int, c: int, h: int, w: int, kernel: int, stride: int, padding: int, values: str = "") -> Case:
     def run(t: Trial) -> None:
-        x = _pool_input(t, (n, c, h, w), kernel, stride, padding, values)
+        x = t.rng.integers(0, 3, size=(n, c, h, w)).astype(F32) if values == "ties" else t.normal(n, c, h, w)
+        if values == "-inf":
+            x[:, 0] = -np.inf
+        if values == "nan":
+            top = stride - padding
+            x[0, 0, top, top] = x[0, 0, top + kernel - 1, top + kernel - 1] = np.nan
+            last = x[:, -1]
+            last[t.rng.random(last.shape) < 0.1] = np.nan
         _through(t, "maxpool", {"x": x}, (kernel, stride, padding), y_k=EXACT)  # NaN exactly where the reference's
 
     return Case("maxpool", f"N{n} C{c} {h}x{w} k{kernel} s{stride} p{padding} {values}".rstrip(), run)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyopencl.array as cla
 
-from backends.base import Backend, WireConversion
+from backends.base import Backend, WireConversion, check_labels
 from backends.opencl import conv, maxpool, norms
 from backends.opencl.cl_runtime import ClRuntime
 from backends.opencl.device import describe_device, select_device
@@ -198,13 +198,7 @@ class OpenCLBackend(Backend, WireConversion):
         if logits.ndim != 2:
             raise ValueError(f"softmax_cross_entropy: logits must be (N, K), got {logits.shape}")
         n, k = logits.shape
-        if (
-            labels.shape != (n,)
-            or (labels.size and labels.dtype.kind not in "iu")
-            or labels.min(initial=0) < 0
-            or labels.max(initial=0) >= k
-        ):
-            raise ValueError(f"labels must be {n} ints in [0, {k}), got shape {labels.shape} ({labels.dtype})")
+        check_labels(labels, n, k)
         dev_labels = cla.to_device(self.rt.queue, labels.astype(np.int32), allocator=self.rt.pool)
         d, rows, loss = self.rt.empty((n, k)), self.rt.empty((n,)), self.rt.empty((1,))
         self.rt.launch("softmax_xent", n, logits.data, dev_labels.data, i32(n), i32(k), d.data, rows.data)
