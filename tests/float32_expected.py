@@ -1,7 +1,7 @@
 """Float32 reference values with their rigorous bounds, for the tests: ``Expected`` and ``assert_close``.
 
-Every float32 comparison of the tests is ``float32_tolerance(k, terms)`` (backends/conformance/checks.py,
-whose docstring has the math and the table of each op's k): terms the sum of the absolute values summed,
+Every float32 comparison of the tests is ``float32_tolerance(k, terms)`` (backends/conformance/checks.py has
+the math, docs/writing-a-backend.md the table of each op's k): terms the sum of the absolute values summed,
 entry by entry where it can be computed (``conv2d_expected``, ``linear_expected``), else the scale of the
 values.
 """
