@@ -4,9 +4,8 @@
     be = get_backend("numpy")          # or tinyconv.get_backend
 
 A backend is a class registered under the entry-point group ``tinyconv.backends``, so a separate
-package can add one without touching this repository (docs/writing-a-backend.md). The built-in
-ones register the same way (``pyproject.toml``); :data:`BUILTIN` is only the fallback for a
-source checkout that was never pip-installed.
+package can add one (docs/writing-a-backend.md); :data:`BUILTIN` names the built-in ones for a
+source checkout that was never pip-installed (``pyproject.toml`` registers them too).
 """
 
 from __future__ import annotations

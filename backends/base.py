@@ -28,9 +28,15 @@ def require_batch_statistics(x_shape: tuple[int, ...]) -> None:
     if n * h * w == 1:
         raise ValueError(
             f"batchnorm: expected more than 1 value per channel when training, got an input of shape "
-            f"{tuple(x_shape)} (N*H*W = 1), whose batch variance is 0: every output would be beta and no "
-            f"gradient would flow; train with a batch of 2 or more, or use eval mode (training=False)"
+            f"{tuple(x_shape)}, whose batch variance is 0; train with a batch of 2 or more, or use eval mode"
         )
+
+
+def check_labels(labels: np.ndarray, n: int, k: int) -> None:
+    """Refuse labels that are not (N,) ints in [0, K): a loss would read past a row of logits."""
+    ints = labels.dtype.kind in "iu" or labels.size == 0
+    if labels.shape != (n,) or not ints or labels.min(initial=0) < 0 or labels.max(initial=0) >= k:
+        raise ValueError(f"labels must be {n} ints in [0, {k}), got shape {labels.shape} ({labels.dtype})")
 
 
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -64,11 +70,8 @@ class Backend(ABC):
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """Device facts for the worker handshake and run metadata.
-
-        Keys: ``backend`` (str), ``device`` (str), ``kind`` ("cpu", "gpu", ...),
-        ``compute_units`` (int).
-        """
+        """Device facts for the worker handshake and run metadata: ``backend`` (str), ``device`` (str),
+        ``kind`` ("cpu", "gpu", ...), ``compute_units`` (int), and any more."""
 
     def synchronize(self) -> None:  # noqa: B027 -- a no-op is right for host backends
         """Block until queued device work is done (for honest timings)."""
@@ -215,13 +218,9 @@ class Backend(ABC):
 
 @runtime_checkable
 class WireConversion(Protocol):
-    """Optional, beside the Backend contract: a backend that converts wire words on its device.
-
-    Arrays sent narrowed (``--wire-precision``) are converted with numpy on the host
-    (``tinyconv/distributed/wire_codec.py``) for every backend. One with these two methods narrows a
-    result on the device before it is read back and widens an input there, so only the narrow words
-    cross the device's link. None means "not here" (the format is not offered, or not cheaper on
-    this device): the host converts.
+    """Optional, beside the Backend contract: a backend that converts wire words (``--wire-precision``)
+    on its device rather than leave it to the host (tinyconv/distributed/wire_codec.py), so only the
+    narrow words cross the device's link. None means "not here": the host converts.
     """
 
     def narrow_wire(self, x: Array, fmt: str) -> tuple[np.ndarray, bool] | None:

@@ -2,10 +2,7 @@
 
 Ops compute in their inputs' dtype (float32 in training; float64 arrays passed
 straight to the ops stay float64, which is how tinyconv/gradcheck.py checks them).
-
-No Python loop here runs over the batch, pixels or channels; the only loops run
-over the few offsets of a kernel window (at most KH*KW strided copies or adds),
-and over cache-sized blocks of a parameter in sgd_update (an optimisation).
+No Python loop runs over the batch, pixels or channels, only over a window's offsets.
 
 Convolution keeps its columns in the layout (C*KH*KW, N*OH*OW), so forward, dW
 and dX are each *one* large GEMM, which is where BLAS is fastest:
@@ -28,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from backends import numpy_maxpool
-from backends.base import Backend, conv_output_size, require_batch_statistics
+from backends.base import Backend, check_labels, conv_output_size, require_batch_statistics
 from backends.numpy_columns import col2im, im2col, transposed
 
 F32 = np.float32
@@ -65,46 +62,10 @@ def _channel_sum(a: np.ndarray) -> np.ndarray:
     halves), then the N row sums of each channel one after the other. A value passes through at
     most d = N + ceil(log2(H*W)) + 16 roundings, so |error| <= d * 2^-24 * sum |a| (to first
     order; tests/test_batchnorm_numpy.py checks it against float64). ``a.sum(axis=(0, 2, 3))`` sums
-    in this order too, as fast (numpy merges the contiguous H, W axes); written out, the order and
-    its bound are stated rather than numpy's internals.
+    in this order too, but that is numpy's internals; this states it.
     """
     n, c = a.shape[:2]
     return a.reshape(n, c, -1).sum(axis=2).sum(axis=0)
-
-
-def batchnorm_forward_plain(x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
-    """Batch norm's forward written out (NumpyBackend.batchnorm_forward is the optimised twin):
-    the same contract, a fresh array per step of the math, the cache (xhat, gamma, invstd, training)."""
-    if training:
-        require_batch_statistics(x.shape)
-        m = x.shape[0] * x.shape[2] * x.shape[3]
-        mean = x.mean(axis=(0, 2, 3))
-        xc = x - mean[None, :, None, None]
-        var = (xc * xc).mean(axis=(0, 2, 3))
-        running_mean *= 1 - momentum
-        running_mean += momentum * mean
-        running_var *= 1 - momentum
-        running_var += (momentum * m / max(m - 1, 1)) * var
-    else:
-        mean, var = running_mean, running_var
-        xc = x - mean[None, :, None, None]
-    invstd = 1.0 / np.sqrt(var + eps)
-    xhat = xc * invstd[None, :, None, None]
-    y = xhat * gamma[None, :, None, None] + beta[None, :, None, None]
-    return y, (xhat, gamma, invstd, training)
-
-
-def batchnorm_backward_plain(dy, cache):
-    """Batch norm's backward written out, for batchnorm_forward_plain's cache (see BatchNorm2D's math)."""
-    xhat, gamma, invstd, training = cache
-    dbeta = dy.sum(axis=(0, 2, 3))
-    dgamma = (dy * xhat).sum(axis=(0, 2, 3))
-    g = (gamma * invstd)[None, :, None, None]
-    if not training:  # statistics are constants in eval mode
-        return dy * g, dgamma, dbeta
-    m = dy.shape[0] * dy.shape[2] * dy.shape[3]
-    dx = g * (dy - (dbeta / m)[None, :, None, None] - xhat * (dgamma / m)[None, :, None, None])
-    return dx, dgamma, dbeta
 
 
 def sgd_update_plain(param, grad, velocity, lr: float, momentum: float, weight_decay: float) -> None:
@@ -251,13 +212,10 @@ class NumpyBackend(Backend):
         dx += scratch
         return dx
 
-    # Batch norm, optimised (an optimisation: batchnorm_forward_plain / batchnorm_backward_plain below
-    # are the same math written out, and tests/test_batchnorm_numpy.py holds the two together). Each
-    # map-sized pass writes into one of two buffers (xhat and y; dx in the backward) instead of a
-    # fresh temporary (on maps of tens of MB a fresh array costs about as much again in page faults),
-    # the per-channel constants are folded first, and eval mode is one affine pass. Channel sums are
-    # row sums of the (N, C, H*W) view, each row pairwise (_channel_sum, with its round-off bound).
-    # The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
+    # Batch norm, optimised (tests/numpy_plain.py writes the same math out; tests/test_batchnorm_numpy.py
+    # holds the two together): each map-sized pass writes into one of two buffers (xhat and y; dx in the
+    # backward), as the LRN does, the per-channel constants are folded first, and eval mode is one
+    # affine pass. The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if not training:  # a fixed affine map: y = x * scale + shift, one pass and one array
             invstd = 1.0 / np.sqrt(running_var + eps)
@@ -326,8 +284,7 @@ class NumpyBackend(Backend):
     def softmax_cross_entropy(self, logits, labels):
         labels = np.asarray(labels)
         n, k = logits.shape
-        if labels.shape != (n,) or labels.min(initial=0) < 0 or labels.max(initial=0) >= k:
-            raise ValueError(f"labels must be {n} ints in [0, {k}), got shape {labels.shape}")
+        check_labels(labels, n, k)
         z = logits - logits.max(axis=1, keepdims=True)
         e = np.exp(z)
         se = e.sum(axis=1, keepdims=True)

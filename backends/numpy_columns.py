@@ -1,12 +1,8 @@
 """The numpy backend's convolution columns: im2col, its adjoint col2im, and a tiled transpose.
 
-A convolution is one GEMM over columns (``numpy_backend.py``'s docstring)::
-
-    cols[(c, i, j), (n, oh, ow)] = x_pad[n, c, oh*stride + i, ow*stride + j]     (C*KH*KW, N*OH*OW)
-
-im2col builds them with one strided copy; col2im_plain adds a gradient of them back into the
-image, tap by tap; col2im is the same sum, bit for bit, faster for the common stride-1 "same"
-case (an optimisation beside it, tested against it in tests/test_numpy_strided.py).
+A convolution is one GEMM over columns (numpy_backend.py's docstring). col2im_plain adds a gradient
+of them back into the image, tap by tap; col2im is the same sum, bit for bit, faster for the common
+stride-1 "same" case (tests/test_numpy_strided.py holds the two together).
 """
 
 from __future__ import annotations

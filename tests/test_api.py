@@ -9,10 +9,11 @@ import sys
 import numpy as np
 import pytest
 from echo_worker import TIMEOUT, reap, spawn
+from float32_expected import Expected, assert_close
 
 import tinyconv as tc
 from backends.base import Backend
-from backends.conformance.runner import FN, Expected, assert_close
+from backends.conformance.runner import FN
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.metrics import MetricsWriter, read_metrics
 from tinyconv.parallel import forward_backward

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from float32_expected import Expected
+from float32_expected import assert_close as within_round_off
 
-from backends.conformance.runner import FN, Expected
-from backends.conformance.runner import assert_close as within_round_off
+from backends.conformance.runner import FN
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.shard.balance import slices

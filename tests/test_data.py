@@ -6,8 +6,8 @@ import pickle
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close
 
-from backends.conformance.runner import Expected, assert_close
 from tinyconv import cifar10
 from tinyconv.data import (
     Dataset,

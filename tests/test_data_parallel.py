@@ -14,10 +14,11 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close
 from test_distributed import SlowCalibration
 from test_example import SMOKE, _processes_with, run_example
 
-from backends.conformance.runner import FN, Expected, assert_close
+from backends.conformance.runner import FN
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed import runtime
 from tinyconv.distributed.pool import distribute

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close, conv2d_expected
 
-from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
+from backends.conformance.runner import FN
 from backends.numpy_backend import NumpyBackend
 from tinyconv.data import synthetic_dataset
 from tinyconv.distributed.link_speed import LinkSpeed

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close, conv2d_expected, linear_expected
 
-from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected
+from backends.conformance.runner import FN
 from backends.numpy_backend import NumpyBackend, _channel_window_sum
 from tinyconv.gradcheck import (
     check_layer,

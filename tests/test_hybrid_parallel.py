@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close
 from test_data_parallel import (
     LOSS_K,
     SIZE,
@@ -28,7 +29,6 @@ from test_data_parallel import (
 )
 from test_example import SMOKE, _processes_with, run_example
 
-from backends.conformance.runner import Expected, assert_close
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.pool import distribute
 from tinyconv.distributed.protocol import TaskError, check_task

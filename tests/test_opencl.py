@@ -8,7 +8,7 @@ any summation order -- tiles, split-K, vector widths, fused multiply-adds. The c
 linear layer and the GEMM variants are checked entry by entry against 2 gamma_k * sum|terms|, the
 terms' absolute values summed in float64 and k the reduction's length; normalisations, the loss
 and the small network's training steps in its scale form, 2 gamma_k * max|ref| with k counted
-along the path (the table in backends/conformance/checks.py). Data movement and elementwise ops
+along the path (the table in docs/writing-a-backend.md). Data movement and elementwise ops
 that do the same float32 operations as numpy (relu, the max of maxpool, sgd, asarray/take_kernels)
 must match exactly (k = 0).
 """
@@ -27,8 +27,10 @@ import pytest
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
 
+from float32_expected import Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
+
 from backends import get_backend  # noqa: E402
-from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected, linear_expected  # noqa: E402
+from backends.conformance.runner import FN  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
 from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs, list_devices, select_device  # noqa: E402
 from backends.opencl import gemm as gemm_module  # noqa: E402
@@ -713,7 +715,7 @@ def test_small_paper_net_trains_like_numpy(be, norm, pool_kernel):
         if name == "opencl":  # the weights stayed on the device the whole time
             assert all(isinstance(layer.params[p], cla.Array) for _, layer, p in net.named_params())
     assert losses["numpy"][-1] < losses["numpy"][0]  # it does learn this batch
-    # float32_tolerance's scale form, k along the path (backends.conformance.runner's table): a loss is the forward's
+    # float32_tolerance's scale form, k along the path (docs/writing-a-backend.md's table): a loss is the forward's
     # conv1, norm, conv2, norm, fc 16*8*8 and softmax; each step before it adds the way back to conv1's
     # dw (4*32*32 sums through fc, the pools' overlaps, the norms, conv2's dx 16*5*5) and the update
     if norm == "lrn":

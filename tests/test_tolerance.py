@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close, conv2d_expected
 
-from backends.conformance.runner import Expected, assert_close, conv2d_expected, float32_tolerance, gamma
+from backends.conformance.runner import float32_tolerance, gamma
 from backends.numpy_backend import NumpyBackend
 
 REF = NumpyBackend()

@@ -14,8 +14,9 @@ import time
 
 import numpy as np
 import pytest
+from float32_expected import Expected, assert_close, conv2d_expected
 
-from backends.conformance.runner import FN, Expected, assert_close, conv2d_expected
+from backends.conformance.runner import FN
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.protocol import TASKS, VERSION, TaskError
 from tinyconv.distributed.shard.block import block_forward, halo_span, tail_backward

@@ -3,26 +3,8 @@
 Every float32 comparison of tinyconv -- this suite, the tests, a third party's tests of a backend --
 is ``float32_tolerance(k, terms)`` (its docstring has the math): k the number of roundings on the
 way, terms the sum of the absolute values summed, entry by entry where it can be computed
-(``Expected``, ``conv2d_expected``, ``linear_expected``), else the scale of the values.
-
-k, the longest path of roundings from an input to an output, for each op (n: the reduction;
-FN = 32 for each pow, exp, log, sqrt or division, see ``FN``):
-
-    conv2d        y C*KH*KW + 1, dx F*KH*KW, dw and db N*OH*OW
-    linear        y D + 1, dx M, dw and db N
-    lrn           y n + 3 + FN, dx 2n + 7 + 2 FN            (n: the window)
-    batchnorm     y 2n + 8 + 2 FN, dx 3n + 14 + 2 FN, dgamma 3n + 10 + 2 FN, dbeta n   (n = N*H*W)
-    softmax_ce    loss and dlogits n + N + 3 + 2 FN          (n: the classes)
-    maxpool       dx: the windows overlapping an entry; relu, the max, data movement: 0 (exact)
-    sgd_update    6 a step
-
-and along several layers in a row, the sum of theirs. The suite compares in the scale form,
-``max |got - ref| <= float32_tolerance(K_CASES, max|ref|)`` (``Trial.compare``), K_CASES = 256 being
-at least every case's k (the longest: batch norm's dx on 2x5x5, 3*50 + 14 + 64 = 228; conv dx
-with 6 5x5 kernels, 150). A real bug -- a dropped term, a misrouted gradient, an off-by-one
-window -- is off by 1e-2 * max|ref| or more; 2 gamma_256 = 3e-5. Data movement (asarray/to_numpy,
-take_kernels, relu, the max of maxpool forward) must be exact: ``EXACT``, k = 0. Where the reference
-is NaN the backend must be NaN too, and nowhere else; the error and the scale are over the other entries.
+(tests/float32_expected.py), else the scale of the values. docs/writing-a-backend.md tables each
+op's k, and why the suite's scale form with K_CASES = 256 separates round-off from a real bug.
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ F32 = np.float32
 U = 2.0**-24  # float32's unit round-off: fl(a op b) = (a op b)(1 + d), |d| <= U, for + - * / and sqrt
 TINY = 2.0**-149  # float32's smallest subnormal: a product that underflows is off by at most TINY / 2
 FN = 32  # the k of one pow, exp, log, sqrt or division: OpenCL allows pow 16 ulp off, and 1 ulp <= 2 U
-K_CASES = 256  # at least the k of every output of cases.py (see the table above)
+K_CASES = 256  # at least the k of every output of cases.py (docs/writing-a-backend.md tables them)
 
 
 def gamma(k: int) -> float:
@@ -68,7 +50,7 @@ def float32_tolerance(k: int, terms: Any) -> Any:
     with every subtraction made an addition (conv2d(|x|, |w|) + |b|), and two such computations
     are within 2 gamma_k * terms of each other, entry by entry (Higham, op. cit., eq. 3.5).
     Products that underflow lose up to TINY / 2 each: 2 k TINY for two computations.
-    ``conv2d_expected`` and ``linear_expected`` compute k and terms this way.
+    tests/float32_expected.py computes k and terms this way for the convolution and the linear layer.
 
     The scale form, where terms cannot be computed -- normalisations (batch norm divides by a
     computed standard deviation, LRN raises a sum to -beta, softmax exponentiates), several
@@ -102,96 +84,13 @@ def scale(ref: np.ndarray) -> float:
 EXACT = 0  # the k of data movement: no rounding on the way, so the tolerance is 0
 
 
-# ------------------------------------------------------------------ expected values, for tests
-
-
-@dataclass(frozen=True)
-class Expected:
-    """A float32 reference value and its bound: another float32 computation of it must be within
-    float32_tolerance(k, terms) of it, entry by entry; terms None is the scale form (max|value|)."""
-
-    value: np.ndarray
-    k: int
-    terms: Any = None  # sum|terms| per entry (float64, value's shape), a scale, or None
-
-    def tolerance(self) -> Any:
-        return float32_tolerance(self.k, scale(self.value) if self.terms is None else self.terms)
-
-    def __getitem__(self, index: Any) -> Expected:
-        """The entries ``value[index]`` with their bounds (a scale-form slice keeps the whole's scale)."""
-        terms = scale(self.value) if self.terms is None else self.terms
-        return Expected(self.value[index], self.k, terms[index] if np.ndim(terms) else terms)
-
-
-def assert_close(got: Any, expected: Expected, what: str = "") -> None:
-    """got (a float32 array or a number) is within expected's tolerance of its value, entry by entry,
-    with its shape and dtype; the message names the entry nearest to failing."""
-    got, ref = np.asarray(got), np.asarray(expected.value)
-    name = f"{what}: " if what else ""
-    assert got.shape == ref.shape and got.dtype == ref.dtype, (
-        f"{name}got {got.dtype} {got.shape}, expected {ref.dtype} {ref.shape}"
-    )
-    tol = np.broadcast_to(expected.tolerance(), ref.shape)
-    err = np.abs(got.astype(np.float64) - ref)
-    bad = ~(err <= tol)  # NaN in either fails
-    if bad.any():
-        with np.errstate(divide="ignore", invalid="ignore"):
-            worst = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(err / tol, nan=np.inf), -1.0)), ref.shape)
-        raise AssertionError(
-            f"{name}{np.count_nonzero(bad)} of {ref.size} entries differ by more than float32_tolerance(k="
-            f"{expected.k}); the worst, at {tuple(int(i) for i in worst)}: got {float(got[worst]):.9g}, expected "
-            f"{float(ref[worst]):.9g}, error {err[worst]:.3g} > tolerance {tol[worst]:.3g}"
-        )
-
-
-def _bounded(op: str, inputs: tuple, args: tuple, dy: Any, backward_args: tuple, ks: tuple) -> tuple[Any, ...]:
-    """The reference ``op``'s y (and given dy, its gradients) as Expected values with the k of ``ks``,
-    their terms the same op on |inputs| and |dy| in float64; a gradient the op leaves None stays None."""
-    forward, backward = getattr(REF, f"{op}_forward"), getattr(REF, f"{op}_backward")
-    y, cache = forward(*inputs, *args)
-    y_terms, terms_cache = forward(*(np.abs(np.asarray(a, np.float64)) for a in inputs), *args)
-    values, terms = [y], [y_terms]
-    if dy is not None:
-        values += backward(dy, cache, *backward_args)
-        terms += backward(np.abs(np.asarray(dy, np.float64)), terms_cache, *backward_args)
-    return tuple(None if v is None else Expected(v, k, t) for v, k, t in zip(values, ks, terms, strict=False))
-
-
-def conv2d_expected(
-    x: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray,
-    stride: int,
-    padding: int,
-    dy: np.ndarray | None = None,
-    need_dx: bool = True,
-) -> tuple[Any, ...]:
-    """The reference convolution with rigorous bounds: (y,) or, given dy, (y, dx or None, dw, db), each
-    an Expected whose terms are the same op on |x|, |w|, |b|, |dy| in float64, k as in the table above."""
-    f, c, kh, kw = w.shape
-    n_sums = 0 if dy is None else dy.shape[0] * dy.shape[2] * dy.shape[3]  # N*OH*OW: dw's and db's reduction
-    return _bounded(
-        "conv2d", (x, w, b), (stride, padding), dy, (need_dx,), (c * kh * kw + 1, f * kh * kw, n_sums, n_sums)
-    )
-
-
-def linear_expected(x: np.ndarray, w: np.ndarray, b: np.ndarray, dy: np.ndarray | None = None) -> tuple[Expected, ...]:
-    """The reference linear layer with rigorous bounds: (y,) or, given dy, (y, dx, dw, db), as
-    ``conv2d_expected``: y's k is D + 1, dx's M, dw's and db's N."""
-    (m, d), n = w.shape, x.shape[0]
-    return _bounded("linear", (x, w, b), (), dy, (), (d + 1, m, n, n))
-
-
 def max_error(got: np.ndarray, ref: np.ndarray) -> float:
     """max |got - ref| over the entries where ref is not NaN (0 where they are equal, infinities
-    included); NaN if got is NaN anywhere else or not NaN somewhere ref is. Same shapes."""
+    included; NaN where got alone is NaN). Same shapes."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    nan = np.isnan(ref)
-    if not np.array_equal(nan, np.isnan(got)):
-        return math.nan
     with np.errstate(invalid="ignore"):  # inf - inf where both are the same infinity: zeroed next
         diff = np.abs(got - ref)
-    diff[nan | (got == ref)] = 0.0
+    diff[np.isnan(ref) | (got == ref)] = 0.0
     return float(np.max(diff)) if diff.size else 0.0
 
 

@@ -1,9 +1,5 @@
-"""Running the conformance suite: any Backend, op by op, against the numpy reference (cases.py, checks.py).
-
-``run_conformance`` returns the results, ``assert_conforms`` prints the table and raises on a failure,
-``conformance_tests`` makes one pytest test per case, and ``python -m backends.conformance.runner
---backend NAME`` prints it and exits 1 on a failure (docs/writing-a-backend.md). It re-exports
-checks.py's float32 tolerance for a backend's own tests.
+"""Running the conformance suite: any Backend, op by op, against the numpy reference (cases.py, checks.py),
+from Python, pytest or ``python -m backends.conformance.runner --backend NAME`` (docs/writing-a-backend.md).
 """
 
 from __future__ import annotations
@@ -20,20 +16,9 @@ import numpy as np
 from backends import get_backend, has_devices
 from backends.base import Backend
 from backends.conformance.cases import CASES
-from backends.conformance.checks import (  # the float32 tolerance, re-exported for a backend's own tests
-    FN,
-    Case,
-    CheckResult,
-    Expected,
-    Trial,
-    assert_close,
-    conv2d_expected,
-    float32_tolerance,
-    gamma,
-    linear_expected,
-)
+from backends.conformance.checks import FN, Case, CheckResult, Trial, float32_tolerance, gamma
 
-__all__ = ["FN", "Expected", "assert_close", "conv2d_expected", "float32_tolerance", "gamma", "linear_expected"]
+__all__ = ["FN", "float32_tolerance", "gamma"]  # re-exported for a backend's own tests
 
 
 # ------------------------------------------------------------------------ running it
@@ -42,10 +27,7 @@ __all__ = ["FN", "Expected", "assert_close", "conv2d_expected", "float32_toleran
 def _resolve(backend: str | Backend | Callable[[], Backend]) -> Backend:
     if isinstance(backend, str):
         return get_backend(backend)
-    made = backend if isinstance(backend, Backend) else backend()
-    if not isinstance(made, Backend):
-        raise TypeError(f"expected a backend name, a Backend or a factory of one, got {type(made).__name__}")
-    return made
+    return backend if isinstance(backend, Backend) else backend()
 
 
 def run_case(backend: Backend, case: Case, seed: int = 0) -> list[CheckResult]:
@@ -93,24 +75,16 @@ def assert_conforms(backend: str | Backend | Callable[[], Backend], seed: int = 
 def conformance_tests(backend: str | Backend | Callable[[], Backend], seed: int = 0) -> Callable[..., None]:
     """A pytest test function parametrised over every case; bind it to a ``test_*`` name.
 
-    The backend is made once, on the first case that runs (so a factory may call
-    ``pytest.skip``), and shared by every case of the module.
+    The backend is made on the first case that runs and shared by every case of the module; a factory
+    may call ``pytest.skip`` (each case then skips).
     """
     import pytest
 
-    @functools.cache
-    def instance() -> Backend | BaseException:
-        try:
-            return _resolve(backend)
-        except BaseException as e:  # a skip, a missing device: the same outcome for every case
-            return e
+    instance = functools.cache(lambda: _resolve(backend))
 
     @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
     def test_conformance(case: Case) -> None:
-        made = instance()
-        if isinstance(made, BaseException):
-            raise made
-        results = run_case(made, case, seed)
+        results = run_case(instance(), case, seed)
         assert results, f"case {case.id} checked nothing"
         if not all(r.passed for r in results):
             pytest.fail("\n" + format_table(results), pytrace=False)
@@ -119,8 +93,7 @@ def conformance_tests(backend: str | Backend | Callable[[], Backend], seed: int 
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m backends.conformance.runner") -> int:
-    """``python -m backends.conformance.runner --backend NAME [--device D]``: print the table; 0 if all passed, else 1.
-    ``prog`` is the name the usage shows (``tinyconv conformance`` when the CLI calls it)."""
+    """Print the table; 0 if all passed, else 1. ``prog``: the name the usage shows (``tinyconv conformance``)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Check a tinyconv backend op by op against the numpy reference.",

@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 import pyopencl.array as cla
 
-from backends.base import Backend, WireConversion
+from backends.base import Backend, WireConversion, check_labels
 from backends.opencl import conv, maxpool, norms
 from backends.opencl.cl_runtime import ClRuntime
 from backends.opencl.device import describe_device, select_device
-from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView
-from backends.opencl.tune_file import default_tune_file
+from backends.opencl.gemm import ENV_AUTOTUNE, AView, CView, default_tune_file
 
 F32 = np.float32
 i32 = np.int32
@@ -33,11 +32,6 @@ class OpenCLBackend(Backend, WireConversion):
     ``autotune``: time the GEMM variants on first use of each large shape (default: on,
     unless $TINYCONV_OPENCL_AUTOTUNE=0); ``tune_file``: where the choices are kept;
     ``profile``: keep every kernel's device time for ``self.rt.kernel_times()`` (benchmarks).
-
-    ``rows``: run the rows kernels of ops.cl rather than the per-element ones (``ClRuntime.rows``).
-
-    ``wire_on_device``: narrow and widen bf16 wire words on the device (``narrow_wire``,
-    ``widen_wire``) rather than leave them to the host.
     """
 
     name = "opencl"
@@ -54,10 +48,10 @@ class OpenCLBackend(Backend, WireConversion):
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
         self.rt = ClRuntime(select_device(device), autotune, tune_path, profile)
-        # narrow_wire / widen_wire convert bf16 wire words here, on every device: where the reads and
-        # writes cross a bus, half the bytes cross it; and on PoCL's CPU device, whose buffers are host
-        # memory, one kernel pass still beats numpy's dozen (benchmarks/bench_wire_convert.py: conv2's
-        # 64x500x16x16 output narrowed in 3.3 ms instead of 100, widened in 3.4 instead of 6.9)
+        # narrow_wire / widen_wire convert bf16 wire words here (False: the host does), on every device:
+        # where the reads and writes cross a bus, half the bytes cross it; and on PoCL's CPU device, whose
+        # buffers are host memory, one kernel pass still beats numpy's dozen (benchmarks/bench_wire_convert.py:
+        # conv2's 64x500x16x16 output narrowed in 3.3 ms instead of 100, widened in 3.4 instead of 6.9)
         self.wire_on_device = True
 
     @property
@@ -204,13 +198,7 @@ class OpenCLBackend(Backend, WireConversion):
         if logits.ndim != 2:
             raise ValueError(f"softmax_cross_entropy: logits must be (N, K), got {logits.shape}")
         n, k = logits.shape
-        if (
-            labels.shape != (n,)
-            or (labels.size and labels.dtype.kind not in "iu")
-            or labels.min(initial=0) < 0
-            or labels.max(initial=0) >= k
-        ):
-            raise ValueError(f"labels must be {n} ints in [0, {k}), got shape {labels.shape} ({labels.dtype})")
+        check_labels(labels, n, k)
         dev_labels = cla.to_device(self.rt.queue, labels.astype(np.int32), allocator=self.rt.pool)
         d, rows, loss = self.rt.empty((n, k)), self.rt.empty((n,)), self.rt.empty((1,))
         self.rt.launch("softmax_xent", n, logits.data, dev_labels.data, i32(n), i32(k), d.data, rows.data)

@@ -1,15 +1,10 @@
 """The device plumbing of the OpenCL backend: one device's context, queue, buffers and kernels.
 
-    rt = ClRuntime(device, autotune, tune_file)
-    y = rt.empty((n, c, h, w))                               # a float32 buffer from the pool
-    rt.launch("relu_forward", y.size, x.data, i32(y.size), y.data)   # a kernel on a grid
-    rt.gemm("conv_fwd", m, n, k, a_view, pack_b, c_view)     # the tuned GEMM (gemm.py)
-
-It builds programs, looks up and launches kernels (and picks between an op's per-element kernel
-and its rows twin for CPUs: ``flat``, ``planes``, ``channel_walk``), allocates and checks
-buffers, and runs the few data-movement kernels several ops share (row and channel reductions,
-GEMM panel packing, transposes). Arrays are ``pyopencl.array.Array`` (float32, C-contiguous) from
-a memory pool; all work goes to one in-order queue, so kernels never wait for each other on the host.
+It builds programs, launches kernels (an op's per-element kernel, or on CPUs its rows twin: ``flat``,
+``planes``, ``channel_walk``), allocates and checks buffers, and runs the data-movement kernels several
+ops share (row and channel sums, GEMM panel packing, transposes). Arrays are ``pyopencl.array.Array``
+(float32, C-contiguous) from a memory pool; all work goes to one in-order queue, so kernels never wait
+for each other on the host.
 """
 
 from __future__ import annotations
@@ -34,11 +29,7 @@ OPS_SOURCES = ("layout.cl", "ops.cl", "wire.cl")  # one program: every kernel bu
 
 
 class ClRuntime:
-    """One OpenCL device: context, in-order queue, buffer pool, built programs, and its GEMM.
-
-    ``autotune``: time the GEMM variants on first use of each large shape; ``tune_file``:
-    where the choices are kept (see gemm.py).
-    """
+    """One OpenCL device: context, in-order queue, buffer pool, built programs, and its GEMM (gemm.py)."""
 
     def __init__(self, device: cl.Device, autotune: bool, tune_file: Path, profile: bool = False) -> None:
         self.device = device

@@ -7,15 +7,9 @@ so neither a transpose nor a separate packing pass is needed:
     dW, db   [dW | db] = dY @ [cols^T | 1]  A = dY in place, as (F, N*OH*OW)  B = im2row(x) panels
     dX       dcols     = W^T @ dY           A = W^T (K, F), transposed once  B = dY panels
 
-with K = C*KH*KW. The GEMM writes y straight into NCHW, adding the bias; the
-column of ones appended to cols^T makes the bias gradient one more output column
-of the dW GEMM (free: it lands in the panel padding); col2im is a gather. The
-columns are rebuilt from x in backward rather than kept from forward: that costs
-one cheap pass over x and saves holding K*N*OH*OW floats per conv layer between
-forward and backward. Integer division is slow on CPUs, so the kernels never
-split a flat index per element: im2col adds entries of two small tables, and
-col2im is compiled per window (layout.cl). CPUs run the kernels' rows and lanes
-variants (docs/gpus.md).
+with K = C*KH*KW. The GEMM writes y straight into NCHW, adding the bias; why the columns are
+rebuilt in backward, the bias gradient is a column of the dW GEMM, and CPUs run other kernels:
+docs/gpus.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Finding and choosing an OpenCL device.
+"""Finding and choosing an OpenCL device: ``list_devices()`` and ``select_device(spec)``.
 
-    list_devices()          every device of every platform, as plain dicts (for a CLI table)
-    select_device(spec)     one pyopencl Device: "P:D", a kind, a name substring, or the default
-
-A machine with no OpenCL runtime at all raises ``NoOpenCLDevice`` saying how to install one,
-never a bare pyopencl traceback.
+A machine with no OpenCL runtime raises ``NoOpenCLDevice`` saying how to install one, never a bare
+pyopencl traceback.
 """
 
 from __future__ import annotations
@@ -71,10 +68,8 @@ def describe_device(device: cl.Device) -> dict[str, Any]:
 
 
 def list_devices() -> list[dict[str, Any]]:
-    """Every OpenCL device: ``spec`` ("P:D", what select_device takes), indices, names, kind, limits.
-
-    Raises NoOpenCLDevice (with install instructions) when there is no OpenCL runtime.
-    """
+    """Every OpenCL device, as plain dicts (for a CLI table): ``spec`` ("P:D", what select_device takes),
+    indices, names, kind, limits."""
     return [
         {"spec": f"{pi}:{di}", "platform_index": pi, "device_index": di, **describe_device(d)}
         for pi, di, _, d in _all_devices()

@@ -4,31 +4,82 @@
 
 A and C are strided views of existing buffers (``AView``, ``CView``); B comes packed in column
 panels of width NB by a callback, because the best NB depends on the kernel variant (see the
-header of gemm.cl for the index maps). How a variant is chosen and kept: docs/gpus.md.
+header of gemm.cl for the index maps). How a variant is chosen and kept between runs, in one small
+JSON file per user: docs/gpus.md. That file holds
+{"<device> | <driver> | gemm.cl <digest>": {"<call site> M.. N.. K.. KI..": {config..., "ms": ..}}}.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import platformdirs  # a dependency of pyopencl
 import pyopencl as cl
 import pyopencl.array as cla
 
-from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json, config_to_json
-from backends.opencl.tune_file import load_entry, save_entry, source_digest
+from backends.opencl.gemm_configs import Config, candidates, cdiv, config_from_json
 
 log = logging.getLogger(__name__)
+i32 = np.int32
 
 TUNE_MIN_FLOP = 1e8  # below this a GEMM takes milliseconds: not worth timing variants
 ENV_AUTOTUNE = "TINYCONV_OPENCL_AUTOTUNE"  # "0" turns autotuning off
+ENV_TUNE_FILE = "TINYCONV_OPENCL_TUNE_FILE"  # where the tuned choices are kept
 
-i32 = np.int32
+
+def default_tune_file() -> Path:
+    """$TINYCONV_OPENCL_TUNE_FILE, else tinyconv/opencl-gemm.json in the user cache directory."""
+    if os.environ.get(ENV_TUNE_FILE):
+        return Path(os.environ[ENV_TUNE_FILE])
+    return Path(platformdirs.user_cache_dir("tinyconv", False)) / "opencl-gemm.json"
+
+
+def source_digest() -> str:
+    """A short digest of gemm.cl, the kernels the tuned choices were timed with."""
+    return hashlib.sha256((Path(__file__).parent / "gemm.cl").read_bytes()).hexdigest()[:12]
+
+
+def read_tune_file(path: Path) -> dict[str, Any]:
+    """The whole file, or {} if it is missing, unreadable or not a JSON object."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def load_entry(path: Path, device_key: str, shape_key: str) -> dict[str, Any] | None:
+    """The entry kept for one shape on one device, if any."""
+    device = read_tune_file(path).get(device_key)
+    entry = device.get(shape_key) if isinstance(device, dict) else None
+    return entry if isinstance(entry, dict) else None
+
+
+def save_entry(path: Path, device_key: str, shape_key: str, entry: dict[str, Any]) -> None:
+    """Merge one entry into the file (re-read first: other processes share it)."""
+    data = read_tune_file(path)
+    device = data.get(device_key)
+    if not isinstance(device, dict):
+        device = data[device_key] = {}
+    device[shape_key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    except OSError as e:  # a read-only home is no reason to fail a training run
+        log.warning("could not save GEMM tuning to %s: %s", path, e)
 
 
 @dataclass(frozen=True)
@@ -193,5 +244,6 @@ class Gemm:
         log.info(
             "gemm %s: %s (%s)", key, best, ", ".join(f"{cf.options()} {t * 1e3:.1f} ms" for cf, t in times.items())
         )
-        save_entry(self.tune_file, self.tune_key, key, {**config_to_json(best), "ms": round(times[best] * 1e3, 3)})
+        entry = {"kind": best.kind, **asdict(best), "ms": round(times[best] * 1e3, 3)}
+        save_entry(self.tune_file, self.tune_key, key, entry)
         return best

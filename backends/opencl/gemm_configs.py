@@ -5,7 +5,7 @@ GPUs, docs/gpus.md says why) and which of them fit a device: ``candidates(limits
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import pyopencl as cl
@@ -120,10 +120,6 @@ class TiledConfig:
 
 
 Config = VecConfig | TiledConfig
-
-
-def config_to_json(cfg: Config) -> dict[str, Any]:
-    return {"kind": cfg.kind, **asdict(cfg)}
 
 
 def config_from_json(d: dict[str, Any]) -> Config | None:

@@ -1,10 +1,7 @@
 """The OpenCL backend's normalisations: LRN, ReLU and LRN fused, and batch norm, forward and backward.
 
-Each is a few kernels of ops.cl launched through the ClRuntime's shared launchers: ``rt.planes``
-(per pixel, or a plane per work-item on CPUs), ``rt.channel_walk`` (LRN's backward: on CPUs a
-work-item walks the channels of a block of pixels) and ``rt.channel_sums`` (batch norm's
-per-channel statistics and gradients). The arithmetic is the numpy reference's
-(backends/numpy_backend.py), in the same order.
+Each is a few kernels of ops.cl launched through the ClRuntime's launchers (``planes``, ``channel_walk``,
+``channel_sums``), doing the numpy reference's arithmetic in the same order.
 """
 
 from __future__ import annotations
