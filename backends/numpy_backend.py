@@ -68,6 +68,41 @@ def _channel_sum(a: np.ndarray) -> np.ndarray:
     return a.reshape(n, c, -1).sum(axis=2).sum(axis=0)
 
 
+def batchnorm_forward_plain(x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
+    """Batch norm's forward written out (NumpyBackend.batchnorm_forward is the optimised twin):
+    the same contract, a fresh array per step of the math, the cache (xhat, gamma, invstd, training)."""
+    if training:
+        require_batch_statistics(x.shape)
+        m = x.shape[0] * x.shape[2] * x.shape[3]
+        mean = x.mean(axis=(0, 2, 3))
+        xc = x - mean[None, :, None, None]
+        var = (xc * xc).mean(axis=(0, 2, 3))
+        running_mean *= 1 - momentum
+        running_mean += momentum * mean
+        running_var *= 1 - momentum
+        running_var += (momentum * m / max(m - 1, 1)) * var
+    else:
+        mean, var = running_mean, running_var
+        xc = x - mean[None, :, None, None]
+    invstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * invstd[None, :, None, None]
+    y = xhat * gamma[None, :, None, None] + beta[None, :, None, None]
+    return y, (xhat, gamma, invstd, training)
+
+
+def batchnorm_backward_plain(dy, cache):
+    """Batch norm's backward written out, for batchnorm_forward_plain's cache (see BatchNorm2D's math)."""
+    xhat, gamma, invstd, training = cache
+    dbeta = dy.sum(axis=(0, 2, 3))
+    dgamma = (dy * xhat).sum(axis=(0, 2, 3))
+    g = (gamma * invstd)[None, :, None, None]
+    if not training:  # statistics are constants in eval mode
+        return dy * g, dgamma, dbeta
+    m = dy.shape[0] * dy.shape[2] * dy.shape[3]
+    dx = g * (dy - (dbeta / m)[None, :, None, None] - xhat * (dgamma / m)[None, :, None, None])
+    return dx, dgamma, dbeta
+
+
 def sgd_update_plain(param, grad, velocity, lr: float, momentum: float, weight_decay: float) -> None:
     """In place, torch's SGD: v = momentum * v + grad + weight_decay * param;  param -= lr * v."""
     velocity *= momentum
@@ -212,10 +247,10 @@ class NumpyBackend(Backend):
         dx += scratch
         return dx
 
-    # Batch norm, optimised (tests/numpy_plain.py writes the same math out; tests/test_batchnorm_numpy.py
-    # holds the two together): each map-sized pass writes into one of two buffers (xhat and y; dx in the
-    # backward), as the LRN does, the per-channel constants are folded first, and eval mode is one
-    # affine pass. The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
+    # Batch norm, an optimisation (batchnorm_forward_plain / batchnorm_backward_plain above are the same
+    # math written out; tests/test_batchnorm_numpy.py holds the two together): each map-sized pass writes
+    # into one of two buffers (xhat and y; dx in the backward), as the LRN does, the per-channel constants
+    # are folded first, and eval mode is one affine pass. The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if not training:  # a fixed affine map: y = x * scale + shift, one pass and one array
             invstd = 1.0 / np.sqrt(running_var + eps)

@@ -1,10 +1,8 @@
-"""The numpy backend's max pool, separable: a k x k max as a max over k columns, then over k rows.
+"""The numpy backend's max pool: maxpool_forward_plain written out, and the separable one the backend runs.
 
-2k strided passes instead of k*k, and no padded copy of the input. Each stage keeps the offset of its
-first strict maximum, so together they select the first maximum in row-major window order, and backward
-runs the two stages in reverse, routing each gradient through the offset that won. A window holding a
-NaN selects its last NaN, as torch does: the last row whose column max is NaN, and in it the last NaN
-column. tests/test_numpy_strided.py holds it to the definition written out (tests/numpy_plain.py).
+maxpool_forward_plain copies every window out as a row and takes its argmax: the definition,
+readable. maxpool_forward is its optimised twin with the same contract (tests/test_numpy_strided.py
+holds them together): a max over the window's columns, then over its rows.
 """
 
 from __future__ import annotations
@@ -90,6 +88,51 @@ def _max_stage_backward(dy: np.ndarray, arg: np.ndarray, in_shape, taps, axis: i
     return dx
 
 
+def maxpool_forward_plain(x: np.ndarray, kernel: int, stride: int, padding: int) -> tuple[np.ndarray, tuple]:
+    """Max pool written out (maxpool_forward below is the optimised twin; same contract).
+
+    Every window is copied out of x padded with -inf as a row of kernel*kernel values, (N, C, OH,
+    OW, K*K), and ``sel`` is the index in the row of the input the window selects: its first
+    maximum in row-major order among the inputs inside the image, or its last NaN if it holds one.
+    Returns y (N, C, OH, OW) and the cache (x's shape, sel, kernel, stride, padding).
+    """
+    n, c, h, w = x.shape
+    oh = conv_output_size(h, kernel, stride, padding)
+    ow = conv_output_size(w, kernel, stride, padding)
+    pad = ((0, 0), (0, 0), (padding, padding), (padding, padding))
+    xp = np.pad(x, pad, constant_values=-np.inf)
+    inside = np.pad(np.ones((h, w), bool), pad[2:])
+    k2 = kernel * kernel
+    windows = np.lib.stride_tricks.sliding_window_view(xp, (kernel, kernel), axis=(2, 3))
+    windows = windows[:, :, ::stride, ::stride].reshape(n, c, oh, ow, k2)
+    inside = np.lib.stride_tricks.sliding_window_view(inside, (kernel, kernel))[::stride, ::stride].reshape(oh, ow, k2)
+    y = windows.max(axis=-1)  # NaN wherever the window holds one
+    sel = np.argmax((windows == y[..., None]) & inside, axis=-1)  # first True: first maximum inside
+    nan = np.isnan(windows)
+    last_nan = k2 - 1 - np.argmax(nan[..., ::-1], axis=-1)
+    sel = np.where(nan.any(axis=-1), last_nan, sel)
+    return y, (x.shape, sel, kernel, stride, padding)
+
+
+def maxpool_backward_plain(dy: np.ndarray, cache: tuple) -> np.ndarray:
+    """dx for maxpool_forward_plain: each dy added to the input its window selected, overlaps summed."""
+    (n, c, h, w), sel, kernel, stride, padding = cache
+    oh, ow = dy.shape[2:]
+    dxp = np.zeros((n, c, h + 2 * padding, w + 2 * padding), dtype=dy.dtype)
+    for i in range(kernel):
+        for j in range(kernel):
+            dxp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += dy * (sel == i * kernel + j)
+    return dxp[:, :, padding : padding + h, padding : padding + w].copy()
+
+
+# A k x k max is done as a max over k columns, then over k rows ("separable"):
+# 2k strided passes instead of k*k, and no padded copy of the input. Each stage
+# keeps the offset of its first strict maximum, so together they select the
+# first maximum in row-major window order, and backward just runs the two
+# stages in reverse, routing each gradient through the offset that won.
+# A window holding a NaN outputs NaN and selects its last NaN, as torch does: the
+# last row whose column max is NaN, and in it the last NaN column -- together the
+# last NaN in row-major order.
 def maxpool_forward(x: np.ndarray, kernel: int, stride: int, padding: int) -> tuple[np.ndarray, tuple]:
     """x (N, C, H, W) -> (y (N, C, OH, OW), the cache maxpool_backward takes): the numpy backend's max pool."""
     n, c, h, w = x.shape

@@ -13,9 +13,8 @@ import math
 
 import numpy as np
 import pytest
-from numpy_plain import batchnorm_backward_plain, batchnorm_forward_plain
 
-from backends.numpy_backend import NumpyBackend, _channel_sum
+from backends.numpy_backend import NumpyBackend, _channel_sum, batchnorm_backward_plain, batchnorm_forward_plain
 
 U = 2.0**-24
 BE = NumpyBackend()

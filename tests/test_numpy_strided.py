@@ -30,11 +30,11 @@ import math
 
 import numpy as np
 import pytest
-from numpy_plain import maxpool_backward_plain, maxpool_forward_plain
 
 from backends.base import conv_output_size
 from backends.numpy_backend import NumpyBackend, sgd_update, sgd_update_plain
 from backends.numpy_columns import col2im, col2im_plain, im2col, transposed
+from backends.numpy_maxpool import maxpool_backward_plain, maxpool_forward_plain
 
 # (N, C, H, W), kernel, stride, padding
 CASES = [

@@ -587,9 +587,7 @@ def test_evaluation_gives_todays_loss_and_accuracy(numpy_backend):
     """Evaluate (batches of the training's size, Network.predict, batch norm as one affine pass) against
     the way it was computed before: one forward in eval mode through batch norm written out
     (batchnorm_forward_plain), in batches of 500, from the same trained weights."""
-    from numpy_plain import batchnorm_backward_plain, batchnorm_forward_plain
-
-    from backends.numpy_backend import NumpyBackend
+    from backends.numpy_backend import NumpyBackend, batchnorm_backward_plain, batchnorm_forward_plain
 
     class Plain(NumpyBackend):
         def batchnorm_forward(self, *args, **kw):
