@@ -67,3 +67,18 @@ def test_next_past_the_end_and_a_bad_depth_are_refused():
             ahead.next()
     with pytest.raises(ValueError, match="depth must be an int >= 0"):
         Prefetcher(_make, range(1), _state(), depth=-1)
+
+
+def test_asking_again_after_the_thread_raised_says_so_at_once():
+    """After a batch's making raised (and next() re-raised it), the next call says the thread has stopped."""
+
+    def make(b, rng):
+        raise ValueError("a corrupt image")
+
+    state = np.random.default_rng(0).bit_generator.state
+    with Prefetcher(make, range(3), state, depth=2, timeout_s=30.0) as p:
+        with pytest.raises(ValueError, match="a corrupt image"):
+            p.next()
+        p._thread.join(timeout=30.0)
+        with pytest.raises(RuntimeError, match="has stopped"):
+            p.next()

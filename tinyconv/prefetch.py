@@ -94,6 +94,8 @@ class Prefetcher:
         t0 = time.perf_counter()
         if self._thread is None:
             item = self._batch(self._indices[self._handed])
+        elif not self._thread.is_alive() and self._queue.empty():  # it raised, and that was re-raised already
+            raise RuntimeError("the prefetch thread has stopped: making a batch raised (above); start a new one")
         else:
             try:
                 item = self._queue.get(timeout=self._timeout_s)
