@@ -325,6 +325,15 @@ def _split(p: argparse.ArgumentParser) -> None:
         "-> adt24 -> fp32 as their L2 norm settles, maps s8, gradients bf16); --parallel model only "
         "(default %(default)s)",
     )
+    g.add_argument(
+        "--spot-check",
+        type=number(0, 1, what="a fraction"),
+        default=0.03,
+        metavar="FRACTION",
+        help="the master recomputes samples of each worker's results (an image, a kernel) in at most this fraction "
+        "of the worker's work, and drops a worker whose numbers are off by more than float32 round-off; 0 trusts "
+        "them; --parallel model with --wire-precision fp32 (default %(default)s)",
+    )
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -615,6 +624,7 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> Runtime | None:
     if args.workers == 0:
         return None
     model = {"fuse": args.fuse == "on", "split": args.split, "wire_precision": args.wire_precision}
+    model["spot_check"] = args.spot_check
     cluster = tc.distribute(
         net,
         args.transport,

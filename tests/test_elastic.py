@@ -235,3 +235,40 @@ def test_the_time_a_worker_has_scales_with_the_batch_past_the_calibrated_one(rng
         cluster.timings = {name: {"conv1": 0.01} for name in cluster.timings}
         cluster.rpc.links[0].add(1, 0.0, exact=True)
         assert cluster.timeout(block, 2) == 10.0  # at least 10 s
+
+
+class Scaled(Worker):
+    """Answers every task with its numbers times ``factor``: finite, well formed, and wrong."""
+
+    def __init__(self, backend, factor: float) -> None:
+        super().__init__(backend)
+        self.factor = np.float32(factor)
+
+    def handle(self, msg: Message) -> Message:
+        reply = super().handle(msg)
+        reply.arrays = {k: a * self.factor for k, a in reply.arrays.items()}
+        return reply
+
+
+@pytest.mark.parametrize("factor", [-50.0, 1.01])
+def test_a_worker_with_wrong_finite_numbers_is_caught_by_the_spot_check_in_its_first_step(rng, factor):
+    """x -50 poison or 1 % off: the spot check loses the worker in the first step, which completes exactly."""
+    net, conv, ref = block_net(rng)
+    with pool([Worker, lambda be: Scaled(be, factor)]) as (transport, workers):
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, split="kernels")
+        cluster.attach(net)
+        exact_step(net, conv, ref)
+        (event,) = cluster.pop_events()
+    assert event["worker"] == "worker1" and event["reason"].startswith("wrong result: its forward, in ")
+    assert cluster.participants == ["master", "worker0"] and cluster.step == 1
+
+
+def test_without_the_spot_check_a_wrong_worker_goes_unseen(rng):
+    """spot_check=0 trusts the workers: what the check is for (and proof that the test above tests it)."""
+    net, conv, ref = block_net(rng)
+    with pool([Worker, lambda be: Scaled(be, 1.01)]) as (transport, workers):
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, split="kernels", spot_check=0)
+        cluster.attach(net)
+        x, *_ = ref
+        y = net.forward(x)
+    assert cluster.pop_events() == [] and not np.allclose(y, ref[2], rtol=1e-4)

@@ -5,8 +5,9 @@ numbers every task it sends; :meth:`Op.gather` waits for the results of some of 
 the timeout, and keeps a result that comes before its gather asks for it. A result no open op
 waits for (an op gave up on it) is stale and dropped. A worker the op cannot count on -- gone (the transport's
 WorkerLost), silent past the timeout, answering with an error (out of memory, a driver's), with a
-malformed or wrong-shape result, or with non-finite numbers from finite inputs -- ends the op with
-:class:`Lost`, so that the runtime can share its work among the others and run the op again. On
+malformed or wrong-shape result, with non-finite numbers from finite inputs, or with numbers the
+master's spot check finds wrong (``spot_check.py``) -- ends the op with :class:`Lost`, so that the
+runtime can share its work among the others and run the op again. On
 the way the op counts what it cost (:meth:`Op.stats`) and each worker's link its seconds per byte
 (``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
 and decodes each result as it comes, so the splits only ever see float32.
@@ -59,6 +60,8 @@ class Rpc:
         self.timeout = float(timeout)
         self.clock = clock
         self.links: dict[int, LinkSpeed] = {}  # worker -> what its tasks measured of its link
+        # (worker, task, its result, the master's backend) -> None, or Lost for a wrong result: spot_check.py
+        self.check: Callable[[int, Message, Message, Backend], None] | None = None
         self.task_ids = itertools.count(1)
 
     def link(self, k: int) -> LinkSpeed:
@@ -204,6 +207,8 @@ class Op:
                 raise Lost({k: f"sent a malformed result for the {self.what}: {e}"}) from None
             self.fallbacks += fell_back
             _check_finite(k, reply, sent.msg, self.what)
+            if self.rpc.check is not None and self.codec is None:  # narrowed words round beyond float32's
+                self.rpc.check(k, sent.msg, reply, self.backend)
             compute = float(reply.header["compute_s"])
             self.recv[k] = self.recv.get(k, 0) + nbytes
             self.compute[k] = self.compute.get(k, 0.0) + compute

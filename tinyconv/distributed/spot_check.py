@@ -1,5 +1,8 @@
 """Spot checks: the master recomputes a sample of every worker's results and loses a worker whose numbers are wrong.
 
+It samples the paper's split, by kernels (``by_kernels.py``); the tasks of the split by input channels
+go unsampled.
+
 A worker's answer to a ``block_forward`` (y) or a ``block_backward`` (dx, dw, db) is a fixed function
 of the arrays the master sent it (``block.py``), so the master can recompute any part of it. Two
 kinds of sample, each a small slice of the task (F' kernels computed, N images, E the halo)::

@@ -32,6 +32,7 @@ from tinyconv.distributed.shard.block import tail_of
 from tinyconv.distributed.shard.by_channels import PIPELINE
 from tinyconv.distributed.shard.layer import ShardedBlock
 from tinyconv.distributed.shard.plan import Plan
+from tinyconv.distributed.spot_check import SpotCheck
 from tinyconv.distributed.wire_codec import Narrowing
 from tinyconv.layers import Conv2D, Layer
 from tinyconv.model import Network
@@ -57,6 +58,9 @@ class Cluster(Runtime):
     fixed format, or AWP's "adaptive"); every computation stays float32.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
+    ``spot_check``: the master recomputes samples of each worker's results within this fraction of its work
+    and loses a worker whose numbers are wrong (``spot_check.py``); 0, or a narrowed ``wire_precision``: it
+    trusts them.
     ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most
     before a link is measured: :meth:`timeout`).
     """
@@ -73,9 +77,11 @@ class Cluster(Runtime):
         fuse: bool = True,
         wire_precision: str = "fp32",
         pipeline: int = PIPELINE,
+        spot_check: float = 0.03,
         **options: Any,
     ) -> None:
         super().__init__(transport, workers, backend, **options)
+        self.rpc.check = SpotCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not (isinstance(pipeline, int) and pipeline >= 0):
