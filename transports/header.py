@@ -1,12 +1,7 @@
-"""What a message's kind, header and arrays may be: the rules the wire applies, and the session's kinds.
-
-A kind is a short identifier (:data:`KIND_PATTERN`). A header is plain data of exact types (a numpy
-scalar or a tuple would arrive as something else, so they are refused rather than changed), nested
-at most :data:`MAX_DEPTH` deep. The transport's own *session* kinds (:data:`SESSION_KINDS`) have
-fixed schemas and carry no arrays; every other kind is a task, whose header the application
-declares with the same :func:`check_fields`. Arrays: at most :data:`MAX_ARRAYS`, distinct non-empty
-names, a dtype of :data:`DTYPES`, a rank of at most :data:`MAX_RANK`. :mod:`transports.wire`
-re-exports the public names; import them from there.
+"""What a message's kind, header and arrays may be: the rules the wire applies, and the session's kinds
+(docs/writing-a-transport.md, "Session kinds and task kinds"). A header is plain data of exact types: a
+numpy scalar or a tuple would arrive as something else, so they are refused rather than changed.
+:mod:`transports.wire` re-exports the public names; import them from there.
 """
 
 from __future__ import annotations
@@ -58,30 +53,22 @@ class VersionMismatch(ProtocolError):
 
 
 class _Spec(type):
-    """A header type that isinstance checks with the class's own ``accepts``."""
+    """A header type for :func:`check_fields` that takes its ``types`` but never a bool
+    (``isinstance(True, Int)`` is False); ``Int.accepts(value)`` is the same test."""
 
     def __instancecheck__(cls, value: Any) -> bool:
-        return cls.accepts(value)
+        return isinstance(value, cls.types) and not isinstance(value, bool)
+
+    def accepts(cls, value: Any) -> bool:
+        return isinstance(value, cls)
 
 
 class Int(metaclass=_Spec):
-    """For :func:`check_fields`: an int that is not a bool (``isinstance(True, Int)`` is False)."""
-
-    description = "int"
-
-    @staticmethod
-    def accepts(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+    description, types = "int", int
 
 
 class Num(metaclass=_Spec):
-    """For :func:`check_fields`: an int or a float, not a bool."""
-
-    description = "number"
-
-    @staticmethod
-    def accepts(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    description, types = "number", (int, float)
 
 
 def _type_name(spec: type) -> str:
