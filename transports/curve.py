@@ -1,10 +1,5 @@
-"""CURVE: who may be a worker, and nobody else reads the traffic. All crypto is ZeroMQ's (``zmq.auth``).
-
-Each side has a key pair, two files made by :func:`generate_keys` (the ``keygen`` command):
-``NAME.key``, public, and ``NAME.key_secret``, both keys, mode 0600. The master runs a
-:class:`CurveServer` with its secret file and a directory of the workers' public files, the only
-keys it admits; each worker a :class:`CurveClient` with its own secret file and the master's public
-file. A peer without an authorised key fails ZeroMQ's handshake: it never reaches the transport.
+"""CURVE: who may be a worker, and nobody else reads the traffic (docs/writing-a-transport.md, "Across machines:
+CURVE keys"). All crypto is ZeroMQ's (``zmq.auth``); a peer without an authorised key fails ZeroMQ's handshake.
 """
 
 from __future__ import annotations
