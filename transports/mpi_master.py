@@ -42,14 +42,12 @@ class MpiLink(SessionLink):
 
     def receive(self) -> list[Arrival]:
         out = self.link.poll()
-        for rank, why in self.link.broken.items():
-            if rank not in self._gone:
-                out.append(Arrival(rank, address=f"MPI rank {rank}", gone=f"its messages cannot be read: {why}"))
-                self._gone.add(rank)
-        for rank in sorted(self.link.said_bye - self._gone):  # it ended its session: it is exiting
-            out.append(Arrival(rank, address=f"MPI rank {rank}", gone="its process ended the session (it said bye)"))
+        gone = {rank: "its process ended the session (it said bye)" for rank in self.link.said_bye}
+        gone |= {rank: f"its messages cannot be read: {why}" for rank, why in self.link.broken.items()}
+        for rank in sorted(gone.keys() - self._gone):
+            out.append(Arrival(rank, address=f"MPI rank {rank}", gone=gone[rank]))
             self._gone.add(rank)
-            self.link.send_bye(rank)  # it waits for this one before it exits
+            self.link.send(rank, [])  # a bye: it exits (one that said bye waits for this one)
         return out
 
     def send(self, peer: Hashable, frames: list, *, control: bool = False) -> str:
@@ -59,7 +57,7 @@ class MpiLink(SessionLink):
         return ""
 
     def let_go(self, peer: Hashable) -> None:
-        self.link.send_bye(peer)  # it exits
+        self.link.send(peer, [])  # a bye: it exits
 
     def close(self, graceful: bool) -> None:
         """Bye to every rank, and what they still send read and dropped until each said bye: with nothing
