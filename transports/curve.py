@@ -74,7 +74,6 @@ class CurveServer:
     read once: a key added later needs a new transport."""
 
     def __init__(self, secret_key_file: PathLike, authorized_keys_dir: PathLike) -> None:
-        self.secret_key_file = str(secret_key_file)
         self.authorized_keys_dir = str(authorized_keys_dir)
         self.public_key, self._secret_key = _load_key_file(secret_key_file, secret=True)
         try:
@@ -98,9 +97,6 @@ class CurveServer:
         sock.curve_publickey = self.public_key
         sock.curve_server = True
         return auth
-
-    def __repr__(self) -> str:
-        return f"CurveServer({self.secret_key_file!r}, {self.authorized_keys_dir!r})"
 
 
 class ReportingAuthenticator(ThreadAuthenticator):

@@ -37,8 +37,7 @@ class InprocTransport(Transport):
         if not callable(handler_factory):  # one set of options goes to every transport: this one needs it
             raise TypeError(f"InprocTransport needs handler_factory, a callable i -> Handler; got {handler_factory!r}")
         check_options(protocol)  # the protocol's type, checked as every transport checks it
-        self._factory = handler_factory
-        self._protocol = protocol
+        self._factory, self._protocol = handler_factory, protocol
         # worker threads -> master: ("hello" | "reply" | "lost", worker index, payload)
         self._inbox: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._tasks: list[queue.Queue[Message]] = []
