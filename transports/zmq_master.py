@@ -1,10 +1,8 @@
 """ZeroMQ, the master's side: a ROUTER socket that every worker's DEALER (:mod:`transports.zmq_worker`)
 connects to, over ``tcp://`` or ``ipc://``. :class:`ZmqLink` moves frames between the socket and the
 session (:mod:`transports.session`); only the session's I/O thread touches the socket, woken by a
-:class:`~transports.wakeup.Wakeup` polled beside it. The group is open: workers may come and go.
-With ``curve`` (:class:`transports.curve.CurveServer`) only workers whose public key is authorised
-get past ZeroMQ's handshake, and all traffic is encrypted; without it the master binds only
-addresses of this machine, unless ``insecure=True``.
+:class:`~transports.wakeup.Wakeup` polled beside it. The group is open: workers may come and go. With
+``curve`` (:class:`transports.curve.CurveServer`) only authorised workers get in, and traffic is encrypted.
 """
 
 from __future__ import annotations
