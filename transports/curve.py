@@ -74,6 +74,7 @@ class CurveServer:
     read once: a key added later needs a new transport."""
 
     def __init__(self, secret_key_file: PathLike, authorized_keys_dir: PathLike) -> None:
+        self.secret_key_file = str(secret_key_file)  # its public key file is beside it, with the suffix .key
         self.authorized_keys_dir = str(authorized_keys_dir)
         self.public_key, self._secret_key = _load_key_file(secret_key_file, secret=True)
         try:
