@@ -74,10 +74,9 @@ class InprocTransport(Transport):
                     who = f"in-process worker {i}"
                     raise VersionMismatch("task protocol", payload["protocol"], self._protocol, who, "the master")
                 infos[i] = worker_info(i, payload, "inproc")
-            elif kind == "reply" and payload.kind == "error":
-                raise RuntimeError(f"in-process worker {i} could not start: {payload.header['message']}")
-            else:
-                raise RuntimeError(f"in-process worker {i} sent {kind!r} before its hello")
+            else:  # before its hello, only its error (a factory that failed) or its loss (its thread died)
+                why = payload.header["message"] if kind == "reply" else payload
+                raise RuntimeError(f"in-process worker {i} could not start: {why}")
         return [infos[i] for i in range(n_workers)]
 
     def send(self, worker: int, msg: Message) -> None:
