@@ -148,8 +148,10 @@ def check_kind(kind: Any) -> None:
         )
 
 
-def check_header(kind: str, header: Any) -> None:
-    """Raise ProtocolError unless ``header`` is plain data and, for a session kind, follows its schema."""
+def check_header(kind: Any, header: Any) -> None:
+    """Raise ProtocolError unless ``kind`` passes :func:`check_kind` and ``header`` is plain data that, for a
+    session kind, follows its schema."""
+    check_kind(kind)
     if type(header) is not dict:
         raise ProtocolError(f"{kind}: header must be a map, got {type(header).__name__}")
     if (found := _not_plain(header, 0)) is not None:
@@ -225,7 +227,6 @@ def check_message(msg: Message) -> None:
     too, so a malformed message fails the same way whichever transport carries it."""
     if not isinstance(msg, Message):
         raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
-    check_kind(msg.kind)
     check_header(msg.kind, msg.header)
     check_arrays(msg.kind, msg.arrays)
     pack(msg.kind, msg.header)
