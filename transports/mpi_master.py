@@ -76,21 +76,19 @@ class MpiTransport(SessionTransport):
 
     def __init__(self, *, comm: Any = None, **options: Any) -> None:
         check_options(**options)
-        MPI = require_mpi()
-        comm = MPI.COMM_WORLD if comm is None else comm
-        rank, size = comm.Get_rank(), comm.Get_size()
+        comm = require_mpi().COMM_WORLD if comm is None else comm
+        rank, self.size = comm.Get_rank(), comm.Get_size()
         if rank != MASTER:
             raise RuntimeError(
                 f"MpiTransport is the master's, on rank {MASTER}; this is rank {rank}, which should serve as a "
                 "worker (transports.mpi_worker.serve_if_worker)"
             )
-        if size < 2:
+        if self.size < 2:
             raise RuntimeError(
                 "this MPI job has one rank, the master, and no workers: launch it with mpiexec -n N "
                 "(rank 0 the master, ranks 1..N-1 the workers), e.g. mpiexec -n 3 for 2 workers"
             )
-        self.size = size
-        self.bound_address = f"mpi://ranks 1..{size - 1}"  # where the workers are; nothing to connect to
+        self.bound_address = f"mpi://ranks 1..{self.size - 1}"  # where the workers are; nothing to connect to
         super().__init__(MpiLink(comm, int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))), **options)
 
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
