@@ -1,10 +1,7 @@
-"""Transports: the Transport interface (``base.py``), the wire (``wire.py``) and the ways a master reaches
-its workers: threads (``inproc.py``), and for workers in other processes one session layer
-(``session/``) over links that move frames: ZeroMQ (``zmq_master.py``, ``zmq_worker.py``, with CURVE
-keys in ``curve.py``) and MPI (``mpi_master.py``, ``mpi_worker.py``, ``mpi_link.py``). This package
-never imports the application. A transport is found by name (``get_transport("zmq", ...)``): a class
-registered under the entry-point group ``tinyconv.transports`` (docs/writing-a-transport.md);
-:data:`BUILTIN` is the fallback for a source checkout that was never pip-installed.
+"""Transports: how a master reaches its workers (docs/writing-a-transport.md says which file does what). This
+package never imports the application. A transport is found by name (``get_transport("zmq", ...)``): a class
+registered under the entry-point group ``tinyconv.transports``; :data:`BUILTIN` is the fallback for a source
+checkout that was never pip-installed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""CURVE: who may be a worker, and nobody else reads the traffic. All crypto is ZeroMQ's (``zmq.auth``).
-
-Each side has a key pair, two files made by :func:`generate_keys` (the ``keygen`` command):
-``NAME.key``, public, and ``NAME.key_secret``, both keys, mode 0600. The master runs a
-:class:`CurveServer` with its secret file and a directory of the workers' public files, the only
-keys it admits; each worker a :class:`CurveClient` with its own secret file and the master's public
-file. A peer without an authorised key fails ZeroMQ's handshake: it never reaches the transport.
+"""CURVE: who may be a worker, and nobody else reads the traffic (docs/writing-a-transport.md, "Across machines:
+CURVE keys"). All crypto is ZeroMQ's (``zmq.auth``); a peer without an authorised key fails ZeroMQ's handshake.
 """
 
 from __future__ import annotations
@@ -79,7 +74,7 @@ class CurveServer:
     read once: a key added later needs a new transport."""
 
     def __init__(self, secret_key_file: PathLike, authorized_keys_dir: PathLike) -> None:
-        self.secret_key_file = str(secret_key_file)
+        self.secret_key_file = str(secret_key_file)  # its public key file is beside it, with the suffix .key
         self.authorized_keys_dir = str(authorized_keys_dir)
         self.public_key, self._secret_key = _load_key_file(secret_key_file, secret=True)
         try:
@@ -103,9 +98,6 @@ class CurveServer:
         sock.curve_publickey = self.public_key
         sock.curve_server = True
         return auth
-
-    def __repr__(self) -> str:
-        return f"CurveServer({self.secret_key_file!r}, {self.authorized_keys_dir!r})"
 
 
 class ReportingAuthenticator(ThreadAuthenticator):

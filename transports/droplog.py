@@ -80,13 +80,7 @@ class DropLog:
                 else:
                     del self._windows[kind]  # a quiet window: the next one is logged in full again
         for kind, window in due:
-            n_peers = len(window.peers)
-            self._log.warning(
-                "dropped %d %s from %d peer%s in the last %g s; the latest: %s",
-                window.count,
-                KINDS[kind][1] if window.count > 1 else KINDS[kind][0],
-                n_peers,
-                "" if n_peers == 1 else "s",
-                self._window_s,
-                window.latest,
-            )
+            many = KINDS[kind][1 if window.count > 1 else 0]
+            peers = f"{len(window.peers)} peer{'' if len(window.peers) == 1 else 's'}"
+            latest = f"in the last {self._window_s:g} s; the latest: {window.latest}"
+            self._log.warning("dropped %d %s from %s %s", window.count, many, peers, latest)

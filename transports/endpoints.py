@@ -8,8 +8,6 @@ from urllib.parse import urlsplit
 
 import zmq
 
-LOCAL_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
-LOCAL_SCHEMES = frozenset({"ipc", "inproc"})  # never leave this machine
 _WILDCARDS = ("0.0.0.0", "*", "::", None)
 
 
@@ -20,9 +18,7 @@ def is_local(endpoint: str) -> bool:
         host = parts.hostname
     except ValueError:  # e.g. an unbalanced [ in an IPv6 address: not an address we can call local
         return False
-    if parts.scheme in LOCAL_SCHEMES:
-        return True
-    return parts.scheme == "tcp" and host in LOCAL_HOSTS
+    return parts.scheme in ("ipc", "inproc") or (parts.scheme == "tcp" and host in ("127.0.0.1", "::1", "localhost"))
 
 
 def check_exposure(bind: str, secured: bool, insecure: bool) -> None:
@@ -59,17 +55,9 @@ def _routed_address() -> str | None:
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
-def peer_address(frame: Any) -> str:
-    """The sender's IP address of a received zmq Frame, or "" where the transport does not know it (ipc)."""
-    return _property(frame, "Peer-Address")
-
-
-def peer_key(frame: Any) -> str:
-    """The public key (z85) the sender of a received zmq Frame authenticated with under CURVE, else ""."""
-    return _property(frame, "User-Id")
-
-
-def _property(frame: Any, name: str) -> str:
+def frame_property(frame: Any, name: str) -> str:
+    """A property of a received zmq Frame, "" where there is none: ``Peer-Address``, the sender's IP address
+    (none over ipc); ``User-Id``, the public key (z85) it authenticated with under CURVE."""
     try:
         return frame.get(name) or ""
     except (zmq.ZMQError, ValueError, TypeError, AttributeError):  # no frame, or no such property

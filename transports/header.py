@@ -1,12 +1,7 @@
-"""What a message's kind, header and arrays may be: the rules the wire applies, and the session's kinds.
-
-A kind is a short identifier (:data:`KIND_PATTERN`). A header is plain data of exact types (a numpy
-scalar or a tuple would arrive as something else, so they are refused rather than changed), nested
-at most :data:`MAX_DEPTH` deep. The transport's own *session* kinds (:data:`SESSION_KINDS`) have
-fixed schemas and carry no arrays; every other kind is a task, whose header the application
-declares with the same :func:`check_fields`. Arrays: at most :data:`MAX_ARRAYS`, distinct non-empty
-names, a dtype of :data:`DTYPES`, a rank of at most :data:`MAX_RANK`. :mod:`transports.wire`
-re-exports the public names; import them from there.
+"""What a message's kind, header and arrays may be: the rules the wire applies, and the session's kinds
+(docs/writing-a-transport.md, "Session kinds and task kinds"). A header is plain data of exact types: a
+numpy scalar or a tuple would arrive as something else, so they are refused rather than changed.
+:mod:`transports.wire` re-exports the public names; import them from there.
 """
 
 from __future__ import annotations
@@ -58,30 +53,22 @@ class VersionMismatch(ProtocolError):
 
 
 class _Spec(type):
-    """A header type that isinstance checks with the class's own ``accepts``."""
+    """A header type for :func:`check_fields` that takes its ``types`` but never a bool
+    (``isinstance(True, Int)`` is False); ``Int.accepts(value)`` is the same test."""
 
     def __instancecheck__(cls, value: Any) -> bool:
-        return cls.accepts(value)
+        return isinstance(value, cls.types) and not isinstance(value, bool)
+
+    def accepts(cls, value: Any) -> bool:
+        return isinstance(value, cls)
 
 
 class Int(metaclass=_Spec):
-    """For :func:`check_fields`: an int that is not a bool (``isinstance(True, Int)`` is False)."""
-
-    description = "int"
-
-    @staticmethod
-    def accepts(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+    description, types = "int", int
 
 
 class Num(metaclass=_Spec):
-    """For :func:`check_fields`: an int or a float, not a bool."""
-
-    description = "number"
-
-    @staticmethod
-    def accepts(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    description, types = "number", (int, float)
 
 
 def _type_name(spec: type) -> str:
@@ -123,41 +110,31 @@ _INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack can carry
 _SCALARS = (type(None), bool, int, float, str)
 
 
-class _NotPlain(Exception):
-    """Raised inside :func:`_walk`; ``path`` collects the keys on the way out."""
-
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
-        self.path: list[Any] = []
-
-
-def _walk(value: Any, depth: int) -> None:
+def _not_plain(value: Any, depth: int) -> tuple[str, list[Any]] | None:
+    """What in ``value`` is not plain data, as (the problem, the keys down to it), or None if nothing is."""
     kind = type(value)  # exact types: numpy scalars and other subclasses would change on the way
     if kind in _SCALARS:
         if kind is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
-            raise _NotPlain(f"the int {value} does not fit in 64 bits")
-        return
+            return f"the int {value} does not fit in 64 bits", []
+        return None
     if kind is list or kind is dict:
         if depth >= MAX_DEPTH:
-            raise _NotPlain(f"lists and maps nest deeper than {MAX_DEPTH} levels")
+            return f"lists and maps nest deeper than {MAX_DEPTH} levels", []
         limit = MAX_LIST_LEN if kind is list else MAX_MAP_LEN
         if len(value) > limit:
-            raise _NotPlain(f"a {kind.__name__} of {len(value)} items, over the {limit} limit")
+            return f"a {kind.__name__} of {len(value)} items, over the {limit} limit", []
         for key, item in enumerate(value) if kind is list else value.items():
             if type(key) is not str and kind is dict:
-                raise _NotPlain(f"the key {key!r} is not a str")
-            try:
-                _walk(item, depth + 1)
-            except _NotPlain as e:
-                e.path.append(key)
-                raise
-        return
+                return f"the key {key!r} is not a str", []
+            if (found := _not_plain(item, depth + 1)) is not None:
+                return found[0], [key, *found[1]]
+        return None
     hint = ""
     if isinstance(value, np.generic):
         hint = " (a numpy scalar: use int(), float() or bool())"
     elif kind is tuple:
         hint = " (use a list)"
-    raise _NotPlain(f"a {kind.__module__}.{kind.__qualname__}{hint}".replace("builtins.", ""))
+    return f"a {kind.__module__}.{kind.__qualname__}{hint}".replace("builtins.", ""), []
 
 
 def check_kind(kind: Any) -> None:
@@ -171,18 +148,18 @@ def check_kind(kind: Any) -> None:
         )
 
 
-def check_header(kind: str, header: Any) -> None:
-    """Raise ProtocolError unless ``header`` is plain data and, for a session kind, follows its schema."""
+def check_header(kind: Any, header: Any) -> None:
+    """Raise ProtocolError unless ``kind`` passes :func:`check_kind` and ``header`` is plain data that, for a
+    session kind, follows its schema."""
+    check_kind(kind)
     if type(header) is not dict:
         raise ProtocolError(f"{kind}: header must be a map, got {type(header).__name__}")
-    try:
-        _walk(header, 0)
-    except _NotPlain as e:
-        where = "header" + "".join(f"[{key!r}]" for key in reversed(e.path))
+    if (found := _not_plain(header, 0)) is not None:
+        where = "header" + "".join(f"[{key!r}]" for key in found[1])
         raise ProtocolError(
-            f"{kind}: {where} is not plain data: {e.problem}; a header holds only None, bool, int, "
+            f"{kind}: {where} is not plain data: {found[0]}; a header holds only None, bool, int, "
             "float, str, lists and maps with str keys"
-        ) from None
+        )
     if kind in SESSION_KINDS:
         check_fields(kind, header, *SESSION_HEADERS[kind])
 
@@ -250,7 +227,6 @@ def check_message(msg: Message) -> None:
     too, so a malformed message fails the same way whichever transport carries it."""
     if not isinstance(msg, Message):
         raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
-    check_kind(msg.kind)
     check_header(msg.kind, msg.header)
     check_arrays(msg.kind, msg.arrays)
     pack(msg.kind, msg.header)

@@ -37,8 +37,7 @@ class InprocTransport(Transport):
         if not callable(handler_factory):  # one set of options goes to every transport: this one needs it
             raise TypeError(f"InprocTransport needs handler_factory, a callable i -> Handler; got {handler_factory!r}")
         check_options(protocol)  # the protocol's type, checked as every transport checks it
-        self._factory = handler_factory
-        self._protocol = protocol
+        self._factory, self._protocol = handler_factory, protocol
         # worker threads -> master: ("hello" | "reply" | "lost", worker index, payload)
         self._inbox: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._tasks: list[queue.Queue[Message]] = []
@@ -75,10 +74,9 @@ class InprocTransport(Transport):
                     who = f"in-process worker {i}"
                     raise VersionMismatch("task protocol", payload["protocol"], self._protocol, who, "the master")
                 infos[i] = worker_info(i, payload, "inproc")
-            elif kind == "reply" and payload.kind == "error":
-                raise RuntimeError(f"in-process worker {i} could not start: {payload.header['message']}")
-            else:
-                raise RuntimeError(f"in-process worker {i} sent {kind!r} before its hello")
+            else:  # before its hello, only its error (a factory that failed) or its loss (its thread died)
+                why = payload.header["message"] if kind == "reply" else payload
+                raise RuntimeError(f"in-process worker {i} could not start: {why}")
         return [infos[i] for i in range(n_workers)]
 
     def send(self, worker: int, msg: Message) -> None:

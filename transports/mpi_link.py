@@ -127,10 +127,11 @@ class MpiChannel:
         self._outgoing: deque[tuple[list[Any], list[Any]]] = deque()  # (requests, the buffers they read)
 
     def send(self, dest: int, frames: list) -> None:
-        """Post ``frames`` (from :func:`transports.wire.encode`) to rank ``dest``, never blocking: the buffers
-        (the arrays' own memory: leave them unmodified until the reply comes) are kept until MPI is done."""
+        """Post ``frames`` (from :func:`transports.wire.encode`; none at all: a bye) to rank ``dest``, never
+        blocking: the buffers (the arrays' own memory: leave them unmodified until the reply comes) are kept
+        until MPI is done. Nothing goes to a rank this one said bye to."""
         if dest in self.bye_sent:
-            raise RuntimeError(f"this rank said bye to rank {dest}: nothing more may go to it")
+            return
         MPI = self.MPI
         prefix = make_prefix(frames)
         requests = [self.comm.Isend([prefix, MPI.BYTE], dest, TAG_PREFIX)]
@@ -138,11 +139,6 @@ class MpiChannel:
         self._outgoing.append((requests, [prefix, *frames]))
         if not frames:
             self.bye_sent.add(dest)
-
-    def send_bye(self, dest: int) -> None:
-        """Tell ``dest`` that nothing more comes from this rank (once; later calls do nothing)."""
-        if dest not in self.bye_sent:
-            self.send(dest, [])
 
     def poll(self) -> list[Arrival]:
         """One round: let go of finished sends; from each peer, every message that has arrived whole (small
@@ -238,7 +234,7 @@ class MpiChannel:
         ``linger_s`` seconds; returns the peers that did not say bye in time. Afterwards nothing is in
         flight between this rank and the others, so MPI can finalise."""
         for peer in peers:
-            self.send_bye(peer)
+            self.send(peer, [])  # a bye
         deadline = time.monotonic() + linger_s
         pace = threading.Event()  # never set: its wait paces the polling, MPI cannot wake this thread
         while True:

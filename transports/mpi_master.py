@@ -42,14 +42,12 @@ class MpiLink(SessionLink):
 
     def receive(self) -> list[Arrival]:
         out = self.link.poll()
-        for rank, why in self.link.broken.items():
-            if rank not in self._gone:
-                out.append(Arrival(rank, address=f"MPI rank {rank}", gone=f"its messages cannot be read: {why}"))
-                self._gone.add(rank)
-        for rank in sorted(self.link.said_bye - self._gone):  # it ended its session: it is exiting
-            out.append(Arrival(rank, address=f"MPI rank {rank}", gone="its process ended the session (it said bye)"))
+        gone = {rank: "its process ended the session (it said bye)" for rank in self.link.said_bye}
+        gone |= {rank: f"its messages cannot be read: {why}" for rank, why in self.link.broken.items()}
+        for rank in sorted(gone.keys() - self._gone):
+            out.append(Arrival(rank, address=f"MPI rank {rank}", gone=gone[rank]))
             self._gone.add(rank)
-            self.link.send_bye(rank)  # it waits for this one before it exits
+            self.link.send(rank, [])  # a bye: it exits (one that said bye waits for this one)
         return out
 
     def send(self, peer: Hashable, frames: list, *, control: bool = False) -> str:
@@ -59,7 +57,7 @@ class MpiLink(SessionLink):
         return ""
 
     def let_go(self, peer: Hashable) -> None:
-        self.link.send_bye(peer)  # it exits
+        self.link.send(peer, [])  # a bye: it exits
 
     def close(self, graceful: bool) -> None:
         """Bye to every rank, and what they still send read and dropped until each said bye: with nothing
@@ -78,21 +76,19 @@ class MpiTransport(SessionTransport):
 
     def __init__(self, *, comm: Any = None, **options: Any) -> None:
         check_options(**options)
-        MPI = require_mpi()
-        comm = MPI.COMM_WORLD if comm is None else comm
-        rank, size = comm.Get_rank(), comm.Get_size()
+        comm = require_mpi().COMM_WORLD if comm is None else comm
+        rank, self.size = comm.Get_rank(), comm.Get_size()
         if rank != MASTER:
             raise RuntimeError(
                 f"MpiTransport is the master's, on rank {MASTER}; this is rank {rank}, which should serve as a "
                 "worker (transports.mpi_worker.serve_if_worker)"
             )
-        if size < 2:
+        if self.size < 2:
             raise RuntimeError(
                 "this MPI job has one rank, the master, and no workers: launch it with mpiexec -n N "
                 "(rank 0 the master, ranks 1..N-1 the workers), e.g. mpiexec -n 3 for 2 workers"
             )
-        self.size = size
-        self.bound_address = f"mpi://ranks 1..{size - 1}"  # where the workers are; nothing to connect to
+        self.bound_address = f"mpi://ranks 1..{self.size - 1}"  # where the workers are; nothing to connect to
         super().__init__(MpiLink(comm, int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))), **options)
 
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:

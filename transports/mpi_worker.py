@@ -2,8 +2,8 @@
 
 Every rank runs the same script, which calls :func:`serve_if_worker` early: it serves on ranks 1.. and
 returns their exit code, and returns None on rank 0 (docs/writing-a-transport.md, "A second worked example:
-MPI"). :func:`serve` is the worker's session over :class:`MpiWorkerLink`; the ranks are fixed when the job
-starts, so a master silent for ``peer_timeout_s``, or one that refuses the worker, ends it.
+MPI"). The ranks are fixed when the job starts, so a master silent for ``peer_timeout_s``, or one that
+refuses the worker, ends it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from transports.base import Handler, Message
 from transports.mpi_link import POLL_S, MpiChannel, require_mpi
 from transports.mpi_master import MASTER, SHUTDOWN_LINGER_S
 from transports.session.link import WorkerLink
-from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, MASTER_LOST, Settings, to_stderr
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, MASTER_LOST, Settings, to_stderr
 from transports.session.welcome import serve_master
 from transports.session.worker import Compute
 from transports.wakeup import Wakeup
-
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "rank_and_size", "serve", "serve_if_worker"]
 
 
 def rank_and_size(comm: Any = None) -> tuple[int, int]:
@@ -32,29 +30,8 @@ def rank_and_size(comm: Any = None) -> tuple[int, int]:
     return comm.Get_rank(), comm.Get_size()
 
 
-def serve_if_worker(make_handler: Callable[[], Handler], comm: Any = None, **options: Any) -> int | None:
-    """On rank 0: None (this process is the master). On any other rank: serve ``make_handler()`` to rank 0
-    until it says shutdown, and return the exit code (:func:`serve`'s ``options``). A handler that cannot be
-    built is reported to the master, whose ``start`` then raises with this rank's message."""
-    comm = require_mpi().COMM_WORLD if comm is None else comm
-    rank = comm.Get_rank()
-    if rank == MASTER:
-        return None
-    log_line = options.get("log_line", to_stderr)
-    try:
-        handler = make_handler()
-    except Exception as e:  # unknown backend, missing driver, no such device: tell the master, in one line
-        why = f"{type(e).__name__}: {e}"
-        log_line(f"MPI rank {rank}: cannot start: {why}")
-        channel = MpiChannel(comm, [MASTER], options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))
-        channel.send(MASTER, wire.encode(Message("error", {"message": why})))
-        channel.finish([MASTER], SHUTDOWN_LINGER_S)  # the master answers with its bye
-        return EXIT_FAILED
-    return serve(handler, comm, **options)
-
-
-def serve(
-    handler: Handler,
+def serve_if_worker(
+    make_handler: Callable[[], Handler],
     comm: Any = None,
     *,
     heartbeat_s: float = 1.0,
@@ -63,49 +40,55 @@ def serve(
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
     log_line: Callable[[str], None] = to_stderr,
     quiet: bool = False,
-) -> int:
-    """Serve ``handler`` to rank 0 of ``comm`` (default COMM_WORLD) until it says shutdown; return an exit code.
+) -> int | None:
+    """On rank 0 of ``comm`` (default COMM_WORLD): None (this process is the master). On any other rank: serve
+    ``make_handler()`` to rank 0 until it says shutdown, and return an exit code.
 
     Waits up to ``welcome_timeout_s`` for the welcome (the master may load its data first: the default
     is generous). Returns EXIT_OK on shutdown (also one before the welcome); EXIT_FAILED when refused,
-    never welcomed, or the master was silent for ``peer_timeout_s``; EXIT_INTERRUPTED on Ctrl-C.
+    never welcomed, the master was silent for ``peer_timeout_s``, or the handler cannot be built (the
+    master is told why, and its ``start`` raises with this rank's message); EXIT_INTERRUPTED on Ctrl-C.
     Problems go to ``log_line``, one line each, prefixed with the rank; ``quiet`` drops the rest.
     """
     comm = require_mpi().COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
     if rank == MASTER:
-        raise ValueError(f"rank {MASTER} is the master; serve() runs on the other ranks")
+        return None
 
     def say(line: str) -> None:
         log_line(f"MPI rank {rank}: {line}")
 
+    channel = MpiChannel(comm, [MASTER], max_message_bytes)
+    try:
+        handler = make_handler()
+    except Exception as e:  # unknown backend, missing driver, no such device: tell the master, in one line
+        say(f"cannot start: {type(e).__name__}: {e}")
+        channel.send(MASTER, wire.encode(Message("error", {"message": f"{type(e).__name__}: {e}"})))
+        channel.finish([MASTER], SHUTDOWN_LINGER_S)  # the master answers with its bye
+        return EXIT_FAILED
+    info = (lambda line: None) if quiet else say
     settings = Settings(
-        heartbeat_s=heartbeat_s,
-        peer_timeout_s=peer_timeout_s,
-        max_bytes=max_message_bytes,
-        say=say,
-        info=(lambda line: None) if quiet else say,
+        heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s, max_bytes=max_message_bytes, say=say, info=info
+    )
+    giving_up = (
+        f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
+        "same program, with the mpi transport?"
     )
     compute = Compute(handler)
-    link = MpiWorkerLink(MpiChannel(comm, [MASTER], max_message_bytes), compute.wakeup)
+    link = MpiWorkerLink(channel, compute.wakeup)
     try:
-        giving_up = (
-            f"no welcome from the master (rank {MASTER}) within {welcome_timeout_s:g} s; is rank 0 running the "
-            "same program, with the mpi transport?"
-        )
         deadline = time.monotonic() + welcome_timeout_s
         code = serve_master(link, compute, settings, master="the master", deadline=deadline, giving_up=giving_up)
         if code == MASTER_LOST:
             say("the master went away; worker exiting")
-            return EXIT_FAILED
-        return code
+        return EXIT_FAILED if code == MASTER_LOST else code
     except KeyboardInterrupt:
         say("interrupted; worker stopping")
         return EXIT_INTERRUPTED
     finally:
         compute.stop()
         # the closing handshake: MPI cannot finalise while a message sent to this rank is unread
-        if link.link.finish([MASTER], SHUTDOWN_LINGER_S):
+        if channel.finish([MASTER], SHUTDOWN_LINGER_S):
             say(f"the master did not say bye within {SHUTDOWN_LINGER_S:g} s; MPI may complain as this rank exits")
 
 

@@ -1,17 +1,6 @@
-"""A large message in pieces, so that a peer whose bytes are still flowing is heard as alive.
-
-ZeroMQ hands a multipart message over only once its last byte is in: a 30 MB task on a 5 MB/s
-link is six seconds in which the receiver hears nothing, longer than its patience
-(``peer_timeout_s``), and the heartbeats the sender queued after the task wait behind it too. So
-a link sends a message of more than :data:`PIECE_BYTES` as a run of small messages, each a piece
-of one of its frames, and the receiver takes every piece as a sign of life while it puts the
-message together again (:class:`Reassembly`). A message that small goes whole, as it always did.
-
-A piece is three frames: :data:`MARK` (0xc1, a byte msgpack never uses, so no whole message's
-header frame starts with it), its place ``(flags, frame index, frame count, offset in the frame)``
-and its bytes.
-Everything about a piece is checked before a byte of it is kept, and a message put together again
-is capped at ``max_bytes`` like any other.
+"""A large message in pieces, so that a peer whose bytes are still flowing is heard as alive: why, and what
+a piece is, in docs/writing-a-transport.md, "Crossing a process boundary". Everything about a piece is
+checked before a byte of it is kept, and a message put together again is capped like any other.
 """
 
 from __future__ import annotations
@@ -52,11 +41,10 @@ def is_piece(frames: Sequence[Any]) -> bool:
 class Reassembly:
     """One sender's message as its pieces come, in order: :meth:`add` returns the whole message's frames once
     its last piece is in, else None. A message the sender cut short (its pipe was full) is dropped when the
-    next one begins (``cut_short`` counts them); a piece out of place raises ProtocolError."""
+    next one begins; a piece out of place raises ProtocolError."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.cut_short = 0
         self._reset()
 
     def add(self, piece: Sequence[Any]) -> list[bytearray] | None:
@@ -65,9 +53,7 @@ class Reassembly:
             raise self._broken(f"a piece's place is {len(place)} bytes, not {_PLACE.size}")
         flags, index, count, offset = _PLACE.unpack(place)
         if flags & _FIRST:
-            if self._count:
-                self.cut_short += 1
-                self._reset()
+            self._reset()  # a message still in progress was cut short: it is dropped
             if not 1 <= count <= 1 + MAX_ARRAYS:
                 raise self._broken(f"a message of {count} frames; at most a header and {MAX_ARRAYS} arrays")
             self._count = count

@@ -36,7 +36,6 @@ from transports.header import (
     check_array_names,
     check_descriptor,
     check_header,
-    check_kind,
     check_message,
     pack,
 )
@@ -103,7 +102,6 @@ def _parse_envelope(head: memoryview) -> dict:
     expected = {"v", "kind", "header", "arrays"}
     if set(env) != expected:
         raise ProtocolError(f"header keys must be exactly {sorted(expected)}, got {sorted(map(str, env))}")
-    check_kind(env["kind"])
     return env
 
 

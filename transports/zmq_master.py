@@ -1,10 +1,8 @@
 """ZeroMQ, the master's side: a ROUTER socket that every worker's DEALER (:mod:`transports.zmq_worker`)
 connects to, over ``tcp://`` or ``ipc://``. :class:`ZmqLink` moves frames between the socket and the
 session (:mod:`transports.session`); only the session's I/O thread touches the socket, woken by a
-:class:`~transports.wakeup.Wakeup` polled beside it. The group is open: workers may come and go.
-With ``curve`` (:class:`transports.curve.CurveServer`) only workers whose public key is authorised
-get past ZeroMQ's handshake, and all traffic is encrypted; without it the master binds only
-addresses of this machine, unless ``insecure=True``.
+:class:`~transports.wakeup.Wakeup` polled beside it. The group is open: workers may come and go. With
+``curve`` (:class:`transports.curve.CurveServer`) only authorised workers get in, and traffic is encrypted.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import zmq
 
 from transports import wire
 from transports.curve import CurveServer
-from transports.endpoints import check_exposure, connect_hint, peer_address, peer_key
+from transports.endpoints import check_exposure, connect_hint, frame_property
 from transports.pieces import Reassembly, is_piece, pieces
 from transports.session.link import Arrival, Link
 from transports.session.master import SessionTransport
@@ -81,7 +79,7 @@ class ZmqLink(Link):
                 break
             peer, body = frames[0].bytes, frames[1:]
             first = body[0] if body else None
-            address, key = peer_address(first), peer_key(first)
+            address, key = frame_property(first, "Peer-Address"), frame_property(first, "User-Id")
             if not is_piece(body):
                 out.append(Arrival(peer, body, address=address, key=key))
                 continue
@@ -131,14 +129,14 @@ class ZmqTransport(SessionTransport):
             raise TypeError(f"curve must be a transports.curve.CurveServer, got {type(curve).__name__}")
         check_exposure(bind, secured=curve is not None, insecure=insecure)
         self.secured = curve is not None
+        max_bytes = int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))
         ctx = zmq.Context()
         try:
-            sock, auth = _bind(ctx, bind, int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES)), curve)
+            sock, auth = _bind(ctx, bind, max_bytes, curve)
         except BaseException:
             ctx.term()
             raise
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # e.g. tcp://127.0.0.1:41234 for port 0
-        max_bytes = int(options.get("max_message_bytes", wire.DEFAULT_MAX_BYTES))
         super().__init__(ZmqLink(ctx, sock, auth, max_bytes), **options)
         if auth is not None:  # a refused key never reaches the session: the authenticator reports it there
             auth.on_refused = lambda address, why: self._io.drops.drop("key", address, f"a key refused ({why})")

@@ -58,15 +58,9 @@ def serve(
     retry_for: float | None = 600.0,
     forever: bool = False,
 ) -> int:
-    """Serve ``handler`` to the master at ``connect``, and to the masters after it; return an exit code.
-
-    Waits up to ``welcome_timeout_s`` for the first master's welcome. A master silent for
-    ``peer_timeout_s`` is lost: the worker says hello again, with backoff, until ``retry_for`` seconds
-    have passed (0: exit at once). After the master's shutdown it returns, or with ``forever`` waits
-    for the next master with no time limit. ``welcome_timeout_s`` and ``retry_for`` may be None: no limit.
-    Returns EXIT_OK on shutdown; EXIT_FAILED when refused (another version, or a key the master does
-    not know), never welcomed, or when no master came back within ``retry_for``; EXIT_INTERRUPTED when
-    ``stop`` is set or on Ctrl-C. Problems go to ``log_line``, one line each; ``quiet`` drops the rest.
+    """Serve ``handler`` to the master at ``connect``, and to the masters after it; return an exit code
+    (docs/writing-a-transport.md, "The worker side", says when each comes). ``welcome_timeout_s`` and
+    ``retry_for`` may be None: no limit. Problems go to ``log_line``, one line each; ``quiet`` drops the rest.
     """
     if curve is not None and not isinstance(curve, CurveClient):
         raise TypeError(f"curve must be a transports.curve.CurveClient, got {type(curve).__name__}")
@@ -250,12 +244,9 @@ class ZmqWorkerLink(WorkerLink):
             return f"the master at {connect} requires CURVE keys: start this worker with {_KEYS_HINT}"
         if n < _HANDSHAKE_ATTEMPTS:
             return ""
-        if curve is not None:
-            return (
-                f"the handshake with the master at {connect} failed {n} times: perhaps "
-                f"{curve.server_public_key_file} is not the master's public key, or it does not use CURVE keys"
-            )
-        return (
-            f"the handshake with the master at {connect} failed {n} times: perhaps the "
-            f"master requires CURVE keys (start this worker with {_KEYS_HINT})"
+        perhaps = (
+            f"{curve.server_public_key_file} is not the master's public key, or it does not use CURVE keys"
+            if curve
+            else f"the master requires CURVE keys (start this worker with {_KEYS_HINT})"
         )
+        return f"the handshake with the master at {connect} failed {n} times: perhaps {perhaps}"

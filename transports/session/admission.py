@@ -1,32 +1,41 @@
-"""Admission: which peers become workers of a master's session, under which index, and which are turned away.
-
-Before start() the master holds hellos back (at most ``MAX_PENDING``; in an open group it forgets
-a peer that said hello and then nothing for ``peer_timeout_s``). From start() on it admits every
-hello with a welcome, each under a new index (a worker that comes back after being lost is a new
-worker). Nothing a peer that is not a worker sends can end the run: a hello of another version is
-answered with both versions, anything else unreadable is dropped and counted
-(:class:`~transports.droplog.DropLog`). In a closed group (MPI's ranks) a peer that cannot be
-admitted is given up on and ``start`` raises why: no other could take its place.
+"""Admission: which peers become workers of a master's session, under which index, and which are turned away
+(docs/writing-a-transport.md, "The master side" and "Crossing a process boundary"). Nothing a peer that is
+not a worker sends can end the run, but in a closed group (MPI's ranks) a peer that cannot be admitted ends
+``start``: no other could take its place.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transports import wire
 from transports.base import Message, WorkerInfo
 from transports.droplog import DropLog
-from transports.session.book import Book
 from transports.session.link import Arrival, Link
 from transports.session.settings import MasterSettings
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 1000  # peers whose hello waits for start(); more are turned away
+
+
+@dataclass
+class Book:
+    """What the session's I/O thread and the caller's threads share; ``cond`` guards every field."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    admitting: bool = False  # start() was called
+    fresh: list[WorkerInfo] = field(default_factory=list)  # admitted, not yet handed to the caller
+    known: set[int] = field(default_factory=set)  # handed to the caller by start() or joined()
+    lost: dict[int, str] = field(default_factory=dict)
+    traffic: dict[int, list[int]] = field(default_factory=dict)  # worker index -> [sent, received]
+    refusal: BaseException | None = None  # closed group: why start() cannot succeed
+    failure: BaseException | None = None  # the I/O thread died of this
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The master's side of a session: :class:`SessionTransport`, the :class:`~transports.base.Transport`
 the caller's threads use, over a :class:`~transports.session.link.Link`, and :class:`MasterSession`,
-the one I/O thread that calls the link. They share a :class:`~transports.session.book.Book` and two
+the one I/O thread that calls the link. They share a :class:`~transports.session.admission.Book` and two
 queues; who becomes a worker is :class:`~transports.session.admission.Admission`'s.
 
 One task's way: ``send`` encodes it (:func:`transports.wire.encode` validates it, in the caller) into
@@ -22,8 +22,7 @@ from typing import Any
 from transports import wire
 from transports.base import Message, Transport, WorkerInfo, WorkerLost
 from transports.droplog import DropLog
-from transports.session.admission import Admission
-from transports.session.book import Book
+from transports.session.admission import Admission, Book
 from transports.session.link import Arrival, Link
 from transports.session.settings import HEARTBEAT, MasterSettings, check_options
 

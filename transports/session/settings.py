@@ -16,7 +16,6 @@ EXIT_OK = 0  # the master said shutdown
 EXIT_FAILED = 1  # refused, never welcomed, master gone for good, bad address
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM / the stop event
 MASTER_LOST = -1  # not an exit code: the master went silent; look for one again
-SHUTDOWN = -2  # not an exit code: the master said shutdown before it welcomed this worker
 
 HEARTBEAT = wire.encode(Message("heartbeat"))  # sent after heartbeat_s of quiet, waiting or serving
 # A master that starts its own workers may admit only them: it gives each this run's secret in this

@@ -10,20 +10,19 @@ from collections.abc import Callable
 from transports import wire
 from transports.base import Message
 from transports.session.link import WorkerLink
-from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, SHUTDOWN, Settings
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, Settings
 from transports.session.worker import Compute, Hello, Serving
 
 BACKOFF_FIRST_S = 0.5  # a hello is said again after this long without a welcome...
 BACKOFF_MAX_S = 10.0  # ... doubling up to this
 _SLICE_S = 0.25  # while waiting for a welcome, how often to look at the clock and the stop event
-_FIXED = 1  # the session of a worker that serves one master
 
 
 def answer_to_hello(
     frames: list, master: str, settings: Settings, unreadable: Callable[[str], None]
 ) -> Message | int | None:
     """What ``master`` sent a worker that waits for its welcome: the welcome; EXIT_FAILED when it refused this
-    worker or speaks another wire; SHUTDOWN when it ended first; None for anything else (wait on). Each
+    worker or speaks another wire; EXIT_OK when it ended first; None for anything else (wait on). Each
     outcome but the welcome is said in one line (what cannot be read, through ``unreadable``)."""
     say, info = settings.say, settings.info
     try:
@@ -41,7 +40,7 @@ def answer_to_hello(
         return EXIT_FAILED
     if msg.kind == "shutdown":
         info(f"shutdown: {msg.header['reason']} (from {master}, before it welcomed this worker)")
-        return SHUTDOWN
+        return EXIT_OK
     return None
 
 
@@ -59,7 +58,7 @@ def greet(
 
     The hello, made by the compute thread, goes again with backoff, and at once over a link that was
     ``renewed``; heartbeats go meanwhile, so a master that is not admitting yet keeps this worker's place.
-    Returns (the welcome, what arrived after it in the same receive), SHUTDOWN, EXIT_INTERRUPTED when
+    Returns (the welcome, what arrived after it in the same receive), EXIT_OK (a shutdown), EXIT_INTERRUPTED when
     ``stop`` is set, or EXIT_FAILED: refused, at the deadline (``giving_up`` said), the link gone, or a
     handler that cannot say hello (the master is told why).
     """
@@ -109,14 +108,14 @@ def serve_master(
     master: str,
     deadline: float | None,
     giving_up: str,
-    session: int = _FIXED,
+    session: int = 1,  # a worker that serves one master has one session
 ) -> int:
     """A whole session with ``master``: :func:`greet` it until ``deadline``, then serve until shutdown. Returns
     EXIT_OK on shutdown (also one before the welcome), MASTER_LOST when the master went silent, else
     :func:`greet`'s or :class:`~transports.session.worker.Serving`'s code."""
     found = greet(link, compute, session, settings, master=master, deadline=deadline, giving_up=giving_up)
     if isinstance(found, int):
-        return EXIT_OK if found == SHUTDOWN else found
+        return found
     welcome, arrived = found
     link.welcomed()
     settings.info(f"worker {welcome.header['index']} serving {master}")
