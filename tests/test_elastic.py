@@ -211,30 +211,28 @@ def test_a_worker_process_killed_mid_run_over_zmq_costs_no_step(rng):
     assert losses == pytest.approx(reference, rel=1e-4) and np.all(np.isfinite(losses))
 
 
-def test_the_time_a_worker_has_scales_with_the_batch_past_the_calibrated_one(rng):
+def test_the_time_a_worker_has_by_the_calibration_is_twice_its_expected_time_and_a_second(rng):
+    """Before a step has measured the workers: 2 x (calibrated time + transfer), scaled to the batch, + 1 s."""
     net, conv, ref = block_net(rng)
     with pool([Worker]) as (transport, workers):
         cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=1000.0)
         cluster.attach(net)
         block = cluster.blocks[0]
-        assert cluster.timeout(block, 2) == 1000.0  # not calibrated: the ceiling
+        assert cluster.timeout(block, 2, "forward") == 1000.0  # not calibrated: the ceiling
         cluster.calibrate(net, batch_size=2, image_size=8)
-        assert cluster.timeout(block, 2) == 1000.0  # calibrated, but the link not measured yet
+        assert cluster.timeout(block, 2, "forward") == 1000.0  # calibrated, but the link not measured yet
         exact_step(net, conv, ref)
+        cluster._took = {}  # as before any step measured the workers
         cluster.timings = {name: {"conv1": 3.0} for name in cluster.timings}  # the slowest: 3 s a layer
         cluster.rpc.links[0] = LinkSpeed()
         cluster.rpc.links[0].add(1, 0.0, exact=True)  # a link that takes no time
-        assert cluster.timeout(block, 2) == 30.0  # ten times the calibrated time
-        assert cluster.timeout(block, 1) == 30.0  # a smaller batch gets no less
-        assert cluster.timeout(block, 16) == 240.0  # an evaluation batch 8 times larger: 8 times as long
-        assert cluster.timeout(block, 1000) == 1000.0  # never past recv_timeout
+        assert cluster.timeout(block, 2, "forward") == 7.0  # twice the calibrated time, and a second
+        assert cluster.timeout(block, 1, "backward") == 7.0  # a smaller batch gets no less
+        assert cluster.timeout(block, 16, "forward") == 49.0  # an evaluation batch 8 times larger: 8 times as long
+        assert cluster.timeout(block, 1000, "forward") == 1000.0  # never past recv_timeout
         moved = cluster._moved["conv1"]["worker0"]  # the most bytes one op moved
         cluster.rpc.links[0].add(moved, 2 * 7.0, exact=False)  # 7 s to move them; the median of 0 and 14 s
-        assert cluster.timeout(block, 2) == pytest.approx(100.0)  # ten times compute and transfer
-        cluster.rpc.links[0] = LinkSpeed()
-        cluster.timings = {name: {"conv1": 0.01} for name in cluster.timings}
-        cluster.rpc.links[0].add(1, 0.0, exact=True)
-        assert cluster.timeout(block, 2) == 10.0  # at least 10 s
+        assert cluster.timeout(block, 2, "forward") == pytest.approx(21.0)  # twice compute and transfer, + 1 s
 
 
 class Scaled(Worker):

@@ -89,9 +89,11 @@ class Throttled(Transport):
         pass
 
 
-def cluster_on(links: list[float], rng, c_out: int, rebalance: bool) -> tuple[Cluster, Network, Clock]:
-    """A calibrated cluster of workers on ``links`` (seconds per byte), the master only coordinating,
-    for a one-conv network of ``c_out`` kernels split as in the paper (by kernels, no fused tail)."""
+def cluster_on(
+    links: list[float], rng, c_out: int, rebalance: bool, calibrate: bool = True
+) -> tuple[Cluster, Network, Clock]:
+    """A cluster of workers on ``links`` (seconds per byte), the master only coordinating, for a one-conv
+    network of ``c_out`` kernels split as in the paper (by kernels, no fused tail); calibrated, or equal."""
     be, clock = NumpyBackend(), Clock()
     transport = Throttled(links, clock)
     workers = transport.start(len(links))
@@ -99,7 +101,10 @@ def cluster_on(links: list[float], rng, c_out: int, rebalance: bool) -> tuple[Cl
     cluster = Cluster(transport, workers, be, master_share="0", split="kernels", fuse=False,
                       rebalance=rebalance, recv_timeout=RECV_TIMEOUT)  # fmt: skip
     cluster.rpc.clock = clock
-    cluster.calibrate(net, batch_size=2, image_size=8)
+    if calibrate:
+        cluster.calibrate(net, batch_size=2, image_size=8)
+    else:
+        cluster.attach(net)
     return cluster, net, clock
 
 
@@ -110,10 +115,11 @@ def step(net: Network, rng) -> None:
 
 
 def test_a_worker_on_a_slow_link_is_given_its_transfer_time_and_a_silent_one_is_still_lost(rng):
+    """The deadline is twice what the worker's last op took -- its bytes at its link's rate, and its compute --
+    and a second: a worker on a slow link gets its minutes; one that hangs there costs 2 x that + 1 s."""
     cluster, net, clock = cluster_on([0.01], rng, c_out=8, rebalance=False)  # 100 bytes a second
     block = cluster.blocks[0]
-    compute_only = max(10.0, 10 * max(cluster.calibration["times"]["conv1"]))  # the old deadline
-    assert compute_only == 10.0 and cluster.timeout(block, 2) == RECV_TIMEOUT  # nothing measured yet
+    assert cluster.timeout(block, 2, "forward") == RECV_TIMEOUT  # nothing measured yet
     starts = []
     for _ in range(3):
         starts.append(clock.now)
@@ -123,17 +129,37 @@ def test_a_worker_on_a_slow_link_is_given_its_transfer_time_and_a_silent_one_is_
     assert op_s == pytest.approx(65.28 + 8e-3)  # bytes at 100/s and 8 kernels' compute: past 10 s
     moved = cluster._moved["conv1"]["worker0"]
     assert moved == 6528 and cluster.rpc.link(0).seconds_per_byte() == pytest.approx(0.01)
-    assert cluster.timeout(block, 2) == pytest.approx(10 * (0.016 + 65.28))  # compute and transfer, ten times
+    deadline = 2 * op_s + 1
+    assert cluster.timeout(block, 2, "forward") == pytest.approx(deadline)
+    assert cluster.timeout(block, 4, "backward") == pytest.approx(2 * 2 * op_s + 1)  # twice the images
 
     cluster.transport.silent.add(0)  # now it never answers
     before = clock.now
     step(net, rng)
     (event,) = cluster.pop_events()
-    deadline = 10 * (0.016 + 65.28)
     assert event["worker"] == "worker0"
     assert event["reason"] == f"no result for the forward of conv1 within {deadline:g} s"
-    assert clock.now - before == pytest.approx(deadline)  # lost at its deadline, long before recv_timeout
+    assert clock.now - before == pytest.approx(deadline)  # lost at 2 x its op time + 1 s, long before recv_timeout
     assert cluster.participants == ["master"]
+
+
+def test_without_calibration_a_hung_worker_costs_twice_its_last_op_and_a_second_from_the_second_step(rng):
+    """An equal split, nothing calibrated: the first step may take up to recv_timeout (nothing is known of the
+    workers yet); from the second on, a worker that stops answering is lost at 2 x its last op time + 1 s."""
+    cluster, net, clock = cluster_on([1e-4, 1e-4], rng, c_out=8, rebalance=False, calibrate=False)
+    block = cluster.blocks[0]
+    assert cluster.timeout(block, 2, "forward") == RECV_TIMEOUT
+    step(net, rng)
+    floats = 2 * 3 * 8 * 8 + 4 * 3 * 3 * 3 + 4 + 2 * 4 * 8 * 8  # x, its 4 kernels' w and b; their y back
+    op_s = 1e-4 * 4 * floats + 4 * MS_PER_KERNEL  # the bytes on the link, then the compute
+    assert cluster.timeout(block, 2, "forward") == pytest.approx(2 * op_s + 1)
+    cluster.transport.silent.add(1)
+    before = clock.now
+    step(net, rng)
+    (event,) = cluster.pop_events()
+    assert event["reason"] == f"no result for the forward of conv1 within {2 * op_s + 1:g} s"
+    assert 2 * op_s + 1 < clock.now - before < 2 * op_s + 1 + 4 * op_s  # then worker0 does the step on its own
+    assert cluster.participants == ["worker0"] and cluster.counts["conv1"] == [8]
 
 
 def test_a_worker_on_a_slow_link_ends_with_fewer_kernels_than_one_on_a_fast_link(rng):

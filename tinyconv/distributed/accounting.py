@@ -51,6 +51,7 @@ class LayerStep:
     channels: list[int] | None  # input channels per participant, for a layer split by them
     forward: OpStats
     backward: OpStats
+    images: int  # the batch it ran on
 
     @property
     def units(self) -> list[int]:

@@ -24,7 +24,6 @@ from transports.base import Transport, WorkerInfo
 log = logging.getLogger(__name__)
 
 MASTER_SHARES = ("auto", "0")
-MIN_DEADLINE_S = 10.0  # the least a worker has for one op, however fast it was timed
 
 
 class Runtime:
@@ -161,17 +160,21 @@ class Runtime:
         """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
         return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
 
-    def _timeout(self, unit: str, scale: float, moved: dict[str, int]) -> float:
-        """Seconds a worker has to answer one op of ``unit``: ten times what the op should take, at least
-        10 s, at most ``recv_timeout``::
+    def _timeout(self, unit: str, scale: float, moved: dict[str, int], took: dict[str, float] | None = None) -> float:
+        """Seconds a worker has to answer one op of ``unit``: twice what it should take, and a second, at most
+        ``recv_timeout`` -- so a worker that hangs while its heartbeats flow costs no more than that::
 
-            10 * scale * (max_i t_i + max_k B_k s_k),    scale = max(1, batch / calibrated batch)
+            2 * max_k e_k + 1 s
 
-        t_i: participant i's calibrated time for ``unit``; B_k: ``moved``, the most array bytes one op
-        moved to and from worker k last step; s_k: the seconds per byte its link measured, upper bounds
-        included (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until all of those are
-        known, ``recv_timeout``.
+        e_k: worker k's expected seconds for the op. ``took`` gives them where the steps so far measured
+        them for every worker with a share (its compute and its bytes at its link's rate); else, once calibrated,
+        e_k = scale * (max_i t_i + B_k s_k), scale = max(1, batch / calibrated batch): t_i, participant
+        i's calibrated time for the whole ``unit``; B_k, ``moved``, the most array bytes one op moved to
+        and from worker k last step; s_k, the seconds per byte its link measured, upper bounds included
+        (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until either is known, ``recv_timeout``.
         """
+        if took is not None:
+            return min(self.recv_timeout, 2 * max(took.values(), default=0.0) + 1.0)
         known = [self.timings.get(name, {}).get(unit) for name, _ in self.placement]
         transfer = [
             _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
@@ -180,7 +183,7 @@ class Runtime:
         ]
         if not known or None in known or None in transfer:
             return self.recv_timeout
-        return min(self.recv_timeout, max(MIN_DEADLINE_S, 10 * scale * (max(known) + max(transfer, default=0.0))))
+        return min(self.recv_timeout, 2 * scale * (max(known) + max(transfer, default=0.0)) + 1.0)
 
     # ---- membership -----------------------------------------------------------------------------
     def lose(self, workers: dict[int, str]) -> None:

@@ -99,6 +99,7 @@ class Cluster(Runtime):
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
         self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
+        self._took: dict[tuple[str, str], dict[str, float]] = {}  # (layer, op) -> worker -> s per unit and image
 
     # ---- the network ----------------------------------------------------------------------
     def attach(self, net: Network) -> None:
@@ -220,12 +221,19 @@ class Cluster(Runtime):
         enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.placement)
         return block.by_channels and enough and any(k is not None for _, k in self.placement)
 
-    def timeout(self, block: ShardedBlock, batch: int) -> float:
-        """Seconds a worker has to answer one of ``block``'s ops on ``batch`` images (:meth:`Runtime._timeout`)."""
-        if self._specs is None:
-            return self.recv_timeout
-        calibrated = self._specs[self.blocks.index(block)]["x"][0]
-        return self._timeout(block.name, max(1.0, batch / calibrated), self._moved.get(block.name, {}))
+    def timeout(self, block: ShardedBlock, batch: int, what: str) -> float:
+        """Seconds a worker has to answer ``block``'s ``what`` ("forward" or "backward") on ``batch`` images:
+        by each worker's seconds per unit and image in the last step, for its share now, once every worker
+        with a share has them; else by the calibration (:meth:`Runtime._timeout`)."""
+        plan, rates = self.plan(block), self._took.get((block.name, what), {})
+        units = zip(self.placement, plan.channel_counts or plan.counts, strict=True)
+        shares = {name: n for (name, k), n in units if k is not None and n}
+        took = {name: rates[name] * n * batch for name, n in shares.items() if name in rates}
+        calibrated = self._specs[self.blocks.index(block)]["x"][0] if self._specs is not None else batch
+        moved = self._moved.get(block.name, {})
+        return self._timeout(
+            block.name, max(1.0, batch / calibrated), moved, took if len(took) == len(shares) else None
+        )
 
     # ---- steps ------------------------------------------------------------------------------
     def codec(self, block: ShardedBlock) -> Narrowing | None:
@@ -239,6 +247,7 @@ class Cluster(Runtime):
         self._moved[done.name] = {
             name: max(done.forward.moved(name), done.backward.moved(name)) for name in done.participants
         }
+        self._measure(done)
         if block is not self.blocks[0]:
             return
         record = step_record(self._done, self.participants)
@@ -252,6 +261,19 @@ class Cluster(Runtime):
                 self.wire.observe(self.step, b.name, self.backend.to_numpy(b.conv.params["w"]))
         self.last_step = record
         self._welcome_joiners()
+
+    def _measure(self, done: LayerStep) -> None:
+        """Each worker's seconds per unit (what the layer is split by) and image in ``done``'s forward and
+        backward: its compute and its bytes at its link's rate, which the next steps' deadlines scale."""
+        index = dict(self.placement)
+        for what, op in (("forward", done.forward), ("backward", done.backward)):
+            rates = self._took.setdefault((done.name, what), {})
+            for name, n, compute in zip(done.participants, done.units, op.compute_s, strict=True):
+                k = index.get(name)
+                per_byte = None if k is None else self.rpc.link(k).seconds_per_byte(exact=False)
+                if n and per_byte is not None:  # a high-water mark that halves step by step: a spike widens it
+                    rate = (compute + op.moved(name) * per_byte) / (n * done.images)
+                    rates[name] = max(rate, rates.get(name, 0.0) / 2)
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
         """Feed the rebalancer each layer's step, by what the layer is split by -- its kernels, or its input

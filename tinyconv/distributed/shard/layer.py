@@ -33,7 +33,7 @@ class Coordinator(Protocol):
 
     def plan(self, block: ShardedBlock) -> Plan: ...
 
-    def timeout(self, block: ShardedBlock, batch: int) -> float: ...
+    def timeout(self, block: ShardedBlock, batch: int, what: str) -> float: ...
 
     def lose(self, workers: dict[int, str]) -> None: ...
 
@@ -102,9 +102,8 @@ class ShardedBlock(Layer):
                 self.cluster.lose(e.workers)
         self.cache = None
         self.grads = self.conv.grads = {"w": dw, "b": db}
-        done = LayerStep(
-            self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, op.stats(self.cluster.placement)
-        )
+        stats = op.stats(self.cluster.placement)
+        done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, stats, fwd.x.shape[0])
         self.cluster.finished(self, done)
         return dx
 
@@ -112,7 +111,7 @@ class ShardedBlock(Layer):
         """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index,
         and go on the wire by the cluster's codec for the layer (None: as they are)."""
         fields = {"step": step, "layer": self.index}
-        timeout, codec = self.cluster.timeout(self, batch), self.cluster.codec(self)
+        timeout, codec = self.cluster.timeout(self, batch, what), self.cluster.codec(self)
         return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, timeout, codec)
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
