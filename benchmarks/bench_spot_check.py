@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
 from tinyconv.distributed.rpc import Lost  # noqa: E402
+from tinyconv.distributed.shard.block import block_backward, block_forward  # noqa: E402
 from tinyconv.distributed.spot_check import SpotCheck  # noqa: E402
 from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
@@ -62,6 +64,14 @@ def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil 
     b = np.zeros(f, np.float32)
     dy = rng.standard_normal((n, f, 8, 8), dtype=np.float32)
     compute, header = 0.0, {"stride": 1, "padding": 2, "tail": TAIL, "own": [4, f - 4], "layer": 1}
+    if args.master_share == "auto":  # the master computes a share like it, and the cluster tells the check its speed
+        times = []
+        for _ in range(6):  # the first ones fault memory in: the median of the last three
+            t0 = time.perf_counter()
+            _, cache = block_forward(master, x, w, b, 1, 2, TAIL, (4, f - 4))
+            block_backward(master, dy, cache, True)
+            times.append(time.perf_counter() - t0)
+        spot.master_rate[1] = statistics.median(times[3:]) / (3 * (f - 8) * n)
     for step in tqdm(range(1, n_steps + 1), desc="steps", leave=False, disable=n_steps < 100):
         x[rng.integers(n)] = rng.standard_normal((c, hw, hw), dtype=np.float32)  # the data moves on
         fwd = Message("block_forward", {**header, "task": 2 * step, "step": step}, {"x": x, "w": w, "b": b})
@@ -85,6 +95,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--worker-backend", default="numpy", help="the worker's backend; the master's is numpy")
     p.add_argument("--budget", type=float, default=0.03, help="the spot check's share of each worker's work")
+    p.add_argument(
+        "--master-share",
+        choices=("auto", "0"),
+        default="auto",
+        help="auto: the master computes a share too, and its speed on it prices the budget (the cluster's default); "
+        "0: it only coordinates, and its image samples price it",
+    )
     p.add_argument("--honest-steps", type=int, default=200)
     p.add_argument("--fault-steps", type=int, default=20, help="steps each wrong worker runs at most")
     p.add_argument("--seeds", type=int, default=5)

@@ -12,7 +12,8 @@ kinds of sample, each a small slice of the task (F' kernels computed, N images, 
 
 The budget is kept in the master's own seconds. Each forward task earns its worker ``budget`` times
 what the task would cost the master -- its kernel-images (F' N forward, twice that backward) at the
-master's measured seconds per kernel-image of an image sample -- half for each kind of sample; a
+master's seconds per kernel-image, measured on its own share of the step when it has one
+(``master_rate``, the cluster's to set), else on its image samples -- half for each kind of sample; a
 sample is taken while its kind's credit is not negative, and its seconds are taken off. Credit
 starts at zero, so a worker's first step is sampled (one wrong from the start is caught at once),
 and a worker cannot buy itself fewer samples by answering fast or claiming a short compute time.
@@ -96,7 +97,8 @@ class SpotCheck:
         self.workers: dict[int, _Worker] = {}
         self.samples = self.forgiven = 0
         self.seconds = self.earned = 0.0
-        self._image = [0.0, 0]  # the image samples' seconds and kernel-images: the master's rate
+        self._image: dict[int, list[float]] = {}  # layer -> its image samples' seconds and kernel-images
+        self.master_rate: dict[int, float] = {}  # layer -> the master's seconds per kernel-image on its own share
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
@@ -105,14 +107,15 @@ class SpotCheck:
         elif task.kind == "block_backward":
             self._backward(k, task, reply, be)
 
-    def _spend(self, state: _Worker, sample: _Sample, t0: float, cells: int) -> None:
+    def _spend(self, state: _Worker, sample: _Sample, t0: float, cells: int, layer: int) -> None:
         """Take a sample's seconds since ``t0`` off its kind's credit (``cells``: its kernel-images, for the rate)."""
         dt = time.perf_counter() - t0
         state.credit[sample.kind] -= dt
         self.seconds += dt
         if sample.kind == "image":
-            self._image[0] += dt
-            self._image[1] += cells
+            spent = self._image.setdefault(layer, [0.0, 0.0])
+            spent[0] += dt
+            spent[1] += cells
 
     def _forward(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         n, f = task.arrays["x"].shape[0], task.arrays["w"].shape[0]
@@ -121,7 +124,8 @@ class SpotCheck:
             return  # not this file's to judge: the split's shape check loses the worker
         state = self.workers.setdefault(k, _Worker())
         state.forward, state.samples = task, []
-        rate = self._image[0] / self._image[1] if self._image[1] else 0.0  # master seconds per kernel-image
+        layer, (spent, cells) = task.header["layer"], self._image.get(task.header["layer"], (0.0, 0.0))
+        rate = self.master_rate.get(layer) or (spent / cells if cells else 0.0)  # master seconds per kernel-image
         for kind in ("image", "kernel"):
             earned = self.budget / 2 * 3 * f * n * rate
             state.credit[kind] += earned
@@ -134,7 +138,7 @@ class SpotCheck:
                 continue
             self.samples += 1
             got = sample.got(reply.arrays["y"], lo)
-            self._spend(state, sample, t0, f)
+            self._spend(state, sample, t0, f, layer)
             self._judge(k, f"its forward, in {sample.kind} {sample.at}", [(got, sample.y, forward_roundings(task))])
             state.samples.append(sample)
 
@@ -150,7 +154,7 @@ class SpotCheck:
             if not agree and (again := self._sample(sample.kind, fwd, be, besides=sample.at)) is not None:
                 agree = _agree(self._backward_pairs(again, fwd, task, reply, be))
                 self.forgiven += agree  # round-off flipped a tie in the first sample, not a wrong worker
-            self._spend(state, sample, t0, 2 * fwd.arrays["w"].shape[0])
+            self._spend(state, sample, t0, 2 * fwd.arrays["w"].shape[0], fwd.header["layer"])
             if not agree:
                 self._judge(k, f"its backward, in {sample.kind} {sample.at}", pairs)
 

@@ -266,6 +266,10 @@ class Cluster(Runtime):
         """Each worker's seconds per unit (what the layer is split by) and image in ``done``'s forward and
         backward: its compute and its bytes at its link's rate, which the next steps' deadlines scale."""
         index = dict(self.placement)
+        if self.rpc.check is not None and "master" in done.participants:  # its batched speed, for the budget
+            i, layer = done.participants.index("master"), next(b.index for b in self.blocks if b.name == done.name)
+            if done.counts[i] and (master_s := done.forward.compute_s[i] + done.backward.compute_s[i]) > 0:
+                self.rpc.check.master_rate[layer] = master_s / (3 * done.counts[i] * done.images)
         for what, op in (("forward", done.forward), ("backward", done.backward)):
             rates = self._took.setdefault((done.name, what), {})
             for name, n, compute in zip(done.participants, done.units, op.compute_s, strict=True):
