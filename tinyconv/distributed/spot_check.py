@@ -21,13 +21,15 @@ and a worker cannot buy itself fewer samples by answering fast or claiming a sho
 A sample agrees when each entry is within float32 round-off of the master's, 2 gamma_k max|ref|
 (``backends/conformance/checks.py``'s scale form), k the roundings on the longest path to it. The
 forward is continuous in its inputs, so one forward disagreement loses the worker. The backward
-passes through choices round-off can flip where two values tie (max pool's argmax, ReLU's sign), so
-a backward disagreement is confirmed on a second sample (another image or kernel) first.
+passes through choices round-off can flip where two values tie (max pool's argmax, ReLU's sign: about
+one backward sample in a few hundred between numpy and OpenCL), so a backward disagreement loses the
+worker only if two more samples (other images or kernels) disagree too.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +89,7 @@ class SpotCheck:
     """Samples every worker's block results within ``budget`` of its work; raises Lost on a wrong one.
 
     What it did: ``samples`` taken, ``seconds`` the master spent on them, ``earned`` the seconds the
-    budget allowed, and ``forgiven`` backward disagreements a second sample did not confirm."""
+    budget allowed, and ``forgiven`` backward disagreements another sample did not confirm."""
 
     def __init__(self, budget: float = 0.03, seed: int = 0) -> None:
         if not 0 < budget <= 1:
@@ -150,19 +152,20 @@ class SpotCheck:
         for sample in state.samples:
             t0 = time.perf_counter()
             pairs = self._backward_pairs(sample, fwd, task, reply, be)
-            agree = _agree(pairs)
-            if not agree and (again := self._sample(sample.kind, fwd, be, besides=sample.at)) is not None:
+            agree, seen = _agree(pairs), [sample.at]
+            while not agree and len(seen) < 3 and (again := self._sample(sample.kind, fwd, be, seen)) is not None:
                 agree = _agree(self._backward_pairs(again, fwd, task, reply, be))
                 self.forgiven += agree  # round-off flipped a tie in the first sample, not a wrong worker
+                seen.append(again.at)
             self._spend(state, sample, t0, 2 * fwd.arrays["w"].shape[0], fwd.header["layer"])
             if not agree:
                 self._judge(k, f"its backward, in {sample.kind} {sample.at}", pairs)
 
-    def _sample(self, kind: str, task: Message, be: Backend, besides: int | None = None) -> _Sample | None:
+    def _sample(self, kind: str, task: Message, be: Backend, besides: Sequence[int] = ()) -> _Sample | None:
         """A new sample of a forward task (not at ``besides``), the master's forward of it computed; None if none."""
         x, w, b, h = task.arrays["x"], task.arrays["w"], task.arrays["b"], task.header
         lo, hi = h["own"]
-        choices = [i for i in (range(x.shape[0]) if kind == "image" else range(lo, hi)) if i != besides]
+        choices = [i for i in (range(x.shape[0]) if kind == "image" else range(lo, hi)) if i not in besides]
         if not choices:
             return None
         at = int(self.rng.choice(choices))
