@@ -17,6 +17,7 @@ from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network
 from transports.base import Message, WorkerInfo
 from transports.inproc import InprocTransport
+from transports.wire import error_reply
 
 TIMEOUT = 20.0
 # DiesAt ends its thread on purpose; pytest would report each death as a warning
@@ -165,20 +166,56 @@ class Joining(InprocTransport):
         return late
 
 
-def test_a_worker_that_joins_late_is_timed_and_given_a_share(rng):
+def test_a_worker_that_joins_late_is_timed_beside_the_steps_and_given_a_share(rng):
     net, conv, ref = block_net(rng)
     transport = Joining(lambda i: Worker(NumpyBackend()), protocol=VERSION)
     with transport:
         workers = transport.start(2, timeout=TIMEOUT)
         cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT)
         cluster.calibrate(net, batch_size=2, image_size=8)
-        exact_step(net, conv, ref)  # master and worker0; worker1 joins at its end
+        exact_step(net, conv, ref)  # master and worker0; worker1 joins at its end and is asked to time itself
+        assert cluster.pop_events() == [] and list(cluster.joiners.waiting) == [1]
+        k, reply = transport.recv(timeout=TIMEOUT)  # its answer (here the test waits; the master never does)
+        assert k == 1 and cluster.rpc.aside(k, reply)
+        exact_step(net, conv, ref)  # still master and worker0; at its end worker1 is seated
         (event,) = cluster.pop_events()
         exact_step(net, conv, ref)  # all three
-    assert [event[k] for k in ("event", "worker", "step", "backend")] == ["worker_joined", "worker1", 1, "numpy"]
+    assert [event[k] for k in ("event", "worker", "step", "backend")] == ["worker_joined", "worker1", 2, "numpy"]
     assert cluster.participants == ["master", "worker0", "worker1"]
     assert set(cluster.timings) == set(cluster.participants)  # the newcomer was timed on the layers' shapes
     assert len(cluster.last_step["shares"]["conv1"]) == 3 and all(cluster.last_step["shares"]["conv1"])
+
+
+class FailsCalibration(Worker):
+    """Answers its calibration with an error, as a device out of memory would."""
+
+    def handle(self, msg: Message) -> Message:
+        return error_reply(msg, "out of device memory") if msg.kind == "calibrate" else super().handle(msg)
+
+
+@pytest.mark.parametrize(
+    ("late", "why"),
+    [(Silent, "did not answer its calibration within 1 s"), (FailsCalibration, "out of device memory")],
+    ids=["silent", "error"],
+)
+def test_a_joiner_that_fails_its_calibration_blocks_no_step_and_is_left_out_with_the_reason(rng, late, why):
+    """One that never answers is left out at its deadline while the steps go on; one that answers with an
+    error, at the step boundary after its answer."""
+    net, conv, ref = block_net(rng)
+    makes = [lambda be: Worker(be), late]
+    transport = Joining(lambda i: makes[i](NumpyBackend()), protocol=VERSION)
+    with transport:
+        workers = transport.start(2, timeout=TIMEOUT)
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=1.0)
+        cluster.calibrate(net, batch_size=2, image_size=8)
+        steps = 0
+        while steps < 10_000 and (steps == 0 or cluster.joiners.waiting):
+            exact_step(net, conv, ref)
+            steps += 1
+        events = cluster.pop_events()
+    assert cluster.participants == ["master", "worker0"] and cluster.step == steps
+    assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", "worker1")]
+    assert events[0]["reason"].startswith("joined, then ") and why in events[0]["reason"]
 
 
 def test_a_worker_process_killed_mid_run_over_zmq_costs_no_step(rng):

@@ -167,17 +167,27 @@ def time_everyone(
 
 
 def worker_times(rpc: Rpc, k: int, task: Message, what: str, n: int, reference: float | None) -> list[float]:
-    """Worker k's answer to a calibration ``task`` (``what`` in errors): ``n`` seconds > 0.
+    """Worker k's answer to a calibration ``task`` (``what`` in errors): ``n`` seconds > 0, within
+    :func:`calibration_timeout`."""
+    op = rpc.op(what, None, timeout=calibration_timeout(rpc, task, reference))
+    return checked_times(k, op.gather([op.send(k, Message(task.kind, dict(task.header)))])[k], task.kind, n)
 
-    Its deadline is the Rpc's timeout or, if longer, SLOWER times the 1 + repeats runs would take
-    at ``reference`` seconds a run, so that a large network at a large batch is not taken for a lost
+
+def calibration_timeout(rpc: Rpc, task: Message, reference: float | None) -> float:
+    """The Rpc's timeout or, if longer, SLOWER times the 1 + repeats runs of ``task`` would take at
+    ``reference`` seconds a run, so that a large network at a large batch is not taken for a lost
     worker (conv2 of 300:1000 at batch 256 takes ~40 s a pass on one core)."""
-    timeout = rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + task.header["repeats"]) * reference)
-    op = rpc.op(what, None, timeout=timeout)
-    got = op.gather([op.send(k, Message(task.kind, dict(task.header)))])[k].header["times"]
+    return rpc.timeout if reference is None else max(rpc.timeout, SLOWER * (1 + task.header["repeats"]) * reference)
+
+
+def checked_times(k: int, reply: Message, kind: str, n: int) -> list[float]:
+    """The ``n`` seconds > 0 of worker k's ``reply`` to a calibration of ``kind``, or Lost saying what came."""
+    got = reply.header.get("message") if reply.kind == "error" else reply.header.get("times")
+    if reply.kind == "error":
+        raise Lost({k: f"failed its {kind}: {got}"})
     if not (
         isinstance(got, list) and len(got) == n and all(Num.accepts(t) and math.isfinite(t) and t > 0 for t in got)
     ):
-        why = f"answered {task.kind} with times {got!r:.200}, expected {n} positive seconds (same tinyconv version?)"
+        why = f"answered {kind} with times {got!r:.200}, expected {n} positive seconds (same tinyconv version?)"
         raise Lost({k: why})
     return [float(t) for t in got]

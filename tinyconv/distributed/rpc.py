@@ -60,6 +60,7 @@ class Rpc:
         self.timeout = float(timeout)
         self.clock = clock
         self.links: dict[int, LinkSpeed] = {}  # worker -> what its tasks measured of its link
+        self.aside: Callable[[int, Message], bool] | None = None  # takes a reply no op waits for: joiners.py
         # (worker, task, its result, the master's backend) -> None, or Lost for a wrong result: spot_check.py
         self.check: Callable[[int, Message, Message, Backend], None] | None = None
         self.task_ids = itertools.count(1)
@@ -192,6 +193,8 @@ class Op:
             k, reply, waited = self._next(deadline, waiting)
             task = reply.header.get("task")
             ours = task in self._pending and self._pending[task].worker == k
+            if not ours and self.rpc.aside is not None and self.rpc.aside(k, reply):  # a joiner's calibration
+                continue
             if reply.kind == "error" and (task is None or ours):  # out of memory, a driver's error, ...
                 raise Lost({k: f"failed the {self.what}: {reply.header['message']}"})
             if not ours:  # a late answer to an op given up on

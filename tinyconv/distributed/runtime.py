@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from backends.base import Backend
+from tinyconv.distributed.calibrate import calibration_timeout
 from tinyconv.distributed.heap import release_freed_memory
+from tinyconv.distributed.joiners import Joiners
 from tinyconv.distributed.rebalance import Rebalancer
 from tinyconv.distributed.rpc import Lost, Rpc
 from tinyconv.distributed.shard.balance import speed_weights
@@ -40,7 +42,8 @@ class Runtime:
     ``_apportion(unit, weights)``, ``unit`` split among the placement in proportion to ``weights`` (into ``counts``,
     and ``channel_counts`` for a layer split by them), returning how many of what the rebalancer moves the unit
     has; ``_time_all(net, batch_size)``, every participant's seconds on each unit for ``batch_size`` images (name ->
-    unit -> s); ``_time_joiner(index)``, a joining worker's, as calibrated (raising Lost or RuntimeError).
+    unit -> s); ``_joiner_task()``, the calibration task a joiner is timed by and the times it answers, and
+    ``_joiner_timings(times)``, those as unit -> s.
     """
 
     parallel = "?"  # "model", "data", "hybrid"
@@ -82,6 +85,7 @@ class Runtime:
         self.last_step: dict[str, Any] | None = None  # the last finished step's record (accounting.py)
         self.calibration: dict[str, Any] | None = None
         self.lost: dict[int, str] = {}  # worker index -> why it is no longer a participant
+        self.joiners = Joiners(self.rpc)  # the workers that joined late, timing themselves
         self.events: list[dict[str, Any]] = []  # what happened to the participants, for the metrics file
         self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
 
@@ -201,16 +205,31 @@ class Runtime:
             self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{k}", "reason": why,
                                 "shares": self._shares()})  # fmt: skip
 
-    def _join(self, info: WorkerInfo) -> None:
-        """A worker that joined the transport late: timed on the units (once calibrated), then given a share."""
-        name = f"worker{info.index}"
-        self.rpc.workers[info.index] = info
-        if self.calibration is not None:
+    def _welcome_joiners(self) -> None:
+        """At a step boundary: ask the workers that joined the transport since the last one to time
+        themselves (``joiners.py``), and seat those whose answers came; leave out those that failed."""
+        for info in self.transport.joined():
+            self.rpc.workers[info.index] = info
+            if self.calibration is None:
+                self._seat(info)
+                continue
+            task, n = self._joiner_task()
             try:
-                self.timings[name] = self._time_joiner(info.index)
-            except (Lost, RuntimeError) as e:
-                log.warning("%s joined but could not be timed (%s); it is left out", name, e)
-                return
+                self.joiners.ask(info, task, n, calibration_timeout(self.rpc, task, self._known_time()))
+            except Lost as e:
+                self._left_out(info, e.workers[info.index])
+        if self.joiners.waiting:
+            self.lose(self.joiners.collect())
+        for info, got in self.joiners.done():
+            if isinstance(got, str):
+                self._left_out(info, got)
+            else:
+                self.timings[f"worker{info.index}"] = self._joiner_timings(got)
+                self._seat(info)
+
+    def _seat(self, info: WorkerInfo) -> None:
+        """A joiner, timed (once calibrated), given a share."""
+        name = f"worker{info.index}"
         self.workers.append(info)
         self.placement.append((name, info.index))
         self._replan()
@@ -219,10 +238,12 @@ class Runtime:
                             "device": info.device.get("device", "?"), "host": info.hostname,
                             "shares": self._shares()})  # fmt: skip
 
-    def _welcome_joiners(self) -> None:
-        """Seat the workers that joined the transport since the last step (at a step boundary)."""
-        for info in self.transport.joined():
-            self._join(info)
+    def _left_out(self, info: WorkerInfo, why: str) -> None:
+        """A joiner that failed its timing: never seated, lost with the reason."""
+        self.lost[info.index] = why
+        log.warning("%s joined but could not be timed (%s); it is left out", self.rpc.describe(info.index), why)
+        self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{info.index}",
+                            "reason": f"joined, then {why}", "shares": self._shares()})  # fmt: skip
 
     def _known_time(self) -> float | None:
         """The fastest participant's calibrated seconds over all units: a joiner's reference."""

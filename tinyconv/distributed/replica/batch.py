@@ -111,8 +111,12 @@ class BatchSplit(Runtime):
         self.calibrated_batch = batch_size
         return {name: {UNIT: t} for name, t in times.items()}
 
-    def _time_joiner(self, index: int) -> dict[str, float]:
-        return {UNIT: self._time_worker(index, self._spec, self.calibrated_batch, self._known_time())}
+    def _joiner_task(self) -> tuple[Message, int]:
+        header = {"net": self._spec, "batch": self.calibrated_batch, "repeats": self.calibration_repeats}
+        return Message(self.calibrate_task, header), 1
+
+    def _joiner_timings(self, times: list[float]) -> dict[str, float]:
+        return {UNIT: times[0]}
 
     def _time_worker(self, k: int, spec: dict[str, Any], batch: int, reference: float | None = None) -> float:
         """Worker k's seconds for ``batch`` images; ``reference``: a participant's, already timed."""

@@ -37,7 +37,7 @@ from tinyconv.distributed.wire_codec import Narrowing
 from tinyconv.layers import Conv2D, Layer
 from tinyconv.model import Network
 from tinyconv.parallel import forward_backward
-from transports.base import Transport, WorkerInfo
+from transports.base import Message, Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,11 @@ class Cluster(Runtime):
         times = time_everyone(self.rpc, master, specs, self.calibration_repeats, [w.index for w in self.workers])
         return {name: {b.name: times[k][i] for i, b in enumerate(self.blocks)} for name, k in self.placement}
 
-    def _time_joiner(self, index: int) -> dict[str, float]:
-        times = time_everyone(self.rpc, None, self._specs, self.calibration_repeats, [index], self._known_time())
-        return {b.name: times[index][i] for i, b in enumerate(self.blocks)}
+    def _joiner_task(self) -> tuple[Message, int]:
+        return Message("calibrate", {"layers": self._specs, "repeats": self.calibration_repeats}), len(self.blocks)
+
+    def _joiner_timings(self, times: list[float]) -> dict[str, float]:
+        return {b.name: t for b, t in zip(self.blocks, times, strict=True)}
 
     # ---- plans ------------------------------------------------------------------------------
     def _units(self) -> list[str]:
