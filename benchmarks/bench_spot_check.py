@@ -9,8 +9,10 @@ ReLU, LRN, max pool -- on a share of its kernels; the master samples its results
 Printed: over ``--honest-steps`` honest steps, the samples taken, false alarms (should be 0), the
 backward disagreements a second sample forgave, and the cost: the master's seconds on samples
 against the worker's compute seconds, and against what the budget allowed.
-Then, for each kind of wrong worker, the step at which it was lost (median and worst over
-``--seeds`` runs): x -50 poison, 1 % on every result, 1 % on dw alone, 1 % noise on dx alone.
+Then, for each kind of wrong worker, honest until ``--fault-from`` and wrong from then on, the steps
+it took to lose it (1: the fault's first step; median and worst over ``--seeds`` runs): x -50 poison,
+1 % on every result, 1 % on dw alone, 1 % noise on dx alone. (A worker wrong from its first step is
+always caught there: the first step is always sampled.)
 No asserts: tests/test_spot_check.py pins the behaviour.
 """
 
@@ -79,7 +81,7 @@ def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil 
         for task in (fwd, bwd):
             reply = worker.handle(task)
             compute += reply.header["compute_s"]
-            if spoil is not None:
+            if spoil is not None and step >= args.fault_from:
                 reply.arrays = {k: spoil(k, a, rng) for k, a in reply.arrays.items()}
             try:
                 spot(1, task, reply, master)
@@ -103,7 +105,10 @@ def main() -> None:
         "0: it only coordinates, and its image samples price it",
     )
     p.add_argument("--honest-steps", type=int, default=200)
-    p.add_argument("--fault-steps", type=int, default=20, help="steps each wrong worker runs at most")
+    p.add_argument("--fault-steps", type=int, default=60, help="steps each wrong worker runs at most")
+    p.add_argument(
+        "--fault-from", type=int, default=11, help="the step its fault starts at: honest before, sampled as usual"
+    )
     p.add_argument("--seeds", type=int, default=5)
     args = p.parse_args()
 
@@ -126,16 +131,12 @@ def main() -> None:
             steps(args, SpotCheck(args.budget, seed=s), args.fault_steps, spoil, seed=s)["lost_at"]
             for s in range(args.seeds)
         ]
-        caught = [s for s in lost if s is not None]
-        rows.append(
-            [
-                name,
-                f"{len(caught)}/{len(lost)}",
-                statistics.median(caught) if caught else "-",
-                max(caught) if caught else "-",
-            ]
-        )
-    print(format_table(["wrong worker", "caught", "median step", "worst step"], rows))
+        caught = [s - args.fault_from + 1 for s in lost if s is not None and s >= args.fault_from]  # 1: at once
+        early = sum(s is not None and s < args.fault_from for s in lost)  # lost while still honest: false alarms
+        found = f"{len(caught)}/{len(lost)}" + (f" ({early} early)" if early else "")
+        rows.append([name, found, statistics.median(caught) if caught else "-", max(caught, default="-")])
+    print(f"wrong from step {args.fault_from} (x -50 and 1 % on every result show in the forward samples):")
+    print(format_table(["wrong worker", "caught", "median steps to catch", "worst"], rows))
 
 
 if __name__ == "__main__":
