@@ -148,8 +148,7 @@ def worker_pool(
     registered by another package): the master binds ``bind`` (default: a free loopback port for
     local workers, ``tcp://*:5555`` with ``external``); without ``external`` it starts ``n_workers``
     worker processes here, with ``external`` it announces the command to run on the other machines
-    and waits for them. A peer silent beyond its patience is gone, on both sides: 4 heartbeats, or 3 x the
-    longest gap a slow link showed between a large message's pieces, at most ``peer_timeout`` seconds.
+    and waits for them. A peer silent beyond its patience (``peer_timeout`` s at most) is gone, on both sides.
 
     Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
     the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``;
