@@ -250,7 +250,8 @@ class NumpyBackend(Backend):
     # Batch norm, an optimisation (batchnorm_forward_plain / batchnorm_backward_plain above are the same
     # math written out; tests/test_batchnorm_numpy.py holds the two together): each map-sized pass writes
     # into one of two buffers (xhat and y; dx in the backward), as the LRN does, the per-channel constants
-    # are folded first, and eval mode is one affine pass. The variance stays two-pass (centred squares), since E[x^2] - mean^2 cancels in float32.
+    # are folded first, and eval mode is one affine pass. The variance stays two-pass (centred squares), since
+    # E[x^2] - mean^2 cancels in float32.
     def batchnorm_forward(self, x, gamma, beta, running_mean, running_var, training, momentum=0.1, eps=1e-5):
         if not training:  # a fixed affine map: y = x * scale + shift, one pass and one array
             invstd = 1.0 / np.sqrt(running_var + eps)

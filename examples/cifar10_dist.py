@@ -248,9 +248,11 @@ def _workers(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--peer-timeout",
         type=POSITIVE,
-        default=5.0,
-        help="a worker silent this many seconds is lost, and its share goes to the others; the workers give "
-        "the master as long (default %(default)s)",
+        default=30.0,
+        help="the most seconds a worker may be silent before it is lost and its share goes to the others: a "
+        "ceiling, as the patience follows each peer's pace (4 heartbeats of 0.4 s, or 3 x the longest gap a slow "
+        "link showed between the pieces of a large message); the workers give the master as much "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--key",

@@ -69,7 +69,7 @@ def test_a_worker_whose_connection_closes_is_lost_at_once():
 
 
 def test_any_bytes_keep_a_worker_alive_not_only_heartbeats():
-    """A worker whose large reply trickles in for twice the peer timeout, with no heartbeat, is not lost:
+    """A worker whose large reply trickles in for twice its patience's ceiling, with no heartbeat, is not lost:
     every sign of life counts (the session's liveness, apart from bulk data)."""
     pace = threading.Event()  # never set: its wait paces the trickle, as a slow link would
     with TcpTransport(protocol=PROTOCOL, heartbeat_s=0.1, peer_timeout_s=0.5) as t:
@@ -80,7 +80,7 @@ def test_any_bytes_keep_a_worker_alive_not_only_heartbeats():
         frames = encode(Message("echoed", {"task": 1}, {"y": np.arange(1000, dtype=np.float32)}))
         lengths = [len(bytes(f)) for f in frames]
         wire_bytes = struct.pack(f"!I{len(frames)}Q", len(frames), *lengths) + b"".join(bytes(f) for f in frames)
-        deadline = time.monotonic() + 1.0  # twice the peer timeout
+        deadline = time.monotonic() + 1.0  # twice the ceiling
         for i in range(0, len(wire_bytes), 100):
             sock.sendall(wire_bytes[i : i + 100])
             pace.wait(max(0.0, (deadline - time.monotonic()) / max(1, (len(wire_bytes) - i) // 100)))

@@ -3,7 +3,7 @@
 Real worker processes (``tests/echo_worker.py``) on loopback or ipc://. Nothing sleeps to
 synchronise: each test waits, with a timeout, on what it expects (a WorkerLost, a line
 from the worker, a log record, joined() reporting someone). The two detection tests run
-with the default heartbeat (1 s) and peer timeout (5 s) and print what they measured.
+with the default heartbeat (0.4 s: a stopped peer's patience is 4 of them) and print what they measured.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, read_stderr_until, reap,
 
 from transports.base import Message, WorkerLost
 from transports.droplog import DropLog
+from transports.pieces import pieces
 from transports.wire import MAX_HEADER_BYTES, WIRE_VERSION, ProtocolError, decode, encode
 from transports.zmq_master import ZmqTransport
 from transports.zmq_worker import EXIT_INTERRUPTED, EXIT_OK
@@ -95,14 +96,18 @@ def lose(t: ZmqTransport, proc, sig: int) -> float:
     return elapsed
 
 
-def test_a_stopped_worker_is_lost_within_the_default_peer_timeout():
-    with ZmqTransport(bind=LOCAL, protocol=PROTOCOL) as t:  # heartbeat 1 s, peer timeout 5 s
+def test_a_stopped_worker_is_lost_within_four_default_heartbeats():
+    with ZmqTransport(bind=LOCAL, protocol=PROTOCOL) as t:  # heartbeat 0.4 s, so a patience of 1.6 s
         proc = spawn(t.bound_address)
         try:
             t.start(1, timeout=TIMEOUT)
-            elapsed = lose(t, proc, signal.SIGSTOP)
+            proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerLost, match=r"worker 0 lost: silent for 1\.\d s \(patience 1\.6 s: 4 heartbeats"):
+                t.recv(TIMEOUT)
+            elapsed = time.monotonic() - t0
             print(f"\nSIGSTOPped worker declared lost after {elapsed:.2f} s")
-            assert elapsed < 5.0 + 1.0  # at most the peer timeout since its last heartbeat, plus a tick
+            assert elapsed <= 2.0  # at most the patience since its last heartbeat, plus a tick
         finally:
             reap([proc])
 
@@ -119,6 +124,32 @@ def test_a_killed_worker_is_lost_within_a_heartbeat():
                 t.send(0, Message("echo", {"task": 1}, {"x": X}))
         finally:
             reap([proc])
+
+
+def test_a_worker_whose_pieces_come_further_apart_than_four_heartbeats_is_kept_while_they_flow():
+    """A slow link, as a raw worker paces it: gaps between pieces that grow past 4 heartbeats (0.8 s) are
+    waited for, as each is within 3 x the longest gap seen before; once the pieces stop, that is the patience."""
+    ctx = zmq.Context()
+    pace = threading.Event()  # never set: its wait paces the pieces, as a slow link would
+    try:
+        with ZmqTransport(bind=LOCAL, protocol=PROTOCOL, heartbeat_s=0.2, peer_timeout_s=TIMEOUT) as t:
+            worker = raw_dealer(ctx, t.bound_address)
+            worker.send_multipart(encode(Message("hello", hello_header(pid=1))))
+            t.start(1, timeout=TIMEOUT)
+            assert worker.poll(int(TIMEOUT * 1000)) and decode(worker.recv_multipart()).kind == "welcome"
+            y = np.arange(300 * 1024 // 4, dtype=np.float32)
+            parts = pieces(encode(Message("echoed", {"task": 1}, {"y": y})))
+            for gap, piece in zip((0.3, 0.6, 1.0), parts, strict=True):  # the last, 1.0 s, is over 4 heartbeats
+                pace.wait(gap)
+                worker.send_multipart(piece)
+            k, reply = t.recv(TIMEOUT)  # no WorkerLost first
+            assert (k, reply.header) == (0, {"task": 1})
+            np.testing.assert_array_equal(reply.arrays["y"], y)
+            with pytest.raises(WorkerLost, match=r"\(patience 1\.\d s: 3 x the longest gap before a piece, 0\.\d s"):
+                t.recv(TIMEOUT)  # silent now: lost after 3 x its longest gap, not after the 20 s ceiling
+            worker.close()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_a_worker_that_comes_back_after_being_lost_joins_under_a_new_index():
@@ -172,7 +203,7 @@ def test_a_worker_outlives_its_master_and_joins_the_next_one_at_the_same_address
         first.send_multipart([identity, *encode(Message("welcome", {"index": 0, "heartbeat_s": 0.1}))])
         first.close()
         said = read_stderr_until(proc, "saying hello again")
-        assert "lost the master: nothing heard for" in said
+        assert "lost the master: silent for" in said and "4 heartbeats" in said
         with ZmqTransport(bind=address, protocol=PROTOCOL, **FAST) as t:
             (info,) = t.start(1, timeout=TIMEOUT)
             assert (info.pid, info.device["hellos"]) == (proc.pid, 2)  # hello() again, for the new master

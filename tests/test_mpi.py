@@ -243,7 +243,7 @@ def long_task(rank: int) -> int:
         return _serve(heartbeat_s=0.1, peer_timeout_s=1.0, quiet=True)
     with MpiTransport(protocol=PROTOCOL, heartbeat_s=0.1, peer_timeout_s=1.0) as t:
         t.start(1, timeout=TIMEOUT)
-        t.send(0, Message("slow", {"task": 1, "seconds": 2.0}))  # twice either side's peer timeout
+        t.send(0, Message("slow", {"task": 1, "seconds": 2.0}))  # longer than either side's patience, 0.4 s
         _, reply = t.recv(TIMEOUT)  # no WorkerLost: the worker's loop kept heartbeating
         assert reply.kind == "echoed" and reply.header["took"] >= 2.0
     return 0
@@ -287,7 +287,9 @@ def lost(rank: int) -> int:
         infos = t.start(2, timeout=TIMEOUT)
         os.kill(infos[0].pid, signal.SIGSTOP)  # rank 1 stops answering, heartbeats included
         try:
-            with pytest.raises(WorkerLost, match=r"worker 0 lost: silent for .* \(peer timeout 2 s\)"):
+            with pytest.raises(
+                WorkerLost, match=r"worker 0 lost: silent for .* \(patience 0\.4 s: 4 heartbeats; at most 2 s\)"
+            ):
                 t.recv(TIMEOUT)
             with pytest.raises(WorkerLost, match="worker 0 lost"):
                 t.send(0, echo(1))

@@ -2,7 +2,7 @@
 
 Every rank runs the same script, which calls :func:`serve_if_worker` early: it serves on ranks 1.. and
 returns their exit code, and returns None on rank 0 (docs/writing-a-transport.md, "A second worked example:
-MPI"). The ranks are fixed when the job starts, so a master silent for ``peer_timeout_s``, or one that
+MPI"). The ranks are fixed when the job starts, so a master silent beyond its patience, or one that
 refuses the worker, ends it.
 """
 
@@ -34,8 +34,8 @@ def serve_if_worker(
     make_handler: Callable[[], Handler],
     comm: Any = None,
     *,
-    heartbeat_s: float = 1.0,
-    peer_timeout_s: float = 5.0,
+    heartbeat_s: float = 0.4,
+    peer_timeout_s: float = 30.0,
     welcome_timeout_s: float = 600.0,
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
     log_line: Callable[[str], None] = to_stderr,
@@ -46,7 +46,7 @@ def serve_if_worker(
 
     Waits up to ``welcome_timeout_s`` for the welcome (the master may load its data first: the default
     is generous). Returns EXIT_OK on shutdown (also one before the welcome); EXIT_FAILED when refused,
-    never welcomed, the master was silent for ``peer_timeout_s``, or the handler cannot be built (the
+    never welcomed, the master was silent beyond its patience, or the handler cannot be built (the
     master is told why, and its ``start`` raises with this rank's message); EXIT_INTERRUPTED on Ctrl-C.
     Problems go to ``log_line``, one line each, prefixed with the rank; ``quiet`` drops the rest.
     """

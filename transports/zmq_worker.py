@@ -46,8 +46,8 @@ class _Setup(Settings):
 def serve(
     connect: str,
     handler: Handler,
-    heartbeat_s: float = 1.0,
-    peer_timeout_s: float = 5.0,
+    heartbeat_s: float = 0.4,
+    peer_timeout_s: float = 30.0,
     welcome_timeout_s: float | None = 60.0,
     max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
     stop: threading.Event | None = None,

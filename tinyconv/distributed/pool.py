@@ -134,7 +134,7 @@ def worker_pool(
     external: bool = False,
     worker_threads: int | None = None,
     start_timeout: float = 60.0,
-    peer_timeout: float = 5.0,
+    peer_timeout: float = 30.0,
     key: str | None = None,
     authorized_keys: str | None = None,
     insecure: bool = False,
@@ -148,7 +148,7 @@ def worker_pool(
     registered by another package): the master binds ``bind`` (default: a free loopback port for
     local workers, ``tcp://*:5555`` with ``external``); without ``external`` it starts ``n_workers``
     worker processes here, with ``external`` it announces the command to run on the other machines
-    and waits for them. A peer silent for ``peer_timeout`` seconds is gone (on both sides).
+    and waits for them. A peer silent beyond its patience (``peer_timeout`` s at most) is gone, on both sides.
 
     Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
     the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``;

@@ -7,8 +7,8 @@ One task's way: ``send`` encodes it (:func:`transports.wire.encode` validates it
 the ``outbox``; the I/O thread hands its frames to the link; the reply arrives as an
 :class:`~transports.session.link.Arrival`, is checked against ``max_bytes`` and decoded
 (:func:`transports.wire.decode`) into the ``inbox``, where ``recv`` takes it. Meanwhile the I/O thread
-heartbeats after ``heartbeat_s`` of quiet, declares a worker lost when nothing came from it for
-``peer_timeout_s`` or the link cannot reach it, and at the end says goodbye.
+heartbeats after ``heartbeat_s`` of quiet, declares a worker lost when it was silent beyond its
+:class:`~transports.session.patience.Patience` or the link cannot reach it, and at the end says goodbye.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from transports.base import Message, Transport, WorkerInfo, WorkerLost
 from transports.droplog import DropLog
 from transports.session.admission import Admission, Book
 from transports.session.link import Arrival, Link
+from transports.session.patience import Patience
 from transports.session.settings import HEARTBEAT, MasterSettings, check_options
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ class SessionTransport(Transport):
     """The Transport API over a link: ``start``, ``joined``, ``send``, ``recv``, ``traffic``, ``close``.
 
     ``protocol`` is the version of the task protocol the master speaks: a worker whose hello
-    says another is refused, and told why. A worker silent for ``peer_timeout_s`` is lost;
-    both sides heartbeat after ``heartbeat_s`` of quiet. ``max_message_bytes`` caps the array
+    says another is refused, and told why. Both sides heartbeat after ``heartbeat_s`` of quiet; a worker silent
+    beyond its patience (``patience.py``; ``peer_timeout_s`` its ceiling) is lost. ``max_message_bytes`` caps the array
     data of one message; with ``secret``, only workers whose hello carries it are admitted (the others
     are told so, and reported with their address, rate-limited). Arrays handed to :meth:`send` are sent
     without copying, so leave them unmodified until the worker's reply arrives. Options meant for other
@@ -48,8 +49,8 @@ class SessionTransport(Transport):
         link: Link,
         *,
         protocol: int,
-        heartbeat_s: float = 1.0,
-        peer_timeout_s: float = 5.0,
+        heartbeat_s: float = 0.4,
+        peer_timeout_s: float = 30.0,
         max_message_bytes: int = wire.DEFAULT_MAX_BYTES,
         secret: str | None = None,
         **_: Any,
@@ -189,8 +190,8 @@ class MasterSession:
         self.stop = threading.Event()
         self.drops = DropLog(log)
         self.admission = Admission(link, book, self.drops, settings)
-        self._heard: dict[int, float] = {}  # live workers only: when anything last came from each
-        self._said: dict[int, float] = {}  # and when last sent to
+        self._heard: dict[int, Patience] = {}  # live workers only: how long each has been silent, and may be
+        self._said: dict[int, float] = {}  # and when each was last sent to
 
     def run(self) -> None:
         graceful = False
@@ -218,13 +219,16 @@ class MasterSession:
         now = time.monotonic()
         self.drops.flush()
         for k in self.admission.admit_waiting(now):
-            self._heard[k] = self._said[k] = time.monotonic()
+            self._admitted(k)
         for k in list(self._heard):
-            silent = now - self._heard[k]
-            if silent > self.settings.peer_timeout_s:
-                self._mark_lost(k, f"silent for {silent:.1f} s (peer timeout {self.settings.peer_timeout_s:g} s)")
+            if why := self._heard[k].lost(now):
+                self._mark_lost(k, why)
             elif now - self._said[k] >= self.settings.heartbeat_s:
                 self._send_to(k, HEARTBEAT, control=True)
+
+    def _admitted(self, k: int) -> None:  # welcomed: k keeps the welcome's pace, this master's heartbeat_s
+        self._said[k] = now = time.monotonic()
+        self._heard[k] = Patience(self.settings.heartbeat_s, self.settings.peer_timeout_s, now)
 
     def _flush_outbox(self) -> None:
         while not self.outbox.empty():  # this thread is the only one that takes from it
@@ -265,9 +269,9 @@ class MasterSession:
         k = self.admission.index.get(a.peer)
         if k is None or k not in self._heard:  # not a live worker: admission answers
             for new in self.admission.hear(a):
-                self._heard[new] = self._said[new] = time.monotonic()
+                self._admitted(new)
             return
-        self._heard[k] = time.monotonic()  # any bytes from a worker show it is alive
+        self._heard[k].arrived(time.monotonic(), piece=a.frames is None and not a.gone)  # any bytes show it alive
         if a.gone:
             self._mark_lost(k, a.gone)
         elif a.frames is not None:

@@ -24,7 +24,7 @@ HEARTBEAT = wire.encode(Message("heartbeat"))  # sent after heartbeat_s of quiet
 SECRET_ENV = "TINYCONV_JOIN_SECRET"
 
 
-def check_options(protocol: Any, heartbeat_s: float = 1.0, peer_timeout_s: float = 5.0, **_: Any) -> None:
+def check_options(protocol: Any, heartbeat_s: float = 0.4, peer_timeout_s: float = 30.0, **_: Any) -> None:
     """TypeError or ValueError for options no session can run with; call it before making a link."""
     if not wire.Int.accepts(protocol):
         raise TypeError(f"protocol must be an int, the version of the task protocol; got {protocol!r}")
@@ -38,7 +38,7 @@ class MasterSettings:
 
     protocol: int  # the version of the task protocol it speaks: a worker's hello must say the same
     heartbeat_s: float  # a heartbeat after this long without sending; also the welcome's pace
-    peer_timeout_s: float  # a worker silent for this long is lost
+    peer_timeout_s: float  # the ceiling of a worker's patience: one silent this long is lost, whatever its pace
     max_bytes: int  # the array data of one message
     secret: str | None = None  # if given, a hello must carry it (SECRET_ENV): only the workers given it join
 
@@ -51,10 +51,10 @@ def to_stderr(line: str) -> None:
 @dataclass(kw_only=True)
 class Settings:
     """How a worker keeps its sessions. A welcome's ``heartbeat_s`` can only make the pace faster and the
-    patience longer: never quieter than the master expects, nor giving up between its heartbeats."""
+    patience's ceiling higher: never quieter than the master expects, nor giving up within 4 of its heartbeats."""
 
-    heartbeat_s: float = 1.0  # a heartbeat after this long without sending
-    peer_timeout_s: float = 5.0  # a master silent for this long is lost
+    heartbeat_s: float = 0.4  # a heartbeat after this long without sending
+    peer_timeout_s: float = 30.0  # the ceiling of the master's patience (transports/session/patience.py)
     max_bytes: int = wire.DEFAULT_MAX_BYTES  # the array data of one message
     say: Callable[[str], None] = to_stderr  # problems, one line each
     info: Callable[[str], None] = to_stderr  # what happens (a quiet worker passes a no-op)

@@ -9,7 +9,7 @@ One task's way: the link's ``receive`` returns its frames; :meth:`Serving._handl
 (:func:`transports.wire.decode` checks everything); :meth:`Serving._on_message` hands the task to
 the compute thread, which calls the handler through :func:`call_handler`; :meth:`Serving._send_results`
 encodes the reply and sends it. A heartbeat goes out after ``heartbeat_s`` of quiet, and anything
-from the master shows it is alive, until it says shutdown, goes silent or goes.
+from the master shows it is alive, until it says shutdown, goes, or is silent beyond its patience (``patience.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from transports import wire
 from transports.base import Handler, Message
 from transports.session.link import WorkerLink
+from transports.session.patience import HEARTBEATS, Patience
 from transports.session.settings import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -117,15 +118,15 @@ class Compute:
 
 class Serving:
     """The I/O loop once welcomed. :meth:`run` returns EXIT_OK on the master's shutdown, MASTER_LOST when
-    nothing came from it for ``peer_timeout_s``, EXIT_FAILED when the link says it is gone, EXIT_INTERRUPTED
+    it was silent beyond its patience, EXIT_FAILED when the link says it is gone, EXIT_INTERRUPTED
     when ``stop`` is set."""
 
     def __init__(self, link: WorkerLink, compute: Compute, session: int, welcome: Message, settings: Settings) -> None:
         master_heartbeat_s = float(welcome.header["heartbeat_s"])
         self.link, self.compute, self.session, self.settings = link, compute, session, settings
         self.heartbeat_s = min(settings.heartbeat_s, master_heartbeat_s)
-        self.peer_timeout_s = max(settings.peer_timeout_s, 3 * master_heartbeat_s)
-        self.last_heard = self.last_sent = time.monotonic()
+        self.last_sent = now = time.monotonic()
+        self.patience = Patience(master_heartbeat_s, max(settings.peer_timeout_s, HEARTBEATS * master_heartbeat_s), now)
         self.complained = False
 
     def run(self, arrived: Sequence[list | None] = ()) -> int:
@@ -164,7 +165,7 @@ class Serving:
 
     def _handle(self, arrived: Sequence[list | None]) -> int | None:
         for frames in arrived:
-            self.last_heard = time.monotonic()  # any bytes from the master show it is alive
+            self.patience.arrived(time.monotonic(), piece=frames is None)  # any bytes show it alive
             if frames is None:
                 continue
             try:
@@ -189,12 +190,12 @@ class Serving:
             self.settings.say(f"the master reports: {msg.header['message']}")
         elif msg.kind == "hello":
             self._send(wire.encode(wire.error_reply(msg, "a worker does not accept 'hello' messages")))
-        return None  # heartbeat, or a repeated welcome: last_heard is all they change
+        return None  # heartbeat, or a repeated welcome: the patience's clock is all they change
 
     def _tick(self) -> int | None:
         now = time.monotonic()
-        if now - self.last_heard > self.peer_timeout_s:
-            self.settings.say(f"lost the master: nothing heard for {now - self.last_heard:.1f} s")
+        if why := self.patience.lost(now):
+            self.settings.say(f"lost the master: {why}")
             return MASTER_LOST
         if now - self.last_sent >= self.heartbeat_s:
             self._send(HEARTBEAT, control=True)

@@ -59,10 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_number(int), metavar="N", help=threads)
     slowdown = "testing aid: emulate a device F >= 1 times slower (1 = full speed, 2 = half speed)"
     p.add_argument("--slowdown", type=_number(float, 1.0), default=1.0, metavar="F", help=slowdown)
-    heartbeat = "send a heartbeat after S idle seconds (at least as often as the master asks; default: 1)"
-    p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="S", help=heartbeat)
-    timeout = "the master is gone when it has been silent for S seconds (default: 5)"
-    p.add_argument("--timeout", type=seconds, default=5.0, metavar="S", help=timeout)
+    heartbeat = "send a heartbeat after S idle seconds (at least as often as the master asks; default: 0.4)"
+    p.add_argument("--heartbeat", type=seconds, default=0.4, metavar="S", help=heartbeat)
+    timeout = (
+        "the most seconds the master may be silent before it is gone: a ceiling, as the patience follows the "
+        "master's pace (4 of its heartbeats, or 3 x the longest gap a slow link showed between pieces; default: 30)"
+    )
+    p.add_argument("--timeout", type=seconds, default=30.0, metavar="S", help=timeout)
     retry = "after losing the master, look for it again (with backoff) for S seconds before exiting (default: 600)"
     p.add_argument("--retry-for", type=seconds, default=600.0, metavar="S", help=retry)
     p.add_argument("--serve", action="store_true", help="stay up after a run ('train over') and serve the next master")
