@@ -27,7 +27,7 @@ BUDGETS = {  # lines, held by the tests: today's figures with a little room, low
     "Backends": 2920,
     "Transports": 3090,
     "library outside the lab": 14150,  # what a user installs to train: framework, runtime, backends, transports
-    "reading path": 1450,
+    "reading path": 1460,
     "reading path files": 8,
 }
 GOALS = {"library outside the lab": 13000, "reading path": 1500, "reading path files": 8}  # where the budgets head

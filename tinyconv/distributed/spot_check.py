@@ -13,8 +13,9 @@ kinds of sample, each a small slice of the task (F' kernels computed, N images, 
 The budget is kept in the master's own seconds. Each forward task earns its worker ``budget`` times
 what the task would cost the master -- its kernel-images (F' N forward, twice that backward) at the
 master's seconds per kernel-image, measured on its own share of the step when it has one
-(``master_rate``, the cluster's to set), else on its image samples -- half for each kind of sample; a
-sample is taken while its kind's credit is not negative, and its seconds are taken off. Credit
+(``master_rate``, the cluster's to set), else on its image samples -- two thirds for image samples, a
+third for kernel samples (``SHARES``); a sample is taken while its kind's credit is not negative, and
+its seconds are taken off. Credit
 starts at zero, so a worker's first step is sampled (one wrong from the start is caught at once),
 and a worker cannot buy itself fewer samples by answering fast or claiming a short compute time.
 
@@ -42,6 +43,8 @@ from transports.base import Message
 
 U = 2.0**-24  # float32's unit round-off
 FN = 32  # the roundings of one pow: OpenCL allows it 16 ulp, and 1 ulp <= 2 U
+# of the budget: image samples, cheap (1/N of a task), check the forward and dx; kernel samples, dw and db
+SHARES = {"image": 2 / 3, "kernel": 1 / 3}
 
 
 def tolerance(ref: np.ndarray, k: int) -> float:
@@ -128,8 +131,8 @@ class SpotCheck:
         state.forward, state.samples = task, []
         layer, (spent, cells) = task.header["layer"], self._image.get(task.header["layer"], (0.0, 0.0))
         rate = self.master_rate.get(layer) or (spent / cells if cells else 0.0)  # master seconds per kernel-image
-        for kind in ("image", "kernel"):
-            earned = self.budget / 2 * 3 * f * n * rate
+        for kind, share in SHARES.items():
+            earned = self.budget * share * 3 * f * n * rate
             state.credit[kind] += earned
             self.earned += earned
             if state.credit[kind] < 0:
