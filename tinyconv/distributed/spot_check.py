@@ -15,9 +15,9 @@ what the task would cost the master -- its kernel-images (F' N forward, twice th
 master's seconds per kernel-image, measured on its own share of the step when it has one
 (``master_rate``, the cluster's to set), else on its image samples -- two thirds for image samples, a
 third for kernel samples (``SHARES``); a sample is taken while its kind's credit is not negative, and
-its seconds are taken off. Credit
-starts at zero, so a worker's first step is sampled (one wrong from the start is caught at once),
-and a worker cannot buy itself fewer samples by answering fast or claiming a short compute time.
+its seconds are taken off. Credit starts at zero, so a worker's first step is sampled (one wrong from
+the start is caught at once), and a worker cannot buy itself fewer samples by answering fast or
+claiming a short compute time.
 
 A sample agrees when each entry is within float32 round-off of the master's, 2 gamma_k max|ref|
 (``backends/conformance/checks.py``'s scale form), k the roundings on the longest path to it. The
