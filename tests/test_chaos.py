@@ -96,8 +96,8 @@ class Arrivals(InprocTransport):
         return [w for w in self.late if self.joins_after[w.index] == self.steps]
 
 
-# (worker, what goes wrong, at which step, the step after which it joins); the joiners keep three or four
-# workers in the run as the others are lost, and the last healthy one joins before the poisoned one
+# worker i: (what goes wrong, from which step, the step after which it joins); the joiners replace the lost, so
+# that one to four workers serve the master at any time
 SCHEDULE = [
     (None, None, 0),  # worker0: healthy throughout
     ("dies", 10, 0),  # worker1
