@@ -7,21 +7,22 @@
 Every run has the same seed, data and equal starting split (no calibration, no rebalancing, so that
 only the loss changes who computes), a master and 2 workers; worker 1 goes wrong just before step --at.
 
-Over ZeroMQ, worker processes: SIGKILL (a dead process's socket closes at once) and SIGSTOP (silent,
-heartbeats too, until --peer-timeout; killed after the run). The worker process has no hook to
-misbehave on purpose (``worker/main.py`` serves a plain Worker), so the other faults run on in-process
-workers (threads on InprocTransport, split by kernels so that the spot check samples them), from step
---at on: an error reply (a device out of memory), a forward one kernel short (wrong shape), NaNs, every
-number times -50 (finite, well formed: the spot check's to catch), and a hung worker whose heartbeats
-flow (an in-process worker has no heartbeats to stop: only its op's deadline, twice its last op and a
-second, catches it).
+Over ZeroMQ, worker processes: SIGKILL (the master notices a dead worker when a send to it fails: the
+step's tasks go before its socket has closed, so it is the next heartbeat, a second later) and SIGSTOP
+(silent, heartbeats too: its op's deadline comes before --peer-timeout; killed after the run).
+
+The worker process has no hook to misbehave on purpose (``worker/main.py`` serves a plain Worker), so
+the other faults run on in-process workers (threads on InprocTransport, split by kernels so that the
+spot check samples them), from step --at on: an error reply (a device out of memory), a forward one
+kernel short (wrong shape), NaNs, every number times -50 (finite, well formed: the spot check's to
+catch), and a hung worker whose heartbeats flow (an in-process worker has no heartbeats to stop: only
+its op's deadline, twice its last op and a second, catches it).
 
 One table, a row per run: the median step, and the slowest from step --at on (the first step pays for
 first-use allocations); the stall, that slowest step past the uninterrupted run's median (of the same
-transport); the detection time, from the fault (the signal,
-or the worker's first wrong answer) to the master's ``worker_lost``, and its reason; the largest
-relative loss difference against the uninterrupted run. No asserts: tests/test_elastic.py and
-tests/test_chaos.py pin the behaviour.
+transport); the detection time, from the fault (the signal, or the worker's first wrong answer) to the
+master's ``worker_lost``, and its reason; the largest relative loss difference against the
+uninterrupted run. No asserts: tests/test_elastic.py and tests/test_chaos.py pin the behaviour.
 """
 
 from __future__ import annotations
