@@ -1,16 +1,28 @@
 #!/usr/bin/env python3
-"""What a lost worker costs: a worker killed (SIGKILL) or stopped (SIGSTOP) mid-run over ZeroMQ.
+"""What a lost worker costs: each fault the master detects, how long that took, and what it cost the run.
 
     python benchmarks/bench_elastic.py                  # 32:64, batch 32, 2 workers, 10 steps, at step 5
     python benchmarks/bench_elastic.py --arch 50:500 --batch-size 64 --steps 8 --at 4
 
-Three runs with the same seed, data and equal starting split (no calibration, no rebalancing,
-so that only the loss changes who computes): an uninterrupted one, one where worker 1 is
-SIGKILLed just before step --at, and one where it is SIGSTOPped there (and killed after the run).
-Printed, per run: each step's time and loss, when the worker was declared lost and why, how long
-that took from the signal (the detection time: a dead process's socket closes at once, a stopped
-one is lost once silent for 4 heartbeats, 1.6 s), and the largest relative loss difference against the
-uninterrupted run. No asserts: tests/test_elastic.py pins the behaviour.
+Every run has the same seed, data and equal starting split (no calibration, no rebalancing, so that
+only the loss changes who computes), a master and 2 workers; worker 1 goes wrong just before step --at.
+
+Over ZeroMQ, worker processes: SIGKILL (the master notices a dead worker when a send to it fails: the
+step's tasks go before its socket has closed, so it is the next heartbeat's, within 0.4 s) and SIGSTOP
+(silent, heartbeats too: its op's deadline comes before --peer-timeout; killed after the run).
+
+The worker process has no hook to misbehave on purpose (``worker/main.py`` serves a plain Worker), so
+the other faults run on in-process workers (threads on InprocTransport, split by kernels so that the
+spot check samples them), from step --at on: an error reply (a device out of memory), a forward one
+kernel short (wrong shape), NaNs, every number times -50 (finite, well formed: the spot check's to
+catch), and a hung worker whose heartbeats flow (an in-process worker has no heartbeats to stop: only
+its op's deadline, twice its last op and a second, catches it).
+
+One table, a row per run: the median step, and the slowest from step --at on (the first step pays for
+first-use allocations); the stall, that slowest step past the uninterrupted run's median (of the same
+transport); the detection time, from the fault (the signal, or the worker's first wrong answer) to the
+master's ``worker_lost``, and its reason; the largest relative loss difference against the
+uninterrupted run. No asserts: tests/test_elastic.py and tests/test_chaos.py pin the behaviour.
 """
 
 from __future__ import annotations
@@ -24,7 +36,10 @@ import argparse  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,19 +49,54 @@ from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
 from tinyconv.distributed.pool import distribute  # noqa: E402
-from tinyconv.model import paper_net  # noqa: E402
+from tinyconv.distributed.protocol import VERSION  # noqa: E402
+from tinyconv.distributed.runtime import Runtime  # noqa: E402
+from tinyconv.distributed.shard.cluster import Cluster  # noqa: E402
+from tinyconv.distributed.worker.handler import Worker  # noqa: E402
+from tinyconv.model import Network, paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
+from transports.base import Message  # noqa: E402
+from transports.inproc import InprocTransport  # noqa: E402
+
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
+FAULTS = ("error reply", "wrong shape", "NaN", "x -50", "hung")
 
 
-def run(args: argparse.Namespace, sig: signal.Signals | None) -> dict:
-    """One run; ``sig`` goes to worker 1 just before step ``args.at`` (1-based)."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.batch_size, 3, 32, 32), dtype=np.float32)
-    y = rng.integers(0, 10, args.batch_size)
-    net = paper_net(args.arch, get_backend("numpy"), seed=0)
-    opt = SGD(net, lr=0.01, momentum=0.9)
-    losses, times, signalled = [], [], None
+class Faulty(Worker):
+    """An in-process worker that answers wrongly from the first task of step ``at`` (0-based) on, as ``fault``
+    says; ``wrong_at``, the time of its first wrong answer (or of the task it hangs on)."""
+
+    def __init__(self, backend, fault: str | None, at: int) -> None:
+        super().__init__(backend)
+        self.fault, self.at, self.wrong_at = fault, at, None
+        self.released = threading.Event()  # set when the run is over: a hung task then ends
+
+    def handle(self, msg: Message) -> Message | None:
+        if self.fault is None or msg.header.get("step", -1) < self.at:
+            return super().handle(msg)
+        self.wrong_at = self.wrong_at or time.perf_counter()
+        if self.fault == "hung":
+            self.released.wait(600)
+            return None
+        if self.fault == "error reply":
+            raise MemoryError("out of device memory")
+        reply = super().handle(msg)
+        if self.fault == "wrong shape" and "y" in reply.arrays:
+            reply.arrays["y"] = reply.arrays["y"][:, 1:]
+        elif self.fault == "NaN":
+            for a in reply.arrays.values():
+                a.fill(np.nan)
+        elif self.fault == "x -50":
+            reply.arrays = {k: a * np.float32(-50) for k, a in reply.arrays.items()}
+        return reply
+
+
+@contextmanager
+def zmq_run(args: argparse.Namespace, net: Network, sig: str | None) -> Iterator[tuple[Runtime, Callable, Callable]]:
+    """Master and 2 ZeroMQ worker processes; ``sig`` goes to worker 1 just before step --at. Yields the
+    cluster, what to do before each step (1-based), and the time of the fault (None before it)."""
+    fault_at = []
     with distribute(
         net,
         transport="zmq",
@@ -57,35 +107,70 @@ def run(args: argparse.Namespace, sig: signal.Signals | None) -> dict:
         batch_size=args.batch_size,
         announce=lambda _: None,
     ) as cluster:
-        victim, declared, lose = cluster.workers[1], [], cluster.lose
+        victim = cluster.workers[1]
+
+        def before(step: int) -> None:
+            if sig is not None and step == args.at:
+                fault_at.append(time.perf_counter())
+                os.kill(victim.pid, SIGNALS[sig])
+
+        try:
+            yield cluster, before, lambda: fault_at[0] if fault_at else None
+        finally:
+            if sig == "SIGSTOP":
+                os.kill(victim.pid, signal.SIGKILL)
+
+
+@contextmanager
+def inproc_run(
+    args: argparse.Namespace, net: Network, fault: str | None
+) -> Iterator[tuple[Runtime, Callable, Callable]]:
+    """Master and 2 in-process workers, worker 1 wrong from step --at on as ``fault`` says."""
+    workers = [Faulty(get_backend("numpy"), None, 0), Faulty(get_backend("numpy"), fault, args.at - 1)]
+    transport = InprocTransport(lambda i: workers[i], protocol=VERSION)
+    with transport:
+        infos = transport.start(2, timeout=60.0)
+        cluster = Cluster(transport, infos, get_backend("numpy"), split="kernels", rebalance=False, recv_timeout=60.0)
+        cluster.attach(net)
+        try:
+            yield cluster, lambda step: None, lambda: workers[1].wrong_at
+        finally:
+            workers[1].released.set()
+            cluster.close()
+
+
+def run(args: argparse.Namespace, transport: str, fault: str | None) -> dict:
+    """One run of --steps steps; ``fault`` (a signal's name over zmq, one of FAULTS in-process) hits worker 1."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch_size, 3, 32, 32), dtype=np.float32)
+    y = rng.integers(0, 10, args.batch_size)
+    net = paper_net(args.arch, get_backend("numpy"), seed=0)
+    opt = SGD(net, lr=0.01, momentum=0.9)
+    losses, times, declared = [], [], []
+    start = zmq_run if transport == "zmq" else inproc_run
+    with start(args, net, fault) as (cluster, before, fault_at):
+        lose = cluster.lose
 
         def timed_lose(workers: dict[int, str]) -> None:  # when the master gives up on the worker
             declared.append(time.perf_counter())
             lose(workers)
 
         cluster.lose = timed_lose
-        label = "uninterrupted" if sig is None else sig.name
-        try:
-            for step in tqdm(range(1, args.steps + 1), desc=label, leave=False):
-                if sig is not None and step == args.at:
-                    signalled = time.perf_counter()
-                    os.kill(victim.pid, sig)
-                t = time.perf_counter()
-                losses.append(net.train_step(x, y))
-                opt.step()
-                times.append(time.perf_counter() - t)
-            events = cluster.pop_events()
-        finally:
-            if sig == signal.SIGSTOP:
-                os.kill(victim.pid, signal.SIGKILL)
+        for step in tqdm(range(1, args.steps + 1), desc=f"{transport} {fault or 'uninterrupted'}", leave=False):
+            before(step)
+            t = time.perf_counter()
+            losses.append(net.train_step(x, y))
+            opt.step()
+            times.append(time.perf_counter() - t)
+        events, wrong_at = cluster.pop_events(), fault_at()
     lost = [e for e in events if e["event"] == "worker_lost"]
     return {
-        "label": label,
+        "transport": transport,
+        "fault": fault or "uninterrupted",
         "losses": losses,
         "times": times,
         "lost": lost,
-        "detected_s": declared[0] - signalled if declared else None,
-        "signal_step_s": times[args.at - 1] if sig is not None else None,
+        "detected_s": declared[0] - wrong_at if declared and wrong_at is not None else None,
     }
 
 
@@ -95,39 +180,45 @@ def main() -> None:
     p.add_argument("--arch", default="32:64", help="conv1:conv2 kernel counts (default 32:64)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--at", type=int, default=5, help="the step before which worker 1 is signalled (1-based)")
+    p.add_argument("--at", type=int, default=5, help="the step before which worker 1 goes wrong (1-based)")
     ceiling = "the most seconds of silence before a worker is lost (a stopped one goes after 4 heartbeats)"
     p.add_argument("--peer-timeout", type=float, default=30.0, help=ceiling)
     args = p.parse_args()
     if not 1 <= args.at <= args.steps:
         p.error(f"--at {args.at} must be between 1 and --steps {args.steps}")
-    ref, *hurt = (run(args, s) for s in (None, signal.SIGKILL, signal.SIGSTOP))
+    runs = {
+        "zmq": [run(args, "zmq", f) for f in (None, *SIGNALS)],
+        "inproc": [run(args, "inproc", f) for f in (None, *FAULTS)],
+    }
     rows = []
-    for r in (ref, *hurt):
-        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True))
-        lost = r["lost"][0] if r["lost"] else {}
-        rows.append(
-            [
-                r["label"],
-                f"{statistics.median(r['times']):.3f}",
-                "-" if r["signal_step_s"] is None else f"{r['signal_step_s']:.2f}",
-                "-" if r["detected_s"] is None else f"{r['detected_s']:.2f}",
-                lost.get("reason", "-"),
-                f"{diff:.1e}",
-                f"{r['losses'][-1]:.6f}",
-            ]
-        )
+    for ref, *hurt in runs.values():
+        median = statistics.median(ref["times"])
+        for r in (ref, *hurt):
+            slowest = max(r["times"][args.at - 1 :])
+            diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+            lost = r["lost"][0] if r["lost"] else {}
+            rows.append(
+                [
+                    r["transport"],
+                    r["fault"],
+                    f"{statistics.median(r['times']):.3f}",
+                    f"{slowest:.3f}",
+                    f"{slowest - median:.3f}",
+                    "-" if r["detected_s"] is None else f"{r['detected_s']:.3f}",
+                    f"{lost.get('reason', '-'):.70}",
+                    f"{diff:.1e}",
+                    f"{r['losses'][-1]:.6f}",
+                ]
+            )
     print(
-        f"{args.arch}, batch {args.batch_size}, master + 2 zmq workers, {args.steps} steps, "
-        f"worker 1 signalled before step {args.at}, --peer-timeout {args.peer_timeout:g} s"
+        f"{args.arch}, batch {args.batch_size}, master + 2 workers, {args.steps} steps, worker 1 wrong from step "
+        f"{args.at}, --peer-timeout {args.peer_timeout:g} s (zmq); stall: the slowest from --at past the clean median"
     )
-    print(
-        format_table(
-            ["run", "median step s", "that step s", "lost after s", "reason", "max rel loss diff", "last loss"], rows
-        )
-    )
-    for r in hurt:
-        print(f"{r['label']}: events {r['lost']}")
+    headers = ["transport", "fault", "median step s", "slowest s from --at", "stall s", "lost after s", "reason",
+               "max rel loss diff", "last loss"]  # fmt: skip
+    print(format_table(headers, rows))
+    for r in (r for rs in runs.values() for r in rs[1:]):
+        print(f"{r['transport']} {r['fault']}: events {[(e['worker'], e['step'], e['reason']) for e in r['lost']]}")
 
 
 if __name__ == "__main__":
