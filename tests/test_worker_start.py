@@ -12,9 +12,10 @@ import time
 import pytest
 
 import tinyconv as tc
-from tinyconv.distributed.pool import _death_notice, _StderrTail
+from tinyconv.distributed.pool import _death_notice, _StderrTail, stop_workers, worker_pool
 from tinyconv.distributed.protocol import VERSION
 from transports.base import Message
+from transports.session.settings import SECRET_ENV
 from transports.zmq_master import ZmqTransport
 
 
@@ -92,3 +93,29 @@ def test_a_worker_stopped_in_the_middle_of_a_task_exits_with_its_code_not_a_segf
                 proc.wait()
     assert proc.returncode == 130, f"exit {proc.returncode}: {err}"
     assert "interrupted; worker stopping" in err and "the task in course is left unfinished" in err
+
+
+def test_external_workers_on_loopback_without_keys_are_told_the_runs_join_secret():
+    """No other local user can join: the command the master announces sets a per-run secret, and a worker
+    started without it is refused while the one run as announced is admitted."""
+    said, procs = [], []
+
+    def announce(line: str) -> None:
+        said.append(line)
+        command = line.split("\n")[-1].split()
+        env_part, connect = command[0], command[command.index("--connect") + 1]
+        assert env_part.startswith(f"{SECRET_ENV}=") and len(env_part.split("=")[1]) == 32, line
+        worker = [sys.executable, "-m", "tinyconv.cli", "worker", "--connect", connect, "--retry-for", "5"]
+        procs.append(subprocess.Popen(worker, stderr=subprocess.PIPE, text=True))  # no secret: refused
+        secret = dict([env_part.split("=", 1)])
+        procs.append(subprocess.Popen(worker, env={**os.environ, **secret}, stderr=subprocess.PIPE, text=True))
+
+    pool = worker_pool("zmq", 1, external=True, bind="tcp://127.0.0.1:0", announce=announce, start_timeout=60)
+    try:
+        with pool as (transport, infos):
+            assert [i.pid for i in infos] == [procs[1].pid]
+            _, err = procs[0].communicate(timeout=60)
+            assert procs[0].returncode != 0 and "admits only the workers it started or gave its join secret" in err
+    finally:
+        stop_workers(procs)
+    assert len(said) == 1

@@ -152,7 +152,8 @@ def worker_pool(
 
     Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
     the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``;
-    the workers it starts here carry a per-run secret in their environment, and the master admits only them.
+    the workers it starts here carry a per-run secret in their environment, and the master admits only them
+    (with ``external`` on loopback without keys, the command it announces sets that secret).
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
@@ -162,7 +163,8 @@ def worker_pool(
     if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
-        secret = None if external or insecure else secrets.token_hex(16)  # its own workers' (no other user's)
+        # a per-run secret for the workers it starts, or tells the command to, unless keys admit them: no other user
+        secret = None if insecure or (external and keys) else secrets.token_hex(16)
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "secret": secret}
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION,
                              max_message_bytes=max_message_bytes, **options)  # fmt: skip
@@ -170,6 +172,7 @@ def worker_pool(
     try:
         if bound:
             command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external)
+            command = f"{SECRET_ENV}={secret} {command}" if external and secret else command
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
         elif bound:

@@ -17,7 +17,7 @@ from transports import wire
 from transports.base import Message, WorkerInfo
 from transports.droplog import DropLog
 from transports.session.link import Arrival, Link
-from transports.session.settings import MasterSettings
+from transports.session.settings import SECRET_ENV, MasterSettings
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class Admission:
             return []
         secret = self.settings.secret
         if secret is not None and not hmac.compare_digest(msg.header.get("secret", "").encode(), secret.encode()):
-            told = "this master admits only the workers it started (give it --key and --authorized-keys for others)"
+            told = f"this master admits only the workers it started or gave its join secret ({SECRET_ENV})"
             self.link.send(a.peer, wire.encode(Message("error", {"message": told})))  # best effort: no worker
             self.drops.drop("secret", _label(a), "a hello without this run's secret")
             return []
