@@ -152,8 +152,7 @@ def worker_pool(
 
     Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
     the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``;
-    the workers it starts here carry a per-run secret in their environment, and the master admits only them
-    (with ``external`` on loopback without keys, the command it announces sets that secret).
+    else a per-run secret: in the environment of the workers it starts, in the command it announces.
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
@@ -163,16 +162,14 @@ def worker_pool(
     if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
-        # a per-run secret for the workers it starts, or tells the command to, unless keys admit them: no other user
-        secret = None if insecure or (external and keys) else secrets.token_hex(16)
+        secret = None if insecure or (external and keys) else secrets.token_hex(16)  # no other user's process joins
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "secret": secret}
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION,
                              max_message_bytes=max_message_bytes, **options)  # fmt: skip
     procs, command = [], ""  # local worker processes; how a worker joins this master, for the messages
     try:
         if bound:
-            command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external)
-            command = f"{SECRET_ENV}={secret} {command}" if external and secret else command
+            command = _worker_command(connect_hint(pool.bound_address), worker_backend, keys, external, secret)
         if external:
             announce(f"waiting for {n_workers} worker(s); on each worker machine run:\n    {command}")
         elif bound:
@@ -242,9 +239,10 @@ def _keys(
     return server, files
 
 
-def _worker_command(connect: str, backend: str, keys: tuple | None, external: bool) -> str:
-    """How a worker joins: the command to run on its machine."""
-    command = f"tinyconv worker --connect {connect} --backend {backend}"
+def _worker_command(connect: str, backend: str, keys: tuple | None, external: bool, secret: str | None) -> str:
+    """How a worker joins: the command to run on its machine (with the run's join secret, if it has one)."""
+    command = (f"{SECRET_ENV}={secret} " if external and secret else "") + f"tinyconv worker --connect {connect}"
+    command += f" --backend {backend}"
     if keys and external:
         master_public = str(Path(keys[0].secret_key_file).with_suffix(".key"))
         command += f" --key <its NAME.key_secret> --master-key {master_public}"
