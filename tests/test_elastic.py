@@ -307,3 +307,28 @@ def test_without_the_spot_check_a_wrong_worker_goes_unseen(rng):
         x, *_ = ref
         y = net.forward(x)
     assert cluster.pop_events() == [] and not np.allclose(y, ref[2], rtol=1e-4)
+
+
+class Refusing(InprocTransport):
+    """Records whom the runtime asks it to refuse (in-process workers cannot come back to be turned away)."""
+
+    refused: list[tuple[int, str]]
+
+    def refuse(self, worker: int, why: str) -> bool:
+        self.refused.append((worker, why))
+        return False
+
+
+@pytest.mark.parametrize(("make", "refused"), [(lambda be: Scaled(be, 1.01), True), (Silent, False)])
+def test_a_worker_with_wrong_answers_is_refused_and_a_silent_one_is_not(rng, make, refused):
+    net, conv, ref = block_net(rng)
+    makes = [Worker, make]
+    transport = Refusing(lambda i: makes[i](NumpyBackend()), protocol=VERSION)
+    transport.refused = []
+    with transport:
+        workers = transport.start(2, timeout=TIMEOUT)
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=0.5, split="kernels")
+        cluster.attach(net)
+        exact_step(net, conv, ref)
+    assert list(cluster.lost) == [1]
+    assert transport.refused == ([(1, cluster.lost[1])] if refused else [])

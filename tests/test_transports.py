@@ -37,6 +37,7 @@ from transports import (
     get_transport,
     load_transport,
 )
+from transports.base import WorkerLost
 from transports.inproc import InprocTransport
 from transports.session.settings import SECRET_ENV
 from transports.wire import decode, encode
@@ -476,3 +477,28 @@ def test_worker_stop_event_ends_serve(tmp_path):
     stop.set()
     th.join(timeout=TIMEOUT)
     assert codes == [EXIT_INTERRUPTED]
+
+
+def test_a_refused_worker_is_told_and_turned_away_for_a_time_that_doubles():
+    # what the runtime asks of the transport for a worker whose answers were wrong (tinyconv's spot check)
+    ctx = zmq.Context()
+    try:
+        with ZmqTransport(bind=LOCAL, protocol=PROTOCOL) as t:
+            d = raw_dealer(ctx, t.bound_address)
+            d.send_multipart(encode(Message("hello", HELLO)))
+            (info,) = t.start(1, timeout=TIMEOUT)
+            assert recv_msg(d).kind == "welcome" and t.refuse(0, "wrong result: off by 99")
+            bye = recv_msg(d)
+            assert bye.kind == "shutdown" and bye.header["reason"] == "refused for 60 s: wrong result: off by 99"
+            with pytest.raises(WorkerLost, match="refused: wrong result"):
+                t.send(0, Message("echo", {"task": 1}))
+            again = raw_dealer(ctx, t.bound_address)  # back at once, from the same address
+            again.send_multipart(encode(Message("hello", HELLO)))
+            told = recv_msg(again)
+            assert (
+                told.kind == "error" and "refuses this worker for another 60 s: wrong result" in told.header["message"]
+            )
+            assert t.joined() == []
+            assert t._io.admission.refuse(0, "wrong again", time.monotonic()) == 120.0  # the next refusal: twice
+    finally:
+        ctx.destroy(linger=0)

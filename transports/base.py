@@ -96,6 +96,13 @@ class Transport(ABC):
         [] where workers cannot come late."""
         return []
 
+    def refuse(self, worker: int, why: str) -> bool:
+        """``worker`` answered wrongly or failed its calibration: say goodbye, and turn away its peer (by key,
+        else by address) for a time that doubles with each refusal; whether it does. A transport whose
+        workers cannot come back (threads in this process) has no more to do than the runtime, which
+        leaves the worker out: False."""
+        return False
+
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Bytes (sent to, received from) each worker since start."""
         return {}

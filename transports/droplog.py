@@ -23,6 +23,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "stray": ("message from a peer that has not said hello", "messages from peers that have not said hello"),
     "lost": ("message from a worker declared lost", "messages from workers declared lost"),
     "crowd": ("hello while too many peers wait for start()", "hellos while too many peers wait for start()"),
+    "refused": ("hello from a peer refused for a while", "hellos from peers refused for a while"),
 }
 
 

@@ -189,5 +189,5 @@ def checked_times(k: int, reply: Message, kind: str, n: int) -> list[float]:
         isinstance(got, list) and len(got) == n and all(Num.accepts(t) and math.isfinite(t) and t > 0 for t in got)
     ):
         why = f"answered {kind} with times {got!r:.200}, expected {n} positive seconds (same tinyconv version?)"
-        raise Lost({k: why})
+        raise Lost({k: why}, wrong=True)
     return [float(t) for t in got]

@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 
 
 class Lost(Exception):
-    """Workers an op could not count on: worker index -> why."""
+    """Workers an op could not count on: worker index -> why. ``wrong``: their answers were wrong, not missing
+    (a wrong shape or dtype, NaN, a failed spot check): the runtime refuses them for a while."""
 
-    def __init__(self, workers: dict[int, str]) -> None:
+    def __init__(self, workers: dict[int, str], wrong: bool = False) -> None:
         super().__init__("; ".join(f"worker {k}: {why}" for k, why in workers.items()))
-        self.workers = workers
+        self.workers, self.wrong = workers, wrong
 
 
 class Rpc:
@@ -172,7 +173,7 @@ class Op:
         if a is None or tuple(a.shape) != shape:
             got = "nothing" if a is None else f"shape {tuple(a.shape)}"
             why = f"returned {got} for {name!r} in the {self.what}, expected shape {shape} (the same tinyconv version?)"
-            raise Lost({worker: why})
+            raise Lost({worker: why}, wrong=True)
         return a
 
     def stats(self, placement: list[tuple[str, int | None]]) -> OpStats:
@@ -201,13 +202,13 @@ class Op:
                 log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
                 continue
             if reply.kind != "result":
-                raise Lost({k: f"answered the {self.what} with a {reply.kind!r}"})
+                raise Lost({k: f"answered the {self.what} with a {reply.kind!r}"}, wrong=True)
             sent, nbytes = self._pending[task], reply.nbytes()
             try:
                 reply, fell_back = self.codec.decode(reply, sent.wire) if self.codec else (reply, 0)  # float32 now
                 check_result(reply, sent.msg.kind)
             except RuntimeError as e:
-                raise Lost({k: f"sent a malformed result for the {self.what}: {e}"}) from None
+                raise Lost({k: f"sent a malformed result for the {self.what}: {e}"}, wrong=True) from None
             self.fallbacks += fell_back
             _check_finite(k, reply, sent.msg, self.what)
             if self.rpc.check is not None and self.codec is None:  # narrowed words round beyond float32's
@@ -246,4 +247,4 @@ def _check_finite(k: int, reply: Message, sent: Message, what: str) -> None:
     non-finite inputs -- a diverged model -- the master's own numbers are no better: let them through.)"""
     bad = [name for name, a in reply.arrays.items() if not np.isfinite(a).all()]
     if bad and all(np.isfinite(a).all() for a in sent.arrays.values()):
-        raise Lost({k: f"returned non-finite values in {', '.join(bad)} for the {what}, from finite inputs"})
+        raise Lost({k: f"returned non-finite values in {', '.join(bad)} for the {what}, from finite inputs"}, True)

@@ -131,7 +131,7 @@ class Runtime:
             except Lost as e:  # failed, silent or gone while timed: lost as in a step, and the others timed again
                 if set(e.workers) <= set(self.lost):
                     raise
-                self.lose(e.workers)
+                self.lose(e.workers, refuse=True)  # failed its calibration: refused for a while
         release_freed_memory()  # the timings' whole layers, kept, would stay the run's peak (heap.py)
         self.timings = {name: times[name] for name in self.participants}
         result: dict[str, Any] = {"participants": self.participants, "times": {}, "shares": {}, "channel_shares": {}}
@@ -190,12 +190,15 @@ class Runtime:
         return min(self.recv_timeout, 2 * scale * (max(known) + max(transfer, default=0.0)) + 1.0)
 
     # ---- membership -----------------------------------------------------------------------------
-    def lose(self, workers: dict[int, str]) -> None:
-        """``workers`` (index -> why) are no longer participants: their shares go to the others."""
+    def lose(self, workers: dict[int, str], refuse: bool = False) -> None:
+        """``workers`` (index -> why) are no longer participants: their shares go to the others. ``refuse``:
+        their answers were wrong or their calibration failed, so the transport turns them away for a while."""
         for k, why in workers.items():
             if k in self.lost:
                 continue
             self.lost[k] = why
+            if refuse:
+                self.transport.refuse(k, why)
             log.warning("%s lost: %s; its work goes to the others", self.rpc.describe(k), why)
             self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]
@@ -241,6 +244,7 @@ class Runtime:
     def _left_out(self, info: WorkerInfo, why: str) -> None:
         """A joiner that failed its timing: never seated, lost with the reason."""
         self.lost[info.index] = why
+        self.transport.refuse(info.index, f"joined, then {why}")
         log.warning("%s joined but could not be timed (%s); it is left out", self.rpc.describe(info.index), why)
         self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{info.index}",
                             "reason": f"joined, then {why}", "shares": self._shares()})  # fmt: skip

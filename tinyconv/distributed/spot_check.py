@@ -207,7 +207,7 @@ class SpotCheck:
             if not err <= tol:
                 self.workers.pop(k, None)
                 why = f"wrong result: {where} differs from the master's by {err:.3g} (round-off allows {tol:.3g})"
-                raise Lost({k: why})
+                raise Lost({k: why}, wrong=True)
 
 
 def _agree(pairs: list[Pair]) -> bool:

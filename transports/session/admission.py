@@ -22,6 +22,7 @@ from transports.session.settings import SECRET_ENV, MasterSettings
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 1000  # peers whose hello waits for start(); more are turned away
+REFUSED_S = 60.0  # how long a peer is first turned away for wrong answers or a failed calibration; then twice that
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Admission:
         self.peer: dict[int, Hashable] = {}  # and back
         self.pending: dict[Hashable, _Pending] = {}  # hellos before start(), oldest first
         self._given_up: set[Hashable] = set()  # closed group: peers that will never be workers
+        self.who: dict[int, str] = {}  # worker -> its key, else its address: what a refusal turns away
+        self.refused: dict[str, tuple[float, int, str]] = {}  # who -> (refused until, refusals so far, why)
 
     def welcome(self, k: int) -> list:
         """The frames of worker ``k``'s welcome: its index and the heartbeat pace."""
@@ -158,9 +161,24 @@ class Admission:
                 self.book.refusal = why
             self.book.cond.notify_all()
 
+    def refuse(self, k: int, why: str, now: float) -> float:
+        """Turn worker k's peer away from ``now`` on, for a time that doubles with each of its refusals; that time."""
+        who = self.who.get(k, "")
+        _, n, _ = self.refused.get(who, (0.0, 0, ""))
+        seconds = REFUSED_S * 2**n
+        self.refused[who] = (now + seconds, n + 1, why[:200])
+        log.warning("worker %d (%s) refused for %g s: %s", k, who or "?", seconds, why)
+        return seconds
+
     def _on_hello(self, a: Arrival, msg: Message) -> list[int]:
         if msg.header["protocol"] != self.settings.protocol:
             self._refuse(a, "task protocol", msg.header["protocol"])
+            return []
+        until, _, why = self.refused.get(a.key or a.address, (0.0, 0, ""))
+        if (left := until - time.monotonic()) > 0:
+            told = f"this master refuses this worker for another {left:.0f} s: {why}"
+            self.link.send(a.peer, wire.encode(Message("error", {"message": told})))  # best effort: no worker
+            self.drops.drop("refused", _label(a), told)
             return []
         secret = self.settings.secret
         if secret is not None and not hmac.compare_digest(msg.header.get("secret", "").encode(), secret.encode()):
@@ -194,7 +212,7 @@ class Admission:
             if why:  # it said hello, then left: not a worker
                 log.info("a worker at %s left before its welcome (%s); not counting it", address or "?", why)
                 return []
-            self.index[peer], self.peer[k] = k, peer
+            self.index[peer], self.peer[k], self.who[k] = k, peer, key or address
             self.book.traffic[k] = [wire.frames_nbytes(welcome), 0]
             self.book.fresh.append(worker_info(k, h, address, key))
             self.book.cond.notify_all()

@@ -119,6 +119,11 @@ class SessionTransport(Transport):
         self._io.outbox.put((worker, wire.encode(msg)))  # encode validates: a bad message fails here, in the caller
         self._link.wake()
 
+    def refuse(self, worker: int, why: str) -> bool:
+        self._io.refusals.put((worker, why))
+        self._link.wake()
+        return True
+
     def recv(self, timeout: float) -> tuple[int, Message]:
         """The next message from a worker that start() or joined() returned; raises TimeoutError,
         WorkerLost, or ProtocolError for a message the worker sent that the master could not read."""
@@ -187,6 +192,7 @@ class MasterSession:
         self.link, self.book, self.settings = link, book, settings
         self.inbox: queue.Queue[tuple[str, int | None, Any]] = queue.Queue()
         self.outbox: queue.Queue[tuple[int, list]] = queue.Queue()
+        self.refusals: queue.Queue[tuple[int, str]] = queue.Queue()  # (worker, why) to say goodbye to, and refuse
         self.stop = threading.Event()
         self.drops = DropLog(log)
         self.admission = Admission(link, book, self.drops, settings)
@@ -233,6 +239,13 @@ class MasterSession:
     def _flush_outbox(self) -> None:
         while not self.outbox.empty():  # this thread is the only one that takes from it
             self._send_to(*self.outbox.get_nowait())
+        while not self.refusals.empty():
+            k, why = self.refusals.get_nowait()
+            seconds = self.admission.refuse(k, why, time.monotonic())
+            self._send_to(k, wire.encode(Message("shutdown", {"reason": f"refused for {seconds:g} s: {why[:200]}"})))
+            self._heard.pop(k, None), self._said.pop(k, None)  # gone quietly: the caller already counts it lost
+            with self.book.cond:
+                self.book.lost.setdefault(k, f"refused: {why}")
 
     def _send_to(self, k: int, frames: list, control: bool = False) -> None:
         if k not in self._heard:  # lost: nothing more goes to it

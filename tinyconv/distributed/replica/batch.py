@@ -165,7 +165,7 @@ class BatchSplit(Runtime):
                 loss, logits = self._step(net, x, y, start, smoothing)
                 break
             except Lost as e:
-                self.lose(e.workers)
+                self.lose(e.workers, e.wrong)
         self._welcome_joiners()
         return loss, logits
 

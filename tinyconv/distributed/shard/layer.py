@@ -35,7 +35,7 @@ class Coordinator(Protocol):
 
     def timeout(self, block: ShardedBlock, batch: int, what: str) -> float: ...
 
-    def lose(self, workers: dict[int, str]) -> None: ...
+    def lose(self, workers: dict[int, str], refuse: bool = False) -> None: ...
 
     def finished(self, block: ShardedBlock, done: LayerStep) -> None: ...
 
@@ -85,7 +85,7 @@ class ShardedBlock(Layer):
             try:
                 y, kept = split.forward(op, self.conv, self.tail, plan, x, *pipeline)
             except Lost as e:
-                self.cluster.lose(e.workers)
+                self.cluster.lose(e.workers, e.wrong)
                 continue
             return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.placement))
 
@@ -99,7 +99,7 @@ class ShardedBlock(Layer):
                 dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
                 break
             except Lost as e:
-                self.cluster.lose(e.workers)
+                self.cluster.lose(e.workers, e.wrong)
         self.cache = None
         self.grads = self.conv.grads = {"w": dw, "b": db}
         stats = op.stats(self.cluster.placement)
