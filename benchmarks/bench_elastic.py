@@ -151,15 +151,15 @@ def run(args: argparse.Namespace, transport: str, fault: str | None) -> dict:
     with start(args, net, fault) as (cluster, before, fault_at):
         lose = cluster.lose
 
-        def timed_lose(workers: dict[int, str]) -> None:  # when the master gives up on the worker
+        def timed_lose(workers: dict[int, str], refuse: bool = False) -> None:  # when the master gives up on it
             declared.append(time.perf_counter())
-            lose(workers)
+            lose(workers, refuse)
 
         cluster.lose = timed_lose
         for step in tqdm(range(1, args.steps + 1), desc=f"{transport} {fault or 'uninterrupted'}", leave=False):
             before(step)
             t = time.perf_counter()
-            losses.append(net.train_step(x, y))
+            losses.append(cluster.train_batch(net, x, y)[0])  # what the trainer calls
             opt.step()
             times.append(time.perf_counter() - t)
         events, wrong_at = cluster.pop_events(), fault_at()

@@ -158,7 +158,7 @@ def train(schedule, x, y, clock: Skewed | None = None) -> tuple[list[float], Clu
                           rebalance=False, calibration_repeats=1)  # fmt: skip
         cluster.calibrate(net, batch_size=BATCH, image_size=IMAGE)
         for step in range(STEPS):
-            losses.append(net.train_step(x[step % len(x)], y[step % len(y)]))
+            losses.append(cluster.train_batch(net, x[step % len(x)], y[step % len(y)])[0])  # as the trainer does
             opt.step()
             for w in workers:
                 if w.fault == "stops" and w.at == step:

@@ -11,10 +11,12 @@ import pytest
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import VERSION
+from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
-from tinyconv.model import Network
+from tinyconv.model import Network, paper_net
+from tinyconv.parallel import forward_backward
 from transports.base import Message, WorkerInfo
 from transports.inproc import InprocTransport
 from transports.wire import error_reply
@@ -332,3 +334,30 @@ def test_a_worker_with_wrong_answers_is_refused_and_a_silent_one_is_not(rng, mak
         exact_step(net, conv, ref)
     assert list(cluster.lost) == [1]
     assert transport.refused == ([(1, cluster.lost[1])] if refused else [])
+
+
+class Conv2Only:
+    """A spot check that looks at worker 1's second conv alone: its first conv's answers go on unchecked."""
+
+    def __call__(self, k, task, reply, be):
+        if k == 1 and task.header.get("layer") == 1 and task.kind == "block_forward":
+            raise Lost({k: "wrong result: its forward, in image 0 (the test's check)"}, wrong=True)
+
+
+def test_a_step_that_took_a_wrong_workers_unchecked_answers_runs_again_without_it(rng):
+    """Caught in conv2, the worker had already given conv1's numbers, unchecked: the step runs again."""
+    x = rng.standard_normal((4, 3, 8, 8), dtype=np.float32)
+    y = rng.integers(0, 10, 4)
+    alone = paper_net("6:12", NumpyBackend(), seed=0, image_size=8)
+    ref_loss, _ = forward_backward(alone, x, y)
+    net = paper_net("6:12", NumpyBackend(), seed=0, image_size=8)
+    with pool([Worker, lambda be: Scaled(be, -50.0)]) as (transport, workers):
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, split="kernels", rebalance=False)
+        cluster.attach(net)
+        cluster.rpc.check = Conv2Only()
+        loss, _ = cluster.train_batch(net, x, y)
+        (event,) = cluster.pop_events()
+    assert event["worker"] == "worker1" and cluster.step == 1  # counted once
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for (name, layer, key), (_, ref_layer, _) in zip(net.named_params(), alone.named_params(), strict=True):
+        assert_close(layer.grads[key], ref_layer.grads[key]), name

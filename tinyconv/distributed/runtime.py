@@ -86,6 +86,8 @@ class Runtime:
         self.calibration: dict[str, Any] | None = None
         self.lost: dict[int, str] = {}  # worker index -> why it is no longer a participant
         self.joiners = Joiners(self.rpc)  # the workers that joined late, timing themselves
+        self.gave: set[int] = set()  # the workers whose answers this step has taken
+        self.tainted = False  # one of them was found wrong since: the model split runs the step again
         self.events: list[dict[str, Any]] = []  # what happened to the participants, for the metrics file
         self.on_close: Callable[[], None] | None = None  # e.g. stopping the workers distribute() started
 
@@ -199,6 +201,7 @@ class Runtime:
             self.lost[k] = why
             if refuse:
                 self.transport.refuse(k, why)
+                self.tainted |= k in self.gave  # its earlier answers this step went on unchecked
             log.warning("%s lost: %s; its work goes to the others", self.rpc.describe(k), why)
             self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]

@@ -81,7 +81,8 @@ class Cluster(Runtime):
         **options: Any,
     ) -> None:
         super().__init__(transport, workers, backend, **options)
-        self.rpc.check = SpotCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
+        self.spot = SpotCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
+        self.rpc.check = self.spot
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not (isinstance(pipeline, int) and pipeline >= 0):
@@ -100,6 +101,7 @@ class Cluster(Runtime):
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
         self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
         self._took: dict[tuple[str, str], dict[str, float]] = {}  # (layer, op) -> worker -> s per unit and image
+        self.redo = False  # the step just ended was tainted (Runtime.tainted): train_batch runs it again
 
     # ---- the network ----------------------------------------------------------------------
     def attach(self, net: Network) -> None:
@@ -142,8 +144,18 @@ class Cluster(Runtime):
         self, net: Network, x: Array | np.ndarray, y: np.ndarray, smoothing: float = 0.0
     ) -> tuple[float, Array]:
         """:func:`~tinyconv.parallel.forward_backward` of the attached ``net``: its sharded blocks run their
-        splits on the way. Returns (the mean loss, the logits)."""
-        return forward_backward(net, x, y, smoothing)
+        splits on the way. Returns (the mean loss, the logits). A worker found wrong partway (a spot check,
+        a wrong shape, NaN) may have given the step numbers that went on unchecked: the step then runs again
+        without it, from the batch-norm statistics it started from."""
+        be = self.backend
+        undo = {(i, k): be.to_numpy(a).copy() for i, layer in enumerate(net.layers) for k, a in layer.buffers.items()}
+        while True:
+            self.redo = False
+            result = forward_backward(net, x, y, smoothing)
+            if not self.redo:
+                return result
+            for (i, k), a in undo.items():
+                net.layers[i].buffers[k] = be.asarray(a)
 
     def calibrate(self, net: Network, batch_size: int, image_size: int | None = None) -> dict[str, Any]:
         """Attach ``net`` and calibrate as :meth:`Runtime.calibrate
@@ -252,6 +264,10 @@ class Cluster(Runtime):
         self._measure(done)
         if block is not self.blocks[0]:
             return
+        self.gave = set()
+        if self.tainted:  # train_batch runs it again: this run counts for nothing
+            self._done, self._roles, self.tainted, self.redo = [], {}, False, True
+            return
         record = step_record(self._done, self.participants)
         record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
         if self.wire_precision != "fp32":  # what each layer's arrays travelled in; AWP then looks at the weights
@@ -268,10 +284,10 @@ class Cluster(Runtime):
         """Each worker's seconds per unit (what the layer is split by) and image in ``done``'s forward and
         backward: its compute and its bytes at its link's rate, which the next steps' deadlines scale."""
         index = dict(self.placement)
-        if self.rpc.check is not None and "master" in done.participants:  # its batched speed, for the budget
+        if self.spot is not None and "master" in done.participants:  # its batched speed, for the budget
             i, layer = done.participants.index("master"), next(b.index for b in self.blocks if b.name == done.name)
             if done.counts[i] and (master_s := done.forward.compute_s[i] + done.backward.compute_s[i]) > 0:
-                self.rpc.check.master_rate[layer] = master_s / (3 * done.counts[i] * done.images)
+                self.spot.master_rate[layer] = master_s / (3 * done.counts[i] * done.images)
         for what, op in (("forward", done.forward), ("backward", done.backward)):
             rates = self._took.setdefault((done.name, what), {})
             for name, n, compute in zip(done.participants, done.units, op.compute_s, strict=True):

@@ -28,6 +28,7 @@ class Coordinator(Protocol):
     rpc: Rpc
     placement: list[tuple[str, int | None]]  # the participants, in order: (name, worker index or None)
     lost: dict[int, str]  # the workers lost, index -> why
+    gave: set[int]  # the workers whose answers this step has taken
     step: int  # training steps finished
     pipeline: int  # images per chunk of a layer split by input channels (0: the whole batch)
 
@@ -87,6 +88,7 @@ class ShardedBlock(Layer):
             except Lost as e:
                 self.cluster.lose(e.workers, e.wrong)
                 continue
+            self.cluster.gave.update(op.compute)
             return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.placement))
 
     def backward(self, dy: Array) -> Array | None:
@@ -97,6 +99,7 @@ class ShardedBlock(Layer):
             op = self._op("backward", fwd.step, fwd.x.shape[0])
             try:
                 dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
+                self.cluster.gave.update(op.compute)
                 break
             except Lost as e:
                 self.cluster.lose(e.workers, e.wrong)
