@@ -7,6 +7,9 @@
         .venv/bin/tinyconv experiment grid --archs 300:1000 --batches 64 --split kernels ...
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s -- grid --archs 300:1000 \\
         --batches 64 --fuse off --split kernels --rebalance off --wire-precision fp32 bf16 --out runs/link5.csv
+    sudo .venv/bin/python benchmarks/throttled_link.py --rate 250kB/s --external 1 -- .venv/bin/python \
+        examples/cifar10_dist.py --transport zmq --external-workers --workers 1 --insecure --arch 16:32 \
+        --batch-size 128 --split kernels --steps 4 --metrics-out runs/slow.jsonl   # the main job across it
     sudo .venv/bin/python benchmarks/throttled_link.py --teardown                   # leftovers of a killed run
 
 The paper's devices talked over 5 MB/s Wi-Fi; loopback carries gigabytes a second. This makes a
@@ -95,6 +98,30 @@ def appended(cmd: Sequence[str], names: Names, port: int, label: str) -> list[st
     extra = ["--bind", f"tcp://{MASTER_IP}:{port}", "--worker-prefix", f"ip netns exec {names.worker}",
              "--link-label", label]  # fmt: skip
     return in_namespace(names.master, [*cmd, *extra])
+
+
+def with_workers(cmd: Sequence[str], names: Names, port: int) -> tuple[list[str], list[str]]:
+    """(``cmd`` in the master's namespace with only ``--bind`` appended, a ``tinyconv worker`` across the link to
+    it): for a master that waits for external workers, such as the main job with ``--external-workers``."""
+    address = f"tcp://{MASTER_IP}:{port}"
+    worker = [sys.executable, "-m", "tinyconv.cli", "worker", "--connect", address, "--retry-for", "60"]
+    return in_namespace(names.master, [*cmd, "--bind", address]), in_namespace(names.worker, worker)
+
+
+def run_with_workers(cmd: Sequence[str], names: Names, port: int, n: int) -> int:
+    """The master ``cmd`` and ``n`` workers across the link; the workers end with its "train over" (or are
+    stopped 30 s after it)."""
+    master, worker = with_workers(cmd, names, port)
+    workers = [subprocess.Popen(worker) for _ in range(n)]
+    try:
+        return run_command(master)
+    finally:
+        for w in workers:
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
 
 
 def tbf(rate_bytes: float) -> list[str]:
@@ -282,6 +309,14 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--delay-ms", type=float, default=0.0, help="netem delay each way, where the kernel has netem")
     p.add_argument("--port", type=int, default=5555, help="the master's port in --bind (default %(default)s)")
     p.add_argument("--label", help="--link-label for the command (default: --rate as given)")
+    p.add_argument(
+        "--external",
+        type=int,
+        default=0,
+        metavar="N",
+        help="COMMAND is a master waiting for N external workers (the main job with --external-workers "
+        "--insecure): only --bind is appended, and N `tinyconv worker`s run across the link",
+    )
     p.add_argument("--check", action="store_true", help="measure the shaped link's throughput and exit")
     p.add_argument("--check-mb", type=float, default=20.0, help="MB --check sends (default %(default)s)")
     p.add_argument("--check-worker", action="store_true", help="run one tiny training step across the link")
@@ -330,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"measured {got / 1e6:.2f} MB/s ({got * 8 / 1e6:.1f} Mbit/s) for {args.check_mb:g} MB, "
                   f"configured {rate / 1e6:g} MB/s")  # fmt: skip
         code = check_worker(names) if args.check_worker else 0
-        if command:
+        if command and args.external:
+            code = run_with_workers(expand(command), names, args.port, args.external)
+        elif command:
             code = run_command(appended(expand(command), names, args.port, args.label or args.rate))
         return code
     except RuntimeError as e:

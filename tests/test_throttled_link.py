@@ -134,3 +134,15 @@ def test_a_grid_with_a_fixed_split_and_a_narrowed_wire_runs_across_the_link(name
     assert (row["link"], row["rebalance"], row["wire"], row["split"]) == ("100MB/s", "off", "bf16", "kernels")
     assert int(row["bytes_sent"]) > 0 and row["wire_formats"] == "conv1=bf16/bf16/bf16 conv2=bf16/bf16/bf16"
     assert tl.exists(names) == []
+
+
+def test_a_master_waiting_for_external_workers_gets_its_bind_and_a_worker_across_the_link():
+    names = tl.Names("-t")
+    master, worker = tl.with_workers(["python", "examples/cifar10_dist.py", "--external-workers"], names, 5555)
+    assert master == ["ip", "netns", "exec", names.master, "python", "examples/cifar10_dist.py",
+                      "--external-workers", "--bind", "tcp://10.77.0.1:5555"]  # fmt: skip
+    assert worker[:4] == ["ip", "netns", "exec", names.worker] and worker[-5:-2] == [
+        "worker",
+        "--connect",
+        "tcp://10.77.0.1:5555",
+    ]
