@@ -49,8 +49,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tinyconv-mem-") as tmp:
         metrics = Path(tmp) / "run.jsonl"
         job = [sys.executable, str(ROOT / "examples/cifar10_dist.py"), "--dataset", "synthetic", "--arch", args.arch,
-               "--batch-size", "2", "--steps", str(args.steps), "--transport", "inproc", "--workers", "2",
-               "--plan", "equal", "--no-progress", "--metrics-out", str(metrics)]  # fmt: skip
+               "--batch-size", "2", "--epochs", "1000", "--steps", str(args.steps), "--transport", "inproc",
+               "--workers", "2", "--plan", "equal", "--no-progress", "--metrics-out", str(metrics)]  # fmt: skip
         proc = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         rows, step, t0, seen, partial = [], 0, time.monotonic(), None, ""
         while proc.poll() is None and milestones:
