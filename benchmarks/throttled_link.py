@@ -110,18 +110,15 @@ def with_workers(cmd: Sequence[str], names: Names, port: int) -> tuple[list[str]
 
 def run_with_workers(cmd: Sequence[str], names: Names, port: int, n: int) -> int:
     """The master ``cmd`` and ``n`` workers across the link; the workers end with its "train over" (or are
-    stopped 30 s after it)."""
+    stopped 30 s after it, as the pool stops its own)."""
+    from tinyconv.distributed.pool import stop_workers  # here: the other modes need no tinyconv
+
     master, worker = with_workers(cmd, names, port)
     workers = [subprocess.Popen(worker) for _ in range(n)]
     try:
         return run_command(master)
     finally:
-        for w in workers:
-            try:
-                w.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                w.wait()
+        stop_workers(workers, timeout=30)
 
 
 def tbf(rate_bytes: float) -> list[str]:
