@@ -332,9 +332,10 @@ def _split(p: argparse.ArgumentParser) -> None:
         type=number(0, 1, what="a fraction"),
         default=0.03,
         metavar="FRACTION",
-        help="the master recomputes samples of each worker's results (an image, a kernel) in at most this fraction "
-        "of the worker's work, and drops a worker whose numbers are off by more than float32 round-off; 0 trusts "
-        "them; --parallel model with --wire-precision fp32 (default %(default)s)",
+        help="the master recomputes samples of each worker's results (an image, a kernel; with --parallel data or "
+        "hybrid, a whole task now and then) in at most this fraction of the worker's work, and drops a worker whose "
+        "numbers are off by more than float32 round-off; 0 trusts them; not with a narrowed --wire-precision "
+        "(default %(default)s)",
     )
 
 
@@ -626,7 +627,6 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> Runtime | None:
     if args.workers == 0:
         return None
     model = {"fuse": args.fuse == "on", "split": args.split, "wire_precision": args.wire_precision}
-    model["spot_check"] = args.spot_check
     cluster = tc.distribute(
         net,
         args.transport,
@@ -648,6 +648,7 @@ def start_cluster(args: argparse.Namespace, net: tc.Network) -> Runtime | None:
         master_share=args.master_share,
         rebalance=args.rebalance == "on",
         rebalancer=Rebalancer(threshold=args.rebalance_threshold),
+        spot_check=args.spot_check,
         **(model if args.parallel == "model" else {}),
     )
     what = {"data": ", a whole replica", "hybrid": ", the convolutions of a replica (hybrid)"}.get(args.parallel, "")

@@ -49,7 +49,7 @@ DEFAULT_PUBLIC_BIND = "tcp://*:5555"
 LOCAL_BIND = "tcp://127.0.0.1:0"  # a free port on loopback, for workers this process starts
 WATCH_S = 0.05  # how often the master looks at its local worker processes while it waits for hellos
 PARALLEL: dict[str, type[Runtime]] = {"model": Cluster, "data": Replicas, "hybrid": Hybrid}
-MODEL_ONLY = ("split", "fuse", "pipeline", "wire_precision", "spot_check")  # options of the model split alone
+MODEL_ONLY = ("split", "fuse", "pipeline", "wire_precision")  # options of the model split alone
 # distribute()'s options that go to worker_pool()
 POOL_OPTIONS = (
     "worker_device bind external worker_threads start_timeout peer_timeout key authorized_keys insecure".split()
@@ -83,8 +83,8 @@ def distribute(
     A message may carry no more than a step at ``largest_batch`` calls for (the largest batch the
     network will be given, evaluation's say; default ``batch_size``): a bigger one is refused.
     ``options``: the pool's (:data:`POOL_OPTIONS`: worker_device to insecure, :func:`worker_pool`'s), and
-    the runtime's: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats for all
-    three; split, fuse, pipeline, wire_precision (``adaptive_precision.py``), spot_check for the model split alone.
+    the runtime's: master_share, rebalance, rebalancer, recv_timeout, calibration_repeats, spot_check for
+    all three; split, fuse, pipeline, wire_precision (``adaptive_precision.py``) for the model split alone.
     Returns the runtime; ``close()`` it, or use it in a ``with`` block.
     """
     pool_options = {k: options.pop(k) for k in POOL_OPTIONS if k in options}

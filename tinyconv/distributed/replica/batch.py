@@ -18,6 +18,7 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import OpStats, batch_record
 from tinyconv.distributed.calibrate import worker_times
 from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.replay_check import ReplayCheck
 from tinyconv.distributed.replica.replica import build, spec_of
 from tinyconv.distributed.rpc import Lost, Op
 from tinyconv.distributed.runtime import Runtime
@@ -68,7 +69,9 @@ class Slices:
 
 class BatchSplit(Runtime):
     """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images;
-    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s.
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s. ``spot_check``: the master replays each
+    worker's tasks within this fraction of its work and loses a worker whose numbers are wrong
+    (``replay_check.py``); 0 trusts them.
 
     A subclass writes ``_start(net)``, what every attempt at a step starts from (packed once, before the first),
     and ``_step(net, x, y, start, smoothing)``, one attempt: it fills the grads for the loss label-smoothed by
@@ -79,8 +82,17 @@ class BatchSplit(Runtime):
     calibrate_task = "?"  # the task a worker times its slice's work with
     time_slice: Callable[[Network, dict[str, Any], int, int], float]  # (net, spec, batch, repeats) -> the master's s
 
-    def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        workers: Sequence[WorkerInfo],
+        backend: Backend,
+        spot_check: float = 0.03,
+        **options: Any,
+    ) -> None:
         super().__init__(transport, workers, backend, **options)
+        self.spot = ReplayCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
+        self.rpc.check = self.spot
         self.calibrated_batch = 0  # the images everyone was timed on
         self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
         self._spec: dict[str, Any] | None = None
@@ -179,6 +191,8 @@ class BatchSplit(Runtime):
         split by each participant's ready time: its compute plus its bytes at its link's rate."""
         self.step += 1
         record = batch_record(self.parallel, UNIT, stats, self.participants, counts)
+        if self.spot is not None and "master" in self.participants and counts[0]:  # its speed, for the budget
+            self.spot.master_rate = record["participant_conv_s"][0] / counts[0]
         moved = [s + r for s, r in zip(record["participant_bytes_sent"], record["participant_bytes_recv"], strict=True)]
         self._moved = dict(zip(self.participants, moved, strict=True))
         if self.rebalancer is not None:

@@ -1,0 +1,121 @@
+"""The spot check of the splits by images: the master replays a worker's whole task now and then.
+
+An honest worker, on numpy or OpenCL, is never lost and the step is the same as without the check; a wrong
+one (every number x -50, one parameter's gradient 1 % off, the logits or features 1 % off) is lost with
+reason "wrong result" at the first step replayed, and its images go to the others in the same step.
+In-process workers; every wait has a timeout; no test sleeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from test_data_parallel import SIZE, TIMEOUT, batch, data_parallel_step, inproc_pool
+
+from backends.numpy_backend import NumpyBackend
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.batch import UNIT
+from tinyconv.distributed.replica.hybrid import Hybrid
+from tinyconv.distributed.replica.replay_check import ReplayCheck, roundings
+from tinyconv.distributed.replica.server import Replicas
+from tinyconv.distributed.worker.handler import Worker
+from tinyconv.model import paper_net
+
+PARALLEL = {"data": Replicas, "hybrid": Hybrid}
+
+
+class Wrong(Worker):
+    """A worker that spoils its answers' array ``name`` with ``spoil`` from its ``at``-th answer of that array on."""
+
+    def __init__(self, name: str, spoil, at: int = 1) -> None:
+        super().__init__(NumpyBackend())
+        self.name, self.spoil, self.at, self.answers = name, spoil, at, 0
+
+    def handle(self, msg):
+        reply = super().handle(msg)
+        if self.name in reply.arrays:
+            self.answers += 1
+            if self.answers >= self.at:
+                reply.arrays[self.name] = self.spoil(reply.arrays[self.name]).astype(np.float32)
+        return reply
+
+
+def first_param_off(a: np.ndarray) -> np.ndarray:
+    """conv1.w's gradient 1 % off, every other parameter's as it was."""
+    n = flat.sizes(paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE))[0]
+    return np.concatenate([a[:n] * np.float32(1.01), a[n:]])
+
+
+def runtime(parallel: str, transport, workers, budget: float = 0.03):
+    """``parallel`` over the pool, slices 2, 3, 3 kept (the rebalancer would follow the machine's noise)."""
+    run = PARALLEL[parallel](
+        transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, image_size=SIZE, spot_check=budget, rebalance=False
+    )
+    run.set_plan(UNIT, [2, 3, 3])
+    return run
+
+
+@pytest.mark.parametrize("norm", ["lrn", "batch"])
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_an_honest_worker_is_replayed_and_kept_and_the_step_is_the_unchecked_one(parallel, norm):
+    x, y = batch(8)
+    with inproc_pool(2) as (transport, workers):
+        unchecked = data_parallel_step(runtime(parallel, transport, workers, budget=0), x, y, norm)
+        checked = runtime(parallel, transport, workers)
+        for _ in range(3):
+            checked.spot.credit.clear()  # as at the start: every task replayed
+            got = data_parallel_step(checked, x, y, norm)
+    assert not checked.lost and checked.spot.samples == 3 * 2
+    np.testing.assert_array_equal(got[0], unchecked[0])  # the master's own numbers never change
+    assert checked.spot.seconds > 0 and checked.spot.earned > 0
+
+
+@pytest.mark.parametrize(
+    ("parallel", "name", "spoil", "what"),
+    [
+        ("data", "grads", lambda a: a * np.float32(-50), "the gradient of conv1.w"),
+        ("data", "grads", first_param_off, "the gradient of conv1.w"),
+        ("data", "logits", lambda a: a * np.float32(1.01), "logits"),
+        ("hybrid", "features", lambda a: a * np.float32(1.01), "features"),
+        ("hybrid", "grads", first_param_off, "the gradient of conv1.w"),
+    ],
+)
+def test_a_wrong_worker_is_lost_at_its_first_replayed_step_and_the_step_is_still_right(parallel, name, spoil, what):
+    x, y = batch(8)
+    with inproc_pool(2) as (transport, workers):
+        reference = data_parallel_step(runtime(parallel, transport, workers, budget=0), x, y)
+    make = lambda i: Wrong(name, spoil) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers)
+        got = data_parallel_step(run, x, y)
+    (event,) = run.pop_events()
+    assert event["worker"] == "worker1" and event["reason"].startswith(f"wrong result: {what} in its "), event
+    assert run.participants == ["master", "worker0"] and sum(run.last_step["shares"][UNIT]) == 8
+    np.testing.assert_allclose(got[2], reference[2], rtol=1e-5)  # the loss: its images went to the others
+
+
+def test_the_budget_is_a_fraction_and_the_roundings_grow_with_the_batch():
+    with pytest.raises(ValueError, match="fraction of each worker's work"):
+        ReplayCheck(0)
+    net = paper_net("6:10", NumpyBackend(), "batch", seed=0, image_size=SIZE)
+    small, large = roundings(net, (2, 3, SIZE, SIZE)), roundings(net, (8, 3, SIZE, SIZE))
+    assert small[0] < small[1] and small[0] < large[0] and small[1] < large[1]
+
+
+def test_an_honest_opencl_worker_is_never_found_wrong():
+    pytest.importorskip("pyopencl")
+    from backends.opencl import NoOpenCLDevice, OpenCLBackend
+
+    try:
+        be = OpenCLBackend(autotune=False)
+    except NoOpenCLDevice as e:
+        pytest.skip(f"no OpenCL device on this machine: {e}")
+    with inproc_pool(2, lambda i: Worker(be)) as (transport, workers):
+        for parallel, norm in itertools.product(PARALLEL, ("lrn", "batch")):
+            run = runtime(parallel, transport, workers)
+            for seed in range(5):
+                run.spot.credit.clear()  # every task replayed
+                data_parallel_step(run, *batch(8, seed), norm=norm)
+            assert not run.lost and run.spot.samples == 10, (parallel, norm, run.lost)
