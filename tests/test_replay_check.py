@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_data_parallel import SIZE, TIMEOUT, batch, data_parallel_step, inproc_pool
 
+from backends.conformance.checks import FN
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.batch import UNIT
@@ -96,12 +97,14 @@ def test_a_wrong_worker_is_lost_at_its_first_replayed_step_and_the_step_is_still
     np.testing.assert_allclose(got[2], reference[2], rtol=1e-5)  # the loss: its images went to the others
 
 
-def test_the_budget_is_a_fraction_and_the_roundings_grow_with_the_batch():
+def test_the_budget_is_a_fraction_and_the_roundings_are_every_reduction_of_the_path():
     with pytest.raises(ValueError, match="fraction of each worker's work"):
         ReplayCheck(0)
-    net = paper_net("6:10", NumpyBackend(), "batch", seed=0, image_size=SIZE)
-    small, large = roundings(net, (2, 3, SIZE, SIZE)), roundings(net, (8, 3, SIZE, SIZE))
-    assert small[0] < small[1] and small[0] < large[0] and small[1] < large[1]
+    net = paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE)  # conv, relu, lrn, pool twice; fc
+    lrn = 5 + 2 + FN
+    forward = (3 * 25 + 1) + lrn + (6 * 25 + 1) + lrn + (10 * 4 * 4 + 1)
+    backward = (6 * 25 + 2 * 16 * 16) + lrn + (10 * 25 + 2 * 8 * 8) + lrn + (10 + 2)  # dx's and dw's sums, n = 2
+    assert roundings(net, (2, 3, SIZE, SIZE)) == (forward, forward + backward)
 
 
 def test_an_honest_opencl_worker_is_never_found_wrong():

@@ -52,7 +52,7 @@ def roundings(net: Network, x_shape: tuple[int, ...]) -> tuple[int, int]:
             forward += c * kh * kw + 1
             backward += f * kh * kw + out[0] * out[2] * out[3]
         elif isinstance(layer, Linear):
-            n_in, n_out = layer.params["w"].shape
+            n_out, n_in = layer.params["w"].shape  # (M, D)
             forward += n_in + 1
             backward += n_out + shape[0]
         elif isinstance(layer, (BatchNorm2D, LocalResponseNorm)):  # as many roundings back as forth
