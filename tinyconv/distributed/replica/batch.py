@@ -82,7 +82,7 @@ class BatchSplit(Runtime):
     def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
         super().__init__(transport, workers, backend, **options)
         self.calibrated_batch = 0  # the images everyone was timed on
-        self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
+        self._took: dict[str, float] = {}  # worker -> compute seconds per image, the last steps', for the deadlines
         self._spec: dict[str, Any] | None = None
 
     # ---- what a subclass computes -------------------------------------------------------------
@@ -170,8 +170,11 @@ class BatchSplit(Runtime):
         return loss, logits
 
     def _op(self, what: str, batch: int) -> Op:
-        """A new op of the next step, named ``what`` in errors, with the step's deadline."""
-        return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, self.timeout(batch))
+        """A new op of the next step, named ``what`` in errors, with the compute deadlines of what each worker's
+        images should take (:meth:`Runtime._expect`: by the last steps, else by the calibration)."""
+        units = dict(zip((k for _, k in self.placement), self.shares(batch), strict=True))
+        expect = self._expect(UNIT, units, max(1.0, batch / (self.calibrated_batch or batch)), self._took)
+        return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, expect=expect, units=units)
 
     def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
         """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.placement)`` taken
@@ -180,7 +183,9 @@ class BatchSplit(Runtime):
         self.step += 1
         record = batch_record(self.parallel, UNIT, stats, self.participants, counts)
         moved = [s + r for s, r in zip(record["participant_bytes_sent"], record["participant_bytes_recv"], strict=True)]
-        self._moved = dict(zip(self.participants, moved, strict=True))
+        for name, n, compute in zip(self.participants, counts, record["participant_conv_s"], strict=True):
+            if n and name != "master":  # a high-water mark that halves step by step, as the model split's
+                self._took[name] = max(compute / n, self._took.get(name, 0.0) / 2)
         if self.rebalancer is not None:
             links = self._links()
             ready = [c + b * s for c, b, s in zip(record["participant_conv_s"], moved, links, strict=True)]
@@ -190,7 +195,3 @@ class BatchSplit(Runtime):
                 self.counts[UNIT] = list(proposal)
                 record["rebalanced"] = {UNIT: list(proposal)}
         self.last_step = record
-
-    def timeout(self, batch: int) -> float:
-        """Seconds a worker has to answer one op of a step of ``batch`` images (:meth:`Runtime._timeout`)."""
-        return self._timeout(UNIT, max(1.0, batch / (self.calibrated_batch or batch)), self._moved)
