@@ -43,8 +43,10 @@ def call_handler(handler: Handler, msg: Message, tell: Callable[[Message], None]
     """``handler.handle(msg)``, made safe for a worker loop: an exception becomes an ``error`` reply, and
     so does a reply that breaks the wire, so a bad task (or a handler bug) never kills the worker and the
     master always gets a message it can decode. Around it ``tell`` sends the master ``started`` (the task
-    came whole and is computed now) and ``computed`` (its reply follows): by them the master gives the
-    compute a deadline, and leaves the transfers to the peer's patience (``patience.py``)."""
+    came whole and is computed now) and ``computed`` (its reply follows on the same ordered way, so this comes
+    before the reply's first byte): the master gives the compute a deadline and leaves the transfers to the
+    peer's patience (``patience.py``). A small message rather than the transport telling the master that a
+    large one is arriving: any transport that carries messages in order carries it, with nothing more to do."""
     if (started := wire.progress("started", msg)) is not None:
         tell(started)
     try:
