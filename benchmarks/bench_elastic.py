@@ -9,14 +9,16 @@ only the loss changes who computes), a master and 2 workers; worker 1 goes wrong
 
 Over ZeroMQ, worker processes: SIGKILL (the master notices a dead worker when a send to it fails: the
 step's tasks go before its socket has closed, so it is the next heartbeat's, within 0.4 s) and SIGSTOP
-(silent, heartbeats too: its op's deadline comes before --peer-timeout; killed after the run).
+(silent, heartbeats too, and its task never said "started": lost after 4 heartbeats, 1.6 s, well before
+--peer-timeout; killed after the run).
 
 The worker process has no hook to misbehave on purpose (``worker/main.py`` serves a plain Worker), so
 the other faults run on in-process workers (threads on InprocTransport, split by kernels so that the
 spot check samples them), from step --at on: an error reply (a device out of memory), a forward one
 kernel short (wrong shape), NaNs, every number times -50 (finite, well formed: the spot check's to
 catch), and a hung worker whose heartbeats flow (an in-process worker has no heartbeats to stop: only
-its op's deadline, twice its last op and a second, catches it).
+its compute deadline catches it, twice its expected compute and a second from its "started": by its last
+steps at step --at; in step 1 by the master's own share, the equal plan's, or, "calibrated", by the calibration).
 
 One table, a row per run: the median step, and the slowest from step --at on (the first step pays for
 first-use allocations); the stall, that slowest step past the uninterrupted run's median (of the same
@@ -60,7 +62,7 @@ from transports.base import Message  # noqa: E402
 from transports.inproc import InprocTransport  # noqa: E402
 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
-FAULTS = ("error reply", "wrong shape", "NaN", "x -50", "hung")
+FAULTS = ("error reply", "wrong shape", "NaN", "x -50", "hung", "hung in step 1", "hung in step 1, calibrated")
 
 
 class Faulty(Worker):
@@ -125,13 +127,17 @@ def zmq_run(args: argparse.Namespace, net: Network, sig: str | None) -> Iterator
 def inproc_run(
     args: argparse.Namespace, net: Network, fault: str | None
 ) -> Iterator[tuple[Runtime, Callable, Callable]]:
-    """Master and 2 in-process workers, worker 1 wrong from step --at on as ``fault`` says."""
-    workers = [Faulty(get_backend("numpy"), None, 0), Faulty(get_backend("numpy"), fault, args.at - 1)]
+    """Master and 2 in-process workers, worker 1 wrong from step --at (or 1) on as ``fault`` says."""
+    kind, at = ("hung", 0) if fault and fault.startswith("hung in step 1") else (fault, args.at - 1)
+    workers = [Faulty(get_backend("numpy"), None, 0), Faulty(get_backend("numpy"), kind, at)]
     transport = InprocTransport(lambda i: workers[i], protocol=VERSION)
     with transport:
         infos = transport.start(2, timeout=60.0)
         cluster = Cluster(transport, infos, get_backend("numpy"), split="kernels", rebalance=False, recv_timeout=60.0)
-        cluster.attach(net)
+        if fault and fault.endswith("calibrated"):
+            cluster.calibrate(net, args.batch_size)
+        else:
+            cluster.attach(net)
         try:
             yield cluster, lambda step: None, lambda: workers[1].wrong_at
         finally:
@@ -171,6 +177,7 @@ def run(args: argparse.Namespace, transport: str, fault: str | None) -> dict:
         "times": times,
         "lost": lost,
         "detected_s": declared[0] - wrong_at if declared and wrong_at is not None else None,
+        "at": 1 if fault and "step 1" in fault else args.at,
     }
 
 
@@ -194,7 +201,7 @@ def main() -> None:
     for ref, *hurt in runs.values():
         median = statistics.median(ref["times"])
         for r in (ref, *hurt):
-            slowest = max(r["times"][args.at - 1 :])
+            slowest = max(r["times"][r["at"] - 1 :])
             diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True))
             lost = r["lost"][0] if r["lost"] else {}
             rows.append(
@@ -212,7 +219,8 @@ def main() -> None:
             )
     print(
         f"{args.arch}, batch {args.batch_size}, master + 2 workers, {args.steps} steps, worker 1 wrong from step "
-        f"{args.at}, --peer-timeout {args.peer_timeout:g} s (zmq); stall: the slowest from --at past the clean median"
+        f"{args.at} (or 1), --peer-timeout {args.peer_timeout:g} s (zmq); stall: the slowest from then past the clean "
+        "median"
     )
     headers = ["transport", "fault", "median step s", "slowest s from --at", "stall s", "lost after s", "reason",
                "max rel loss diff", "last loss"]  # fmt: skip

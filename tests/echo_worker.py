@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from transports.base import Message
-from transports.wire import error_reply
+from transports.wire import PROGRESS, error_reply
 
 PROTOCOL = 7  # the task protocol these tests speak
 TIMEOUT = 20.0  # the tests' generous upper bound for anything to happen; passing tests return long before
@@ -107,6 +107,15 @@ def read_stderr_until(proc: subprocess.Popen, text: str, timeout: float = TIMEOU
             assert chunk, f"the worker exited ({proc.wait()}) before saying {text!r}; it said {seen!r}"
             seen += chunk.decode()
     return seen
+
+
+def answer(transport, timeout: float = TIMEOUT) -> tuple[int, Message]:
+    """The next message from ``transport`` past the ``started`` and ``computed`` a worker says of each task: a
+    reply, an error."""
+    while True:
+        k, msg = transport.recv(timeout)
+        if msg.kind not in PROGRESS:
+            return k, msg
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = TIMEOUT, what: str = "the condition") -> Any:

@@ -11,7 +11,7 @@ import stat
 
 import numpy as np
 import pytest
-from echo_worker import PROTOCOL, TIMEOUT, reap, spawn
+from echo_worker import PROTOCOL, TIMEOUT, answer, reap, spawn
 
 from transports.base import Message
 from transports.curve import CurveClient, CurveServer, generate_keys, local_keys
@@ -128,7 +128,7 @@ def test_curve_admits_the_authorised_worker_and_never_a_rogue(tmp_path, caplog):
             assert info.pid == good.pid and info.address == "127.0.0.1"
             assert info.key == open(files.worker_public).read().split('public-key = "')[1][:40]  # its NAME.key's
             t.send(0, Message("echo", {"task": 1}, {"x": np.arange(4, dtype=np.float32)}))
-            k, reply = t.recv(TIMEOUT)  # tasks and results cross encrypted, like any other
+            k, reply = answer(t)  # tasks and results cross encrypted, like any other
             np.testing.assert_array_equal(reply.arrays["y"], np.arange(4) * 2 + 1)
             errs = [p.communicate(timeout=TIMEOUT)[1] for p in rogues]  # each rogue gives up by itself
             assert [p.returncode for p in rogues] == [EXIT_FAILED] * 3

@@ -9,6 +9,7 @@ workers (threads) except for the main job over zmq; every wait has a timeout; no
 from __future__ import annotations
 
 import re
+import threading
 import uuid
 from contextlib import contextmanager
 
@@ -256,6 +257,37 @@ def test_a_worker_lost_mid_step_gives_its_images_to_the_others_and_the_step_is_r
     assert sum(replicas.last_step["shares"][UNIT]) == 7
     (event,) = replicas.pop_events()
     assert event["event"] == "worker_lost" and event["worker"] == "worker1" and "non-finite" in event["reason"]
+
+
+class Hangs(Worker):
+    """Hangs in its first step's task, once its transport said "started" (its heartbeats flow), until released."""
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend)
+        self.released = threading.Event()
+
+    def handle(self, msg):
+        if msg.kind in ("replica_step", "hybrid_forward"):
+            self.released.wait(TIMEOUT)
+            return None
+        return super().handle(msg)
+
+
+@pytest.mark.parametrize("split_by", [Replicas, Hybrid])
+def test_a_worker_that_hangs_in_its_first_step_is_lost_at_twice_its_expected_compute_and_a_second(split_by):
+    """Uncalibrated, an equal split: e_k is the master's own share of the op, per image, times its images --
+    not recv_timeout, which the op would wait before "started" told it the worker was computing."""
+    x, y = batch(6)
+    hung = Hangs(NumpyBackend())
+    with inproc_pool(2, lambda i: hung if i == 1 else Worker(NumpyBackend())) as (transport, workers):
+        split = split_by(transport, workers, NumpyBackend(), recv_timeout=TIMEOUT, image_size=SIZE)
+        try:
+            split.train_batch(paper_net("6:10", NumpyBackend(), seed=0, image_size=SIZE), x, y)
+        finally:
+            hung.released.set()
+    (event,) = split.pop_events()
+    assert event["worker"] == "worker1" and split.participants == ["master", "worker0"]
+    assert re.fullmatch(r"no result for the .* 1 within 2 x its expected \S+ s of compute \+ 1 s", event["reason"])
 
 
 def test_replica_tasks_are_checked_before_any_work():

@@ -557,10 +557,10 @@ class FreeLink(LinkSpeed):
     time around them is this machine's noise (a tail task reported as 0 s took real time), not a
     transfer, and would blur the splits these tests check exactly (test_slow_link.py has slow links)."""
 
-    def add(self, nbytes: int, seconds: float, exact: bool) -> None:
+    def add(self, nbytes: int, seconds: float) -> None:
         pass
 
-    def seconds_per_byte(self, exact: bool = True) -> float:
+    def seconds_per_byte(self) -> float:
         return 0.0
 
 

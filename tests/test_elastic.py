@@ -7,9 +7,9 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from echo_worker import answer
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.cluster import Cluster
@@ -177,7 +177,7 @@ def test_a_worker_that_joins_late_is_timed_beside_the_steps_and_given_a_share(rn
         cluster.calibrate(net, batch_size=2, image_size=8)
         exact_step(net, conv, ref)  # master and worker0; worker1 joins at its end and is asked to time itself
         assert cluster.pop_events() == [] and list(cluster.joiners.waiting) == [1]
-        k, reply = transport.recv(timeout=TIMEOUT)  # its answer (here the test waits; the master never does)
+        k, reply = answer(transport)  # its answer (here the test waits; the master never does)
         assert k == 1 and cluster.rpc.aside(k, reply)
         exact_step(net, conv, ref)  # still master and worker0; at its end worker1 is seated
         (event,) = cluster.pop_events()
@@ -250,28 +250,25 @@ def test_a_worker_process_killed_mid_run_over_zmq_costs_no_step(rng):
     assert losses == pytest.approx(reference, rel=1e-4) and np.all(np.isfinite(losses))
 
 
-def test_the_time_a_worker_has_by_the_calibration_is_twice_its_expected_time_and_a_second(rng):
-    """Before a step has measured the workers: 2 x (calibrated time + transfer), scaled to the batch, + 1 s."""
+def test_what_a_worker_should_compute_comes_from_the_calibration_then_from_the_steps(rng):
+    """The compute deadline's e_k (``rpc.py``: a task has 2 e_k + 1 s from its "started"): nothing before a
+    calibration (the op paces an equal split by the master's own share), then the worker's part of its
+    calibrated time, scaled to the batch, then its measured compute per kernel and image."""
     net, conv, ref = block_net(rng)
     with pool([Worker]) as (transport, workers):
-        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=1000.0)
+        cluster = Cluster(transport, workers, NumpyBackend(), recv_timeout=1000.0, split="kernels")
         cluster.attach(net)
         block = cluster.blocks[0]
-        assert cluster.timeout(block, 2, "forward") == 1000.0  # not calibrated: the ceiling
+        assert cluster.expect(block, 2, "forward") == ({}, {None: 6, 0: 6})  # the units, for the op to pace by
         cluster.calibrate(net, batch_size=2, image_size=8)
-        assert cluster.timeout(block, 2, "forward") == 1000.0  # calibrated, but the link not measured yet
+        cluster.timings = {name: {"conv1": 3.0} for name in cluster.timings}  # 3 s for the whole layer
+        cluster.set_plan("conv1", [4, 8])
+        assert cluster.expect(block, 2, "forward")[0] == {0: 2.0}  # its 8 of the 12 kernels
+        assert cluster.expect(block, 1, "backward")[0] == {0: 2.0}  # a smaller batch gets no less
+        assert cluster.expect(block, 16, "forward")[0] == {0: 16.0}  # an evaluation batch 8 times larger
         exact_step(net, conv, ref)
-        cluster._took = {}  # as before any step measured the workers
-        cluster.timings = {name: {"conv1": 3.0} for name in cluster.timings}  # the slowest: 3 s a layer
-        cluster.rpc.links[0] = LinkSpeed()
-        cluster.rpc.links[0].add(1, 0.0, exact=True)  # a link that takes no time
-        assert cluster.timeout(block, 2, "forward") == 7.0  # twice the calibrated time, and a second
-        assert cluster.timeout(block, 1, "backward") == 7.0  # a smaller batch gets no less
-        assert cluster.timeout(block, 16, "forward") == 49.0  # an evaluation batch 8 times larger: 8 times as long
-        assert cluster.timeout(block, 1000, "forward") == 1000.0  # never past recv_timeout
-        moved = cluster._moved["conv1"]["worker0"]  # the most bytes one op moved
-        cluster.rpc.links[0].add(moved, 2 * 7.0, exact=False)  # 7 s to move them; the median of 0 and 14 s
-        assert cluster.timeout(block, 2, "forward") == pytest.approx(21.0)  # twice compute and transfer, + 1 s
+        (rate,) = cluster._took[("conv1", "forward")].values()  # its compute per kernel and image
+        assert cluster.expect(block, 4, "forward")[0] == {0: pytest.approx(rate * 8 * 4)}
 
 
 class Scaled(Worker):

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, read_stderr_until, reap, spawn, wait_for
+from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, answer, read_stderr_until, reap, spawn, wait_for
 
 from transports.base import Message, WorkerLost
 from transports.droplog import DropLog
@@ -35,7 +35,7 @@ X = np.arange(6, dtype=np.float32)
 
 def echo_round_trip(t: ZmqTransport, k: int, task: int = 1) -> None:
     t.send(k, Message("echo", {"task": task}, {"x": X}))
-    got, reply = t.recv(TIMEOUT)
+    got, reply = answer(t)
     assert (got, reply.header["task"]) == (k, task)
     np.testing.assert_array_equal(reply.arrays["y"], X * 2 + 1)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from echo_worker import PROTOCOL, TIMEOUT, EchoHandler
+from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, answer
 from transport_conformance import (
     check_bad_messages_fail_at_send,
     check_echoes,
@@ -244,7 +244,7 @@ def long_task(rank: int) -> int:
     with MpiTransport(protocol=PROTOCOL, heartbeat_s=0.1, peer_timeout_s=1.0) as t:
         t.start(1, timeout=TIMEOUT)
         t.send(0, Message("slow", {"task": 1, "seconds": 2.0}))  # longer than either side's patience, 0.4 s
-        _, reply = t.recv(TIMEOUT)  # no WorkerLost: the worker's loop kept heartbeating
+        _, reply = answer(t)  # no WorkerLost: the worker's loop kept heartbeating
         assert reply.kind == "echoed" and reply.header["took"] >= 2.0
     return 0
 
@@ -294,7 +294,7 @@ def lost(rank: int) -> int:
             with pytest.raises(WorkerLost, match="worker 0 lost"):
                 t.send(0, echo(1))
             t.send(1, echo(2))  # the other one serves on
-            assert t.recv(TIMEOUT)[1].header["task"] == 2
+            assert answer(t)[1].header["task"] == 2
         finally:
             os.kill(infos[0].pid, signal.SIGCONT)
     return 0
@@ -312,13 +312,13 @@ def fake_master(rank: int) -> int:
     inbox: dict[int, list[Message]] = {1: [], 2: [], 3: []}
 
     def next_from(peer: int) -> Message:
-        """The next message from ``peer`` that is not a heartbeat (the others' are kept for later)."""
+        """The next message from ``peer`` but a heartbeat or a task's progress (the others' are kept for later)."""
         deadline = time.monotonic() + TIMEOUT
         while not inbox[peer]:
             assert time.monotonic() < deadline, f"nothing from rank {peer} within {TIMEOUT:g} s"
             for got in link.poll():
                 msg = None if got.frames is None else wire.decode(got.frames)
-                if msg is not None and msg.kind != "heartbeat":
+                if msg is not None and msg.kind not in {"heartbeat", *wire.PROGRESS}:
                     inbox[got.peer].append(msg)
             _pause(0.001)
         return inbox[peer].pop(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from echo_worker import PROTOCOL, TIMEOUT, reap, spawn
+from echo_worker import PROTOCOL, TIMEOUT, answer, reap, spawn
 
 from transports.base import Message
 from transports.pieces import PIECE_BYTES, Reassembly, is_piece, pieces
@@ -77,7 +77,7 @@ def test_large_tasks_and_results_cross_a_zmq_link_in_pieces():
         try:
             t.start(1, timeout=TIMEOUT)
             t.send(0, Message("echo", {"task": 1}, {"x": x}))
-            _, reply = t.recv(TIMEOUT)
+            _, reply = answer(t)
             np.testing.assert_array_equal(reply.arrays["y"], x * 2 + 1)
         finally:
             t.close()

@@ -181,17 +181,15 @@ class Arriving(Scripted):
 
 
 @pytest.mark.parametrize("transport, exact", [(Scripted, False), (Arriving, True)], ids=["come", "waited for"])
-def test_each_result_measures_its_workers_link_exactly_only_if_the_master_waited_for_it(transport, exact):
+def test_a_result_measures_its_workers_link_only_if_the_master_waited_for_it(transport, exact):
     clock = [0.0]
     rpc = Rpc(transport(echo), WORKERS, timeout=1.0, clock=lambda: clock[0])
     op = rpc.op("forward of conv1", BE)
     task = op.send(0, Message("block_forward", {}, {"x": np.zeros(3, np.float32)}))  # 12 bytes, 8 back
     clock[0] = 2.5  # 0.5 s of it the worker's compute: 2 s for 20 bytes
     op.gather([task])
-    link = rpc.link(0)
-    assert link.seconds_per_byte(exact=False) == pytest.approx(0.1)  # a deadline takes bounds too
-    assert link.seconds_per_byte() == (pytest.approx(0.1) if exact else None)  # the rebalancer does not
-    assert rpc.link(1).seconds_per_byte(exact=False) is None  # nothing measured
+    assert rpc.link(0).seconds_per_byte() == (pytest.approx(0.1) if exact else None)  # else only an upper bound
+    assert rpc.link(1).seconds_per_byte() is None  # nothing measured
 
 
 def test_the_op_counts_only_the_time_the_master_sat_blocked_on_a_result():
@@ -217,8 +215,8 @@ def test_the_op_counts_only_the_time_the_master_sat_blocked_on_a_result():
 def test_a_link_is_the_median_of_its_samples_and_ignores_tasks_without_bytes():
     link = LinkSpeed()
     for nbytes, seconds in [(100, 1.0), (100, 1.0), (100, 50.0), (0, 9.0), (100, -1.0)]:
-        link.add(nbytes, seconds, exact=True)  # one stall; a task without arrays; compute reported long
-    assert list(link.exact) == [0.01, 0.01, 0.5, 0.0] and link.seconds_per_byte() == pytest.approx(0.01)
+        link.add(nbytes, seconds)  # one stall; a task without arrays; compute reported long
+    assert list(link.samples) == [0.01, 0.01, 0.5, 0.0] and link.seconds_per_byte() == pytest.approx(0.01)
 
 
 class Halving:

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, reap, spawn
+from echo_worker import PROTOCOL, TIMEOUT, EchoHandler, answer, reap, spawn
 from transport_conformance import (
     X,
     check_bad_messages_fail_at_send,
@@ -40,7 +40,7 @@ from transports import (
 from transports.base import WorkerLost
 from transports.inproc import InprocTransport
 from transports.session.settings import SECRET_ENV
-from transports.wire import decode, encode
+from transports.wire import PROGRESS, decode, encode
 from transports.zmq_master import ZmqTransport
 from transports.zmq_worker import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, serve
 
@@ -109,7 +109,7 @@ def test_inproc_passes_the_very_same_arrays():
         x = np.ones((1, 1), np.float32)
         t.send(0, Message("quiet"))  # no reply to this one
         t.send(0, echo(1, x))
-        k, reply = t.recv(TIMEOUT)
+        k, reply = answer(t)
         assert seen == [None, x] and seen[1] is x and reply.arrays["y"] is x
         with pytest.raises(TimeoutError):
             t.recv(0.05)
@@ -319,7 +319,7 @@ def test_heartbeats_flow_while_a_long_task_computes():
         try:
             t.start(1, timeout=TIMEOUT)
             t.send(0, Message("slow", {"task": 1, "seconds": 1.0}))  # longer than either side's patience
-            k, reply = t.recv(TIMEOUT)  # no WorkerLost: the worker's I/O loop kept heartbeating
+            k, reply = answer(t)  # no WorkerLost: the worker's I/O loop kept heartbeating
             assert reply.kind == "echoed" and reply.header["took"] >= 1.0
         finally:
             t.close()
@@ -337,7 +337,7 @@ def test_ipc_transport_round_trip_zero_copy(tmp_path):
             # misalign in) zmq's receive buffer, and the decoder then copies them to align
             x = RNG.standard_normal((4, 3, 16, 16), dtype=np.float32)
             t.send(0, echo(1, x))
-            _, reply = t.recv(TIMEOUT)
+            _, reply = answer(t)
             y = reply.arrays["y"]
             assert not y.flags.owndata and not y.flags.writeable  # a view of the received frame
             np.testing.assert_array_equal(y, x * 2 + 1)
@@ -361,11 +361,12 @@ class FakeMaster:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def recv(self, skip_heartbeats: bool = True) -> tuple[bytes, Message]:
+        """The next message but, with ``skip_heartbeats``, heartbeats and a task's progress."""
         while True:
             assert self.sock.poll(int(TIMEOUT * 1000)), "the worker sent nothing"
             identity, *frames = self.sock.recv_multipart()
             msg = decode(frames)
-            if not (skip_heartbeats and msg.kind == "heartbeat"):
+            if not (skip_heartbeats and msg.kind in {"heartbeat", *PROGRESS}):
                 return identity, msg
 
     def send(self, identity: bytes, frames: list) -> None:

@@ -47,6 +47,8 @@ SAMPLES = {
     "shutdown": Message("shutdown", {"reason": "train over"}),
     "error": Message("error", {"task": 4, "message": "boom"}),
     "error_without_task": Message("error", {"message": "boom"}),
+    "started": Message("started", {"task": 4}),
+    "computed": Message("computed", {"task": 4}),
     "echo": Message(
         "echo", {"task": 2, "step": 5, "flag": False, "scale": 0.5, "note": None}, {"x": X, "w": W, "b": B}
     ),
@@ -86,7 +88,7 @@ def nested(depth: int) -> dict:
 
 
 def test_every_session_kind_has_a_sample():
-    assert SESSION_KINDS == {"hello", "welcome", "heartbeat", "shutdown", "error"}
+    assert SESSION_KINDS == {"hello", "welcome", "heartbeat", "shutdown", "error", "started", "computed"}
     assert SESSION_KINDS <= {msg.kind for msg in SAMPLES.values()}
 
 
@@ -214,6 +216,11 @@ def test_malformed_envelopes(frames, complaint):
         ("welcome", {"index": 0, "heartbeat_s": "1"}, "'heartbeat_s' must be number"),
         ("error", {"message": "x", "task": "7"}, "'task' must be int"),
         ("error", {"message": "x", "task": 7, "step": 1}, "unexpected header key\\(s\\) step"),
+        ("started", {}, "started: header is missing 'task' \\(int\\)"),
+        ("started", {"task": "7"}, "'task' must be int, got str"),
+        ("started", {"task": True}, "'task' must be int, got bool"),
+        ("started", {"task": 7, "step": 1}, "unexpected header key\\(s\\) step"),
+        ("computed", {"task": 7.0}, "'task' must be int, got float"),
         ("hello", {**SAMPLES["hello"].header, "protocol": 7.0}, "'protocol' must be int, got float"),
         ("hello", {**SAMPLES["hello"].header, "device": "cpu"}, "'device' must be map"),
     ],
@@ -419,11 +426,15 @@ def test_call_handler_turns_exceptions_and_invalid_replies_into_error_replies():
                 return Message("echoed", {"n": np.float32(1)})
             return None if msg.kind == "quiet" else Message("echoed", {"task": msg.header["task"]})
 
-    h = Handler()
-    assert call_handler(h, Message("echo", {"task": 1})) == Message("echoed", {"task": 1})
-    assert call_handler(h, Message("quiet", {"task": 2})) is None
-    reply = call_handler(h, Message("boom", {"task": 3}))
+    h, told = Handler(), []
+    assert call_handler(h, Message("echo", {"task": 1}), told.append) == Message("echoed", {"task": 1})
+    assert told == [Message("started", {"task": 1}), Message("computed", {"task": 1})]  # around the handler
+    assert call_handler(h, Message("quiet", {"task": 2}), told.append) is None
+    reply = call_handler(h, Message("boom", {"task": 3}), told.append)
     assert reply.header == {"message": "boom failed: KeyError: 'k'", "task": 3}
-    reply = call_handler(h, Message("bad", {"task": 4}))
+    assert told[-2:] == [Message("started", {"task": 3}), Message("computed", {"task": 3})]
+    told.clear()
+    assert call_handler(h, Message("quiet"), told.append) is None and told == []  # no task id: nothing to say of it
+    reply = call_handler(h, Message("bad", {"task": 4}), told.append)
     assert reply.kind == "error" and reply.header["task"] == 4
     assert reply.header["message"].startswith("bad: the worker produced an invalid reply: echoed: header['n']")

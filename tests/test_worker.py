@@ -368,7 +368,7 @@ def test_a_backend_failure_is_a_reply_too():
         def conv2d_forward(self, *args, **kw):
             raise MemoryError("out of device memory")
 
-    reply = call_handler(Worker(Broken()), forward(task=5))  # as every transport calls the worker
+    reply = call_handler(Worker(Broken()), forward(task=5), lambda said: None)  # as every transport calls the worker
     assert "MemoryError: out of device memory" in error_text(reply) and reply.header["task"] == 5
 
 

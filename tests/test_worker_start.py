@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from echo_worker import answer
 
 import tinyconv as tc
 from tinyconv.distributed.pool import _death_notice, _StderrTail, stop_workers, worker_pool
@@ -80,7 +81,7 @@ def test_a_worker_stopped_in_the_middle_of_a_task_exits_with_its_code_not_a_segf
         try:
             (worker,) = transport.start(1, timeout=60)
             transport.send(worker.index, _replica_calibrate(1, "4:8", 2, 1))  # short
-            _, reply = transport.recv(timeout=60)
+            _, reply = answer(transport, 60)
             assert reply.kind == "result" and reply.header["task"] == 1  # the compute thread is up
             busy_from = _cpu_seconds(proc.pid)
             transport.send(worker.index, _replica_calibrate(2, "64:256", 32, 1000))  # minutes of GEMMs

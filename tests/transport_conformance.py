@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from echo_worker import TIMEOUT
+from echo_worker import TIMEOUT, answer
 
 from transports import SESSION_KINDS, Message, ProtocolError
 
@@ -29,7 +29,7 @@ def check_echoes(transport, n: int) -> None:
         transport.send(k, Message("echo", headers[k], {"x": X + k}))
     replies = {}
     while len(replies) < n:
-        k, msg = transport.recv(TIMEOUT)
+        k, msg = answer(transport)
         assert msg.kind == "echoed", msg.header
         replies[k] = msg
     for k, msg in replies.items():
@@ -52,6 +52,8 @@ def check_exact_arrays(transport, k: int = 0) -> None:
     ]
     for i, x in enumerate(arrays):
         transport.send(k, echo(200 + i, x))
+        said = [transport.recv(TIMEOUT) for _ in range(2)]  # the worker's word on the task, before its reply
+        assert said == [(k, Message("started", {"task": 200 + i})), (k, Message("computed", {"task": 200 + i}))]
         got, reply = transport.recv(TIMEOUT)
         assert (got, reply.kind, reply.header["task"]) == (k, "echoed", 200 + i), reply.header
         y = reply.arrays["y"]
@@ -63,19 +65,19 @@ def check_error_replies(transport, k: int = 0) -> None:
     """A handler's exception, and a reply that breaks the wire, are error replies naming the task;
     the worker keeps serving."""
     transport.send(k, Message("fail", {"task": 41, "why": "flaky device"}))
-    got, reply = transport.recv(TIMEOUT)
+    got, reply = answer(transport)
     assert (got, reply.kind) == (k, "error") and reply.header["task"] == 41
     assert reply.header["message"] == "fail failed: RuntimeError: flaky device"
     transport.send(k, Message("bad_reply", {"task": 42}))
-    _, reply = transport.recv(TIMEOUT)
+    _, reply = answer(transport)
     assert reply.kind == "error" and reply.header["task"] == 42
     assert "invalid reply" in reply.header["message"] and "numpy scalar" in reply.header["message"]
     transport.send(k, Message("frobnicate", {"task": 43}))  # a task the handler does not know
-    _, reply = transport.recv(TIMEOUT)
+    _, reply = answer(transport)
     assert reply.header == {"message": "the echo handler does not handle 'frobnicate'", "task": 43}
     transport.send(k, Message("quiet", {"task": 44}))  # no reply to this one...
     transport.send(k, echo(45))  # ... and the worker still serves
-    got, reply = transport.recv(TIMEOUT)
+    got, reply = answer(transport)
     assert (got, reply.kind, reply.header["task"]) == (k, "echoed", 45)
 
 

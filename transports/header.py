@@ -103,8 +103,12 @@ SESSION_HEADERS: dict[str, tuple[dict[str, type], dict[str, type]]] = {
     "heartbeat": ({}, {}),
     "shutdown": ({"reason": str}, {}),
     "error": ({"message": str}, {"task": Int}),
+    "started": ({"task": Int}, {}),
+    "computed": ({"task": Int}, {}),
 }
 SESSION_KINDS = frozenset(SESSION_HEADERS)
+# a worker's word on a task it was given: it has it whole and starts computing; it is done, its reply follows
+PROGRESS = frozenset({"started", "computed"})
 
 _INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack can carry
 _SCALARS = (type(None), bool, int, float, str)
@@ -230,6 +234,12 @@ def check_message(msg: Message) -> None:
     check_header(msg.kind, msg.header)
     check_arrays(msg.kind, msg.arrays)
     pack(msg.kind, msg.header)
+
+
+def progress(kind: str, request: Message) -> Message | None:
+    """``kind`` ("started" or "computed") of the task ``request``, naming its ``task``; None without an int one."""
+    task = request.header.get("task") if isinstance(request.header, dict) else None
+    return Message(kind, {"task": task}) if Int.accepts(task) else None
 
 
 def error_reply(request: Message | None, text: str) -> Message:

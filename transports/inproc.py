@@ -140,7 +140,7 @@ class InprocTransport(Transport):
                 elif msg.kind in SESSION_KINDS:  # welcome, heartbeat, an error from the master
                     continue
                 else:
-                    reply = call_handler(handler, msg)
+                    reply = call_handler(handler, msg, lambda said: self._inbox.put(("reply", i, said)))
                 if reply is not None:
                     self._inbox.put(("reply", i, reply))
         except BaseException as e:  # e.g. SystemExit from a handler: tell the master, don't vanish

@@ -39,10 +39,12 @@ from transports.header import (
     check_message,
     pack,
 )
-from transports.header import SESSION_KINDS as SESSION_KINDS  # re-exported: the application's names
+from transports.header import PROGRESS as PROGRESS  # re-exported: the application's names
+from transports.header import SESSION_KINDS as SESSION_KINDS
 from transports.header import Num as Num
 from transports.header import check_fields as check_fields
 from transports.header import error_reply as error_reply
+from transports.header import progress as progress
 
 WIRE_VERSION = 1
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tinyconv.distributed.calibrate import checked_times
 from tinyconv.distributed.rpc import Lost, Rpc
 from transports.base import Message, WorkerInfo, WorkerLost
+from transports.wire import PROGRESS
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Joiners:
     def _take(self, k: int, reply: Message) -> bool:
         """Whether ``reply`` answers joiner k's calibration (then it is kept)."""
         j = self.waiting.get(k)
-        if j is None or reply.header.get("task") != j.task:
+        if j is None or reply.header.get("task") != j.task or reply.kind in PROGRESS:  # "started": no answer yet
             return False
         j.reply = reply
         return True

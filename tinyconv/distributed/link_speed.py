@@ -1,8 +1,7 @@
 """A worker's link as its recent tasks measured it: seconds per array byte beyond its compute.
 
-``rpc.py`` files a sample for every task a worker had to itself; ``runtime.py`` hands the rebalancer
-(``rebalance.py``) the exact estimates, and the deadlines (``shard/cluster.py``, ``replica/batch.py``)
-read the upper bounds too.
+``rpc.py`` files a sample for every task a worker had to itself and the master waited for;
+``runtime.py`` hands the rebalancer (``rebalance.py``) the estimates.
 """
 
 from __future__ import annotations
@@ -19,25 +18,22 @@ class LinkSpeed:
 
         s = (t_recv - t_send - c) / b          seconds per byte: transfers, (de)serialising, queues
 
-    It is *exact* when the master was waiting for that result, so t_recv is its arrival; when
-    it had come while the master was busy (with its own share, or another result), t_recv is
-    later and s only an upper bound. Latency makes small tasks look slow per byte: that errs
-    towards more time. Estimates are medians, so one stall does not count.
+    Only when the master was waiting for that result, so that t_recv is its arrival: one that had
+    come while the master was busy (with its own share, or another result) arrived earlier, and
+    says only an upper bound. Latency makes small tasks look slow per byte: that errs towards more
+    time. Estimates are medians, so one stall does not count.
     """
 
-    WINDOW = 20  # samples kept of each kind
+    WINDOW = 20  # samples kept
 
     def __init__(self) -> None:
-        self.exact: deque[float] = deque(maxlen=self.WINDOW)
-        self.bounds: deque[float] = deque(maxlen=self.WINDOW)
+        self.samples: deque[float] = deque(maxlen=self.WINDOW)
 
-    def add(self, nbytes: int, seconds: float, exact: bool) -> None:
+    def add(self, nbytes: int, seconds: float) -> None:
         """File one task's ``nbytes`` and its ``seconds`` beyond the worker's compute (none without bytes)."""
         if nbytes > 0:
-            (self.exact if exact else self.bounds).append(max(0.0, seconds) / nbytes)
+            self.samples.append(max(0.0, seconds) / nbytes)
 
-    def seconds_per_byte(self, exact: bool = True) -> float | None:
-        """The median exact sample; with ``exact=False`` the median of every sample, upper bounds
-        too (enough for a deadline, where too much is safe). None before there is one."""
-        samples = [*self.exact, *([] if exact else self.bounds)]
-        return statistics.median(samples) if samples else None
+    def seconds_per_byte(self) -> float | None:
+        """The median sample; None before there is one."""
+        return statistics.median(self.samples) if self.samples else None

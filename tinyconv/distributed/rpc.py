@@ -1,13 +1,15 @@
 """Tasks out to the workers, results back: task ids, deadlines, early replies, clear errors.
 
 Each distributed op (the forward or the backward of one sharded layer) opens an :class:`Op`. It
-numbers every task it sends; :meth:`Op.gather` waits for the results of some of them, each within
-the timeout, and keeps a result that comes before its gather asks for it. A result no open op
-waits for (an op gave up on it) is stale and dropped. A worker the op cannot count on -- gone (the transport's
-WorkerLost), silent past the timeout, answering with an error (out of memory, a driver's), with a
-malformed or wrong-shape result, with non-finite numbers from finite inputs, or with numbers the
-master's spot check finds wrong (``spot_check.py``) -- ends the op with :class:`Lost`, so that the
-runtime can share its work among the others and run the op again. On
+numbers every task it sends; :meth:`Op.gather` waits for the results of some of them, and keeps a
+result that comes before its gather asks for it. A result no open op waits for (an op gave up on it)
+is stale and dropped. Deadlines are for compute, liveness for transfers: a worker says ``started`` as
+it starts computing a task and ``computed`` right before the result, whose bytes the transport keeps it
+alive by; in between the task has 2 e_k + 1 s (:meth:`Op.expected`), and a gather the op's timeout at most.
+A worker the op cannot count on -- gone (the transport's WorkerLost), past its deadline, answering with
+an error (out of memory, a driver's), with a malformed or wrong-shape result, with non-finite numbers
+from finite inputs, or with numbers the master's spot check finds wrong (``spot_check.py``) -- ends the
+op with :class:`Lost`, so that the runtime can share its work among the others and run the op again. On
 the way the op counts what it cost (:meth:`Op.stats`) and each worker's link its seconds per byte
 (``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
 and decodes each result as it comes, so the splits only ever see float32.
@@ -77,10 +79,13 @@ class Rpc:
         fields: dict[str, int] | None = None,
         timeout: float | None = None,
         codec: Narrowing | None = None,
+        expect: dict[int, float] | None = None,
+        units: dict[int | None, int] | None = None,
     ) -> Op:
         """A new op named ``what`` in errors ("forward of conv2"), the master's share on ``backend``; its
-        tasks carry ``fields`` (a layer's step and index), each gather waits ``timeout`` s (the Rpc's)."""
-        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec)
+        tasks carry ``fields`` (a layer's step and index), each gather waits ``timeout`` s at most (the Rpc's);
+        ``expect`` and ``units`` give its compute deadlines (:meth:`Op.expected`)."""
+        return Op(self, what, backend, fields or {}, timeout or self.timeout, codec, expect or {}, units)
 
     def describe(self, k: int | None) -> str:
         if k is None:
@@ -104,10 +109,12 @@ class Op:
     """The tasks of one distributed op, and what it cost: bytes, each worker's compute, the master's."""
 
     def __init__(
-        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Narrowing | None
-    ) -> None:
+        self, rpc: Rpc, what: str, backend: Backend, fields: dict[str, int], timeout: float, codec: Narrowing | None,
+        expect: dict[int, float], units: dict[int | None, int] | None,
+    ) -> None:  # fmt: skip
         self.rpc, self.what, self.backend, self.fields, self.timeout = rpc, what, backend, fields, timeout
-        self.codec = codec  # None: the arrays go as they are, float32
+        self.codec, self.expect, self.units = codec, expect, units  # codec None: the arrays go as they are, float32
+        self._started: dict[int, float] = {}  # task -> when its "started" came, until its "computed"
         self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
         self.t0 = time.perf_counter()
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
@@ -148,16 +155,16 @@ class Op:
         return np.ascontiguousarray(self.backend.to_numpy(a), dtype=np.float32)
 
     def gather(self, tasks: Iterable[int], each: Callable[[int, Message], None] | None = None) -> dict[int, Message]:
-        """The result of every task in ``tasks``, by worker; ``each(worker, result)`` as each arrives."""
+        """The result of each task in ``tasks``, by worker, by its deadline; ``each(worker, result)`` as each comes."""
         waiting = set(tasks)
         results: dict[int, Message] = {}
-        deadline = self.rpc.clock() + self.timeout
+        ceiling = self.rpc.clock() + self.timeout
         while waiting:
             task = next((t for t in waiting if t in self._early), None)
             if task is not None:
                 reply = self._early.pop(task)
             else:
-                task, reply = self._receive(deadline, waiting)
+                task, reply = self._receive(ceiling, waiting)
                 if task not in waiting:
                     continue
             worker = self._pending.pop(task).worker
@@ -188,10 +195,24 @@ class Op:
             master_waited_s=self.waited_s,
         )
 
-    def _receive(self, deadline: float, waiting: set[int]) -> tuple[int, Message]:
-        """The next result for one of this op's tasks; one of ``waiting`` or kept as early."""
+    def expected(self, k: int) -> float | None:
+        """e_k, worker k's expected compute seconds for its tasks of the op: ``expect``'s (by the last steps, the
+        calibration); else, with ``units`` (participant, the master None -> its units of work, for an op whose
+        shares are each computed in one go), its units at the pace of the master's own share (an equal plan
+        assumes equal speeds) or of the first worker that answered; None while nothing is known."""
+        if k in self.expect or not self.units:
+            return self.expect.get(k)
+        paces = [(self.master_s, None), *((s, j) for j, s in self.compute.items())]
+        pace = next((s / self.units[j] for s, j in paces if s > 0 and self.units.get(j, 0) > 0), None)
+        return None if pace is None else pace * self.units.get(k, 0)
+
+    def _receive(self, ceiling: float, waiting: set[int]) -> tuple[int, Message]:
+        """The next result for one of this op's tasks; one of ``waiting`` or kept as early. A task's ``started``
+        and ``computed`` on the way open and close its compute deadline."""
+        waited = False  # since the master waited, it did nothing that takes time: what comes arrives now
         while True:
-            k, reply, waited = self._next(deadline, waiting)
+            k, reply, waited_now = self._next(ceiling, waiting)
+            waited |= waited_now
             task = reply.header.get("task")
             ours = task in self._pending and self._pending[task].worker == k
             if not ours and self.rpc.aside is not None and self.rpc.aside(k, reply):  # a joiner's calibration
@@ -200,6 +221,12 @@ class Op:
                 raise Lost({k: f"failed the {self.what}: {reply.header['message']}"})
             if not ours:  # a late answer to an op given up on
                 log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
+                continue
+            if reply.kind == "started":
+                self._started[task] = self.rpc.clock()
+                continue
+            if reply.kind == "computed":  # its result is on the way: its bytes keep the worker alive
+                self._started.pop(task, None)
                 continue
             if reply.kind != "result":
                 raise Lost({k: f"answered the {self.what} with a {reply.kind!r}"}, wrong=True)
@@ -216,30 +243,43 @@ class Op:
             compute = float(reply.header["compute_s"])
             self.recv[k] = self.recv.get(k, 0) + nbytes
             self.compute[k] = self.compute.get(k, 0.0) + compute
-            if sent.alone:
-                beyond = self.rpc.clock() - sent.at - compute
-                self.rpc.link(k).add(sent.wire.nbytes() + nbytes, beyond, exact=waited)
+            if sent.alone and waited:  # it arrived now: the time beyond its compute was its link's
+                self.rpc.link(k).add(sent.wire.nbytes() + nbytes, self.rpc.clock() - sent.at - compute)
             if task not in waiting:
                 self._early[task] = reply
             return task, reply
 
-    def _next(self, deadline: float, waiting: set[int]) -> tuple[int, Message, bool]:
-        """The next message from a worker, and whether the master waited for it (it arrived now), or
-        not (it came while the master was busy); by ``deadline``."""
-        try:
+    def _limits(self, ceiling: float, waiting: set[int]) -> list[tuple[float, int, str]]:
+        """(when, worker, why) for each task of ``waiting``: it is lost at ``ceiling`` unless its result comes,
+        or, while it computes, at its ``started`` + 2 e_k + 1 s (:meth:`expected`)."""
+        limits = []
+        for task in waiting:
+            k = self._pending[task].worker
+            e = self.expected(k) if task in self._started else None
+            when = ceiling if e is None else min(ceiling, self._started[task] + 2 * e + 1)
+            why = f"2 x its expected {e:.3g} s of compute + 1 s" if when < ceiling else f"{self.timeout:g} s"
+            limits.append((when, k, f"no result for the {self.what} within {why}"))
+        return limits
+
+    def _next(self, ceiling: float, waiting: set[int]) -> tuple[int, Message, bool]:
+        """The next message from a worker, and whether the master waited for it (it arrived now), or not
+        (it came while the master was busy); Lost for the workers past their limits (:meth:`_limits`)."""
+        waited = False
+        while True:
+            t, timeout = self.rpc.clock(), 0.0
+            if waited:  # nothing came since the master looked: the deadlines are what is left
+                limits = self._limits(ceiling, waiting)
+                if overdue := {k: why for when, k, why in limits if when <= t}:
+                    raise Lost(overdue)
+                timeout = min(limits)[0] - t
             try:
-                return *self.rpc.transport.recv(timeout=0.0), False
+                return *self.rpc.transport.recv(timeout=timeout), waited
             except TimeoutError:
-                t = self.rpc.clock()
-                try:
-                    return *self.rpc.transport.recv(timeout=max(0.0, deadline - t)), True
-                finally:
-                    self.waited_s += self.rpc.clock() - t
-        except TimeoutError:
-            why = f"no result for the {self.what} within {self.timeout:g} s"
-            raise Lost({self._pending[t].worker: why for t in waiting}) from None
-        except WorkerLost as e:
-            raise Lost({e.worker: e.reason}) from None
+                waited = True
+            except WorkerLost as e:
+                raise Lost({e.worker: e.reason}) from None
+            finally:
+                self.waited_s += self.rpc.clock() - t
 
 
 def _check_finite(k: int, reply: Message, sent: Message, what: str) -> None:

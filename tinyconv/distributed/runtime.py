@@ -166,30 +166,22 @@ class Runtime:
         """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
         return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
 
-    def _timeout(self, unit: str, scale: float, moved: dict[str, int], took: dict[str, float] | None = None) -> float:
-        """Seconds a worker has to answer one op of ``unit``: twice what it should take, and a second, at most
-        ``recv_timeout`` -- so a worker that hangs while its heartbeats flow costs no more than that::
-
-            2 * max_k e_k + 1 s
-
-        e_k: worker k's expected seconds for the op. ``took`` gives them where the steps so far measured
-        them for every worker with a share (its compute and its bytes at its link's rate); else, once calibrated,
-        e_k = scale * (max_i t_i + B_k s_k), scale = max(1, batch / calibrated batch): t_i, participant
-        i's calibrated time for the whole ``unit``; B_k, ``moved``, the most array bytes one op moved to
-        and from worker k last step; s_k, the seconds per byte its link measured, upper bounds included
-        (``link_speed.py``): 20 MB of feature maps take 4 s at 5 MB/s. Until either is known, ``recv_timeout``.
-        """
-        if took is not None:
-            return min(self.recv_timeout, 2 * max(took.values(), default=0.0) + 1.0)
-        known = [self.timings.get(name, {}).get(unit) for name, _ in self.placement]
-        transfer = [
-            _times(moved.get(name), self.rpc.link(k).seconds_per_byte(exact=False))
-            for name, k in self.placement
-            if k is not None
-        ]
-        if not known or None in known or None in transfer:
-            return self.recv_timeout
-        return min(self.recv_timeout, 2 * scale * (max(known) + max(transfer, default=0.0)) + 1.0)
+    def _expect(
+        self, unit: str, units: dict[int | None, int], scale: float, per_unit: dict[str, float]
+    ) -> dict[int, float]:
+        """Worker -> its expected compute seconds for an op of ``unit`` (``units``: participant -> its units of it):
+        at ``per_unit``, its seconds per unit in the last steps; else, calibrated, its part of its time t_k for
+        the whole unit, ``scale`` * t_k * units_k / all units (scale = max(1, batch / calibrated batch)). The op
+        gives a task 2 e_k + 1 s to compute (``rpc.py``): a worker that hangs while its heartbeats flow costs
+        no more. A worker neither knows is not in it."""
+        total, expect = sum(units.values()), {}
+        for name, k in self.placement:
+            n, t = units.get(k, 0), self.timings.get(name, {}).get(unit)
+            if k is not None and n and name in per_unit:
+                expect[k] = per_unit[name] * n
+            elif k is not None and n and t is not None:
+                expect[k] = scale * t * n / total
+        return expect
 
     # ---- membership -----------------------------------------------------------------------------
     def lose(self, workers: dict[int, str], refuse: bool = False) -> None:
@@ -258,10 +250,3 @@ class Runtime:
 
     def _shares(self) -> dict[str, list[int]]:
         return {unit: list(c) for unit, c in self.counts.items()}
-
-
-def _times(nbytes: int | None, seconds_per_byte: float | None) -> float | None:
-    """``nbytes`` at ``seconds_per_byte``: 0 for no bytes (a worker sitting out), else None if either is unknown."""
-    if nbytes == 0:
-        return 0.0
-    return None if nbytes is None or seconds_per_byte is None else nbytes * seconds_per_byte

@@ -242,10 +242,10 @@ class MasterSession:
         while not self.refusals.empty():
             k, why = self.refusals.get_nowait()
             seconds = self.admission.refuse(k, why, time.monotonic())
+            with self.book.cond:  # lost before it hears why: nothing more is sent to it
+                self.book.lost.setdefault(k, f"refused: {why}")
             self._send_to(k, wire.encode(Message("shutdown", {"reason": f"refused for {seconds:g} s: {why[:200]}"})))
             self._heard.pop(k, None), self._said.pop(k, None)  # gone quietly: the caller already counts it lost
-            with self.book.cond:
-                self.book.lost.setdefault(k, f"refused: {why}")
 
     def _send_to(self, k: int, frames: list, control: bool = False) -> None:
         if k not in self._heard:  # lost: nothing more goes to it
@@ -291,7 +291,8 @@ class MasterSession:
             self._from_worker(k, a)
 
     def _from_worker(self, k: int, a: Arrival) -> None:
-        """A message from live worker k: replies and errors go to recv(); the session's own kinds stop here."""
+        """A message from live worker k: replies, errors and a task's progress go to recv(); the session's own
+        kinds stop here."""
         with self.book.cond:
             self.book.traffic[k][1] += wire.frames_nbytes(a.frames)
         try:
@@ -300,7 +301,7 @@ class MasterSession:
             self.link.send(a.peer, wire.encode(wire.error_reply(None, f"the master could not read your message: {e}")))
             self.inbox.put(("malformed", k, str(e)))
             return
-        if msg.kind not in wire.SESSION_KINDS or msg.kind == "error":
+        if msg.kind not in wire.SESSION_KINDS or msg.kind == "error" or msg.kind in wire.PROGRESS:
             self.inbox.put(("message", k, msg))
         elif msg.kind == "hello":  # it has not heard its welcome yet: say it again
             self._send_to(k, self.admission.welcome(k))

@@ -7,9 +7,10 @@ read and heartbeats keep flowing while a long task computes; each call is tagged
 (:func:`~transports.session.welcome.greet` waits for that), is the only code that calls the link.
 One task's way: the link's ``receive`` returns its frames; :meth:`Serving._handle` decodes them
 (:func:`transports.wire.decode` checks everything); :meth:`Serving._on_message` hands the task to
-the compute thread, which calls the handler through :func:`call_handler`; :meth:`Serving._send_results`
-encodes the reply and sends it. A heartbeat goes out after ``heartbeat_s`` of quiet, and anything
-from the master shows it is alive, until it says shutdown, goes, or is silent beyond its patience (``patience.py``).
+the compute thread, which calls the handler through :func:`call_handler`, saying ``started`` and
+``computed`` around it; :meth:`Serving._send_results` encodes them and the reply and sends them, in order.
+A heartbeat goes out after ``heartbeat_s`` of quiet, and anything from the master shows it is alive,
+until it says shutdown, goes, or is silent beyond its patience (``patience.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from transports import wire
 from transports.base import Handler, Message
@@ -37,19 +39,27 @@ from transports.session.settings import (
 from transports.wakeup import Wakeup
 
 
-def call_handler(handler: Handler, msg: Message) -> Message | None:
+def call_handler(handler: Handler, msg: Message, tell: Callable[[Message], None]) -> Message | None:
     """``handler.handle(msg)``, made safe for a worker loop: an exception becomes an ``error`` reply, and
     so does a reply that breaks the wire, so a bad task (or a handler bug) never kills the worker and the
-    master always gets a message it can decode."""
+    master always gets a message it can decode. Around it ``tell`` sends the master ``started`` (the task
+    came whole and is computed now) and ``computed`` (its reply follows on the same ordered way, so this comes
+    before the reply's first byte): the master gives the compute a deadline and leaves the transfers to the
+    peer's patience (``patience.py``). A small message rather than the transport telling the master that a
+    large one is arriving: any transport that carries messages in order carries it, with nothing more to do."""
+    if (started := wire.progress("started", msg)) is not None:
+        tell(started)
     try:
         reply = handler.handle(msg)
         if reply is not None:
             wire.check_message(reply)
-        return reply
     except wire.ProtocolError as e:
-        return wire.error_reply(msg, f"{msg.kind}: the worker produced an invalid reply: {e}")
+        reply = wire.error_reply(msg, f"{msg.kind}: the worker produced an invalid reply: {e}")
     except Exception as e:  # report and keep serving; the traceback is no use to the master
-        return wire.error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
+        reply = wire.error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
+    if started is not None:
+        tell(wire.progress("computed", msg))
+    return reply
 
 
 @dataclass
@@ -103,10 +113,13 @@ class Compute:
     def _run(self) -> None:
         while (item := self.tasks.get()) is not None:
             session, msg = item
-            result = self._hello() if msg is None else call_handler(self.handler, msg)
+            result = self._hello() if msg is None else call_handler(self.handler, msg, partial(self._put, session))
             if result is not None:
-                self.results.put((session, result))
-                self.wakeup.wake()
+                self._put(session, result)
+
+    def _put(self, session: int, result: Message | Hello) -> None:
+        self.results.put((session, result))
+        self.wakeup.wake()
 
     def _hello(self) -> Hello:
         try:

@@ -94,7 +94,7 @@ class BatchSplit(Runtime):
         self.spot = ReplayCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
         self.rpc.check = self.spot
         self.calibrated_batch = 0  # the images everyone was timed on
-        self._moved: dict[str, int] = {}  # participant -> bytes its last step moved, for the timeout
+        self._took: dict[str, float] = {}  # worker -> compute seconds per image, the last steps', for the deadlines
         self._spec: dict[str, Any] | None = None
 
     # ---- what a subclass computes -------------------------------------------------------------
@@ -182,8 +182,11 @@ class BatchSplit(Runtime):
         return loss, logits
 
     def _op(self, what: str, batch: int) -> Op:
-        """A new op of the next step, named ``what`` in errors, with the step's deadline."""
-        return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, self.timeout(batch))
+        """A new op of the next step, named ``what`` in errors, with the compute deadlines of what each worker's
+        images should take (:meth:`Runtime._expect`: by the last steps, else by the calibration)."""
+        units = dict(zip((k for _, k in self.placement), self.shares(batch), strict=True))
+        expect = self._expect(UNIT, units, max(1.0, batch / (self.calibrated_batch or batch)), self._took)
+        return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, expect=expect, units=units)
 
     def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
         """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.placement)`` taken
@@ -194,7 +197,9 @@ class BatchSplit(Runtime):
         if self.spot is not None and "master" in self.participants and counts[0]:  # its speed, for the budget
             self.spot.master_rate = record["participant_conv_s"][0] / counts[0]
         moved = [s + r for s, r in zip(record["participant_bytes_sent"], record["participant_bytes_recv"], strict=True)]
-        self._moved = dict(zip(self.participants, moved, strict=True))
+        for name, n, compute in zip(self.participants, counts, record["participant_conv_s"], strict=True):
+            if n and name != "master":  # a high-water mark that halves step by step, as the model split's
+                self._took[name] = max(compute / n, self._took.get(name, 0.0) / 2)
         if self.rebalancer is not None:
             links = self._links()
             ready = [c + b * s for c, b, s in zip(record["participant_conv_s"], moved, links, strict=True)]
@@ -204,7 +209,3 @@ class BatchSplit(Runtime):
                 self.counts[UNIT] = list(proposal)
                 record["rebalanced"] = {UNIT: list(proposal)}
         self.last_step = record
-
-    def timeout(self, batch: int) -> float:
-        """Seconds a worker has to answer one op of a step of ``batch`` images (:meth:`Runtime._timeout`)."""
-        return self._timeout(UNIT, max(1.0, batch / (self.calibrated_batch or batch)), self._moved)

@@ -61,8 +61,8 @@ class Cluster(Runtime):
     ``spot_check``: the master recomputes samples of each worker's results within this fraction of its work
     and loses a worker whose numbers are wrong (``spot_check.py``); 0, or a narrowed ``wire_precision``: it
     trusts them.
-    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most
-    before a link is measured: :meth:`timeout`).
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most a
+    worker's compute has before it is known: :meth:`expect`).
     """
 
     parallel = "model"
@@ -99,8 +99,7 @@ class Cluster(Runtime):
         self._specs: list[dict[str, Any]] | None = None  # the calibrated layers, to time a joiner on
         self._net: Network | None = None
         self._done: list[LayerStep] = []  # this step's layers, as their backwards finish
-        self._moved: dict[str, dict[str, int]] = {}  # layer -> participant -> most bytes one op moved, last step
-        self._took: dict[tuple[str, str], dict[str, float]] = {}  # (layer, op) -> worker -> s per unit and image
+        self._took: dict[tuple[str, str], dict[str, float]] = {}  # (layer, op) -> worker -> compute s per unit, image
         self.redo = False  # the step just ended was tainted (Runtime.tainted): train_batch runs it again
 
     # ---- the network ----------------------------------------------------------------------
@@ -235,19 +234,19 @@ class Cluster(Runtime):
         enough = min(block.conv.in_channels, block.conv.out_channels) >= len(self.placement)
         return block.by_channels and enough and any(k is not None for _, k in self.placement)
 
-    def timeout(self, block: ShardedBlock, batch: int, what: str) -> float:
-        """Seconds a worker has to answer ``block``'s ``what`` ("forward" or "backward") on ``batch`` images:
-        by each worker's seconds per unit and image in the last step, for its share now, once every worker
-        with a share has them; else by the calibration (:meth:`Runtime._timeout`)."""
-        plan, rates = self.plan(block), self._took.get((block.name, what), {})
-        units = zip(self.placement, plan.channel_counts or plan.counts, strict=True)
-        shares = {name: n for (name, k), n in units if k is not None and n}
-        took = {name: rates[name] * n * batch for name, n in shares.items() if name in rates}
+    def expect(
+        self, block: ShardedBlock, batch: int, what: str
+    ) -> tuple[dict[int, float], dict[int | None, int] | None]:
+        """What ``block``'s ``what`` ("forward" or "backward") on ``batch`` images should take each worker to
+        compute (:meth:`Runtime._expect`: by its seconds per unit and image in the last steps, else by the
+        calibration), and each participant's units -- kernels, or input channels -- for an uncalibrated op to be
+        paced by (``rpc.py``); not for a split by input channels, whose every round is only part of a share."""
+        plan = self.plan(block)
+        units = dict(zip((k for _, k in self.placement), plan.channel_counts or plan.counts, strict=True))
+        rates = {name: rate * batch for name, rate in self._took.get((block.name, what), {}).items()}
         calibrated = self._specs[self.blocks.index(block)]["x"][0] if self._specs is not None else batch
-        moved = self._moved.get(block.name, {})
-        return self._timeout(
-            block.name, max(1.0, batch / calibrated), moved, took if len(took) == len(shares) else None
-        )
+        expect = self._expect(block.name, units, max(1.0, batch / calibrated), rates)
+        return expect, None if plan.channel_counts is not None and plan.workers else units
 
     # ---- steps ------------------------------------------------------------------------------
     def codec(self, block: ShardedBlock) -> Narrowing | None:
@@ -258,9 +257,6 @@ class Cluster(Runtime):
     def finished(self, block: ShardedBlock, done: LayerStep) -> None:
         """``block``'s backward is done; with the first block's, the step is."""
         self._done.append(done)
-        self._moved[done.name] = {
-            name: max(done.forward.moved(name), done.backward.moved(name)) for name in done.participants
-        }
         self._measure(done)
         if block is not self.blocks[0]:
             return
@@ -281,9 +277,8 @@ class Cluster(Runtime):
         self._welcome_joiners()
 
     def _measure(self, done: LayerStep) -> None:
-        """Each worker's seconds per unit (what the layer is split by) and image in ``done``'s forward and
-        backward: its compute and its bytes at its link's rate, which the next steps' deadlines scale."""
-        index = dict(self.placement)
+        """Each worker's compute seconds per unit (what the layer is split by) and image in ``done``'s forward
+        and backward, which the next steps' deadlines scale."""
         if self.spot is not None and "master" in done.participants:  # its batched speed, for the budget
             i, layer = done.participants.index("master"), next(b.index for b in self.blocks if b.name == done.name)
             if done.counts[i] and (master_s := done.forward.compute_s[i] + done.backward.compute_s[i]) > 0:
@@ -291,11 +286,8 @@ class Cluster(Runtime):
         for what, op in (("forward", done.forward), ("backward", done.backward)):
             rates = self._took.setdefault((done.name, what), {})
             for name, n, compute in zip(done.participants, done.units, op.compute_s, strict=True):
-                k = index.get(name)
-                per_byte = None if k is None else self.rpc.link(k).seconds_per_byte(exact=False)
-                if n and per_byte is not None:  # a high-water mark that halves step by step: a spike widens it
-                    rate = (compute + op.moved(name) * per_byte) / (n * done.images)
-                    rates[name] = max(rate, rates.get(name, 0.0) / 2)
+                if n and name != "master":  # a high-water mark that halves step by step: a spike widens it
+                    rates[name] = max(compute / (n * done.images), rates.get(name, 0.0) / 2)
 
     def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
         """Feed the rebalancer each layer's step, by what the layer is split by -- its kernels, or its input

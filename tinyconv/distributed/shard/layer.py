@@ -34,7 +34,9 @@ class Coordinator(Protocol):
 
     def plan(self, block: ShardedBlock) -> Plan: ...
 
-    def timeout(self, block: ShardedBlock, batch: int, what: str) -> float: ...
+    def expect(
+        self, block: ShardedBlock, batch: int, what: str
+    ) -> tuple[dict[int, float], dict[int | None, int] | None]: ...
 
     def lose(self, workers: dict[int, str], refuse: bool = False) -> None: ...
 
@@ -112,10 +114,12 @@ class ShardedBlock(Layer):
 
     def _op(self, what: str, step: int, batch: int) -> Op:
         """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index,
-        and go on the wire by the cluster's codec for the layer (None: as they are)."""
+        go on the wire by the cluster's codec for the layer (None: as they are), and have the compute
+        deadlines of what the cluster expects of each worker."""
         fields = {"step": step, "layer": self.index}
-        timeout, codec = self.cluster.timeout(self, batch, what), self.cluster.codec(self)
-        return self.cluster.rpc.op(f"{what} of {self.name}", self.backend, fields, timeout, codec)
+        expect, units = self.cluster.expect(self, batch, what)
+        op = f"{what} of {self.name}"
+        return self.cluster.rpc.op(op, self.backend, fields, codec=self.cluster.codec(self), expect=expect, units=units)
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         n, f, oh, ow = self.conv.output_shape(x_shape)
