@@ -153,6 +153,22 @@ def test_a_worker_the_transport_lost_ends_the_op_with_lost():
     assert info.value.workers == {0: "disconnected"}
 
 
+def test_a_late_notice_that_a_worker_without_a_task_in_the_op_was_lost_leaves_the_op_alone():
+    # worker 1 was dropped earlier (a deadline, a wrong result); its link gives it up only now
+    class Late(Scripted):
+        def recv(self, timeout: float):
+            if not self.noticed:
+                self.noticed = True
+                raise WorkerLost(1, "silent for 1.6 s")
+            return super().recv(timeout)
+
+    transport = Late(echo)
+    transport.noticed = False
+    op = Rpc(transport, WORKERS, timeout=1.0).op("backward of conv1", BE)
+    replies = op.gather([op.send(0, Message("block_forward", {}))])
+    assert transport.noticed and list(replies) == [0]
+
+
 def nan_echo(worker: int, msg: Message) -> list[Message]:
     return [result(msg, y=np.array([np.nan, 1.0], np.float32))]
 

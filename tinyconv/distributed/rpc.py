@@ -277,7 +277,11 @@ class Op:
             except TimeoutError:
                 waited = True
             except WorkerLost as e:
-                raise Lost({e.worker: e.reason}) from None
+                if any(self._pending[task].worker == e.worker for task in waiting):
+                    raise Lost({e.worker: e.reason}) from None
+                log.debug(
+                    "worker %d lost (%s) with no task in the %s: its next send says so", e.worker, e.reason, self.what
+                )
             finally:
                 self.waited_s += self.rpc.clock() - t
 
