@@ -327,6 +327,27 @@ def test_heartbeats_flow_while_a_long_task_computes():
     assert codes == [EXIT_OK] and lines == []  # and the worker never thought the master was gone
 
 
+def test_a_worker_the_runtime_dropped_hears_nothing_more_and_comes_back_as_a_joiner():
+    # what the runtime asks of the transport for a worker past its deadline whose link still lives
+    with ZmqTransport(bind=LOCAL, protocol=PROTOCOL, heartbeat_s=0.1, peer_timeout_s=0.4) as t:
+        th, codes, lines = serve_in_thread(t.bound_address, peer_timeout_s=0.4, quiet=True)
+        try:
+            (info,) = t.start(1, timeout=TIMEOUT)
+            assert t.drop(0, "no result within 2 x its expected 0.1 s of compute + 1 s")
+            with pytest.raises(WorkerLost, match="no result within 2 x"):
+                t.send(0, Message("echo", {"task": 1}))
+            deadline = time.monotonic() + TIMEOUT  # the worker misses the master's heartbeats and says hello again
+            while not (back := t.joined()):
+                assert time.monotonic() < deadline, "the dropped worker never came back"
+                time.sleep(0.02)
+            assert [(w.index, w.pid) for w in back] == [(1, info.pid)]
+            t.send(1, Message("echo", {"task": 2}))
+            assert answer(t)[0] == 1
+        finally:
+            t.close()
+            th.join(timeout=TIMEOUT)
+
+
 def test_ipc_transport_round_trip_zero_copy(tmp_path):
     with ZmqTransport(bind=f"ipc://{tmp_path}/master.sock", protocol=PROTOCOL, heartbeat_s=0.2) as t:
         assert t.bound_address.startswith("ipc://")

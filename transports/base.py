@@ -103,6 +103,12 @@ class Transport(ABC):
         leaves the worker out: False."""
         return False
 
+    def drop(self, worker: int, why: str) -> bool:
+        """The runtime gave ``worker`` up (past its deadline) while its link may still live: stop serving it, so
+        that it says hello again and comes back as a joiner; whether it does. False where workers cannot come
+        back."""
+        return False
+
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Bytes (sent to, received from) each worker since start."""
         return {}

@@ -185,8 +185,9 @@ class Runtime:
 
     # ---- membership -----------------------------------------------------------------------------
     def lose(self, workers: dict[int, str], refuse: bool = False) -> None:
-        """``workers`` (index -> why) are no longer participants: their shares go to the others. ``refuse``:
-        their answers were wrong or their calibration failed, so the transport turns them away for a while."""
+        """``workers`` (index -> why) are no longer participants: their shares go to the others, and the transport
+        lets them go (they may come back as joiners). ``refuse``: their answers were wrong or their calibration
+        failed, so it turns them away for a while."""
         for k, why in workers.items():
             if k in self.lost:
                 continue
@@ -194,6 +195,8 @@ class Runtime:
             if refuse:
                 self.transport.refuse(k, why)
                 self.tainted |= k in self.gave  # its earlier answers this step went on unchecked
+            else:  # it may still be connected (hung past its deadline): let it go, to come back as a joiner
+                self.transport.drop(k, why)
             log.warning("%s lost: %s; its work goes to the others", self.rpc.describe(k), why)
             self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]

@@ -120,7 +120,17 @@ class SessionTransport(Transport):
         self._link.wake()
 
     def refuse(self, worker: int, why: str) -> bool:
-        self._io.refusals.put((worker, why))
+        return self._let_go(worker, f"refused: {why}", why)
+
+    def drop(self, worker: int, why: str) -> bool:
+        return self._let_go(worker, why)
+
+    def _let_go(self, worker: int, lost: str, refused: str | None = None) -> bool:
+        """Worker ``worker`` is lost (``lost`` says why) from now on; the I/O thread stops serving it, and tells it
+        why it is ``refused`` (then turned away for a while), or nothing, so that it says hello again."""
+        with self._book.cond:
+            self._book.lost.setdefault(worker, lost)
+        self._io.letting_go.put((worker, refused))
         self._link.wake()
         return True
 
@@ -192,7 +202,7 @@ class MasterSession:
         self.link, self.book, self.settings = link, book, settings
         self.inbox: queue.Queue[tuple[str, int | None, Any]] = queue.Queue()
         self.outbox: queue.Queue[tuple[int, list]] = queue.Queue()
-        self.refusals: queue.Queue[tuple[int, str]] = queue.Queue()  # (worker, why) to say goodbye to, and refuse
+        self.letting_go: queue.Queue[tuple[int, str | None]] = queue.Queue()  # (worker, why it is refused, or None)
         self.stop = threading.Event()
         self.drops = DropLog(log)
         self.admission = Admission(link, book, self.drops, settings)
@@ -239,12 +249,12 @@ class MasterSession:
     def _flush_outbox(self) -> None:
         while not self.outbox.empty():  # this thread is the only one that takes from it
             self._send_to(*self.outbox.get_nowait())
-        while not self.refusals.empty():
-            k, why = self.refusals.get_nowait()
-            seconds = self.admission.refuse(k, why, time.monotonic())
-            with self.book.cond:  # lost before it hears why: nothing more is sent to it
-                self.book.lost.setdefault(k, f"refused: {why}")
-            self._send_to(k, wire.encode(Message("shutdown", {"reason": f"refused for {seconds:g} s: {why[:200]}"})))
+        while not self.letting_go.empty():
+            k, refused = self.letting_go.get_nowait()
+            if refused is not None:
+                seconds = self.admission.refuse(k, refused, time.monotonic())
+                bye = f"refused for {seconds:g} s: {refused[:200]}"
+                self._send_to(k, wire.encode(Message("shutdown", {"reason": bye})))
             self._heard.pop(k, None), self._said.pop(k, None)  # gone quietly: the caller already counts it lost
 
     def _send_to(self, k: int, frames: list, control: bool = False) -> None:
