@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,12 @@ TIMEOUT = 60.0  # every wait of the test
 
 
 class Chaos:
-    """The master (under its supervisor) and the workers, their output in files under ``folder``."""
+    """The master (under its supervisor) and the workers, their output in files under ``folder``; ``prefix``
+    puts a command "master" or "link" side (namespaces), ``link``: whether the "link" side is across one."""
 
-    def __init__(self, folder: Path, address: str, prefix: Callable[[str], list[str]], master_args: list[str]):
-        self.folder, self.address, self.prefix, self.master_args = folder, address, prefix, master_args
+    def __init__(self, folder: Path, address: str, prefix: Callable[[str], list[str]], link: bool) -> None:
+        self.folder, self.address, self.prefix, self.link = folder, address, prefix, link
+        self.master_args = ["--insecure"] if link else []  # 10.77.0.1 is reachable from the two namespaces alone
         self.metrics, self.checkpoint = folder / "run.jsonl", folder / "run.npz"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         self.env.pop(SECRET_ENV, None)
@@ -149,13 +152,12 @@ def chaos(tmp_path) -> Iterator[Chaos]:
             tl.setup(names, RATE)
         except RuntimeError as e:  # root without CAP_SYS_ADMIN (a container), say
             why = f"cannot make namespaces here: {e}"
-    if why is None:  # 10.77.0.1 is reachable only from the two namespaces: no keys needed
+    if why is None:
         where = {"master": names.master, "link": names.worker}
-        run = Chaos(tmp_path, f"tcp://{tl.MASTER_IP}:5555", lambda w: tl.in_namespace(where[w], []), ["--insecure"])
+        run = Chaos(tmp_path, f"tcp://{tl.MASTER_IP}:5555", lambda w: tl.in_namespace(where[w], []), link=True)
     else:
-        print(f"\nthe first worker runs on loopback: no shaped link ({why})")
-        run = Chaos(tmp_path, f"tcp://127.0.0.1:{free_port()}", lambda w: [], [])
-    run.link = why is None
+        warnings.warn(f"the first worker runs on loopback: no shaped link ({why})", stacklevel=1)  # in the summary
+        run = Chaos(tmp_path, f"tcp://127.0.0.1:{free_port()}", lambda w: [], link=False)
     try:
         yield run
     finally:
