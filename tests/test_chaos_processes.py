@@ -77,16 +77,8 @@ class Chaos:
 
     def worker(self, name: str, *args: str, where: str = "master") -> subprocess.Popen:
         # --serve: a master stopped as asked (SIGTERM) says "train over"; such a worker then waits for the next
-        cmd = [
-            sys.executable,
-            "-m",
-            "tinyconv.distributed.worker",
-            "--connect",
-            self.address,
-            "--threads",
-            "1",
-            "--serve",
-        ]
+        cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", self.address, "--threads", "1",
+               "--serve"]  # fmt: skip
         return self.start(name, [*cmd, *args], where)
 
     def master(self, name: str, *args: str) -> subprocess.Popen:
