@@ -24,7 +24,15 @@ One table, a row per run: the median step, and the slowest from step --at on (th
 first-use allocations); the stall, that slowest step past the uninterrupted run's median (of the same
 transport); the detection time, from the fault (the signal, or the worker's first wrong answer) to the
 master's ``worker_lost``, and its reason; the largest relative loss difference against the
-uninterrupted run. No asserts: tests/test_elastic.py and tests/test_chaos.py pin the behaviour.
+uninterrupted run.
+
+Then the master's own faults, on the main job (examples/cifar10_dist.py on synthetic data, --plan equal,
+a checkpoint every step) with 2 external ``tinyconv worker --serve`` processes on loopback, after step
+--at: SIGKILL of its training process under --max-restarts 1 (its supervisor restarts it from the
+checkpoint), and SIGTERM (exit 143) followed at once by the same command with --resume. A second table:
+the time from the signal until the next step is done (the restarted or resumed master's first), the
+steps its metrics file then holds, and below it what the master and the workers printed.
+No asserts: tests/test_elastic.py, tests/test_chaos.py and tests/test_chaos_processes.py pin the behaviour.
 """
 
 from __future__ import annotations
@@ -35,16 +43,22 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
+from tempfile import TemporaryDirectory  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -60,6 +74,7 @@ from tinyconv.optim import SGD  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 from transports.base import Message  # noqa: E402
 from transports.inproc import InprocTransport  # noqa: E402
+from transports.session.settings import SECRET_ENV  # noqa: E402
 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
 FAULTS = ("error reply", "wrong shape", "NaN", "x -50", "hung", "hung in step 1", "hung in step 1, calibrated")
@@ -181,6 +196,107 @@ def run(args: argparse.Namespace, transport: str, fault: str | None) -> dict:
     }
 
 
+class MainJob:
+    """The main job and its 2 external workers on loopback, each process's output in a file in ``folder``."""
+
+    def __init__(self, args: argparse.Namespace, folder: Path) -> None:
+        self.folder, self.metrics, self.checkpoint = folder, folder / "run.jsonl", folder / "run.npz"
+        with socket.socket() as sock:  # a free port, the same for every master of the run
+            sock.bind(("127.0.0.1", 0))
+            self.address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        self.command = [sys.executable, str(ROOT / "examples" / "cifar10_dist.py"), "--no-progress", "--dataset",
+                        "synthetic", "--arch", args.arch, "--batch-size", str(args.batch_size), "--steps",
+                        str(args.steps), "--plan", "equal", "--transport", "zmq", "--external-workers", "--workers",
+                        "2", "--bind", self.address, "--checkpoint", str(self.checkpoint), "--checkpoint-every", "1",
+                        "--metrics-out", str(self.metrics)]  # fmt: skip
+        self.env = {k: v for k, v in os.environ.items() if k != SECRET_ENV} | {"PYTHONUNBUFFERED": "1"}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(self.folder / f"{name}.log", "w") as log:
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        return self.procs[name]
+
+    def said(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text()
+
+    def steps(self) -> list[int]:
+        text = self.metrics.read_text() if self.metrics.exists() else ""
+        lines = [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+        return [e["step"] for e in lines if e["event"] == "step"]
+
+    def until(self, done: Callable[[], object], what: str, timeout: float = 120.0) -> float:
+        """Poll until ``done()``; -> the time it was seen. The files the run writes are the synchronisation."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench_elastic: no {what} within {timeout:g} s; see {self.folder}")
+            time.sleep(0.01)
+        return time.perf_counter()
+
+    def begin(self, *extra: str) -> None:
+        """The master, then its workers with the join secret it announced."""
+        self.start("master", [*self.command, *extra])
+        self.until(lambda: "tinyconv worker --connect" in self.said("master"), "the command for the workers")
+        self.env[SECRET_ENV] = re.search(rf"{SECRET_ENV}=(\w+) ", self.said("master"))[1]  # and its restarts'
+        for i in range(2):
+            self.start(f"worker{i}", [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", self.address,
+                                      "--threads", "1", "--serve"])  # fmt: skip
+
+    def end(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=60)
+
+
+def master_fault(args: argparse.Namespace, fault: str) -> dict:
+    """One run of the main job whose master is SIGKILLed (under --max-restarts 1) or SIGTERMed (then resumed)
+    after step --at: the seconds from the signal to the next step done, and what the processes printed."""
+    with TemporaryDirectory(prefix="bench-elastic-") as tmp:
+        job = MainJob(args, Path(tmp))
+        job.begin(*(["--max-restarts", "1"] if fault == "SIGKILL" else []))
+        try:
+            job.until(lambda: len(job.steps()) >= args.at, f"step {args.at}")
+            if fault == "SIGKILL":
+                first = job.said("master").splitlines()[0]  # "supervisor: training in process PID"
+                t0 = time.perf_counter()
+                os.kill(int(first.split()[-1]), signal.SIGKILL)
+                job.until(lambda: "resumed from" in job.said("master"), "restart")
+                done = job.until(lambda: len(job.steps()) > args.at or args.at == args.steps, "next step")
+                code = job.procs["master"].wait(timeout=120)
+            else:
+                t0 = time.perf_counter()
+                job.procs["master"].send_signal(signal.SIGTERM)
+                stopped = job.procs["master"].wait(timeout=60)
+                job.start("resumed", [*job.command, "--resume", str(job.checkpoint)])
+                done = job.until(lambda: "resumed from" in job.said("resumed") and len(job.steps()) > args.at, "step")
+                code = f"{stopped}, then {job.procs['resumed'].wait(timeout=120)}"
+            steps = job.steps()
+        finally:
+            job.end()
+        keep = re.compile(
+            r"supervisor|stopped|checkpoint|resumed|lost|hello|serving|shutdown|waiting for|error|Traceback"
+        )
+        printed = [f"{name}: {line}" for name in job.procs for line in job.said(name).splitlines() if keep.search(line)]
+    return {"fault": fault, "back_s": done - t0, "exit": code, "steps": steps, "printed": printed}
+
+
+def report_master_faults(args: argparse.Namespace) -> None:
+    runs = [master_fault(args, f) for f in ("SIGKILL", "SIGTERM")]
+    print(f"\nthe master's faults after step {args.at}: the main job, {args.arch}, batch {args.batch_size}, "
+          f"2 external workers on loopback, a checkpoint every step")  # fmt: skip
+    what = {"SIGKILL": "SIGKILL of training, --max-restarts 1", "SIGTERM": "SIGTERM, then --resume"}
+    rows = []
+    for r in runs:
+        once = r["steps"] == list(range(1, args.steps + 1))
+        rows.append([what[r["fault"]], f"{r['back_s']:.2f}", str(r["exit"]), "each once" if once else str(r["steps"])])
+    print(format_table(["fault", "signal -> next step done, s", "exit", f"steps 1..{args.steps}"], rows))
+    for r in runs:
+        print(f"{what[r['fault']]}, what the terminals printed:")
+        print("\n".join(f"    {line}" for line in r["printed"]))
+
+
 def main() -> None:
     head, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,6 +343,7 @@ def main() -> None:
     print(format_table(headers, rows))
     for r in (r for rs in runs.values() for r in rs[1:]):
         print(f"{r['transport']} {r['fault']}: events {[(e['worker'], e['step'], e['reason']) for e in r['lost']]}")
+    report_master_faults(args)
 
 
 if __name__ == "__main__":

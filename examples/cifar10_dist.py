@@ -37,6 +37,7 @@ import argparse
 import math
 import os
 import platform
+import secrets
 import signal
 import sys
 import tempfile
@@ -70,6 +71,7 @@ from tinyconv.supervisor import restartable_command, supervise  # noqa: E402
 from tinyconv.trainer import TrainConfig, Trainer, planned_steps  # noqa: E402
 from transports import available_transports  # noqa: E402
 from transports.mpi_worker import rank_and_size, serve_if_worker  # noqa: E402
+from transports.session.settings import SECRET_ENV  # noqa: E402
 
 PLANS = ("adaptive", "fixed", "equal")
 ERRORS = (ValueError, FileNotFoundError, FloatingPointError, TimeoutError, OSError, RuntimeError)
@@ -282,8 +284,8 @@ def _split(p: argparse.ArgumentParser) -> None:
         default="adaptive",
         help="adaptive: split by the calibrated speeds, then rebalanced as the step times say (with --rebalance); "
         "fixed: split by the calibrated speeds, never rebalanced, and on --resume the checkpoint's split (same "
-        "participants only); equal: an equal split, never rebalanced -- the same on every run, so the same seed "
-        "gives bit-identical losses (default %(default)s)",
+        "participants only); equal: an equal split among whoever takes part, never rebalanced -- the same on every "
+        "run, so the same seed gives bit-identical losses (default %(default)s)",
     )
     g.add_argument(
         "--rebalance",
@@ -705,9 +707,10 @@ def split_layers(args: argparse.Namespace, cluster: Runtime, trainer: Trainer) -
 
 
 def resume(args: argparse.Namespace, trainer: Trainer, checkpoint: Checkpoint) -> None:
-    """Take up the checkpoint; a pinned plan (fixed, equal) insists on the checkpoint's split."""
+    """Take up the checkpoint; --plan fixed insists on the checkpoint's split (--plan equal splits equally among
+    whoever takes part: the workers that rejoin a restarted master may be others, or fewer)."""
     note = trainer.resume(checkpoint)
-    pinned = args.plan != "adaptive" and trainer.cluster is not None and checkpoint.meta.get("plan") is not None
+    pinned = args.plan == "fixed" and trainer.cluster is not None and checkpoint.meta.get("plan") is not None
     if pinned and not trainer.plan_restored:
         raise ValueError(
             f"{note}; --plan {args.plan} resumes only with its split: use the same workers or --plan adaptive"
@@ -838,6 +841,7 @@ def start(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
         kernels, checkpoint = check_args(args)
         if args.max_restarts:  # this process only supervises; a child trains (tinyconv/supervisor.py)
+            os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # every child's: the workers rejoin a restart
             command = restartable_command(str(Path(__file__).resolve()), sys.argv[1:] if argv is None else argv)
             return supervise(command, Path(args.checkpoint), args.max_restarts)
         keep_freed_memory()  # each step reuses the last step's pages (tinyconv/distributed/heap.py)

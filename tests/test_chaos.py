@@ -5,10 +5,11 @@ and its last loss is the clean run's to 1e-3.
 Faults are keyed on the step a task carries (``header["step"]``, the steps finished), never on time, so
 the schedule and its events are the same every run; only the deadlines are seconds (``RECV_TIMEOUT``).
 
-Not here: SIGKILL and SIGSTOP of worker processes are tests/test_membership.py's and test_elastic.py's;
-the master's SIGTERM and --resume is test_example.py's
-``test_a_signal_checkpoints_the_last_step_and_the_run_resumes_without_duplicates`` (a master without
-workers); a slow link needs a network namespace and root (benchmarks/throttled_link.py).
+Not here: the faults of processes. tests/test_chaos_processes.py runs the main job with worker processes
+SIGKILLed (a fresh one joining late) and SIGSTOPped then continued, its master's training process SIGKILLed
+under --max-restarts, the master stopped by SIGTERM and run again with --resume, and, as root, one worker
+behind a shaped link (benchmarks/throttled_link.py); tests/test_membership.py and test_elastic.py time a
+killed or stopped worker's loss, test_example.py each signal of the master alone.
 A worker lost here cannot come back: an in-process worker has no way to join again under a new index.
 A joiner times itself beside the steps (``joiners.py``) and is seated at the step boundary after its
 answer; so that the schedule is the same every run, the test waits for each joiner's answer before the

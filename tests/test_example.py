@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from tinyconv.checkpoint import read_checkpoint
 from tinyconv.metrics import read_metrics
 from tinyconv.trainer import Trainer
+from transports.session.settings import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "cifar10_dist.py"
@@ -347,6 +349,31 @@ def test_sigterm_to_the_supervisor_stops_the_run_as_it_stops_an_unsupervised_one
     assert f"continue with --resume {ck}" in err
 
 
+def announced_secret(proc: subprocess.Popen) -> str:
+    """The join secret in the command a master waiting for external workers prints."""
+    for line in proc.stdout:  # the waiting line, then the command: the synchronisation
+        if found := re.search(rf"{SECRET_ENV}=(\w+) tinyconv worker", line):
+            return found[1]
+    pytest.fail(f"no command with a join secret: {proc.communicate()[1]}")
+
+
+def test_a_join_secret_given_is_the_masters_and_a_supervisor_keeps_one_for_every_restart(tmp_path, monkeypatch):
+    """So that external workers on loopback rejoin a master resumed (given the secret) or restarted."""
+    external = (*SMOKE, "--transport", "zmq", "--external-workers", "--workers", "1", "--bind", "tcp://127.0.0.1:0")
+    monkeypatch.setenv(SECRET_ENV, "given")
+    with running_example(*external) as proc:
+        assert announced_secret(proc) == "given"
+    monkeypatch.delenv(SECRET_ENV)
+    supervised = ("--checkpoint", str(tmp_path / "c.npz"), "--max-restarts", "1")
+    with running_example(*external, *supervised) as proc:
+        first = proc.stdout.readline()
+        secret = announced_secret(proc)
+        os.kill(int(first.split()[-1]), signal.SIGKILL)  # the master, not its supervisor
+        assert announced_secret(proc) == secret  # the restarted master's, the one its workers have
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+
+
 def test_insecure_is_said_at_start_and_in_the_plan_line():
     out = run_example(*SMOKE, "--workers", "0", "--steps", "1", "--insecure")
     assert out.returncode == 0, out.stderr
@@ -435,6 +462,19 @@ def test_plan_fixed_resumes_with_the_checkpoints_split(main, tmp_path, monkeypat
     assert "--plan fixed resumes only with its split" in err and err.startswith("error: ")
     assert main(*INPROC, "--plan", "adaptive", "--checkpoint", str(ck), *more) == 0
     assert "this run has master, worker0: keeping this run's split" in capsys.readouterr().out
+
+
+def test_plan_equal_resumes_with_other_workers_equally(main, tmp_path, monkeypatch, capsys):
+    """A restarted master's workers are those that rejoined it: --plan equal splits equally among them."""
+    ck = tmp_path / "b.npz"
+    equal = (*INPROC, "--plan", "equal", "--checkpoint", str(ck), "--metrics-out", str(tmp_path / "b.jsonl"))
+    with monkeypatch.context() as m:
+        fail_after(m, 3)
+        assert main(*equal) == 2
+    capsys.readouterr()
+    assert main(*equal, "--workers", "1", "--resume", str(ck)) == 0
+    assert "this run has master, worker0: keeping this run's split" in capsys.readouterr().out
+    assert steps_of(tmp_path / "b.jsonl")[-1]["shares"]["conv2"] == [4, 4]
 
 
 def test_resuming_an_older_checkpoint_replaces_the_steps_after_it(main, tmp_path):

@@ -150,9 +150,9 @@ def worker_pool(
     worker processes here, with ``external`` it announces the command to run on the other machines
     and waits for them. A peer silent beyond its patience (``peer_timeout`` s at most) is gone, on both sides.
 
-    Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`:
-    the master's secret ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``;
-    else a per-run secret: in the environment of the workers it starts, in the command it announces.
+    Who may join (README, "Across machines"): beyond loopback, the holders of CURVE keys (:func:`_keys`: the master's
+    ``key`` file, the folder of the workers' public ``authorized_keys``) unless ``insecure``; else a per-run secret
+    ($TINYCONV_JOIN_SECRET if set: workers rejoin a resumed master), in the workers' environment and the command.
     """
     if n_workers < 1:
         raise ValueError(f"a pool needs at least one worker, got {n_workers}")
@@ -162,7 +162,7 @@ def worker_pool(
     if bound:
         address = bind or (DEFAULT_PUBLIC_BIND if external else LOCAL_BIND)
         keys = _keys(address, external, key, authorized_keys, insecure, stack)
-        secret = None if insecure or (external and keys) else secrets.token_hex(16)  # no other user's process joins
+        secret = None if insecure or (external and keys) else os.environ.get(SECRET_ENV) or secrets.token_hex(16)
         options = {"curve": keys[0] if keys else None, "insecure": insecure, "secret": secret}
         pool = get_transport(transport, bind=address, peer_timeout_s=peer_timeout, protocol=VERSION,
                              max_message_bytes=max_message_bytes, **options)  # fmt: skip
