@@ -295,7 +295,7 @@ def test_a_run_split_by_channels_with_the_check_on_equals_the_unsharded_one():
         x, y = rng.standard_normal((4, 3, 8, 8), dtype=np.float32), rng.integers(0, 10, 4)
         ref, _ = forward_backward(alone, x, y)
         assert loss == pytest.approx(ref, rel=1e-5)
-    assert events == [] and cluster.spot.samples >= 3 * 2 * 2 * 2  # steps, convs, workers, kinds
+    assert events == [] and cluster.spot.samples >= 2 * 2 * 2  # the first step's: both kinds, convs and workers
 
 
 def test_a_worker_split_by_channels_scaled_x_minus_50_is_caught_at_its_first_step():

@@ -9,23 +9,26 @@ of the work (N images; by kernels: F' kernels computed, E the tail's halo)::
     image n     y[n], dx[n]              from x[n], w, b, dy[n]                         1/N of the task
     kernel j    y[:, j], dw[j], db[j]    from x, w and b of [j - E, j + E], dy there    (2E + 1)/F' of it
 
-The budget is kept in the master's own seconds. A worker's forward earns it ``budget`` times what its
-work would cost the master -- F C N kernel-channel-images (F kernels over C input channels of N images:
-its w and x), three times that with the backward -- at the master's seconds per kernel-channel-image,
-measured on its own share of the step when it has one (``master_rate``, the cluster's to set), else on
-its image samples: two thirds for image samples, a third for kernel samples (``SHARES``). A sample is
-taken while its kind's credit (the worker's, for the layer) is not negative, and its seconds are taken
-off. Credit starts at zero, so a worker's first step is sampled (one wrong from the start is caught at
-once), and a worker cannot buy itself fewer samples by answering fast or claiming a short compute time.
+The budget is kept in the master's own seconds, per worker and layer. A worker's forward earns it
+``budget`` times what its work would cost the master -- F C N kernel-channel-images (F kernels over C
+input channels of N images: its w and x), three times that with the backward -- at the master's seconds
+per kernel-channel-image, measured on its own share of the step when it has one (``master_rate``, the
+cluster's to set), else on its image samples: two thirds for image samples, a third for kernel samples
+(``SHARES``). A sample is taken while its kind's credit is not negative, and its seconds are taken off.
+One image sample a step is all the forward needs, so what the image samples leave of their credit goes
+to the kernel samples, the only ones to check dw. Credit starts at zero, so a worker's first step is
+sampled (one wrong from the start is caught at once), and a worker cannot buy itself fewer samples by
+answering fast or claiming a short compute time.
 
 A sample agrees when each entry is within float32 round-off of the master's, 2 gamma_k max|ref|
 (``backends/conformance/checks.py``'s scale form), k the roundings on the longest path to it: a sum of K
 products K, a bias 1, LRN its window's squares and a pow. By kernels: y C K K + 1 + the tail's, dx that
-+ the tail's backward + F' K K, dw and db that + N OH OW (the sums over every conv output). The
-forward is continuous in its inputs, so one forward disagreement loses the worker. The backward
-passes through choices round-off can flip where two values tie (max pool's argmax, ReLU's sign: about
-one backward sample in a few hundred between numpy and OpenCL), so a backward disagreement loses the
-worker only if two more samples (other images or kernels) disagree too.
++ the tail's backward + F' K K, dw and db that + N OH OW (the sums over every conv output). db[j] is one
+sum, whose terms of random signs can cancel far below them: it is held to the rigorous form, 2 gamma_k
+sum|terms|. The forward is continuous in its inputs, so one forward disagreement loses the worker. The
+backward passes through choices round-off can flip where two values tie (max pool's argmax, ReLU's
+sign: about one backward sample in a few hundred between numpy and OpenCL), so a backward disagreement
+loses the worker only if two more samples (other images or kernels) disagree too.
 
 An optimisation, the kernel sample's convolution (:func:`few_kernels_forward`, :func:`few_kernels_dw`).
 For a few kernels the backend's im2col of the whole batch (C K K x N OH OW floats: 80 MB at 50:500's conv2,
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -140,32 +143,12 @@ class Sample:
     y: np.ndarray | None  # the master's output: y[n] (1, own, OH', OW') or y[:, j] (N, 1, OH', OW'); None: none
     cache: BlockCache | None
     xp: np.ndarray | None = None  # a kernel sample's padded input (C, N, HP, WP), for its dw
-    partial: np.ndarray | None = None  # an image's partial convolution (F, 1, OH, OW) (split by input channels)
-
-
-class View(Protocol):
-    """One worker's tasks of one layer's step, as a split sends them, and the samples of them."""
-
-    step: int  # the training step it belongs to
-    work: int  # its forward's kernel-channel-images
-    images: int
-
-    def add(self, task: Message, reply: Message) -> str | None:
-        """Keep a task and its result: "forward" or "backward" when that is all in, "unfit" for a wrong shape."""
-
-    def places(self, kind: str) -> range:
-        """Where a sample of ``kind`` may be: the images, or the kernels it answers for."""
-
-    def sample(self, kind: str, at: int, be: Backend) -> Sample:
-        """The sample of ``kind`` at ``at``, the master's forward of it computed."""
-
-    def forward_pairs(self, sample: Sample) -> list[Pair]: ...
-
-    def backward_pairs(self, sample: Sample, be: Backend) -> list[Pair]: ...
+    partial: np.ndarray | None = None  # split by input channels: P of an image (F, 1, OH, OW) or a kernel (N, OH, OW)
 
 
 class ByKernels:
-    """A worker's block_forward and block_backward (``block.py``) of one layer's step."""
+    """A worker's block_forward and block_backward (``block.py``) of one layer's step: a view of it, as
+    ``spot_check_channels.ByChannels`` is of the other split. ``work``: its forward's kernel-channel-images."""
 
     def __init__(self, task: Message) -> None:
         self.fwd, h = task, task.header
@@ -175,15 +158,13 @@ class ByKernels:
         self.y = self.bwd = self.grads = None
 
     def add(self, task: Message, reply: Message) -> str | None:
+        """Keep a task and its result: "forward" or "backward" when that is all in, "unfit" for a wrong shape."""
         x, w = self.fwd.arrays["x"], self.fwd.arrays["w"]
         if task.kind == "block_forward":
             self.y, h = reply.arrays["y"], self.fwd.header
             hw = (conv_output_size(v, w.shape[2], h["stride"], h["padding"]) for v in x.shape[2:])
-            return (
-                "forward"
-                if self.y.shape == (self.images, self.hi - self.lo, *tail_output_hw(*hw, h["tail"]))
-                else "unfit"
-            )
+            want = (self.images, self.hi - self.lo, *tail_output_hw(*hw, h["tail"]))
+            return "forward" if self.y.shape == want else "unfit"
         if task.kind != "block_backward" or self.y is None:
             return None
         own = self.hi - self.lo
@@ -193,9 +174,11 @@ class ByKernels:
         return "backward"
 
     def places(self, kind: str) -> range:
+        """Where a sample of ``kind`` may be: the images, or the kernels it answers for."""
         return range(self.images) if kind == "image" else range(self.lo, self.hi)
 
     def sample(self, kind: str, at: int, be: Backend) -> Sample:
+        """The sample of ``kind`` at ``at``, the master's forward of it computed."""
         x, w, b, h = self.fwd.arrays["x"], self.fwd.arrays["w"], self.fwd.arrays["b"], self.fwd.header
         if kind == "image":
             args = (be.asarray(x[at : at + 1]), be.asarray(w), be.asarray(b), h["stride"], h["padding"], h["tail"])
@@ -248,7 +231,7 @@ def _at(sample: Sample, lo: int) -> slice:
 @dataclass
 class _Worker:
     credit: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> kind -> master seconds
-    views: dict[int, View] = field(default_factory=dict)  # layer -> its tasks of the layer's step under way
+    views: dict[int, Any] = field(default_factory=dict)  # layer -> a view of its tasks of the step under way
     samples: dict[int, list[Sample]] = field(default_factory=dict)  # layer -> that forward's, for its backward
 
 
@@ -291,7 +274,7 @@ class SpotCheck:
         elif reached == "backward":
             self._backward(k, state, layer, be)
 
-    def _place(self, view: View, kind: str, besides: list[int]) -> int | None:
+    def _place(self, view: Any, kind: str, besides: list[int]) -> int | None:
         choices = [i for i in view.places(kind) if i not in besides]
         return int(self.rng.choice(choices)) if choices else None
 
@@ -311,6 +294,8 @@ class SpotCheck:
         rate = self.master_rate.get(layer) or (spent / cells if cells else 0.0)  # master s per kernel-channel-image
         credit = state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))
         for kind, share in SHARES.items():
+            if kind == "kernel" and credit["image"] > 0:  # what the image samples left this step goes to dw's
+                credit["kernel"], credit["image"] = credit["kernel"] + credit["image"], 0.0
             earned = self.budget * share * 3 * view.work * rate
             credit[kind] += earned
             self.earned += earned

@@ -13,11 +13,12 @@ before, so the same two kinds of sample as by kernels (``spot_check.py``, whose 
 backward rule these share) recompute a slice of it:
 
     image n     P_i[:, n] (the p_lo and p_hi it sent), y[n], dyc[:, n], dx[n]     1/N of its work
-    kernel j    y[:, j] and dyc[j] if it owns j (from P_i over [j - E, j + E]), dw[j], db[j]
+    kernel j    y[:, j], dyc[j] if it owns j (from P_i over [j - E, j + E]), else P_i[j]; dw[j], db[j]
 
 The kernel j is any of the F: dw[j] = the correlation of x[:, c_i] with dY_conv[j], which the
 master holds (the others' rows it sent, the worker's own it answered), so a kernel sample checks the
-rows of dw the worker owns no output of too. Its convolutions go the kernel samples' cheaper way.
+rows of dw the worker owns no output of too; and such a row of P_i the others' halos read, so it went
+in p_lo or p_hi. Its convolutions go the kernel samples' cheaper way (``spot_check.py``).
 
 The k of each entry, from its reductions: P_i c K K products; y that + 2 (the others' sum and the
 bias: the master sums the very arrays it sent) + the tail's; dyc that + the tail's backward; dx
@@ -67,10 +68,8 @@ class ByChannels:
         a, r, (oh, ow), n = task.arrays, reply.arrays, self.conv_hw, self.images
         if task.kind == "partial_forward":
             first, stop, _ = task.header["images"]
-            lo_end, hi_start = self.h["give"]
-            if not fits(
-                reply, {"p_lo": (lo_end, stop - first, oh, ow), "p_hi": (self.f - hi_start, stop - first, oh, ow)}
-            ):
+            rows = {"p_lo": self.h["give"][0], "p_hi": self.f - self.h["give"][1]}
+            if not fits(reply, {name: (m, stop - first, oh, ow) for name, m in rows.items()}):
                 return "unfit"
             self.chunks.append((first, stop))
             self.x.append(a["x"])
@@ -79,12 +78,8 @@ class ByChannels:
             self.sums.append(a.get("sum"))
             self.b = a.get("b", self.b)
             if "y" in r:
-                self.y = r["y"]
-                return (
-                    "forward"
-                    if self.y.shape == (n, self.end - self.start, *tail_output_hw(oh, ow, self.tail))
-                    else "unfit"
-                )
+                self.y, want = r["y"], (n, self.end - self.start, *tail_output_hw(oh, ow, self.tail))
+                return "forward" if self.y.shape == want else "unfit"
         elif task.kind == "tail_backward" and self.y is not None:
             self.dy, self.dyc, self.around, self.dx = a["dy"], r.get("dyc"), [], []
             return None if self.dyc is not None and self.dyc.shape == (self.end - self.start, n, oh, ow) else "unfit"
@@ -114,8 +109,9 @@ class ByChannels:
             y, cache = tail_forward(be, be.asarray(s), conv, self.tail, tuple(self.h["own"]))
             return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, partial=p)
         xp = padded(np.concatenate(self.x), pad)
-        if not self.start <= at < self.end:  # a kernel it owns no output of: its dw and db alone
-            return Sample(kind, at, slice(at, at + 1), None, None, xp)
+        if not self.start <= at < self.end:  # a kernel it owns no output of: the row of P it sent, its dw and db
+            p = few_kernels_forward(xp, self.w[at : at + 1], np.zeros(1, np.float32), stride)
+            return Sample(kind, at, slice(at, at + 1), None, None, xp, p[:, 0])
         span = kernel_span(at, self.f, self.tail)
         conv = few_kernels_forward(xp, self.w[span], np.zeros(span.stop - span.start, np.float32), stride)
         s = conv + self._sum(span, 0, self.images) + self.b[span.start - self.hs : span.stop - self.hs, None, None]
@@ -124,9 +120,13 @@ class ByChannels:
 
     def forward_pairs(self, sample: Sample) -> list[Pair]:
         k = self.c * self.k * self.k
+        if sample.kind == "kernel" and sample.y is None:  # a row the others' halos read: in p_lo or p_hi
+            lo_end, hi_start = self.h["give"]
+            name, row = ("p_lo", sample.at) if sample.at < lo_end else ("p_hi", sample.at - hi_start)
+            return [pair(np.concatenate([p[name][row] for p in self.p]), sample.partial, k)]
         if sample.kind == "kernel":
             own = slice(sample.at - self.start, sample.at - self.start + 1)
-            return [] if sample.y is None else [pair(self.y[:, own], sample.y, k + 2 + tail_roundings(self.tail))]
+            return [pair(self.y[:, own], sample.y, k + 2 + tail_roundings(self.tail))]
         i, r = self._chunk(sample.at)
         lo_end, hi_start = self.h["give"]
         pairs = [pair(self.y[sample.at : sample.at + 1], sample.y, k + 2 + tail_roundings(self.tail))]
