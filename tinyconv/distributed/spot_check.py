@@ -15,8 +15,9 @@ input channels of N images: its w and x), three times that with the backward -- 
 per kernel-channel-image, measured on its own share of the step when it has one (``master_rate``, the
 cluster's to set), else on its image samples: two thirds for image samples, a third for kernel samples
 (``SHARES``). A sample is taken while its kind's credit is not negative, and its seconds are taken off.
-One image sample a step is all the forward needs, so what the image samples leave of their credit goes
-to the kernel samples, the only ones to check dw. Credit starts at zero, so a worker's first step is
+One image sample a step is all the forward needs, so what the image samples leave of their credit,
+beyond a step's share kept against the next step's costs, goes to the kernel samples, the only ones to
+check dw. Credit starts at zero, so a worker's first step is
 sampled (one wrong from the start is caught at once), and a worker cannot buy itself fewer samples by
 answering fast or claiming a short compute time.
 
@@ -293,10 +294,11 @@ class SpotCheck:
         spent, cells = self._image.get(layer, (0.0, 0.0))
         rate = self.master_rate.get(layer) or (spent / cells if cells else 0.0)  # master s per kernel-channel-image
         credit = state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))
+        step = self.budget * 3 * view.work * rate  # this step's credit, in master seconds
         for kind, share in SHARES.items():
-            if kind == "kernel" and credit["image"] > 0:  # what the image samples left this step goes to dw's
-                credit["kernel"], credit["image"] = credit["kernel"] + credit["image"], 0.0
-            earned = self.budget * share * 3 * view.work * rate
+            if kind == "kernel" and (spare := credit["image"] - SHARES["image"] * step) > 0:  # to dw's samples
+                credit["kernel"], credit["image"] = credit["kernel"] + spare, credit["image"] - spare
+            earned = share * step
             credit[kind] += earned
             self.earned += earned
             if credit[kind] < 0 or (at := self._place(view, kind, [])) is None:
