@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed import spot_check
+from tinyconv.distributed import spot_check, spot_sample
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.cluster import Cluster
@@ -223,13 +223,13 @@ def test_the_kernel_samples_few_kernels_convolution_equals_the_plain_one(stride,
     w = rng.standard_normal((3, 7, 5, 5), dtype=np.float32)
     b = rng.standard_normal(3, dtype=np.float32)
     y, cache = BE.conv2d_forward(x, w, b, stride, padding)
-    xp = spot_check.padded(x, padding)
+    xp = spot_sample.padded(x, padding)
     k = 7 * 25 + 1
-    assert np.abs(spot_check.few_kernels_forward(xp, w, b, stride) - y).max() <= spot_check.tolerance(y, k)
+    assert np.abs(spot_sample.few_kernels_forward(xp, w, b, stride) - y).max() <= spot_sample.tolerance(y, k)
     d = rng.standard_normal(y.shape, dtype=np.float32)
     _, dw, _ = BE.conv2d_backward(d, cache, need_dx=False)
     k = d.shape[0] * d.shape[2] * d.shape[3]
-    assert np.abs(spot_check.few_kernels_dw(xp, d, stride, 5) - dw).max() <= spot_check.tolerance(dw, k)
+    assert np.abs(spot_sample.few_kernels_dw(xp, d, stride, 5) - dw).max() <= spot_sample.tolerance(dw, k)
 
 
 def test_a_wrong_shape_is_left_to_the_split():

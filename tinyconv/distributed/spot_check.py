@@ -17,27 +17,16 @@ cluster's to set), else on its image samples: two thirds for image samples, a th
 (``SHARES``). A sample is taken while its kind's credit is not negative, and its seconds are taken off.
 One image sample a step is all the forward needs, so what the image samples leave of their credit,
 beyond a step's share kept against the next step's costs, goes to the kernel samples, the only ones to
-check dw. Credit starts at zero, so a worker's first step is
-sampled (one wrong from the start is caught at once), and a worker cannot buy itself fewer samples by
-answering fast or claiming a short compute time.
+check dw. Credit starts at zero, so a worker's first step is sampled (one wrong from the start is caught
+at once), and a worker cannot buy itself fewer samples by answering fast or claiming a short compute time.
 
-A sample agrees when each entry is within float32 round-off of the master's, 2 gamma_k max|ref|
-(``backends/conformance/checks.py``'s scale form), k the roundings on the longest path to it: a sum of K
-products K, a bias 1, LRN its window's squares and a pow. By kernels: y C K K + 1 + the tail's, dx that
-+ the tail's backward + F' K K, dw and db that + N OH OW (the sums over every conv output). db[j] is one
-sum, whose terms of random signs can cancel far below them: it is held to the rigorous form, 2 gamma_k
-sum|terms|. The forward is continuous in its inputs, so one forward disagreement loses the worker. The
-backward passes through choices round-off can flip where two values tie (max pool's argmax, ReLU's
-sign: about one backward sample in a few hundred between numpy and OpenCL), so a backward disagreement
-loses the worker only if two more samples (other images or kernels) disagree too.
-
-An optimisation, the kernel sample's convolution (:func:`few_kernels_forward`, :func:`few_kernels_dw`).
-For a few kernels the backend's im2col of the whole batch (C K K x N OH OW floats: 80 MB at 50:500's conv2,
-batch 64) costs far more than its GEMM. Contracting the input channels first reads the padded input
-X (C, q), q its positions (n, r, c), once: Z[(f, u, v), q] = W[(f, u, v), C] @ X, then y[n, f, oh, ow]
-= b[f] + sum_(u, v) Z[(f, u, v), (n, oh s + u, ow s + v)]; and dw[f, C, (u, v)] = X @ D[q, (f, u, v)], D
-holding d[n, f, oh, ow] at (n, oh s + u, ow s + v), zero elsewhere. The same products and sums, so the
-same k (tests/test_spot_check.py holds them to the plain path); a kernel sample costs a quarter as much.
+A sample agrees when each entry is within float32 round-off of the master's (``spot_sample.py``); by
+kernels, k is C K K + 1 + the tail's for y, that + the tail's backward + F' K K for dx, that + N OH OW
+for dw and db (the sums over every conv output). The forward is continuous in its inputs, so one
+forward disagreement loses the worker. The backward passes through choices round-off can flip where
+two values tie (max pool's argmax, ReLU's sign: about one backward sample in a few hundred between
+numpy and OpenCL), so a backward disagreement loses the worker only if two more samples (other images
+or kernels) disagree too.
 """
 
 from __future__ import annotations
@@ -49,16 +38,20 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
-from backends.conformance.checks import FN, float32_tolerance, scale
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.shard.block import (
-    BlockCache,
-    block_backward,
-    block_forward,
-    halo_width,
-    tail_backward,
-    tail_forward,
-    tail_output_hw,
+from tinyconv.distributed.shard.block import block_backward, block_forward, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.spot_check_channels import ByChannels
+from tinyconv.distributed.spot_sample import (
+    Pair,
+    Sample,
+    few_kernels_dw,
+    few_kernels_forward,
+    fits,
+    kernel_span,
+    padded,
+    pair,
+    sum_pair,
+    tail_roundings,
 )
 from transports.base import Message
 
@@ -67,84 +60,6 @@ SHARES = {"image": 2 / 3, "kernel": 1 / 3}
 
 # the tasks it samples: by kernels (block.py), by input channels (by_channels.py)
 TASKS = ("block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward", "partial_backward")
-Pair = tuple[np.ndarray, np.ndarray, float]  # (the worker's entries, the master's, how far apart they may be)
-
-
-def tolerance(ref: np.ndarray, k: int) -> float:
-    """How far another float32 computation of ``ref`` may be off, entry by entry: 2 gamma_k max|ref|
-    (k past 2^22 is held there: gamma is then a third, a bound no wrong answer hides under anyway)."""
-    return float(float32_tolerance(min(k, 2**22), scale(ref)))
-
-
-def pair(got: np.ndarray, ref: np.ndarray, k: int) -> Pair:
-    """``got`` against ``ref`` within :func:`tolerance` of k roundings."""
-    return got, ref, tolerance(ref, k)
-
-
-def sum_pair(got: np.ndarray, terms: np.ndarray, k: int) -> Pair:
-    """``got`` (1,) against the sum of ``terms`` (a db entry) in the rigorous form, 2 gamma_k sum|terms|: one sum
-    of terms of random signs can cancel far below its terms, and the master has them."""
-    tol = float32_tolerance(min(k, 2**22), np.abs(terms).sum(dtype=np.float64))
-    return got, terms.sum(dtype=np.float32).reshape(1), float(tol)
-
-
-def tail_roundings(tail: list[dict[str, Any]]) -> int:
-    """The roundings a tail adds to a path, forward or backward: LRN sums ``size`` squares and takes a pow."""
-    return sum(spec["size"] + 2 + FN for spec in tail if spec["op"] == "lrn")
-
-
-def padded(x: np.ndarray, padding: int) -> np.ndarray:
-    """x (N, C, H, W) -> X (C, N, H + 2 padding, W + 2 padding): zero-padded, channel-major (the kernel samples')."""
-    n, c, h, w = x.shape
-    out = np.zeros((c, n, h + 2 * padding, w + 2 * padding), np.float32)
-    out[:, :, padding : padding + h, padding : padding + w] = x.transpose(1, 0, 2, 3)
-    return out
-
-
-def few_kernels_forward(xp: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int) -> np.ndarray:
-    """An optimisation (the module's docstring): X (C, N, HP, WP) from :func:`padded`, w (F', C, K, K), b (F',)
-    -> the convolution (N, F', OH, OW) on the host, as the backend's conv2d_forward, for a few kernels F'."""
-    f, c, kh, kw = w.shape
-    _, n, hp, wp = xp.shape
-    oh, ow = (hp - kh) // stride + 1, (wp - kw) // stride + 1
-    z = (w.transpose(0, 2, 3, 1).reshape(-1, c) @ xp.reshape(c, -1)).reshape(f, kh, kw, n, hp, wp)
-    y = np.empty((f, n, oh, ow), np.float32)
-    y[...] = b[:, None, None, None]
-    for u in range(kh):
-        for v in range(kw):
-            y += z[:, u, v, :, u : u + stride * oh : stride, v : v + stride * ow : stride]
-    return np.ascontiguousarray(y.transpose(1, 0, 2, 3))
-
-
-def few_kernels_dw(xp: np.ndarray, d: np.ndarray, stride: int, kernel: int) -> np.ndarray:
-    """An optimisation (the module's docstring): X (C, N, HP, WP) from :func:`padded`, the conv-output gradient
-    d (N, F', OH, OW) -> dw (F', C, K, K), as the backend's conv2d_backward, for a few kernels F'."""
-    n, f, oh, ow = d.shape
-    c, _, hp, wp = xp.shape
-    spread = np.zeros((n, hp, wp, f, kernel, kernel), np.float32)
-    for u in range(kernel):
-        for v in range(kernel):
-            spread[:, u : u + stride * oh : stride, v : v + stride * ow : stride, :, u, v] = d.transpose(0, 2, 3, 1)
-    dw = xp.reshape(c, -1) @ spread.reshape(-1, f * kernel * kernel)
-    return np.ascontiguousarray(dw.reshape(c, f, kernel, kernel).transpose(1, 0, 2, 3))
-
-
-def fits(reply: Message, shapes: dict[str, tuple[int, ...]]) -> bool:
-    """Whether ``reply``'s arrays have these shapes where it has them (a wrong one is its split's to lose)."""
-    return all(tuple(reply.arrays[name].shape) == s for name, s in shapes.items() if name in reply.arrays)
-
-
-@dataclass
-class Sample:
-    """One sample: where, and the master's own forward of it, kept for the backward."""
-
-    kind: str  # "image" or "kernel"
-    at: int  # the image n, or the kernel j
-    span: slice  # the kernels the master computed for it
-    y: np.ndarray | None  # the master's output: y[n] (1, own, OH', OW') or y[:, j] (N, 1, OH', OW'); None: none
-    cache: BlockCache | None
-    xp: np.ndarray | None = None  # a kernel sample's padded input (C, N, HP, WP), for its dw
-    partial: np.ndarray | None = None  # split by input channels: P of an image (F, 1, OH, OW) or a kernel (N, OH, OW)
 
 
 class ByKernels:
@@ -218,12 +133,6 @@ def forward_roundings(task: Message) -> int:
     return c * kh * kw + 1 + tail_roundings(task.header["tail"])
 
 
-def kernel_span(j: int, total: int, tail: list[dict[str, Any]]) -> slice:
-    """The kernels whose convolution kernel j's tail reads, forward and backward: [j - E, j + E] in [0, total)."""
-    e = halo_width(tail)
-    return slice(max(0, j - e), min(total, j + e + 1))
-
-
 def _at(sample: Sample, lo: int) -> slice:
     """A kernel sample's channel in a result whose kernels start at ``lo``."""
     return slice(sample.at - lo, sample.at - lo + 1)
@@ -255,8 +164,6 @@ class SpotCheck:
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
-        from tinyconv.distributed.spot_check_channels import ByChannels  # it builds on this file
-
         if task.kind not in TASKS:
             return
         state, layer = self.workers.setdefault(k, _Worker()), task.header["layer"]

@@ -18,7 +18,7 @@ backward rule these share) recompute a slice of it:
 The kernel j is any of the F: dw[j] = the correlation of x[:, c_i] with dY_conv[j], which the
 master holds (the others' rows it sent, the worker's own it answered), so a kernel sample checks the
 rows of dw the worker owns no output of too; and such a row of P_i the others' halos read, so it went
-in p_lo or p_hi. Its convolutions go the kernel samples' cheaper way (``spot_check.py``).
+in p_lo or p_hi. Its convolutions go the kernel samples' cheaper way (``spot_sample.py``).
 
 The k of each entry, from its reductions: P_i c K K products; y that + 2 (the others' sum and the
 bias: the master sums the very arrays it sent) + the tail's; dyc that + the tail's backward; dx
@@ -31,7 +31,7 @@ import numpy as np
 
 from backends.base import Backend, conv_output_size
 from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
-from tinyconv.distributed.spot_check import (
+from tinyconv.distributed.spot_sample import (
     Pair,
     Sample,
     few_kernels_dw,
