@@ -13,7 +13,8 @@ batch 64) costs far more than its GEMM. Contracting the input channels first rea
 X (C, q), q its positions (n, r, c), once: Z[(f, u, v), q] = W[(f, u, v), C] @ X, then y[n, f, oh, ow]
 = b[f] + sum_(u, v) Z[(f, u, v), (n, oh s + u, ow s + v)]; and dw[f, C, (u, v)] = X @ D[q, (f, u, v)], D
 holding d[n, f, oh, ow] at (n, oh s + u, ow s + v), zero elsewhere. The same products and sums, so the
-same k (tests/test_spot_check.py holds them to the plain path); a kernel sample costs a quarter as much.
+same k (tests/test_spot_check.py holds them to the plain path); a kernel sample costs a third as much
+(11 ms against 33 ms on one core at 50:500's conv2, batch 64).
 """
 
 from __future__ import annotations
