@@ -10,7 +10,7 @@ LRN, max pool -- on a share of it: by kernels (``--split kernels``), the block o
 and their halo; by input channels, the middle one of three, a third of its input channels for every
 kernel and the tail of a third of the kernels, in chunks of 32 images, the others' partial sums and
 conv-output gradients random. The master samples its results with the default budget, priced at its
-own speed on a like share (the worker's, step by step, when both run numpy).
+own speed on a like share (the worker's, step by step, when both run numpy; else timed every 50 steps).
 Printed: over ``--honest-steps`` honest steps, the samples taken, false alarms (should be 0), the
 backward disagreements a second sample forgave, and the cost: the master's seconds on samples
 against the worker's compute seconds, and against what the budget allowed.
@@ -138,6 +138,9 @@ def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil 
         compute += took
         if args.master_share == "auto" and same:  # as the cluster measures it, on this step (the machine's load moves)
             spot.master_rate[1] = took / (3 * work)
+        elif args.master_share == "auto" and step % 50 == 0:  # another backend's: the master's share timed again
+            times.append(run(-step, None, mine))
+            spot.master_rate[1] = statistics.median(times[-3:]) / (3 * work)
     return {"lost_at": None, "compute_s": compute}
 
 
