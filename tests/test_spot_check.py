@@ -232,12 +232,21 @@ def test_the_kernel_samples_few_kernels_convolution_equals_the_plain_one(stride,
     assert np.abs(spot_sample.few_kernels_dw(xp, d, stride, 5) - dw).max() <= spot_sample.tolerance(dw, k)
 
 
-def test_a_wrong_shape_is_left_to_the_split():
-    """A result of the wrong shape is not the spot check's to judge (the split's shape check loses the worker)."""
-    steps = ChannelSteps()
+@pytest.mark.parametrize("name", ["y", "dw", "db"])
+def test_a_wrong_shape_or_a_missing_array_is_left_to_the_split(name):
+    """Not the spot check's to judge: the split's own check loses the worker, with its reason."""
     spot = SpotCheck(budget=1.0)
-    assert steps.run(spot, 1, lambda name, a: a[:-1] if name == "y" else a) == 2
-    assert spot.samples == 0
+    assert ChannelSteps().run(spot, 1, lambda n, a: a[:-1] if n == name else a) == 2
+    assert Steps().run(spot, 1, lambda n, a, step: a[:-1] if n == name else a) == 2
+    for steps in (Steps(), ChannelSteps()):
+        answer = steps.worker.handle
+        steps.worker.handle = lambda msg, answer=answer: _without(answer(msg), name)
+        assert steps.run(spot, 1) == 2
+
+
+def _without(reply: Message, name: str) -> Message:
+    reply.arrays.pop(name, None)
+    return reply
 
 
 @pytest.fixture

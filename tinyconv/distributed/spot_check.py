@@ -77,14 +77,14 @@ class ByKernels:
         """Keep a task and its result: "forward" or "backward" when that is all in, "unfit" for a wrong shape."""
         x, w = self.fwd.arrays["x"], self.fwd.arrays["w"]
         if task.kind == "block_forward":
-            self.y, h = reply.arrays["y"], self.fwd.header
+            self.y, h = reply.arrays.get("y"), self.fwd.header
             hw = (conv_output_size(v, w.shape[2], h["stride"], h["padding"]) for v in x.shape[2:])
             want = (self.images, self.hi - self.lo, *tail_output_hw(*hw, h["tail"]))
-            return "forward" if self.y.shape == want else "unfit"
+            return "forward" if fits(reply, {"y": want}, "y") else "unfit"
         if task.kind != "block_backward" or self.y is None:
             return None
         own = self.hi - self.lo
-        if not fits(reply, {"dx": x.shape, "dw": (own, *w.shape[1:]), "db": (own,)}):
+        if not fits(reply, {"dx": x.shape, "dw": (own, *w.shape[1:]), "db": (own,)}, "dw db"):
             return "unfit"
         self.bwd, self.grads = task, reply.arrays
         return "backward"

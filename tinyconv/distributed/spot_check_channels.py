@@ -90,7 +90,7 @@ class ByChannels:
                 return "unfit"
             self.around.append(a)
             self.dx.append(r.get("dx"))
-            if "dw" in r:
+            if "dw" in r and "db" in r:
                 self.dw, self.db = r["dw"], r["db"]
                 return "backward"
         return None

@@ -90,8 +90,10 @@ def few_kernels_dw(xp: np.ndarray, d: np.ndarray, stride: int, kernel: int) -> n
     return np.ascontiguousarray(dw.reshape(c, f, kernel, kernel).transpose(1, 0, 2, 3))
 
 
-def fits(reply: Message, shapes: dict[str, tuple[int, ...]]) -> bool:
-    """Whether ``reply``'s arrays have these shapes where it has them (a wrong one is its split's to lose)."""
+def fits(reply: Message, shapes: dict[str, tuple[int, ...]], needed: str = "") -> bool:
+    """Whether ``reply`` has the arrays ``needed`` and these shapes where it has them (else its split loses it)."""
+    if not set(needed.split()) <= reply.arrays.keys():
+        return False
     return all(tuple(reply.arrays[name].shape) == s for name, s in shapes.items() if name in reply.arrays)
 
 
