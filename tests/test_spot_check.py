@@ -76,6 +76,21 @@ def test_honest_results_pass_even_off_by_round_off():
     assert spot.samples >= 40
 
 
+class DeadKernels(Steps):
+    """Kernels whose bias cancels all but their largest sums: ReLU leaves outputs far smaller than their terms."""
+
+    def _send(self, kind: str, header: dict, arrays: dict, step: int) -> tuple[Message, Message]:
+        if kind == "block_forward":
+            arrays["b"] = arrays["b"] - np.float32(5)
+        return super()._send(kind, header, arrays, step)
+
+
+def test_kernels_relu_all_but_kills_raise_no_alarm():
+    """Their round-off is measured on the convolution's scale, before the tail (off by a third of the runs else)."""
+    for seed in range(12):
+        assert DeadKernels(seed=seed).run(SpotCheck(budget=1.0, seed=seed), 20) == 21
+
+
 @pytest.mark.parametrize("factor", [-50.0, 1.01])
 def test_results_scaled_are_caught_at_the_first_step(factor):
     """x -50 poison and a 1 % perturbation of every result both fail the first step's sample."""

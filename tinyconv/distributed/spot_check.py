@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
+from backends.conformance.checks import scale
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.shard.block import block_backward, block_forward, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import block_backward, tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.spot_check_channels import ByChannels
 from tinyconv.distributed.spot_sample import (
     Pair,
@@ -97,18 +98,20 @@ class ByKernels:
         """The sample of ``kind`` at ``at``, the master's forward of it computed."""
         x, w, b, h = self.fwd.arrays["x"], self.fwd.arrays["w"], self.fwd.arrays["b"], self.fwd.header
         if kind == "image":
-            args = (be.asarray(x[at : at + 1]), be.asarray(w), be.asarray(b), h["stride"], h["padding"], h["tail"])
-            y, cache = block_forward(be, *args, (self.lo, self.hi))
-            return Sample(kind, at, slice(0, w.shape[0]), np.asarray(be.to_numpy(y)), cache)
+            args = (be.asarray(x[at : at + 1]), be.asarray(w), be.asarray(b), h["stride"], h["padding"])
+            conv, conv_cache = be.conv2d_forward(*args)
+            top = scale(be.to_numpy(conv))  # before the tail, which may write in place
+            y, cache = tail_forward(be, conv, conv_cache, h["tail"], (self.lo, self.hi))
+            return Sample(kind, at, slice(0, w.shape[0]), np.asarray(be.to_numpy(y)), cache, top)
         span = kernel_span(at, w.shape[0], h["tail"])  # clipped where the task's kernels end: its true edge
         xp = padded(x, h["padding"])
         conv = few_kernels_forward(xp, w[span], b[span], h["stride"])
         y, cache = tail_forward(be, be.asarray(conv), None, h["tail"], (at - span.start, at - span.start + 1))
-        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, xp)
+        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, scale(conv), xp)
 
     def forward_pairs(self, sample: Sample) -> list[Pair]:
         got = self.y[sample.at : sample.at + 1] if sample.kind == "image" else self.y[:, _at(sample, self.lo)]
-        return [pair(got, sample.y, forward_roundings(self.fwd))]
+        return [pair(got, sample.y, forward_roundings(self.fwd), sample.top)]
 
     def backward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
         dy, h = self.bwd.arrays["dy"], self.fwd.header

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from backends.base import Backend, conv_output_size
+from backends.conformance.checks import scale
 from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.spot_sample import (
     Pair,
@@ -106,17 +107,19 @@ class ByChannels:
             p = np.asarray(be.to_numpy(p))  # (F, 1, OH, OW)
             halo = slice(self.hs, self.he)
             s = p[halo].transpose(1, 0, 2, 3) + self._sum(halo, at, at + 1) + self.b[None, :, None, None]
+            top = max(scale(p), scale(s))  # its partial's scale, and the sum's, before the tail
             y, cache = tail_forward(be, be.asarray(s), conv, self.tail, tuple(self.h["own"]))
-            return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, partial=p)
+            return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, top, partial=p)
         xp = padded(np.concatenate(self.x), pad)
         if not self.start <= at < self.end:  # a kernel it owns no output of: the row of P it sent, its dw and db
             p = few_kernels_forward(xp, self.w[at : at + 1], np.zeros(1, np.float32), stride)
-            return Sample(kind, at, slice(at, at + 1), None, None, xp, p[:, 0])
+            return Sample(kind, at, slice(at, at + 1), None, None, xp=xp, partial=p[:, 0])
         span = kernel_span(at, self.f, self.tail)
         conv = few_kernels_forward(xp, self.w[span], np.zeros(span.stop - span.start, np.float32), stride)
         s = conv + self._sum(span, 0, self.images) + self.b[span.start - self.hs : span.stop - self.hs, None, None]
+        top = max(scale(conv), scale(s))
         y, cache = tail_forward(be, be.asarray(s), None, self.tail, (at - span.start, at - span.start + 1))
-        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, xp)
+        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, top, xp)
 
     def forward_pairs(self, sample: Sample) -> list[Pair]:
         k = self.c * self.k * self.k
@@ -126,10 +129,10 @@ class ByChannels:
             return [pair(np.concatenate([p[name][row] for p in self.p]), sample.partial, k)]
         if sample.kind == "kernel":
             own = slice(sample.at - self.start, sample.at - self.start + 1)
-            return [pair(self.y[:, own], sample.y, k + 2 + tail_roundings(self.tail))]
+            return [pair(self.y[:, own], sample.y, k + 2 + tail_roundings(self.tail), sample.top)]
         i, r = self._chunk(sample.at)
         lo_end, hi_start = self.h["give"]
-        pairs = [pair(self.y[sample.at : sample.at + 1], sample.y, k + 2 + tail_roundings(self.tail))]
+        pairs = [pair(self.y[sample.at : sample.at + 1], sample.y, k + 2 + tail_roundings(self.tail), sample.top)]
         if "p_lo" in self.p[i]:
             pairs.append(pair(self.p[i]["p_lo"][:, r], sample.partial[:lo_end, 0], k))
         if "p_hi" in self.p[i]:
