@@ -2,10 +2,15 @@
 """What the master's spot checks cost and catch (tinyconv/distributed/spot_check.py).
 
     python benchmarks/bench_spot_check.py                          # conv2 of 50:500, a third of it, batch 64
+    python benchmarks/bench_spot_check.py --split channels         # the same, split by input channels
     python benchmarks/bench_spot_check.py --worker-backend opencl --honest-steps 10000 --arch 16:32 --batch-size 32
 
-One worker (a real handler, in this process) answers block tasks of the paper's conv2 -- conv 5x5,
-ReLU, LRN, max pool -- on a share of its kernels; the master samples its results with the default budget.
+One worker (a real handler, in this process) answers the tasks of the paper's conv2 -- conv 5x5, ReLU,
+LRN, max pool -- on a share of it: by kernels (``--split kernels``), the block of a third of its kernels
+and their halo; by input channels, the middle one of three, a third of its input channels for every
+kernel and the tail of a third of the kernels, in chunks of 32 images, the others' partial sums and
+conv-output gradients random. The master samples its results with the default budget, priced at its
+own speed on a like share (the worker's, step by step, when both run numpy; else timed every 50 steps).
 Printed: over ``--honest-steps`` honest steps, the samples taken, false alarms (should be 0), the
 backward disagreements a second sample forgave, and the cost: the master's seconds on samples
 against the worker's compute seconds, and against what the budget allowed.
@@ -21,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
 from tinyconv.distributed.rpc import Lost  # noqa: E402
-from tinyconv.distributed.shard.block import block_backward, block_forward  # noqa: E402
+from tinyconv.distributed.shard.by_channels import PIPELINE  # noqa: E402
 from tinyconv.distributed.spot_check import SpotCheck  # noqa: E402
 from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
@@ -54,46 +58,104 @@ FAULTS: dict[str, Spoil] = {
 }
 
 
+def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tuple[str, dict, dict]], int]:
+    """One step's tasks of the worker's share of conv2, (kind, header, arrays) in order, and its kernels F'."""
+    c, total = (int(v) for v in args.arch.split(":"))
+    n, hw, e = args.batch_size, 16, 4  # e: LRN's halo
+    if args.split == "kernels":  # it owns 1/SHARE of the kernels, computes them and their halo over all of x
+        f = total // args.share + 2 * e
+        x = rng.standard_normal((n, c, hw, hw), dtype=np.float32)
+        w = rng.standard_normal((f, c, 5, 5), dtype=np.float32) / np.float32(np.sqrt(c * 25))
+        header = {"stride": 1, "padding": 2, "tail": TAIL, "own": [e, f - e]}
+        dy = rng.standard_normal((n, f, 8, 8), dtype=np.float32)
+        fwd = ("block_forward", header, {"x": x, "w": w, "b": np.zeros(f, np.float32)})
+        return [fwd, ("block_backward", {"need_dx": True}, {"dy": dy})], f
+    # by input channels: the middle one of SHARE, 1/SHARE of the input channels, all F kernels, in chunks
+    ci, own = c // args.share, total // args.share
+    lo, hi = own, 2 * own  # its own kernels; the others' halos reach into them by e
+    halo = [lo - e, hi + e]
+    x = rng.standard_normal((n, ci, hw, hw), dtype=np.float32)
+    w = rng.standard_normal((total, ci, 5, 5), dtype=np.float32) / np.float32(np.sqrt(c * 25))
+    settings = {"stride": 1, "padding": 2, "tail": TAIL, "halo": halo, "own": [e, e + own], "give": [lo + e, hi - e]}
+    parts = [(a, min(a + PIPELINE, n)) for a in range(0, n, PIPELINE)]
+    out = []
+    for a, b in parts:
+        arrays = {"x": x[a:b]} | ({"w": w} if a == 0 else {})
+        out.append(("partial_forward", settings | {"images": [a, b, n]}, arrays))
+    for a, b in parts:  # the others' partials over its halo, and its biases with the last chunk
+        arrays = {"sum": rng.standard_normal((own + 2 * e, b - a, hw, hw), dtype=np.float32)}
+        out.append(
+            (
+                "tail_forward",
+                {"images": [a, b, n]},
+                arrays | ({"b": np.zeros(own + 2 * e, np.float32)} if b == n else {}),
+            )
+        )
+    out.append(("tail_backward", {}, {"dy": rng.standard_normal((n, own + 2 * e, 8, 8), dtype=np.float32)}))
+    for a, b in parts:  # the others' conv-output gradients
+        arrays = {"dyc_lo": rng.standard_normal((lo, b - a, hw, hw), dtype=np.float32)}
+        arrays["dyc_hi"] = rng.standard_normal((total - hi, b - a, hw, hw), dtype=np.float32)
+        out.append(("partial_backward", {"need_dx": True, "images": [a, b, n]}, arrays))
+    return out, own
+
+
 def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil | None, seed: int) -> dict:
     """Run ``n_steps`` steps of one worker's conv2 share; the step it was lost at (None) and its compute seconds."""
     rng = np.random.default_rng(seed)
-    c, total = (int(v) for v in args.arch.split(":"))
-    f = total // args.share + 8  # its share and LRN's halo
-    n, hw = args.batch_size, 16
-    worker, master = Worker(get_backend(args.worker_backend)), get_backend("numpy")
-    x = rng.standard_normal((n, c, hw, hw), dtype=np.float32)
-    w = rng.standard_normal((f, c, 5, 5), dtype=np.float32) / np.float32(np.sqrt(c * 25))
-    b = np.zeros(f, np.float32)
-    dy = rng.standard_normal((n, f, 8, 8), dtype=np.float32)
-    compute, header = 0.0, {"stride": 1, "padding": 2, "tail": TAIL, "own": [4, f - 4], "layer": 1}
-    if args.master_share == "auto":  # the master computes a share like it, and the cluster tells the check its speed
-        times = []
-        for _ in range(6):  # the first ones fault memory in: the median of the last three
-            t0 = time.perf_counter()
-            _, cache = block_forward(master, x, w, b, 1, 2, TAIL, (4, f - 4))
-            block_backward(master, dy, cache, True)
-            times.append(time.perf_counter() - t0)
-        spot.master_rate[1] = statistics.median(times[3:]) / (3 * (f - 8) * n)
-    for step in tqdm(range(1, n_steps + 1), desc="steps", leave=False, disable=n_steps < 100):
-        x[rng.integers(n)] = rng.standard_normal((c, hw, hw), dtype=np.float32)  # the data moves on
-        fwd = Message("block_forward", {**header, "task": 2 * step, "step": step}, {"x": x, "w": w, "b": b})
-        bwd = Message("block_backward", {"need_dx": True, "task": 2 * step + 1, "step": step, "layer": 1}, {"dy": dy})
-        for task in (fwd, bwd):
-            reply = worker.handle(task)
-            compute += reply.header["compute_s"]
+    step_tasks, _ = tasks(args, rng)
+    worker = Worker(get_backend(args.worker_backend))
+    master = get_backend("numpy")
+    compute, task_id = 0.0, 0
+
+    def run(step: int, spot: SpotCheck | None = None, handler: Worker = worker) -> float:
+        nonlocal task_id
+        took = 0.0
+        for kind, header, arrays in step_tasks:
+            task_id += 1
+            task = Message(kind, {**header, "task": task_id, "step": step, "layer": 1}, arrays)
+            reply = handler.handle(task)
+            took += reply.header["compute_s"]
             if spoil is not None and step >= args.fault_from:
                 reply.arrays = {k: spoil(k, a, rng) for k, a in reply.arrays.items()}
-            try:
+            if spot is not None:
                 spot(1, task, reply, master)
-            except Lost:
-                return {"lost_at": step, "compute_s": compute}
+        return took
+
+    first = step_tasks[0][2]
+    work = first["w"].shape[0] * first["x"].shape[1] * args.batch_size  # kernel-channel-images of its forward
+    same = args.worker_backend == "numpy"  # the master's backend: its share's speed is the worker's, step by step
+    if args.master_share == "auto":  # the master computes a share like it, and the cluster tells the check its speed
+        mine = Worker(master)
+        times = [run(-i, None, mine) for i in range(6)]  # the first ones fault memory in: the median of the last 3
+        spot.master_rate[1] = statistics.median(times[3:]) / (3 * work)
+    for step in tqdm(range(1, n_steps + 1), desc="steps", leave=False, disable=n_steps < 100):
+        x = first["x"]
+        x[rng.integers(x.shape[0])] = rng.standard_normal(x.shape[1:], dtype=np.float32)  # the data moves on
+        try:
+            took = run(step, spot)
+        except Lost:
+            return {"lost_at": step, "compute_s": compute}
+        compute += took
+        if args.master_share == "auto" and same:  # as the cluster measures it, on this step (the machine's load moves)
+            spot.master_rate[1] = took / (3 * work)
+        elif args.master_share == "auto" and step % 50 == 0:  # another backend's: the master's share timed again
+            times.append(run(-step, None, mine))
+            spot.master_rate[1] = statistics.median(times[-3:]) / (3 * work)
     return {"lost_at": None, "compute_s": compute}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", default="50:500", help="conv1:conv2 kernels; the worker gets conv2 (default 50:500)")
-    p.add_argument("--share", type=int, default=3, help="the worker owns 1/SHARE of conv2's kernels (default 3)")
+    p.add_argument(
+        "--split", choices=("kernels", "channels"), default="kernels", help="how conv2 is split (default kernels)"
+    )
+    p.add_argument(
+        "--share",
+        type=int,
+        default=3,
+        help="the worker owns 1/SHARE of conv2's kernels (and input channels) (default 3)",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--worker-backend", default="numpy", help="the worker's backend; the master's is numpy")
     p.add_argument("--budget", type=float, default=0.03, help="the spot check's share of each worker's work")
@@ -115,7 +177,7 @@ def main() -> None:
     spot = SpotCheck(args.budget, seed=0)
     honest = steps(args, spot, args.honest_steps, None, seed=0)
     print(
-        f"honest: {args.honest_steps} steps of conv2 of {args.arch}, 1/{args.share} of its kernels, "
+        f"honest: {args.honest_steps} steps of conv2 of {args.arch} split by {args.split}, 1/{args.share} of it, "
         f"batch {args.batch_size}, worker on {args.worker_backend}, master on numpy"
     )
     print(f"  lost at step {honest['lost_at']} (a false alarm)" if honest["lost_at"] else "  false alarms: 0")

@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed import spot_check
+from tinyconv.distributed import spot_check, spot_sample
+from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.rpc import Lost
+from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.spot_check import SpotCheck
 from tinyconv.distributed.worker.handler import Worker
+from tinyconv.model import paper_net
+from tinyconv.parallel import forward_backward
 from transports.base import Message
+from transports.inproc import InprocTransport
 
 BE = NumpyBackend()
 TAIL = [
@@ -71,6 +76,21 @@ def test_honest_results_pass_even_off_by_round_off():
     assert spot.samples >= 40
 
 
+class DeadKernels(Steps):
+    """Kernels whose bias cancels all but their largest sums: ReLU leaves outputs far smaller than their terms."""
+
+    def _send(self, kind: str, header: dict, arrays: dict, step: int) -> tuple[Message, Message]:
+        if kind == "block_forward":
+            arrays["b"] = arrays["b"] - np.float32(5)
+        return super()._send(kind, header, arrays, step)
+
+
+def test_kernels_relu_all_but_kills_raise_no_alarm():
+    """Their round-off is measured on the convolution's scale, before the tail (off by a third of the runs else)."""
+    for seed in range(12):
+        assert DeadKernels(seed=seed).run(SpotCheck(budget=1.0, seed=seed), 20) == 21
+
+
 @pytest.mark.parametrize("factor", [-50.0, 1.01])
 def test_results_scaled_are_caught_at_the_first_step(factor):
     """x -50 poison and a 1 % perturbation of every result both fail the first step's sample."""
@@ -112,7 +132,7 @@ def test_the_budget_holds_and_is_spent(monkeypatch):
     spot = SpotCheck(budget=0.03)
     Steps(n=16, f=24).run(spot, 200)
     # each sample reads the clock twice forward and twice backward: 1 s forward + 1 s backward
-    credit = spot.workers[7].credit
+    credit = spot.workers[7].credit[0]
     assert spot.seconds - spot.earned == pytest.approx(-sum(credit.values()))
     assert all(c >= -2 for c in credit.values())  # at most one sample ahead of the budget
     assert spot.earned - spot.seconds < 2 * 2  # and at most one behind: what it earns, it spends
@@ -122,3 +142,188 @@ def test_the_budget_holds_and_is_spent(monkeypatch):
 def test_the_budget_must_be_a_fraction():
     with pytest.raises(ValueError, match="fraction of each worker's work"):
         SpotCheck(budget=0.0)
+
+
+class ChannelSteps:
+    """A worker's tasks of a layer split by input channels, step after step: N images in chunks of ``chunk``,
+    c of C input channels, F kernels of which it owns [6, 10) (its halo [2, 14)), the others' partial sums and
+    conv-output gradients random; answered by a real worker and then, maybe, spoilt by ``spoil(name, array)``."""
+
+    F, HALO, OWN, GIVE = 16, [2, 14], [4, 8], [10, 6]  # its halo in F; its own in the halo; rows the others need
+
+    def __init__(self, backend=BE, n: int = 8, chunk: int = 4, c: int = 3, hw: int = 10, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.n, self.chunk, self.c, self.hw = n, chunk, c, hw
+        self.worker = Worker(backend)
+        self.task = 0
+
+    def _send(self, kind: str, header: dict, arrays: dict, step: int, spot: SpotCheck, spoil) -> Message:
+        self.task += 1
+        msg = Message(kind, {**header, "task": self.task, "step": step, "layer": 1}, arrays)
+        reply = self.worker.handle(msg)
+        assert reply.kind == "result", reply.header
+        reply.arrays = {k: spoil(k, a) for k, a in reply.arrays.items()}
+        spot(7, msg, reply, BE)
+        return reply
+
+    def step(self, spot: SpotCheck, step: int, spoil=lambda name, a: a) -> None:
+        r, f, n, hw = self.rng, self.F, self.n, self.hw
+        x = r.standard_normal((n, self.c, hw, hw), dtype=np.float32)
+        w = r.standard_normal((f, self.c, 5, 5), dtype=np.float32) * 0.2
+        chunks = [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
+        settings = {"stride": 1, "padding": 2, "tail": TAIL, "halo": self.HALO, "own": self.OWN, "give": self.GIVE}
+        for a, e in chunks:
+            arrays = {"x": x[a:e]} | ({"w": w} if a == 0 else {})
+            self._send("partial_forward", settings | {"images": [a, e, n]}, arrays, step, spot, spoil)
+        halo = self.HALO[1] - self.HALO[0]
+        for a, e in chunks:
+            arrays = {"sum": r.standard_normal((halo, e - a, hw, hw), dtype=np.float32)}
+            arrays |= {"b": r.standard_normal(halo, dtype=np.float32) * 0.1} if e == n else {}
+            self._send("tail_forward", {"images": [a, e, n]}, arrays, step, spot, spoil)
+        dy = r.standard_normal((n, halo, 5, 5), dtype=np.float32)
+        self._send("tail_backward", {}, {"dy": dy}, step, spot, spoil)
+        for a, e in chunks:
+            arrays = {name: r.standard_normal((6, e - a, hw, hw), dtype=np.float32) for name in ("dyc_lo", "dyc_hi")}
+            self._send("partial_backward", {"need_dx": True, "images": [a, e, n]}, arrays, step, spot, spoil)
+
+    def run(self, spot: SpotCheck, steps: int, spoil=lambda name, a: a) -> int:
+        """Steps until the spot check loses the worker (its step), or ``steps`` + 1 if it never does."""
+        for step in range(1, steps + 1):
+            try:
+                self.step(spot, step, spoil)
+            except Lost as e:
+                assert list(e.workers) == [7] and e.workers[7].startswith("wrong result: "), e.workers
+                return step
+        return steps + 1
+
+
+def test_the_split_by_channels_honest_passes_even_off_by_round_off():
+    rng = np.random.default_rng(1)
+
+    def ulps(name, a):
+        return (a * (1 + rng.uniform(-8, 8, a.shape) * 2.0**-24)).astype(np.float32)
+
+    spot = SpotCheck(budget=1.0)  # samples every step: the most chances of a false alarm
+    assert ChannelSteps().run(spot, 40, ulps) == 41
+    assert spot.samples >= 40 and spot.forgiven == 0
+
+
+CHANNEL_FAULTS = {
+    "x -50": lambda name, a: a * np.float32(-50),
+    "1 % on every result": lambda name, a: a * np.float32(1.01),
+    "1 % on dw only": lambda name, a: a * np.float32(1.01) if name == "dw" else a,
+    "noise on dx": lambda name, a: (
+        (a * (1 + 0.01 * np.cos(np.arange(a.size)).reshape(a.shape))).astype(np.float32) if name == "dx" else a
+    ),
+    "1 % on one p_hi row": lambda name, a: a * np.float32(1.01) if name == "p_hi" else a,
+}
+
+
+@pytest.mark.parametrize("fault", CHANNEL_FAULTS)
+def test_the_split_by_channels_a_wrong_worker_is_caught_and_named(fault):
+    """Every result of the four tasks is sampled: a worker wrong in any of them is lost, "wrong result"."""
+    assert ChannelSteps().run(SpotCheck(budget=1.0, seed=2), 3, CHANNEL_FAULTS[fault]) == 1
+
+
+@pytest.mark.parametrize("fault", ["x -50", "1 % on every result"])
+def test_the_split_by_channels_a_worker_scaled_is_caught_at_the_first_step_within_the_budget(fault):
+    assert ChannelSteps().run(SpotCheck(), 3, CHANNEL_FAULTS[fault]) == 1
+
+
+@pytest.mark.parametrize(("stride", "padding"), [(1, 2), (2, 1), (3, 0)])
+def test_the_kernel_samples_few_kernels_convolution_equals_the_plain_one(stride, padding):
+    """The optimisation of the kernel samples: its forward and dw equal the backend's to round-off."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 7, 11, 11), dtype=np.float32)
+    w = rng.standard_normal((3, 7, 5, 5), dtype=np.float32)
+    b = rng.standard_normal(3, dtype=np.float32)
+    y, cache = BE.conv2d_forward(x, w, b, stride, padding)
+    xp = spot_sample.padded(x, padding)
+    k = 7 * 25 + 1
+    assert np.abs(spot_sample.few_kernels_forward(xp, w, b, stride) - y).max() <= spot_sample.tolerance(y, k)
+    d = rng.standard_normal(y.shape, dtype=np.float32)
+    _, dw, _ = BE.conv2d_backward(d, cache, need_dx=False)
+    k = d.shape[0] * d.shape[2] * d.shape[3]
+    assert np.abs(spot_sample.few_kernels_dw(xp, d, stride, 5) - dw).max() <= spot_sample.tolerance(dw, k)
+
+
+@pytest.mark.parametrize("name", ["y", "dw", "db"])
+def test_a_wrong_shape_or_a_missing_array_is_left_to_the_split(name):
+    """Not the spot check's to judge: the split's own check loses the worker, with its reason."""
+    spot = SpotCheck(budget=1.0)
+    assert ChannelSteps().run(spot, 1, lambda n, a: a[:-1] if n == name else a) == 2
+    assert Steps().run(spot, 1, lambda n, a, step: a[:-1] if n == name else a) == 2
+    for steps in (Steps(), ChannelSteps()):
+        answer = steps.worker.handle
+        steps.worker.handle = lambda msg, answer=answer: _without(answer(msg), name)
+        assert steps.run(spot, 1) == 2
+
+
+def _without(reply: Message, name: str) -> Message:
+    reply.arrays.pop(name, None)
+    return reply
+
+
+@pytest.fixture
+def opencl(tmp_path_factory):
+    pytest.importorskip("pyopencl")
+    from backends.opencl import NoOpenCLDevice, OpenCLBackend
+
+    try:
+        return OpenCLBackend(autotune=False, tune_file=tmp_path_factory.mktemp("tune") / "gemm.json")
+    except NoOpenCLDevice as e:
+        pytest.skip(f"no OpenCL device on this machine: {e}")
+
+
+def test_honest_opencl_workers_raise_no_alarm_against_a_numpy_master(opencl):
+    """Another device's round-off, both splits, every step sampled: never a false alarm."""
+    spot = SpotCheck(budget=1.0)
+    steps = Steps()
+    steps.worker = Worker(opencl)
+    assert steps.run(spot, 20) == 21
+    assert ChannelSteps(opencl).run(spot, 20) == 21
+    assert spot.samples >= 40
+
+
+class ScaledByChannels(Worker):
+    """Answers the tasks of a layer split by input channels with their numbers times -50: finite and wrong."""
+
+    def handle(self, msg: Message) -> Message:
+        reply = super().handle(msg)
+        if msg.kind in ("partial_forward", "tail_forward", "tail_backward", "partial_backward"):
+            reply.arrays = {k: a * np.float32(-50) for k, a in reply.arrays.items()}
+        return reply
+
+
+def train(makes, steps: int, **options):
+    """``steps`` steps of 6:12 on 8 x 8 images by the master and workers ``makes`` (backend -> handler), split by
+    input channels in chunks of two images (conv2; conv1 by kernels); (the losses, the cluster, its events)."""
+    rng = np.random.default_rng(4)
+    net = paper_net("6:12", NumpyBackend(), seed=0, image_size=8)
+    transport = InprocTransport(lambda i: makes[i](NumpyBackend()), protocol=VERSION)
+    with transport:
+        workers = transport.start(len(makes), timeout=20.0)
+        cluster = Cluster(transport, workers, NumpyBackend(), split="channels", pipeline=2, rebalance=False, **options)
+        cluster.attach(net)
+        losses = []
+        for _ in range(steps):
+            x, y = rng.standard_normal((4, 3, 8, 8), dtype=np.float32), rng.integers(0, 10, 4)
+            losses.append(cluster.train_batch(net, x, y)[0])
+        return losses, cluster, cluster.pop_events()
+
+
+def test_a_run_split_by_channels_with_the_check_on_equals_the_unsharded_one():
+    losses, cluster, events = train([Worker, Worker], 3, spot_check=1.0)
+    alone, rng = paper_net("6:12", NumpyBackend(), seed=0, image_size=8), np.random.default_rng(4)
+    for loss in losses:  # the same batches, the same SGD steps: the numbers agree to float32 round-off
+        x, y = rng.standard_normal((4, 3, 8, 8), dtype=np.float32), rng.integers(0, 10, 4)
+        ref, _ = forward_backward(alone, x, y)
+        assert loss == pytest.approx(ref, rel=1e-5)
+    assert events == [] and cluster.spot.samples >= 2 * 2 * 2  # the first step's: both kinds, convs and workers
+
+
+def test_a_worker_split_by_channels_scaled_x_minus_50_is_caught_at_its_first_step():
+    _, cluster, events = train([Worker, ScaledByChannels], 1)
+    assert [(e["event"], e["worker"], e["step"]) for e in events] == [("worker_lost", "worker1", 0)]
+    assert events[0]["reason"].startswith("wrong result: its forward, in ")
+    assert cluster.step == 1

@@ -280,9 +280,11 @@ class Cluster(Runtime):
         """Each worker's compute seconds per unit (what the layer is split by) and image in ``done``'s forward
         and backward, which the next steps' deadlines scale."""
         if self.spot is not None and "master" in done.participants:  # its batched speed, for the budget
-            i, layer = done.participants.index("master"), next(b.index for b in self.blocks if b.name == done.name)
-            if done.counts[i] and (master_s := done.forward.compute_s[i] + done.backward.compute_s[i]) > 0:
-                self.spot.master_rate[layer] = master_s / (3 * done.counts[i] * done.images)
+            i, block = done.participants.index("master"), next(b for b in self.blocks if b.name == done.name)
+            conv = block.conv  # its kernels times the input channels it computed them over:
+            cells = done.counts[i] * conv.in_channels if done.channels is None else conv.out_channels * done.channels[i]
+            if cells and (master_s := done.forward.compute_s[i] + done.backward.compute_s[i]) > 0:
+                self.spot.master_rate[block.index] = master_s / (3 * cells * done.images)  # s per kernel-channel-image
         for what, op in (("forward", done.forward), ("backward", done.backward)):
             rates = self._took.setdefault((done.name, what), {})
             for name, n, compute in zip(done.participants, done.units, op.compute_s, strict=True):

@@ -1,0 +1,190 @@
+"""The spot check's view of a layer split by input channels (``by_channels.py``): what the master samples of it.
+
+Worker i holds the input channels c_i (c of them) of a layer with F kernels of K x K, and owns the
+kernels [s, e) of its halo h_i. Its four tasks, chunk by chunk of the batch, and what comes back::
+
+    partial_forward   x[:, c_i], w[:, c_i]     -> p_lo, p_hi: rows of P_i = conv(x[:, c_i], w[:, c_i]) (F, N, OH, OW)
+    tail_forward      sum, b[h_i]              -> y[:, s:e] = tail(P_i[h_i] + sum + b[h_i])
+    tail_backward     dy[:, h_i]               -> dyc[s:e], the conv-output gradient of its kernels
+    partial_backward  dyc of the other kernels -> dx[:, c_i], dw[:, c_i], db  (dY_conv: all F rows)
+
+Every array on the right is a fixed function of what the master sent and what the worker answered
+before, so the same two kinds of sample as by kernels (``spot_check.py``, whose budget, tolerance and
+backward rule these share) recompute a slice of it:
+
+    image n     P_i[:, n] (the p_lo and p_hi it sent), y[n], dyc[:, n], dx[n]     1/N of its work
+    kernel j    y[:, j], dyc[j] if it owns j (from P_i over [j - E, j + E]), else P_i[j]; dw[j], db[j]
+
+The kernel j is any of the F: dw[j] = the correlation of x[:, c_i] with dY_conv[j], which the
+master holds (the others' rows it sent, the worker's own it answered), so a kernel sample checks the
+rows of dw the worker owns no output of too; and such a row of P_i the others' halos read, so it went
+in p_lo or p_hi. Its convolutions go the kernel samples' cheaper way (``spot_sample.py``).
+
+The k of each entry, from its reductions: P_i c K K products; y that + 2 (the others' sum and the
+bias: the master sums the very arrays it sent) + the tail's; dyc that + the tail's backward; dx
+F K K (from dY_conv as the master holds it); dw and db N OH OW, + 1 per chunk summed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backends.base import Backend, conv_output_size
+from backends.conformance.checks import scale
+from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.spot_sample import (
+    Pair,
+    Sample,
+    few_kernels_dw,
+    few_kernels_forward,
+    fits,
+    kernel_span,
+    padded,
+    pair,
+    sum_pair,
+    tail_roundings,
+)
+from transports.base import Message
+
+
+class ByChannels:
+    """A worker's tasks of one layer's step split by input channels, from its first partial_forward on."""
+
+    def __init__(self, task: Message) -> None:
+        h, x = task.header, task.arrays["x"]
+        self.h, self.w, self.tail = h, task.arrays["w"], h["tail"]  # w (F, c, K, K)
+        self.step, self.images = h["step"], h["images"][2]
+        self.f, self.c, self.k = self.w.shape[:3]
+        self.work = self.f * self.c * self.images
+        self.hs, self.he = h["halo"]
+        self.start, self.end = self.hs + h["own"][0], self.hs + h["own"][1]  # its own kernels, of the F
+        self.x_shape = x.shape[1:]
+        self.conv_hw = tuple(conv_output_size(v, self.k, h["stride"], h["padding"]) for v in x.shape[2:])
+        self.chunks: list[tuple[int, int]] = []
+        self.x, self.p, self.sums, self.around, self.dx = [], [], [], [], []
+        self.b = self.y = self.dy = self.dyc = self.dw = self.db = None
+        self.need_dx = False
+
+    def add(self, task: Message, reply: Message) -> str | None:
+        a, r, (oh, ow), n = task.arrays, reply.arrays, self.conv_hw, self.images
+        if task.kind == "partial_forward":
+            first, stop, _ = task.header["images"]
+            rows = {"p_lo": self.h["give"][0], "p_hi": self.f - self.h["give"][1]}
+            if not fits(reply, {name: (m, stop - first, oh, ow) for name, m in rows.items()}):
+                return "unfit"
+            self.chunks.append((first, stop))
+            self.x.append(a["x"])
+            self.p.append(r)
+        elif task.kind == "tail_forward":
+            self.sums.append(a.get("sum"))
+            self.b = a.get("b", self.b)
+            if "y" in r:
+                self.y, want = r["y"], (n, self.end - self.start, *tail_output_hw(oh, ow, self.tail))
+                return "forward" if self.y.shape == want else "unfit"
+        elif task.kind == "tail_backward" and self.y is not None:
+            self.dy, self.dyc, self.around, self.dx = a["dy"], r.get("dyc"), [], []
+            return None if self.dyc is not None and self.dyc.shape == (self.end - self.start, n, oh, ow) else "unfit"
+        elif task.kind == "partial_backward" and self.dyc is not None:
+            first, stop, _ = task.header["images"]
+            self.need_dx = task.header["need_dx"]
+            if not fits(reply, {"dx": (stop - first, *self.x_shape), "dw": self.w.shape, "db": (self.f,)}):
+                return "unfit"
+            self.around.append(a)
+            self.dx.append(r.get("dx"))
+            if "dw" in r and "db" in r:
+                self.dw, self.db = r["dw"], r["db"]
+                return "backward"
+        return None
+
+    def places(self, kind: str) -> range:
+        return range(self.images if kind == "image" else self.f)
+
+    def sample(self, kind: str, at: int, be: Backend) -> Sample:
+        stride, pad = self.h["stride"], self.h["padding"]
+        if kind == "image":
+            i, r = self._chunk(at)
+            p, conv = be.conv2d_partial(be.asarray(self.x[i][r : r + 1]), be.asarray(self.w), stride, pad)
+            p = np.asarray(be.to_numpy(p))  # (F, 1, OH, OW)
+            halo = slice(self.hs, self.he)
+            s = p[halo].transpose(1, 0, 2, 3) + self._sum(halo, at, at + 1) + self.b[None, :, None, None]
+            top = max(scale(p), scale(s))  # its partial's scale, and the sum's, before the tail
+            y, cache = tail_forward(be, be.asarray(s), conv, self.tail, tuple(self.h["own"]))
+            return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, top, partial=p)
+        xp = padded(np.concatenate(self.x), pad)
+        if not self.start <= at < self.end:  # a kernel it owns no output of: the row of P it sent, its dw and db
+            p = few_kernels_forward(xp, self.w[at : at + 1], np.zeros(1, np.float32), stride)
+            return Sample(kind, at, slice(at, at + 1), None, None, xp=xp, partial=p[:, 0])
+        span = kernel_span(at, self.f, self.tail)
+        conv = few_kernels_forward(xp, self.w[span], np.zeros(span.stop - span.start, np.float32), stride)
+        s = conv + self._sum(span, 0, self.images) + self.b[span.start - self.hs : span.stop - self.hs, None, None]
+        top = max(scale(conv), scale(s))
+        y, cache = tail_forward(be, be.asarray(s), None, self.tail, (at - span.start, at - span.start + 1))
+        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, top, xp)
+
+    def forward_pairs(self, sample: Sample) -> list[Pair]:
+        k = self.c * self.k * self.k
+        if sample.kind == "kernel" and sample.y is None:  # a row the others' halos read: in p_lo or p_hi
+            lo_end, hi_start = self.h["give"]
+            name, row = ("p_lo", sample.at) if sample.at < lo_end else ("p_hi", sample.at - hi_start)
+            return [pair(np.concatenate([p[name][row] for p in self.p]), sample.partial, k)]
+        if sample.kind == "kernel":
+            own = slice(sample.at - self.start, sample.at - self.start + 1)
+            return [pair(self.y[:, own], sample.y, k + 2 + tail_roundings(self.tail), sample.top)]
+        i, r = self._chunk(sample.at)
+        lo_end, hi_start = self.h["give"]
+        pairs = [pair(self.y[sample.at : sample.at + 1], sample.y, k + 2 + tail_roundings(self.tail), sample.top)]
+        if "p_lo" in self.p[i]:
+            pairs.append(pair(self.p[i]["p_lo"][:, r], sample.partial[:lo_end, 0], k))
+        if "p_hi" in self.p[i]:
+            pairs.append(pair(self.p[i]["p_hi"][:, r], sample.partial[hi_start:, 0], k))
+        return pairs
+
+    def backward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
+        k_dyc = self.c * self.k * self.k + 2 + 2 * tail_roundings(self.tail)
+        rows = slice(sample.span.start - self.hs, sample.span.stop - self.hs)  # the sample's kernels in dy's halo
+        if sample.kind == "image":
+            n, (lo, hi) = sample.at, self.h["own"]
+            d = be.to_numpy(tail_backward(be, be.asarray(self.dy[n : n + 1, rows]), sample.cache))
+            pairs = [pair(self.dyc[:, n], np.asarray(d)[0, lo:hi], k_dyc)]
+            i, r = self._chunk(n)
+            if self.need_dx and self.dx[i] is not None:
+                dx, _, _ = be.conv2d_backward(be.asarray(self._dy_conv_image(n)), sample.cache.conv, True)
+                pairs.append(pair(self.dx[i][r : r + 1], np.asarray(be.to_numpy(dx)), self.f * self.k * self.k))
+            return pairs
+        pairs, j = [], sample.at
+        if sample.y is not None:
+            d = np.asarray(be.to_numpy(tail_backward(be, be.asarray(self.dy[:, rows]), sample.cache)))
+            pairs.append(pair(self.dyc[j - self.start], d[:, j - sample.span.start], k_dyc))
+        row = self._dy_conv_row(j)  # (N, OH, OW)
+        dw = few_kernels_dw(sample.xp, row[:, None], self.h["stride"], self.k)
+        k = row.size + len(self.chunks)
+        return [*pairs, pair(self.dw[j : j + 1], dw, k), sum_pair(self.db[j : j + 1], row, k)]
+
+    def _chunk(self, n: int) -> tuple[int, int]:
+        """Image n's chunk, and its place in it."""
+        return next((i, n - a) for i, (a, e) in enumerate(self.chunks) if a <= n < e)
+
+    def _sum(self, kernels: slice, a: int, e: int) -> np.ndarray | float:
+        """The others' partials the master sent over ``kernels`` (of F) for images [a, e): (e - a, kernels, OH, OW)."""
+        rows = slice(kernels.start - self.hs, kernels.stop - self.hs)
+        parts = [
+            s[rows, max(a, ca) - ca : min(e, ce) - ca]
+            for (ca, ce), s in zip(self.chunks, self.sums, strict=True)
+            if s is not None and ca < e and a < ce
+        ]
+        return np.concatenate(parts, axis=1).transpose(1, 0, 2, 3) if parts else 0.0
+
+    def _dy_conv_row(self, j: int) -> np.ndarray:
+        """dY_conv[j] (N, OH, OW) as the worker had it: its own answer, or the others' rows the master sent."""
+        if self.start <= j < self.end:
+            return self.dyc[j - self.start]
+        name, row = ("dyc_lo", j) if j < self.start else ("dyc_hi", j - self.end)
+        return np.concatenate([a[name][row] for a in self.around])
+
+    def _dy_conv_image(self, n: int) -> np.ndarray:
+        """dY_conv of image n (1, F, OH, OW) as the worker had it."""
+        i, r = self._chunk(n)
+        around = self.around[i]
+        lo = [around["dyc_lo"][:, r]] if "dyc_lo" in around else []
+        hi = [around["dyc_hi"][:, r]] if "dyc_hi" in around else []
+        return np.concatenate([*lo, self.dyc[:, n], *hi])[None]
