@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
-"""What the master's spot checks cost and catch (tinyconv/distributed/spot_check.py).
+"""What the master's spot checks cost and catch (tinyconv/distributed/spot_check.py, replica/replay_check.py).
 
     python benchmarks/bench_spot_check.py                          # conv2 of 50:500, a third of it, batch 64
     python benchmarks/bench_spot_check.py --split channels         # the same, split by input channels
+    python benchmarks/bench_spot_check.py --split images --norm batch  # a replica on a third of the batch
     python benchmarks/bench_spot_check.py --worker-backend opencl --honest-steps 10000 --arch 16:32 --batch-size 32
 
 One worker (a real handler, in this process) answers the tasks of the paper's conv2 -- conv 5x5, ReLU,
 LRN, max pool -- on a share of it: by kernels (``--split kernels``), the block of a third of its kernels
 and their halo; by input channels, the middle one of three, a third of its input channels for every
 kernel and the tail of a third of the kernels, in chunks of 32 images, the others' partial sums and
-conv-output gradients random. The master samples its results with the default budget, priced at its
+conv-output gradients random; by images (``--split images``, data parallelism), a whole replica of the
+paper's network (``--norm``) on a third of the batch, which the master replays. The master samples its
+results with the default budget, priced at its
 own speed on a like share (the worker's, step by step, when both run numpy; else timed every 50 steps).
 Printed: over ``--honest-steps`` honest steps, the samples taken, false alarms (should be 0), the
 backward disagreements a second sample forgave, and the cost: the master's seconds on samples
 against the worker's compute seconds, and against what the budget allowed.
 Then, for each kind of wrong worker, honest until ``--fault-from`` and wrong from then on, the steps
 it took to lose it (1: the fault's first step; median and worst over ``--seeds`` runs): x -50 poison,
-1 % on every result, 1 % on dw alone, 1 % noise on dx alone. (A worker wrong from its first step is
-always caught there: the first step is always sampled.)
+1 % on every result, 1 % on dw (by images: the gradient) alone, 1 % noise on dx (the logits) alone. (A
+worker wrong from its first step is always caught there: the first step is always sampled.)
 No asserts: tests/test_spot_check.py pins the behaviour.
 """
 
@@ -35,10 +38,14 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
+from tinyconv.distributed.replica import flat  # noqa: E402
+from tinyconv.distributed.replica.replay_check import ReplayCheck  # noqa: E402
+from tinyconv.distributed.replica.replica import spec_of  # noqa: E402
 from tinyconv.distributed.rpc import Lost  # noqa: E402
 from tinyconv.distributed.shard.by_channels import PIPELINE  # noqa: E402
 from tinyconv.distributed.spot_check import SpotCheck  # noqa: E402
 from tinyconv.distributed.worker.handler import Worker  # noqa: E402
+from tinyconv.model import paper_net  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 from transports.base import Message  # noqa: E402
 
@@ -51,17 +58,30 @@ Spoil = Callable[[str, np.ndarray, np.random.Generator], np.ndarray]
 FAULTS: dict[str, Spoil] = {
     "x -50 poison": lambda name, a, rng: a * np.float32(-50),
     "1 % on every result": lambda name, a, rng: a * np.float32(1.01),
-    "1 % on dw alone": lambda name, a, rng: a * np.float32(1.01) if name == "dw" else a,
+    "1 % on dw alone": lambda name, a, rng: a * np.float32(1.01) if name in ("dw", "grads") else a,
     "1 % noise on dx alone": lambda name, a, rng: (
-        (a * (1 + 0.01 * rng.standard_normal(a.shape))).astype(np.float32) if name == "dx" else a
+        (a * (1 + 0.01 * rng.standard_normal(a.shape))).astype(np.float32) if name in ("dx", "logits") else a
     ),
 }
+Check = SpotCheck | ReplayCheck
+
+
+def check(args: argparse.Namespace, seed: int) -> Check:
+    """The master's check of the split: samples of a model split's tasks, or replays of a replica's."""
+    return ReplayCheck(args.budget) if args.split == "images" else SpotCheck(args.budget, seed=seed)
 
 
 def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tuple[str, dict, dict]], int]:
     """One step's tasks of the worker's share of conv2, (kind, header, arrays) in order, and its kernels F'."""
     c, total = (int(v) for v in args.arch.split(":"))
     n, hw, e = args.batch_size, 16, 4  # e: LRN's halo
+    if args.split == "images":  # a replica on 1/SHARE of the batch, the weights sent whole
+        net, m = paper_net(args.arch, get_backend("numpy"), args.norm, seed=0), n // args.share
+        x, y = rng.standard_normal((m, 3, 32, 32), dtype=np.float32), rng.integers(0, 10, m)
+        arrays = {"x": x, "y": y, "params": flat.pack(net)} | (
+            {"buffers": b} if (b := flat.pack(net, "buffers")).size else {}
+        )
+        return [("replica_step", {"net": spec_of(net), "batch": n}, arrays)], m
     if args.split == "kernels":  # it owns 1/SHARE of the kernels, computes them and their halo over all of x
         f = total // args.share + 2 * e
         x = rng.standard_normal((n, c, hw, hw), dtype=np.float32)
@@ -99,7 +119,7 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
     return out, own
 
 
-def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil | None, seed: int) -> dict:
+def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | None, seed: int) -> dict:
     """Run ``n_steps`` steps of one worker's conv2 share; the step it was lost at (None) and its compute seconds."""
     rng = np.random.default_rng(seed)
     step_tasks, _ = tasks(args, rng)
@@ -107,7 +127,7 @@ def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil 
     master = get_backend("numpy")
     compute, task_id = 0.0, 0
 
-    def run(step: int, spot: SpotCheck | None = None, handler: Worker = worker) -> float:
+    def run(step: int, spot: Check | None = None, handler: Worker = worker) -> float:
         nonlocal task_id
         took = 0.0
         for kind, header, arrays in step_tasks:
@@ -122,12 +142,16 @@ def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil 
         return took
 
     first = step_tasks[0][2]
-    work = first["w"].shape[0] * first["x"].shape[1] * args.batch_size  # kernel-channel-images of its forward
+    if isinstance(spot, ReplayCheck):  # priced in the master's seconds per image of a whole replica step
+        work, set_rate = first["x"].shape[0], lambda t: setattr(spot, "master_rate", t / work)
+    else:  # in its seconds per kernel-channel-image of the block, forward (1) and backward (2)
+        work = first["w"].shape[0] * first["x"].shape[1] * args.batch_size
+        set_rate = lambda t: spot.master_rate.__setitem__(1, t / (3 * work))  # noqa: E731
     same = args.worker_backend == "numpy"  # the master's backend: its share's speed is the worker's, step by step
     if args.master_share == "auto":  # the master computes a share like it, and the cluster tells the check its speed
         mine = Worker(master)
         times = [run(-i, None, mine) for i in range(6)]  # the first ones fault memory in: the median of the last 3
-        spot.master_rate[1] = statistics.median(times[3:]) / (3 * work)
+        set_rate(statistics.median(times[3:]))
     for step in tqdm(range(1, n_steps + 1), desc="steps", leave=False, disable=n_steps < 100):
         x = first["x"]
         x[rng.integers(x.shape[0])] = rng.standard_normal(x.shape[1:], dtype=np.float32)  # the data moves on
@@ -137,10 +161,10 @@ def steps(args: argparse.Namespace, spot: SpotCheck, n_steps: int, spoil: Spoil 
             return {"lost_at": step, "compute_s": compute}
         compute += took
         if args.master_share == "auto" and same:  # as the cluster measures it, on this step (the machine's load moves)
-            spot.master_rate[1] = took / (3 * work)
+            set_rate(took)
         elif args.master_share == "auto" and step % 50 == 0:  # another backend's: the master's share timed again
             times.append(run(-step, None, mine))
-            spot.master_rate[1] = statistics.median(times[-3:]) / (3 * work)
+            set_rate(statistics.median(times[-3:]))
     return {"lost_at": None, "compute_s": compute}
 
 
@@ -148,8 +172,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", default="50:500", help="conv1:conv2 kernels; the worker gets conv2 (default 50:500)")
     p.add_argument(
-        "--split", choices=("kernels", "channels"), default="kernels", help="how conv2 is split (default kernels)"
+        "--split",
+        choices=("kernels", "channels", "images"),
+        default="kernels",
+        help="how conv2 is split; images: data parallelism, a whole replica replayed (default kernels)",
     )
+    p.add_argument("--norm", default="lrn", help="with --split images: the replica's normalisation (default lrn)")
     p.add_argument(
         "--share",
         type=int,
@@ -174,14 +202,15 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5)
     args = p.parse_args()
 
-    spot = SpotCheck(args.budget, seed=0)
+    spot = check(args, seed=0)
     honest = steps(args, spot, args.honest_steps, None, seed=0)
     print(
-        f"honest: {args.honest_steps} steps of conv2 of {args.arch} split by {args.split}, 1/{args.share} of it, "
+        f"honest: {args.honest_steps} steps of {'a replica' if args.split == 'images' else 'conv2'} of {args.arch} "
+        f"split by {args.split}, 1/{args.share} of it, "
         f"batch {args.batch_size}, worker on {args.worker_backend}, master on numpy"
     )
     print(f"  lost at step {honest['lost_at']} (a false alarm)" if honest["lost_at"] else "  false alarms: 0")
-    print(f"  samples {spot.samples}, forgiven {spot.forgiven}")
+    print(f"  samples {spot.samples}, forgiven {getattr(spot, 'forgiven', 0)}")
     print(
         f"  cost: {spot.seconds:.3f} s of the master against {honest['compute_s']:.3f} s of the worker "
         f"({100 * spot.seconds / honest['compute_s']:.2f} %; budget {100 * args.budget:g} % of the worker's work at "
@@ -189,10 +218,7 @@ def main() -> None:
     )
     rows = []
     for name, spoil in FAULTS.items():
-        lost = [
-            steps(args, SpotCheck(args.budget, seed=s), args.fault_steps, spoil, seed=s)["lost_at"]
-            for s in range(args.seeds)
-        ]
+        lost = [steps(args, check(args, seed=s), args.fault_steps, spoil, seed=s)["lost_at"] for s in range(args.seeds)]
         caught = [s - args.fault_from + 1 for s in lost if s is not None and s >= args.fault_from]  # 1: at once
         early = sum(s is not None and s < args.fault_from for s in lost)  # lost while still honest: false alarms
         found = f"{len(caught)}/{len(lost)}" + (f" ({early} early)" if early else "")

@@ -13,7 +13,7 @@ is not negative, its seconds then taken off. Credit starts at zero, so the first
 a worker is replayed about once in ``1 / budget`` steps of its size.
 
 Tolerance: each parameter's gradient, each output, within float32 round-off of the master's, 2 gamma_k
-max|ref| per parameter (``spot_check.tolerance``), k the roundings on the longest path: every reduction of the
+max|ref| per parameter (``spot_sample.tolerance``), k the roundings on the longest path: every reduction of the
 forward and, for gradients, of the backward (:func:`roundings`). Where round-off flips a tie (max pool's argmax,
 ReLU's sign), one term of a sum over the whole slice changes, far inside that bound: one disagreement loses
 the worker with reason "wrong result".
@@ -30,7 +30,7 @@ from backends.conformance.checks import FN
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.conv_part import conv_part
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.spot_check import tolerance
+from tinyconv.distributed.spot_sample import tolerance
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm
 from tinyconv.model import Network
