@@ -12,11 +12,11 @@ runtime's to set from the master's own slice, else the replays' own) -- and a re
 is not negative, its seconds then taken off. Credit starts at zero, so the first step is replayed; after that
 a worker is replayed about once in ``1 / budget`` steps of its size.
 
-Tolerance: each parameter's gradient, each output, within float32 round-off of the master's, 2 gamma_k
-max|ref| per parameter (``spot_sample.tolerance``), k the roundings on the longest path: every reduction of the
-forward and, for gradients, of the backward (:func:`roundings`). Where round-off flips a tie (max pool's argmax,
-ReLU's sign), one term of a sum over the whole slice changes, far inside that bound: one disagreement loses
-the worker with reason "wrong result".
+Tolerance: each output, each parameter's gradient, within float32 round-off of the master's, 2 gamma_k
+max|ref| (``spot_sample.pair``; for a gradient, the largest of its layer's), k the roundings on the longest
+path: every reduction of the forward and, for gradients, of the backward (:func:`roundings`). Where round-off
+flips a tie (max pool's argmax, ReLU's sign), one term of a sum over the whole slice changes, far inside that
+bound: one disagreement loses the worker with reason "wrong result".
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import time
 import numpy as np
 
 from backends.base import Backend
-from backends.conformance.checks import FN
+from backends.conformance.checks import FN, scale
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.conv_part import conv_part
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.spot_sample import tolerance
+from tinyconv.distributed.spot_sample import Pair, pair
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm
 from tinyconv.model import Network
@@ -118,8 +118,7 @@ class ReplayCheck:
                 got = theirs.arrays.get(name)
                 if got is None or got.shape != ref.shape:
                     return  # not this file's to judge: the split's shape check loses the worker
-                for what, a, b in _parts(net, name, ref, got):
-                    tol = tolerance(a, backward if name == "grads" else forward)
+                for what, (b, a, tol) in _parts(net, name, ref, got, backward if name == "grads" else forward):
                     err = float(np.max(np.abs(a - b), initial=0.0))
                     if not err <= tol:
                         self.credit.pop(k, None)
@@ -127,13 +126,16 @@ class ReplayCheck:
                         raise Lost({k: f"{why} (round-off allows {tol:.3g})"}, wrong=True)
 
 
-def _parts(net: Network, name: str, ref: np.ndarray, got: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """(what, the master's, the worker's) of an answer's array: a gradient vector split by parameter, each
-    judged at its own scale; any other array whole."""
+def _parts(net: Network, name: str, ref: np.ndarray, got: np.ndarray, k: int) -> list[tuple[str, Pair]]:
+    """(what, (the worker's, the master's, their tolerance)) of an answer's array: a gradient vector split by
+    parameter, each on the scale of its layer's largest gradient entry (a convolution's bias before batch norm
+    has a gradient of 0 but for round-off: its sums cancel, its weights' do not); any other array whole."""
     if name != "grads":
-        return [(name, ref, got)]
-    ends = np.cumsum(flat.sizes(net))
-    return [
-        (f"the gradient of {param}", ref[end - size : end], got[end - size : end])
-        for (param, _, _), size, end in zip(net.named_params(), flat.sizes(net), ends, strict=True)
+        return [(name, pair(got, ref, k))]
+    ends, params = np.cumsum(flat.sizes(net)), [(p, layer) for p, layer, _ in net.named_params()]
+    parts = [
+        (p, layer, ref[end - n : end], got[end - n : end])
+        for (p, layer), n, end in zip(params, flat.sizes(net), ends, strict=True)
     ]
+    top = {id(layer): max(scale(r) for _, other, r, _ in parts if other is layer) for _, layer, _, _ in parts}
+    return [(f"the gradient of {p}", pair(g, r, k, top[id(layer)])) for p, layer, r, g in parts]
