@@ -16,8 +16,7 @@ the loss is the clean run's only as far as the training does not amplify that ro
 preset's learning rate (0.05) it does: with its batch norm to 1e-3 within 10 steps, fault or not; without
 normalisation a near tie at step 60 (a max pool's, a ReLU's) put the last loss 2e-2 off in 2 runs of 4, and
 with the paper's LRN a near tie after step 64 put it 3e-3 off in 1 run of 11. At 0.01 with LRN (here) the
-loss stayed within 4e-7 of the clean run's at every step of 7 runs. The spot check is off (``--spot-check
-0``): over ZeroMQ it has taken an honest worker's LRN tail for a wrong result (in 2 of 8 runs of this test);
+loss stayed within 4e-7 of the clean run's at every step of 7 runs. The spot check is on, as by default;
 tests/test_chaos.py has the wrong results it must catch, with the other in-process faults (error replies,
 wrong shapes, NaN, a joiner that never calibrates).
 """
@@ -48,7 +47,7 @@ tl = sys.modules["throttled_link"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tl)
 
 STEPS = 100
-RECIPE = (*SMOKE, "--norm", "lrn", "--lr", "0.01", "--plan", "equal", "--split", "kernels", "--spot-check", "0",
+RECIPE = (*SMOKE, "--norm", "lrn", "--lr", "0.01", "--plan", "equal", "--split", "kernels",
           "--seed", "0", "--steps", str(STEPS))  # fmt: skip
 SLOWDOWN = "20"  # the pacing worker: 20 x its compute time a task, about 0.2 s a step
 RATE = 250e3  # bytes/s each way: the first worker's forward of conv1 (its 400 KB input) takes 1.6 s, 4 heartbeats
@@ -192,14 +191,9 @@ def test_a_seeded_chaos_run_of_processes_completes_every_step_and_ends_at_the_cl
     chaos.wait(f"step {STOP_AT}", lambda: chaos.step() >= STOP_AT)
     stopped_at = len(chaos.events())
     chaos.procs["w1"].send_signal(signal.SIGSTOP)
-    # its loss may come with another's: a healthy worker's, when the link's late word on the stopped one cuts
-    # an op short and the op is sent again (rpc.py), to a worker that has already dropped what it kept for it
     stopped, *_ = chaos.wait("the stopped worker's loss", lambda: events_of(chaos, "worker_lost", stopped_at))
     assert re.match(r"no result for the (forward|backward) of conv\d within|silent for", stopped["reason"]), stopped
-    # SIGCONT once the master's link has given it up too (its op's deadline comes first): then it finds the
-    # master silent and says hello again
-    silent = f"{stopped['worker'].replace('worker', 'worker ')} lost: silent for "
-    chaos.wait(f"'{silent}' from the master", lambda: silent in chaos.said("master", "err"))
+    # the master let it go at its loss (Transport.drop): continued, it hears nothing and says hello again
     chaos.procs["w1"].send_signal(signal.SIGCONT)
     back, *_ = chaos.wait("its return", lambda: events_of(chaos, "worker_joined", stopped_at), ("master", "w1"))
     assert back["worker"] == "worker4", back  # a new name: the old one stays lost
