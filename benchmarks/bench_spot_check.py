@@ -132,7 +132,8 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
         took = 0.0
         for kind, header, arrays in step_tasks:
             task_id += 1
-            task = Message(kind, {**header, "task": task_id, "step": step, "layer": 1}, arrays)
+            layer = {} if kind == "replica_step" else {"layer": 1}  # a replica's task is the whole network's
+            task = Message(kind, {**header, "task": task_id, "step": step} | layer, arrays)
             reply = handler.handle(task)
             took += reply.header["compute_s"]
             if spoil is not None and step >= args.fault_from:
