@@ -117,8 +117,8 @@ def test_an_honest_opencl_worker_is_never_found_wrong():
         pytest.skip(f"no OpenCL device on this machine: {e}")
     with inproc_pool(2, lambda i: Worker(be)) as (transport, workers):
         for parallel, norm in itertools.product(PARALLEL, ("lrn", "batch")):
-            # PoCL builds each kernel at its first run, for longer than a numpy master's pace allows an uncalibrated
-            # worker (2 x its share at the master's speed + 1 s): a step first, unchecked, that may lose them
+            # PoCL builds each kernel at its first run, and the first OpenCL worker to answer paces the other
+            # (uncalibrated: 2 x its share at that pace + 1 s): a step first, unchecked, that may lose them
             data_parallel_step(runtime(parallel, transport, workers, budget=0), *batch(8), norm=norm)
             run = runtime(parallel, transport, workers)
             for seed in range(5):

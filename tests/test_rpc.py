@@ -169,6 +169,16 @@ def test_a_late_notice_that_a_worker_without_a_task_in_the_op_was_lost_leaves_th
     assert transport.noticed and list(replies) == [0]
 
 
+def test_an_uncalibrated_worker_is_paced_by_a_participant_on_its_own_backend_only():
+    # an OpenCL worker's first task also builds its kernels, which a numpy master's pace knows nothing of
+    workers = [WORKERS[0], WorkerInfo(1, "opencl", {"device": "gpu0"})]
+    op = Rpc(Scripted(echo), workers, timeout=60.0).op("forward of conv1", BE, units={None: 2, 0: 4, 1: 4})
+    op.master_s = 0.5
+    assert op.expected(0) == pytest.approx(1.0) and op.expected(1) is None
+    op.compute[1] = 3.0  # the first OpenCL worker that answered paces the others on OpenCL
+    assert op.expected(1) == pytest.approx(3.0)
+
+
 def nan_echo(worker: int, msg: Message) -> list[Message]:
     return [result(msg, y=np.array([np.nan, 1.0], np.float32))]
 

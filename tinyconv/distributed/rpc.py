@@ -198,12 +198,15 @@ class Op:
     def expected(self, k: int) -> float | None:
         """e_k, worker k's expected compute seconds for its tasks of the op: ``expect``'s (by the last steps, the
         calibration); else, with ``units`` (participant, the master None -> its units of work, for an op whose
-        shares are each computed in one go), its units at the pace of the master's own share (an equal plan
-        assumes equal speeds) or of the first worker that answered; None while nothing is known."""
+        shares are each computed in one go), its units at the pace of the master's own share or of the first
+        worker that answered, on k's backend (an equal plan assumes equal speeds; on one backend the pace holds
+        the same first-run costs, OpenCL's kernel builds); None while nothing is known."""
         if k in self.expect or not self.units:
             return self.expect.get(k)
-        paces = [(self.master_s, None), *((s, j) for j, s in self.compute.items())]
-        pace = next((s / self.units[j] for s, j in paces if s > 0 and self.units.get(j, 0) > 0), None)
+        kind = {j: w.backend for j, w in self.rpc.workers.items()} | {None: self.backend.name}
+        took = {None: self.master_s, **self.compute}  # the master first, then the workers as they answered
+        same = [j for j, s in took.items() if kind.get(j) == kind.get(k) and s > 0 and self.units.get(j, 0) > 0]
+        pace = next((took[j] / self.units[j] for j in same), None)
         return None if pace is None else pace * self.units.get(k, 0)
 
     def _receive(self, ceiling: float, waiting: set[int]) -> tuple[int, Message]:
