@@ -143,11 +143,18 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
         return took
 
     first = step_tasks[0][2]
-    if isinstance(spot, ReplayCheck):  # priced in the master's seconds per image of a whole replica step
-        work, set_rate = first["x"].shape[0], lambda t: setattr(spot, "master_rate", t / work)
-    else:  # in its seconds per kernel-channel-image of the block, forward (1) and backward (2)
-        work = first["w"].shape[0] * first["x"].shape[1] * args.batch_size
-        set_rate = lambda t: spot.master_rate.__setitem__(1, t / (3 * work))  # noqa: E731
+    replay = isinstance(spot, ReplayCheck)
+    # a replay is priced in the master's seconds per image of a whole replica step; a sample in its seconds per
+    # kernel-channel-image of the block, forward (1) and backward (2)
+    work = first["x"].shape[0] if replay else first["w"].shape[0] * first["x"].shape[1] * args.batch_size
+
+    def set_rate(seconds: float) -> None:
+        """Tell the check the master's speed, from its ``seconds`` on a share like the worker's."""
+        if replay:
+            spot.master_rate = seconds / work
+        else:
+            spot.master_rate[1] = seconds / (3 * work)
+
     same = args.worker_backend == "numpy"  # the master's backend: its share's speed is the worker's, step by step
     if args.master_share == "auto":  # the master computes a share like it, and the cluster tells the check its speed
         mine = Worker(master)
