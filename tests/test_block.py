@@ -26,14 +26,16 @@ from tinyconv.distributed.shard.block import (
     tail_backward,
     tail_forward,
     tail_of,
+    tail_output_hw,
 )
 from tinyconv.distributed.shard.by_channels import halo_sum, owned
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.shard.layer import ShardedBlock
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.distributed.worker.state import check_tail
-from tinyconv.layers import Conv2D, LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.layers import BatchNorm2D, Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network, paper_net
+from tinyconv.optim import SGD
 from transports.inproc import InprocTransport
 
 TIMEOUT = 20.0
@@ -183,6 +185,9 @@ def test_a_gradient_that_does_not_cover_the_computed_kernels_is_refused(rng):
         ([{"op": "maxpool", "kernel": 3, "stride": True, "padding": 1}], "stride must be an int"),
         ([{"op": "lrn", "size": 0, "alpha": 1.0, "beta": 0.75, "k": 2.0}], "1 <= size <= 64"),
         ([{"op": "maxpool", "kernel": 2, "stride": 2, "padding": 2}], "padding < kernel"),
+        ([{"op": "bn", "eps": 1e-5, "training": 1}], "training must be a bool"),
+        ([{"op": "bn", "eps": 0.0, "training": True}], "eps > 0"),
+        ([{"op": "bn", "eps": 1e-5, "training": True}] * 2, "one bn at most"),
     ],
 )
 def test_bad_tails_are_refused_with_the_reason(tail, complaint):
@@ -194,8 +199,99 @@ def test_tail_of_takes_the_per_channel_run_after_a_conv():
     be = NumpyBackend()
     net = paper_net("4:6", be)
     assert [s["op"] for s in tail_of(net.layers[1:])] == ["relu", "lrn", "maxpool"]
-    assert tail_of(paper_net("4:6", be, norm="batch").layers[1:]) == [RELU]  # batch norm has parameters: not fused
+    batch = paper_net("4:6", be, norm="batch").layers[1:]
+    assert tail_of(batch) == [RELU, {"op": "bn", "eps": 1e-5, "training": False}, POOL]
+    assert tail_of(batch, training=True)[1]["training"] is True
+    assert tail_of([BatchNorm2D(be, 6), BatchNorm2D(be, 6)]) == [bn(False)]  # one batch norm a tail: the second stays
     assert tail_of([]) == []
+
+
+def bn(training: bool = True) -> dict:
+    return {"op": "bn", "eps": 1e-5, "training": training}
+
+
+BN_TAILS = [
+    [RELU, bn(), POOL],  # the default preset's block
+    [bn(), lrn(5)],  # a halo through the batch norm: its statistics are per kernel, so the halo's are exact too
+    [lrn(3), RELU, bn()],
+    [RELU, bn(False), POOL],  # evaluation: the running statistics
+]
+# K plus a batch norm's sums over its M = 2 x 8 x 8 values per kernel (the mean, the variance; dbeta, dgamma)
+K_BN = K + 2 * (2 * 8 * 8 + 8)
+
+
+def bn_reference(be, x, w, b, tail, g, gamma, beta, running):
+    """The unsharded block with a batch norm of ``gamma``, ``beta``; ``running`` its (mean, var) before the step:
+    (y, dx, dw, db, dgamma, dbeta, the batch's mean and unbiased variance, or the running ones in evaluation), each
+    an Expected."""
+    conv = Conv2D(be, x.shape[1], w.shape[0], w.shape[2], 1, 1)
+    conv.params.update(w=w, b=b)
+    norm = BatchNorm2D(be, w.shape[0], momentum=1.0)  # momentum 1: the running statistics it updates are the batch's
+    norm.params.update(gamma=gamma, beta=beta)
+    norm.buffers.update(running_mean=running[0].copy(), running_var=running[1].copy())
+    make = {
+        "relu": lambda s: ReLU(be),
+        "lrn": lambda s: LocalResponseNorm(be, s["size"], s["alpha"], s["beta"], s["k"]),
+        "maxpool": lambda s: MaxPool2D(be, s["kernel"], s["stride"], s["padding"]),
+        "bn": lambda s: norm,
+    }
+    layers = [conv] + [make[spec["op"]](spec) for spec in tail]
+    training = any(spec.get("training") for spec in tail)
+    y = x
+    for layer in layers:
+        y = layer.forward(y, training)
+    d = g
+    for layer in reversed(layers[1:]):
+        d = layer.backward(d)
+    db = Expected(d.sum(axis=(0, 2, 3)), K_BN, np.abs(d).sum(axis=(0, 2, 3), dtype=np.float64))  # batch norm's
+    d = conv.backward(d)  # dY_conv sums to 0 over a kernel: db is round-off, held to the rigorous form, over |terms|
+    stats = [Expected(norm.buffers[name], K_BN) for name in ("running_mean", "running_var")]
+    grads = [Expected(a, K_BN) for a in (d, conv.grads["w"], db.value, norm.grads["gamma"], norm.grads["beta"])]
+    return [Expected(y, K_BN), *grads[:2], db, *grads[3:], *stats]
+
+
+@pytest.mark.parametrize("tail", BN_TAILS, ids=lambda t: "+".join(s["op"] + str(s.get("training", "")) for s in t))
+@pytest.mark.parametrize("counts", [[11], [5, 6], [1, 9, 1], [3, 0, 2, 6]])
+def test_slices_with_batch_norm_equal_the_whole_block(rng, tail, counts):
+    # each slice normalises its kernels (and halo) by their own batch statistics and gives back the batch mean and
+    # variance of its kernels; backward, dgamma and dbeta of its own: the whole block's, slice by slice
+    be = NumpyBackend()
+    total, training = sum(counts), tail[[s["op"] for s in tail].index("bn")]["training"]
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    w = rng.standard_normal((total, 3, 3, 3), dtype=np.float32)
+    b, gamma, beta, mean = rng.standard_normal((4, total), dtype=np.float32)
+    var = rng.uniform(0.5, 2.0, total).astype(np.float32)
+    conv_y = be.conv2d_forward(x, w, b, 1, 1)[0]
+    shape = (2, total, *tail_output_hw(*conv_y.shape[2:], tail))
+    g = rng.standard_normal(shape, dtype=np.float32)
+    ref = bn_reference(be, x, w, b, tail, g, gamma, beta, (mean, var))
+
+    got: dict[str, list] = {name: [] for name in ("y", "dw", "db", "dgamma", "dbeta", "mean", "var")}
+    dx = np.zeros_like(x)
+    for s, e in slices(counts):
+        if s == e:
+            continue
+        h = halo_span(s, e, total, tail)
+        norm = {"gamma": gamma[h], "beta": beta[h]} | (
+            {} if training else {"running_mean": mean[h], "running_var": var[h]}
+        )
+        own = (s - h.start, e - h.start)
+        y, cache = block_forward(be, x, w[h], b[h], 1, 1, tail, own, norm)
+        got["y"].append(np.asarray(y))
+        dx_k, dw_k, db_k = block_backward(be, np.ascontiguousarray(g[:, h]), cache, True)
+        dx += dx_k
+        for name, v in (("dw", dw_k), ("db", db_k), ("dgamma", cache.dnorm["gamma"]), ("dbeta", cache.dnorm["beta"])):
+            got[name].append(v)
+        if training:
+            got["mean"].append(norm["mean"][own[0] : own[1]])
+            got["var"].append(norm["var"][own[0] : own[1]])
+    names = ("y", "dx", "dw", "db", "dgamma", "dbeta", "mean", "var")
+    for name, r in zip(names, ref, strict=True):
+        if name == "dx":
+            within_round_off(dx, r, name)
+        elif got[name]:
+            within_round_off(np.concatenate(got[name], axis=int(name == "y")), r, name)
+    assert all(got[name] for name in ("y", "dgamma", "dbeta")) and bool(got["mean"]) == training
 
 
 def test_a_fused_network_gives_the_plain_numbers_and_detach_restores_it(rng):
@@ -240,5 +336,37 @@ def test_a_fused_network_gives_the_plain_numbers_and_detach_restores_it(rng):
         cluster.detach(net)
         assert net.layers == layers
         assert_close(net.forward(x), y_ref)
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("split", ["kernels", "channels"])
+def test_a_fused_network_with_batch_norm_trains_as_the_plain_one(rng, split):
+    # the default preset's blocks, conv -> ReLU -> batch norm -> pool, on two workers and the master: two SGD steps
+    # give the plain network's losses, parameters and running statistics, and evaluation its logits
+    be = NumpyBackend()
+    x = rng.standard_normal((4, 3, 16, 16), dtype=np.float32)
+    labels = rng.integers(0, 10, 4)
+    ref, net = (paper_net("6:9", be, norm="batch", seed=3, image_size=16) for _ in range(2))
+    transport = InprocTransport(lambda i: Worker(NumpyBackend()), protocol=VERSION)
+    try:
+        cluster = Cluster(transport, transport.start(2, timeout=TIMEOUT), be, recv_timeout=TIMEOUT, split=split)
+        cluster.attach(net)
+        assert [len(layer.layers) for layer in net.layers[:2]] == [4, 4]  # each conv with its ReLU, norm and pool
+        assert [key for key, _, _ in net.named_params()] == [key for key, _, _ in ref.named_params()]
+        cluster.set_plan("conv1", [2, 1, 3])
+        cluster.set_plan("conv2", [3, 4, 2])
+        optimisers = [SGD(n, lr=0.1, momentum=0.9) for n in (ref, net)]
+        for _ in range(2):
+            losses = [n.train_step(x, labels) for n in (ref, net)]
+            for opt in optimisers:
+                opt.step()
+            cluster.step += 1
+            assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+        state, want = net.state_dict(), ref.state_dict()
+        assert state.keys() == want.keys() and any("running_var" in key for key in state)
+        for key in want:
+            within_round_off(state[key], Expected(want[key], K_BN), key)
+        within_round_off(net.forward(x), Expected(ref.forward(x), K_BN), "eval logits")
     finally:
         transport.close()

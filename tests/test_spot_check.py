@@ -29,9 +29,9 @@ class Steps:
     """A worker's block tasks, step after step (N images, C channels, F' kernels of which it owns [2, F'-2)),
     answered by a real worker and then, maybe, spoilt by ``spoil(name, array, step)``."""
 
-    def __init__(self, n: int = 8, c: int = 3, f: int = 12, hw: int = 10, seed: int = 0) -> None:
+    def __init__(self, n: int = 8, c: int = 3, f: int = 12, hw: int = 10, seed: int = 0, tail=TAIL) -> None:
         self.rng = np.random.default_rng(seed)
-        self.n, self.c, self.f, self.hw = n, c, f, hw
+        self.n, self.c, self.f, self.hw, self.tail = n, c, f, hw, tail
         self.worker = Worker(BE)
         self.task = 0
 
@@ -49,8 +49,9 @@ class Steps:
             w = self.rng.standard_normal((self.f, self.c, 5, 5), dtype=np.float32) * 0.2
             b = self.rng.standard_normal(self.f, dtype=np.float32) * 0.1
             own = [2, self.f - 2]
-            header = {"stride": 1, "padding": 2, "tail": TAIL, "own": own}
-            fwd, y = self._send("block_forward", header, {"x": x, "w": w, "b": b}, step)
+            header = {"stride": 1, "padding": 2, "tail": self.tail, "own": own}
+            norm = {"gamma": self.rng.uniform(0.5, 2, self.f).astype(np.float32), "beta": b} if BN in self.tail else {}
+            fwd, y = self._send("block_forward", header, {"x": x, "w": w, "b": b} | norm, step)
             y.arrays = {k: spoil(k, a, step) for k, a in y.arrays.items()}
             dy = self.rng.standard_normal((self.n, self.f, 5, 5), dtype=np.float32)
             bwd, grads = self._send("block_backward", {"need_dx": True}, {"dy": dy}, step)
@@ -62,6 +63,10 @@ class Steps:
                 assert list(e.workers) == [7] and e.workers[7].startswith("wrong result: "), e.workers
                 return step
         return steps + 1
+
+
+BN = {"op": "bn", "eps": 1e-5, "training": True}
+BN_TAIL = [{"op": "relu"}, BN, {"op": "maxpool", "kernel": 3, "stride": 2, "padding": 1}]  # the default preset's
 
 
 def test_honest_results_pass_even_off_by_round_off():
@@ -92,9 +97,26 @@ def test_kernels_relu_all_but_kills_raise_no_alarm():
 
 
 @pytest.mark.parametrize("factor", [-50.0, 1.01])
-def test_results_scaled_are_caught_at_the_first_step(factor):
+@pytest.mark.parametrize("tail", [TAIL, BN_TAIL], ids=["lrn", "batch norm"])
+def test_results_scaled_are_caught_at_the_first_step(factor, tail):
     """x -50 poison and a 1 % perturbation of every result both fail the first step's sample."""
-    assert Steps().run(SpotCheck(), 5, lambda name, a, step: a * np.float32(factor)) == 1
+    assert Steps(tail=tail).run(SpotCheck(), 5, lambda name, a, step: a * np.float32(factor)) == 1
+
+
+def test_a_batch_norm_tail_honest_passes_and_its_statistics_and_gradients_are_checked():
+    """With batch norm in the tail the kernel samples recompute its batch statistics, dgamma and dbeta too (one
+    image's output depends on the whole batch: no image samples); round-off raises no alarm, a wrong one is caught."""
+    rng = np.random.default_rng(2)
+
+    def ulps(name, a, step):
+        return (a * (1 + rng.uniform(-8, 8, a.shape) * 2.0**-24)).astype(np.float32)
+
+    for seed in range(3):
+        spot = SpotCheck(budget=1.0, seed=seed)
+        assert Steps(seed=seed, tail=BN_TAIL).run(spot, 20, ulps) == 21 and spot.samples >= 20
+    for wrong in ("mean", "var", "dgamma", "dbeta"):
+        spoil = lambda name, a, step, wrong=wrong: a * np.float32(1.05) if name == wrong else a  # noqa: E731
+        assert Steps(tail=BN_TAIL).run(SpotCheck(budget=1.0), 5, spoil) == 1, wrong
 
 
 def test_a_wrong_backward_alone_is_caught():
@@ -151,9 +173,9 @@ class ChannelSteps:
 
     F, HALO, OWN, GIVE = 16, [2, 14], [4, 8], [10, 6]  # its halo in F; its own in the halo; rows the others need
 
-    def __init__(self, backend=BE, n: int = 8, chunk: int = 4, c: int = 3, hw: int = 10, seed: int = 0) -> None:
+    def __init__(self, backend=BE, n: int = 8, chunk: int = 4, c: int = 3, hw: int = 10, seed: int = 0, tail=TAIL):
         self.rng = np.random.default_rng(seed)
-        self.n, self.chunk, self.c, self.hw = n, chunk, c, hw
+        self.n, self.chunk, self.c, self.hw, self.tail = n, chunk, c, hw, tail
         self.worker = Worker(backend)
         self.task = 0
 
@@ -171,7 +193,7 @@ class ChannelSteps:
         x = r.standard_normal((n, self.c, hw, hw), dtype=np.float32)
         w = r.standard_normal((f, self.c, 5, 5), dtype=np.float32) * 0.2
         chunks = [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
-        settings = {"stride": 1, "padding": 2, "tail": TAIL, "halo": self.HALO, "own": self.OWN, "give": self.GIVE}
+        settings = {"stride": 1, "padding": 2, "tail": self.tail, "halo": self.HALO, "own": self.OWN, "give": self.GIVE}
         for a, e in chunks:
             arrays = {"x": x[a:e]} | ({"w": w} if a == 0 else {})
             self._send("partial_forward", settings | {"images": [a, e, n]}, arrays, step, spot, spoil)
@@ -179,6 +201,8 @@ class ChannelSteps:
         for a, e in chunks:
             arrays = {"sum": r.standard_normal((halo, e - a, hw, hw), dtype=np.float32)}
             arrays |= {"b": r.standard_normal(halo, dtype=np.float32) * 0.1} if e == n else {}
+            if e == n and BN in self.tail:
+                arrays |= {"gamma": r.uniform(0.5, 2, halo).astype(np.float32), "beta": arrays["b"]}
             self._send("tail_forward", {"images": [a, e, n]}, arrays, step, spot, spoil)
         dy = r.standard_normal((n, halo, 5, 5), dtype=np.float32)
         self._send("tail_backward", {}, {"dy": dy}, step, spot, spoil)
@@ -220,9 +244,23 @@ CHANNEL_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", CHANNEL_FAULTS)
-def test_the_split_by_channels_a_wrong_worker_is_caught_and_named(fault):
+@pytest.mark.parametrize("tail", [TAIL, BN_TAIL], ids=["lrn", "batch norm"])
+def test_the_split_by_channels_a_wrong_worker_is_caught_and_named(fault, tail):
     """Every result of the four tasks is sampled: a worker wrong in any of them is lost, "wrong result"."""
-    assert ChannelSteps().run(SpotCheck(budget=1.0, seed=2), 3, CHANNEL_FAULTS[fault]) == 1
+    assert ChannelSteps(tail=tail).run(SpotCheck(budget=1.0, seed=2), 3, CHANNEL_FAULTS[fault]) == 1
+
+
+def test_the_split_by_channels_with_batch_norm_honest_passes_and_its_numbers_are_checked():
+    rng = np.random.default_rng(3)
+
+    def ulps(name, a):
+        return (a * (1 + rng.uniform(-8, 8, a.shape) * 2.0**-24)).astype(np.float32)
+
+    spot = SpotCheck(budget=1.0)
+    assert ChannelSteps(tail=BN_TAIL).run(spot, 30, ulps) == 31 and spot.samples >= 30
+    for wrong in ("mean", "var", "dgamma", "dbeta"):
+        spoil = lambda name, a, wrong=wrong: a * np.float32(1.05) if name == wrong else a  # noqa: E731
+        assert ChannelSteps(tail=BN_TAIL).run(SpotCheck(budget=1.0), 20, spoil) <= 20, wrong  # a kernel it owns
 
 
 @pytest.mark.parametrize("fault", ["x -50", "1 % on every result"])

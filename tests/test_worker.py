@@ -124,6 +124,42 @@ def test_block_forward_and_backward_equal_the_backend():
     assert worker.state.open == {}  # one backward per forward: nothing kept after it
 
 
+def test_a_tail_with_batch_norm_takes_its_arrays_and_gives_its_statistics_and_gradients():
+    # training: gamma and beta in; y, the batch's mean and unbiased variance of the computed kernels out; backward
+    # dgamma and dbeta of the owned ones. Evaluation: the running statistics in, nothing more out
+    worker, bn = Worker(NumpyBackend()), {"op": "bn", "eps": 1e-5, "training": True}
+    gamma, beta = RNG.standard_normal((2, 5), dtype=np.float32)
+    got = ok(
+        worker, task("block_forward", {"x": X, "w": W, "b": B, "gamma": gamma, "beta": beta}, tail=[bn], own=[1, 4])
+    )
+    conv = NumpyBackend().conv2d_forward(X, W, B, 1, 1)[0]
+    mean, var = conv.mean(axis=(0, 2, 3)), conv.var(axis=(0, 2, 3), ddof=1)
+    close(got["mean"], Expected(mean, 2 * 8 * 8 + 30))
+    close(got["var"], Expected(var, 4 * 2 * 8 * 8 + 30))
+    xhat = (conv - mean[None, :, None, None]) / np.sqrt(conv.var(axis=(0, 2, 3)) + 1e-5)[None, :, None, None]
+    close(got["y"], Expected((gamma[None, :, None, None] * xhat + beta[None, :, None, None])[:, 1:4], 4 * 2 * 8 * 8))
+    grads = ok(worker, task("block_backward", {"dy": DY}))
+    assert grads["dgamma"].shape == grads["dbeta"].shape == (3,)
+    close(grads["dbeta"], Expected(DY.sum(axis=(0, 2, 3))[1:4], 2 * 8 * 8))
+
+    running = {"running_mean": mean, "running_var": var}
+    evaluated = ok(worker, task("block_forward", {"x": X, "w": W, "b": B, "gamma": gamma, "beta": beta} | running,
+                                tail=[bn | {"training": False}]))  # fmt: skip
+    assert set(evaluated) == {"y"}
+    for arrays, tail, complaint in [
+        ({"gamma": gamma}, [bn], r"needs exactly \['beta', 'gamma'\] arrays \(5,\)"),
+        (
+            {"gamma": gamma, "beta": beta},
+            [bn | {"training": False}],
+            r"\['beta', 'gamma', 'running_mean', 'running_var'\]",
+        ),
+        ({"gamma": gamma[:4], "beta": beta}, [bn], r"got \{'gamma': \(4,\), 'beta': \(5,\)\}"),
+        ({"gamma": gamma, "beta": beta}, [], r"needs exactly no arrays"),
+    ]:
+        reply = worker.handle(task("block_forward", {"x": X, "w": W, "b": B} | arrays, tail=tail))
+        assert re.search(complaint, error_text(reply)), error_text(reply)
+
+
 def test_need_dx_false_returns_no_dx_and_layers_keep_separate_state():
     worker = Worker(NumpyBackend())
     y0 = ok(worker, forward(layer=0))["y"]
@@ -262,7 +298,7 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
             "must repeat its first chunk's settings",
         ),
         ([partial(x=X[:1], images=[0, 1, 2]), tail()], r"tail_forward goes by .* the next is images \[0, 1, 2\]"),
-        ([partial(x=X[:1], images=[0, 1, 2]), tail(images=[0, 1, 2])], "b comes with the last chunk"),
+        ([partial(x=X[:1], images=[0, 1, 2]), tail(images=[0, 1, 2])], r"batch norm.s arrays\) come with the last"),
         (
             [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]), tail()],
             r"tail_forward goes by partial_forward's chunks; the next is images \[0, 1, 2\]",
@@ -323,7 +359,10 @@ CALIBRATE_0 = {"layer": 0, "x": [1, 3, 8, 8], "w": [1, 3, 3, 3], "stride": 1, "p
         ([Message("block_forward", {"task": 1, "step": 0, "layer": 0}, {})], "missing"),
         ([partial(), tail(b=B[:3])], r"tail_forward takes b \(5,\) and sum \(5, 2, 8, 8\); got b \(3,\)"),
         ([partial(), tail(others=DY[:, :2])], r"got b \(5,\), sum \(2, 2, 8, 8\)"),
-        ([partial(), task("tail_forward", {"b": B, "x": X})], r"optionally \['b', 'sum'\], got \['b', 'x'\]"),
+        (
+            [partial(), task("tail_forward", {"b": B, "x": X})],
+            r"optionally \['b', 'beta', 'gamma', 'running_mean', 'running_var', 'sum'\], got \['b', 'x'\]",
+        ),
         ([*BY_CHANNELS, task("tail_backward", {"dy": DY}), task("partial_backward", {"dy": DY})], "optionally"),
         (
             [*BY_CHANNELS, task("tail_backward", {"dy": DY}), task("partial_backward", {"dyc_hi": DY[:, :1]})],

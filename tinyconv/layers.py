@@ -52,6 +52,10 @@ class Layer:
         """The output's shape for an input of ``x_shape``: the same, unless the layer says otherwise."""
         return tuple(x_shape)
 
+    def leaves(self) -> list[Layer]:
+        """The layers whose params, grads and buffers this one stands for: itself, or those it is made of."""
+        return [self]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

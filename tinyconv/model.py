@@ -114,22 +114,27 @@ class Network:
         self.backward(dlogits)
         return loss
 
+    def leaves(self) -> list[Layer]:
+        """The layers that hold the parameters and buffers, in order: a layer made of others
+        (a convolution and the layers after it, computed in shards) stands for them."""
+        return [leaf for layer in self.layers for leaf in layer.leaves()]
+
     def named_params(self) -> Iterator[tuple[str, Layer, str]]:
         """('conv1.w', layer, 'w') for every trainable parameter, in a fixed order."""
-        for layer in self.layers:
+        for layer in self.leaves():
             for name in layer.params:
                 yield f"{layer.name}.{name}", layer, name
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of every parameter and buffer, keyed '<layer name>.<name>'."""
         out = {}
-        for layer in self.layers:
+        for layer in self.leaves():
             for name, arr in {**layer.params, **layer.buffers}.items():
                 out[f"{layer.name}.{name}"] = self.backend.to_numpy(arr).copy()
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        for layer in self.layers:
+        for layer in self.leaves():
             for table in (layer.params, layer.buffers):
                 for name, arr in table.items():
                     key = f"{layer.name}.{name}"
@@ -143,7 +148,7 @@ class Network:
                     table[name] = self.backend.asarray(state[key].astype(np.float32))
 
     def num_params(self) -> int:
-        return sum(int(np.prod(a.shape)) for layer in self.layers for a in layer.params.values())
+        return sum(int(np.prod(a.shape)) for layer in self.leaves() for a in layer.params.values())
 
     def __repr__(self) -> str:
         return "Network(\n  " + "\n  ".join(map(repr, self.layers)) + "\n)"

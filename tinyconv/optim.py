@@ -37,7 +37,7 @@ class SGD:
         layer_lr: dict[str, float] | None = None,
     ) -> None:
         self.layer_lr = dict(layer_lr or {})
-        names = [layer.name for layer in net.layers if layer.params]
+        names = [layer.name for layer in net.leaves() if layer.params]
         for layer_name in self.layer_lr:
             if layer_name not in names:
                 raise ValueError(

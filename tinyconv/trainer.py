@@ -129,7 +129,7 @@ class Trainer:
     def _step(self, batches: Prefetcher) -> tuple[float, float]:
         """The next step of the loop, whole or not at all: cut short, it is rolled back; its update,
         recorded and counted, runs with signals held. Its time counts from asking for its batch."""
-        be, layers = self.net.backend, self.net.layers
+        be, layers = self.net.backend, self.net.leaves()
         # what a step changes before its update: batch-norm's running statistics, by (layer index, name)
         undo = {(i, name): be.to_numpy(a).copy() for i, layer in enumerate(layers) for name, a in layer.buffers.items()}
         t0 = time.perf_counter()

@@ -281,6 +281,7 @@ CASES: list[Case] = [
     _lrn("relu_lrn", 2, 3, 4, 4, 5, 2e-2, 0.75, 2.0, 5.0, "nan"),  # fewer channels than the window; NaNs
     _batchnorm(2, 4, 5, 5, training=True),
     _batchnorm(1, 3, 4, 3, training=True, momentum=0.2),  # batch 1
+    _batchnorm(2, 6, 4, 4, training=True, momentum=1.0),  # a split's tail: the running statistics become the batch's
     _batchnorm(2, 4, 5, 5, training=False),
     _batchnorm(1, 3, 1, 1, training=True),  # one value per channel: no batch statistics to train with
     _batchnorm(1, 3, 1, 1, training=False),  # ... which eval mode does not need

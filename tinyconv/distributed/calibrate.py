@@ -94,9 +94,11 @@ def time_block(be: Backend, spec: Spec, repeats: int) -> float:
     w = be.asarray(rng.standard_normal(spec.w, dtype=np.float32) * np.float32(0.1))
     b = be.asarray(rng.standard_normal(spec.w[0], dtype=np.float32))
     dy = be.asarray(rng.standard_normal(spec.y, dtype=np.float32))
+    ones, zeros = be.asarray(np.ones(spec.w[0], np.float32)), be.zeros((spec.w[0],))
 
     def once() -> None:
-        _, cache = block_forward(be, x, w, b, spec.stride, spec.padding, spec.tail)
+        norm = {"gamma": ones, "beta": zeros, "running_mean": zeros, "running_var": ones}  # a batch norm's, if any
+        _, cache = block_forward(be, x, w, b, spec.stride, spec.padding, spec.tail, None, norm)
         block_backward(be, dy, cache, spec.need_dx)
 
     return median_seconds(once, be, repeats)

@@ -19,7 +19,7 @@ class ConvShape:
     w: tuple[int, int, int, int]
     y: tuple[int, int, int, int]
     need_dx: bool
-    tail: tuple[dict[str, Any], ...] = ()  # the ReLU / LRN / max pool after it (block.py's specs)
+    tail: tuple[dict[str, Any], ...] = ()  # the ReLU / LRN / batch norm / max pool after it, in training (block.py)
 
 
 def conv_shapes(net: Network, batch: int, image_size: int = 32) -> list[ConvShape]:
@@ -31,7 +31,8 @@ def conv_shapes(net: Network, batch: int, image_size: int = 32) -> list[ConvShap
             break
         if isinstance(layer, Conv2D):
             x = (batch, layer.in_channels, *shape[2:])
-            w, y, tail = tuple(layer.params["w"].shape), layer.output_shape(x), tuple(tail_of(net.layers[i + 1 :]))
+            w, y = tuple(layer.params["w"].shape), layer.output_shape(x)
+            tail = tuple(tail_of(net.layers[i + 1 :], training=True))
             convs.append(ConvShape(f"conv{len(convs) + 1}", x, w, y, layer.need_dx, tail))
         shape = layer.output_shape(shape)
     return convs

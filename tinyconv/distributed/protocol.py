@@ -10,9 +10,12 @@ which tie the parts of one layer's step together on the worker.
 The paper's split by kernels (``by_kernels.py``)::
 
     block_forward     stride, padding, tail, own     x (N, C, H, W), w (F', C, K, K), b (F',)
-                      -> y (N, own, OH', OW'): the block of F' kernels (own and halo), the own ones' output
+                                                     a bn: gamma, beta (F',); in eval running_mean, running_var
+                      -> y (N, own, OH', OW'): the block of F' kernels (own and halo), the own ones' output;
+                         a bn in training: the batch's mean, var (F',), unbiased
     block_backward    need_dx                        dy (N, F', OH', OW'), over every computed kernel
-                      -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,)
+                      -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,);
+                         a bn: dgamma, dbeta (own,)
 
 The other tasks -- calibration (``calibrate.py``), the split by input channels
 (``worker/channel_handlers.py``), data parallelism and the hybrid (``worker/replica_handlers.py``)
@@ -31,7 +34,7 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol, wire_codec.py's ``narrow`` and ``reply`` included: one more for any change to a task or
 # result; a worker's hello says which it speaks, the transport admits equals
-VERSION = 8
+VERSION = 9
 
 
 class TaskError(ValueError):
@@ -56,16 +59,18 @@ _LAYER = {"task": Int, "step": Int, "layer": Int}
 _CONV = _LAYER | {"stride": Int, "padding": Int, "tail": list}
 _NET = {"task": Int, "net": dict, "batch": Int}
 _CHUNK = {"images": list}  # a chunk of the batch, [a, b, N] (by_channels.py's pipeline)
+NORM_INPUTS = ("gamma", "beta", "running_mean", "running_var")  # a tail's batch norm's (block.py)
+_NORM = " ".join(NORM_INPUTS)
 
 TASKS: dict[str, Schema] = {
     "calibrate": Schema({"task": Int, "layers": list, "repeats": Int}, timed=True),
-    "block_forward": Schema(_CONV | {"own": list}, "x w b", result="y"),
-    "block_backward": Schema(_LAYER | {"need_dx": bool}, "dy", result="dx dw db"),
+    "block_forward": Schema(_CONV | {"own": list}, "x w b", _NORM, result="y mean var"),
+    "block_backward": Schema(_LAYER | {"need_dx": bool}, "dy", result="dx dw db dgamma dbeta"),
     "partial_forward": Schema(
         _CONV | {"halo": list, "own": list, "give": list}, "x", optional="w", result="p_lo p_hi", extra=_CHUNK
     ),
-    "tail_forward": Schema(_LAYER, optional="b sum", result="y", extra=_CHUNK),
-    "tail_backward": Schema(_LAYER, "dy", result="dyc"),
+    "tail_forward": Schema(_LAYER, optional="b sum " + _NORM, result="y mean var", extra=_CHUNK),
+    "tail_backward": Schema(_LAYER, "dy", result="dyc dgamma dbeta"),
     "partial_backward": Schema(_LAYER | {"need_dx": bool}, optional="dyc_lo dyc_hi", result="dx dw db", extra=_CHUNK),
     "replica_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
     "replica_step": Schema(

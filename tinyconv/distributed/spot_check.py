@@ -45,14 +45,20 @@ from tinyconv.distributed.spot_check_channels import ByChannels
 from tinyconv.distributed.spot_sample import (
     Pair,
     Sample,
+    batch_norm,
     few_kernels_dw,
     few_kernels_forward,
     fits,
+    image_tail,
     kernel_span,
+    norm_backward_pairs,
+    norm_forward_pairs,
+    norm_gain,
     padded,
     pair,
     sum_pair,
     tail_roundings,
+    task_norm,
 )
 from transports.base import Message
 
@@ -68,24 +74,31 @@ class ByKernels:
     ``spot_check_channels.ByChannels`` is of the other split. ``work``: its forward's kernel-channel-images."""
 
     def __init__(self, task: Message) -> None:
-        self.fwd, h = task, task.header
-        self.step, self.images = h["step"], task.arrays["x"].shape[0]
-        self.work = int(np.prod(task.arrays["w"].shape[:2])) * self.images
+        self.fwd, h, (x, w) = task, task.header, (task.arrays["x"], task.arrays["w"])
+        self.step, self.images = h["step"], x.shape[0]
+        self.work = int(np.prod(w.shape[:2])) * self.images
         self.lo, self.hi = h["own"]
+        self.conv_hw = tuple(conv_output_size(v, w.shape[2], h["stride"], h["padding"]) for v in x.shape[2:])
+        self.m = self.images * int(np.prod(self.conv_hw))  # a batch norm's values per kernel
+        self.bn = batch_norm(h["tail"])
         self.y = self.bwd = self.grads = None
+        self.stats: dict[str, np.ndarray] = {}  # a training batch norm's: the worker's batch mean and variance (F',)
 
     def add(self, task: Message, reply: Message) -> str | None:
         """Keep a task and its result: "forward" or "backward" when that is all in, "unfit" for a wrong shape."""
         x, w = self.fwd.arrays["x"], self.fwd.arrays["w"]
+        training = self.bn is not None and self.bn["training"]
         if task.kind == "block_forward":
-            self.y, h = reply.arrays.get("y"), self.fwd.header
-            hw = (conv_output_size(v, w.shape[2], h["stride"], h["padding"]) for v in x.shape[2:])
-            want = (self.images, self.hi - self.lo, *tail_output_hw(*hw, h["tail"]))
-            return "forward" if fits(reply, {"y": want}, "y") else "unfit"
+            self.y, self.stats = reply.arrays.get("y"), reply.arrays
+            want = {"y": (self.images, self.hi - self.lo, *tail_output_hw(*self.conv_hw, self.fwd.header["tail"]))}
+            want |= {"mean": w.shape[:1], "var": w.shape[:1]} if training else {}
+            return "forward" if fits(reply, want, " ".join(want)) else "unfit"
         if task.kind != "block_backward" or self.y is None:
             return None
         own = self.hi - self.lo
-        if not fits(reply, {"dx": x.shape, "dw": (own, *w.shape[1:]), "db": (own,)}, "dw db"):
+        want = {"dx": x.shape, "dw": (own, *w.shape[1:]), "db": (own,)}
+        want |= {"dgamma": (own,), "dbeta": (own,)} if self.bn is not None else {}
+        if not fits(reply, want, " ".join(k for k in want if k != "dx")):
             return "unfit"
         self.bwd, self.grads = task, reply.arrays
         return "backward"
@@ -94,6 +107,10 @@ class ByKernels:
         """Where a sample of ``kind`` may be: the images, or the kernels it answers for."""
         return range(self.images) if kind == "image" else range(self.lo, self.hi)
 
+    def alike(self, sample: Sample) -> range:
+        """Where another sample checks what ``sample`` does (any place of its kind, by kernels)."""
+        return self.places(sample.kind)
+
     def sample(self, kind: str, at: int, be: Backend) -> Sample:
         """The sample of ``kind`` at ``at``, the master's forward of it computed."""
         x, w, b, h = self.fwd.arrays["x"], self.fwd.arrays["w"], self.fwd.arrays["b"], self.fwd.header
@@ -101,39 +118,52 @@ class ByKernels:
             args = (be.asarray(x[at : at + 1]), be.asarray(w), be.asarray(b), h["stride"], h["padding"])
             conv, conv_cache = be.conv2d_forward(*args)
             top = scale(be.to_numpy(conv))  # before the tail, which may write in place
-            y, cache = tail_forward(be, conv, conv_cache, h["tail"], (self.lo, self.hi))
-            return Sample(kind, at, slice(0, w.shape[0]), np.asarray(be.to_numpy(y)), cache, top)
+            norm = task_norm(be, self.fwd.arrays, slice(0, w.shape[0]))
+            tail = image_tail(be, h["tail"], norm, self.stats, self.m)
+            y, cache = tail_forward(be, conv, conv_cache, tail, (self.lo, self.hi), norm)
+            return Sample(kind, at, slice(0, w.shape[0]), np.asarray(be.to_numpy(y)), cache, top, norm=norm)
         span = kernel_span(at, w.shape[0], h["tail"])  # clipped where the task's kernels end: its true edge
         xp = padded(x, h["padding"])
         conv = few_kernels_forward(xp, w[span], b[span], h["stride"])
-        y, cache = tail_forward(be, be.asarray(conv), None, h["tail"], (at - span.start, at - span.start + 1))
-        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, scale(conv), xp)
+        norm = task_norm(be, self.fwd.arrays, span)
+        y, cache = tail_forward(be, be.asarray(conv), None, h["tail"], (at - span.start, at - span.start + 1), norm)
+        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, scale(conv), xp, norm=norm)
 
-    def forward_pairs(self, sample: Sample) -> list[Pair]:
+    def forward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
         got = self.y[sample.at : sample.at + 1] if sample.kind == "image" else self.y[:, _at(sample, self.lo)]
-        return [pair(got, sample.y, forward_roundings(self.fwd), sample.top)]
+        k, gain = forward_roundings(self.fwd, self.m), norm_gain(be, self.fwd.header["tail"], sample.norm, self.m)
+        pairs = [pair(got, sample.y, k, sample.top * gain)]  # a batch norm scales the convolution's round-off
+        if sample.kind == "kernel" and self.bn is not None and self.bn["training"]:
+            stats = {name: self.stats[name][sample.at : sample.at + 1] for name in ("mean", "var")}
+            pairs += norm_forward_pairs(be, sample, stats, k - tail_roundings(self.fwd.header["tail"], self.m), self.m)
+        return pairs
 
     def backward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
         dy, h = self.bwd.arrays["dy"], self.fwd.header
         f, _, kh, kw = self.fwd.arrays["w"].shape
-        k = forward_roundings(self.fwd) + tail_roundings(h["tail"])
-        if sample.kind == "image":
-            if not (self.bwd.header["need_dx"] and "dx" in self.grads):
+        k = forward_roundings(self.fwd, self.m) + tail_roundings(h["tail"], self.m)
+        if sample.kind == "image":  # a training batch norm's backward of one image needs all of them: no dx check
+            if not (self.bwd.header["need_dx"] and "dx" in self.grads) or (self.bn and self.bn["training"]):
                 return []
             dx, _, _ = block_backward(be, be.asarray(dy[sample.at : sample.at + 1]), sample.cache, True)
             return [pair(self.grads["dx"][sample.at : sample.at + 1], np.asarray(be.to_numpy(dx)), k + f * kh * kw)]
         d = np.asarray(be.to_numpy(tail_backward(be, be.asarray(dy[:, sample.span]), sample.cache)))
         d = d[:, sample.at - sample.span.start][:, None]  # (N, 1, OH, OW): the kernel's conv-output gradient
-        k += d.shape[0] * d.shape[2] * d.shape[3]  # dw and db sum over every conv output
         j = _at(sample, self.lo)
+        pairs = []
+        if self.bn is not None:
+            got = {name: self.grads[name][j] for name in ("dgamma", "dbeta")}
+            pairs = norm_backward_pairs(be, sample, self.bn, got, dy[:, sample.at], k, self.m)
+        k += self.m  # dw and db sum over every conv output
         dw = few_kernels_dw(sample.xp, d, h["stride"], kh)
-        return [pair(self.grads["dw"][j], dw, k), sum_pair(self.grads["db"][j], d, k)]
+        return [*pairs, pair(self.grads["dw"][j], dw, k), sum_pair(self.grads["db"][j], d, k)]
 
 
-def forward_roundings(task: Message) -> int:
-    """k of a block's output: the convolution's C K K products and its bias, then the tail."""
+def forward_roundings(task: Message, m: int) -> int:
+    """k of a block's output: the convolution's C K K products and its bias, then the tail (m: a batch norm's values
+    per kernel)."""
     _, c, kh, kw = task.arrays["w"].shape
-    return c * kh * kw + 1 + tail_roundings(task.header["tail"])
+    return c * kh * kw + 1 + tail_roundings(task.header["tail"], m)
 
 
 def _at(sample: Sample, lo: int) -> slice:
@@ -185,8 +215,8 @@ class SpotCheck:
         elif reached == "backward":
             self._backward(k, state, layer, be)
 
-    def _place(self, view: Any, kind: str, besides: list[int]) -> int | None:
-        choices = [i for i in view.places(kind) if i not in besides]
+    def _place(self, view: Any, kind: str, besides: list[int], among: range | None = None) -> int | None:
+        choices = [i for i in (view.places(kind) if among is None else among) if i not in besides]
         return int(self.rng.choice(choices)) if choices else None
 
     def _spend(self, state: _Worker, kind: str, t0: float, cells: float, layer: int) -> None:
@@ -216,7 +246,7 @@ class SpotCheck:
             t0 = time.perf_counter()
             sample = view.sample(kind, at, be)
             self.samples += 1
-            pairs = view.forward_pairs(sample)
+            pairs = view.forward_pairs(sample, be)
             self._spend(state, kind, t0, view.work / view.images, layer)
             self._judge(k, f"its forward, in {kind} {at}", pairs)
             state.samples[layer].append(sample)
@@ -227,7 +257,8 @@ class SpotCheck:
             t0 = time.perf_counter()
             pairs = view.backward_pairs(sample, be)
             agree, seen = _agree(pairs), [sample.at]
-            while not agree and len(seen) < 3 and (at := self._place(view, sample.kind, seen)) is not None:
+            alike = view.alike(sample)  # where a confirming sample checks the same numbers
+            while not agree and len(seen) < 3 and (at := self._place(view, sample.kind, seen, alike)) is not None:
                 agree = _agree(view.backward_pairs(view.sample(sample.kind, at, be), be))
                 self.forgiven += agree  # round-off flipped a tie in the first sample, not a wrong worker
                 seen.append(at)

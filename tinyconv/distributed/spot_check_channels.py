@@ -31,18 +31,25 @@ import numpy as np
 
 from backends.base import Backend, conv_output_size
 from backends.conformance.checks import scale
+from tinyconv.distributed.protocol import NORM_INPUTS
 from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.spot_sample import (
     Pair,
     Sample,
+    batch_norm,
     few_kernels_dw,
     few_kernels_forward,
     fits,
+    image_tail,
     kernel_span,
+    norm_backward_pairs,
+    norm_forward_pairs,
+    norm_gain,
     padded,
     pair,
     sum_pair,
     tail_roundings,
+    task_norm,
 )
 from transports.base import Message
 
@@ -64,6 +71,13 @@ class ByChannels:
         self.x, self.p, self.sums, self.around, self.dx = [], [], [], [], []
         self.b = self.y = self.dy = self.dyc = self.dw = self.db = None
         self.need_dx = False
+        self.bn, self.m = batch_norm(self.tail), self.images * int(np.prod(self.conv_hw))
+        self.norm: dict[
+            str, np.ndarray
+        ] = {}  # a batch norm's arrays over its halo, as the last tail_forward brought them
+        self.stats: dict[
+            str, np.ndarray
+        ] = {}  # the worker's: a training batch norm's batch mean and variance, dgamma, dbeta
 
     def add(self, task: Message, reply: Message) -> str | None:
         a, r, (oh, ow), n = task.arrays, reply.arrays, self.conv_hw, self.images
@@ -79,11 +93,18 @@ class ByChannels:
             self.sums.append(a.get("sum"))
             self.b = a.get("b", self.b)
             if "y" in r:
-                self.y, want = r["y"], (n, self.end - self.start, *tail_output_hw(oh, ow, self.tail))
-                return "forward" if self.y.shape == want else "unfit"
+                halo, own = (self.he - self.hs,), (self.end - self.start,)
+                want = {"y": (n, *own, *tail_output_hw(oh, ow, self.tail))}
+                want |= {"mean": halo, "var": halo} if self.bn is not None and self.bn["training"] else {}
+                self.y, self.stats = r["y"], dict(r)
+                self.norm = {k: a[k] for k in NORM_INPUTS if k in a}
+                return "forward" if fits(reply, want, " ".join(want)) else "unfit"
         elif task.kind == "tail_backward" and self.y is not None:
             self.dy, self.dyc, self.around, self.dx = a["dy"], r.get("dyc"), [], []
-            return None if self.dyc is not None and self.dyc.shape == (self.end - self.start, n, oh, ow) else "unfit"
+            own = (self.end - self.start,)
+            want = {"dyc": (*own, n, oh, ow)} | ({"dgamma": own, "dbeta": own} if self.bn is not None else {})
+            self.stats |= {k: r[k] for k in ("dgamma", "dbeta") if k in r}
+            return None if fits(reply, want, " ".join(want)) else "unfit"
         elif task.kind == "partial_backward" and self.dyc is not None:
             first, stop, _ = task.header["images"]
             self.need_dx = task.header["need_dx"]
@@ -99,6 +120,11 @@ class ByChannels:
     def places(self, kind: str) -> range:
         return range(self.images if kind == "image" else self.f)
 
+    def alike(self, sample: Sample) -> range:
+        """Where another sample checks what ``sample`` does: a kernel it owns checks its y, dyc (and batch norm's)."""
+        owns = sample.kind == "kernel" and self.start <= sample.at < self.end
+        return range(self.start, self.end) if owns else self.places(sample.kind)
+
     def sample(self, kind: str, at: int, be: Backend) -> Sample:
         stride, pad = self.h["stride"], self.h["padding"]
         if kind == "image":
@@ -108,8 +134,10 @@ class ByChannels:
             halo = slice(self.hs, self.he)
             s = p[halo].transpose(1, 0, 2, 3) + self._sum(halo, at, at + 1) + self.b[None, :, None, None]
             top = max(scale(p), scale(s))  # its partial's scale, and the sum's, before the tail
-            y, cache = tail_forward(be, be.asarray(s), conv, self.tail, tuple(self.h["own"]))
-            return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, top, partial=p)
+            norm = task_norm(be, self.norm, slice(0, self.he - self.hs))
+            tail = image_tail(be, self.tail, norm, self.stats, self.m)
+            y, cache = tail_forward(be, be.asarray(s), conv, tail, tuple(self.h["own"]), norm)
+            return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, top, partial=p, norm=norm)
         xp = padded(np.concatenate(self.x), pad)
         if not self.start <= at < self.end:  # a kernel it owns no output of: the row of P it sent, its dw and db
             p = few_kernels_forward(xp, self.w[at : at + 1], np.zeros(1, np.float32), stride)
@@ -118,21 +146,29 @@ class ByChannels:
         conv = few_kernels_forward(xp, self.w[span], np.zeros(span.stop - span.start, np.float32), stride)
         s = conv + self._sum(span, 0, self.images) + self.b[span.start - self.hs : span.stop - self.hs, None, None]
         top = max(scale(conv), scale(s))
-        y, cache = tail_forward(be, be.asarray(s), None, self.tail, (at - span.start, at - span.start + 1))
-        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, top, xp)
+        norm = task_norm(be, self.norm, slice(span.start - self.hs, span.stop - self.hs))
+        y, cache = tail_forward(be, be.asarray(s), None, self.tail, (at - span.start, at - span.start + 1), norm)
+        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, top, xp, norm=norm)
 
-    def forward_pairs(self, sample: Sample) -> list[Pair]:
+    def forward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
         k = self.c * self.k * self.k
         if sample.kind == "kernel" and sample.y is None:  # a row the others' halos read: in p_lo or p_hi
             lo_end, hi_start = self.h["give"]
             name, row = ("p_lo", sample.at) if sample.at < lo_end else ("p_hi", sample.at - hi_start)
             return [pair(np.concatenate([p[name][row] for p in self.p]), sample.partial, k)]
+        k_y, top = k + 2 + tail_roundings(self.tail, self.m), sample.top * norm_gain(be, self.tail, sample.norm, self.m)
         if sample.kind == "kernel":
             own = slice(sample.at - self.start, sample.at - self.start + 1)
-            return [pair(self.y[:, own], sample.y, k + 2 + tail_roundings(self.tail), sample.top)]
+            pairs = [pair(self.y[:, own], sample.y, k_y, top)]
+            if self.bn is not None and self.bn["training"]:
+                stats = {
+                    name: self.stats[name][sample.at - self.hs : sample.at - self.hs + 1] for name in ("mean", "var")
+                }
+                pairs += norm_forward_pairs(be, sample, stats, k + 2, self.m)
+            return pairs
         i, r = self._chunk(sample.at)
         lo_end, hi_start = self.h["give"]
-        pairs = [pair(self.y[sample.at : sample.at + 1], sample.y, k + 2 + tail_roundings(self.tail), sample.top)]
+        pairs = [pair(self.y[sample.at : sample.at + 1], sample.y, k_y, top)]
         if "p_lo" in self.p[i]:
             pairs.append(pair(self.p[i]["p_lo"][:, r], sample.partial[:lo_end, 0], k))
         if "p_hi" in self.p[i]:
@@ -140,12 +176,14 @@ class ByChannels:
         return pairs
 
     def backward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
-        k_dyc = self.c * self.k * self.k + 2 + 2 * tail_roundings(self.tail)
+        k_dyc = self.c * self.k * self.k + 2 + 2 * tail_roundings(self.tail, self.m)
         rows = slice(sample.span.start - self.hs, sample.span.stop - self.hs)  # the sample's kernels in dy's halo
         if sample.kind == "image":
             n, (lo, hi) = sample.at, self.h["own"]
-            d = be.to_numpy(tail_backward(be, be.asarray(self.dy[n : n + 1, rows]), sample.cache))
-            pairs = [pair(self.dyc[:, n], np.asarray(d)[0, lo:hi], k_dyc)]
+            pairs = []
+            if not (self.bn and self.bn["training"]):  # a training batch norm's backward of one image needs them all
+                d = be.to_numpy(tail_backward(be, be.asarray(self.dy[n : n + 1, rows]), sample.cache))
+                pairs.append(pair(self.dyc[:, n], np.asarray(d)[0, lo:hi], k_dyc))
             i, r = self._chunk(n)
             if self.need_dx and self.dx[i] is not None:
                 dx, _, _ = be.conv2d_backward(be.asarray(self._dy_conv_image(n)), sample.cache.conv, True)
@@ -155,6 +193,9 @@ class ByChannels:
         if sample.y is not None:
             d = np.asarray(be.to_numpy(tail_backward(be, be.asarray(self.dy[:, rows]), sample.cache)))
             pairs.append(pair(self.dyc[j - self.start], d[:, j - sample.span.start], k_dyc))
+            if self.bn is not None:
+                got = {name: self.stats[name][j - self.start : j - self.start + 1] for name in ("dgamma", "dbeta")}
+                pairs += norm_backward_pairs(be, sample, self.bn, got, self.dy[:, j - self.hs], k_dyc, self.m)
         row = self._dy_conv_row(j)  # (N, OH, OW)
         dw = few_kernels_dw(sample.xp, row[:, None], self.h["stride"], self.k)
         k = row.size + len(self.chunks)

@@ -21,12 +21,14 @@ same k (tests/test_spot_check.py holds them to the plain path); a kernel sample 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from backends.base import Backend
 from backends.conformance.checks import FN, float32_tolerance, scale
+from tinyconv.distributed.protocol import NORM_INPUTS
 from tinyconv.distributed.shard.block import BlockCache, halo_width
 from transports.base import Message
 
@@ -52,9 +54,71 @@ def sum_pair(got: np.ndarray, terms: np.ndarray, k: int) -> Pair:
     return got, terms.sum(dtype=np.float32).reshape(1), float(tol)
 
 
-def tail_roundings(tail: list[dict[str, Any]]) -> int:
-    """The roundings a tail adds to a path, forward or backward: LRN sums ``size`` squares and takes a pow."""
-    return sum(spec["size"] + 2 + FN for spec in tail if spec["op"] == "lrn")
+def tail_roundings(tail: list[dict[str, Any]], m: int) -> int:
+    """The roundings a tail adds to a path, forward or backward: LRN sums ``size`` squares and takes a pow; batch
+    norm sums its m = N OH OW values per kernel (the mean, then the variance, or dbeta and dgamma) and scales."""
+    return sum(spec["size"] + 2 + FN if spec["op"] == "lrn" else m + 8 if spec["op"] == "bn" else 0 for spec in tail)
+
+
+def batch_norm(tail: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A tail's batch norm spec, if it has one."""
+    return next((spec for spec in tail if spec["op"] == "bn"), None)
+
+
+def task_norm(be: Backend, arrays: dict[str, np.ndarray], kernels: slice) -> dict[str, Any]:
+    """A task's batch-norm arrays (gamma, beta; mean, var outside training) over ``kernels``, on the backend: what a
+    sample's tail normalises by (in training it puts its batch statistics in: ``block.tail_forward``)."""
+    return {k: be.asarray(np.ascontiguousarray(arrays[k][kernels])) for k in NORM_INPUTS if k in arrays}
+
+
+def image_tail(
+    be: Backend, tail: list[dict[str, Any]], norm: dict[str, Any], stats: dict[str, np.ndarray], m: int
+) -> list:
+    """An image sample's tail: with a training batch norm, normalising the one image by the worker's batch statistics
+    (``stats``: its mean and unbiased variance of the same kernels, which the kernel samples check), put in ``norm``
+    as an evaluation's running ones."""
+    bn = batch_norm(tail)
+    if bn is None or not bn["training"]:
+        return tail
+    var = np.maximum(stats["var"], np.float32(0))  # a wrong worker's may be negative: its y then disagrees anyway
+    norm |= {"running_mean": be.asarray(stats["mean"]), "running_var": be.asarray(var * np.float32((m - 1) / m))}
+    norm["var"] = var
+    return [dict(spec, training=False) if spec is bn else spec for spec in tail]
+
+
+def norm_gain(be: Backend, tail: list[dict[str, Any]], norm: dict[str, Any], m: int) -> float:
+    """max |gamma| / sqrt(var + eps) over a sample's kernels (1 without a batch norm): how much the batch norm scales
+    the round-off of the convolution before it. var: the batch's, made biased again, in training; else the running."""
+    bn = batch_norm(tail)
+    if bn is None:
+        return 1.0
+    var = be.to_numpy(norm["var"]) * np.float32((m - 1) / m) if bn["training"] else be.to_numpy(norm["running_var"])
+    return float(np.max(np.abs(be.to_numpy(norm["gamma"])) / np.sqrt(var + np.float32(bn["eps"])), initial=0.0))
+
+
+def norm_forward_pairs(be: Backend, sample: Sample, got: dict[str, np.ndarray], k: int, m: int) -> list[Pair]:
+    """A training kernel sample's batch mean and variance against the worker's, ``got`` (1,) each: k of the
+    convolution + the m values each sums, on the convolution's scale (squared, for the variance)."""
+    c = sample.at - sample.span.start  # the kernel, among the sample's
+    ref = {name: be.to_numpy(sample.norm[name])[c : c + 1] for name in ("mean", "var")}
+    return [
+        pair(got["mean"], ref["mean"], k + m + 1, sample.top),
+        pair(got["var"], ref["var"], k + m + 4, sample.top**2),
+    ]
+
+
+def norm_backward_pairs(
+    be: Backend, sample: Sample, bn: dict[str, Any], got: dict[str, np.ndarray], dy: np.ndarray, k: int, m: int
+) -> list[Pair]:
+    """A kernel sample's dgamma and dbeta against the worker's, ``got`` (1,) each, in the rigorous form over bounds of
+    their m terms, from dy (N, 1, OH', OW'), the kernel's output gradient: |dbeta's terms| sum to at most sum |dy|
+    (max pool routes each dy to one input, ReLU masks), dgamma's to that times max |xhat| <= 2 max|conv| / std."""
+    var = float(be.to_numpy(sample.norm["var"])[sample.at - sample.span.start])
+    std = np.sqrt(var * ((m - 1) / m if bn["training"] else 1) + bn["eps"])
+    terms = float(np.abs(dy).sum(dtype=np.float64))
+    ref = {name: be.to_numpy(v) for name, v in sample.cache.dnorm.items()}
+    tol = {"beta": terms, "gamma": terms * 2 * sample.top / std}
+    return [(got["d" + name], ref[name], float(float32_tolerance(min(k, 2**22), tol[name]))) for name in tol]
 
 
 def padded(x: np.ndarray, padding: int) -> np.ndarray:
@@ -112,6 +176,8 @@ class Sample:
     top: float = 0.0  # max|its convolution's output| before the tail: its forward's scale
     xp: np.ndarray | None = None  # a kernel sample's padded input (C, N, HP, WP), for its dw
     partial: np.ndarray | None = None  # split by input channels: P of an image (F, 1, OH, OW) or a kernel (N, OH, OW)
+    norm: dict[str, Any] = field(default_factory=dict)  # a batch norm's arrays over the span (task_norm's), and its
+    #                                                     batch statistics in training
 
 
 def kernel_span(j: int, total: int, tail: list[dict[str, Any]]) -> slice:

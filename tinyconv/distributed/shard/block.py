@@ -20,10 +20,14 @@ tail's gradient for [s, e) is exact too; the conv gradient outside [s, e) is zer
 kernels' gradients are their owners' to give -- and the conv backward gives dW and db rows for
 [s, e) and this participant's partial dX. The halo costs 2E kernels more (8 of 500 for LRN size 5).
 
+Batch norm's statistics are each channel's, so it runs on a participant's kernels too, with
+their batch statistics; what goes and comes back of it: ``norm.py``.
+
 A tail is a list of specs, the form they travel in over the wire::
 
     {"op": "relu"}
     {"op": "lrn", "size": 5, "alpha": 1e-4, "beta": 0.75, "k": 2.0}
+    {"op": "bn", "eps": 1e-5, "training": true}
     {"op": "maxpool", "kernel": 3, "stride": 2, "padding": 1}
 
 With an empty tail a block is just the convolution of the paper's split.
@@ -31,18 +35,21 @@ With an empty tail a block is just the convolution of the paper's split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import Array, Backend, conv_output_size
-from tinyconv.layers import Fused, LocalResponseNorm, MaxPool2D, ReLU
+from tinyconv.layers import BatchNorm2D, Fused, LocalResponseNorm, MaxPool2D, ReLU
 
 
-def tail_of(layers: list[Any]) -> list[dict[str, Any]]:
-    """Specs for the leading run of ReLU / LocalResponseNorm / MaxPool2D in ``layers``."""
+def tail_of(layers: list[Any], training: bool = False) -> list[dict[str, Any]]:
+    """Specs for the leading run of ReLU / LocalResponseNorm / MaxPool2D / one BatchNorm2D in ``layers``;
+    ``training``: batch norm's, normalising by the batch's statistics rather than the running ones."""
     tail: list[dict[str, Any]] = []
     for layer in layers:
-        if isinstance(layer, ReLU):
+        if isinstance(layer, BatchNorm2D) and not any(spec["op"] == "bn" for spec in tail):
+            tail.append({"op": "bn", "eps": float(layer.eps), "training": training})
+        elif isinstance(layer, ReLU):
             tail.append({"op": "relu"})
         elif isinstance(layer, LocalResponseNorm):
             floats = {k: float(getattr(layer, k)) for k in ("alpha", "beta", "k")}
@@ -83,6 +90,7 @@ class BlockCache:
     tail: list[Any]  # each tail layer's backend cache
     own: tuple[int, int]  # the owned kernels, as offsets into the computed ones
     out_shape: tuple[int, ...]  # the tail's output over all computed kernels
+    dnorm: dict[str, Array] = field(default_factory=dict)  # backward, batch norm's dgamma, dbeta of the owned kernels
 
 
 def block_forward(
@@ -94,23 +102,27 @@ def block_forward(
     padding: int,
     tail: list[dict[str, Any]],
     own: tuple[int, int] | None = None,
+    norm: dict | None = None,
 ) -> tuple[Array, BlockCache]:
     """x (N, C, H, W), w (F', C, K, K), b (F',) -> the tail's output for kernels ``own`` = [lo, hi) of F'.
 
     Returns y (N, hi - lo, OH, OW) -- a backend array, the whole output when ``own``
     is all F' kernels, else a host array -- and the cache for :func:`block_backward`.
+    ``norm``: as :func:`tail_forward` takes it.
     """
     y, conv_cache = be.conv2d_forward(x, w, b, stride, padding)
-    return tail_forward(be, y, conv_cache, tail, own if own is not None else (0, w.shape[0]))
+    return tail_forward(be, y, conv_cache, tail, own if own is not None else (0, w.shape[0]), norm)
 
 
 def tail_forward(
-    be: Backend, y: Array, conv_cache: Any, tail: list[dict[str, Any]], own: tuple[int, int]
+    be: Backend, y: Array, conv_cache: Any, tail: list[dict[str, Any]], own: tuple[int, int], norm: dict | None = None
 ) -> tuple[Array, BlockCache]:
     """The tail over a conv output y (N, computed, OH, OW) -> its output for kernels ``own`` = [lo, hi).
 
     ``conv_cache``, kept for the backward: the backend's cache of the convolution that made y (split
-    by input channels, ``by_channels.py``: of this participant's partial, and y the sum of all)."""
+    by input channels, ``by_channels.py``: of this participant's partial, and y the sum of all).
+    ``norm``, a batch norm's: gamma, beta (outside training running_mean, running_var) of each computed
+    kernel; in training its batch mean and unbiased variance are put in as mean and var."""
     computed = y.shape[1]
     lo, hi = own
     if not 0 <= lo < hi <= computed:
@@ -129,6 +141,11 @@ def tail_forward(
             c = Fused(c)
         elif spec["op"] == "lrn":
             y, c = be.lrn_forward(y, spec["size"], spec["alpha"], spec["beta"], spec["k"])
+        elif spec["op"] == "bn":
+            if spec["training"]:  # with momentum 1 the running statistics the backend updates are the batch's
+                norm["mean"], norm["var"] = be.zeros((computed,)), be.zeros((computed,))
+            stats = [norm[k] for k in (("mean", "var") if spec["training"] else ("running_mean", "running_var"))]
+            y, c = be.batchnorm_forward(y, norm["gamma"], norm["beta"], *stats, spec["training"], 1.0, spec["eps"])
         else:
             y, c = be.maxpool_forward(y, spec["kernel"], spec["stride"], spec["padding"])
         caches.append(c)
@@ -163,9 +180,14 @@ def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
             d = be.relu_backward(d, c)
         elif spec["op"] == "lrn":
             d = be.lrn_backward(d, c)
+        elif spec["op"] == "bn":
+            d, dgamma, dbeta = be.batchnorm_backward(d, c)
+            cache.dnorm = {"gamma": dgamma, "beta": dbeta}
         else:
             d = be.maxpool_backward(d, c)
     lo, hi = cache.own
+    if (lo, hi) != (0, cache.out_shape[1]):
+        cache.dnorm = {k: be.take_kernels(v, lo, hi) for k, v in cache.dnorm.items()}
     if (lo, hi) != (0, cache.out_shape[1]):  # the halo kernels' gradient is not this participant's to give
         host = be.to_numpy(d)
         if d is dy:  # an empty tail passed dy through: not ours to overwrite

@@ -31,6 +31,8 @@ import numpy as np
 from backends.base import Array, Backend
 from tinyconv.distributed.rpc import Op
 from tinyconv.distributed.shard.block import BlockCache, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.by_kernels import Grads
+from tinyconv.distributed.shard.norm import SplitNorm, joined_grads
 from tinyconv.distributed.shard.plan import Participant, Plan
 from tinyconv.layers import Conv2D
 from transports.base import Message
@@ -44,6 +46,7 @@ class ChannelSplitState:
     #                            its conv cache is a list, one per chunk
     x_shape: tuple[int, ...]
     chunks: list[tuple[int, int]]  # the pipeline's image ranges
+    norm: tuple[str, ...]  # a batch norm's parameters whose gradients come back (SplitNorm.grads)
 
 
 @dataclass
@@ -134,7 +137,7 @@ def chunks(n: int, images: int) -> list[tuple[int, int]]:
 
 
 def forward(
-    op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array, pipeline: int = PIPELINE
+    op: Op, conv: Conv2D, tail: list[dict[str, Any]], plan: Plan, x: Array, norm: SplitNorm, pipeline: int = PIPELINE
 ) -> tuple[Array, ChannelSplitState]:
     """x (N, C, H, W) -> y (N, F, OH', OW'), the convolution split by input channels, its tail by kernels.
 
@@ -143,6 +146,7 @@ def forward(
     x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
     n, _, oh, ow = conv.output_shape(x_h.shape)
     give = {p.worker: _give(active, i, total) for i, p in enumerate(active) if p.worker is not None}
+    last = {p.worker: {"b": b_h[p.halo]} | norm.inputs(p.halo) for p in plan.workers}  # with the last chunk
     parts = chunks(n, pipeline)
     first = _send_partials(op, conv, tail, plan, x_h, w_h, give, parts)  # round 1
 
@@ -164,7 +168,7 @@ def forward(
                 p_m, cache = be.conv2d_partial(x_m, w_m, conv.stride, conv.padding)  # (F, e - a, OH, OW)
                 conv_m.append(cache)
                 partials[m.name] = Partial(p_m, None, total)
-        for k, tasks in _relay_sums(op, plan, give, sent, partials, b_h, (a, e, n), (total, oh, ow)).items():
+        for k, tasks in _relay_sums(op, plan, give, sent, partials, last, (a, e, n), (total, oh, ow)).items():
             second[k] += tasks
         if m is not None:
             with op.local():
@@ -172,10 +176,12 @@ def forward(
 
     # the tails, once the whole batch is summed: the master's, and each worker's y with its last chunk
     y_m = cache = None
+    mine: dict[str, Array] = {}
     if m is not None:
         with op.local():
             s_m += b_h[m.halo, None, None]
-            y_m, cache = tail_forward(be, be.asarray(s_m), conv_m, tail, m.own)
+            mine = norm.local(be, m.halo)
+            y_m, cache = tail_forward(be, be.asarray(s_m), conv_m, tail, m.own, mine)
             y_m = be.to_numpy(y_m)
     results = {}
     for tasks in zip(*second.values(), strict=True):  # every chunk's; the last one's carry y
@@ -184,7 +190,8 @@ def forward(
     parts_y = [
         y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in active
     ]
-    return be.asarray(np.concatenate(parts_y, axis=1)), ChannelSplitState(cache, x_h.shape, parts)
+    norm.fold(op, active, results, mine)
+    return be.asarray(np.concatenate(parts_y, axis=1)), ChannelSplitState(cache, x_h.shape, parts, norm.grads)
 
 
 def _send_partials(
@@ -213,11 +220,12 @@ def _others_on(active: list[Participant], partials: dict[str, Partial], p: Parti
 
 def _relay_sums(
     op: Op, plan: Plan, give: dict[int, list[int]], sent: dict[int, int], partials: dict[str, Partial],
-    b_h: np.ndarray, images: tuple[int, int, int], shape: tuple[int, int, int],
+    last: dict[int, dict[str, np.ndarray]], images: tuple[int, int, int], shape: tuple[int, int, int],
 ) -> dict[int, list[int]]:  # fmt: skip
     """Round 2 of the forward for the chunk of ``images`` [a, e, N]: gather the workers' partials of it
     (``sent``: worker -> its round-1 task) into ``partials``, and send each worker the others' summed
-    over its halo (tail_forward; b with the last chunk) as soon as they are in. Worker -> its tasks."""
+    over its halo (tail_forward; with the last chunk ``last[worker]``: b and batch norm's arrays over its
+    halo) as soon as they are in. Worker -> its tasks."""
     (a, e, n), (total, oh, ow) = images, shape
     worker = {p.worker: p for p in plan.workers}
 
@@ -230,7 +238,7 @@ def _relay_sums(
     def tail_task(k: int) -> list[Message]:
         terms = _others_on(plan.active, partials, worker[k])  # summed to send; one is sent as it is
         arrays = {"sum": sum(terms[1:], terms[0])} if terms else {}
-        arrays |= {"b": np.ascontiguousarray(b_h[worker[k].halo])} if e == n else {}
+        arrays |= {name: np.ascontiguousarray(a) for name, a in last[k].items()} if e == n else {}
         return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
 
     def ready(k: int) -> bool:
@@ -239,8 +247,9 @@ def _relay_sums(
     return relay(op, sent, ready, tail_task, arrived)
 
 
-def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitState) -> tuple[Array | None, Array, Array]:
-    """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,)), by the forward's plan."""
+def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitState) -> Grads:
+    """dy (N, F, OH', OW') -> (dx (N, C, H, W) or None, dw (F, C, K, K), db (F,), dgamma and dbeta (F,)),
+    by the forward's plan."""
     be, active, m = op.backend, plan.active, plan.master
     dy_h = be.to_numpy(dy)
     n, c_in, h, wd = kept.x_shape
@@ -248,6 +257,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
     worker = {p.worker: p for p in plan.workers}
     dyc = np.empty((total, n, oh, ow), np.float32)  # all of dY_conv, kernel-major, as each one's own kernels come
     have: set[str] = set()
+    tails: dict[int, Message] = {}  # each worker's round 1, with a batch norm's dgamma, dbeta
 
     # round 1: each participant's tail backward
     first = {}
@@ -263,6 +273,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
     def arrived(k: int, reply: Message) -> None:
         p = worker[k]
         dyc[p.kernels] = op.array(k, reply, "dyc", (p.n_kernels, n, oh, ow))
+        tails[k] = reply
         have.add(p.name)
 
     def conv_tasks(k: int) -> list[Message]:
@@ -294,7 +305,8 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
 
     dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in active], axis=1)
     db = part(active[0], "db", (total,))  # every participant's is the same: the first's
-    return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db)
+    dnorm = joined_grads(op, active, kept.norm, kept.master.dnorm if kept.master else {}, tails)
+    return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db), dnorm
 
 
 def _master_conv_backward(

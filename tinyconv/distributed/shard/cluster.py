@@ -313,11 +313,11 @@ class Cluster(Runtime):
 
 
 def _spec(block: ShardedBlock, x_shape: tuple[int, ...]) -> dict[str, Any]:
-    """The calibrate task's description of ``block`` for an input of ``x_shape`` (``calibrate.py``)."""
+    """The calibrate task's description of a training step of ``block`` on an input of ``x_shape`` (calibrate.py)."""
     c = block.conv
     w = [c.out_channels, c.in_channels, c.kernel, c.kernel]
     conv = {"stride": c.stride, "padding": c.padding, "need_dx": c.need_dx}
-    return {"layer": block.index, "x": list(x_shape), "w": w, **conv, "tail": block.tail}
+    return {"layer": block.index, "x": list(x_shape), "w": w, **conv, "tail": tail_of(block.layers[1:], training=True)}
 
 
 def _fits(channel_counts: Sequence[int], counts: Sequence[int], channels: int) -> bool:

@@ -16,6 +16,7 @@ from tinyconv.distributed.accounting import LayerStep, OpStats
 from tinyconv.distributed.rpc import Lost, Op, Rpc
 from tinyconv.distributed.shard import by_channels, by_kernels
 from tinyconv.distributed.shard.block import tail_of, tail_output_hw
+from tinyconv.distributed.shard.norm import SplitNorm, norm_of
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.wire_codec import Narrowing
 from tinyconv.layers import Conv2D, Layer
@@ -51,6 +52,8 @@ class _Forward:
 
     step: int
     x: Array  # its input, to run it again if a worker of its plan is lost before the backward
+    training: bool
+    statistics: dict[str, Array]  # the tail's batch norm's running statistics before it, which it ran again starts from
     plan: Plan
     split: Any  # the module: by_kernels or by_channels
     kept: Any
@@ -69,48 +72,59 @@ class ShardedBlock(Layer):
         super().__init__(cluster.backend)
         self.cluster, self.index, self.conv, self.layers = cluster, index, conv, [conv, *tail]
         self.name = conv.name
-        self.tail = tail_of(tail)
+        self.tail, self.norm = tail_of(tail), norm_of(tail)
         self.by_channels = by_channels
         self.params = conv.params  # the same dict: the optimiser and the checkpoints see the conv's arrays
         self.decay = conv.decay
 
     def forward(self, x: Array, training: bool = False) -> Array:
-        y, self.cache = self._forward(x, self.cluster.step)
+        y, self.cache = self._forward(x, self.cluster.step, training)
         return y
 
-    def _forward(self, x: Array, step: int) -> tuple[Array, _Forward]:
+    def _forward(self, x: Array, step: int, training: bool) -> tuple[Array, _Forward]:
         """The forward on the current plan -- again on the next one while workers are lost."""
+        tail = tail_of(self.layers[1:], training)
+        statistics = dict(self.norm.buffers) if self.norm is not None else {}
         while True:
             plan = self.cluster.plan(self)
             split = by_channels if plan.channel_counts is not None and plan.workers else by_kernels
             pipeline = (self.cluster.pipeline,) if split is by_channels else ()  # images per chunk
             op = self._op("forward", step, x.shape[0])
             try:
-                y, kept = split.forward(op, self.conv, self.tail, plan, x, *pipeline)
+                y, kept = split.forward(op, self.conv, tail, plan, x, SplitNorm(self.norm, training), *pipeline)
             except Lost as e:
                 self.cluster.lose(e.workers, e.wrong)
+                self._rewind(statistics)
                 continue
             self.cluster.gave.update(op.compute)
-            return y, _Forward(step, x, plan, split, kept, op.stats(self.cluster.placement))
+            return y, _Forward(step, x, training, statistics, plan, split, kept, op.stats(self.cluster.placement))
 
     def backward(self, dy: Array) -> Array | None:
         fwd = self.cache
         while True:
             if any(p.worker in self.cluster.lost for p in fwd.plan.workers):  # its kept state went with it
-                _, fwd = self._forward(fwd.x, fwd.step)
+                self._rewind(fwd.statistics)
+                _, fwd = self._forward(fwd.x, fwd.step, fwd.training)
             op = self._op("backward", fwd.step, fwd.x.shape[0])
             try:
-                dx, dw, db = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
+                dx, dw, db, dnorm = fwd.split.backward(op, self.conv, fwd.plan, dy, fwd.kept)
                 self.cluster.gave.update(op.compute)
                 break
             except Lost as e:
                 self.cluster.lose(e.workers, e.wrong)
         self.cache = None
         self.grads = self.conv.grads = {"w": dw, "b": db}
+        if self.norm is not None:
+            self.norm.grads = dnorm
         stats = op.stats(self.cluster.placement)
         done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, stats, fwd.x.shape[0])
         self.cluster.finished(self, done)
         return dx
+
+    def _rewind(self, statistics: dict[str, Array]) -> None:
+        """The batch norm's running statistics as a forward found them, to run it again: it folds its batch in once."""
+        if self.norm is not None:
+            self.norm.buffers = dict(statistics)
 
     def _op(self, what: str, step: int, batch: int) -> Op:
         """A distributed op of this layer on ``batch`` images; its tasks carry the step and the layer's index,
@@ -120,6 +134,9 @@ class ShardedBlock(Layer):
         expect, units = self.cluster.expect(self, batch, what)
         op = f"{what} of {self.name}"
         return self.cluster.rpc.op(op, self.backend, fields, codec=self.cluster.codec(self), expect=expect, units=units)
+
+    def leaves(self) -> list[Layer]:
+        return self.layers
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         n, f, oh, ow = self.conv.output_shape(x_shape)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tinyconv.distributed.protocol import TaskError
+from tinyconv.distributed.protocol import NORM_INPUTS, TaskError
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
 from tinyconv.distributed.shard.by_channels import halo_sum, owned
@@ -21,6 +21,7 @@ from tinyconv.distributed.worker.state import (
     WorkerState,
     checked_tail,
     header_span,
+    norm_arrays,
     task_place,
     task_slot,
 )
@@ -84,8 +85,12 @@ def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept:
     if (b is not None and b.shape != (computed,)) or (others is not None and others.shape != rows):
         got = (f"b {b.shape}, " if b is not None else "") + (f"sum {others.shape}" if others is not None else "")
         raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
-    if (b is not None) != (stop == n):
-        raise TaskError(f"layer {h['layer']}: b comes with the last chunk of tail_forward (images up to {n}) only")
+    if (b is not None) != (stop == n) or (stop < n and any(k in a for k in NORM_INPUTS)):
+        raise TaskError(
+            f"layer {h['layer']}: b (and batch norm's arrays) come with the last chunk of tail_forward "
+            f"(images up to {n}) only"
+        )
+    norm = norm_arrays(kept.tail, a, computed, f"layer {h['layer']}") if stop == n else {}
     halo_sum(kept.summed[first:stop], kept.partial[kept.done], [] if others is None else [others])
     kept.partial[kept.done] = None  # summed: its P can go
     kept.done += 1
@@ -93,10 +98,11 @@ def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept:
         return {}
     s = kept.summed
     s += b[None, :, None, None]
-    y, kept.cache = run_tail(state.backend, state.backend.asarray(s), kept.conv, kept.tail, kept.own)
+    norm = {k: state.backend.asarray(v) for k, v in norm.items()}
+    y, kept.cache = run_tail(state.backend, state.backend.asarray(s), kept.conv, kept.tail, kept.own, norm)
     kept.partial, kept.summed = [], None
     state.advance(h, "tail_forward", kept)
-    return {"y": y}
+    return {"y": y} | {k: norm[k] for k in ("mean", "var") if k in norm}  # a training batch norm's statistics
 
 
 def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
@@ -113,7 +119,8 @@ def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept
     kept.dyc[start:stop] = d.transpose(1, 0, 2, 3)
     kept.done = 0  # chunks through partial_backward
     state.advance(h, "tail_backward", kept)
-    return {"dyc": kept.dyc[start:stop]}  # rows partial_backward does not write: sent uncopied
+    dnorm = {"d" + k: v for k, v in kept.cache.dnorm.items()}  # batch norm's dgamma, dbeta
+    return {"dyc": kept.dyc[start:stop]} | dnorm  # rows partial_backward does not write: sent uncopied
 
 
 def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:

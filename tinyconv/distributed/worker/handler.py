@@ -24,12 +24,12 @@ import numpy as np
 
 from backends.base import Backend
 from tinyconv.distributed.calibrate import calibrate, default_max_calibrate_bytes
-from tinyconv.distributed.protocol import VERSION, TaskError, check_task
+from tinyconv.distributed.protocol import NORM_INPUTS, VERSION, TaskError, check_task
 from tinyconv.distributed.shard.block import block_backward as run_block_backward
 from tinyconv.distributed.shard.block import block_forward as run_block_forward
 from tinyconv.distributed.wire_codec import decode_task, encode_result, read_back
 from tinyconv.distributed.worker import channel_handlers, replica_handlers
-from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, checked_tail, header_span
+from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, checked_tail, header_span, norm_arrays
 from transports.base import Message
 from transports.wire import error_reply
 
@@ -44,9 +44,10 @@ def block_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: N
         )
     tail = checked_tail(h, x.shape[2:], w.shape[2:])
     own = header_span(h, "own", w.shape[0])
-    y, cache = run_block_forward(state.backend, x, w, b, h["stride"], h["padding"], tail, own)
+    norm = norm_arrays(tail, a, w.shape[0], f"layer {h['layer']}")
+    y, cache = run_block_forward(state.backend, x, w, b, h["stride"], h["padding"], tail, own, norm)
     state.advance(h, "block_forward", OpenStep("block", h["step"], cache=cache))
-    return {"y": y}
+    return {"y": y} | {k: norm[k] for k in ("mean", "var") if k in norm}  # a training batch norm's statistics
 
 
 def block_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
@@ -56,7 +57,8 @@ def block_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kep
     except ValueError as e:  # a dy that does not fit the forward, which stays for a good one
         raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
     state.advance(h, "block_backward", kept)
-    return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {})
+    dnorm = {"d" + k: v for k, v in kept.cache.dnorm.items()}  # batch norm's dgamma, dbeta
+    return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {}) | dnorm
 
 
 HANDLERS: dict[str, Handler] = {
@@ -69,7 +71,7 @@ HANDLERS: dict[str, Handler] = {
 # task kind -> the inputs its handler only hands to the backend, put there as the task arrives (and maybe
 # widened there, wire_codec.py); the others meet numpy arithmetic first, so they stay on the host
 ON_BACKEND: dict[str, frozenset[str]] = {
-    "block_forward": frozenset({"x", "w", "b"}),
+    "block_forward": frozenset({"x", "w", "b", *NORM_INPUTS}),
     "block_backward": frozenset({"dy"}),
     "partial_forward": frozenset({"x", "w"}),
     "tail_backward": frozenset({"dy"}),

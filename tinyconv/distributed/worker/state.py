@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, conv_output_size
-from tinyconv.distributed.protocol import TaskError
+from tinyconv.distributed.protocol import NORM_INPUTS, TaskError
 from tinyconv.distributed.shard.block import BlockCache, tail_output_hw
 from tinyconv.model import Network
 from transports.wire import Int, Num
@@ -148,6 +148,7 @@ def checked_tail(h: dict[str, Any], size: tuple[int, ...], kernel: tuple[int, ..
 TAIL_OPS = {  # op -> its parameters and their types
     "relu": {},
     "lrn": {"size": int, "alpha": float, "beta": float, "k": float},
+    "bn": {"eps": float, "training": bool},
     "maxpool": {"kernel": int, "stride": int, "padding": int},
 }
 
@@ -163,13 +164,29 @@ def check_tail(tail: Any) -> list[dict[str, Any]]:
         if set(spec) != {"op", *params}:
             raise ValueError(f"tail[{i}] ({spec['op']}) needs exactly the keys {sorted(params)}, got {sorted(spec)}")
         for key, kind in params.items():
-            v = spec[key]
-            if not (Int.accepts(v) if kind is int else Num.accepts(v)):
-                raise ValueError(f"tail[{i}].{key} must be a{'n int' if kind is int else ' number'}, got {v!r}")
+            v, accepts = spec[key], {int: Int.accepts, float: Num.accepts, bool: lambda v: isinstance(v, bool)}[kind]
+            if not accepts(v):
+                raise ValueError(f"tail[{i}].{key} must be a{'n' if kind is int else ''} {kind.__name__}, got {v!r}")
         if spec["op"] == "lrn" and not (1 <= spec["size"] <= 64 and spec["k"] > 0 and spec["beta"] >= 0):
             raise ValueError(f"tail[{i}]: lrn needs 1 <= size <= 64, k > 0, beta >= 0, got {spec}")
         if spec["op"] == "maxpool" and not (
             spec["kernel"] >= 1 and spec["stride"] >= 1 and 0 <= spec["padding"] < spec["kernel"]
         ):
             raise ValueError(f"tail[{i}]: maxpool needs kernel >= 1, stride >= 1, 0 <= padding < kernel, got {spec}")
+        if spec["op"] == "bn" and not spec["eps"] > 0:
+            raise ValueError(f"tail[{i}]: bn needs eps > 0, got {spec}")
+    if sum(spec["op"] == "bn" for spec in tail) > 1:
+        raise ValueError("a tail holds one bn at most")
     return tail
+
+
+def norm_arrays(tail: list[dict[str, Any]], a: dict[str, Any], kernels: int, where: str) -> dict[str, Any]:
+    """The task's batch-norm arrays (``block.py``): gamma and beta of its ``kernels`` when its tail has a bn,
+    mean and var too outside training; a TaskError if they do not fit."""
+    bn = next((spec for spec in tail if spec["op"] == "bn"), None)
+    need = set() if bn is None else {"gamma", "beta"} | (set() if bn["training"] else {"running_mean", "running_var"})
+    got = {k: a[k] for k in NORM_INPUTS if k in a}
+    if set(got) != need or any(tuple(v.shape) != (kernels,) for v in got.values()):
+        shapes = {k: tuple(v.shape) for k, v in got.items()}
+        raise TaskError(f"{where}: its tail needs exactly {sorted(need) or 'no'} arrays ({kernels},), got {shapes}")
+    return dict(got)
