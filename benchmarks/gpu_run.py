@@ -517,7 +517,7 @@ def table_rows(parts: dict[str, dict[str, Any]], device: dict[str, Any], driver:
             rows += gemm_rows(part)
         elif name == "step":
             rows.append((name, f"{part['arch']} {part['norm']} batch {part['batch']}, s", part["opencl_step_s"],
-                         f"numpy {part['numpy_step_s']:.3g} s, {part['host_threads']} BLAS threads",
+                         f"numpy {part['numpy_step_s']:.3g} s, BLAS threads {part['host_threads']}",
                          f"OpenCL {part['opencl_speedup']:.2f}x numpy"))  # fmt: skip
         elif name == "split":
             rows.append((name, f"{part['arch']} batch {part['batch']}, step s", part["split_step_s"],
