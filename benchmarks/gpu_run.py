@@ -282,26 +282,26 @@ def time_tinyconv(be, shape, repeats: int, deadline: float) -> tuple[float, floa
     return fwd, bwd
 
 
-def torch_gpu() -> tuple[Any, str]:
-    """(torch, what it runs on) where torch has a CUDA or ROCm GPU, else (None, why not)."""
+def torch_gpu(name: str) -> tuple[Any, str]:
+    """(torch, what it runs on) where torch has a CUDA or ROCm GPU, else (None, why not). Torch's GPU: the one
+    named ``name`` (the OpenCL device's name), else its first."""
     if importlib.util.find_spec("torch") is None:
         return None, "torch is not installed"
     import torch
 
+    runtime = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
     if not torch.cuda.is_available():
-        build = (
-            f"CUDA {torch.version.cuda}"
-            if torch.version.cuda
-            else f"ROCm {torch.version.hip}"
-            if torch.version.hip
-            else "CPU only"
-        )
+        build = runtime if torch.version.hip or torch.version.cuda else "CPU only"
         return None, f"torch {torch.__version__} ({build}) sees no GPU"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    torch.cuda.set_device(names.index(name) if name in names else 0)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 as tinyconv computes it, not TF32's 10-bit mantissas
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm, as the GEMM autotunes
-    runtime = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-    return torch, f"torch {torch.__version__}, {runtime}, {torch.cuda.get_device_name()}"
+    return (
+        torch,
+        f"torch {torch.__version__}, {runtime}, cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}",
+    )
 
 
 def time_torch(torch, shape, repeats: int, deadline: float) -> dict[str, float]:
@@ -336,7 +336,8 @@ def run_gemm(archs: list[str], batch: int, repeats: int, budget: float) -> dict[
 
     from backends import get_backend
 
-    be, (torch, torch_note) = get_backend("opencl"), torch_gpu()
+    be = get_backend("opencl")
+    torch, torch_note = torch_gpu(be.describe()["device"])
     deadline, rows, per_flop = time.monotonic() + budget, [], 0.0
     for arch in tqdm(archs, desc="gemm: conv2 per network", disable=None):
         shape = conv2_shape(arch, batch)
@@ -635,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     start = time.monotonic()
     set_host_threads(args.host_threads)  # before numpy is imported
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # workers
     installed = install_wheels(args.wheels)
     driver = find_driver()  # before pyopencl is imported: the ICD loader reads OCL_ICD_VENDORS once
     device = choose_device(args.device, args.dry_run, driver)
