@@ -12,6 +12,7 @@ against which ``backends.conformance.runner`` checks every other op by op.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -54,6 +55,9 @@ class Backend(ABC):
     """Abstract device. Subclasses set ``name`` and implement every abstract op."""
 
     name: str = "abstract"
+    # called, when set, between the steps of long first-run work (building kernels, timing an autotuner's
+    # variants): a worker uses it to tell its master the compute goes on (transports.base.still_computing)
+    progress: Callable[[], None] = staticmethod(lambda: None)
 
     # ---- edges -----------------------------------------------------------
     @abstractmethod

@@ -16,7 +16,7 @@ from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
-from transports.base import Message, Transport, WorkerInfo
+from transports.base import Message, Transport, WorkerInfo, still_computing
 from transports.session.worker import call_handler
 
 RECV_TIMEOUT = 10_000.0  # fake seconds: the deadline before anything is measured
@@ -80,8 +80,10 @@ class Throttled(Transport):
         self.free[worker] = start + reply.header.get("compute_s", 0.0)
         arrival = self.free[worker] + reply.nbytes() * self.links[worker]
         self.started[worker] = start
-        timeline = list(zip((start, self.free[worker], arrival), [*said, reply], strict=True))
-        for at, message in timeline[: 1 if worker in self.hung else 3]:  # hung: its "started", no more
+        # its "started" as its compute begins, "computed" as it ends; a "started" again, evenly between
+        said_at = [start + (self.free[worker] - start) * i / (len(said) - 1) for i in range(len(said))]
+        timeline = [*zip(said_at, said, strict=True), (arrival, reply)]
+        for at, message in timeline[: 1 if worker in self.hung else None]:  # hung: its "started", no more
             heapq.heappush(self.arrivals, (at, next(self.order), worker, message))
 
     def recv(self, timeout: float) -> tuple[int, Message]:
@@ -170,6 +172,41 @@ def test_a_worker_that_hangs_in_its_first_step_costs_twice_its_expected_compute_
     assert event["reason"] == f"{WITHIN} 2 x its expected {expected:.3g} s of compute + 1 s"
     assert took == pytest.approx(2 * expected + 1, abs=1e-3) and took < RECV_TIMEOUT / 1000
     assert cluster.participants == (["worker0"] if calibrate else ["master", "worker0"])
+
+
+class Tuning(Metered):
+    """A Worker whose next forward takes ``slower`` times its measured compute, as a device's first run of a new
+    shape does (building kernels, an autotuner timing its variants), and says so ``notes`` times on the way
+    (``still_computing``, which the OpenCL backend calls after each build and timed variant)."""
+
+    slower, notes = 1.0, 0
+
+    def handle(self, msg: Message) -> Message:
+        reply = super().handle(msg)
+        if msg.kind == "block_forward" and self.slower > 1:
+            reply.header["compute_s"] *= self.slower
+            for _ in range(self.notes):
+                still_computing.get()()
+            self.slower = 1.0
+        return reply
+
+
+@pytest.mark.parametrize("notes", [0, 40])
+def test_a_worker_tuning_a_new_shape_is_kept_while_it_says_it_still_computes(rng, notes):
+    """A first run 20 times the measured compute is past the deadline, 2 e + 1 s: a worker that says nothing
+    on the way is lost at the deadline; one whose backend says "still computing" every half of its expected
+    time is not, and the step completes."""
+    cluster, net, clock = cluster_on([1e-9], rng, c_out=8, rebalance=False)
+    step(net, rng)
+    expected = cluster.expect(cluster.blocks[0], 2, "forward")[0][0]
+    tuning = cluster.transport.workers[0] = Tuning(NumpyBackend())
+    tuning.slower, tuning.notes = 20 * (2 * expected + 1) / expected, notes  # 20 x its deadline, in 41 stretches
+    step(net, rng)
+    events = cluster.pop_events()
+    if notes:
+        assert events == [] and cluster.participants == ["worker0"]
+    else:
+        assert [e["reason"] for e in events] == [f"{WITHIN} 2 x its expected {expected:.3g} s of compute + 1 s"]
 
 
 def test_a_worker_on_a_slow_link_ends_with_fewer_kernels_than_one_on_a_fast_link(rng):

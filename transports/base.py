@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,13 +51,18 @@ class Handler(Protocol):
     new master (a worker may serve several in turn), before that master's tasks, so a handler may drop
     what it kept for the previous one there. ``handle(msg)`` answers one task (a message whose kind is
     not a session kind) with a reply, or None; an exception becomes an ``error`` reply. Both are called
-    from one thread, one call at a time.
+    from one thread, one call at a time. A task's long first-run work (building kernels, an autotuner
+    timing its variants) calls :data:`still_computing` between its steps, so the master does not take
+    it for hung.
     """
 
     def hello(self) -> dict[str, Any]: ...
 
     def handle(self, msg: Message) -> Message | None: ...
 
+
+# While a worker's loop runs a task's handle(): tells the master the compute goes on, which opens its deadline again
+still_computing: ContextVar[Callable[[], None]] = ContextVar("still_computing", default=lambda: None)
 
 # Builds worker i's handler; the in-process transport calls it in worker i's own thread.
 HandlerFactory = Callable[[int], Handler]

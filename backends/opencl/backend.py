@@ -47,7 +47,7 @@ class OpenCLBackend(Backend, WireConversion):
         if autotune is None:
             autotune = os.environ.get(ENV_AUTOTUNE, "1") != "0"
         tune_path = Path(tune_file) if tune_file is not None else default_tune_file()
-        self.rt = ClRuntime(select_device(device), autotune, tune_path, profile)
+        self.rt = ClRuntime(select_device(device), autotune, tune_path, profile, lambda: self.progress())
         # narrow_wire / widen_wire convert bf16 wire words here (False: the host does), on every device:
         # where the reads and writes cross a bus, half the bytes cross it; and on PoCL's CPU device, whose
         # buffers are host memory, one kernel pass still beats numpy's dozen (benchmarks/bench_wire_convert.py:

@@ -9,6 +9,7 @@ for each other on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,16 @@ OPS_SOURCES = ("layout.cl", "ops.cl", "wire.cl")  # one program: every kernel bu
 class ClRuntime:
     """One OpenCL device: context, in-order queue, buffer pool, built programs, and its GEMM (gemm.py)."""
 
-    def __init__(self, device: cl.Device, autotune: bool, tune_file: Path, profile: bool = False) -> None:
+    def __init__(
+        self,
+        device: cl.Device,
+        autotune: bool,
+        tune_file: Path,
+        profile: bool = False,
+        progress: Callable[[], None] | None = None,
+    ) -> None:
         self.device = device
+        self.progress = progress or (lambda: None)  # the backend's: called after each build and timed variant
         self.context = cl.Context([device])
         props = cl.command_queue_properties.PROFILING_ENABLE if profile else 0
         self.queue = cl.CommandQueue(self.context, properties=props)
@@ -73,6 +82,7 @@ class ClRuntime:
                     f"OpenCL could not compile {' + '.join(key[0])} ({options or 'no options'}) for "
                     f"{self.device.name.strip()}: {e}"
                 ) from None
+            self.progress()  # a build can take seconds: the compute goes on
         return self._programs[key]
 
     def kernel(self, name: str, defines: str = "") -> tuple[cl.Kernel, int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from transports import wire
-from transports.base import Handler, Message
+from transports.base import Handler, Message, still_computing
 from transports.session.link import WorkerLink
 from transports.session.patience import HEARTBEATS, Patience
 from transports.session.settings import (
@@ -49,6 +49,7 @@ def call_handler(handler: Handler, msg: Message, tell: Callable[[Message], None]
     large one is arriving: any transport that carries messages in order carries it, with nothing more to do."""
     if (started := wire.progress("started", msg)) is not None:
         tell(started)
+    going = still_computing.set(partial(tell, started) if started is not None else lambda: None)  # "started" again
     try:
         reply = handler.handle(msg)
         if reply is not None:
@@ -57,6 +58,8 @@ def call_handler(handler: Handler, msg: Message, tell: Callable[[Message], None]
         reply = wire.error_reply(msg, f"{msg.kind}: the worker produced an invalid reply: {e}")
     except Exception as e:  # report and keep serving; the traceback is no use to the master
         reply = wire.error_reply(msg, f"{msg.kind} failed: {type(e).__name__}: {e}")
+    finally:
+        still_computing.reset(going)
     if started is not None:
         tell(wire.progress("computed", msg))
     return reply

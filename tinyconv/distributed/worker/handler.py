@@ -30,7 +30,7 @@ from tinyconv.distributed.shard.block import block_forward as run_block_forward
 from tinyconv.distributed.wire_codec import decode_task, encode_result, read_back
 from tinyconv.distributed.worker import channel_handlers, replica_handlers
 from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, checked_tail, header_span, norm_arrays
-from transports.base import Message
+from transports.base import Message, still_computing
 from transports.wire import error_reply
 
 
@@ -92,6 +92,7 @@ class Worker:
             raise ValueError(f"slowdown must be a finite number >= 1, got {slowdown!r}")
         max_bytes = default_max_calibrate_bytes() if max_calibrate_bytes is None else max_calibrate_bytes
         self.state = WorkerState(backend, float(slowdown), int(max_bytes))
+        backend.progress = lambda: still_computing.get()()  # the backend's long first runs: "started" again
         self._idle = threading.Event()  # never set: waiting on it is how slowdown passes time
 
     def hello(self) -> dict[str, Any]:
