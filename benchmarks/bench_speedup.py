@@ -75,7 +75,8 @@ def main() -> None:
         "--fuse",
         choices=("on", "off"),
         default="on",
-        help="on: the worker also runs each conv's ReLU/LRN/pool on its channels; off: the paper's conv-only split",
+        help="on: the worker also runs each conv's ReLU/LRN/batch norm/pool on its channels; off: the paper's "
+        "conv-only split",
     )
     p.add_argument(
         "--split",
@@ -174,7 +175,7 @@ def main() -> None:
         print(
             f"pipeline {v}: master alone's conv and comp split by the fraction of one step timed layer by layer "
             f"(f = conv / step = {f:.3f}); distributed: conv = slowest participant"
-            + (" (conv + its fused ReLU/LRN/pool)" if args.fuse == "on" else "")
+            + (" (conv + its fused ReLU/LRN/batch norm/pool)" if args.fuse == "on" else "")
             + "; each participant's conv compute per step: "
             + ", ".join(f"{n} {t:.2f} s" for n, t in zip(cluster.participants, per, strict=True))
         )

@@ -304,7 +304,7 @@ def _split(p: argparse.ArgumentParser) -> None:
         "--fuse",
         choices=("on", "off"),
         default="on",
-        help="on: workers also run the ReLU/LRN/max pool after each conv on their own channels (with a "
+        help="on: workers also run the ReLU/LRN/batch norm/max pool after each conv on their own channels (with a "
         "2-channel halo for LRN) and return pooled maps; off: the paper's split, conv only, the rest on "
         "the master (default %(default)s)",
     )

@@ -18,7 +18,7 @@ float32 (4 bytes), per worker with k of a layer's kernels:
                                                                       a whole partial dX (not for the
                                                                       first layer, which needs none)
 
-With the tails fused (``--fuse on --split kernels``) a worker also runs the ReLU / LRN / max pool
+With the tails fused (``--fuse on --split kernels``) a worker also runs the ReLU / LRN / batch norm / max pool
 after the convolution on its kernels and their halo (the neighbours LRN's window reads): it gets
 the weights and the gradient of the kernels it computes, and returns pooled maps, a quarter of the
 size. :func:`kernel_split_bytes` counts both; ``--measure`` runs one step of each with in-process

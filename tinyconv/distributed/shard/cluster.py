@@ -52,7 +52,7 @@ class Cluster(Runtime):
     by kernels (``by_channels.py``): nothing is computed twice, but partial sums cross the wire;
     "auto" -- "channels" with at most 2 workers that all run on the master's host (bytes are
     cheap there), else "kernels", which a LAN carries better.
-    ``fuse``: each participant also runs the ReLU / LRN / max pool after each conv on its own
+    ``fuse``: each participant also runs the ReLU / LRN / batch norm / max pool after each conv on its own
     channels (``block.py``); False is the paper's split, the convolution alone.
     ``wire_precision``: the words a layer's arrays travel in, one of ``adaptive_precision.SETTINGS`` (a
     fixed format, or AWP's "adaptive"); every computation stays float32.
@@ -104,7 +104,7 @@ class Cluster(Runtime):
 
     # ---- the network ----------------------------------------------------------------------
     def attach(self, net: Network) -> None:
-        """Replace each Conv2D of ``net`` -- with ``fuse``, and the ReLU / LRN / max pool right after
+        """Replace each Conv2D of ``net`` -- with ``fuse``, and the ReLU / LRN / batch norm / max pool right after
         it -- by one :class:`ShardedBlock` computed on this cluster. The parameters stay the same arrays."""
         if self._net is net:
             return

@@ -8,7 +8,7 @@ counts [3, 0, 4] for master, worker0, worker1::
     worker1  kernels [3, 7)
 
 A participant *owns* its kernels: it returns their output channels and their rows of
-dW and db. With a tail after the convolution (ReLU, LRN, max pool, see ``block.py``) it
+dW and db. With a tail after the convolution (ReLU, LRN, batch norm, max pool: ``block.py``) it
 also computes a *halo*, a few neighbouring kernels that LRN's window reads; for LRN
 of size 5 that is 4 on each side, clipped to [0, F): master [0, 7), worker1 [0, 7) here.
 

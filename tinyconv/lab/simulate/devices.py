@@ -18,7 +18,7 @@ prediction comes from a file someone measured. The file::
 
 Per layer, ``fixed_s`` + ``per_kernel_s`` * k is the forward + backward of k kernels of that layer
 (``tinyconv/distributed/cost.py``'s affine model): with ``fuse`` "off" the convolution alone (the paper's
-split), with "on" the convolution and its ReLU / LRN / pool tail (tinyconv's). Its shape (fixed vs
+split), with "on" the convolution and its ReLU / LRN / batch norm / pool tail (tinyconv's). Its shape (fixed vs
 per kernel) is fitted by :func:`fit_line`, ordinary least squares, to ``calibrate.time_block``
 timings at a few k; its height comes from the same layer timed within the master alone's steps
 (``in_step_s``, at k = F), and ``comp_s`` is the rest of those steps -- the other layers, the loss,
