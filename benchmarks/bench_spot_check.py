@@ -4,11 +4,12 @@
     python benchmarks/bench_spot_check.py                          # conv2 of 50:500, a third of it, batch 64
     python benchmarks/bench_spot_check.py --split channels         # the same, split by input channels
     python benchmarks/bench_spot_check.py --split images --norm batch  # a replica on a third of the batch
+    python benchmarks/bench_spot_check.py --norm batch             # conv2's tail with batch norm, not LRN
     python benchmarks/bench_spot_check.py --worker-backend opencl --honest-steps 10000 --arch 16:32 --batch-size 32
 
 One worker (a real handler, in this process) answers the tasks of the paper's conv2 -- conv 5x5, ReLU,
-LRN, max pool -- on a share of it: by kernels (``--split kernels``), the block of a third of its kernels
-and their halo; by input channels, the middle one of three, a third of its input channels for every
+LRN (``--norm batch``: batch norm), max pool -- on a share of it: by kernels (``--split kernels``),
+the block of a third of its kernels and their halo; by input channels, the middle one of three, a third of its input channels for every
 kernel and the tail of a third of the kernels, in chunks of 32 images, the others' partial sums and
 conv-output gradients random; by images (``--split images``, data parallelism), a whole replica of the
 paper's network (``--norm``) on a third of the batch, which the master replays. The master samples its
@@ -54,6 +55,7 @@ TAIL = [
     {"op": "lrn", "size": 5, "alpha": 1e-4, "beta": 0.75, "k": 2.0},
     {"op": "maxpool", "kernel": 3, "stride": 2, "padding": 1},
 ]
+BN_TAIL = [TAIL[0], {"op": "bn", "eps": 1e-5, "training": True}, TAIL[2]]  # the default preset's block
 Spoil = Callable[[str, np.ndarray, np.random.Generator], np.ndarray]
 FAULTS: dict[str, Spoil] = {
     "x -50 poison": lambda name, a, rng: a * np.float32(-50),
@@ -74,7 +76,8 @@ def check(args: argparse.Namespace, seed: int) -> Check:
 def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tuple[str, dict, dict]], int]:
     """One step's tasks of the worker's share of conv2, (kind, header, arrays) in order, and its kernels F'."""
     c, total = (int(v) for v in args.arch.split(":"))
-    n, hw, e = args.batch_size, 16, 4  # e: LRN's halo
+    n, hw = args.batch_size, 16
+    tail, e = (TAIL, 4) if args.norm == "lrn" else (BN_TAIL, 0)  # e: LRN's halo; batch norm has none
     if args.split == "images":  # a replica on 1/SHARE of the batch, the weights sent whole
         net, m = paper_net(args.arch, get_backend("numpy"), args.norm, seed=0), n // args.share
         x, y = rng.standard_normal((m, 3, 32, 32), dtype=np.float32), rng.integers(0, 10, m)
@@ -86,9 +89,9 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
         f = total // args.share + 2 * e
         x = rng.standard_normal((n, c, hw, hw), dtype=np.float32)
         w = rng.standard_normal((f, c, 5, 5), dtype=np.float32) / np.float32(np.sqrt(c * 25))
-        header = {"stride": 1, "padding": 2, "tail": TAIL, "own": [e, f - e]}
+        header = {"stride": 1, "padding": 2, "tail": tail, "own": [e, f - e]}
         dy = rng.standard_normal((n, f, 8, 8), dtype=np.float32)
-        fwd = ("block_forward", header, {"x": x, "w": w, "b": np.zeros(f, np.float32)})
+        fwd = ("block_forward", header, {"x": x, "w": w, "b": np.zeros(f, np.float32)} | norm_arrays(tail, f, rng))
         return [fwd, ("block_backward", {"need_dx": True}, {"dy": dy})], f
     # by input channels: the middle one of SHARE, 1/SHARE of the input channels, all F kernels, in chunks
     ci, own = c // args.share, total // args.share
@@ -96,7 +99,7 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
     halo = [lo - e, hi + e]
     x = rng.standard_normal((n, ci, hw, hw), dtype=np.float32)
     w = rng.standard_normal((total, ci, 5, 5), dtype=np.float32) / np.float32(np.sqrt(c * 25))
-    settings = {"stride": 1, "padding": 2, "tail": TAIL, "halo": halo, "own": [e, e + own], "give": [lo + e, hi - e]}
+    settings = {"stride": 1, "padding": 2, "tail": tail, "halo": halo, "own": [e, e + own], "give": [lo + e, hi - e]}
     parts = [(a, min(a + PIPELINE, n)) for a in range(0, n, PIPELINE)]
     out = []
     for a, b in parts:
@@ -108,7 +111,8 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
             (
                 "tail_forward",
                 {"images": [a, b, n]},
-                arrays | ({"b": np.zeros(own + 2 * e, np.float32)} if b == n else {}),
+                arrays
+                | ({"b": np.zeros(own + 2 * e, np.float32)} | norm_arrays(tail, own + 2 * e, rng) if b == n else {}),
             )
         )
     out.append(("tail_backward", {}, {"dy": rng.standard_normal((n, own + 2 * e, 8, 8), dtype=np.float32)}))
@@ -117,6 +121,13 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
         arrays["dyc_hi"] = rng.standard_normal((total - hi, b - a, hw, hw), dtype=np.float32)
         out.append(("partial_backward", {"need_dx": True, "images": [a, b, n]}, arrays))
     return out, own
+
+
+def norm_arrays(tail: list[dict], f: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A training batch norm's gamma and beta for ``f`` kernels (none without one)."""
+    if BN_TAIL is not tail:
+        return {}
+    return {"gamma": rng.uniform(0.5, 2.0, f).astype(np.float32), "beta": rng.standard_normal(f, dtype=np.float32)}
 
 
 def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | None, seed: int) -> dict:
@@ -185,7 +196,9 @@ def main() -> None:
         default="kernels",
         help="how conv2 is split; images: data parallelism, a whole replica replayed (default kernels)",
     )
-    p.add_argument("--norm", default="lrn", help="with --split images: the replica's normalisation (default lrn)")
+    p.add_argument(
+        "--norm", default="lrn", choices=("lrn", "batch"), help="conv2's normalisation, or the replica's (default lrn)"
+    )
     p.add_argument(
         "--share",
         type=int,
