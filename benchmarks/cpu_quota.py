@@ -5,8 +5,12 @@
     sudo .venv/bin/python benchmarks/cpu_quota.py --cores 0.5 -- ip netns exec tinyconv-w .venv/bin/tinyconv ...
 
 ``--slowdown 2`` makes a worker wait after its work; a quota makes its work itself take longer, as a slower
-device's would: in every period (100 ms) the group may run for ``cores`` x period of CPU time, and then waits
-for the next period. This makes a group ``tinyconv-cpu-PID`` under the cpu controller's hierarchy:
+device's would: in every period the group may run for ``cores`` x period of CPU time, and then waits for the
+next period. The period is 10 ms, not the kernel's default 100 ms: a worker's task is a burst (25 ms of a 70 ms
+step, say), and with 100 ms periods a burst that fits in the quota (50 ms at half a core) runs at full speed --
+the group is held only to its average. With 10 ms periods (twice the kernel's 5 ms bandwidth slice) every burst
+longer than a few ms is paused in step, so it takes about 1 / ``cores`` as long. This makes a group
+``tinyconv-cpu-PID`` under the cpu controller's hierarchy:
 
 * cgroup v2 (``cgroup2`` mounted with ``cpu`` among its controllers): ``cpu.max`` = "QUOTA PERIOD" in
   microseconds, in a group under the hierarchy's root (whose ``cgroup.subtree_control`` gets ``+cpu``);
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-PERIOD_US = 100_000  # the kernel's default CFS period
+PERIOD_US = 10_000  # see the module docstring
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,15 @@ class CpuQuota:
         print(q.stat()["nr_throttled"])  # periods in which the group ran out of its quota
     """
 
-    def __init__(self, cores: float, name: str | None = None, controller: Controller | None = None):
+    def __init__(
+        self, cores: float, name: str | None = None, controller: Controller | None = None, period_us: int = PERIOD_US
+    ):
         found = controller or find_controller(_read(Path("/proc/mounts")))
         if found is None:
             raise RuntimeError("no cgroup cpu controller is mounted")
         self.controller, self.cores = found, cores
         self.path = found.root / (name or f"tinyconv-cpu-{os.getpid()}")
-        self.files = quota_files(found.version, cores)
+        self.files = quota_files(found.version, cores, period_us)
 
     def __enter__(self) -> CpuQuota:
         try:
@@ -145,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="see the module docstring")
     p.add_argument("--cores", type=float, required=True, help="the share of one core: 0.5, 1, 1.5")
+    p.add_argument("--period-ms", type=float, default=PERIOD_US / 1000, help="the quota's period (default %(default)g)")
     args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
     if not command:
         p.error("give a COMMAND after --")
@@ -153,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cpu_quota: {why}", file=sys.stderr)
         return 1
     try:
-        with CpuQuota(args.cores) as q:
+        with CpuQuota(args.cores, period_us=round(args.period_ms * 1000)) as q:
             code = subprocess.call([*q.prefix(), *command])
             stat = q.stat()
     except RuntimeError as e:

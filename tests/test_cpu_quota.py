@@ -40,8 +40,8 @@ def test_a_hybrid_machine_uses_v1s_cpu_and_a_v2_with_cpu_wins():
 
 
 def test_the_quota_files():
-    assert cq.quota_files(1, 0.5) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000"}
-    assert cq.quota_files(2, 0.5) == {"cpu.max": "50000 100000"}
+    assert cq.quota_files(1, 0.5) == {"cpu.cfs_period_us": "10000", "cpu.cfs_quota_us": "5000"}
+    assert cq.quota_files(2, 0.5) == {"cpu.max": "5000 10000"}
     assert cq.quota_files(2, 1.5, period_us=20_000) == {"cpu.max": "30000 20000"}
     assert cq.quota_files(1, 0.001)["cpu.cfs_quota_us"] == "1000"  # the kernel's least
     with pytest.raises(ValueError, match="cores must be > 0"):
@@ -67,8 +67,9 @@ BUSY = "import time\nwhile time.process_time() < 0.6:\n    pass\n"  # 0.6 s of C
 
 @needs_root
 def test_a_busy_loop_at_half_a_core_gets_at_most_about_half_the_wall_time():
-    """Bounds the quota enforces whatever the load: 0.6 s of CPU at 50 ms per 100 ms period takes at least
-    1.1 s of wall time, so CPU / wall <= 0.55; a loaded machine only lowers it. The CPU time is the kernel's
+    """Bounds the quota enforces whatever the load: 0.6 s of CPU at 5 ms per 10 ms period takes at least
+    1.19 s of wall time, so CPU / wall <= 0.51 (0.6 leaves room for the kernel's accounting); a loaded machine
+    only lowers it. The CPU time is the kernel's
     (the child's rusage)."""
     with cq.CpuQuota(0.5, name=f"tinyconv-cpu-test-{os.getpid()}") as q:
         for name, value in q.files.items():
