@@ -34,7 +34,7 @@ class _LayerState:
     samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
     idle: list[int]  # per participant: consecutive steps without kernels
     reprobe_in: list[int]  # per participant: steps without kernels before it is measured again
-    stepped: bool = False  # a training step was observed: the calibration's samples are gone
+    steps: int = 0  # training steps observed: the calibration's samples, then the first step's, make way
     late_steps: int = 0  # WATCHING: consecutive steps the slowest participant lagged
     cooldown_left: int = 0  # COOLING: steps before the layer is judged again (a re-probe pauses it)
     probing: int | None = None  # PROBING: the participant given one kernel back, this step
@@ -99,7 +99,7 @@ class Rebalancer:
     def record(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> None:
         """File ``counts[i]`` kernels in ``times[i]`` seconds for each participant i (none for 0 kernels)
         without judging the plan. Measurements that are not a training step (the calibration's, at F) stand only
-        until the first step: timed alone, a kernel costs less (why that matters: docs/how-it-works.md)."""
+        until the first step, and its own until the second (why: docs/how-it-works.md)."""
         state = self._state(layer, counts, times)
         for samples, c, t in zip(state.samples, counts, times, strict=True):
             if c > 0:
@@ -109,8 +109,9 @@ class Rebalancer:
         """Record one step of ``layer`` as :meth:`record` does, then do its phase's row of the phase
         table (docs/how-it-works.md); returns new counts (summing to the same) to use from the next step, or None."""
         state = self._state(layer, counts, times)
-        if not state.stepped:  # the calibration's samples make way (record)
-            state.samples, state.stepped = [deque(maxlen=self.window) for _ in counts], True
+        if state.steps < 2:  # the calibration's samples (record), then the first step's (first-use allocations)
+            state.samples = [deque(maxlen=self.window) for _ in counts]
+        state.steps += 1
         self.record(layer, counts, times)
         for i, c in enumerate(counts):
             state.idle[i] = 0 if c > 0 else state.idle[i] + 1
