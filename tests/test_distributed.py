@@ -667,14 +667,16 @@ def test_calibration_seeds_the_rebalancer_which_balances_fixed_costs(rng):
         result = sharded.calibrate(net, batch_size=1, image_size=5)
         assert result["times"]["conv1"] == pytest.approx([0.146, 0.292])
         assert result["shares"]["conv1"] == [64, 32]  # eq. 1
-        # the calibration is each participant's first measurement: all 96 kernels; one k, so proportional
+        # the calibration is each participant's first measurement, until the first step: all 96 kernels; one
+        # k, so proportional
         seeded = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
         assert seeded == pytest.approx([0.0, 0.146 / 96, 0.0, 0.292 / 96])
-        shares = [r["shares"]["conv1"] for r in train_steps(net.layers[0], sharded, x, 12)]
+        shares = [r["shares"]["conv1"] for r in train_steps(net.layers[0], sharded, x, 16)]
         fitted = [v for model in sharded.rebalancer.cost_models("conv1") for v in model]
     assert fitted == pytest.approx([0.05, 0.001, 0.1, 0.002])
-    # T = (96 + 50 + 50) / (1000 + 500) s: k = [80.67, 15.33]; moved after patience (3 steps), then kept
-    assert shares == [[64, 32]] * 3 + [[81, 15]] * 9, shares
+    # after patience (3 steps) the steps' speeds (one k: proportional); after the cool-down (5) and patience
+    # the line, T = (96 + 50 + 50) / (1000 + 500) s: k = [80.67, 15.33], then kept
+    assert shares == [[64, 32]] * 3 + [[71, 25]] * 8 + [[81, 15]] * 5, shares
 
 
 def test_a_two_times_slower_worker_ends_with_a_third_of_the_kernels(rng):

@@ -33,10 +33,13 @@ def test_fit_affine_cost_is_proportional_until_there_is_a_slope_to_fit():
 
 
 def test_fit_affine_cost_clamps_to_a_sane_line_through_the_current_plan():
-    # time falling as kernels are added: b is held at 5 % of the time per kernel at the
-    # newest k (20 kernels in 1 s), the line still through that point
-    a, b = fit_affine_cost([(10, 2.0), (20, 1.0), (20, 1.0)], 0.3)
-    assert b == pytest.approx(0.05 * 1.0 / 20) and a == pytest.approx(1.0 - 20 * b)
+    # time falling as kernels are added: the conditions changed, not the kernels' cost, so no fixed part is
+    # read from it: the proportional line through the newest k (20 kernels in 1 s)
+    assert fit_affine_cost([(10, 2.0), (20, 1.0), (20, 1.0)], 0.3) == pytest.approx((0.0, 1.0 / 20))
+    # a slope that grows, but barely (least squares ~1e-4 s/kernel, 0.5 % of the time per kernel now): held at
+    # 5 % of the time per kernel at the newest k, the line still through that point
+    a, b = fit_affine_cost([(10, 0.999), (10, 1.0), (20, 1.0), (20, 1.001), (20, 1.0)], 0.3)
+    assert b == pytest.approx(0.05 * 1.0 / 20, rel=0.01) and a == pytest.approx(1.0 - 20 * b, rel=0.01)
     # time growing faster than the kernels (a < 0 fitted): held at a = 0, the proportional line
     assert fit_affine_cost([(10, 1.0), (20, 3.0), (20, 3.0)], 0.3) == pytest.approx((0.0, 3.0 / 20))
 
@@ -193,9 +196,9 @@ def test_affine_costs_converge_to_equal_finish_times(calibrate):
     counts, history = run(Rebalancer(), PER_KERNEL, [48, 48], steps=100, fixed=FIXED, calibrate=calibrate)
     assert all(abs(c - e) <= 1 for c, e in zip(counts, expected, strict=True)), (counts, expected)
     assert counts == [81, 15]
-    # calibrated: eq. 1 on the whole-layer times, then one move; from the equal split the first
-    # move knows one k per participant (proportional), the second the line
-    assert history == ([[64, 32], [81, 15]] if calibrate else [[48, 48], [64, 32], [81, 15]])
+    # calibrated: eq. 1 on the whole-layer times; then, as from the equal split, the first move knows
+    # one k per participant (the steps' speeds, proportional), the second the line
+    assert history == ([[64, 32], [71, 25], [81, 15]] if calibrate else [[48, 48], [64, 32], [81, 15]])
     # and there it stays: 100 more steps move nothing
     assert run(Rebalancer(), PER_KERNEL, counts, steps=100, fixed=FIXED)[1] == [[81, 15]]
 
@@ -203,7 +206,10 @@ def test_affine_costs_converge_to_equal_finish_times(calibrate):
 def test_affine_costs_of_three_participants_converge_within_a_kernel():
     fixed, per_kernel = [0.02, 0.06, 0.01], [0.0010, 0.0008, 0.0030]
     expected = equal_finish(fixed, per_kernel, 128)
-    counts, history = run(Rebalancer(), per_kernel, [43, 43, 42], steps=100, fixed=fixed, calibrate=True)
+    # the first move knows only the steps' speeds (proportional), and at the default 10 % the second already
+    # finishes within the threshold ([62, 42, 24]): a lower one lets the line finish the job
+    rebalancer = Rebalancer(threshold=0.05)
+    counts, history = run(rebalancer, per_kernel, [43, 43, 42], steps=100, fixed=fixed, calibrate=True)
     assert all(abs(c - e) <= 1 for c, e in zip(counts, expected, strict=True)), (counts, expected, history)
     assert len(history) <= 3, history
 
@@ -243,6 +249,22 @@ def test_uncertain_slopes_do_not_throw_kernels_around():
         assert min(min(c) for c in history) >= 16 and len(history) <= 5, (seed, history)
 
 
+def test_a_twice_slower_participant_keeps_its_third_when_steps_cost_more_than_the_calibration():
+    """The issue's drop: timed alone, each participant took half a step's time per kernel (no link, no
+    co-runner). A line through the calibration and the steps would read that as a fixed part nearly the whole
+    step long, and the slower participant would sit out; the steps alone say it is 2x slower, so a third."""
+    per_kernel, total = [0.002, 0.004], 96
+    rng = np.random.default_rng(0)
+    rebalancer, counts, history = Rebalancer(), [48, 48], []
+    rebalancer.record("c", [total, total], [total * b / 2 for b in per_kernel])  # the calibration
+    for _ in range(60):
+        times = [b * c * (1 + 0.05 * rng.standard_normal()) for b, c in zip(per_kernel, counts, strict=True)]
+        if (proposal := rebalancer.observe("c", counts, times)) is not None:
+            counts = proposal
+            history.append(counts)
+    assert history and all(0.30 <= c[1] / total <= 0.36 for c in history), history  # 29..34 of 96, never 0
+
+
 def test_a_participant_that_can_only_slow_the_layer_sits_out_and_is_re_probed():
     # 0.3 s fixed against 0.01 + 0.001 * 96 = 0.106 s for the whole layer on the other: held at
     # the floor it would make every step wait 0.302 s; without it the layer takes 0.106 s
@@ -255,25 +277,28 @@ def test_a_participant_that_can_only_slow_the_layer_sits_out_and_is_re_probed():
         if (proposal := rebalancer.observe("c", counts, times)) is not None:
             counts = proposal
             changes.append((step, counts))
-    # out after patience (3 steps); back with one kernel for one step after 50 steps without
-    # any, judged at once and out again, then after 100, then after 200 steps
+    # after patience (3 steps) the steps' speeds, one k each (proportional); with a second k the fixed part
+    # shows, and it is out after the cool-down and patience; back with one kernel for one step after 50 steps
+    # without any, judged at once and out again, then after 100, then after 200 steps
     assert changes == [
-        (2, [96, 0]),
-        (52, [95, 1]),  # idle in steps 3..52
-        (53, [96, 0]),
-        (153, [95, 1]),  # idle in steps 54..153
-        (154, [96, 0]),
-        (354, [95, 1]),
-        (355, [96, 0]),
+        (2, [91, 5]),
+        (10, [96, 0]),
+        (60, [95, 1]),  # idle in steps 11..60
+        (61, [96, 0]),
+        (161, [95, 1]),  # idle in steps 62..161
+        (162, [96, 0]),
+        (362, [95, 1]),
+        (363, [96, 0]),
     ], changes
     rng = np.random.default_rng(3)
     counts, history = run(
         Rebalancer(), per_kernel, [48, 48], steps=100, noise=0.10, rng=rng, fixed=fixed, calibrate=True
     )
-    assert counts == [96, 0] and history[1] == [96, 0] and len(history) <= 4, history
+    assert counts == [96, 0] and history[2] == [96, 0] and len(history) <= 5, history
     # reprobe=0: out for good
     assert run(Rebalancer(reprobe=0), per_kernel, [48, 48], steps=300, fixed=fixed, calibrate=True)[1] == [
         [79, 17],
+        [91, 5],
         [96, 0],
     ]
 

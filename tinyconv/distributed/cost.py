@@ -50,14 +50,15 @@ def _steepest_slope(weighted: Sequence[tuple[float, int, float]]) -> float | Non
         s^2 = (sum_j w_j r_j^2 / W) n / (n - 2),   r_j = t_j - t_bar - b_ls (k_j - k_bar),   n = W^2 / sum_j w_j^2
 
     (s^2: the noise variance from the residuals; n: the effective number of measurements.) None when n <= 2
-    leaves no residual to judge the noise by."""
+    leaves no residual to judge the noise by, or when b_ls <= 0: no cost falls as kernels are added, the
+    conditions changed (another job started there, say), and no fixed part can be told from them."""
     total = sum(w for w, _, _ in weighted)
     k_bar = sum(w * k for w, k, _ in weighted) / total
     t_bar = sum(w * t for w, _, t in weighted) / total
     s_kk = sum(w * (k - k_bar) ** 2 for w, k, _ in weighted)
     b_ls = sum(w * (k - k_bar) * (t - t_bar) for w, k, t in weighted) / s_kk
     n_eff = total**2 / sum(w * w for w, _, _ in weighted)
-    if n_eff <= 2:
+    if n_eff <= 2 or b_ls <= 0:
         return None
     residual = sum(w * (t - t_bar - b_ls * (k - k_bar)) ** 2 for w, k, t in weighted) / total
     s2 = residual * n_eff / (n_eff - 2)

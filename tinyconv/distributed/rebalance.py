@@ -34,6 +34,7 @@ class _LayerState:
     samples: list[deque[tuple[int, float]]]  # per participant: its recent (kernels, seconds), oldest first
     idle: list[int]  # per participant: consecutive steps without kernels
     reprobe_in: list[int]  # per participant: steps without kernels before it is measured again
+    steps: int = 0  # training steps observed: the calibration's samples, then the first step's, make way
     late_steps: int = 0  # WATCHING: consecutive steps the slowest participant lagged
     cooldown_left: int = 0  # COOLING: steps before the layer is judged again (a re-probe pauses it)
     probing: int | None = None  # PROBING: the participant given one kernel back, this step
@@ -49,14 +50,14 @@ class _LayerState:
 class Rebalancer:
     """Proposes a new kernel split when measured times (compute, and a worker's transfers) say the current one is off.
 
-    For each layer and participant it keeps the last ``window`` measurements (k, t), from :meth:`observe` and
-    :meth:`record` (the calibration's whole-layer times at k = F), and fits t_i(k) = a_i + b_i k
-    (:func:`fit_affine_cost`). The target is the equal-finish split with a floor of one kernel
-    (:func:`equal_finish_kernels`), from which a participant that can only slow the layer sits out. With the
-    current counts c_i each finishes after f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold``
-    for ``patience`` steps in a row, the target is proposed if it moves at least ``min_move`` kernels and
-    predicts max_i f_i(new) < max_i f_i(current); then ``cooldown`` steps measured, not judged. One sitting out
-    gets a kernel back for one step after ``reprobe`` steps (0: never), twice as long each time it stays slow.
+    For each layer and participant it keeps the last ``window`` measurements (k, t) of training steps, from
+    :meth:`observe`, and fits t_i(k) = a_i + b_i k (:func:`fit_affine_cost`; proportional until the steps saw two
+    k). The target is the equal-finish split with a floor of one kernel (:func:`equal_finish_kernels`), from which
+    a participant that can only slow the layer sits out. With the current counts c_i each finishes after
+    f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold`` for ``patience`` steps in a row, the target
+    is proposed if it moves at least ``min_move`` kernels and predicts max_i f_i(new) < max_i f_i(current); then
+    ``cooldown`` steps measured, not judged. One sitting out gets a kernel back for one step after ``reprobe``
+    steps (0: never), twice as long each time it stays slow.
     """
 
     threshold: float = 0.10
@@ -97,7 +98,8 @@ class Rebalancer:
 
     def record(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> None:
         """File ``counts[i]`` kernels in ``times[i]`` seconds for each participant i (none for 0 kernels)
-        without judging the plan: measurements that are not a training step (the calibration's, at F)."""
+        without judging the plan. Measurements that are not a training step (the calibration's, at F) stand only
+        until the first step, and its own until the second (why: docs/how-it-works.md)."""
         state = self._state(layer, counts, times)
         for samples, c, t in zip(state.samples, counts, times, strict=True):
             if c > 0:
@@ -106,8 +108,11 @@ class Rebalancer:
     def observe(self, layer: str, counts: Sequence[int], times: Sequence[float]) -> list[int] | None:
         """Record one step of ``layer`` as :meth:`record` does, then do its phase's row of the phase
         table (docs/how-it-works.md); returns new counts (summing to the same) to use from the next step, or None."""
+        state = self._state(layer, counts, times)
+        if state.steps < 2:  # the calibration's samples (record), then the first step's (first-use allocations)
+            state.samples = [deque(maxlen=self.window) for _ in counts]
+        state.steps += 1
         self.record(layer, counts, times)
-        state = self._layers[layer]
         for i, c in enumerate(counts):
             state.idle[i] = 0 if c > 0 else state.idle[i] + 1
         if state.phase is Phase.PROBING:

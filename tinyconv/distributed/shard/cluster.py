@@ -266,6 +266,7 @@ class Cluster(Runtime):
             return
         record = step_record(self._done, self.participants)
         record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
+        record["ready_s"] = {d.name: d.ready_s(self._links()) for d in reversed(self._done)}  # what it balances
         if self.wire_precision != "fp32":  # what each layer's arrays travelled in; AWP then looks at the weights
             record["wire_precision"] = {d.name: self._roles.get(d.name, {}) for d in reversed(self._done)}
         self._done, self._roles = [], {}
