@@ -117,6 +117,9 @@ def test_a_batch_norm_tail_honest_passes_and_its_statistics_and_gradients_are_ch
     for wrong in ("mean", "var", "dgamma", "dbeta"):
         spoil = lambda name, a, step, wrong=wrong: a * np.float32(1.05) if name == wrong else a  # noqa: E731
         assert Steps(tail=BN_TAIL).run(SpotCheck(budget=1.0), 5, spoil) == 1, wrong
+    # an image's dx, through the batch's statistics (the worker's dgamma, dbeta), as without batch norm
+    noise = lambda name, a, step: CHANNEL_FAULTS["noise on dx"](name, a) if step >= 3 else a  # noqa: E731
+    assert Steps(tail=BN_TAIL).run(SpotCheck(budget=1.0), 5, noise) == 3
 
 
 def test_a_wrong_backward_alone_is_caught():

@@ -40,7 +40,7 @@ import numpy as np
 from backends.base import Backend, conv_output_size
 from backends.conformance.checks import scale
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.shard.block import block_backward, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.spot_check_channels import ByChannels
 from tinyconv.distributed.spot_sample import (
     Pair,
@@ -49,13 +49,15 @@ from tinyconv.distributed.spot_sample import (
     few_kernels_dw,
     few_kernels_forward,
     fits,
-    image_tail,
+    image_backward,
+    image_forward,
     kernel_span,
     norm_backward_pairs,
     norm_forward_pairs,
     norm_gain,
     padded,
     pair,
+    spread,
     sum_pair,
     tail_roundings,
     task_norm,
@@ -119,8 +121,7 @@ class ByKernels:
             conv, conv_cache = be.conv2d_forward(*args)
             top = scale(be.to_numpy(conv))  # before the tail, which may write in place
             norm = task_norm(be, self.fwd.arrays, slice(0, w.shape[0]))
-            tail = image_tail(be, h["tail"], norm, self.stats, self.m)
-            y, cache = tail_forward(be, conv, conv_cache, tail, (self.lo, self.hi), norm)
+            y, cache = image_forward(be, conv, conv_cache, h["tail"], norm, self.stats, self.m, (self.lo, self.hi))
             return Sample(kind, at, slice(0, w.shape[0]), np.asarray(be.to_numpy(y)), cache, top, norm=norm)
         span = kernel_span(at, w.shape[0], h["tail"])  # clipped where the task's kernels end: its true edge
         xp = padded(x, h["padding"])
@@ -142,10 +143,12 @@ class ByKernels:
         dy, h = self.bwd.arrays["dy"], self.fwd.header
         f, _, kh, kw = self.fwd.arrays["w"].shape
         k = forward_roundings(self.fwd, self.m) + tail_roundings(h["tail"], self.m)
-        if sample.kind == "image":  # a training batch norm's backward of one image needs all of them: no dx check
-            if not (self.bwd.header["need_dx"] and "dx" in self.grads) or (self.bn and self.bn["training"]):
+        if sample.kind == "image":
+            dnorm = spread(self.grads, f, (self.lo, self.hi))
+            d = image_backward(be, be.asarray(dy[sample.at : sample.at + 1]), sample.cache, dnorm)
+            if d is None or not (self.bwd.header["need_dx"] and "dx" in self.grads):
                 return []
-            dx, _, _ = block_backward(be, be.asarray(dy[sample.at : sample.at + 1]), sample.cache, True)
+            dx, _, _ = be.conv2d_backward(d, sample.cache.conv, True)
             return [pair(self.grads["dx"][sample.at : sample.at + 1], np.asarray(be.to_numpy(dx)), k + f * kh * kw)]
         d = np.asarray(be.to_numpy(tail_backward(be, be.asarray(dy[:, sample.span]), sample.cache)))
         d = d[:, sample.at - sample.span.start][:, None]  # (N, 1, OH, OW): the kernel's conv-output gradient

@@ -40,13 +40,15 @@ from tinyconv.distributed.spot_sample import (
     few_kernels_dw,
     few_kernels_forward,
     fits,
-    image_tail,
+    image_backward,
+    image_forward,
     kernel_span,
     norm_backward_pairs,
     norm_forward_pairs,
     norm_gain,
     padded,
     pair,
+    spread,
     sum_pair,
     tail_roundings,
     task_norm,
@@ -135,8 +137,8 @@ class ByChannels:
             s = p[halo].transpose(1, 0, 2, 3) + self._sum(halo, at, at + 1) + self.b[None, :, None, None]
             top = max(scale(p), scale(s))  # its partial's scale, and the sum's, before the tail
             norm = task_norm(be, self.norm, slice(0, self.he - self.hs))
-            tail = image_tail(be, self.tail, norm, self.stats, self.m)
-            y, cache = tail_forward(be, be.asarray(s), conv, tail, tuple(self.h["own"]), norm)
+            own = tuple(self.h["own"])
+            y, cache = image_forward(be, be.asarray(s), conv, self.tail, norm, self.stats, self.m, own)
             return Sample(kind, at, halo, np.asarray(be.to_numpy(y)), cache, top, partial=p, norm=norm)
         xp = padded(np.concatenate(self.x), pad)
         if not self.start <= at < self.end:  # a kernel it owns no output of: the row of P it sent, its dw and db
@@ -181,9 +183,10 @@ class ByChannels:
         if sample.kind == "image":
             n, (lo, hi) = sample.at, self.h["own"]
             pairs = []
-            if not (self.bn and self.bn["training"]):  # a training batch norm's backward of one image needs them all
-                d = be.to_numpy(tail_backward(be, be.asarray(self.dy[n : n + 1, rows]), sample.cache))
-                pairs.append(pair(self.dyc[:, n], np.asarray(d)[0, lo:hi], k_dyc))
+            dnorm = spread(self.stats, self.he - self.hs, (lo, hi))
+            d = image_backward(be, be.asarray(self.dy[n : n + 1, rows]), sample.cache, dnorm)
+            if d is not None:
+                pairs.append(pair(self.dyc[:, n], np.asarray(be.to_numpy(d))[0, lo:hi], k_dyc))
             i, r = self._chunk(n)
             if self.need_dx and self.dx[i] is not None:
                 dx, _, _ = be.conv2d_backward(be.asarray(self._dy_conv_image(n)), sample.cache.conv, True)

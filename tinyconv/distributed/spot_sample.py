@@ -29,7 +29,7 @@ import numpy as np
 from backends.base import Backend
 from backends.conformance.checks import FN, float32_tolerance, scale
 from tinyconv.distributed.protocol import NORM_INPUTS
-from tinyconv.distributed.shard.block import BlockCache, halo_width
+from tinyconv.distributed.shard.block import BlockCache, halo_width, tail_backward, tail_forward
 from transports.base import Message
 
 Pair = tuple[np.ndarray, np.ndarray, float]  # (the worker's entries, the master's, how far apart they may be)
@@ -71,19 +71,74 @@ def task_norm(be: Backend, arrays: dict[str, np.ndarray], kernels: slice) -> dic
     return {k: be.asarray(np.ascontiguousarray(arrays[k][kernels])) for k in NORM_INPUTS if k in arrays}
 
 
-def image_tail(
-    be: Backend, tail: list[dict[str, Any]], norm: dict[str, Any], stats: dict[str, np.ndarray], m: int
-) -> list:
-    """An image sample's tail: with a training batch norm, normalising the one image by the worker's batch statistics
-    (``stats``: its mean and unbiased variance of the same kernels, which the kernel samples check), put in ``norm``
-    as an evaluation's running ones."""
+@dataclass
+class NormedImage:
+    """An image sample's tail around a training batch norm, in three pieces: the layers before it, the norm, those
+    after. The one image is normalised by the worker's batch statistics, as an evaluation is by running ones, and
+    its backward adds what the batch's statistics give each image's gradient (``BatchNorm2D``'s math)::
+
+        dz = gamma / std * (du - dbeta / M - xhat * dgamma / M),   dbeta and dgamma the worker's, over the batch
+    """
+
+    before: BlockCache  # the layers before the norm, on every computed kernel
+    norm: Any  # the backend's cache of the norm, run as an evaluation
+    after: BlockCache  # the layers after it, down to the sample's own kernels
+    xhat: np.ndarray  # (1, F', OH, OW): the norm's input, normalised
+    m: int  # the batch's values per kernel
+    exact: bool  # no LRN before the norm: the halo's gradient, which its dgamma and dbeta do not cover, is not read
+
+    @property
+    def conv(self) -> Any:
+        return self.before.conv
+
+
+def image_forward(
+    be: Backend, conv: Any, conv_cache: Any, tail: list, norm: dict, stats: dict, m: int, own: tuple[int, int]
+) -> tuple[Any, BlockCache | NormedImage]:
+    """An image sample's tail over its convolution ``conv`` (1, F', OH, OW): ``block.tail_forward``, but with a
+    training batch norm, in pieces (:class:`NormedImage`) by the worker's ``stats``, its batch mean and unbiased
+    variance of the same kernels (which the kernel samples check); ``norm`` gets ``var`` for :func:`norm_gain`."""
     bn = batch_norm(tail)
     if bn is None or not bn["training"]:
-        return tail
-    var = np.maximum(stats["var"], np.float32(0))  # a wrong worker's may be negative: its y then disagrees anyway
-    norm |= {"running_mean": be.asarray(stats["mean"]), "running_var": be.asarray(var * np.float32((m - 1) / m))}
-    norm["var"] = var
-    return [dict(spec, training=False) if spec is bn else spec for spec in tail]
+        return tail_forward(be, conv, conv_cache, tail, own, norm)
+    i, f = tail.index(bn), conv.shape[1]
+    norm["var"] = np.maximum(stats["var"], np.float32(0))  # a wrong worker's may be negative: its y disagrees anyway
+    mean, var = stats["mean"], norm["var"] * np.float32((m - 1) / m)  # the biased variance, which normalises
+    z, before = tail_forward(be, conv, conv_cache, tail[:i], (0, f))
+    u, cache = be.batchnorm_forward(
+        z, norm["gamma"], norm["beta"], be.asarray(mean), be.asarray(var), False, 1.0, bn["eps"]
+    )
+    y, after = tail_forward(be, u, None, tail[i + 1 :], own)
+    xhat = (be.to_numpy(z) - mean[None, :, None, None]) / np.sqrt(var + np.float32(bn["eps"]))[None, :, None, None]
+    return y, NormedImage(before, cache, after, xhat, m, all(spec["op"] != "lrn" for spec in tail[:i]))
+
+
+def image_backward(be: Backend, dy: Any, cache: BlockCache | NormedImage, dnorm: dict[str, np.ndarray]) -> Any:
+    """The conv-output gradient of an image sample's own kernels from dy over its computed ones (block.tail_backward),
+    or through a :class:`NormedImage` with ``dnorm``, the worker's dgamma and dbeta of its computed kernels (0 on the
+    halo, whose gradient is then 0); None where that is not exact."""
+    if not isinstance(cache, NormedImage):
+        return tail_backward(be, dy, cache)
+    if not cache.exact:
+        return None
+    d = be.to_numpy(tail_backward(be, dy, cache.after))  # 0 beyond its own kernels
+    d = (
+        d
+        - (dnorm["beta"] / cache.m)[None, :, None, None]
+        - cache.xhat * (dnorm["gamma"] / cache.m)[None, :, None, None]
+    )
+    d, _, _ = be.batchnorm_backward(be.asarray(d.astype(np.float32)), cache.norm)
+    return tail_backward(be, d, cache.before)
+
+
+def spread(got: dict[str, np.ndarray], f: int, own: tuple[int, int]) -> dict[str, np.ndarray]:
+    """A worker's dgamma and dbeta of its own kernels [lo, hi), as ``got`` holds them, on all ``f`` it computed
+    (0 on the halo): what :func:`image_backward` takes."""
+    out = {name: np.zeros(f, np.float32) for name in ("gamma", "beta")}
+    for name, full in out.items():
+        if "d" + name in got:
+            full[own[0] : own[1]] = got["d" + name]
+    return out
 
 
 def norm_gain(be: Backend, tail: list[dict[str, Any]], norm: dict[str, Any], m: int) -> float:
