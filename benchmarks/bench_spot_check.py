@@ -9,8 +9,9 @@
 
 One worker (a real handler, in this process) answers the tasks of the paper's conv2 -- conv 5x5, ReLU,
 LRN (``--norm batch``: batch norm), max pool -- on a share of it: by kernels (``--split kernels``),
-the block of a third of its kernels and their halo; by input channels, the middle one of three, a third of its input channels for every
-kernel and the tail of a third of the kernels, in chunks of 32 images, the others' partial sums and
+the block of a third of its kernels and their halo; by input channels, the middle one of three, a
+third of its input channels for every kernel and the tail of a third of the kernels, in chunks of 32
+images, the others' partial sums and
 conv-output gradients random; by images (``--split images``, data parallelism), a whole replica of the
 paper's network (``--norm``) on a third of the batch, which the master replays. The master samples its
 results with the default budget, priced at its
