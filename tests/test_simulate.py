@@ -127,6 +127,21 @@ def test_a_given_split_is_taken_and_checked():
         predict(convs, [dev], 2, "off", "kernels", LinkModel("wifi", 1e6), shares=[[3, 4], [10, 6]])
 
 
+def test_a_worker_behind_a_slower_link_of_its_own_is_held_to_its_rate_and_the_others_are_not():
+    """100 kB each way and 0.1 s of compute per worker, the master's link 1 MB/s, worker 1's own 100 kB/s.
+    Ethernet: worker 0 has its task at 0.1 s and its result in at 0.3 s; worker 1 its task at 1.0 s (the master's
+    NIC was done at 0.2 s), ready at 1.1 s, its result in 1 s later: 2.1 s. Wi-Fi: worker 1's transfers hold the
+    one channel 1 s each: tasks out at 0.1 and 1.1 s, results in at 1.2 and 2.2 s."""
+    tasks = [Task(100_000, 0.1, 100_000, worker=0), Task(100_000, 0.1, 100_000, worker=1)]
+    assert op_wall(LinkModel("ethernet", 1e6, 0.0, (1e6, 1e5)), 0.0, tasks) == pytest.approx(2.1)
+    assert op_wall(LinkModel("wifi", 1e6, 0.0, (1e6, 1e5)), 0.0, tasks) == pytest.approx(2.2)
+    assert op_wall(LinkModel("ethernet", 1e6, 0.0, (1e6,)), 0.0, tasks) == pytest.approx(0.4)  # both at 1 MB/s
+    assert LinkModel("ethernet", 1e6, 0.0, (1e7,)).rate(0) == 1e6  # no faster than the master's own link
+    dev, fast = device("d", [(4, 0.1, 0.05)]), LinkModel("ethernet", 1000.0)
+    slow = predict([TOY], [dev], 3, "off", "kernels", LinkModel("ethernet", 1000.0, 0.0, (1000.0, 100.0)))
+    assert slow.step_s > predict([TOY], [dev], 3, "off", "kernels", fast).step_s and slow.lag > 0.5
+
+
 def test_the_rebalancers_lag_grows_as_the_link_slows():
     """Eq. 1 balances compute: equal devices finish together on a free link (lag 0), and a worker's
     transfers put it behind on a slow one -- with 2, lag = (r_w - r_m) / (r_w + r_m)."""
@@ -167,6 +182,15 @@ def test_the_csv_has_the_contract_columns(tmp_path, devices_file, capsys):
     assert {(r["fuse"], r["split"]) for r in rows} == {("off", "kernels"), ("on", "kernels"), ("on", "channels")}
     assert all(float(r["speedup"]) == 1.0 for r in rows if r["nodes"] == "1")
     assert "wifi, 5 MB/s" in capsys.readouterr().out
+    argv += ["--worker-bandwidth", "125", "0.5", "--split", "fused", "--medium", "ethernet"]  # worker 1 on 0.5 MB/s
+    assert main(argv) == 0
+    with open(out, newline="") as f:
+        slowed = {(r["bandwidth_MBps"], r["nodes"]): r for r in csv.DictReader(f)}
+    assert {r["worker_MBps"] for r in slowed.values()} == {"125 0.5"}
+    same = {(r["bandwidth_MBps"], r["nodes"]): r for r in rows if r["split"] == "kernels" and r["fuse"] == "on"}
+    same = {k: r for k, r in same.items() if r["medium"] == "ethernet"}
+    assert float(slowed["125.0", "2"]["step_s"]) == pytest.approx(float(same["125.0", "2"]["step_s"]))  # worker 0
+    assert float(slowed["125.0", "4"]["step_s"]) > float(same["125.0", "4"]["step_s"])  # worker 1 takes part
 
 
 def write_grid(path, rows: list[dict]) -> None:

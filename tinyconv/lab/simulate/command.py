@@ -19,7 +19,7 @@ from tinyconv.lab.simulate.predict import LABELS, SPLITS, Prediction, predict
 # the CSV's columns; the first twelve are the contract the plots read
 COLUMNS = ("arch", "batch", "split", "medium", "bandwidth_MBps", "latency_ms", "nodes", "step_s", "comm_s",
            "conv_s", "comp_s", "speedup", "fuse", "label", "wire", "norm", "devices", "bytes_sent", "bytes_recv",
-           "solo_step_s")  # fmt: skip
+           "solo_step_s", "worker_MBps")  # fmt: skip
 SPLIT_NAMES = {"paper": SPLITS[0], "fused": SPLITS[1], "channels": SPLITS[2]}
 
 
@@ -53,6 +53,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--bandwidth", type=float, nargs="+", default=[5.0, 12.5, 125.0], metavar="MBPS",
                    help="link bandwidths in MB/s (10^6 bytes; default 5 12.5 125: the paper's Wi-Fi, 100 Mbit and "
                    "1 Gbit Ethernet)")  # fmt: skip
+    p.add_argument("--worker-bandwidth", type=float, nargs="+", default=[], metavar="MBPS",
+                   help="each worker's own link in MB/s, in worker order (the devices after the master's), "
+                   "where one is slower than --bandwidth: Wi-Fi, a shaped link (default: none)")  # fmt: skip
     p.add_argument("--latency-ms", type=float, default=1.0, help="latency per message (default %(default)s ms)")
     p.add_argument("--medium", nargs="+", choices=MEDIA, default=list(MEDIA), help="(default: both)")
     p.add_argument("--split", nargs="+", choices=tuple(SPLIT_NAMES), default=list(SPLIT_NAMES),
@@ -83,7 +86,7 @@ def check(p: OneLineParser, args: argparse.Namespace) -> None:
         p.error("needs --devices FILE, or --measure FILE to time this machine first")
     if args.batch < 1 or args.repeats < 1 or min(args.nodes) < 1 or not args.slowdown > 0:
         p.error("--batch, --repeats and --nodes must be 1 or more, --slowdown > 0")
-    if min(args.bandwidth) <= 0 or args.latency_ms < 0 or (args.loopback_mbps is not None and args.loopback_mbps <= 0):
+    if min(args.bandwidth + args.worker_bandwidth) <= 0 or args.latency_ms < 0 or (args.loopback_mbps or 1) <= 0:
         p.error("bandwidths must be > 0 MB/s and --latency-ms >= 0")
     from tinyconv.model import parse_arch
 
@@ -121,7 +124,8 @@ def rows_for(args: argparse.Namespace, devices: list[Device]) -> list[dict[str, 
         for wire in args.wire_precision:
             for medium in args.medium:
                 for bw in args.bandwidth:
-                    link = LinkModel(medium, bw * MB, args.latency_ms / 1e3)
+                    own = tuple(w * MB for w in args.worker_bandwidth)
+                    link = LinkModel(medium, bw * MB, args.latency_ms / 1e3, own)
                     for n in args.nodes:
                         p = predict(convs, devices, n, fuse, split, link, wire)
                         rows.append(row(args, devices, (fuse, split), link, p, wire))
@@ -135,7 +139,8 @@ def row(args: argparse.Namespace, devices: list[Device], fs: tuple[str, str], li
             "step_s": p.step_s, "comm_s": p.comm_s, "conv_s": p.conv_s, "comp_s": p.comp_s, "speedup": p.speedup,
             "fuse": fs[0], "label": LABELS[fs], "wire": wire, "norm": args.norm,
             "devices": " ".join(d.name for d in devices), "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
-            "solo_step_s": devices[0].solo_step_s}  # fmt: skip
+            "solo_step_s": devices[0].solo_step_s,
+            "worker_MBps": " ".join(f"{w / MB:g}" for w in link.workers)}  # fmt: skip
 
 
 def print_tables(rows: list[dict[str, Any]], splits: Sequence[str], wires: Sequence[str] = ("fp32",)) -> None:

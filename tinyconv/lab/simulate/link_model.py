@@ -31,6 +31,12 @@ a delay that holds no link::
     d_0 = 0;  d = max(d, e_j) + back_j / B              results, by e_j ascending
     wall = max(d_last + L, t_master)
 
+A worker behind a slower link of its own, B_j < B (``LinkModel.workers``: a worker on Wi-Fi or
+behind a shaped link, the others on the master's LAN), holds its transfers to its rate: on ``wifi``
+each of its transfers holds the channel for L + bytes/B_j; on ``ethernet`` its task arrives no
+sooner than to_j/B_j after the master started sending, and its result is in no sooner than
+back_j/B_j after it is ready, while the master's NIC carries the others' bytes meanwhile.
+
 With one worker both give L + to/B + t + L + back/B. With n equal workers and little compute,
 wifi takes about sum(to + back)/B + 2nL, ethernet about max(sum to, sum back)/B: the shared
 medium pays for both directions, the switched one for the larger. Protocol overhead (headers,
@@ -49,26 +55,34 @@ MB = 1e6  # the paper's MB/s: 10^6 bytes
 
 @dataclass(frozen=True)
 class LinkModel:
-    """A link model: ``medium`` (wifi or ethernet), ``bandwidth`` bytes/s, ``latency`` s per message."""
+    """A link model: ``medium`` (wifi or ethernet), ``bandwidth`` bytes/s, ``latency`` s per message; ``workers``:
+    each worker's own link (bytes/s) in worker order, where one is slower (a worker beyond them: ``bandwidth``)."""
 
     medium: str
     bandwidth: float
     latency: float = 0.0
+    workers: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.medium not in MEDIA:
             raise ValueError(f"medium must be one of {', '.join(MEDIA)}, got {self.medium!r}")
-        if not (self.bandwidth > 0 and self.latency >= 0):
-            raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self.bandwidth!r}, {self.latency!r}")
+        if not (self.bandwidth > 0 and self.latency >= 0 and all(b > 0 for b in self.workers)):
+            raise ValueError(f"bandwidths must be > 0 and latency >= 0, got {self.bandwidth!r}, {self.latency!r}")
+
+    def rate(self, worker: int) -> float:
+        """Worker ``worker``'s rate, bytes/s: its own link's, no more than the master's (-1: the master's)."""
+        own = self.workers[worker] if 0 <= worker < len(self.workers) else self.bandwidth
+        return min(own, self.bandwidth)
 
 
 @dataclass(frozen=True)
 class Task:
-    """One worker's part of an op: bytes to it, its compute (s), bytes back."""
+    """One worker's part of an op: bytes to it, its compute (s), bytes back; which worker (its link's rate)."""
 
     to: int
     compute: float
     back: int
+    worker: int = -1
 
 
 def op_wall(link: LinkModel, master_s: float, tasks: Sequence[Task]) -> float:
@@ -77,14 +91,17 @@ def op_wall(link: LinkModel, master_s: float, tasks: Sequence[Task]) -> float:
     shared = link.medium == "wifi"
     sent, ready = 0.0, []
     for task in tasks:
-        sent += task.to / b + (lat if shared else 0.0)
-        ready.append((sent + (0.0 if shared else lat) + task.compute, task.back))
+        own = link.rate(task.worker)
+        sent += task.to / (own if shared else b) + (lat if shared else 0.0)
+        arrived = sent if shared else max(sent, task.to / own) + lat  # its own link, beside the master's NIC
+        ready.append((arrived + task.compute, task.back, own))
     if not tasks:
         return master_s
-    busy = sent if shared else 0.0  # wifi: the results wait for the tasks to be out
-    for at, back in sorted(ready, key=lambda r: r[0]):
-        busy = max(busy, at) + back / b + (lat if shared else 0.0)
-    return max(busy + (0.0 if shared else lat), master_s)
+    busy = end = sent if shared else 0.0  # wifi: the results wait for the tasks to be out
+    for at, back, own in sorted(ready, key=lambda r: r[0]):
+        busy = max(busy, at) + back / (own if shared else b) + (lat if shared else 0.0)
+        end = max(end, busy, at + back / own)
+    return max(end + (0.0 if shared else lat), master_s)
 
 
 def parse_rate(text: str) -> float:

@@ -145,8 +145,8 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
             to_b, back_b = to_i - to_f, back_i - back_f
         else:
             to_f, back_f, to_b, back_b = block_bytes(conv, h, p.n_kernels, tail, words)
-        fwd.append(Task(to_f, forward * t, back_f))
-        bwd.append(Task(to_b, (1 - forward) * t, back_b))
+        fwd.append(Task(to_f, forward * t, back_f, p.worker))
+        bwd.append(Task(to_b, (1 - forward) * t, back_b, p.worker))
     return PredictedOp(forward * times[0], tuple(fwd)), PredictedOp((1 - forward) * times[0], tuple(bwd)), counts
 
 
@@ -186,9 +186,9 @@ def predict(convs: Sequence[ConvShape], devices: Sequence[Device], nodes: int, f
 def ready_lag(forward: PredictedOp, backward: PredictedOp, master_busy: bool, link: LinkModel) -> float:
     """How far the slowest of a layer's participants lags their mean, (max r - mean r) / mean r, in
     ready times r as the rebalancer measures them: the master's compute, a worker's compute plus the
-    bytes it moved / B (``LayerStep.ready_s``); participants without kernels left out."""
+    bytes it moved / its rate (``LayerStep.ready_s``); participants without kernels left out."""
     ready = [forward.master_s + backward.master_s] if master_busy else []
-    ready += [f.compute + b.compute + (f.to + f.back + b.to + b.back) / link.bandwidth
+    ready += [f.compute + b.compute + (f.to + f.back + b.to + b.back) / link.rate(f.worker)
               for f, b in zip(forward.tasks, backward.tasks, strict=True)]  # fmt: skip
     mean = sum(ready) / len(ready) if ready else 0.0
     return (max(ready) - mean) / mean if mean > 0 else 0.0
