@@ -42,25 +42,27 @@ from backends.conformance.checks import scale
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.spot_check_channels import ByChannels
-from tinyconv.distributed.spot_sample import (
-    Pair,
-    Sample,
+from tinyconv.distributed.spot_norm import (
     batch_norm,
-    few_kernels_dw,
-    few_kernels_forward,
-    fits,
     image_backward,
     image_forward,
-    kernel_span,
     norm_backward_pairs,
     norm_forward_pairs,
     norm_gain,
+    spread,
+    task_norm,
+)
+from tinyconv.distributed.spot_sample import (
+    Pair,
+    Sample,
+    few_kernels_dw,
+    few_kernels_forward,
+    fits,
+    kernel_span,
     padded,
     pair,
-    spread,
     sum_pair,
     tail_roundings,
-    task_norm,
 )
 from transports.base import Message
 
@@ -143,10 +145,12 @@ class ByKernels:
         dy, h = self.bwd.arrays["dy"], self.fwd.header
         f, _, kh, kw = self.fwd.arrays["w"].shape
         k = forward_roundings(self.fwd, self.m) + tail_roundings(h["tail"], self.m)
-        if sample.kind == "image":
+        if sample.kind == "image":  # its dx, the only number an image's backward gives
+            if not (self.bwd.header["need_dx"] and "dx" in self.grads):
+                return []
             dnorm = spread(self.grads, f, (self.lo, self.hi))
             d = image_backward(be, be.asarray(dy[sample.at : sample.at + 1]), sample.cache, dnorm)
-            if d is None or not (self.bwd.header["need_dx"] and "dx" in self.grads):
+            if d is None:
                 return []
             dx, _, _ = be.conv2d_backward(d, sample.cache.conv, True)
             return [pair(self.grads["dx"][sample.at : sample.at + 1], np.asarray(be.to_numpy(dx)), k + f * kh * kw)]

@@ -33,25 +33,27 @@ from backends.base import Backend, conv_output_size
 from backends.conformance.checks import scale
 from tinyconv.distributed.protocol import NORM_INPUTS
 from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
-from tinyconv.distributed.spot_sample import (
-    Pair,
-    Sample,
+from tinyconv.distributed.spot_norm import (
     batch_norm,
-    few_kernels_dw,
-    few_kernels_forward,
-    fits,
     image_backward,
     image_forward,
-    kernel_span,
     norm_backward_pairs,
     norm_forward_pairs,
     norm_gain,
+    spread,
+    task_norm,
+)
+from tinyconv.distributed.spot_sample import (
+    Pair,
+    Sample,
+    few_kernels_dw,
+    few_kernels_forward,
+    fits,
+    kernel_span,
     padded,
     pair,
-    spread,
     sum_pair,
     tail_roundings,
-    task_norm,
 )
 from transports.base import Message
 
