@@ -265,8 +265,9 @@ class Cluster(Runtime):
             self._done, self._roles, self.tainted, self.redo = [], {}, False, True
             return
         record = step_record(self._done, self.participants)
-        record["rebalanced"] = self._rebalance(self._done) if self.rebalancer is not None else {}
-        record["ready_s"] = {d.name: d.ready_s(self._links()) for d in reversed(self._done)}  # what it balances
+        links = self._links()
+        record["ready_s"] = {d.name: d.ready_s(links) for d in reversed(self._done)}  # what the rebalancer balances
+        record["rebalanced"] = self._rebalance(self._done, record["ready_s"]) if self.rebalancer is not None else {}
         if self.wire_precision != "fp32":  # what each layer's arrays travelled in; AWP then looks at the weights
             record["wire_precision"] = {d.name: self._roles.get(d.name, {}) for d in reversed(self._done)}
         self._done, self._roles = [], {}
@@ -292,15 +293,15 @@ class Cluster(Runtime):
                 if n and name != "master":  # a high-water mark that halves step by step: a spike widens it
                     rates[name] = max(compute / (n * done.images), rates.get(name, 0.0) / 2)
 
-    def _rebalance(self, done: list[LayerStep]) -> dict[str, list[int]]:
+    def _rebalance(self, done: list[LayerStep], ready: dict[str, list[float]]) -> dict[str, list[int]]:
         """Feed the rebalancer each layer's step, by what the layer is split by -- its kernels, or its input
-        channels (whose kernels then follow in proportion) -- and each participant's ready time
+        channels (whose kernels then follow in proportion) -- and each participant's ready time, ``ready``
         (:meth:`LayerStep.ready_s`); the layers whose kernel counts change, with the new ones."""
         rebalanced = {}
         for d in done:
             if d.participants != self.participants:  # someone was lost during this step: start afresh
                 continue
-            proposal = self.rebalancer.observe(d.name, d.units, d.ready_s(self._links()))
+            proposal = self.rebalancer.observe(d.name, d.units, ready[d.name])
             if proposal is None:
                 continue
             what = "kernels" if d.channels is None else "input channels"
