@@ -340,17 +340,19 @@ def test_a_fused_network_gives_the_plain_numbers_and_detach_restores_it(rng):
         transport.close()
 
 
-@pytest.mark.parametrize("split", ["kernels", "channels"])
-def test_a_fused_network_with_batch_norm_trains_as_the_plain_one(rng, split):
+@pytest.mark.parametrize(("split", "pipeline"), [("kernels", 32), ("channels", 32), ("channels", 3)])
+def test_a_fused_network_with_batch_norm_trains_as_the_plain_one(rng, split, pipeline):
     # the default preset's blocks, conv -> ReLU -> batch norm -> pool, on two workers and the master: two SGD steps
-    # give the plain network's losses, parameters and running statistics, and evaluation its logits
+    # give the plain network's losses, parameters and running statistics, and evaluation its logits; split by
+    # input channels in chunks of images too, the batch norm's tail going once, over the whole batch
     be = NumpyBackend()
     x = rng.standard_normal((4, 3, 16, 16), dtype=np.float32)
     labels = rng.integers(0, 10, 4)
     ref, net = (paper_net("6:9", be, norm="batch", seed=3, image_size=16) for _ in range(2))
     transport = InprocTransport(lambda i: Worker(NumpyBackend()), protocol=VERSION)
     try:
-        cluster = Cluster(transport, transport.start(2, timeout=TIMEOUT), be, recv_timeout=TIMEOUT, split=split)
+        workers = transport.start(2, timeout=TIMEOUT)
+        cluster = Cluster(transport, workers, be, recv_timeout=TIMEOUT, split=split, pipeline=pipeline)
         cluster.attach(net)
         assert [len(layer.layers) for layer in net.layers[:2]] == [4, 4]  # each conv with its ReLU, norm and pool
         assert [key for key, _, _ in net.named_params()] == [key for key, _, _ in ref.named_params()]

@@ -287,11 +287,12 @@ def test_a_batch_in_chunks_gives_the_unsharded_numbers_and_moves_the_same_bytes(
     else:
         x, y_ref, dy, dx_ref, dw_ref, db_ref = unsharded(rng, conv, x.shape)
     seen = []  # the images of each partial_forward a worker got
+    tails = []  # and of each tail_backward: its tail treats images on their own, so by the same chunks
 
     class Recording(Worker):
         def handle(self, msg: Message) -> Message:
-            if msg.kind == "partial_forward":
-                seen.append(msg.header["images"])
+            if msg.kind in ("partial_forward", "tail_backward"):
+                (seen if msg.kind == "partial_forward" else tails).append(msg.header["images"])
             return super().handle(msg)
 
     moved = {}
@@ -302,6 +303,7 @@ def test_a_batch_in_chunks_gives_the_unsharded_numbers_and_moves_the_same_bytes(
             block = attached(cluster, net)
             cluster.set_plan("conv1", plan, channels)
             seen.clear()
+            tails.clear()
             assert_close(net.forward(x), y_ref)
             assert_close(block.backward(dy), dx_ref)
             assert_close(conv.grads["w"], dw_ref)
@@ -309,7 +311,7 @@ def test_a_batch_in_chunks_gives_the_unsharded_numbers_and_moves_the_same_bytes(
             moved[pipeline] = (cluster.last_step["bytes_sent"], cluster.last_step["bytes_recv"])
             workers_with_kernels = sum(1 for c in plan[master_share == "auto" :] if c)
             chunks = [[0, 1, 5], [1, 3, 5], [3, 5, 5]] if pipeline else [[0, 5, 5]]
-            assert sorted(seen) == sorted(chunks * workers_with_kernels)
+            assert sorted(seen) == sorted(tails) == sorted(chunks * workers_with_kernels)
             cluster.detach(net)
     assert moved[2] == moved[0]  # the same arrays, cut by images
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tinyconv.distributed.accounting import LayerStep, OpStats
 from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
 from tinyconv.distributed.rebalance import Phase, Rebalancer
 from tinyconv.distributed.shard.balance import apportion, speed_weights
@@ -407,3 +408,20 @@ def test_rebalancer_rejects_bad_input():
         Rebalancer(window=1)
     with pytest.raises(ValueError, match="not a measurement"):
         r.record("c", [-1, 2], [1.0, 2.0])
+
+
+def test_ready_time_counts_transfers_that_overlap_compute_once():
+    """A worker's bytes at its link's speed add to its compute when they go in one piece; in k chunks each
+    chunk's transfer goes beside the next chunk's compute, so only one chunk of the shorter of the two counts."""
+
+    def op(chunks: int) -> OpStats:
+        return OpStats(["master", "w"], 5.0, [4.0, 3.0], [0, 600], [0, 400], chunks=chunks)
+
+    def layer(chunks: int) -> LayerStep:
+        return LayerStep("conv2", [5, 5], [2, 2], op(chunks), op(chunks), 8)
+
+    per_byte = [0.0, 1e-3]  # the worker's 1000 bytes an op take 1 s
+    assert layer(1).ready_s(per_byte) == pytest.approx([8.0, 8.0])  # 2 x (3 + 1): after each other
+    assert layer(4).ready_s(per_byte) == pytest.approx([8.0, 6.5])  # 2 x (3 + 1 / 4)
+    slow = [0.0, 1e-2]  # 10 s of transfers an op: now the compute hides in them
+    assert layer(4).ready_s(slow) == pytest.approx([8.0, 2 * (10 + 3 / 4)])

@@ -203,12 +203,13 @@ class ChannelSteps:
         halo = self.HALO[1] - self.HALO[0]
         for a, e in chunks:
             arrays = {"sum": r.standard_normal((halo, e - a, hw, hw), dtype=np.float32)}
-            arrays |= {"b": r.standard_normal(halo, dtype=np.float32) * 0.1} if e == n else {}
-            if e == n and BN in self.tail:
+            arrays |= {"b": r.standard_normal(halo, dtype=np.float32) * 0.1} if a == 0 else {}
+            if a == 0 and BN in self.tail:
                 arrays |= {"gamma": r.uniform(0.5, 2, halo).astype(np.float32), "beta": arrays["b"]}
             self._send("tail_forward", {"images": [a, e, n]}, arrays, step, spot, spoil)
         dy = r.standard_normal((n, halo, 5, 5), dtype=np.float32)
-        self._send("tail_backward", {}, {"dy": dy}, step, spot, spoil)
+        for a, e in [(0, n)] if BN in self.tail else chunks:  # a tail with batch statistics: the whole batch
+            self._send("tail_backward", {"images": [a, e, n]}, {"dy": dy[a:e]}, step, spot, spoil)
         for a, e in chunks:
             arrays = {name: r.standard_normal((6, e - a, hw, hw), dtype=np.float32) for name in ("dyc_lo", "dyc_hi")}
             self._send("partial_backward", {"need_dx": True, "images": [a, e, n]}, arrays, step, spot, spoil)

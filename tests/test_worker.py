@@ -273,9 +273,12 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
     y_ref, dx_ref, dw_ref, db_ref = reference(dy)
     assert ok(worker, partial(x=X[:1], own=[1, 4], images=[0, 1, 2])) == {}
     assert ok(worker, task("partial_forward", {"x": X[1:]}, own=[1, 4], images=[1, 2, 2])) == {}
-    assert ok(worker, task("tail_forward", {}, images=[0, 1, 2])) == {}  # summed, no tail yet
-    close(ok(worker, tail(images=[1, 2, 2]))["y"], y_ref[:, 1:4])
-    np.testing.assert_array_equal(ok(worker, task("tail_backward", {"dy": dy}))["dyc"], km(dy[:, 1:4]))
+    # its tail treats each image on its own, so it runs on each chunk as the chunk is summed (b with the first)
+    close(ok(worker, tail(images=[0, 1, 2]))["y"], y_ref[:1, 1:4])
+    close(ok(worker, task("tail_forward", {}, images=[1, 2, 2]))["y"], y_ref[1:, 1:4])
+    for i in range(2):
+        dyc = ok(worker, task("tail_backward", {"dy": dy[i : i + 1]}, images=[i, i + 1, 2]))["dyc"]
+        np.testing.assert_array_equal(dyc, km(dy[i : i + 1, 1:4]))
     for i in range(2):
         around = {"dyc_lo": km(dy[i : i + 1, :1]), "dyc_hi": km(dy[i : i + 1, 4:])}
         grads = ok(worker, task("partial_backward", around, images=[i, i + 1, 2]))
@@ -298,7 +301,20 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
             "must repeat its first chunk's settings",
         ),
         ([partial(x=X[:1], images=[0, 1, 2]), tail()], r"tail_forward goes by .* the next is images \[0, 1, 2\]"),
-        ([partial(x=X[:1], images=[0, 1, 2]), tail(images=[0, 1, 2])], r"batch norm.s arrays\) come with the last"),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("tail_forward", {}, images=[0, 1, 2])],
+            r"b \(and batch norm.s arrays\) come with the first chunk of tail_forward",
+        ),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]),
+             tail(images=[0, 1, 2]), tail(images=[1, 2, 2])],
+            r"come with the first chunk of tail_forward \(images from 0\) only",
+        ),
+        (
+            [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]),
+             tail(images=[0, 1, 2]), task("tail_forward", {}, images=[1, 2, 2]), task("tail_backward", {"dy": DY})],
+            r"tail_backward goes by the tail's chunks; the next is images \[0, 1, 2\]",
+        ),
         (
             [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]), tail()],
             r"tail_forward goes by partial_forward's chunks; the next is images \[0, 1, 2\]",
@@ -310,7 +326,9 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
         ),
         (
             [partial(x=X[:1], images=[0, 1, 2]), task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]),
-             task("tail_forward", {}, images=[0, 1, 2]), tail(images=[1, 2, 2]), task("tail_backward", {"dy": DY})],
+             tail(images=[0, 1, 2]), task("tail_forward", {}, images=[1, 2, 2]),
+             task("tail_backward", {"dy": DY[:1]}, images=[0, 1, 2]),
+             task("tail_backward", {"dy": DY[1:]}, images=[1, 2, 2])],
             None,
         ),
     ],

@@ -24,6 +24,7 @@ class OpStats:
     recv: list[int]  # and from it
     fallbacks: int = 0  # arrays that went in float32 as their narrower wire format would have overflowed
     master_waited_s: float = 0.0  # the master blocked on results; wall_s - this: the master busy (compute and I/O)
+    chunks: int = 1  # the pieces its transfers went in, each beside the next one's compute (by_channels' pipeline)
 
     def moved(self, name: str) -> int:
         """Array bytes to and from participant ``name``."""
@@ -64,10 +65,18 @@ class LayerStep:
         return [f + b for f, b in zip(self.forward.compute_s, self.backward.compute_s, strict=True)]
 
     def ready_s(self, seconds_per_byte: list[float]) -> list[float]:
-        """What the rebalancer balances: each participant's forward + backward time until its share
-        is at the master, t_i = compute_i + (bytes to and from i) * seconds_per_byte[i] (0 for the master)."""
-        moved = [self.forward.moved(name) + self.backward.moved(name) for name in self.participants]
-        return [c + b * s for c, b, s in zip(self.compute_s, moved, seconds_per_byte, strict=True)]
+        """What the rebalancer balances: each participant's forward + backward time until its share is at
+        the master. For each op, with compute c_i and transfers x_i = (bytes to and from i) * seconds_per_byte[i]
+        (0 for the master) in k chunks, each chunk's transfer beside the next one's compute::
+
+            t_i = max(c_i, x_i) + min(c_i, x_i) / k          (k = 1: c_i + x_i, one after the other)
+        """
+        ready = [0.0] * len(self.participants)
+        for op in (self.forward, self.backward):
+            for i, (name, s) in enumerate(zip(self.participants, seconds_per_byte, strict=True)):
+                c, x = op.of(name, "compute_s"), op.moved(name) * s
+                ready[i] += max(c, x) + min(c, x) / op.chunks
+        return ready
 
     @property
     def participants(self) -> list[str]:

@@ -34,7 +34,7 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol, wire_codec.py's ``narrow`` and ``reply`` included: one more for any change to a task or
 # result; a worker's hello says which it speaks, the transport admits equals
-VERSION = 9
+VERSION = 10
 
 
 class TaskError(ValueError):
@@ -70,7 +70,7 @@ TASKS: dict[str, Schema] = {
         _CONV | {"halo": list, "own": list, "give": list}, "x", optional="w", result="p_lo p_hi", extra=_CHUNK
     ),
     "tail_forward": Schema(_LAYER, optional="b sum " + _NORM, result="y mean var", extra=_CHUNK),
-    "tail_backward": Schema(_LAYER, "dy", result="dyc dgamma dbeta"),
+    "tail_backward": Schema(_LAYER, "dy", result="dyc dgamma dbeta", extra=_CHUNK),
     "partial_backward": Schema(_LAYER | {"need_dx": bool}, optional="dyc_lo dyc_hi", result="dx dw db", extra=_CHUNK),
     "replica_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
     "replica_step": Schema(

@@ -124,6 +124,7 @@ class Op:
         self.compute: dict[int, float] = {}  # worker -> seconds it reported
         self.master_s = 0.0
         self.waited_s = 0.0  # the master blocked, waiting for a result: the rest of the op's wall it was busy
+        self.chunks = 1  # the pieces a split sends its transfers in, each beside the next one's compute (OpStats)
 
     def send(self, worker: int, msg: Message) -> int:
         """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, encoded by the
@@ -193,6 +194,7 @@ class Op:
             recv=[0 if k is None else self.recv.get(k, 0) for _, k in placement],
             fallbacks=self.fallbacks,
             master_waited_s=self.waited_s,
+            chunks=self.chunks,
         )
 
     def expected(self, k: int) -> float | None:

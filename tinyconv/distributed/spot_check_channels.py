@@ -32,7 +32,7 @@ import numpy as np
 from backends.base import Backend, conv_output_size
 from backends.conformance.checks import scale
 from tinyconv.distributed.protocol import NORM_INPUTS
-from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import per_image, tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.spot_norm import (
     batch_norm,
     image_backward,
@@ -73,12 +73,13 @@ class ByChannels:
         self.conv_hw = tuple(conv_output_size(v, self.k, h["stride"], h["padding"]) for v in x.shape[2:])
         self.chunks: list[tuple[int, int]] = []
         self.x, self.p, self.sums, self.around, self.dx = [], [], [], [], []
+        self.ys, self.dys, self.dycs = [], [], []  # y, dy and dyc chunk by chunk, until the batch is whole
         self.b = self.y = self.dy = self.dyc = self.dw = self.db = None
         self.need_dx = False
         self.bn, self.m = batch_norm(self.tail), self.images * int(np.prod(self.conv_hw))
         self.norm: dict[
             str, np.ndarray
-        ] = {}  # a batch norm's arrays over its halo, as the last tail_forward brought them
+        ] = {}  # a batch norm's arrays over its halo, as the first tail_forward brought them
         self.stats: dict[
             str, np.ndarray
         ] = {}  # the worker's: a training batch norm's batch mean and variance, dgamma, dbeta
@@ -95,20 +96,35 @@ class ByChannels:
             self.p.append(r)
         elif task.kind == "tail_forward":
             self.sums.append(a.get("sum"))
-            self.b = a.get("b", self.b)
-            if "y" in r:
+            if "b" in a:  # the first chunk's, with batch norm's arrays over its halo
+                self.b, self.norm = a["b"], {k: a[k] for k in NORM_INPUTS if k in a}
+            first, stop, _ = task.header["images"]
+            if "y" in r:  # a chunk's y (the whole batch's, after the last chunk, for a tail with batch statistics)
                 halo, own = (self.he - self.hs,), (self.end - self.start,)
-                want = {"y": (n, *own, *tail_output_hw(oh, ow, self.tail))}
+                rows = stop - first if per_image(self.tail) else n
+                want = {"y": (rows, *own, *tail_output_hw(oh, ow, self.tail))}
                 want |= {"mean": halo, "var": halo} if self.bn is not None and self.bn["training"] else {}
-                self.y, self.stats = r["y"], dict(r)
-                self.norm = {k: a[k] for k in NORM_INPUTS if k in a}
-                return "forward" if fits(reply, want, " ".join(want)) else "unfit"
+                if not fits(reply, want, " ".join(want)):
+                    return "unfit"
+                self.ys.append(r["y"])
+                self.stats = dict(r)
+            if stop == n and self.ys:
+                self.y = np.concatenate(self.ys)
+                return "forward"
         elif task.kind == "tail_backward" and self.y is not None:
-            self.dy, self.dyc, self.around, self.dx = a["dy"], r.get("dyc"), [], []
+            first, stop, _ = task.header.get("images", [0, n, n])
+            if first == 0:
+                self.dys, self.dycs, self.around, self.dx = [], [], [], []
             own = (self.end - self.start,)
-            want = {"dyc": (*own, n, oh, ow)} | ({"dgamma": own, "dbeta": own} if self.bn is not None else {})
+            want = {"dyc": (*own, stop - first, oh, ow)}
+            want |= {"dgamma": own, "dbeta": own} if self.bn is not None else {}
+            if not fits(reply, want, " ".join(want)):
+                return "unfit"
+            self.dys.append(a["dy"])
+            self.dycs.append(r["dyc"])
             self.stats |= {k: r[k] for k in ("dgamma", "dbeta") if k in r}
-            return None if fits(reply, want, " ".join(want)) else "unfit"
+            if stop == n:
+                self.dy, self.dyc = np.concatenate(self.dys), np.concatenate(self.dycs, axis=1)
         elif task.kind == "partial_backward" and self.dyc is not None:
             first, stop, _ = task.header["images"]
             self.need_dx = task.header["need_dx"]

@@ -61,6 +61,11 @@ def tail_of(layers: list[Any], training: bool = False) -> list[dict[str, Any]]:
     return tail
 
 
+def per_image(tail: list[dict[str, Any]]) -> bool:
+    """Whether the tail treats each image on its own (no batch norm): it may run on a chunk of the batch."""
+    return not any(spec["op"] == "bn" for spec in tail)
+
+
 def halo_width(tail: list[dict[str, Any]]) -> int:
     """E: the kernels computed beyond each end of a slice, the sum of the windows' reach."""
     return sum(spec["size"] - 1 for spec in tail if spec["op"] == "lrn")  # before + after = size - 1
@@ -186,9 +191,8 @@ def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
         else:
             d = be.maxpool_backward(d, c)
     lo, hi = cache.own
-    if (lo, hi) != (0, cache.out_shape[1]):
-        cache.dnorm = {k: be.take_kernels(v, lo, hi) for k, v in cache.dnorm.items()}
     if (lo, hi) != (0, cache.out_shape[1]):  # the halo kernels' gradient is not this participant's to give
+        cache.dnorm = {k: be.take_kernels(v, lo, hi) for k, v in cache.dnorm.items()}
         host = be.to_numpy(d)
         if d is dy:  # an empty tail passed dy through: not ours to overwrite
             host = host.copy()

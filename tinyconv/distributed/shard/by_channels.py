@@ -16,8 +16,10 @@ still goes by kernels (own k_i, halo h_i, ``block.py``), so each way takes two r
 
 What crosses of the conv output is kernel-major, (F', N, OH, OW). A worker's round 2 goes out as soon
 as the others' round 1 is in (:func:`relay`), and a batch larger than :data:`PIPELINE` goes in chunks
-(header ``images`` = [a, b, N]). docs/how-it-works.md ("Splitting a convolution by kernels") says why
-each, what they cost in bytes, and what they were measured to gain.
+(header ``images`` = [a, b, N]). A tail that treats each image on its own (``block.per_image``: no batch
+norm) runs chunk by chunk too, so that every transfer of the step overlaps a GEMM: y and dyc of one
+chunk cross while the next chunk computes. docs/how-it-works.md ("Splitting a convolution by kernels")
+says why each, what they cost in bytes, and what they were measured to gain.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.distributed.rpc import Op
-from tinyconv.distributed.shard.block import BlockCache, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import BlockCache, per_image, tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.shard.by_kernels import Grads
 from tinyconv.distributed.shard.norm import SplitNorm, joined_grads
 from tinyconv.distributed.shard.plan import Participant, Plan
@@ -42,10 +44,11 @@ from transports.base import Message
 class ChannelSplitState:
     """What the master's forward of a layer split by input channels keeps for its backward."""
 
-    master: BlockCache | None  # the master's tail over its partial convolution, when it has channels;
-    #                            its conv cache is a list, one per chunk
+    conv: list[Any]  # the master's conv caches of its partial convolution, one per chunk (none without channels)
+    tails: list[BlockCache]  # the master's tail caches, one per tail chunk (none without channels)
     x_shape: tuple[int, ...]
     chunks: list[tuple[int, int]]  # the pipeline's image ranges
+    tail_chunks: list[tuple[int, int]]  # the tail's: the same, or the whole batch for one with batch statistics
     norm: tuple[str, ...]  # a batch norm's parameters whose gradients come back (SplitNorm.grads)
 
 
@@ -107,7 +110,7 @@ def relay(
     """Gather the first round (worker -> task), ``each(worker, result)`` as results come, and send
     worker k its second-round tasks ``then(k)`` as soon as ``ready(k)`` -- which can be before the
     rest of the first round is in, or before its own result is (the optimisation: the second
-    round's transfers overlap the first round's compute, the only place where transfers overlap).
+    round's transfers overlap the first round's compute; the pipeline's chunks overlap the rest).
     Returns the second round, worker -> its tasks in the order sent.
     """
     second: dict[int, list[int]] = {}
@@ -146,19 +149,27 @@ def forward(
     x_h, w_h, b_h = op.host(x), op.host(conv.params["w"]), op.host(conv.params["b"])
     n, _, oh, ow = conv.output_shape(x_h.shape)
     give = {p.worker: _give(active, i, total) for i, p in enumerate(active) if p.worker is not None}
-    last = {p.worker: {"b": b_h[p.halo]} | norm.inputs(p.halo) for p in plan.workers}  # with the last chunk
+    with_first = {p.worker: {"b": b_h[p.halo]} | norm.inputs(p.halo) for p in plan.workers}
     parts = chunks(n, pipeline)
+    tail_parts = parts if per_image(tail) else [(0, n)]  # the tail goes chunk by chunk, or once all are summed
+    tail_at = {te: (ta, te) for ta, te in tail_parts}  # the tail's chunk that image e - 1 completes
     first = _send_partials(op, conv, tail, plan, x_h, w_h, give, parts)  # round 1
+    op.chunks = len(parts)  # every transfer of the forward goes by the chunks
+    oh2, ow2 = tail_output_hw(oh, ow, tail)
+    y = np.empty((n, total, oh2, ow2), np.float32)
 
     # chunk by chunk, the master's partial, then each worker the others' partials summed over its
-    # halo as soon as the master has them (round 2); the master's own halo summed as they come (the
-    # bias is added once, to the whole batch's sum)
+    # halo as soon as the master has them (round 2); the master's own halo summed as they come, and
+    # its tail run on each chunk summed (or on the whole batch, at the end)
     s_m = w_m = None
+    mine: dict[str, Array] = {}
     if m is not None:
         s_m = np.empty((n, m.halo.stop - m.halo.start, oh, ow), np.float32)
         with op.local():
             w_m = be.asarray(np.ascontiguousarray(w_h[:, m.channels]))
+            mine = norm.local(be, m.halo)
     conv_m: list[Any] = []
+    tails_m: list[BlockCache] = []
     second: dict[int, list[int]] = {k: [] for k in give}
     for (a, e), sent in zip(parts, first, strict=True):
         partials: dict[str, Partial] = {}
@@ -168,30 +179,39 @@ def forward(
                 p_m, cache = be.conv2d_partial(x_m, w_m, conv.stride, conv.padding)  # (F, e - a, OH, OW)
                 conv_m.append(cache)
                 partials[m.name] = Partial(p_m, None, total)
-        for k, tasks in _relay_sums(op, plan, give, sent, partials, last, (a, e, n), (total, oh, ow)).items():
+        for k, tasks in _relay_sums(op, plan, give, sent, partials, with_first, (a, e, n), (total, oh, ow)).items():
             second[k] += tasks
         if m is not None:
             with op.local():
                 halo_sum(s_m[a:e], partials[m.name].on(m.halo), _others_on(active, partials, m))
+                if e in tail_at:
+                    ta, te = tail_at[e]
+                    s = s_m[ta:te]
+                    s += b_h[m.halo, None, None]
+                    y_m, cache = tail_forward(be, be.asarray(s), None, tail, m.own, mine)
+                    y[ta:te, m.kernels] = be.to_numpy(y_m)
+                    tails_m.append(cache)
 
-    # the tails, once the whole batch is summed: the master's, and each worker's y with its last chunk
-    y_m = cache = None
-    mine: dict[str, Array] = {}
-    if m is not None:
-        with op.local():
-            s_m += b_h[m.halo, None, None]
-            mine = norm.local(be, m.halo)
-            y_m, cache = tail_forward(be, be.asarray(s_m), conv_m, tail, m.own, mine)
-            y_m = be.to_numpy(y_m)
+    results = _gather_y(op, plan, second, parts, tail_at, y)
+    norm.fold(op, active, results, mine)  # the last chunk's, with a training batch norm's statistics
+    state = ChannelSplitState(conv_m, tails_m, x_h.shape, parts, tail_parts, norm.grads)
+    return be.asarray(y), state
+
+
+def _gather_y(
+    op: Op, plan: Plan, second: dict[int, list[int]], parts: list[tuple[int, int]],
+    tail_at: dict[int, tuple[int, int]], y: np.ndarray,
+) -> dict[int, Message]:  # fmt: skip
+    """Each worker's tail_forward results, chunk by chunk (``second``: worker -> its tasks), their y put in its
+    kernels of ``y`` (N, F, OH', OW') with each of its tail's chunks (``tail_at``); the last chunk's results."""
     results = {}
-    for tasks in zip(*second.values(), strict=True):  # every chunk's; the last one's carry y
+    for (_, e), tasks in zip(parts, zip(*second.values(), strict=True), strict=True):
         results = op.gather(tasks)
-    oh2, ow2 = tail_output_hw(oh, ow, tail)
-    parts_y = [
-        y_m if p is m else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh2, ow2)) for p in active
-    ]
-    norm.fold(op, active, results, mine)
-    return be.asarray(np.concatenate(parts_y, axis=1)), ChannelSplitState(cache, x_h.shape, parts, norm.grads)
+        if e in tail_at:
+            a, e = tail_at[e]
+            for p in plan.workers:
+                y[a:e, p.kernels] = op.array(p.worker, results[p.worker], "y", (e - a, p.n_kernels, *y.shape[2:]))
+    return results
 
 
 def _send_partials(
@@ -220,12 +240,12 @@ def _others_on(active: list[Participant], partials: dict[str, Partial], p: Parti
 
 def _relay_sums(
     op: Op, plan: Plan, give: dict[int, list[int]], sent: dict[int, int], partials: dict[str, Partial],
-    last: dict[int, dict[str, np.ndarray]], images: tuple[int, int, int], shape: tuple[int, int, int],
+    with_first: dict[int, dict[str, np.ndarray]], images: tuple[int, int, int], shape: tuple[int, int, int],
 ) -> dict[int, list[int]]:  # fmt: skip
     """Round 2 of the forward for the chunk of ``images`` [a, e, N]: gather the workers' partials of it
     (``sent``: worker -> its round-1 task) into ``partials``, and send each worker the others' summed
-    over its halo (tail_forward; with the last chunk ``last[worker]``: b and batch norm's arrays over its
-    halo) as soon as they are in. Worker -> its tasks."""
+    over its halo (tail_forward; with the first chunk ``with_first[worker]``: b and batch norm's arrays over
+    its halo) as soon as they are in. Worker -> its tasks."""
     (a, e, n), (total, oh, ow) = images, shape
     worker = {p.worker: p for p in plan.workers}
 
@@ -238,7 +258,7 @@ def _relay_sums(
     def tail_task(k: int) -> list[Message]:
         terms = _others_on(plan.active, partials, worker[k])  # summed to send; one is sent as it is
         arrays = {"sum": sum(terms[1:], terms[0])} if terms else {}
-        arrays |= {name: np.ascontiguousarray(a) for name, a in last[k].items()} if e == n else {}
+        arrays |= {name: np.ascontiguousarray(v) for name, v in with_first[k].items()} if a == 0 else {}
         return [Message("tail_forward", {"images": [a, e, n]}, arrays)]
 
     def ready(k: int) -> bool:
@@ -256,71 +276,89 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: ChannelSplitStat
     _, total, oh, ow = conv.output_shape(kept.x_shape)
     worker = {p.worker: p for p in plan.workers}
     dyc = np.empty((total, n, oh, ow), np.float32)  # all of dY_conv, kernel-major, as each one's own kernels come
-    have: set[str] = set()
     tails: dict[int, Message] = {}  # each worker's round 1, with a batch norm's dgamma, dbeta
 
-    # round 1: each participant's tail backward
-    first = {}
-    for k, p in worker.items():
-        arrays = {"dy": np.ascontiguousarray(dy_h[:, p.halo], dtype=np.float32)}
-        first[k] = op.send(k, Message("tail_backward", {}, arrays))
-    if m is not None:
-        with op.local():
-            d_m = tail_backward(be, be.asarray(dy_h[:, m.halo]), kept.master)
-            dyc[m.kernels] = owned(be, d_m, kept.master).transpose(1, 0, 2, 3)
-            have.add(m.name)
+    # round 1: each worker's tail backward, every tail chunk of it at once; with the whole batch's tail
+    # (batch statistics), the exchange of dyc waits for it, and the op's transfers count as unpipelined
+    op.chunks = len(kept.tail_chunks)
+    first = [_send_tail_backward(op, worker, dy_h[a:e], [a, e, n]) for a, e in kept.tail_chunks]
+    dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None
+    second: dict[int, list[int]] = {k: [] for k in worker}
+    grads_m: list[np.ndarray] = []  # the master's [dw, db], summed over the chunks
 
-    def arrived(k: int, reply: Message) -> None:
-        p = worker[k]
-        dyc[p.kernels] = op.array(k, reply, "dyc", (p.n_kernels, n, oh, ow))
-        tails[k] = reply
-        have.add(p.name)
+    # tail chunk by tail chunk: the master's tail backward; round 2, each worker the others' conv-output
+    # gradients of the chunk as soon as the master has them; then the master's conv backward of the chunk
+    for t, (a, e) in enumerate(kept.tail_chunks):
+        have: set[str] = set()
+        inside = [(c, ca, ce) for c, (ca, ce) in enumerate(kept.chunks) if a <= ca and ce <= e]  # forward chunks
+        if m is not None:
+            with op.local():
+                d_m = tail_backward(be, be.asarray(dy_h[a:e, m.halo]), kept.tails[t])
+                dyc[m.kernels, a:e] = owned(be, d_m, kept.tails[t]).transpose(1, 0, 2, 3)
+                have.add(m.name)
 
-    def conv_tasks(k: int) -> list[Message]:
-        start, stop = worker[k].kernels.start, worker[k].kernels.stop  # its own; the others' lie before and after
-        tasks = []
-        for a, e in kept.chunks:
-            arrays = {"dyc_lo": dyc[:start, a:e]} if start > 0 else {}
-            arrays |= {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
-            tasks.append(Message("partial_backward", {"need_dx": conv.need_dx, "images": [a, e, n]}, arrays))
-        return tasks
+        def arrived(k: int, reply: Message, a: int = a, e: int = e, have: set[str] = have) -> None:
+            p = worker[k]
+            dyc[p.kernels, a:e] = op.array(k, reply, "dyc", (p.n_kernels, e - a, oh, ow))
+            tails[k] = reply
+            have.add(p.name)
 
-    # round 2: each worker the others' conv-output gradients, as soon as the master has them, chunk
-    # by chunk; with all of dY_conv, the conv backward through its partial
-    ready = lambda k: all(q.name in have for q in active if q.worker != k)  # noqa: E731
-    second = relay(op, first, ready, conv_tasks, arrived)
+        ready = lambda k, have=have: all(q.name in have for q in active if q.worker != k)  # noqa: E731
+        then = lambda k, inside=inside: _conv_tasks(dyc, worker[k], inside, conv.need_dx)  # noqa: E731
+        for k, tasks in relay(op, first[t], ready, then, arrived).items():
+            second[k] += tasks
+        if m is not None:
+            _master_conv_backward(op, kept, dyc, dx, inside, m.channels, grads_m)
+
     width = {p.name: p.channels.stop - p.channels.start for p in active}
     k_shape = (conv.kernel, conv.kernel)
-    dx = np.empty((n, c_in, h, wd), np.float32) if conv.need_dx else None
-    dw_m, db_m = _master_conv_backward(op, plan, kept, dyc, dx) if m is not None else (None, None)
     results = {}
     for (a, e), tasks in zip(kept.chunks, zip(*second.values(), strict=True), strict=True):
         results = op.gather(tasks)  # the last chunk's carry dw and db
-        if conv.need_dx:
-            for p in plan.workers:
-                dx[a:e, p.channels] = op.array(p.worker, results[p.worker], "dx", (e - a, width[p.name], h, wd))
+        for p in plan.workers if conv.need_dx else []:
+            dx[a:e, p.channels] = op.array(p.worker, results[p.worker], "dx", (e - a, width[p.name], h, wd))
 
     def part(p: Participant, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return {"dw": dw_m, "db": db_m}[name] if p is m else op.array(p.worker, results[p.worker], name, shape)
+        return grads_m[("dw", "db").index(name)] if p is m else op.array(p.worker, results[p.worker], name, shape)
 
     dw = np.concatenate([part(p, "dw", (total, width[p.name], *k_shape)) for p in active], axis=1)
     db = part(active[0], "db", (total,))  # every participant's is the same: the first's
-    dnorm = joined_grads(op, active, kept.norm, kept.master.dnorm if kept.master else {}, tails)
+    dnorm = joined_grads(op, active, kept.norm, kept.tails[-1].dnorm if kept.tails else {}, tails)
     return None if dx is None else be.asarray(dx), be.asarray(dw), be.asarray(db), dnorm
 
 
+def _send_tail_backward(op: Op, worker: dict[int, Participant], dy: np.ndarray, images: list[int]) -> dict[int, int]:
+    """Round 1 of the backward on one tail chunk, dy (n, F, OH', OW') of its ``images`` [a, b, N]: each worker's
+    tail_backward over its halo. Worker -> its task."""
+    return {
+        k: op.send(k, Message("tail_backward", {"images": images}, {"dy": dy[:, p.halo]})) for k, p in worker.items()
+    }
+
+
+def _conv_tasks(dyc: np.ndarray, p: Participant, inside: list[tuple[int, int, int]], need_dx: bool) -> list[Message]:
+    """Worker p's partial_backward tasks on the forward chunks ``inside`` ((chunk, a, e)): the others' rows
+    of all of dY_conv ``dyc`` (F, N, OH, OW), those before its own kernels and those after."""
+    (total, n), (start, stop), tasks = dyc.shape[:2], (p.kernels.start, p.kernels.stop), []
+    for _, a, e in inside:
+        arrays = {"dyc_lo": dyc[:start, a:e]} if start > 0 else {}
+        arrays |= {"dyc_hi": dyc[stop:, a:e]} if stop < total else {}
+        tasks.append(Message("partial_backward", {"need_dx": need_dx, "images": [a, e, n]}, arrays))
+    return tasks
+
+
 def _master_conv_backward(
-    op: Op, plan: Plan, kept: ChannelSplitState, dyc: np.ndarray, dx: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """The master's conv backward through its partial, chunk by chunk, once all of dY_conv is in
-    ``dyc`` (F, N, OH, OW): its columns of dx written into ``dx`` (None: not needed), its (dw, db) returned."""
-    be, m, dw_m, db_m = op.backend, plan.master, None, None
+    op: Op, kept: ChannelSplitState, dyc: np.ndarray, dx: np.ndarray | None, inside: list[tuple[int, int, int]],
+    channels: slice, grads: list[np.ndarray],
+) -> None:  # fmt: skip
+    """The master's conv backward through its partial on the forward chunks ``inside`` ((chunk, a, e), all
+    of dY_conv for them in ``dyc`` (F, N, OH, OW)): its columns of dx written into ``dx`` (None: not
+    needed), its dw and db added into ``grads`` ([dw, db]; empty before the first chunk)."""
+    be = op.backend
     with op.local():
-        for (a, e), cache in zip(kept.chunks, kept.master.conv, strict=True):
+        for c, a, e in inside:
             whole = be.asarray(dyc[:, a:e].transpose(1, 0, 2, 3))  # (N, F, OH, OW), a view
-            dx_c, dw_c, db_c = be.conv2d_backward(whole, cache, dx is not None)
+            dx_c, dw_c, db_c = be.conv2d_backward(whole, kept.conv[c], dx is not None)
             if dx is not None:
-                dx[a:e, m.channels] = be.to_numpy(dx_c)
+                dx[a:e, channels] = be.to_numpy(dx_c)
             dw_c, db_c = be.to_numpy(dw_c), be.to_numpy(db_c)
-            dw_m, db_m = (dw_c, db_c) if dw_m is None else (dw_m + dw_c, db_m + db_c)
-    return dw_m, db_m
+            grads[:] = [dw_c, db_c] if not grads else [grads[0] + dw_c, grads[1] + db_c]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tinyconv.distributed.protocol import NORM_INPUTS, TaskError
+from tinyconv.distributed.shard.block import per_image
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
 from tinyconv.distributed.shard.by_channels import halo_sum, owned
@@ -76,51 +77,62 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
 
 
 def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
-    """Adds ``sum`` (F', N, OH, OW), the others' partials on its halo, to a chunk of its own; with the
-    last chunk (and ``b``), y = tail(P[halo] + sum + b) of its own kernels."""
+    """Adds ``sum`` (F', N, OH, OW), the others' partials on its halo, to a chunk of its own (``b`` and batch
+    norm's arrays come with the first); y = tail(P[halo] + sum + b) of its own kernels, on each chunk as it
+    is summed when the tail treats images on their own (``block.per_image``), else on the whole batch with
+    the last."""
     n, computed, oh, ow = kept.summed.shape
-    first, stop = _next_chunk(h, kept, n, "tail_forward goes by partial_forward's chunks")
+    first, stop = _next_chunk(h, kept.chunks, kept.done, n, "tail_forward goes by partial_forward's chunks")
     b, others = a.get("b"), a.get("sum")
     rows = (computed, stop - first, oh, ow)
     if (b is not None and b.shape != (computed,)) or (others is not None and others.shape != rows):
         got = (f"b {b.shape}, " if b is not None else "") + (f"sum {others.shape}" if others is not None else "")
         raise TaskError(f"layer {h['layer']}: tail_forward takes b ({computed},) and sum {rows}; got {got}")
-    if (b is not None) != (stop == n) or (stop < n and any(k in a for k in NORM_INPUTS)):
+    if (b is not None) != (first == 0) or (first > 0 and any(k in a for k in NORM_INPUTS)):
         raise TaskError(
-            f"layer {h['layer']}: b (and batch norm's arrays) come with the last chunk of tail_forward "
-            f"(images up to {n}) only"
+            f"layer {h['layer']}: b (and batch norm's arrays) come with the first chunk of tail_forward "
+            "(images from 0) only"
         )
-    norm = norm_arrays(kept.tail, a, computed, f"layer {h['layer']}") if stop == n else {}
+    if first == 0:
+        kept.b, kept.norm = b, norm_arrays(kept.tail, a, computed, f"layer {h['layer']}")
     halo_sum(kept.summed[first:stop], kept.partial[kept.done], [] if others is None else [others])
     kept.partial[kept.done] = None  # summed: its P can go
     kept.done += 1
-    if stop < n:
+    whole = not per_image(kept.tail)
+    if whole and stop < n:
         return {}
-    s = kept.summed
-    s += b[None, :, None, None]
-    norm = {k: state.backend.asarray(v) for k, v in norm.items()}
-    y, kept.cache = run_tail(state.backend, state.backend.asarray(s), kept.conv, kept.tail, kept.own, norm)
-    kept.partial, kept.summed = [], None
-    state.advance(h, "tail_forward", kept)
+    s = kept.summed[0 if whole else first : stop]
+    s += kept.b[None, :, None, None]
+    norm = {k: state.backend.asarray(v) for k, v in kept.norm.items()}
+    y, cache = run_tail(state.backend, state.backend.asarray(s), None, kept.tail, kept.own, norm)
+    kept.tails.append(cache)
+    if stop == n:
+        kept.partial, kept.summed, kept.done = [], None, 0
+        state.advance(h, "tail_forward", kept)
     return {"y": y} | {k: norm[k] for k in ("mean", "var") if k in norm}  # a training batch norm's statistics
 
 
 def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
-    """dyc (own, N, OH, OW), its own kernels' conv-output gradient, from dy over its halo; kept, in
-    its rows of all of dY_conv (F, N, OH, OW), for partial_backward to fill in the others'."""
-    be = state.backend
+    """dyc (own, N, OH, OW), its own kernels' conv-output gradient, from dy over its halo, by the tail's
+    chunks; kept, in its rows of all of dY_conv (F, N, OH, OW), for partial_backward to fill in the others'."""
+    be, n = state.backend, kept.chunks[-1][1]
+    spans = kept.chunks if per_image(kept.tail) else [(0, n)]  # the tail's chunks
+    first, stop = _next_chunk(h, spans, kept.done, n, "tail_backward goes by the tail's chunks")
+    cache = kept.tails[kept.done]
     try:
-        d = run_tail_backward(be, a["dy"], kept.cache)
+        d = run_tail_backward(be, a["dy"], cache)
     except ValueError as e:
         raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
-    d = owned(be, d, kept.cache)
-    start, stop = _own_kernels(kept)
-    kept.dyc = np.empty((kept.kernels, d.shape[0], *d.shape[2:]), np.float32)
-    kept.dyc[start:stop] = d.transpose(1, 0, 2, 3)
-    kept.done = 0  # chunks through partial_backward
-    state.advance(h, "tail_backward", kept)
-    dnorm = {"d" + k: v for k, v in kept.cache.dnorm.items()}  # batch norm's dgamma, dbeta
-    return {"dyc": kept.dyc[start:stop]} | dnorm  # rows partial_backward does not write: sent uncopied
+    d = np.ascontiguousarray(owned(be, d, cache).transpose(1, 0, 2, 3))  # (own, images, OH, OW)
+    start, end = _own_kernels(kept)
+    if first == 0:
+        kept.dyc = np.empty((kept.kernels, n, *d.shape[2:]), np.float32)
+    kept.dyc[start:end, first:stop] = d
+    kept.done += 1
+    if stop == n:
+        kept.done = 0  # chunks through partial_backward
+        state.advance(h, "tail_backward", kept)
+    return {"dyc": d} | {"d" + k: v for k, v in cache.dnorm.items()}  # with batch norm's dgamma, dbeta
 
 
 def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
@@ -128,7 +140,7 @@ def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], k
     conv backward through its partial, one forward chunk at a time: the chunk's dx of its input
     channels (if need_dx); dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
     f, n, oh, ow = kept.dyc.shape
-    first, stop = _next_chunk(h, kept, n, "partial_backward goes by the forward's chunks")
+    first, stop = _next_chunk(h, kept.chunks, kept.done, n, "partial_backward goes by the forward's chunks")
     start, end = _own_kernels(kept)
     around = {"dyc_lo": slice(0, start), "dyc_hi": slice(end, f)}  # the others' kernels: rows of dY_conv
     for key, rows in around.items():
@@ -170,11 +182,11 @@ def _images(h: dict[str, Any], n: int) -> tuple[int, int, int]:
     return v[0], v[1], v[2]
 
 
-def _next_chunk(h: dict[str, Any], kept: OpenStep, n: int, rule: str) -> tuple[int, int]:
-    """The task's chunk [a, b) of the batch of ``n``, which must be partial_forward's chunk ``kept.done``."""
-    chunk = kept.chunks[kept.done] if kept.done < len(kept.chunks) else None
+def _next_chunk(h: dict[str, Any], spans: list[tuple[int, int]], done: int, n: int, rule: str) -> tuple[int, int]:
+    """The task's chunk [a, b) of the batch of ``n``, which must be ``spans[done]``."""
+    chunk = spans[done] if done < len(spans) else None
     if chunk is None or _images(h, n) != (*chunk, n):
-        nxt = f"images {[*chunk, n]}" if chunk else f"a chunk after images {kept.chunks[-1][1]}, not computed yet"
+        nxt = f"images {[*chunk, n]}" if chunk else f"a chunk after images {spans[-1][1]}, not computed yet"
         raise TaskError(f"{task_place(h)}: {rule}; the next is {nxt}")
     return chunk
 

@@ -43,7 +43,8 @@ class OpenStep:
 
     stage: str
     step: int
-    cache: BlockCache | None = None  # "block", "tail", "dyc": the block's (or the tail's) cache
+    cache: BlockCache | None = None  # "block": the block's cache
+    tails: list[BlockCache] = field(default_factory=list)  # "tail", "dyc": the tail's caches, one per tail chunk
     conv: Any = None  # "partial" on: the backend's cache of the partial convolution
     partial: list[np.ndarray | None] = field(default_factory=list)  # "partial": per chunk, the partial
     #                                        convolution on the computed kernels (F', n, OH, OW), until summed
@@ -54,10 +55,12 @@ class OpenStep:
     #                                the others' from partial_backward
     kernels: int = 0  # all F kernels of a layer split by input channels
     w: Any = None  # "partial": its weights on the backend, for the chunks after the first
+    b: np.ndarray | None = None  # "partial": the bias over its halo, and a batch norm's arrays, from the first
+    norm: dict[str, np.ndarray] = field(default_factory=dict)  # tail_forward on
     settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
     halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
     chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
-    done: int = 0  # chunks through tail_forward, then through partial_backward
+    done: int = 0  # chunks through tail_forward, then through tail_backward, then through partial_backward
     dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
     db: np.ndarray | None = None
     images: int = 0  # "hybrid": the slice's images
