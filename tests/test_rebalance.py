@@ -412,16 +412,17 @@ def test_rebalancer_rejects_bad_input():
 
 def test_ready_time_counts_transfers_that_overlap_compute_once():
     """A worker's bytes at its link's speed add to its compute when they go in one piece; in k chunks each
-    chunk's transfer goes beside the next chunk's compute, so only one chunk of the shorter of the two counts."""
+    chunk's transfer goes beside the next chunk's compute, so only one chunk of the shorter of the two counts.
+    The master's time is all it was busy with, its compute (3.5 s an op here) and running the op."""
 
     def op(chunks: int) -> OpStats:
-        return OpStats(["master", "w"], 5.0, [4.0, 3.0], [0, 600], [0, 400], chunks=chunks)
+        return OpStats(["master", "w"], 5.0, [3.5, 3.0], [0, 600], [0, 400], master_waited_s=1.0, chunks=chunks)
 
     def layer(chunks: int) -> LayerStep:
         return LayerStep("conv2", [5, 5], [2, 2], op(chunks), op(chunks), 8)
 
     per_byte = [0.0, 1e-3]  # the worker's 1000 bytes an op take 1 s
-    assert layer(1).ready_s(per_byte) == pytest.approx([8.0, 8.0])  # 2 x (3 + 1): after each other
+    assert layer(1).ready_s(per_byte) == pytest.approx([8.0, 8.0])  # 2 x (5 - 1); 2 x (3 + 1): after each other
     assert layer(4).ready_s(per_byte) == pytest.approx([8.0, 6.5])  # 2 x (3 + 1 / 4)
     slow = [0.0, 1e-2]  # 10 s of transfers an op: now the compute hides in them
     assert layer(4).ready_s(slow) == pytest.approx([8.0, 2 * (10 + 3 / 4)])

@@ -70,11 +70,14 @@ class LayerStep:
         (0 for the master) in k chunks, each chunk's transfer beside the next one's compute::
 
             t_i = max(c_i, x_i) + min(c_i, x_i) / k          (k = 1: c_i + x_i, one after the other)
-        """
+
+        The master's c is all of its busy time in the op, wall - waited: its share's compute, and the sends,
+        sums and copies of running the op, which its share waits behind as much."""
         ready = [0.0] * len(self.participants)
         for op in (self.forward, self.backward):
             for i, (name, s) in enumerate(zip(self.participants, seconds_per_byte, strict=True)):
-                c, x = op.of(name, "compute_s"), op.moved(name) * s
+                c = op.wall_s - op.master_waited_s if name == "master" else op.of(name, "compute_s")
+                x = op.moved(name) * s
                 ready[i] += max(c, x) + min(c, x) / op.chunks
         return ready
 
