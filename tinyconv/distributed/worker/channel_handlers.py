@@ -123,16 +123,17 @@ def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept
         d = run_tail_backward(be, a["dy"], cache)
     except ValueError as e:
         raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
-    d = np.ascontiguousarray(owned(be, d, cache).transpose(1, 0, 2, 3))  # (own, images, OH, OW)
+    d = owned(be, d, cache)  # (images, own, OH, OW)
     start, end = _own_kernels(kept)
     if first == 0:
         kept.dyc = np.empty((kept.kernels, n, *d.shape[2:]), np.float32)
-    kept.dyc[start:end, first:stop] = d
+    kept.dyc[start:end, first:stop] = d.transpose(1, 0, 2, 3)
     kept.done += 1
     if stop == n:
         kept.done = 0  # chunks through partial_backward
         state.advance(h, "tail_backward", kept)
-    return {"dyc": d} | {"d" + k: v for k, v in cache.dnorm.items()}  # with batch norm's dgamma, dbeta
+    dnorm = {"d" + k: v for k, v in cache.dnorm.items()}  # batch norm's dgamma, dbeta
+    return {"dyc": kept.dyc[start:end, first:stop]} | dnorm  # rows partial_backward leaves; a whole batch's uncopied
 
 
 def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
