@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Does a slower device keep its share? The main job, the master computing nothing, and two external workers,
-each held to a CPU quota (benchmarks/cpu_quota.py): one step's shares and time per line, from its metrics file.
+each held to a CPU quota (tinyconv/lab/experiment/cpu_quota.py): one step's shares and time per line, from its
+metrics file.
 
     sudo .venv/bin/python benchmarks/bench_slow_worker.py                      # 1.0 and 0.5 core, 30:90, batch 32
     sudo .venv/bin/python benchmarks/bench_slow_worker.py --cores 1 1 --slowdown 1 2   # the issue's --slowdown 2
@@ -33,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_quota import CpuQuota, unavailable  # noqa: E402
+from tinyconv.lab.experiment.cpu_quota import CpuQuota, unavailable  # noqa: E402
 
 
 def free_port() -> int:

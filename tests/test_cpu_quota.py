@@ -1,10 +1,9 @@
-"""benchmarks/cpu_quota.py: which controller it finds and what it writes (anywhere), and with root and a
+"""tinyconv/lab/experiment/cpu_quota.py: which controller it finds and what it writes (anywhere), and with root and a
 mounted cpu controller a real quota: a busy loop at half a core gets at most about half the wall time, by the
 kernel's own accounting, and no group is left behind. Each group is named after this process."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,10 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu_quota.py"
-spec = importlib.util.spec_from_file_location("cpu_quota", SCRIPT)
-cq = sys.modules["cpu_quota"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cq)
+from tinyconv.lab.experiment import cpu_quota as cq
 
 needs_root = pytest.mark.skipif(cq.unavailable() is not None, reason=f"CPU quotas: {cq.unavailable()}")
 
@@ -89,7 +85,8 @@ def test_a_busy_loop_at_half_a_core_gets_at_most_about_half_the_wall_time():
 @needs_root
 def test_the_command_line_runs_the_command_limited_and_removes_the_group():
     code = "import sys; sys.exit(4)"
-    cmd = [sys.executable, str(SCRIPT), "--cores", "0.5", "--", sys.executable, "-c", code]
+    module = ["-m", "tinyconv.lab.experiment.cpu_quota"]
+    cmd = [sys.executable, *module, "--cores", "0.5", "--", sys.executable, "-c", code]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 4, err

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from tinyconv.lab.experiment import main
+from tinyconv.lab.experiment.cpu_quota import find_controller, unavailable
 from tinyconv.lab.experiment.grid import cells
 from tinyconv.lab.experiment.grid_command import BadInput, build_parser, check_devices
+from tinyconv.lab.experiment.run import speeds_text
 from tinyconv.lab.experiment.table import COLUMNS, summary
-from tinyconv.lab.experiment.workers import cores, split_prefix, worker_command
+from tinyconv.lab.experiment.workers import cores, place, split_prefix, worker_command
 
 CONTRACT = (
     "arch norm batch participants fuse split backend transport repeat steps step_s step_s_min step_s_max "
@@ -183,9 +185,9 @@ def test_an_unwritable_out_exits_2(tmp_path: Path, capsys) -> None:
 def test_participants_beyond_the_cores_need_external_workers() -> None:
     args = build_parser().parse_args(["grid", "--participants", "1", "3"])
     with pytest.raises(BadInput, match="needs 3 cores"):
-        check_devices(args, n_cores=2)
+        check_devices(args, [0, 1])
     args.external_workers = 2
-    check_devices(args, n_cores=2)  # workers from elsewhere: no core needed here
+    check_devices(args, [0, 1])  # workers from elsewhere: no core needed here
 
 
 def test_the_summary_puts_the_papers_value_beside_ours() -> None:
@@ -389,3 +391,59 @@ def test_settle_solo_runs_more_steps_while_they_fault_memory_in() -> None:
     done, step = steps([5.0] * 10)
     run.settle_solo(step, 0)
     assert done == []
+
+
+def test_devices_are_placed_where_a_core_has_the_most_time_free() -> None:
+    assert place([0.5] * 4, [0, 1]) == [0, 1, 0, 1]  # a cell of two has a core each, four share two
+    assert place([1, 0.5, 0.25], [2, 3]) == [2, 3, 3]
+    with pytest.raises(ValueError, match="do not fit 2 cores"):
+        place([1, 1, 0.5], [0, 1])
+
+
+def test_a_cell_runs_on_the_first_devices_and_they_are_part_of_its_key() -> None:
+    got = cells(["4:8"], [4], [1, 2, 3], 1, devices=[1, 0.5, 0.25])
+    assert [c.devices for c in got] == ["1", "1/0.5", "1/0.5/0.25"]
+    plain = cells(["4:8"], [4], [2], 1)[0]
+    assert plain.devices == "-" and plain.key("loopback") != got[1].key("loopback")
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--devices", "0.5", "--participants", "1", "2"], "--participants 2 needs 2 --devices, 1 given"),
+        (["--devices", *["1"] * (len(cores()) + 1)], "do not fit"),
+        (["--devices", "0.5", "0.5", "--transport", "inproc"], "local worker processes"),
+        (["--devices", "1.5"], "at most 1"),
+        (["--devices", "half"], "not a number of cores"),
+    ],
+)
+def test_bad_devices_exit_2_with_one_line(tmp_path: Path, capsys, args: list[str], says: str) -> None:
+    code = main(["grid", "--archs", "4:8", "--out", str(tmp_path / "g.csv"), "--transport", "zmq", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_speeds_are_each_participants_beside_the_masters_over_every_unit() -> None:
+    calibration = {"times": {"conv1": [1.0, 2.0, 4.0], "conv2": [3.0, 6.0, 12.0]}}
+    assert speeds_text(calibration) == "1/0.5/0.25"
+    assert speeds_text(None) == "" and speeds_text({"times": {"conv1": [1.0, None]}}) == ""
+
+
+def test_the_summary_gives_the_papers_value_for_each_count_and_the_devices() -> None:
+    base = {"arch": "500:1500", "norm": "lrn", "batch": 64, "backend": "numpy", "fuse": "on", "split": "auto"}
+    got = summary([{**base, "participants": 1, "fuse": "-", "split": "-", "speedup": 1.0, "devices": "0.5"},
+                   {**base, "participants": 4, "speedup": 3.5, "devices": "0.5/0.5/0.5/0.5"}])  # fmt: skip
+    assert "1.98x (2), 3.28x (4)" in got and "devices of 0.5/0.5/0.5/0.5 cores" in got
+
+
+@pytest.mark.skipif(unavailable() is not None or len(cores()) < 2, reason=f"CPU quotas: {unavailable()}")
+def test_a_grid_on_half_core_devices_records_them_and_leaves_no_group(tmp_path: Path) -> None:
+    out = tmp_path / "grid.csv"
+    home = (Path("/proc/self/cgroup").read_text(), cores())
+    assert grid(out, "--devices", "0.5", "0.5", transport="zmq") == 0
+    alone, two = rows(out)
+    assert (alone["devices"], alone["speeds"], two["devices"]) == ("0.5", "1", "0.5/0.5")
+    assert len(two["speeds"].split("/")) == 2 and float(two["speeds"].split("/")[1]) > 0
+    controller = find_controller(Path("/proc/mounts").read_text())
+    assert not list(controller.root.glob("tinyconv-grid-*"))  # every group removed
+    assert (Path("/proc/self/cgroup").read_text(), cores()) == home  # this process back where it was

@@ -1,5 +1,5 @@
 """Real heterogeneity, end to end: the main job's master and two ``tinyconv worker`` processes with CURVE keys,
-one worker (q) held to half a core by a CPU quota (benchmarks/cpu_quota.py) and one (l) in another network
+one worker (q) held to half a core by a CPU quota (tinyconv/lab/experiment/cpu_quota.py) and one (l) in another network
 namespace behind a 5 MB/s link (benchmarks/throttled_link.py), 16 training steps of 32:128. The master and q
 share the master's namespace; every byte to and from l crosses the shaped veth. Needs root, ``ip``, ``tc`` and
 a mounted cgroup cpu controller; elsewhere it is skipped with the reason.
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from test_example import EXAMPLE, ROOT, run_example, steps_of
 
+from tinyconv.lab.experiment import cpu_quota as cq
 from tinyconv.lab.simulate import main as simulate
 from transports.session.settings import SECRET_ENV
 
@@ -39,7 +40,7 @@ def _load(name: str):
     return module
 
 
-tl, cq = _load("throttled_link"), _load("cpu_quota")
+tl = _load("throttled_link")
 WHY = tl.unavailable() or cq.unavailable()
 F2 = 128  # conv2's kernels
 RECIPE = ("--dataset", "synthetic", "--arch", f"32:{F2}", "--batch-size", "32", "--norm", "lrn", "--lr", "0.01",

@@ -36,6 +36,11 @@ alone and data / hybrid cells split no channels: their rows say ``"-"``, and the
 written before the column existed reads "0" for a model-parallel cell (the whole batch at once was
 all there was) and ``"-"`` for the others.
 
+**Devices.** ``devices`` says what each participant ran on: "-", a core of its own (pinned), or
+emulated devices (``--devices``, ``workers.py``), each a cgroup CPU quota, "0.5/0.5/0.5" for the master
+and two workers at half a core each. The master alone of such a grid runs at the master's quota, so a
+speedup is always against the same device. A row written before the column existed reads "-".
+
 **Cost.** A cell's expected cost, for the progress bar's estimate of the time left, is its
 convolutions' multiply-adds (forward and backward, three GEMMs each) times the steps it runs:
 warm-up, timed, settle, calibration. Only the ratios between cells matter: the bar's rate is
@@ -51,7 +56,7 @@ from itertools import product
 
 NOT_SPLIT = "-"  # fuse and split of a participants-1 cell: the master alone splits nothing
 KEY = ("arch", "norm", "batch", "participants", "fuse", "split", "backend", "parallel", "rebalance", "wire", "pipeline",
-       "repeat", "link")  # fmt: skip
+       "devices", "repeat", "link")  # fmt: skip
 PARALLELS = ("model", "data", "hybrid")
 BY_IMAGES = ("data", "hybrid")  # the modes that split the batch, not the convolutions (tinyconv/distributed/replica/)
 REBALANCES = ("on", "off")
@@ -79,12 +84,13 @@ class Cell:
     wire: str = "fp32"  # the --wire-precision of the shards, or "-" for the master alone
     pipeline: str = str(PIPELINE)  # images per chunk of the channel split ("0": the whole batch), or "-" where
     #                                nothing is split by channels (the master alone, data and hybrid cells)
+    devices: str = NOT_SPLIT  # each participant's CPU quota in cores, the master's first ("0.5/0.5"), or "-": none
 
     def key(self, link: str) -> tuple[str, ...]:
         """The cell's identity as the CSV's key columns hold it (all text), on the link ``link``."""
         return (self.arch, self.norm, str(self.batch), str(self.participants), self.fuse, self.split,
-                self.backend, self.parallel, self.rebalance, self.wire, self.pipeline, str(self.repeat),
-                link)  # fmt: skip
+                self.backend, self.parallel, self.rebalance, self.wire, self.pipeline, self.devices,
+                str(self.repeat), link)  # fmt: skip
 
     def label(self) -> str:
         """A short name for lines and the progress bar."""
@@ -95,7 +101,8 @@ class Cell:
         else:
             how = (f"P{self.participants} fuse {self.fuse} split {self.split} rebalance {self.rebalance} "
                    f"wire {self.wire} pipeline {self.pipeline}")  # fmt: skip
-        return f"{self.arch} {self.norm} batch {self.batch} {how} {self.backend} #{self.repeat}"
+        on = f" devices {self.devices}" if self.devices != NOT_SPLIT else ""
+        return f"{self.arch} {self.norm} batch {self.batch} {how} {self.backend}{on} #{self.repeat}"
 
 
 def cells(
@@ -111,10 +118,12 @@ def cells(
     rebalances: Sequence[str] = ("on",),
     wires: Sequence[str] = ("fp32",),
     pipelines: Sequence[int] = (PIPELINE,),
+    devices: Sequence[float] = (),
 ) -> list[Cell]:
     """Every cell of the grid, in the order they run (see the module's docstring), without duplicates.
     Data-parallel and hybrid cells come only at fp32 (``DATA_WIRE``): with any other of ``wires`` they are
-    left out. ``pipelines`` (images per chunk, 0 = the whole batch) vary the model-parallel cells only."""
+    left out. ``pipelines`` (images per chunk, 0 = the whole batch) vary the model-parallel cells only.
+    ``devices``: each participant's CPU quota, the master's first; a cell of P participants runs on the first P."""
     out: list[Cell] = []
     seen: set[Cell] = set()
     for repeat, batch in product(range(repeats), batches):
@@ -128,11 +137,16 @@ def cells(
             chunks = NOT_SPLIT if alone or data else str(pipeline)  # only the model split has channels to chunk
             for arch in archs:
                 cell = Cell(arch, norm, batch, p, *how, backend, repeat, "model" if alone else parallel, *sharing,
-                            chunks)  # fmt: skip
+                            chunks, devices_text(devices[:p]))  # fmt: skip
                 if cell not in seen:
                     seen.add(cell)
                     out.append(cell)
     return out
+
+
+def devices_text(quotas: Sequence[float]) -> str:
+    """(1.0, 0.5, 0.25) -> "1/0.5/0.25": the participants' CPU quotas in cores, as a row says them; () -> "-"."""
+    return "/".join(f"{q:g}" for q in quotas) if quotas else NOT_SPLIT
 
 
 def cost(cell: Cell, c1: int, c2: int, steps: int, warmup: int, settle: int) -> float:

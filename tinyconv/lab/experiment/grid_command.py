@@ -47,6 +47,16 @@ def _int(minimum: int):
     return parse
 
 
+def _cores(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of cores") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a device is a share of one core, > 0 and at most 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tinyconv.distributed.adaptive_precision import SETTINGS as WIRE_PRECISIONS
     from tinyconv.distributed.shard.by_channels import PIPELINE
@@ -76,8 +86,9 @@ def _add_cell_options(g: argparse.ArgumentParser, archs: Sequence[str], norms: S
     """What the grid's cells vary: the networks, batches, participants and every option of the step."""
     g.add_argument("--archs", nargs="+", default=list(archs), metavar="C1:C2", help="default: the paper's four")
     g.add_argument("--batches", nargs="+", type=_int(1), default=[64, 128, 256], metavar="N")
-    g.add_argument("--participants", nargs="+", type=_int(1), default=[1, 2], metavar="P",
-                   help="1 = the master alone, P = the master + P-1 workers (default: 1 2)")  # fmt: skip
+    g.add_argument("--participants", nargs="+", type=_int(1), metavar="P",
+                   help="1 = the master alone, P = the master + P-1 workers (default: 1 2, or 1 to the number "
+                   "of --devices)")  # fmt: skip
     g.add_argument("--repeats", type=_int(1), default=1, help="rounds over the whole grid (default %(default)s)")
     g.add_argument("--steps", type=_int(1), default=3, help="timed steps per side of a cell (default %(default)s)")
     g.add_argument("--warmup", type=_int(0), default=2, help="untimed steps first (default %(default)s)")
@@ -114,6 +125,11 @@ def _add_worker_options(g: argparse.ArgumentParser) -> None:
                    help="zmq: worker processes (default); inproc: threads, for tests, not for timing")  # fmt: skip
     g.add_argument("--bind", metavar="ADDR", help="the master's address (default tcp://127.0.0.1:0, a free "
                    "loopback port; tcp://*:5555 with --external-workers); local workers connect to it")  # fmt: skip
+    g.add_argument("--devices", nargs="+", type=_cores, metavar="CORES",
+                   help="emulated devices: each participant, the master's first, in a cgroup CPU quota of CORES of "
+                   "one core, e.g. 0.5 0.5 0.5 0.5 (four half-core devices on two cores) or 1 0.5 0.25; the master "
+                   "alone runs at the first. Local worker processes; needs root and a cgroup cpu controller. A quota "
+                   "slices a core's time: the devices still share its caches and the memory bandwidth")  # fmt: skip
     g.add_argument("--worker-prefix", metavar="CMD", help="put in front of each local worker's command line, "
                    "before its taskset, e.g. 'ip netns exec tinyconv-w'")  # fmt: skip
     g.add_argument(
@@ -160,7 +176,9 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     unknown = [b for b in args.backend if b not in available_backends()]
     if unknown:
         raise BadInput(f"unknown backend {', '.join(unknown)}; known: {', '.join(available_backends())}")
-    check_devices(args, len(cores()))
+    if args.participants is None:
+        args.participants = list(range(1, len(args.devices) + 1)) if args.devices else [1, 2]
+    check_devices(args, cores())
     out = Path(args.out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +193,8 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     if cut:
         print(f"{out}: dropped a half-written last line (a run cut short); that cell runs again")
     grid = cells(args.archs, args.batches, args.participants, args.repeats, args.norm, args.fuse, args.split,
-                 args.backend, args.parallel, args.rebalance, args.wire_precision, args.pipeline)  # fmt: skip
+                 args.backend, args.parallel, args.rebalance, args.wire_precision, args.pipeline,
+                 args.devices or ())  # fmt: skip
     narrowed = [w for w in args.wire_precision if w != DATA_WIRE]
     by_images = " and ".join(m for m in args.parallel if m in BY_IMAGES)
     if by_images and max(args.participants) > 1 and narrowed:
@@ -187,10 +206,14 @@ def prepare(args: argparse.Namespace) -> tuple[list[Cell], list[dict[str, Any]]]
     return grid, rows
 
 
-def check_devices(args: argparse.Namespace, n_cores: int) -> None:
-    """BadInput unless the participants asked for can be had: cores for local workers, or enough external ones."""
-    most = max(args.participants)
+def check_devices(args: argparse.Namespace, cores: Sequence[int]) -> None:
+    """BadInput unless the participants asked for can be had: cores for local workers (or room for their
+    --devices' quotas), or enough external ones."""
+    most, n_cores = max(args.participants), len(cores)
     local = args.transport == "zmq" and not args.external_workers
+    if args.devices:
+        _check_quotas(args.devices, most, local, cores)
+        return
     if args.worker_prefix and not local:
         raise BadInput("--worker-prefix is for local worker processes (not --transport inproc or --external-workers)")
     if args.bind and args.transport == "inproc":
@@ -206,6 +229,24 @@ def check_devices(args: argparse.Namespace, n_cores: int) -> None:
             f"--participants {most} needs {most} cores (the master and {most - 1} pinned local workers), this "
             f"process may use {n_cores}; connect workers from elsewhere with --external-workers N"
         )
+
+
+def _check_quotas(devices: Sequence[float], most: int, local: bool, cores: Sequence[int]) -> None:
+    from tinyconv.lab.experiment.cpu_quota import unavailable
+    from tinyconv.lab.experiment.workers import place
+
+    if not local:
+        raise BadInput("--devices are local worker processes in CPU quotas: not --transport inproc or "
+                       "--external-workers")  # fmt: skip
+    if most > len(devices):
+        raise BadInput(f"--participants {most} needs {most} --devices, {len(devices)} given")
+    try:
+        place(devices[:most], cores)
+    except ValueError as e:
+        raise BadInput(f"--devices: {e} this process may use; give smaller quotas or fewer devices") from None
+    why = unavailable()
+    if why:
+        raise BadInput(f"--devices: CPU quotas {why}")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,7 +269,8 @@ def run_grid(args: argparse.Namespace, grid: list[Cell], rows: list[dict[str, An
         try:
             with grid_workers(n_workers, args.transport, args.backend[0], bind=args.bind,
                               external=bool(args.external_workers), prefix=split_prefix(args.worker_prefix),
-                              insecure=args.insecure, timeout=args.timeout) as (transport, workers):  # fmt: skip
+                              insecure=args.insecure, timeout=args.timeout,
+                              devices=args.devices or ()) as (transport, workers):  # fmt: skip
                 _loop(args, todo, rows, transport, workers)
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted; the finished cells are in {out}: the same command resumes", file=sys.stderr)
@@ -286,6 +328,8 @@ def cell_line(row: dict[str, Any]) -> str:
     line = f"step {row['step_s']:.3g} s"
     if row["participants"] > 1:
         line += f" (alone {row['solo_step_s']:.3g} s) speedup {row['speedup']:.2f}x"
+        if row["devices"] != "-" and row["speeds"]:  # the ideal: every device's speed over the master's, summed
+            line += f" of {sum(float(v) for v in row['speeds'].split('/')):.2f}x ideal (speeds {row['speeds']})"
     line += f"; comm {row['comm_s']:.3g} conv {row['conv_s']:.3g} comp {row['comp_s']:.3g} s"
     if row["bytes_sent"]:
         line += f"; {row['bytes_sent'] / 1e6:.1f} MB out {row['bytes_recv'] / 1e6:.1f} MB back"

@@ -168,7 +168,7 @@ def run_cell(
         solo, dist = alternate(net, opt, x, y, cluster, steps, settle)
     finally:
         cluster.close()  # the network's own layers back; the workers stay, for the next cell
-    return _row(solo, dist)
+    return {**_row(solo, dist), "speeds": speeds_text(cluster.calibration)}
 
 
 def _row(solo: list[dict[str, Any]], dist: list[dict[str, Any]]) -> dict[str, Any]:
@@ -208,7 +208,7 @@ def _data_parallel(
         for _ in range(settle):
             data_step(net, opt, x, y, replicas)
         dist.append(data_step(net, opt, x, y, replicas))
-    return _row(solo, dist)
+    return {**_row(solo, dist), "speeds": speeds_text(replicas.calibration)}
 
 
 def _alone(net: Network, opt: SGD, x: Any, y: np.ndarray, steps: int, warmup: int) -> dict[str, Any]:
@@ -224,12 +224,21 @@ def _alone(net: Network, opt: SGD, x: Any, y: np.ndarray, steps: int, warmup: in
         "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times),
         "comm_s": 0.0, "conv_s": conv_s, "comp_s": step_s - conv_s, "bytes_sent": 0, "bytes_recv": 0,
         "solo_step_s": step_s, "speedup": 1.0, "shares": shares_text(kernels), "channel_shares": "",
-        "wire_fallbacks": 0, "wire_formats": "",
+        "wire_fallbacks": 0, "wire_formats": "", "speeds": "1",
     }  # fmt: skip
 
 
 def _convs(net: Network) -> list[Conv2D]:
     return [layer for layer in net.layers if isinstance(layer, Conv2D)]
+
+
+def speeds_text(calibration: dict[str, Any] | None) -> str:
+    """Each participant's speed beside the master's, from the calibration's times summed over the units:
+    "1/0.98/0.49" (the master first; eq. 1 splits by these). Empty without a calibration or with a time missing."""
+    if not calibration or any(t is None for ts in calibration["times"].values() for t in ts):
+        return ""
+    totals = [sum(column) for column in zip(*calibration["times"].values(), strict=True)]
+    return "/".join(f"{totals[0] / t:.3g}" for t in totals)
 
 
 def shares_text(shares: dict[str, Sequence[int]]) -> str:

@@ -38,6 +38,7 @@ COLUMNS: dict[str, type] = {
     # extras
     "warmup": int, "settle": int, "channel_shares": str, "workers": str, "parallel": str,
     "rebalance": str, "wire": str, "wire_fallbacks": int, "wire_formats": str, "pipeline": str,
+    "devices": str, "speeds": str,  # CPU quotas (grid.Cell.devices) and calibrated speeds, both master first
 }  # fmt: skip
 # columns added since the first grids: what a row written before them means, for a distributed row
 # and for the master alone (which has no rebalancer and sends nothing)
@@ -45,6 +46,7 @@ OLDER: dict[str, tuple[str, str]] = {
     "parallel": ("model", "model"), "rebalance": ("on", NOT_SPLIT), "wire": ("fp32", NOT_SPLIT),
     "wire_fallbacks": ("0", "0"), "wire_formats": ("", ""),
     "pipeline": ("0", NOT_SPLIT),  # before the pipeline, a model-parallel step sent the whole batch at once
+    "devices": (NOT_SPLIT, NOT_SPLIT), "speeds": ("", ""),
 }  # fmt: skip
 MODEL_ONLY = ("pipeline",)  # of OLDER, the columns a data-parallel or hybrid row has none of: "-" there
 SETTINGS = ("steps", "warmup", "settle", "transport")
@@ -157,7 +159,7 @@ def _text(v: Any) -> str:
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """Median speedup over repeats: a row per arch x batch, a column per participants (and per
     fuse / split / parallel / rebalance / wire / pipeline / backend / norm when the rows have several), and
-    the paper's 2-CPU value."""
+    the paper's values at those participant counts (2 CPUs at least)."""
     ways = {_way(r) for r in rows}
     # one column per participant count, unless the rows split (or run) more than one way
     many = len({w[1:] for w in ways if w[0] > 1}) > 1 or len({w[-2:] for w in ways}) > 1
@@ -168,10 +170,18 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
         for col in columns:
             got = [r["speedup"] for r in rows if (r["arch"], r["batch"], *_way(r)[: len(col)]) == (arch, batch, *col)]
             speeds.append(f"{_median(got):.2f}x" if got else "")
-        paper = paper_speedup(arch, 2)
-        cell_rows.append((arch, batch, *speeds, f"{paper:.2f}x" if paper else "not known"))
-    headers = ("arch", "batch", *(_header(c) for c in columns), "paper, 2 CPUs")
-    return format_table(headers, cell_rows, title="speedup (median over repeats) against the master alone")
+        cell_rows.append((arch, batch, *speeds, _paper(arch, [c[0] for c in columns])))
+    headers = ("arch", "batch", *(_header(c) for c in columns), "paper (CPUs)")
+    devices = max((r for r in rows if r.get("devices", NOT_SPLIT) != NOT_SPLIT), key=lambda r: r["participants"],
+                  default=None)  # fmt: skip
+    on = f", devices of {devices['devices']} cores (CPU quotas, the master first)" if devices else ""
+    return format_table(headers, cell_rows, title=f"speedup (median over repeats) against the master alone{on}")
+
+
+def _paper(arch: str, participants: Sequence[int]) -> str:
+    """The paper's speedups of ``arch`` at the participant counts measured (at least 2): "1.98x (2), 3.28x (4)"."""
+    known = [(p, paper_speedup(arch, p)) for p in sorted(set(participants) | {2})]
+    return ", ".join(f"{s:.2f}x ({p})" for p, s in known if s) or "not known"
 
 
 def _by_batch_then_size(cell: tuple[str, int]) -> tuple:

@@ -8,6 +8,12 @@ each worker's command line and the taskset after it, so that e.g. ``ip netns exe
 runs the pinned worker inside a network namespace (``benchmarks/throttled_link.py``); the
 worker connects to the address the master bound (``--bind``).
 
+Emulated devices (``--devices 0.5 0.5 0.5 0.5``): each participant, the master included, in a cgroup
+of its own held to that share of one core (``cpu_quota.py``), the groups placed on the cores by
+:func:`place`, so that four half-core devices fit two cores. Cores that share caches and memory
+bandwidth are not separate machines, and a quota slices time, not the silicon: it emulates a slower
+device's speed, not its memory or its caches.
+
 External (``--external-workers N``): the grid binds ``--bind`` (default tcp://*:5555) and
 waits for N ``tinyconv worker --serve`` processes to connect, as ``tinyconv.distributed.pool`` does.
 In-process (``--transport inproc``): worker threads, for tests; not for timing.
@@ -28,6 +34,7 @@ from contextlib import ExitStack, contextmanager
 
 from tinyconv.distributed.pool import LOCAL_BIND, _handshake, _keys, _local_worker_args, stop_workers, worker_pool
 from tinyconv.distributed.protocol import VERSION
+from tinyconv.lab.experiment.cpu_quota import CpuQuota
 from transports import get_transport
 from transports.base import Transport, WorkerInfo
 
@@ -72,6 +79,21 @@ def worker_command(
     return [*prefix, *pin, *worker, *extra]
 
 
+def place(quotas: Sequence[float], cores: Sequence[int]) -> list[int]:
+    """The core each device runs on: the one with the most of its time still free (the first of equals),
+    so that 0.5 0.5 0.5 0.5 on two cores alternate 0 1 0 1 and a cell of two has a core each.
+    ValueError when they need more time than the cores have."""
+    free = dict.fromkeys(cores, 1.0)
+    placed = []
+    for q in quotas:
+        core = max(free, key=lambda c: free[c])  # max keeps the first of equals
+        if free[core] < q - 1e-9:
+            raise ValueError(f"devices of {' + '.join(f'{x:g}' for x in quotas)} cores do not fit {len(free)} cores")
+        free[core] -= q
+        placed.append(core)
+    return placed
+
+
 def split_prefix(text: str | None) -> list[str]:
     """--worker-prefix "ip netns exec tinyconv-w" -> its words, as a shell would split them."""
     return shlex.split(text) if text else []
@@ -80,9 +102,15 @@ def split_prefix(text: str | None) -> list[str]:
 @contextmanager
 def grid_workers(
     n: int, transport: str = "zmq", backend: str = "numpy", *, bind: str | None = None, external: bool = False,
-    prefix: Sequence[str] = (), insecure: bool = False, timeout: float = 60.0,
+    prefix: Sequence[str] = (), insecure: bool = False, timeout: float = 60.0, devices: Sequence[float] = (),
 ) -> Iterator[tuple[Transport | None, list[WorkerInfo]]]:  # fmt: skip
-    """Yield (transport, workers) for ``n`` workers (none: (None, [])), stopped at the end."""
+    """Yield (transport, workers) for ``n`` workers (none: (None, [])), stopped at the end. With ``devices``
+    (CPU quotas, the master's first), this process and each local worker run in a quota of their own."""
+    if devices:
+        with quota_devices(devices[: n + 1]) as (groups, placed):
+            with _local_pinned(n, transport, backend, bind or LOCAL_BIND, prefix, timeout, groups, placed) as got:
+                yield got
+        return
     if n == 0:
         yield None, []
         return
@@ -97,10 +125,28 @@ def grid_workers(
 
 
 @contextmanager
+def quota_devices(quotas: Sequence[float]) -> Iterator[tuple[list[CpuQuota], list[int]]]:
+    """A CPU quota group per device and the core each is placed on; this process (the master) in the
+    first group until the end, when it goes back to its own group, every group is removed and whatever
+    still ran in one is back at the root."""
+    placed = place(quotas, cores())
+    with ExitStack() as stack:
+        groups = [stack.enter_context(CpuQuota(q, name=f"tinyconv-grid-{os.getpid()}-{i}"))
+                  for i, q in enumerate(quotas)]  # fmt: skip
+        stack.enter_context(groups[0].holding(os.getpid()))
+        yield groups, placed
+
+
+@contextmanager
 def _local_pinned(
-    n: int, transport: str, backend: str, bind: str, prefix: Sequence[str], timeout: float
-) -> Iterator[tuple[Transport, list[WorkerInfo]]]:
-    """``n`` local --serve workers, pinned one per core after the master's, on a transport bound at ``bind``."""
+    n: int, transport: str, backend: str, bind: str, prefix: Sequence[str], timeout: float,
+    groups: Sequence[CpuQuota] = (), placed: Sequence[int] = (),
+) -> Iterator[tuple[Transport | None, list[WorkerInfo]]]:  # fmt: skip
+    """``n`` local --serve workers, pinned one per core after the master's, on a transport bound at ``bind``;
+    with quota ``groups``, worker i in groups[i + 1] on core placed[i + 1] (the master's are the first)."""
+    if n == 0:
+        yield None, []
+        return
     stack = ExitStack()
     keys = _keys(bind, False, None, None, False, stack)  # a fresh CURVE pair if the bind leaves loopback
     pool = get_transport(transport, bind=bind, peer_timeout_s=PEER_TIMEOUT_S, protocol=VERSION,
@@ -109,8 +155,9 @@ def _local_pinned(
     try:
         connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
         extra = _local_worker_args(None, PEER_TIMEOUT_S, keys) + ["--connect-timeout", str(timeout)]
-        taskset, free = shutil.which("taskset"), cores()[1:]
-        commands = [worker_command(connect, backend, free[i] if i < len(free) else None, prefix, extra, taskset)
+        taskset, free = shutil.which("taskset"), list(placed[1:]) if groups else cores()[1:]
+        commands = [worker_command(connect, backend, free[i] if i < len(free) else None,
+                                   [*groups[i + 1].prefix(), *prefix] if groups else prefix, extra, taskset)
                     for i in range(n)]  # fmt: skip
         procs = [subprocess.Popen(c, stderr=subprocess.PIPE) for c in commands]
         yield pool, _handshake(pool, n, timeout, procs, shlex.join(commands[0]))

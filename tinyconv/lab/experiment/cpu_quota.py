@@ -1,8 +1,10 @@
-#!/usr/bin/env python3
 """Run a command on a fraction of one core: a cgroup with a CPU quota (the kernel's CFS bandwidth control).
 
-    sudo .venv/bin/python benchmarks/cpu_quota.py --cores 0.5 -- .venv/bin/tinyconv worker --connect tcp://...
-    sudo .venv/bin/python benchmarks/cpu_quota.py --cores 0.5 -- ip netns exec tinyconv-w .venv/bin/tinyconv ...
+    sudo .venv/bin/python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- .venv/bin/tinyconv worker ...
+    sudo .venv/bin/python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- ip netns exec tinyconv-w ...
+
+The experiment grid's emulated devices (``tinyconv experiment grid --devices 0.5 0.5 0.5 0.5``) are such
+groups, one per participant, the master's own process included (:meth:`CpuQuota.join`).
 
 ``--slowdown 2`` makes a worker wait after its work; a quota makes its work itself take longer, as a slower
 device's would: in every period the group may run for ``cores`` x period of CPU time, and then waits for the
@@ -31,7 +33,8 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +127,26 @@ class CpuQuota:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+    @contextmanager
+    def holding(self, pid: int) -> Iterator[None]:
+        """The running process ``pid`` (all its threads, and what it starts meanwhile) in the group for the
+        duration, then back in the group it was in."""
+        home = self.group_of(pid)
+        (self.path / "cgroup.procs").write_text(str(pid))
+        try:
+            yield
+        finally:
+            (home / "cgroup.procs").write_text(str(pid))
+
+    def group_of(self, pid: int) -> Path:
+        """The folder of the group ``pid`` is in under this controller (/proc/PID/cgroup: "0::/a" in v2,
+        "3:cpu,cpuacct:/a" in v1)."""
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, names, where = line.split(":", 2)
+            if (self.controller.version == 2 and names == "") or "cpu" in names.split(","):
+                return self.controller.root / where.lstrip("/")
+        return self.controller.root
 
     def prefix(self) -> list[str]:
         """What to put before a command to run it (and all it starts) in the group."""
