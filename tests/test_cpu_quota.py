@@ -92,3 +92,13 @@ def test_the_command_line_runs_the_command_limited_and_removes_the_group():
     assert proc.returncode == 4, err
     assert "0.5 core(s), throttled in" in err
     assert not (cq.find_controller(Path("/proc/mounts").read_text()).root / f"tinyconv-cpu-{proc.pid}").exists()
+
+
+@needs_root
+def test_a_process_knows_the_quota_it_runs_in():
+    code = "from tinyconv.lab.experiment.cpu_quota import own_cores; print(own_cores())"
+    with cq.CpuQuota(0.25, name=f"tinyconv-cpu-own{os.getpid()}") as q:
+        got = subprocess.run([*q.prefix(), sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "0.25"
+    home = cq.CpuQuota.group_of(cq.find_controller(Path("/proc/mounts").read_text()), os.getpid())
+    assert cq.own_cores() is None or home.name.startswith("tinyconv-")  # a plain process has no quota

@@ -10,8 +10,8 @@ import pytest
 
 from tinyconv.lab.eq2 import ConvShape, conv_shapes, split_bytes, wire_words
 from tinyconv.lab.simulate import main
-from tinyconv.lab.simulate.against import compare_rows, read_grid
-from tinyconv.lab.simulate.devices import FORMAT, VERSION, Device, LayerCost, SplitCost, fit_line, load, save
+from tinyconv.lab.simulate.against import compare_rows, read_grid, row_devices
+from tinyconv.lab.simulate.devices import FORMAT, VERSION, Device, LayerCost, SplitCost, fit_line, load, save, slowed
 from tinyconv.lab.simulate.link_model import LinkModel, Task, op_wall, parse_rate
 from tinyconv.lab.simulate.predict import predict
 from tinyconv.model import paper_net
@@ -351,3 +351,31 @@ def test_a_slower_device_takes_longer_on_the_same_link():
     slow = predict([TOY], [slowed(dev, 3.0)], 2, "off", "kernels", LinkModel("wifi", 1000.0))
     assert (slow.conv_s, slow.comp_s) == (pytest.approx(3 * fast.conv_s), pytest.approx(3 * fast.comp_s))
     assert slow.comm_s == pytest.approx(fast.comm_s) and slow.speedup > fast.speedup
+
+
+def test_a_row_of_emulated_devices_takes_each_quotas_device_or_the_whole_one_slowed(tmp_path, devices_file):
+    """ "0.5/0.25": a device measured inside 0.5 of a core is taken as it is; none measured at 0.25, so the
+    one measured without a quota is slowed 4x. The prediction is the model's on exactly those two."""
+    save(devices_file, {**entry("dev", per_kernel=0.03), "cores": 0.5}, {})
+    devices, links = load(devices_file)
+    assert [d.cores for d in devices] == [None, 0.5]  # same name, another quota: kept beside it
+    row = grid_row(participants="2", devices="0.5/0.25", link="loopback")
+    (done,), _ = compare_rows([row], devices, links)
+    assert (done["devices"], done["devices_from"]) == ("0.5/0.25", "scaled")
+    convs = conv_shapes(paper_net("8:16", "numpy"), 2)
+    both = [devices[1], slowed(devices[0], 4.0)]
+    want = predict(convs, both, 2, "off", "kernels", LinkModel("ethernet", 1000e6, 0.02e-3), "fp32", [[3, 5], [10, 6]])
+    assert done["step_s"] == pytest.approx(want.step_s)
+    assert row_devices(grid_row(devices="0.5"), devices) == ([devices[1]], "measured")
+    assert row_devices(grid_row(devices="-"), devices) == ([devices[0]], "-")
+    only = [devices[1]]  # nothing without a quota: a 0.25 device cannot be had, and the row says why
+    assert "no device measured at 0.25 cores" in row_devices(grid_row(devices="0.25"), only)
+    assert "without a CPU quota" in row_devices(grid_row(), only)
+
+
+def test_a_devices_quota_must_be_a_positive_number(tmp_path, devices_file):
+    doc = json.loads(devices_file.read_text())
+    doc["devices"][0]["cores"] = "half"
+    devices_file.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="cores must be a CPU quota"):
+        load(devices_file)

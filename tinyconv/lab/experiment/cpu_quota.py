@@ -95,6 +95,24 @@ def unavailable() -> str | None:
     return None
 
 
+def own_cores(pid: int | None = None) -> float | None:
+    """The CPU quota, in cores, of the group process ``pid`` (this one by default) is in; None where it has
+    none (or no cpu controller is mounted): what a device measured inside ``--cores 0.5`` records."""
+    found = find_controller(_read(Path("/proc/mounts")))
+    if found is None or not sys.platform.startswith("linux"):
+        return None
+    group = CpuQuota.group_of(found, os.getpid() if pid is None else pid)
+    if found.version == 2:
+        quota, _, period = _read(group / "cpu.max").partition(" ")
+    else:
+        quota, period = _read(group / "cpu.cfs_quota_us"), _read(group / "cpu.cfs_period_us")
+    try:
+        q, t = int(quota), int(period)
+    except ValueError:  # "max" (v2) or unreadable: no quota
+        return None
+    return q / t if q > 0 and t > 0 else None  # v1 says -1 for none
+
+
 class CpuQuota:
     """A cgroup holding its processes to ``cores`` of one core, removed on exit (a context manager)::
 
@@ -132,21 +150,22 @@ class CpuQuota:
     def holding(self, pid: int) -> Iterator[None]:
         """The running process ``pid`` (all its threads, and what it starts meanwhile) in the group for the
         duration, then back in the group it was in."""
-        home = self.group_of(pid)
+        home = self.group_of(self.controller, pid)
         (self.path / "cgroup.procs").write_text(str(pid))
         try:
             yield
         finally:
             (home / "cgroup.procs").write_text(str(pid))
 
-    def group_of(self, pid: int) -> Path:
-        """The folder of the group ``pid`` is in under this controller (/proc/PID/cgroup: "0::/a" in v2,
+    @staticmethod
+    def group_of(controller: Controller, pid: int) -> Path:
+        """The folder of the group ``pid`` is in under ``controller`` (/proc/PID/cgroup: "0::/a" in v2,
         "3:cpu,cpuacct:/a" in v1)."""
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        for line in _read(Path(f"/proc/{pid}/cgroup")).splitlines():
             _, names, where = line.split(":", 2)
-            if (self.controller.version == 2 and names == "") or "cpu" in names.split(","):
-                return self.controller.root / where.lstrip("/")
-        return self.controller.root
+            if (controller.version == 2 and names == "") or "cpu" in names.split(","):
+                return controller.root / where.lstrip("/")
+        return controller.root
 
     def prefix(self) -> list[str]:
         """What to put before a command to run it (and all it starts) in the group."""

@@ -8,7 +8,10 @@ veth pair are both full duplex): ``link`` "loopback" at the file's measured loop
 ``--latency-ms``. ``split`` "auto" is by input channels with at most two workers, as
 ``Cluster`` decides for workers on the master's host (a worker in another network namespace
 reports the same host name); the master alone (fuse and split "-") is predicted with the tails
-fused. The relative error is predicted / measured - 1.
+fused. A row of emulated devices (the grid's ``--devices``: its ``devices`` column, "0.5/0.5/0.25")
+is predicted on each participant's own device: the one measured inside that CPU quota, or else the
+one measured without a quota slowed by 1 / quota (:func:`row_devices`). The relative error is
+predicted / measured - 1.
 
 Each row is predicted in its own wire format (the grid's ``wire`` column: fp32, bf16, fp16, adt24,
 s8, or adaptive at AWP's start; "-" for the master alone, which sends nothing), so a bf16 run is held
@@ -40,7 +43,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from tinyconv.lab.simulate.devices import Device
+from tinyconv.lab.simulate.devices import Device, slowed
 from tinyconv.lab.simulate.link_model import MB, LinkModel, parse_rate
 from tinyconv.lab.simulate.predict import predict, words_of
 
@@ -138,9 +141,9 @@ def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, r
     if parallel != "model":
         return f"--parallel {parallel} splits the batch; the simulator models the split of the convolutions"
     words_of(wire)  # a ValueError naming the formats
-    device = next((d for d in devices if (d.arch, d.norm, d.batch) == (r["arch"], r["norm"], batch)), None)
-    if device is None:
-        return f"no device measured at {r['arch']} {r['norm']} batch {batch}"
+    chosen = row_devices(r, devices)
+    if isinstance(chosen, str):
+        return chosen
     fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
     split = r["split"].strip().lower()
     split = ("channels" if n <= 3 else "kernels") if split == "auto" else split
@@ -151,7 +154,7 @@ def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, r
     shares = None
     if rebalance == "off" and split == "kernels":  # the calibrated split, kept for every step
         shares = parse_shares(r.get("shares", ""), [c.name for c in convs], n)
-    p = predict(convs, [device], n, fuse, split, link, wire, shares)
+    p = predict(convs, chosen[0], n, fuse, split, link, wire, shares)
     if rebalance == "on" and p.lag > rebalancer.threshold:
         return (f"{r['arch']} batch {batch} on {n} participants, {wire}, rebalance on at "
                 f"{r['link']}: the model's split leaves the slowest {p.lag:.0%} behind the mean "
@@ -163,12 +166,35 @@ def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, r
     return {"arch": r["arch"], "norm": r["norm"], "batch": batch, "participants": n, "fuse": fuse,
             "split": split, "wire": wire, "rebalance": rebalance, "link": r["link"],
             "split_from": "-" if n == 1 else "row" if shares is not None else "eq. 1",
+            "devices": r.get("devices") or "-", "devices_from": chosen[1],
             **{f"measured_{k}": v for k, v in measured.items()},
             "step_s": p.step_s, "comm_s": p.comm_s, "speedup": p.speedup,
             "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
             "step_err": p.step_s / measured["step_s"] - 1,
             "comm_err": p.comm_s / measured["comm_s"] - 1 if measured["comm_s"] > 0 else None,
             "speedup_err": p.speedup / measured["speedup"] - 1}  # fmt: skip
+
+
+def row_devices(r: dict[str, str], devices: Sequence[Device]) -> tuple[list[Device], str] | str:
+    """The participants' devices for a grid row, the master first, and where they came from; or why none.
+    A row on a core each ("-") takes a device measured without a quota, copied to every participant.
+    A row of emulated devices ("0.5/0.5/0.25") takes, for each quota, the device measured inside it
+    ("measured"), or else the one measured without a quota, slowed by 1 / quota ("scaled": what a
+    quota is meant to do, which the comparison then tests)."""
+    here = [d for d in devices if (d.arch, d.norm, d.batch) == (r["arch"], r["norm"], int(r["batch"]))]
+    whole = next((d for d in here if d.cores is None), None)
+    where = f"at {r['arch']} {r['norm']} batch {r['batch']}"
+    text = (r.get("devices") or "-").strip()
+    if text == "-":
+        return ([whole], "-") if whole else f"no device measured without a CPU quota {where}"
+    chosen, scaled = [], False
+    for q in (float(x) for x in text.split("/")):
+        at = next((d for d in here if d.cores is not None and abs(d.cores - q) < 1e-6), None)
+        if at is None and whole is None:
+            return f"no device measured at {q:g} cores, nor one without a quota to scale, {where}"
+        scaled |= at is None
+        chosen.append(at or slowed(whole, 1 / q))
+    return chosen, "scaled" if scaled else "measured"
 
 
 def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, float]],
@@ -182,9 +208,9 @@ def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, flo
     if not done:
         print(f"no row of {path} could be compared")
         return 1
-    headers = ("arch", "batch", "P", "fuse", "split", "wire", "rebalance", "split from", "link", "step s",
+    headers = ("arch", "batch", "P", "devices", "fuse", "split", "wire", "rebalance", "split from", "link", "step s",
                "predicted", "error", "comm s", "predicted", "error", "speedup", "predicted", "error")  # fmt: skip
-    table = [(d["arch"], d["batch"], d["participants"], d["fuse"], d["split"], d["wire"], d["rebalance"],
+    table = [(d["arch"], d["batch"], d["participants"], _devices(d), d["fuse"], d["split"], d["wire"], d["rebalance"],
               d["split_from"], d["link"], d["measured_step_s"], d["step_s"], f"{d['step_err']:+.1%}",
               d["measured_comm_s"], d["comm_s"], "" if d["comm_err"] is None else f"{d['comm_err']:+.1%}",
               d["measured_speedup"], d["speedup"], f"{d['speedup_err']:+.1%}")
@@ -196,7 +222,13 @@ def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, flo
     speedups = f", speedup {statistics.median(shared):.1%} over the {len(shared)} with workers" if shared else ""
     speedups += f", comm {statistics.median(comms):.1%} over {len(comms)}" if comms else ""
     print(f"median |error|: step {steps:.1%} over {len(done)} rows{speedups}")
+    if any(d["devices_from"] == "scaled" for d in done):
+        print("devices *: a quota's device not measured inside it, but the device without a quota slowed by 1 / quota")
     if any(d["split_from"] == "row" for d in done):
         print("split from: row = the calibrated split the row kept (--rebalance off, its shares column); "
               "eq. 1 = the model's on the device file")  # fmt: skip
     return 0
+
+
+def _devices(d: dict[str, Any]) -> str:
+    return d["devices"] + ("*" if d["devices_from"] == "scaled" else "")

@@ -3,8 +3,10 @@
     tinyconv simulate --measure devices.json --arch 300:1000 --batch 64
 
 times THIS machine (one BLAS thread: one paper-style CPU) and adds it to the file, or replaces
-its entry for the same name, arch, norm and batch. Nothing here is a built-in number: every
-prediction comes from a file someone measured. The file::
+its entry for the same name, arch, norm, batch and CPU quota. Measured inside a quota
+(``python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- tinyconv simulate --measure ...``), the
+entry records it as ``"cores": 0.5``: an emulated device of the experiment grid's ``--devices``.
+Nothing here is a built-in number: every prediction comes from a file someone measured. The file::
 
     {"format": "tinyconv-devices", "version": 1,
      "devices": [{"name": "host1-numpy", "host": "host1", "backend": "numpy", "threads": 1,
@@ -75,6 +77,7 @@ class Device:
     batch: int
     solo_step_s: float
     fuse: dict[str, SplitCost]  # "off", "on"
+    cores: float | None = None  # the CPU quota it was measured in (tinyconv/lab/experiment/cpu_quota.py), or none
 
 
 def slowed(d: Device, factor: float) -> Device:
@@ -85,7 +88,8 @@ def slowed(d: Device, factor: float) -> Device:
         layers = tuple(LayerCost(c.name, c.kernels, c.fixed_s * factor, c.per_kernel_s * factor) for c in s.layers)
         return SplitCost(s.comp_s * factor, layers)
 
-    return Device(d.name, d.arch, d.norm, d.batch, d.solo_step_s * factor, {k: scale(s) for k, s in d.fuse.items()})
+    fuse = {k: scale(s) for k, s in d.fuse.items()}
+    return Device(d.name, d.arch, d.norm, d.batch, d.solo_step_s * factor, fuse, d.cores)
 
 
 def load(path: str | Path) -> tuple[list[Device], dict[str, dict[str, float]]]:
@@ -117,19 +121,22 @@ def _device(d: dict[str, Any]) -> Device:
     solo = float(d["solo_step_s"])
     if not (math.isfinite(solo) and solo > 0):
         raise ValueError(f"device {d['name']!r}: solo_step_s must be > 0")
-    return Device(str(d["name"]), str(d["arch"]), str(d["norm"]), int(d["batch"]), solo, fuse)
+    cores = d.get("cores")
+    if cores is not None and not (isinstance(cores, (int, float)) and cores > 0):
+        raise ValueError(f"device {d['name']!r}: cores must be a CPU quota > 0 or absent, got {cores!r}")
+    return Device(str(d["name"]), str(d["arch"]), str(d["norm"]), int(d["batch"]), solo, fuse, cores)
 
 
 def save(path: str | Path, entry: dict[str, Any], links: dict[str, dict[str, float]]) -> None:
     """Add ``entry`` (a measured device) and ``links`` to the file at ``path`` (made if missing),
-    replacing an entry of the same name, arch, norm and batch and a link of the same name."""
+    replacing an entry of the same name, arch, norm, batch and CPU quota and a link of the same name."""
     path = Path(path)
     doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "devices": [], "links": {}}
     if path.exists():
         load(path)  # refuse to overwrite something that is not a device file
         doc = json.loads(path.read_text())
-    key = ("name", "arch", "norm", "batch")
-    doc["devices"] = [d for d in doc["devices"] if any(d[k] != entry[k] for k in key)] + [entry]
+    key = ("name", "arch", "norm", "batch", "cores")
+    doc["devices"] = [d for d in doc["devices"] if any(d.get(k) != entry.get(k) for k in key)] + [entry]
     doc.setdefault("links", {}).update(links)
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -165,6 +172,7 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
     without its tail, and the master alone's whole training step (median of ``repeats``)."""
     from tinyconv.distributed.calibrate import Spec, time_block
     from tinyconv.distributed.conv_shapes import conv_shapes
+    from tinyconv.lab.experiment.cpu_quota import own_cores
     from tinyconv.layers import Conv2D
     from tinyconv.model import paper_net
 
@@ -174,7 +182,7 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
     solo, comp, in_step = _solo_step(net, batch, repeats)
     say(f"master alone: {solo:.3f} s a step, of which comp {comp['off']:.3f} s (tails fused: {comp['on']:.3f} s)")
     entry: dict[str, Any] = {"name": name, "host": socket.gethostname(), "backend": "numpy",
-                             "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+                             "measured": datetime.datetime.now().isoformat(timespec="seconds"), "cores": own_cores(),
                              "arch": arch, "norm": norm, "batch": batch, "solo_step_s": solo, "fuse": {}}  # fmt: skip
     for fuse in ("off", "on"):
         costs = []
