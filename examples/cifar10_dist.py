@@ -316,7 +316,7 @@ def _split(p: argparse.ArgumentParser) -> None:
         "kernels on all of the input (each builds the whole im2col and a full-size partial dX, summed); "
         "channels = the convolution by input channels (each the partial sums of its channels, added up "
         "where the tails run; its channels' dX and dW): nothing done twice, more bytes; "
-        "auto = channels with at most 2 workers, all on this machine, else kernels (default %(default)s)",
+        "auto = channels with every worker on this machine, else kernels (default %(default)s)",
     )
     g.add_argument(
         "--wire-precision",

@@ -50,7 +50,7 @@ What it said here (one ``--measure`` of 300:1000 at batch 64 on one core of the 
   step and at 128 nodes 5338 against 5439: both fall together (125 MB/s: 0.87x and 0.76x at 32,
   0.24x and 0.23x at 128). Only a split that does not send all of x to everyone, or a medium that
   broadcasts it, would change that. The split by input channels moves more still beyond two
-  workers, which is why tinyconv uses it only with at most two on the master's host.
+  workers, which is why tinyconv uses it only with every worker on the master's host.
 * **Wi-Fi against Ethernet.** The shared channel costs the paper's split up to 19 % (8 nodes, 5
   MB/s), the fused split at most 6 %, the split by channels up to 96 %: full duplex saves as much as
   a split sends both ways in the same op. In the fused split's ops one direction dominates (x out

@@ -5,9 +5,9 @@ step_s, comm_s, speedup, link, ...) whose arch, norm and batch the device file h
 with that device copied to every participant, on an ``ethernet`` link (a loopback socket and a
 veth pair are both full duplex): ``link`` "loopback" at the file's measured loopback bandwidth
 (or ``--loopback-MBps``) and latency, a rate such as "5MB/s" or "40mbit" at that rate and
-``--latency-ms``. ``split`` "auto" is by input channels with at most two workers, as
-``Cluster`` decides for workers on the master's host (a worker in another network namespace
-reports the same host name); the master alone (fuse and split "-") is predicted with the tails
+``--latency-ms``. ``split`` "auto" is by input channels when the row's workers all name one host,
+as ``Cluster`` decides for workers on the master's host (a worker in another network namespace
+reports the same host name), else by kernels; the master alone (fuse and split "-") is predicted with the tails
 fused. A row of emulated devices (the grid's ``--devices``: its ``devices`` column, "0.5/0.5/0.25")
 is predicted on each participant's own device: the one measured inside that CPU quota, or else the
 one measured without a quota slowed by 1 / quota (:func:`row_devices`). The relative error is
@@ -146,7 +146,8 @@ def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, r
         return chosen
     fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
     split = r["split"].strip().lower()
-    split = ("channels" if n <= 3 else "kernels") if split == "auto" else split
+    one_host = len({w.rpartition("@")[2] for w in (r.get("workers") or "").split()}) <= 1
+    split = ("channels" if one_host else "kernels") if split == "auto" else split
     split = "kernels" if n == 1 else split  # the master alone: "-", no split
     if split not in ("kernels", "channels"):
         raise ValueError(f"split {r['split']!r}")

@@ -21,7 +21,7 @@ not (``fuse``), each conv layer l with F_l kernels:
    whole partial dX back (grads): ``comm.block_bytes``, one worker's terms, whose sums over
    workers are ``comm.split_bytes`` (the tests hold them to it for every format).
    Split by input channels (tinyconv's
-   default with at most two workers on the master's host), ``comm.channel_split_bytes`` of the
+   default with every worker on the master's host), ``comm.channel_split_bytes`` of the
    layer, shared among the workers in proportion to their kernels, half in each op -- and the
    compute taken as that of the fused split by kernels (an approximation: the channel split's
    point is to not repeat the im2col of the whole input, which this does not credit).
