@@ -50,9 +50,8 @@ class Cluster(Runtime):
     ``split``: how a layer that needs dX (every conv but the first) is split. "kernels" -- the
     paper's way (``by_kernels.py``); "channels" -- the convolution by input channels and its tail
     by kernels (``by_channels.py``): nothing is computed twice, but partial sums cross the wire;
-    "auto" -- "channels" with workers that all run on the master's host (bytes are cheap there:
-    four half-core devices measured 3.11x by channels against 2.76x by kernels), else "kernels",
-    which a LAN carries better.
+    "auto" -- "channels" with workers that all run on the master's host (bytes are cheap there;
+    docs/results.md), else "kernels", which a LAN carries better.
     ``fuse``: each participant also runs the ReLU / LRN / batch norm / max pool after each conv on its own
     channels (``block.py``); False is the paper's split, the convolution alone.
     ``wire_precision``: the words a layer's arrays travel in, one of ``adaptive_precision.SETTINGS`` (a

@@ -146,8 +146,8 @@ def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, r
         return chosen
     fuse = "on" if r["fuse"].strip().lower() in ("on", "true", "1", "yes", "-") else "off"
     split = r["split"].strip().lower()
-    one_host = len({w.rpartition("@")[2] for w in (r.get("workers") or "").split()}) <= 1
-    split = ("channels" if one_host else "kernels") if split == "auto" else split
+    hosts = {w.rpartition("@")[2] for w in (r.get("workers") or "").split()}  # one: channels, as Cluster's auto
+    split = ("channels" if len(hosts) <= 1 else "kernels") if split == "auto" else split
     split = "kernels" if n == 1 else split  # the master alone: "-", no split
     if split not in ("kernels", "channels"):
         raise ValueError(f"split {r['split']!r}")
