@@ -343,6 +343,16 @@ def test_measure_writes_a_device_file(tmp_path, capsys):
     assert json.loads(path.read_text())["version"] == VERSION
 
 
+def test_a_measure_inside_a_quota_records_it_and_keeps_the_files_loopback(tmp_path, devices_file, monkeypatch):
+    from tinyconv.lab.experiment import cpu_quota
+
+    monkeypatch.setattr(cpu_quota, "own_cores", lambda: 0.5)
+    assert main(["--measure", str(devices_file), "--arch", "2:4", "--batch", "2", "--repeats", "1", "--nodes", "1",
+                 "--bandwidth", "5", "--medium", "wifi", "--split", "paper"]) == 0  # fmt: skip
+    devices, links = load(devices_file)
+    assert devices[-1].cores == 0.5 and links["loopback"]["bandwidth_MBps"] == 1000.0  # the fixture's, kept
+
+
 def test_a_slower_device_takes_longer_on_the_same_link():
     from tinyconv.lab.simulate.devices import slowed
 

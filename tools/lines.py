@@ -23,7 +23,7 @@ BUDGETS = {  # lines, held by the tests: today's figures with a little room, low
     "Framework": 2785,
     "Door": 166,
     "Dist": 6280,
-    "Lab": 4049,
+    "Lab": 4055,
     "Backends": 2920,
     "Transports": 3151,
     "library outside the lab": 15266,  # what a user installs to train: framework, runtime, backends, transports
