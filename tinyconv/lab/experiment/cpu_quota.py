@@ -4,7 +4,7 @@
     sudo .venv/bin/python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- ip netns exec tinyconv-w ...
 
 The experiment grid's emulated devices (``tinyconv experiment grid --devices 0.5 0.5 0.5 0.5``) are such
-groups, one per participant, the master's own process included (:meth:`CpuQuota.join`).
+groups, one per participant, the master's own process included (:meth:`CpuQuota.holding`).
 
 ``--slowdown 2`` makes a worker wait after its work; a quota makes its work itself take longer, as a slower
 device's would: in every period the group may run for ``cores`` x period of CPU time, and then waits for the
@@ -75,7 +75,7 @@ def _read(path: Path) -> str:
 
 
 def quota_files(version: int, cores: float, period_us: int = PERIOD_US) -> dict[str, str]:
-    """The files (and their contents) that hold a group to ``cores`` of one core: 0.5 -> 50 ms every 100 ms."""
+    """The files (and their contents) that hold a group to ``cores`` of one core: 0.5 -> 5 ms every 10 ms."""
     if not cores > 0:
         raise ValueError(f"cores must be > 0 (a fraction of one core, or more), got {cores!r}")
     quota = max(1000, round(cores * period_us))  # the kernel's least quota is 1 ms

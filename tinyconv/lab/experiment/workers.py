@@ -80,9 +80,9 @@ def worker_command(
 
 
 def place(quotas: Sequence[float], cores: Sequence[int]) -> list[int]:
-    """The core each device runs on: the one with the most of its time still free (the first of equals),
-    so that 0.5 0.5 0.5 0.5 on two cores alternate 0 1 0 1 and a cell of two has a core each.
-    ValueError when they need more time than the cores have."""
+    """The core each device runs on: the one with the most time free (the first of equals: the master's
+    device on the first core, where :func:`pin_master` pins it), so that 0.5 0.5 0.5 0.5 on two cores
+    alternate 0 1 0 1 and a cell of two has a core each. ValueError when they need more time than that."""
     free = dict.fromkeys(cores, 1.0)
     placed = []
     for q in quotas:
