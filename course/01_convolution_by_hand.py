@@ -142,7 +142,7 @@ print("GEMM vs the backend's convolution, max |difference|:", float(np.abs(y_gem
 def conv2d_loops(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, padding: int = 0) -> np.ndarray:
     """x (N, C, H, W), w (F, C, K, K), b (F,) -> y (N, F, OH, OW), in x's dtype, by the definition."""
     # BEGIN SOLUTION
-    # TODO: pad x, then for each n, f, oh, ow: b[f] + sum(w[f] * the window of x at (oh*stride, ow*stride))
+    # TODO: pad x; each output is its kernel's bias plus the kernel times the window under it (windows step by stride)
     n, c, h, wd = x.shape
     f, _, k, _ = w.shape
     oh, ow = (h + 2 * padding - k) // stride + 1, (wd + 2 * padding - k) // stride + 1
@@ -161,7 +161,7 @@ def conv2d_loops(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, p
 def im2col_loops(x: np.ndarray, k: int, stride: int = 1, padding: int = 0) -> np.ndarray:
     """x (N, C, H, W) -> cols (C*K*K, N*OH*OW): column (n, oh, ow) is the window at (oh, ow) of image n."""
     # BEGIN SOLUTION
-    # TODO: pad x; for each (n, oh, ow) the window x_pad[n, :, oh*s:oh*s+k, ow*s:ow*s+k], flattened, is one column
+    # TODO: pad x; one column per output position, in (n, oh, ow) order: the C x K x K window under it, flattened
     n, c, h, wd = x.shape
     oh, ow = (h + 2 * padding - k) // stride + 1, (wd + 2 * padding - k) // stride + 1
     xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
@@ -179,7 +179,7 @@ def im2col_loops(x: np.ndarray, k: int, stride: int = 1, padding: int = 0) -> np
 def conv2d_gemm(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, padding: int = 0) -> np.ndarray:
     """The same convolution as conv2d_loops, as im2col_loops and one matrix product."""
     # BEGIN SOLUTION
-    # TODO: cols = im2col_loops(...); y = w.reshape(F, -1) @ cols + b[:, None]; reshape (F, N, OH, OW) -> NCHW
+    # TODO: each kernel flattened to a row in cols' (c, i, j) order; one product, the biases; then back to NCHW's axes
     n, _, h, wd = x.shape
     f, _, k, _ = w.shape
     oh, ow = (h + 2 * padding - k) // stride + 1, (wd + 2 * padding - k) // stride + 1

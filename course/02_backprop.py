@@ -179,7 +179,7 @@ def maxpool_backward(dy: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
 def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """y = x @ w.T + b, x (N, D), w (M, D), dy (N, M) -> (dx (N, D), dw (M, D), db (M,))."""
     # BEGIN SOLUTION
-    # TODO: dx = dy @ w, dw = dy.T @ x, db = dy summed over the batch
+    # TODO: the chain rule on y = x w^T + b for x, w and b; each gradient's shape (its argument's) picks the product
     return dy @ w, dy.T @ x, dy.sum(axis=0)
     # END SOLUTION
 
@@ -187,7 +187,7 @@ def linear_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[np.nd
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
     """logits (N, K), labels (N,) ints -> (mean loss, dlogits (N, K))."""
     # BEGIN SOLUTION
-    # TODO: shift by the row max, log-softmax, pick each row's label; gradient (softmax - onehot) / N
+    # TODO: shifting a row leaves its softmax alone and keeps exp finite; work in log-probabilities; the mean brings 1/N
     n = logits.shape[0]
     z = logits - logits.max(axis=1, keepdims=True)
     log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
@@ -203,7 +203,7 @@ def conv2d_backward(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """dy (N, F, OH, OW), x (N, C, H, W), w (F, C, K, K) -> (dx, dw, db) in the shapes of x, w, (F,)."""
     # BEGIN SOLUTION
-    # TODO: dY = dy as (F, N*OH*OW); dw = dY @ cols.T; db = dy summed; dx = col2im(w.reshape(F, -1).T @ dY)
+    # TODO: the forward is one matrix product with im2col's cols: backprop it as the FC layer's, then col2im to pixels
     f, _, k, _ = w.shape
     cols = im2col(x, k, k, stride, padding)
     d = dy.transpose(1, 0, 2, 3).reshape(f, -1)
@@ -217,7 +217,7 @@ def conv2d_backward(
 def lrn_backward(dy: np.ndarray, x: np.ndarray, size: int, alpha: float, beta: float, k: float) -> np.ndarray:
     """x, dy (N, C, H, W) -> dx, for torch's LocalResponseNorm(size, alpha, beta, k)."""
     # BEGIN SOLUTION
-    # TODO: s = k + alpha/size * window sum of x^2, y = x s^-beta; dx = dy s^-beta - 2ab/size x * mirrored sum of dy y/s
+    # TODO: recompute s and y from x; the diagonal term, then each j's sum over the outputs i whose window holds j
     c = x.shape[1]
     lo, hi = size // 2, (size - 1) // 2  # W(i) = [i - lo, i + hi]
     sq = x * x

@@ -121,7 +121,7 @@ class ClReluBackend(NumpyBackend):
     def _run(self, kernel: str, out_like: np.ndarray, *inputs: np.ndarray) -> np.ndarray:
         """Copy ``inputs`` (float32, C order) to the device, run ``kernel`` on every element, copy the result back."""
         # BEGIN SOLUTION
-        # TODO: a READ_ONLY|COPY_HOST_PTR buffer per input, a WRITE_ONLY one out; self.kernels[kernel](...); copy back
+        # TODO: as part 2's scale demo: inputs to device buffers, one for the output, a work-item per element, copy back
         mf = cl.mem_flags
         bufs = [cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in inputs]
         out = np.empty_like(out_like)
@@ -134,14 +134,14 @@ class ClReluBackend(NumpyBackend):
 
     def relu_forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # BEGIN SOLUTION
-        # TODO: x as float32 C order; y = self._run("relu_forward", x, x); the cache is x
+        # TODO: the kernels read contiguous float32; run the forward kernel; keep what the backward will need
         x = np.ascontiguousarray(x, dtype=np.float32)
         return self._run("relu_forward", x, x), x
         # END SOLUTION
 
     def relu_backward(self, dy: np.ndarray, cache: np.ndarray) -> np.ndarray:
         # BEGIN SOLUTION
-        # TODO: dy as float32 C order; self._run("relu_backward", dy, dy, cache)
+        # TODO: contiguous float32 again; the backward kernel takes the gradient and what the forward kept
         dy = np.ascontiguousarray(dy, dtype=np.float32)
         return self._run("relu_backward", dy, dy, cache)
         # END SOLUTION

@@ -166,7 +166,7 @@ show(
 def eq1_weights(times: list[float]) -> list[float]:
     """Eq. 1: w_i = (max t / t_i) / sum_j (max t / t_j), from each participant's seconds."""
     # BEGIN SOLUTION
-    # TODO: check the times, then ratios max(times) / t_i, normalised to sum to 1
+    # TODO: refuse bad times first; then eq. 1: each weight inversely proportional to its time, all summing to 1
     if not times:
         raise ValueError("eq1_weights needs at least one time")
     for i, t in enumerate(times):
@@ -180,7 +180,7 @@ def eq1_weights(times: list[float]) -> list[float]:
 def largest_remainder(weights: list[float], total: int) -> list[int]:
     """Whole counts in proportion to weights, summing to total (Hamilton's method)."""
     # BEGIN SOLUTION
-    # TODO: exact quotas total * w / sum(w); floors; the leftover one each by largest fractional part
+    # TODO: exact quotas (Fractions), whole parts first, then what is left one by one by the largest remainders
     exact = [Fraction(v) for v in weights]
     quotas = [total * v / sum(exact) for v in exact]
     counts = [math.floor(q) for q in quotas]

@@ -154,7 +154,7 @@ print(
 def split_fractions(step: dict) -> dict[str, float]:
     """{"comm": ..., "conv": ..., "comp": ...}: each of the step's comm_s, conv_s, comp_s over their sum."""
     # BEGIN SOLUTION
-    # TODO: total = comm_s + conv_s + comp_s; each divided by it
+    # TODO: each part over the whole the three make
     total = step["comm_s"] + step["conv_s"] + step["comp_s"]
     return {k: step[f"{k}_s"] / total for k in ("comm", "conv", "comp")}
     # END SOLUTION
@@ -171,7 +171,7 @@ def link_seconds(nbytes: int, mb_per_s: float, latency_s: float = 0.0, messages:
 def imbalance(participant_conv_s: list[float]) -> float:
     """(max - mean) / mean of the participants' compute times, leaving out those at 0."""
     # BEGIN SOLUTION
-    # TODO: keep the times > 0; (max - mean) / mean
+    # TODO: leave out the idle; how far the slowest is above the mean, as a fraction of the mean
     busy = [t for t in participant_conv_s if t > 0]
     mean = sum(busy) / len(busy)
     return (max(busy) - mean) / mean

@@ -58,6 +58,8 @@ def test_the_lesson_runs_headless_and_draws_its_charts(lesson, tmp_path):
         [sys.executable, str(lesson)], capture_output=True, text=True, timeout=120, env=env(tmp_path), cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    # a lesson's own checks of the student's answers (lessons 2, 7, 8) must pass the teacher's solutions
+    assert "look again" not in out.stdout, out.stdout[-3000:]
     charts = sorted((tmp_path / "figures").rglob("*.svg"))
     assert charts, f"{lesson.name} drew no chart"
     for chart in charts:
