@@ -1,14 +1,15 @@
 """Charts as standalone SVG (no plotting library needed), from a run's metrics, the experiment
 grid's CSV or the simulator's CSV -- the kind of each file is told by its ending and columns.
 
-    tinyconv plot run.jsonl -o plots/                       # curves.svg and split.svg for one run
-    tinyconv plot solo.jsonl w1.jsonl w2.jsonl -o plots/    # plus speedup.svg across runs
+    tinyconv plot run.jsonl -o plots/                       # curves.svg, split.svg; a distributed run
+                                                            # also shares.svg and timeline.svg
+    tinyconv plot solo.jsonl w1.jsonl w2.jsonl -o plots/    # the same, plus speedup.svg across runs
     tinyconv plot grid.csv -o plots/                        # grid-speedup.svg, grid-breakdown.svg
     tinyconv plot sim.csv -o plots/                         # sim-nodes.svg
 
-One idea per file: svg.py (the document, ticks, colours, legend), lines.py and bars.py (the
-two kinds of chart), tables.py (reading the inputs), and a file per input: run_charts.py, grid_charts.py, sim_charts.py.
-"""
+One idea per file: svg.py (the document, ticks, colours, legend), lines.py, bars.py and gantt.py
+(the three kinds of chart), tables.py (reading the inputs), and a file per input: run_charts.py
+and share_charts.py (a run's metrics: how it went; how it shared its work), grid_charts.py, sim_charts.py."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ MARKERS_UP_TO = 40  # points: a series with more is drawn as a line only
 @dataclass
 class Series:
     """Points (x, y) of one named series; ``role`` says what it is: ``data``, ``paper`` (values from
-    the paper, drawn as hollow diamonds) or ``ideal`` (a dashed reference line)."""
+    the paper, drawn as hollow diamonds), ``ideal`` (a dashed reference line) or ``band`` (a filled
+    area whose outline the points trace: a stacked share's top edge forward, its bottom edge back)."""
 
     name: str
     points: list[tuple[float, float]]
@@ -48,8 +49,8 @@ class Series:
         return [(x, y) for x, y in self.points if _finite(x) and _finite(y)]
 
     def entry(self) -> Entry:
-        if self.role == "paper":
-            return Entry(self.name, self.color, "hollow")
+        if self.role in ("paper", "band"):
+            return Entry(self.name, self.color, "hollow" if self.role == "paper" else "box")
         if not self.line:
             return Entry(self.name, self.color, "marker")
         return Entry(self.name, self.color, "dash" if self.dash else "line")
@@ -57,7 +58,8 @@ class Series:
 
 @dataclass
 class Panel:
-    """One plot area: its series, axis labels and scales. ``yfrom0``: the y axis starts at 0."""
+    """One plot area: its series, axis labels and scales. ``yfrom0``: the y axis starts at 0; else it spans
+    the data, with a twentieth of its range to spare each side (a speedup of 1.5 to 2.0 fills the panel)."""
 
     series: list[Series]
     xlabel: str
@@ -108,9 +110,11 @@ def _ticks(p: Panel) -> tuple[list[float], list[float]]:
         xt = _x_ticks(min(xs), max(xs), p.xformat, p.xinteger)
     if p.ylog:
         yt = log2_ticks(min(ys), max(ys))
-    else:
-        lo = min(0.0, min(ys)) if p.yfrom0 else min(ys)
-        yt = nice_ticks(lo, max(ys), 5)
+    elif p.yfrom0:
+        yt = nice_ticks(min(0.0, min(ys)), max(ys), 5)
+    else:  # room each side, so no point sits on the frame; not below 0 for data that is not
+        pad = (max(ys) - min(ys)) / 20 or abs(max(ys)) / 20
+        yt = nice_ticks(max(min(ys) - pad, 0.0) if min(ys) >= 0 else min(ys) - pad, max(ys) + pad, 5)
     return xt, yt
 
 
@@ -153,10 +157,12 @@ def _panel(doc: Doc, p: Panel, xt: list[float], yt: list[float], left: float, to
 def _series(doc: Doc, s: Series, sx: Scale, sy: Scale) -> None:
     pts = [(sx(x), sy(y)) for x, y in s.finite()]
     doc.open("series", name=s.name, color=s.color, role=s.role)
-    if s.line and len(pts) > 1:
+    if s.role == "band":
+        doc.area(pts, s.color, s.name)
+    elif s.line and len(pts) > 1:
         doc.polyline(pts, s.color, s.width if s.role == "data" else 1.5, "5,3" if s.dash else "")
     markers = s.markers if s.markers is not None else (len(pts) <= MARKERS_UP_TO or not s.line)
-    if markers or len(pts) == 1:
+    if s.role != "band" and (markers or len(pts) == 1):
         for x, y in pts:
             doc.marker(x, y, s.color, "diamond" if s.role == "paper" else "circle", hollow=s.role == "paper")
     doc.close()

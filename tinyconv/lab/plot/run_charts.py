@@ -3,9 +3,11 @@
 * curves.svg  -- two panels on one step axis: the loss (each training step's, and the test
   loss at every evaluation) and the accuracy (training batches', and the test accuracy);
   per step, so a run shorter than an epoch has its curve too;
-* split.svg   -- the paper's stacked bars: median comm / conv / comp seconds per step, a bar a run;
+* split.svg   -- the paper's stacked bars as shares: median comm / conv / comp of a step, stacked to
+  100 % with the step's seconds above, a bar a run (a run's communication shows beside a slower run's);
 * speedup.svg -- (several runs) the first run's median step time over each run's, against the
-  participants, beside the ideal.
+  participants, beside the ideal, on an axis that spans the speedups rather than starting at 0;
+* shares.svg, timeline.svg -- (distributed runs) how the work was shared: tinyconv/lab/plot/share_charts.py.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tinyconv.lab.plot.bars import Bar, Group, stacked_bars
+from tinyconv.lab.plot.bars import Bar, Group, share_bars
 from tinyconv.lab.plot.lines import Panel, Series, line_chart, percent
+from tinyconv.lab.plot.share_charts import shares_chart, timeline_chart
 from tinyconv.lab.plot.svg import paired
 from tinyconv.metrics import read_metrics
 
@@ -92,7 +95,8 @@ def _split(runs: list[tuple[Path, list[dict[str, Any]]]]) -> str | None:
             groups.append(Group(run_name(path, events), [Bar("", parts)]))
     if not groups:
         return None
-    return stacked_bars("Median time per step: comm / conv / comp", "seconds per step", groups, PARTS)
+    title = "Median step: comm / conv / comp as shares of it, its seconds above"
+    return share_bars(title, "share of the step", groups, PARTS)
 
 
 def _speedup(runs: list[tuple[Path, list[dict[str, Any]]]]) -> str | None:
@@ -117,10 +121,9 @@ def _speedup(runs: list[tuple[Path, list[dict[str, Any]]]]) -> str | None:
         ),
         Series("measured", points, "#1f77b4", markers=True),
     ]
-    return line_chart(
-        f"Speedup against {first}: its median step time over each run's",
-        [Panel(series, "participants (the master too, unless --master-share 0)", "speedup", xinteger=True)],
-    )
+    xlabel = "participants (the master too, unless --master-share 0)"
+    panel = Panel(series, xlabel, "speedup", xinteger=True, yfrom0=False)  # the axis spans the speedups, not 0
+    return line_chart(f"Speedup against {first}: its median step time over each run's", [panel])
 
 
 def plot_runs(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
@@ -131,6 +134,7 @@ def plot_runs(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     charts = {"curves.svg": _curves([(p.stem, events) for p, events in runs]), "split.svg": _split(runs)}
     if len(runs) > 1:
         charts["speedup.svg"] = _speedup(runs)
+    charts |= {"shares.svg": shares_chart(runs), "timeline.svg": timeline_chart(runs)}  # None: no run shared work
     written = []
     for name, svg in charts.items():
         if svg is not None:

@@ -135,8 +135,11 @@ class Doc:
         cls: str = "",
         rotate: float = 0,
         bold: bool = False,
+        fill: str = "",
     ) -> None:
         attrs = f'x="{x:.1f}" y="{y:.1f}" font-size="{size:g}" text-anchor="{anchor}"'
+        if fill:
+            attrs += f' fill="{fill}"'
         if cls:
             attrs += f' class="{cls}"'
         if rotate:
@@ -165,6 +168,11 @@ class Doc:
             f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="{width:g}"'
             f' stroke-linejoin="round"{extra}/>'
         )
+
+    def area(self, points: Sequence[tuple[float, float]], color: str, title: str = "") -> None:
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        tip = f"<title>{escape(title)}</title>" if title else ""
+        self.parts.append(f'<polygon points="{path}" fill="{color}" stroke="white" stroke-width="0.5">{tip}</polygon>')
 
     def marker(self, x: float, y: float, color: str, shape: str = "circle", hollow: bool = False) -> None:
         fill = "white" if hollow else color
