@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -174,7 +176,8 @@ def test_loss_decreases_on_synthetic_data(numpy_backend):
     assert summary["test_acc"] > max(0.6, acc0 + 0.3)
 
 
-def test_evaluation_shows_a_progress_bar_unless_asked_not_to(numpy_backend, tiny_data, capsys):
+def test_evaluation_shows_a_progress_bar_unless_asked_not_to(numpy_backend, tiny_data, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # bars draw only on a terminal
     quiet = _trainer(numpy_backend, tiny_data, eval_batch_size=16)
     expected = quiet.evaluate(tiny_data.x_test, tiny_data.y_test)
     assert capsys.readouterr().err == ""
@@ -244,7 +247,7 @@ def test_metrics_file_follows_the_schema(numpy_backend, tiny_data, tmp_path):
     # every line is plain JSON (no NaN), and the table prints
     for line in (tmp_path / "m.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
-    assert "test_acc" in summary_table(summary)
+    assert re.search(rf"\| test accuracy +\| {100 * summary['test_acc']:.1f} %", summary_table(summary))
 
 
 def test_batch_larger_than_dataset_is_a_clear_error(numpy_backend, tiny_data):
@@ -512,12 +515,12 @@ def test_a_failed_checkpoint_on_the_way_out_keeps_the_error_that_ended_training(
 
 def test_the_summary_table_reads_in_percent_seconds_and_megabytes():
     summary = {
-        "steps": 20, "train_loss": 3.0317, "test_acc": 0.8965, "time_per_epoch_s": None, "median_step_s": 0.7119,
+        "steps": 20, "train_loss": 3.0317, "test_acc": 0.8966, "time_per_epoch_s": None, "median_step_s": 0.7119,
         "bytes_sent": 1_606_165_120, "participant_bytes_sent": {"master": 0, "worker0": 807_179_360},
         "final_shares": {"conv1": [17, 16, 17], "conv2": [168, 166, 166]},
     }  # fmt: skip
     table = summary_table(summary)
-    for shown in ("| 20 ", "3.032", "89.65%", "0.712 s", "1606.2 MB", "master: 0.0 MB; worker0: 807.2 MB",
+    for shown in ("| 20 ", "3.032", "89.7 %", "0.712 s", "1606.2 MB", "master: 0.0 MB; worker0: 807.2 MB",
                   "conv1: [17, 16, 17]; conv2: [168, 166, 166]"):  # fmt: skip
         assert shown in table, shown
     assert "time_per_epoch_s" not in table  # None: not measured, not shown

@@ -28,6 +28,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
+from tinyconv.story import hide_bars
+
 try:  # numpy >= 2
     from numpy._core.multiarray import _reconstruct as _np_reconstruct
 except ImportError:  # numpy 1.x
@@ -110,7 +112,7 @@ def _download(url: str, dest: Path, progress: bool, timeout: float) -> None:
         bar = tqdm(
             total=int(total) if total and total.isdigit() else None,
             unit="B", unit_scale=True, unit_divisor=1024,
-            desc=f"downloading {TARBALL_NAME}", disable=not progress,
+            desc=f"downloading {TARBALL_NAME}", disable=hide_bars(progress),
         )  # fmt: skip
         with bar:
             for chunk in iter(lambda: response.read(1 << 20), b""):

@@ -31,45 +31,89 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     return "\n".join(out)
 
 
+LABELS = {  # the summary's keys in words (the others read with spaces for "_"); the metrics file keeps the keys
+    "train_loss": "training loss", "test_acc": "test accuracy", "best_test_acc": "best test accuracy",
+    "time_per_epoch_s": "time per epoch", "median_step_s": "time per step (median)", "median_comm_s": "communication",
+    "median_conv_s": "convolutions", "median_comp_s": "everything else", "bytes_sent": "sent to the workers",
+    "bytes_recv": "received from the workers", "participant_bytes_sent": "sent to each",
+    "participant_bytes_recv": "received from each", "final_shares": "final split",
+    "final_channel_shares": "final split of input channels",
+}  # fmt: skip
+
+
 def summary_table(summary: dict[str, Any], steps_per_epoch: int | None = None) -> str:
-    """The end-of-run table for the terminal, in units a person reads (%, s, MB); the metrics file keeps the
-    raw numbers. ``steps_per_epoch``: a run with no whole epoch gets a time per epoch projected from its steps."""
-    names = summary.get("participants")
-    rows = []
+    """The end-of-run table for the terminal, in words and units a person reads (%, min and s, MB); the metrics
+    file keeps the raw numbers. ``steps_per_epoch``: a run with no whole epoch gets a time per epoch projected
+    from its steps."""
+    names, step_s, rows = summary.get("participants"), summary.get("median_step_s"), []
     for key, value in summary.items():
+        label = LABELS.get(key, key.replace("_", " "))
         if key == "sat_out":
             rows += [("sat out" if i == 0 else "", sentence(s)) for i, s in enumerate(value)]
         elif key == "time_per_epoch_s" and value is None:  # no whole epoch: its median step times an epoch's
-            step_s, steps = summary.get("median_step_s"), summary.get("steps")
+            steps = summary.get("steps")
             if step_s and steps and steps_per_epoch:
-                rows.append((f"time per epoch (projected from {steps} steps)", f"{step_s * steps_per_epoch:.3g} s"))
+                rows.append((f"{label} (projected from {steps} steps)", duration(step_s * steps_per_epoch)))
+        elif key in ("median_comm_s", "median_conv_s", "median_comp_s") and value is not None and step_s:
+            rows.append((label, f"{100 * value / step_s:.0f} % of the step"))  # the medians' ratio
         elif value is not None:
-            rows.append((key, _readable(key, value, names)))
+            rows.append((label, _readable(key, value, names)))
     return format_table(("result", "value"), rows, title="Summary")
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them: "0.312 s", "45.2 s", "2 min 05 s", "1 h 02 min"."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes} min {s:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def whole(unit: str) -> str:
+    """What a unit of the shares is in words: a layer by its name, or data parallelism's "the batch"."""
+    return "the batch" if unit == "batch" else unit
+
+
+def why_idle(unit: str, few: bool, count: int, participants: int, short: bool = False) -> str:
+    """Why a participant computes nothing of ``unit`` (``count`` kernels, or the batch's images): ``few``, too
+    few to go round, else too slow for even one (``short``: without saying how that was told)."""
+    # data parallelism shares out a batch's images (the unit "batch"), model parallelism a layer's kernels
+    thing, part = ("image", "slice") if unit == "batch" else ("kernel", "layer")
+    if few:
+        return f"{whole(unit)} has {count} {thing}s for {participants} participants"
+    slow = f"too slow for one {thing}'s worth"
+    return slow if short else f"{slow} (its one {thing} outlasted the others' whole {part})"
 
 
 def sentence(sat: dict[str, Any]) -> str:
     """One entry of the summary's ``sat_out`` in words: who, which layer, how often, why."""
     who, layer, steps, of = sat["participant"], sat["layer"], sat["steps"], sat["of"]
     when = "in every step" if steps == of else f"in {steps} of {of} steps"
-    # data parallelism shares out a batch's images (the unit "batch"), model parallelism a layer's kernels
-    unit, whole, part = ("image", "the batch", "slice") if layer == "batch" else ("kernel", layer, "layer")
-    if sat["reason"] == "too few kernels":
-        why = f"{whole} has {sat['kernels']} {unit}s for {sat['participants']} participants"
-    else:
-        why = f"too slow for one {unit}'s worth (its one {unit} outlasted the others' whole {part})"
-    return f"{who} sat out {whole} {when}: {why}"
+    why = why_idle(layer, sat["reason"] == "too few kernels", sat["kernels"], sat["participants"])
+    return f"{who} sat out {whole(layer)} {when}: {why}"
+
+
+def idle(rec: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(participant, unit, too few to go round) for each that computes nothing of a unit in the step ``rec``:
+    none of its kernels (or images), nor of its input channels where it is split by them (they are work too)."""
+    channels = rec.get("channel_shares") or {}
+    return [
+        (name, unit, sum(counts) < len(counts))
+        for unit, counts in rec["shares"].items()
+        for i, (name, k) in enumerate(zip(rec["participants"], counts, strict=True))
+        if k == 0 and (unit not in channels or channels[unit][i] == 0)
+    ]
 
 
 def _readable(key: str, value: Any, names: Sequence[str] | None = None) -> Any:
     if key in ("test_acc", "best_test_acc"):
-        return f"{value:.2%}"
+        return f"{100 * value:.1f} %"
     if "bytes" in key:  # a total, or each participant's by name
         if isinstance(value, dict):
             return "; ".join(f"{name}: {b / 1e6:.1f} MB" for name, b in value.items())
         return f"{value / 1e6:.1f} MB"
     if key.endswith("_s"):
-        return f"{value:.3g} s"
+        return duration(value)
     if isinstance(value, dict):  # shares: kernels (or input channels) per participant, by layer
         return "; ".join(f"{layer}: {_by_name(counts, names)}" for layer, counts in value.items())
     if isinstance(value, list):
@@ -109,14 +153,10 @@ class Tally:
             self.bytes[key] += int(rec[key])
             for name, b in zip(rec["participants"], rec[f"participant_{key}"], strict=True):
                 per[name] = per.get(name, 0) + int(b)
-        channels = rec.get("channel_shares") or {}
-        for layer, kernels in rec["shares"].items():
-            for i, (name, k) in enumerate(zip(rec["participants"], kernels, strict=True)):
-                if k == 0 and (layer not in channels or channels[layer][i] == 0):  # input channels are work too
-                    e = self._idle.setdefault((name, layer), {"steps": 0, "few": 0, "kernels": sum(kernels)})
-                    e["steps"] += 1
-                    e["few"] += sum(kernels) < len(kernels)
-                    e["participants"] = len(kernels)
+        for name, layer, few in idle(rec):
+            kernels = rec["shares"][layer]
+            e = self._idle.setdefault((name, layer), {"steps": 0, "few": 0, "kernels": sum(kernels)})
+            e["steps"], e["few"], e["participants"] = e["steps"] + 1, e["few"] + few, len(kernels)
 
     def median(self, key: str) -> float | None:
         n = min(self.steps, len(self._times))

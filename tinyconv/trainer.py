@@ -41,6 +41,7 @@ from tinyconv.prefetch import Batch, Prefetcher
 from tinyconv.report import Tally, summarize
 from tinyconv.schedule import learning_rate
 from tinyconv.stopping import SignalGuard
+from tinyconv.story import Story, hide_bars, say
 from tinyconv.train_config import TrainConfig, planned_steps
 
 
@@ -68,6 +69,7 @@ class Trainer:
         self.epoch_shuffle_state = self.shuffle_rng.bit_generator.state
         self.history: list[dict[str, Any]] = []
         self.tally = Tally()  # the steps' records, aggregated as they come: memory stays flat however long the run
+        self.story = Story()  # the terminal's lines, from what the metrics file gets
         self.saved: tuple[int, str] | None = None  # (step, path) of the last checkpoint written
         self.save_error: str | None = None  # why the checkpoint on the way out failed
         self.plan_restored = False  # resume took up the checkpoint's split
@@ -151,15 +153,17 @@ class Trainer:
             acc, rec = self._record(t0, logits, batch.y, batches.waited_s)
             self.tally.add(rec)
             self.metrics.write("step", epoch=self.epoch + 1, step=self.step, loss=loss, acc=acc, **rec)
+            self.story.step(self.step, rec)
             self._write_cluster_events()
         return loss, acc
 
     def _write_cluster_events(self) -> None:
-        """What happened to the cluster (workers lost or joined) into the metrics file."""
+        """What happened to the cluster (workers lost or joined) into the metrics file, and onto the terminal."""
         if self.cluster is None:
             return
         for e in self.cluster.pop_events():
             self.metrics.write(e["event"], **{k: v for k, v in e.items() if k != "event"})
+            self.story.event(e)
 
     # ---- evaluation -------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -168,7 +172,9 @@ class Trainer:
         be = self.net.backend
         total_loss, correct = 0.0, 0
         size = self.cfg.eval_batch_size or self.cfg.batch_size
-        bar = tqdm(range(0, len(x), size), desc="evaluating", unit="batch", leave=False, disable=not self.cfg.progress)
+        bar = tqdm(
+            range(0, len(x), size), desc="evaluating", unit="batch", leave=False, disable=hide_bars(self.cfg.progress)
+        )
         for i in bar:
             xb, yb = x[i : i + size], y[i : i + size]
             logits = self.net.predict(be.asarray(self.normalize(xb)))
@@ -192,12 +198,12 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         n_epochs = -(-self.total_steps // self.steps_per_epoch)
         epochs_bar = tqdm(
-            total=n_epochs, initial=self.epoch, desc="epochs", unit="epoch", disable=not self.cfg.progress
+            total=n_epochs, initial=self.epoch, desc="epochs", unit="epoch", disable=hide_bars(self.cfg.progress)
         )
         while self.step < self.total_steps:
             t_epoch = time.perf_counter()
             losses, accs = self._train_epoch(n_epochs)
-            record = self._end_epoch(losses, accs, time.perf_counter() - t_epoch)
+            record = self._end_epoch(losses, accs, time.perf_counter() - t_epoch, n_epochs)
             epochs_bar.update(1)
             epochs_bar.set_postfix(test_acc=f"{record['test_acc']:.3f}")
         epochs_bar.close()
@@ -227,7 +233,7 @@ class Trainer:
             desc=f"epoch {self.epoch + 1}/{n_epochs}",
             unit="step",
             leave=False,
-            disable=not self.cfg.progress,
+            disable=hide_bars(self.cfg.progress),
         )
         with self._batches(order, self.batch_in_epoch, last) as batches:  # the thread stops on the way out
             for _ in bar:
@@ -250,9 +256,9 @@ class Trainer:
         late = cfg.checkpoint_minutes is not None and time.monotonic() - self._saved_at >= 60 * cfg.checkpoint_minutes
         return every or late
 
-    def _end_epoch(self, losses: list[float], accs: list[float], train_s: float) -> dict[str, Any]:
+    def _end_epoch(self, losses: list[float], accs: list[float], train_s: float, n_epochs: int) -> dict[str, Any]:
         """Evaluate, record and report the epoch (or the part of it that ran); checkpoint."""
-        finished = self.batch_in_epoch == self.steps_per_epoch
+        finished, done = self.batch_in_epoch == self.steps_per_epoch, self.batch_in_epoch
         t_eval = time.perf_counter()
         test_loss, test_acc = self.evaluate(self.data.x_test, self.data.y_test)
         record = {
@@ -275,11 +281,7 @@ class Trainer:
                 self.batch_in_epoch = 0
             if self.cfg.checkpoint:
                 self._save_between_steps()
-        train_loss = record["train_loss"] if losses else float("nan")
-        tqdm.write(
-            f"epoch {record['epoch']}: train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-            f"test acc {test_acc:.2%}  ({train_s:.1f} s train, {record['eval_s']:.1f} s eval)"
-        )
+        say(self.story.epoch_line(record, n_epochs, self.steps_per_epoch, done))
         return record
 
     # ---- checkpoints ----------------------------------------------------------------
