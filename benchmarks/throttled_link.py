@@ -4,9 +4,9 @@
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s --check         # what the link carries
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s --check-worker  # one step across it
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s [--delay-ms 2] -- \\
-        .venv/bin/tinyconv experiment grid --archs 300:1000 --batches 64 --split kernels ...
-    sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s -- grid --archs 300:1000 \\
-        --batches 64 --fuse off --split kernels --rebalance off --wire-precision fp32 bf16 --out runs/link5.csv
+        .venv/bin/tinyconv experiment grid --arch 300:1000 --batch-size 64 --split kernels ...
+    sudo .venv/bin/python benchmarks/throttled_link.py --rate 5MB/s -- grid --arch 300:1000 \\
+        --batch-size 64 --fuse off --split kernels --rebalance off --wire-precision fp32 bf16 --out runs/link5.csv
     sudo .venv/bin/python benchmarks/throttled_link.py --rate 250kB/s --external 1 -- .venv/bin/python \
         examples/cifar10_dist.py --transport zmq --external-workers --workers 1 --insecure --arch 16:32 \
         --batch-size 128 --split kernels --steps 4 --metrics-out runs/slow.jsonl   # the main job across it
@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tinyconv.lab.simulate.link_model import parse_rate  # noqa: E402
+from tinyconv.options import NON_NEGATIVE, POSITIVE, Parser, UsageError, count  # noqa: E402
 
 MASTER_IP, WORKER_IP = "10.77.0.1", "10.77.0.2"
 
@@ -95,9 +96,8 @@ def expand(cmd: Sequence[str]) -> list[str]:
 
 def appended(cmd: Sequence[str], names: Names, port: int, label: str) -> list[str]:
     """``cmd`` run in the master's namespace, with the options that put its workers across the link."""
-    extra = ["--bind", f"tcp://{MASTER_IP}:{port}", "--worker-prefix", f"ip netns exec {names.worker}",
-             "--link-label", label]  # fmt: skip
-    return in_namespace(names.master, [*cmd, *extra])
+    extra = ["--bind", f"tcp://{MASTER_IP}:{port}", "--worker-prefix", f"ip netns exec {names.worker}"]
+    return in_namespace(names.master, [*cmd, *extra, "--link-label", label])
 
 
 def with_workers(cmd: Sequence[str], names: Names, port: int) -> tuple[list[str], list[str]]:
@@ -148,8 +148,8 @@ def setup(names: Names, rate_bytes: float, delay_ms: float = 0.0) -> list[str]:
     try:
         for ns in (names.master, names.worker):
             run(["ip", "netns", "add", ns])
-        run(["ip", "link", "add", names.veth_master, "netns", names.master, "type", "veth",
-             "peer", "name", names.veth_worker, "netns", names.worker])  # fmt: skip
+        pair = ["type", "veth", "peer", "name", names.veth_worker, "netns", names.worker]
+        run(["ip", "link", "add", names.veth_master, "netns", names.master, *pair])
         for ns, dev, ip in ((names.master, names.veth_master, MASTER_IP), (names.worker, names.veth_worker, WORKER_IP)):
             run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
             run(["ip", "-n", ns, "link", "set", dev, "up"])
@@ -212,13 +212,15 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as c:
 def measure(names: Names, nbytes: int, port: int = 5599) -> float:
     """Bytes per second a TCP transfer of ``nbytes`` from the workers' namespace to the master's gets."""
     py = sys.executable
-    receiver = subprocess.Popen(in_namespace(names.master, [py, "-c", RECEIVER, MASTER_IP, str(port)]),
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+    receiver = subprocess.Popen(
+        in_namespace(names.master, [py, "-c", RECEIVER, MASTER_IP, str(port)]), stdout=subprocess.PIPE, text=True
+    )
     try:
         if receiver.stdout.readline().strip() != "ready":
             raise RuntimeError("the receiver in the master's namespace did not start")
-        subprocess.run(in_namespace(names.worker, [py, "-c", SENDER, MASTER_IP, str(port), str(nbytes)]),
-                       check=True, timeout=120)  # fmt: skip
+        subprocess.run(
+            in_namespace(names.worker, [py, "-c", SENDER, MASTER_IP, str(port), str(nbytes)]), check=True, timeout=120
+        )
         got, seconds = receiver.communicate(timeout=120)[0].split()
     finally:
         if receiver.poll() is None:
@@ -274,8 +276,8 @@ def step_across(worker_prefix: str, arch: str = "4:8", batch: int = 4) -> int:
 
     # 10.77.0.1 is not loopback, so it needs keys or insecure: only the two namespaces can reach it
     transport = ZmqTransport(bind=f"tcp://{MASTER_IP}:0", peer_timeout_s=30.0, protocol=VERSION, insecure=True)
-    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", transport.bound_address,
-              "--threads", "1", "--quiet", "--timeout", "30"]  # fmt: skip
+    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", transport.bound_address]
+    worker += ["--threads", "1", "--no-progress", "--peer-timeout", "30"]
     proc = subprocess.Popen([*shlex.split(worker_prefix), *worker], cwd=ROOT)
     try:
         (info,) = transport.start(1, timeout=60)
@@ -290,10 +292,12 @@ def step_across(worker_prefix: str, arch: str = "4:8", batch: int = 4) -> int:
     finally:
         transport.close()
         stop_workers([proc])
-    print(f"one step of {arch} at batch {batch}: master {transport.bound_address}, worker at "
-          f"{info.address or '?'} (host {info.hostname}); {seconds:.3f} s, {step['bytes_sent'] / 1e6:.3f} MB "
-          f"to the worker, {step['bytes_recv'] / 1e6:.3f} MB back, comm {step['comm_s']:.3f} s, "
-          f"shares {step['shares']}")  # fmt: skip
+    print(
+        f"one step of {arch} at batch {batch}: master {transport.bound_address}, worker at "
+        f"{info.address or '?'} (host {info.hostname}); {seconds:.3f} s, {step['bytes_sent'] / 1e6:.3f} MB "
+        f"to the worker, {step['bytes_recv'] / 1e6:.3f} MB back, comm {step['comm_s']:.3f} s, "
+        f"shares {step['shares']}"
+    )
     return 0
 
 
@@ -301,21 +305,23 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     options, command = argv[:cut], argv[cut + 1 :]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="see the module docstring")
+    p = Parser(description=__doc__.split("\n\n")[0], epilog="see the module docstring")
     p.add_argument("--rate", help="the link's rate each way: 5MB/s (10^6 bytes), 12.5MB/s, 40mbit, 1gbit")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="netem delay each way, where the kernel has netem")
-    p.add_argument("--port", type=int, default=5555, help="the master's port in --bind (default %(default)s)")
+    p.add_argument(
+        "--delay-ms", type=NON_NEGATIVE, default=0.0, help="netem delay each way, where the kernel has netem"
+    )
+    p.add_argument("--port", type=count(1), default=5555, help="the master's port in --bind (default %(default)s)")
     p.add_argument("--label", help="--link-label for the command (default: --rate as given)")
     p.add_argument(
         "--external",
-        type=int,
+        type=count(0),
         default=0,
         metavar="N",
         help="COMMAND is a master waiting for N external workers (the main job with --external-workers "
         "--insecure): only --bind is appended, and N `tinyconv worker`s run across the link",
     )
     p.add_argument("--check", action="store_true", help="measure the shaped link's throughput and exit")
-    p.add_argument("--check-mb", type=float, default=20.0, help="MB --check sends (default %(default)s)")
+    p.add_argument("--check-mb", type=POSITIVE, default=20.0, help="MB --check sends (default %(default)s)")
     p.add_argument("--check-worker", action="store_true", help="run one tiny training step across the link")
     p.add_argument("--teardown", action="store_true", help="only remove the namespaces of an earlier run")
     p.add_argument("--suffix", default="", help=argparse.SUPPRESS)  # tests: names of their own
@@ -331,7 +337,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, command = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        args, command = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"throttled_link: error: {e}", file=sys.stderr)
+        return 2
     if args.step_across:
         return step_across(args.step_across)
     why = unavailable()
@@ -348,19 +358,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"throttled_link: {e}", file=sys.stderr)
         return 2
     if exists(names):
-        print(f"throttled_link: {', '.join(exists(names))} exist: another run, or a killed one "
-              "(remove with --teardown)", file=sys.stderr)  # fmt: skip
+        print(
+            f"throttled_link: {', '.join(exists(names))} exist: another run, or a killed one (remove with --teardown)",
+            file=sys.stderr,
+        )
         return 1
     signal.signal(signal.SIGTERM, _terminated)
     try:
         for note in setup(names, rate, args.delay_ms):
             print(f"throttled_link: {note}", file=sys.stderr)
-        print(f"throttled_link: {names.master} ({MASTER_IP}) <-> {names.worker} ({WORKER_IP}), "
-              f"{rate / 1e6:g} MB/s each way", file=sys.stderr)  # fmt: skip
+        print(
+            f"throttled_link: {names.master} ({MASTER_IP}) <-> {names.worker} ({WORKER_IP}), "
+            f"{rate / 1e6:g} MB/s each way",
+            file=sys.stderr,
+        )
         if args.check:
             got = measure(names, int(args.check_mb * 1e6))
-            print(f"measured {got / 1e6:.2f} MB/s ({got * 8 / 1e6:.1f} Mbit/s) for {args.check_mb:g} MB, "
-                  f"configured {rate / 1e6:g} MB/s")  # fmt: skip
+            print(
+                f"measured {got / 1e6:.2f} MB/s ({got * 8 / 1e6:.1f} Mbit/s) for {args.check_mb:g} MB, "
+                f"configured {rate / 1e6:g} MB/s"
+            )
         code = check_worker(names) if args.check_worker else 0
         if command and args.external:
             code = run_with_workers(expand(command), names, args.port, args.external)

@@ -6,7 +6,6 @@ loaded -- which the empty stdout shows (the network is printed only once the che
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from tinyconv.checkpoint import save_checkpoint
+from tinyconv.commands import train, train_checks
 from tinyconv.data import synthetic_dataset
 from tinyconv.model import paper_net
 from tinyconv.trainer import TrainConfig, Trainer
@@ -25,10 +25,8 @@ BASE = ["--dataset", "synthetic", "--no-progress", "--arch", "4:8", "--batch-siz
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("cifar10_dist_args", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The main job's entry point, tinyconv/commands/train.py (examples/cifar10_dist.py and `tinyconv train` run it)."""
+    return train
 
 
 def refused(example, capsys, args: list[str], message: str) -> str:
@@ -67,12 +65,12 @@ NUMBERS = [
     (["--conv1", "0"], "argument --conv1: must be 1 or more, got 0"),
     (["--conv2", "-3"], "argument --conv2: must be 1 or more, got -3"),
     (["--workers", "-1"], "argument --workers: must be 0 or more, got -1"),
-    (["--worker-threads", "0"], "argument --worker-threads: must be 1 or more, got 0"),
+    (["--threads", "0"], "argument --threads: must be 1 or more, got 0"),
     (["--start-timeout", "0"], "argument --start-timeout: must be a number > 0, got 0"),
     (["--rebalance-threshold", "-0.1"], "argument --rebalance-threshold: must be a number > 0, got -0.1"),
     (["--checkpoint-every", "0"], "argument --checkpoint-every: must be 1 or more, got 0"),
     (["--checkpoint-minutes", "0"], "argument --checkpoint-minutes: must be a number > 0, got 0"),
-    (["--norm", "group"], "argument --norm: invalid choice: 'group'"),
+    (["--norm", "group"], "argument --norm: must be one of lrn, batch, none, got 'group'"),
     (["--plan", "sometimes"], "argument --plan: invalid choice: 'sometimes'"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
 ]
@@ -85,9 +83,9 @@ def test_bad_numbers_and_options(example, capsys, args, message):
 
 # ---- the network, the devices, the plan --------------------------------------------------------------
 OTHERS = [
-    (["--arch", "5"], "architecture '5' is not of the form C1:C2"),
-    (["--arch", "0:8"], "architecture '0:8' is not of the form C1:C2"),
-    (["--backend", "cuda"], "unknown backend 'cuda'; available: numpy"),
+    (["--arch", "5"], "argument --arch: '5' is not C1:C2"),
+    (["--arch", "0:8"], "argument --arch: '0:8' is not C1:C2"),
+    (["--backend", "cuda"], "--backend cuda: not one of numpy"),
     (["--device", "0:0"], "--device 0:0: the numpy backend has no devices to choose from"),
     (["--worker-device", "1"], "--worker-device 1: the numpy backend has no devices to choose from"),
     (["--plan", "fixed", "--rebalance", "on"], "--rebalance on contradicts --plan fixed"),
@@ -185,3 +183,66 @@ def test_resume_with_missing_or_wrong_typed_fields(example, capsys, tmp_path, go
 )
 def test_resume_from_another_run(example, capsys, good_checkpoint, args, differs):
     resume(example, capsys, good_checkpoint, differs, *args)
+
+
+# ---- options the rest of the command line makes meaningless, and old spellings (#39) ------------------------------
+MEANINGLESS = [
+    (["--wire-precision", "bf16", "--workers", "0"], "--wire-precision is for the workers, and --workers 0 has none"),
+    (["--threads", "4", "--workers", "0"], "--threads is for the workers, and --workers 0 has none"),
+    (["--parallel", "data", "--split", "channels"], "--split channels shapes the split of --parallel model"),
+    (["--parallel", "hybrid", "--fuse", "off"], "--fuse off shapes the split of --parallel model"),
+    (["--bind", "tcp://127.0.0.1:5999", "--transport", "inproc"], "--bind is for --transport zmq, not inproc"),
+    (["--external-workers", "--transport", "inproc"], "--external-workers is for --transport zmq, not inproc"),
+    (["--transport", "tcp"], "--transport tcp: not one of"),
+    (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+    (["--arch", "-5:10"], "argument --arch: '-5:10' is not C1:C2"),
+    (["--worker-threads", "2"], "--worker-threads is now --threads"),
+    (["--batch", "64"], "--batch is now --batch-size"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), MEANINGLESS, ids=[" ".join(a) for a, _ in MEANINGLESS])
+def test_an_option_that_cannot_apply_is_refused_before_any_work(example, capsys, args, message):
+    refused(example, capsys, args, message)
+
+
+def test_a_port_in_use_is_refused_before_the_data_loads(example, capsys):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        err = refused(example, capsys, ["--transport", "zmq", "--bind", f"tcp://127.0.0.1:{port}"], f":{port}: ")
+    assert "choose another port" in err
+
+
+def test_missing_data_with_no_download_is_refused_before_any_work(example, capsys, tmp_path):
+    refused(
+        example, capsys, ["--dataset", "cifar10", "--no-download", "--data-dir", str(tmp_path)], "CIFAR-10 is not in"
+    )
+
+
+def test_a_failure_during_the_run_exits_1_not_2(example, capsys):
+    # the options pass (opencl has devices); the worker process finds no such device and exits before its hello
+    failing = ["--transport", "zmq", "--workers", "1", "--worker-backend", "opencl", "--worker-device", "nosuchdevice"]
+    code = example.main([*BASE, "--steps", "1", *failing])
+    out, err = capsys.readouterr()
+    assert code == 1 and "error: local worker 0 died before saying hello" in err and "Traceback" not in err, err
+
+
+def test_print_config_writes_a_file_that_config_reads_back(example, capsys, tmp_path):
+    assert example.main([*BASE, "--preset", "paper", "--lr", "0.02", "--workers", "0", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert 'arch = "4:8"' in text and "lr = 0.02" in text and 'preset = "paper"' in text and "changed" not in text
+    (tmp_path / "run.toml").write_text(text)
+    again = example.build_parser().parse_args(["--config", str(tmp_path / "run.toml")])
+    train_checks.apply_preset(again)
+    assert (again.arch, again.lr, again.batch_size, again.dataset) == ("4:8", 0.02, 32, "synthetic")
+    given = example.build_parser().parse_args(["--config", str(tmp_path / "run.toml"), "--lr", "0.03"])
+    assert given.lr == 0.03  # the command line wins over the file
+
+
+def test_a_config_key_that_is_no_option_is_refused(example, capsys, tmp_path):
+    (tmp_path / "bad.toml").write_text('arch = "4:8"\nlearning-rate = 0.1\n')
+    refused(example, capsys, ["--config", str(tmp_path / "bad.toml")], "'learning-rate' is not an option of")

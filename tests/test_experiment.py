@@ -14,7 +14,8 @@ import pytest
 from tinyconv.lab.experiment import main
 from tinyconv.lab.experiment.cpu_quota import find_controller, unavailable
 from tinyconv.lab.experiment.grid import cells
-from tinyconv.lab.experiment.grid_command import BadInput, build_parser, check_devices
+from tinyconv.lab.experiment.grid_checks import BadInput, check_devices
+from tinyconv.lab.experiment.grid_command import build_parser
 from tinyconv.lab.experiment.run import speeds_text
 from tinyconv.lab.experiment.table import COLUMNS, summary
 from tinyconv.lab.experiment.workers import cores, place, split_prefix, worker_command
@@ -23,12 +24,12 @@ CONTRACT = (
     "arch norm batch participants fuse split backend transport repeat steps step_s step_s_min step_s_max "
     "comm_s conv_s comp_s bytes_sent bytes_recv solo_step_s speedup shares link host timestamp"
 ).split()
-FAST = ["--steps", "1", "--warmup", "0", "--settle", "0", "--no-progress"]
+FAST = ["--timed-steps", "1", "--untimed-steps", "0", "--settle", "0", "--no-progress"]
 
 
 def grid(out: Path, *more: str, transport: str = "inproc") -> int:
-    return main(["grid", "--archs", "4:8", "--batches", "4", "--participants", "1", "2", "--transport", transport,
-                 "--out", str(out), *FAST, *more])  # fmt: skip
+    cells = ["--arch", "4:8", "--batch-size", "4", "--workers", "0", "1"]
+    return main(["grid", *cells, "--transport", transport, "--out", str(out), *FAST, *more])
 
 
 def rows(out: Path) -> list[dict[str, str]]:
@@ -65,7 +66,7 @@ def test_a_rerun_runs_nothing_new_and_one_more_batch_runs_only_its_cells(tmp_pat
     capsys.readouterr()
     assert grid(out) == 0
     assert "2 already in" in capsys.readouterr().out and rows(out) == first
-    assert grid(out, "--batches", "4", "6") == 0
+    assert grid(out, "--batch-size", "4", "6") == 0
     said = capsys.readouterr().out
     assert "4 cells, 2 already in" in said and "2 to run" in said
     now = rows(out)
@@ -88,10 +89,9 @@ def test_other_steps_on_the_same_file_are_refused(tmp_path: Path, capsys) -> Non
     out = tmp_path / "grid.csv"
     assert grid(out) == 0
     capsys.readouterr()
-    assert main(["grid", "--archs", "4:8", "--batches", "4", "--transport", "inproc", "--out", str(out),
-                 "--steps", "2", "--warmup", "0", "--settle", "0", "--no-progress"]) == 2  # fmt: skip
+    assert grid(out, "--timed-steps", "2") == 2
     err = capsys.readouterr().err
-    assert "--steps 1" in err and len(err.strip().splitlines()) == 1
+    assert "measured with --timed-steps 1, not --timed-steps 2" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cells_alternate_architectures_and_repeats_are_rounds() -> None:
@@ -111,7 +111,7 @@ def test_data_parallel_cells_split_nothing_and_run_beside_the_model_parallel_one
     assert [(c.participants, c.parallel, c.fuse, c.split) for c in got] == [
         (1, "model", "-", "-"), (2, "model", "on", "auto"), (2, "data", "-", "-")]  # fmt: skip
     out = tmp_path / "grid.csv"
-    assert grid(out, "--participants", "2", "--parallel", "model", "data") == 0
+    assert grid(out, "--workers", "1", "--parallel", "model", "data") == 0
     model, data = json.loads(out.with_suffix(".json").read_text())
     assert (model["parallel"], data["parallel"]) == ("model", "data")
     assert data["shares"].startswith("batch=") and sum(map(int, data["shares"][6:].split("/"))) == 4
@@ -137,12 +137,13 @@ def test_a_csv_written_before_the_parallel_column_resumes_as_model(tmp_path: Pat
 
 def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker() -> None:
     prefix = split_prefix("ip netns exec 'tinyconv w'")
-    cmd = worker_command("tcp://10.0.0.1:5555", "numpy", 3, prefix, ["--timeout", "60"], taskset="/usr/bin/taskset")
+    extra = ["--peer-timeout", "60"]
+    cmd = worker_command("tcp://10.0.0.1:5555", "numpy", 3, prefix, extra, taskset="/usr/bin/taskset")
     assert cmd[:4] == ["ip", "netns", "exec", "tinyconv w"]
     assert cmd[4:7] == ["/usr/bin/taskset", "-c", "3"]
     assert cmd[7:10] == [sys.executable, "-m", "tinyconv.distributed.worker"]
-    assert cmd[cmd.index("--connect") + 1] == "tcp://10.0.0.1:5555" and cmd[-2:] == ["--timeout", "60"]
-    assert {"--serve", "--quiet"} <= set(cmd) and cmd[cmd.index("--threads") + 1] == "1"
+    assert cmd[cmd.index("--connect") + 1] == "tcp://10.0.0.1:5555" and cmd[-2:] == extra
+    assert {"--serve", "--no-progress"} <= set(cmd) and cmd[cmd.index("--threads") + 1] == "1"
     assert worker_command("tcp://a:1", "numpy", 1)[:3] == [
         sys.executable,
         "-m",
@@ -153,7 +154,7 @@ def test_a_local_workers_command_line_is_the_prefix_then_taskset_then_the_worker
 @pytest.mark.skipif(len(cores()) < 2, reason="a pinned local worker needs a second core")
 def test_a_pinned_local_worker_over_zmq_behind_a_prefix(tmp_path: Path) -> None:
     out, before = tmp_path / "grid.csv", cores()
-    assert grid(out, "--participants", "2", "--worker-prefix", "env TINYCONV_TEST=1", transport="zmq") == 0
+    assert grid(out, "--workers", "1", "--worker-prefix", "env TINYCONV_TEST=1", transport="zmq") == 0
     (row,) = rows(out)
     assert (row["transport"], row["participants"]) == ("zmq", "2") and int(row["bytes_sent"]) > 0
     assert cores() == before  # the master was pinned for the grid only: this process has its cores back
@@ -162,32 +163,69 @@ def test_a_pinned_local_worker_over_zmq_behind_a_prefix(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--archs", "300-1000"], "unknown architecture"),
-        (["--backend", "nope"], "unknown backend"),
-        (["--participants", "1", "99"], "needs 99 cores"),
+        (["--arch", "300-1000"], "argument --arch: '300-1000' is not C1:C2"),
+        (["--backend", "numpy", "nope"], "--backend nope: not one of numpy"),
+        (["--workers", "0", "98"], "--workers 98 needs 99 cores"),
         (["--worker-prefix", "env", "--transport", "inproc"], "--worker-prefix is for local"),
-        (["--participants", "3", "--external-workers", "1"], "needs 2 workers"),
-        (["--steps", "0"], "must be >= 1"),
+        (["--external-workers", "--transport", "inproc"], "--external-workers needs --transport zmq"),
+        (["--transport", "mpi"], "--transport mpi: the grid runs over zmq or inproc"),
+        (["--timed-steps", "0"], "argument --timed-steps: must be 1 or more, got 0"),
+        # the old spellings, each refused with today's
+        (["--archs", "4:8"], "--archs is now --arch"),
+        (["--batches", "4"], "--batches is now --batch-size"),
+        (["--participants", "1", "2"], "--participants is now --workers (workers beside the master"),
+        (["--steps", "1"], "--steps is now --timed-steps"),
+        (["--warmup", "0"], "--warmup is now --untimed-steps"),
+        (["--devices", "0.5"], "--devices is now --cpu-quota"),
+        (["--timeout", "60"], "--timeout is now --peer-timeout (a silent peer) or --start-timeout"),
+        (["--external-workers", "2"], "--external-workers takes no number now"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys, args: list[str], says: str) -> None:
     code = main(["grid", "--out", str(tmp_path / "g.csv"), *args])
     err = capsys.readouterr().err
-    assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("tinyconv experiment grid: error: ")
 
 
 def test_an_unwritable_out_exits_2(tmp_path: Path, capsys) -> None:
-    assert main(["grid", "--archs", "4:8", "--out", str(tmp_path), "--transport", "inproc"]) == 2  # a folder
+    assert main(["grid", "--arch", "4:8", "--out", str(tmp_path), "--transport", "inproc"]) == 2  # a folder
     err = capsys.readouterr().err
     assert "cannot write --out" in err and len(err.strip().splitlines()) == 1
 
 
-def test_participants_beyond_the_cores_need_external_workers() -> None:
-    args = build_parser().parse_args(["grid", "--participants", "1", "3"])
-    with pytest.raises(BadInput, match="needs 3 cores"):
+def test_workers_beyond_the_cores_need_external_workers() -> None:
+    args = build_parser().parse_args(["--workers", "0", "2"])
+    with pytest.raises(BadInput, match="--workers 2 needs 3 cores"):
         check_devices(args, [0, 1])
-    args.external_workers = 2
+    args.external_workers = True
     check_devices(args, [0, 1])  # workers from elsewhere: no core needed here
+
+
+def test_print_config_round_trips_through_config(tmp_path: Path, capsys) -> None:
+    given = ["--arch", "4:8", "16:32", "--batch-size", "4", "--workers", "0", "1", "--rebalance", "on", "off"]
+    given += ["--cpu-quota", "1", "0.5", "--external-workers", "--start-timeout", "30"]
+    given += ["--link-label", "5MB/s wifi", "--out", str(tmp_path / "g.csv")]
+    assert main(["grid", *given, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert 'arch = ["4:8", "16:32"]' in printed and "workers = [0, 1]" in printed
+    assert "external-workers = true" in printed and 'link-label = "5MB/s wifi"' in printed
+    config = tmp_path / "grid.toml"
+    config.write_text(printed)
+    assert main(["grid", "--config", str(config), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
+    from_file = vars(build_parser().parse_args(["--config", str(config)]))
+    assert from_file == vars(build_parser().parse_args(given)) | {"config": str(config)}
+
+
+def test_a_grid_runs_from_its_config_and_the_command_line_wins(tmp_path: Path, capsys) -> None:
+    out, config = tmp_path / "grid.csv", tmp_path / "grid.toml"
+    assert grid(out, "--print-config") == 0
+    config.write_text(capsys.readouterr().out)
+    assert main(["grid", "--config", str(config), "--workers", "1"]) == 0
+    assert [r["participants"] for r in rows(out)] == ["2"]  # --workers 1 on the command line, not the file's 0 1
+    assert main(["grid", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "--config" in capsys.readouterr().err
 
 
 def test_the_summary_puts_the_papers_value_beside_ours() -> None:
@@ -246,7 +284,7 @@ def test_a_fixed_split_and_a_narrowed_wire_reach_the_cluster(tmp_path: Path, mon
 
     monkeypatch.setattr(run, "Cluster", Recorded)
     out = tmp_path / "grid.csv"
-    assert grid(out, "--participants", "2", "--split", "kernels", "--rebalance", "on", "off",
+    assert grid(out, "--workers", "1", "--split", "kernels", "--rebalance", "on", "off",
                 "--wire-precision", "fp32", "bf16") == 0  # fmt: skip
     assert [(c.rebalancer is not None, c.wire_precision) for c in made] == [
         (True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")]  # fmt: skip
@@ -263,9 +301,9 @@ def test_a_fixed_split_and_a_narrowed_wire_reach_the_cluster(tmp_path: Path, mon
 
 def test_data_parallel_and_hybrid_run_at_fp32_only(tmp_path: Path, capsys) -> None:
     out = tmp_path / "grid.csv"
-    assert grid(out, "--participants", "2", "--parallel", "data", "--wire-precision", "bf16") == 2
+    assert grid(out, "--workers", "1", "--parallel", "data", "--wire-precision", "bf16") == 2
     assert "no cells" in capsys.readouterr().err
-    assert grid(out, "--participants", "2", "--parallel", "model", "data", "hybrid", "--wire-precision", "fp32",
+    assert grid(out, "--workers", "1", "--parallel", "model", "data", "hybrid", "--wire-precision", "fp32",
                 "adt24") == 0  # fmt: skip
     assert "--parallel data and hybrid: their cells at --wire-precision adt24 are left out" in capsys.readouterr().out
     got = json.loads(out.with_suffix(".json").read_text())
@@ -410,15 +448,15 @@ def test_a_cell_runs_on_the_first_devices_and_they_are_part_of_its_key() -> None
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--devices", "0.5", "--participants", "1", "2"], "--participants 2 needs 2 --devices, 1 given"),
-        (["--devices", *["1"] * (len(cores()) + 1)], "do not fit"),
-        (["--devices", "0.5", "0.5", "--transport", "inproc"], "local worker processes"),
-        (["--devices", "1.5"], "at most 1"),
-        (["--devices", "half"], "not a number of cores"),
+        (["--cpu-quota", "0.5", "--workers", "0", "1"], "--workers 1 needs 2 --cpu-quota devices"),
+        (["--cpu-quota", *["1"] * (len(cores()) + 1)], "do not fit"),
+        (["--cpu-quota", "0.5", "0.5", "--transport", "inproc"], "local worker processes"),
+        (["--cpu-quota", "1.5"], "argument --cpu-quota: must be a share of one core"),
+        (["--cpu-quota", "half"], "argument --cpu-quota: 'half' is not a number"),
     ],
 )
 def test_bad_devices_exit_2_with_one_line(tmp_path: Path, capsys, args: list[str], says: str) -> None:
-    code = main(["grid", "--archs", "4:8", "--out", str(tmp_path / "g.csv"), "--transport", "zmq", *args])
+    code = main(["grid", "--arch", "4:8", "--out", str(tmp_path / "g.csv"), "--transport", "zmq", *args])
     err = capsys.readouterr().err
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
@@ -440,7 +478,7 @@ def test_the_summary_gives_the_papers_value_for_each_count_and_the_devices() -> 
 def test_a_grid_on_half_core_devices_records_them_and_leaves_no_group(tmp_path: Path) -> None:
     out = tmp_path / "grid.csv"
     home = (Path("/proc/self/cgroup").read_text(), cores())
-    assert grid(out, "--devices", "0.5", "0.5", transport="zmq") == 0
+    assert grid(out, "--cpu-quota", "0.5", "0.5", transport="zmq") == 0
     alone, two = rows(out)
     assert (alone["devices"], alone["speeds"], two["devices"]) == ("0.5", "1", "0.5/0.5")
     assert len(two["speeds"].split("/")) == 2 and float(two["speeds"].split("/")[1]) > 0

@@ -83,9 +83,9 @@ def test_a_half_core_worker_and_a_5MBps_worker_keep_the_shares_their_speeds_give
               "--metrics-out", str(metrics)]  # fmt: skip
 
     def worker(name: str) -> list[str]:
-        return [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", address, "--threads", "1",
-                "--quiet", "--key", str(tmp_path / "authorized" / f"{name}.key_secret"),
-                "--master-key", str(tmp_path / "master.key")]  # fmt: skip
+        cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", address, "--threads", "1"]
+        secret = str(tmp_path / "authorized" / f"{name}.key_secret")
+        return [*cmd, "--no-progress", "--key", secret, "--master-key", str(tmp_path / "master.key")]
 
     with cq.CpuQuota(0.5, name=f"tinyconv-cpu-h{os.getpid()}") as quota:
         procs = [
@@ -134,19 +134,20 @@ def check_the_simulator(tmp_path: Path, order: list[str], steps: list[dict], env
     the step at the calibrated split (the steps before the rebalancer's first move, the first left out: a warm-up)
     within 15 %."""
     devices = tmp_path / "devices.json"
-    measure = [sys.executable, "-m", "tinyconv.cli", "simulate", "--measure", str(devices), "--arch", f"32:{F2}",
-               "--batch", "32", "--norm", "lrn", "--nodes", "1"]  # fmt: skip
+    measure = [sys.executable, "-m", "tinyconv.cli", "simulate", "--measure", "--device-file", str(devices)]
+    measure += ["--arch", f"32:{F2}", "--batch-size", "32", "--norm", "lrn", "--workers", "0"]
     for name, prefix in (("full", []), ("half", None)):
         with cq.CpuQuota(0.5, name=f"tinyconv-sim-h{os.getpid()}") if prefix is None else nullcontext() as quota:
-            cmd = [*(quota.prefix() if quota else []), *measure, "--name", name]
+            cmd = [*(quota.prefix() if quota else []), *measure, "--device-name", name]
             subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
     loopback = json.loads(devices.read_text())["links"]["loopback"]["bandwidth_MBps"]
     workers = order[1:]
     table = tmp_path / "predicted.csv"
-    argv = ["--devices", str(devices), "--arch", f"32:{F2}", "--batch", "32", "--norm", "lrn", "--nodes", "3",
-            "--device", "full", *("half" if w == "q" else "full" for w in workers), "--medium", "ethernet",
-            "--bandwidth", f"{loopback}", "--worker-bandwidth", *(f"{loopback if w == 'q' else 5}" for w in workers),
-            "--split", "fused", "--out", str(table)]  # fmt: skip
+    argv = ["--device-file", str(devices), "--arch", f"32:{F2}", "--batch-size", "32", "--norm", "lrn"]
+    argv += ["--workers", "2", "--device-name", "full", *("half" if w == "q" else "full" for w in workers)]
+    argv += ["--medium", "ethernet", "--bandwidth", f"{loopback}"]
+    argv += ["--worker-bandwidth", *(f"{loopback if w == 'q' else 5}" for w in workers)]
+    argv += ["--fuse", "on", "--split", "kernels", "--out", str(table)]
     assert simulate(argv) == 0
     with open(table, newline="") as f:
         (predicted,) = [float(r["step_s"]) for r in csv.DictReader(f)]

@@ -23,8 +23,8 @@ needs_root = pytest.mark.skipif(tl.unavailable() is not None, reason=f"throttled
 
 def test_the_appended_options():
     names = tl.Names("-t")
-    cmd = tl.appended(["tinyconv", "experiment", "grid", "--archs", "300:1000"], names, 5555, "5MB/s")
-    assert cmd == ["ip", "netns", "exec", "tinyconv-m-t", "tinyconv", "experiment", "grid", "--archs", "300:1000",
+    cmd = tl.appended(["tinyconv", "experiment", "grid", "--arch", "300:1000"], names, 5555, "5MB/s")
+    assert cmd == ["ip", "netns", "exec", "tinyconv-m-t", "tinyconv", "experiment", "grid", "--arch", "300:1000",
                    "--bind", "tcp://10.77.0.1:5555", "--worker-prefix", "ip netns exec tinyconv-w-t",
                    "--link-label", "5MB/s"]  # fmt: skip
 
@@ -123,9 +123,10 @@ def test_a_real_worker_in_one_namespace_serves_a_master_in_the_other(names):
 def test_a_grid_with_a_fixed_split_and_a_narrowed_wire_runs_across_the_link(names, tmp_path):
     """``-- grid ...``: the experiment grid in the master's namespace, its worker in the other, one cell."""
     out = tmp_path / "link.csv"
-    cmd = [sys.executable, str(SCRIPT), "--rate", "100MB/s", "--suffix", names.suffix, "--", "grid", "--archs", "4:8",
-           "--batches", "4", "--participants", "2", "--split", "kernels", "--rebalance", "off", "--wire-precision",
-           "bf16", "--steps", "1", "--warmup", "0", "--settle", "0", "--no-progress", "--out", str(out)]  # fmt: skip
+    grid = ["grid", "--arch", "4:8", "--batch-size", "4", "--workers", "1", "--split", "kernels", "--rebalance", "off"]
+    grid += ["--wire-precision", "bf16", "--timed-steps", "1", "--untimed-steps", "0", "--settle", "0"]
+    cmd = [sys.executable, str(SCRIPT), "--rate", "100MB/s", "--suffix", names.suffix, "--", *grid]
+    cmd += ["--no-progress", "--out", str(out)]
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=SCRIPT.parent.parent)
     if "cannot" in got.stderr or "Operation not permitted" in got.stderr:
         pytest.skip(got.stderr.strip())

@@ -418,8 +418,8 @@ def test_s8_bytes_are_a_byte_a_number_and_a_scale_a_plane():
 
 
 def test_tinyconv_comm_prints_each_setting_with_its_ratios_to_eq2(capsys):
-    assert comm_main(["--arch", "4:8", "--batch", "2", "--participants", "2", "--wire-precision", "fp32", "bf16",
-                      "adaptive", "--measure"]) == 0  # fmt: skip
+    argv = ["--arch", "4:8", "--batch-size", "2", "--workers", "1", "--wire-precision", "fp32", "bf16", "adaptive"]
+    assert comm_main([*argv, "--run-step"]) == 0
     out = capsys.readouterr().out
     assert "forward / eq. 2" in out and "adaptive (settled)" in out and "differs" not in out
     paper_bf16 = next(line for line in out.splitlines() if "paper" in line and "| bf16" in line)

@@ -488,19 +488,45 @@ def test_cli_help_runs_without_numpy():
     assert out.stdout.strip().endswith("False 0")
 
 
-def test_cli_rejects_bad_arguments(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--connect", "tcp://127.0.0.1:1", "--slowdown", "0.5"])
-    assert info.value.code == 2 and "must be >= 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([])  # --connect is required
-    assert "--connect" in capsys.readouterr().err
-
-
-def test_cli_unknown_backend_is_one_line(capsys):
-    assert main(["--connect", "tcp://127.0.0.1:1", "--backend", "abacus"]) == 1
+def one_line_error(capsys) -> str:
+    """What a refused command line said on stderr: one line, no traceback."""
     err = capsys.readouterr().err
-    assert "cannot start backend 'abacus'" in err and "available: " in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--slowdown", "0.5"], "argument --slowdown: must be a factor >= 1, got 0.5"),
+        (["--backend", "abacus"], "--backend abacus: not one of numpy"),
+        (["--device", "0:0"], "--device 0:0: the numpy backend has no devices to choose from; drop --device"),
+        (["--timeout", "5"], "--timeout is now --peer-timeout"),
+        (["--connect-timeout", "5"], "--connect-timeout is now --start-timeout"),
+        (["--quiet"], "--quiet is now --no-progress"),
+        (["--peer-timeout", "0"], "argument --peer-timeout: must be a number > 0, got 0"),
+        (["--key", "me.key_secret"], "--key and --master-key go together"),
+    ],
+)
+def test_cli_refuses_bad_arguments_in_one_line_and_exit_2(capsys, args, says):
+    assert main(["--connect", "tcp://127.0.0.1:1", *args]) == 2
+    err = one_line_error(capsys)
+    assert err.startswith("tinyconv worker: error: ") and says in err, err
+
+
+def test_cli_needs_connect(capsys):
+    assert main([]) == 2
+    assert "required: --connect" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("content", [None, "not a key\n"])
+def test_a_key_that_does_not_load_says_how_to_make_one(tmp_path, capsys, content):
+    key = tmp_path / "me.key_secret"
+    if content is not None:
+        key.write_text(content)
+    assert main(["--connect", "tcp://127.0.0.1:1", "--key", str(key), "--master-key", str(key)]) == 2
+    err = one_line_error(capsys)
+    assert str(key) in err and "`tinyconv keygen DIR --name NAME`" in err and "generate_keys" not in err
 
 
 SPY = textwrap.dedent(
@@ -517,7 +543,7 @@ SPY = textwrap.dedent(
 
     sys.meta_path.insert(0, Spy())
     from tinyconv.distributed.worker.main import main
-    rc = main(["--connect", {connect!r}, "--threads", "3", "--connect-timeout", "0.3"])
+    rc = main(["--connect", {connect!r}, "--threads", "3", "--start-timeout", "0.3"])
     print(json.dumps({{"rc": rc, "seen": seen}}))
     """
 )
@@ -529,7 +555,7 @@ def test_threads_are_set_before_numpy_is_imported(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["seen"] == {v: "3" for v in THREAD_ENV_VARS}
-    # nobody listens there: the worker gives up after --connect-timeout, with one line saying why
+    # nobody listens there: the worker gives up after --start-timeout, with one line saying why
     assert result["rc"] == 1 and "no welcome from a master" in out.stderr
 
 

@@ -1,6 +1,6 @@
 """The ``tinyconv`` command: one entry point for the things a user runs by hand (``tinyconv --help`` lists them).
 
-Training itself is ``python examples/cifar10_dist.py``. Nothing heavy is imported
+Training is ``tinyconv train`` (``python examples/cifar10_dist.py`` runs the same). Nothing heavy is imported
 before the subcommand is known: ``worker --threads`` must set BLAS thread counts
 before numpy loads.
 """
@@ -8,11 +8,13 @@ before numpy loads.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from importlib import import_module
 
 COMMANDS = {  # name -> what it does; `tinyconv NAME --help` says how
+    "train": "train the paper's CNN on CIFAR-10, its convolutions split across workers (the main job)",
     "worker": "serve convolution shards for a master",
     "devices": "list the backends and every OpenCL platform/device this machine can see",
     "backends": "the same as devices",
@@ -24,6 +26,7 @@ COMMANDS = {  # name -> what it does; `tinyconv NAME --help` says how
     "simulate": "predict step time and speedup to 128 nodes from measured devices and a link model",
 }
 MAINS = {  # the commands whose main(argv) lives elsewhere, imported only when run
+    "train": "tinyconv.commands.train",
     "worker": "tinyconv.distributed.worker.main",
     "comm": "tinyconv.lab.eq2",
     "experiment": "tinyconv.lab.experiment",
@@ -115,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return conformance_main(rest, prog="tinyconv conformance")
     if command == "keygen":
         return keygen(rest)
-    print(f"tinyconv: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f"; did you mean `tinyconv {close[0]}`?" if close else ""
+    print(f"tinyconv: unknown command {command!r}{hint}\n\n{_usage()}", file=sys.stderr)
     return 2
 
 

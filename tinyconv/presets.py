@@ -94,4 +94,4 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
-DEFAULT_PRESET = "best"
+DEFAULT_PRESET = "quick"

@@ -1,6 +1,6 @@
 """A master that comes back by itself: training runs in a child process, restarted from its last checkpoint
-(``--resume``) when it dies abnormally: a crash (exit 1) or a signal it did not handle (SIGKILL, the
-out-of-memory killer, a segfault). A run that ends as asked -- done (0), refused or failed with a message
+(``--resume``) when it dies abnormally: a crash or a failure during the run (exit 1) or a signal it did not
+handle (SIGKILL, the out-of-memory killer, a segfault). A run that ends as asked -- done (0), a usage error
 (2), Ctrl-C (130), SIGTERM (143) -- would only end the same way again. Workers rejoin the new master.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,14 +64,15 @@ def without_option(argv: list[str], option: str, takes_value: bool = True) -> li
     return out
 
 
-def restartable_command(script: str, argv: list[str]) -> Callable[[Path | None], list[str]]:
-    """The argv that runs ``script`` with ``argv`` again, without ``--max-restarts`` and, on a restart,
+def restartable_command(prefix: list[str], argv: list[str]) -> Callable[[Path | None], list[str]]:
+    """The argv that runs the command ``prefix`` (``python -m tinyconv.cli train``) with ``argv`` again,
+    without ``--max-restarts`` and, on a restart,
     with ``--resume`` at the checkpoint in place of any given."""
 
     def command(resume: Path | None) -> list[str]:
         args = without_option(argv, "--max-restarts")
         if resume is not None:
             args = [*without_option(args, "--resume"), "--resume", str(resume)]
-        return [sys.executable, script, *args]
+        return [*prefix, *args]
 
     return command

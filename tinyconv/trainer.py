@@ -240,7 +240,8 @@ class Trainer:
                 loss, acc = self._step(batches)
                 losses.append(loss)
                 accs.append(acc)
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.opt.lr:.3g}")
+                # the last 50 steps' training accuracy: a newcomer sees CIFAR-10 being learnt within the first epoch
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{np.mean(accs[-50:]):.1%}", lr=f"{self.opt.lr:.3g}")
                 if self._checkpoint_due():
                     with self.signals.held():
                         self._save_between_steps()

@@ -209,7 +209,7 @@ def _in_process(
 def _local_worker_args(device: str | None, peer_timeout: float, keys: tuple | None) -> list[str]:
     """The options of a local worker process: its device, its timeouts, its keys if the bind needs them.
     It outlives a master that dies by no more than one more peer timeout."""
-    args = (["--device", device] if device else []) + ["--timeout", str(peer_timeout)]
+    args = (["--device", device] if device else []) + ["--peer-timeout", str(peer_timeout)]
     args += ["--retry-for", str(peer_timeout)]
     return args + (["--key", keys[1].worker_secret, "--master-key", keys[1].server_public] if keys else [])
 
@@ -337,13 +337,13 @@ def spawn_local_workers(
     """Start ``n`` quiet worker processes on this machine that connect to ``connect``.
 
     They stay in this process's group, so a Ctrl-C reaches them too; and each exits on its own
-    within its ``--timeout`` and ``--retry-for`` (see :func:`worker_pool`) if this process dies. Stop them with
+    within its ``--peer-timeout`` and ``--retry-for`` (see :func:`worker_pool`) if this process dies. Stop them with
     :func:`stop_workers` after closing the transport. ``stderr``: theirs (default: this
     process's; ``subprocess.PIPE`` for a pipe that the caller must read). ``env``: added to this process's
     environment (the run's join secret: another user can read a command line, not an environment).
     """
-    cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend, "--quiet"]
-    cmd += (["--threads", str(threads)] if threads else []) + list(extra_args)
+    cmd = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend]
+    cmd += ["--no-progress", *(["--threads", str(threads)] if threads else []), *extra_args]
     return [subprocess.Popen(cmd, stderr=stderr, env={**os.environ, **(env or {})}) for _ in range(n)]
 
 

@@ -1,7 +1,7 @@
 """``tinyconv experiment grid``: the paper's speedup grid, one CSV (and JSON) row per run.
 
-    tinyconv experiment grid --archs 50:500 150:800 300:1000 500:1500 --batches 64 128 256 \\
-        --participants 1 2 --repeats 1 --steps 3 --warmup 2 --out runs/grid.csv
+    tinyconv experiment grid --arch 50:500 150:800 300:1000 500:1500 --batch-size 64 128 256 \\
+        --workers 0 1 --repeats 1 --timed-steps 3 --untimed-steps 2 --out runs/grid.csv
 
 One idea per file:
 
@@ -9,7 +9,7 @@ One idea per file:
 * ``workers.py`` -- the workers, started once for the whole grid (local pinned, external, in-process)
 * ``run.py``     -- timing one cell: solo and distributed steps alternated (bench_speedup uses it too)
 * ``table.py``   -- the CSV / JSON rows (the column contract), resuming, the summary table
-* ``grid_command.py`` -- the command line, tying them together
+* ``grid_command.py`` -- the command line, tying them together; ``grid_checks.py`` -- its checks
 
 Nothing here imports numpy before :func:`main` has set one BLAS thread per process.
 """

@@ -3,7 +3,7 @@
     sudo .venv/bin/python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- .venv/bin/tinyconv worker ...
     sudo .venv/bin/python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- ip netns exec tinyconv-w ...
 
-The experiment grid's emulated devices (``tinyconv experiment grid --devices 0.5 0.5 0.5 0.5``) are such
+The experiment grid's emulated devices (``tinyconv experiment grid --cpu-quota 0.5 0.5 0.5 0.5``) are such
 groups, one per participant, the master's own process included (:meth:`CpuQuota.holding`).
 
 ``--slowdown 2`` makes a worker wait after its work; a quota makes its work itself take longer, as a slower

@@ -9,7 +9,7 @@ instead of landing on one architecture's cells. Every round runs in the same ord
 distributed steps alternate step by step (``run.py``), so the speedup itself is measured
 under the same conditions on both sides.
 
-**Participants 1** is the master alone: nothing is split or fused, so its cell is run once
+**Participants 1** (``--workers 0``) is the master alone: nothing is split or fused, so its cell is run once
 per (arch, norm, batch, backend, repeat) whatever --fuse, --split and --parallel say, and its
 row says ``fuse = split = "-"`` and ``parallel = "model"`` (as rows written before the
 column existed read). **Data-parallel** cells (``parallel = "data"``, ``tinyconv/distributed/replica/``)
@@ -37,7 +37,7 @@ written before the column existed reads "0" for a model-parallel cell (the whole
 all there was) and ``"-"`` for the others.
 
 **Devices.** ``devices`` says what each participant ran on: "-", a core of its own (pinned), or
-emulated devices (``--devices``, ``workers.py``), each a cgroup CPU quota, "0.5/0.5/0.5" for the master
+emulated devices (``--cpu-quota``, ``workers.py``), each a cgroup CPU quota, "0.5/0.5/0.5" for the master
 and two workers at half a core each. The master alone of such a grid runs at the master's quota, so a
 speedup is always against the same device. A row written before the column existed reads "-".
 

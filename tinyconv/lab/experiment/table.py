@@ -9,9 +9,9 @@ meant by them, and is rewritten once with every column. The JSON beside it (``gr
 ``grid.csv``) is rewritten whole after every cell, with typed values.
 
 A file measured under other settings is refused rather than mixed: rows of one CSV must agree
-on :data:`SETTINGS` (steps, warm-up, settle, transport) -- a different --steps makes a
-different measurement, not another repeat of the same one. Host and time may differ: each
-row says its own.
+on :data:`SETTINGS` (steps, warm-up, settle, transport; the options :data:`FLAGS` set them) -- a
+different --timed-steps makes a different measurement, not another repeat of the same one. Host and
+time may differ: each row says its own.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ OLDER: dict[str, tuple[str, str]] = {
 }  # fmt: skip
 MODEL_ONLY = ("pipeline",)  # of OLDER, the columns a data-parallel or hybrid row has none of: "-" there
 SETTINGS = ("steps", "warmup", "settle", "transport")
+FLAGS = {"steps": "--timed-steps", "warmup": "--untimed-steps", "settle": "--settle", "transport": "--transport"}
 
 
 class GridFileError(ValueError):
@@ -112,8 +113,8 @@ def check_settings(path: Path, rows: Sequence[dict[str, Any]], settings: dict[st
     for row in rows:
         differ = {k: row[k] for k in SETTINGS if row[k] != settings[k]}
         if differ:
-            were = " ".join(f"--{k} {v}" for k, v in differ.items())
-            now = " ".join(f"--{k} {settings[k]}" for k in differ)
+            were = " ".join(f"{FLAGS[k]} {v}" for k, v in differ.items())
+            now = " ".join(f"{FLAGS[k]} {settings[k]}" for k in differ)
             raise GridFileError(
                 f"{path} was measured with {were}, not {now}: re-run with those to resume it, or give another --out"
             )

@@ -1,6 +1,6 @@
 """The grid's workers: started once, before the first cell, and serving every cell after it.
 
-Local (the default): one ``tinyconv worker --serve`` process per extra participant, pinned
+Local (the default): one ``tinyconv worker --serve`` process per worker (``--workers``), pinned
 one per core the way ``benchmarks/bench_speedup.py`` pins its worker -- the master on the
 first core this process may use (``sched_setaffinity``), worker i under ``taskset -c`` on the
 (i+1)-th, each with one BLAS thread, over ZeroMQ on TCP. ``--worker-prefix`` goes in front of
@@ -8,14 +8,15 @@ each worker's command line and the taskset after it, so that e.g. ``ip netns exe
 runs the pinned worker inside a network namespace (``benchmarks/throttled_link.py``); the
 worker connects to the address the master bound (``--bind``).
 
-Emulated devices (``--devices 0.5 0.5 0.5 0.5``): each participant, the master included, in a cgroup
+Emulated devices (``--cpu-quota 0.5 0.5 0.5 0.5``): each participant, the master included, in a cgroup
 of its own held to that share of one core (``cpu_quota.py``), the groups placed on the cores by
 :func:`place`, so that four half-core devices fit two cores. Cores that share caches and memory
 bandwidth are not separate machines, and a quota slices time, not the silicon: it emulates a slower
 device's speed, not its memory or its caches.
 
-External (``--external-workers N``): the grid binds ``--bind`` (default tcp://*:5555) and
-waits for N ``tinyconv worker --serve`` processes to connect, as ``tinyconv.distributed.pool`` does.
+External (``--external-workers``): the grid binds ``--bind`` (default tcp://*:5555) and waits for as
+many ``tinyconv worker --serve`` processes as its largest ``--workers`` to connect, as
+``tinyconv.distributed.pool`` does.
 In-process (``--transport inproc``): worker threads, for tests; not for timing.
 
 One transport serves the whole grid: each cell builds its own Cluster on it with as many of
@@ -74,8 +75,8 @@ def worker_command(
     """The command line of one local worker: ``prefix``, then ``taskset -c core`` (when there is a
     taskset and a core), then ``tinyconv worker --serve`` connecting to ``connect`` with one BLAS thread."""
     pin = [taskset, "-c", str(core)] if taskset and core is not None else []
-    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend,
-              "--threads", "1", "--quiet", "--serve"]  # fmt: skip
+    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", connect, "--backend", backend]
+    worker += ["--threads", "1", "--no-progress", "--serve"]
     return [*prefix, *pin, *worker, *extra]
 
 
@@ -154,7 +155,7 @@ def _local_pinned(
     procs: list[subprocess.Popen] = []
     try:
         connect = pool.bound_address.replace("0.0.0.0", "127.0.0.1")
-        extra = _local_worker_args(None, PEER_TIMEOUT_S, keys) + ["--connect-timeout", str(timeout)]
+        extra = _local_worker_args(None, PEER_TIMEOUT_S, keys) + ["--start-timeout", str(timeout)]
         taskset, free = shutil.which("taskset"), list(placed[1:]) if groups else cores()[1:]
         commands = [worker_command(connect, backend, free[i] if i < len(free) else None,
                                    [*groups[i + 1].prefix(), *prefix] if groups else prefix, extra, taskset)
