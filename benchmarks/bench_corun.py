@@ -2,7 +2,7 @@
 """What two busy cores cost each other: one participant's convolution work, alone and beside a twin.
 
     python benchmarks/bench_corun.py                                 # 300:1000 at batch 64 and 256
-    python benchmarks/bench_corun.py --arch 500:1500 --batches 64 128 256 --repeats 5
+    python benchmarks/bench_corun.py --arch 500:1500 --batch-size 64 128 256 --repeats 5
 
 The experiment grid's 2-participant speedups fall with the batch (300:1000: 1.91x at batch 64,
 1.50x at 256) although comm stays under 1 % of the step. This separates the machine from
@@ -19,7 +19,7 @@ does in a step, but with no master, no messages and no other work. It is timed
 alternating, and the whole layer's work (all kernels, alone) too. A *together* slower than *alone*
 is what the cores share -- the L3 cache, the memory bus, the VM's host -- and the speedup it
 leaves, ``whole alone / half together``, is the most any 2-participant split of the convolutions
-can reach on this machine. Children start ``--warmup`` passes before the timed ones and keep their
+can reach on this machine. Children run ``--untimed-steps`` passes before the timed ones and keep their
 freed memory (``tinyconv/distributed/heap.py``), as the grid's participants do. No asserts; medians.
 """
 
@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 START_TIMEOUT_S = 600.0  # a child answers "ready" after its warm-up; more than this is a hang
@@ -87,15 +88,10 @@ def child(arch: str, batch: int, share: float, core: int, warmup: int, repeats: 
 
 def run(arch: str, batch: int, share: float, cores: list[int], warmup: int, repeats: int, split: str) -> list[float]:
     """One child per core, released together; every child's pass times, pooled."""
-    cmd = [sys.executable, __file__, "--child", "--arch", arch, "--warmup", str(warmup), "--repeats", str(repeats),
-           "--split", split]  # fmt: skip
+    cmd = [sys.executable, __file__, "--child", "--arch", arch, "--untimed-steps", str(warmup)]
+    cmd += ["--repeats", str(repeats), "--split", split, "--batch-size", str(batch), "--share", str(share)]
     procs = [
-        subprocess.Popen(
-            [*cmd, "--batch", str(batch), "--share", str(share), "--core", str(c)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+        subprocess.Popen([*cmd, "--core", str(c)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for c in cores
     ]
     try:
@@ -124,57 +120,73 @@ def _line(p: subprocess.Popen) -> str:
     return p.stdout.readline().strip()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="300:1000", help="kernel counts C1:C2 (default %(default)s)")
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="batch sizes (default 64 256)")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per child and round (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=2, help="alone/together alternations per batch (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed passes before the timed ones (default %(default)s)")
-    p.add_argument("--split", choices=("kernels", "channels"), default="kernels",
-                   help="conv2's half: its kernels on all input channels (the paper's) or all its kernels on half "
-                   "the input channels (tinyconv's --split channels, which `auto` picks on one machine; default "
-                   "%(default)s); conv1 (3 input channels) is always split by kernels")  # fmt: skip
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    add(
+        p,
+        "arch",
+        "batch_size",
+        "repeats",
+        "untimed_steps",
+        "split",
+        many=("batch_size",),
+        defaults={"arch": "300:1000", "batch_size": [64, 256], "repeats": 3, "untimed_steps": 1, "split": "kernels"},
+        helps={
+            "repeats": "here the timed passes of each child in a round, all pooled into the median",
+            "untimed_steps": "here passes of the convolutions",
+            "split": "here conv2's half: its kernels on all input channels (the paper's), or all its kernels on "
+            "half the input channels (auto: channels, the two children being on one machine); conv1 (3 input "
+            "channels) is always split by kernels",
+        },
+    )
+    p.add_argument(
+        "--rounds", type=count(1), default=2, metavar="N", help="alone/together alternations per batch size (default 2)"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--share", type=float, help=argparse.SUPPRESS)
     p.add_argument("--core", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    split = "channels" if args.split == "auto" else args.split
     if args.child:
-        child(args.arch, args.batch, args.share, args.core, args.warmup, args.repeats, args.split)
+        child(args.arch, args.batch_size[0], args.share, args.core, args.untimed_steps, args.repeats, split)
         return
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
     if len(cores) < 2:
         sys.exit("bench_corun needs 2 cores to run a twin beside a child; this process may use one")
     pair = cores[:2]
     rows = []
-    todo = [(b, r, what) for b in args.batches for r in range(args.rounds) for what in ("whole", "alone", "together")]
+    todo = [(b, r, w) for b in args.batch_size for r in range(args.rounds) for w in ("whole", "alone", "together")]
     medians: dict[tuple[int, str], list[float]] = {}
     for batch, _, what in tqdm(todo, desc="co-run", unit="run"):
         share, on = {"whole": (1.0, pair[:1]), "alone": (0.5, pair[:1]), "together": (0.5, pair)}[what]
-        times = run(args.arch, batch, share, on, args.warmup, args.repeats, args.split)
+        times = run(args.arch, batch, share, on, args.untimed_steps, args.repeats, split)
         medians.setdefault((batch, what), []).extend(times)
     base = None
-    for batch in args.batches:
+    for batch in args.batch_size:
         whole, alone, together = (statistics.median(medians[(batch, w)]) for w in ("whole", "alone", "together"))
         base = base or (batch, whole, together)
         per_image = (whole / base[1] * base[0] / batch, together / base[2] * base[0] / batch)
-        rows.append([
-            batch, f"{whole:.3f}", f"{alone:.3f}", f"{together:.3f}", f"{together / alone:.2f}x",
-            f"{whole / together:.2f}x", f"{per_image[0]:.2f}", f"{per_image[1]:.2f}",
-        ])  # fmt: skip
+        ratios = (f"{together / alone:.2f}x", f"{whole / together:.2f}x", f"{per_image[0]:.2f}", f"{per_image[1]:.2f}")
+        rows.append([batch, f"{whole:.3f}", f"{alone:.3f}", f"{together:.3f}", *ratios])
     print(
-        f"\n{args.arch}, conv2 by {args.split}: both convolutions' forward + backward, numpy, 1 BLAS thread "
+        f"\n{args.arch}, conv2 by {split}: both convolutions' forward + backward, numpy, 1 BLAS thread "
         "per pinned core; seconds "
         f"per pass, median of {args.rounds} rounds x {args.repeats} passes (x 2 children together)"
     )
-    print(format_table(
-        ["batch", "whole alone", "half alone", "half together", "together / alone", "whole / half together",
-         f"whole, per image vs {args.batches[0]}", f"half together, per image vs {args.batches[0]}"],
-        rows,
-    ))  # fmt: skip
+    first = args.batch_size[0]
+    headers = ["batch size", "whole alone", "half alone", "half together", "together / alone"]
+    headers += ["whole / half together", f"whole, per image vs {first}", f"half together, per image vs {first}"]
+    print(format_table(headers, rows))
     print("whole / half together: the most a 2-participant split of the convolutions can speed up here")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_corun: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -71,6 +71,7 @@ from tinyconv.distributed.shard.cluster import Cluster  # noqa: E402
 from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 from tinyconv.model import Network, paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 from transports.base import Message  # noqa: E402
 from transports.inproc import InprocTransport  # noqa: E402
@@ -204,11 +205,20 @@ class MainJob:
         with socket.socket() as sock:  # a free port, the same for every master of the run
             sock.bind(("127.0.0.1", 0))
             self.address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-        self.command = [sys.executable, str(ROOT / "examples" / "cifar10_dist.py"), "--no-progress", "--dataset",
-                        "synthetic", "--arch", args.arch, "--batch-size", str(args.batch_size), "--steps",
-                        str(args.steps), "--plan", "equal", "--transport", "zmq", "--external-workers", "--workers",
-                        "2", "--bind", self.address, "--checkpoint", str(self.checkpoint), "--checkpoint-every", "1",
-                        "--metrics-out", str(self.metrics)]  # fmt: skip
+        job = [sys.executable, str(ROOT / "examples" / "cifar10_dist.py"), "--no-progress", "--dataset", "synthetic"]
+        job += [
+            "--arch",
+            args.arch,
+            "--batch-size",
+            str(args.batch_size),
+            "--steps",
+            str(args.steps),
+            "--plan",
+            "equal",
+        ]
+        job += ["--transport", "zmq", "--external-workers", "--workers", "2", "--bind", self.address]
+        job += ["--checkpoint", str(self.checkpoint), "--checkpoint-every", "1", "--metrics-out", str(self.metrics)]
+        self.command = job
         self.env = {k: v for k, v in os.environ.items() if k != SECRET_ENV} | {"PYTHONUNBUFFERED": "1"}
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -240,8 +250,8 @@ class MainJob:
         self.until(lambda: "tinyconv worker --connect" in self.said("master"), "the command for the workers")
         self.env[SECRET_ENV] = re.search(rf"{SECRET_ENV}=(\w+) ", self.said("master"))[1]  # and its restarts'
         for i in range(2):
-            self.start(f"worker{i}", [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", self.address,
-                                      "--threads", "1", "--serve"])  # fmt: skip
+            worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", self.address]
+            self.start(f"worker{i}", [*worker, "--threads", "1", "--serve"])
 
     def end(self) -> None:
         for proc in self.procs.values():
@@ -284,8 +294,10 @@ def master_fault(args: argparse.Namespace, fault: str) -> dict:
 
 def report_master_faults(args: argparse.Namespace) -> None:
     runs = [master_fault(args, f) for f in ("SIGKILL", "SIGTERM")]
-    print(f"\nthe master's faults after step {args.at}: the main job, {args.arch}, batch {args.batch_size}, "
-          f"2 external workers on loopback, a checkpoint every step")  # fmt: skip
+    print(
+        f"\nthe master's faults after step {args.at}: the main job, {args.arch}, batch {args.batch_size}, "
+        f"2 external workers on loopback, a checkpoint every step"
+    )
     what = {"SIGKILL": "SIGKILL of training, --max-restarts 1", "SIGTERM": "SIGTERM, then --resume"}
     rows = []
     for r in runs:
@@ -297,17 +309,27 @@ def report_master_faults(args: argparse.Namespace) -> None:
         print("\n".join(f"    {line}" for line in r["printed"]))
 
 
-def main() -> None:
+def build_parser() -> Parser:
     head, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="32:64", help="conv1:conv2 kernel counts (default 32:64)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--at", type=int, default=5, help="the step before which worker 1 goes wrong (1-based)")
-    ceiling = "the most seconds of silence before a worker is lost (a stopped one goes after 4 heartbeats)"
-    p.add_argument("--peer-timeout", type=float, default=30.0, help=ceiling)
+    p = Parser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(p, "arch", "batch_size", defaults={"arch": "32:64", "batch_size": 32})
+    p.add_argument("--steps", type=count(1), default=10, metavar="N", help="steps of each run in total (default 10)")
+    p.add_argument(
+        "--at", type=count(1), default=5, metavar="N", help="the step before which worker 1 goes wrong (default 5)"
+    )
+    add(
+        p,
+        "peer_timeout",
+        defaults={"peer_timeout": 30.0},
+        helps={"peer_timeout": "the master's over zmq; a stopped worker goes after 4 heartbeats"},
+    )
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
-    if not 1 <= args.at <= args.steps:
+    if args.at > args.steps:
         p.error(f"--at {args.at} must be between 1 and --steps {args.steps}")
     runs = {
         "zmq": [run(args, "zmq", f) for f in (None, *SIGNALS)],
@@ -338,8 +360,8 @@ def main() -> None:
         f"{args.at} (or 1), --peer-timeout {args.peer_timeout:g} s (zmq); stall: the slowest from then past the clean "
         "median"
     )
-    headers = ["transport", "fault", "median step s", "slowest s from --at", "stall s", "lost after s", "reason",
-               "max rel loss diff", "last loss"]  # fmt: skip
+    headers = ["transport", "fault", "median step s", "slowest s from --at", "stall s", "lost after s", "reason"]
+    headers += ["max rel loss diff", "last loss"]
     print(format_table(headers, rows))
     for r in (r for rs in runs.values() for r in rs[1:]):
         print(f"{r['transport']} {r['fault']}: events {[(e['worker'], e['step'], e['reason']) for e in r['lost']]}")
@@ -347,4 +369,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_elastic: error: {e}", file=sys.stderr)
+        sys.exit(2)

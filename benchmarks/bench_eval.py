@@ -16,7 +16,6 @@ not the accuracy, is the point. Not a test: no asserts.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -26,20 +25,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
+
+
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    add(
+        p,
+        "arch",
+        "norm",
+        "backend",
+        "workers",
+        "batch_size",
+        "timed_steps",
+        defaults={
+            "arch": "48:96",
+            "norm": "batch",
+            "backend": "numpy",
+            "workers": 0,
+            "batch_size": 128,
+            "timed_steps": 4,
+        },
+        helps={
+            "workers": "local worker processes over zmq",
+            "batch_size": "the training's",
+            "timed_steps": "here the training steps before each evaluation",
+        },
+    )
+    p.add_argument(
+        "--images", type=count(1), default=10000, metavar="N", help="test images per evaluation (default 10000)"
+    )
+    p.add_argument(
+        "--eval-batch",
+        type=count(0),
+        default=0,
+        metavar="N",
+        help="evaluation's batch (default 0: the training batch size)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=count(1),
+        default=2,
+        metavar="N",
+        help="how many times: the steps, then an evaluation (default 2)",
+    )
+    return p
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="48:96")
-    p.add_argument("--norm", default="batch", choices=("lrn", "batch", "none"))
-    p.add_argument("--backend", default="numpy")
-    p.add_argument("--workers", type=int, default=0, help="local worker processes over zmq (0: the master alone)")
-    p.add_argument("--images", type=int, default=10000, help="test images per evaluation")
-    p.add_argument("--batch", type=int, default=128, help="the training batch")
-    p.add_argument("--eval-batch", type=int, default=0, help="evaluation's batch (0: the training batch's size)")
-    p.add_argument("--steps", type=int, default=4, help="training steps before each evaluation")
-    p.add_argument("--rounds", type=int, default=2, help="how many times: steps, then an evaluation")
-    args = p.parse_args()
+    args = build_parser().parse_args()
     keep_freed_memory()
 
     import tinyconv as tc
@@ -50,38 +84,45 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (args.images, 3, 32, 32), dtype=np.uint8)
     y = rng.integers(0, 10, args.images)
-    n_train = args.batch * args.steps
+    n_train = args.batch_size * args.timed_steps
     data = Dataset(x[:n_train], y[:n_train], x, y, "random", [str(i) for i in range(10)])
     net = paper_net(args.arch, args.backend, args.norm)
-    config = TrainConfig(batch_size=args.batch, eval_batch_size=args.eval_batch, progress=False)
-    eval_batch = args.eval_batch or args.batch
+    config = TrainConfig(batch_size=args.batch_size, eval_batch_size=args.eval_batch, progress=False)
+    eval_batch = args.eval_batch or args.batch_size
 
     def run(cluster=None) -> None:
         trainer = Trainer(net, data, config, cluster=cluster)
         evals, steps = [], []
         for _ in range(args.rounds):
-            for b in range(args.steps):
+            for b in range(args.timed_steps):
                 t = time.perf_counter()
-                trainer.train_step(x[b * args.batch : (b + 1) * args.batch], y[b * args.batch : (b + 1) * args.batch])
+                trainer.train_step(
+                    x[b * args.batch_size : (b + 1) * args.batch_size],
+                    y[b * args.batch_size : (b + 1) * args.batch_size],
+                )
                 steps.append(time.perf_counter() - t)
             t = time.perf_counter()
             trainer.evaluate(x, y)
             evals.append((time.perf_counter() - t) * 10000 / args.images)
         step = float(np.median(steps[1:]))  # the first step builds kernels and plans
-        per_10k = 10000 / args.batch * step
+        per_10k = 10000 / args.batch_size * step
         print(
             f"{args.arch} {args.norm}, {args.backend}, workers {args.workers}, evaluation batch {eval_batch}: "
             f"{', '.join(f'{e:.1f}' for e in evals)} s per 10,000 images; training step {step:.3f} s "
-            f"(x {10000 / args.batch:.0f} = {per_10k:.0f} s, a third {per_10k / 3:.0f} s)"
+            f"(x {10000 / args.batch_size:.0f} = {per_10k:.0f} s, a third {per_10k / 3:.0f} s)"
         )
 
     if args.workers == 0:
         run()
         return
-    largest = max(args.batch, eval_batch)
-    with tc.distribute(net, "zmq", args.workers, batch_size=args.batch, largest_batch=largest) as cluster:
+    largest = max(args.batch_size, eval_batch)
+    with tc.distribute(net, "zmq", args.workers, batch_size=args.batch_size, largest_batch=largest) as cluster:
         run(cluster)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_eval: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -3,8 +3,8 @@
 
     python benchmarks/bench_init.py                                 # 50:500 LRN, batch 64, 80 steps per run
     python benchmarks/bench_init.py --steps 150                     # the comparison below
-    python benchmarks/bench_init.py --steps 60 --lrs 0.04 --candidates default,fc-rate
-    python benchmarks/bench_init.py --arch 48:96 --norm batch --batch 128
+    python benchmarks/bench_init.py --steps 60 --lrs 0.04 --candidates default fc-rate
+    python benchmarks/bench_init.py --arch 48:96 --norm batch --batch-size 128
 
 The paper's network ends in a fully connected layer 500 * 8 * 8 = 32,000 inputs wide. Its update
 moves each logit by about lr * |x|^2 * dlogit, and |x|^2 sums 32,000 squared features, so at the
@@ -49,7 +49,7 @@ only the time):
     scaled       0.02         37.585              1.964     0.329 no
     fc-rate      0.02          4.885              1.752     0.392 no
     default      0.04         36.815              2.300     0.118 no     (--lrs 0.04 --candidates
-    fc-rate      0.04          7.369              1.738     0.406 no      default,fc-rate, quieter)
+    fc-rate      0.04          7.369              1.738     0.406 no      default fc-rate, quieter)
 
 Read: the spike comes from the classifier's *update*, not its starting point. A zero or scaled
 classifier starts at the same loss or nearer ln 10 and still jumps to 20-40 once the first
@@ -77,8 +77,9 @@ from tqdm import tqdm  # noqa: E402
 
 from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 from tinyconv.metrics import MetricsWriter  # noqa: E402
-from tinyconv.model import NORMS, Network, paper_net  # noqa: E402
+from tinyconv.model import Network, paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.options import POSITIVE, Parser, UsageError, add, count, number, one_of  # noqa: E402
 
 CANDIDATES = ("default", "zero", "scaled", "fc-rate")
 CHANCE = math.log(10.0)
@@ -111,10 +112,8 @@ def run_one(args: argparse.Namespace, data, candidate: str, lr: float) -> dict[s
     from tinyconv.trainer import TrainConfig, Trainer
 
     net = build(args, candidate)
-    config = TrainConfig(
-        epochs=1, batch_size=args.batch, lr=lr, momentum=0.9, weight_decay=5e-4, schedule="constant",
-        warmup=args.warmup, max_steps=args.steps, seed=args.seed, progress=False,
-    )  # fmt: skip
+    recipe = {"epochs": 1, "lr": lr, "momentum": 0.9, "weight_decay": 5e-4, "schedule": "constant", "progress": False}
+    config = TrainConfig(batch_size=args.batch_size, warmup=args.warmup, max_steps=args.steps, seed=args.seed, **recipe)
     log = StepLosses()
     trainer = Trainer(net, data, config, metrics=log)
     if candidate == "fc-rate":  # the classifier at --scale times the rate: TrainConfig.classifier_lr
@@ -150,44 +149,56 @@ def load(args: argparse.Namespace):
     return Dataset(full.x_train, full.y_train, full.x_test[pick], full.y_test[pick], full.name, full.classes)
 
 
-def parse_lrs(text: str) -> list[float]:
-    try:
-        lrs = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--lrs takes numbers separated by commas (0.01,0.02), got {text!r}") from None
-    if not lrs or not all(math.isfinite(v) and v > 0 for v in lrs):
-        raise argparse.ArgumentTypeError(f"--lrs needs positive learning rates, got {text!r}")
-    return lrs
-
-
-def parse_candidates(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [n for n in names if n not in CANDIDATES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown candidate(s) {bad or text!r}; choose from {', '.join(CANDIDATES)}")
-    return names
+def build_parser() -> Parser:
+    doc = __doc__.split("\n\n")
+    p = Parser(description=doc[0], epilog="\n\n".join(doc[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(
+        p,
+        "arch",
+        "norm",
+        "batch_size",
+        "seed",
+        defaults={"arch": "50:500", "norm": "lrn", "batch_size": 64},
+        helps={"batch_size": "the paper preset's by default"},
+    )
+    p.add_argument(
+        "--steps",
+        type=count(40),
+        default=80,
+        metavar="N",
+        help="stop each run after N steps: at least 40, 20 for the first maximum and 20 for the last mean "
+        "(default 80: ~15 min loaded)",
+    )
+    p.add_argument(
+        "--lrs", type=POSITIVE, nargs="+", default=[0.01, 0.02], metavar="LR", help="peak rates (default 0.01 0.02)"
+    )
+    p.add_argument(
+        "--candidates",
+        type=one_of(CANDIDATES),
+        nargs="+",
+        default=list(CANDIDATES),
+        metavar="NAME",
+        help=f"of {', '.join(CANDIDATES)} (default: all)",
+    )
+    p.add_argument(
+        "--scale",
+        type=number(0, 1.000001, low_open=True, what="a factor"),
+        default=0.1,
+        help="'scaled': the weights' factor; 'fc-rate': the rate's, in (0, 1] (default 0.1)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=number(0, 1, what="a fraction"),
+        default=0.05,
+        help="learning-rate warm-up, a fraction of --steps (default 0.05)",
+    )
+    p.add_argument("--eval-images", type=count(1), default=2000, help="size of the fixed test subset (default 2000)")
+    p.add_argument("--data-dir", default="../shared/data", help="CIFAR-10's folder (default %(default)s)")
+    return p
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--arch", default="50:500", help="C1:C2 (default %(default)s, the paper's)")
-    p.add_argument("--norm", default="lrn", choices=NORMS, help="default %(default)s")
-    p.add_argument("--batch", type=int, default=64, help="default %(default)s, the paper preset's")
-    p.add_argument("--steps", type=int, default=80, help="steps per run (default %(default)s: ~15 min loaded; >= 40)")
-    p.add_argument("--lrs", type=parse_lrs, default=[0.01, 0.02], help="peak rates, e.g. 0.01,0.02 (the default)")
-    p.add_argument("--candidates", type=parse_candidates, default=list(CANDIDATES),
-                   help=f"comma-separated, from {', '.join(CANDIDATES)} (default: all)")  # fmt: skip
-    p.add_argument("--scale", type=float, default=0.1, help="'scaled': the weights' factor; 'fc-rate': the rate's")
-    p.add_argument("--warmup", type=float, default=0.05, help="warm-up, a fraction of --steps (default %(default)s)")
-    p.add_argument("--eval-images", type=int, default=2000, help="size of the fixed test subset (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="weights, shuffle and augmentation (default %(default)s)")
-    p.add_argument("--data-dir", default="../shared/data", help="CIFAR-10's folder (default %(default)s)")
-    args = p.parse_args()
-    if args.steps < 40:
-        p.error(f"--steps must be at least 40 (20 for the first maximum, 20 for the last mean), got {args.steps}")
-    if not 0 < args.scale <= 1:
-        p.error(f"--scale must be in (0, 1], got {args.scale}")
+    args = build_parser().parse_args()
     keep_freed_memory()
     data = load(args)
     runs = [(c, lr) for lr in args.lrs for c in args.candidates]
@@ -196,14 +207,22 @@ def main() -> None:
         rows.append(run_one(args, data, candidate, lr))
         r = rows[-1]
         tqdm.write(f"  {candidate:8s} lr {lr:g}: {r['steps']} steps, {r['seconds']:.0f} s, test {r['test_acc']:.3f}")
-    print(f"\n{args.arch} {args.norm}, batch {args.batch}, {args.steps} steps (warm-up {args.warmup:g} of them, then "
-          f"constant), seed {args.seed}, scale {args.scale:g}, test subset {args.eval_images}")  # fmt: skip
+    print(
+        f"\n{args.arch} {args.norm}, batch size {args.batch_size}, {args.steps} steps (warm-up {args.warmup:g} of "
+        f"them, then constant), seed {args.seed}, scale {args.scale:g}, test subset {args.eval_images}"
+    )
     print(f"{'candidate':10s} {'lr':>6s} {'max loss 1-20':>14s} {'mean loss last 20':>18s} {'test acc':>9s} diverged")
     for r in rows:
         why = " (NaN)" if r["nan"] else ""
-        print(f"{r['candidate']:10s} {r['lr']:6g} {r['max_first20']:14.3f} {r['mean_last20']:18.3f} "
-              f"{r['test_acc']:9.3f} {'yes' if r['diverged'] else 'no'}{why}")  # fmt: skip
+        print(
+            f"{r['candidate']:10s} {r['lr']:6g} {r['max_first20']:14.3f} {r['mean_last20']:18.3f} "
+            f"{r['test_acc']:9.3f} {'yes' if r['diverged'] else 'no'}{why}"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_init: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 POLL_S = 0.05  # how often the metrics file and /proc are read while the job runs
@@ -41,16 +42,16 @@ def rss_mb(pid: int) -> float:
 
 def main() -> None:
     head, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=100_000)
-    p.add_argument("--arch", default="6:6")
+    p = Parser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=count(1), default=100_000, metavar="N", help="stop the run after N steps (100000)")
+    add(p, "arch", defaults={"arch": "6:6"})
     args = p.parse_args()
     milestones = [s for s in (10, 100, 1_000, 10_000, 100_000) if s <= args.steps] + [args.steps]
     with tempfile.TemporaryDirectory(prefix="tinyconv-mem-") as tmp:
         metrics = Path(tmp) / "run.jsonl"
-        job = [sys.executable, str(ROOT / "examples/cifar10_dist.py"), "--dataset", "synthetic", "--arch", args.arch,
-               "--batch-size", "2", "--epochs", "1000", "--steps", str(args.steps), "--transport", "inproc",
-               "--workers", "2", "--plan", "equal", "--no-progress", "--metrics-out", str(metrics)]  # fmt: skip
+        job = [sys.executable, str(ROOT / "examples/cifar10_dist.py"), "--dataset", "synthetic", "--arch", args.arch]
+        job += ["--batch-size", "2", "--epochs", "1000", "--steps", str(args.steps), "--transport", "inproc"]
+        job += ["--workers", "2", "--plan", "equal", "--no-progress", "--metrics-out", str(metrics)]
         proc = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         rows, step, t0, seen, partial = [], 0, time.monotonic(), None, ""
         while proc.poll() is None and milestones:
@@ -77,4 +78,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_master_memory: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -23,7 +23,6 @@ command. Not a test: no asserts.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import inspect
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from backends.numpy_backend import NumpyBackend  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, arch  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 SHAPES = {"conv1 map": (64, 300, 32, 32), "conv2 map": (64, 1000, 16, 16)}
@@ -142,12 +142,41 @@ def op_calls(
     return calls
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=7)
+def map_rows(backends: dict, map_ops: list[str], repeats: int, rng: np.random.Generator, totals: dict) -> list:
+    """The rows of the ops on the conv maps (none without ``map_ops``), adding TOTAL_OPS' times to ``totals``."""
+    rows = []
+    for label, shape in SHAPES.items() if map_ops else ():
+        x = rng.standard_normal(shape, dtype=np.float32)
+        x_nan = np.where(rng.random(shape, dtype=np.float32) < 1e-4, np.float32(np.nan), x)
+        dy = rng.standard_normal(shape, dtype=np.float32)
+        n, c, h, w = shape
+        dy_pool = rng.standard_normal((n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1), dtype=np.float32)
+        calls = {name: op_calls(be, x, x_nan, dy, dy_pool, map_ops) for name, be in backends.items()}
+        for op in calls["now"]:
+            ms = medians_ms({name: calls[name][op] for name in backends}, repeats)
+            if op.rsplit(" ", 1)[0] in TOTAL_OPS:
+                for name in backends:
+                    totals[name] += ms[name]
+            row = (label, op, *(round(ms[name], 1) for name in backends))
+            rows.append(row + ((f"{ms['baseline'] / ms['now']:.2f}x",) if "baseline" in backends else ()))
+        del calls
+        del x, x_nan, dy, dy_pool
+    return rows
+
+
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    add(p, "repeats", defaults={"repeats": 7}, helps={"repeats": "calls of each op, interleaved"})
     p.add_argument("--baseline", metavar="FILE", help="another numpy_backend.py to time side by side")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)} (default: all)")
-    p.add_argument("--sgd-arch", default="300:1000", help="the network whose parameters 'sgd' updates (C1:C2)")
+    p.add_argument(
+        "--sgd-arch", type=arch, default="300:1000", metavar="C1:C2", help="the network whose parameters 'sgd' updates"
+    )
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     ops = args.ops.split(",")
     if not set(ops) <= set(OPS):
@@ -159,27 +188,8 @@ def main() -> None:
     backends = {name: module.NumpyBackend() for name, module in modules.items()}
 
     rng = np.random.default_rng(0)
-    rows = []
     totals = dict.fromkeys(backends, 0.0)
-    map_ops = [op for op in ops if op not in COLUMN_OPS and op != "sgd"]
-    for label, shape in SHAPES.items() if map_ops else ():
-        x = rng.standard_normal(shape, dtype=np.float32)
-        x_nan = np.where(rng.random(shape, dtype=np.float32) < 1e-4, np.float32(np.nan), x)
-        dy = rng.standard_normal(shape, dtype=np.float32)
-        n, c, h, w = shape
-        dy_pool = rng.standard_normal((n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1), dtype=np.float32)
-        calls = {name: op_calls(be, x, x_nan, dy, dy_pool, map_ops) for name, be in backends.items()}
-        for op in calls["now"]:
-            ms = medians_ms({name: calls[name][op] for name in backends}, args.repeats)
-            if op.rsplit(" ", 1)[0] in TOTAL_OPS:
-                for name in backends:
-                    totals[name] += ms[name]
-            row = (label, op, *(round(ms[name], 1) for name in backends))
-            if args.baseline:
-                row += (f"{ms['baseline'] / ms['now']:.2f}x",)
-            rows.append(row)
-        del calls
-        del x, x_nan, dy, dy_pool
+    rows = map_rows(backends, [op for op in ops if op not in COLUMN_OPS and op != "sgd"], args.repeats, rng, totals)
     if set(ops) & set(COLUMN_OPS):
         x = rng.standard_normal(CONV_X, dtype=np.float32)
         dcols = rng.standard_normal((CONV_X[1] * CONV_K**2, CONV_X[0] * CONV_X[2] * CONV_X[3]), dtype=np.float32)
@@ -215,4 +225,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_numpy_ops: error: {e}", file=sys.stderr)
+        sys.exit(2)

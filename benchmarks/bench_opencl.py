@@ -1,7 +1,7 @@
 """Benchmark: the OpenCL backend against the numpy reference and plain OpenBLAS SGEMM.
 
     python benchmarks/bench_opencl.py                      # the 50:500 layers and training step, batch 64
-    python benchmarks/bench_opencl.py --arch 50:500,150:800,300:1000,500:1500 --repeats 3
+    python benchmarks/bench_opencl.py --arch 50:500 150:800 300:1000 500:1500 --repeats 3
 
 Prints, for each convolution of the paper's network (conv1: 3 -> C1, 5x5 pad 2 on
 32x32; conv2: C1 -> C2, 5x5 pad 2 on 16x16), the median GFLOP/s of forward and of
@@ -18,7 +18,6 @@ that is excluded (one warm-up run). Timings call backend.synchronize().
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import statistics
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 from backends import get_backend  # noqa: E402
 from backends.base import Backend  # noqa: E402
 from tinyconv.model import paper_net, parse_arch  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 
 
 def median_time(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
@@ -256,31 +256,33 @@ def bench_step(backends: dict[str, Backend], arch: str, batch: int, repeats: int
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=64, help="batch size (default 64, the paper's)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is shown")
-    p.add_argument(
-        "--arch",
-        default="50:500",
-        help="comma-separated C1:C2 architectures (default 50:500; the paper's are "
-        "50:500,150:800,300:1000,500:1500); the training step uses the first",
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    add(
+        p,
+        "batch_size",
+        "repeats",
+        "arch",
+        "device",
+        many=("arch",),
+        defaults={"batch_size": 64, "repeats": 5, "arch": ["50:500"]},
+        helps={"arch": "one or more; the training step uses the first"},
     )
-    p.add_argument("--device", default=None, help="OpenCL device: P:D, gpu/cpu or a name substring")
     p.add_argument("--no-step", action="store_true", help="skip the training-step benchmark")
     p.add_argument(
         "--blas-threads",
-        type=int,
-        default=None,
+        type=count(1),
+        metavar="N",
         help="set OpenBLAS's thread count (default: leave it). On a loaded machine 1 can be "
         "much faster: OpenBLAS threads busy-wait for each other",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
-    for a in archs:
-        parse_arch(a)  # a clear error before any work
-    if args.batch < 1 or args.repeats < 1:
-        p.error("--batch and --repeats must be positive")
+    archs = args.arch
 
     if args.blas_threads is not None:
         set_threads = openblas_function("openblas_set_num_threads")
@@ -295,19 +297,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, be in backends.items():
         print(f"{name}: {be.describe()}")
     print(f"numpy {np.__version__}, {openblas_info()}")
-    print(f"batch {args.batch}, median of {args.repeats} runs\n")
+    print(f"batch size {args.batch_size}, median of {args.repeats} runs\n")
 
     rng = np.random.default_rng(0)
     print(f"{'convolution':<22} {'backend':<8} {'fwd ms':>9} {'GFLOP/s':>8}   {'bwd ms':>9} {'GFLOP/s':>8}")
-    for shape in conv_shapes(archs, args.batch):
+    for shape in conv_shapes(archs, args.batch_size):
         for row in bench_conv(backends, shape, args.repeats, rng):
             print(row, flush=True)
     if not args.no_step:
         print()
-        for row in bench_step(backends, archs[0], args.batch, args.repeats):
+        for row in bench_step(backends, archs[0], args.batch_size, args.repeats):
             print(row, flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print(f"bench_opencl: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,7 +1,7 @@
 """Benchmark: the OpenCL backend's per-element and per-row ops on the paper's maps, in GB/s.
 
     python benchmarks/bench_opencl_pool.py                  # 50:500, batch 64, 21 launches each
-    python benchmarks/bench_opencl_pool.py --arch 50:500 --batch 64 --repeats 41 --only pool
+    python benchmarks/bench_opencl_pool.py --arch 50:500 --batch-size 64 --repeats 41 --only pool
     python benchmarks/bench_opencl_pool.py --only im2col --nb 24       # the im2col kernels side by side
 
 For the maps of the paper's two layers -- conv1's output N x C1 x 32 x 32 and conv2's
@@ -48,6 +48,7 @@ from backends import get_backend  # noqa: E402
 from backends.numpy_backend import NumpyBackend, col2im, im2col  # noqa: E402
 from backends.opencl import conv  # noqa: E402
 from backends.opencl.gemm import cdiv  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 
 GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd", "im2col")
 
@@ -236,40 +237,47 @@ def col2im_ops(be, x_shape: tuple[int, ...], k: int, pad: int) -> tuple:
     return dcols.nbytes + dx.size * 4, calls, pick, lambda: col2im(dcols, x_shape, k, k, 1, pad)
 
 
-def main() -> None:
+def build_parser() -> Parser:
     head, _, rest = __doc__.partition("\n\n")
-    ap = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="50:500", help="C1:C2, the channels of the two conv layers (default %(default)s)")
-    ap.add_argument("--batch", type=int, default=64, help="default %(default)s")
-    ap.add_argument("--repeats", type=int, default=21, help="launches per op and variant (default %(default)s)")
-    ap.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="these ops only (default: all)")
-    ap.add_argument("--no-numpy", action="store_true", help="skip the numpy timings (faster)")
-    ap.add_argument("--nb", type=int, default=16, help="im2col's panel width, the GEMM's NB (default %(default)s)")
-    ap.add_argument("--device", help="OpenCL device: P:D, gpu/cpu or a name substring")
-    a = ap.parse_args()
-    if a.batch < 1 or a.repeats < 1:
-        ap.error("--batch and --repeats must be >= 1")
+    p = Parser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(
+        p,
+        "arch",
+        "batch_size",
+        "repeats",
+        "device",
+        defaults={"arch": "50:500", "batch_size": 64, "repeats": 21},
+        helps={"repeats": "launches of each op and variant"},
+    )
+    p.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="these ops only (default: all)")
+    p.add_argument("--no-numpy", action="store_true", help="skip the numpy timings (faster)")
+    p.add_argument("--nb", type=count(1), default=16, help="im2col's panel width, the GEMM's NB (default %(default)s)")
+    return p
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     c1, c2 = (int(c) for c in a.arch.split(":"))
     be, ref = get_backend("opencl", device=a.device, profile=True), NumpyBackend()
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
     timed, panels = [], []
-    for label, shape in (("conv1", (a.batch, c1, 32, 32)), ("conv2", (a.batch, c2, 16, 16))):
+    for label, shape in (("conv1", (a.batch_size, c1, 32, 32)), ("conv2", (a.batch_size, c2, 16, 16))):
         x = rng.standard_normal(shape, dtype=np.float32)
         timed += [
             (f"{label} {name}", *rest) for group, name, *rest in ops_of(be, ref, x, (c2, c1, 5, 5)) if group in a.only
         ]
     if "im2col" in a.only:
         for label, shape, k, pad, transposed in (
-            ("conv1 im2col", (a.batch, 3, 32, 32), 5, 2, False),
-            ("conv2 im2col", (a.batch, c1, 16, 16), 5, 2, False),
-            ("conv2 dx: dy panels", (a.batch, c2, 16, 16), 1, 0, False),
-            ("conv1 dW: im2row", (a.batch, 3, 32, 32), 5, 2, True),
-            ("conv2 dW: im2row", (a.batch, c1, 16, 16), 5, 2, True),
+            ("conv1 im2col", (a.batch_size, 3, 32, 32), 5, 2, False),
+            ("conv2 im2col", (a.batch_size, c1, 16, 16), 5, 2, False),
+            ("conv2 dx: dy panels", (a.batch_size, c2, 16, 16), 1, 0, False),
+            ("conv1 dW: im2row", (a.batch_size, 3, 32, 32), 5, 2, True),
+            ("conv2 dW: im2row", (a.batch_size, c1, 16, 16), 5, 2, True),
         ):
             x = rng.standard_normal(shape, dtype=np.float32)
             panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
-        panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch, c1, 16, 16), 5, 2)))
+        panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch_size, c1, 16, 16), 5, 2)))
     if timed:
         print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
     for name, nbytes, on_device, on_numpy in timed:
@@ -308,4 +316,8 @@ def numpy_cell(a: argparse.Namespace, on_numpy, nbytes: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_opencl_pool: error: {e}", file=sys.stderr)
+        sys.exit(2)

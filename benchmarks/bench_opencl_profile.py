@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from backends import get_backend  # noqa: E402
 from backends.base import Backend  # noqa: E402
-from tinyconv.model import NORMS, paper_net  # noqa: E402
+from tinyconv.model import paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.options import Parser, UsageError, add  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 OPS = tuple(
@@ -75,8 +76,8 @@ def steps(be: Backend, args: argparse.Namespace, repeats: int, after: Callable[[
     rng = np.random.default_rng(0)
     net = paper_net(args.arch, be, norm=args.norm, seed=0)
     opt = SGD(net, 0.01, 0.9, 5e-4)
-    x = be.asarray(rng.standard_normal((args.batch, 3, 32, 32), dtype=np.float32))
-    y = rng.integers(0, 10, args.batch)
+    x = be.asarray(rng.standard_normal((args.batch_size, 3, 32, 32), dtype=np.float32))
+    y = rng.integers(0, 10, args.batch_size)
     times = []
     for i in range(repeats + 1):
         be.synchronize()
@@ -125,18 +126,23 @@ def profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     head, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="50:500", help="conv1:conv2 kernel counts (default %(default)s)")
-    p.add_argument("--norm", default="lrn", choices=NORMS, help="default %(default)s")
-    p.add_argument("--batch", type=int, default=64, help="default %(default)s")
-    p.add_argument("--repeats", type=int, default=3, help="profiled steps after the warm-up (default %(default)s)")
-    p.add_argument("--device", help="OpenCL device: P:D, gpu/cpu or a name substring")
+    p = Parser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(
+        p,
+        "arch",
+        "norm",
+        "batch_size",
+        "repeats",
+        "device",
+        defaults={"arch": "50:500", "norm": "lrn", "batch_size": 64, "repeats": 3},
+        helps={"repeats": "profiled steps after the warm-up one"},
+    )
     args = p.parse_args()
-    if args.batch < 1 or args.repeats < 1:
-        p.error("--batch and --repeats must be >= 1")
     runs = {name: profile(name, args) for name in ("numpy", "opencl")}
     np_, cl_ = runs["numpy"], runs["opencl"]
-    print(f"paper_net {args.arch} ({args.norm}), batch {args.batch}, training step; OpenCL: {cl_['describe']}")
+    print(
+        f"paper_net {args.arch} ({args.norm}), batch size {args.batch_size}, training step; OpenCL: {cl_['describe']}"
+    )
     print(
         f"step (unobserved): numpy {np_['step']:.3f} s, opencl {cl_['step']:.3f} s, "
         f"opencl/numpy {cl_['step'] / np_['step']:.2f}x   (observed, with a sync after each op: "
@@ -178,4 +184,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_opencl_profile: error: {e}", file=sys.stderr)
+        sys.exit(2)

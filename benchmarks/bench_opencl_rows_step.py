@@ -26,25 +26,29 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import get_backend  # noqa: E402
-from tinyconv.model import NORMS, paper_net  # noqa: E402
+from tinyconv.model import paper_net  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.options import Parser, UsageError, add  # noqa: E402
 
 
 def main() -> None:
     head, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="50:500", help="conv1:conv2 kernel counts (default %(default)s)")
-    p.add_argument("--norm", default="lrn", choices=NORMS, help="default %(default)s")
-    p.add_argument("--batch", type=int, default=64, help="default %(default)s")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps of each (default %(default)s)")
-    p.add_argument("--device", help="OpenCL device: P:D, gpu/cpu or a name substring")
+    p = Parser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(
+        p,
+        "arch",
+        "norm",
+        "batch_size",
+        "repeats",
+        "device",
+        defaults={"arch": "50:500", "norm": "lrn", "batch_size": 64, "repeats": 5},
+        helps={"repeats": "timed steps of each, after a warm-up one"},
+    )
     a = p.parse_args()
-    if a.batch < 1 or a.repeats < 1:
-        p.error("--batch and --repeats must be >= 1")
     cl, ref = get_backend("opencl", device=a.device), get_backend("numpy")
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((a.batch, 3, 32, 32), dtype=np.float32)
-    y = rng.integers(0, 10, a.batch)
+    x = rng.standard_normal((a.batch_size, 3, 32, 32), dtype=np.float32)
+    y = rng.integers(0, 10, a.batch_size)
     runs = {}
     for name, be, rows in (("per-element", cl, False), ("rows", cl, True), ("numpy", ref, None)):
         net = paper_net(a.arch, be, norm=a.norm, seed=0)
@@ -62,7 +66,7 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
     med = {name: statistics.median(r[-1]) for name, r in runs.items()}
     print(
-        f"paper_net {a.arch} ({a.norm}), batch {a.batch}, {cl.rt.device.name.strip()}; "
+        f"paper_net {a.arch} ({a.norm}), batch size {a.batch_size}, {cl.rt.device.name.strip()}; "
         f"median of {a.repeats} steps each, taken in turn"
     )
     for name, t in med.items():
@@ -74,4 +78,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_opencl_rows_step: error: {e}", file=sys.stderr)
+        sys.exit(2)

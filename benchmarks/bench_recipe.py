@@ -53,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tinyconv.options import POSITIVE, Parser, UsageError, add, count, number  # noqa: E402
 from tinyconv.presets import PRESETS  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
@@ -61,11 +62,10 @@ EXAMPLE = ROOT / "examples" / "cifar10_dist.py"
 
 def run(args: argparse.Namespace, lr: float, classifier_lr: float, smoothing: float, metrics: Path) -> list[dict]:
     """One candidate's whole run; its epoch lines from the metrics file (those it finished)."""
-    cmd = [sys.executable, str(EXAMPLE), "--preset", args.preset, "--workers", "0", "--backend", args.backend,
-           "--epochs", str(args.epochs), "--lr", str(lr), "--classifier-lr", str(classifier_lr),
-           "--label-smoothing", str(smoothing),
-           "--metrics-out", str(metrics), "--no-progress", "--seed", "0"]  # fmt: skip
-    cmd += ["--arch", args.arch] if args.arch else []
+    cmd = [sys.executable, str(EXAMPLE), "--preset", args.preset, "--workers", "0", "--backend", args.backend]
+    cmd += ["--epochs", str(args.epochs), "--lr", str(lr), "--classifier-lr", str(classifier_lr)]
+    cmd += ["--label-smoothing", str(smoothing), "--metrics-out", str(metrics), "--no-progress", "--seed", "0"]
+    cmd += ["--arch", args.arch]
     cmd += ["--data-dir", args.data_dir] if args.data_dir else []
     cmd += ["--dataset", args.dataset]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -75,25 +75,30 @@ def run(args: argparse.Namespace, lr: float, classifier_lr: float, smoothing: fl
     return [r for r in lines if r["event"] == "epoch"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=PRESETS, default="quick", help="the recipe the candidates change (%(default)s)")
-    p.add_argument("--arch", default="64:128", help="C1:C2 beside the preset's (default %(default)s; '' keeps it)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
-    p.add_argument("--classifier-lrs", type=float, nargs="+", default=[1.0, 0.1])
+    add(p, "arch", defaults={"arch": "64:128"}, helps={"arch": "given beside the preset's"})
+    p.add_argument("--epochs", type=count(1), default=2, metavar="N", help="(default 2)")
+    rates = {"type": POSITIVE, "nargs": "+", "metavar": "LR"}
+    p.add_argument("--lrs", **rates, default=[0.02, 0.05, 0.1], help="peak rates (default 0.02 0.05 0.1)")
+    p.add_argument("--classifier-lrs", **rates, default=[1.0, 0.1], help="the classifier's factors (default 1 0.1)")
     p.add_argument(
         "--label-smoothing",
-        type=float,
+        type=number(0, 1, what="a fraction"),
         nargs="+",
         default=[0.0],
         metavar="EPS",
         help="label smoothing values to compare (default 0: none)",
     )
-    p.add_argument("--backend", default="opencl", help="the master's (default %(default)s)")
+    add(p, "backend", defaults={"backend": "opencl"}, helps={"backend": "the master's"})
     p.add_argument("--data-dir", help="CIFAR-10's folder (default: the main job's)")
     p.add_argument("--dataset", choices=("cifar10", "synthetic"), default="cifar10", help="synthetic: a smoke run")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (c, lr, eps) in enumerate(itertools.product(args.classifier_lrs, args.lrs, args.label_smoothing)):
@@ -110,11 +115,14 @@ def main() -> None:
         format_table(
             ("lr", "classifier", "smoothing", "test acc % by epoch", "train loss first / last", "diverged", "minutes"),
             rows,
-            title=f"--preset {args.preset} --arch {args.arch or '(its own)'}, {args.epochs} epochs, master alone, "
-            f"{args.backend}",
+            title=f"--preset {args.preset} --arch {args.arch}, {args.epochs} epochs, master alone, {args.backend}",
         )
     )
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_recipe: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tinyconv.lab.experiment.cpu_quota import CpuQuota, unavailable  # noqa: E402
+from tinyconv.options import NON_NEGATIVE, Parser, UsageError, add, count  # noqa: E402
 
 
 def free_port() -> int:
@@ -48,8 +49,8 @@ def keys(folder: Path) -> dict[str, str]:
     ``folder/authorized``; returns each worker's public key (z85), by which the metrics file names it."""
     for name in ("master", "w0", "w1"):
         where = folder / ("authorized" if name != "master" else "")
-        subprocess.run([sys.executable, "-m", "tinyconv.cli", "keygen", "--name", name, str(where)], check=True,
-                       capture_output=True)  # fmt: skip
+        keygen = [sys.executable, "-m", "tinyconv.cli", "keygen", "--name", name, str(where)]
+        subprocess.run(keygen, check=True, capture_output=True)
     text = {name: (folder / "authorized" / f"{name}.key").read_text() for name in ("w0", "w1")}
     return {name: t.split('public-key = "')[1].split('"')[0] for name, t in text.items()}
 
@@ -60,13 +61,13 @@ def run(args: argparse.Namespace, out: Path, folder: Path) -> int:
     public = keys(folder)
     address = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    master = [sys.executable, str(ROOT / "examples/cifar10_dist.py"), "--no-progress", "--dataset", "synthetic",
-              "--arch", args.arch, "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--epochs", "1",
-              "--master-share", "0", "--transport", "zmq", "--external-workers", "--workers", "2", "--bind", address,
-              "--start-timeout", "60", "--metrics-out", str(out), "--key", str(folder / "master.key_secret"),
-              "--authorized-keys", str(folder / "authorized")]  # fmt: skip
-    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", address, "--threads", "1", "--quiet",
-              "--master-key", str(folder / "master.key")]  # fmt: skip
+    master = [sys.executable, str(ROOT / "examples/cifar10_dist.py"), "--no-progress", "--dataset", "synthetic"]
+    master += ["--arch", args.arch, "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--epochs", "1"]
+    master += ["--master-share", "0", "--transport", "zmq", "--external-workers", "--workers", "2", "--bind", address]
+    master += ["--start-timeout", "60", "--metrics-out", str(out), "--key", str(folder / "master.key_secret")]
+    master += ["--authorized-keys", str(folder / "authorized")]
+    worker = [sys.executable, "-m", "tinyconv.distributed.worker", "--connect", address, "--threads", "1"]
+    worker += ["--no-progress", "--master-key", str(folder / "master.key")]
     limited = not unavailable() and all(c > 0 for c in args.cores)
     with ExitStack() as stack:
         procs = [subprocess.Popen(master, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)]
@@ -84,31 +85,59 @@ def run(args: argparse.Namespace, out: Path, folder: Path) -> int:
     return [w["key"] for w in started["workers"]].index(public["w1"])
 
 
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0], epilog="see the module docstring")
+    p.add_argument(
+        "--cores",
+        type=NON_NEGATIVE,
+        nargs=2,
+        default=[1.0, 0.5],
+        metavar="CORES",
+        help="each worker's CPU quota, in cores (default 1 0.5; 0 0: no quotas)",
+    )
+    add(
+        p,
+        "slowdown",
+        "arch",
+        "batch_size",
+        many=("slowdown",),
+        defaults={"slowdown": [1.0, 1.0], "arch": "30:90", "batch_size": 32},
+        helps={"slowdown": "each worker's, two of them"},
+    )
+    p.add_argument("--steps", type=count(1), default=30, metavar="N", help="stop the run after N steps (default 30)")
+    add(p, "out", helps={"out": "keep the master's metrics file here"})
+    return p
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="see the module docstring")
-    p.add_argument("--cores", type=float, nargs=2, default=[1.0, 0.5], help="each worker's quota (default 1 0.5)")
-    p.add_argument("--slowdown", type=float, nargs=2, default=[1.0, 1.0], help="each worker's --slowdown")
-    p.add_argument("--arch", default="30:90")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--out", type=Path, help="keep the master's metrics file here")
+    p = build_parser()
     args = p.parse_args()
+    if len(args.slowdown) != 2:
+        p.error(f"--slowdown takes one factor for each of the two workers, got {len(args.slowdown)}")
     with tempfile.TemporaryDirectory() as tmp:
-        out = args.out or Path(tmp) / "run.jsonl"
+        out = Path(args.out) if args.out else Path(tmp) / "run.jsonl"
         slow = run(args, out, Path(tmp))
         steps = [e for e in map(json.loads, out.read_text().splitlines()) if e["event"] == "step"]
     conv2 = sum(steps[0]["shares"]["conv2"])
-    print(f"workers at {args.cores[0]:g} and {args.cores[1]:g} core, --slowdown {args.slowdown[0]:g} and "
-          f"{args.slowdown[1]:g}; the second (the slow one) is worker {slow}")  # fmt: skip
+    print(
+        f"workers at {args.cores[0]:g} and {args.cores[1]:g} core, --slowdown {args.slowdown[0]:g} and "
+        f"{args.slowdown[1]:g}; the second (the slow one) is worker {slow}"
+    )
     print("step  time_s  conv1  conv2  conv2 share")
     for e in steps:
         c1, c2 = e["shares"]["conv1"][slow], e["shares"]["conv2"][slow]
         print(f"{e['step']:4d}  {e['time_s']:6.3f}  {c1:5d}  {c2:5d}  {c2 / conv2:.2f}")
     late = steps[len(steps) // 2 :]
-    print(f"last {len(late)} steps: median step {statistics.median(e['time_s'] for e in late):.3f} s, median conv2 "
-          f"share {statistics.median(e['shares']['conv2'][slow] / conv2 for e in late):.2f}")  # fmt: skip
+    print(
+        f"last {len(late)} steps: median step {statistics.median(e['time_s'] for e in late):.3f} s, median conv2 "
+        f"share {statistics.median(e['shares']['conv2'][slow] / conv2 for e in late):.2f}"
+    )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print(f"bench_slow_worker: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -3,7 +3,7 @@
 
     python benchmarks/bench_spot_check.py                          # conv2 of 50:500, a third of it, batch 64
     python benchmarks/bench_spot_check.py --split channels         # the same, split by input channels
-    python benchmarks/bench_spot_check.py --split images --norm batch  # a replica on a third of the batch
+    python benchmarks/bench_spot_check.py --parallel data --norm batch  # a replica on a third of the batch
     python benchmarks/bench_spot_check.py --norm batch             # conv2's tail with batch norm, not LRN
     python benchmarks/bench_spot_check.py --worker-backend opencl --honest-steps 10000 --arch 16:32 --batch-size 32
 
@@ -12,9 +12,9 @@ LRN (``--norm batch``: batch norm), max pool -- on a share of it: by kernels (``
 the block of a third of its kernels and their halo; by input channels, the middle one of three, a
 third of its input channels for every kernel and the tail of a third of the kernels, in chunks of 32
 images, the others' partial sums and
-conv-output gradients random; by images (``--split images``, data parallelism), a whole replica of the
+conv-output gradients random; by images (``--parallel data``, data parallelism), a whole replica of the
 paper's network (``--norm``) on a third of the batch, which the master replays. The master samples its
-results with the default budget, priced at its
+results within ``--spot-check`` (the main job's default budget), priced at its
 own speed on a like share (the worker's, step by step, when both run numpy; else timed every 50 steps).
 Printed: over ``--honest-steps`` honest steps, the samples taken, false alarms (should be 0), the
 backward disagreements a second sample forgave, and the cost: the master's seconds on samples
@@ -48,6 +48,7 @@ from tinyconv.distributed.shard.by_channels import PIPELINE  # noqa: E402
 from tinyconv.distributed.spot_check import SpotCheck  # noqa: E402
 from tinyconv.distributed.worker.handler import Worker  # noqa: E402
 from tinyconv.model import paper_net  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, count, number  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 from transports.base import Message  # noqa: E402
 
@@ -71,7 +72,7 @@ Check = SpotCheck | ReplayCheck
 
 def check(args: argparse.Namespace, seed: int) -> Check:
     """The master's check of the split: samples of a model split's tasks, or replays of a replica's."""
-    return ReplayCheck(args.budget) if args.split == "images" else SpotCheck(args.budget, seed=seed)
+    return ReplayCheck(args.spot_check) if args.way == "images" else SpotCheck(args.spot_check, seed=seed)
 
 
 def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tuple[str, dict, dict]], int]:
@@ -79,14 +80,14 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
     c, total = (int(v) for v in args.arch.split(":"))
     n, hw = args.batch_size, 16
     tail, e = (TAIL, 4) if args.norm == "lrn" else (BN_TAIL, 0)  # e: LRN's halo; batch norm has none
-    if args.split == "images":  # a replica on 1/SHARE of the batch, the weights sent whole
+    if args.way == "images":  # a replica on 1/SHARE of the batch, the weights sent whole
         net, m = paper_net(args.arch, get_backend("numpy"), args.norm, seed=0), n // args.share
         x, y = rng.standard_normal((m, 3, 32, 32), dtype=np.float32), rng.integers(0, 10, m)
         arrays = {"x": x, "y": y, "params": flat.pack(net)} | (
             {"buffers": b} if (b := flat.pack(net, "buffers")).size else {}
         )
         return [("replica_step", {"net": spec_of(net), "batch": n}, arrays)], m
-    if args.split == "kernels":  # it owns 1/SHARE of the kernels, computes them and their halo over all of x
+    if args.way == "kernels":  # it owns 1/SHARE of the kernels, computes them and their halo over all of x
         f = total // args.share + 2 * e
         x = rng.standard_normal((n, c, hw, hw), dtype=np.float32)
         w = rng.standard_normal((f, c, 5, 5), dtype=np.float32) / np.float32(np.sqrt(c * 25))
@@ -188,27 +189,38 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
     return {"lost_at": None, "compute_s": compute}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--arch", default="50:500", help="conv1:conv2 kernels; the worker gets conv2 (default 50:500)")
-    p.add_argument(
-        "--split",
-        choices=("kernels", "channels", "images"),
-        default="kernels",
-        help="how conv2 is split; images: data parallelism, a whole replica replayed (default kernels)",
-    )
-    p.add_argument(
-        "--norm", default="lrn", choices=("lrn", "batch"), help="conv2's normalisation, or the replica's (default lrn)"
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add(
+        p,
+        "arch",
+        "parallel",
+        "split",
+        "norm",
+        "batch_size",
+        defaults={"arch": "50:500", "parallel": "model", "split": "kernels", "norm": "lrn", "batch_size": 64},
+        helps={
+            "arch": "the worker gets conv2",
+            "parallel": "here model (conv2 split, its tasks sampled) or data (a whole replica, replayed)",
+            "split": "here conv2's, with --parallel model (auto: channels, the worker being in this process)",
+            "norm": "conv2's tail's, or the replica's: lrn or batch",
+        },
     )
     p.add_argument(
         "--share",
-        type=int,
+        type=count(1),
         default=3,
-        help="the worker owns 1/SHARE of conv2's kernels (and input channels) (default 3)",
+        metavar="SHARE",
+        help="the worker owns 1/SHARE of conv2's kernels (and input channels), or of the batch (default 3)",
     )
-    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--worker-backend", default="numpy", help="the worker's backend; the master's is numpy")
-    p.add_argument("--budget", type=float, default=0.03, help="the spot check's share of each worker's work")
+    p.add_argument(
+        "--spot-check",
+        type=number(0, 1, low_open=True, what="a fraction"),
+        default=0.03,
+        metavar="FRACTION",
+        help="the master's samples in at most this fraction of each worker's work, as the main job's (default 0.03)",
+    )
     p.add_argument(
         "--master-share",
         choices=("auto", "0"),
@@ -216,27 +228,41 @@ def main() -> None:
         help="auto: the master computes a share too, and its speed on it prices the budget (the cluster's default); "
         "0: it only coordinates, and its image samples price it",
     )
-    p.add_argument("--honest-steps", type=int, default=200)
-    p.add_argument("--fault-steps", type=int, default=60, help="steps each wrong worker runs at most")
+    p.add_argument("--honest-steps", type=count(1), default=200, metavar="N", help="(default 200)")
     p.add_argument(
-        "--fault-from", type=int, default=11, help="the step its fault starts at: honest before, sampled as usual"
+        "--fault-steps", type=count(1), default=60, metavar="N", help="steps each wrong worker runs at most (60)"
     )
-    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument(
+        "--fault-from",
+        type=count(1),
+        default=11,
+        metavar="N",
+        help="the step its fault starts at: honest before, sampled as usual (default 11)",
+    )
+    p.add_argument("--seeds", type=count(1), default=5, metavar="N", help="runs of each wrong worker (default 5)")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
+    if args.parallel == "hybrid" or args.norm == "none":
+        p.error(f"--parallel {args.parallel} --norm {args.norm}: this benchmark takes model or data, lrn or batch")
+    args.way = "images" if args.parallel == "data" else "channels" if args.split == "auto" else args.split
 
     spot = check(args, seed=0)
     honest = steps(args, spot, args.honest_steps, None, seed=0)
     print(
-        f"honest: {args.honest_steps} steps of {'a replica' if args.split == 'images' else 'conv2'} of {args.arch} "
-        f"split by {args.split}, 1/{args.share} of it, "
+        f"honest: {args.honest_steps} steps of {'a replica' if args.way == 'images' else 'conv2'} of {args.arch} "
+        f"split by {args.way}, 1/{args.share} of it, "
         f"batch {args.batch_size}, worker on {args.worker_backend}, master on numpy"
     )
     print(f"  lost at step {honest['lost_at']} (a false alarm)" if honest["lost_at"] else "  false alarms: 0")
     print(f"  samples {spot.samples}, forgiven {getattr(spot, 'forgiven', 0)}")
     print(
         f"  cost: {spot.seconds:.3f} s of the master against {honest['compute_s']:.3f} s of the worker "
-        f"({100 * spot.seconds / honest['compute_s']:.2f} %; budget {100 * args.budget:g} % of the worker's work at "
-        f"the master's speed: {spot.earned:.3f} s)"
+        f"({100 * spot.seconds / honest['compute_s']:.2f} %; budget {100 * args.spot_check:g} % of the worker's "
+        f"work at the master's speed: {spot.earned:.3f} s)"
     )
     rows = []
     for name, spoil in FAULTS.items():
@@ -250,4 +276,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_spot_check: error: {e}", file=sys.stderr)
+        sys.exit(2)

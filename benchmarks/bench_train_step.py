@@ -17,12 +17,11 @@ memory for reuse, as the main job does (tinyconv/distributed/heap.py; --keep-fre
 default). ``--breakdown`` adds tinyconv's median time per layer, forward and backward. Not a
 test: no asserts. PyTorch is optional (`pip install torch`); without it only tinyconv's times print.
 
-    python benchmarks/bench_train_step.py --norm batch --batch 128 --arch 48:96 --breakdown
+    python benchmarks/bench_train_step.py --norm batch --batch-size 128 --arch 48:96 --breakdown
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
 from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU  # noqa: E402
 from tinyconv.model import Network, paper_net, parse_arch  # noqa: E402
 from tinyconv.optim import SGD  # noqa: E402
+from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 5e-4
@@ -166,13 +166,19 @@ def blas_info() -> str:
         return "threadpoolctl not installed (numpy.show_config() names the BLAS)"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="50:500")
-    p.add_argument("--norm", default="lrn", choices=("lrn", "batch", "none"))
-    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--backend", default="numpy")
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    add(
+        p,
+        "arch",
+        "norm",
+        "batch_size",
+        "repeats",
+        "backend",
+        many=("batch_size",),
+        defaults={"arch": "50:500", "norm": "lrn", "batch_size": [64, 256], "repeats": 7, "backend": "numpy"},
+        helps={"repeats": "steps of each, after a warm-up one", "backend": "tinyconv's"},
+    )
     p.add_argument(
         "--keep-freed-memory",
         choices=("on", "off"),
@@ -181,24 +187,29 @@ def main() -> None:
     )
     p.add_argument("--breakdown", action="store_true", help="also tinyconv's median ms per layer, forward and backward")
     p.add_argument(
-        "--threads",
-        type=int,
+        "--torch-threads",
+        type=count(1),
         default=os.cpu_count() or 1,
-        help="torch threads; set OPENBLAS_NUM_THREADS yourself to pin numpy's",
+        metavar="N",
+        help="PyTorch's threads (default: the cores); set OPENBLAS_NUM_THREADS yourself to pin numpy's",
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.keep_freed_memory == "on":
         keep_freed_memory()
     arch = parse_arch(args.arch)
-    print(f"network {args.arch} norm={args.norm}, threads={args.threads}, BLAS: {blas_info()}")
+    print(f"network {args.arch} norm={args.norm}, torch threads={args.torch_threads}, BLAS: {blas_info()}")
     rows, losses, breakdowns = [], [], []
-    for batch in args.batch:
+    for batch in args.batch_size:
         rng = np.random.default_rng(0)
         x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
         y = rng.integers(0, 10, batch)
         net = paper_net(arch, get_backend(args.backend), args.norm, seed=0)
         state = net.state_dict()  # the starting weights, for the twin
-        twin = torch_step(net, state, x, y, args.threads)
+        twin = torch_step(net, state, x, y, args.torch_threads)
         results = in_turn([tinyconv_step(net, x, y)] + ([twin] if twin else []), args.repeats)
         tc = float(np.median(results[0][0]))
         if args.breakdown:
@@ -230,4 +241,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_train_step: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,7 +1,7 @@
 """Benchmark: bf16 wire words converted on the OpenCL device or on the host, for the paper's conv2.
 
     python benchmarks/bench_wire_convert.py                     # 50:500, batch 64, 15 repeats
-    python benchmarks/bench_wire_convert.py --arch 50:500 --batch 64 --repeats 31
+    python benchmarks/bench_wire_convert.py --arch 50:500 --batch-size 64 --repeats 31
 
 A worker narrows its results before they go back and widens the narrowed inputs it receives
 (tinyconv/distributed/wire_codec.py). For an array on an OpenCL device there are two ways, giving the
@@ -48,24 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backends import get_backend  # noqa: E402
 from backends.base import Backend  # noqa: E402
 from tinyconv.distributed import wire_precision  # noqa: E402
-
-
-def arch(text: str) -> tuple[int, int]:
-    """C1:C2 -> (C1, C2), for argparse."""
-    try:
-        c1, c2 = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--arch takes C1:C2, two channel counts like 50:500; got {text!r}") from None
-    if c1 < 1 or c2 < 1:
-        raise argparse.ArgumentTypeError(f"--arch: channel counts must be >= 1, got {text!r}")
-    return c1, c2
-
-
-def positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from tinyconv.options import Parser, UsageError, add  # noqa: E402
 
 
 def medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -102,35 +85,56 @@ def time_conversions(be: Backend, host: np.ndarray, repeats: int) -> dict[str, f
     return medians({"nh": narrow_host, "nd": narrow_device, "wh": widen_host, "wd": widen_device}, repeats)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(
+        p,
+        "arch",
+        "batch_size",
+        "repeats",
+        "device",
+        defaults={"arch": "50:500", "batch_size": 64, "repeats": 15},
+        helps={"repeats": "timed rounds of each way, after a warm-up one"},
     )
-    p.add_argument("--arch", type=arch, default=(50, 500), help="conv1:conv2 channels (default 50:500)")
-    p.add_argument("--batch", type=positive, default=64, help="images per batch (default 64)")
-    p.add_argument("--repeats", type=positive, default=15, help="timed rounds per variant (default 15)")
-    p.add_argument("--device", default=None, help="OpenCL device (as tinyconv's --device; default: the first)")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     be = get_backend("opencl", device=args.device, autotune=False)
     chosen = "device" if be.wire_on_device else "host"
     be.wire_on_device = True  # time the device path whatever the backend would choose
     d = be.describe()
-    print(f"device: {d['device']} ({d['kind']}, {d['compute_units']} compute units); the backend converts "
-          f"bf16 on the {chosen} by default")  # fmt: skip
-    c1, c2 = args.arch
+    print(
+        f"device: {d['device']} ({d['kind']}, {d['compute_units']} compute units); the backend converts "
+        f"bf16 on the {chosen} by default"
+    )
+    c1, c2 = (int(c) for c in args.arch.split(":"))
     rng = np.random.default_rng(0)
-    print(f"{'map':<28} {'MB f32':>7} {'narrow host':>12} {'narrow dev':>11} {'widen host':>11} "
-          f"{'widen dev':>10}   cheaper")  # fmt: skip
-    for what, shape in (("conv2 output", (args.batch, c2, 16, 16)), ("conv2 input", (args.batch, c1, 16, 16))):
+    print(
+        f"{'map':<28} {'MB f32':>7} {'narrow host':>12} {'narrow dev':>11} {'widen host':>11} "
+        f"{'widen dev':>10}   cheaper"
+    )
+    for what, shape in (
+        ("conv2 output", (args.batch_size, c2, 16, 16)),
+        ("conv2 input", (args.batch_size, c1, 16, 16)),
+    ):
         host = rng.standard_normal(shape, dtype=np.float32)
         t = time_conversions(be, host, args.repeats)
-        cheaper = (f"narrow on the {'device' if t['nd'] < t['nh'] else 'host'} ({t['nh'] / t['nd']:.2f}x), "
-                   f"widen on the {'device' if t['wd'] < t['wh'] else 'host'} ({t['wh'] / t['wd']:.2f}x)")  # fmt: skip
+        cheaper = (
+            f"narrow on the {'device' if t['nd'] < t['nh'] else 'host'} ({t['nh'] / t['nd']:.2f}x), "
+            f"widen on the {'device' if t['wd'] < t['wh'] else 'host'} ({t['wh'] / t['wd']:.2f}x)"
+        )
         label = f"{what} {'x'.join(map(str, shape))}"
-        print(f"{label:<28} {host.nbytes / 1e6:7.1f} {t['nh'] * 1e3:12.2f} {t['nd'] * 1e3:11.2f} "
-              f"{t['wh'] * 1e3:11.2f} {t['wd'] * 1e3:10.2f}   {cheaper}")  # fmt: skip
+        print(
+            f"{label:<28} {host.nbytes / 1e6:7.1f} {t['nh'] * 1e3:12.2f} {t['nd'] * 1e3:11.2f} "
+            f"{t['wh'] * 1e3:11.2f} {t['wd'] * 1e3:10.2f}   {cheaper}"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print(f"bench_wire_convert: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -14,7 +14,7 @@ pip-installed from the local wheels of ``--wheels DIR`` (--no-index), only those
    itself and every process it starts. The device: ``--device``, else the first GPU
    ($TINYCONV_OPENCL_DEVICE, which the backend, the conformance suite and the worker honour, is set to it).
 2. conformance: the conformance suite on that device (pytest tests/test_conformance.py -k opencl_conforms).
-3. gemm: conv2 of the paper's networks (--gemm-archs) at --batch, forward and backward GFLOP/s on the
+3. gemm: conv2 of the paper's networks (--gemm-archs) at --batch-size, forward and backward GFLOP/s on the
    OpenCL backend, beside torch on the same GPU (CUDA or ROCm): ``torch.matmul`` of the same GEMM
    shapes (cuBLAS / rocBLAS) and ``conv2d`` (cuDNN / MIOpen), in float32 with TF32 off.
 4. step: a training step (forward, loss, backward, SGD) of paper_net(--arch) on the OpenCL backend,
@@ -51,6 +51,9 @@ from unittest.mock import patch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tinyconv.options import PAPER_ARCHS, Parser, UsageError, add, count  # noqa: E402
+from tinyconv.options import arch as c1_c2  # noqa: E402
+
 # import name -> distribution: what the run needs beyond numpy and torch
 NEEDED = {"pyopencl": "pyopencl", "zmq": "pyzmq", "msgpack": "msgpack", "tqdm": "tqdm", "pytest": "pytest"}
 VENDOR_LIBRARIES = {
@@ -59,9 +62,17 @@ VENDOR_LIBRARIES = {
     "intel": ("libigdrcl.so",),
 }
 LIBRARY_DIRS = (
-    "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib",
-    "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/opt/rocm/lib", "/opt/rocm/opencl/lib", "/usr/lib/wsl/lib",
-)  # fmt: skip
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+    "/usr/local/nvidia/lib64",
+    "/usr/local/nvidia/lib",
+    "/opt/rocm/lib",
+    "/opt/rocm/opencl/lib",
+    "/usr/lib/wsl/lib",
+)
 INSTALL = (
     "install the vendor's driver with its OpenCL runtime: NVIDIA's driver (libnvidia-opencl.so.1; Debian/Ubuntu "
     "package libnvidia-compute-<version>), AMD ROCm (rocm-opencl-runtime: libamdocl64.so), Intel's compute-runtime "
@@ -69,7 +80,8 @@ INSTALL = (
 )
 BUDGETS = {"conformance": 90.0, "gemm": 120.0, "step": 60.0, "split": 150.0}  # seconds
 TOTAL_S, MIN_BUDGET_S = 450.0, 5.0  # the parts end within 7.5 minutes of the start, whatever their budgets
-DRY_RUN = {"gemm_archs": "50:500", "arch": "50:500", "batch": 8, "repeats": 1, "steps": 2, "warmup": 1}
+DRY_RUN = {"gemm_archs": ["50:500"], "arch": "50:500", "batch_size": 8, "repeats": 1, "timed_steps": 2}
+DRY_RUN["untimed_steps"] = 1
 
 
 # ------------------------------------------------------------------ packages and driver (stdlib only)
@@ -152,9 +164,13 @@ def find_driver(vendors_dir: Path | None = None) -> dict[str, Any]:
             written[str(out / f"{vendor}-tinyconv.icd")] = lib
         os.environ["OCL_ICD_VENDORS"] = str(out)
     return {
-        "icd_dirs": [str(d) for d in dirs], "icd_files": icds, "library_dirs": library_dirs(),
-        "vendor_libraries": libs, "icd_written": written, "OCL_ICD_VENDORS": os.environ.get("OCL_ICD_VENDORS"),
-    }  # fmt: skip
+        "icd_dirs": [str(d) for d in dirs],
+        "icd_files": icds,
+        "library_dirs": library_dirs(),
+        "vendor_libraries": libs,
+        "icd_written": written,
+        "OCL_ICD_VENDORS": os.environ.get("OCL_ICD_VENDORS"),
+    }
 
 
 def set_host_threads(n: int) -> None:
@@ -241,10 +257,14 @@ def run_conformance(budget: float) -> dict[str, Any]:
     if done.returncode not in (0, 1) or not counts:  # 0: all passed, 1: some failed; else pytest itself failed
         return {"status": "failed", "error": f"pytest exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}"}
     return {
-        "status": "ran", "command": "python " + " ".join(command), "seconds": time.perf_counter() - t,
-        "passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0),
-        "skipped": counts.get("skipped", 0), "failures": [x for x in lines if x.startswith(("FAILED", "ERROR"))][:20],
-    }  # fmt: skip
+        "status": "ran",
+        "command": "python " + " ".join(command),
+        "seconds": time.perf_counter() - t,
+        "passed": counts.get("passed", 0),
+        "failed": counts.get("failed", 0) + counts.get("error", 0),
+        "skipped": counts.get("skipped", 0),
+        "failures": [x for x in lines if x.startswith(("FAILED", "ERROR"))][:20],
+    }
 
 
 # ------------------------------------------------------------------ 3. gemm
@@ -353,16 +373,27 @@ def run_gemm(archs: list[str], batch: int, repeats: int, budget: float) -> dict[
             row.update({"status": "failed", "error": f"{type(e).__name__}: {e}"})
         rows.append(row)
         per_flop = (time.monotonic() - t) / sum(flop)
-    return {"status": "ran", "device": be.describe(), "torch": torch_note if torch else None,
-            "torch_skipped": None if torch else torch_note, "batch": batch, "rows": rows}  # fmt: skip
+    return {
+        "status": "ran",
+        "device": be.describe(),
+        "torch": torch_note if torch else None,
+        "torch_skipped": None if torch else torch_note,
+        "batch": batch,
+        "rows": rows,
+    }
 
 
 def gemm_figures(be, torch, shape, repeats: int, deadline: float) -> dict[str, Any]:
     """One shape's GFLOP/s: the OpenCL backend's convolution, and torch's GEMMs and convolution (with torch)."""
     fwd_flop, bwd_flop = gemm_flop(shape)
     fwd, bwd = time_tinyconv(be, shape, repeats, deadline)
-    row = {"status": "ran", "fwd_gflop": fwd_flop / 1e9, "bwd_gflop": bwd_flop / 1e9,
-           "opencl_fwd_gflops": fwd_flop / fwd / 1e9, "opencl_bwd_gflops": bwd_flop / bwd / 1e9}  # fmt: skip
+    row = {
+        "status": "ran",
+        "fwd_gflop": fwd_flop / 1e9,
+        "bwd_gflop": bwd_flop / 1e9,
+        "opencl_fwd_gflops": fwd_flop / fwd / 1e9,
+        "opencl_bwd_gflops": bwd_flop / bwd / 1e9,
+    }
     if torch is not None:
         times = time_torch(torch, shape, repeats, deadline)
         row.update(
@@ -391,9 +422,16 @@ def run_step(arch: str, norm: str, batch: int, repeats: int, budget: float, host
     times, start = {}, time.monotonic()
     for i, name in enumerate(tqdm(("opencl", "numpy"), desc=f"step: {arch} batch {batch}", disable=None)):
         times[name] = step_times(get_backend(name), arch, norm, batch, repeats, start + budget * (i + 1) / 2)
-    return {"status": "ran", "arch": arch, "norm": norm, "batch": batch, "host_threads": host_threads,
-            "opencl_step_s": times["opencl"], "numpy_step_s": times["numpy"],
-            "opencl_speedup": times["numpy"] / times["opencl"]}  # fmt: skip
+    return {
+        "status": "ran",
+        "arch": arch,
+        "norm": norm,
+        "batch": batch,
+        "host_threads": host_threads,
+        "opencl_step_s": times["opencl"],
+        "numpy_step_s": times["numpy"],
+        "opencl_speedup": times["numpy"] / times["opencl"],
+    }
 
 
 # ------------------------------------------------------------------ 5. split
@@ -468,10 +506,10 @@ def run_split(args: argparse.Namespace, budget: float, numpy_step_s: float | Non
     from tinyconv.lab.experiment.workers import grid_workers
 
     deadline = time.monotonic() + budget
-    arch = fit_arch(args.arch, args.batch, numpy_step_s, 4 * args.steps + args.warmup + 6, budget)
+    arch = fit_arch(args.arch, args.batch_size, numpy_step_s, 4 * args.timed_steps + args.untimed_steps + 6, budget)
     keep_freed_memory()  # as the main job's master does (tinyconv/distributed/heap.py)
     be = get_backend("numpy")
-    net, opt, x, y = training_setup(arch, args.norm, args.batch, be)
+    net, opt, x, y = training_setup(arch, args.norm, args.batch_size, be)
     # The worker keeps its GPU's default GEMM variant: autotuning times every variant of a shape the first time
     # it sees one, and each new share is a new shape, mid-step, which the master takes for a lost worker
     # (no result within 2 x its expected compute + 1 s).
@@ -480,25 +518,44 @@ def run_split(args: argparse.Namespace, budget: float, numpy_step_s: float | Non
         grid_workers(1, args.transport, "opencl", timeout=120) as (transport, workers),
         MasterBesideWorker(args.transport),
     ):
-        cluster = Cluster(transport, workers, be, master_share="auto", recv_timeout=RECV_TIMEOUT_S,
-                          rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD))  # fmt: skip
+        cluster = Cluster(
+            transport,
+            workers,
+            be,
+            master_share="auto",
+            recv_timeout=RECV_TIMEOUT_S,
+            rebalancer=Rebalancer(threshold=REBALANCE_THRESHOLD),
+        )
         try:
-            calibrated = cluster.calibrate(net, args.batch)
-            solo, dist = split_steps(cluster, net, opt, x, y, args.steps, args.warmup, deadline)
+            calibrated = cluster.calibrate(net, args.batch_size)
+            solo, dist = split_steps(cluster, net, opt, x, y, args.timed_steps, args.untimed_steps, deadline)
             participants, events = cluster.participants, cluster.pop_events()
         finally:
             cluster.close()
     solo_s, dist_s = med(solo, "time_s"), med(dist, "time_s")
     return {
-        "status": "ran", "arch": arch, "arch_asked": args.arch, "norm": args.norm, "batch": args.batch,
-        "transport": args.transport, "worker": {"backend": workers[0].backend, **workers[0].device},
-        "worker_autotune": False, "participants": participants, "steps": len(dist),
-        "calibrated_shares": shares_text(calibrated["shares"]), "shares": shares_text(dist[-1]["shares"]),
-        "channel_shares": shares_text(dist[-1].get("channel_shares", {})), "alone_step_s": solo_s,
-        "split_step_s": dist_s, "speedup": solo_s / dist_s, "comm_s": med(dist, "comm_s"),
-        "conv_s": med(dist, "conv_s"), "comp_s": med(dist, "comp_s"),
-        "workers_lost": sum(e["event"] == "worker_lost" for e in events), "events": events,
-    }  # fmt: skip
+        "status": "ran",
+        "arch": arch,
+        "arch_asked": args.arch,
+        "norm": args.norm,
+        "batch": args.batch_size,
+        "transport": args.transport,
+        "worker": {"backend": workers[0].backend, **workers[0].device},
+        "worker_autotune": False,
+        "participants": participants,
+        "steps": len(dist),
+        "calibrated_shares": shares_text(calibrated["shares"]),
+        "shares": shares_text(dist[-1]["shares"]),
+        "channel_shares": shares_text(dist[-1].get("channel_shares", {})),
+        "alone_step_s": solo_s,
+        "split_step_s": dist_s,
+        "speedup": solo_s / dist_s,
+        "comm_s": med(dist, "comm_s"),
+        "conv_s": med(dist, "conv_s"),
+        "comp_s": med(dist, "comp_s"),
+        "workers_lost": sum(e["event"] == "worker_lost" for e in events),
+        "events": events,
+    }
 
 
 # ------------------------------------------------------------------ the table, the command
@@ -512,19 +569,39 @@ def table_rows(parts: dict[str, dict[str, Any]], device: dict[str, Any], driver:
         if part["status"] != "ran":
             rows.append((name, part["status"], "-", "-", part.get("reason") or part.get("error", "")))
         elif name == "conformance":
-            rows.append((name, "cases passed", f"{part['passed']}/{part['passed'] + part['failed']}", "-",
-                         f"{part['failed']} failed, {part['skipped']} skipped, {part['seconds']:.0f} s"))  # fmt: skip
+            rows.append(
+                (
+                    name,
+                    "cases passed",
+                    f"{part['passed']}/{part['passed'] + part['failed']}",
+                    "-",
+                    f"{part['failed']} failed, {part['skipped']} skipped, {part['seconds']:.0f} s",
+                )
+            )
         elif name == "gemm":
             rows += gemm_rows(part)
         elif name == "step":
-            rows.append((name, f"{part['arch']} {part['norm']} batch {part['batch']}, s", part["opencl_step_s"],
-                         f"numpy {part['numpy_step_s']:.3g} s, BLAS threads {part['host_threads']}",
-                         f"OpenCL {part['opencl_speedup']:.2f}x numpy"))  # fmt: skip
+            rows.append(
+                (
+                    name,
+                    f"{part['arch']} {part['norm']} batch {part['batch']}, s",
+                    part["opencl_step_s"],
+                    f"numpy {part['numpy_step_s']:.3g} s, BLAS threads {part['host_threads']}",
+                    f"OpenCL {part['opencl_speedup']:.2f}x numpy",
+                )
+            )
         elif name == "split":
-            rows.append((name, f"{part['arch']} batch {part['batch']}, step s", part["split_step_s"],
-                         f"master alone {part['alone_step_s']:.3g} s", f"speedup {part['speedup']:.2f}x, "
-                         f"kernels {'/'.join(part['participants'])} {part['shares']}"
-                         + (f", worker lost {part['workers_lost']}x" if part["workers_lost"] else "")))  # fmt: skip
+            rows.append(
+                (
+                    name,
+                    f"{part['arch']} batch {part['batch']}, step s",
+                    part["split_step_s"],
+                    f"master alone {part['alone_step_s']:.3g} s",
+                    f"speedup {part['speedup']:.2f}x, "
+                    f"kernels {'/'.join(part['participants'])} {part['shares']}"
+                    + (f", worker lost {part['workers_lost']}x" if part["workers_lost"] else ""),
+                )
+            )
     return rows
 
 
@@ -535,8 +612,11 @@ def gemm_rows(part: dict[str, Any]) -> list[tuple]:
             rows.append(("gemm", f"conv2 {r['arch']} {r['status']}", "-", "-", r.get("reason") or r["error"]))
             continue
         for way in ("fwd", "bwd"):
-            torch = (f"torch mm {r[f'torch_mm_{way}_gflops']:.0f}, conv2d {r[f'torch_conv_{way}_gflops']:.0f}"
-                     if part["torch"] else "-")  # fmt: skip
+            torch = (
+                f"torch mm {r[f'torch_mm_{way}_gflops']:.0f}, conv2d {r[f'torch_conv_{way}_gflops']:.0f}"
+                if part["torch"]
+                else "-"
+            )
             note = f"{r[f'{way}_gflop']:.1f} GFLOP" + ("" if part["torch"] else f"; no torch: {part['torch_skipped']}")
             rows.append(("gemm", f"conv2 {r['arch']} {way} GFLOP/s", r[f"opencl_{way}_gflops"], torch, note))
     return rows
@@ -548,72 +628,91 @@ def budgets(pairs: list[str]) -> dict[str, float]:
     for pair in pairs:
         part, _, seconds = pair.partition("=")
         if part not in out or not re.fullmatch(r"\d+(\.\d+)?", seconds):
-            raise SystemExit(f"gpu_run: --budget {pair!r}: give PART=SECONDS, PART one of {', '.join(out)}")
+            raise UsageError(f"--budget {pair!r}: give PART=SECONDS, PART one of {', '.join(out)}")
         out[part] = float(seconds)
     return out
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("gpu-run.json"), help="the JSON file written (default %(default)s)")
+NORMAL = {"gemm_archs": [*PAPER_ARCHS], "arch": "300:1000", "batch_size": 64, "repeats": 5, "timed_steps": 5}
+NORMAL["untimed_steps"] = 8
+
+
+def build_parser() -> Parser:
+    doc = __doc__.split("\n\n", 1)
+    p = Parser(description=doc[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc[1])
+    add(p, "out", defaults={"out": "gpu-run.json"}, helps={"out": "the JSON file"})
     needed = ", ".join(NEEDED.values())
-    p.add_argument("--wheels", type=Path, metavar="DIR", help=f"a folder of wheels: what is missing of {needed} is "
-                   "pip-installed from it, offline")  # fmt: skip
-    p.add_argument(
-        "--device",
-        metavar="SPEC",
-        help="OpenCL device: P:D (as `tinyconv devices` lists them), a kind or part of a name "
-        "(default: $TINYCONV_OPENCL_DEVICE, else the first GPU)",
-    )
+    wheels = f"a folder of wheels: what is missing of {needed} is pip-installed from it, offline"
+    p.add_argument("--wheels", type=Path, metavar="DIR", help=wheels)
+    add(p, "device", helps={"device": "or a kind (gpu, cpu)"})
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="a quick check of the script itself: conv2 of 50:500 only, batch 8, one repeat, 2 split steps, "
+        help="a quick check of the script itself: conv2 of 50:500 only, batch size 8, one repeat, 2 split steps, "
         "on any OpenCL device (PoCL), without autotuning; the options given still apply",
     )
     p.add_argument(
         "--gemm-archs",
-        metavar="C1:C2,...",
-        help="C1:C2 networks whose conv2 the GEMM part times (default: the paper's four)",
+        type=c1_c2,
+        nargs="+",
+        metavar="C1:C2",
+        help="the networks whose conv2 the GEMM part times (default: the paper's four)",
     )
-    p.add_argument("--arch", metavar="C1:C2", help="the network of the step and the split (default 300:1000)")
-    p.add_argument("--norm", default="lrn", choices=("lrn", "batch", "none"), help="their normalisation (default lrn)")
-    p.add_argument("--batch", type=int, help="images per batch (default 64)")
-    p.add_argument("--repeats", type=int, help="timed runs per GEMM and step figure, the median shown (default 5)")
-    p.add_argument("--steps", type=int, help="alternated master-alone and split steps (default 5)")
-    p.add_argument("--warmup", type=int, help="untimed split steps first, for the rebalancer (default 8)")
-    p.add_argument("--transport", choices=("zmq", "inproc"), default="zmq", help="the GPU worker: a local process "
-                   "over ZeroMQ (default) or a thread of this one")  # fmt: skip
-    p.add_argument("--host-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="BLAS threads of the numpy host (default: all cores but one: it drives the GPU)")  # fmt: skip
+    add(
+        p,
+        "arch",
+        "norm",
+        "batch_size",
+        "repeats",
+        "timed_steps",
+        "untimed_steps",
+        "transport",
+        defaults={"norm": "lrn", "transport": "zmq"},
+        helps={
+            "arch": "the step's and the split's (default 300:1000)",
+            "batch_size": "default 64",
+            "repeats": "of each GEMM and step figure (default 5)",
+            "timed_steps": "here the master alone's and the split's steps, alternated (default 5)",
+            "untimed_steps": "here split steps first, for the rebalancer (default 8)",
+            "transport": "here the GPU worker's: zmq, a local process, or inproc, a thread of this one",
+        },
+    )
+    p.add_argument(
+        "--host-threads",
+        type=count(1),
+        default=max(1, (os.cpu_count() or 2) - 1),
+        metavar="N",
+        help="BLAS threads of the numpy host (default: all cores but one: it drives the GPU)",
+    )
     defaults = ", ".join(f"{k} {v:.0f}" for k, v in BUDGETS.items())
-    p.add_argument("--budget", action="append", default=[], metavar="PART=S",
-                   help=f"seconds a part may take, e.g. gemm=200 ({defaults}; all at most {TOTAL_S:.0f})")  # fmt: skip
+    seconds = f"seconds a part may take, e.g. gemm=200 ({defaults}; all at most {TOTAL_S:.0f})"
+    p.add_argument("--budget", action="append", default=[], metavar="PART=S", help=seconds)
     p.add_argument("--skip", action="append", default=[], choices=tuple(BUDGETS), help="leave a part out")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options, with the dry run's or the normal run's sizes where none was given; UsageError for a bad one."""
+    p = build_parser()
     args = p.parse_args(argv)
-    normal = {"gemm_archs": "50:500,150:800,300:1000,500:1500", "arch": "300:1000", "batch": 64, "repeats": 5,
-              "steps": 5, "warmup": 8}  # fmt: skip
-    for key, value in (DRY_RUN if args.dry_run else normal).items():
+    for key, value in (DRY_RUN if args.dry_run else NORMAL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if min(args.batch, args.repeats, args.steps, args.host_threads) < 1 or args.warmup < 0:
-        p.error("--batch, --repeats, --steps and --host-threads must be positive, --warmup not negative")
-    args.budgets = budgets(args.budget)
+    if args.transport not in ("zmq", "inproc"):
+        p.error(f"--transport {args.transport}: the GPU worker goes over zmq or inproc")
+    args.out, args.budgets = Path(args.out), budgets(args.budget)
     return args
 
 
 def run_parts(args: argparse.Namespace, deadline: float) -> dict[str, dict[str, Any]]:
     """Each part in turn, in its budget and before ``deadline`` (time.monotonic); one that raises is recorded as
     failed, and the rest still run."""
-    archs = [a.strip() for a in args.gemm_archs.split(",") if a.strip()]
+    archs = args.gemm_archs
     parts: dict[str, dict[str, Any]] = {}
     calls = {
         "conformance": lambda b: run_conformance(b),
-        "gemm": lambda b: run_gemm(archs, args.batch, args.repeats, b),
-        "step": lambda b: run_step(args.arch, args.norm, args.batch, args.repeats, b, args.host_threads),
+        "gemm": lambda b: run_gemm(archs, args.batch_size, args.repeats, b),
+        "step": lambda b: run_step(args.arch, args.norm, args.batch_size, args.repeats, b, args.host_threads),
         "split": lambda b: run_split(args, b, parts.get("step", {}).get("numpy_step_s")),
     }
     for name, call in calls.items():
@@ -633,7 +732,11 @@ def run_parts(args: argparse.Namespace, deadline: float) -> dict[str, dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    try:
+        args = parse(argv)
+    except UsageError as e:
+        print(f"gpu_run: error: {e}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     set_host_threads(args.host_threads)  # before numpy is imported
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # workers
@@ -648,11 +751,21 @@ def main(argv: list[str] | None = None) -> int:
     title = f"GPU run{' (dry run)' if args.dry_run else ''}: {device['name']}, {time.monotonic() - start:.0f} s"
     print(format_table(("part", "figure", "value", "beside it", "note"), table_rows(parts, device, driver), title))
     result = {
-        "dry_run": args.dry_run, "options": {k: v for k, v in vars(args).items() if k != "budgets"},
-        "seconds": time.monotonic() - start, "installed": installed, "driver": driver,
-        "device": device, "host": {"python": platform.python_version(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "host_threads": args.host_threads}, "budgets": args.budgets, "parts": parts,
-    }  # fmt: skip
+        "dry_run": args.dry_run,
+        "options": {k: v for k, v in vars(args).items() if k != "budgets"},
+        "seconds": time.monotonic() - start,
+        "installed": installed,
+        "driver": driver,
+        "device": device,
+        "host": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "host_threads": args.host_threads,
+        },
+        "budgets": args.budgets,
+        "parts": parts,
+    }
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {args.out}")
     return 1 if any(p["status"] == "failed" or p.get("failed") for p in parts.values()) else 0

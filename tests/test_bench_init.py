@@ -43,10 +43,16 @@ def test_candidates_change_only_the_classifier(bench):
 
 
 def test_bad_rates_and_candidates_are_refused_with_the_choices(bench):
-    assert bench.parse_lrs("0.01, 0.02") == [0.01, 0.02]
-    with pytest.raises(argparse.ArgumentTypeError, match="positive learning rates"):
-        bench.parse_lrs("0.01,-1")
-    with pytest.raises(argparse.ArgumentTypeError, match="separated by commas"):
-        bench.parse_lrs("0.01;0.02")
-    with pytest.raises(argparse.ArgumentTypeError, match="choose from default, zero, scaled, fc-rate"):
-        bench.parse_candidates("default,ones")
+    from tinyconv.options import UsageError
+
+    parser = bench.build_parser()
+    args = parser.parse_args(["--lrs", "0.01", "0.02", "--candidates", "zero", "fc-rate", "--batch-size", "32"])
+    assert (args.lrs, args.candidates, args.batch_size, args.steps) == ([0.01, 0.02], ["zero", "fc-rate"], 32, 80)
+    with pytest.raises(UsageError, match="--lrs: must be a number > 0"):
+        parser.parse_args(["--lrs", "0.01", "-1"])
+    with pytest.raises(UsageError, match="must be one of default, zero, scaled, fc-rate"):
+        parser.parse_args(["--candidates", "default", "ones"])
+    with pytest.raises(UsageError, match="--batch is now --batch-size"):
+        parser.parse_args(["--batch", "32"])
+    with pytest.raises(UsageError, match="--steps: must be 40 or more"):
+        parser.parse_args(["--steps", "39"])

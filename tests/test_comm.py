@@ -7,6 +7,7 @@ import pytest
 from tinyconv.lab.eq2 import (
     F32,
     F64,
+    build_parser,
     conv_shapes,
     eq2_bytes,
     equal_counts,
@@ -68,11 +69,43 @@ def test_fused_tails_move_the_halo_and_return_pooled_maps():
 
 
 def test_the_command_prints_the_table_and_checks_itself(capsys):
-    assert main(["--arch", "4:8", "--batch", "2", "--participants", "1", "2", "3", "--measure"]) == 0
+    assert main(["--arch", "4:8", "--batch-size", "2", "--workers", "0", "1", "2", "--run-step"]) == 0
     out = capsys.readouterr().out
     assert "eq. 2 (doubles)" in out and "--split channels (fused)" in out and "measured" in out
     assert "differs" not in out
-    with pytest.raises(SystemExit):
-        main(["--arch", "4:8", "--batch", "0"])
-    with pytest.raises(SystemExit):
-        main(["--arch", "nope"])
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "participants" not in line]
+    assert sorted({r[1].strip() for r in rows}) == ["1", "2", "3"]  # participants = workers + 1
+
+
+def test_run_step_counts_what_a_real_step_moves_on_a_tiny_case(capsys):
+    """One worker beside the master, 2:3 at batch size 1, bf16: each split's step run, its bytes the model's."""
+    assert main(["--arch", "2:3", "--batch-size", "1", "--workers", "1", "--run-step", "--wire-precision", "bf16"]) == 0
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in rows if r and r[0] == "2"]  # 2 participants: the master and its worker
+    assert len(rows) == 3 and all(r[2] == "bf16" and r[-1] == r[5] for r in rows)  # measured == the model's
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--arch", "4:8", "--batch-size", "0"], "--batch-size: must be 1 or more"),
+        (["--arch", "nope"], "is not C1:C2"),
+        (["--batch", "2"], "--batch is now --batch-size"),
+        (["--participants", "2"], "--participants is now --workers (workers beside the master: --participants 3"),
+        (["--measure"], "--measure is now --run-step"),
+        (["--workers", "-1"], "must be 0 or more"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, says):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and says in err
+
+
+def test_print_config_round_trips_through_config(tmp_path, capsys):
+    assert main(["--arch", "4:8", "--workers", "0", "2", "--run-step", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert "workers = [0, 2]" in text and "run-step = true" in text
+    (tmp_path / "comm.toml").write_text(text)
+    again = build_parser().parse_args(["--config", str(tmp_path / "comm.toml")])
+    assert (again.arch, again.workers, again.run_step, again.batch_size) == ("4:8", [0, 2], True, 64)

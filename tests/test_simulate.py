@@ -1,5 +1,6 @@
 """tinyconv simulate: the link schedule and the step model by hand, eq. 1's shares, the bytes against
-eq2.py, the CSV's columns, --against's errors and bad input. No timing is asserted."""
+eq2.py, the device file and --against's errors (the command line: test_simulate_command.py). No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -11,13 +12,11 @@ import pytest
 from tinyconv.lab.eq2 import ConvShape, conv_shapes, split_bytes, wire_words
 from tinyconv.lab.simulate import main
 from tinyconv.lab.simulate.against import compare_rows, read_grid, row_devices
-from tinyconv.lab.simulate.devices import FORMAT, VERSION, Device, LayerCost, SplitCost, fit_line, load, save, slowed
+from tinyconv.lab.simulate.devices import FORMAT, Device, LayerCost, SplitCost, fit_line, load, save, slowed
 from tinyconv.lab.simulate.link_model import LinkModel, Task, op_wall, parse_rate
 from tinyconv.lab.simulate.predict import predict
 from tinyconv.model import paper_net
 
-CONTRACT = ["arch", "batch", "split", "medium", "bandwidth_MBps", "latency_ms", "nodes", "step_s", "comm_s",
-            "conv_s", "comp_s", "speedup"]  # fmt: skip
 # one 1x1 convolution, no tail, no dX: x (2, 3, 4, 4), 4 kernels
 TOY = ConvShape("conv1", (2, 3, 4, 4), (4, 3, 1, 1), (2, 4, 4, 4), need_dx=False)
 
@@ -32,8 +31,14 @@ def entry(name: str, arch: str = "8:16", batch: int = 2, per_kernel: float = 0.0
     """A device file entry for ``arch`` at ``batch``, as --measure writes one."""
     convs = conv_shapes(paper_net(arch, "numpy"), batch)
     layers = [{"name": c.name, "kernels": c.w[0], "fixed_s": 0.01, "per_kernel_s": per_kernel} for c in convs]
-    return {"name": name, "arch": arch, "norm": "lrn", "batch": batch, "solo_step_s": 1.0,
-            "fuse": {k: {"comp_s": 0.2, "layers": layers} for k in ("off", "on")}}  # fmt: skip
+    return {
+        "name": name,
+        "arch": arch,
+        "norm": "lrn",
+        "batch": batch,
+        "solo_step_s": 1.0,
+        "fuse": {k: {"comp_s": 0.2, "layers": layers} for k in ("off", "on")},
+    }
 
 
 @pytest.fixture
@@ -169,34 +174,33 @@ def test_save_replaces_the_same_device_and_load_reads_it(tmp_path, devices_file)
     assert json.loads(devices_file.read_text())["format"] == FORMAT
 
 
-def test_the_csv_has_the_contract_columns(tmp_path, devices_file, capsys):
-    out = tmp_path / "sim.csv"
-    argv = ["--devices", str(devices_file), "--arch", "8:16", "--batch", "2", "--nodes", "1", "2", "4",
-            "--bandwidth", "5", "125", "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    with open(out, newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert list(rows[0])[: len(CONTRACT)] == CONTRACT
-    assert len(rows) == 3 * 2 * 2 * 3  # splits x media x bandwidths x nodes
-    assert {r["wire"] for r in rows} == {"fp32"}  # the default
-    assert {(r["fuse"], r["split"]) for r in rows} == {("off", "kernels"), ("on", "kernels"), ("on", "channels")}
-    assert all(float(r["speedup"]) == 1.0 for r in rows if r["nodes"] == "1")
-    assert "wifi, 5 MB/s" in capsys.readouterr().out
-    argv += ["--worker-bandwidth", "125", "0.5", "--split", "fused", "--medium", "ethernet"]  # worker 1 on 0.5 MB/s
-    assert main(argv) == 0
-    with open(out, newline="") as f:
-        slowed = {(r["bandwidth_MBps"], r["nodes"]): r for r in csv.DictReader(f)}
-    assert {r["worker_MBps"] for r in slowed.values()} == {"125 0.5"}
-    same = {(r["bandwidth_MBps"], r["nodes"]): r for r in rows if r["split"] == "kernels" and r["fuse"] == "on"}
-    same = {k: r for k, r in same.items() if r["medium"] == "ethernet"}
-    assert float(slowed["125.0", "2"]["step_s"]) == pytest.approx(float(same["125.0", "2"]["step_s"]))  # worker 0
-    assert float(slowed["125.0", "4"]["step_s"]) > float(same["125.0", "4"]["step_s"])  # worker 1 takes part
-
-
 def write_grid(path, rows: list[dict]) -> None:
-    columns = ["arch", "norm", "batch", "participants", "fuse", "split", "backend", "transport", "repeat", "steps",
-               "step_s", "step_s_min", "step_s_max", "comm_s", "conv_s", "comp_s", "bytes_sent", "bytes_recv",
-               "solo_step_s", "speedup", "shares", "link", "host", "timestamp"]  # fmt: skip
+    columns = [
+        "arch",
+        "norm",
+        "batch",
+        "participants",
+        "fuse",
+        "split",
+        "backend",
+        "transport",
+        "repeat",
+        "steps",
+        "step_s",
+        "step_s_min",
+        "step_s_max",
+        "comm_s",
+        "conv_s",
+        "comp_s",
+        "bytes_sent",
+        "bytes_recv",
+        "solo_step_s",
+        "speedup",
+        "shares",
+        "link",
+        "host",
+        "timestamp",
+    ]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, restval="")
         w.writeheader()
@@ -224,33 +228,29 @@ def test_against_reports_the_relative_error(tmp_path, devices_file, capsys):
     assert done[0]["step_err"] == pytest.approx(loop.step_s / 0.5 - 1)
     assert done[0]["speedup_err"] == pytest.approx(loop.speedup / 1.5 - 1)
     assert done[1]["step_err"] == pytest.approx(shaped.step_s / 2.0 - 1)
-    assert main(["--devices", str(devices_file), "--against", str(grid)]) == 0
+    assert main(["--device-file", str(devices_file), "--against", str(grid)]) == 0
     assert "median |error|" in capsys.readouterr().out
-
-
-def test_the_csv_has_a_row_per_wire_format_and_adaptive_is_its_start(tmp_path, devices_file, capsys):
-    out = tmp_path / "sim.csv"
-    argv = ["--devices", str(devices_file), "--arch", "8:16", "--batch", "2", "--nodes", "1", "2", "--bandwidth", "5",
-            "--medium", "ethernet", "--split", "paper", "--wire-precision", "fp32", "bf16", "adaptive",
-            "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    with open(out, newline="") as f:
-        rows = {(r["wire"], r["nodes"]): r for r in csv.DictReader(f)}
-    assert sorted(rows) == [(w, n) for w in ("adaptive", "bf16", "fp32") for n in ("1", "2")]
-    assert int(rows["bf16", "2"]["bytes_sent"]) * 2 == int(rows["fp32", "2"]["bytes_sent"])
-    convs, shares = conv_shapes(paper_net("8:16", "numpy"), 2), [[4, 4], [8, 8]]  # two equal devices: eq. 1 halves
-    adaptive = split_bytes(convs, shares, False, "kernels", {"weights": "bf16", "maps": "s8", "grads": "bf16"})
-    assert (int(rows["adaptive", "2"]["bytes_sent"]), int(rows["adaptive", "2"]["bytes_recv"])) == adaptive
-    assert float(rows["adaptive", "2"]["comm_s"]) < float(rows["bf16", "2"]["comm_s"])  # AWP's start: maps in s8
-    text = capsys.readouterr().out
-    assert "speedup paper bf16" in text and "AWP's start" in text
 
 
 def grid_row(**kw) -> dict:
     """A grid row of 8:16 at batch 2 on 2 participants, the paper's split, as the grid writes it."""
-    return {"arch": "8:16", "norm": "lrn", "batch": "2", "participants": "2", "fuse": "off", "split": "kernels",
-            "step_s": "1.0", "comm_s": "0.5", "speedup": "1.2", "link": "5MB/s", "parallel": "model",
-            "rebalance": "off", "wire": "fp32", "shares": "conv1=3/5 conv2=10/6", **kw}  # fmt: skip
+    return {
+        "arch": "8:16",
+        "norm": "lrn",
+        "batch": "2",
+        "participants": "2",
+        "fuse": "off",
+        "split": "kernels",
+        "step_s": "1.0",
+        "comm_s": "0.5",
+        "speedup": "1.2",
+        "link": "5MB/s",
+        "parallel": "model",
+        "rebalance": "off",
+        "wire": "fp32",
+        "shares": "conv1=3/5 conv2=10/6",
+        **kw,
+    }
 
 
 def test_against_predicts_each_row_in_its_wire_format_at_its_split(tmp_path, devices_file):
@@ -260,12 +260,16 @@ def test_against_predicts_each_row_in_its_wire_format_at_its_split(tmp_path, dev
     rows = [grid_row(), grid_row(wire="bf16"), grid_row(wire="adt24", shares="garbled")]
     done, skipped = compare_rows(rows, devices, links)
     assert skipped == [] and [(d["wire"], d["split_from"]) for d in done] == [
-        ("fp32", "row"), ("bf16", "row"), ("adt24", "eq. 1")]  # fmt: skip
+        ("fp32", "row"),
+        ("bf16", "row"),
+        ("adt24", "eq. 1"),
+    ]
     convs = conv_shapes(paper_net("8:16", "numpy"), 2)
     for d in done:
         counts = [[3, 5], [10, 6]] if d["split_from"] == "row" else [[4, 4], [8, 8]]
-        assert (d["bytes_sent"], d["bytes_recv"]) == split_bytes(convs, counts, False, "kernels",
-                                                                 wire_words(d["wire"])[0][1])  # fmt: skip
+        assert (d["bytes_sent"], d["bytes_recv"]) == split_bytes(
+            convs, counts, False, "kernels", wire_words(d["wire"])[0][1]
+        )
         p = predict(convs, devices, 2, "off", "kernels", LinkModel("ethernet", 5e6), d["wire"], counts)
         assert (d["comm_s"], d["step_s"]) == (p.comm_s, p.step_s)
         assert d["comm_err"] == pytest.approx(p.comm_s / 0.5 - 1)
@@ -278,8 +282,12 @@ def test_against_says_which_rows_it_cannot_predict(tmp_path, devices_file):
     during the steps -- left out, said why; on loopback it is predicted. The batch split, an unknown
     format: left out, said why."""
     devices, links = load(devices_file)
-    rows = [grid_row(rebalance="on"), grid_row(rebalance="on", link="loopback"),
-            grid_row(parallel="data", fuse="-", split="-"), grid_row(wire="fp8")]  # fmt: skip
+    rows = [
+        grid_row(rebalance="on"),
+        grid_row(rebalance="on", link="loopback"),
+        grid_row(parallel="data", fuse="-", split="-"),
+        grid_row(wire="fp8"),
+    ]
     done, skipped = compare_rows(rows, devices, links, latency_ms=1.0)
     assert [(d["link"], d["rebalance"], d["split_from"]) for d in done] == [("loopback", "on", "eq. 1")]
     assert len(skipped) == 3
@@ -293,64 +301,19 @@ def test_against_reads_a_grid_older_than_wire_and_rebalance_as_fp32_and_on(tmp_p
     """Rows written before the columns: fp32 and rebalance on (eq. 1's split); the master alone "-"."""
     grid = tmp_path / "old.csv"
     newer = ("parallel", "rebalance", "wire")
-    rows = [grid_row(link="loopback"), grid_row(participants="1", fuse="-", split="-", link="loopback",
-                                                 shares="conv1=8 conv2=16")]  # fmt: skip
+    rows = [
+        grid_row(link="loopback"),
+        grid_row(participants="1", fuse="-", split="-", link="loopback", shares="conv1=8 conv2=16"),
+    ]
     write_grid(grid, [{k: v for k, v in r.items() if k not in newer} for r in rows])
     devices, links = load(devices_file)
     old = read_grid(str(grid))
     assert "wire" not in old[0]
     done, skipped = compare_rows(old, devices, links)
     assert skipped == [] and [(d["wire"], d["rebalance"], d["split_from"]) for d in done] == [
-        ("fp32", "on", "eq. 1"), ("fp32", "-", "-")]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        [],  # no device file
-        ["--devices", "DEV", "--arch", "3"],
-        ["--devices", "DEV", "--bandwidth", "0"],
-        ["--devices", "DEV", "--nodes", "0"],
-        ["--devices", "DEV", "--medium", "carrier-pigeon"],
-        ["--devices", "DEV", "--wire-precision", "fp8"],
-        ["--devices", "DEV", "--arch", "50:500"],  # not measured at that arch
-        ["--devices", "DEV", "--arch", "8:16", "--batch", "2", "--device", "nope"],
-        ["--devices", "MISSING"],
-        ["--devices", "DEV", "--against", "BADGRID"],
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(tmp_path, devices_file, capsys, argv):
-    bad = tmp_path / "bad.csv"
-    bad.write_text("arch,batch\n8:16,2\n")
-    subs = {"DEV": str(devices_file), "MISSING": str(tmp_path / "nope.json"), "BADGRID": str(bad)}
-    try:
-        code = main([subs.get(a, a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1 and "error" in err
-
-
-def test_measure_writes_a_device_file(tmp_path, capsys):
-    """A toy network on this machine, to check the file's shape (the times are whatever they are)."""
-    path = tmp_path / "d.json"
-    assert main(["--measure", str(path), "--arch", "2:4", "--batch", "2", "--repeats", "1", "--nodes", "1", "2",
-                 "--bandwidth", "5", "--medium", "wifi", "--split", "paper"]) == 0  # fmt: skip
-    (dev,), links = load(path)
-    assert (dev.arch, dev.batch) == ("2:4", 2) and [c.kernels for c in dev.fuse["on"].layers] == [2, 4]
-    assert links["loopback"]["bandwidth_MBps"] > 0
-    assert json.loads(path.read_text())["version"] == VERSION
-
-
-def test_a_measure_inside_a_quota_records_it_and_keeps_the_files_loopback(tmp_path, devices_file, monkeypatch):
-    from tinyconv.lab.experiment import cpu_quota
-
-    monkeypatch.setattr(cpu_quota, "own_cores", lambda: 0.5)
-    assert main(["--measure", str(devices_file), "--arch", "2:4", "--batch", "2", "--repeats", "1", "--nodes", "1",
-                 "--bandwidth", "5", "--medium", "wifi", "--split", "paper"]) == 0  # fmt: skip
-    devices, links = load(devices_file)
-    assert devices[-1].cores == 0.5 and links["loopback"]["bandwidth_MBps"] == 1000.0  # the fixture's, kept
+        ("fp32", "on", "eq. 1"),
+        ("fp32", "-", "-"),
+    ]
 
 
 def test_a_slower_device_takes_longer_on_the_same_link():

@@ -1,6 +1,6 @@
 """What one training step moves between the master and its workers: the paper's eq. 2, and tinyconv's.
 
-    tinyconv comm --arch 300:1000 --batch 64 --participants 2 3 4 --measure
+    tinyconv comm --arch 300:1000 --batch-size 64 --workers 1 2 3 --run-step
 
 Marques et al.'s eq. 2 counts, for every convolutional layer, its input maps, its kernels and its
 output maps, in doubles (8 bytes):
@@ -21,7 +21,7 @@ float32 (4 bytes), per worker with k of a layer's kernels:
 With the tails fused (``--fuse on --split kernels``) a worker also runs the ReLU / LRN / batch norm / max pool
 after the convolution on its kernels and their halo (the neighbours LRN's window reads): it gets
 the weights and the gradient of the kernels it computes, and returns pooled maps, a quarter of the
-size. :func:`kernel_split_bytes` counts both; ``--measure`` runs one step of each with in-process
+size. :func:`kernel_split_bytes` counts both; ``--run-step`` runs one step of each with in-process
 workers and reads the bytes the step's metrics recorded (array bytes, as every transport counts
 them), which must agree exactly.
 
@@ -48,13 +48,14 @@ from typing import Any
 
 import numpy as np
 
-from tinyconv.distributed.adaptive_precision import ROLES, SETTINGS
+from tinyconv.distributed.adaptive_precision import ROLES
 from tinyconv.distributed.conv_shapes import ConvShape, conv_shapes
 from tinyconv.distributed.shard.balance import apportion
 from tinyconv.distributed.shard.block import tail_output_hw
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.wire_precision import nbytes_of
 from tinyconv.model import paper_net
+from tinyconv.options import Parser, UsageError, add, add_config, config_text
 from tinyconv.report import format_table
 
 F32, F64 = 4, 8  # bytes per float
@@ -271,79 +272,79 @@ def rows_for(args: argparse.Namespace, convs: Sequence[ConvShape], n: int) -> li
                 forward = sum(split_bytes(convs, counts, fuse, split, words, forward_only=True))
                 paper = split == "kernels" and not fuse
                 ratios = [f"{100 * b / eq2_doubles:.2f} %" if eq2_doubles else "" for b in (forward, sum(model))]
-                row = [str(n), label, wire, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}",
-                       *ratios]  # fmt: skip
+                row = [str(n), label, wire, *(eq2 if paper else ["", ""]), f"{mb(model[0])} / {mb(model[1])}"]
+                row += ratios
                 got = None
-                if args.measure and wire == "adaptive (settled)":
+                if args.run_step and wire == "adaptive (settled)":
                     row.append("-")  # a real step runs at AWP's start
-                elif args.measure:
+                elif args.run_step:
                     got = (0, 0)  # the master alone moves nothing
                     if n > 1:
-                        got = measure(args.arch, args.batch, n, fuse=fuse, split=split, wire_precision=setting)
+                        got = measure(args.arch, args.batch_size, n, fuse=fuse, split=split, wire_precision=setting)
                     row.append(f"{mb(got[0])} / {mb(got[1])}" + ("" if got == model else " (differs)"))
                 out.append((row, model, got))
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    p = Parser(
         prog="tinyconv comm",
         description="Bytes one training step moves: the paper's eq. 2 (forward, doubles and float32) beside "
         "tinyconv's splits -- the paper's (--fuse off --split kernels), with the tails fused, and by input "
         "channels -- forward and backward, for an equal split among the master and its workers, in the words "
         "of each --wire-precision; the last two columns are tinyconv's forward bytes and its whole step's "
-        "over eq. 2 in doubles. --measure checks each model against one real step.",
+        "over eq. 2 in doubles. --run-step checks each model against one real step. A bad option is one line "
+        "on stderr and exit 2.",
     )
-    p.add_argument("--arch", default="50:500", help="kernel counts C1:C2 (default %(default)s)")
-    p.add_argument("--batch", type=int, default=64, help="images per step (default %(default)s)")
-    p.add_argument(
-        "--participants",
-        type=int,
-        nargs="+",
-        default=[2, 3, 4],
-        help="participant counts, the master included (default 2 3 4)",
-    )
-    p.add_argument(
-        "--wire-precision",
-        nargs="+",
-        default=["fp32"],
-        choices=SETTINGS,
-        metavar="FORMAT",
-        help=f"the words the shards travel in, one or more of {', '.join(SETTINGS)} (default fp32); "
-        "s8: 8-bit integers with a scale per plane; adaptive shows AWP's start (weights bf16) and its "
-        "settled end (weights fp32), the maps s8 and the gradients bf16 in both",
+    add(p, "arch", "batch_size", defaults={"arch": "50:500", "batch_size": 64})
+    add(
+        p,
+        "workers",
+        "wire_precision",
+        many=("workers", "wire_precision"),
+        defaults={"workers": [1, 2, 3], "wire_precision": ["fp32"]},
+        helps={
+            "workers": "a table row for each count; participants = workers + 1",
+            "wire_precision": "adaptive shows AWP's start (weights bf16) and its settled end (weights fp32), the "
+            "maps s8 and the gradients bf16 in both",
+        },
     )
     p.add_argument(
-        "--measure",
+        "--run-step",
         action="store_true",
         help="also run one step per count, split and format with in-process workers (numpy) and show "
         "its bytes (adaptive: its start)",
     )
+    add_config(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.batch < 1 or min(args.participants) < 1:
-        p.error("--batch and --participants must be 1 or more")
+    """``tinyconv comm ARGS``: 0 when every step run agrees with its model, 1 when one differs, 2 on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        net = paper_net(args.arch, "numpy")
-    except ValueError as e:
-        p.error(str(e))
-    convs = conv_shapes(net, args.batch)
-    header = ["participants", "split", "wire", "eq. 2 (doubles)", "eq. 2 (float32)", "model: to / from workers",
-              "forward / eq. 2", "step / eq. 2"]  # fmt: skip
-    if args.measure:
-        header.append("measured")
+        if "--measure" in argv:  # one meaning: tinyconv simulate --measure times this machine
+            raise UsageError(
+                "--measure is now --run-step: also run one step and count its bytes (see tinyconv comm --help)"
+            )
+        args = build_parser().parse_args(argv)
+        if args.print_config:
+            print(config_text(vars(args)))
+            return 0
+        convs = conv_shapes(paper_net(args.arch, "numpy"), args.batch_size)
+    except (UsageError, ValueError) as e:
+        print(f"tinyconv comm: error: {e}", file=sys.stderr)
+        return 2
+    header = ["participants", "split", "wire", "eq. 2 (doubles)", "eq. 2 (float32)", "model: to / from workers"]
+    header += ["forward / eq. 2", "step / eq. 2"] + (["measured"] if args.run_step else [])
     rows, agree = [], True
-    for n in args.participants:
+    for n in (w + 1 for w in args.workers):
         for row, model, got in rows_for(args, convs, n):
             agree &= got is None or got == model
             rows.append(row)
     print(
-        f"{args.arch} at batch {args.batch}, kernels split equally (the master first, moving nothing); MB per "
-        "step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split"
+        f"{args.arch} at batch size {args.batch_size}, kernels split equally (the master first, moving nothing); "
+        "MB per step: the paper's eq. 2 (forward), and to / from the workers (forward and backward) in each split"
     )
     print(format_table(header, rows))
     return 0 if agree else 1

@@ -1,11 +1,11 @@
 """``tinyconv simulate``: a training step's time and speedup for 1 to 128 participants, predicted.
 
-    tinyconv simulate --measure devices.json --arch 300:1000 --batch 64         # time this machine, then predict
-    tinyconv simulate --devices devices.json --nodes 1 2 4 8 16 32 64 128 \\
+    tinyconv simulate --measure --device-file devices.json --arch 300:1000 --batch-size 64  # time this machine
+    tinyconv simulate --device-file devices.json --workers 0 1 3 7 15 31 63 127 \\
         --bandwidth 5 12.5 125 --medium wifi ethernet --out sim.csv
-    tinyconv simulate --devices devices.json --device fast slow               # a mix: participants in turn
-    tinyconv simulate --devices devices.json --wire-precision fp32 bf16 adt24 # the shards in narrower words
-    tinyconv simulate --devices devices.json --against grid.csv              # predicted vs measured runs
+    tinyconv simulate --device-file devices.json --device-name fast slow     # a mix: participants in turn
+    tinyconv simulate --device-file devices.json --wire-precision fp32 bf16 adt24  # the shards in narrower words
+    tinyconv simulate --device-file devices.json --against grid.csv          # predicted vs measured runs
 
 Marques, Falcão & Alexandre (2017) simulated 32 and 128 nodes on a 5 MB/s Wi-Fi link and found
 communication dominates beyond a few nodes. This does the same from measured numbers, for their
@@ -27,12 +27,13 @@ split and tinyconv's:
   its own wire format, at the split it kept with ``--rebalance off``; the rows a fixed split cannot
   predict (``--rebalance on`` on a slow link, the batch split) are listed with the reason.
 
-Columns of ``--out``: arch, batch, split, medium, bandwidth_MBps, latency_ms, nodes, step_s,
-comm_s, conv_s, comp_s, speedup (the contract), then fuse, label, wire, norm, devices, bytes_sent,
-bytes_recv, solo_step_s (a CSV written before ``wire`` existed is fp32). ``split`` and ``fuse``
-are the main job's options: the paper's split is fuse off, split kernels.
+Columns of ``--out``: arch, batch (the batch size), split, medium, bandwidth_MBps, latency_ms, nodes
+(the participants: ``--workers`` + 1), step_s, comm_s, conv_s, comp_s, speedup (the contract), then fuse,
+label, wire, norm, devices, bytes_sent, bytes_recv, solo_step_s (a CSV written before ``wire`` existed is
+fp32). ``split`` and ``fuse`` are the main job's options, and the simulator predicts every ``--fuse`` with
+every ``--split``: the paper's split is fuse off, split kernels.
 
-What it said here (one ``--measure`` of 300:1000 at batch 64 on one core of the development VM,
+What it said here (one ``--measure`` of 300:1000 at batch size 64 on one core of the development VM,
 10.5 s a step alone, copied to every node; 1 ms a message; rerun it for your devices):
 
 * **The paper's shape.** At the paper's 5 MB/s no node count pays on a CPU this fast: 2 nodes take
@@ -75,9 +76,19 @@ BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tinyconv simulate ARGS``; 0 on success, 2 on bad input (one line on stderr)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    from tinyconv.lab.simulate.parser import parse
+    from tinyconv.options import UsageError, config_text
+
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"tinyconv simulate: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config_text(vars(args)))
+        return 0
     # --measure times one paper-style CPU: one BLAS thread, which BLAS reads once, when numpy loads
-    if "--measure" in args and "numpy" not in sys.modules:
+    if args.measure and "numpy" not in sys.modules:
         for var in BLAS_THREADS:
             os.environ[var] = "1"
     from tinyconv.lab.simulate.command import run

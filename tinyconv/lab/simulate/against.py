@@ -8,7 +8,7 @@ veth pair are both full duplex): ``link`` "loopback" at the file's measured loop
 ``--latency-ms``. ``split`` "auto" is by input channels when the row's workers all name one host,
 as ``Cluster`` decides for workers on the master's host (a worker in another network namespace
 reports the same host name), else by kernels; the master alone (fuse and split "-") is predicted with the tails
-fused. A row of emulated devices (the grid's ``--devices``: its ``devices`` column, "0.5/0.5/0.25")
+fused. A row of emulated devices (the grid's ``--cpu-quota``: its ``devices`` column, "0.5/0.5/0.25")
 is predicted on each participant's own device: the one measured inside that CPU quota, or else the
 one measured without a quota slowed by 1 / quota (:func:`row_devices`). The relative error is
 predicted / measured - 1.
@@ -157,23 +157,38 @@ def compare_row(r: dict[str, str], devices: Sequence[Device], link: LinkModel, r
         shares = parse_shares(r.get("shares", ""), [c.name for c in convs], n)
     p = predict(convs, chosen[0], n, fuse, split, link, wire, shares)
     if rebalance == "on" and p.lag > rebalancer.threshold:
-        return (f"{r['arch']} batch {batch} on {n} participants, {wire}, rebalance on at "
-                f"{r['link']}: the model's split leaves the slowest {p.lag:.0%} behind the mean "
-                f"(transfers included), past the rebalancer's {rebalancer.threshold:.0%}, which "
-                f"moves kernels after {rebalancer.patience} such steps: the split may have moved "
-                "during the timed steps, a fixed split's prediction would not be comparable "
-                "(measure with --rebalance off)")  # fmt: skip
+        return (
+            f"{r['arch']} batch {batch} on {n} participants, {wire}, rebalance on at "
+            f"{r['link']}: the model's split leaves the slowest {p.lag:.0%} behind the mean "
+            f"(transfers included), past the rebalancer's {rebalancer.threshold:.0%}, which "
+            f"moves kernels after {rebalancer.patience} such steps: the split may have moved "
+            "during the timed steps, a fixed split's prediction would not be comparable "
+            "(measure with --rebalance off)"
+        )
     measured = {k: float(r[k]) for k in ("step_s", "comm_s", "speedup")}
-    return {"arch": r["arch"], "norm": r["norm"], "batch": batch, "participants": n, "fuse": fuse,
-            "split": split, "wire": wire, "rebalance": rebalance, "link": r["link"],
-            "split_from": "-" if n == 1 else "row" if shares is not None else "eq. 1",
-            "devices": r.get("devices") or "-", "devices_from": chosen[1],
-            **{f"measured_{k}": v for k, v in measured.items()},
-            "step_s": p.step_s, "comm_s": p.comm_s, "speedup": p.speedup,
-            "bytes_sent": p.bytes_sent, "bytes_recv": p.bytes_recv,
-            "step_err": p.step_s / measured["step_s"] - 1,
-            "comm_err": p.comm_s / measured["comm_s"] - 1 if measured["comm_s"] > 0 else None,
-            "speedup_err": p.speedup / measured["speedup"] - 1}  # fmt: skip
+    return {
+        "arch": r["arch"],
+        "norm": r["norm"],
+        "batch": batch,
+        "participants": n,
+        "fuse": fuse,
+        "split": split,
+        "wire": wire,
+        "rebalance": rebalance,
+        "link": r["link"],
+        "split_from": "-" if n == 1 else "row" if shares is not None else "eq. 1",
+        "devices": r.get("devices") or "-",
+        "devices_from": chosen[1],
+        **{f"measured_{k}": v for k, v in measured.items()},
+        "step_s": p.step_s,
+        "comm_s": p.comm_s,
+        "speedup": p.speedup,
+        "bytes_sent": p.bytes_sent,
+        "bytes_recv": p.bytes_recv,
+        "step_err": p.step_s / measured["step_s"] - 1,
+        "comm_err": p.comm_s / measured["comm_s"] - 1 if measured["comm_s"] > 0 else None,
+        "speedup_err": p.speedup / measured["speedup"] - 1,
+    }
 
 
 def row_devices(r: dict[str, str], devices: Sequence[Device]) -> tuple[list[Device], str] | str:
@@ -198,8 +213,19 @@ def row_devices(r: dict[str, str], devices: Sequence[Device]) -> tuple[list[Devi
     return chosen, "scaled" if scaled else "measured"
 
 
-def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, float]],
-            loopback_mbps: float | None, latency_ms: float) -> int:  # fmt: skip
+# the comparison table's columns: a row's settings, then each figure measured, predicted and the error
+SETTINGS = ("arch", "batch", "participants", "devices", "fuse", "split", "wire", "rebalance", "split_from", "link")
+HEADS = {"participants": "P", "split_from": "split from"}
+FIGURES = (("step s", "step_s"), ("comm s", "comm_s"), ("speedup", "speedup"))
+
+
+def compare(
+    path: str,
+    devices: Sequence[Device],
+    links: dict[str, dict[str, float]],
+    loopback_mbps: float | None,
+    latency_ms: float,
+) -> int:
     """Print the comparison table; 0 if any row was compared, 1 if none."""
     from tinyconv.report import format_table
 
@@ -209,13 +235,8 @@ def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, flo
     if not done:
         print(f"no row of {path} could be compared")
         return 1
-    headers = ("arch", "batch", "P", "devices", "fuse", "split", "wire", "rebalance", "split from", "link", "step s",
-               "predicted", "error", "comm s", "predicted", "error", "speedup", "predicted", "error")  # fmt: skip
-    table = [(d["arch"], d["batch"], d["participants"], _devices(d), d["fuse"], d["split"], d["wire"], d["rebalance"],
-              d["split_from"], d["link"], d["measured_step_s"], d["step_s"], f"{d['step_err']:+.1%}",
-              d["measured_comm_s"], d["comm_s"], "" if d["comm_err"] is None else f"{d['comm_err']:+.1%}",
-              d["measured_speedup"], d["speedup"], f"{d['speedup_err']:+.1%}")
-             for d in done]  # fmt: skip
+    headers = [*(HEADS.get(k, k) for k in SETTINGS), *(h for head, _ in FIGURES for h in (head, "predicted", "error"))]
+    table = [_row(d) for d in done]
     print(format_table(headers, table, title=f"measured ({path}) vs predicted, error = predicted / measured - 1"))
     steps = statistics.median(abs(d["step_err"]) for d in done)
     shared = [abs(d["speedup_err"]) for d in done if d["participants"] > 1]  # alone, 1x is 1x on both sides
@@ -226,9 +247,20 @@ def compare(path: str, devices: Sequence[Device], links: dict[str, dict[str, flo
     if any(d["devices_from"] == "scaled" for d in done):
         print("devices *: a quota's device not measured inside it, but the device without a quota slowed by 1 / quota")
     if any(d["split_from"] == "row" for d in done):
-        print("split from: row = the calibrated split the row kept (--rebalance off, its shares column); "
-              "eq. 1 = the model's on the device file")  # fmt: skip
+        print(
+            "split from: row = the calibrated split the row kept (--rebalance off, its shares column); "
+            "eq. 1 = the model's on the device file"
+        )
     return 0
+
+
+def _row(d: dict[str, Any]) -> list[Any]:
+    """One compared row of the table: its settings, then each figure measured, predicted and the error."""
+    out = [_devices(d) if key == "devices" else d[key] for key in SETTINGS]
+    for _, key in FIGURES:
+        error = d[key.removesuffix("_s") + "_err"]
+        out += [d[f"measured_{key}"], d[key], "" if error is None else f"{error:+.1%}"]
+    return out
 
 
 def _devices(d: dict[str, Any]) -> str:

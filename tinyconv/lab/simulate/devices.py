@@ -1,11 +1,11 @@
 """The measured device file: what each device costs per conv layer, and the master's other work.
 
-    tinyconv simulate --measure devices.json --arch 300:1000 --batch 64
+    tinyconv simulate --measure --device-file devices.json --arch 300:1000 --batch-size 64
 
 times THIS machine (one BLAS thread: one paper-style CPU) and adds it to the file, or replaces
-its entry for the same name, arch, norm, batch and CPU quota. Measured inside a quota
+its entry for the same name, arch, norm, batch size and CPU quota. Measured inside a quota
 (``python -m tinyconv.lab.experiment.cpu_quota --cores 0.5 -- tinyconv simulate --measure ...``), the
-entry records it as ``"cores": 0.5``: an emulated device of the experiment grid's ``--devices``.
+entry records it as ``"cores": 0.5``: an emulated device of the experiment grid's ``--cpu-quota``.
 Nothing here is a built-in number: every prediction comes from a file someone measured. The file::
 
     {"format": "tinyconv-devices", "version": 1,
@@ -99,11 +99,15 @@ def load(path: str | Path) -> tuple[list[Device], dict[str, dict[str, float]]]:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read device file {path}: {e}") from None
     if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("version") == VERSION):
-        raise ValueError(f"{path} is not a {FORMAT} file of version {VERSION} (make one with --measure)")
+        raise ValueError(
+            f"{path} is not a {FORMAT} file of version {VERSION} (make one with --measure --device-file FILE)"
+        )
     try:
         devices = [_device(d) for d in doc["devices"]]
-        links = {name: {"bandwidth_MBps": float(v["bandwidth_MBps"]), "latency_ms": float(v["latency_ms"])}
-                 for name, v in doc.get("links", {}).items()}  # fmt: skip
+        links = {
+            name: {"bandwidth_MBps": float(v["bandwidth_MBps"]), "latency_ms": float(v["latency_ms"])}
+            for name, v in doc.get("links", {}).items()
+        }
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: malformed device entry ({type(e).__name__}: {e})") from None
     return devices, links
@@ -113,8 +117,9 @@ def _device(d: dict[str, Any]) -> Device:
     fuse = {}
     for key in ("off", "on"):
         s = d["fuse"][key]
-        layers = tuple(LayerCost(x["name"], int(x["kernels"]), float(x["fixed_s"]), float(x["per_kernel_s"]))
-                       for x in s["layers"])  # fmt: skip
+        layers = tuple(
+            LayerCost(x["name"], int(x["kernels"]), float(x["fixed_s"]), float(x["per_kernel_s"])) for x in s["layers"]
+        )
         if not all(c.fixed_s >= 0 and c.per_kernel_s > 0 and c.kernels > 0 for c in layers):
             raise ValueError(f"device {d['name']!r}: a layer needs kernels > 0, fixed_s >= 0, per_kernel_s > 0")
         fuse[key] = SplitCost(max(0.0, float(s["comp_s"])), layers)
@@ -165,8 +170,9 @@ def _samples(kernels: int) -> list[int]:
     return sorted({max(1, kernels // 16), max(1, kernels // 4), max(1, kernels // 2)} - {kernels}) + [kernels]
 
 
-def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
-                   say: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def measure_device(
+    arch: str, batch: int, norm: str, repeats: int, name: str, say: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Time this machine (numpy backend, whatever BLAS threads the process has) and return its entry:
     each conv layer at a few k (``calibrate.time_block``), fitted (:func:`fit_line`), with and
     without its tail, and the master alone's whole training step (median of ``repeats``)."""
@@ -181,9 +187,18 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
     layers = [layer for layer in net.layers if isinstance(layer, Conv2D)]
     solo, comp, in_step = _solo_step(net, batch, repeats)
     say(f"master alone: {solo:.3f} s a step, of which comp {comp['off']:.3f} s (tails fused: {comp['on']:.3f} s)")
-    entry: dict[str, Any] = {"name": name, "host": socket.gethostname(), "backend": "numpy",
-                             "measured": datetime.datetime.now().isoformat(timespec="seconds"), "cores": own_cores(),
-                             "arch": arch, "norm": norm, "batch": batch, "solo_step_s": solo, "fuse": {}}  # fmt: skip
+    entry: dict[str, Any] = {
+        "name": name,
+        "host": socket.gethostname(),
+        "backend": "numpy",
+        "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cores": own_cores(),
+        "arch": arch,
+        "norm": norm,
+        "batch": batch,
+        "solo_step_s": solo,
+        "fuse": {},
+    }
     for fuse in ("off", "on"):
         costs = []
         for i, (conv, layer) in enumerate(zip(convs, layers, strict=True)):
@@ -199,8 +214,16 @@ def measure_device(arch: str, batch: int, norm: str, repeats: int, name: str,
                 f"fuse {fuse} {conv.name}: {fixed:.4f} s + {per * 1e3:.4f} ms per kernel (all {conv.w[0]}: "
                 f"{in_step[fuse][i]:.3f} s within a step, {samples[-1][1]:.3f} s alone)"
             )
-            costs.append({"name": conv.name, "kernels": conv.w[0], "fixed_s": fixed, "per_kernel_s": per,
-                          "in_step_s": in_step[fuse][i], "samples": [[k, t] for k, t in samples]})  # fmt: skip
+            costs.append(
+                {
+                    "name": conv.name,
+                    "kernels": conv.w[0],
+                    "fixed_s": fixed,
+                    "per_kernel_s": per,
+                    "in_step_s": in_step[fuse][i],
+                    "samples": [[k, t] for k, t in samples],
+                }
+            )
         entry["fuse"][fuse] = {"comp_s": comp[fuse], "layers": costs}
     return entry
 

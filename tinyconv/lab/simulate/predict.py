@@ -64,9 +64,13 @@ from tinyconv.lab.eq2 import FP32_WORDS, ConvShape, block_bytes, channel_split_b
 from tinyconv.lab.simulate.devices import Device
 from tinyconv.lab.simulate.link_model import LinkModel, Task, op_wall
 
-# the splits a prediction is made for: (fuse, split), as the main job's --fuse and --split
-SPLITS = (("off", "kernels"), ("on", "kernels"), ("on", "channels"))
-LABELS = {("off", "kernels"): "paper", ("on", "kernels"): "tinyconv fused", ("on", "channels"): "tinyconv channels"}
+# the splits a prediction is made for, (fuse, split) as the main job's --fuse and --split, by the CSV's label
+LABELS = {
+    ("off", "kernels"): "paper",
+    ("on", "kernels"): "tinyconv fused",
+    ("on", "channels"): "tinyconv channels",
+    ("off", "channels"): "tinyconv channels unfused",
+}
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,15 @@ def participants(devices: Sequence[Device], nodes: int) -> list[Device]:
     return [devices[i % len(devices)] for i in range(nodes)]
 
 
-def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, split: str,
-              words: dict[str, str] = FP32_WORDS,
-              counts: Sequence[int] | None = None) -> tuple[PredictedOp, PredictedOp, list[int]]:  # fmt: skip
+def layer_ops(
+    conv: ConvShape,
+    parts: Sequence[Device],
+    layer: int,
+    fuse: str,
+    split: str,
+    words: dict[str, str] = FP32_WORDS,
+    counts: Sequence[int] | None = None,
+) -> tuple[PredictedOp, PredictedOp, list[int]]:
     """The forward and backward op of conv layer ``layer`` (index into the devices' layers) among
     ``parts``, and its kernels per participant: ``counts`` if given, else eq. 1's; arrays in
     ``words`` (role -> wire format)."""
@@ -150,9 +160,16 @@ def layer_ops(conv: ConvShape, parts: Sequence[Device], layer: int, fuse: str, s
     return PredictedOp(forward * times[0], tuple(fwd)), PredictedOp((1 - forward) * times[0], tuple(bwd)), counts
 
 
-def predict(convs: Sequence[ConvShape], devices: Sequence[Device], nodes: int, fuse: str, split: str,
-            link: LinkModel, wire: str = "fp32",
-            shares: Sequence[Sequence[int]] | None = None) -> Prediction:  # fmt: skip
+def predict(
+    convs: Sequence[ConvShape],
+    devices: Sequence[Device],
+    nodes: int,
+    fuse: str,
+    split: str,
+    link: LinkModel,
+    wire: str = "fp32",
+    shares: Sequence[Sequence[int]] | None = None,
+) -> Prediction:
     """The step of ``nodes`` participants (``devices`` in turn, the master first) with ``fuse`` and
     ``split`` on ``link``, the shards in ``--wire-precision wire``: the model in the module docstring.
     ``shares``: each conv layer's kernels per participant, instead of eq. 1's (a split that was
@@ -188,7 +205,9 @@ def ready_lag(forward: PredictedOp, backward: PredictedOp, master_busy: bool, li
     ready times r as the rebalancer measures them: the master's compute, a worker's compute plus the
     bytes it moved / its rate (``LayerStep.ready_s``); participants without kernels left out."""
     ready = [forward.master_s + backward.master_s] if master_busy else []
-    ready += [f.compute + b.compute + (f.to + f.back + b.to + b.back) / link.rate(f.worker)
-              for f, b in zip(forward.tasks, backward.tasks, strict=True)]  # fmt: skip
+    ready += [
+        f.compute + b.compute + (f.to + f.back + b.to + b.back) / link.rate(f.worker)
+        for f, b in zip(forward.tasks, backward.tasks, strict=True)
+    ]
     mean = sum(ready) / len(ready) if ready else 0.0
     return (max(ready) - mean) / mean if mean > 0 else 0.0
