@@ -402,14 +402,14 @@ def test_mixed_inputs_at_once_and_a_table_of_other_columns_refused(tmp_path, cap
     other = tmp_path / "other.csv"
     other.write_text("a,b\n1,2\n")
     assert main([str(other), "-o", str(tmp_path / "out")]) == 2
-    assert "neither the grid's columns" in capsys.readouterr().out
+    assert "neither the grid's columns" in capsys.readouterr().err
 
 
 def test_unreadable_metrics_is_a_message_not_a_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     assert main([str(bad), "-o", str(tmp_path / "out")]) == 2
-    assert "cannot read the input" in capsys.readouterr().out
+    assert "cannot read the input" in capsys.readouterr().err
 
 
 def _png_renderer():

@@ -23,7 +23,7 @@ BUDGETS = {  # lines, held by the tests: today's figures with a little room, low
     "Framework": 3276,
     "Door": 1025,
     "Dist": 6280,
-    "Lab": 4728,
+    "Lab": 4757,
     "Backends": 2920,
     "Transports": 3151,
     "library outside the lab": 15614,  # the framework, the runtime, backends and transports (the door apart)

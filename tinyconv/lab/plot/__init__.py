@@ -14,11 +14,14 @@ and share_charts.py (a run's metrics: how it went; how it shared its work), grid
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from tinyconv.lab.plot.run_charts import plot_runs
 from tinyconv.lab.plot.tables import kind_of, read_table
+from tinyconv.options import Parser, UsageError
 
 __all__ = ["main", "plot_files", "plot_runs"]
 
@@ -51,8 +54,24 @@ def plot_files(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     return written
 
 
+def check_paths(inputs: Sequence[str], out: str) -> None:
+    """Bad input before any chart: each input a readable file, ``--out`` a folder that can be written."""
+    for name in inputs:
+        if not Path(name).is_file():
+            raise UsageError(f"{name}: {'a folder, not a file' if Path(name).is_dir() else 'no such file'}")
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {out} is a file: give a folder for the SVG files")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {out} cannot be written: {e.strerror or e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="tinyconv plot",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n")[1],
@@ -60,12 +79,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("inputs", nargs="+", help="metrics files (.jsonl, from --metrics-out), grid or simulator CSVs")
     p.add_argument("-o", "--out", default="plots", help="folder for the SVG files (default %(default)s)")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
+        check_paths(args.inputs, args.out)
         files = plot_files(args.inputs, args.out)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"tinyconv plot: cannot read the input: {e}")
+    except UsageError as e:
+        print(f"tinyconv plot: error: {e}", file=sys.stderr)
         return 2
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # what an input holds
+        print(f"tinyconv plot: error: cannot read the input: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"tinyconv plot: error: {e.strerror or e} ({e.filename or 'writing the charts'})", file=sys.stderr)
+        return 1
     for f in files:
         print(f)
     return 0

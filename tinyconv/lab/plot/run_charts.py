@@ -131,6 +131,9 @@ def plot_runs(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [(Path(p), read_metrics(p)) for p in paths]
+    for path, events in runs:  # an empty chart would look like a run that learnt nothing
+        if not any(e.get("event") == "step" for e in events):
+            raise ValueError(f"{path} has no step records: the run ended before its first step, nothing to draw")
     charts = {"curves.svg": _curves([(p.stem, events) for p, events in runs]), "split.svg": _split(runs)}
     if len(runs) > 1:
         charts["speedup.svg"] = _speedup(runs)
