@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tinyconv.cli import main
 
 
@@ -58,3 +60,9 @@ def test_version(capsys):
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"tinyconv {version('tinyconv')}"
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("trian", "train"), ("simulte", "simulate"), ("wroker", "worker")])
+def test_an_unknown_command_gets_the_nearest_as_a_suggestion(capsys, typed, meant):
+    assert main([typed]) == 2
+    assert f"unknown command {typed!r}; did you mean `tinyconv {meant}`?" in capsys.readouterr().err
