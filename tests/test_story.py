@@ -189,3 +189,25 @@ def test_a_participant_given_kernels_again_is_told_so_and_too_few_kernels_is_sai
         "step 1: worker1 sits out conv1: conv1 has 2 kernels for 3 participants",
         "step 3: worker1 takes part in conv1 again",
     ]
+
+
+def test_a_log_without_bars_gets_a_progress_line_every_hundred_steps(monkeypatch, capsys):
+    from tinyconv import trainer as trainer_module
+    from tinyconv.data import synthetic_dataset
+    from tinyconv.model import paper_net
+    from tinyconv.trainer import TrainConfig, Trainer
+
+    monkeypatch.setattr(trainer_module, "PROGRESS_EVERY", 2)
+    data = synthetic_dataset(n_train=64, n_test=16, seed=0)
+    net = paper_net((2, 4), "numpy", "lrn", seed=0)
+    cfg = TrainConfig(epochs=1, batch_size=8, max_steps=5, progress=True)  # stderr is captured: no terminal
+    Trainer(net, data, cfg).fit()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"]
+    assert all("training accuracy" in line and "%" in line for line in lines)
+    Trainer(
+        paper_net((2, 4), "numpy", "lrn", seed=0),
+        data,
+        TrainConfig(epochs=1, batch_size=8, max_steps=5, progress=False),
+    ).fit()
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]  # --no-progress

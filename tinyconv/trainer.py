@@ -44,6 +44,8 @@ from tinyconv.stopping import SignalGuard
 from tinyconv.story import Story, hide_bars, say
 from tinyconv.train_config import TrainConfig, planned_steps
 
+PROGRESS_EVERY = 100  # steps between progress lines where no bar can be drawn (a log, a pipe): 30 s of the quick preset
+
 
 class Trainer:
     def __init__(
@@ -242,6 +244,8 @@ class Trainer:
                 accs.append(acc)
                 # the last 50 steps' training accuracy: a newcomer sees CIFAR-10 being learnt within the first epoch
                 bar.set_postfix(loss=f"{loss:.3f}", acc=f"{np.mean(accs[-50:]):.1%}", lr=f"{self.opt.lr:.3g}")
+                if bar.disable and self.cfg.progress and self.step % PROGRESS_EVERY == 0:  # a log has no bar
+                    say(f"step {self.step:,}: loss {loss:.3f}, training accuracy {np.mean(accs[-50:]):.1%} (last 50)")
                 if self._checkpoint_due():
                     with self.signals.held():
                         self._save_between_steps()
