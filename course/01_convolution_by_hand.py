@@ -14,13 +14,18 @@
 # Shapes are NCHW, float32: `x (N, C, H, W)`, weights `w (F, C, K, K)`, biases `b (F,)`.
 
 # %% tags=["setup"]
+import io
+import lzma
 import time
+from pathlib import Path
 
 import numpy as np
 from charts import QUICK, show  # noqa: E402 -- beside the lessons: their size, their charts
+from tqdm.auto import tqdm  # a bar that Jupyter draws as a widget, a terminal as text
 
 import tinyconv as tc
 from backends.numpy_backend import im2col
+from tinyconv.cifar10 import LABEL_NAMES, default_data_dir, find_batches_dir, load_batch
 
 # %%
 from tinyconv.lab.plot.lines import Panel, Series, line_chart  # noqa: E402
@@ -78,25 +83,60 @@ for h, k, s, p in [(32, 5, 1, 2), (32, 5, 1, 0), (32, 3, 2, 1), (7, 3, 2, 0)]:
     )
 
 # %% [markdown]
-# ## 2. One convolution on a real-looking image
+# ## 2. One convolution on a real image
 #
-# tinyconv's synthetic data set is CIFAR-shaped (3 x 32 x 32, uint8). Two hand-made 3x3 kernels,
-# a vertical and a horizontal edge detector, applied to all three colour channels:
+# CIFAR-10's images are 3 x 32 x 32, uint8. If the real data set is on this machine (tinyconv's data
+# folder: `$TINYCONV_DATA`, else `~/.cache/tinyconv`, where `python examples/cifar10_dist.py` downloads
+# it) the picture comes from its test batch; otherwise from the few images that ship with the course
+# (`data/cifar10_sample.npz.xz` beside the lessons: an `.npz` compressed with xz). Either way it is
+# test image 13, a horse.
+#
+# Two hand-made 3x3 kernels, a vertical and a horizontal edge detector (Sobel's), applied to all three
+# colour channels and summed. First each channel's mean is taken away, as training normalises its
+# images (lesson 3): then the zero padding around the image is its average colour, and the frame it
+# adds is faint. (Try it without, on a bright picture: the border outshines every edge.)
+
 
 # %%
-data = tc.synthetic_dataset(n_train=8, n_test=8, seed=0)
-x = data.x_train[:1].astype(np.float32) / 255  # (1, 3, 32, 32)
+def course_sample() -> dict[str, np.ndarray]:
+    """The images that ship with the course, by name (x_train, pictures, ...): data/ beside the lessons."""
+    here = Path(globals().get("__file__", "lesson")).resolve().parent  # a notebook has no __file__: its folder
+    for path in (here / "data" / "cifar10_sample.npz.xz", Path("course/data/cifar10_sample.npz.xz")):
+        if path.is_file():
+            with np.load(io.BytesIO(lzma.decompress(path.read_bytes()))) as npz:
+                return dict(npz)
+    raise FileNotFoundError("data/cifar10_sample.npz.xz is not beside the lessons: copy the course's data/ folder")
+
+
+HORSE = 13  # CIFAR-10's test image 13: a white horse on a dark ground
+batches = find_batches_dir(default_data_dir())  # the real CIFAR-10's folder, or None
+if batches is not None:
+    images, labels = load_batch(batches / "test_batch")  # uint8 (10000, 3072): R, G, B planes of 32x32
+    picture, label, where = images[HORSE].reshape(3, 32, 32), labels[HORSE], f"the real CIFAR-10 ({batches})"
+else:
+    sample = course_sample()
+    chosen = sample["picture_index"] == HORSE
+    picture, label, where = sample["pictures"][chosen][0], sample["picture_labels"][chosen][0], "the course's sample"
+print(f"test image {HORSE}, a {LABEL_NAMES[label]}, from {where}")
+
+x = picture[None].astype(np.float32) / 255  # (1, 3, 32, 32), in [0, 1]
+x -= x.mean(axis=(2, 3), keepdims=True)  # each channel's mean taken away
 edge = np.array([[-1, 0, 1], [-2, 0, 2], [-1, 0, 1]], np.float32)  # Sobel
 w = np.stack([np.stack([edge] * 3), np.stack([edge.T] * 3)])  # (2, 3, 3, 3): two kernels
 y, _ = be.conv2d_forward(x, w, np.zeros(2, np.float32), stride=1, padding=1)
 print("x", x.shape, "w", w.shape, "-> y", y.shape)
 show(
     heatmaps(
-        [x[0].mean(0), y[0, 0], y[0, 1]],
+        [picture.mean(0), y[0, 0], y[0, 1]],
         ["input (mean of RGB)", "kernel 0: vertical edges", "kernel 1: horizontal edges"],
     ),
     "lesson1_edges.svg",
 )
+
+# %% [markdown]
+# Mid-grey is about 0 in the two maps, white a strong positive response (darker on the left than on the right of
+# that pixel, or above than below), black a strong negative one: the horse's outline, its legs
+# upright in the first map, its back and belly level in the second.
 
 # %% [markdown]
 # ## 3. im2col: the convolution as one matrix product
@@ -218,7 +258,7 @@ def best_of(fn, *args, repeats: int = 3) -> float:
 
 sizes = [4, 6, 8] if QUICK else [8, 12, 16, 24, 32]
 timings = {"loops": [], "im2col (yours) + GEMM": [], "tinyconv's backend": []}
-for size in sizes:
+for size in tqdm(sizes, desc="timing", unit="size", disable=None):  # None: no bar in a log
     xs = rng.standard_normal((2, 3, size, size)).astype(np.float32)
     ws = rng.standard_normal((8, 3, 5, 5)).astype(np.float32)
     bs = np.zeros(8, np.float32)

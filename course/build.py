@@ -24,6 +24,9 @@ Written to ``OUT/student/`` (the .py files and their .ipynb) and ``OUT/teacher/`
 .ipynb). The notebooks are nbformat v4 JSON written here from the cells, outputs empty: Jupyter
 and jupytext open them as they are; no dependency beyond the standard library.
 
+``make course`` (``course/pack/make.py``) builds the students' pack from the same functions: the
+student lessons and their notebooks, the graders, ``grade.py`` and the points per exercise, zipped.
+
 Why a gitignored build directory and not committed copies: the .py lessons are the only source, so
 a copy can never be stale or edited by mistake; ``tests/test_course.py`` builds into a temporary
 directory and grades what it built, which is the freshness check that matters.
@@ -163,9 +166,13 @@ def build(out: Path, source: Path = HERE) -> list[Path]:
             nb = folder / path.with_suffix(".ipynb").name
             nb.write_text(json.dumps(notebook(parse_cells(body, path.name)), indent=1) + "\n")
             written.append(nb)
-    for version in ("teacher", "student"):  # what every lesson imports, beside it
+    for version in ("teacher", "student"):  # what every lesson imports or reads, beside it
         written.append(out / version / "charts.py")
         shutil.copyfile(source / "charts.py", written[-1])
+        for data in sorted((source / "data").glob("*")):  # the images lessons 1 and 3 use offline
+            (out / version / "data").mkdir(exist_ok=True)
+            written.append(out / version / "data" / data.name)
+            shutil.copyfile(data, written[-1])
     return written
 
 
