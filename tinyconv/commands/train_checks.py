@@ -61,13 +61,13 @@ def check_data(args: argparse.Namespace) -> None:
 
 def check_names(args: argparse.Namespace) -> None:
     """--backend, --worker-backend and --transport name something installed."""
-    for option, name, known in (
-        ("--backend", args.backend, available_backends()),
-        ("--worker-backend", args.worker_backend, available_backends()),
-        ("--transport", args.transport, available_transports()),
+    for option, name, known, hint in (
+        ("--backend", args.backend, available_backends(), " (`tinyconv devices` lists them)"),
+        ("--worker-backend", args.worker_backend, available_backends(), " (`tinyconv devices` lists them)"),
+        ("--transport", args.transport, available_transports(), ""),
     ):
         if name is not None and name not in known:
-            raise UsageError(f"{option} {name}: not one of {', '.join(known)} (`tinyconv devices` lists the backends)")
+            raise UsageError(f"{option} {name}: not one of {', '.join(known)}{hint}")
 
 
 ZMQ_ONLY = ("bind", "external_workers", "key", "authorized_keys", "insecure")
