@@ -245,7 +245,8 @@ class Trainer:
                 # the last 50 steps' training accuracy: a newcomer sees CIFAR-10 being learnt within the first epoch
                 bar.set_postfix(loss=f"{loss:.3f}", acc=f"{np.mean(accs[-50:]):.1%}", lr=f"{self.opt.lr:.3g}")
                 if bar.disable and self.cfg.progress and self.step % PROGRESS_EVERY == 0:  # a log has no bar
-                    say(f"step {self.step:,}: loss {loss:.3f}, training accuracy {np.mean(accs[-50:]):.1%} (last 50)")
+                    recent = 100 * np.mean(accs[-50:])
+                    say(f"step {self.step:,}: loss {loss:.3f}, training accuracy {recent:.1f} % (last 50 steps)")
                 if self._checkpoint_due():
                     with self.signals.held():
                         self._save_between_steps()
