@@ -105,13 +105,18 @@ def idle(rec: dict[str, Any]) -> list[tuple[str, str, bool]]:
     ]
 
 
+def _megabytes(n: float) -> str:
+    """Bytes in decimal units a person reads: 0.4 MB, 65.8 MB, 53.2 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _readable(key: str, value: Any, names: Sequence[str] | None = None) -> Any:
     if key in ("test_acc", "best_test_acc"):
         return f"{100 * value:.1f} %"
-    if "bytes" in key:  # a total, or each participant's by name
+    if "bytes" in key:  # a total, or each worker's by name (the master sends itself nothing)
         if isinstance(value, dict):
-            return "; ".join(f"{name}: {b / 1e6:.1f} MB" for name, b in value.items())
-        return f"{value / 1e6:.1f} MB"
+            return "; ".join(f"{name}: {_megabytes(b)}" for name, b in value.items() if name != "master")
+        return _megabytes(value)
     if key.endswith("_s"):
         return duration(value)
     if isinstance(value, dict):  # shares: kernels (or input channels) per participant, by layer
