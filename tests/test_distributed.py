@@ -209,6 +209,24 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     assert per == pytest.approx(record["participant_conv_s"])
     assert all(max(op["compute_s"]) <= op["wall_s"] for op in record["ops"])
     assert sum(op["wall_s"] for op in record["ops"]) == pytest.approx(record["comm_s"] + record["conv_s"])
+    assert_timed(record)
+
+
+def assert_timed(record: dict) -> None:
+    """Each op's at_s and spans (docs/metrics.md), on the master's clock: the ops one after another from 0, and in
+    each every participant's task sent, started, computed and received in that order within the op's wall time,
+    all of them known for a participant that computed; the master's sent at its start, received at its end."""
+    ops = record["ops"]
+    assert ops[0]["at_s"] == 0.0
+    assert all(a["at_s"] + a["wall_s"] <= b["at_s"] + 1e-9 for a, b in zip(ops, ops[1:], strict=False))
+    for op in ops:
+        assert len(op["spans"]) == len(op["compute_s"]) == len(record["participants"])
+        for name, span, compute in zip(record["participants"], op["spans"], op["compute_s"], strict=True):
+            known = [t for t in span if t is not None]
+            assert known == sorted(known) and all(0 <= t <= op["wall_s"] for t in known), (op, name)
+            assert compute == 0 or None not in span, (op, name)
+            if name == "master" and known:
+                assert span[0] == span[1] and span[2] == span[3], op
 
 
 def test_default_plan_is_an_equal_split(rng):
@@ -309,6 +327,7 @@ def test_a_batch_in_chunks_gives_the_unsharded_numbers_and_moves_the_same_bytes(
             assert_close(conv.grads["w"], dw_ref)
             assert_close(conv.grads["b"], db_ref)
             moved[pipeline] = (cluster.last_step["bytes_sent"], cluster.last_step["bytes_recv"])
+            assert_timed(cluster.last_step)  # a worker's chunks: one span over them all
             workers_with_kernels = sum(1 for c in plan[master_share == "auto" :] if c)
             chunks = [[0, 1, 5], [1, 3, 5], [3, 5, 5]] if pipeline else [[0, 5, 5]]
             assert sorted(seen) == sorted(tails) == sorted(chunks * workers_with_kernels)
@@ -438,6 +457,7 @@ def test_training_sharded_gives_the_unsharded_losses(tmp_path):
         assert list(b["channel_shares"]) == ["conv2"] and sum(b["channel_shares"]["conv2"]) == 6
         ran = [(op["layer"], op["op"]) for op in b["ops"]]  # in the order they ran
         assert ran == [("conv1", "forward"), ("conv2", "forward"), ("conv2", "backward"), ("conv1", "backward")]
+        assert_timed(b)
     summary = next(e for e in sharded if e["event"] == "summary")
     assert summary["final_shares"] == sharded_steps[-1]["shares"]
     assert summary["final_channel_shares"] == sharded_steps[-1]["channel_shares"]

@@ -25,6 +25,7 @@ from test_plot import (
 
 from tinyconv.lab.plot import main, plot_files, plot_runs
 from tinyconv.lab.plot.bars import MIN_SLICE
+from tinyconv.lab.plot.share_charts import TIMED
 from tinyconv.lab.plot.svg import TICK_FONT
 
 PARTICIPANTS = ("master", "worker0", "worker1")
@@ -253,6 +254,60 @@ def test_the_timeline_draws_the_median_step_per_participant(tmp_path):
     busy = [w / per for _, w, tip in spans["master"] if "sending" in tip]
     assert busy == pytest.approx([0.2, 0.1], abs=0.01)  # its op time beyond its share and its wait
     assert [t.text for t in texts(root, "mark")] == ["conv1 fwd", "conv1 bwd"]
+    assert "how long, not when" in " ".join(t.text for t in texts(root, "title"))  # the old records' schematic
+
+
+# each op's span per participant, [sent, started, computed, received] from its start: worker1's backward said no
+# "started" (its compute is drawn from its task's send)
+TIMED_OPS = [
+    (0.0, 0.8, [[0.1, 0.1, 0.5, 0.5], [0.05, 0.15, 0.6, 0.7], [0.08, 0.2, 0.4, 0.8]]),
+    (1.2, 0.6, [[0.05, 0.05, 0.3, 0.3], [0.02, 0.1, 0.4, 0.5], [0.03, None, 0.45, 0.55]]),
+]
+
+
+def write_timed_run(path: Path) -> Path:
+    """Three steps (2, 2.5 and 1.5 s) of master + worker0 + worker1 whose ops say when they ran (at_s, spans):
+    conv1's forward at 0 s for 0.8 s, its backward at 1.2 s for 0.6 s, the other layers in between."""
+    events: list[dict] = [{"event": "run", "workers": [{"index": 0}, {"index": 1}], "train_config": {}}]
+    for n, t in ((1, 2.0), (2, 2.5), (3, 1.5)):
+        ops = [op("conv1", kind, wall, [0.3, 0.4, 0.4], 0.1) | {"at_s": at, "spans": spans}
+               for kind, (at, wall, spans) in zip(("forward", "backward"), TIMED_OPS, strict=True)]  # fmt: skip
+        events.append(step(n, t, {"conv1": [3, 3, 2], "conv2": [2, 2, 2]}, PARTICIPANTS, ops))
+    path.write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    return path
+
+
+def test_a_timeline_from_timed_ops_draws_each_op_and_each_span_where_it_was(tmp_path):
+    plot_runs([write_timed_run(tmp_path / "run.jsonl")], tmp_path / "out")
+    root = check_readable(tmp_path / "out" / "timeline.svg")
+    title = " ".join(t.text for t in texts(root, "title"))
+    assert "master's clock" in title and "not when" not in title
+    per, x0 = x_scale(next(g for g in root.iter(SVG + "g") if g.get("class") == "axes"))
+    kind = {color: name for name, _, color in TIMED}
+    lanes = {g.get("data-name"): g for g in root.iter(SVG + "g") if g.get("class") == "lane"}
+    assert list(lanes) == list(PARTICIPANTS)
+    drawn = {n: [(kind[r.get("fill")], (float(r.get("x")) - x0) / per, float(r.get("width")) / per)
+                 for r in g.iter(SVG + "rect")] for n, g in lanes.items()}  # fmt: skip
+    want: dict[str, list] = {n: [] for n in PARTICIPANTS}
+    for at, wall, spans in TIMED_OPS:
+        (_, m0, m1, _), *workers = spans
+        want["master"] += [("running", at, m0), ("compute", at + m0, m1 - m0), ("running", at + m1, wall - m1)]
+        for name, (sent, started, computed, received) in zip(PARTICIPANTS[1:], workers, strict=True):
+            started = sent if started is None else started
+            # a started read after less than the worker's reported 0.4 s of compute goes back to computed - 0.4
+            started = max(sent, min(started, computed - 0.4))
+            bars = [("task", sent, started), ("compute", started, computed), ("result", computed, received)]
+            want[name] += [(k, at + a, b - a) for k, a, b in bars if b > a]
+    want["master"][3:3] = [("comp", 0.8, 0.4)]  # between the ops
+    want["master"].append(("comp", 1.8, 0.2))  # the rest of the 2 s step, after the last op
+    for name, bars in want.items():
+        assert [k for k, _, _ in drawn[name]] == [k for k, _, _ in bars], name
+        flat = [[v for _, a, w in spans for v in (a, w)] for spans in (drawn[name], bars)]  # start, length, ...
+        assert flat[0] == pytest.approx(flat[1], abs=0.002), name
+    assert [t.text for t in texts(root, "mark")] == ["conv1 fwd", "conv1 bwd"]
+    marks = next(g for g in root.iter(SVG + "g") if g.get("class") == "marks")
+    starts = [(float(line.get("x1")) - x0) / per for line in marks.iter(SVG + "line")]
+    assert starts == pytest.approx([0.0, 1.2], abs=0.002)  # each op at its at_s, not back to back
 
 
 def test_runs_that_shared_nothing_have_no_shares_nor_timeline_and_the_help_names_them(tmp_path, capsys):

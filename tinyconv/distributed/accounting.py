@@ -9,8 +9,13 @@ calibration are not (``transport.traffic()`` has the zmq totals).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
+
+# [sent_s, started_s, computed_s, received_s]: seconds from the op's start, each None where not known
+Span = list[float | None]
+MOMENTS = ("sent", "started", "computed", "result")  # what Times.note takes: the last is the result's arrival
 
 
 @dataclass
@@ -25,6 +30,8 @@ class OpStats:
     fallbacks: int = 0  # arrays that went in float32 as their narrower wire format would have overflowed
     master_waited_s: float = 0.0  # the master blocked on results; wall_s - this: the master busy (compute and I/O)
     chunks: int = 1  # the pieces its transfers went in, each beside the next one's compute (by_channels' pipeline)
+    at: float | None = None  # its start on the master's clock (time.perf_counter), which its spans count from
+    spans: list[Span] | None = None  # per participant: when its tasks went, started, computed, came back (Times)
 
     def moved(self, name: str) -> int:
         """Array bytes to and from participant ``name``."""
@@ -34,6 +41,10 @@ class OpStats:
         """``field`` (compute_s, sent or recv) of participant ``name``; 0 if it had no part in the op."""
         return getattr(self, field)[self.names.index(name)] if name in self.names else 0
 
+    def span(self, name: str) -> Span:
+        """Participant ``name``'s span; all None if it had no part in the op or nothing was timed."""
+        return list(self.spans[self.names.index(name)]) if self.spans and name in self.names else [None] * 4
+
     @property
     def conv_s(self) -> float:
         return max(self.compute_s)
@@ -41,6 +52,34 @@ class OpStats:
     @property
     def comm_s(self) -> float:
         return max(0.0, self.wall_s - self.conv_s)
+
+
+class Times:
+    """When each participant's part of an op happened, on the master's clock (``time.perf_counter``): the first
+    of its tasks handed to the transport, the first ``started`` read from it, the last ``computed``, the last
+    result; for the master (None) the start and end of its own compute. A worker with several tasks in the op
+    (the pipeline's chunks, a second round) gets one span over them all."""
+
+    def __init__(self) -> None:
+        self.at: dict[int | None, Span] = {}  # participant -> its moments, absolute
+
+    def note(self, k: int | None, moment: str, t: float | None = None) -> None:
+        """Worker ``k``'s ``moment`` (one of MOMENTS; any other is ignored) happened at ``t``, by default now."""
+        if moment in MOMENTS:
+            i, span = MOMENTS.index(moment), self.at.setdefault(k, [None] * 4)
+            if i >= 2 or span[i] is None:  # the first task's send and start, the last one's compute and result
+                span[i] = time.perf_counter() if t is None else t
+
+    def local(self, start: float) -> float:
+        """The master computed its own share from ``start`` to now: for how many seconds."""
+        end = time.perf_counter()
+        for moment, t in zip(MOMENTS, (start, start, end, end), strict=True):
+            self.note(None, moment, t)
+        return end - start
+
+    def spans(self, t0: float, participants: list[int | None]) -> list[Span]:
+        """Each of ``participants``' span in seconds from ``t0``."""
+        return [[None if t is None else t - t0 for t in self.at.get(k, [None] * 4)] for k in participants]
 
 
 @dataclass
@@ -117,13 +156,17 @@ def batch_record(
 def _record(ran: list[tuple[str, str, OpStats]], participants: list[str]) -> dict[str, Any]:
     """What every step's record says of its ops, (layer, "forward" or another op name, its stats) as they ran."""
     ops = [stats for _, _, stats in ran]
+    start = min((op.at for op in ops if op.at is not None), default=0.0)  # the step's first op's: the step's start
 
     def each(field: str, only: list[OpStats] = ops) -> list:
         return [sum(op.of(name, field) for op in only) for name in participants]
 
     def entry(layer: str, op: str, s: OpStats) -> dict[str, Any]:
         compute, waited = each("compute_s", [s]), s.master_waited_s
-        return {"layer": layer, "op": op, "wall_s": s.wall_s, "compute_s": compute, "master_waited_s": waited}
+        at = None if s.at is None else s.at - start
+        spans = [s.span(name) for name in participants]
+        times = {"at_s": at, "spans": spans}
+        return {"layer": layer, "op": op, "wall_s": s.wall_s, "compute_s": compute, "master_waited_s": waited} | times
 
     return {
         "comm_s": sum(op.comm_s for op in ops),

@@ -10,7 +10,7 @@ A worker the op cannot count on -- gone (the transport's WorkerLost), past its d
 an error (out of memory, a driver's), with a malformed or wrong-shape result, with non-finite numbers
 from finite inputs, or with numbers the master's spot check finds wrong (``spot_check.py``) -- ends the
 op with :class:`Lost`, so that the runtime can share its work among the others and run the op again. On
-the way the op counts what it cost (:meth:`Op.stats`) and each worker's link its seconds per byte
+the way the op counts what it cost, and when (:meth:`Op.stats`), and each worker's link its seconds per byte
 (``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
 and decodes each result as it comes, so the splits only ever see float32.
 """
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from backends.base import Array, Backend
-from tinyconv.distributed.accounting import OpStats
+from tinyconv.distributed.accounting import OpStats, Times
 from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import check_result
 from tinyconv.distributed.wire_codec import Narrowing
@@ -117,6 +117,7 @@ class Op:
         self._started: dict[int, float] = {}  # task -> when its "started" came, until its "computed"
         self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
         self.t0 = time.perf_counter()
+        self.times = Times()  # when each participant's tasks went, started, computed and came back (OpStats.spans)
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
         self.sent: dict[int, int] = {}  # worker -> array bytes sent to it
@@ -138,6 +139,7 @@ class Op:
             self.rpc.transport.send(worker, wire)
         except WorkerLost as e:
             raise Lost({worker: e.reason}) from None
+        self.times.note(worker, "sent")
         alone = all(sent.worker != worker for sent in self._pending.values())
         self._pending[task] = _Sent(worker, msg, wire, at, alone)
         self.sent[worker] = self.sent.get(worker, 0) + wire.nbytes()
@@ -149,7 +151,7 @@ class Op:
         t = time.perf_counter()
         yield
         self.backend.synchronize()
-        self.master_s += time.perf_counter() - t
+        self.master_s += self.times.local(t)  # now - t, noted as the span of the master's compute
 
     def host(self, a: Array) -> np.ndarray:
         """A master's backend array as a C-contiguous float32 host array, to send (a view when it is one)."""
@@ -195,6 +197,8 @@ class Op:
             fallbacks=self.fallbacks,
             master_waited_s=self.waited_s,
             chunks=self.chunks,
+            at=self.t0,
+            spans=self.times.spans(self.t0, [k for _, k in placement]),
         )
 
     def expected(self, k: int) -> float | None:
@@ -227,6 +231,7 @@ class Op:
             if not ours:  # a late answer to an op given up on
                 log.debug("ignoring a stale %s from worker %d (task %r)", reply.kind, k, task)
                 continue
+            self.times.note(k, reply.kind)  # "started", "computed" or "result": when the master read it
             if reply.kind == "started":
                 self._started[task] = self.rpc.clock()
                 continue

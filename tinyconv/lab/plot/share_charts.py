@@ -5,12 +5,13 @@
   them; images, for a split of the batch) stacked to 100 % at every step, from each step's record;
   a dashed line where a worker was lost or joined. Stacked bands, not a line each: equal shares
   would draw their lines on top of one another; bands show each one and what a loss hands over.
-* timeline.svg -- one step per participant, Gantt-like: a panel per run, its median step, the ops
-  (each layer's forward and backward) back to back as the master ran them, and in each op every
-  participant's compute and the rest of the op, when it did not compute (its transfers, its wait);
-  the master's own busy time beyond its share (sending, summing) apart; the step's other layers
-  and update (comp) last. The metrics record how long each took, not when: within an op the
-  compute is drawn first, and comp, which runs between the ops, after them all.
+* timeline.svg -- one step per participant, Gantt-like: a panel per run, its median step. Where its ops carry
+  ``at_s`` and ``spans`` (docs/metrics.md), as it happened on the master's clock: each op where it began, in it
+  every worker's task on its way, its compute and its result on its way, the master's compute and the rest of
+  the op beside it, and comp (the step's other layers and update) between the ops and after the last. Older
+  metrics record how long, not when: the ops back to back, in each every participant's compute first, then the
+  rest of the op (its transfers, its wait), the master's busy time beyond its share (sending, summing) apart,
+  and comp after them all.
 
 A run that shared nothing (the master alone) has neither chart.
 """
@@ -31,6 +32,25 @@ KINDS = (
     ("busy", "the master: sending, summing, copying", "#ff7f0e"),
     ("idle", "not computing: transfers and waiting", "#f2a7a7"),
     ("comp", "comp: the other layers, the update", "#7f7f7f"),
+)
+TITLES = {  # a timeline's title and x axis: every op's moments known (at_s, spans), or how long each took only
+    True: (
+        "One step per participant, on the master's clock: when its task went out, when it computed, when its "
+        "result came back",
+        "seconds from the step's first op's start, on the master's clock",
+    ),
+    False: (
+        "One step per participant: when it computed its share and when it did not. Within an op the metrics "
+        "record how long, not when: its compute is drawn first, and comp (run between the ops) last",
+        "seconds from the step's start, the ops back to back as the master ran them",
+    ),
+}
+TIMED = (  # the kinds of a step whose ops say when they ran
+    ("task", "its task on its way: sent, not started", "#98df8a"),
+    KINDS[0],
+    ("result", "its result on its way: computed, not received", "#c5b0d5"),
+    ("running", "the master beside its share: sending, waiting, summing", "#ffbb78"),
+    KINDS[3],
 )
 MARK_GREYS = {"worker_lost": "#444444", "worker_joined": "#999999", "run": "#000000"}
 OP_NAMES = {"forward": "fwd", "backward": "bwd"}
@@ -148,21 +168,70 @@ def step_lanes(caption: str, step: dict[str, Any]) -> Lanes:
     return Lanes(caption, lanes, marks)
 
 
+def timed(step: dict[str, Any]) -> bool:
+    """Whether the step's ops say when they ran (``at_s``, ``spans``), not only how long."""
+    return all(op.get("at_s") is not None and op.get("spans") is not None for op in step["ops"])
+
+
+def timed_lanes(caption: str, step: dict[str, Any]) -> Lanes:
+    """One step's ops where they ran, from their ``at_s`` and ``spans`` (see the module's note)."""
+    names = list(step["participants"])
+    lanes: dict[str, list[Span]] = {"master": []} if "master" not in names else {}
+    lanes |= {n: [] for n in names}
+    marks, end = [], 0.0
+    for op in step["ops"]:
+        t, wall, what = op["at_s"], op["wall_s"], f"{op['layer']} {OP_NAMES.get(op['op'], op['op'])}"
+        if t > end:
+            lanes["master"].append(Span(end, t - end, "comp", f"master: the layers between the ops, {t - end:.3g} s"))
+        marks.append((t, wall, what))
+        spans = dict(zip(names, zip(op["spans"], op["compute_s"], strict=False), strict=False))
+        for name, bars in lanes.items():
+            bars += _phases(name, f"{name}, {what}", op, *spans.get(name, (None, 0.0)))
+        end = max(end, t + wall)
+    comp = max(0.0, step["time_s"] - end)
+    tip = f"master: the update, and what ran before the first op (its batch), {comp:.3g} s"
+    lanes["master"].append(Span(end, comp, "comp", tip))
+    return Lanes(caption, lanes, marks)
+
+
+def _phases(name: str, what: str, op: dict[str, Any], span: list | None, reported: float) -> list[Span]:
+    """A participant's bars in ``op`` from its span: a worker's task on its way, its compute (and in the tip the
+    compute it ``reported``), its result on its way; the master's compute and the rest of the op. A moment not
+    known (None) is the one before it (0 for the first); none known: no part in the op."""
+    t, wall, waited = op["at_s"], op["wall_s"], op.get("master_waited_s") or 0.0
+    if span is None or all(v is None for v in span):
+        return [Span(t, wall, "running", f"{what}: no share, waited {waited:.3g} s")] if name == "master" else []
+    moments, last = [], 0.0
+    for v in span:
+        last = last if v is None else min(wall, max(last, v))
+        moments.append(last)
+    sent, started, computed, received = moments
+    if name != "master":  # the master reads a worker's messages only between its own work: a `started` read late
+        started = max(sent, min(started, computed - reported))  # goes back to where the reported compute puts it
+    tip = f"{what}: computing until its computed was read, {computed - started:.3g} s (reported {reported:.3g} s)"
+    work = Span(t + started, computed - started, "compute", tip)
+    if name == "master":
+        tip = f"{what}: beside its share {wall - computed + started:.3g} s, of which it waited {waited:.3g} s"
+        return [Span(t, started, "running", tip), work, Span(t + computed, wall - computed, "running", tip)]
+    return [
+        Span(t + sent, started - sent, "task", f"{what}: its task on its way {started - sent:.3g} s"),
+        work,
+        Span(t + computed, received - computed, "result", f"{what}: its result on its way {received - computed:.3g} s"),
+    ]
+
+
 def timeline_chart(runs: Sequence[Run]) -> str | None:
     """Each run's median step, per participant; None if no run recorded per-op timings."""
-    panels = []
+    panels, exact = [], True
     for path, events in runs:
         step = median_step(events)
         if step is not None:
-            timed = sum(1 for e in events if e["event"] == "step" and e.get("ops"))
-            caption = f"{path.stem}: step {step['step']}, {step['time_s']:.3g} s, the median of {timed} steps"
-            panels.append(step_lanes(caption, step))
+            count = sum(1 for e in events if e["event"] == "step" and e.get("ops"))
+            caption = f"{path.stem}: step {step['step']}, {step['time_s']:.3g} s, the median of {count} steps"
+            exact &= timed(step)
+            panels.append(timed_lanes(caption, step) if timed(step) else step_lanes(caption, step))
     if not panels:
         return None
-    return gantt(
-        "One step per participant: when it computed its share and when it did not. Within an op the metrics "
-        "record how long, not when: its compute is drawn first, and comp (run between the ops) last",
-        "seconds from the step's start, the ops back to back as the master ran them",
-        panels,
-        KINDS,
-    )
+    used = {s.kind for p in panels for spans in p.lanes.values() for s in spans}
+    kinds = TIMED if exact else KINDS + tuple(k for k in TIMED if k not in KINDS and k[0] in used)
+    return gantt(*TITLES[exact], panels, kinds)
