@@ -305,6 +305,8 @@ def start(argv: list[str] | None) -> int:
         return 0
     if args.max_restarts:  # this process only supervises; a child trains (tinyconv/supervisor.py)
         os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # every child's: the workers rejoin a restart
+        here = str(Path(tc.__file__).resolve().parent.parent)  # the child imports this tinyconv, installed or not
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         command = restartable_command([sys.executable, "-m", "tinyconv.cli", "train"], argv)
         return supervise(command, Path(args.checkpoint), args.max_restarts)
     keep_freed_memory()  # each step reuses the last step's pages (tinyconv/distributed/heap.py)
