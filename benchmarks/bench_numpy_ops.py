@@ -1,24 +1,29 @@
 #!/usr/bin/env python3
-"""Median time of the numpy backend's non-convolution ops on the paper's 300:1000 maps.
+"""Median time of the numpy backend's non-convolution ops on the paper's maps (300:1000's, or --arch's).
 
     taskset -c 1 env OPENBLAS_NUM_THREADS=1 python benchmarks/bench_numpy_ops.py
-    python benchmarks/bench_numpy_ops.py --baseline /tmp/old_numpy_backend.py   # side by side
+    python benchmarks/bench_numpy_ops.py --baseline /tmp/old/numpy_backend.py   # side by side
+    python benchmarks/bench_numpy_ops.py --arch 50:500 --batch-size 256         # bench_train_step.py's maps
     python benchmarks/bench_numpy_ops.py --ops maxpool,maxpool-nan --repeats 15  # some ops only
     python benchmarks/bench_numpy_ops.py --ops sgd --sgd-arch 500:1500           # the update alone
 
-The shapes are those of a batch-64 training step of the 300:1000 network: the
-conv1 map 64x300x32x32 and the conv2 map 64x1000x16x16, each through ReLU,
-LRN (or batch norm) and a 3x3 stride-2 pad-1 max pool; "maxpool-nan" is the max
-pool of the same map with one NaN in about 10^4 values (the path a diverging run
-takes), not counted in the total. "im2col" and "col2im" time the module's functions on the
+The shapes are those of a training step of the ``--arch`` network (default 300:1000)
+at ``--batch-size`` (default 64): the conv1 map Nx300x32x32 and the conv2 map
+Nx1000x16x16, each through ReLU, LRN (or batch norm) and a 3x3 stride-2 pad-1 max
+pool; "maxpool-nan" is the max pool of the same map with one NaN in about 10^4 values
+(the path a diverging run takes), not counted in the totals: relu+lrn+maxpool (the LRN
+network's layers) and relu+batchnorm+maxpool (the batch-norm network's), each printed when
+all its ops are timed. "im2col" and "col2im" time the module's functions on the
 columns of conv2 of the 48:96 network at batch 128 (x 128x48x16x16, 5x5, padding 2), not
 counted in the total either. "sgd" is one optimiser step over every parameter of the ``--sgd-arch``
 network (momentum 0.9, weight decay 5e-4): sgd_update_plain, the backend's blocked sgd_update and,
-if PyTorch is installed, torch.optim.SGD on the same arrays (not in the total). Every call allocates its
-outputs afresh, as in training. ``--baseline FILE`` loads ``NumpyBackend`` from
-another copy of numpy_backend.py (e.g. ``git show HEAD:backends/numpy_backend.py
-> /tmp/old.py``) and times it on the same inputs, so a before/after table is one
-command. Not a test: no asserts.
+if PyTorch is installed, torch.optim.SGD on the same arrays (not in the totals). Every call allocates its
+outputs afresh, as in training, and the process keeps its freed memory for reuse, as training does
+(tinyconv/distributed/heap.py; --keep-freed-memory off: glibc's default, each fresh map faulted in).
+``--baseline FILE`` loads ``NumpyBackend`` from another copy of numpy_backend.py, with the
+numpy_maxpool.py and numpy_columns.py beside it if they are there (``mkdir /tmp/old; git show
+HEAD:backends/numpy_backend.py > /tmp/old/numpy_backend.py``, the same for the other two), and times
+it on the same inputs, so a before/after table is one command. Not a test: no asserts.
 """
 
 from __future__ import annotations
@@ -35,20 +40,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+import backends  # noqa: E402
 from backends.numpy_backend import NumpyBackend  # noqa: E402
+from tinyconv.distributed.heap import keep_freed_memory  # noqa: E402
+from tinyconv.model import parse_arch  # noqa: E402
 from tinyconv.options import Parser, UsageError, add, arch  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
-SHAPES = {"conv1 map": (64, 300, 32, 32), "conv2 map": (64, 1000, 16, 16)}
+SIBLINGS = ("numpy_maxpool", "numpy_columns")  # the modules numpy_backend.py imports ops from
 CONV_X, CONV_K, CONV_PAD = (128, 48, 16, 16), 5, 2  # conv2 of 48:96 at batch 128: 1200 x 32768 columns
 
 
-def load_module(path: str):
-    """Another copy of numpy_backend.py, as a module."""
-    spec = importlib.util.spec_from_file_location("baseline_numpy_backend", path)
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_module(path: str):
+    """Another copy of numpy_backend.py, as a module; it imports the SIBLINGS beside it, where there are
+    any, in place of today's."""
+    today = {sib: sys.modules[f"backends.{sib}"] for sib in SIBLINGS}
+    try:
+        for sib in SIBLINGS:
+            if (Path(path).parent / f"{sib}.py").exists():
+                sys.modules[f"backends.{sib}"] = old = _load(Path(path).parent / f"{sib}.py", f"baseline_{sib}")
+                setattr(backends, sib, old)
+        return _load(Path(path), "baseline_numpy_backend")
+    finally:
+        for sib, mod in today.items():
+            sys.modules[f"backends.{sib}"] = mod
+            setattr(backends, sib, mod)
 
 
 def column_calls(module, x: np.ndarray, dcols: np.ndarray, ops: list[str]) -> dict[str, Callable[[], object]]:
@@ -116,7 +139,7 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 OPS = ("relu", "lrn", "batchnorm", "maxpool", "maxpool-nan", "im2col", "col2im", "sgd")
 COLUMN_OPS = ("im2col", "col2im")
-TOTAL_OPS = ("relu", "lrn", "maxpool")  # the LRN network's layers: the Amdahl part
+TOTALS = (("relu", "lrn", "maxpool"), ("relu", "batchnorm", "maxpool"))  # each network's layers: the Amdahl part
 
 
 def op_calls(
@@ -142,10 +165,10 @@ def op_calls(
     return calls
 
 
-def map_rows(backends: dict, map_ops: list[str], repeats: int, rng: np.random.Generator, totals: dict) -> list:
-    """The rows of the ops on the conv maps (none without ``map_ops``), adding TOTAL_OPS' times to ``totals``."""
+def map_rows(backends: dict, shapes: dict, map_ops: list[str], repeats: int, rng, totals: dict) -> list:
+    """The rows of the ops on the conv maps (none without ``map_ops``), adding each op's time to ``totals[op]``."""
     rows = []
-    for label, shape in SHAPES.items() if map_ops else ():
+    for label, shape in shapes.items() if map_ops else ():
         x = rng.standard_normal(shape, dtype=np.float32)
         x_nan = np.where(rng.random(shape, dtype=np.float32) < 1e-4, np.float32(np.nan), x)
         dy = rng.standard_normal(shape, dtype=np.float32)
@@ -154,9 +177,9 @@ def map_rows(backends: dict, map_ops: list[str], repeats: int, rng: np.random.Ge
         calls = {name: op_calls(be, x, x_nan, dy, dy_pool, map_ops) for name, be in backends.items()}
         for op in calls["now"]:
             ms = medians_ms({name: calls[name][op] for name in backends}, repeats)
-            if op.rsplit(" ", 1)[0] in TOTAL_OPS:
-                for name in backends:
-                    totals[name] += ms[name]
+            stem = op.rsplit(" ", 1)[0]
+            for name in backends:
+                totals[name][stem] = totals[name].get(stem, 0.0) + ms[name]
             row = (label, op, *(round(ms[name], 1) for name in backends))
             rows.append(row + ((f"{ms['baseline'] / ms['now']:.2f}x",) if "baseline" in backends else ()))
         del calls
@@ -166,7 +189,20 @@ def map_rows(backends: dict, map_ops: list[str], repeats: int, rng: np.random.Ge
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.split("\n\n")[0])
-    add(p, "repeats", defaults={"repeats": 7}, helps={"repeats": "calls of each op, interleaved"})
+    add(
+        p,
+        "arch",
+        "batch_size",
+        "repeats",
+        defaults={"arch": "300:1000", "batch_size": 64, "repeats": 7},
+        helps={"arch": "the maps' channels", "repeats": "calls of each op, interleaved"},
+    )
+    p.add_argument(
+        "--keep-freed-memory",
+        choices=("on", "off"),
+        default="on",
+        help="keep freed memory for reuse, as training does (tinyconv/distributed/heap.py); off: glibc's default",
+    )
     p.add_argument("--baseline", metavar="FILE", help="another numpy_backend.py to time side by side")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)} (default: all)")
     p.add_argument(
@@ -182,14 +218,19 @@ def main() -> None:
     if not set(ops) <= set(OPS):
         p.error(f"unknown ops {sorted(set(ops) - set(OPS))}; choose from {', '.join(OPS)}")
 
+    if args.keep_freed_memory == "on":
+        keep_freed_memory()
+    c1, c2 = parse_arch(args.arch)
+    shapes = {"conv1 map": (args.batch_size, c1, 32, 32), "conv2 map": (args.batch_size, c2, 16, 16)}
     modules = {"now": sys.modules[NumpyBackend.__module__]}
     if args.baseline:
         modules = {"baseline": load_module(args.baseline), **modules}
     backends = {name: module.NumpyBackend() for name, module in modules.items()}
 
     rng = np.random.default_rng(0)
-    totals = dict.fromkeys(backends, 0.0)
-    rows = map_rows(backends, [op for op in ops if op not in COLUMN_OPS and op != "sgd"], args.repeats, rng, totals)
+    totals: dict[str, dict[str, float]] = {name: {} for name in backends}
+    map_ops = [op for op in ops if op not in COLUMN_OPS and op != "sgd"]
+    rows = map_rows(backends, shapes, map_ops, args.repeats, rng, totals)
     if set(ops) & set(COLUMN_OPS):
         x = rng.standard_normal(CONV_X, dtype=np.float32)
         dcols = rng.standard_normal((CONV_X[1] * CONV_K**2, CONV_X[0] * CONV_X[2] * CONV_X[3]), dtype=np.float32)
@@ -210,12 +251,12 @@ def main() -> None:
             rows.append((f"{args.sgd_arch} params", f"{name} ({ratio})", *([""] * (len(backends) - 1)), round(t, 1)))
             rows[-1] += ("",) if args.baseline else ()
         del calls
-    summed = "+".join(op for op in TOTAL_OPS if op in ops)
-    if summed:
-        total_row = ("both maps", summed, *(round(totals[name], 1) for name in backends))
-        if args.baseline:
-            total_row += (f"{totals['baseline'] / totals['now']:.2f}x",)
-        rows.append(total_row)
+    for layers in TOTALS:
+        if not set(layers) <= set(ops):
+            continue
+        ms = {name: sum(totals[name][op] for op in layers) for name in backends}
+        total_row = ("both maps", "+".join(layers), *(round(ms[name], 1) for name in backends))
+        rows.append(total_row + ((f"{ms['baseline'] / ms['now']:.2f}x",) if args.baseline else ()))
 
     header = ("map", "op", *(f"{name} ms" for name in backends))
     if args.baseline:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training-step time of tinyconv against the same network in PyTorch (CPU), numerically the same.
 
-    python benchmarks/bench_train_step.py                     # 50:500, batch 64 and 256, LRN
+    python benchmarks/bench_train_step.py                     # 50:500, batch 64 and 256, LRN and batch norm
     python benchmarks/bench_train_step.py --norm batch --arch 150:800
 
 One step = forward, softmax cross-entropy, backward and the SGD update, on random
@@ -14,8 +14,9 @@ uses). Prints medians over --repeats steps after a warm-up, and the ratio torch 
 tinyconv (> 1 means tinyconv is faster). The two take their steps in turn (tinyconv, torch,
 tinyconv, ...), so on a shared machine both see the same load. The process keeps its freed
 memory for reuse, as the main job does (tinyconv/distributed/heap.py; --keep-freed-memory off: glibc's
-default). ``--breakdown`` adds tinyconv's median time per layer, forward and backward. Not a
-test: no asserts. PyTorch is optional (`pip install torch`); without it only tinyconv's times print.
+default). Each ``--norm`` (default both: the LRN network and the batch-norm one) and each batch size is a
+row of one table, all timed in one run. ``--breakdown`` adds tinyconv's median time per layer, forward
+and backward. Not a test: no asserts. PyTorch is optional (`pip install torch`); without it only tinyconv's times print.
 
     python benchmarks/bench_train_step.py --norm batch --batch-size 128 --arch 48:96 --breakdown
 """
@@ -175,8 +176,14 @@ def build_parser() -> Parser:
         "batch_size",
         "repeats",
         "backend",
-        many=("batch_size",),
-        defaults={"arch": "50:500", "norm": "lrn", "batch_size": [64, 256], "repeats": 7, "backend": "numpy"},
+        many=("batch_size", "norm"),
+        defaults={
+            "arch": "50:500",
+            "norm": ["lrn", "batch"],
+            "batch_size": [64, 256],
+            "repeats": 7,
+            "backend": "numpy",
+        },
         helps={"repeats": "steps of each, after a warm-up one", "backend": "tinyconv's"},
     )
     p.add_argument(
@@ -196,46 +203,58 @@ def build_parser() -> Parser:
     return p
 
 
+def measure(args, norm: str, batch: int):
+    """One row of the table, for one network and batch size: (row, the two losses or None, breakdown or None)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    net = paper_net(parse_arch(args.arch), get_backend(args.backend), norm, seed=0)
+    state = net.state_dict()  # the starting weights, for the twin
+    twin = torch_step(net, state, x, y, args.torch_threads)
+    results = in_turn([tinyconv_step(net, x, y)] + ([twin] if twin else []), args.repeats)
+    tc = float(np.median(results[0][0]))
+    breakdown = layer_times(net, x, y, args.repeats) if args.breakdown else None
+    if twin is None:
+        return (norm, batch, tc, "-", "-", batch / tc), None, breakdown
+    tm = float(np.median(results[1][0]))
+    loss = f"--norm {norm}, batch {batch}: tinyconv {results[0][1]:.6f}, torch {results[1][1]:.6f}"
+    return (norm, batch, tc, tm, tm / tc, batch / tc), loss, breakdown
+
+
 def main() -> None:
     args = build_parser().parse_args()
     if args.keep_freed_memory == "on":
         keep_freed_memory()
-    arch = parse_arch(args.arch)
-    print(f"network {args.arch} norm={args.norm}, torch threads={args.torch_threads}, BLAS: {blas_info()}")
-    rows, losses, breakdowns = [], [], []
-    for batch in args.batch_size:
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
-        y = rng.integers(0, 10, batch)
-        net = paper_net(arch, get_backend(args.backend), args.norm, seed=0)
-        state = net.state_dict()  # the starting weights, for the twin
-        twin = torch_step(net, state, x, y, args.torch_threads)
-        results = in_turn([tinyconv_step(net, x, y)] + ([twin] if twin else []), args.repeats)
-        tc = float(np.median(results[0][0]))
-        if args.breakdown:
-            breakdowns.append((batch, layer_times(net, x, y, args.repeats)))
-        if twin is None:
-            rows.append((batch, tc, "-", "-", batch / tc))
-            continue
-        tm = float(np.median(results[1][0]))
-        rows.append((batch, tc, tm, tm / tc, batch / tc))
-        losses.append(f"batch {batch}: tinyconv {results[0][1]:.6f}, torch {results[1][1]:.6f}")
+    parse_arch(args.arch)
+    print(f"network {args.arch}, torch threads={args.torch_threads}, BLAS: {blas_info()}")
+    runs = [(norm, batch, *measure(args, norm, batch)) for norm in args.norm for batch in args.batch_size]
     print(
         format_table(
-            ("batch", f"tinyconv {args.backend} s/step", "torch CPU s/step", "torch/tinyconv", "tinyconv img/s"),
-            rows,
+            (
+                "norm",
+                "batch",
+                f"tinyconv {args.backend} s/step",
+                "torch CPU s/step",
+                "torch/tinyconv",
+                "tinyconv img/s",
+            ),
+            [row for *_, row, _, _ in runs],
             title="median training-step time (lower is better; ratio > 1: tinyconv faster)",
         )
     )
+    losses = [loss for *_, loss, _ in runs if loss]
     if losses:
         print(f"loss after {args.repeats + 1} steps from the same weights (the twins agree): " + "; ".join(losses))
-    for batch, layers in breakdowns:
+    for norm, batch, _, _, layers in runs:
+        if layers is None:
+            continue
         total = sum(f + b for _, f, b in layers)
         print(
             format_table(
                 ("layer", "forward ms", "backward ms", "share"),
                 [(name, f, b, f"{(f + b) / total:.0%}") for name, f, b in layers],
-                title=f"tinyconv {args.backend}, batch {batch}: median per layer ({total:.0f} ms, loss and SGD aside)",
+                title=f"tinyconv {args.backend}, --norm {norm}, batch {batch}: median per layer ({total:.0f} ms, "
+                "loss and SGD aside)",
             )
         )
 

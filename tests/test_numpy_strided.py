@@ -21,7 +21,11 @@ against ``maxpool_forward_plain`` (every window copied out as a row, argmax): th
 for bit, and the gradient sent to the same inputs -- checked exactly with integer gradients, whose
 sums are exact in any order. With other gradients the two add an input's terms (one per window that
 selected it, at most ceil(k/s)^2) in different orders, so they agree to within float32 round-off:
-|difference| <= 2 (m - 1) u * (sum of |terms|), m terms, u = 2^-24.
+|difference| <= 2 (m - 1) u * (sum of |terms|), m terms, u = 2^-24. It runs block by block of images:
+at the default block and at blocks of a few values (an image a block, or a short last block).
+
+``lrn_forward``/``lrn_backward`` run their passes block by block of samples: the same operations on
+each value as on the whole map in one block, so the same bits.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import math
 import numpy as np
 import pytest
 
+from backends import numpy_backend, numpy_maxpool
 from backends.base import conv_output_size
 from backends.numpy_backend import NumpyBackend, sgd_update, sgd_update_plain
 from backends.numpy_columns import col2im, col2im_plain, im2col, transposed
@@ -190,9 +195,11 @@ def _pool_input(shape, values: str, rng) -> np.ndarray:
     return x
 
 
+@pytest.mark.parametrize("block", [numpy_maxpool.BLOCK, 40, 240])
 @pytest.mark.parametrize("values", VALUES)
 @pytest.mark.parametrize(("shape", "kernel", "stride", "padding"), POOLS)
-def test_maxpool_matches_the_plain_one(shape, kernel, stride, padding, values):
+def test_maxpool_matches_the_plain_one(shape, kernel, stride, padding, values, block, monkeypatch):
+    monkeypatch.setattr(numpy_maxpool, "BLOCK", block)
     rng = np.random.default_rng(hash((shape, kernel, stride, padding, values)) % 2**32)
     x = _pool_input(shape, values, rng)
     y, cache = NumpyBackend().maxpool_forward(x, kernel, stride, padding)
@@ -221,3 +228,18 @@ def test_maxpool_plain_selects_as_documented():
     x = np.full((1, 1, 1, 1), -np.inf, np.float32)
     y, (_, sel, *_) = maxpool_forward_plain(x, 3, 2, 1)
     assert y.item() == -np.inf and sel.item() == 4  # the centre: the only input inside the window
+
+
+@pytest.mark.parametrize(("size", "beta"), [(5, 0.75), (4, 0.6)])
+def test_lrn_by_blocks_has_the_bits_of_one_block(size, beta, monkeypatch):
+    rng = np.random.default_rng(9)
+    x, dy = (rng.standard_normal((5, 7, 3, 4)).astype(np.float32) * 10 for _ in range(2))
+    x[0, 0, 0, 0], dy[1, 2, 0, 1] = np.nan, np.inf
+    runs = []
+    for block in (x.size, 2 * x[0].size, 1):  # one block; two samples a block, the last one short; one each
+        monkeypatch.setattr(numpy_backend, "BLOCK", block)
+        y, cache = NumpyBackend().lrn_forward(x, size, 1e-2, beta, 2.0)
+        with np.errstate(invalid="ignore"):  # inf * 0, on purpose
+            runs.append((y, *cache[2:4], NumpyBackend().lrn_backward(dy, cache)))
+    for run in runs[1:]:
+        assert all(_same_bits(a, b) for a, b in zip(run, runs[0], strict=True))

@@ -587,7 +587,7 @@ def test_an_error_or_ctrl_c_mid_epoch_leaves_no_prefetch_thread(numpy_backend, t
 
 
 def test_evaluation_gives_todays_loss_and_accuracy(numpy_backend):
-    """Evaluate (batches of the training's size, Network.predict, batch norm as one affine pass) against
+    """Evaluate (batches of the training's size, Network.predict, the backend's optimised batch norm) against
     the way it was computed before: one forward in eval mode through batch norm written out
     (batchnorm_forward_plain), in batches of 500, from the same trained weights."""
     from backends.numpy_backend import NumpyBackend, batchnorm_backward_plain, batchnorm_forward_plain
