@@ -223,7 +223,7 @@ for fmt in ("bf16", "fp16"):
 # step — at an error in the maps of a few $10^{-4}$ (float16) to a few $10^{-3}$ (bfloat16), far above
 # float32's $10^{-7}$ but below the noise SGD adds anyway; mixed-precision training (Micikevicius et
 # al. 2018) keeps a float32 master copy of the weights for the same reason, and so does tinyconv.
-# Measured over longer runs (the README's *Results*: `--preset quick --epochs 3`, a fixed equal
+# Measured over longer runs (docs/results.md: `--preset quick --epochs 3`, a fixed equal
 # split, the same seed), CIFAR-10's test accuracy was 68.92 % at fp32 and 69.39 % at bf16: within
 # one run's noise. `--wire-precision s8` and `adaptive` go further (1 byte a map value, and a
 # per-layer word for the weights): `tinyconv comm --wire-precision fp32 bf16 s8 adaptive` counts

@@ -3,7 +3,7 @@
 Each preset is a whole recipe (network, epochs, batch, learning rate and schedule, warm-up, weight
 decay) and what it is expected to reach: test accuracy on CIFAR-10 and wall time with the main job's
 default distributed set-up on a 2-core machine -- only *as measured*, with the command that measured
-it (the runs in full: README.md's results). A preset not measured yet has ``None`` there, and says so; a
+it (the runs in full: docs/results.md). A preset not measured yet has ``None`` there, and says so; a
 figure is never guessed. No preset sets ``--label-smoothing``: at 0.1 it changed nothing measurable
 (``benchmarks/bench_recipe.py``).
 """

@@ -1,7 +1,7 @@
 """The OpenCL backend: the numpy reference's ops as OpenCL C 1.2 kernels, for any OpenCL device.
 
 ``OpenCLBackend(device=None)`` runs on ``select_device(device)``; ``list_devices()`` lists what this
-machine has (for a CLI's device table). README.md's table of files says which module holds what.
+machine has (for a CLI's device table). docs/layout.md's table of files says which module holds what.
 """
 
 from backends.opencl.backend import OpenCLBackend

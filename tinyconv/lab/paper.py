@@ -1,6 +1,6 @@
 """The speedups Marques, Falcão & Alexandre (2017) report, as far as this project knows them.
 
-One place for them, so that the experiment grid's summary, the plots and the README quote the
+One place for them, so that the experiment grid's summary, the plots and docs/results.md quote the
 same numbers. What is known here -- and only this:
 
 * 2 CPUs (the master + one worker): **1.69x** on ``300:1000`` and **1.98x** on ``500:1500``
