@@ -3,7 +3,7 @@
 ``tinyconv train``, ``worker``, ``experiment grid``, ``simulate``, ``comm`` and the benchmarks build their
 parsers from :data:`OPTIONS` (``add(group, "arch", "batch_size")``), so ``--batch-size`` is the images per
 step wherever it appears; a command that sweeps a setting takes a list of the same option
-(``add(group, "arch", many=True)``: ``--arch 50:500 300:1000``). docs/commands.md has the vocabulary table.
+(``add(group, "arch", many={"arch"})``: ``--arch 50:500 300:1000``). docs/commands.md has the vocabulary table.
 
 A spelling that was renamed is refused in one line that gives the new one (:data:`RENAMED`). ``--config
 FILE`` reads a TOML file of options (``arch = "64:128"``); its values go in front of the command line, so an
@@ -19,7 +19,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 PAPER_ARCHS = ("50:500", "150:800", "300:1000", "500:1500")  # tinyconv.model's (a test holds them equal)
@@ -138,7 +138,7 @@ def cores(text: str) -> float:
 
 
 def one_of(choices: Iterable[str]) -> Callable[[str], str]:
-    """One of ``choices``, with the closest named when it is not."""
+    """One of ``choices``; anything else is refused with the list of them."""
     allowed = tuple(choices)
 
     def parse(text: str) -> str:
@@ -152,8 +152,8 @@ def one_of(choices: Iterable[str]) -> Callable[[str], str]:
 # ---- the options ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
-    """One option as every command spells it: its flag, what it takes, its help (``{what}`` is filled per
-    command where the same concept reads a little differently, e.g. "the master's" or "each worker's")."""
+    """One option as every command spells it: its flag, what it takes, its help and its default; a command
+    adds its own sentence or default with :func:`add`'s ``helps`` and ``defaults``."""
 
     flag: str
     help: str
@@ -161,7 +161,6 @@ class Option:
     default: Any = None
     metavar: str | None = None
     flag_only: bool = False  # a switch: present or not
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 OPTIONS: dict[str, Option] = {
@@ -298,7 +297,7 @@ def add(
             group.add_argument(o.flag, action="store_true", help=text)
             continue
         nargs = {"nargs": "+"} if name in many else {}
-        group.add_argument(o.flag, type=o.type, default=default, metavar=o.metavar, help=text, **nargs, **o.extra)
+        group.add_argument(o.flag, type=o.type, default=default, metavar=o.metavar, help=text, **nargs)
 
 
 # ---- --config FILE and --print-config ------------------------------------------------------------------------

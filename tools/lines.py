@@ -20,13 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("tinyconv", "backends", "transports")
 BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
-    "Framework": 3286,
+    "Framework": 3285,
     "Door": 1027,
     "Dist": 6328,
     "Lab": 4826,
     "Backends": 2968,
     "Transports": 3151,
-    "library outside the lab": 15733,  # the framework, the runtime, backends and transports (the door apart)
+    "library outside the lab": 15732,  # the framework, the runtime, backends and transports (the door apart)
     "reading path": 1597,
     "reading path files": 8,
 }
