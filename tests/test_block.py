@@ -25,12 +25,11 @@ from tinyconv.distributed.shard.block import (
     halo_width,
     tail_backward,
     tail_forward,
-    tail_of,
     tail_output_hw,
 )
 from tinyconv.distributed.shard.by_channels import halo_sum, owned
 from tinyconv.distributed.shard.cluster import Cluster
-from tinyconv.distributed.shard.layer import ShardedBlock
+from tinyconv.distributed.shard.layer import ShardedBlock, tail_of
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.distributed.worker.state import check_tail
 from tinyconv.layers import BatchNorm2D, Conv2D, LocalResponseNorm, MaxPool2D, ReLU

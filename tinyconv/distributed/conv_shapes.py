@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tinyconv.distributed.shard.block import tail_of
+from tinyconv.distributed.shard.layer import tail_of
 from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network
 

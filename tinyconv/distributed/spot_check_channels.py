@@ -32,7 +32,8 @@ import numpy as np
 from backends.base import Backend, conv_output_size
 from backends.conformance.checks import scale
 from tinyconv.distributed.protocol import NORM_INPUTS
-from tinyconv.distributed.shard.block import per_image, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.by_channels import per_image
 from tinyconv.distributed.spot_norm import (
     batch_norm,
     image_backward,

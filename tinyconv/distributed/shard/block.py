@@ -39,31 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import Array, Backend, conv_output_size
-from tinyconv.layers import BatchNorm2D, Fused, LocalResponseNorm, MaxPool2D, ReLU
-
-
-def tail_of(layers: list[Any], training: bool = False) -> list[dict[str, Any]]:
-    """Specs for the leading run of ReLU / LocalResponseNorm / MaxPool2D / one BatchNorm2D in ``layers``;
-    ``training``: batch norm's, normalising by the batch's statistics rather than the running ones."""
-    tail: list[dict[str, Any]] = []
-    for layer in layers:
-        if isinstance(layer, BatchNorm2D) and not any(spec["op"] == "bn" for spec in tail):
-            tail.append({"op": "bn", "eps": float(layer.eps), "training": training})
-        elif isinstance(layer, ReLU):
-            tail.append({"op": "relu"})
-        elif isinstance(layer, LocalResponseNorm):
-            floats = {k: float(getattr(layer, k)) for k in ("alpha", "beta", "k")}
-            tail.append({"op": "lrn", "size": layer.size, **floats})
-        elif isinstance(layer, MaxPool2D):
-            tail.append({"op": "maxpool", "kernel": layer.kernel, "stride": layer.stride, "padding": layer.padding})
-        else:
-            break
-    return tail
-
-
-def per_image(tail: list[dict[str, Any]]) -> bool:
-    """Whether the tail treats each image on its own (no batch norm): it may run on a chunk of the batch."""
-    return not any(spec["op"] == "bn" for spec in tail)
+from tinyconv.layers import Fused
 
 
 def halo_width(tail: list[dict[str, Any]]) -> int:

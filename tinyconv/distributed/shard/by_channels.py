@@ -16,7 +16,7 @@ still goes by kernels (own k_i, halo h_i, ``block.py``), so each way takes two r
 
 What crosses of the conv output is kernel-major, (F', N, OH, OW). A worker's round 2 goes out as soon
 as the others' round 1 is in (:func:`relay`), and a batch larger than :data:`PIPELINE` goes in chunks
-(header ``images`` = [a, b, N]). A tail that treats each image on its own (``block.per_image``: no batch
+(header ``images`` = [a, b, N]). A tail that treats each image on its own (:func:`per_image`: no batch
 norm) runs chunk by chunk too, so that every transfer of the step overlaps a GEMM: y and dyc of one
 chunk cross while the next chunk computes. docs/how-it-works.md ("Splitting a convolution by kernels")
 says why each, what they cost in bytes, and what they were measured to gain.
@@ -32,12 +32,17 @@ import numpy as np
 
 from backends.base import Array, Backend
 from tinyconv.distributed.rpc import Op
-from tinyconv.distributed.shard.block import BlockCache, per_image, tail_backward, tail_forward, tail_output_hw
+from tinyconv.distributed.shard.block import BlockCache, tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.shard.by_kernels import Grads
 from tinyconv.distributed.shard.norm import SplitNorm, joined_grads
 from tinyconv.distributed.shard.plan import Participant, Plan
 from tinyconv.layers import Conv2D
 from transports.base import Message
+
+
+def per_image(tail: list[dict[str, Any]]) -> bool:
+    """Whether the tail treats each image on its own (no batch norm): it may run on a chunk of the batch."""
+    return not any(spec["op"] == "bn" for spec in tail)
 
 
 @dataclass

@@ -28,9 +28,8 @@ from tinyconv.distributed.calibrate import time_everyone
 from tinyconv.distributed.conv_shapes import conv_shapes
 from tinyconv.distributed.runtime import Runtime
 from tinyconv.distributed.shard.balance import apportion
-from tinyconv.distributed.shard.block import tail_of
 from tinyconv.distributed.shard.by_channels import PIPELINE
-from tinyconv.distributed.shard.layer import ShardedBlock
+from tinyconv.distributed.shard.layer import ShardedBlock, tail_of
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.spot_check import SpotCheck
 from tinyconv.distributed.wire_codec import Narrowing

@@ -15,11 +15,30 @@ from backends.base import Array, Backend
 from tinyconv.distributed.accounting import LayerStep, OpStats
 from tinyconv.distributed.rpc import Lost, Op, Rpc
 from tinyconv.distributed.shard import by_channels, by_kernels
-from tinyconv.distributed.shard.block import tail_of, tail_output_hw
+from tinyconv.distributed.shard.block import tail_output_hw
 from tinyconv.distributed.shard.norm import SplitNorm, norm_of
 from tinyconv.distributed.shard.plan import Plan
 from tinyconv.distributed.wire_codec import Narrowing
-from tinyconv.layers import Conv2D, Layer
+from tinyconv.layers import BatchNorm2D, Conv2D, Layer, LocalResponseNorm, MaxPool2D, ReLU
+
+
+def tail_of(layers: list[Any], training: bool = False) -> list[dict[str, Any]]:
+    """Specs for the leading run of ReLU / LocalResponseNorm / MaxPool2D / one BatchNorm2D in ``layers``;
+    ``training``: batch norm's, normalising by the batch's statistics rather than the running ones."""
+    tail: list[dict[str, Any]] = []
+    for layer in layers:
+        if isinstance(layer, BatchNorm2D) and not any(spec["op"] == "bn" for spec in tail):
+            tail.append({"op": "bn", "eps": float(layer.eps), "training": training})
+        elif isinstance(layer, ReLU):
+            tail.append({"op": "relu"})
+        elif isinstance(layer, LocalResponseNorm):
+            floats = {k: float(getattr(layer, k)) for k in ("alpha", "beta", "k")}
+            tail.append({"op": "lrn", "size": layer.size, **floats})
+        elif isinstance(layer, MaxPool2D):
+            tail.append({"op": "maxpool", "kernel": layer.kernel, "stride": layer.stride, "padding": layer.padding})
+        else:
+            break
+    return tail
 
 
 class Coordinator(Protocol):

@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 
 from tinyconv.distributed.protocol import NORM_INPUTS, TaskError
-from tinyconv.distributed.shard.block import per_image
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
-from tinyconv.distributed.shard.by_channels import halo_sum, owned
+from tinyconv.distributed.shard.by_channels import halo_sum, owned, per_image
 from tinyconv.distributed.worker.state import (
     Handler,
     OpenStep,
@@ -79,7 +78,7 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
 def tail_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
     """Adds ``sum`` (F', N, OH, OW), the others' partials on its halo, to a chunk of its own (``b`` and batch
     norm's arrays come with the first); y = tail(P[halo] + sum + b) of its own kernels, on each chunk as it
-    is summed when the tail treats images on their own (``block.per_image``), else on the whole batch with
+    is summed when the tail treats images on their own (``by_channels.per_image``), else on the whole batch with
     the last."""
     n, computed, oh, ow = kept.summed.shape
     first, stop = _next_chunk(h, kept.chunks, kept.done, n, "tail_forward goes by partial_forward's chunks")

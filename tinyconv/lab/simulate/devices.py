@@ -235,7 +235,7 @@ def _solo_step(net: Any, batch: int, repeats: int) -> tuple[float, dict[str, flo
     "on": [conv l and its tail]})."""
     import numpy as np
 
-    from tinyconv.distributed.shard.block import tail_of
+    from tinyconv.distributed.shard.layer import tail_of
     from tinyconv.layers import Conv2D, relu_lrn_forward
     from tinyconv.optim import SGD
 
