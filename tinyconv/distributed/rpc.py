@@ -2,17 +2,14 @@
 
 Each distributed op (the forward or the backward of one sharded layer) opens an :class:`Op`. It
 numbers every task it sends; :meth:`Op.gather` waits for the results of some of them, and keeps a
-result that comes before its gather asks for it. A result no open op waits for (an op gave up on it)
-is stale and dropped. Deadlines are for compute, liveness for transfers: a worker says ``started`` as
-it starts computing a task and ``computed`` right before the result, whose bytes the transport keeps it
-alive by; in between the task has 2 e_k + 1 s (:meth:`Op.expected`), and a gather the op's timeout at most.
-A worker the op cannot count on -- gone (the transport's WorkerLost), past its deadline, answering with
-an error (out of memory, a driver's), with a malformed or wrong-shape result, with non-finite numbers
-from finite inputs, or with numbers the master's spot check finds wrong (``spot_check.py``) -- ends the
-op with :class:`Lost`, so that the runtime can share its work among the others and run the op again. On
-the way the op counts what it cost, and when (:meth:`Op.stats`), and each worker's link its seconds per byte
-(``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task as it goes
-and decodes each result as it comes, so the splits only ever see float32.
+result that comes before its gather asks for it; a result no open op waits for is stale and dropped.
+Deadlines are for compute, liveness for transfers (docs/how-it-works.md, "When workers come and go").
+A worker the op cannot count on -- gone, past its deadline, answering with an error, a malformed
+result, non-finite numbers from finite inputs, or numbers the spot check finds wrong (``spot_check.py``)
+-- ends the op with :class:`Lost`, so that the runtime can share its work among the others and run the
+op again. On the way the op counts what it cost (:meth:`Op.stats`) and each link's seconds per byte
+(``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task and decodes each
+result, so the splits only ever see float32.
 """
 
 from __future__ import annotations
@@ -82,17 +79,9 @@ class Rpc:
         expect: dict[int, float] | None = None,
         units: dict[int | None, int] | None = None,
     ) -> Op:
-        """A new op named ``what`` in errors ("forward of conv2"), the master's share on ``backend``; its
-        tasks carry ``fields`` (a layer's step and index), each gather waits ``timeout`` s at most (the Rpc's);
-        ``expect`` and ``units`` give its compute deadlines (:meth:`Op.expected`)."""
+        """A new op named ``what`` in errors ("forward of conv2"), the master's share on ``backend``; its tasks
+        carry ``fields`` (a layer's step and index); ``expect`` and ``units``: :meth:`Op.expected`."""
         return Op(self, what, backend, fields or {}, timeout or self.timeout, codec, expect or {}, units)
-
-    def describe(self, k: int | None) -> str:
-        if k is None:
-            return "the master"
-        info = self.workers[k]
-        where = info.hostname or info.address or "?"
-        return f"worker {k} ({info.backend} on {info.device.get('device', '?')} at {where})"
 
 
 class _Sent(NamedTuple):
@@ -128,8 +117,7 @@ class Op:
         self.chunks = 1  # the pieces a split sends its transfers in, each beside the next one's compute (OpStats)
 
     def send(self, worker: int, msg: Message) -> int:
-        """Send ``msg`` (float32 arrays) to ``worker`` as a new task, with the op's fields, encoded by the
-        op's codec; returns its task id."""
+        """Send ``msg`` (float32 arrays) to ``worker`` as a new task, encoded by the op's codec; its task id."""
         task = next(self.rpc.task_ids)
         msg.header.update(self.fields, task=task)
         wire, fell_back = self.codec.encode(msg) if self.codec else (msg, 0)
@@ -204,9 +192,8 @@ class Op:
     def expected(self, k: int) -> float | None:
         """e_k, worker k's expected compute seconds for its tasks of the op: ``expect``'s (by the last steps, the
         calibration); else, with ``units`` (participant, the master None -> its units of work, for an op whose
-        shares are each computed in one go), its units at the pace of the master's own share or of the first
-        worker that answered, on k's backend (an equal plan assumes equal speeds; on one backend the pace holds
-        the same first-run costs, OpenCL's kernel builds); None while nothing is known."""
+        shares are each computed in one go), its units at the pace of the first participant on k's backend that
+        answered (one backend has the same first-run costs, OpenCL's kernel builds); None while nothing is known."""
         if k in self.expect or not self.units:
             return self.expect.get(k)
         kind = {j: w.backend for j, w in self.rpc.workers.items()} | {None: self.backend.name}
@@ -216,7 +203,7 @@ class Op:
         return None if pace is None else pace * self.units.get(k, 0)
 
     def _receive(self, ceiling: float, waiting: set[int]) -> tuple[int, Message]:
-        """The next result for one of this op's tasks; one of ``waiting`` or kept as early. A task's ``started``
+        """The next result for one of this op's tasks (one not ``waiting`` is kept as early); a task's ``started``
         and ``computed`` on the way open and close its compute deadline."""
         waited = False  # since the master waited, it did nothing that takes time: what comes arrives now
         while True:

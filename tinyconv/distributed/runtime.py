@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 MASTER_SHARES = ("auto", "0")
 
 
+def describe(info: WorkerInfo) -> str:
+    """A worker, for a log line: its index, backend, device and host."""
+    where = info.hostname or info.address or "?"
+    return f"worker {info.index} ({info.backend} on {info.device.get('device', '?')} at {where})"
+
+
 class Runtime:
     """The master (on ``backend``) and ``workers`` (on ``transport``) sharing a network's work.
 
@@ -197,7 +203,7 @@ class Runtime:
                 self.tainted |= k in self.gave  # its earlier answers this step went on unchecked
             else:  # it may still be connected (hung past its deadline): let it go, to come back as a joiner
                 self.transport.drop(k, why)
-            log.warning("%s lost: %s; its work goes to the others", self.rpc.describe(k), why)
+            log.warning("%s lost: %s; its work goes to the others", describe(self.rpc.workers[k]), why)
             self.placement = [place for place in self.placement if place[1] != k]
             self.workers = [w for w in self.workers if w.index != k]
             if not self.placement:  # the master holds every weight: it can always finish alone
@@ -243,7 +249,7 @@ class Runtime:
         """A joiner that failed its timing: never seated, lost with the reason."""
         self.lost[info.index] = why
         self.transport.refuse(info.index, f"joined, then {why}")
-        log.warning("%s joined but could not be timed (%s); it is left out", self.rpc.describe(info.index), why)
+        log.warning("%s joined but could not be timed (%s); it is left out", describe(info), why)
         self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{info.index}",
                             "reason": f"joined, then {why}", "shares": self._shares()})  # fmt: skip
 
