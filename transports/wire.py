@@ -60,11 +60,8 @@ _UNPACK_LIMITS = dict(
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
-    """Message -> frames: a msgpack header then one zero-copy buffer per array.
-
-    The buffers alias the arrays' memory, so do not modify an array until the
-    send is done (the master naturally waits for the reply first).
-    """
+    """Message -> frames: a msgpack header then one zero-copy buffer per array. The buffers alias the arrays'
+    memory, so do not modify an array until the send is done (the master naturally waits for the reply first)."""
     check_message(msg)
     descriptors = []
     buffers: list[bytes | memoryview] = []
@@ -137,13 +134,9 @@ def _parse_arrays(kind: str, descriptors: Any, frames: Sequence[Any], max_bytes:
 
 
 def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
-    """Frames -> Message, validating everything before any array is built.
-
-    ``frames`` are bytes-like objects or zmq Frames received with ``copy=False``.
-    Arrays are read-only views of the frames (copied only if a frame's memory is
-    misaligned for its dtype). Raises :class:`ProtocolError` (or its subclass
-    :class:`VersionMismatch`) and nothing else on bad input.
-    """
+    """Frames (bytes-like, or zmq Frames received with ``copy=False``) -> Message, validating everything before
+    any array is built; its arrays are read-only views of the frames. Raises :class:`ProtocolError` (or its
+    subclass :class:`VersionMismatch`) and nothing else on bad input."""
     if len(frames) == 0:
         raise ProtocolError("empty message: no frames at all")
     env = _parse_envelope(_buffer(frames[0]))

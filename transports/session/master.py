@@ -1,14 +1,12 @@
-"""The master's side of a session: :class:`SessionTransport`, the :class:`~transports.base.Transport`
-the caller's threads use, over a :class:`~transports.session.link.Link`, and :class:`MasterSession`,
-the one I/O thread that calls the link. They share a :class:`~transports.session.admission.Book` and two
-queues; who becomes a worker is :class:`~transports.session.admission.Admission`'s.
+"""The master's side of a session: :class:`SessionTransport`, the Transport the caller's threads use, and
+:class:`MasterSession`, the one I/O thread that calls the :class:`~transports.session.link.Link`. They share a
+:class:`~transports.session.admission.Book` and queues; who becomes a worker is ``admission.py``'s.
 
-One task's way: ``send`` encodes it (:func:`transports.wire.encode` validates it, in the caller) into
-the ``outbox``; the I/O thread hands its frames to the link; the reply arrives as an
-:class:`~transports.session.link.Arrival`, is checked against ``max_bytes`` and decoded
+One task's way: ``send`` encodes it (:func:`transports.wire.encode` validates it, in the caller) into the
+``outbox``; the I/O thread hands its frames to the link; the reply arrives as an ``Arrival``, is decoded
 (:func:`transports.wire.decode`) into the ``inbox``, where ``recv`` takes it. Meanwhile the I/O thread
-heartbeats after ``heartbeat_s`` of quiet, declares a worker lost when it was silent beyond its
-:class:`~transports.session.patience.Patience` or the link cannot reach it, and at the end says goodbye.
+heartbeats after ``heartbeat_s`` of quiet, declares a worker lost when it was silent beyond its patience
+(``patience.py``) or the link cannot reach it, and at the end says goodbye.
 """
 
 from __future__ import annotations
@@ -33,15 +31,11 @@ JOIN_TIMEOUT_S = 10.0  # at close, how long the I/O thread may take to say goodb
 
 
 class SessionTransport(Transport):
-    """The Transport API over a link: ``start``, ``joined``, ``send``, ``recv``, ``traffic``, ``close``.
-
-    ``protocol`` is the version of the task protocol the master speaks: a worker whose hello
-    says another is refused, and told why. Both sides heartbeat after ``heartbeat_s`` of quiet; a worker silent
-    beyond its patience (``patience.py``; ``peer_timeout_s`` its ceiling) is lost. ``max_message_bytes`` caps the array
-    data of one message; with ``secret``, only workers whose hello carries it are admitted (the others
-    are told so, and reported with their address, rate-limited). Arrays handed to :meth:`send` are sent
-    without copying, so leave them unmodified until the worker's reply arrives. Options meant for other
-    transports are ignored.
+    """The Transport API over a link. ``protocol``: the task protocol's version; a worker whose hello says
+    another is refused, and told why. ``peer_timeout_s``: the ceiling of a worker's patience. ``max_message_bytes``
+    caps the array data of one message; with ``secret``, only workers whose hello carries it are admitted. Arrays
+    handed to :meth:`send` go without copying: leave them unmodified until the reply arrives. Options meant for
+    other transports are ignored.
     """
 
     def __init__(
@@ -59,7 +53,7 @@ class SessionTransport(Transport):
         self._link, self._book = link, Book()
         settings = MasterSettings(protocol, float(heartbeat_s), float(peer_timeout_s), int(max_message_bytes), secret)
         self._io = MasterSession(link, self._book, settings)
-        self._started = self._closed = False
+        self._closed = False
         self._thread = threading.Thread(target=self._io.run, name=f"{self.name}-master-io", daemon=True)
         self._thread.start()
 
@@ -68,20 +62,16 @@ class SessionTransport(Transport):
         return f"only {len(live)} of {n_workers} workers said hello within {timeout:g} s"
 
     def start(self, n_workers: int, timeout: float = 60.0) -> list[WorkerInfo]:
-        """Wait until ``n_workers`` workers are admitted and alive; return them, by index.
-
-        Hellos that came before are admitted first. A worker lost meanwhile is not returned
-        (so the indices need not be 0..n-1); workers admitted beyond the first ``n_workers``
-        are reported by :meth:`joined`. In a closed group a member that cannot be admitted
-        ends the wait at once with why (VersionMismatch, RuntimeError).
-        """
+        """Wait until ``n_workers`` workers are admitted and alive; return them, by index (a worker lost
+        meanwhile is not returned; those beyond the first ``n_workers`` come from :meth:`joined`). In a closed
+        group a member that cannot be admitted ends the wait at once with why (VersionMismatch, RuntimeError)."""
         if not isinstance(n_workers, int) or n_workers < 1:
             raise ValueError(f"n_workers must be a positive int, got {n_workers!r}")
         book = self._book
         with book.cond:
-            if self._started or self._closed:
+            if book.admitting or self._closed:
                 raise RuntimeError("start() can be called once, on a transport that is not closed")
-            self._started = book.admitting = True
+            book.admitting = True
         self._link.wake()
         deadline = time.monotonic() + timeout
         with book.cond:
@@ -159,7 +149,7 @@ class SessionTransport(Transport):
             raise wire.ProtocolError(f"worker {k} sent a malformed message: {payload}")
 
     def _check_open(self, what: str) -> None:
-        if not self._started or self._closed:
+        if not self._book.admitting or self._closed:
             raise RuntimeError(f"{what}() needs a started, open transport")
         self._check_failure()
 

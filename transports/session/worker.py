@@ -1,16 +1,11 @@
 """The worker's side of a session, over any :class:`~transports.session.link.WorkerLink`: two threads.
 
-:class:`Compute`, the compute thread, makes every call into the handler, so the link keeps being
-read and heartbeats keep flowing while a long task computes; each call is tagged with the session
-(one per master) it is for, so that a result whose master is gone never reaches the next one.
-:class:`Serving`, the I/O loop once a master welcomed the worker
-(:func:`~transports.session.welcome.greet` waits for that), is the only code that calls the link.
-One task's way: the link's ``receive`` returns its frames; :meth:`Serving._handle` decodes them
-(:func:`transports.wire.decode` checks everything); :meth:`Serving._on_message` hands the task to
-the compute thread, which calls the handler through :func:`call_handler`, saying ``started`` and
-``computed`` around it; :meth:`Serving._send_results` encodes them and the reply and sends them, in order.
-A heartbeat goes out after ``heartbeat_s`` of quiet, and anything from the master shows it is alive,
-until it says shutdown, goes, or is silent beyond its patience (``patience.py``).
+:class:`Compute`, the compute thread, makes every call into the handler, so the link keeps being read and
+heartbeats keep flowing while a long task computes; each call is tagged with its session (one per master), so
+that a result whose master is gone never reaches the next one. :class:`Serving`, the I/O loop once a master
+welcomed the worker (``welcome.py``), is the only code that calls the link. One task's way: ``_handle`` decodes
+its frames (:func:`transports.wire.decode` checks everything), ``_on_message`` hands it to the compute thread,
+which calls the handler through :func:`call_handler`, and ``_send_results`` sends what that said, in order.
 """
 
 from __future__ import annotations
@@ -40,13 +35,11 @@ from transports.wakeup import Wakeup
 
 
 def call_handler(handler: Handler, msg: Message, tell: Callable[[Message], None]) -> Message | None:
-    """``handler.handle(msg)``, made safe for a worker loop: an exception becomes an ``error`` reply, and
-    so does a reply that breaks the wire, so a bad task (or a handler bug) never kills the worker and the
-    master always gets a message it can decode. Around it ``tell`` sends the master ``started`` (the task
-    came whole and is computed now) and ``computed`` (its reply follows on the same ordered way, so this comes
-    before the reply's first byte): the master gives the compute a deadline and leaves the transfers to the
-    peer's patience (``patience.py``). A small message rather than the transport telling the master that a
-    large one is arriving: any transport that carries messages in order carries it, with nothing more to do."""
+    """``handler.handle(msg)``, made safe for a worker loop: an exception becomes an ``error`` reply, and so
+    does a reply that breaks the wire, so a bad task never kills the worker and the master always gets a message
+    it can decode. Around it ``tell`` sends the master ``started`` (the task came whole and is computed now) and
+    ``computed`` (the reply follows, in order): the master gives the compute a deadline and leaves the transfers
+    to the peer's patience. Small messages: any transport that keeps messages in order carries them."""
     if (started := wire.progress("started", msg)) is not None:
         tell(started)
     going = still_computing.set(partial(tell, started) if started is not None else lambda: None)  # "started" again
