@@ -191,6 +191,8 @@ def _next_chunk(h: dict[str, Any], spans: list[tuple[int, int]], done: int, n: i
     return chunk
 
 
+# the inputs these handlers only hand to the backend (handler.ON_BACKEND)
+ON_BACKEND = {"partial_forward": frozenset({"x", "w"}), "tail_backward": frozenset({"dy"})}
 HANDLERS: dict[str, Handler] = {
     "partial_forward": partial_forward,
     "tail_forward": tail_forward,

@@ -1,14 +1,12 @@
-"""The worker: answers the master's tasks (``tinyconv/distributed/protocol.py``) on one Backend.
+"""The worker: answers the master's tasks (``protocol.py``) on one Backend.
 
-:class:`Worker` is the handler every transport serves (``transports.base.Handler``). Each task kind
-has one handler, a plain function of the worker's state (``state.py``: what it keeps between tasks,
-and which task may follow which), found in :data:`HANDLERS`: the paper's split by kernels here, by
-input channels in ``channel_handlers.py``, data parallelism and the hybrid in ``replica_handlers.py``,
-calibration in ``calibrate.py``. A task the worker cannot run becomes an ``error`` reply naming why.
-
-A layer's task may bring its arrays in narrower words and ask for its result in them
-(``--wire-precision``): the wire codec (``wire_codec.py``) widens them to float32 as the task
-arrives and narrows the result as it goes, so every handler computes in float32.
+:class:`Worker` is the handler every transport serves (``transports.base.Handler``). Each task kind has one
+handler in :data:`HANDLERS`, a plain function of the worker's state (``state.py``: what it keeps between tasks,
+and which task may follow which): the paper's split by kernels here, by input channels in
+``channel_handlers.py``, data parallelism and the hybrid in ``replica_handlers.py``, calibration in
+``calibrate.py``. A task the worker cannot run becomes an ``error`` reply naming why. The wire codec
+(``wire_codec.py``) widens a task's narrowed arrays as it arrives and narrows its result as it goes, so every
+handler computes in float32.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ HANDLERS: dict[str, Handler] = {
 ON_BACKEND: dict[str, frozenset[str]] = {
     "block_forward": frozenset({"x", "w", "b", *NORM_INPUTS}),
     "block_backward": frozenset({"dy"}),
-    "partial_forward": frozenset({"x", "w"}),
-    "tail_backward": frozenset({"dy"}),
+    **channel_handlers.ON_BACKEND,
 }
 
 
