@@ -17,12 +17,9 @@ The paper's split by kernels (``by_kernels.py``)::
                       -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,);
                          a bn: dgamma, dbeta (own,)
 
-The other tasks -- calibration (``calibrate.py``), the split by input channels
-(``worker/channel_handlers.py``), data parallelism and the hybrid (``worker/replica_handlers.py``)
--- are laid out in docs/how-it-works.md. All arrays are float32 but labels (int32 or int64). Which
-task may follow which on one layer is the worker's business (``worker/state.py``). Narrower words
-on the wire (``--wire-precision``) are a codec at the edges (``wire_codec.py``), undone before
-anything here checks a message.
+The other tasks (calibration, the split by input channels, data parallelism, the hybrid) are laid out in
+docs/how-it-works.md. All arrays are float32 but labels (int32 or int64). Which task may follow which is
+``worker/state.py``'s; narrower words on the wire are undone (``wire_codec.py``) before anything here checks.
 """
 
 from __future__ import annotations
@@ -98,10 +95,9 @@ def check_task(msg: Message) -> None:
 def check_result(msg: Message, task_kind: str) -> None:
     """Raise RuntimeError unless ``msg`` is a well-formed result of a ``task_kind`` task."""
     schema = TASKS[task_kind]
+    fields = {"task": Int, "compute_s": Num} | ({"times": list} if schema.timed else {})
     try:
-        check_fields(
-            "result", msg.header, {"task": Int, "compute_s": Num} | ({"times": list} if schema.timed else {}), {}
-        )
+        check_fields("result", msg.header, fields, {})
     except ProtocolError as e:
         raise RuntimeError(f"a malformed result of {task_kind}: {e}") from None
     if not msg.header["compute_s"] >= 0:
