@@ -59,27 +59,26 @@ def forward(
         arrays = {"x": x_host, "w": op.host(w_i), "b": op.host(b_i), **norm.inputs(p.halo)}
         tasks[p.worker] = op.send(p.worker, Message("block_forward", header, arrays))
 
-    y_master = cache = None  # the master's own kernels, computed while the workers compute theirs
+    y_m = cache = None  # the master's own kernels, computed while the workers compute theirs
     mine: dict[str, Array] = {}
     if (m := plan.master) is not None:
         with op.local():
             w_m, b_m = be.take_kernels(w, m.halo.start, m.halo.stop), be.take_kernels(b, m.halo.start, m.halo.stop)
             mine = norm.local(be, m.halo)
-            y_master, cache = block_forward(be, x, w_m, b_m, conv.stride, conv.padding, tail, m.own, mine)
+            y_m, cache = block_forward(be, x, w_m, b_m, conv.stride, conv.padding, tail, m.own, mine)
     results = op.gather(tasks.values())
     norm.fold(op, plan.active, results, mine)
 
+    kept = KernelSplitState(cache, tuple(x.shape), norm.grads)
     if not tasks:  # the master computed every kernel: y stays on its device
-        return y_master, KernelSplitState(cache, tuple(x.shape), norm.grads)
+        return y_m, kept
     n, _, oh, ow = conv.output_shape(tuple(x.shape))
     oh, ow = tail_output_hw(oh, ow, tail)
-    parts = []
-    for p in plan.active:  # in order: the concatenation is y
-        if p.worker is None:
-            parts.append(be.to_numpy(y_master))
-        else:
-            parts.append(op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh, ow)))
-    return be.asarray(np.concatenate(parts, axis=1)), KernelSplitState(cache, tuple(x.shape), norm.grads)
+    parts = [  # in order: the concatenation is y
+        be.to_numpy(y_m) if p.worker is None else op.array(p.worker, results[p.worker], "y", (n, p.n_kernels, oh, ow))
+        for p in plan.active
+    ]
+    return be.asarray(np.concatenate(parts, axis=1)), kept
 
 
 # what a split's backward gives: dx or None, dw, db, and a tail's batch norm's {"gamma": dgamma, "beta": dbeta} or {}
@@ -113,10 +112,7 @@ def backward(op: Op, conv: Conv2D, plan: Plan, dy: Array, kept: KernelSplitState
 
     dx = None
     if conv.need_dx:  # every participant's partial dX, summed
-        dx = np.zeros(kept.x_shape, np.float32)
-        for p in plan.active:
-            dx += part(p, "dx", kept.x_shape)
-        dx = be.asarray(dx)
+        dx = be.asarray(sum(part(p, "dx", kept.x_shape) for p in plan.active))
     w_shape = (conv.in_channels, conv.kernel, conv.kernel)
     dw = np.concatenate([part(p, "dw", (p.n_kernels, *w_shape)) for p in plan.active], axis=0)
     db = np.concatenate([part(p, "db", (p.n_kernels,)) for p in plan.active], axis=0)
