@@ -1,36 +1,28 @@
-"""A conv block on a slice of kernels: the convolution plus the per-channel layers after it.
+"""A conv block on a slice of kernels: the convolution plus the per-channel layers after it, "the tail".
 
-ReLU, max pool and LRN work channel by channel (LRN on a window of neighbours), so a participant
-that owns kernels [s, e) runs conv -> ReLU -> LRN -> pool ("the tail") for its channels if it also
-computes a few neighbouring kernels, the *halo* (docs/how-it-works.md, "The tail rides along").
-
-The halo, for one cross-channel layer whose output i reads inputs [i - before, i + after]
-(LRN: before = size // 2, after = (size - 1) // 2)::
+ReLU, max pool and batch norm work channel by channel, LRN on a window of neighbours, so a participant that
+owns kernels [s, e) runs conv -> tail for its channels if it also computes a few neighbouring kernels, the
+*halo* (docs/how-it-works.md, "The tail rides along"). For one cross-channel layer whose output i reads inputs
+[i - before, i + after] (LRN: before = size // 2, after = (size - 1) // 2)::
 
     forward   output [lo, hi) needs input  [lo - before, hi + after)
     backward  input gradient [s, e) needs the output gradient and the saved outputs on
               [s - after, e + before)   (dx_j sums over the outputs i whose window holds j)
 
-With E = sum over the tail of (before + after), a participant owning [s, e) computes the
-convolution for kernels [s - E, e + E), clipped to [0, F) (:func:`halo_span`), and runs the tail
-over all of them. Each layer's output is exact wherever its window stayed inside the computed
-range or hit the true edge 0 or F; that range shrinks by (before, after) per layer and stays a
-superset of what backward reads, so the tail output for [s, e) it returns is exact. Backward, the
-tail's gradient for [s, e) is exact too; the conv gradient outside [s, e) is zeroed -- the halo
-kernels' gradients are their owners' to give -- and the conv backward gives dW and db rows for
-[s, e) and this participant's partial dX. The halo costs 2E kernels more (8 of 500 for LRN size 5).
+With E = sum over the tail of (before + after), a participant owning [s, e) computes the convolution for
+kernels [s - E, e + E), clipped to [0, F) (:func:`halo_span`), and runs the tail over all of them. Each layer's
+output is exact wherever its window stayed inside the computed range or hit the true edge 0 or F; that range
+shrinks by (before, after) per layer and stays a superset of what backward reads, so the tail's output and
+gradient for [s, e) are exact. The conv gradient outside [s, e) is zeroed -- the halo kernels' gradients are
+their owners' to give -- and the conv backward gives dW and db rows for [s, e) and this participant's partial
+dX. A batch norm normalises a participant's kernels by their own batch statistics (``norm.py``).
 
-Batch norm's statistics are each channel's, so it runs on a participant's kernels too, with
-their batch statistics; what goes and comes back of it: ``norm.py``.
-
-A tail is a list of specs, the form they travel in over the wire::
+A tail is a list of specs, the form they travel in over the wire (an empty tail: the paper's bare convolution)::
 
     {"op": "relu"}
     {"op": "lrn", "size": 5, "alpha": 1e-4, "beta": 0.75, "k": 2.0}
     {"op": "bn", "eps": 1e-5, "training": true}
     {"op": "maxpool", "kernel": 3, "stride": 2, "padding": 1}
-
-With an empty tail a block is just the convolution of the paper's split.
 """
 
 from __future__ import annotations
@@ -85,12 +77,9 @@ def block_forward(
     own: tuple[int, int] | None = None,
     norm: dict | None = None,
 ) -> tuple[Array, BlockCache]:
-    """x (N, C, H, W), w (F', C, K, K), b (F',) -> the tail's output for kernels ``own`` = [lo, hi) of F'.
-
-    Returns y (N, hi - lo, OH, OW) -- a backend array, the whole output when ``own``
-    is all F' kernels, else a host array -- and the cache for :func:`block_backward`.
-    ``norm``: as :func:`tail_forward` takes it.
-    """
+    """x (N, C, H, W), w (F', C, K, K), b (F',) -> y (N, hi - lo, OH, OW), the tail's output for kernels ``own``
+    = [lo, hi) of F' (default all: a backend array; else a host array), and the cache for :func:`block_backward`.
+    ``norm``: as :func:`tail_forward` takes it."""
     y, conv_cache = be.conv2d_forward(x, w, b, stride, padding)
     return tail_forward(be, y, conv_cache, tail, own if own is not None else (0, w.shape[0]), norm)
 
