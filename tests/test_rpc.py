@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from backends.numpy_backend import NumpyBackend
+from tinyconv.distributed.accounting import OpStats
 from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.rpc import Lost, Rpc
 from tinyconv.distributed.shard.by_channels import relay
@@ -65,7 +66,7 @@ def test_gather_returns_each_workers_result_and_counts_the_bytes_and_compute():
     assert tasks == [1, 2]  # ids, in the order sent
     replies = op.gather(tasks)
     assert [float(replies[k].arrays["y"][0]) for k in (0, 1)] == [0.0, 1.0]
-    stats = op.stats([("master", None), ("worker0", 0), ("worker1", 1)])
+    stats = OpStats.from_op(op, [("master", None), ("worker0", 0), ("worker1", 1)])
     assert stats.sent == [0, 12, 12] and stats.recv == [0, 8, 8] and stats.compute_s == [0.0, 0.5, 0.5]
 
 
@@ -235,7 +236,7 @@ def test_the_op_counts_only_the_time_the_master_sat_blocked_on_a_result():
     op = rpc.op("forward of conv1", BE)
     tasks = [op.send(k, Message("block_forward", {}, {"x": np.zeros(3, np.float32)})) for k in (0, 1)]
     op.gather(tasks)
-    assert op.stats([("master", None), ("worker0", 0), ("worker1", 1)]).master_waited_s == pytest.approx(2.0)
+    assert OpStats.from_op(op, [("master", None), ("worker0", 0), ("worker1", 1)]).master_waited_s == pytest.approx(2.0)
 
 
 def test_a_link_is_the_median_of_its_samples_and_ignores_tasks_without_bytes():
@@ -269,7 +270,7 @@ def test_an_ops_codec_encodes_each_task_as_it_goes_and_decodes_each_result_and_t
     replies = op.gather([op.send(k, Message("block_forward", {}, {"x": np.zeros(3, np.float32)})) for k in (0, 1)])
     assert [replies[k].arrays["y"].dtype for k in (0, 1)] == [np.float32, np.float32]
     assert sorted(codec.decoded) == [(1, "float16"), (2, "float16")]  # each result with its task as it went
-    stats = op.stats([("worker0", 0), ("worker1", 1)])
+    stats = OpStats.from_op(op, [("worker0", 0), ("worker1", 1)])
     assert stats.sent == [6, 6] and stats.recv == [4, 4] and op.fallbacks == stats.fallbacks == 4  # what moved
     sent: list[Message] = []
     plain = Rpc(Scripted(lambda k, m: sent.append(m) or echo(k, m)), WORKERS, timeout=1.0).op("forward of conv1", BE)

@@ -16,6 +16,7 @@ import tinyconv as tc
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed import wire_codec
 from tinyconv.distributed import wire_precision as wp
+from tinyconv.distributed.accounting import OpStats
 from tinyconv.distributed.adaptive_precision import AdaptivePrecision, formats_of, policy
 from tinyconv.distributed.protocol import TaskError, check_result, check_task
 from tinyconv.distributed.rpc import Lost, Rpc
@@ -316,7 +317,7 @@ def test_an_overflowing_array_goes_fp32_both_ways_and_is_counted():
         arrays = {"x": x, "w": np.full((2, 1, 3, 3), w, np.float32), "b": np.zeros(2, np.float32)}
         task = op.send(0, Message("block_forward", {"stride": 1, "padding": 1, "tail": [], "own": [0, 2]}, arrays))
         y = op.gather([task])[0].arrays["y"]
-        assert y.dtype == np.float32 and op.fallbacks == fallbacks == op.stats([("worker0", 0)]).fallbacks
+        assert y.dtype == np.float32 and op.fallbacks == fallbacks == OpStats.from_op(op, [("worker0", 0)]).fallbacks
         expected = 0.0 if w < 1 else 9 * w  # the centre of a 3x3 of ones
         assert y[0, 0, 2, 2] == pytest.approx(expected, rel=2**-11, abs=1e-3)
 

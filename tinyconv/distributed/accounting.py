@@ -45,6 +45,22 @@ class OpStats:
         """Participant ``name``'s span; all None if it had no part in the op or nothing was timed."""
         return list(self.spans[self.names.index(name)]) if self.spans and name in self.names else [None] * 4
 
+    @classmethod
+    def from_op(cls, op: Any, placement: list[tuple[str, int | None]]) -> OpStats:
+        """What ``op`` (an ``rpc.Op``) cost so far, in participant order (placement: (name, worker index or None))."""
+        return cls(
+            names=[name for name, _ in placement],
+            wall_s=time.perf_counter() - op.t0,
+            compute_s=[op.master_s if k is None else op.compute.get(k, 0.0) for _, k in placement],
+            sent=[0 if k is None else op.sent.get(k, 0) for _, k in placement],
+            recv=[0 if k is None else op.recv.get(k, 0) for _, k in placement],
+            fallbacks=op.fallbacks,
+            master_waited_s=op.waited_s,
+            chunks=op.chunks,
+            at=op.t0,
+            spans=op.times.spans(op.t0, [k for _, k in placement]),
+        )
+
     @property
     def conv_s(self) -> float:
         return max(self.compute_s)

@@ -7,7 +7,7 @@ Deadlines are for compute, liveness for transfers (docs/how-it-works.md, "When w
 A worker the op cannot count on -- gone, past its deadline, answering with an error, a malformed
 result, non-finite numbers from finite inputs, or numbers the spot check finds wrong (``spot_check.py``)
 -- ends the op with :class:`Lost`, so that the runtime can share its work among the others and run the
-op again. On the way the op counts what it cost (:meth:`Op.stats`) and each link's seconds per byte
+op again. On the way the op counts what it cost (``OpStats.from_op``) and each link's seconds per byte
 (``link_speed.py``); its codec (``wire_codec.py``, by default none) encodes each task and decodes each
 result, so the splits only ever see float32.
 """
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from backends.base import Array, Backend
-from tinyconv.distributed.accounting import OpStats, Times
+from tinyconv.distributed.accounting import Times
 from tinyconv.distributed.link_speed import LinkSpeed
 from tinyconv.distributed.protocol import check_result
 from tinyconv.distributed.wire_codec import Narrowing
@@ -106,7 +106,7 @@ class Op:
         self._started: dict[int, float] = {}  # task -> when its "started" came, until its "computed"
         self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
         self.t0 = time.perf_counter()
-        self.times = Times()  # when each participant's tasks went, started, computed and came back (OpStats.spans)
+        self.times = Times()  # when each participant's tasks went, started, computed and came back
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
         self.sent: dict[int, int] = {}  # worker -> array bytes sent to it
@@ -173,21 +173,6 @@ class Op:
             why = f"returned {got} for {name!r} in the {self.what}, expected shape {shape} (the same tinyconv version?)"
             raise Lost({worker: why}, wrong=True)
         return a
-
-    def stats(self, placement: list[tuple[str, int | None]]) -> OpStats:
-        """What the op cost so far, in participant order (placement: (name, worker index or None))."""
-        return OpStats(
-            names=[name for name, _ in placement],
-            wall_s=time.perf_counter() - self.t0,
-            compute_s=[self.master_s if k is None else self.compute.get(k, 0.0) for _, k in placement],
-            sent=[0 if k is None else self.sent.get(k, 0) for _, k in placement],
-            recv=[0 if k is None else self.recv.get(k, 0) for _, k in placement],
-            fallbacks=self.fallbacks,
-            master_waited_s=self.waited_s,
-            chunks=self.chunks,
-            at=self.t0,
-            spans=self.times.spans(self.t0, [k for _, k in placement]),
-        )
 
     def expected(self, k: int) -> float | None:
         """e_k, worker k's expected compute seconds for its tasks of the op: ``expect``'s (by the last steps, the

@@ -189,7 +189,7 @@ class BatchSplit(Runtime):
         return self.rpc.op(f"{what} {self.step + 1}", self.backend, {"step": self.step + 1}, expect=expect, units=units)
 
     def _finish(self, stats: list[tuple[str, OpStats]], counts: list[int]) -> None:
-        """Record the step like a model-parallel one (``stats``: (name, ``op.stats(self.placement)`` taken
+        """Record the step like a model-parallel one (``stats``: (name, ``OpStats.from_op(op, self.placement)`` taken
         as the op's last result came in) in the order the ops ran); let the rebalancer judge the
         split by each participant's ready time: its compute plus its bytes at its link's rate."""
         self.step += 1

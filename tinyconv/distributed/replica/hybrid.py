@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from backends.base import Array
+from tinyconv.distributed.accounting import OpStats
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.batch import BatchSplit, Slices
 from tinyconv.distributed.replica.conv_part import (
@@ -69,7 +70,7 @@ class Hybrid(BatchSplit):
         for k, reply in fwd.gather(tasks).items():
             features[k] = fwd.array(k, reply, "features", (cut.share[k], f))
             stats[k] = fwd.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
-        forward = fwd.stats(self.placement)  # its wall time ends here: the classifier is the master's comp
+        forward = OpStats.from_op(fwd, self.placement)  # its wall time ends here: the classifier is the master's comp
 
         # 2. the classifier and the loss over the whole batch, on the master alone
         loss, logits, dfeatures = classify(net, fc, np.concatenate([features[k] for k in cut.order]), y, smoothing)
@@ -86,7 +87,7 @@ class Hybrid(BatchSplit):
                 grads[None] = flat.pack(conv, "grads")
         for k, reply in bwd.gather(tasks).items():
             grads[k] = bwd.array(k, reply, "grads", params.shape)
-        backward = bwd.stats(self.placement)
+        backward = OpStats.from_op(bwd, self.placement)
 
         # 4. the conv gradients summed in participant order; the statistics weighted by images
         cut.sum_into(conv, grads, stats, buffers)

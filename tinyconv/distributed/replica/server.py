@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from backends.base import Array
+from tinyconv.distributed.accounting import OpStats
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.batch import BatchSplit, Slices
 from tinyconv.distributed.replica.conv_part import feature_shape
@@ -61,7 +62,7 @@ class Replicas(BatchSplit):
             logits[k] = op.array(k, reply, "logits", (cut.share[k], logits_width(net)))
             stats[k] = op.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
         cut.sum_into(net, grads, stats, buffers)
-        self._finish([("step", op.stats(self.placement))], cut.counts)
+        self._finish([("step", OpStats.from_op(op, self.placement))], cut.counts)
         logits_be = net.backend.asarray(np.concatenate([logits[k] for k in cut.order]))
         loss, _ = net.training_loss(smoothing)(logits_be, y)
         return loss, logits_be

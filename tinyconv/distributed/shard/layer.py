@@ -116,7 +116,8 @@ class ShardedBlock(Layer):
                 self._rewind(statistics)
                 continue
             self.cluster.gave.update(op.compute)
-            return y, _Forward(step, x, training, statistics, plan, split, kept, op.stats(self.cluster.placement))
+            stats = OpStats.from_op(op, self.cluster.placement)
+            return y, _Forward(step, x, training, statistics, plan, split, kept, stats)
 
     def backward(self, dy: Array) -> Array | None:
         fwd = self.cache
@@ -135,7 +136,7 @@ class ShardedBlock(Layer):
         self.grads = self.conv.grads = {"w": dw, "b": db}
         if self.norm is not None:
             self.norm.grads = dnorm
-        stats = op.stats(self.cluster.placement)
+        stats = OpStats.from_op(op, self.cluster.placement)
         done = LayerStep(self.name, fwd.plan.counts, fwd.plan.channel_counts, fwd.stats, stats, fwd.x.shape[0])
         self.cluster.finished(self, done)
         return dx
