@@ -197,7 +197,6 @@ class MasterSession:
         self.drops = DropLog(log)
         self.admission = Admission(link, book, self.drops, settings)
         self._heard: dict[int, Patience] = {}  # live workers only: how long each has been silent, and may be
-        self._said: dict[int, float] = {}  # and when each was last sent to
 
     def run(self) -> None:
         graceful = False
@@ -229,12 +228,11 @@ class MasterSession:
         for k in list(self._heard):
             if why := self._heard[k].lost(now):
                 self._mark_lost(k, why)
-            elif now - self._said[k] >= self.settings.heartbeat_s:
+            elif now - self._heard[k].said >= self.settings.heartbeat_s:
                 self._send_to(k, HEARTBEAT, control=True)
 
     def _admitted(self, k: int) -> None:  # welcomed: k keeps the welcome's pace, this master's heartbeat_s
-        self._said[k] = now = time.monotonic()
-        self._heard[k] = Patience(self.settings.heartbeat_s, self.settings.peer_timeout_s, now)
+        self._heard[k] = Patience(self.settings.heartbeat_s, self.settings.peer_timeout_s, time.monotonic())
 
     def _flush_outbox(self) -> None:
         while not self.outbox.empty():  # this thread is the only one that takes from it
@@ -245,7 +243,7 @@ class MasterSession:
                 seconds = self.admission.refuse(k, refused, time.monotonic())
                 bye = f"refused for {seconds:g} s: {refused[:200]}"
                 self._send_to(k, wire.encode(Message("shutdown", {"reason": bye})))
-            self._heard.pop(k, None), self._said.pop(k, None)  # gone quietly: the caller already counts it lost
+            self._heard.pop(k, None)  # gone quietly: the caller already counts it lost
 
     def _send_to(self, k: int, frames: list, control: bool = False) -> None:
         if k not in self._heard:  # lost: nothing more goes to it
@@ -254,13 +252,12 @@ class MasterSession:
         if why:
             self._mark_lost(k, why)
             return
-        self._said[k] = time.monotonic()
+        self._heard[k].said = time.monotonic()
         with self.book.cond:
             self.book.traffic[k][0] += wire.frames_nbytes(frames)
 
     def _mark_lost(self, k: int, reason: str) -> None:
         self._heard.pop(k, None)
-        self._said.pop(k, None)
         with self.book.cond:
             self.book.lost[k] = reason
             self.book.cond.notify_all()

@@ -19,6 +19,7 @@ class Patience:
     def __init__(self, pace_s: float, ceiling_s: float, now: float) -> None:
         self.pace_s, self.ceiling_s = pace_s, ceiling_s
         self.heard = now  # when anything last came from the peer
+        self.said = now  # when anything was last sent to it: a heartbeat is due after a heartbeat's quiet
         self.gap = 0.0  # the longest gap seen between an arrival and the piece that followed it
 
     def arrived(self, now: float, piece: bool = False) -> None:

@@ -134,8 +134,8 @@ class Serving:
         master_heartbeat_s = float(welcome.header["heartbeat_s"])
         self.link, self.compute, self.session, self.settings = link, compute, session, settings
         self.heartbeat_s = min(settings.heartbeat_s, master_heartbeat_s)
-        self.last_sent = now = time.monotonic()
-        self.patience = Patience(master_heartbeat_s, max(settings.peer_timeout_s, HEARTBEATS * master_heartbeat_s), now)
+        ceiling_s = max(settings.peer_timeout_s, HEARTBEATS * master_heartbeat_s)
+        self.patience = Patience(master_heartbeat_s, ceiling_s, time.monotonic())
         self.complained = False
 
     def run(self, arrived: Sequence[list | None] = ()) -> int:
@@ -157,7 +157,7 @@ class Serving:
 
     def _send(self, frames: list, control: bool = False) -> None:
         if self.link.send(frames, control=control):
-            self.last_sent = time.monotonic()
+            self.patience.said = time.monotonic()
         elif not self.complained:  # the pipe to the master is full: its silence will tell
             self.settings.say("the master is not reading; dropping messages to it")
             self.complained = True
@@ -206,6 +206,6 @@ class Serving:
         if why := self.patience.lost(now):
             self.settings.say(f"lost the master: {why}")
             return MASTER_LOST
-        if now - self.last_sent >= self.heartbeat_s:
+        if now - self.patience.said >= self.heartbeat_s:
             self._send(HEARTBEAT, control=True)
         return None
