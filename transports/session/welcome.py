@@ -4,18 +4,38 @@ and :func:`serve_master`, a whole session: greet, then serve (:class:`~transport
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from transports import wire
-from transports.base import Message
+from transports.base import Handler, Message
 from transports.session.link import WorkerLink
-from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, Settings
-from transports.session.worker import Compute, Hello, Serving
+from transports.session.settings import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, HEARTBEAT, SECRET_ENV, Settings
+from transports.session.worker import Compute, Serving
 
 BACKOFF_FIRST_S = 0.5  # a hello is said again after this long without a welcome...
 BACKOFF_MAX_S = 10.0  # ... doubling up to this
 _SLICE_S = 0.25  # while waiting for a welcome, how often to look at the clock and the stop event
+
+
+@dataclass
+class Hello:
+    """What the compute thread made of ``handler.hello()``: the encoded hello, or why there is none."""
+
+    frames: list | None
+    problem: str = ""
+
+
+def make_hello(handler: Handler) -> Hello:
+    """``handler``'s hello, with the secret of the master that started this worker, if one did; on the compute
+    thread, which makes every call into the handler."""
+    try:
+        secret = {"secret": s} if (s := os.environ.get(SECRET_ENV)) else {}
+        return Hello(wire.encode(Message("hello", {**handler.hello(), **secret})))
+    except Exception as e:  # a ProtocolError, or the handler's own failure
+        return Hello(None, f"this worker cannot say hello: {type(e).__name__}: {e}")
 
 
 def answer_to_hello(
@@ -62,7 +82,7 @@ def greet(
     ``stop`` is set, or EXIT_FAILED: refused, at the deadline (``giving_up`` said), the link gone, or a
     handler that cannot say hello (the master is told why).
     """
-    compute.submit(session, None)
+    compute.submit(session, make_hello)
     hello, delay, next_hello, last_sent = None, BACKOFF_FIRST_S, 0.0, None
     unreadable = _Once(settings.say)
     while deadline is None or time.monotonic() < deadline:

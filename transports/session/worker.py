@@ -10,12 +10,10 @@ which calls the handler through :func:`call_handler`, and ``_send_results`` send
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 from transports import wire
@@ -28,7 +26,6 @@ from transports.session.settings import (
     EXIT_OK,
     HEARTBEAT,
     MASTER_LOST,
-    SECRET_ENV,
     Settings,
 )
 from transports.wakeup import Wakeup
@@ -58,28 +55,20 @@ def call_handler(handler: Handler, msg: Message, tell: Callable[[Message], None]
     return reply
 
 
-@dataclass
-class Hello:
-    """What the compute thread made of ``handler.hello()``: the encoded hello, or why there is none."""
-
-    frames: list | None
-    problem: str = ""
-
-
 class Compute:
     """The compute thread: the handler's calls, in order, each tagged with its session. It wakes the
     I/O thread through ``wakeup`` (which that thread's link waits on) when a result is ready."""
 
     def __init__(self, handler: Handler) -> None:
         self.handler, self.wakeup = handler, Wakeup()
-        self.tasks: queue.Queue[tuple[int, Message | None] | None] = queue.Queue()  # None: stop
-        self.results: queue.Queue[tuple[int, Message | Hello]] = queue.Queue()
+        self.tasks: queue.Queue[tuple[int, Message | Callable[[Handler], object]] | None] = queue.Queue()  # None: stop
+        self.results: queue.Queue[tuple[int, object]] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="worker-compute", daemon=True)
         self.thread.start()
 
-    def submit(self, session: int, msg: Message | None) -> None:
-        """A task of ``session``'s master, or None: say hello to a new master."""
-        self.tasks.put((session, msg))
+    def submit(self, session: int, task: Message | Callable[[Handler], object]) -> None:
+        """A task of ``session``'s master, or a call to make of the handler on this thread (``welcome.make_hello``)."""
+        self.tasks.put((session, task))
 
     def forget(self) -> None:
         """Drop the tasks not yet started: their master is gone."""
@@ -89,7 +78,7 @@ class Compute:
         except queue.Empty:
             pass
 
-    def take(self, session: int) -> list[Message | Hello]:
+    def take(self, session: int) -> list[object]:
         """What the thread has finished for ``session``; results of earlier sessions are dropped."""
         out = []
         while not self.results.empty():  # the I/O thread is the only one that takes from it
@@ -108,21 +97,17 @@ class Compute:
 
     def _run(self) -> None:
         while (item := self.tasks.get()) is not None:
-            session, msg = item
-            result = self._hello() if msg is None else call_handler(self.handler, msg, partial(self._put, session))
+            session, task = item
+            if isinstance(task, Message):
+                result = call_handler(self.handler, task, partial(self._put, session))
+            else:
+                result = task(self.handler)
             if result is not None:
                 self._put(session, result)
 
-    def _put(self, session: int, result: Message | Hello) -> None:
+    def _put(self, session: int, result: object) -> None:
         self.results.put((session, result))
         self.wakeup.wake()
-
-    def _hello(self) -> Hello:
-        try:
-            secret = {"secret": s} if (s := os.environ.get(SECRET_ENV)) else {}  # given by the master that started it
-            return Hello(wire.encode(Message("hello", {**self.handler.hello(), **secret})))
-        except Exception as e:  # a ProtocolError, or the handler's own failure
-            return Hello(None, f"this worker cannot say hello: {type(e).__name__}: {e}")
 
 
 class Serving:
