@@ -172,7 +172,7 @@ def test_a_gradient_that_does_not_cover_the_computed_kernels_is_refused(rng):
     w = rng.standard_normal((9, 3, 3, 3), dtype=np.float32)
     _, cache = block_forward(be, x, w, np.zeros(9, np.float32), 1, 1, [lrn(5)], (4, 5))
     with pytest.raises(ValueError, match=r"over every computed kernel, \(2, 9, 8, 8\)"):
-        block_backward(be, np.zeros((2, 3, 8, 8), np.float32), cache)
+        block_backward(be, np.zeros((2, 3, 8, 8), np.float32), cache, True)
 
 
 @pytest.mark.parametrize(

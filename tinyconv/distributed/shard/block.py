@@ -125,12 +125,14 @@ def tail_forward(
     return y, cache
 
 
-def block_backward(
-    be: Backend, dy: Array, cache: BlockCache, need_dx: bool = True
-) -> tuple[Array | None, Array, Array]:
+def block_backward(be: Backend, dy: Array, cache: BlockCache, need_dx: bool) -> tuple[Array | None, Array, Array]:
     """dy (N, computed, OH, OW), the tail-output gradient of every kernel the forward computed ->
     (partial dx (N, C, H, W) or None, dw (hi - lo, C, K, K), db (hi - lo,)) of the owned kernels [lo, hi)."""
-    return conv_backward(be, tail_backward(be, dy, cache), cache, need_dx)
+    lo, hi = cache.own
+    dx, dw, db = be.conv2d_backward(tail_backward(be, dy, cache), cache.conv, need_dx)
+    if (lo, hi) != (0, cache.out_shape[1]):
+        dw, db = be.take_kernels(dw, lo, hi), be.take_kernels(db, lo, hi)
+    return dx, dw, db
 
 
 def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
@@ -165,13 +167,3 @@ def tail_backward(be: Backend, dy: Array, cache: BlockCache) -> Array:
         host[:, hi:] = 0
         d = be.asarray(host)
     return d
-
-
-def conv_backward(be: Backend, d: Array, cache: BlockCache, need_dx: bool = True) -> tuple[Array | None, Array, Array]:
-    """The convolution's backward from :func:`tail_backward`'s gradient: (partial dx or None, dw, db)
-    with dw, db the owned kernels' rows."""
-    lo, hi = cache.own
-    dx, dw, db = be.conv2d_backward(d, cache.conv, need_dx)
-    if (lo, hi) != (0, cache.out_shape[1]):
-        dw, db = be.take_kernels(dw, lo, hi), be.take_kernels(db, lo, hi)
-    return dx, dw, db
