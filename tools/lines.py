@@ -22,12 +22,12 @@ LIBRARY = ("tinyconv", "backends", "transports")
 BUDGETS = {  # lines, held by the tests: today's figures with a little room, lowered as the code gets shorter
     "Framework": 3285,
     "Door": 1027,
-    "Dist": 6328,
+    "Dist": 6296,
     "Lab": 4826,
     "Backends": 2968,
-    "Transports": 3151,
-    "library outside the lab": 15732,  # the framework, the runtime, backends and transports (the door apart)
-    "reading path": 1597,
+    "Transports": 3131,
+    "library outside the lab": 15680,  # the framework, the runtime, backends and transports (the door apart)
+    "reading path": 1473,
     "reading path files": 8,
 }
 GOALS = {"library outside the lab": 13000, "reading path": 1500, "reading path files": 8}  # where the budgets head

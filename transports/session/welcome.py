@@ -1,5 +1,6 @@
-"""A worker's wait for its welcome (:func:`greet`, reading what comes meanwhile with :func:`answer_to_hello`),
-and :func:`serve_master`, a whole session: greet, then serve (:class:`~transports.session.worker.Serving`).
+"""A worker's hello (:func:`make_hello`) and its wait for the welcome (:func:`greet`, reading what comes meanwhile
+with :func:`answer_to_hello`), and :func:`serve_master`, a whole session: greet, then serve
+(:class:`~transports.session.worker.Serving`).
 """
 
 from __future__ import annotations
