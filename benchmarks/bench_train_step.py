@@ -23,6 +23,7 @@ and backward. Not a test: no asserts. PyTorch is optional (`pip install torch`);
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -41,6 +42,14 @@ from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 from tinyconv.report import format_table  # noqa: E402
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 5e-4
+# --isa avx2: an AVX2-only x86 CPU, as both sides would run on one. OPENBLAS_CORETYPE alone holds numpy's BLAS to
+# AVX2 while PyTorch keeps AVX-512; these hold numpy's own SIMD loops, ATen's kernels and oneDNN's as well.
+AVX2_ONLY = {
+    "OPENBLAS_CORETYPE": "Haswell",
+    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
 
 
 def tinyconv_step(net: Network, x: np.ndarray, y: np.ndarray):
@@ -192,6 +201,15 @@ def build_parser() -> Parser:
         default="on",
         help="keep freed memory for reuse, as the main job does (tinyconv/distributed/heap.py); off: glibc's default",
     )
+    p.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="native: each library's best code for this CPU; avx2: both sides held to AVX2, as on an AVX2-only CPU "
+        "(numpy's BLAS and SIMD loops, PyTorch's ATen and oneDNN; the script restarts itself with "
+        + " ".join(f"{k}={v}" for k, v in AVX2_ONLY.items())
+        + ")",
+    )
     p.add_argument("--breakdown", action="store_true", help="also tinyconv's median ms per layer, forward and backward")
     p.add_argument(
         "--torch-threads",
@@ -221,12 +239,28 @@ def measure(args, norm: str, batch: int):
     return (norm, batch, tc, tm, tm / tc, batch / tc), loss, breakdown
 
 
+def isa_info() -> str:
+    """What SIMD each side runs: numpy's widest dispatched loops, and PyTorch's ATen capability."""
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    numpy_isa = [f for f in __cpu_dispatch__ if __cpu_features__.get(f)][-1:] or ["baseline"]
+    torch_isa = "-"
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch_isa = torch.backends.cpu.get_cpu_capability()
+    blas = os.environ.get("OPENBLAS_CORETYPE", "its own choice")
+    return f"OpenBLAS core: {blas}, numpy loops up to {numpy_isa[0]}, torch {torch_isa}"
+
+
 def main() -> None:
     args = build_parser().parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ONLY.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY})  # before numpy loads
     if args.keep_freed_memory == "on":
         keep_freed_memory()
     parse_arch(args.arch)
-    print(f"network {args.arch}, torch threads={args.torch_threads}, BLAS: {blas_info()}")
+    print(f"network {args.arch}, torch threads={args.torch_threads}, BLAS: {blas_info()}; {isa_info()}")
     runs = [(norm, batch, *measure(args, norm, batch)) for norm in args.norm for batch in args.batch_size]
     print(
         format_table(
