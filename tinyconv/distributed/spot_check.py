@@ -1,32 +1,8 @@
 """Spot checks: the master recomputes a sample of every worker's results and loses a worker whose numbers are wrong.
 
-A worker's answers to a layer's step are a fixed function of the arrays the master sent it, so the master
-can recompute any part of them. It samples both splits of a convolution, each through a *view* of one
-worker's tasks of one layer's step: the paper's, by kernels (``by_kernels.py``; :class:`ByKernels`), and by
-input channels (``by_channels.py``; ``spot_check_channels.py``). Two kinds of sample, each a small slice
-of the work (N images; by kernels: F' kernels computed, E the tail's halo)::
-
-    image n     y[n], dx[n]              from x[n], w, b, dy[n]                         1/N of the task
-    kernel j    y[:, j], dw[j], db[j]    from x, w and b of [j - E, j + E], dy there    (2E + 1)/F' of it
-
-The budget is kept in the master's own seconds, per worker and layer. A worker's forward earns it
-``budget`` times what its work would cost the master -- F C N kernel-channel-images (F kernels over C
-input channels of N images: its w and x), three times that with the backward -- at the master's seconds
-per kernel-channel-image, measured on its own share of the step when it has one (``master_rate``, the
-cluster's to set), else on its image samples: two thirds for image samples, a third for kernel samples
-(``SHARES``). A sample is taken while its kind's credit is not negative, and its seconds are taken off.
-One image sample a step is all the forward needs, so what the image samples leave of their credit,
-beyond a step's share kept against the next step's costs, goes to the kernel samples, the only ones to
-check dw. Credit starts at zero, so a worker's first step is sampled (one wrong from the start is caught
-at once), and a worker cannot buy itself fewer samples by answering fast or claiming a short compute time.
-
-A sample agrees when each entry is within float32 round-off of the master's (``spot_sample.py``); by
-kernels, k is C K K + 1 + the tail's for y, that + the tail's backward + F' K K for dx, that + N OH OW
-for dw and db (the sums over every conv output). The forward is continuous in its inputs, so one
-forward disagreement loses the worker. The backward passes through choices round-off can flip where
-two values tie (max pool's argmax, ReLU's sign: about one backward sample in a few hundred between
-numpy and OpenCL), so a backward disagreement loses the worker only if two more samples (other images
-or kernels) disagree too.
+Each split is sampled through a *view* of one worker's tasks of one layer's step: by kernels (:class:`ByKernels`)
+and by input channels (``spot_check_channels.py``). The samples, the budget and the round-off each is held to:
+docs/how-it-works.md, "Spot checks".
 """
 
 from __future__ import annotations

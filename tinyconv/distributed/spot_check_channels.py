@@ -1,28 +1,6 @@
 """The spot check's view of a layer split by input channels (``by_channels.py``): what the master samples of it.
 
-Worker i holds the input channels c_i (c of them) of a layer with F kernels of K x K, and owns the
-kernels [s, e) of its halo h_i. Its four tasks, chunk by chunk of the batch, and what comes back::
-
-    partial_forward   x[:, c_i], w[:, c_i]     -> p_lo, p_hi: rows of P_i = conv(x[:, c_i], w[:, c_i]) (F, N, OH, OW)
-    tail_forward      sum, b[h_i]              -> y[:, s:e] = tail(P_i[h_i] + sum + b[h_i])
-    tail_backward     dy[:, h_i]               -> dyc[s:e], the conv-output gradient of its kernels
-    partial_backward  dyc of the other kernels -> dx[:, c_i], dw[:, c_i], db  (dY_conv: all F rows)
-
-Every array on the right is a fixed function of what the master sent and what the worker answered
-before, so the same two kinds of sample as by kernels (``spot_check.py``, whose budget, tolerance and
-backward rule these share) recompute a slice of it:
-
-    image n     P_i[:, n] (the p_lo and p_hi it sent), y[n], dyc[:, n], dx[n]     1/N of its work
-    kernel j    y[:, j], dyc[j] if it owns j (from P_i over [j - E, j + E]), else P_i[j]; dw[j], db[j]
-
-The kernel j is any of the F: dw[j] = the correlation of x[:, c_i] with dY_conv[j], which the
-master holds (the others' rows it sent, the worker's own it answered), so a kernel sample checks the
-rows of dw the worker owns no output of too; and such a row of P_i the others' halos read, so it went
-in p_lo or p_hi. Its convolutions go the kernel samples' cheaper way (``spot_sample.py``).
-
-The k of each entry, from its reductions: P_i c K K products; y that + 2 (the others' sum and the
-bias: the master sums the very arrays it sent) + the tail's; dyc that + the tail's backward; dx
-F K K (from dY_conv as the master holds it); dw and db N OH OW, + 1 per chunk summed.
+Its tasks, its samples and the round-off of each entry: docs/how-it-works.md, "Spot checks".
 """
 
 from __future__ import annotations
@@ -78,12 +56,10 @@ class ByChannels:
         self.b = self.y = self.dy = self.dyc = self.dw = self.db = None
         self.need_dx = False
         self.bn, self.m = batch_norm(self.tail), self.images * int(np.prod(self.conv_hw))
-        self.norm: dict[
-            str, np.ndarray
-        ] = {}  # a batch norm's arrays over its halo, as the first tail_forward brought them
-        self.stats: dict[
-            str, np.ndarray
-        ] = {}  # the worker's: a training batch norm's batch mean and variance, dgamma, dbeta
+        # a batch norm's arrays over its halo, as the first tail_forward brought them
+        self.norm: dict[str, np.ndarray] = {}
+        # the worker's: a training batch norm's batch mean and variance, dgamma, dbeta
+        self.stats: dict[str, np.ndarray] = {}
 
     def add(self, task: Message, reply: Message) -> str | None:
         a, r, (oh, ow), n = task.arrays, reply.arrays, self.conv_hw, self.images

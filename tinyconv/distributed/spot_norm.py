@@ -1,16 +1,5 @@
-"""Spot checks through a tail's batch norm (``shard/norm.py``): what a sample of a worker's results needs of it.
-
-A batch norm in training normalises each kernel by its batch statistics over all N images, so:
-
-    kernel sample   recomputes the kernel's batch mean and variance over the whole batch, checks the worker's
-                    (:func:`norm_forward_pairs`), and its dgamma and dbeta from them (:func:`norm_backward_pairs`)
-    image sample    normalises its one image by the worker's statistics (:func:`image_forward`) and, backward,
-                    adds what the batch gives each image's gradient from the worker's dgamma and dbeta
-                    (:class:`NormedImage`, :func:`image_backward`)
-
-The kernel samples check what the image samples take from the worker. The convolution's round-off reaches
-the norm's output scaled by gamma / std (:func:`norm_gain`), and the sums over the batch add m = N OH OW
-roundings (``spot_sample.tail_roundings``).
+"""Spot checks through a tail's batch norm (``shard/norm.py``): a kernel sample recomputes its kernel's batch
+statistics and dgamma and dbeta; an image sample is normalised by the worker's (docs/how-it-works.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """A spot check's sample (``spot_check.py``): what the master recomputes of a worker's results, and how near
-the worker's numbers must be.
-
-A sample agrees when each entry is within float32 round-off of the master's, 2 gamma_k max|ref|
-(``backends/conformance/checks.py``'s scale form), k the roundings on the longest path to it: a sum of K
-products K, a bias 1, LRN its window's squares and a pow (each split's view counts them). A forward's
-scale is that of its convolution's output where larger: after ReLU a kernel that rarely fires leaves
-outputs far smaller than the sums whose round-off they carry (a third of such runs failed else). A db
-entry is one sum, whose terms of random signs can cancel far below them: it is held to the rigorous
-form, 2 gamma_k sum|terms|, the master having the terms.
+the worker's numbers must be (docs/how-it-works.md, "Spot checks").
 
 An optimisation, the kernel sample's convolution (:func:`few_kernels_forward`, :func:`few_kernels_dw`).
 For a few kernels the backend's im2col of the whole batch (C K K x N OH OW floats: 80 MB at 50:500's conv2,
@@ -31,12 +23,6 @@ from tinyconv.distributed.shard.block import BlockCache, halo_width
 from transports.base import Message
 
 Pair = tuple[np.ndarray, np.ndarray, float]  # (the worker's entries, the master's, how far apart they may be)
-
-
-def tolerance(ref: np.ndarray, k: int) -> float:
-    """How far another float32 computation of ``ref`` may be off, entry by entry: 2 gamma_k max|ref|
-    (k past 2^22 is held there: gamma is then a third, a bound no wrong answer hides under anyway)."""
-    return float(float32_tolerance(min(k, 2**22), scale(ref)))
 
 
 def pair(got: np.ndarray, ref: np.ndarray, k: int, top: float = 0.0) -> Pair:
