@@ -1,22 +1,6 @@
 """Spot checks of the splits by images (data parallelism, the hybrid): the master replays a worker's whole task.
 
-A replica's task returns sums over its images -- the slice's gradient -- so no image or kernel of it can be
-recomputed alone, as ``spot_check.py`` does for the model split. The master instead runs the worker's own
-handler (``worker/replica_handlers.py``) on its backend, on the arrays it sent, and compares every array of the
-answer: a ``replica_step``, or a step's ``hybrid_forward`` and ``hybrid_backward`` together (the backward
-needs the forward's caches).
-
-The budget is :class:`~tinyconv.distributed.spot_check.SpotCheck`'s: each task earns its worker ``budget``
-times what the task costs the master -- its images at the master's seconds per image (``master_rate``, the
-runtime's to set from the master's own slice, else the replays' own) -- and a replay is made while that credit
-is not negative, its seconds then taken off. Credit starts at zero, so the first step is replayed; after that
-a worker is replayed about once in ``1 / budget`` steps of its size.
-
-Tolerance: each output, each parameter's gradient, within float32 round-off of the master's, 2 gamma_k
-max|ref| (``spot_sample.pair``; for a gradient, the largest of its layer's), k the roundings on the longest
-path: every reduction of the forward and, for gradients, of the backward (:func:`roundings`). Where round-off
-flips a tie (max pool's argmax, ReLU's sign), one term of a sum over the whole slice changes, far inside that
-bound: one disagreement loses the worker with reason "wrong result".
+Its budget and tolerance: docs/how-it-works.md, "Spot checks".
 """
 
 from __future__ import annotations
