@@ -5,21 +5,10 @@ A convolution is a sum over its input channels; with participant i holding the c
     forward   y_conv = sum_i P_i + b,   P_i = conv(x[:, c_i], w[:, c_i])      (N, F, OH, OW): all F kernels
     backward  dx[:, c_i], dw[:, c_i] = the conv backward of P_i from all of dY_conv;   db from dY_conv alone
 
-so nothing is computed twice (split by kernels, everyone builds the im2col of all of x). The tail
-still goes by kernels (own k_i, halo h_i, ``block.py``), so each way takes two rounds through the master::
-
-    forward   1. partial_forward    x[:, c_i], w[:, c_i]   -> the parts of P_i the others' halos need
-              2. tail_forward       b[h_i], sum_{j!=i} P_j[h_i]
-                                                           -> y[:, k_i] = tail(P_i[h_i] + sum + b[h_i])
-    backward  1. tail_backward      dy[:, h_i]             -> dyc_i, the conv-output gradient of k_i
-              2. partial_backward   dyc_j for every j != i -> dx[:, c_i], dw[:, c_i], db
-
-What crosses of the conv output is kernel-major, (F', N, OH, OW). A worker's round 2 goes out as soon
-as the others' round 1 is in (:func:`relay`), and a batch larger than :data:`PIPELINE` goes in chunks
-(header ``images`` = [a, b, N]). A tail that treats each image on its own (:func:`per_image`: no batch
-norm) runs chunk by chunk too, so that every transfer of the step overlaps a GEMM: y and dyc of one
-chunk cross while the next chunk computes. docs/how-it-works.md ("Splitting a convolution by kernels")
-says why each, what they cost in bytes, and what they were measured to gain.
+so nothing is computed twice. The tail still goes by kernels (``block.py``), so each way takes two rounds
+through the master; a worker's round 2 goes out as soon as the others' round 1 is in (:func:`relay`), and a
+batch larger than :data:`PIPELINE` goes in chunks. docs/how-it-works.md ("Splitting a convolution by kernels")
+has the rounds, what crosses, and what each was measured to gain.
 """
 
 from __future__ import annotations
