@@ -1,14 +1,9 @@
 """Reduced precision on the wire as a codec at the edges: narrowed as a message is encoded, widened as it is decoded.
 
-With ``--wire-precision`` a layer's task names its narrowed arrays in its optional header ``narrow`` = {array:
-format} ("bf16", "fp16", "adt24", or ["s8", H, W]: s8 with its plane; an array not named is float32), and asks
-for its result's arrays in ``reply`` = {result array: format}; the result names what it narrowed in its own
-``narrow`` (an array asked for narrow that comes back float32 fell back). Every declaration is checked against
-its array's dtype and shape before anything is widened, so every computation and every check of ``protocol.py``
-sees float32. The master's edge is an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's is
+The ``narrow`` and ``reply`` headers, and their checks before anything is widened: docs/how-it-works.md, "Narrower
+words on the wire". The master's edge is an op's codec in ``rpc.py`` (:class:`Narrowing`); the worker's is
 ``worker/handler.py``'s :func:`decode_task`, :func:`read_back` and :func:`encode_result`. A backend that converts
-words on its device (``backends.base.WireConversion``) widens and narrows there what it holds; the same words
-cross the wire either way.
+words on its device (``backends.base.WireConversion``) widens and narrows there what it holds.
 """
 
 from __future__ import annotations
