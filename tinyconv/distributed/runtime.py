@@ -41,7 +41,9 @@ class Runtime:
     worker's; "0" -- it only coordinates. ``rebalance``: follow the measured times, compute and
     transfers (``rebalancer`` to tune it). ``recv_timeout``: seconds every worker has to answer one
     op or its calibration at most. ``calibration_repeats``: timed runs per participant (their median).
-    ``image_size``: the side of the images it calibrates on.
+    ``image_size``: the side of the images it calibrates on. ``spot_check``: the master checks samples of each
+    worker's results within this fraction of its work (its split's ``checker``) and loses a worker whose numbers
+    are wrong; 0 trusts them.
 
     A subclass sets ``parallel`` (the metrics' name for it), ``splits`` (what its plans count) and writes
     ``train_batch``; ``_units()``, what is shared out in order (the attached layers' names, or ["batch"]);
@@ -54,6 +56,7 @@ class Runtime:
 
     parallel = "?"  # "model", "data", "hybrid"
     splits = "?"  # what a plan counts: "kernels" or "images"
+    checker: Callable[[float], Any]  # the spot check of its split: spot_check.SpotCheck, replay_check.ReplayCheck
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class Runtime:
         recv_timeout: float = 120.0,
         calibration_repeats: int = 3,
         image_size: int = 32,
+        spot_check: float = 0.03,
     ) -> None:
         if master_share not in MASTER_SHARES:
             raise ValueError(
@@ -79,6 +83,8 @@ class Runtime:
         self.transport, self.backend = transport, backend
         self.workers = sorted(workers, key=lambda w: w.index)
         self.rpc = Rpc(transport, self.workers, recv_timeout)
+        self.spot = self.checker(spot_check) if spot_check else None  # raises ValueError for a bad fraction
+        self.rpc.check = self.spot
         self.placement: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
         self.placement += [(f"worker{w.index}", w.index) for w in self.workers]
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None

@@ -69,9 +69,7 @@ class Slices:
 
 class BatchSplit(Runtime):
     """The master (on ``backend``) and ``workers`` (on ``transport``) sharing each batch by images;
-    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s. ``spot_check``: the master replays each
-    worker's tasks within this fraction of its work and loses a worker whose numbers are wrong
-    (``replay_check.py``); 0 trusts them.
+    ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s; its spot check replays a worker's whole tasks.
 
     A subclass writes ``_start(net)``, what every attempt at a step starts from (packed once, before the first),
     and ``_step(net, x, y, start, smoothing)``, one attempt: it fills the grads for the loss label-smoothed by
@@ -79,20 +77,12 @@ class BatchSplit(Runtime):
     a worker could not be counted on."""
 
     splits = "images"  # what a checkpoint's plan counts (the model-parallel Cluster's: kernels)
+    checker = ReplayCheck
     calibrate_task = "?"  # the task a worker times its slice's work with
     time_slice: Callable[[Network, dict[str, Any], int, int], float]  # (net, spec, batch, repeats) -> the master's s
 
-    def __init__(
-        self,
-        transport: Transport,
-        workers: Sequence[WorkerInfo],
-        backend: Backend,
-        spot_check: float = 0.03,
-        **options: Any,
-    ) -> None:
+    def __init__(self, transport: Transport, workers: Sequence[WorkerInfo], backend: Backend, **options: Any) -> None:
         super().__init__(transport, workers, backend, **options)
-        self.spot = ReplayCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
-        self.rpc.check = self.spot
         self.calibrated_batch = 0  # the images everyone was timed on
         self._took: dict[str, float] = {}  # worker -> compute seconds per image, the last steps', for the deadlines
         self._spec: dict[str, Any] | None = None

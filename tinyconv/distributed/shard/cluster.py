@@ -54,18 +54,16 @@ class Cluster(Runtime):
     ``fuse``: each participant also runs the ReLU / LRN / batch norm / max pool after each conv on its own
     channels (``block.py``); False is the paper's split, the convolution alone.
     ``wire_precision``: the words a layer's arrays travel in, one of ``adaptive_precision.SETTINGS`` (a
-    fixed format, or AWP's "adaptive"); every computation stays float32.
+    fixed format, or AWP's "adaptive"); every computation stays float32, and the spot check skips narrowed ops.
     ``pipeline``: a layer split by input channels goes in chunks of this many images, so that one
     chunk's partial sums cross while the next computes (``by_channels.py``); 0: the whole batch.
-    ``spot_check``: the master recomputes samples of each worker's results within this fraction of its work
-    and loses a worker whose numbers are wrong (``spot_check.py``); 0, or a narrowed ``wire_precision``: it
-    trusts them.
     ``options``: :class:`~tinyconv.distributed.runtime.Runtime`'s (``recv_timeout`` is also the most a
     worker's compute has before it is known: :meth:`expect`).
     """
 
     parallel = "model"
     splits = "kernels"  # what a checkpoint's plan counts (the batch splits': images)
+    checker = SpotCheck
 
     def __init__(
         self,
@@ -76,12 +74,9 @@ class Cluster(Runtime):
         fuse: bool = True,
         wire_precision: str = "fp32",
         pipeline: int = PIPELINE,
-        spot_check: float = 0.03,
         **options: Any,
     ) -> None:
         super().__init__(transport, workers, backend, **options)
-        self.spot = SpotCheck(spot_check) if spot_check else None  # raises ValueError for a bad fraction
-        self.rpc.check = self.spot
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if not (isinstance(pipeline, int) and pipeline >= 0):
