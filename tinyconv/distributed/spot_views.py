@@ -1,6 +1,7 @@
-"""The spot check's view of a layer split by input channels (``by_channels.py``): what the master samples of it.
+"""The spot check's views of one worker's tasks of one layer's step, one per split (``by_kernels.py``,
+``by_channels.py``): what the master samples of them.
 
-Its tasks, its samples and the round-off of each entry: docs/how-it-works.md, "Spot checks".
+Their tasks, their samples and the round-off of each entry: docs/how-it-works.md, "Spot checks".
 """
 
 from __future__ import annotations
@@ -35,6 +36,111 @@ from tinyconv.distributed.spot_sample import (
     tail_roundings,
 )
 from transports.base import Message
+
+
+class ByKernels:
+    """A worker's block_forward and block_backward (``block.py``) of one layer's step: a view of it, as
+    :class:`ByChannels` is of the other split. ``work``: its forward's kernel-channel-images."""
+
+    def __init__(self, task: Message) -> None:
+        self.fwd, h, (x, w) = task, task.header, (task.arrays["x"], task.arrays["w"])
+        self.step, self.images = h["step"], x.shape[0]
+        self.work = int(np.prod(w.shape[:2])) * self.images
+        self.lo, self.hi = h["own"]
+        self.conv_hw = tuple(conv_output_size(v, w.shape[2], h["stride"], h["padding"]) for v in x.shape[2:])
+        self.m = self.images * int(np.prod(self.conv_hw))  # a batch norm's values per kernel
+        self.bn = batch_norm(h["tail"])
+        self.y = self.bwd = self.grads = None
+        self.stats: dict[str, np.ndarray] = {}  # a training batch norm's: the worker's batch mean and variance (F',)
+
+    def add(self, task: Message, reply: Message) -> str | None:
+        """Keep a task and its result: "forward" or "backward" when that is all in, "unfit" for a wrong shape."""
+        x, w = self.fwd.arrays["x"], self.fwd.arrays["w"]
+        training = self.bn is not None and self.bn["training"]
+        if task.kind == "block_forward":
+            self.y, self.stats = reply.arrays.get("y"), reply.arrays
+            want = {"y": (self.images, self.hi - self.lo, *tail_output_hw(*self.conv_hw, self.fwd.header["tail"]))}
+            want |= {"mean": w.shape[:1], "var": w.shape[:1]} if training else {}
+            return "forward" if fits(reply, want, " ".join(want)) else "unfit"
+        if task.kind != "block_backward" or self.y is None:
+            return None
+        own = self.hi - self.lo
+        want = {"dx": x.shape, "dw": (own, *w.shape[1:]), "db": (own,)}
+        want |= {"dgamma": (own,), "dbeta": (own,)} if self.bn is not None else {}
+        if not fits(reply, want, " ".join(k for k in want if k != "dx")):
+            return "unfit"
+        self.bwd, self.grads = task, reply.arrays
+        return "backward"
+
+    def places(self, kind: str) -> range:
+        """Where a sample of ``kind`` may be: the images, or the kernels it answers for."""
+        return range(self.images) if kind == "image" else range(self.lo, self.hi)
+
+    def alike(self, sample: Sample) -> range:
+        """Where another sample checks what ``sample`` does (any place of its kind, by kernels)."""
+        return self.places(sample.kind)
+
+    def sample(self, kind: str, at: int, be: Backend) -> Sample:
+        """The sample of ``kind`` at ``at``, the master's forward of it computed."""
+        x, w, b, h = self.fwd.arrays["x"], self.fwd.arrays["w"], self.fwd.arrays["b"], self.fwd.header
+        if kind == "image":
+            args = (be.asarray(x[at : at + 1]), be.asarray(w), be.asarray(b), h["stride"], h["padding"])
+            conv, conv_cache = be.conv2d_forward(*args)
+            top = scale(be.to_numpy(conv))  # before the tail, which may write in place
+            norm = task_norm(be, self.fwd.arrays, slice(0, w.shape[0]))
+            y, cache = image_forward(be, conv, conv_cache, h["tail"], norm, self.stats, self.m, (self.lo, self.hi))
+            return Sample(kind, at, slice(0, w.shape[0]), np.asarray(be.to_numpy(y)), cache, top, norm=norm)
+        span = kernel_span(at, w.shape[0], h["tail"])  # clipped where the task's kernels end: its true edge
+        xp = padded(x, h["padding"])
+        conv = few_kernels_forward(xp, w[span], b[span], h["stride"])
+        norm = task_norm(be, self.fwd.arrays, span)
+        y, cache = tail_forward(be, be.asarray(conv), None, h["tail"], (at - span.start, at - span.start + 1), norm)
+        return Sample(kind, at, span, np.asarray(be.to_numpy(y)), cache, scale(conv), xp, norm=norm)
+
+    def forward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
+        got = self.y[sample.at : sample.at + 1] if sample.kind == "image" else self.y[:, _at(sample, self.lo)]
+        k, gain = forward_roundings(self.fwd, self.m), norm_gain(be, self.fwd.header["tail"], sample.norm, self.m)
+        pairs = [pair(got, sample.y, k, sample.top * gain)]  # a batch norm scales the convolution's round-off
+        if sample.kind == "kernel" and self.bn is not None and self.bn["training"]:
+            stats = {name: self.stats[name][sample.at : sample.at + 1] for name in ("mean", "var")}
+            pairs += norm_forward_pairs(be, sample, stats, k - tail_roundings(self.fwd.header["tail"], self.m), self.m)
+        return pairs
+
+    def backward_pairs(self, sample: Sample, be: Backend) -> list[Pair]:
+        dy, h = self.bwd.arrays["dy"], self.fwd.header
+        f, _, kh, kw = self.fwd.arrays["w"].shape
+        k = forward_roundings(self.fwd, self.m) + tail_roundings(h["tail"], self.m)
+        if sample.kind == "image":  # its dx, the only number an image's backward gives
+            if not (self.bwd.header["need_dx"] and "dx" in self.grads):
+                return []
+            dnorm = spread(self.grads, f, (self.lo, self.hi))
+            d = image_backward(be, be.asarray(dy[sample.at : sample.at + 1]), sample.cache, dnorm)
+            if d is None:
+                return []
+            dx, _, _ = be.conv2d_backward(d, sample.cache.conv, True)
+            return [pair(self.grads["dx"][sample.at : sample.at + 1], np.asarray(be.to_numpy(dx)), k + f * kh * kw)]
+        d = np.asarray(be.to_numpy(tail_backward(be, be.asarray(dy[:, sample.span]), sample.cache)))
+        d = d[:, sample.at - sample.span.start][:, None]  # (N, 1, OH, OW): the kernel's conv-output gradient
+        j = _at(sample, self.lo)
+        pairs = []
+        if self.bn is not None:
+            got = {name: self.grads[name][j] for name in ("dgamma", "dbeta")}
+            pairs = norm_backward_pairs(be, sample, self.bn, got, dy[:, sample.at], k, self.m)
+        k += self.m  # dw and db sum over every conv output
+        dw = few_kernels_dw(sample.xp, d, h["stride"], kh)
+        return [*pairs, pair(self.grads["dw"][j], dw, k), sum_pair(self.grads["db"][j], d, k)]
+
+
+def forward_roundings(task: Message, m: int) -> int:
+    """k of a block's output: the convolution's C K K products and its bias, then the tail (m: a batch norm's values
+    per kernel)."""
+    _, c, kh, kw = task.arrays["w"].shape
+    return c * kh * kw + 1 + tail_roundings(task.header["tail"], m)
+
+
+def _at(sample: Sample, lo: int) -> slice:
+    """A kernel sample's channel in a result whose kernels start at ``lo``."""
+    return slice(sample.at - lo, sample.at - lo + 1)
 
 
 class ByChannels:
