@@ -227,8 +227,9 @@ class Runtime:
                 self._seat(info)
                 continue
             task, n = self._joiner_task()
+            known = min((sum(t.values()) for t in self.timings.values()), default=None)  # the fastest's, all units
             try:
-                self.joiners.ask(info, task, n, calibration_timeout(self.rpc, task, self._known_time()))
+                self.joiners.ask(info, task, n, calibration_timeout(self.rpc, task, known))
             except Lost as e:
                 self._left_out(info, e.workers[info.index])
         if self.joiners.waiting:
@@ -258,10 +259,6 @@ class Runtime:
         log.warning("%s joined but could not be timed (%s); it is left out", describe(info), why)
         self.events.append({"event": "worker_lost", "step": self.step, "worker": f"worker{info.index}",
                             "reason": f"joined, then {why}", "shares": self._shares()})  # fmt: skip
-
-    def _known_time(self) -> float | None:
-        """The fastest participant's calibrated seconds over all units: a joiner's reference."""
-        return min((sum(t.values()) for t in self.timings.values()), default=None)
 
     def _shares(self) -> dict[str, list[int]]:
         return {unit: list(c) for unit, c in self.counts.items()}
