@@ -383,48 +383,50 @@ __kernel void relu_lrn_backward_rows(__global const float* restrict dy, __global
 }
 
 // Optimisation of the rows backward kernels for CPUs, the same bits: a work-item walks the
-// channels of a block of LRN_BLOCK pixels of one image (global (blocks of H*W, N); the backend
-// compiles the block in, a whole plane of the paper's maps: longer runs measured faster). Each
-// pixel's term u(cc) = dy y / s of channel cc is computed once, when the walk first needs it,
-// and kept in a ring of the window's channels (slot cc % LRN_WIN), so an element costs one
-// division where lrn_backward_at's window sum does LRN_WIN; the window is then summed from the
+// channels of a block of LRN_BLOCK pixels of one image (global (blocks of H*W, N); the block is
+// compiled in). Each pixel's term u(cc) = dy y / s of channel cc is computed once, when the walk
+// first needs it, into a ring of the window's channels (row cc % LRN_WIN), so an element costs
+// one division where lrn_backward_at's window sum does LRN_WIN; the window is then summed from the
 // ring in CHANNEL_WINDOW_SUM's order, the same terms, so dx keeps its bits. A channel outside
-// [0, C) reads the ring at the clamped channel (always held) and is not added, as there.
+// [0, C) reads the ring at the clamped channel (always held) and is not added, as there. The ring
+// is filled and read in separate loops over the block: one loop that both wrote and read it, at
+// offsets the compiler cannot tell apart, stayed scalar on PoCL (3-4x slower than per element).
 #ifdef LRN_BLOCK
 #define LRN_WIN (LRN_BEFORE + LRN_AFTER + 1)
-#define LRN_U(cc) (dy[at + (cc) * HW + q] * y[at + (cc) * HW + q] / s[at + (cc) * HW + q])
 
-// dx of channel c for the block: the ring holds channels c - LRN_AFTER .. c + LRN_BEFORE at
-// slots (base + k) mod LRN_WIN, base = c mod LRN_WIN; TAIL(e, t) is dx[e] of the op.
-#define LRN_BACKWARD_WALK(TAIL)                                                        \
+// row[k] = u of channel cc at the block's pixel k: at = (n*C + cc)*HW + q0. (The kernels' buffers
+// are restrict; a restrict here would leave an intrinsic in the inlined code that Oclgrind cannot run.)
+ALWAYS_INLINE void lrn_u_row(__global const float* dy, __global const float* y, __global const float* s,
+                             const int at, const int qn, float* row)
+{
+    for (int k = 0; k < qn; k++) row[k] = dy[at + k] * y[at + k] / s[at + k];
+}
+
+// dx of every channel for the block; TAIL(e, t) is dx[e] of the op, t its window sum.
+#define LRN_BACKWARD_WALK(TAIL)                                                         \
     const int b = get_global_id(0), n = get_global_id(1);                               \
     const int q0 = b * LRN_BLOCK;                                                       \
     if (q0 >= HW || n >= N) return;                                                     \
-    const int at = n * C * HW, qn = HW - q0 < LRN_BLOCK ? HW - q0 : LRN_BLOCK;          \
+    const int at = n * C * HW + q0, qn = HW - q0 < LRN_BLOCK ? HW - q0 : LRN_BLOCK;     \
     float ring[LRN_WIN * LRN_BLOCK];                                                    \
     for (int cc = 0; cc < LRN_BEFORE && cc < C; cc++)                                   \
-        for (int k = 0, q = q0; k < qn; k++, q++) ring[cc * LRN_BLOCK + k] = LRN_U(cc); \
+        lrn_u_row(dy, y, s, at + cc * HW, qn, ring + cc * LRN_BLOCK);                   \
     for (int c = 0, base = 0; c < C; c++, base = base + 1 == LRN_WIN ? 0 : base + 1) {  \
-        int slot[LRN_WIN]; /* slot[LRN_AFTER + k]: the ring row of channel c + k, clamped */ \
+        float* u[LRN_WIN]; /* u[LRN_AFTER + k]: the ring row of channel c + k, clamped */ \
         _Pragma("unroll") for (int k = -LRN_AFTER; k <= LRN_BEFORE; k++) {              \
             const int cc = c + k < 0 ? 0 : c + k >= C ? C - 1 : c + k;                  \
             const int r = base + (cc - c);                                              \
-            slot[LRN_AFTER + k] = (r < 0 ? r + LRN_WIN : r >= LRN_WIN ? r - LRN_WIN : r) * LRN_BLOCK; \
+            u[LRN_AFTER + k] = ring + (r < 0 ? r + LRN_WIN : r >= LRN_WIN ? r - LRN_WIN : r) * LRN_BLOCK; \
         }                                                                               \
-        const bool fresh = c + LRN_BEFORE < C; /* channel c + LRN_BEFORE enters the ring */ \
-        const int in = slot[LRN_WIN - 1], c_in = fresh ? c + LRN_BEFORE : C - 1;        \
-        for (int k = 0, q = q0; k < qn; k++, q++) {                                     \
-            if (fresh) ring[in + k] = LRN_U(c_in);                                      \
-            float t = ring[slot[LRN_AFTER] + k];                                        \
-            _Pragma("unroll") for (int d = 1; d <= LRN_AFTER; d++) {                    \
-                const float v_ = ring[slot[LRN_AFTER - d] + k];                         \
-                t = c - d >= 0 ? t + v_ : t;                                            \
-            }                                                                           \
-            _Pragma("unroll") for (int d = 1; d <= LRN_BEFORE; d++) {                   \
-                const float v_ = ring[slot[LRN_AFTER + d] + k];                         \
-                t = c + d < C ? t + v_ : t;                                             \
-            }                                                                           \
-            const int e = at + c * HW + q;                                              \
+        if (c + LRN_BEFORE < C) /* channel c + LRN_BEFORE enters the ring */            \
+            lrn_u_row(dy, y, s, at + (c + LRN_BEFORE) * HW, qn, u[LRN_WIN - 1]);        \
+        for (int k = 0; k < qn; k++) {                                                  \
+            float t = u[LRN_AFTER][k];                                                  \
+            _Pragma("unroll") for (int d = 1; d <= LRN_AFTER; d++)                      \
+                t = c - d >= 0 ? t + u[LRN_AFTER - d][k] : t;                           \
+            _Pragma("unroll") for (int d = 1; d <= LRN_BEFORE; d++)                     \
+                t = c + d < C ? t + u[LRN_AFTER + d][k] : t;                            \
+            const int e = at + c * HW + k;                                              \
             TAIL(e, t);                                                                 \
         }                                                                               \
     }
