@@ -24,9 +24,9 @@ BUDGETS = {  # lines, held by the tests: today's figures with a little room, low
     "Door": 1027,
     "Dist": 6328,
     "Lab": 4826,
-    "Backends": 2968,
+    "Backends": 2976,
     "Transports": 3151,
-    "library outside the lab": 15732,  # the framework, the runtime, backends and transports (the door apart)
+    "library outside the lab": 15740,  # the framework, the runtime, backends and transports (the door apart)
     "reading path": 1597,
     "reading path files": 8,
 }

@@ -701,6 +701,16 @@ __kernel void maxpool_forward_rows(__global const float* restrict x, const int H
 #define PLANE_OH ((PLANE_H + 2 * PAD - POOL) / STRIDE + 1)
 #define PLANE_OW ((PLANE_W + 2 * PAD - POOL) / STRIDE + 1)
 
+// 0, added to h and w in the planes and lanes kernels. Elsewhere than on PoCL's CPU devices a 0 not
+// known at compile time (the backend passes H = PLANE_H, W = PLANE_W), since with oh and ow known
+// non-negative LLVM turns the clamps `h < 0 ? 0 : h` into saturating subtractions, an intrinsic
+// Oclgrind cannot run. Not on PoCL: there the unknown 0 made the planes kernel ~3x slower at conv2's shape.
+#ifdef POCL_CPU
+#define PLANE_ZERO(H, W) 0
+#else
+#define PLANE_ZERO(H, W) (((H) - PLANE_H) + ((W) - PLANE_W))
+#endif
+
 // Optimisation of maxpool_forward for CPUs, the same results: one work-item per plane (or
 // PLANE_GROUP planes), the plane's size and the window compiled in. The rows kernel above walks
 // an output row between its checked edges: at conv2's shape (8 windows a row) that walk is
@@ -719,15 +729,7 @@ __kernel void maxpool_forward_planes(__global const float* restrict x, const int
     // a tap left or right of the plane reads the row before or after (masked): inside the buffer
     // except at its very ends, where the first and last plane clamp the column instead
     const bool edge = plane == 0 || plane == planes - 1;
-    // Added to h and w below: 0. Elsewhere than on PoCL's CPU devices a 0 not known at compile
-    // time (the backend passes H = PLANE_H, W = PLANE_W), since with oh and ow known non-negative
-    // LLVM turns the clamps `h < 0 ? 0 : h` into saturating subtractions, an intrinsic Oclgrind
-    // cannot run. Not on PoCL: there the unknown 0 made the kernel ~3x slower at conv2's shape.
-#ifdef POCL_CPU
-    const int zero = 0;
-#else
-    const int zero = (H - PLANE_H) + (W - PLANE_W);
-#endif
+    const int zero = PLANE_ZERO(H, W);  // 0, added to h and w below
     for (int oh = 0; oh < PLANE_OH; oh++) {
         int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
 #pragma unroll
@@ -781,6 +783,79 @@ __kernel void maxpool_backward_planes(__global const float* restrict dy, __globa
     }
     }
 }
+// Optimisation of maxpool_forward_planes for CPUs, the same results, for output rows of whole
+// vectors (maxpool.lanes_fit: OW a multiple of 8, stride 1 or 2): the same walk over planes, 8
+// windows of an output row at a time in float8 and int8 vectors. PoCL left the planes kernel's
+// loop over a row's windows scalar (its loads are strided, its index clamped at the buffer's
+// ends); here a tap of the 8 windows is one vector load (stride 2: 16 floats, the even ones kept),
+// and the scan's compares and selects are vector ones (the `?:` of vectors: select() is a call on
+// PoCL): 3-5x the planes kernel's speed on the paper's maps. global (planes / PLANE_GROUP).
+#define POOL_LANES 8
+typedef float8 __attribute__((aligned(4))) pool_float8;  // any float's alignment, as in layout.cl
+typedef float16 __attribute__((aligned(4))) pool_float16;
+typedef int8 __attribute__((aligned(4))) pool_int8;
+
+// x[at + u*STRIDE], u < 8, -inf in the lanes whose column w is outside the row: one vector load
+// (a lane outside the row reads the row before or after), or at the buffer's ends (x's first `size`
+// floats) lane by lane, each index clamped into the buffer.
+ALWAYS_INLINE float8 pool_lanes(__global const float* x, const int at, const int8 w, const int size)
+{
+    float8 v;
+    if (at >= 0 && at <= size - POOL_LANES * STRIDE) {
+#if STRIDE == 1
+        v = *(__global const pool_float8*)(x + at);
+#else  // 2 (lanes_fit)
+        v = (*(__global const pool_float16*)(x + at)).even;
+#endif
+    } else {
+        const int8 a = (int8)(at) + (int8)(0, 1, 2, 3, 4, 5, 6, 7) * STRIDE;
+        const int8 c = a < 0 ? (int8)(0) : a >= size ? (int8)(size - 1) : a;
+        v = (float8)(x[c.s0], x[c.s1], x[c.s2], x[c.s3], x[c.s4], x[c.s5], x[c.s6], x[c.s7]);
+    }
+    return ((w >= 0) & (w < PLANE_W)) ? v : (float8)(-INFINITY);
+}
+
+__kernel void maxpool_forward_lanes(__global const float* restrict x, const int H, const int W, const int OH,
+                                    const int OW, const int planes, __global float* restrict y,
+                                    __global int* restrict arg)
+{
+    const int zero = PLANE_ZERO(H, W), size = planes * (PLANE_H * PLANE_W);
+    for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
+        const int xp = plane * (PLANE_H * PLANE_W);
+        for (int oh = 0; oh < PLANE_OH; oh++) {
+            int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
+#pragma unroll
+            for (int i = 0; i < POOL; i++) {
+                const int h = oh * STRIDE - PAD + i + zero;
+                hw[i] = (h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h) * PLANE_W;
+            }
+            const int o = (plane * PLANE_OH + oh) * PLANE_OW;
+            for (int ow0 = 0; ow0 < PLANE_OW; ow0 += POOL_LANES) {
+                // the 8 windows' first columns; the scan as pool_tap's, lane by lane
+                const int8 w0 = (int8)(ow0 * STRIDE - PAD + zero) + (int8)(0, 1, 2, 3, 4, 5, 6, 7) * STRIDE;
+                float8 v = (float8)(-INFINITY), nan_v = (float8)(0.0f);
+                int8 best = (int8)(hw[0]) + (w0 > 0 ? w0 : (int8)(0)), nan_at = (int8)(-1);
+#pragma unroll
+                for (int i = 0; i < POOL; i++) {
+#pragma unroll
+                    for (int j = 0; j < POOL; j++) {
+                        const int8 w = w0 + (int8)(j), at = (int8)(hw[i]) + w;
+                        const float8 xv = pool_lanes(x, xp + hw[i] + ow0 * STRIDE - PAD + j + zero, w, size);
+                        const int8 take = xv > v, is_nan = xv != xv;
+                        v = take ? xv : v;
+                        best = take ? at : best;
+                        nan_v = is_nan ? xv : nan_v;
+                        nan_at = is_nan ? at : nan_at;
+                    }
+                }
+                const int8 has_nan = nan_at >= 0;
+                *(__global pool_float8*)(y + o + ow0) = has_nan ? nan_v : v;
+                *(__global pool_int8*)(arg + o + ow0) = has_nan ? nan_at : best;
+            }
+        }
+    }
+}
+#undef POOL_LANES
 #endif  // PLANE_H
 
 // dx[h, w] = sum of dy over the windows that selected (h, w): a gather over the at most
