@@ -9,16 +9,18 @@ N x C2 x 16 x 16 -- prints each op's median device time (profiling events, summe
 launches) and the bytes it moves (read + written, below) over that time, twice: with the
 per-element kernels (one work-item per element, what GPUs run) and with the rows kernels (one
 work-item walks a chunk, a plane or a row -- max pool: one or more planes, their size compiled
-in --, what CPUs run; see backends/opencl/ops.cl), then
-the numpy backend's median wall time for the same op. Ops: ReLU, LRN, ReLU+LRN fused, batch
+in, forward 8 windows a vector where rows allow --, what CPUs run; see backends/opencl/ops.cl);
+then the numpy backend's median wall time for the same op. Ops: ReLU, LRN, ReLU+LRN fused, batch
 norm (training), max pool 3x3 stride 2 pad 1 as in tinyconv/model.py, forward and backward; SGD
 on conv2's weights; the bf16 wire words' narrowing and widening (no numpy column: the host's
-conversion is the transports'). The last columns: the variant the backend runs on this device
-(rows on CPUs, per element elsewhere) and its GB/s as a percentage of a plain copy's on the same
-number of elements (dst[i] = src[i], the fastest of a few forms, timed first and printed above the
-table): how near the op comes to the memory's bandwidth. A script, not a test: it asserts
-nothing. Other processes on the machine show up in the timings: run variants back to back and
-compare medians.
+conversion is the transports'). The last columns: a plain copy's GB/s on as many elements
+(dst[i] = src[i], in the fastest of a few forms, picked first and printed above the table), the
+variant the backend runs on this device (rows on CPUs, per element elsewhere) and its GB/s as a
+percentage of the copy's: how near the op comes to the memory's bandwidth. The per-element
+variant, the copy and the rows variant are taken in turn in every repeat, so all three see the
+same load (other processes on the machine show up in the timings). The copy is a reference, not
+a bound: which buffers stay in cache differs, and a small op can pass 100 %. A script, not a
+test: it asserts nothing.
 
 Bytes per op, in maps of the op's input size (4 bytes an element): relu fwd 2 (x in, y out),
 bwd 3; lrn fwd 4 (y, s, p out), bwd 6; relu+lrn fwd 3, bwd 5; batch norm fwd 5 (x read for the
@@ -84,15 +86,14 @@ __kernel void copy_rows16(__global const float16* restrict src, const int total,
 """
 
 
-def device_ms(rt, fn, repeats: int) -> float:
-    """Median over ``repeats`` calls of fn's kernels' device time (one warm-up call first)."""
-    fn()
-    rt.kernel_times()
-    times = []
-    for _ in range(repeats):
+def with_rows(be, rows: bool, fn):
+    """fn, run with the rows kernels (``rows``) or the per-element ones."""
+
+    def call() -> None:
+        be.rows = rows
         fn()
-        times.append(sum(seconds for _, seconds in rt.kernel_times().values()))
-    return statistics.median(times) * 1e3
+
+    return call
 
 
 def wall_ms(fn, repeats: int) -> float:
@@ -196,8 +197,8 @@ def wire_ops(be, x: np.ndarray) -> list:
     ]
 
 
-def copy_gbs(rt, elements: int, repeats: int) -> tuple[float, str]:
-    """The best GB/s (bytes read + written) of the copy's forms over ``elements`` floats, and that form."""
+def copy_calls(rt, elements: int) -> dict:
+    """{form: call} of the copy over ``elements`` floats, in each form."""
     program = cl.Program(rt.context, COPY_SOURCE).build()
     kernels = {name: cl.Kernel(program, name) for name in ("copy", "copy_rows", "copy_rows16")}
     src = cla.to_device(rt.queue, np.ones(elements, np.float32), allocator=rt.pool)
@@ -216,9 +217,7 @@ def copy_gbs(rt, elements: int, repeats: int) -> tuple[float, str]:
             calls[f"float16 rows {chunk}"] = lambda chunk=chunk: launch(
                 "copy_rows16", cdiv(elements, chunk), np.int32(chunk)
             )
-    ms = device_ms_in_turn(rt, calls, repeats)
-    best = min(ms, key=ms.get)
-    return 8 * elements / ms[best] / 1e6, best
+    return calls
 
 
 def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = False) -> tuple:
@@ -349,26 +348,28 @@ def main() -> None:
             x = rng.standard_normal(shape, dtype=np.float32)
             panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
         panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch_size, c1, 16, 16), 5, 2)))
-    copies = {}  # elements: the copy's GB/s over as many
+    copies = {}  # elements: the copy's fastest form, timed beside each op over as many elements
     for elements in sorted({elements for _, elements, *_ in timed}):
-        copies[elements], form = copy_gbs(be.rt, elements, a.repeats)
-        print(f"copy of {elements} floats: {copies[elements]:.2f} GB/s ({form})")
+        calls = copy_calls(be.rt, elements)
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        form = min(ms, key=ms.get)
+        copies[elements] = calls[form]
+        print(f"copy of {elements} floats: {8 * elements / ms[form] / 1e6:.2f} GB/s ({form}; each form: ", end="")
+        print(", ".join(f"{name} {8 * elements / t / 1e6:.1f}" for name, t in ms.items()) + ")")
     if timed:
         print(
             f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6} "
-            f"{'runs':>11} {'% of copy':>9}"
+            f"{'copy GB/s':>9} {'runs':>11} {'% of copy':>9}"
         )
     for name, elements, nbytes, on_device, on_numpy in timed:
-        row, gbs = f"{name:30}", {}
+        # the copy between the variants: each runs after a kernel that used other buffers
+        calls = {False: with_rows(be, False, on_device), "copy": copies[elements], True: with_rows(be, True, on_device)}
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        row, copy = f"{name:30}", 8 * elements / ms["copy"] / 1e6
         for rows, width in ((False, 14), (True, 9)):
-            be.rows = rows
-            t = device_ms(be.rt, on_device, a.repeats)
-            gbs[rows] = nbytes / t / 1e6
-            row += f" {t:{width}.2f} {gbs[rows]:6.2f}"
-        share = f"{100 * gbs[runs] / copies[elements]:.0f}"
-        print(
-            row + numpy_cell(a, on_numpy, nbytes) + f" {'rows' if runs else 'per element':>11} {share:>9}", flush=True
-        )
+            row += f" {ms[rows]:{width}.2f} {nbytes / ms[rows] / 1e6:6.2f}"
+        share = f"{100 * nbytes / ms[runs] / 1e6 / copy:.0f}"
+        print(f"{row}{numpy_cell(a, on_numpy, nbytes)} {copy:9.2f} {'rows' if runs else 'per element':>11} {share:>9}")
     be.rows = runs
     if not panels:
         return
