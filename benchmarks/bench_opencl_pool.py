@@ -324,7 +324,6 @@ def main() -> None:
     a = build_parser().parse_args()
     c1, c2 = (int(c) for c in a.arch.split(":"))
     be, ref = get_backend("opencl", device=a.device, profile=True), NumpyBackend()
-    runs = be.rows  # the variant this device runs: rows on CPUs
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
     timed, panels = [], []
@@ -348,29 +347,7 @@ def main() -> None:
             x = rng.standard_normal(shape, dtype=np.float32)
             panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
         panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch_size, c1, 16, 16), 5, 2)))
-    copies = {}  # elements: the copy's fastest form, timed beside each op over as many elements
-    for elements in sorted({elements for _, elements, *_ in timed}):
-        calls = copy_calls(be.rt, elements)
-        ms = device_ms_in_turn(be.rt, calls, a.repeats)
-        form = min(ms, key=ms.get)
-        copies[elements] = calls[form]
-        print(f"copy of {elements} floats: {8 * elements / ms[form] / 1e6:.2f} GB/s ({form}; each form: ", end="")
-        print(", ".join(f"{name} {8 * elements / t / 1e6:.1f}" for name, t in ms.items()) + ")")
-    if timed:
-        print(
-            f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6} "
-            f"{'copy GB/s':>9} {'runs':>11} {'% of copy':>9}"
-        )
-    for name, elements, nbytes, on_device, on_numpy in timed:
-        # the copy between the variants: each runs after a kernel that used other buffers
-        calls = {False: with_rows(be, False, on_device), "copy": copies[elements], True: with_rows(be, True, on_device)}
-        ms = device_ms_in_turn(be.rt, calls, a.repeats)
-        row, copy = f"{name:30}", 8 * elements / ms["copy"] / 1e6
-        for rows, width in ((False, 14), (True, 9)):
-            row += f" {ms[rows]:{width}.2f} {nbytes / ms[rows] / 1e6:6.2f}"
-        share = f"{100 * nbytes / ms[runs] / 1e6 / copy:.0f}"
-        print(f"{row}{numpy_cell(a, on_numpy, nbytes)} {copy:9.2f} {'rows' if runs else 'per element':>11} {share:>9}")
-    be.rows = runs
+    print_ops(a, be, timed)
     if not panels:
         return
     print(f"\nim2col/im2row into GEMM panels of width {a.nb}, and col2im, the kernels in turn (* what CPUs run)")
@@ -389,6 +366,35 @@ def main() -> None:
                 mark = "*" if kernel == pick else ""
                 row += f" {mark + f'{ms[kernel]:.2f}':>{width}} {nbytes / ms[kernel] / 1e6:6.2f}"
         print(row + numpy_cell(a, on_numpy, nbytes), flush=True)
+
+
+def print_ops(a: argparse.Namespace, be, timed: list) -> None:
+    """The copy's forms on each size, then the first table: each op's two variants, numpy, the copy
+    in the copy's fastest form, and the % of the copy the variant this device runs reaches."""
+    runs = be.rows  # the variant this device runs: rows on CPUs
+    copies = {}  # elements: the copy's fastest form, timed beside each op over as many elements
+    for elements in sorted({elements for _, elements, *_ in timed}):
+        calls = copy_calls(be.rt, elements)
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        form = min(ms, key=ms.get)
+        copies[elements] = calls[form]
+        print(f"copy of {elements} floats: {8 * elements / ms[form] / 1e6:.2f} GB/s ({form}; each form: ", end="")
+        print(", ".join(f"{name} {8 * elements / t / 1e6:.1f}" for name, t in ms.items()) + ")")
+    if timed:
+        print(
+            f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6} "
+            f"{'copy GB/s':>9} {'runs':>11} {'% of copy':>9}"
+        )
+    for name, elements, nbytes, on_device, on_numpy in timed:
+        # per element, the copy, rows: the copy and the rows variant each after a kernel on other buffers
+        calls = {False: with_rows(be, False, on_device), "copy": copies[elements], True: with_rows(be, True, on_device)}
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        row, copy = f"{name:30}", 8 * elements / ms["copy"] / 1e6
+        for rows, width in ((False, 14), (True, 9)):
+            row += f" {ms[rows]:{width}.2f} {nbytes / ms[rows] / 1e6:6.2f}"
+        share = f"{100 * nbytes / ms[runs] / 1e6 / copy:.0f}"
+        print(f"{row}{numpy_cell(a, on_numpy, nbytes)} {copy:9.2f} {'rows' if runs else 'per element':>11} {share:>9}")
+    be.rows = runs
 
 
 def numpy_cell(a: argparse.Namespace, on_numpy, nbytes: int) -> str:
