@@ -9,17 +9,25 @@ N x C2 x 16 x 16 -- prints each op's median device time (profiling events, summe
 launches) and the bytes it moves (read + written, below) over that time, twice: with the
 per-element kernels (one work-item per element, what GPUs run) and with the rows kernels (one
 work-item walks a chunk, a plane or a row -- max pool: one or more planes, their size compiled
-in --, what CPUs run; see backends/opencl/ops.cl), then
-the numpy backend's median wall time for the same op. Ops: ReLU, LRN, ReLU+LRN fused, batch
+in, forward 8 windows a vector where rows allow --, what CPUs run; see backends/opencl/ops.cl);
+then the numpy backend's median wall time for the same op. Ops: ReLU, LRN, ReLU+LRN fused, batch
 norm (training), max pool 3x3 stride 2 pad 1 as in tinyconv/model.py, forward and backward; SGD
-on conv2's weights. A script, not a test: it asserts nothing. Other processes on the machine
-show up in the timings: run variants back to back and compare medians.
+on conv2's weights; the bf16 wire words' narrowing and widening (no numpy column: the host's
+conversion is the transports'). The last columns: a plain copy's GB/s on as many elements
+(dst[i] = src[i], in the fastest of a few forms, picked first and printed above the table), the
+variant the backend runs on this device (rows on CPUs, per element elsewhere) and its GB/s as a
+percentage of the copy's: how near the op comes to the memory's bandwidth. The per-element
+variant, the copy and the rows variant are taken in turn in every repeat, so all three see the
+same load (other processes on the machine show up in the timings). The copy is a reference, not
+a bound: which buffers stay in cache differs, and a small op can pass 100 %. A script, not a
+test: it asserts nothing.
 
 Bytes per op, in maps of the op's input size (4 bytes an element): relu fwd 2 (x in, y out),
 bwd 3; lrn fwd 4 (y, s, p out), bwd 6; relu+lrn fwd 3, bwd 5; batch norm fwd 5 (x read for the
 mean, for the variance, then x in and xhat, y out), bwd 6 (dy for dbeta; dy, xhat for dgamma;
 dy, xhat in and dx out); max pool x plus y and its int32 argmax (each a quarter map), backward
-the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, velocity out).
+the reverse; SGD 5 arrays of the weights (param, grad, velocity in; param, velocity out); the
+wire's narrowing 1.5 (float32 in, 16-bit words out), widening the reverse; the copy 2.
 
 Then a second table: im2col into the GEMM's B
 panels (width --nb) for each convolution's forward (conv1 on the N x 3 x 32 x 32 images, conv2 on
@@ -41,6 +49,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,18 +60,40 @@ from backends.opencl import conv  # noqa: E402
 from backends.opencl.gemm import cdiv  # noqa: E402
 from tinyconv.options import Parser, UsageError, add, count  # noqa: E402
 
-GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd", "im2col")
+GROUPS = ("relu", "lrn", "relu_lrn", "bn", "pool", "sgd", "wire", "im2col")
+
+# The copy the ops are measured against, in the forms a CPU's OpenCL may vectorise best: per
+# element, a work-item walking a chunk of floats, or of float16 vectors (the chunk in floats).
+COPY_SOURCE = """
+__kernel void copy(__global const float* src, const int total, __global float* dst)
+{
+    const int e = get_global_id(0);
+    if (e < total) dst[e] = src[e];
+}
+__kernel void copy_rows(__global const float* restrict src, const int total, __global float* restrict dst,
+                        const int chunk)
+{
+    const int start = get_global_id(0) * chunk, end = total - start < chunk ? total : start + chunk;
+    for (int e = start; e < end; e++) dst[e] = src[e];
+}
+__kernel void copy_rows16(__global const float16* restrict src, const int total, __global float16* restrict dst,
+                          const int chunk)
+{
+    const int vectors = total / 16, start = get_global_id(0) * (chunk / 16);
+    const int end = vectors - start < chunk / 16 ? vectors : start + chunk / 16;
+    for (int e = start; e < end; e++) dst[e] = src[e];
+}
+"""
 
 
-def device_ms(rt, fn, repeats: int) -> float:
-    """Median over ``repeats`` calls of fn's kernels' device time (one warm-up call first)."""
-    fn()
-    rt.kernel_times()
-    times = []
-    for _ in range(repeats):
+def with_rows(be, rows: bool, fn):
+    """fn, run with the rows kernels (``rows``) or the per-element ones."""
+
+    def call() -> None:
+        be.rows = rows
         fn()
-        times.append(sum(seconds for _, seconds in rt.kernel_times().values()))
-    return statistics.median(times) * 1e3
+
+    return call
 
 
 def wall_ms(fn, repeats: int) -> float:
@@ -153,6 +185,39 @@ def ops_of(be, ref, x: np.ndarray, w_shape: tuple[int, ...]) -> list:
             lambda: ref.sgd_update(p, gw, v, 0.01, 0.9, 5e-4),
         ),
     ]
+
+
+def wire_ops(be, x: np.ndarray) -> list:
+    """(group, name, bytes moved, OpenCL call, None: no numpy call) of the bf16 wire words' kernels on x."""
+    xd = be.asarray(x)
+    words, _ = be.narrow_wire(xd, "bf16")
+    return [
+        ("wire", "narrow to bf16", 3 * x.nbytes // 2, lambda: be.narrow_wire(xd, "bf16"), None),
+        ("wire", "widen from bf16", 3 * x.nbytes // 2, lambda: be.widen_wire(words, "bf16"), None),
+    ]
+
+
+def copy_calls(rt, elements: int) -> dict:
+    """{form: call} of the copy over ``elements`` floats, in each form."""
+    program = cl.Program(rt.context, COPY_SOURCE).build()
+    kernels = {name: cl.Kernel(program, name) for name in ("copy", "copy_rows", "copy_rows16")}
+    src = cla.to_device(rt.queue, np.ones(elements, np.float32), allocator=rt.pool)
+    dst = rt.empty((elements,))
+    total = np.int32(elements)
+
+    def launch(name: str, items: int, *chunk: np.int32) -> None:
+        local = min(items, max(1, items // (16 * rt.limits.compute_units)), 256) if chunk else min(items, 256)
+        grid = cdiv(items, local) * local
+        rt.ran(name, kernels[name](rt.queue, (grid,), (local,), src.data, total, dst.data, *chunk))
+
+    calls = {"per element": lambda: launch("copy", elements)}
+    for chunk in (2048, 8192):
+        calls[f"rows {chunk}"] = lambda chunk=chunk: launch("copy_rows", cdiv(elements, chunk), np.int32(chunk))
+        if elements % 16 == 0:
+            calls[f"float16 rows {chunk}"] = lambda chunk=chunk: launch(
+                "copy_rows16", cdiv(elements, chunk), np.int32(chunk)
+            )
+    return calls
 
 
 def im2col_ops(be, x: np.ndarray, k: int, pad: int, nb: int, transposed: bool = False) -> tuple:
@@ -262,10 +327,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{be.rt.device.name.strip()}; median of {a.repeats}; GB/s = bytes read + written / time")
     timed, panels = [], []
+    w_shape = (c2, c1, 5, 5)
     for label, shape in (("conv1", (a.batch_size, c1, 32, 32)), ("conv2", (a.batch_size, c2, 16, 16))):
         x = rng.standard_normal(shape, dtype=np.float32)
+        ops = ops_of(be, ref, x, w_shape) + wire_ops(be, x)
         timed += [
-            (f"{label} {name}", *rest) for group, name, *rest in ops_of(be, ref, x, (c2, c1, 5, 5)) if group in a.only
+            (f"{label} {name}", int(np.prod(w_shape)) if group == "sgd" else x.size, *rest)
+            for group, name, *rest in ops
+            if group in a.only
         ]
     if "im2col" in a.only:
         for label, shape, k, pad, transposed in (
@@ -278,15 +347,7 @@ def main() -> None:
             x = rng.standard_normal(shape, dtype=np.float32)
             panels.append((label, *im2col_ops(be, x, k, pad, a.nb, transposed)))
         panels.append(("conv2 dx: col2im", *col2im_ops(be, (a.batch_size, c1, 16, 16), 5, 2)))
-    if timed:
-        print(f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6}")
-    for name, nbytes, on_device, on_numpy in timed:
-        row = f"{name:30}"
-        for rows, width in ((False, 14), (True, 9)):
-            be.rows = rows
-            t = device_ms(be.rt, on_device, a.repeats)
-            row += f" {t:{width}.2f} {nbytes / t / 1e6:6.2f}"
-        print(row + numpy_cell(a, on_numpy, nbytes), flush=True)
+    print_ops(a, be, timed)
     if not panels:
         return
     print(f"\nim2col/im2row into GEMM panels of width {a.nb}, and col2im, the kernels in turn (* what CPUs run)")
@@ -307,9 +368,38 @@ def main() -> None:
         print(row + numpy_cell(a, on_numpy, nbytes), flush=True)
 
 
+def print_ops(a: argparse.Namespace, be, timed: list) -> None:
+    """The copy's forms on each size, then the first table: each op's two variants, numpy, the copy
+    in the copy's fastest form, and the % of the copy the variant this device runs reaches."""
+    runs = be.rows  # the variant this device runs: rows on CPUs
+    copies = {}  # elements: the copy's fastest form, timed beside each op over as many elements
+    for elements in sorted({elements for _, elements, *_ in timed}):
+        calls = copy_calls(be.rt, elements)
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        form = min(ms, key=ms.get)
+        copies[elements] = calls[form]
+        print(f"copy of {elements} floats: {8 * elements / ms[form] / 1e6:.2f} GB/s ({form}; each form: ", end="")
+        print(", ".join(f"{name} {8 * elements / t / 1e6:.1f}" for name, t in ms.items()) + ")")
+    if timed:
+        print(
+            f"{'op':30} {'per-element ms':>14} {'GB/s':>6} {'rows ms':>9} {'GB/s':>6} {'numpy ms':>9} {'GB/s':>6} "
+            f"{'copy GB/s':>9} {'runs':>11} {'% of copy':>9}"
+        )
+    for name, elements, nbytes, on_device, on_numpy in timed:
+        # per element, the copy, rows: the copy and the rows variant each after a kernel on other buffers
+        calls = {False: with_rows(be, False, on_device), "copy": copies[elements], True: with_rows(be, True, on_device)}
+        ms = device_ms_in_turn(be.rt, calls, a.repeats)
+        row, copy = f"{name:30}", 8 * elements / ms["copy"] / 1e6
+        for rows, width in ((False, 14), (True, 9)):
+            row += f" {ms[rows]:{width}.2f} {nbytes / ms[rows] / 1e6:6.2f}"
+        share = f"{100 * nbytes / ms[runs] / 1e6 / copy:.0f}"
+        print(f"{row}{numpy_cell(a, on_numpy, nbytes)} {copy:9.2f} {'rows' if runs else 'per element':>11} {share:>9}")
+    be.rows = runs
+
+
 def numpy_cell(a: argparse.Namespace, on_numpy, nbytes: int) -> str:
-    """The numpy column of a row: its wall ms and GB/s, or dashes with --no-numpy."""
-    if a.no_numpy:
+    """The numpy column of a row: its wall ms and GB/s, or dashes with --no-numpy or no numpy call."""
+    if a.no_numpy or on_numpy is None:
         return f" {'-':>9} {'-':>6}"
     t = wall_ms(on_numpy, a.repeats)
     return f" {t:9.2f} {nbytes / t / 1e6:6.2f}"

@@ -76,7 +76,7 @@ def test_the_opencl_tests_pass_on_the_simulated_gpu_with_no_report(tmp_path):
     # every op, every GEMM variant the device allows (tiled, with local memory), split-K, strided views,
     # and the CPU-only rows kernels of ops.cl and layout.cl, which its tests launch by name beside the
     # per-element ones (test_*_rows_kernels_*, the max pool and batch norm tests with rows=True; max pool's
-    # planes kernels and the LRN backward's channel walk, which are built per plane size and block, too;
+    # planes and lanes kernels and the LRN backward's channel walk, which are built per plane size and block, too;
     # the panels' 8-pixel lanes kernels, test_im2col_and_im2row_lanes_kernels_*); and the wire words'
     # kernels of wire.cl, both variants (tests/test_wire_convert.py)
     log = tmp_path / "oclgrind.log"

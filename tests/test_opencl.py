@@ -36,7 +36,7 @@ from backends.opencl import NoOpenCLDevice, OpenCLBackend, device, gemm_configs,
 from backends.opencl import gemm as gemm_module  # noqa: E402
 from backends.opencl.gemm import AView, CView  # noqa: E402
 from backends.opencl.gemm_configs import TiledConfig, VecConfig, candidates, cdiv  # noqa: E402
-from backends.opencl.maxpool import plane_defines  # noqa: E402
+from backends.opencl.maxpool import lanes_fit, plane_defines  # noqa: E402
 
 REF = NumpyBackend()
 F32 = np.float32
@@ -395,6 +395,12 @@ def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, st
         ((3, 2, 6, 9), 1, 2, 0),  # stride > kernel: columns no window holds get zero
         ((1, 2, 5, 3), 3, 2, 1),  # rows shorter than a vector, every window at an edge
         ((2, 1, 9, 40), 3, 2, 1),  # a row of 20 windows: a vectorised walk between the edges
+        # output rows of whole vectors (maxpool.lanes_fit): the lanes kernel, its vectors at the
+        # buffer's ends loaded lane by lane
+        ((2, 3, 16, 16), 3, 2, 1),  # pool2 of the paper's net: a vector a row
+        ((1, 3, 6, 32), 3, 2, 1),  # pool1's rows: two vectors a row
+        ((2, 2, 7, 33), 3, 2, 0),  # odd rows, no padding
+        ((1, 3, 5, 17), 2, 1, 0),  # stride 1
     ],
 )
 @pytest.mark.parametrize("ties", [False, True])
@@ -402,9 +408,9 @@ def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, st
 def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, shape, kernel, stride, pad, ties, rows):
     """Every forward variant (per element: the simple kernel at the first and last plane, the fast
     one between; rows: one work-item per output row; planes: one per plane or two, the plane's size
-    compiled in) and every backward kernel (per-element gather, per-row walk, per-plane scatter)
-    on odd sizes, padding, ties and
-    NaN in edge windows: y exactly numpy's; with small-integer dy every sum is exact in any
+    compiled in, and where output rows are whole vectors its lanes twin) and every backward kernel
+    (per-element gather, per-row walk, per-plane scatter) on odd sizes, padding, ties and NaN in
+    edge windows: y exactly numpy's; with small-integer dy every sum is exact in any
     order, so dx is exactly numpy's (routing and overlap sums); with normal dy the two backward
     kernels add the same terms in the same order, bit for bit."""
     x = rng.integers(0, 3, size=shape).astype(F32) if ties else normal(rng, *shape)
@@ -425,6 +431,8 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, 
     oh, ow = y_ref.shape[2:]
     kernels = [("maxpool_forward", (ow, oh, n * c), window), ("maxpool_forward_rows", (oh, n * c), window)]
     kernels += [("maxpool_forward_planes", cdiv(n * c, g), plane_defines(window, h, w, g)) for g in (1, 2)]
+    if lanes_fit(stride, ow):  # and the planes' lanes kernel, 8 windows a vector
+        kernels += [("maxpool_forward_lanes", cdiv(n * c, g), plane_defines(window, h, w, g)) for g in (1, 2)]
     for name, dims, defines in kernels:
         ky, ka = be.rt.empty(y_ref.shape), be.rt.empty(y_ref.shape, np.int32)
         be.rt.launch(name, dims, be.asarray(x).data, *geometry, ky.data, ka.data, defines=defines)

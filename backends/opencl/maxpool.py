@@ -2,9 +2,10 @@
 
 One work-item per output scans its window and keeps the first strict maximum in row-major
 order -- the element numpy's separable max selects -- or its last NaN, as torch does, and its
-position; backward is a gather over the windows that contain each input (on CPUs, one
-work-item per plane, or several, scattering from the last window to the first: the same sums
-in the same order). The kernels are in ops.cl.
+position (on CPUs, one work-item per plane, or several, 8 windows at a time as vectors where
+output rows are whole vectors); backward is a gather over the windows that contain each input
+(on CPUs, one work-item per plane, or several, scattering from the last window to the first: the
+same sums in the same order). The kernels are in ops.cl.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ i32 = np.int32
 # An optimisation, the planes kernels' work-items: input elements one walks, in whole planes
 # (several small planes per item: PoCL pays per work-item, and conv2's are 256 elements).
 POOL_WALK = 4096
+
+
+def lanes_fit(stride: int, ow: int) -> bool:
+    """Whether maxpool_forward_lanes (8 windows of an output row a vector) takes this shape: stride 1
+    or 2, output rows of whole vectors. The planes kernel takes the rest."""
+    return stride in (1, 2) and ow % 8 == 0
 
 
 def plane_defines(window: str, h: int, w: int, group: int) -> str:
@@ -53,8 +60,9 @@ def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, paddi
     geometry = (i32(h), i32(w), i32(oh), i32(ow), i32(n * c))
     window = f"-DPOOL={kernel} -DSTRIDE={stride} -DPAD={padding}"
     args = (x.data, *geometry, y.data, arg.data)
-    if rt.rows:  # optimisation (see ops.cl): a work-item walks a plane
-        _planes(rt, "maxpool_forward_planes", x.shape, window, args)
+    if rt.rows:  # optimisation (see ops.cl): a work-item walks a plane, 8 windows at a time where they fit
+        name = "maxpool_forward_lanes" if lanes_fit(stride, ow) else "maxpool_forward_planes"
+        _planes(rt, name, x.shape, window, args)
     elif n * c <= 2:
         rt.launch("maxpool_forward", (ow, oh, n * c), *args, defines=window)
     else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free

@@ -383,48 +383,51 @@ __kernel void relu_lrn_backward_rows(__global const float* restrict dy, __global
 }
 
 // Optimisation of the rows backward kernels for CPUs, the same bits: a work-item walks the
-// channels of a block of LRN_BLOCK pixels of one image (global (blocks of H*W, N); the backend
-// compiles the block in, a whole plane of the paper's maps: longer runs measured faster). Each
-// pixel's term u(cc) = dy y / s of channel cc is computed once, when the walk first needs it,
-// and kept in a ring of the window's channels (slot cc % LRN_WIN), so an element costs one
-// division where lrn_backward_at's window sum does LRN_WIN; the window is then summed from the
+// channels of a block of LRN_BLOCK pixels of one image (global (blocks of H*W, N); the block is
+// compiled in). Each pixel's term u(cc) = dy y / s of channel cc is computed once, when the walk
+// first needs it, into a ring of the window's channels (row cc % LRN_WIN), so an element costs
+// one division where lrn_backward_at's window sum does LRN_WIN; the window is then summed from the
 // ring in CHANNEL_WINDOW_SUM's order, the same terms, so dx keeps its bits. A channel outside
-// [0, C) reads the ring at the clamped channel (always held) and is not added, as there.
+// [0, C) reads the ring at the clamped channel (always held) and is not added, as there. The ring
+// is filled and read in separate loops over the block: of one loop doing both, at offsets the
+// compiler cannot tell apart, PoCL vectorised the plain LRN's behind run-time overlap checks and
+// left the fused one's scalar (2-3.5x slower than its per-element kernel; split, 5-10x faster).
 #ifdef LRN_BLOCK
 #define LRN_WIN (LRN_BEFORE + LRN_AFTER + 1)
-#define LRN_U(cc) (dy[at + (cc) * HW + q] * y[at + (cc) * HW + q] / s[at + (cc) * HW + q])
 
-// dx of channel c for the block: the ring holds channels c - LRN_AFTER .. c + LRN_BEFORE at
-// slots (base + k) mod LRN_WIN, base = c mod LRN_WIN; TAIL(e, t) is dx[e] of the op.
-#define LRN_BACKWARD_WALK(TAIL)                                                        \
+// row[k] = u of channel cc at the block's pixel k: at = (n*C + cc)*HW + q0. (The kernels' buffers
+// are restrict; a restrict here would leave an intrinsic in the inlined code that Oclgrind cannot run.)
+ALWAYS_INLINE void lrn_u_row(__global const float* dy, __global const float* y, __global const float* s,
+                             const int at, const int qn, float* row)
+{
+    for (int k = 0; k < qn; k++) row[k] = dy[at + k] * y[at + k] / s[at + k];
+}
+
+// dx of every channel for the block; TAIL(e, t) is dx[e] of the op, t its window sum.
+#define LRN_BACKWARD_WALK(TAIL)                                                         \
     const int b = get_global_id(0), n = get_global_id(1);                               \
     const int q0 = b * LRN_BLOCK;                                                       \
     if (q0 >= HW || n >= N) return;                                                     \
-    const int at = n * C * HW, qn = HW - q0 < LRN_BLOCK ? HW - q0 : LRN_BLOCK;          \
+    const int at = n * C * HW + q0, qn = HW - q0 < LRN_BLOCK ? HW - q0 : LRN_BLOCK;     \
     float ring[LRN_WIN * LRN_BLOCK];                                                    \
     for (int cc = 0; cc < LRN_BEFORE && cc < C; cc++)                                   \
-        for (int k = 0, q = q0; k < qn; k++, q++) ring[cc * LRN_BLOCK + k] = LRN_U(cc); \
+        lrn_u_row(dy, y, s, at + cc * HW, qn, ring + cc * LRN_BLOCK);                   \
     for (int c = 0, base = 0; c < C; c++, base = base + 1 == LRN_WIN ? 0 : base + 1) {  \
-        int slot[LRN_WIN]; /* slot[LRN_AFTER + k]: the ring row of channel c + k, clamped */ \
+        float* u[LRN_WIN]; /* u[LRN_AFTER + k]: the ring row of channel c + k, clamped */ \
         _Pragma("unroll") for (int k = -LRN_AFTER; k <= LRN_BEFORE; k++) {              \
             const int cc = c + k < 0 ? 0 : c + k >= C ? C - 1 : c + k;                  \
             const int r = base + (cc - c);                                              \
-            slot[LRN_AFTER + k] = (r < 0 ? r + LRN_WIN : r >= LRN_WIN ? r - LRN_WIN : r) * LRN_BLOCK; \
+            u[LRN_AFTER + k] = ring + (r < 0 ? r + LRN_WIN : r >= LRN_WIN ? r - LRN_WIN : r) * LRN_BLOCK; \
         }                                                                               \
-        const bool fresh = c + LRN_BEFORE < C; /* channel c + LRN_BEFORE enters the ring */ \
-        const int in = slot[LRN_WIN - 1], c_in = fresh ? c + LRN_BEFORE : C - 1;        \
-        for (int k = 0, q = q0; k < qn; k++, q++) {                                     \
-            if (fresh) ring[in + k] = LRN_U(c_in);                                      \
-            float t = ring[slot[LRN_AFTER] + k];                                        \
-            _Pragma("unroll") for (int d = 1; d <= LRN_AFTER; d++) {                    \
-                const float v_ = ring[slot[LRN_AFTER - d] + k];                         \
-                t = c - d >= 0 ? t + v_ : t;                                            \
-            }                                                                           \
-            _Pragma("unroll") for (int d = 1; d <= LRN_BEFORE; d++) {                   \
-                const float v_ = ring[slot[LRN_AFTER + d] + k];                         \
-                t = c + d < C ? t + v_ : t;                                             \
-            }                                                                           \
-            const int e = at + c * HW + q;                                              \
+        if (c + LRN_BEFORE < C) /* channel c + LRN_BEFORE enters the ring */            \
+            lrn_u_row(dy, y, s, at + (c + LRN_BEFORE) * HW, qn, u[LRN_WIN - 1]);        \
+        for (int k = 0; k < qn; k++) {                                                  \
+            float t = u[LRN_AFTER][k];                                                  \
+            _Pragma("unroll") for (int d = 1; d <= LRN_AFTER; d++)                      \
+                t = c - d >= 0 ? t + u[LRN_AFTER - d][k] : t;                           \
+            _Pragma("unroll") for (int d = 1; d <= LRN_BEFORE; d++)                     \
+                t = c + d < C ? t + u[LRN_AFTER + d][k] : t;                            \
+            const int e = at + c * HW + k;                                              \
             TAIL(e, t);                                                                 \
         }                                                                               \
     }
@@ -699,6 +702,16 @@ __kernel void maxpool_forward_rows(__global const float* restrict x, const int H
 #define PLANE_OH ((PLANE_H + 2 * PAD - POOL) / STRIDE + 1)
 #define PLANE_OW ((PLANE_W + 2 * PAD - POOL) / STRIDE + 1)
 
+// 0, added to h and w in the planes and lanes kernels. Elsewhere than on PoCL's CPU devices a 0 not
+// known at compile time (the backend passes H = PLANE_H, W = PLANE_W), since with oh and ow known
+// non-negative LLVM turns the clamps `h < 0 ? 0 : h` into saturating subtractions, an intrinsic
+// Oclgrind cannot run. Not on PoCL: there the unknown 0 made the planes kernel ~3x slower at conv2's shape.
+#ifdef POCL_CPU
+#define PLANE_ZERO(H, W) 0
+#else
+#define PLANE_ZERO(H, W) (((H) - PLANE_H) + ((W) - PLANE_W))
+#endif
+
 // Optimisation of maxpool_forward for CPUs, the same results: one work-item per plane (or
 // PLANE_GROUP planes), the plane's size and the window compiled in. The rows kernel above walks
 // an output row between its checked edges: at conv2's shape (8 windows a row) that walk is
@@ -717,15 +730,7 @@ __kernel void maxpool_forward_planes(__global const float* restrict x, const int
     // a tap left or right of the plane reads the row before or after (masked): inside the buffer
     // except at its very ends, where the first and last plane clamp the column instead
     const bool edge = plane == 0 || plane == planes - 1;
-    // Added to h and w below: 0. Elsewhere than on PoCL's CPU devices a 0 not known at compile
-    // time (the backend passes H = PLANE_H, W = PLANE_W), since with oh and ow known non-negative
-    // LLVM turns the clamps `h < 0 ? 0 : h` into saturating subtractions, an intrinsic Oclgrind
-    // cannot run. Not on PoCL: there the unknown 0 made the kernel ~3x slower at conv2's shape.
-#ifdef POCL_CPU
-    const int zero = 0;
-#else
-    const int zero = (H - PLANE_H) + (W - PLANE_W);
-#endif
+    const int zero = PLANE_ZERO(H, W);  // 0, added to h and w below
     for (int oh = 0; oh < PLANE_OH; oh++) {
         int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
 #pragma unroll
@@ -779,6 +784,79 @@ __kernel void maxpool_backward_planes(__global const float* restrict dy, __globa
     }
     }
 }
+// Optimisation of maxpool_forward_planes for CPUs, the same results, for output rows of whole
+// vectors (maxpool.lanes_fit: OW a multiple of 8, stride 1 or 2): the same walk over planes, 8
+// windows of an output row at a time in float8 and int8 vectors. PoCL left the planes kernel's
+// loop over a row's windows scalar (its loads are strided, its index clamped at the buffer's
+// ends); here a tap of the 8 windows is one vector load (stride 2: 16 floats, the even ones kept),
+// and the scan's compares and selects are vector ones (the `?:` of vectors: select() is a call on
+// PoCL): 3-5x the planes kernel's speed on the paper's maps. global (planes / PLANE_GROUP).
+#define POOL_LANES 8
+typedef float8 __attribute__((aligned(4))) pool_float8;  // any float's alignment, as in layout.cl
+typedef float16 __attribute__((aligned(4))) pool_float16;
+typedef int8 __attribute__((aligned(4))) pool_int8;
+
+// x[at + u*STRIDE], u < 8, -inf in the lanes whose column w is outside the row: one vector load
+// (a lane outside the row reads the row before or after), or at the buffer's ends (x's first `size`
+// floats) lane by lane, each index clamped into the buffer.
+ALWAYS_INLINE float8 pool_lanes(__global const float* x, const int at, const int8 w, const int size)
+{
+    float8 v;
+    if (at >= 0 && at <= size - POOL_LANES * STRIDE) {
+#if STRIDE == 1
+        v = *(__global const pool_float8*)(x + at);
+#else  // 2 (lanes_fit)
+        v = (*(__global const pool_float16*)(x + at)).even;
+#endif
+    } else {
+        const int8 a = (int8)(at) + (int8)(0, 1, 2, 3, 4, 5, 6, 7) * STRIDE;
+        const int8 c = a < 0 ? (int8)(0) : a >= size ? (int8)(size - 1) : a;
+        v = (float8)(x[c.s0], x[c.s1], x[c.s2], x[c.s3], x[c.s4], x[c.s5], x[c.s6], x[c.s7]);
+    }
+    return ((w >= 0) & (w < PLANE_W)) ? v : (float8)(-INFINITY);
+}
+
+__kernel void maxpool_forward_lanes(__global const float* restrict x, const int H, const int W, const int OH,
+                                    const int OW, const int planes, __global float* restrict y,
+                                    __global int* restrict arg)
+{
+    const int zero = PLANE_ZERO(H, W), size = planes * (PLANE_H * PLANE_W);
+    for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
+        const int xp = plane * (PLANE_H * PLANE_W);
+        for (int oh = 0; oh < PLANE_OH; oh++) {
+            int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
+#pragma unroll
+            for (int i = 0; i < POOL; i++) {
+                const int h = oh * STRIDE - PAD + i + zero;
+                hw[i] = (h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h) * PLANE_W;
+            }
+            const int o = (plane * PLANE_OH + oh) * PLANE_OW;
+            for (int ow0 = 0; ow0 < PLANE_OW; ow0 += POOL_LANES) {
+                // the 8 windows' first columns; the scan as pool_tap's, lane by lane
+                const int8 w0 = (int8)(ow0 * STRIDE - PAD + zero) + (int8)(0, 1, 2, 3, 4, 5, 6, 7) * STRIDE;
+                float8 v = (float8)(-INFINITY), nan_v = (float8)(0.0f);
+                int8 best = (int8)(hw[0]) + (w0 > 0 ? w0 : (int8)(0)), nan_at = (int8)(-1);
+#pragma unroll
+                for (int i = 0; i < POOL; i++) {
+#pragma unroll
+                    for (int j = 0; j < POOL; j++) {
+                        const int8 w = w0 + (int8)(j), at = (int8)(hw[i]) + w;
+                        const float8 xv = pool_lanes(x, xp + hw[i] + ow0 * STRIDE - PAD + j + zero, w, size);
+                        const int8 take = xv > v, is_nan = xv != xv;
+                        v = take ? xv : v;
+                        best = take ? at : best;
+                        nan_v = is_nan ? xv : nan_v;
+                        nan_at = is_nan ? at : nan_at;
+                    }
+                }
+                const int8 has_nan = nan_at >= 0;
+                *(__global pool_float8*)(y + o + ow0) = has_nan ? nan_v : v;
+                *(__global pool_int8*)(arg + o + ow0) = has_nan ? nan_at : best;
+            }
+        }
+    }
+}
+#undef POOL_LANES
 #endif  // PLANE_H
 
 // dx[h, w] = sum of dy over the windows that selected (h, w): a gather over the at most
