@@ -50,6 +50,8 @@ class Faulty(Worker):
     """A worker that misbehaves from the first task of step ``at`` on, as ``fault`` says (None: never).
 
     "dies": its thread ends in that step's first backward, between a forward and its backward;
+    "dies late": its thread ends in that step's last backward (conv1's, which needs no dx), after the layer
+    above has finished the step with it;
     "stops": it hangs in that step's first task until ``resume`` is set, then answers it (too late) and goes on;
     "error": it answers with an error, as a device out of memory; "shape": a forward one kernel short;
     "nan": NaNs; "x-50": every number times -50 (finite, well formed, and wrong: the spot check's);
@@ -67,6 +69,8 @@ class Faulty(Worker):
         if msg.header.get("step", -1) < self.at or self.fault in (None, "no calibration"):
             return super().handle(msg)
         if self.fault == "dies" and msg.kind == "block_backward":
+            raise SystemExit("switched off")
+        if self.fault == "dies late" and msg.kind == "block_backward" and not msg.header["need_dx"]:
             raise SystemExit("switched off")
         if self.fault == "stops" and not self.answered.is_set():
             self.resume.wait(TIMEOUT)  # as SIGSTOP and SIGCONT: the task waits, then runs
@@ -194,3 +198,16 @@ def test_a_seeded_chaos_run_completes_every_step_and_ends_at_the_clean_runs_loss
     assert set(cluster.lost) == {*LOST, 6} and cluster.participants == ["master", "worker0", "worker7"]
     # the stopped worker answered its task after all: too late, dropped, and it stayed out
     assert workers[2].answered.is_set() and "ignoring a stale result from worker 2" in caplog.text
+
+
+def test_a_worker_lost_in_the_steps_last_backward_ends_neither_the_step_nor_the_run(rng):
+    """conv2 finishes its step with worker1, which then dies in conv1's backward: the step's accounting holds a
+    layer of three participants beside a placement of two, and the step and the run go on without it."""
+    x = rng.standard_normal((4, BATCH, 3, IMAGE, IMAGE), dtype=np.float32)
+    y = rng.integers(0, 10, (4, BATCH))
+    clean, *_ = train([(None, None, 0)] * 2, x, y)
+    losses, cluster, events, _ = train([(None, None, 0), ("dies late", 3, 0)], x, y)
+
+    assert len(losses) == STEPS and losses[-1] == pytest.approx(clean[-1], rel=1e-3)
+    assert [(e["event"], e["worker"], e["step"]) for e in events] == [("worker_lost", "worker1", 3)]
+    assert cluster.participants == ["master", "worker0"]

@@ -421,8 +421,8 @@ def test_ready_time_counts_transfers_that_overlap_compute_once():
     def layer(chunks: int) -> LayerStep:
         return LayerStep("conv2", [5, 5], [2, 2], op(chunks), op(chunks), 8)
 
-    per_byte = [0.0, 1e-3]  # the worker's 1000 bytes an op take 1 s
+    per_byte = {"master": 0.0, "w": 1e-3}  # the worker's 1000 bytes an op take 1 s
     assert layer(1).ready_s(per_byte) == pytest.approx([8.0, 8.0])  # 2 x (5 - 1); 2 x (3 + 1): after each other
     assert layer(4).ready_s(per_byte) == pytest.approx([8.0, 6.5])  # 2 x (3 + 1 / 4)
-    slow = [0.0, 1e-2]  # 10 s of transfers an op: now the compute hides in them
+    slow = {"master": 0.0, "w": 1e-2}  # 10 s of transfers an op: now the compute hides in them
     assert layer(4).ready_s(slow) == pytest.approx([8.0, 2 * (10 + 3 / 4)])

@@ -119,10 +119,11 @@ class LayerStep:
         """Each participant's forward + backward compute."""
         return [f + b for f, b in zip(self.forward.compute_s, self.backward.compute_s, strict=True)]
 
-    def ready_s(self, seconds_per_byte: list[float]) -> list[float]:
+    def ready_s(self, seconds_per_byte: dict[str, float]) -> list[float]:
         """What the rebalancer balances: each participant's forward + backward time until its share is at
         the master. For each op, with compute c_i and transfers x_i = (bytes to and from i) * seconds_per_byte[i]
-        (0 for the master) in k chunks, each chunk's transfer beside the next one's compute::
+        (by name; 0 for the master, and for a worker lost since, whose link is gone) in k chunks, each chunk's
+        transfer beside the next one's compute::
 
             t_i = max(c_i, x_i) + min(c_i, x_i) / k          (k = 1: c_i + x_i, one after the other)
 
@@ -130,9 +131,9 @@ class LayerStep:
         sums and copies of running the op, which its share waits behind as much."""
         ready = [0.0] * len(self.participants)
         for op in (self.forward, self.backward):
-            for i, (name, s) in enumerate(zip(self.participants, seconds_per_byte, strict=True)):
+            for i, name in enumerate(self.participants):
                 c = op.wall_s - op.master_waited_s if name == "master" else op.of(name, "compute_s")
-                x = op.moved(name) * s
+                x = op.moved(name) * seconds_per_byte.get(name, 0.0)
                 ready[i] += max(c, x) + min(c, x) / op.chunks
         return ready
 

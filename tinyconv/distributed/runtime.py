@@ -174,9 +174,9 @@ class Runtime:
         for unit in self._units():
             self._share(unit, [self.timings.get(name, {}).get(unit) for name in self.participants])
 
-    def _links(self) -> list[float]:
-        """Each participant's measured seconds per byte (0 for the master and for a link not yet measured)."""
-        return [0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for _, k in self.placement]
+    def _links(self) -> dict[str, float]:
+        """Each participant's measured seconds per byte, by name (0 for the master and for a link not yet measured)."""
+        return {name: 0.0 if k is None else self.rpc.link(k).seconds_per_byte() or 0.0 for name, k in self.placement}
 
     def _expect(
         self, unit: str, units: dict[int | None, int], scale: float, per_unit: dict[str, float]

@@ -192,7 +192,8 @@ class BatchSplit(Runtime):
                 self._took[name] = max(compute / n, self._took.get(name, 0.0) / 2)
         if self.rebalancer is not None:
             links = self._links()
-            ready = [c + b * s for c, b, s in zip(record["participant_conv_s"], moved, links, strict=True)]
+            per_byte = [links[name] for name in self.participants]
+            ready = [c + b * s for c, b, s in zip(record["participant_conv_s"], moved, per_byte, strict=True)]
             proposal = self.rebalancer.observe(UNIT, counts, ready)
             if proposal is not None:
                 log.info("rebalancing images: %s -> %s (%s)", counts, proposal, ", ".join(self.participants))
