@@ -153,7 +153,7 @@ class Serving:
                 continue
             try:
                 frames = wire.encode(reply)
-            except wire.ProtocolError as e:  # call_handler checked it; a handler that changed it since: report
+            except wire.ProtocolError as e:  # call_handler checked the header; the envelope may pass its limit
                 frames = wire.encode(wire.error_reply(reply, f"the worker produced an unsendable reply: {e}"))
             self._send(frames)
 
