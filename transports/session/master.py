@@ -261,7 +261,7 @@ class MasterSession:
         with self.book.cond:
             self.book.lost[k] = reason
             self.book.cond.notify_all()
-        log.warning("worker %d lost: %s", k, reason)
+        log.info("worker %d lost: %s", k, reason)  # the runtime tells the user, with who it was and what follows
         self.inbox.put(("lost", k, reason))
 
     def _say_goodbye(self) -> None:
