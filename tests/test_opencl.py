@@ -955,3 +955,14 @@ def test_col2im_lanes_fit_refuses_what_col2im_lanes_cannot_take():
     assert not col2im_lanes_fit(2, 16, 1250, 16384)  # stride 2: col2im_rows
     assert not col2im_lanes_fit(1, 12, 1250, 16384)  # W not a multiple of 8
     assert not col2im_lanes_fit(1, 16, 2**16, 2**15)  # dcols past int32 indices
+
+
+def test_a_launch_sets_its_arguments_and_enqueues_under_the_runtimes_lock(be):
+    """In-process workers may share one backend. A launch sets a shared Kernel's arguments, then enqueues it; two
+    threads interleaving those (a ReLU of one thread's map ran with the other's buffers, in a script of two threads
+    switching every 10 us) is kept out by making each launch under one lock."""
+    held = []
+    be.rt.enqueue(
+        lambda queue, grid, local, *args: held.append((queue is be.rt.queue, be.rt._launching.locked())), (1,), None
+    )
+    assert held == [(True, True)] and not be.rt._launching.locked()

@@ -24,9 +24,9 @@ BUDGETS = {  # lines, held by the tests: today's figures with a little room, low
     "Door": 1027,
     "Dist": 6158,
     "Lab": 4826,
-    "Backends": 2976,
+    "Backends": 2985,
     "Transports": 3131,
-    "library outside the lab": 15550,  # the framework, the runtime, backends and transports (the door apart)
+    "library outside the lab": 15559,  # the framework, the runtime, backends and transports (the door apart)
     "reading path": 1473,
     "reading path files": 8,
 }

@@ -9,6 +9,7 @@ for each other on the host.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class ClRuntime:
         self.rl = 1 << (min(128, self.limits.max_work_group_size).bit_length() - 1)  # reduce_rows' group
         self._programs: dict[tuple[tuple[str, ...], str], cl.Program] = {}
         self._kernels: dict[str, tuple[cl.Kernel, int]] = {}
+        # a launch sets a shared Kernel's arguments, then enqueues it: threads sharing this backend (in-process
+        # workers) must not interleave the two, or a kernel runs with another launch's arguments
+        self._launching = threading.Lock()
         self.gemm = Gemm(self, autotune, tune_file)
 
     # ---- programs and launches ---------------------------------------------------
@@ -117,7 +121,12 @@ class ClRuntime:
             room = wg // int(np.prod(local or [1]))
             local.append(min(1 << (d - 1).bit_length(), room))
         grid = tuple(cdiv(d, lo) * lo for d, lo in zip(dims, local, strict=True))
-        self.ran(name, knl(self.queue, grid, tuple(local), *args))
+        self.ran(name, self.enqueue(knl, grid, tuple(local), *args))
+
+    def enqueue(self, knl: cl.Kernel, grid: tuple[int, ...], local: tuple[int, ...] | None, *args: Any, **kw: Any):
+        """``knl`` on the queue over ``grid``, its arguments set and its launch made under one lock."""
+        with self._launching:
+            return knl(self.queue, grid, local, *args, **kw)
 
     # ---- the ops' launches: per element, or their rows twins on CPUs (see ops.cl) ------------
     # An optimisation, the rows kernels: elements per work-item of the flat ones.
@@ -225,7 +234,7 @@ class ClRuntime:
         s0, s1, s2 = strides
         inputs = (src.data, None if src2 is None else src2.data, None if center is None else center.data)
         walk = (i32(mode), i32(na), i32(nb), i32(s0), i32(s1), i32(s2))
-        event = knl(self.queue, (rows * self.rl,), (self.rl,), *inputs, *walk, F32(divisor), out.data)
+        event = self.enqueue(knl, (rows * self.rl,), (self.rl,), *inputs, *walk, F32(divisor), out.data)
         self.ran("reduce_rows", event)
         return out
 

@@ -198,13 +198,13 @@ class Gemm:
         bias_args = (None if bias is None else bias.data, i32(bias is not None))
         partial = self.rt.empty((s * m * n,)) if s > 1 else None  # (s, m, n) row-major, summed into C below
         out = (partial.data, i32(n), i32(1), i32(n), i32(0), None, i32(0)) if s > 1 else (*c_args, *bias_args)
-        self.rt.ran(f"gemm {self.tag}", knl(self.queue, gsize, lsize, *sizes, *a_args, b.data, *out))
+        self.rt.ran(f"gemm {self.tag}", self.rt.enqueue(knl, gsize, lsize, *sizes, *a_args, b.data, *out))
         if s == 1:
             return
         wg = min(64, self.limits.max_work_group_size)
         total = self.kernel("", "gemm_sum_splits")
-        event = total(
-            self.queue, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data, *c_args, *bias_args
+        event = self.rt.enqueue(
+            total, (cdiv(n, wg) * wg, m), (wg, 1), i32(m), i32(n), i32(s), partial.data, *c_args, *bias_args
         )
         self.rt.ran(f"gemm {self.tag} split-K sum", event)
 

@@ -68,7 +68,7 @@ def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, paddi
     else:  # optimisation (see ops.cl): the first and last plane simple, the rest branch-free
         knl, _ = rt.kernel("maxpool_forward", window)
         for plane in (0, n * c - 1):  # one plane of the grid, at a global offset
-            rt.ran("maxpool_forward", knl(rt.queue, (ow, oh, 1), None, *args, global_offset=(0, 0, plane)))
+            rt.ran("maxpool_forward", rt.enqueue(knl, (ow, oh, 1), None, *args, global_offset=(0, 0, plane)))
         rt.launch("maxpool_forward_inner", (ow, oh, n * c - 2), *args, defines=window)
     return y, (x.shape, arg, geometry, window)
 
