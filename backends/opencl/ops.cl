@@ -712,6 +712,16 @@ __kernel void maxpool_forward_rows(__global const float* restrict x, const int H
 #define PLANE_ZERO(H, W) (((H) - PLANE_H) + ((W) - PLANE_W))
 #endif
 
+// The rows of output row oh's windows, clamped into the plane, as offsets h*W (the planes and lanes kernels).
+ALWAYS_INLINE void pool_rows(const int oh, const int zero, int* hw)
+{
+#pragma unroll
+    for (int i = 0; i < POOL; i++) {
+        const int h = oh * STRIDE - PAD + i + zero;
+        hw[i] = (h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h) * PLANE_W;
+    }
+}
+
 // Optimisation of maxpool_forward for CPUs, the same results: one work-item per plane (or
 // PLANE_GROUP planes), the plane's size and the window compiled in. The rows kernel above walks
 // an output row between its checked edges: at conv2's shape (8 windows a row) that walk is
@@ -732,12 +742,8 @@ __kernel void maxpool_forward_planes(__global const float* restrict x, const int
     const bool edge = plane == 0 || plane == planes - 1;
     const int zero = PLANE_ZERO(H, W);  // 0, added to h and w below
     for (int oh = 0; oh < PLANE_OH; oh++) {
-        int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
-#pragma unroll
-        for (int i = 0; i < POOL; i++) {
-            const int h = oh * STRIDE - PAD + i + zero;
-            hw[i] = (h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h) * PLANE_W;
-        }
+        int hw[POOL];
+        pool_rows(oh, zero, hw);
         __global float* yr = y + (plane * PLANE_OH + oh) * PLANE_OW;
         __global int* ar = arg + (plane * PLANE_OH + oh) * PLANE_OW;
         for (int ow = 0; ow < PLANE_OW; ow++) {
@@ -824,12 +830,8 @@ __kernel void maxpool_forward_lanes(__global const float* restrict x, const int 
     for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
         const int xp = plane * (PLANE_H * PLANE_W);
         for (int oh = 0; oh < PLANE_OH; oh++) {
-            int hw[POOL];  // the window's rows, clamped, as offsets h*W in the plane
-#pragma unroll
-            for (int i = 0; i < POOL; i++) {
-                const int h = oh * STRIDE - PAD + i + zero;
-                hw[i] = (h < 0 ? 0 : h >= PLANE_H ? PLANE_H - 1 : h) * PLANE_W;
-            }
+            int hw[POOL];
+            pool_rows(oh, zero, hw);
             const int o = (plane * PLANE_OH + oh) * PLANE_OW;
             for (int ow0 = 0; ow0 < PLANE_OW; ow0 += POOL_LANES) {
                 // the 8 windows' first columns; the scan as pool_tap's, lane by lane
