@@ -25,9 +25,9 @@ BUDGETS = {  # lines, held by the tests: today's figures with a little room, low
     "Dist": 6158,
     "Lab": 4826,
     "Backends": 2985,
-    "Transports": 3131,
-    "library outside the lab": 15559,  # the framework, the runtime, backends and transports (the door apart)
-    "reading path": 1473,
+    "Transports": 3133,
+    "library outside the lab": 15561,  # the framework, the runtime, backends and transports (the door apart)
+    "reading path": 1475,
     "reading path files": 8,
 }
 GOALS = {"library outside the lab": 13000, "reading path": 1500, "reading path files": 8}  # where the budgets head

@@ -261,7 +261,9 @@ class MasterSession:
         with self.book.cond:
             self.book.lost[k] = reason
             self.book.cond.notify_all()
-        log.info("worker %d lost: %s", k, reason)  # the runtime tells the user, with who it was and what follows
+            known = k in self.book.known
+        # a worker the caller knows: the runtime tells the user, with who it was and what follows; else only here
+        log.log(logging.INFO if known else logging.WARNING, "worker %d lost: %s", k, reason)
         self.inbox.put(("lost", k, reason))
 
     def _say_goodbye(self) -> None:
