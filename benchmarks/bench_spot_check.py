@@ -4,6 +4,7 @@
     python benchmarks/bench_spot_check.py                          # conv2 of 50:500, a third of it, batch 64
     python benchmarks/bench_spot_check.py --split channels         # the same, split by input channels
     python benchmarks/bench_spot_check.py --parallel data --norm batch  # a replica on a third of the batch
+    python benchmarks/bench_spot_check.py --parallel hybrid        # its conv part on a third of the batch
     python benchmarks/bench_spot_check.py --norm batch             # conv2's tail with batch norm, not LRN
     python benchmarks/bench_spot_check.py --worker-backend opencl --honest-steps 10000 --arch 16:32 --batch-size 32
 
@@ -12,8 +13,9 @@ LRN (``--norm batch``: batch norm), max pool -- on a share of it: by kernels (``
 the block of a third of its kernels and their halo; by input channels, the middle one of three, a
 third of its input channels for every kernel and the tail of a third of the kernels, in chunks of 32
 images, the others' partial sums and
-conv-output gradients random; by images (``--parallel data``, data parallelism), a whole replica of the
-paper's network (``--norm``) on a third of the batch, which the master replays. The master samples its
+conv-output gradients random; by images (``--parallel data``: data parallelism, a whole replica of the
+paper's network, ``--norm``; ``--parallel hybrid``: its conv part) on a third of the batch: the master checks
+one image of it a step and replays the whole now and then (samples: replays). The master samples its
 results within ``--spot-check`` (the main job's default budget), priced at its
 own speed on a like share (the worker's, step by step, when both run numpy; else timed every 50 steps).
 Printed: over ``--honest-steps`` honest steps, the samples taken, false alarms (should be 0), the
@@ -21,7 +23,8 @@ backward disagreements a second sample forgave, and the cost: the master's secon
 against the worker's compute seconds, and against what the budget allowed.
 Then, for each kind of wrong worker, honest until ``--fault-from`` and wrong from then on, the steps
 it took to lose it (1: the fault's first step; median and worst over ``--seeds`` runs): x -50 poison,
-1 % on every result, 1 % on dw (by images: the gradient) alone, 1 % noise on dx (the logits) alone. (A
+1 % on every result, 1 % on dw (by images: the gradient) alone, 1 % noise on dx (the logits, or the
+hybrid's features) alone. (A
 worker wrong from its first step is always caught there: the first step is always sampled.)
 No asserts: tests/test_spot_check.py pins the behaviour.
 """
@@ -29,6 +32,7 @@ No asserts: tests/test_spot_check.py pins the behaviour.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -41,6 +45,7 @@ from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
 from tinyconv.distributed.replica import flat  # noqa: E402
+from tinyconv.distributed.replica.conv_part import conv_part, feature_shape  # noqa: E402
 from tinyconv.distributed.replica.replay_check import ReplayCheck  # noqa: E402
 from tinyconv.distributed.replica.replica import spec_of  # noqa: E402
 from tinyconv.distributed.rpc import Lost  # noqa: E402
@@ -64,7 +69,9 @@ FAULTS: dict[str, Spoil] = {
     "1 % on every result": lambda name, a, rng: a * np.float32(1.01),
     "1 % on dw alone": lambda name, a, rng: a * np.float32(1.01) if name in ("dw", "grads") else a,
     "1 % noise on dx alone": lambda name, a, rng: (
-        (a * (1 + 0.01 * rng.standard_normal(a.shape))).astype(np.float32) if name in ("dx", "logits") else a
+        (a * (1 + 0.01 * rng.standard_normal(a.shape))).astype(np.float32)
+        if name in ("dx", "logits", "features")
+        else a
     ),
 }
 Check = SpotCheck | ReplayCheck
@@ -72,7 +79,7 @@ Check = SpotCheck | ReplayCheck
 
 def check(args: argparse.Namespace, seed: int) -> Check:
     """The master's check of the split: samples of a model split's tasks, or replays of a replica's."""
-    return ReplayCheck(args.spot_check) if args.way == "images" else SpotCheck(args.spot_check, seed=seed)
+    return ReplayCheck(args.spot_check, seed=seed) if args.way == "images" else SpotCheck(args.spot_check, seed=seed)
 
 
 def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tuple[str, dict, dict]], int]:
@@ -86,6 +93,16 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
         arrays = {"x": x, "y": y, "params": flat.pack(net)} | (
             {"buffers": b} if (b := flat.pack(net, "buffers")).size else {}
         )
+        if args.parallel == "hybrid":  # the conv part's forward, then its backward from random dL/dfeatures
+            conv = conv_part(net)
+            arrays = {"x": x, "params": flat.pack(conv)} | (
+                {"buffers": b} if (b := flat.pack(conv, "buffers")).size else {}
+            )
+            d = rng.standard_normal((m, math.prod(feature_shape(net, 32))), dtype=np.float32) / np.float32(n)
+            return [
+                ("hybrid_forward", {"net": spec_of(net), "batch": n}, arrays),
+                ("hybrid_backward", {}, {"dfeatures": d}),
+            ], m
         return [("replica_step", {"net": spec_of(net), "batch": n}, arrays)], m
     if args.way == "kernels":  # it owns 1/SHARE of the kernels, computes them and their halo over all of x
         f = total // args.share + 2 * e
@@ -145,7 +162,7 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
         took = 0.0
         for kind, header, arrays in step_tasks:
             task_id += 1
-            layer = {} if kind == "replica_step" else {"layer": 1}  # a replica's task is the whole network's
+            layer = {} if args.way == "images" else {"layer": 1}  # a replica's task is the whole network's
             task = Message(kind, {**header, "task": task_id, "step": step} | layer, arrays)
             reply = handler.handle(task)
             took += reply.header["compute_s"]
@@ -201,7 +218,7 @@ def build_parser() -> Parser:
         defaults={"arch": "50:500", "parallel": "model", "split": "kernels", "norm": "lrn", "batch_size": 64},
         helps={
             "arch": "the worker gets conv2",
-            "parallel": "here model (conv2 split, its tasks sampled) or data (a whole replica, replayed)",
+            "parallel": "here model (conv2 split, its tasks sampled), data (a whole replica) or hybrid (its conv part)",
             "split": "here conv2's, with --parallel model (auto: channels, the worker being in this process)",
             "norm": "conv2's tail's, or the replica's: lrn or batch",
         },
@@ -246,9 +263,9 @@ def build_parser() -> Parser:
 def main() -> None:
     p = build_parser()
     args = p.parse_args()
-    if args.parallel == "hybrid" or args.norm == "none":
-        p.error(f"--parallel {args.parallel} --norm {args.norm}: this benchmark takes model or data, lrn or batch")
-    args.way = "images" if args.parallel == "data" else "channels" if args.split == "auto" else args.split
+    if args.norm == "none":
+        p.error(f"--norm {args.norm}: this benchmark takes lrn or batch")
+    args.way = "images" if args.parallel in ("data", "hybrid") else "channels" if args.split == "auto" else args.split
 
     spot = check(args, seed=0)
     honest = steps(args, spot, args.honest_steps, None, seed=0)
@@ -258,7 +275,8 @@ def main() -> None:
         f"batch {args.batch_size}, worker on {args.worker_backend}, master on numpy"
     )
     print(f"  lost at step {honest['lost_at']} (a false alarm)" if honest["lost_at"] else "  false alarms: 0")
-    print(f"  samples {spot.samples}, forgiven {getattr(spot, 'forgiven', 0)}")
+    images = f", images checked {spot.images}" if isinstance(spot, ReplayCheck) else ""
+    print(f"  samples {spot.samples}{images}, forgiven {getattr(spot, 'forgiven', 0)}")
     print(
         f"  cost: {spot.seconds:.3f} s of the master against {honest['compute_s']:.3f} s of the worker "
         f"({100 * spot.seconds / honest['compute_s']:.2f} %; budget {100 * args.spot_check:g} % of the worker's "

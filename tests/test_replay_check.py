@@ -1,8 +1,10 @@
-"""The spot check of the splits by images: the master replays a worker's whole task now and then.
+"""The spot check of the splits by images: one image a step run forward, the last bias against the logits, and
+now and then the worker's whole task replayed.
 
 An honest worker, on numpy or OpenCL, is never lost and the step is the same as without the check; a wrong
 one (every number x -50, one parameter's gradient 1 % off, the logits or features 1 % off) is lost with
-reason "wrong result" at the first step replayed, and its images go to the others in the same step.
+reason "wrong result" at its first step (always replayed), or, wrong from a later step, at that step (its
+image checked), and its images go to the others in the same step.
 In-process workers; every wait has a timeout; no test sleeps.
 """
 
@@ -23,6 +25,7 @@ from tinyconv.distributed.replica.replay_check import ReplayCheck, roundings
 from tinyconv.distributed.replica.server import Replicas
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.model import paper_net
+from tinyconv.optim import SGD
 
 PARALLEL = {"data": Replicas, "hybrid": Hybrid}
 
@@ -76,9 +79,9 @@ def test_an_honest_worker_is_replayed_and_kept_and_the_step_is_the_unchecked_one
 @pytest.mark.parametrize(
     ("parallel", "name", "spoil", "what"),
     [
-        ("data", "grads", lambda a: a * np.float32(-50), "the gradient of conv1.w"),
+        ("data", "grads", lambda a: a * np.float32(-50), "the gradient of fc1.b against its logits"),
         ("data", "grads", first_param_off, "the gradient of conv1.w"),
-        ("data", "logits", lambda a: a * np.float32(1.01), "logits"),
+        ("data", "logits", lambda a: a * np.float32(1.01), "the gradient of fc1.b against its logits"),
         ("hybrid", "features", lambda a: a * np.float32(1.01), "features"),
         ("hybrid", "grads", first_param_off, "the gradient of conv1.w"),
     ],
@@ -95,6 +98,64 @@ def test_a_wrong_worker_is_lost_at_its_first_replayed_step_and_the_step_is_still
     assert event["worker"] == "worker1" and event["reason"].startswith(f"wrong result: {what} in its "), event
     assert run.participants == ["master", "worker0"] and sum(run.last_step["shares"][UNIT]) == 8
     np.testing.assert_allclose(got[2], reference[2], rtol=1e-5)  # the loss: its images went to the others
+
+
+def train(run, steps: int, norm: str = "lrn", every_image: bool = True) -> list[float]:
+    """``steps`` SGD steps of paper_net 6:10 under ``run``, on a new batch of 8 each: the losses. ``every_image``:
+    the image credit cleared before each step, so that an image is checked whatever the machine's speed."""
+    net = paper_net("6:10", NumpyBackend(), norm, seed=0, image_size=SIZE)
+    opt = SGD(net, lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        if every_image:
+            run.spot.image_credit.clear()
+        losses.append(run.train_batch(net, *batch(8, step))[0])
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("norm", ["lrn", "batch"])
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_after_the_first_step_one_image_a_step_is_checked_and_an_honest_worker_kept(parallel, norm):
+    with inproc_pool(2) as (transport, workers):
+        run = runtime(parallel, transport, workers)
+        train(run, 12, norm)
+    assert not run.lost
+    assert run.spot.images == 2 * 11 and run.spot.samples >= 2  # the workers' first steps replayed whole
+
+
+@pytest.mark.parametrize(
+    ("parallel", "name", "spoil", "what"),
+    [
+        ("data", "logits", lambda a: a * np.float32(-50), "image "),
+        ("data", "logits", lambda a: a * np.float32(1.01), "image "),
+        ("hybrid", "features", lambda a: a * np.float32(-50), "image "),
+        ("hybrid", "features", lambda a: a * np.float32(1.01), "image "),
+    ],
+)
+@pytest.mark.parametrize("norm", ["lrn", "batch"])
+def test_a_worker_wrong_from_a_later_step_is_lost_at_that_step(parallel, name, spoil, what, norm):
+    make = lambda i: Wrong(name, spoil, at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers)
+        train(run, 6, norm)
+    (event,) = run.pop_events()
+    assert event["step"] == 4 and event["worker"] == "worker1", event  # its 5th step, the first wrong one
+    assert event["reason"].startswith(f"wrong result: {what}"), event
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_gradient_wrong_alone_from_a_later_step_is_lost_at_that_step(parallel):
+    """Data parallelism's last bias follows from the logits; with batch norm before the last pool, so do the
+    hybrid's last norm's dbeta and dgamma from the features and dL/dfeatures: no image or replay needed."""
+    make = lambda i: Wrong("grads", lambda a: a * np.float32(1.01), at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers, budget=1e-6)  # no replay after the first
+        train(run, 6, "batch", every_image=False)
+    (event,) = run.pop_events()
+    what = "fc1.b against its logits" if parallel == "data" else "bn2.beta against its features"
+    assert event["step"] == 4 and event["reason"].startswith(f"wrong result: the gradient of {what}"), event
+    assert run.spot.samples == 2  # the first steps': the fault came after, and the check that saw it is free
 
 
 def test_the_budget_is_a_fraction_and_the_roundings_are_every_reduction_of_the_path():
@@ -125,3 +186,6 @@ def test_an_honest_opencl_worker_is_never_found_wrong():
                 run.spot.credit.clear()  # every task replayed
                 data_parallel_step(run, *batch(8, seed), norm=norm)
             assert not run.lost and run.spot.samples == 10, (parallel, norm, run.lost)
+            run = runtime(parallel, transport, workers)
+            train(run, 5, norm)  # the first step replayed, an image a step checked after it
+            assert not run.lost and run.spot.images == 2 * 4, (parallel, norm, run.lost)

@@ -57,14 +57,17 @@ class Slices:
 
     def sum_into(self, net: Network, grads: dict, stats: dict, buffers: np.ndarray) -> None:
         """Every participant's gradient summed in participant order (the same sum on every run) into
-        ``net``'s grads; with statistics (``buffers`` not empty), their average weighted by images."""
+        ``net``'s grads; with batch norm, the running statistics ``buffers`` of the step's start updated by
+        the slices' batch ``stats``, weighted by images: r <- (1 - m) r + m sum_i (n_i / N) stat_i."""
         total = grads[self.order[0]].copy()
         for k in self.order[1:]:
             total += grads[k]
         flat.unpack(net, total, "grads")
         if buffers.size:
             weighted = sum(stats[k] * np.float32(self.share[k] / self.batch) for k in self.order)
-            flat.unpack(net, weighted.astype(np.float32), "buffers")
+            m = np.concatenate([np.full(a.size, layer.momentum, np.float32) for layer in net.layers
+                                for a in layer.buffers.values()])  # fmt: skip
+            flat.unpack(net, ((1 - m) * buffers + m * weighted).astype(np.float32), "buffers")
 
 
 class BatchSplit(Runtime):

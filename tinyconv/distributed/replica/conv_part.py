@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tinyconv.distributed.calibrate import median_seconds
+from tinyconv.distributed.replica.replica import keeping_statistics
 from tinyconv.layers import Conv2D, Linear
 from tinyconv.model import Network
 
@@ -60,9 +61,11 @@ def feature_shape(net: Network, image_size: int) -> tuple[int, int, int]:
 
 def forward_features(conv: Network, x: Any) -> np.ndarray:
     """The conv part's forward (training mode: its caches kept for the backward) on x (n, C, H, W):
-    the features (n, F) on the host, float32."""
+    the features (n, F) on the host, float32; its batch norms' running statistics left as the slice's
+    (``replica.keeping_statistics``)."""
     be = conv.backend
-    y = be.to_numpy(conv.forward(be.asarray(x), training=True))
+    with keeping_statistics(conv):
+        y = be.to_numpy(conv.forward(be.asarray(x), training=True))
     return np.ascontiguousarray(y.reshape(len(y), -1), dtype=np.float32)
 
 

@@ -69,7 +69,7 @@ class Hybrid(BatchSplit):
                 stats[None] = flat.pack(conv, "buffers")
         for k, reply in fwd.gather(tasks).items():
             features[k] = fwd.array(k, reply, "features", (cut.share[k], f))
-            stats[k] = fwd.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
+            stats[k] = fwd.array(k, reply, "stats", buffers.shape) if buffers.size else buffers
         forward = OpStats.from_op(fwd, self.placement)  # its wall time ends here: the classifier is the master's comp
 
         # 2. the classifier and the loss over the whole batch, on the master alone

@@ -1,22 +1,25 @@
-"""Spot checks of the splits by images (data parallelism, the hybrid): the master replays a worker's whole task.
+"""Spot checks of the splits by images (data parallelism, the hybrid): one image of a worker's slice run forward
+each step, a data-parallel gradient's last bias against its logits, and now and then the whole task replayed.
 
-Its budget and tolerance: docs/how-it-works.md, "Spot checks".
+Its budget and tolerances: docs/how-it-works.md, "Spot checks".
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from backends.base import Backend
-from backends.conformance.checks import FN, scale
+from backends.conformance.checks import FN, float32_tolerance, scale
 from tinyconv.distributed.replica import flat
-from tinyconv.distributed.replica.conv_part import conv_part
+from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
+from tinyconv.distributed.replica.replica import build
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.spot_sample import Pair, pair
 from tinyconv.distributed.worker.handler import Worker
-from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm
+from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D
 from tinyconv.model import Network
 from transports.base import Message
 
@@ -46,68 +49,229 @@ def roundings(net: Network, x_shape: tuple[int, ...]) -> tuple[int, int]:
     return forward, forward + backward
 
 
+REPLAYS = 1 / 3  # the budget's share kept for replays, the only check of a backward that keeps the last bias
+
+
 class ReplayCheck:
-    """Replays every worker's replica tasks within ``budget`` of its work; raises Lost on a wrong one.
+    """Checks every worker's replica tasks within ``budget`` of its work; raises Lost on a wrong one.
 
-    What it did: ``samples`` (tasks replayed), ``seconds`` the master spent on them, ``earned`` the seconds
-    the budget allowed. ``local`` is the master's own worker that replays (on the backend of the first call)."""
+    Each step of a worker, while its image credit lasts, one random image of its slice runs forward on the
+    master (the logits it sent, or the hybrid's features); a data-parallel step's last bias is checked against
+    its logits (exact and free); what the image checks leave of the budget replays whole tasks, always the
+    worker's first. What it did: ``images`` checked, ``samples`` (tasks replayed), ``seconds`` the master
+    spent on both, ``earned`` the seconds the budget allowed. ``local`` is the master's own worker that
+    replays (on the backend of the first call)."""
 
-    def __init__(self, budget: float = 0.03) -> None:
+    def __init__(self, budget: float = 0.03, seed: int | None = None) -> None:
         if not 0 < budget <= 1:
             raise ValueError(f"the spot-check budget is a fraction of each worker's work in (0, 1], got {budget!r}")
         self.budget = budget
-        self.credit: dict[int, float] = {}  # worker -> master seconds
-        self.forward: dict[int, tuple[Message, Message]] = {}  # worker -> its step's hybrid_forward and answer
-        self.samples, self.seconds, self.earned = 0, 0.0, 0.0
+        self.credit: dict[int, float] = {}  # worker -> master seconds for replays; none yet: its first is due
+        self.image_credit: dict[int, float] = {}  # worker -> master seconds for image checks
+        self.forward: dict[int, tuple[Message, Message, bool]] = {}  # worker -> its hybrid_forward, answer, replay?
+        self.samples, self.images, self.seconds, self.earned = 0, 0, 0.0, 0.0
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
         self._replayed = [0.0, 0]  # seconds, images: the rate until the master measures its own
         self.local: Worker | None = None
+        self._rng = np.random.default_rng(seed)  # the image: the master's choice, made after the answer came
+        self._net: tuple[str, Network] | None = None  # the image checks' replica
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
-        if task.kind == "hybrid_forward":
-            self.forward[k] = (task, reply)
-        if task.kind not in ("replica_step", "hybrid_backward") or (
-            task.kind == "hybrid_backward" and k not in self.forward
-        ):
-            return
-        first, answer = (task, reply) if task.kind == "replica_step" else self.forward.pop(k)
-        images = first.arrays["x"].shape[0]
+        if task.kind == "hybrid_backward" and k in self.forward:
+            first, answer, due = self.forward.pop(k)
+            if self._net is not None:
+                self._judge(k, task.kind, _last_norm(first, answer, task, reply, self._net[1]))
+            if due:
+                self._replay(k, [(first, answer), (task, reply)], be)
+        elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
+            self.forward.pop(k, None)
+            due = self._check_step(k, task, reply, be)
+            if due and task.kind == "replica_step":
+                self._replay(k, [(task, reply)], be)
+            elif task.kind == "hybrid_forward":  # for its backward: replayed with it, if due (it needs its caches)
+                self.forward[k] = (task, reply, due)
+
+    def _check_step(self, k: int, task: Message, reply: Message, be: Backend) -> bool:
+        """Earn the step's credit; check one image while the image credit lasts, a data-parallel step's last bias
+        always; what the image checks leave beyond a step's share goes to the replays. Whether a replay is due:
+        the worker's first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
+        net = self._built(task, be)
+        if net is None or not _fits(task, reply, net):
+            return False  # not this file's to judge: the split's shape check loses the worker
+        images = task.arrays["x"].shape[0]
         rate = self.master_rate or (self._replayed[0] / self._replayed[1] if self._replayed[1] else 0.0)
         earned = self.budget * rate * images
-        self.credit[k] = self.credit.get(k, 0.0) + earned
         self.earned += earned
-        if self.credit[k] < 0:
-            return
+        first = k not in self.credit
+        self.credit[k] = self.credit.get(k, 0.0) + earned * REPLAYS
+        earned *= 1 - REPLAYS
+        mine = self.image_credit.get(k, 0.0) + earned
+        t0 = time.perf_counter()
+        if not first and mine >= 0:
+            self.images += 1
+            self._judge(k, task.kind, [self._one_image(task, reply, net)])
+        if task.kind == "replica_step":
+            self._judge(k, task.kind, [_last_bias(task, reply, net)])
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        spare = max(0.0, mine - dt - earned)  # what the image checks keep: a step's share, for the next one's
+        self.image_credit[k] = mine - dt - spare
+        self.credit[k] += spare
+        return first or self.credit[k] >= 0
+
+    def _built(self, task: Message, be: Backend) -> Network | None:
+        """The replica ``task`` describes, on ``be``, for the image checks (None if it describes none)."""
+        spec = task.header.get("net")
+        key = repr(sorted(spec.items())) if isinstance(spec, dict) else ""
+        if self._net is None or self._net[0] != key or self._net[1].backend is not be:
+            try:
+                self._net = key, build(spec, be, 1)
+            except (ValueError, TypeError, AttributeError):
+                return None
+        return self._net[1]
+
+    def _one_image(self, task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
+        """One random image of the slice run forward on the master with the task's weights, batch norm at the
+        slice's statistics (the worker's), against the worker's row of logits (or features)."""
+        be, x = net.backend, task.arrays["x"]
+        part = net if task.kind == "replica_step" else conv_part(net)
+        flat.unpack(part, task.arrays["params"])
+        extra = _slice_statistics(part, reply.arrays.get("stats"), x.shape)
+        j = int(self._rng.integers(len(x)))
+        name = "logits" if task.kind == "replica_step" else "features"
+        got = reply.arrays[name][j : j + 1]
+        mine = np.asarray(be.to_numpy(part.forward(be.asarray(x[j : j + 1].copy()), training=False)), np.float32)
+        return f"image {j}'s {name}", pair(got, mine.reshape(got.shape), roundings(part, x.shape)[0] + extra)
+
+    def _replay(self, k: int, got: list[tuple[Message, Message]], be: Backend) -> None:
+        """Run the worker's own handler on the tasks it got, and judge every array of its answers."""
         t0 = time.perf_counter()
         if self.local is None:
             self.local = Worker(be)
-        got = [(first, answer)] + ([(task, reply)] if task.kind == "hybrid_backward" else [])
         pairs = [(mine, theirs) for sent, theirs in got for mine in [self.local.handle(sent)]]
         dt = time.perf_counter() - t0
-        self.credit[k] -= dt
+        self.credit[k] = self.credit.get(k, 0.0) - dt
         self.seconds += dt
         self.samples += 1
-        self._replayed = [self._replayed[0] + dt, self._replayed[1] + images]
+        first = got[0][0]
+        self._replayed = [self._replayed[0] + dt, self._replayed[1] + first.arrays["x"].shape[0]]
         net = self.local.state.replica[1]
-        self._judge(k, first.kind, net if first.kind == "replica_step" else conv_part(net), first, pairs)
-
-    def _judge(self, k: int, kind: str, net: Network, first: Message, pairs: list[tuple[Message, Message]]) -> None:
-        """Every array of the worker's answers against the master's replay; a gradient parameter by parameter."""
-        forward, backward = roundings(net, first.arrays["x"].shape)
+        part = net if first.kind == "replica_step" else conv_part(net)
+        forward, backward = roundings(part, first.arrays["x"].shape)
         for mine, theirs in pairs:
             if mine.kind != "result":  # the master's replay failed where the worker did not: no verdict
                 return
             for name, ref in mine.arrays.items():
-                got = theirs.arrays.get(name)
-                if got is None or got.shape != ref.shape:
+                answer = theirs.arrays.get(name)
+                if answer is None or answer.shape != ref.shape:
                     return  # not this file's to judge: the split's shape check loses the worker
-                for what, (b, a, tol) in _parts(net, name, ref, got, backward if name == "grads" else forward):
-                    err = float(np.max(np.abs(a - b), initial=0.0))
-                    if not err <= tol:
-                        self.credit.pop(k, None)
-                        why = f"wrong result: {what} in its {kind} differs from the master's by {err:.3g}"
-                        raise Lost({k: f"{why} (round-off allows {tol:.3g})"}, wrong=True)
+                self._judge(k, first.kind, _parts(part, name, ref, answer, backward if name == "grads" else forward))
+
+    def _judge(self, k: int, kind: str, parts: list[tuple[str, Pair]]) -> None:
+        """Lose worker ``k`` ("wrong result") at the first entry beyond its tolerance (a scalar or one per entry)."""
+        for what, (got, ref, tol) in parts:
+            gap = np.abs(got.astype(np.float64) - ref)
+            excess = np.nan_to_num(gap - tol, nan=np.inf)
+            i = int(np.argmax(excess)) if excess.size else 0
+            if excess.size and excess.flat[i] > 0:
+                self.credit.pop(k, None)
+                self.image_credit.pop(k, None)
+                why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
+                raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
+
+
+def _fits(task: Message, reply: Message, net: Network) -> bool:
+    """Whether ``reply`` has the arrays a step of ``net``'s replica (or conv part) on ``task``'s slice answers with."""
+    n = task.arrays["x"].shape[0]
+    if task.kind == "replica_step":
+        part, shapes = net, {"logits": (n, net.layers[-1].params["b"].shape[0])}
+        shapes["grads"] = (sum(flat.sizes(net)),)
+    else:
+        part, shapes = (
+            conv_part(net),
+            {"features": (n, math.prod(feature_shape(net, task.header["net"]["image_size"])))},
+        )
+    if "buffers" in task.arrays:
+        shapes["stats"] = (sum(flat.sizes(part, "buffers")),)
+    return all(name in reply.arrays and reply.arrays[name].shape == shape for name, shape in shapes.items())
+
+
+def _last_bias(task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
+    """The gradient of the classifier's bias, db = sum over the slice of dL/dlogits = (softmax(logits) - q) / N
+    (``replica.py``), from the logits the worker sent: exact but for round-off, whatever the layers below did.
+    Its tolerance is the rigorous form on the terms' sizes (p + q) / N, softmax's round-off being on p, not on
+    p - q; k: the softmax (K terms, an exp and a division), the smoothing and the scaling, the sum over n."""
+    logits = reply.arrays["logits"].astype(np.float64)
+    n, classes = logits.shape
+    eps = float(task.header.get("smoothing", 0.0))
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    q = np.full_like(p, eps / classes)
+    q[np.arange(n), task.arrays["y"]] += 1.0 - eps
+    batch = task.header["batch"]
+    tol = float32_tolerance(n + classes + 2 * FN + 6, ((p + q) / batch).sum(axis=0))
+    return f"the gradient of {net.layers[-1].name}.b against its logits", (
+        reply.arrays["grads"][-classes:],
+        ((p - q) / batch).sum(axis=0),
+        tol,
+    )
+
+
+def _last_norm(first: Message, answer: Message, task: Message, reply: Message, net: Network) -> list[tuple[str, Pair]]:
+    """The hybrid's last batch norm's dbeta and dgamma, when a max pool is all that follows it. The pool hands
+    each window's gradient to the one value it took, gamma xhat + beta, so from the master's own dfeatures d
+    and the features f the worker sent (both (n, C, H', W')): dbeta[c] = sum d[:, c] and dgamma[c] = sum d[:, c]
+    (f[:, c] - beta[c]) / gamma[c]. The rigorous form on the terms' sizes, k: the sum over the norm's n H W
+    outputs, the pool's windows that took the same value (K K at most), and the few roundings of f."""
+    conv = conv_part(net)
+    norm, pool = conv.layers[-2:]
+    shape = (len(first.arrays["x"]), *feature_shape(net, first.header["net"]["image_size"]))
+    grads, features = reply.arrays.get("grads"), answer.arrays.get("features")
+    if not (isinstance(norm, BatchNorm2D) and isinstance(pool, MaxPool2D)) or grads is None or features is None:
+        return []
+    if grads.shape != (sum(flat.sizes(conv)),) or features.size != math.prod(shape):
+        return []  # not this file's to judge: the split's shape check loses the worker
+    d, f = (a.reshape(shape).astype(np.float64) for a in (task.arrays["dfeatures"], features))
+    ends = dict(zip((p for p, _, _ in conv.named_params()), np.cumsum(flat.sizes(conv)), strict=True))
+    normed = first.arrays["x"].shape
+    for layer in conv.layers[:-1]:
+        normed = layer.output_shape(normed)
+    c, k = shape[1], math.prod(normed) // shape[1] + pool.kernel**2 + 8
+    at = {p: slice(ends[f"{norm.name}.{p}"] - c, ends[f"{norm.name}.{p}"]) for p in ("gamma", "beta")}
+    gamma, beta = (first.arrays["params"][at[p]].astype(np.float64)[None, :, None, None] for p in ("gamma", "beta"))
+    xhat = np.divide(f - beta, gamma, out=np.zeros_like(f), where=gamma != 0)  # gamma 0: no xhat, no term
+    size = np.divide(np.abs(f) + np.abs(beta), np.abs(gamma), out=np.zeros_like(f), where=gamma != 0)
+    axes, unknown = (0, 2, 3), np.where(gamma.ravel() != 0, 0.0, np.inf)  # gamma 0: dgamma not checked
+    return [
+        (
+            f"the gradient of {norm.name}.beta against its features",
+            (grads[at["beta"]], d.sum(axes), float32_tolerance(k, np.abs(d).sum(axes))),
+        ),
+        (
+            f"the gradient of {norm.name}.gamma against its features",
+            (grads[at["gamma"]], (d * xhat).sum(axes), float32_tolerance(k, (np.abs(d) * size).sum(axes)) + unknown),
+        ),
+    ]
+
+
+def _slice_statistics(net: Network, stats: np.ndarray | None, x_shape: tuple[int, ...]) -> int:
+    """Set each batch norm's running statistics to the worker's batch mean and biased variance over its slice x
+    (``x_shape``), from the ``stats`` it returned (the unbiased variance is M / (M - 1) times the biased one,
+    M = n H W), so that an evaluation forward normalises as its training one did. Returns the roundings that
+    adds: the scaling to the unbiased variance and back."""
+    if stats is None:
+        return 0
+    flat.unpack(net, stats, "buffers")
+    shape = x_shape
+    for layer in net.layers:
+        if isinstance(layer, BatchNorm2D):
+            m = shape[0] * shape[2] * shape[3]
+            var = layer.backend.to_numpy(layer.buffers["running_var"]).astype(np.float64) * (max(m - 1, 1) / m)
+            var = np.maximum(var, 0.0)  # a wrong worker's: its image's numbers will not match
+            layer.buffers["running_var"] = layer.backend.asarray(var.astype(np.float32))
+        shape = layer.output_shape(shape)
+    return 2
 
 
 def _parts(net: Network, name: str, ref: np.ndarray, got: np.ndarray, k: int) -> list[tuple[str, Pair]]:

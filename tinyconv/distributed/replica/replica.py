@@ -14,17 +14,25 @@ shares (in participant order, so the sum is deterministic)::
 
 With label smoothing eps the target onehot becomes q = (1 - eps) onehot + eps / K, and every
 line above holds with q in its place: the loss is still a mean over the images.
+
+Batch norm's running statistics are the master's to update: a slice's training forward leaves its own batch
+mean and unbiased variance in its norms' running ones (:func:`keeping_statistics`), the ``stats`` it returns, and
+the master folds them in, weighted by images (``Slices.sum_into``)::
+
+    r <- (1 - m) r + m sum_i (n_i / N) stat_i
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from backends.base import Backend
 from tinyconv.distributed.calibrate import median_seconds
-from tinyconv.layers import Conv2D
+from tinyconv.layers import BatchNorm2D, Conv2D
 from tinyconv.memory import step_memory_bytes
 from tinyconv.model import NORMS, Network, paper_net, parse_arch
 
@@ -66,18 +74,34 @@ def build(spec: dict[str, Any], backend: Backend, batch: int, max_bytes: int | N
                      spec["image_size"], spec["pool_kernel"])  # fmt: skip
 
 
+@contextmanager
+def keeping_statistics(net: Network) -> Iterator[None]:
+    """Every batch norm of ``net`` at momentum 1 inside: its update r <- (1 - m) r + m stat then leaves its batch's
+    statistics (mean, unbiased variance) in place of the running ones."""
+    norms = [layer for layer in net.layers if isinstance(layer, BatchNorm2D)]
+    kept = [layer.momentum for layer in norms]
+    for layer in norms:
+        layer.momentum = 1.0
+    try:
+        yield
+    finally:
+        for layer, momentum in zip(norms, kept, strict=True):
+            layer.momentum = momentum
+
+
 def slice_gradients(net: Network, x: np.ndarray, y: np.ndarray, batch: int, smoothing: float = 0.0) -> np.ndarray:
     """Forward (training mode), loss and backward of ``net`` on a slice of a batch of ``batch`` images.
 
     x (n, C, H, W) float32 host or backend array, y (n,) int labels. Fills every layer's grads
     with the slice's part of the gradient of the whole batch's mean loss (the module's docstring;
     label-smoothed by ``smoothing``) and returns the slice's logits (n, classes) on the host. Batch
-    norm normalises by the slice's own statistics and updates its running ones from them."""
+    norm normalises by the slice's own statistics and leaves them in its running ones (the module's docstring)."""
     be = net.backend
     n = len(y)
     if not 1 <= n <= batch:
         raise ValueError(f"a slice of {n} images of a batch of {batch}: need 1 <= slice <= batch")
-    logits = net.forward(be.asarray(x), training=True)
+    with keeping_statistics(net):
+        logits = net.forward(be.asarray(x), training=True)
     _, dlogits = net.training_loss(smoothing)(logits, np.asarray(y))  # (softmax - onehot) / n, or (softmax - q) / n
     scaled = be.to_numpy(dlogits) * np.float32(n / batch)  # -> (softmax - onehot) / N
     net.backward(be.asarray(scaled.astype(np.float32, copy=False)))

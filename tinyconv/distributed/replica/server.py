@@ -60,7 +60,7 @@ class Replicas(BatchSplit):
         for k, reply in op.gather(tasks).items():
             grads[k] = op.array(k, reply, "grads", params.shape)
             logits[k] = op.array(k, reply, "logits", (cut.share[k], logits_width(net)))
-            stats[k] = op.array(k, reply, "buffers", buffers.shape) if buffers.size else buffers
+            stats[k] = op.array(k, reply, "stats", buffers.shape) if buffers.size else buffers
         cut.sum_into(net, grads, stats, buffers)
         self._finish([("step", OpStats.from_op(op, self.placement))], cut.counts)
         logits_be = net.backend.asarray(np.concatenate([logits[k] for k in cut.order]))

@@ -42,7 +42,7 @@ def _timed(state: WorkerState, h: dict[str, Any], timer: Callable[..., float]) -
 def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """The replica, given the master's weights (and batch-norm statistics), on its slice x, y of a
     batch of ``batch``: the slice's part of the gradient (of the loss label-smoothed by ``smoothing``,
-    if the header has it), its logits, its statistics after."""
+    if the header has it), its logits, its batch norms' batch statistics (``replica.keeping_statistics``)."""
     x, y, smoothing = a["x"], a["y"], h.get("smoothing", 0.0)
     if not 0.0 <= smoothing < 1.0:
         raise TaskError(f"smoothing must be in [0, 1) (label smoothing), got {smoothing}")
@@ -55,7 +55,7 @@ def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: No
     except ValueError as e:  # labels out of range
         raise TaskError(str(e)) from None
     out = {"grads": flat.pack(net, "grads"), "logits": logits}
-    return out | ({"buffers": flat.pack(net, "buffers")} if buffers else {})
+    return out | ({"stats": flat.pack(net, "buffers")} if buffers else {})
 
 
 def _slice_replica(state: WorkerState, h: dict[str, Any], x: Any, kind: str) -> Network:
@@ -88,7 +88,7 @@ def _load(net: Network, a: dict[str, Any], what: str, note: str) -> bool:
 # ---- the hybrid: the replica's conv part on a slice, the classifier on the master -------------
 def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: None) -> dict[str, Any]:
     """The conv part, given the master's conv weights (and statistics), on its slice x of a batch of
-    ``batch``: the features (n, F), its statistics after; the caches kept for hybrid_backward."""
+    ``batch``: the features (n, F), its batch norms' batch statistics; the caches kept for hybrid_backward."""
     x = a["x"]
     net = _slice_replica(state, h, x, "hybrid_forward")
     conv = conv_part(net)
@@ -96,7 +96,7 @@ def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: 
     features = forward_features(conv, x)
     kept = OpenStep("hybrid", h["step"], images=x.shape[0], features=feature_shape(net, h["net"]["image_size"]))
     state.advance(h, "hybrid_forward", kept)
-    return {"features": features} | ({"buffers": flat.pack(conv, "buffers")} if buffers else {})
+    return {"features": features} | ({"stats": flat.pack(conv, "buffers")} if buffers else {})
 
 
 def hybrid_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
