@@ -158,6 +158,18 @@ def test_a_gradient_wrong_alone_from_a_later_step_is_lost_at_that_step(parallel)
     assert run.spot.samples == 2  # the first steps': the fault came after, and the check that saw it is free
 
 
+@pytest.mark.parametrize("norm", ["lrn", "batch"])
+def test_the_hybrids_kernel_sample_alone_catches_wrong_features_at_their_first_step(norm):
+    make = lambda i: Wrong("features", lambda a: a * np.float32(-50), at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime("hybrid", transport, workers, budget=1e-6)  # no whole image checked, no replay after the first
+        train(run, 6, norm, every_image=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 4 and event["worker"] == "worker1", event
+    assert event["reason"].startswith("wrong result: image ") and "'s features of kernel " in event["reason"], event
+    assert run.spot.images == 0
+
+
 def test_the_budget_is_a_fraction_and_the_roundings_are_every_reduction_of_the_path():
     with pytest.raises(ValueError, match="fraction of each worker's work"):
         ReplayCheck(0)

@@ -108,6 +108,8 @@ class ReplayCheck:
         earned *= 1 - REPLAYS
         mine = self.image_credit.get(k, 0.0) + earned
         t0 = time.perf_counter()
+        if not first and task.kind == "hybrid_forward":  # every step: it costs a few kernels of one image
+            self._judge(k, task.kind, [self._one_kernel(task, reply, net)])
         if not first and mine >= 0:
             self.images += 1
             self._judge(k, task.kind, [self._one_image(task, reply, net)])
@@ -143,6 +145,39 @@ class ReplayCheck:
         got = reply.arrays[name][j : j + 1]
         mine = np.asarray(be.to_numpy(part.forward(be.asarray(x[j : j + 1].copy()), training=False)), np.float32)
         return f"image {j}'s {name}", pair(got, mine.reshape(got.shape), roundings(part, x.shape)[0] + extra)
+
+    def _one_kernel(self, task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
+        """The hybrid's features of one random image and one random kernel j of its last convolution, on the
+        master: the layers before that convolution on the one image, then of it only the kernels j's tail reads
+        ([j - E, j + E], E the LRN's half-window; batch norm at the worker's statistics, as an evaluation). j is
+        drawn among the kernels whose plane the worker sent is not all zeros (the whole image checks those)."""
+        be, x = net.backend, task.arrays["x"]
+        conv = conv_part(net)
+        flat.unpack(conv, task.arrays["params"])
+        extra = _slice_statistics(conv, reply.arrays.get("stats"), x.shape)
+        last = max(i for i, layer in enumerate(conv.layers) if isinstance(layer, Conv2D))
+        layer, tail = conv.layers[last], conv.layers[last + 1 :]
+        i = int(self._rng.integers(len(x)))
+        planes = reply.arrays["features"][i].reshape(feature_shape(net, task.header["net"]["image_size"]))
+        live = np.flatnonzero(np.any(planes != 0, axis=(1, 2)))  # a plane ReLU silenced shows no scaling
+        j = int(self._rng.choice(live)) if live.size else int(self._rng.integers(layer.out_channels))
+        e = max((t.size // 2 for t in tail if isinstance(t, LocalResponseNorm)), default=0)
+        span = slice(max(0, j - e), min(layer.out_channels, j + e + 1))
+        h = Network(be, conv.layers[:last]).forward(be.asarray(x[i : i + 1].copy()), training=False)
+        w, b = (be.asarray(be.to_numpy(layer.params[p])[span].copy()) for p in ("w", "b"))
+        out, _ = be.conv2d_forward(h, w, b, layer.stride, layer.padding)
+        top = scale(be.to_numpy(out))  # ReLU can leave far less than the sums it cut: the forward's scale
+        for t in tail:
+            if isinstance(t, BatchNorm2D):  # its entries over the span, in a norm of their own
+                part = BatchNorm2D(be, span.stop - span.start, t.momentum, t.eps)
+                for table in ("params", "buffers"):
+                    for name, a in getattr(t, table).items():
+                        getattr(part, table)[name] = be.asarray(be.to_numpy(a)[span].copy())
+                t = part
+            out = t.forward(out, training=False)
+        mine = np.asarray(be.to_numpy(out), np.float32)[0, j - span.start]
+        got = planes[j]
+        return f"image {i}'s features of kernel {j}", pair(got, mine, roundings(conv, x.shape)[0] + extra, top)
 
     def _replay(self, k: int, got: list[tuple[Message, Message]], be: Backend) -> None:
         """Run the worker's own handler on the tasks it got, and judge every array of its answers."""
