@@ -157,12 +157,17 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
     master = get_backend("numpy")
     compute, task_id = 0.0, 0
 
+    probed = paper_net(args.arch, master, args.norm, seed=0)  # what the replica's probe covers
+    probed = conv_part(probed) if args.parallel == "hybrid" else probed
+
     def run(step: int, spot: Check | None = None, handler: Worker = worker) -> float:
         nonlocal task_id
         took = 0.0
         for kind, header, arrays in step_tasks:
             task_id += 1
             layer = {} if args.way == "images" else {"layer": 1}  # a replica's task is the whole network's
+            if isinstance(spot, ReplayCheck) and kind in ("replica_step", "hybrid_forward"):  # as the runtime's
+                arrays = arrays | spot.probe_for(1, probed)
             task = Message(kind, {**header, "task": task_id, "step": step} | layer, arrays)
             reply = handler.handle(task)
             took += reply.header["compute_s"]

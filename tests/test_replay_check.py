@@ -52,6 +52,13 @@ def first_param_off(a: np.ndarray) -> np.ndarray:
     return np.concatenate([a[:n] * np.float32(1.01), a[n:]])
 
 
+def conv2_off(a: np.ndarray) -> np.ndarray:
+    """conv2.w's gradient 1 % off (every other parameter's as it was): what no last bias or norm shows."""
+    n = flat.sizes(paper_net("6:10", NumpyBackend(), "lrn", seed=0, image_size=SIZE))
+    lo = n[0] + n[1]
+    return np.concatenate([a[:lo], a[lo : lo + n[2]] * np.float32(1.01), a[lo + n[2] :]])
+
+
 def runtime(parallel: str, transport, workers, budget: float = 0.03):
     """``parallel`` over the pool, slices 2, 3, 3 kept (the rebalancer would follow the machine's noise)."""
     run = PARALLEL[parallel](
@@ -168,6 +175,19 @@ def test_the_hybrids_kernel_sample_alone_catches_wrong_features_at_their_first_s
     assert event["step"] == 4 and event["worker"] == "worker1", event
     assert event["reason"].startswith("wrong result: image ") and "'s features of kernel " in event["reason"], event
     assert run.spot.images == 0
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_convolutions_gradient_wrong_alone_is_lost_at_its_first_step_by_its_projection(parallel):
+    """From its second step each worker gets the top singular pair of its last dW with its task and returns the
+    sums whose u^T dW v the master compares: a dW 1 % off, with LRN (no last norm), is caught at once."""
+    make = lambda i: Wrong("grads", conv2_off, at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers, budget=1e-6)  # no replay after the first
+        train(run, 6, "lrn", every_image=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 4 and event["worker"] == "worker1", event
+    assert event["reason"].startswith("wrong result: the gradient of conv2.w against its projection"), event
 
 
 def test_the_budget_is_a_fraction_and_the_roundings_are_every_reduction_of_the_path():

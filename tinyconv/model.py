@@ -66,10 +66,13 @@ class Network:
         if len(set(names)) != len(names):
             raise ValueError(f"layer names must be unique, got {names}")
 
-    def forward(self, x: Array, training: bool = False) -> Array:
+    def forward(self, x: Array, training: bool = False, seen: dict[str, np.ndarray] | None = None) -> Array:
         """x (N, C, H, W) backend array -> logits (N, classes). ``training=True`` uses and updates
-        batch statistics (batch norm); the default is inference."""
+        batch statistics (batch norm); the default is inference. ``seen`` gets a host copy of each
+        convolution's input, by layer name (for a check of its gradient: distributed/replica/probe.py)."""
         for run in self.runs():
+            if seen is not None and isinstance(run[0], Conv2D):
+                seen[run[0].name] = np.array(self.backend.to_numpy(x), dtype=np.float32)
             x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training)
         return x
 
@@ -82,10 +85,13 @@ class Network:
                 layer.cache = None
         return x
 
-    def backward(self, dlogits: Array) -> None:
-        """Backprop dloss/dlogits through every layer, filling each layer's grads."""
+    def backward(self, dlogits: Array, seen: dict[str, np.ndarray] | None = None) -> None:
+        """Backprop dloss/dlogits through every layer, filling each layer's grads. ``seen`` gets a host
+        copy of the gradient each convolution's output received, by layer name (as ``forward``'s)."""
         d = dlogits
         for layer in reversed(self.layers):
+            if seen is not None and isinstance(layer, Conv2D):
+                seen[layer.name] = np.array(self.backend.to_numpy(d), dtype=np.float32)
             d = layer.backward(d)
             if d is None:  # the first conv does not compute dX
                 break

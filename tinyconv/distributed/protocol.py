@@ -71,11 +71,11 @@ TASKS: dict[str, Schema] = {
     "partial_backward": Schema(_LAYER | {"need_dx": bool}, optional="dyc_lo dyc_hi", result="dx dw db", extra=_CHUNK),
     "replica_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
     "replica_step": Schema(
-        _NET | {"step": Int}, "x y params", "buffers", "grads logits stats", labels="y", extra={"smoothing": Num}
+        _NET | {"step": Int}, "x y params", "buffers probe", "grads logits stats probes", "y", {"smoothing": Num}
     ),
     "hybrid_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
-    "hybrid_forward": Schema(_NET | {"step": Int}, "x params", "buffers", "features stats"),
-    "hybrid_backward": Schema({"task": Int, "step": Int}, "dfeatures", result="grads"),
+    "hybrid_forward": Schema(_NET | {"step": Int}, "x params", "buffers probe", "features stats"),
+    "hybrid_backward": Schema({"task": Int, "step": Int}, "dfeatures", result="grads probes"),
 }
 
 

@@ -59,23 +59,26 @@ def feature_shape(net: Network, image_size: int) -> tuple[int, int, int]:
     return c, h, w
 
 
-def forward_features(conv: Network, x: Any) -> np.ndarray:
+def forward_features(conv: Network, x: Any, seen: dict | None = None) -> np.ndarray:
     """The conv part's forward (training mode: its caches kept for the backward) on x (n, C, H, W):
     the features (n, F) on the host, float32; its batch norms' running statistics left as the slice's
-    (``replica.keeping_statistics``)."""
+    (``replica.keeping_statistics``). ``seen``: ``Network.forward``'s."""
     be = conv.backend
     with keeping_statistics(conv):
-        y = be.to_numpy(conv.forward(be.asarray(x), training=True))
+        y = be.to_numpy(conv.forward(be.asarray(x), training=True, seen=seen))
     return np.ascontiguousarray(y.reshape(len(y), -1), dtype=np.float32)
 
 
-def backward_features(conv: Network, dfeatures: np.ndarray, shape: tuple[int, int, int]) -> None:
+def backward_features(
+    conv: Network, dfeatures: np.ndarray, shape: tuple[int, int, int], seen: dict | None = None
+) -> None:
     """The conv part's backward from dL/dfeatures (n, F) of its last forward, ``shape`` = (C2, H', W'):
-    fills every conv-part layer's grads with the slice's part of the batch's gradient."""
+    fills every conv-part layer's grads with the slice's part of the batch's gradient (``seen``: as
+    ``Network.backward``'s)."""
     n = len(dfeatures)
     if dfeatures.shape != (n, math.prod(shape)):
         raise ValueError(f"dfeatures must be (n, {math.prod(shape)}), got {tuple(dfeatures.shape)}")
-    conv.backward(conv.backend.asarray(np.ascontiguousarray(dfeatures.reshape(n, *shape), dtype=np.float32)))
+    conv.backward(conv.backend.asarray(np.ascontiguousarray(dfeatures.reshape(n, *shape), dtype=np.float32)), seen)
 
 
 def time_conv_part(net: Network, spec: dict[str, Any], batch: int, repeats: int) -> float:

@@ -60,6 +60,7 @@ class Hybrid(BatchSplit):
         tasks = []
         for k, s, e in cut.workers():
             header, arrays = {"net": self._spec, "batch": cut.batch}, {"x": x[s:e], "params": params, **extra}
+            arrays |= self.spot.probe_for(k, conv) if self.spot is not None else {}
             tasks.append(fwd.send(k, Message("hybrid_forward", header, arrays)))
         features, stats = {}, {}
         if cut.mine is not None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from backends.base import Backend
 from backends.conformance.checks import FN, float32_tolerance, scale
-from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica import flat, probe
 from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
 from tinyconv.distributed.replica.replica import build
 from tinyconv.distributed.rpc import Lost
@@ -75,6 +75,7 @@ class ReplayCheck:
         self.local: Worker | None = None
         self._rng = np.random.default_rng(seed)  # the image: the master's choice, made after the answer came
         self._net: tuple[str, Network] | None = None  # the image checks' replica
+        self._top: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # worker -> its next probe's (u, v)s
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
@@ -82,11 +83,14 @@ class ReplayCheck:
             first, answer, due = self.forward.pop(k)
             if self._net is not None:
                 self._judge(k, task.kind, _last_norm(first, answer, task, reply, self._net[1]))
+                self._judge(k, task.kind, self._projections(k, first, reply, conv_part(self._net[1])))
             if due:
                 self._replay(k, [(first, answer), (task, reply)], be)
         elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
             self.forward.pop(k, None)
             due = self._check_step(k, task, reply, be)
+            if task.kind == "replica_step" and self._net is not None:
+                self._judge(k, task.kind, self._projections(k, task, reply, self._net[1]))
             if due and task.kind == "replica_step":
                 self._replay(k, [(task, reply)], be)
             elif task.kind == "hybrid_forward":  # for its backward: replayed with it, if due (it needs its caches)
@@ -121,6 +125,38 @@ class ReplayCheck:
         self.image_credit[k] = mine - dt - spare
         self.credit[k] += spare
         return first or self.credit[k] >= 0
+
+    def probe_for(self, k: int, part: Network) -> dict[str, np.ndarray]:
+        """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its
+        conv part): the top singular pair of each convolution's dW it last sent (``probe.py``); none before."""
+        pairs = self._top.get(k)
+        if not pairs or sum(u.size + v.size for u, v in pairs) != probe.size(part):
+            return {}
+        return {"probe": np.concatenate([np.concatenate([u, v]) for u, v in pairs]).astype(np.float32)}
+
+    def _projections(self, k: int, first: Message, reply: Message, part: Network) -> list[tuple[str, Pair]]:
+        """Each convolution's u^T dW v of the gradient the worker sent, against its own sum s of the products,
+        within 2 gamma_k a (``probe.py``; s rounded to float32 once more); its next probe taken from this dW."""
+        grads, got, sent = reply.arrays.get("grads"), reply.arrays.get("probes"), first.arrays.get("probe")
+        if grads is None or grads.shape != (sum(flat.sizes(part)),):
+            return []
+        ends = dict(zip((p for p, _, _ in part.named_params()), np.cumsum(flat.sizes(part)), strict=True))
+        dws = [
+            grads[ends[f"{c.name}.w"] - c.params["w"].size : ends[f"{c.name}.w"]].reshape(c.out_channels, -1)
+            for c in probe.convs(part)
+        ]
+        out = []
+        if sent is not None and got is not None and got.shape == (2 * len(dws),):
+            lengths = probe.lengths(part, first.arrays["x"].shape)
+            for c, dw, (u, v), (s, a), n in zip(
+                probe.convs(part), dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
+            ):
+                ref = u @ dw.astype(np.float64) @ v.ravel()
+                tol = float32_tolerance(n, float(a)) + 2**-23 * abs(float(s))
+                out.append((f"the gradient of {c.name}.w against its projection", (s.reshape(1), np.array([ref]), tol)))
+        last = self._top.get(k) or [None] * len(dws)
+        self._top[k] = [probe.top_pair(dw.astype(np.float64), start) for dw, start in zip(dws, last, strict=True)]
+        return out
 
     def _built(self, task: Message, be: Backend) -> Network | None:
         """The replica ``task`` describes, on ``be``, for the image checks (None if it describes none)."""
@@ -212,6 +248,7 @@ class ReplayCheck:
             if excess.size and excess.flat[i] > 0:
                 self.credit.pop(k, None)
                 self.image_credit.pop(k, None)
+                self._top.pop(k, None)
                 why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
                 raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
 

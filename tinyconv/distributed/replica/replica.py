@@ -89,22 +89,30 @@ def keeping_statistics(net: Network) -> Iterator[None]:
             layer.momentum = momentum
 
 
-def slice_gradients(net: Network, x: np.ndarray, y: np.ndarray, batch: int, smoothing: float = 0.0) -> np.ndarray:
+def slice_gradients(
+    net: Network,
+    x: np.ndarray,
+    y: np.ndarray,
+    batch: int,
+    smoothing: float = 0.0,
+    seen: tuple[dict, dict] | None = None,
+) -> np.ndarray:
     """Forward (training mode), loss and backward of ``net`` on a slice of a batch of ``batch`` images.
 
     x (n, C, H, W) float32 host or backend array, y (n,) int labels. Fills every layer's grads
     with the slice's part of the gradient of the whole batch's mean loss (the module's docstring;
     label-smoothed by ``smoothing``) and returns the slice's logits (n, classes) on the host. Batch
-    norm normalises by the slice's own statistics and leaves them in its running ones (the module's docstring)."""
+    norm normalises by the slice's own statistics and leaves them in its running ones (the module's docstring).
+    ``seen``: two dicts for each convolution's input and output gradient (``Network.forward``'s)."""
     be = net.backend
     n = len(y)
     if not 1 <= n <= batch:
         raise ValueError(f"a slice of {n} images of a batch of {batch}: need 1 <= slice <= batch")
     with keeping_statistics(net):
-        logits = net.forward(be.asarray(x), training=True)
+        logits = net.forward(be.asarray(x), training=True, seen=seen[0] if seen else None)
     _, dlogits = net.training_loss(smoothing)(logits, np.asarray(y))  # (softmax - onehot) / n, or (softmax - q) / n
     scaled = be.to_numpy(dlogits) * np.float32(n / batch)  # -> (softmax - onehot) / N
-    net.backward(be.asarray(scaled.astype(np.float32, copy=False)))
+    net.backward(be.asarray(scaled.astype(np.float32, copy=False)), seen=seen[1] if seen else None)
     return np.array(be.to_numpy(logits), dtype=np.float32)
 
 

@@ -49,7 +49,8 @@ class Replicas(BatchSplit):
         tasks = []
         for k, s, e in cut.workers():  # a header of its own each: sending adds the task's number to it
             header, arrays = {"net": self._spec, "batch": cut.batch, **smoothed}, {"x": x[s:e], "y": y[s:e]}
-            tasks.append(op.send(k, Message("replica_step", header, arrays | {"params": params, **extra})))
+            probe = self.spot.probe_for(k, net) if self.spot is not None else {}
+            tasks.append(op.send(k, Message("replica_step", header, arrays | {"params": params, **extra, **probe})))
         grads, logits, stats = {}, {}, {}
         if cut.mine is not None:
             s, e = cut.mine

@@ -14,7 +14,7 @@ from typing import Any
 
 from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica import flat, probe
 from tinyconv.distributed.replica.conv_part import (
     backward_features,
     conv_part,
@@ -50,12 +50,22 @@ def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: No
     if y.shape != x.shape[:1]:
         raise TaskError(f"replica_step takes y ({x.shape[0]},), one label per image, got y {y.shape}")
     buffers = _load(net, a, "replica", "")
+    seen = ({}, {}) if _probe(net, a) is not None else None
     try:
-        logits = slice_gradients(net, x, y, h["batch"], smoothing)
+        logits = slice_gradients(net, x, y, h["batch"], smoothing, seen)
     except ValueError as e:  # labels out of range
         raise TaskError(str(e)) from None
     out = {"grads": flat.pack(net, "grads"), "logits": logits}
+    if seen is not None:
+        out["probes"] = probe.project(net, a["probe"], *seen)
     return out | ({"stats": flat.pack(net, "buffers")} if buffers else {})
+
+
+def _probe(net: Network, a: dict[str, Any]) -> Any:
+    """The task's ``probe`` (``replica/probe.py``), if it has one, of the size ``net``'s convolutions take."""
+    if "probe" in a and a["probe"].shape != (probe.size(net),):
+        raise TaskError(f"probe must be ({probe.size(net)},), F + C K K for each convolution; got {a['probe'].shape}")
+    return a.get("probe")
 
 
 def _slice_replica(state: WorkerState, h: dict[str, Any], x: Any, kind: str) -> Network:
@@ -93,8 +103,11 @@ def hybrid_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: 
     net = _slice_replica(state, h, x, "hybrid_forward")
     conv = conv_part(net)
     buffers = _load(conv, a, "conv part", " (the conv part's, without the classifier)")
-    features = forward_features(conv, x)
+    asked = _probe(conv, a)
+    seen: dict[str, Any] | None = {} if asked is not None else None
+    features = forward_features(conv, x, seen)
     kept = OpenStep("hybrid", h["step"], images=x.shape[0], features=feature_shape(net, h["net"]["image_size"]))
+    kept.probe = (asked, seen) if asked is not None else None
     state.advance(h, "hybrid_forward", kept)
     return {"features": features} | ({"stats": flat.pack(conv, "buffers")} if buffers else {})
 
@@ -106,9 +119,11 @@ def hybrid_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], ke
         raise TaskError(f"{task_place(h)}: dfeatures must be {want} (the slice's images x features of its "
                         f"forward), got {d.shape}")  # fmt: skip
     conv = conv_part(state.replica[1])
-    backward_features(conv, d, kept.features)
+    douts: dict[str, Any] | None = {} if kept.probe is not None else None
+    backward_features(conv, d, kept.features, douts)
     state.advance(h, "hybrid_backward", kept)
-    return {"grads": flat.pack(conv, "grads")}
+    out = {"grads": flat.pack(conv, "grads")}
+    return out | ({"probes": probe.project(conv, kept.probe[0], kept.probe[1], douts)} if kept.probe else {})
 
 
 def _replica(state: WorkerState, spec: Any, batch: int) -> Network:

@@ -1,0 +1,97 @@
+"""A cheap exact check of a slice's convolution gradients: Freivalds' trick on dW's GEMM.
+
+A convolution's weight gradient is a sum over every image n and output position p of an outer product
+(``Conv2D``: dW = dY cols^T, cols the im2col of its input). For vectors u (F) and v (C K K),
+
+    u^T dW v = sum_{n, p} (u . dY[n, :, p]) (v . cols[n, :, p])
+
+and the right side is a weighted sum of dY's channels and a one-kernel convolution of the input: 1/(C K K)
+and 1/F of the GEMM. Its terms' sizes, a = sum_{n, p} (|u| . |dY[n, :, p]|) (|v| . |cols[n, :, p]|), bound
+the round-off of any order of summing them, so an honest worker's dW meets
+
+    |u^T dW v - s| <= 2 gamma_k a,    k = n OH OW (the sum's length; Higham's bound, checks.py)
+
+The master sends u and v with the task (``probe``), the worker returns s and a for each convolution
+(``probes``) beside its gradient, and the master compares s with u^T dW v of the dW it got. A dW changed
+after the sums (a faulty GEMM, 1 % on every entry) shows unless u^T dW v is small against a: so u, v are
+the top singular pair of that worker's last dW (:func:`top_pair`), along which the sum does not cancel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyconv.layers import Conv2D
+from tinyconv.model import Network
+
+
+def convs(net: Network) -> list[Conv2D]:
+    """The network's convolutions, in order: one (u, v) pair each."""
+    return [layer for layer in net.layers if isinstance(layer, Conv2D)]
+
+
+def size(net: Network) -> int:
+    """The floats of a probe: F + C K K for each convolution."""
+    return sum(c.out_channels + c.in_channels * c.kernel**2 for c in convs(net))
+
+
+def pairs(net: Network, probe: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``probe`` cut into (u (F,), v (C, K, K)) per convolution, float64."""
+    out, start = [], 0
+    for c in convs(net):
+        f, ckk = c.out_channels, c.in_channels * c.kernel**2
+        u, v = probe[start : start + f], probe[start + f : start + f + ckk]
+        out.append((u.astype(np.float64), v.astype(np.float64).reshape(c.in_channels, c.kernel, c.kernel)))
+        start += f + ckk
+    return out
+
+
+def project(net: Network, probe: np.ndarray, inputs: dict[str, np.ndarray], douts: dict[str, np.ndarray]) -> np.ndarray:
+    """(s, a) of each convolution (2 L,), from the input x (n, C, H, W) it saw and the gradient dY (n, F, OH, OW)
+    its output got (``Network.forward`` and ``backward``'s ``seen``), and the probe's u, v."""
+    out = []
+    for c, (u, v) in zip(convs(net), pairs(net, probe), strict=True):
+        x, dy = inputs[c.name].astype(np.float64), douts[c.name].astype(np.float64)
+        s = np.einsum("nfhw,f->nhw", dy, u) * one_kernel(x, v, c.stride, c.padding)
+        a = np.einsum("nfhw,f->nhw", np.abs(dy), np.abs(u)) * one_kernel(np.abs(x), np.abs(v), c.stride, c.padding)
+        out += [s.sum(), a.sum()]
+    return np.array(out, np.float32)
+
+
+def one_kernel(x: np.ndarray, v: np.ndarray, stride: int, padding: int) -> np.ndarray:
+    """x (n, C, H, W) convolved with the one kernel v (C, K, K), no bias -> (n, OH, OW), float64."""
+    n, c, h, w = x.shape
+    k = v.shape[-1]
+    xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    oh, ow = (h + 2 * padding - k) // stride + 1, (w + 2 * padding - k) // stride + 1
+    out = np.zeros((n, oh, ow))
+    for i in range(k):
+        for j in range(k):
+            window = xp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride]
+            out += np.einsum("nchw,c->nhw", window, v[:, i, j])
+    return out
+
+
+def top_pair(
+    dw: np.ndarray, start: tuple[np.ndarray, np.ndarray] | None, steps: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
+    """The top singular pair (u, v) of dW (F, C K K), by ``steps`` power iterations from ``start`` (the last
+    step's pair: gradients turn slowly) or from all ones."""
+    u = start[0] if start is not None else np.ones(dw.shape[0])
+    v = np.ones(dw.shape[1])
+    for _ in range(steps):
+        v = dw.T @ u
+        v /= np.linalg.norm(v) or 1.0
+        u = dw @ v
+        u /= np.linalg.norm(u) or 1.0
+    return u, v
+
+
+def lengths(net: Network, x_shape: tuple[int, ...]) -> list[int]:
+    """k of each convolution's dW on x (n, C, H, W): its n OH OW products per entry."""
+    out, shape = [], x_shape
+    for layer in net.layers:
+        shape = layer.output_shape(shape)
+        if isinstance(layer, Conv2D):
+            out.append(shape[0] * shape[2] * shape[3])
+    return out
