@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from test_data_parallel import SIZE, TIMEOUT, batch, data_parallel_step, inproc_pool
 
-from backends.conformance.checks import FN
+from backends.conformance.checks import FN, float32_tolerance
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica import flat, probe
 from tinyconv.distributed.replica.batch import UNIT
 from tinyconv.distributed.replica.hybrid import Hybrid
 from tinyconv.distributed.replica.replay_check import ReplayCheck, roundings
+from tinyconv.distributed.replica.replica import slice_gradients
 from tinyconv.distributed.replica.server import Replicas
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.model import paper_net
@@ -188,6 +189,27 @@ def test_a_convolutions_gradient_wrong_alone_is_lost_at_its_first_step_by_its_pr
     (event,) = run.pop_events()
     assert event["step"] == 4 and event["worker"] == "worker1", event
     assert event["reason"].startswith("wrong result: the gradient of conv2.w against its projection"), event
+
+
+def test_the_probe_is_uT_dW_v_within_its_bound_and_its_one_kernel_convolution_the_backends():
+    be = NumpyBackend()
+    net = paper_net("6:10", be, "lrn", seed=0, image_size=SIZE)
+    x, y = batch(4)
+    seen = ({}, {})
+    slice_gradients(net, x, y, 4, 0.0, seen)
+    p = np.random.default_rng(0).standard_normal(probe.size(net)).astype(np.float32)
+    got = probe.project(net, p, *seen).reshape(-1, 2)
+    checks = zip(probe.convs(net), probe.pairs(net, p), got, probe.roundings(net, x.shape), strict=True)
+    for c, (u, v), (s, a), k in checks:
+        dw = be.to_numpy(c.grads["w"]).reshape(c.out_channels, -1).astype(np.float64)
+        exact = u.astype(np.float64) @ dw @ v.ravel().astype(np.float64)
+        assert abs(exact - s) <= float32_tolerance(k, float(a)) and a >= abs(s), (c.name, exact, s, a)
+        xin = seen[0][c.name]
+        ref = be.conv2d_forward(xin, v[None], np.zeros(1, np.float32), c.stride, c.padding)[0][:, 0]
+        terms = probe.one_kernel(np.abs(xin), np.abs(v), c.stride, c.padding)
+        assert np.all(
+            np.abs(probe.one_kernel(xin, v, c.stride, c.padding) - ref) <= float32_tolerance(2 * v.size, terms)
+        )
 
 
 def test_the_budget_is_a_fraction_and_the_roundings_are_every_reduction_of_the_path():

@@ -9,7 +9,7 @@ and the right side is a weighted sum of dY's channels and a one-kernel convoluti
 and 1/F of the GEMM. Its terms' sizes, a = sum_{n, p} (|u| . |dY[n, :, p]|) (|v| . |cols[n, :, p]|), bound
 the round-off of any order of summing them, so an honest worker's dW meets
 
-    |u^T dW v - s| <= 2 gamma_k a,    k = n OH OW (the sum's length; Higham's bound, checks.py)
+    |u^T dW v - s| <= 2 gamma_k a,    k = n OH OW + F + C K K + 1 (both sums in float32; checks.py)
 
 The master sends u and v with the task (``probe``), the worker returns s and a for each convolution
 (``probes``) beside its gradient, and the master compares s with u^T dW v of the dW it got. A dW changed
@@ -36,39 +36,52 @@ def size(net: Network) -> int:
 
 
 def pairs(net: Network, probe: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``probe`` cut into (u (F,), v (C, K, K)) per convolution, float64."""
+    """``probe`` cut into (u (F,), v (C, K, K)) per convolution, float32."""
     out, start = [], 0
     for c in convs(net):
         f, ckk = c.out_channels, c.in_channels * c.kernel**2
         u, v = probe[start : start + f], probe[start + f : start + f + ckk]
-        out.append((u.astype(np.float64), v.astype(np.float64).reshape(c.in_channels, c.kernel, c.kernel)))
+        out.append((u.astype(np.float32), v.astype(np.float32).reshape(c.in_channels, c.kernel, c.kernel)))
         start += f + ckk
     return out
 
 
 def project(net: Network, probe: np.ndarray, inputs: dict[str, np.ndarray], douts: dict[str, np.ndarray]) -> np.ndarray:
     """(s, a) of each convolution (2 L,), from the input x (n, C, H, W) it saw and the gradient dY (n, F, OH, OW)
-    its output got (``Network.forward`` and ``backward``'s ``seen``), and the probe's u, v."""
+    its output got (``Network.forward`` and ``backward``'s ``seen``), and the probe's u, v. In float32, with
+    BLAS: s adds F + C K K roundings of its own to dW's n OH OW (:func:`roundings`)."""
     out = []
     for c, (u, v) in zip(convs(net), pairs(net, probe), strict=True):
-        x, dy = inputs[c.name].astype(np.float64), douts[c.name].astype(np.float64)
-        s = np.einsum("nfhw,f->nhw", dy, u) * one_kernel(x, v, c.stride, c.padding)
-        a = np.einsum("nfhw,f->nhw", np.abs(dy), np.abs(u)) * one_kernel(np.abs(x), np.abs(v), c.stride, c.padding)
-        out += [s.sum(), a.sum()]
+        x, dy = inputs[c.name], douts[c.name]
+        d = dy.reshape(dy.shape[0], dy.shape[1], -1)  # (n, F, OH OW)
+        s = (u @ d) * one_kernel(x, v, c.stride, c.padding).reshape(len(x), -1)
+        a = (np.abs(u) @ np.abs(d)) * one_kernel(np.abs(x), np.abs(v), c.stride, c.padding).reshape(len(x), -1)
+        out += [s.sum(dtype=np.float64), a.sum(dtype=np.float64)]
     return np.array(out, np.float32)
 
 
 def one_kernel(x: np.ndarray, v: np.ndarray, stride: int, padding: int) -> np.ndarray:
-    """x (n, C, H, W) convolved with the one kernel v (C, K, K), no bias -> (n, OH, OW), float64."""
+    """x (n, C, H, W) convolved with the one kernel v (C, K, K), no bias -> (n, OH, OW): the channels contracted
+    first, one GEMM (K K, C) x (C, n HP WP), then the K K shifted planes added."""
     n, c, h, w = x.shape
     k = v.shape[-1]
-    xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    xp = np.pad(x.transpose(1, 0, 2, 3), ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    z = (v.reshape(c, k * k).T @ xp.reshape(c, -1)).reshape(k * k, n, h + 2 * padding, w + 2 * padding)
     oh, ow = (h + 2 * padding - k) // stride + 1, (w + 2 * padding - k) // stride + 1
-    out = np.zeros((n, oh, ow))
+    out = np.zeros((n, oh, ow), np.float32)
     for i in range(k):
         for j in range(k):
-            window = xp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride]
-            out += np.einsum("nchw,c->nhw", window, v[:, i, j])
+            out += z[i * k + j, :, i : i + stride * oh : stride, j : j + stride * ow : stride]
+    return out
+
+
+def roundings(net: Network, x_shape: tuple[int, ...]) -> list[int]:
+    """k of each convolution's check on x (n, C, H, W): dW's sums of n OH OW products, s's F + C K K + 1."""
+    out, shape = [], x_shape
+    for layer in net.layers:
+        shape = layer.output_shape(shape)
+        if isinstance(layer, Conv2D):
+            out.append(shape[0] * shape[2] * shape[3] + layer.out_channels + layer.in_channels * layer.kernel**2 + 1)
     return out
 
 
@@ -85,13 +98,3 @@ def top_pair(
         u = dw @ v
         u /= np.linalg.norm(u) or 1.0
     return u, v
-
-
-def lengths(net: Network, x_shape: tuple[int, ...]) -> list[int]:
-    """k of each convolution's dW on x (n, C, H, W): its n OH OW products per entry."""
-    out, shape = [], x_shape
-    for layer in net.layers:
-        shape = layer.output_shape(shape)
-        if isinstance(layer, Conv2D):
-            out.append(shape[0] * shape[2] * shape[3])
-    return out

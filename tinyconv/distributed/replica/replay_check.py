@@ -136,7 +136,8 @@ class ReplayCheck:
 
     def _projections(self, k: int, first: Message, reply: Message, part: Network) -> list[tuple[str, Pair]]:
         """Each convolution's u^T dW v of the gradient the worker sent, against its own sum s of the products,
-        within 2 gamma_k a (``probe.py``; s rounded to float32 once more); its next probe taken from this dW."""
+        within 2 gamma_k a (``probe.py``, k its ``roundings``; s rounded to float32 once more); its next probe
+        taken from this dW."""
         grads, got, sent = reply.arrays.get("grads"), reply.arrays.get("probes"), first.arrays.get("probe")
         if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
@@ -147,11 +148,11 @@ class ReplayCheck:
         ]
         out = []
         if sent is not None and got is not None and got.shape == (2 * len(dws),):
-            lengths = probe.lengths(part, first.arrays["x"].shape)
+            lengths = probe.roundings(part, first.arrays["x"].shape)
             for c, dw, (u, v), (s, a), n in zip(
                 probe.convs(part), dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
             ):
-                ref = u @ dw.astype(np.float64) @ v.ravel()
+                ref = u.astype(np.float64) @ dw.astype(np.float64) @ v.ravel().astype(np.float64)
                 tol = float32_tolerance(n, float(a)) + 2**-23 * abs(float(s))
                 out.append((f"the gradient of {c.name}.w against its projection", (s.reshape(1), np.array([ref]), tol)))
         last = self._top.get(k) or [None] * len(dws)
