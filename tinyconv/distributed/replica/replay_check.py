@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,18 +50,19 @@ def roundings(net: Network, x_shape: tuple[int, ...]) -> tuple[int, int]:
     return forward, forward + backward
 
 
-REPLAYS = 1 / 3  # the budget's share kept for replays, the only check of a backward that keeps the last bias
+REPLAYS = 1 / 3  # the budget's share kept for replays, the only check of a wrong dY its layers' sums follow
 
 
 class ReplayCheck:
     """Checks every worker's replica tasks within ``budget`` of its work; raises Lost on a wrong one.
 
-    Each step of a worker, while its image credit lasts, one random image of its slice runs forward on the
-    master (the logits it sent, or the hybrid's features); a data-parallel step's last bias is checked against
-    its logits (exact and free); what the image checks leave of the budget replays whole tasks, always the
-    worker's first. What it did: ``images`` checked, ``samples`` (tasks replayed), ``seconds`` the master
-    spent on both, ``earned`` the seconds the budget allowed. ``local`` is the master's own worker that
-    replays (on the backend of the first call)."""
+    Each step of a worker: the hybrid's features of one image and kernel; while its image credit lasts, one
+    random image of its slice run forward (the logits it sent, or the hybrid's features); the last bias against
+    the logits, or the hybrid's last norm against the features; each convolution's dW against its probe; and,
+    from a third of the budget and always at the worker's first step, its whole task replayed (the module's
+    docstring; docs/how-it-works.md). What it did: ``images`` checked, ``samples`` (tasks replayed),
+    ``seconds`` the master spent on all of it, ``earned`` the seconds the budget allowed. ``local`` is the
+    master's own worker that replays (on the backend of the first call)."""
 
     def __init__(self, budget: float = 0.03, seed: int | None = None) -> None:
         if not 0 < budget <= 1:
@@ -82,15 +84,17 @@ class ReplayCheck:
         if task.kind == "hybrid_backward" and k in self.forward:
             first, answer, due = self.forward.pop(k)
             if self._net is not None:
-                self._judge(k, task.kind, _last_norm(first, answer, task, reply, self._net[1]))
-                self._judge(k, task.kind, self._projections(k, first, reply, conv_part(self._net[1])))
+                net = self._net[1]
+                self._charged(k, task.kind, lambda: _last_norm(first, answer, task, reply, net))
+                self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)))
             if due:
                 self._replay(k, [(first, answer), (task, reply)], be)
         elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
             self.forward.pop(k, None)
             due = self._check_step(k, task, reply, be)
             if task.kind == "replica_step" and self._net is not None:
-                self._judge(k, task.kind, self._projections(k, task, reply, self._net[1]))
+                net = self._net[1]
+                self._charged(k, task.kind, lambda: self._projections(k, task, reply, net))
             if due and task.kind == "replica_step":
                 self._replay(k, [(task, reply)], be)
             elif task.kind == "hybrid_forward":  # for its backward: replayed with it, if due (it needs its caches)
@@ -125,6 +129,17 @@ class ReplayCheck:
         self.image_credit[k] = mine - dt - spare
         self.credit[k] += spare
         return first or self.credit[k] >= 0
+
+    def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
+        """Judge the ``parts`` a check makes, its seconds taken off worker k's image credit."""
+        t0 = time.perf_counter()
+        try:
+            self._judge(k, kind, parts())
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds += dt
+            if k in self.image_credit:
+                self.image_credit[k] -= dt
 
     def probe_for(self, k: int, part: Network) -> dict[str, np.ndarray]:
         """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its
