@@ -200,8 +200,8 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
         x[rng.integers(x.shape[0])] = rng.standard_normal(x.shape[1:], dtype=np.float32)  # the data moves on
         try:
             took = run(step, spot)
-        except Lost:
-            return {"lost_at": step, "compute_s": compute}
+        except Lost as e:
+            return {"lost_at": step, "compute_s": compute, "why": "; ".join(e.workers.values())}
         compute += took
         if args.master_share == "auto" and same:  # as the cluster measures it, on this step (the machine's load moves)
             set_rate(took)
@@ -279,7 +279,11 @@ def main() -> None:
         f"split by {args.way}, 1/{args.share} of it, "
         f"batch {args.batch_size}, worker on {args.worker_backend}, master on numpy"
     )
-    print(f"  lost at step {honest['lost_at']} (a false alarm)" if honest["lost_at"] else "  false alarms: 0")
+    print(
+        f"  lost at step {honest['lost_at']} (a false alarm: {honest['why']})"
+        if honest["lost_at"]
+        else "  false alarms: 0"
+    )
     images = f", images checked {spot.images}" if isinstance(spot, ReplayCheck) else ""
     print(f"  samples {spot.samples}{images}, forgiven {getattr(spot, 'forgiven', 0)}")
     print(
