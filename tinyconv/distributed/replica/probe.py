@@ -9,7 +9,7 @@ and the right side is a weighted sum of dY's channels and a one-kernel convoluti
 and 1/F of the GEMM. Its terms' sizes, a = sum_{n, p} (|u| . |dY[n, :, p]|) (|v| . |cols[n, :, p]|), bound
 the round-off of any order of summing them, so an honest worker's dW meets
 
-    |u^T dW v - s| <= 2 gamma_k a,    k = n OH OW + F + C K K + 1 (both sums in float32; checks.py)
+    |u^T dW v - s| <= 2 gamma_k a,    k = n OH OW + 2 (F + C K K + 1) (every sum in float32; checks.py)
 
 The master sends u and v with the task (``probe``), the worker returns s and a for each convolution
 (``probes``) beside its gradient, and the master compares s with u^T dW v of the dW it got. A dW changed
@@ -76,22 +76,24 @@ def one_kernel(x: np.ndarray, v: np.ndarray, stride: int, padding: int) -> np.nd
 
 
 def roundings(net: Network, x_shape: tuple[int, ...]) -> list[int]:
-    """k of each convolution's check on x (n, C, H, W): dW's sums of n OH OW products, s's F + C K K + 1."""
+    """k of each convolution's check on x (n, C, H, W): dW's sums of n OH OW products; s's F + C K K + 1, and as
+    many for the master's u^T dW v in float32 (its products' terms are a's too, so a bounds their round-off)."""
     out, shape = [], x_shape
     for layer in net.layers:
         shape = layer.output_shape(shape)
         if isinstance(layer, Conv2D):
-            out.append(shape[0] * shape[2] * shape[3] + layer.out_channels + layer.in_channels * layer.kernel**2 + 1)
+            out.append(
+                shape[0] * shape[2] * shape[3] + 2 * (layer.out_channels + layer.in_channels * layer.kernel**2 + 1)
+            )
     return out
 
 
 def top_pair(
-    dw: np.ndarray, start: tuple[np.ndarray, np.ndarray] | None, steps: int = 4
+    dw: np.ndarray, start: tuple[np.ndarray, np.ndarray] | None, steps: int = 2
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The top singular pair (u, v) of dW (F, C K K), by ``steps`` power iterations from ``start`` (the last
-    step's pair: gradients turn slowly) or from all ones."""
-    u = start[0] if start is not None else np.ones(dw.shape[0])
-    v = np.ones(dw.shape[1])
+    """Near the top singular pair (u, v) of dW (F, C K K), float32: ``steps`` power iterations from ``start``
+    (the last step's pair: gradients turn slowly, so each step's two refine it further) or from all ones."""
+    u = start[0] if start is not None else np.ones(dw.shape[0], np.float32)
     for _ in range(steps):
         v = dw.T @ u
         v /= np.linalg.norm(v) or 1.0

@@ -178,11 +178,11 @@ class ReplayCheck:
             for c, dw, (u, v), (s, a), n in zip(
                 probe.convs(part), dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
             ):
-                ref = u.astype(np.float64) @ dw.astype(np.float64) @ v.ravel().astype(np.float64)
+                ref = float(u @ (dw @ v.ravel()))
                 tol = float32_tolerance(n, float(a)) + 2**-23 * abs(float(s))
                 out.append((f"the gradient of {c.name}.w against its projection", (s.reshape(1), np.array([ref]), tol)))
         last = self._top.get(k) or [None] * len(dws)
-        self._top[k] = [probe.top_pair(dw.astype(np.float64), start) for dw, start in zip(dws, last, strict=True)]
+        self._top[k] = [probe.top_pair(dw, start) for dw, start in zip(dws, last, strict=True)]
         return out
 
     def _built(self, task: Message, be: Backend) -> Network | None:
