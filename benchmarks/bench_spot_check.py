@@ -98,7 +98,8 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
             arrays = {"x": x, "params": flat.pack(conv)} | (
                 {"buffers": b} if (b := flat.pack(conv, "buffers")).size else {}
             )
-            d = rng.standard_normal((m, math.prod(feature_shape(net, 32))), dtype=np.float32) / np.float32(n)
+            fc = net.layers[-1].params["w"]  # dL/dfeatures = dL/dlogits W, as the master's classifier makes it
+            d = (rng.standard_normal((m, fc.shape[0]), dtype=np.float32) / np.float32(n)) @ fc
             return [
                 ("hybrid_forward", {"net": spec_of(net), "batch": n}, arrays),
                 ("hybrid_backward", {}, {"dfeatures": d}),
