@@ -32,7 +32,6 @@ No asserts: tests/test_spot_check.py pins the behaviour.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
 from tinyconv.distributed.replica import flat  # noqa: E402
-from tinyconv.distributed.replica.conv_part import conv_part, feature_shape  # noqa: E402
+from tinyconv.distributed.replica.conv_part import conv_part  # noqa: E402
 from tinyconv.distributed.replica.replay_check import ReplayCheck  # noqa: E402
 from tinyconv.distributed.replica.replica import spec_of  # noqa: E402
 from tinyconv.distributed.rpc import Lost  # noqa: E402
