@@ -162,8 +162,8 @@ class ReplayCheck:
 
     def _projections(self, k: int, first: Message, reply: Message, part: Network) -> list[tuple[str, Pair]]:
         """Each convolution's u^T dW v of the gradient the worker sent, against its own sum s of the products,
-        within 2 gamma_k a (``probe.py``, k its ``roundings``; s rounded to float32 once more); its next probe
-        taken from this dW."""
+        within ``probe.tolerance`` (k its ``roundings``; s rounded to float32 once more); its next probe taken
+        from this dW."""
         grads, got, sent = reply.arrays.get("grads"), reply.arrays.get("probes"), first.arrays.get("probe")
         if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
@@ -179,7 +179,7 @@ class ReplayCheck:
                 probe.convs(part), dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
             ):
                 ref = float(u @ (dw @ v.ravel()))
-                tol = float32_tolerance(n, float(a)) + 2**-23 * abs(float(s))
+                tol = probe.tolerance(n, float(a)) + 2**-23 * abs(float(s))
                 out.append((f"the gradient of {c.name}.w against its projection", (s.reshape(1), np.array([ref]), tol)))
         last = self._top.get(k) or [None] * len(dws)
         self._top[k] = [probe.top_pair(dw, start) for dw, start in zip(dws, last, strict=True)]
