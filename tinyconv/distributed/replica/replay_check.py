@@ -87,7 +87,7 @@ class ReplayCheck:
             first, answer, due = self.forward.pop(k)
             if self._net is not None:
                 net = self._net[1]
-                self._charged(k, task.kind, lambda: _last_norm(first, answer, task, reply, net))
+                self._charged(k, task.kind, lambda: _last_norm(first, answer, task, reply, net, self._rng))
                 self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)))
             if due:
                 self._replay(k, [(first, answer), (task, reply)], be)
@@ -317,12 +317,16 @@ def _last_bias(task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
     )
 
 
-def _last_norm(first: Message, answer: Message, task: Message, reply: Message, net: Network) -> list[tuple[str, Pair]]:
+def _last_norm(
+    first: Message, answer: Message, task: Message, reply: Message, net: Network, rng: np.random.Generator
+) -> list[tuple[str, Pair]]:
     """The hybrid's last batch norm's dbeta and dgamma, when a max pool is all that follows it. The pool hands
     each window's gradient to the one value it took, gamma xhat + beta, so from the master's own dfeatures d
     and the features f the worker sent (both (n, C, H', W')): dbeta[c] = sum d[:, c] and dgamma[c] = sum d[:, c]
     (f[:, c] - beta[c]) / gamma[c]. The rigorous form on the terms' sizes, k: the sum over the norm's n H W
-    outputs, the pool's windows that took the same value (K K at most), and the few roundings of f."""
+    outputs, the pool's windows that took the same value (K K at most), the few roundings of f, and the
+    master's own sums over the n H' W' features. An eighth of the channels, at random (at least 8): a whole
+    gradient changed shows in any of them, for an eighth of the features' passes."""
     conv = conv_part(net)
     norm, pool = conv.layers[-2:]
     shape = (len(first.arrays["x"]), *feature_shape(net, first.header["net"]["image_size"]))
@@ -331,25 +335,31 @@ def _last_norm(first: Message, answer: Message, task: Message, reply: Message, n
         return []
     if grads.shape != (sum(flat.sizes(conv)),) or features.size != math.prod(shape):
         return []  # not this file's to judge: the split's shape check loses the worker
-    d, f = (a.reshape(shape).astype(np.float64) for a in (task.arrays["dfeatures"], features))
+    picked = np.sort(rng.choice(shape[1], size=min(shape[1], max(8, shape[1] // 8)), replace=False))
+    d, f = task.arrays["dfeatures"].reshape(shape)[:, picked], features.reshape(shape)[:, picked]
     ends = dict(zip((p for p, _, _ in conv.named_params()), np.cumsum(flat.sizes(conv)), strict=True))
     normed = first.arrays["x"].shape
     for layer in conv.layers[:-1]:
         normed = layer.output_shape(normed)
-    c, k = shape[1], math.prod(normed) // shape[1] + pool.kernel**2 + 8
-    at = {p: slice(ends[f"{norm.name}.{p}"] - c, ends[f"{norm.name}.{p}"]) for p in ("gamma", "beta")}
-    gamma, beta = (first.arrays["params"][at[p]].astype(np.float64)[None, :, None, None] for p in ("gamma", "beta"))
-    xhat = np.divide(f - beta, gamma, out=np.zeros_like(f), where=gamma != 0)  # gamma 0: no xhat, no term
-    size = np.divide(np.abs(f) + np.abs(beta), np.abs(gamma), out=np.zeros_like(f), where=gamma != 0)
-    axes, unknown = (0, 2, 3), np.where(gamma.ravel() != 0, 0.0, np.inf)  # gamma 0: dgamma not checked
+    c, m = shape[1], shape[0] * shape[2] * shape[3]
+    k = math.prod(normed) // c + pool.kernel**2 + 8 + m  # the worker's sums, the pool's, f's; the master's own m
+    at = {p: ends[f"{norm.name}.{p}"] - c + picked for p in ("gamma", "beta")}
+    gamma, beta = (first.arrays["params"][at[p]].astype(np.float64) for p in ("gamma", "beta"))
+    # per channel, in float32 (k counts them): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
+    ad, axes = np.abs(d), (0, 2, 3)
+    dsum, dabs = (a.sum(axis=axes).astype(np.float64) for a in (d, ad))
+    df, dfabs = (np.einsum("nchw,nchw->c", a, b).astype(np.float64) for a, b in ((d, f), (ad, np.abs(f))))
+    live = gamma != 0  # gamma 0: no xhat to take, dgamma not checked
+    g = np.where(live, gamma, 1.0)
+    gamma_tol = np.where(live, float32_tolerance(k, (dfabs + np.abs(beta) * dabs) / np.abs(g)), np.inf)
     return [
         (
             f"the gradient of {norm.name}.beta against its features",
-            (grads[at["beta"]], d.sum(axes), float32_tolerance(k, np.abs(d).sum(axes))),
+            (grads[at["beta"]], dsum, float32_tolerance(k, dabs)),
         ),
         (
             f"the gradient of {norm.name}.gamma against its features",
-            (grads[at["gamma"]], (d * xhat).sum(axes), float32_tolerance(k, (np.abs(d) * size).sum(axes)) + unknown),
+            (grads[at["gamma"]], (df - beta * dsum) / g, gamma_tol),
         ),
     ]
 
