@@ -74,6 +74,8 @@ class ReplayCheck:
         self.kernel_credit: dict[int, float] = {}  # worker -> master seconds for the hybrid's kernel samples
         self.forward: dict[int, tuple[Message, Message, bool]] = {}  # worker -> its hybrid_forward, answer, replay?
         self.samples, self.images, self.seconds, self.earned = 0, 0, 0.0, 0.0
+        self.doubts: dict[int, int] = {}  # worker -> its replays in a row whose backward disagreed
+        self.forgiven = 0  # backward disagreements the next replays did not confirm
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
         self._replayed = [0.0, 0]  # seconds, images: the rate until the master measures its own
         self.local: Worker | None = None
@@ -257,6 +259,7 @@ class ReplayCheck:
         net = self.local.state.replica[1]
         part = net if first.kind == "replica_step" else conv_part(net)
         forward, backward = roundings(part, first.arrays["x"].shape)
+        doubt = None
         for mine, theirs in pairs:
             if mine.kind != "result":  # the master's replay failed where the worker did not: no verdict
                 return
@@ -264,20 +267,40 @@ class ReplayCheck:
                 answer = theirs.arrays.get(name)
                 if answer is None or answer.shape != ref.shape:
                     return  # not this file's to judge: the split's shape check loses the worker
-                self._judge(k, first.kind, _parts(part, name, ref, answer, backward if name == "grads" else forward))
+                parts = _parts(part, name, ref, answer, backward if name == "grads" else forward)
+                if name in ("grads", "probes"):  # the backward's: judged below
+                    doubt = doubt or _worst(parts)
+                else:
+                    self._judge(k, first.kind, parts)
+        if doubt is None:
+            self.forgiven += self.doubts.pop(k, 0) > 0
+            return
+        self.doubts[k] = self.doubts.get(k, 0) + 1
+        if self.doubts[k] >= 3:
+            self._judge(k, first.kind, [doubt[0]])
+        self.credit[k] = max(self.credit[k], 0.0)  # the next step is replayed too
 
     def _judge(self, k: int, kind: str, parts: list[tuple[str, Pair]]) -> None:
         """Lose worker ``k`` ("wrong result") at the first entry beyond its tolerance (a scalar or one per entry)."""
-        for what, (got, ref, tol) in parts:
+        bad = _worst(parts)
+        if bad is not None:
+            (what, (got, ref, tol)), i = bad
             gap = np.abs(got.astype(np.float64) - ref)
-            excess = np.nan_to_num(gap - tol, nan=np.inf)
-            i = int(np.argmax(excess)) if excess.size else 0
-            if excess.size and excess.flat[i] > 0:
-                self.credit.pop(k, None)
-                self.image_credit.pop(k, None)
-                self._top.pop(k, None)
-                why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
-                raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
+            self.credit.pop(k, None)
+            self.image_credit.pop(k, None)
+            self._top.pop(k, None)
+            self.doubts.pop(k, None)
+            why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
+            raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
+
+
+def _worst(parts: list[tuple[str, Pair]]) -> tuple[tuple[str, Pair], int] | None:
+    """The first part with an entry beyond its tolerance (NaN is), and that entry's flat index; None if none."""
+    for what, (got, ref, tol) in parts:
+        excess = np.nan_to_num(np.abs(got.astype(np.float64) - ref) - tol, nan=np.inf)
+        if excess.size and (i := int(np.argmax(excess))) >= 0 and excess.flat[i] > 0:
+            return (what, (got, ref, tol)), i
+    return None
 
 
 def _fits(task: Message, reply: Message, net: Network) -> bool:
