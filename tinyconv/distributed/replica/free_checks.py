@@ -1,0 +1,88 @@
+"""The free checks of the splits by images: an answer of a worker against another of its answers, or against
+what the master holds, recomputing none of the network (docs/how-it-works.md, "Spot checks").
+
+    last_bias   data parallelism: the classifier's bias gradient follows from the logits the worker sent
+    last_norm   the hybrid: its last batch norm's dbeta and dgamma follow from its features and dL/dfeatures
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from backends.conformance.checks import FN, float32_tolerance
+from tinyconv.distributed.replica import flat
+from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
+from tinyconv.distributed.spot_sample import Pair
+from tinyconv.layers import BatchNorm2D, MaxPool2D
+from tinyconv.model import Network
+from transports.base import Message
+
+
+def last_bias(task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
+    """The gradient of the classifier's bias, db = sum over the slice of dL/dlogits = (softmax(logits) - q) / N
+    (``replica.py``), from the logits the worker sent: exact but for round-off, whatever the layers below did.
+    Its tolerance is the rigorous form on the terms' sizes (p + q) / N, softmax's round-off being on p, not on
+    p - q; k: the softmax (K terms, an exp and a division), the smoothing and the scaling, the sum over n."""
+    logits = reply.arrays["logits"].astype(np.float64)
+    n, classes = logits.shape
+    eps = float(task.header.get("smoothing", 0.0))
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    q = np.full_like(p, eps / classes)
+    q[np.arange(n), task.arrays["y"]] += 1.0 - eps
+    batch = task.header["batch"]
+    tol = float32_tolerance(n + classes + 2 * FN + 6, ((p + q) / batch).sum(axis=0))
+    return f"the gradient of {net.layers[-1].name}.b against its logits", (
+        reply.arrays["grads"][-classes:],
+        ((p - q) / batch).sum(axis=0),
+        tol,
+    )
+
+
+def last_norm(
+    first: Message, answer: Message, task: Message, reply: Message, net: Network, rng: np.random.Generator
+) -> list[tuple[str, Pair]]:
+    """The hybrid's last batch norm's dbeta and dgamma, when a max pool is all that follows it. The pool hands
+    each window's gradient to the one value it took, gamma xhat + beta, so from the master's own dfeatures d
+    and the features f the worker sent (both (n, C, H', W')): dbeta[c] = sum d[:, c] and dgamma[c] = sum d[:, c]
+    (f[:, c] - beta[c]) / gamma[c]. The rigorous form on the terms' sizes, k: the sum over the norm's n H W
+    outputs, the pool's windows that took the same value (K K at most), the few roundings of f, and the
+    master's own sums over the n H' W' features. An eighth of the channels, at random (at least 8): a whole
+    gradient changed shows in any of them, for an eighth of the features' passes."""
+    conv = conv_part(net)
+    norm, pool = conv.layers[-2:]
+    shape = (len(first.arrays["x"]), *feature_shape(net, first.header["net"]["image_size"]))
+    grads, features = reply.arrays.get("grads"), answer.arrays.get("features")
+    if not (isinstance(norm, BatchNorm2D) and isinstance(pool, MaxPool2D)) or grads is None or features is None:
+        return []
+    if grads.shape != (sum(flat.sizes(conv)),) or features.size != math.prod(shape):
+        return []  # not this file's to judge: the split's shape check loses the worker
+    picked = np.sort(rng.choice(shape[1], size=min(shape[1], max(8, shape[1] // 8)), replace=False))
+    d, f = task.arrays["dfeatures"].reshape(shape)[:, picked], features.reshape(shape)[:, picked]
+    ends = dict(zip((p for p, _, _ in conv.named_params()), np.cumsum(flat.sizes(conv)), strict=True))
+    normed = first.arrays["x"].shape
+    for layer in conv.layers[:-1]:
+        normed = layer.output_shape(normed)
+    c, m = shape[1], shape[0] * shape[2] * shape[3]
+    k = math.prod(normed) // c + pool.kernel**2 + 8 + m  # the worker's sums, the pool's, f's; the master's own m
+    at = {p: ends[f"{norm.name}.{p}"] - c + picked for p in ("gamma", "beta")}
+    gamma, beta = (first.arrays["params"][at[p]].astype(np.float64) for p in ("gamma", "beta"))
+    # per channel, in float32 (k counts them): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
+    ad, axes = np.abs(d), (0, 2, 3)
+    dsum, dabs = (a.sum(axis=axes).astype(np.float64) for a in (d, ad))
+    df, dfabs = (np.einsum("nchw,nchw->c", a, b).astype(np.float64) for a, b in ((d, f), (ad, np.abs(f))))
+    live = gamma != 0  # gamma 0: no xhat to take, dgamma not checked
+    g = np.where(live, gamma, 1.0)
+    gamma_tol = np.where(live, float32_tolerance(k, (dfabs + np.abs(beta) * dabs) / np.abs(g)), np.inf)
+    return [
+        (
+            f"the gradient of {norm.name}.beta against its features",
+            (grads[at["beta"]], dsum, float32_tolerance(k, dabs)),
+        ),
+        (
+            f"the gradient of {norm.name}.gamma against its features",
+            (grads[at["gamma"]], (df - beta * dsum) / g, gamma_tol),
+        ),
+    ]
