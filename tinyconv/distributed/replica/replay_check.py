@@ -77,6 +77,7 @@ class ReplayCheck:
         self.samples, self.images, self.seconds, self.earned = 0, 0, 0.0, 0.0
         self.doubts: dict[int, int] = {}  # worker -> its replays in a row whose backward disagreed
         self.forgiven = 0  # backward disagreements the next replays did not confirm
+        self._image_s = 0.0  # what the last image check cost the master
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
         self._replayed = [0.0, 0]  # seconds, images: the rate until the master measures its own
         self.local: Worker | None = None
@@ -90,8 +91,8 @@ class ReplayCheck:
             first, answer, due = self.forward.pop(k)
             if self._net is not None:
                 net = self._net[1]
-                self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng))
-                self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)))
+                self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), due)
+                self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
             if due:
                 self._replay(k, [(first, answer), (task, reply)], be)
         elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
@@ -99,16 +100,17 @@ class ReplayCheck:
             due = self._check_step(k, task, reply, be)
             if task.kind == "replica_step" and self._net is not None:
                 net = self._net[1]
-                self._charged(k, task.kind, lambda: self._projections(k, task, reply, net))
+                self._charged(k, task.kind, lambda: self._projections(k, task, reply, net), due)
             if due and task.kind == "replica_step":
                 self._replay(k, [(task, reply)], be)
             elif task.kind == "hybrid_forward":  # for its backward: replayed with it, if due (it needs its caches)
                 self.forward[k] = (task, reply, due)
 
     def _check_step(self, k: int, task: Message, reply: Message, be: Backend) -> bool:
-        """Earn the step's credit; check one image while the image credit lasts, a data-parallel step's last bias
-        always; what the image checks leave beyond a step's share goes to the replays. Whether a replay is due:
-        the worker's first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
+        """Earn the step's credit; check one image while the image credit holds what one last cost (so that the
+        next steps' free checks keep theirs), a data-parallel step's last bias while it is not negative (and at
+        the worker's first step); what the image credit holds beyond a step's share, or an image's, goes to the
+        replays. Whether a replay is due: the first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
         net = self._built(task, be)
         if net is None or not _fits(task, reply, net):
             return False  # not this file's to judge: the split's shape check loses the worker
@@ -132,20 +134,25 @@ class ReplayCheck:
         earned = share
         mine = self.image_credit.get(k, 0.0) + earned
         t0 = time.perf_counter()
-        if not first and mine >= 0:
+        if not first and mine >= self._image_s:  # what it last cost: the next steps' free checks keep theirs
             self.images += 1
             self._judge(k, task.kind, [self._one_image(task, reply, net)])
-        if task.kind == "replica_step":
+            self._image_s = time.perf_counter() - t0
+        if task.kind == "replica_step" and (first or mine - (time.perf_counter() - t0) >= 0):
             self._judge(k, task.kind, [last_bias(task, reply, net)])
         dt = time.perf_counter() - t0
         self.seconds += dt
-        spare = max(0.0, mine - dt - earned)  # what the image checks keep: a step's share, for the next one's
-        self.image_credit[k] = mine - dt - spare
+        spare = max(0.0, mine - dt - max(earned, self._image_s))  # kept: a step's share or an image's, the rest
+        self.image_credit[k] = mine - dt - spare  # to the replays
         self.credit[k] += spare
         return first or self.credit[k] >= 0
 
-    def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
-        """Judge the ``parts`` a check makes, its seconds taken off worker k's image credit."""
+    def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
+        """Judge the ``parts`` a check makes while worker k's image credit is not negative (free checks cost little
+        at the paper's sizes, more than a small network's 3 %), or beside a replay; its seconds taken off that
+        credit."""
+        if self.image_credit.get(k, 0.0) < 0 and not replayed:
+            return
         t0 = time.perf_counter()
         try:
             self._judge(k, kind, parts())
