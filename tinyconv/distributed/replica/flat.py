@@ -38,6 +38,12 @@ def sizes(net: Network, table: str = "params") -> list[int]:
     return [math.prod(shape) for shape in _shapes(net, table)]
 
 
+def spans(net: Network) -> dict[str, slice]:
+    """Where each parameter ('conv1.w', ...) sits in the vector (and its gradient in a gradient vector)."""
+    ends = np.cumsum(sizes(net))
+    return {p: slice(end - n, end) for (p, _, _), n, end in zip(net.named_params(), sizes(net), ends, strict=True)}
+
+
 def pack(net: Network, table: str = "params") -> np.ndarray:
     """``table`` ("params", "grads" or "buffers") of every layer as one host float32 vector."""
     be = net.backend

@@ -61,13 +61,12 @@ def last_norm(
         return []  # not this file's to judge: the split's shape check loses the worker
     picked = np.sort(rng.choice(shape[1], size=min(shape[1], max(8, shape[1] // 8)), replace=False))
     d, f = task.arrays["dfeatures"].reshape(shape)[:, picked], features.reshape(shape)[:, picked]
-    ends = dict(zip((p for p, _, _ in conv.named_params()), np.cumsum(flat.sizes(conv)), strict=True))
     normed = first.arrays["x"].shape
     for layer in conv.layers[:-1]:
         normed = layer.output_shape(normed)
     c, m = shape[1], shape[0] * shape[2] * shape[3]
     k = math.prod(normed) // c + pool.kernel**2 + 8 + m  # the worker's sums, the pool's, f's; the master's own m
-    at = {p: ends[f"{norm.name}.{p}"] - c + picked for p in ("gamma", "beta")}
+    at = {p: flat.spans(conv)[f"{norm.name}.{p}"].start + picked for p in ("gamma", "beta")}
     gamma, beta = (first.arrays["params"][at[p]].astype(np.float64) for p in ("gamma", "beta"))
     # per channel, in float32 (k counts them): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
     ad, axes = np.abs(d), (0, 2, 3)

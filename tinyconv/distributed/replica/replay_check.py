@@ -6,6 +6,7 @@ Its budget and tolerances: docs/how-it-works.md, "Spot checks".
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -52,7 +53,7 @@ def roundings(net: Network, x_shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 REPLAYS = 1 / 3  # the budget's share kept for replays, the only check of a wrong dY its layers' sums follow
-KERNELS = 1 / 6  # the hybrid's share for its kernel samples: about 0.2 % of a task at 50:500 on 21 images
+KERNELS = 1 / 6  # the hybrid's share for its kernel samples: 1-2 % of a task each at 50:500 on 21 images
 
 
 class ReplayCheck:
@@ -121,28 +122,29 @@ class ReplayCheck:
         first = k not in self.credit
         self.credit[k] = self.credit.get(k, 0.0) + earned * REPLAYS
         share = earned * (1 - REPLAYS)  # the images', with what the kernel samples leave
-        if task.kind == "hybrid_forward":  # a few kernels of one image: at the paper's sizes, every step
+        part = net if task.kind == "replica_step" else conv_part(net)
+        extra = functools.cache(lambda: self._loaded(task, reply, part))  # once a step, for the checks that run
+        if task.kind == "hybrid_forward":  # a few kernels of one image: at the paper's sizes, most steps
             kernels = self.kernel_credit.get(k, 0.0) + earned * KERNELS
             if not first and kernels >= 0:
                 t0 = time.perf_counter()
-                self._judge(k, task.kind, [self._one_kernel(task, reply, net)])
+                self._judge(k, task.kind, [self._one_kernel(task, reply, net, extra())])
                 dt = time.perf_counter() - t0
                 kernels -= dt
                 self.seconds += dt
             self.kernel_credit[k] = min(kernels, earned * KERNELS)  # a step's share kept, the rest to the images
             share += kernels - self.kernel_credit[k] - earned * KERNELS
-        earned = share
-        mine = self.image_credit.get(k, 0.0) + earned
+        mine = self.image_credit.get(k, 0.0) + share
         t0 = time.perf_counter()
         if not first and mine >= self._image_s:  # what it last cost: the next steps' free checks keep theirs
             self.images += 1
-            self._judge(k, task.kind, [self._one_image(task, reply, net)])
+            self._judge(k, task.kind, [self._one_image(task, reply, part, extra())])
             self._image_s = time.perf_counter() - t0
         if task.kind == "replica_step" and (first or mine - (time.perf_counter() - t0) >= 0):
             self._judge(k, task.kind, [last_bias(task, reply, net)])
         dt = time.perf_counter() - t0
         self.seconds += dt
-        spare = max(0.0, mine - dt - max(earned, self._image_s))  # kept: a step's share or an image's, the rest
+        spare = max(0.0, mine - dt - max(share, self._image_s))  # kept: a step's share or an image's, the rest
         self.image_credit[k] = mine - dt - spare  # to the replays
         self.credit[k] += spare
         return first or self.credit[k] >= 0
@@ -177,11 +179,8 @@ class ReplayCheck:
         grads, got, sent = reply.arrays.get("grads"), reply.arrays.get("probes"), first.arrays.get("probe")
         if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
-        ends = dict(zip((p for p, _, _ in part.named_params()), np.cumsum(flat.sizes(part)), strict=True))
-        dws = [
-            grads[ends[f"{c.name}.w"] - c.params["w"].size : ends[f"{c.name}.w"]].reshape(c.out_channels, -1)
-            for c in probe.convs(part)
-        ]
+        at = flat.spans(part)
+        dws = [grads[at[f"{c.name}.w"]].reshape(c.out_channels, -1) for c in probe.convs(part)]
         out = []
         if sent is not None and got is not None and got.shape == (2 * len(dws),):
             lengths = probe.roundings(part, first.arrays["x"].shape)
@@ -206,28 +205,30 @@ class ReplayCheck:
                 return None
         return self._net[1]
 
-    def _one_image(self, task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
-        """One random image of the slice run forward on the master with the task's weights, batch norm at the
-        slice's statistics (the worker's), against the worker's row of logits (or features)."""
-        be, x = net.backend, task.arrays["x"]
-        part = net if task.kind == "replica_step" else conv_part(net)
+    def _loaded(self, task: Message, reply: Message, part: Network) -> int:
+        """``part`` (the replica, or its conv part) with the task's weights and, as its running statistics, the
+        worker's batch statistics, for an evaluation forward; the roundings that adds (``_slice_statistics``)."""
         flat.unpack(part, task.arrays["params"])
-        extra = _slice_statistics(part, reply.arrays.get("stats"), x.shape)
+        return _slice_statistics(part, reply.arrays.get("stats"), task.arrays["x"].shape)
+
+    def _one_image(self, task: Message, reply: Message, part: Network, extra: int) -> tuple[str, Pair]:
+        """One random image of the slice run forward on the master by ``part`` (``_loaded``: ``extra`` its
+        roundings), against the worker's row of logits (or features)."""
+        be, x = part.backend, task.arrays["x"]
         j = int(self._rng.integers(len(x)))
         name = "logits" if task.kind == "replica_step" else "features"
         got = reply.arrays[name][j : j + 1]
         mine = np.asarray(be.to_numpy(part.forward(be.asarray(x[j : j + 1].copy()), training=False)), np.float32)
         return f"image {j}'s {name}", pair(got, mine.reshape(got.shape), roundings(part, x.shape)[0] + extra)
 
-    def _one_kernel(self, task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
+    def _one_kernel(self, task: Message, reply: Message, net: Network, extra: int) -> tuple[str, Pair]:
         """The hybrid's features of one random image and one random kernel j of its last convolution, on the
         master: the layers before that convolution on the one image, then of it only the kernels j's tail reads
         ([j - E, j + E], E the LRN's half-window; batch norm at the worker's statistics, as an evaluation). j is
-        drawn among the kernels whose plane the worker sent is not all zeros (the whole image checks those)."""
+        drawn among the kernels whose plane the worker sent is not all zeros (the whole image checks those).
+        ``net``'s conv part is ``_loaded``, ``extra`` its roundings."""
         be, x = net.backend, task.arrays["x"]
         conv = conv_part(net)
-        flat.unpack(conv, task.arrays["params"])
-        extra = _slice_statistics(conv, reply.arrays.get("stats"), x.shape)
         last = max(i for i, layer in enumerate(conv.layers) if isinstance(layer, Conv2D))
         layer, tail = conv.layers[last], conv.layers[last + 1 :]
         i = int(self._rng.integers(len(x)))
@@ -352,10 +353,7 @@ def _parts(net: Network, name: str, ref: np.ndarray, got: np.ndarray, k: int) ->
     has a gradient of 0 but for round-off: its sums cancel, its weights' do not); any other array whole."""
     if name != "grads":
         return [(name, pair(got, ref, k))]
-    ends, params = np.cumsum(flat.sizes(net)), [(p, layer) for p, layer, _ in net.named_params()]
-    parts = [
-        (p, layer, ref[end - n : end], got[end - n : end])
-        for (p, layer), n, end in zip(params, flat.sizes(net), ends, strict=True)
-    ]
+    at = flat.spans(net)
+    parts = [(p, layer, ref[at[p]], got[at[p]]) for p, layer, _ in net.named_params()]
     top = {id(layer): max(scale(r) for _, other, r, _ in parts if other is layer) for _, layer, _, _ in parts}
     return [(f"the gradient of {p}", pair(g, r, k, top[id(layer)])) for p, layer, r, g in parts]
