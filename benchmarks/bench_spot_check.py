@@ -24,7 +24,7 @@ against the worker's compute seconds, and against what the budget allowed.
 Then, for each kind of wrong worker, honest until ``--fault-from`` and wrong from then on, the steps
 it took to lose it (1: the fault's first step; median and worst over ``--seeds`` runs): x -50 poison,
 1 % on every result, 1 % on dw (by images: the gradient) alone, 1 % noise on dx (the logits, or the
-hybrid's features) alone. (A
+hybrid's features) alone, and by images 1 % on conv1's gradient alone. (A
 worker wrong from its first step is always caught there: the first step is always sampled.)
 No asserts: tests/test_spot_check.py pins the behaviour.
 """
@@ -74,6 +74,21 @@ FAULTS: dict[str, Spoil] = {
     ),
 }
 Check = SpotCheck | ReplayCheck
+
+
+def first_conv_off(args: argparse.Namespace) -> Spoil:
+    """By images: 1 % on conv1's gradient alone, where u^T dW v is 1-6 % of its terms' sizes (replica/probe.py)."""
+    net = paper_net(args.arch, get_backend("numpy"), args.norm, seed=0)
+    at = flat.spans(conv_part(net) if args.parallel == "hybrid" else net)["conv1.w"]
+
+    def spoil(name: str, a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        if name != "grads":
+            return a
+        a = a.copy()
+        a[at] *= np.float32(1.01)
+        return a
+
+    return spoil
 
 
 def check(args: argparse.Namespace, seed: int) -> Check:
@@ -292,7 +307,8 @@ def main() -> None:
         f"work at the master's speed: {spot.earned:.3f} s)"
     )
     rows = []
-    for name, spoil in FAULTS.items():
+    faults = FAULTS | ({"1 % on conv1's dw alone": first_conv_off(args)} if args.way == "images" else {})
+    for name, spoil in faults.items():
         lost = [steps(args, check(args, seed=s), args.fault_steps, spoil, seed=s)["lost_at"] for s in range(args.seeds)]
         caught = [s - args.fault_from + 1 for s in lost if s is not None and s >= args.fault_from]  # 1: at once
         early = sum(s is not None and s < args.fault_from for s in lost)  # lost while still honest: false alarms

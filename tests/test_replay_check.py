@@ -20,6 +20,7 @@ from backends.conformance.checks import FN, float32_tolerance
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.replica import flat, probe
 from tinyconv.distributed.replica.batch import UNIT
+from tinyconv.distributed.replica.conv_part import conv_part
 from tinyconv.distributed.replica.hybrid import Hybrid
 from tinyconv.distributed.replica.replay_check import ReplayCheck, roundings
 from tinyconv.distributed.replica.replica import slice_gradients
@@ -265,3 +266,44 @@ def test_an_honest_opencl_worker_is_never_found_wrong():
             run = runtime(parallel, transport, workers)
             train(run, 5, norm)  # the first step replayed, an image a step checked after it
             assert not run.lost and run.spot.images == 2 * 4, (parallel, norm, run.lost)
+
+
+class UnderTheBound(Worker):
+    """From its 5th answer on, conv1.w's gradient moved along the probe's u v^T by three quarters of what its
+    projection's check allows that step: each step passes, every step leans the same way."""
+
+    def __init__(self) -> None:
+        super().__init__(NumpyBackend())
+        self.answers = 0
+
+    def handle(self, msg):
+        reply = super().handle(msg)
+        if msg.kind in ("replica_step", "hybrid_forward"):
+            self.task = msg  # the probe and the slice the gradient will come from
+        if "probes" not in reply.arrays:
+            return reply
+        self.answers += 1
+        part = self.state.replica[1] if msg.kind == "replica_step" else conv_part(self.state.replica[1])
+        (u, v), (s, a) = probe.pairs(part, self.task.arrays["probe"])[0], reply.arrays["probes"][:2]
+        k = probe.roundings(part, self.task.arrays["x"].shape)[0]
+        if self.answers >= 5:
+            bound = probe.tolerance(k, float(a)) + 2**-23 * abs(float(s))
+            move = np.outer(u, v.ravel()).ravel() * np.float32(0.75 * bound / float((u @ u) * (v.ravel() @ v.ravel())))
+            reply.arrays["grads"] = reply.arrays["grads"].copy()
+            reply.arrays["grads"][: move.size] += move
+        return reply
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_gradient_off_by_less_than_each_steps_bound_is_caught_by_its_sum_over_steps(parallel):
+    """No step's check of conv1's projection sees UnderTheBound's gradient, the sum of the last few does
+    (replica/probe.py: their bound grows as the root of the steps, the lean as the steps)."""
+    make = lambda i: UnderTheBound() if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers)
+        train(run, 12, every_kernel=False)
+    (event,) = run.pop_events()
+    assert 5 <= event["step"] <= 11 and event["worker"] == "worker1", event
+    assert event["reason"].startswith("wrong result: the gradient of conv1.w against its projections summed over"), (
+        event
+    )

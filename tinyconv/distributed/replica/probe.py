@@ -18,6 +18,17 @@ fails with probability at most 2 k exp(-lambda^2 (1 - u)^2 / 2) per computation:
 and k <= 10^5. Its margin, measured between OpenCL workers and a numpy master, is the rigorous bound's
 hundredfold (docs/how-it-works.md, "Spot checks").
 
+A dW a little off on every step (1 % of a gradient whose u^T dW v is 1-6 % of a: conv1's) can hide under each
+step's bound and not under the sum of a few. The first-order part of the round-off of all the sums in a window
+of steps, sum_j delta_j c_j over every rounding j (|c_j| <= a of its step, sum_j |c_j| <= k a), is one
+martingale in the independent deltas, so by Azuma's inequality the disagreements of L steps add in quadrature:
+
+    |sum_t (u_t^T dW_t v_t - s_t)| <= 2 (lambda u sqrt(sum_t k_t a_t^2) + u^2 sum_t k_t^2 a_t)
+
+(the second term the rest of each product of (1 + delta)s, at most k^2 u^2 of its term), failing with
+probability 2 exp(-lambda^2 / 2) per window. A fault that keeps its sign (u, v turn with dW: u^T dW v > 0)
+grows as L, the bound as sqrt(L): the master checks the last 2 to WINDOW steps too (:func:`window_tolerance`).
+
 The master sends u and v with the task (``probe``), the worker returns s and a for each convolution
 (``probes``) beside its gradient, and the master compares s with u^T dW v of the dW it got. A dW changed
 after the sums (a faulty GEMM, 1 % on every entry) shows unless u^T dW v is small against a: so u, v are
@@ -35,12 +46,21 @@ from tinyconv.model import Network
 
 LAMBDA = 8.0  # the probabilistic bound's lambda (the module's docstring)
 U = 2.0**-24  # float32's unit round-off
+WINDOW = 8  # steps whose disagreements are also judged summed: the last 2, 3, ..., WINDOW
 
 
 def tolerance(k: int, a: float) -> float:
     """How far apart an honest worker's s and the master's u^T dW v may be: the module's bound, for each of the two
     computations."""
     return 2 * math.expm1(LAMBDA * math.sqrt(k) * U + k * U * U / (1 - U)) * a
+
+
+def window_tolerance(rows: np.ndarray) -> float:
+    """How far the sums over L steps of an honest worker's s and the master's u^T dW v may be apart, ``rows`` (L, 4)
+    each step's (s, u^T dW v, k, a): the module's bound over a window, and s rounded to float32 once each step."""
+    s, _, k, a = np.asarray(rows, np.float64).T
+    first, second = LAMBDA * U * math.sqrt(float(np.sum(k * a * a))), U * U * float(np.sum(k * k * a))
+    return 2 * (first + second) + 2**-23 * float(np.sum(np.abs(s)))
 
 
 def convs(net: Network) -> list[Conv2D]:

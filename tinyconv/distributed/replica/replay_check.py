@@ -6,7 +6,9 @@ Its budget and tolerances: docs/how-it-works.md, "Spot checks".
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -85,6 +87,7 @@ class ReplayCheck:
         self._rng = np.random.default_rng(seed)  # the image: the master's choice, made after the answer came
         self._net: tuple[str, Network] | None = None  # the image checks' replica
         self._top: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # worker -> its next probe's (u, v)s
+        self._trail: dict[int, collections.deque] = {}  # worker -> its last steps' projections (probe.window_tolerance)
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
@@ -181,15 +184,26 @@ class ReplayCheck:
             return []
         at = flat.spans(part)
         dws = [grads[at[f"{c.name}.w"]].reshape(c.out_channels, -1) for c in probe.convs(part)]
-        out = []
+        out, names = [], [f"the gradient of {c.name}.w against its projection" for c in probe.convs(part)]
         if sent is not None and got is not None and got.shape == (2 * len(dws),):
             lengths = probe.roundings(part, first.arrays["x"].shape)
-            for c, dw, (u, v), (s, a), n in zip(
-                probe.convs(part), dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
+            rows = []
+            for what, dw, (u, v), (s, a), n in zip(
+                names, dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
             ):
                 ref = float(u @ (dw @ v.ravel()))
                 tol = probe.tolerance(n, float(a)) + 2**-23 * abs(float(s))
-                out.append((f"the gradient of {c.name}.w against its projection", (s.reshape(1), np.array([ref]), tol)))
+                out.append((what, (s.reshape(1), np.array([ref]), tol)))
+                rows.append((float(s), ref, n, float(a)))
+            trail = self._trail.setdefault(k, collections.deque(maxlen=probe.WINDOW))
+            if trail and trail[-1].shape != (len(rows), 4):  # another network: its sums start again
+                trail.clear()
+            trail.append(np.array(rows))
+            steps = np.stack(trail)  # (L, convolutions, 4): the last L checked steps' s, u^T dW v, k, a
+            for length, (i, what) in itertools.product(range(2, len(steps) + 1), enumerate(names)):
+                r = steps[-length:, i]
+                sums = (np.array([r[:, 0].sum()]), np.array([r[:, 1].sum()]), probe.window_tolerance(r))
+                out.append((f"{what}s summed over its last {length} steps", sums))
         last = self._top.get(k) or [None] * len(dws)
         self._top[k] = [probe.top_pair(dw, start) for dw, start in zip(dws, last, strict=True)]
         return out
@@ -298,6 +312,7 @@ class ReplayCheck:
             self.credit.pop(k, None)
             self.image_credit.pop(k, None)
             self._top.pop(k, None)
+            self._trail.pop(k, None)
             self.doubts.pop(k, None)
             why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
             raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
