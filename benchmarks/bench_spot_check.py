@@ -24,7 +24,8 @@ against the worker's compute seconds, and against what the budget allowed.
 Then, for each kind of wrong worker, honest until ``--fault-from`` and wrong from then on, the steps
 it took to lose it (1: the fault's first step; median and worst over ``--seeds`` runs): x -50 poison,
 1 % on every result, 1 % on dw (by images: the gradient) alone, 1 % noise on dx (the logits, or the
-hybrid's features) alone, and by images 1 % on conv1's gradient alone. (A
+hybrid's features) alone, and by images 1 % on conv1's gradient alone and two faults inside the worker's
+backward that its own sums follow: 1 % on every convolution's dx, and on the norm's. (A
 worker wrong from its first step is always caught there: the first step is always sampled.)
 No asserts: tests/test_spot_check.py pins the behaviour.
 """
@@ -43,6 +44,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from backends import get_backend  # noqa: E402
+from backends.base import Backend  # noqa: E402
 from tinyconv.distributed.replica import flat  # noqa: E402
 from tinyconv.distributed.replica.conv_part import conv_part  # noqa: E402
 from tinyconv.distributed.replica.replay_check import ReplayCheck  # noqa: E402
@@ -74,6 +76,27 @@ FAULTS: dict[str, Spoil] = {
     ),
 }
 Check = SpotCheck | ReplayCheck
+# by images, faults inside the worker's backward that its own sums then follow: dX 1 % off in every convolution
+# that computes one (a faulty dX GEMM), or the norm's backward (LRN's, batch norm's)
+INSIDE = {"1 % on conv dx, inside": "conv2d_backward", "1 % on the norm's dx, inside": "norm"}
+
+
+def faulty(backend: Backend, op: str, on: Callable[[], bool]) -> Backend:
+    """``backend`` with ``op``'s dx (the norm: LRN's, ReLU + LRN's or batch norm's) 1 % off while ``on()``."""
+    ops = ("lrn_backward", "relu_lrn_backward", "batchnorm_backward") if op == "norm" else (op,)
+    for name in ops:
+        honest = getattr(backend, name)
+
+        def spoiled(*args, honest=honest, **kwargs):
+            out = honest(*args, **kwargs)
+            dx = out[0] if isinstance(out, tuple) else out
+            if dx is None or not on():
+                return out
+            dx = backend.asarray(backend.to_numpy(dx) * np.float32(1.01))
+            return (dx, *out[1:]) if isinstance(out, tuple) else dx
+
+        setattr(backend, name, spoiled)
+    return backend
 
 
 def first_conv_off(args: argparse.Namespace) -> Spoil:
@@ -164,11 +187,16 @@ def norm_arrays(tail: list[dict], f: int, rng: np.random.Generator) -> dict[str,
     return {"gamma": rng.uniform(0.5, 2.0, f).astype(np.float32), "beta": rng.standard_normal(f, dtype=np.float32)}
 
 
-def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | None, seed: int) -> dict:
-    """Run ``n_steps`` steps of one worker's conv2 share; the step it was lost at (None) and its compute seconds."""
+def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | str | None, seed: int) -> dict:
+    """Run ``n_steps`` steps of one worker's conv2 share; the step it was lost at (None) and its compute seconds.
+    ``spoil``: what a wrong worker does to its answers, or the op of ``INSIDE`` it gets wrong."""
     rng = np.random.default_rng(seed)
     step_tasks, _ = tasks(args, rng)
-    worker = Worker(get_backend(args.worker_backend))
+    now = [0]
+    backend = get_backend(args.worker_backend)
+    if isinstance(spoil, str):
+        backend, spoil = faulty(backend, spoil, lambda: now[0] >= args.fault_from), None
+    worker = Worker(backend)
     master = get_backend("numpy")
     compute, task_id = 0.0, 0
 
@@ -213,6 +241,7 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | No
     for step in tqdm(range(1, n_steps + 1), desc="steps", leave=False, disable=n_steps < 100):
         x = first["x"]
         x[rng.integers(x.shape[0])] = rng.standard_normal(x.shape[1:], dtype=np.float32)  # the data moves on
+        now[0] = step
         try:
             took = run(step, spot)
         except Lost as e:
@@ -299,7 +328,7 @@ def main() -> None:
         if honest["lost_at"]
         else "  false alarms: 0"
     )
-    images = f", images checked {spot.images}" if isinstance(spot, ReplayCheck) else ""
+    images = f", images checked {spot.images}, backward {spot.backwards}" if isinstance(spot, ReplayCheck) else ""
     print(f"  samples {spot.samples}{images}, forgiven {getattr(spot, 'forgiven', 0)}")
     print(
         f"  cost: {spot.seconds:.3f} s of the master against {honest['compute_s']:.3f} s of the worker "
@@ -307,7 +336,7 @@ def main() -> None:
         f"work at the master's speed: {spot.earned:.3f} s)"
     )
     rows = []
-    faults = FAULTS | ({"1 % on conv1's dw alone": first_conv_off(args)} if args.way == "images" else {})
+    faults = FAULTS | ({"1 % on conv1's dw alone": first_conv_off(args)} | INSIDE if args.way == "images" else {})
     for name, spoil in faults.items():
         lost = [steps(args, check(args, seed=s), args.fault_steps, spoil, seed=s)["lost_at"] for s in range(args.seeds)]
         caught = [s - args.fault_from + 1 for s in lost if s is not None and s >= args.fault_from]  # 1: at once

@@ -1,10 +1,10 @@
-"""The spot check of the splits by images: one image a step run forward, the last bias against the logits, and
-now and then the worker's whole task replayed.
+"""The spot check of the splits by images: one image a step run forward, the last bias against the logits, each
+dW against its projection, one image forward and backward, and now and then the worker's whole task replayed.
 
 An honest worker, on numpy or OpenCL, is never lost and the step is the same as without the check; a wrong
-one (every number x -50, one parameter's gradient 1 % off, the logits or features 1 % off) is lost with
-reason "wrong result" at its first step (always replayed), or, wrong from a later step, at that step (its
-image checked), and its images go to the others in the same step.
+one (every number x -50, one parameter's gradient 1 % off, the logits or features 1 % off, a dX off inside
+it) is lost with reason "wrong result" at its first step (always replayed), or, wrong from a later step, at
+that step (its image checked), and its images go to the others in the same step.
 In-process workers; every wait has a timeout; no test sleeps.
 """
 
@@ -22,7 +22,8 @@ from tinyconv.distributed.replica import flat, probe
 from tinyconv.distributed.replica.batch import UNIT
 from tinyconv.distributed.replica.conv_part import conv_part
 from tinyconv.distributed.replica.hybrid import Hybrid
-from tinyconv.distributed.replica.replay_check import ReplayCheck, roundings
+from tinyconv.distributed.replica.one_image import roundings
+from tinyconv.distributed.replica.replay_check import ReplayCheck
 from tinyconv.distributed.replica.replica import slice_gradients
 from tinyconv.distributed.replica.server import Replicas
 from tinyconv.distributed.worker.handler import Worker
@@ -108,39 +109,71 @@ def test_a_wrong_worker_is_lost_at_its_first_replayed_step_and_the_step_is_still
 
 
 @pytest.mark.parametrize("parallel", PARALLEL)
-def test_a_replays_backward_disagreement_loses_the_worker_when_the_next_two_replays_confirm_it(parallel):
-    """conv1.w's gradient 1 % off from the first step: no per-step check sees conv1's well (its projection is
-    weak), the first step's replay does; a backward disagreement is doubted, the next two steps replayed too."""
-    make = lambda i: Wrong("grads", first_param_off) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+def test_a_replayed_gradient_far_off_loses_the_worker_at_its_first_replay(parallel):
+    """conv1.w's gradient x -50 from the first step, every other answer right: the first step's replay loses it at
+    once (no per-step check has its probe yet), beyond the rigorous bound on the backward of absolute values."""
+    spoil = lambda g: np.concatenate([g[:1] * np.float32(-50), g[1:]])  # noqa: E731
+    make = lambda i: Wrong("grads", spoil) if i == 1 else Worker(NumpyBackend())  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
-        run = runtime(parallel, transport, workers, budget=1e-6)  # no replay but the first and those it calls for
-        train(run, 4, "lrn", every_image=False, every_kernel=False)
+        run = runtime(parallel, transport, workers, budget=1e-6)  # no replay but the first
+        train(run, 2, "batch", every_image=False, every_kernel=False)
     (event,) = run.pop_events()
-    assert event["step"] <= 2 and event["reason"].startswith("wrong result: the gradient of conv1.w"), event
+    assert event["step"] == 0 and event["reason"].startswith("wrong result: the gradient of conv1.w"), event
+    assert run.spot.forgiven == 0
 
 
-def test_an_unconfirmed_backward_disagreement_is_forgiven():
-    spot = ReplayCheck(0.03)
-    spot.credit[1], spot.doubts[1] = 0.0, 1  # as after one replay whose gradient disagreed
-    with inproc_pool(2) as (transport, workers):
-        run = runtime("data", transport, workers)
-        run.spot, run.rpc.check = spot, spot
-        train(run, 1)
-    assert spot.forgiven == 1 and 1 not in spot.doubts and spot.samples == 2 and not run.lost  # worker0's first too
+class WithinRoundOff(Worker):
+    """conv1.w's first gradient entry moved half-way from the scale form's bound to the rigorous one on the
+    backward of absolute values (replica/magnitudes.py), which batch norm's cancelling backward makes larger."""
+
+    def __init__(self) -> None:
+        super().__init__(NumpyBackend())
+
+    def handle(self, msg):
+        reply = super().handle(msg)
+        if msg.kind in ("replica_step", "hybrid_forward"):
+            self.first = (msg, reply)
+        if "grads" not in reply.arrays:
+            return reply
+        mags = ReplayCheck(1.0)._magnitudes([self.first] + ([(msg, reply)] if msg.kind == "hybrid_backward" else []))
+        net = self.state.replica[1]
+        k = roundings(net if msg.kind == "replica_step" else conv_part(net), self.first[0].arrays["x"].shape)[1]
+        n = mags["conv1.w"].size + mags["conv1.b"].size
+        grads = reply.arrays["grads"].copy()
+        scale_form = float32_tolerance(k, float(np.abs(grads[:n]).max()))
+        rigorous = float32_tolerance(k, max(float(mags[p].max()) for p in ("conv1.w", "conv1.b")))
+        assert rigorous > 4 * scale_form, (rigorous, scale_form)
+        grads[0] += np.float32((scale_form + rigorous) / 2)
+        reply.arrays["grads"] = grads
+        return reply
 
 
-def train(run, steps: int, norm: str = "lrn", every_image: bool = True, every_kernel: bool = True) -> list[float]:
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_replayed_gradient_within_the_rigorous_bound_is_forgiven_not_lost(parallel):
+    make = lambda i: WithinRoundOff() if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers, budget=1e-6)  # no replay but the first
+        train(run, 1, "batch", every_image=False, every_kernel=False)
+    assert not run.lost and run.spot.forgiven == 1 and run.spot.samples == 2
+
+
+def train(
+    run, steps: int, norm: str = "lrn", every_image: bool = True, every_kernel: bool = True, replays: bool = True
+) -> list[float]:
     """``steps`` SGD steps of paper_net 6:10 under ``run``, on a new batch of 8 each: the losses. ``every_image``,
     ``every_kernel``: that credit made ample before each step, so that an image (the hybrid: a kernel sample) is
-    checked whatever the machine's speed."""
+    checked whatever the machine's speed; ``replays=False``: none but each worker's first."""
     net = paper_net("6:10", NumpyBackend(), norm, seed=0, image_size=SIZE)
     opt = SGD(net, lr=0.05, momentum=0.9)
     losses = []
     for step in range(steps):
         if every_image:  # credit for any check, the rest going to the replays
             run.spot.image_credit.update(dict.fromkeys(run.spot.credit, 1.0))
+            run.spot.back_credit.update(dict.fromkeys(run.spot.credit, 1.0))
         if every_kernel:
             run.spot.kernel_credit.clear()
+        if not replays:
+            run.spot.credit.update(dict.fromkeys(run.spot.credit, -1e9))
         losses.append(run.train_batch(net, *batch(8, step))[0])
         opt.step()
     return losses
@@ -221,12 +254,14 @@ def test_the_probe_is_uT_dW_v_within_its_bound_and_its_one_kernel_convolution_th
     seen = ({}, {})
     slice_gradients(net, x, y, 4, 0.0, seen)
     p = np.random.default_rng(0).standard_normal(probe.size(net)).astype(np.float32)
-    got = probe.project(net, p, *seen).reshape(-1, 2)
+    got = probe.project(net, p, *seen).reshape(2, 2 + len(x))  # per convolution: s, a, each image's sum of dY^2
     checks = zip(probe.convs(net), probe.pairs(net, p), got, probe.roundings(net, x.shape), strict=True)
-    for c, (u, v), (s, a), k in checks:
+    for c, (u, v), (s, a, *energies), k in checks:
         dw = be.to_numpy(c.grads["w"]).reshape(c.out_channels, -1).astype(np.float64)
         exact = u.astype(np.float64) @ dw @ v.ravel().astype(np.float64)
         assert abs(exact - s) <= float32_tolerance(k, float(a)) and a >= abs(s), (c.name, exact, s, a)
+        dy = seen[1][c.name].astype(np.float64)
+        np.testing.assert_allclose(energies, (dy * dy).sum(axis=(1, 2, 3)), rtol=1e-6)
         xin = seen[0][c.name]
         ref = be.conv2d_forward(xin, v[None], np.zeros(1, np.float32), c.stride, c.padding)[0][:, 0]
         terms = probe.one_kernel(np.abs(xin), np.abs(v), c.stride, c.padding)
@@ -264,8 +299,8 @@ def test_an_honest_opencl_worker_is_never_found_wrong():
                 data_parallel_step(run, *batch(8, seed), norm=norm)
             assert not run.lost and run.spot.samples == 10, (parallel, norm, run.lost)
             run = runtime(parallel, transport, workers)
-            train(run, 5, norm)  # the first step replayed, an image a step checked after it
-            assert not run.lost and run.spot.images == 2 * 4, (parallel, norm, run.lost)
+            train(run, 5, norm)  # the first step replayed, an image a step checked after it, forward and backward
+            assert not run.lost and run.spot.images == run.spot.backwards == 2 * 4, (parallel, norm, run.lost)
 
 
 class UnderTheBound(Worker):
@@ -304,6 +339,78 @@ def test_a_gradient_off_by_less_than_each_steps_bound_is_caught_by_its_sum_over_
         train(run, 12, every_kernel=False)
     (event,) = run.pop_events()
     assert 5 <= event["step"] <= 11 and event["worker"] == "worker1", event
-    assert event["reason"].startswith("wrong result: the gradient of conv1.w against its projections summed over"), (
+    assert event["reason"].startswith("wrong result: the gradient of conv1.w against its projection, summed over"), (
         event
     )
+
+
+class WrongDx(NumpyBackend):
+    """A backend whose convolutions' dX (conv2's, in paper_net) is 5 % off from its ``at``-th on: a faulty dX GEMM,
+    which conv1's dW and every sum of the worker then follow. (1 % shows at some images only, with batch norm, on
+    a network this small: bench_spot_check.py measures 1 % at the paper's size.)"""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def conv2d_backward(self, dy, cache, need_dx=True):
+        dx, dw, db = super().conv2d_backward(dy, cache, need_dx)
+        if dx is not None:
+            self.calls += 1
+            dx = dx * np.float32(1.05) if self.calls >= self.at else dx
+        return dx, dw, db
+
+
+@pytest.mark.parametrize("norm", ["lrn", "batch"])
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_wrong_dY_the_workers_sums_follow_is_lost_by_one_images_backward_at_its_second_check(parallel, norm):
+    """dX off inside the worker: dW, its projection and the logits all agree with it; the master's own backward of
+    one image does not (replica/image_backward.py): doubted at the fault's first step, lost at the next."""
+    make = lambda i: Worker(WrongDx(at=5)) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers)
+        train(run, 6, norm, every_kernel=False, replays=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 5 and event["worker"] == "worker1" and run.spot.forgiven == 0, event
+    assert event["reason"].startswith("wrong result: image ") and "'s sum of dY^2 at conv1" in event["reason"], event
+
+
+def test_each_layers_backward_in_absolute_values_bounds_its_backward():
+    """magnitudes.magnitude: |J^T dy| <= |J|^T |dy| entry by entry (up to round-off), for dX and the parameters'
+    gradients, and batch norm's training backward at the slice's own means or at given sums likewise; what the
+    replays and the one-image check scale their bounds by."""
+    from tinyconv.distributed.replica import image_backward
+    from tinyconv.distributed.replica.magnitudes import magnitude
+    from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D, ReLU
+
+    be, rng = NumpyBackend(), np.random.default_rng(0)
+    x = rng.standard_normal((3, 6, 8, 8), dtype=np.float32)
+    layers = [
+        Conv2D(be, 6, 4, 3, stride=1, padding=1, need_dx=True, rng=rng),
+        Linear(be, 6 * 8 * 8, 5, rng=rng),
+        ReLU(be),
+        MaxPool2D(be, 3, 2, 1),
+        LocalResponseNorm(be, k=2.0),
+        BatchNorm2D(be, 6),
+    ]
+    for layer in layers:
+        y = layer.forward(x, training=True)
+        dy = rng.standard_normal(y.shape, dtype=np.float32)
+        dx = layer.backward(dy)
+        if isinstance(layer, BatchNorm2D):  # the magnitudes read the slice's statistics from the running ones
+            layer.buffers["running_mean"], layer.buffers["running_var"] = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+        bound, grads = magnitude(layer, x, np.abs(dy), params=True)
+        assert bound.shape == x.shape and np.all(np.abs(dx) <= bound * (1 + 1e-5) + 1e-30), layer
+        for name, a in grads.items():
+            assert np.all(np.abs(layer.grads[name]) <= a * (1 + 1e-5) + 1e-30), (layer, name)
+        if not isinstance(layer, (ReLU, MaxPool2D, LocalResponseNorm)):  # their sums cancel
+            assert np.any(np.abs(dx) < 0.5 * bound), layer
+    norm = layers[-1]
+    one, dy, sums = (
+        x[:1],
+        rng.standard_normal((1, 6, 8, 8), dtype=np.float32),
+        rng.standard_normal((2, 6), dtype=np.float32),
+    )
+    exact = np.abs(image_backward._norm_backward(norm, one, dy, *sums, images=3))
+    bound = magnitude(norm, one, np.abs(dy), sums, images=3)[0]
+    assert np.all(exact <= bound * (1 + 1e-5)) and np.any(exact < 0.5 * bound)

@@ -20,18 +20,23 @@ from tinyconv.model import Network
 from transports.base import Message
 
 
+def targets(logits: np.ndarray, y: np.ndarray, smoothing: float) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(logits) p and the targets q, (1 - smoothing) onehot(y) + smoothing / K, of logits (n, K), float64."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    q = np.full_like(p, smoothing / z.shape[1])
+    q[np.arange(len(z)), y] += 1.0 - smoothing
+    return p, q
+
+
 def last_bias(task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
     """The gradient of the classifier's bias, db = sum over the slice of dL/dlogits = (softmax(logits) - q) / N
     (``replica.py``), from the logits the worker sent: exact but for round-off, whatever the layers below did.
     Its tolerance is the rigorous form on the terms' sizes (p + q) / N, softmax's round-off being on p, not on
     p - q; k: the softmax (K terms, an exp and a division), the smoothing and the scaling, the sum over n."""
-    logits = reply.arrays["logits"].astype(np.float64)
-    n, classes = logits.shape
-    eps = float(task.header.get("smoothing", 0.0))
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    q = np.full_like(p, eps / classes)
-    q[np.arange(n), task.arrays["y"]] += 1.0 - eps
+    n, classes = reply.arrays["logits"].shape
+    p, q = targets(reply.arrays["logits"], task.arrays["y"], float(task.header.get("smoothing", 0.0)))
     batch = task.header["batch"]
     tol = float32_tolerance(n + classes + 2 * FN + 6, ((p + q) / batch).sum(axis=0))
     return f"the gradient of {net.layers[-1].name}.b against its logits", (

@@ -29,10 +29,11 @@ martingale in the independent deltas, so by Azuma's inequality the disagreements
 probability 2 exp(-lambda^2 / 2) per window. A fault that keeps its sign (u, v turn with dW: u^T dW v > 0)
 grows as L, the bound as sqrt(L): the master checks the last 2 to WINDOW steps too (:func:`window_tolerance`).
 
-The master sends u and v with the task (``probe``), the worker returns s and a for each convolution
-(``probes``) beside its gradient, and the master compares s with u^T dW v of the dW it got. A dW changed
-after the sums (a faulty GEMM, 1 % on every entry) shows unless u^T dW v is small against a: so u, v are
-the top singular pair of that worker's last dW (:func:`top_pair`), along which the sum does not cancel.
+The master sends u and v with the task (``probe``), the worker returns s and a for each convolution, and each
+image's sum of dY squared (``probes``; ``image_backward.py``) beside its gradient, and the master compares s
+with u^T dW v of the dW it got. A dW changed after the sums (a faulty GEMM, 1 % on every entry) shows unless
+u^T dW v is small against a: so u, v are the top singular pair of that worker's last dW (:func:`top_pair`),
+along which the sum does not cancel.
 """
 
 from __future__ import annotations
@@ -85,16 +86,17 @@ def pairs(net: Network, probe: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]
 
 
 def project(net: Network, probe: np.ndarray, inputs: dict[str, np.ndarray], douts: dict[str, np.ndarray]) -> np.ndarray:
-    """(s, a) of each convolution (2 L,), from the input x (n, C, H, W) it saw and the gradient dY (n, F, OH, OW)
-    its output got (``Network.forward`` and ``backward``'s ``seen``), and the probe's u, v. In float32, with
-    BLAS: s adds F + C K K roundings of its own to dW's n OH OW (:func:`roundings`)."""
+    """(s, a, e_1, ..., e_n) of each convolution (L (2 + n),), from the input x (n, C, H, W) it saw and the
+    gradient dY (n, F, OH, OW) its output got (``Network.forward`` and ``backward``'s ``seen``), and the probe's
+    u, v; e_i = sum dY[i]^2, image i's (``image_backward.py``). In float32, with BLAS: s adds F + C K K
+    roundings of its own to dW's n OH OW (:func:`roundings`)."""
     out = []
     for c, (u, v) in zip(convs(net), pairs(net, probe), strict=True):
         x, dy = inputs[c.name], douts[c.name]
         d = dy.reshape(dy.shape[0], dy.shape[1], -1)  # (n, F, OH OW)
         s = (u @ d) * one_kernel(x, v, c.stride, c.padding).reshape(len(x), -1)
         a = (np.abs(u) @ np.abs(d)) * one_kernel(np.abs(x), np.abs(v), c.stride, c.padding).reshape(len(x), -1)
-        out += [s.sum(dtype=np.float64), a.sum(dtype=np.float64)]
+        out += [s.sum(dtype=np.float64), a.sum(dtype=np.float64), *np.square(d, dtype=np.float64).sum(axis=(1, 2))]
     return np.array(out, np.float32)
 
 

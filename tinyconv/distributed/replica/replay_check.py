@@ -1,5 +1,6 @@
-"""Spot checks of the splits by images (data parallelism, the hybrid): one image of a worker's slice run forward
-each step, a data-parallel gradient's last bias against its logits, and now and then the whole task replayed.
+"""Spot checks of the splits by images (data parallelism, the hybrid): one image of a worker's slice run forward,
+and one forward and backward, a data-parallel gradient's last bias against its logits, each dW against its
+projection, and now and then the whole task replayed.
 
 Its budget and tolerances: docs/how-it-works.md, "Spot checks".
 """
@@ -16,46 +17,22 @@ from collections.abc import Callable
 import numpy as np
 
 from backends.base import Backend
-from backends.conformance.checks import FN, scale
-from tinyconv.distributed.replica import flat, probe
+from backends.conformance.checks import scale
+from backends.numpy_backend import NumpyBackend
+from tinyconv.distributed.replica import flat, image_backward, magnitudes, one_image, probe
 from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
 from tinyconv.distributed.replica.free_checks import last_bias, last_norm
+from tinyconv.distributed.replica.one_image import roundings
 from tinyconv.distributed.replica.replica import build
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.spot_sample import Pair, pair
 from tinyconv.distributed.worker.handler import Worker
-from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm
 from tinyconv.model import Network
 from transports.base import Message
 
-
-def roundings(net: Network, x_shape: tuple[int, ...]) -> tuple[int, int]:
-    """k of ``net``'s outputs, and of its gradients, on x (N, C, H, W): the reductions on the longest path.
-
-    Forward: a convolution's C K K products and its bias, a linear layer's inputs, batch norm's mean and
-    variance over N H W, LRN's ``size`` squares and its pow. Backward, on top: dx's F K K (or the linear
-    layer's outputs), dw's N OH OW (or N), batch norm's two sums over N H W again, LRN again."""
-    forward = backward = 0
-    shape = x_shape
-    for layer in net.layers:
-        out = layer.output_shape(shape)
-        if isinstance(layer, Conv2D):
-            f, c, kh, kw = layer.params["w"].shape
-            forward += c * kh * kw + 1
-            backward += f * kh * kw + out[0] * out[2] * out[3]
-        elif isinstance(layer, Linear):
-            n_out, n_in = layer.params["w"].shape  # (M, D)
-            forward += n_in + 1
-            backward += n_out + shape[0]
-        elif isinstance(layer, (BatchNorm2D, LocalResponseNorm)):  # as many roundings back as forth
-            norm = 2 * shape[0] * shape[2] * shape[3] if isinstance(layer, BatchNorm2D) else layer.size + 2
-            forward, backward = forward + norm + FN, backward + norm + FN
-        shape = out
-    return forward, forward + backward
-
-
-REPLAYS = 1 / 3  # the budget's share kept for replays, the only check of a wrong dY its layers' sums follow
-KERNELS = 1 / 6  # the hybrid's share for its kernel samples: 1-2 % of a task each at 50:500 on 21 images
+REPLAYS = 1 / 6  # the budget's share kept for replays
+BACKWARDS = 2 / 3  # for one image's backward, the check of a wrong dY its layers' sums follow: 8 % of a task
+KERNELS = 1 / 12  # the hybrid's share for its kernel samples: 1-2 % of a task each at 50:500 on 21 images
 
 
 class ReplayCheck:
@@ -63,9 +40,10 @@ class ReplayCheck:
 
     Each step of a worker: the hybrid's features of one image and kernel; while its image credit lasts, one
     random image of its slice run forward (the logits it sent, or the hybrid's features); the last bias against
-    the logits, or the hybrid's last norm against the features; each convolution's dW against its probe; and,
-    from a third of the budget and always at the worker's first step, its whole task replayed (the module's
-    docstring; docs/how-it-works.md). What it did: ``images`` checked, ``samples`` (tasks replayed),
+    the logits, or the hybrid's last norm against the features; each convolution's dW against its probe; from
+    two thirds of the budget, one random image forward and backward (``image_backward.py``); and, from a sixth
+    and always at the worker's first step, its whole task replayed (docs/how-it-works.md). What it did:
+    ``images`` checked forward alone and ``backwards`` forward and backward, ``samples`` (tasks replayed),
     ``seconds`` the master spent on all of it, ``earned`` the seconds the budget allowed. ``local`` is the
     master's own worker that replays (on the backend of the first call)."""
 
@@ -76,10 +54,13 @@ class ReplayCheck:
         self.credit: dict[int, float] = {}  # worker -> master seconds for replays; none yet: its first is due
         self.image_credit: dict[int, float] = {}  # worker -> master seconds for image checks
         self.kernel_credit: dict[int, float] = {}  # worker -> master seconds for the hybrid's kernel samples
+        self.back_credit: dict[int, float] = {}  # worker -> master seconds for one image's backward
+        self._back_s, self.backwards = 0.0, 0  # what the last one cost the master; how many ran
         self.forward: dict[int, tuple[Message, Message, bool]] = {}  # worker -> its hybrid_forward, answer, replay?
         self.samples, self.images, self.seconds, self.earned = 0, 0, 0.0, 0.0
-        self.doubts: dict[int, int] = {}  # worker -> its replays in a row whose backward disagreed
-        self.forgiven = 0  # backward disagreements the next replays did not confirm
+        self.forgiven = 0  # disagreements a closer look cleared: replayed gradients, or a doubted image's e_j
+        self._doubted: dict[int, bool] = {}  # worker -> its last image's e_j was beyond its bound
+        self._numpy: tuple[str, Network] | None = None  # the replica on numpy, for that backward
         self._image_s = 0.0  # what the last image check cost the master
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
         self._replayed = [0.0, 0]  # seconds, images: the rate until the master measures its own
@@ -87,7 +68,7 @@ class ReplayCheck:
         self._rng = np.random.default_rng(seed)  # the image: the master's choice, made after the answer came
         self._net: tuple[str, Network] | None = None  # the image checks' replica
         self._top: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # worker -> its next probe's (u, v)s
-        self._trail: dict[int, collections.deque] = {}  # worker -> its last steps' projections (probe.window_tolerance)
+        self._trail: dict[tuple[int, str], collections.deque] = {}  # (worker, check) -> its last rows (_summed)
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
@@ -97,6 +78,8 @@ class ReplayCheck:
                 net = self._net[1]
                 self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), due)
                 self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
+                d = task.arrays["dfeatures"]
+                self._backward_check(k, task.kind, lambda: self._image_back(k, first, answer, reply, conv_part(net), d))
             if due:
                 self._replay(k, [(first, answer), (task, reply)], be)
         elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
@@ -105,6 +88,7 @@ class ReplayCheck:
             if task.kind == "replica_step" and self._net is not None:
                 net = self._net[1]
                 self._charged(k, task.kind, lambda: self._projections(k, task, reply, net), due)
+                self._backward_check(k, task.kind, lambda: self._image_back(k, task, reply, reply, net))
             if due and task.kind == "replica_step":
                 self._replay(k, [(task, reply)], be)
             elif task.kind == "hybrid_forward":  # for its backward: replayed with it, if due (it needs its caches)
@@ -124,14 +108,15 @@ class ReplayCheck:
         self.earned += earned
         first = k not in self.credit
         self.credit[k] = self.credit.get(k, 0.0) + earned * REPLAYS
-        share = earned * (1 - REPLAYS)  # the images', with what the kernel samples leave
+        self.back_credit[k] = self.back_credit.get(k, 0.0) + earned * BACKWARDS
+        share = earned * (1 - REPLAYS - BACKWARDS)  # the images', and the kernel samples'
         part = net if task.kind == "replica_step" else conv_part(net)
         extra = functools.cache(lambda: self._loaded(task, reply, part))  # once a step, for the checks that run
         if task.kind == "hybrid_forward":  # a few kernels of one image: at the paper's sizes, most steps
             kernels = self.kernel_credit.get(k, 0.0) + earned * KERNELS
             if not first and kernels >= 0:
                 t0 = time.perf_counter()
-                self._judge(k, task.kind, [self._one_kernel(task, reply, net, extra())])
+                self._judge(k, task.kind, [one_image.kernel(task, reply, net, extra(), self._rng)])
                 dt = time.perf_counter() - t0
                 kernels -= dt
                 self.seconds += dt
@@ -141,7 +126,11 @@ class ReplayCheck:
         t0 = time.perf_counter()
         if not first and mine >= self._image_s:  # what it last cost: the next steps' free checks keep theirs
             self.images += 1
-            self._judge(k, task.kind, [self._one_image(task, reply, part, extra())])
+            self._judge(
+                k,
+                task.kind,
+                [one_image.image(task, reply, part, extra(), int(self._rng.integers(len(task.arrays["x"]))))],
+            )
             self._image_s = time.perf_counter() - t0
         if task.kind == "replica_step" and (first or mine - (time.perf_counter() - t0) >= 0):
             self._judge(k, task.kind, [last_bias(task, reply, net)])
@@ -152,11 +141,31 @@ class ReplayCheck:
         self.credit[k] += spare
         return first or self.credit[k] >= 0
 
+    def _backward_check(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
+        """Judge one image's backward (``_image_back``) while worker k's backward credit holds what the last one
+        cost, its seconds taken off that credit; the credit kept up to what two cost."""
+        credit = self.back_credit.get(k)
+        if credit is None:
+            return
+        if credit >= self._back_s:
+            t0 = time.perf_counter()
+            try:
+                checked = parts()
+                self.backwards += bool(checked)
+                self._judge(k, kind, checked)
+            finally:
+                self._back_s = time.perf_counter() - t0
+                self.seconds += self._back_s
+                credit -= self._back_s
+        if k in self.back_credit:
+            self.back_credit[k] = min(credit, 2 * self._back_s)
+
     def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
-        """Judge the ``parts`` a check makes while worker k's image credit is not negative (free checks cost little
-        at the paper's sizes, more than a small network's 3 %), or beside a replay; its seconds taken off that
-        credit."""
-        if self.image_credit.get(k, 0.0) < 0 and not replayed:
+        """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
+        negative (free checks cost little at the paper's sizes, more than a small network's 3 %), or beside a
+        replay; its seconds taken off that credit."""
+        credits = self.image_credit if self.image_credit.get(k, 0.0) >= 0 else self.back_credit
+        if credits.get(k, 0.0) < 0 and not replayed:
             return
         t0 = time.perf_counter()
         try:
@@ -164,8 +173,8 @@ class ReplayCheck:
         finally:
             dt = time.perf_counter() - t0
             self.seconds += dt
-            if k in self.image_credit:
-                self.image_credit[k] -= dt
+            if k in credits:
+                credits[k] -= dt
 
     def probe_for(self, k: int, part: Network) -> dict[str, np.ndarray]:
         """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its
@@ -185,28 +194,63 @@ class ReplayCheck:
         at = flat.spans(part)
         dws = [grads[at[f"{c.name}.w"]].reshape(c.out_channels, -1) for c in probe.convs(part)]
         out, names = [], [f"the gradient of {c.name}.w against its projection" for c in probe.convs(part)]
-        if sent is not None and got is not None and got.shape == (2 * len(dws),):
+        if sent is not None and got is not None and got.shape == (len(dws) * (2 + len(first.arrays["x"])),):
             lengths = probe.roundings(part, first.arrays["x"].shape)
             rows = []
             for what, dw, (u, v), (s, a), n in zip(
-                names, dws, probe.pairs(part, sent), got.reshape(-1, 2), lengths, strict=True
+                names, dws, probe.pairs(part, sent), got.reshape(len(dws), -1)[:, :2], lengths, strict=True
             ):
                 ref = float(u @ (dw @ v.ravel()))
                 tol = probe.tolerance(n, float(a)) + 2**-23 * abs(float(s))
                 out.append((what, (s.reshape(1), np.array([ref]), tol)))
                 rows.append((float(s), ref, n, float(a)))
-            trail = self._trail.setdefault(k, collections.deque(maxlen=probe.WINDOW))
-            if trail and trail[-1].shape != (len(rows), 4):  # another network: its sums start again
-                trail.clear()
-            trail.append(np.array(rows))
-            steps = np.stack(trail)  # (L, convolutions, 4): the last L checked steps' s, u^T dW v, k, a
-            for length, (i, what) in itertools.product(range(2, len(steps) + 1), enumerate(names)):
-                r = steps[-length:, i]
-                sums = (np.array([r[:, 0].sum()]), np.array([r[:, 1].sum()]), probe.window_tolerance(r))
-                out.append((f"{what}s summed over its last {length} steps", sums))
+            out += self._summed((k, "dW"), names, rows)
         last = self._top.get(k) or [None] * len(dws)
         self._top[k] = [probe.top_pair(dw, start) for dw, start in zip(dws, last, strict=True)]
         return out
+
+    def _summed(self, key: tuple[int, str], names: list[str], rows: list[tuple]) -> list[tuple[str, Pair]]:
+        """A check's ``rows`` (one per convolution: the worker's number, the master's, k, a[, an allowance]) kept
+        with the last ones of its kind (``key``: the worker, the check), and their disagreements summed over the
+        last 2 to ``probe.WINDOW`` of them, each within ``probe.window_tolerance``: a fault that keeps its sign
+        grows as the checks, their bound as its root."""
+        trail = self._trail.setdefault(key, collections.deque(maxlen=probe.WINDOW))
+        if trail and trail[-1].shape != np.shape(rows):  # another network: its sums start again
+            trail.clear()
+        trail.append(np.array(rows, np.float64))
+        checks = np.stack(trail)  # (L, convolutions, 4)
+        out = []
+        for length, (i, what) in itertools.product(range(2, len(checks) + 1), enumerate(names)):
+            r = checks[-length:, i]
+            sums = (np.array([r[:, 0].sum()]), np.array([r[:, 1].sum()]), probe.window_tolerance(r))
+            out.append((f"{what}, summed over its last {length} checks", sums))
+        return out
+
+    def _image_back(
+        self,
+        k: int,
+        first: Message,
+        answer: Message,
+        reply: Message,
+        part: Network,
+        dfeatures: np.ndarray | None = None,
+    ) -> list[tuple[str, Pair]]:
+        """One random image of the slice forward and backward on the master (``image_backward.check``), and its
+        e_j's disagreements summed over the last checks. An e_j beyond its bound is doubted: where the worker's
+        forward broke a tie the other way, a whole entry of dY differs, which round-off's bound does not cover
+        (about one image in 4,000 at 16:32); the worker is lost if its next image's is beyond it too."""
+        x, got = first.arrays["x"], reply.arrays.get("probes")
+        convs = probe.convs(part)
+        if "probe" not in first.arrays or got is None or got.shape != (len(convs) * (2 + len(x)),):
+            return []
+        extra, j = self._loaded(first, answer, part), int(self._rng.integers(len(x)))
+        parts, rows = image_backward.check(first, answer, reply, part, j, extra, dfeatures)
+        bad, doubted = _worst(parts[1:]) is not None, self._doubted.pop(k, False)
+        if bad and not doubted:  # a tie (ReLU's sign, a pool's maximum) moves a whole entry: the next check decides
+            self._doubted[k] = True
+            return parts[:1]
+        self.forgiven += doubted and not bad
+        return parts + self._summed((k, "dY"), [f"one image's sum of dY^2 at {c.name}" for c in convs], rows)
 
     def _built(self, task: Message, be: Backend) -> Network | None:
         """The replica ``task`` describes, on ``be``, for the image checks (None if it describes none)."""
@@ -221,51 +265,9 @@ class ReplayCheck:
 
     def _loaded(self, task: Message, reply: Message, part: Network) -> int:
         """``part`` (the replica, or its conv part) with the task's weights and, as its running statistics, the
-        worker's batch statistics, for an evaluation forward; the roundings that adds (``_slice_statistics``)."""
+        worker's batch statistics, for an evaluation forward; the roundings that adds (``slice_statistics``)."""
         flat.unpack(part, task.arrays["params"])
-        return _slice_statistics(part, reply.arrays.get("stats"), task.arrays["x"].shape)
-
-    def _one_image(self, task: Message, reply: Message, part: Network, extra: int) -> tuple[str, Pair]:
-        """One random image of the slice run forward on the master by ``part`` (``_loaded``: ``extra`` its
-        roundings), against the worker's row of logits (or features)."""
-        be, x = part.backend, task.arrays["x"]
-        j = int(self._rng.integers(len(x)))
-        name = "logits" if task.kind == "replica_step" else "features"
-        got = reply.arrays[name][j : j + 1]
-        mine = np.asarray(be.to_numpy(part.forward(be.asarray(x[j : j + 1].copy()), training=False)), np.float32)
-        return f"image {j}'s {name}", pair(got, mine.reshape(got.shape), roundings(part, x.shape)[0] + extra)
-
-    def _one_kernel(self, task: Message, reply: Message, net: Network, extra: int) -> tuple[str, Pair]:
-        """The hybrid's features of one random image and one random kernel j of its last convolution, on the
-        master: the layers before that convolution on the one image, then of it only the kernels j's tail reads
-        ([j - E, j + E], E the LRN's half-window; batch norm at the worker's statistics, as an evaluation). j is
-        drawn among the kernels whose plane the worker sent is not all zeros (the whole image checks those).
-        ``net``'s conv part is ``_loaded``, ``extra`` its roundings."""
-        be, x = net.backend, task.arrays["x"]
-        conv = conv_part(net)
-        last = max(i for i, layer in enumerate(conv.layers) if isinstance(layer, Conv2D))
-        layer, tail = conv.layers[last], conv.layers[last + 1 :]
-        i = int(self._rng.integers(len(x)))
-        planes = reply.arrays["features"][i].reshape(feature_shape(net, task.header["net"]["image_size"]))
-        live = np.flatnonzero(np.any(planes != 0, axis=(1, 2)))  # a plane ReLU silenced shows no scaling
-        j = int(self._rng.choice(live)) if live.size else int(self._rng.integers(layer.out_channels))
-        e = max((t.size // 2 for t in tail if isinstance(t, LocalResponseNorm)), default=0)
-        span = slice(max(0, j - e), min(layer.out_channels, j + e + 1))
-        h = Network(be, conv.layers[:last]).forward(be.asarray(x[i : i + 1].copy()), training=False)
-        w, b = (be.asarray(be.to_numpy(layer.params[p])[span].copy()) for p in ("w", "b"))
-        out, _ = be.conv2d_forward(h, w, b, layer.stride, layer.padding)
-        top = scale(be.to_numpy(out))  # ReLU can leave far less than the sums it cut: the forward's scale
-        for t in tail:
-            if isinstance(t, BatchNorm2D):  # its entries over the span, in a norm of their own
-                part = BatchNorm2D(be, span.stop - span.start, t.momentum, t.eps)
-                for table in ("params", "buffers"):
-                    for name, a in getattr(t, table).items():
-                        getattr(part, table)[name] = be.asarray(be.to_numpy(a)[span].copy())
-                t = part
-            out = t.forward(out, training=False)
-        mine = np.asarray(be.to_numpy(out), np.float32)[0, j - span.start]
-        got = planes[j]
-        return f"image {i}'s features of kernel {j}", pair(got, mine, roundings(conv, x.shape)[0] + extra, top)
+        return one_image.slice_statistics(part, reply.arrays.get("stats"), task.arrays["x"].shape)
 
     def _replay(self, k: int, got: list[tuple[Message, Message]], be: Backend) -> None:
         """Run the worker's own handler on the tasks it got, and judge every array of its answers."""
@@ -282,7 +284,6 @@ class ReplayCheck:
         net = self.local.state.replica[1]
         part = net if first.kind == "replica_step" else conv_part(net)
         forward, backward = roundings(part, first.arrays["x"].shape)
-        doubt = None
         for mine, theirs in pairs:
             if mine.kind != "result":  # the master's replay failed where the worker did not: no verdict
                 return
@@ -290,18 +291,23 @@ class ReplayCheck:
                 answer = theirs.arrays.get(name)
                 if answer is None or answer.shape != ref.shape:
                     return  # not this file's to judge: the split's shape check loses the worker
+                if name == "probes":  # judged each step: against the dW they project, and one image's backward
+                    continue
                 parts = _parts(part, name, ref, answer, backward if name == "grads" else forward)
-                if name in ("grads", "probes"):  # the backward's: judged below
-                    doubt = doubt or _worst(parts)
-                else:
-                    self._judge(k, first.kind, parts)
-        if doubt is None:
-            self.forgiven += self.doubts.pop(k, 0) > 0
-            return
-        self.doubts[k] = self.doubts.get(k, 0) + 1
-        if self.doubts[k] >= 3:
-            self._judge(k, first.kind, [doubt[0]])
-        self.credit[k] = max(self.credit[k], 0.0)  # the next step is replayed too
+                if name == "grads" and _worst(parts) is not None:  # beyond the scale form: the rigorous one
+                    t0 = time.perf_counter()
+                    parts = _parts(part, name, ref, answer, backward, self._magnitudes(got))
+                    dt = time.perf_counter() - t0
+                    self.credit[k], self.seconds = self.credit[k] - dt, self.seconds + dt
+                    self.forgiven += _worst(parts) is None
+                self._judge(k, first.kind, parts)
+
+    def _magnitudes(self, got: list[tuple[Message, Message]]) -> dict[str, np.ndarray]:
+        """Each parameter's A of the replayed task (``magnitudes.of_task``), on a replica of its own on numpy."""
+        spec = got[0][0].header["net"]
+        if self._numpy is None or self._numpy[0] != repr(sorted(spec.items())):
+            self._numpy = repr(sorted(spec.items())), build(spec, NumpyBackend(), 1)
+        return magnitudes.of_task(self._numpy[1], got)
 
     def _judge(self, k: int, kind: str, parts: list[tuple[str, Pair]]) -> None:
         """Lose worker ``k`` ("wrong result") at the first entry beyond its tolerance (a scalar or one per entry)."""
@@ -311,9 +317,11 @@ class ReplayCheck:
             gap = np.abs(got.astype(np.float64) - ref)
             self.credit.pop(k, None)
             self.image_credit.pop(k, None)
+            self.back_credit.pop(k, None)
             self._top.pop(k, None)
-            self._trail.pop(k, None)
-            self.doubts.pop(k, None)
+            self._doubted.pop(k, None)
+            for key in [key for key in self._trail if key[0] == k]:
+                del self._trail[key]
             why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
             raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
 
@@ -343,32 +351,18 @@ def _fits(task: Message, reply: Message, net: Network) -> bool:
     return all(name in reply.arrays and reply.arrays[name].shape == shape for name, shape in shapes.items())
 
 
-def _slice_statistics(net: Network, stats: np.ndarray | None, x_shape: tuple[int, ...]) -> int:
-    """Set each batch norm's running statistics to the worker's batch mean and biased variance over its slice x
-    (``x_shape``), from the ``stats`` it returned (the unbiased variance is M / (M - 1) times the biased one,
-    M = n H W), so that an evaluation forward normalises as its training one did. Returns the roundings that
-    adds: the scaling to the unbiased variance and back."""
-    if stats is None:
-        return 0
-    flat.unpack(net, stats, "buffers")
-    shape = x_shape
-    for layer in net.layers:
-        if isinstance(layer, BatchNorm2D):
-            m = shape[0] * shape[2] * shape[3]
-            var = layer.backend.to_numpy(layer.buffers["running_var"]).astype(np.float64) * (max(m - 1, 1) / m)
-            var = np.maximum(var, 0.0)  # a wrong worker's: its image's numbers will not match
-            layer.buffers["running_var"] = layer.backend.asarray(var.astype(np.float32))
-        shape = layer.output_shape(shape)
-    return 2
-
-
-def _parts(net: Network, name: str, ref: np.ndarray, got: np.ndarray, k: int) -> list[tuple[str, Pair]]:
+def _parts(
+    net: Network, name: str, ref: np.ndarray, got: np.ndarray, k: int, mags: dict[str, np.ndarray] | None = None
+) -> list[tuple[str, Pair]]:
     """(what, (the worker's, the master's, their tolerance)) of an answer's array: a gradient vector split by
     parameter, each on the scale of its layer's largest gradient entry (a convolution's bias before batch norm
-    has a gradient of 0 but for round-off: its sums cancel, its weights' do not); any other array whole."""
+    has a gradient of 0 but for round-off: its sums cancel, its weights' do not), or with ``mags`` the rigorous
+    form, on its layer's largest magnitude (``magnitudes.py``: where a backward cancels, its round-off is on the
+    scale of the terms it subtracts); any other array whole."""
     if name != "grads":
         return [(name, pair(got, ref, k))]
     at = flat.spans(net)
     parts = [(p, layer, ref[at[p]], got[at[p]]) for p, layer, _ in net.named_params()]
-    top = {id(layer): max(scale(r) for _, other, r, _ in parts if other is layer) for _, layer, _, _ in parts}
+    size = {p: max(scale(r), scale(mags[p]) if mags else 0.0) for p, _, r, _ in parts}
+    top = {id(layer): max(size[p] for p, other, _, _ in parts if other is layer) for _, layer, _, _ in parts}
     return [(f"the gradient of {p}", pair(g, r, k, top[id(layer)])) for p, layer, r, g in parts]
