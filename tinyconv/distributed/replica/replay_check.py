@@ -79,7 +79,10 @@ class ReplayCheck:
                 self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), due)
                 self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
                 d = task.arrays["dfeatures"]
-                self._backward_check(k, task.kind, lambda: self._image_back(k, first, answer, reply, conv_part(net), d))
+                if _fits(first, answer, net):
+                    self._backward_check(
+                        k, task.kind, lambda: self._image_back(k, first, answer, reply, conv_part(net), d)
+                    )
             if due:
                 self._replay(k, [(first, answer), (task, reply)], be)
         elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
@@ -88,7 +91,8 @@ class ReplayCheck:
             if task.kind == "replica_step" and self._net is not None:
                 net = self._net[1]
                 self._charged(k, task.kind, lambda: self._projections(k, task, reply, net), due)
-                self._backward_check(k, task.kind, lambda: self._image_back(k, task, reply, reply, net))
+                if _fits(task, reply, net):
+                    self._backward_check(k, task.kind, lambda: self._image_back(k, task, reply, reply, net))
             if due and task.kind == "replica_step":
                 self._replay(k, [(task, reply)], be)
             elif task.kind == "hybrid_forward":  # for its backward: replayed with it, if due (it needs its caches)
@@ -241,7 +245,10 @@ class ReplayCheck:
         (about one image in 4,000 at 16:32); the worker is lost if its next image's is beyond it too."""
         x, got = first.arrays["x"], reply.arrays.get("probes")
         convs = probe.convs(part)
+        grads = reply.arrays.get("grads")
         if "probe" not in first.arrays or got is None or got.shape != (len(convs) * (2 + len(x)),):
+            return []
+        if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
         extra, j = self._loaded(first, answer, part), int(self._rng.integers(len(x)))
         parts, rows = image_backward.check(first, answer, reply, part, j, extra, dfeatures)
