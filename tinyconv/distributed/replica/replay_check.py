@@ -163,6 +163,8 @@ class ReplayCheck:
                 credit -= self._back_s
         if k in self.back_credit:
             self.back_credit[k] = min(credit, 2 * self._back_s)
+            if self._doubted.get(k):  # the next step's image decides, whatever the credit
+                self.back_credit[k] = max(self.back_credit[k], self._back_s)
 
     def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
         """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
@@ -242,7 +244,8 @@ class ReplayCheck:
         """One random image of the slice forward and backward on the master (``image_backward.check``), and its
         e_j's disagreements summed over the last checks. An e_j beyond its bound is doubted: where the worker's
         forward broke a tie the other way, a whole entry of dY differs, which round-off's bound does not cover
-        (about one image in 4,000 at 16:32); the worker is lost if its next image's is beyond it too."""
+        (about one image in 4,000 at 16:32); the worker is lost if its next image's, at the next step, is beyond
+        it too."""
         x, got = first.arrays["x"], reply.arrays.get("probes")
         convs = probe.convs(part)
         grads = reply.arrays.get("grads")
