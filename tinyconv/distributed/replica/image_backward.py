@@ -33,7 +33,7 @@ from backends.conformance.checks import FN
 from tinyconv.distributed.replica import flat, probe
 from tinyconv.distributed.replica.conv_part import conv_part
 from tinyconv.distributed.replica.free_checks import targets
-from tinyconv.distributed.replica.magnitudes import magnitude
+from tinyconv.distributed.replica.magnitudes import magnitude, normalised
 from tinyconv.distributed.replica.one_image import roundings
 from tinyconv.distributed.spot_sample import Pair, pair
 from tinyconv.layers import BatchNorm2D, Conv2D
@@ -41,7 +41,7 @@ from tinyconv.model import Network
 from transports.base import Message
 
 
-def one_image(
+def forward_backward(
     part: Network, x: np.ndarray, d: np.ndarray, a: np.ndarray, grads: np.ndarray, images: int
 ) -> tuple[np.ndarray, dict, dict, dict]:
     """Image x (1, C, H, W) through ``part`` (its weights and, as running statistics, the slice's batch ones
@@ -78,12 +78,10 @@ def _norm_backward(
 ) -> np.ndarray:
     """dx = gamma / std (dy - dbeta / M - xhat dgamma / M) of one image x, dy (1, C, H, W) in a slice of
     ``images``: its mean and std the norm's running statistics (the slice's), M = images H W."""
-    be, shape = norm.backend, (1, -1, 1, 1)
-    mean, var = (be.to_numpy(norm.buffers[b]).reshape(shape) for b in ("running_mean", "running_var"))
-    invstd = (1 / np.sqrt(var + np.float32(norm.eps))).astype(np.float32)
-    xhat = (x - mean) * invstd
+    shape = (1, -1, 1, 1)
+    invstd, xhat = normalised(norm, x)
     m = np.float32(images * x.shape[2] * x.shape[3])
-    gamma = be.to_numpy(norm.params["gamma"]).reshape(shape)
+    gamma = norm.backend.to_numpy(norm.params["gamma"]).reshape(shape)
     return (gamma * invstd * (dy - dbeta.reshape(shape) / m - xhat * dgamma.reshape(shape) / m)).astype(np.float32)
 
 
@@ -91,7 +89,7 @@ def energies(
     part: Network, got: np.ndarray, j: int, seen: tuple[dict, dict, dict], k: int
 ) -> tuple[list[tuple[str, Pair]], list[tuple[float, float, int, float]]]:
     """Each convolution's e_j the worker sent (``got``: its rows (s, a, e_1, ..., e_n)) against the master's, from
-    ``one_image``'s output gradients for image j and their magnitudes A, within the module's bound; and the rows
+    ``forward_backward``'s output gradients for image j and their magnitudes A, within the module's bound; and the rows
     (the worker's e_j, the master's, k, 2 sum |dY| A) for a sum over checks (``probe.window_tolerance``)."""
     out: list[tuple[str, Pair]] = []
     rows = []
@@ -133,7 +131,7 @@ def check(
     else:
         row, d = answer.arrays["features"][j : j + 1], dfeatures[j : j + 1]
         a = np.abs(d)
-    out, *seen = one_image(conv, x[j : j + 1], d, a, reply.arrays["grads"], len(x))
+    out, *seen = forward_backward(conv, x[j : j + 1], d, a, reply.arrays["grads"], len(x))
     if dfeatures is None:
         out = out.reshape(1, -1) @ w.T + b
     parts, rows = energies(conv, got.reshape(convs, -1), j, seen, n)

@@ -68,11 +68,8 @@ def magnitude(
         return a * s**-layer.beta + 2 * layer.alpha * layer.beta / size * np.abs(x) * _window(z, after, before), {}
     if isinstance(layer, BatchNorm2D):
         shape = (1, -1, 1, 1)
-        mean, var = (
-            np.asarray(layer.backend.to_numpy(layer.buffers[b])).reshape(shape) for b in ("running_mean", "running_var")
-        )
-        invstd = (1 / np.sqrt(var + np.float32(layer.eps))).astype(np.float32)
-        xhat = np.abs(x - mean) * invstd
+        invstd, xhat = normalised(layer, x)
+        xhat = np.abs(xhat)
         if sums is None:
             b, g = a.mean(axis=(0, 2, 3), keepdims=True), (a * xhat).mean(axis=(0, 2, 3), keepdims=True)
         else:
@@ -81,6 +78,16 @@ def magnitude(
         ax = (host("gamma").reshape(shape) * invstd * (a + b + xhat * g)).astype(np.float32)
         return ax, ({"gamma": (a * xhat).sum(axis=(0, 2, 3)), "beta": a.sum(axis=(0, 2, 3))} if params else {})
     raise ValueError(f"no backward in absolute values for {layer!r}")
+
+
+def normalised(norm: BatchNorm2D, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1 / std (1, C, 1, 1) and xhat = (x - mean) / std of x (n, C, H, W) at the norm's running statistics (the
+    slice's batch ones, as the checks load them), float32."""
+    mean, var = (
+        np.asarray(norm.backend.to_numpy(norm.buffers[b])).reshape(1, -1, 1, 1) for b in ("running_mean", "running_var")
+    )
+    invstd = (1 / np.sqrt(var + np.float32(norm.eps))).astype(np.float32)
+    return invstd, (x - mean) * invstd
 
 
 def of_gradient(net: Network, x: np.ndarray, a: np.ndarray) -> dict[str, np.ndarray]:

@@ -59,14 +59,14 @@ class ReplayCheck:
         self.forward: dict[int, tuple[Message, Message, bool]] = {}  # worker -> its hybrid_forward, answer, replay?
         self.samples, self.images, self.seconds, self.earned = 0, 0, 0.0, 0.0
         self.forgiven = 0  # disagreements a closer look cleared: replayed gradients, or a doubted image's e_j
-        self._doubted: dict[int, bool] = {}  # worker -> its last image's e_j was beyond its bound
-        self._numpy: tuple[str, Network] | None = None  # the replica on numpy, for that backward
+        self._doubted: set[int] = set()  # the workers whose last image's e_j was beyond its bound
+        self._numpy = NumpyBackend()  # the backward of absolute values' (magnitudes.py)
         self._image_s = 0.0  # what the last image check cost the master
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
         self._replayed = [0.0, 0]  # seconds, images: the rate until the master measures its own
         self.local: Worker | None = None
         self._rng = np.random.default_rng(seed)  # the image: the master's choice, made after the answer came
-        self._net: tuple[str, Network] | None = None  # the image checks' replica
+        self._replicas: dict[str, tuple[str, Network]] = {}  # use -> (its description, the replica: _built)
         self._top: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # worker -> its next probe's (u, v)s
         self._trail: dict[tuple[int, str], collections.deque] = {}  # (worker, check) -> its last rows (_summed)
 
@@ -74,8 +74,8 @@ class ReplayCheck:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
         if task.kind == "hybrid_backward" and k in self.forward:
             first, answer, due = self.forward.pop(k)
-            if self._net is not None:
-                net = self._net[1]
+            if "checks" in self._replicas:
+                net = self._replicas["checks"][1]
                 self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), due)
                 self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
                 d = task.arrays["dfeatures"]
@@ -88,8 +88,8 @@ class ReplayCheck:
         elif task.kind in ("replica_step", "hybrid_forward"):  # a step's first task: it earns, and is checked
             self.forward.pop(k, None)
             due = self._check_step(k, task, reply, be)
-            if task.kind == "replica_step" and self._net is not None:
-                net = self._net[1]
+            if task.kind == "replica_step" and "checks" in self._replicas:
+                net = self._replicas["checks"][1]
                 self._charged(k, task.kind, lambda: self._projections(k, task, reply, net), due)
                 if _fits(task, reply, net):
                     self._backward_check(k, task.kind, lambda: self._image_back(k, task, reply, reply, net))
@@ -163,7 +163,7 @@ class ReplayCheck:
                 credit -= self._back_s
         if k in self.back_credit:
             self.back_credit[k] = min(credit, 2 * self._back_s)
-            if self._doubted.get(k):  # the next step's image decides, whatever the credit
+            if k in self._doubted:  # the next step's image decides, whatever the credit
                 self.back_credit[k] = max(self.back_credit[k], self._back_s)
 
     def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
@@ -216,7 +216,7 @@ class ReplayCheck:
         return out
 
     def _summed(self, key: tuple[int, str], names: list[str], rows: list[tuple]) -> list[tuple[str, Pair]]:
-        """A check's ``rows`` (one per convolution: the worker's number, the master's, k, a[, an allowance]) kept
+        """A check's ``rows`` (one per convolution: the worker's number, the master's, k, a) kept
         with the last ones of its kind (``key``: the worker, the check), and their disagreements summed over the
         last 2 to ``probe.WINDOW`` of them, each within ``probe.window_tolerance``: a fault that keeps its sign
         grows as the checks, their bound as its root."""
@@ -255,23 +255,26 @@ class ReplayCheck:
             return []
         extra, j = self._loaded(first, answer, part), int(self._rng.integers(len(x)))
         parts, rows = image_backward.check(first, answer, reply, part, j, extra, dfeatures)
-        bad, doubted = _worst(parts[1:]) is not None, self._doubted.pop(k, False)
+        bad, doubted = _worst(parts[1:]) is not None, k in self._doubted
+        self._doubted.discard(k)
         if bad and not doubted:  # a tie (ReLU's sign, a pool's maximum) moves a whole entry: the next check decides
-            self._doubted[k] = True
+            self._doubted.add(k)
             return parts[:1]
         self.forgiven += doubted and not bad
         return parts + self._summed((k, "dY"), [f"one image's sum of dY^2 at {c.name}" for c in convs], rows)
 
-    def _built(self, task: Message, be: Backend) -> Network | None:
-        """The replica ``task`` describes, on ``be``, for the image checks (None if it describes none)."""
+    def _built(self, task: Message, be: Backend, use: str = "checks") -> Network | None:
+        """The replica ``task`` describes, on ``be``, kept for ``use`` ("checks": the image checks', on the
+        master's backend; "magnitudes": on numpy), built again when either changes (None if it describes none)."""
         spec = task.header.get("net")
         key = repr(sorted(spec.items())) if isinstance(spec, dict) else ""
-        if self._net is None or self._net[0] != key or self._net[1].backend is not be:
+        held = self._replicas.get(use)
+        if held is None or held[0] != key or held[1].backend is not be:
             try:
-                self._net = key, build(spec, be, 1)
+                held = self._replicas[use] = key, build(spec, be, 1)
             except (ValueError, TypeError, AttributeError):
                 return None
-        return self._net[1]
+        return held[1]
 
     def _loaded(self, task: Message, reply: Message, part: Network) -> int:
         """``part`` (the replica, or its conv part) with the task's weights and, as its running statistics, the
@@ -313,11 +316,9 @@ class ReplayCheck:
                 self._judge(k, first.kind, parts)
 
     def _magnitudes(self, got: list[tuple[Message, Message]]) -> dict[str, np.ndarray]:
-        """Each parameter's A of the replayed task (``magnitudes.of_task``), on a replica of its own on numpy."""
-        spec = got[0][0].header["net"]
-        if self._numpy is None or self._numpy[0] != repr(sorted(spec.items())):
-            self._numpy = repr(sorted(spec.items())), build(spec, NumpyBackend(), 1)
-        return magnitudes.of_task(self._numpy[1], got)
+        """Each parameter's A of the replayed task (``magnitudes.of_task``), on a replica of its own on numpy (the
+        replay ran it, so it describes one)."""
+        return magnitudes.of_task(self._built(got[0][0], self._numpy, "magnitudes"), got)
 
     def _judge(self, k: int, kind: str, parts: list[tuple[str, Pair]]) -> None:
         """Lose worker ``k`` ("wrong result") at the first entry beyond its tolerance (a scalar or one per entry)."""
@@ -329,7 +330,7 @@ class ReplayCheck:
             self.image_credit.pop(k, None)
             self.back_credit.pop(k, None)
             self._top.pop(k, None)
-            self._doubted.pop(k, None)
+            self._doubted.discard(k)
             for key in [key for key in self._trail if key[0] == k]:
                 del self._trail[key]
             why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
