@@ -59,7 +59,7 @@ class ReplayCheck:
         self.forward: dict[int, tuple[Message, Message, bool]] = {}  # worker -> its hybrid_forward, answer, replay?
         self.samples, self.images, self.seconds, self.earned = 0, 0, 0.0, 0.0
         self.forgiven = 0  # disagreements a closer look cleared: replayed gradients, or a doubted image's e_j
-        self._doubted: set[int] = set()  # the workers whose last image's e_j was beyond its bound
+        self._doubted: set[int] = set()  # the workers of one image whose last e_j was beyond its bound
         self._numpy = NumpyBackend()  # the backward of absolute values' (magnitudes.py)
         self._image_s = 0.0  # what the last image check cost the master
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
@@ -153,17 +153,17 @@ class ReplayCheck:
             return
         if credit >= self._back_s:
             t0 = time.perf_counter()
+            ran = self.backwards
             try:
-                checked = parts()
-                self.backwards += bool(checked)
-                self._judge(k, kind, checked)
+                self._judge(k, kind, parts())
             finally:
-                self._back_s = time.perf_counter() - t0
-                self.seconds += self._back_s
-                credit -= self._back_s
+                dt = time.perf_counter() - t0
+                self._back_s = dt / max(1, self.backwards - ran)  # a doubted image's second, in the same call
+                self.seconds += dt
+                credit -= dt
         if k in self.back_credit:
             self.back_credit[k] = min(credit, 2 * self._back_s)
-            if k in self._doubted:  # the next step's image decides, whatever the credit
+            if k in self._doubted:  # a slice of one image: the next step's decides, whatever the credit
                 self.back_credit[k] = max(self.back_credit[k], self._back_s)
 
     def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
@@ -244,8 +244,9 @@ class ReplayCheck:
         """One random image of the slice forward and backward on the master (``image_backward.check``), and its
         e_j's disagreements summed over the last checks. An e_j beyond its bound is doubted: where the worker's
         forward broke a tie the other way, a whole entry of dY differs, which round-off's bound does not cover
-        (about one image in 4,000 at 16:32); the worker is lost if its next image's, at the next step, is beyond
-        it too."""
+        (about one image in 4,000 at 16:32). Another image of the slice then decides at once (a fault moves every
+        image's e_j; a tie is one image's): the worker is lost if it is beyond its bound too. A slice of one image
+        leaves it to the worker's next step."""
         x, got = first.arrays["x"], reply.arrays.get("probes")
         convs = probe.convs(part)
         grads = reply.arrays.get("grads")
@@ -254,12 +255,19 @@ class ReplayCheck:
         if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
         extra, j = self._loaded(first, answer, part), int(self._rng.integers(len(x)))
-        parts, rows = image_backward.check(first, answer, reply, part, j, extra, dfeatures)
-        bad, doubted = _worst(parts[1:]) is not None, k in self._doubted
+        doubted = k in self._doubted
         self._doubted.discard(k)
-        if bad and not doubted:  # a tie (ReLU's sign, a pool's maximum) moves a whole entry: the next check decides
-            self._doubted.add(k)
-            return parts[:1]
+        while True:
+            self.backwards += 1
+            parts, rows = image_backward.check(first, answer, reply, part, j, extra, dfeatures)
+            bad = _worst(parts[1:]) is not None
+            if not bad or doubted:
+                break
+            doubted = True  # a tie (ReLU's sign, a pool's maximum) moves a whole entry: another image decides
+            if len(x) == 1:
+                self._doubted.add(k)
+                return parts[:1]
+            j = (j + 1 + int(self._rng.integers(len(x) - 1))) % len(x)
         self.forgiven += doubted and not bad
         return parts + self._summed((k, "dY"), [f"one image's sum of dY^2 at {c.name}" for c in convs], rows)
 
