@@ -56,12 +56,13 @@ def tolerance(k: int, a: float) -> float:
     return 2 * math.expm1(LAMBDA * math.sqrt(k) * U + k * U * U / (1 - U)) * a
 
 
-def window_tolerance(rows: np.ndarray) -> float:
-    """How far the sums over L steps of an honest worker's s and the master's u^T dW v may be apart, ``rows`` (L, 4)
-    each step's (s, u^T dW v, k, a): the module's bound over a window, and s rounded to float32 once each step."""
-    s, _, k, a = np.asarray(rows, np.float64).T
-    first, second = LAMBDA * U * math.sqrt(float(np.sum(k * a * a))), U * U * float(np.sum(k * k * a))
-    return 2 * (first + second) + 2**-23 * float(np.sum(np.abs(s)))
+def window_tolerance(rows: np.ndarray) -> np.ndarray:
+    """How far the sums over the last 1, 2, ..., L steps of an honest worker's s and the master's u^T dW v may be
+    apart, ``rows`` (L, ..., 4) each step's (s, u^T dW v, k, a), oldest first: the module's bound over each of
+    those windows, and s rounded to float32 once each step. Shape (L, ...)."""
+    s, _, k, a = np.moveaxis(np.asarray(rows, np.float64)[::-1], -1, 0)
+    first, second = LAMBDA * U * np.sqrt(np.cumsum(k * a * a, axis=0)), U * U * np.cumsum(k * k * a, axis=0)
+    return 2 * (first + second) + 2**-23 * np.cumsum(np.abs(s), axis=0)
 
 
 def convs(net: Network) -> list[Conv2D]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -224,13 +223,13 @@ class ReplayCheck:
         if trail and trail[-1].shape != np.shape(rows):  # another network: its sums start again
             trail.clear()
         trail.append(np.array(rows, np.float64))
-        checks = np.stack(trail)  # (L, convolutions, 4)
-        out = []
-        for length, (i, what) in itertools.product(range(2, len(checks) + 1), enumerate(names)):
-            r = checks[-length:, i]
-            sums = (np.array([r[:, 0].sum()]), np.array([r[:, 1].sum()]), probe.window_tolerance(r))
-            out.append((f"{what}, summed over its last {length} checks", sums))
-        return out
+        checks = np.stack(trail)  # (L, convolutions, 4), oldest first
+        sums, tol = np.cumsum(checks[::-1, :, :2], axis=0)[1:], probe.window_tolerance(checks)[1:]  # the last 2..L
+        return [
+            (f"{what}, summed over its last 2 to {len(checks)} checks", (sums[:, i, 0], sums[:, i, 1], tol[:, i]))
+            for i, what in enumerate(names)
+            if len(checks) > 1
+        ]
 
     def _image_back(
         self,
