@@ -122,6 +122,21 @@ def test_a_replayed_gradient_far_off_loses_the_worker_at_its_first_replay(parall
     assert run.spot.forgiven == 0
 
 
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_result_far_off_is_lost_at_its_first_step_whatever_the_credit(parallel):
+    """Every answer's gradient x -50 from the third step, on a budget that pays for nothing after the first
+    step's replay (a small network's 3 %): the step's floor, the last bias (data) or the last norm (the hybrid),
+    runs whatever the credit, and loses the worker at the fault's first step."""
+    make = lambda i: Wrong("grads", lambda g: g * np.float32(-50), at=3) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers, budget=1e-6)
+        train(run, 4, "batch", every_image=False, every_kernel=False)
+    (event,) = run.pop_events()
+    what = {"data": "fc1.b against its logits", "hybrid": "bn2.beta against its features"}[parallel]
+    assert event["step"] == 2 and event["reason"].startswith(f"wrong result: the gradient of {what}"), event
+    assert run.spot.samples == 2 and run.spot.backwards == 0, (run.spot.samples, run.spot.backwards)
+
+
 class WithinRoundOff(Worker):
     """conv1.w's first gradient entry moved half-way from the scale form's bound to the rigorous one on the
     backward of absolute values (replica/magnitudes.py), which batch norm's cancelling backward makes larger."""

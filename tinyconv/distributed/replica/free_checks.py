@@ -7,6 +7,7 @@ what the master holds, recomputing none of the network (docs/how-it-works.md, "S
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -46,6 +47,23 @@ def last_bias(task: Message, reply: Message, net: Network) -> tuple[str, Pair]:
     )
 
 
+@functools.lru_cache(maxsize=2)
+def _norm_layout(net: Network, image: tuple[int, int, int]) -> tuple | None:
+    """What ``last_norm`` reads of a replica for images of shape ``image`` (C, H, W), once (a replica's layers do
+    not change): its conv part's last norm and pool, the features' shape (C, H', W') of one image, the norm's
+    outputs per channel of one image, where gamma and beta start in the conv part's vector, and its length;
+    None unless a max pool alone follows a batch norm."""
+    conv = conv_part(net)
+    norm, pool = conv.layers[-2:]
+    if not (isinstance(norm, BatchNorm2D) and isinstance(pool, MaxPool2D)):
+        return None
+    normed = (1, *image)
+    for layer in conv.layers[:-1]:
+        normed = layer.output_shape(normed)
+    at = {p: flat.spans(conv)[f"{norm.name}.{p}"].start for p in ("gamma", "beta")}
+    return norm, pool, feature_shape(net, image[1]), math.prod(normed) // normed[1], at, sum(flat.sizes(conv))
+
+
 def last_norm(
     first: Message, answer: Message, task: Message, reply: Message, net: Network, rng: np.random.Generator
 ) -> list[tuple[str, Pair]]:
@@ -56,22 +74,19 @@ def last_norm(
     outputs, the pool's windows that took the same value (K K at most), the few roundings of f, and the
     master's own sums over the n H' W' features. An eighth of the channels, at random (at least 8): a whole
     gradient changed shows in any of them, for an eighth of the features' passes."""
-    conv = conv_part(net)
-    norm, pool = conv.layers[-2:]
-    shape = (len(first.arrays["x"]), *feature_shape(net, first.header["net"]["image_size"]))
+    layout = _norm_layout(net, first.arrays["x"].shape[1:])
     grads, features = reply.arrays.get("grads"), answer.arrays.get("features")
-    if not (isinstance(norm, BatchNorm2D) and isinstance(pool, MaxPool2D)) or grads is None or features is None:
+    if layout is None or grads is None or features is None:
         return []
-    if grads.shape != (sum(flat.sizes(conv)),) or features.size != math.prod(shape):
+    norm, pool, (c, h, w), per_channel, at, total = layout
+    shape = (len(first.arrays["x"]), c, h, w)
+    if grads.shape != (total,) or features.size != math.prod(shape):
         return []  # not this file's to judge: the split's shape check loses the worker
-    picked = np.sort(rng.choice(shape[1], size=min(shape[1], max(8, shape[1] // 8)), replace=False))
+    picked = np.sort(rng.choice(c, size=min(c, max(8, c // 8)), replace=False))
     d, f = task.arrays["dfeatures"].reshape(shape)[:, picked], features.reshape(shape)[:, picked]
-    normed = first.arrays["x"].shape
-    for layer in conv.layers[:-1]:
-        normed = layer.output_shape(normed)
-    c, m = shape[1], shape[0] * shape[2] * shape[3]
-    k = math.prod(normed) // c + pool.kernel**2 + 8 + m  # the worker's sums, the pool's, f's; the master's own m
-    at = {p: flat.spans(conv)[f"{norm.name}.{p}"].start + picked for p in ("gamma", "beta")}
+    m = shape[0] * h * w
+    k = shape[0] * per_channel + pool.kernel**2 + 8 + m  # the worker's sums, the pool's, f's; the master's own m
+    at = {p: start + picked for p, start in at.items()}
     gamma, beta = (first.arrays["params"][at[p]].astype(np.float64) for p in ("gamma", "beta"))
     # per channel, in float32 (k counts them): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
     ad, axes = np.abs(d), (0, 2, 3)

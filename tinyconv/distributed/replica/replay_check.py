@@ -31,20 +31,19 @@ from transports.base import Message
 
 REPLAYS = 1 / 6  # the budget's share kept for replays
 BACKWARDS = 2 / 3  # for one image's backward, the check of a wrong dY its layers' sums follow: 8 % of a task
+IMAGES = 1 - REPLAYS - BACKWARDS  # the image credit's, for the free checks and the images (and the kernels)
 KERNELS = 1 / 12  # the hybrid's share for its kernel samples: 1-2 % of a task each at 50:500 on 21 images
 
 
 class ReplayCheck:
     """Checks every worker's replica tasks within ``budget`` of its work; raises Lost on a wrong one.
 
-    Each step of a worker: the hybrid's features of one image and kernel; while its image credit lasts, one
-    random image of its slice run forward (the logits it sent, or the hybrid's features); the last bias against
-    the logits, or the hybrid's last norm against the features; each convolution's dW against its probe; from
-    two thirds of the budget, one random image forward and backward (``image_backward.py``); and, from a sixth
-    and always at the worker's first step, its whole task replayed (docs/how-it-works.md). What it did:
-    ``images`` checked forward alone and ``backwards`` forward and backward, ``samples`` (tasks replayed),
-    ``seconds`` the master spent on all of it, ``earned`` the seconds the budget allowed. ``local`` is the
-    master's own worker that replays (on the backend of the first call)."""
+    Each step of a worker, the last bias against its logits or the hybrid's last norm against its features; as
+    its credit allows, the hybrid's features of one image and kernel, one random image forward, each dW against
+    its probe, from two thirds of the budget one image forward and backward (``image_backward.py``), and from a
+    sixth (always at the worker's first step) its whole task replayed (docs/how-it-works.md). ``images`` checked
+    forward alone and ``backwards`` forward and backward, ``samples`` (tasks replayed), ``seconds`` the master
+    spent on all of it, ``earned`` the seconds the budget allowed. ``local``: the master's worker that replays."""
 
     def __init__(self, budget: float = 0.03, seed: int | None = None) -> None:
         if not 0 < budget <= 1:
@@ -75,7 +74,7 @@ class ReplayCheck:
             first, answer, due = self.forward.pop(k)
             if "checks" in self._replicas:
                 net = self._replicas["checks"][1]
-                self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), due)
+                self._floor(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng))
                 self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
                 d = task.arrays["dfeatures"]
                 if _fits(first, answer, net):
@@ -99,9 +98,9 @@ class ReplayCheck:
 
     def _check_step(self, k: int, task: Message, reply: Message, be: Backend) -> bool:
         """Earn the step's credit; check one image while the image credit holds what one last cost (so that the
-        next steps' free checks keep theirs), a data-parallel step's last bias while it is not negative (and at
-        the worker's first step); what the image credit holds beyond a step's share, or an image's, goes to the
-        replays. Whether a replay is due: the first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
+        next steps' free checks keep theirs), and a data-parallel step's last bias whatever the credit (``_floor``);
+        what the image credit holds beyond a step's share, or an image's, goes to the replays. Whether a replay is
+        due: the first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
         net = self._built(task, be)
         if net is None or not _fits(task, reply, net):
             return False  # not this file's to judge: the split's shape check loses the worker
@@ -112,7 +111,7 @@ class ReplayCheck:
         first = k not in self.credit
         self.credit[k] = self.credit.get(k, 0.0) + earned * REPLAYS
         self.back_credit[k] = self.back_credit.get(k, 0.0) + earned * BACKWARDS
-        share = earned * (1 - REPLAYS - BACKWARDS)  # the images', and the kernel samples'
+        share = earned * IMAGES
         part = net if task.kind == "replica_step" else conv_part(net)
         extra = functools.cache(lambda: self._loaded(task, reply, part))  # once a step, for the checks that run
         if task.kind == "hybrid_forward":  # a few kernels of one image: at the paper's sizes, most steps
@@ -135,13 +134,13 @@ class ReplayCheck:
                 [one_image.image(task, reply, part, extra(), int(self._rng.integers(len(task.arrays["x"]))))],
             )
             self._image_s = time.perf_counter() - t0
-        if task.kind == "replica_step" and (first or mine - (time.perf_counter() - t0) >= 0):
-            self._judge(k, task.kind, [last_bias(task, reply, net)])
         dt = time.perf_counter() - t0
         self.seconds += dt
         spare = max(0.0, mine - dt - max(share, self._image_s))  # kept: a step's share or an image's, the rest
         self.image_credit[k] = mine - dt - spare  # to the replays
         self.credit[k] += spare
+        if task.kind == "replica_step":
+            self._floor(k, task.kind, lambda: [last_bias(task, reply, net)])
         return first or self.credit[k] >= 0
 
     def _backward_check(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
@@ -164,6 +163,20 @@ class ReplayCheck:
             self.back_credit[k] = min(credit, 2 * self._back_s)
             if k in self._doubted:  # a slice of one image: the next step's decides, whatever the credit
                 self.back_credit[k] = max(self.back_credit[k], self._back_s)
+
+    def _floor(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
+        """Judge the check of every step, whatever the credit: the last bias, or the hybrid's last norm (a result
+        x -50 caught at its first step on any network), every share paying its seconds in proportion: the checks
+        stay within the budget while the floor costs less than it (at 16:32, 1-2 % of a task)."""
+        t0 = time.perf_counter()
+        try:
+            self._judge(k, kind, parts())
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds += dt
+            for credits, share in (self.credit, REPLAYS), (self.back_credit, BACKWARDS), (self.image_credit, IMAGES):
+                if k in credits:
+                    credits[k] -= dt * share
 
     def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
         """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
