@@ -126,7 +126,7 @@ def every_config(be: OpenCLBackend) -> list:
     return list(dict.fromkeys(be.rt.gemm.candidates + [c for c in extra if c.fits(be.rt.limits)]))
 
 
-@pytest.mark.parametrize("m, n, k", [(7, 13, 5), (50, 75, 300), (13, 100, 1), (1, 1, 700)])
+@pytest.mark.parametrize("m, n, k", [(7, 13, 5), (33, 70, 51), (50, 75, 300), (13, 100, 1), (1, 1, 700)])
 def test_every_gemm_variant_with_and_without_splits(be, rng, monkeypatch, m, n, k):
     """C = A B + bias for every variant and both split-K paths, with A read through a split k axis
     (as dW reads dY in NCHW) and C written both row-major and image by image (as the conv output)."""
