@@ -74,7 +74,7 @@ class ReplayCheck:
             first, answer, due = self.forward.pop(k)
             if "checks" in self._replicas:
                 net = self._replicas["checks"][1]
-                self._floor(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng))
+                self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), floor=True)
                 self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
                 d = task.arrays["dfeatures"]
                 if _fits(first, answer, net):
@@ -98,9 +98,9 @@ class ReplayCheck:
 
     def _check_step(self, k: int, task: Message, reply: Message, be: Backend) -> bool:
         """Earn the step's credit; check one image while the image credit holds what one last cost (so that the
-        next steps' free checks keep theirs), and a data-parallel step's last bias whatever the credit (``_floor``);
-        what the image credit holds beyond a step's share, or an image's, goes to the replays. Whether a replay is
-        due: the first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
+        next steps' free checks keep theirs), and a data-parallel step's last bias whatever the credit (the floor,
+        ``_charged``); what the image credit holds beyond a step's share, or an image's, goes to the replays.
+        Whether a replay is due: the first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
         net = self._built(task, be)
         if net is None or not _fits(task, reply, net):
             return False  # not this file's to judge: the split's shape check loses the worker
@@ -140,7 +140,7 @@ class ReplayCheck:
         self.image_credit[k] = mine - dt - spare  # to the replays
         self.credit[k] += spare
         if task.kind == "replica_step":
-            self._floor(k, task.kind, lambda: [last_bias(task, reply, net)])
+            self._charged(k, task.kind, lambda: [last_bias(task, reply, net)], floor=True)
         return first or self.credit[k] >= 0
 
     def _backward_check(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
@@ -164,35 +164,32 @@ class ReplayCheck:
             if k in self._doubted:  # a slice of one image: the next step's decides, whatever the credit
                 self.back_credit[k] = max(self.back_credit[k], self._back_s)
 
-    def _floor(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
-        """Judge the check of every step, whatever the credit: the last bias, or the hybrid's last norm (a result
-        x -50 caught at its first step on any network), every share paying its seconds in proportion: the checks
-        stay within the budget while the floor costs less than it (at 16:32, 1-2 % of a task)."""
-        t0 = time.perf_counter()
-        try:
-            self._judge(k, kind, parts())
-        finally:
-            dt = time.perf_counter() - t0
-            self.seconds += dt
-            for credits, share in (self.credit, REPLAYS), (self.back_credit, BACKWARDS), (self.image_credit, IMAGES):
-                if k in credits:
-                    credits[k] -= dt * share
-
-    def _charged(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]], replayed: bool) -> None:
+    def _charged(
+        self,
+        k: int,
+        kind: str,
+        parts: Callable[[], list[tuple[str, Pair]]],
+        replayed: bool = False,
+        floor: bool = False,
+    ) -> None:
         """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
         negative (free checks cost little at the paper's sizes, more than a small network's 3 %), or beside a
-        replay; its seconds taken off that credit."""
+        replay; its seconds taken off that credit. The ``floor`` of every step (the last bias, or the hybrid's last
+        norm: a result x -50 caught at its first step on any network) runs whatever the credit, every share paying
+        in proportion: the checks stay within the budget while it costs less than it (at 16:32, 1-2 % of a task)."""
         credits = self.image_credit if self.image_credit.get(k, 0.0) >= 0 else self.back_credit
-        if credits.get(k, 0.0) < 0 and not replayed:
+        if credits.get(k, 0.0) < 0 and not (replayed or floor):
             return
+        pay = [(self.credit, REPLAYS), (self.back_credit, BACKWARDS), (self.image_credit, IMAGES)] if floor else []
         t0 = time.perf_counter()
         try:
             self._judge(k, kind, parts())
         finally:
             dt = time.perf_counter() - t0
             self.seconds += dt
-            if k in credits:
-                credits[k] -= dt
+            for paying, share in pay or [(credits, 1.0)]:
+                if k in paying:
+                    paying[k] -= dt * share
 
     def probe_for(self, k: int, part: Network) -> dict[str, np.ndarray]:
         """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its
