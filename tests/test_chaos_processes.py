@@ -49,7 +49,7 @@ spec.loader.exec_module(tl)
 STEPS = 100
 RECIPE = (*SMOKE, "--norm", "lrn", "--lr", "0.01", "--plan", "equal", "--split", "kernels",
           "--seed", "0", "--steps", str(STEPS))  # fmt: skip
-SLOWDOWN = "20"  # the pacing worker: 20 x its compute time a task, about 0.2 s a step
+SLOWDOWN = "6"  # the pacing worker: 6 x its compute time a task
 RATE = 250e3  # bytes/s each way: the first worker's forward of conv1 (its 400 KB input) takes 1.6 s, 4 heartbeats
 HEARTBEAT_S = 0.4  # the ZeroMQ sessions' default
 KILL_AT, STOP_AT, MASTER_KILL_AT, SIGTERM_AT = 2, 5, 30, 50  # the least steps done before each fault
