@@ -137,6 +137,38 @@ def test_a_result_far_off_is_lost_at_its_first_step_whatever_the_credit(parallel
     assert run.spot.samples == 2 and run.spot.backwards == 0, (run.spot.samples, run.spot.backwards)
 
 
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_replay_waits_for_credit_that_pays_for_what_the_last_one_cost(parallel):
+    """After the first step's replay, a worker's task is replayed again only when its replay credit holds what the
+    last replay cost: a run's checks stay within its budget, but for that first replay until it is paid back."""
+    with inproc_pool(2) as (transport, workers):
+        run = runtime(parallel, transport, workers, budget=1e-6)
+        spot = run.spot
+        train(run, 1, every_image=False, every_kernel=False)
+        assert spot.samples == 2 and spot._replay_s > 0  # each worker's first step
+        spot.credit.update(dict.fromkeys(spot.credit, spot._replay_s / 2))  # credit, less than a replay costs
+        train(run, 1, every_image=False, every_kernel=False)
+        assert spot.samples == 2
+        spot.credit.update(dict.fromkeys(spot.credit, 1e9))
+        train(run, 1, every_image=False, every_kernel=False)
+        assert spot.samples == 4
+
+
+def test_the_free_checks_borrow_only_the_backward_credit_beyond_one_backward():
+    """With the image credit short, a free check borrows from the backward credit only what it holds beyond one
+    image's backward: on a small network the projections, run whenever that credit is positive, left it never
+    enough for one. And a call that checked no image (no probe yet) does not set what a backward costs."""
+    spot, ran = ReplayCheck(0.03), []
+    spot.image_credit[0], spot.back_credit[0], spot._back_s = -1.0, 0.5, 1.0
+    spot._charged(0, "replica_step", lambda: ran.append(1) or [])
+    assert ran == [] and spot.back_credit[0] == 0.5  # kept for the backward
+    spot.back_credit[0] = 1.5
+    spot._charged(0, "replica_step", lambda: ran.append(1) or [])
+    assert ran == [1] and spot.back_credit[0] < 1.5
+    spot._backward_check(0, "replica_step", lambda: [])
+    assert spot._back_s == 1.0 and spot.backwards == 0
+
+
 class WithinRoundOff(Worker):
     """conv1.w's first gradient entry moved half-way from the scale form's bound to the rigorous one on the
     backward of absolute values (replica/magnitudes.py), which batch norm's cancelling backward makes larger."""

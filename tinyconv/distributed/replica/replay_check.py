@@ -59,7 +59,7 @@ class ReplayCheck:
         self.forgiven = 0  # disagreements a closer look cleared: replayed gradients, or a doubted image's e_j
         self._doubted: set[int] = set()  # the workers of one image whose last e_j was beyond its bound
         self._numpy = NumpyBackend()  # the backward of absolute values' (magnitudes.py)
-        self._image_s = 0.0  # what the last image check cost the master
+        self._image_s, self._replay_s = 0.0, 0.0  # what the last image check, and the last replay, cost the master
         self.master_rate = 0.0  # the master's seconds per image of a whole task, on its own slice
         self._replayed = [0.0, 0]  # seconds, images: the rate until the master measures its own
         self.local: Worker | None = None
@@ -100,7 +100,8 @@ class ReplayCheck:
         """Earn the step's credit; check one image while the image credit holds what one last cost (so that the
         next steps' free checks keep theirs), and a data-parallel step's last bias whatever the credit (the floor,
         ``_charged``); what the image credit holds beyond a step's share, or an image's, goes to the replays.
-        Whether a replay is due: the first step, or credit saved for it (``self.credit[k] >= 0`` after)."""
+        Whether a replay is due: the first step, or credit saved for what the last one cost (a run's spending
+        stays within its budget, but for the first step's replay until the replay credit has paid it back)."""
         net = self._built(task, be)
         if net is None or not _fits(task, reply, net):
             return False  # not this file's to judge: the split's shape check loses the worker
@@ -141,7 +142,7 @@ class ReplayCheck:
         self.credit[k] += spare
         if task.kind == "replica_step":
             self._charged(k, task.kind, lambda: [last_bias(task, reply, net)], floor=True)
-        return first or self.credit[k] >= 0
+        return first or self.credit[k] >= self._replay_s
 
     def _backward_check(self, k: int, kind: str, parts: Callable[[], list[tuple[str, Pair]]]) -> None:
         """Judge one image's backward (``_image_back``) while worker k's backward credit holds what the last one
@@ -156,7 +157,8 @@ class ReplayCheck:
                 self._judge(k, kind, parts())
             finally:
                 dt = time.perf_counter() - t0
-                self._back_s = dt / max(1, self.backwards - ran)  # a doubted image's second, in the same call
+                if self.backwards > ran:  # (none before the worker's first probe) a doubted image's second, too
+                    self._back_s = dt / (self.backwards - ran)
                 self.seconds += dt
                 credit -= dt
         if k in self.back_credit:
@@ -172,13 +174,15 @@ class ReplayCheck:
         replayed: bool = False,
         floor: bool = False,
     ) -> None:
-        """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
-        negative (free checks cost little at the paper's sizes, more than a small network's 3 %), or beside a
+        """Judge the ``parts`` a check makes while worker k's image credit is not negative, or else its backward
+        credit holds more than one backward costs (free checks cost little at the paper's sizes; on a small network
+        they would starve the backward, the one check of a fault inside the worker's backward), or beside a
         replay; its seconds taken off that credit. The ``floor`` of every step (the last bias, or the hybrid's last
         norm: a result x -50 caught at its first step on any network) runs whatever the credit, every share paying
         in proportion: the checks stay within the budget while it costs less than it (at 16:32, 1-2 % of a task)."""
-        credits = self.image_credit if self.image_credit.get(k, 0.0) >= 0 else self.back_credit
-        if credits.get(k, 0.0) < 0 and not (replayed or floor):
+        borrow = self.image_credit.get(k, 0.0) < 0  # then the backward credit's, beyond what one backward costs
+        credits = self.back_credit if borrow else self.image_credit
+        if credits.get(k, 0.0) < (self._back_s if borrow else 0.0) and not (replayed or floor):
             return
         pay = [(self.credit, REPLAYS), (self.back_credit, BACKWARDS), (self.image_credit, IMAGES)] if floor else []
         t0 = time.perf_counter()
@@ -305,7 +309,7 @@ class ReplayCheck:
         if self.local is None:
             self.local = Worker(be)
         pairs = [(mine, theirs) for sent, theirs in got for mine in [self.local.handle(sent)]]
-        dt = time.perf_counter() - t0
+        dt = self._replay_s = time.perf_counter() - t0
         self.credit[k] = self.credit.get(k, 0.0) - dt
         self.seconds += dt
         self.samples += 1
