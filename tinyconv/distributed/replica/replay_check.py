@@ -174,15 +174,14 @@ class ReplayCheck:
         replayed: bool = False,
         floor: bool = False,
     ) -> None:
-        """Judge the ``parts`` a check makes while worker k's image credit is not negative, or else its backward
-        credit holds more than one backward costs (free checks cost little at the paper's sizes; on a small network
-        they would starve the backward, the one check of a fault inside the worker's backward), or beside a
+        """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
+        negative (free checks cost little at the paper's sizes; on a small network they come first: they check
+        the results, the backward a fault inside the worker's backward that its results follow), or beside a
         replay; its seconds taken off that credit. The ``floor`` of every step (the last bias, or the hybrid's last
         norm: a result x -50 caught at its first step on any network) runs whatever the credit, every share paying
         in proportion: the checks stay within the budget while it costs less than it (at 16:32, 1-2 % of a task)."""
-        borrow = self.image_credit.get(k, 0.0) < 0  # then the backward credit's, beyond what one backward costs
-        credits = self.back_credit if borrow else self.image_credit
-        if credits.get(k, 0.0) < (self._back_s if borrow else 0.0) and not (replayed or floor):
+        credits = self.image_credit if self.image_credit.get(k, 0.0) >= 0 else self.back_credit
+        if credits.get(k, 0.0) < 0 and not (replayed or floor):
             return
         pay = [(self.credit, REPLAYS), (self.back_credit, BACKWARDS), (self.image_credit, IMAGES)] if floor else []
         t0 = time.perf_counter()
