@@ -98,10 +98,9 @@ class ReplayCheck:
 
     def _check_step(self, k: int, task: Message, reply: Message, be: Backend) -> bool:
         """Earn the step's credit; check one image while the image credit holds what one last cost (so that the
-        next steps' free checks keep theirs), and a data-parallel step's last bias whatever the credit (the floor,
-        ``_charged``); what the image credit holds beyond a step's share, or an image's, goes to the replays.
-        Whether a replay is due: the first step, or credit saved for what the last one cost (a run's spending
-        stays within its budget, but for the first step's replay until the replay credit has paid it back)."""
+        next steps' free checks keep theirs), a data-parallel step's last bias whatever the credit (the floor,
+        ``_charged``); the image credit beyond a step's share, or an image's, goes to the replays. Whether a replay
+        is due: the first step, or replay credit that holds what the last one cost (the run within its budget)."""
         net = self._built(task, be)
         if net is None or not _fits(task, reply, net):
             return False  # not this file's to judge: the split's shape check loses the worker
@@ -157,8 +156,7 @@ class ReplayCheck:
                 self._judge(k, kind, parts())
             finally:
                 dt = time.perf_counter() - t0
-                if self.backwards > ran:  # (none before the worker's first probe) a doubted image's second, too
-                    self._back_s = dt / (self.backwards - ran)
+                self._back_s = dt / (self.backwards - ran) if self.backwards > ran else self._back_s  # none: no probe
                 self.seconds += dt
                 credit -= dt
         if k in self.back_credit:
@@ -175,11 +173,10 @@ class ReplayCheck:
         floor: bool = False,
     ) -> None:
         """Judge the ``parts`` a check makes while worker k's image credit, or else its backward credit, is not
-        negative (free checks cost little at the paper's sizes; on a small network they come first: they check
-        the results, the backward a fault inside the worker's backward that its results follow), or beside a
+        negative (free checks cost little at the paper's sizes; a small network's come before the backward), or beside a
         replay; its seconds taken off that credit. The ``floor`` of every step (the last bias, or the hybrid's last
         norm: a result x -50 caught at its first step on any network) runs whatever the credit, every share paying
-        in proportion: the checks stay within the budget while it costs less than it (at 16:32, 1-2 % of a task)."""
+        in proportion: the checks stay within the budget while it costs less than it (at 16:32, 1-3 % of a task)."""
         credits = self.image_credit if self.image_credit.get(k, 0.0) >= 0 else self.back_credit
         if credits.get(k, 0.0) < 0 and not (replayed or floor):
             return
