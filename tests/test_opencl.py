@@ -399,6 +399,7 @@ def test_maxpool_propagates_nan_as_numpy_and_torch_do(be, rng, shape, kernel, st
         # buffer's ends loaded lane by lane
         ((2, 3, 16, 16), 3, 2, 1),  # pool2 of the paper's net: a vector a row
         ((1, 3, 6, 32), 3, 2, 1),  # pool1's rows: two vectors a row
+        ((1, 2, 7, 16), 3, 2, 1),  # odd rows: the last input row in one window row
         ((2, 2, 7, 33), 3, 2, 0),  # odd rows, no padding
         ((1, 3, 5, 17), 2, 1, 0),  # stride 1
     ],
@@ -409,7 +410,8 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, 
     """Every forward variant (per element: the simple kernel at the first and last plane, the fast
     one between; rows: one work-item per output row; planes: one per plane or two, the plane's size
     compiled in, and where output rows are whole vectors its lanes twin) and every backward kernel
-    (per-element gather, per-row walk, per-plane scatter) on odd sizes, padding, ties and NaN in
+    (per-element gather, per-row walk, per-plane scatter, and for the network's pool on whole
+    vectors the planes' vector gather, which the backend picks there) on odd sizes, padding, ties and NaN in
     edge windows: y exactly numpy's; with small-integer dy every sum is exact in any
     order, so dx is exactly numpy's (routing and overlap sums); with normal dy the two backward
     kernels add the same terms in the same order, bit for bit."""
@@ -424,7 +426,7 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, 
     got = be.to_numpy(y)
     assert np.array_equal(got.view(np.int32), y_ref.view(np.int32))  # NaN payloads too
 
-    x_shape, arg, geometry, window = cache
+    x_shape, arg, geometry, window, lanes_back = cache
     n, c, h, w = x_shape
     # the forward kernels launched by name, all three on every shape: the per-element one, the rows
     # one (an output row per item) and the planes one, with 1 and 2 planes per item (a partial last)
@@ -443,12 +445,17 @@ def test_maxpool_kernel_variants_agree_exactly_with_numpy(be, rng, monkeypatch, 
     plain[..., 0, 0] = noisy[..., 0, 0] = -0.0  # -0 summed from 0.0f gives +0 in every kernel alike
     for dy, exact in ((plain, REF.maxpool_backward(plain, cache_ref)), (noisy, None)):
         dx = {}
-        for name, dims, defines in (
+        backward = [
             ("maxpool_backward", (w, h, n * c), window),
             ("maxpool_backward_rows", n * c * h, window),
             ("maxpool_backward_planes", n * c, plane_defines(window, h, w, 1)),
             ("maxpool_backward_planes 2", cdiv(n * c, 2), plane_defines(window, h, w, 2)),
-        ):
+        ]
+        assert lanes_back == ((kernel, stride, pad) == (3, 2, 1) and ow % 8 == 0 and w == 2 * ow)
+        if lanes_back:  # the network's pool on whole vectors: the planes' gather, 8 windows a vector
+            lanes = [(f"maxpool_backward_lanes {g}", cdiv(n * c, g), plane_defines(window, h, w, g)) for g in (1, 2)]
+            backward += lanes
+        for name, dims, defines in backward:
             out = be.rt.empty(x_shape)
             be.rt.launch(name.split()[0], dims, be.asarray(dy).data, arg.data, *geometry, out.data, defines=defines)
             dx[name] = be.to_numpy(out)

@@ -4,8 +4,8 @@ One work-item per output scans its window and keeps the first strict maximum in 
 order -- the element numpy's separable max selects -- or its last NaN, as torch does, and its
 position (on CPUs, one work-item per plane, or several, 8 windows at a time as vectors where
 output rows are whole vectors); backward is a gather over the windows that contain each input
-(on CPUs, one work-item per plane, or several, scattering from the last window to the first: the
-same sums in the same order). The kernels are in ops.cl.
+(on CPUs, one work-item per plane or several, scattering from the last window to the first, or for
+the 3x3 stride-2 pool gathering 8 windows a vector: the same sums in the same order). See ops.cl.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ POOL_WALK = 4096
 
 
 def lanes_fit(stride: int, ow: int) -> bool:
-    """Whether maxpool_forward_lanes (8 windows of an output row a vector) takes this shape: stride 1
-    or 2, output rows of whole vectors. The planes kernel takes the rest."""
+    """Whether maxpool_forward_lanes (8 windows a vector) takes it: stride 1 or 2, rows of whole vectors."""
     return stride in (1, 2) and ow % 8 == 0
 
 
@@ -70,20 +69,21 @@ def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, paddi
         for plane in (0, n * c - 1):  # one plane of the grid, at a global offset
             rt.ran("maxpool_forward", rt.enqueue(knl, (ow, oh, 1), None, *args, global_offset=(0, 0, plane)))
         rt.launch("maxpool_forward_inner", (ow, oh, n * c - 2), *args, defines=window)
-    return y, (x.shape, arg, geometry, window)
+    lanes_back = (kernel, stride, padding) == (3, 2, 1) and ow % 8 == 0 and w == 2 * ow  # CPUs' gather (ops.cl)
+    return y, (x.shape, arg, geometry, window, lanes_back)
 
 
 def backward(rt: ClRuntime, dy: cla.Array, cache: Cache) -> cla.Array:
     """dy (N, C, OH, OW) -> dx (N, C, H, W): each dy summed into the input its window's maximum came from."""
-    x_shape, arg, geometry, window = cache
+    x_shape, arg, geometry, window, lanes_back = cache
     dy = rt.operand(dy, "maxpool dy")
     if dy.shape != arg.shape:
         raise ValueError(f"maxpool_backward: dy {dy.shape} does not match the forward output {arg.shape}")
     dx = rt.empty(x_shape)
     n, c, h, w = x_shape
     args = (dy.data, arg.data, *geometry, dx.data)
-    if rt.rows:  # optimisation (see ops.cl): a work-item scatters a plane's dy
-        _planes(rt, "maxpool_backward_planes", x_shape, window, args)
+    if rt.rows:  # optimisation (see ops.cl): a work-item gathers a plane's dx 8 windows at a time, or scatters its dy
+        _planes(rt, "maxpool_backward_lanes" if lanes_back else "maxpool_backward_planes", x_shape, window, args)
     else:
         rt.launch("maxpool_backward", (w, h, n * c), *args, defines=window)
     return dx

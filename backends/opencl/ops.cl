@@ -858,6 +858,52 @@ __kernel void maxpool_forward_lanes(__global const float* restrict x, const int 
         }
     }
 }
+
+#if POOL == 3 && STRIDE == 2 && PAD == 1
+// Optimisation of maxpool_backward_planes for CPUs, the same sums in the same order, for the
+// network's pool (3x3, stride 2, pad 1) on planes of W = 2*OW columns with output rows of whole
+// vectors (maxpool.forward's lanes_back). The scatter's dx[a] += dy chains through memory whenever two
+// windows pick one input; this is the gather, 8 windows of a row at a time in vectors. Column 2k
+// lies in window k alone, column 2k+1 in windows k+1 and k; row 2m in window row m alone, row
+// 2m+1 in m+1 and m. So an input row's 16 columns are two float8 sums (even and odd columns) over
+// one or two rows of dy and arg, each read as a vector and shifted by one window (lanes 1-7, then
+// the next window's), and stored interleaved as one float16. A sum adds its terms latest window
+// row first, then latest column -- the scatter's order -- and a window that did not pick the input
+// adds 0.0f, which changes no sum (it starts at +0 and is never -0). global (planes / PLANE_GROUP).
+__kernel void maxpool_backward_lanes(__global const float* restrict dy, __global const int* restrict arg,
+                                     const int H, const int W, const int OH, const int OW, const int planes,
+                                     __global float* restrict dx)
+{
+    for (int plane = get_global_id(0) * PLANE_GROUP, end = plane + PLANE_GROUP; plane < end && plane < planes; plane++) {
+        __global const float* dyp = dy + plane * (PLANE_OH * PLANE_OW);
+        __global const int* ap = arg + plane * (PLANE_OH * PLANE_OW);
+        __global float* dxp = dx + plane * (PLANE_H * PLANE_W);
+        for (int h = 0; h < PLANE_H; h++) {
+            const int last = (h + 1) / 2;  // the latest window row holding row h; h odd: last - 1 too
+            for (int ow0 = 0; ow0 < PLANE_OW; ow0 += POOL_LANES) {
+                const int8 even_at = (int8)(h * PLANE_W + 2 * ow0) + (int8)(0, 2, 4, 6, 8, 10, 12, 14);
+                const int8 odd_at = even_at + (int8)(1);
+                float8 even = (float8)(0.0f), odd = (float8)(0.0f);
+                for (int oh = last; oh >= last - (h & 1); oh--) {
+                    if (oh >= PLANE_OH) continue;
+                    const int o = oh * PLANE_OW + ow0;
+                    const int8 a = *(__global const pool_int8*)(ap + o);
+                    const float8 d = *(__global const pool_float8*)(dyp + o);
+                    const bool more = ow0 + POOL_LANES < PLANE_OW;  // window ow0 + 8 is in the row
+                    const int8 a1 = (int8)(a.s1234, a.s567, more ? ap[o + POOL_LANES] : -1);
+                    const float8 d1 = (float8)(d.s1234, d.s567, more ? dyp[o + POOL_LANES] : 0.0f);
+                    even += a == even_at ? d : (float8)(0.0f);
+                    odd += a1 == odd_at ? d1 : (float8)(0.0f);
+                    odd += a == odd_at ? d : (float8)(0.0f);
+                }
+                *(__global pool_float16*)(dxp + h * PLANE_W + 2 * ow0) =
+                    (float16)(even.s0, odd.s0, even.s1, odd.s1, even.s2, odd.s2, even.s3, odd.s3, even.s4, odd.s4,
+                              even.s5, odd.s5, even.s6, odd.s6, even.s7, odd.s7);
+            }
+        }
+    }
+}
+#endif
 #undef POOL_LANES
 #endif  // PLANE_H
 
