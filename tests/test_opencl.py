@@ -238,6 +238,15 @@ def test_pocl_compiling_for_a_cpu_without_avx512_gets_8_wide_vectors():
     assert widths == {"znver3": 8, "znver4": 16}  # Zen 4 hosts are compiled for as Zen 3 by PoCL 3.0's wheels
     assert gemm_configs.DeviceLimits.of(device("OpenCL 3.0 other"), "cpu").vector_width == 16  # not PoCL: trusted
     assert gemm_configs.DeviceLimits.of(device(hstr + "znver3", 4), "cpu").vector_width == 4
+    # the tune file's key: one CPU brand compiled for two CPUs keeps two sets of choices
+    keys = {gemm_configs.DeviceLimits.of(device(hstr + cpu), "cpu").key for cpu in ("haswell", "skylake-avx512")}
+    assert keys == {
+        "Portable Computing Language | cpu | 3.0 | haswell",
+        "Portable Computing Language | cpu | 3.0 | skylake-avx512",
+    }
+    assert (
+        gemm_configs.DeviceLimits.of(device("OpenCL 3.0 CUDA"), "gpu").key == "Portable Computing Language | cpu | 3.0"
+    )
 
 
 def test_gemm_falls_back_to_narrower_vectors_when_the_preferred_ones_do_not_build(be, monkeypatch, tmp_path):

@@ -26,8 +26,7 @@ AVX512_LLVM_CPUS = frozenset(
 
 
 def pocl_llvm_cpu(version: str) -> str | None:
-    """The CPU PoCL compiles for, from its device version ("... HSTR: pthread-x86_64-unknown-linux-gnu-znver3");
-    None for another runtime or another host."""
+    """The CPU PoCL compiles for, from its device version ("... HSTR: pthread-x86_64-...-znver3"); else None."""
     m = re.search(r"HSTR: \w+-x86_64-[^-\s]+-[^-\s]+-[^-\s]+-(\S+)", version)
     return m.group(1) if m else None
 
@@ -36,7 +35,7 @@ def pocl_llvm_cpu(version: str) -> str | None:
 class DeviceLimits:
     """What the kernel configurations must fit, read once from the device."""
 
-    key: str  # platform | device | driver: tuned choices are only reused on the same one
+    key: str  # platform | device | driver (| PoCL's CPU): tuned choices are only reused on the same one
     kind: str  # "cpu", "gpu", ...
     compute_units: int
     max_work_group_size: int
@@ -47,10 +46,12 @@ class DeviceLimits:
     def of(cls, device: cl.Device, kind: str) -> DeviceLimits:
         vw = int(device.preferred_vector_width_float or 1)
         vw = min(16, max(4, 1 << (vw.bit_length() - 1)))  # a power of two; 1 (GPUs) -> 4
-        if vw == 16 and (cpu := pocl_llvm_cpu(device.version)) is not None and cpu not in AVX512_LLVM_CPUS:
+        cpu = pocl_llvm_cpu(device.version)  # in the key too: PoCL names a device by its CPU's brand alone
+        if vw == 16 and cpu is not None and cpu not in AVX512_LLVM_CPUS:
             vw = 8  # PoCL reads 16 from the host, but compiles for a CPU without AVX-512 (see AVX512_LLVM_CPUS)
+        key = f"{device.platform.name.strip()} | {device.name.strip()} | {device.driver_version.strip()}"
         return cls(
-            key=f"{device.platform.name.strip()} | {device.name.strip()} | {device.driver_version.strip()}",
+            key=key + (f" | {cpu}" if cpu else ""),
             kind=kind,
             compute_units=int(device.max_compute_units),
             max_work_group_size=int(device.max_work_group_size),
