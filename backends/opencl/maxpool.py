@@ -50,7 +50,7 @@ def forward(rt: ClRuntime, x: cla.Array, kernel: int = 2, stride: int = 2, paddi
     n, c, h, w = x.shape
     if kernel < 1 or stride < 1 or not 0 <= 2 * padding <= kernel:
         raise ValueError(
-            f"maxpool: kernel {kernel}, stride {stride}, padding {padding}: need both >= 1, 0 <= padding <= kernel/2"
+            f"maxpool: need kernel and stride >= 1, 0 <= padding <= kernel/2; got {kernel}, {stride}, {padding}"
         )
     oh = conv_output_size(h, kernel, stride, padding)
     ow = conv_output_size(w, kernel, stride, padding)

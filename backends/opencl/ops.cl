@@ -883,13 +883,13 @@ __kernel void maxpool_backward_lanes(__global const float* restrict dy, __global
             for (int ow0 = 0; ow0 < PLANE_OW; ow0 += POOL_LANES) {
                 const int8 even_at = (int8)(h * PLANE_W + 2 * ow0) + (int8)(0, 2, 4, 6, 8, 10, 12, 14);
                 const int8 odd_at = even_at + (int8)(1);
+                const bool more = ow0 + POOL_LANES < PLANE_OW;  // window ow0 + 8 is in the row
                 float8 even = (float8)(0.0f), odd = (float8)(0.0f);
                 for (int oh = last; oh >= last - (h & 1); oh--) {
                     if (oh >= PLANE_OH) continue;
                     const int o = oh * PLANE_OW + ow0;
                     const int8 a = *(__global const pool_int8*)(ap + o);
                     const float8 d = *(__global const pool_float8*)(dyp + o);
-                    const bool more = ow0 + POOL_LANES < PLANE_OW;  // window ow0 + 8 is in the row
                     const int8 a1 = (int8)(a.s1234, a.s567, more ? ap[o + POOL_LANES] : -1);
                     const float8 d1 = (float8)(d.s1234, d.s567, more ? dyp[o + POOL_LANES] : 0.0f);
                     even += a == even_at ? d : (float8)(0.0f);
