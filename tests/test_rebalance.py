@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tinyconv.distributed.accounting import LayerStep, OpStats
-from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
+from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost, whole_by_finish
 from tinyconv.distributed.rebalance import Phase, Rebalancer
 from tinyconv.distributed.shard.balance import apportion, speed_weights
 
@@ -89,6 +89,33 @@ def test_equal_finish_kernels_holds_whoever_cannot_help_at_the_floor():
     assert equal_finish_kernels([(0.0, 1.0), (0.0, 1.0), (5.0, 1.0)], 2) == pytest.approx([1, 1, 0])
     assert equal_finish_kernels([(0.0, 1.0), (3.0, 1.0)], 2) == pytest.approx([1, 1])
     assert equal_finish_kernels([(0.0, 1.0), (3.0, 1.0)], 0) == [0.0, 0.0]
+
+
+def test_whole_by_finish_gives_the_least_makespan_where_largest_remainder_does_not():
+    # 1 and 4 s a unit, 48 units: shares 38.4 and 9.6; largest remainder's last unit to the slow one finishes at 40 s
+    costs = [(0.0, 1.0), (0.0, 4.0)]
+    shares = equal_finish_kernels(costs, 48)
+    assert apportion(shares, 48) == [38, 10]
+    assert whole_by_finish(costs, shares, 48) == [39, 9]
+    # any costs: no whole split that keeps everyone's floor of one ends sooner (brute force over all of them)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n, total = int(rng.integers(2, 4)), int(rng.integers(3, 25))
+        costs = [(float(rng.choice([0.0, rng.uniform(0, 3)])), float(rng.uniform(0.1, 4))) for _ in range(n)]
+        got = whole_by_finish(costs, equal_finish_kernels(costs, total), total)
+        assert sum(got) == total and min(got) >= 1, (costs, total, got)
+
+        def makespan(counts, costs=costs):
+            return max(a + b * c for (a, b), c in zip(costs, counts, strict=True) if c > 0)
+
+        splits = [c for c in np.ndindex(*[total] * n) if sum(c) == total and min(c) >= 1]
+        assert makespan(got) <= min(makespan(c) for c in splits) + 1e-9, (costs, total, got)
+
+
+def test_the_rebalancer_rounds_its_target_by_finish_time():
+    # a device 4x slower and 48 images, 2.6 % over the mean: largest remainder's target would be these very counts
+    r = Rebalancer(threshold=0.02, patience=1, smoothing=1.0)
+    assert r.observe("batch", [38, 10], [38.0, 40.0]) == [39, 9]
 
 
 # ---- the rebalancer --------------------------------------------------------------------------
@@ -315,8 +342,9 @@ def test_a_participant_that_became_fast_wins_kernels_back_at_its_re_probe():
         if (proposal := rebalancer.observe("c", counts, times)) is not None:
             counts = proposal
             history.append(counts)
-    # proportional first (one k each), then out; re-probed 10 steps later, it is measured fast
-    assert history[:3] == [[82, 14], [96, 0], [95, 1]], history
+    # proportional first (one k each: shares 82.3 and 13.7, rounded by finish time), then out; re-probed 10 steps
+    # later, it is measured fast
+    assert history[:3] == [[83, 13], [96, 0], [95, 1]], history
     assert history[3][1] > 1 and abs(counts[1] - 48) <= 3, history  # and wins back about its half
 
 

@@ -1,6 +1,7 @@
 """The affine cost model t_i(k) = a_i + b_i k the rebalancer (``rebalance.py``) moves kernels by (why affine:
 docs/how-it-works.md): :func:`fit_affine_cost` fits the line, :func:`equal_finish_kernels` solves for the split
-that makes everyone finish together. Pure arithmetic on small lists: no I/O, no clocks.
+that makes everyone finish together, and :func:`whole_by_finish` makes that split whole. Pure arithmetic on small
+lists: no I/O, no clocks.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
     measured), else at least 0. Whoever's k_i falls below the floor is held at it, and T is solved again for
     the others with the floor's kernels taken out, until nobody falls below (each pass can only lower T, so the
     held stay held). With every a_i = 0 and no one held, k_i = F (1/b_i) / sum_j (1/b_j): eq. 1. The counts
-    sum to F (up to round-off); ``balance.apportion`` makes them whole.
+    sum to F (up to round-off); :func:`whole_by_finish` makes them whole.
     """
     n = len(costs)
     if total_kernels == 0:
@@ -93,3 +94,21 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
             break
         held.update(below)
     return [floor if i in held else max(0.0, (finish - a) / b) for i, (a, b) in enumerate(costs)]
+
+
+def whole_by_finish(costs: Sequence[tuple[float, float]], shares: Sequence[float], total: int) -> list[int]:
+    """Whole counts summing to ``total`` from the real ``shares`` of :func:`equal_finish_kernels`, rounded by
+    finish time: each participant gets the floor of its share, then each unit left goes to whoever would finish
+    soonest with one more, a_i + b_i (c_i + 1) (ties: the lower index).
+
+    Largest remainder (``balance.apportion``, eq. 1's) rounds by share alone and can hand the last unit to the
+    participant for which one unit is the longest: costs b = (1, 4) s a unit and 48 units give shares 38.4 and
+    9.6, which it makes [38, 10], finishing at 40 s, where [39, 9] finishes at 39 s. That matters when a unit is
+    a large part of a step, as an image is for a quarter-core device in a batch of 64. Giving each unit in
+    turn to whoever finishes soonest with it is the least makespan over whole counts; starting from the floors,
+    which all finish by the real split's T, gives the same counts sooner."""
+    counts = [math.floor(s + 1e-6) for s in shares]  # the sum of the floors is at most total: shares sum to it
+    for _ in range(total - sum(counts)):
+        i = min(range(len(counts)), key=lambda j: (costs[j][0] + costs[j][1] * (counts[j] + 1), j))
+        counts[i] += 1
+    return counts

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost
-from tinyconv.distributed.shard.balance import apportion
+from tinyconv.distributed.cost import equal_finish_kernels, fit_affine_cost, whole_by_finish
 
 
 class Phase(Enum):
@@ -233,9 +232,10 @@ def _target(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> lis
 
 def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
     """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
-    (:func:`equal_finish_kernels`, largest remainder), 0 for the others."""
+    (:func:`equal_finish_kernels`, rounded by finish time: :func:`whole_by_finish`), 0 for the others."""
+    mine = [models[i] for i in who]
     counts = [0] * len(models)
-    for i, c in zip(who, apportion(equal_finish_kernels([models[i] for i in who], total), total), strict=True):
+    for i, c in zip(who, whole_by_finish(mine, equal_finish_kernels(mine, total), total), strict=True):
         counts[i] = c
     return counts
 
