@@ -115,6 +115,7 @@ def test_whole_by_finish_gives_the_least_makespan_where_largest_remainder_does_n
 def test_the_rebalancer_rounds_its_target_by_finish_time():
     # a device 4x slower and 48 images, 2.6 % over the mean: largest remainder's target would be these very counts
     r = Rebalancer(threshold=0.02, patience=1, smoothing=1.0)
+    assert r.observe("batch", [38, 10], [38.0, 40.0]) is None  # the first step: measured, not judged
     assert r.observe("batch", [38, 10], [38.0, 40.0]) == [39, 9]
 
 
@@ -206,6 +207,7 @@ def test_patience_and_threshold():
 
 def test_cooldown_after_a_rebalance():
     r = Rebalancer(patience=1, smoothing=1.0, cooldown=4)
+    assert r.observe("c", [6, 6], [6.0, 12.0]) is None  # the first step: measured, not judged
     assert r.observe("c", [6, 6], [6.0, 12.0]) == [8, 4]
     # the slow one suddenly gets slower still, but the layer waits out its cool-down
     for _ in range(4):
@@ -305,24 +307,26 @@ def test_a_participant_that_can_only_slow_the_layer_sits_out_and_is_re_probed():
         if (proposal := rebalancer.observe("c", counts, times)) is not None:
             counts = proposal
             changes.append((step, counts))
-    # after patience (3 steps) the steps' speeds, one k each (proportional); with a second k the fixed part
-    # shows, and it is out after the cool-down and patience; back with one kernel for one step after 50 steps
-    # without any, judged at once and out again, then after 100, then after 200 steps
+    # after the first step (measured, not judged) and patience (3 steps) the steps' speeds, one k each
+    # (proportional); with a second k the fixed part shows, and it is out after the cool-down and patience; back
+    # with one kernel for one step after 50 steps without any, judged at once and out again, then after 100, then
+    # after 200 steps
     assert changes == [
-        (2, [91, 5]),
-        (10, [96, 0]),
-        (60, [95, 1]),  # idle in steps 11..60
-        (61, [96, 0]),
-        (161, [95, 1]),  # idle in steps 62..161
-        (162, [96, 0]),
-        (362, [95, 1]),
-        (363, [96, 0]),
+        (3, [91, 5]),
+        (11, [96, 0]),
+        (61, [95, 1]),  # idle in steps 12..61
+        (62, [96, 0]),
+        (162, [95, 1]),  # idle in steps 63..162
+        (163, [96, 0]),
+        (363, [95, 1]),
+        (364, [96, 0]),
     ], changes
     rng = np.random.default_rng(3)
     counts, history = run(
         Rebalancer(), per_kernel, [48, 48], steps=100, noise=0.10, rng=rng, fixed=fixed, calibrate=True
     )
-    assert counts == [96, 0] and history[2] == [96, 0] and len(history) <= 5, history
+    # under 10 % noise out in two moves, or three (2 seeds of 20), then one re-probe in the 100 steps
+    assert counts == [96, 0] and history.index([96, 0]) <= 3 and len(history) <= 6, history
     # reprobe=0: out for good
     assert run(Rebalancer(reprobe=0), per_kernel, [48, 48], steps=300, fixed=fixed, calibrate=True)[1] == [
         [79, 17],
@@ -356,6 +360,7 @@ def test_each_phase_transition_of_the_table():
     assert r.phase("c") is Phase.WATCHING
     walk = [
         # counts, times, what observe returns, the phase after the step
+        ([6, 6], [6.0, 12.0], None, Phase.WATCHING),  # the first step: measured, not judged
         ([6, 6], [6.0, 12.0], None, Phase.WATCHING),  # lags once: the streak is 1
         ([6, 6], [6.0, 12.0], [8, 4], Phase.COOLING),  # twice (patience): moved
         ([8, 4], [8.0, 400.0], None, Phase.WATCHING),  # the cool-down's last step: measured, not judged
@@ -377,10 +382,12 @@ def test_each_phase_transition_of_the_table():
         assert r.phase("c") is phase, step
     # a longer cool-down counts off one step at a time; without one, a move leaves the layer WATCHING
     r = Rebalancer(patience=1, smoothing=1.0, cooldown=2)
+    assert r.observe("c", [6, 6], [6.0, 12.0]) is None and r.phase("c") is Phase.WATCHING  # the first step
     assert r.observe("c", [6, 6], [6.0, 12.0]) == [8, 4] and r.phase("c") is Phase.COOLING
     assert r.observe("c", [8, 4], [8.0, 16.0]) is None and r.phase("c") is Phase.COOLING
     assert r.observe("c", [8, 4], [8.0, 16.0]) is None and r.phase("c") is Phase.WATCHING
     r = Rebalancer(patience=1, smoothing=1.0, cooldown=0)
+    assert r.observe("c", [6, 6], [6.0, 12.0]) is None
     assert r.observe("c", [6, 6], [6.0, 12.0]) == [8, 4] and r.phase("c") is Phase.WATCHING
     assert r.observe("c", [8, 4], [8.0, 16.0]) == [10, 2] and r.phase("c") is Phase.WATCHING
 
@@ -390,6 +397,7 @@ def test_record_files_measurements_without_judging():
     for _ in range(3):
         r.record("c", [6, 6], [6.0, 12.0])  # lagging, but record never proposes
     assert r.cost_models("c") == [(0.0, 1.0), (0.0, 2.0)]
+    assert r.observe("c", [6, 6], [6.0, 12.0]) is None  # the first step: measured, not judged
     assert r.observe("c", [6, 6], [6.0, 12.0]) == [8, 4]
     r.record("c", [8, 4], [8.0, 8.0])  # nor does it count down the cool-down
     r.record("c", [8, 4], [8.0, 8.0])
@@ -401,6 +409,7 @@ def test_record_files_measurements_without_judging():
 def test_layers_are_independent_and_estimates_are_exposed():
     r = Rebalancer(patience=1, smoothing=1.0)
     assert r.observe("conv1", [6, 6], [6.0, 6.0]) is None
+    assert r.observe("conv2", [6, 6], [6.0, 12.0]) is None  # each layer's first step: measured, not judged
     assert r.observe("conv2", [6, 6], [6.0, 12.0]) == [8, 4]
     # one k each so far: the proportional model (a, b) = (0, t / k)
     assert r.cost_models("conv1") == [(0.0, 1.0), (0.0, 1.0)]

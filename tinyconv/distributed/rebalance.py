@@ -53,7 +53,8 @@ class Rebalancer:
     :meth:`observe`, and fits t_i(k) = a_i + b_i k (:func:`fit_affine_cost`; proportional until the steps saw two
     k). The target is the equal-finish split with a floor of one kernel (:func:`equal_finish_kernels`), from which
     a participant that can only slow the layer sits out. With the current counts c_i each finishes after
-    f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold`` for ``patience`` steps in a row, the target
+    f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold`` for ``patience`` steps in a row (not counting
+    a layer's first, whose measurements go at the next), the target
     is proposed if it moves at least ``min_move`` kernels and predicts max_i f_i(new) < max_i f_i(current); then
     ``cooldown`` steps measured, not judged. One sitting out gets a kernel back for one step after ``reprobe``
     steps (0: never), twice as long each time it stays slow.
@@ -114,6 +115,8 @@ class Rebalancer:
         self.record(layer, counts, times)
         for i, c in enumerate(counts):
             state.idle[i] = 0 if c > 0 else state.idle[i] + 1
+        if state.steps == 1:  # the first step's measurements go at the next step: judged on them, it would count
+            return None  # first-use allocations (and a spike there) towards the streak
         if state.phase is Phase.PROBING:
             return self._judge_probe(layer, state, counts)
         if (probe := self._reprobe(state, counts)) is not None:  # due: WATCHING or COOLING alike
