@@ -97,16 +97,9 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
 
 
 def whole_by_finish(costs: Sequence[tuple[float, float]], shares: Sequence[float], total: int) -> list[int]:
-    """Whole counts summing to ``total`` from the real ``shares`` of :func:`equal_finish_kernels`, rounded by
-    finish time: each participant gets the floor of its share, then each unit left goes to whoever would finish
-    soonest with one more, a_i + b_i (c_i + 1) (ties: the lower index).
-
-    Largest remainder (``balance.apportion``, eq. 1's) rounds by share alone and can hand the last unit to the
-    participant for which one unit is the longest: costs b = (1, 4) s a unit and 48 units give shares 38.4 and
-    9.6, which it makes [38, 10], finishing at 40 s, where [39, 9] finishes at 39 s. That matters when a unit is
-    a large part of a step, as an image is for a quarter-core device in a batch of 64. Giving each unit in
-    turn to whoever finishes soonest with it is the least makespan over whole counts; starting from the floors,
-    which all finish by the real split's T, gives the same counts sooner."""
+    """The real ``shares`` (:func:`equal_finish_kernels`) made whole, summing to ``total``, by finish time: the
+    floors, then each unit left to whoever finishes soonest with one more, a_i + b_i (c_i + 1) (ties: the lower
+    index): the least makespan of any whole split (largest remainder's can be later: docs/how-it-works.md)."""
     counts = [math.floor(s + 1e-6) for s in shares]  # the sum of the floors is at most total: shares sum to it
     for _ in range(total - sum(counts)):
         i = min(range(len(counts)), key=lambda j: (costs[j][0] + costs[j][1] * (counts[j] + 1), j))

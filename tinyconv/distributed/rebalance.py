@@ -115,8 +115,8 @@ class Rebalancer:
         self.record(layer, counts, times)
         for i, c in enumerate(counts):
             state.idle[i] = 0 if c > 0 else state.idle[i] + 1
-        if state.steps == 1:  # the first step's measurements go at the next step: judged on them, it would count
-            return None  # first-use allocations (and a spike there) towards the streak
+        if state.steps == 1:  # its measurements go at the next step: no lag is judged on them either
+            return None
         if state.phase is Phase.PROBING:
             return self._judge_probe(layer, state, counts)
         if (probe := self._reprobe(state, counts)) is not None:  # due: WATCHING or COOLING alike
