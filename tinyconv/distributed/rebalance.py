@@ -53,9 +53,9 @@ class Rebalancer:
     :meth:`observe`, and fits t_i(k) = a_i + b_i k (:func:`fit_affine_cost`; proportional until the steps saw two
     k). The target is the equal-finish split with a floor of one kernel (:func:`equal_finish_kernels`), from which
     a participant that can only slow the layer sits out. With the current counts c_i each finishes after
-    f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold`` for ``patience`` steps in a row (not counting
-    a layer's first, whose measurements go at the next), the target
-    is proposed if it moves at least ``min_move`` kernels and predicts max_i f_i(new) < max_i f_i(current); then
+    f_i = a_i + b_i c_i; when (max f - mean f) / mean f > ``threshold`` for ``patience`` steps in a row (a layer's
+    first not counted: its measurements go at the next), the target is proposed if it moves at least ``min_move``
+    kernels and predicts max_i f_i(new) < max_i f_i(current); then
     ``cooldown`` steps measured, not judged. One sitting out gets a kernel back for one step after ``reprobe``
     steps (0: never), twice as long each time it stays slow.
     """
