@@ -99,7 +99,7 @@ def equal_finish_kernels(costs: Sequence[tuple[float, float]], total_kernels: in
 def whole_by_finish(costs: Sequence[tuple[float, float]], shares: Sequence[float], total: int) -> list[int]:
     """The real ``shares`` (:func:`equal_finish_kernels`) made whole, summing to ``total``, by finish time: the
     floors, then each unit left to whoever finishes soonest with one more, a_i + b_i (c_i + 1) (ties: the lower
-    index): the least makespan of any whole split (largest remainder's can be later: docs/how-it-works.md)."""
+    index): the least makespan of the whole splits at or above the floors (largest remainder's can be later)."""
     counts = [math.floor(s + 1e-6) for s in shares]  # the sum of the floors is at most total: shares sum to it
     for _ in range(total - sum(counts)):
         i = min(range(len(counts)), key=lambda j: (costs[j][0] + costs[j][1] * (counts[j] + 1), j))

@@ -236,9 +236,9 @@ def _target(models: Sequence[tuple[float, float]], counts: Sequence[int]) -> lis
 def _equal_finish_among(models: Sequence[tuple[float, float]], who: list[int], total: int) -> list[int]:
     """Whole kernel counts for every participant: the equal-finish split of ``total`` among ``who``
     (:func:`equal_finish_kernels`, rounded by finish time: :func:`whole_by_finish`), 0 for the others."""
-    mine = [models[i] for i in who]
+    costs = [models[i] for i in who]
     counts = [0] * len(models)
-    for i, c in zip(who, whole_by_finish(mine, equal_finish_kernels(mine, total), total), strict=True):
+    for i, c in zip(who, whole_by_finish(costs, equal_finish_kernels(costs, total), total), strict=True):
         counts[i] = c
     return counts
 
