@@ -263,6 +263,26 @@ def test_a_gradient_wrong_alone_from_a_later_step_is_lost_at_that_step(parallel)
     assert event["step"] == 4 and event["reason"].startswith(f"wrong result: the gradient of {what}"), event
 
 
+def test_the_hybrids_last_norm_catches_its_dgamma_alone_wrong_at_its_first_step():
+    """Only bn2.gamma's gradient 1 % off (its dbeta, the features and every other gradient as they were), on a
+    budget that pays for nothing after the first step's replay: the floor's dgamma, from the features and
+    dL/dfeatures, loses the worker at that step, whichever run of channels it drew."""
+    at = flat.spans(conv_part(paper_net("6:10", NumpyBackend(), "batch", seed=0, image_size=SIZE)))["bn2.gamma"]
+
+    def gamma_off(a: np.ndarray) -> np.ndarray:
+        a = a.copy()
+        a[at] *= np.float32(1.01)
+        return a
+
+    make = lambda i: Wrong("grads", gamma_off, at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime("hybrid", transport, workers, budget=1e-6)
+        train(run, 6, "batch", every_image=False, every_kernel=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 4 and event["worker"] == "worker1", event
+    assert event["reason"].startswith("wrong result: the gradient of bn2.gamma against its features"), event
+
+
 @pytest.mark.parametrize("norm", ["lrn", "batch"])
 def test_the_hybrids_kernel_sample_alone_catches_wrong_features_at_their_first_step(norm):
     make = lambda i: Wrong("features", lambda a: a * np.float32(-50), at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731

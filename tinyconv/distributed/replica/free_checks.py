@@ -72,26 +72,26 @@ def last_norm(
     and the features f the worker sent (both (n, C, H', W')): dbeta[c] = sum d[:, c] and dgamma[c] = sum d[:, c]
     (f[:, c] - beta[c]) / gamma[c]. The rigorous form on the terms' sizes, k: the sum over the norm's n H W
     outputs, the pool's windows that took the same value (K K at most), the few roundings of f, and the
-    master's own sums over the n H' W' features. An eighth of the channels, at random (at least 8): a whole
-    gradient changed shows in any of them, for an eighth of the features' passes."""
+    master's own sums over the n H' W' features. An eighth of the channels (at least 8), a run of them from a
+    random start (views, not copies): a whole gradient changed shows in any of them."""
     layout = _norm_layout(net, first.arrays["x"].shape[1:])
     grads, features = reply.arrays.get("grads"), answer.arrays.get("features")
     if layout is None or grads is None or features is None:
         return []
     norm, pool, (c, h, w), per_channel, at, total = layout
-    shape = (len(first.arrays["x"]), c, h, w)
-    if grads.shape != (total,) or features.size != math.prod(shape):
+    n = len(first.arrays["x"])
+    if grads.shape != (total,) or features.size != n * c * h * w:
         return []  # not this file's to judge: the split's shape check loses the worker
-    picked = np.sort(rng.choice(c, size=min(c, max(8, c // 8)), replace=False))
-    d, f = task.arrays["dfeatures"].reshape(shape)[:, picked], features.reshape(shape)[:, picked]
-    m = shape[0] * h * w
-    k = shape[0] * per_channel + pool.kernel**2 + 8 + m  # the worker's sums, the pool's, f's; the master's own m
-    at = {p: start + picked for p, start in at.items()}
+    m = min(c, max(8, c // 8))
+    s = int(rng.integers(c - m + 1))  # the run's start
+    d, f = (a.reshape(n, c, h * w)[:, s : s + m] for a in (task.arrays["dfeatures"], features))
+    k = n * per_channel + pool.kernel**2 + 8 + n * h * w  # the worker's sums, the pool's, f's; the master's own
+    at = {p: slice(start + s, start + s + m) for p, start in at.items()}
     gamma, beta = (first.arrays["params"][at[p]].astype(np.float64) for p in ("gamma", "beta"))
-    # per channel, in float32 (k counts them): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
-    ad, axes = np.abs(d), (0, 2, 3)
-    dsum, dabs = (a.sum(axis=axes).astype(np.float64) for a in (d, ad))
-    df, dfabs = (np.einsum("nchw,nchw->c", a, b).astype(np.float64) for a, b in ((d, f), (ad, np.abs(f))))
+    # per channel (k counts the float32 sums): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
+    ad = np.abs(d)
+    dsum, dabs = (a.sum(axis=(0, 2), dtype=np.float64) for a in (d, ad))
+    df, dfabs = (np.einsum("nck,nck->c", a, b).astype(np.float64) for a, b in ((d, f), (ad, np.abs(f))))
     live = gamma != 0  # gamma 0: no xhat to take, dgamma not checked
     g = np.where(live, gamma, 1.0)
     gamma_tol = np.where(live, float32_tolerance(k, (dfabs + np.abs(beta) * dabs) / np.abs(g)), np.inf)
