@@ -88,7 +88,7 @@ def last_norm(
     k = n * per_channel + pool.kernel**2 + 8 + n * h * w  # the worker's sums, the pool's, f's; the master's own
     at = {p: slice(start + s, start + s + m) for p, start in at.items()}
     gamma, beta = (first.arrays["params"][at[p]].astype(np.float64) for p in ("gamma", "beta"))
-    # per channel (k counts the float32 sums): sum d, sum |d|, sum d f, sum |d| |f|; dgamma = (sum d f - beta sum d) / g
+    # per channel: sum d, sum |d| (float64); sum d f, sum |d| |f| (float32: k); dgamma = (sum d f - beta sum d) / g
     ad = np.abs(d)
     dsum, dabs = (a.sum(axis=(0, 2), dtype=np.float64) for a in (d, ad))
     df, dfabs = (np.einsum("nck,nck->c", a, b).astype(np.float64) for a, b in ((d, f), (ad, np.abs(f))))
