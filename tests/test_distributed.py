@@ -578,7 +578,7 @@ class FreeLink(LinkSpeed):
     time around them is this machine's noise (a tail task reported as 0 s took real time), not a
     transfer, and would blur the splits these tests check exactly (test_slow_link.py has slow links)."""
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, step: int | None = None) -> None:
         pass
 
     def seconds_per_byte(self) -> float:

@@ -219,6 +219,25 @@ def test_a_result_measures_its_workers_link_only_if_the_master_waited_for_it(tra
     assert rpc.link(1).seconds_per_byte() is None  # nothing measured
 
 
+def test_a_workers_first_step_does_not_measure_its_link():
+    """Its first step's tasks pay for first use (allocations, faults): where the master finishes last no later
+    task is waited for, and such a sample would stand alone. A calibration's task (no step) is filed."""
+    clock = [0.0]
+    rpc = Rpc(Arriving(echo), WORKERS, timeout=1.0, clock=lambda: clock[0])
+    for step, took in [(3, 50.0), (3, 50.0), (4, 2.5)]:  # 20 bytes each, 0.5 s of compute
+        op = rpc.op("forward of conv1", BE, {"step": step})
+        task = op.send(0, Message("block_forward", {}, {"x": np.zeros(3, np.float32)}))
+        clock[0] += took
+        op.gather([task])
+        clock[0] = 0.0
+        assert rpc.link(0).seconds_per_byte() == (pytest.approx(0.1) if step == 4 else None)
+    op = rpc.op("calibration", BE)
+    task = op.send(1, Message("block_forward", {}, {"x": np.zeros(3, np.float32)}))
+    clock[0] = 2.5
+    op.gather([task])
+    assert rpc.link(1).seconds_per_byte() == pytest.approx(0.1)
+
+
 def test_the_op_counts_only_the_time_the_master_sat_blocked_on_a_result():
     clock = [0.0]
 

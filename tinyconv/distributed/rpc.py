@@ -226,7 +226,8 @@ class Op:
             self.recv[k] = self.recv.get(k, 0) + nbytes
             self.compute[k] = self.compute.get(k, 0.0) + compute
             if sent.alone and waited:  # it arrived now: the time beyond its compute was its link's
-                self.rpc.link(k).add(sent.wire.nbytes() + nbytes, self.rpc.clock() - sent.at - compute)
+                seconds = self.rpc.clock() - sent.at - compute
+                self.rpc.link(k).add(sent.wire.nbytes() + nbytes, seconds, self.fields.get("step"))
             if task not in waiting:
                 self._early[task] = reply
             return task, reply
