@@ -21,10 +21,8 @@ class LinkSpeed:
     Only when the master was waiting for that result, so that t_recv is its arrival: one that had
     come while the master was busy (with its own share, or another result) arrived earlier, and
     says only an upper bound. Latency makes small tasks look slow per byte: that errs towards more
-    time. Estimates are medians, so one stall does not count. The worker's first step is not filed
-    (its first use allocates and faults in what later steps reuse: as the rebalancer files it, unjudged):
-    where the master is the last to finish, no later task is waited for, and that step's sample would
-    stand alone.
+    time. Estimates are medians, so one stall does not count. Not the worker's first step: it pays for first
+    use, and where the master finishes last no later task is waited for, so its sample would stand alone.
     """
 
     WINDOW = 20  # samples kept
@@ -34,12 +32,9 @@ class LinkSpeed:
         self.first: int | None = None  # the step of the worker's first task
 
     def add(self, nbytes: int, seconds: float, step: int | None = None) -> None:
-        """File one task's ``nbytes`` and its ``seconds`` beyond the worker's compute (none without bytes, none
-        of its first ``step``; a task of no step, a calibration's, is filed)."""
-        if step is not None and self.first in (None, step):
-            self.first = step
-            return
-        if nbytes > 0:
+        """File a task's ``nbytes`` and ``seconds`` beyond its compute (not without bytes, nor of the first step)."""
+        self.first = step if self.first is None else self.first
+        if nbytes > 0 and (step is None or step != self.first):
             self.samples.append(max(0.0, seconds) / nbytes)
 
     def seconds_per_byte(self) -> float | None:

@@ -105,7 +105,7 @@ class Op:
         self.codec, self.expect, self.units = codec, expect, units  # codec None: the arrays go as they are, float32
         self._started: dict[int, float] = {}  # task -> when its "started" came, until its "computed"
         self.fallbacks = 0  # arrays sent or received not as the codec was asked (float32: a narrower word overflowed)
-        self.t0 = time.perf_counter()
+        self.t0, self.step = time.perf_counter(), fields.get("step")  # its tasks' step (None: a calibration's)
         self.times = Times()  # when each participant's tasks went, started, computed and came back
         self._pending: dict[int, _Sent] = {}  # task -> how it was sent, not yet gathered
         self._early: dict[int, Message] = {}  # task -> its result, come before its gather
@@ -226,8 +226,7 @@ class Op:
             self.recv[k] = self.recv.get(k, 0) + nbytes
             self.compute[k] = self.compute.get(k, 0.0) + compute
             if sent.alone and waited:  # it arrived now: the time beyond its compute was its link's
-                seconds = self.rpc.clock() - sent.at - compute
-                self.rpc.link(k).add(sent.wire.nbytes() + nbytes, seconds, self.fields.get("step"))
+                self.rpc.link(k).add(nbytes + sent.wire.nbytes(), self.rpc.clock() - sent.at - compute, self.step)
             if task not in waiting:
                 self._early[task] = reply
             return task, reply

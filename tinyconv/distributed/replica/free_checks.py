@@ -95,13 +95,8 @@ def last_norm(
     live = gamma != 0  # gamma 0: no xhat to take, dgamma not checked
     g = np.where(live, gamma, 1.0)
     gamma_tol = np.where(live, float32_tolerance(k, (dfabs + np.abs(beta) * dabs) / np.abs(g)), np.inf)
+    what = f"the gradient of {norm.name}.%s against its features"
     return [
-        (
-            f"the gradient of {norm.name}.beta against its features",
-            (grads[at["beta"]], dsum, float32_tolerance(k, dabs)),
-        ),
-        (
-            f"the gradient of {norm.name}.gamma against its features",
-            (grads[at["gamma"]], (df - beta * dsum) / g, gamma_tol),
-        ),
+        (what % "beta", (grads[at["beta"]], dsum, float32_tolerance(k, dabs))),
+        (what % "gamma", (grads[at["gamma"]], (df - beta * dsum) / g, gamma_tol)),
     ]
