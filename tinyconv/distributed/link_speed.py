@@ -21,15 +21,15 @@ class LinkSpeed:
     Only when the master was waiting for that result, so that t_recv is its arrival: one that had
     come while the master was busy (with its own share, or another result) arrived earlier, and
     says only an upper bound. Latency makes small tasks look slow per byte: that errs towards more
-    time. Estimates are medians, so one stall does not count. Not the worker's first step: it pays for first
-    use, and where the master finishes last no later task is waited for, so its sample would stand alone.
+    time. Estimates are medians, so one stall does not count. A worker's first step is not filed: it pays for
+    first use, and where the master finishes last no later task is waited for, so its sample would stand alone.
     """
 
     WINDOW = 20  # samples kept
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=self.WINDOW)
-        self.first: int | None = None  # the step of the worker's first task
+        self.first: int | None = None  # the step of its first task that had one (a calibration's has none)
 
     def add(self, nbytes: int, seconds: float, step: int | None = None) -> None:
         """File a task's ``nbytes`` and ``seconds`` beyond its compute (not without bytes, nor of the first step)."""
