@@ -86,13 +86,15 @@ class Network:
         return x
 
     def backward(self, dlogits: Array, seen: dict[str, np.ndarray] | None = None) -> None:
-        """Backprop dloss/dlogits through every layer, filling each layer's grads. ``seen`` gets a host
-        copy of the gradient each convolution's output received, by layer name (as ``forward``'s)."""
+        """Backprop dloss/dlogits through every layer, filling each layer's grads. ``seen`` gets host copies of
+        the gradients each convolution or batch norm got and gave, by name ('bn1', 'bn1.dx'; as ``forward``'s)."""
         d = dlogits
         for layer in reversed(self.layers):
-            if seen is not None and isinstance(layer, Conv2D):
+            if seen is not None and isinstance(layer, (Conv2D, BatchNorm2D)):
                 seen[layer.name] = np.array(self.backend.to_numpy(d), dtype=np.float32)
             d = layer.backward(d)
+            if seen is not None and d is not None and isinstance(layer, (Conv2D, BatchNorm2D)):
+                seen[f"{layer.name}.dx"] = np.array(self.backend.to_numpy(d), dtype=np.float32)
             if d is None:  # the first conv does not compute dX
                 break
 

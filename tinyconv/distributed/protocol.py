@@ -31,7 +31,7 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol, wire_codec.py's ``narrow`` and ``reply`` included: one more for any change to a task or
 # result; a worker's hello says which it speaks, the transport admits equals
-VERSION = 12
+VERSION = 13
 
 
 class TaskError(ValueError):
@@ -71,11 +71,11 @@ TASKS: dict[str, Schema] = {
     "partial_backward": Schema(_LAYER | {"need_dx": bool}, optional="dyc_lo dyc_hi", result="dx dw db", extra=_CHUNK),
     "replica_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
     "replica_step": Schema(
-        _NET | {"step": Int}, "x y params", "buffers probe", "grads logits stats probes", "y", {"smoothing": Num}
+        _NET | {"step": Int}, "x y params", "buffers probe", "grads logits stats probes inner", "y", {"smoothing": Num}
     ),
     "hybrid_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
     "hybrid_forward": Schema(_NET | {"step": Int}, "x params", "buffers probe", "features stats"),
-    "hybrid_backward": Schema({"task": Int, "step": Int}, "dfeatures", result="grads probes"),
+    "hybrid_backward": Schema({"task": Int, "step": Int}, "dfeatures", result="grads probes inner"),
 }
 
 

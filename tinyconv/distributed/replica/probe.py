@@ -47,6 +47,7 @@ from tinyconv.model import Network
 
 LAMBDA = 8.0  # the probabilistic bound's lambda (the module's docstring)
 U = 2.0**-24  # float32's unit round-off
+WHERE = 3  # a probe's last numbers: where dX is sampled (inner_ops.py), its image, row and column as fractions
 WINDOW = 8  # steps whose disagreements are also judged summed: the last 2, 3, ..., WINDOW
 
 
@@ -71,8 +72,8 @@ def convs(net: Network) -> list[Conv2D]:
 
 
 def size(net: Network) -> int:
-    """The floats of a probe: F + C K K for each convolution."""
-    return sum(c.out_channels + c.in_channels * c.kernel**2 for c in convs(net))
+    """The floats of a probe: F + C K K for each convolution, then ``WHERE`` (``inner_ops.py``)."""
+    return sum(c.out_channels + c.in_channels * c.kernel**2 for c in convs(net)) + WHERE
 
 
 def pairs(net: Network, probe: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,6 +1,6 @@
 """Spot checks of the splits by images (data parallelism, the hybrid): one image of a worker's slice run forward,
 and one forward and backward, a data-parallel gradient's last bias against its logits, each dW against its
-projection, and now and then the whole task replayed.
+projection and two ops inside the backward against their sums, and now and then the whole task replayed.
 
 Its budget and tolerances: docs/how-it-works.md, "Spot checks".
 """
@@ -18,7 +18,7 @@ import numpy as np
 from backends.base import Backend
 from backends.conformance.checks import scale
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.replica import flat, image_backward, magnitudes, one_image, probe
+from tinyconv.distributed.replica import flat, image_backward, inner_ops, magnitudes, one_image, probe
 from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
 from tinyconv.distributed.replica.free_checks import last_bias, last_norm
 from tinyconv.distributed.replica.one_image import roundings
@@ -40,10 +40,10 @@ class ReplayCheck:
 
     Each step of a worker, the last bias against its logits or the hybrid's last norm against its features; as
     its credit allows, the hybrid's features of one image and kernel, one random image forward, each dW against
-    its probe, from two thirds of the budget one image forward and backward (``image_backward.py``), and from a
-    sixth (always at the worker's first step) its whole task replayed (docs/how-it-works.md). ``images`` checked
-    forward alone and ``backwards`` forward and backward, ``samples`` (tasks replayed), ``seconds`` the master
-    spent on all of it, ``earned`` the seconds the budget allowed. ``local``: the master's worker that replays."""
+    its probe and the ops inside (``_sums``), from two thirds of the budget one image forward and backward
+    (``image_backward.py``), from a sixth (always at the first step) its whole task replayed. ``images`` checked
+    forward alone, ``backwards`` forward and backward, ``samples`` (tasks replayed), ``seconds`` the master spent
+    on all of it, ``earned`` the seconds the budget allowed. ``local``: the master's worker that replays."""
 
     def __init__(self, budget: float = 0.03, seed: int | None = None) -> None:
         if not 0 < budget <= 1:
@@ -75,7 +75,7 @@ class ReplayCheck:
             if "checks" in self._replicas:
                 net = self._replicas["checks"][1]
                 self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), floor=True)
-                self._charged(k, task.kind, lambda: self._projections(k, first, reply, conv_part(net)), due)
+                self._charged(k, task.kind, lambda: self._sums(k, first, answer, reply, net), due)
                 d = task.arrays["dfeatures"]
                 if _fits(first, answer, net):
                     self._backward_check(
@@ -88,7 +88,7 @@ class ReplayCheck:
             due = self._check_step(k, task, reply, be)
             if task.kind == "replica_step" and "checks" in self._replicas:
                 net = self._replicas["checks"][1]
-                self._charged(k, task.kind, lambda: self._projections(k, task, reply, net), due)
+                self._charged(k, task.kind, lambda: self._sums(k, task, reply, reply, net), due)
                 if _fits(task, reply, net):
                     self._backward_check(k, task.kind, lambda: self._image_back(k, task, reply, reply, net))
             if due and task.kind == "replica_step":
@@ -195,14 +195,18 @@ class ReplayCheck:
         """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its
         conv part): the top singular pair of each convolution's dW it last sent (``probe.py``); none before."""
         pairs = self._top.get(k)
-        if not pairs or sum(u.size + v.size for u, v in pairs) != probe.size(part):
-            return {}
-        return {"probe": np.concatenate([np.concatenate([u, v]) for u, v in pairs]).astype(np.float32)}
+        sent = np.concatenate([*(np.concatenate([u, v]) for u, v in pairs or []), self._rng.random(probe.WHERE)])
+        return {"probe": sent.astype(np.float32)} if pairs and sent.size == probe.size(part) else {}
+
+    def _sums(self, k: int, first: Message, answer: Message, reply: Message, net: Network) -> list[tuple[str, Pair]]:
+        """The sums worker k sent beside its gradient (``reply``; ``answer`` its step's first), for the replica ``net``:
+        each convolution's u^T dW v against its own sum s of the products, within ``probe.tolerance`` (k its
+        ``roundings``; s rounded to float32 once more), its next probe from this dW; the ops inside (``inner_ops``)."""
+        part = net if first.kind == "replica_step" else conv_part(net)
+        return self._projections(k, first, reply, part) + inner_ops.check(first, answer, reply, net)
 
     def _projections(self, k: int, first: Message, reply: Message, part: Network) -> list[tuple[str, Pair]]:
-        """Each convolution's u^T dW v of the gradient the worker sent, against its own sum s of the products,
-        within ``probe.tolerance`` (k its ``roundings``; s rounded to float32 once more); its next probe taken
-        from this dW."""
+        """``_sums``' projections, of ``part`` (the replica or its conv part)."""
         grads, got, sent = reply.arrays.get("grads"), reply.arrays.get("probes"), first.arrays.get("probe")
         if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
@@ -321,7 +325,7 @@ class ReplayCheck:
                 answer = theirs.arrays.get(name)
                 if answer is None or answer.shape != ref.shape:
                     return  # not this file's to judge: the split's shape check loses the worker
-                if name == "probes":  # judged each step: against the dW they project, and one image's backward
+                if name in ("probes", "inner"):  # judged each step: the dW they project, one image's backward, dx
                     continue
                 parts = _parts(part, name, ref, answer, backward if name == "grads" else forward)
                 if name == "grads" and _worst(parts) is not None:  # beyond the scale form: the rigorous one

@@ -12,9 +12,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from tinyconv.distributed.heap import release_freed_memory
 from tinyconv.distributed.protocol import TaskError
-from tinyconv.distributed.replica import flat, probe
+from tinyconv.distributed.replica import flat, inner_ops, probe
 from tinyconv.distributed.replica.conv_part import (
     backward_features,
     conv_part,
@@ -57,14 +59,15 @@ def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: No
         raise TaskError(str(e)) from None
     out = {"grads": flat.pack(net, "grads"), "logits": logits}
     if seen is not None:
-        out["probes"] = probe.project(net, a["probe"], *seen)
+        out |= {"probes": probe.project(net, a["probe"], *seen)} | _inner(net, a["probe"], seen[1])
     return out | ({"stats": flat.pack(net, "buffers")} if buffers else {})
 
 
 def _probe(net: Network, a: dict[str, Any]) -> Any:
     """The task's ``probe`` (``replica/probe.py``), if it has one, of the size ``net``'s convolutions take."""
     if "probe" in a and a["probe"].shape != (probe.size(net),):
-        raise TaskError(f"probe must be ({probe.size(net)},), F + C K K for each convolution; got {a['probe'].shape}")
+        want = f"({probe.size(net)},), F + C K K for each convolution and {probe.WHERE}"
+        raise TaskError(f"probe must be {want}; got {a['probe'].shape}")
     return a.get("probe")
 
 
@@ -123,7 +126,17 @@ def hybrid_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], ke
     backward_features(conv, d, kept.features, douts)
     state.advance(h, "hybrid_backward", kept)
     out = {"grads": flat.pack(conv, "grads")}
-    return out | ({"probes": probe.project(conv, kept.probe[0], kept.probe[1], douts)} if kept.probe else {})
+    if kept.probe is None:
+        return out
+    return (
+        out | {"probes": probe.project(conv, kept.probe[0], kept.probe[1], douts)} | _inner(conv, kept.probe[0], douts)
+    )
+
+
+def _inner(net: Network, asked: np.ndarray, douts: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The backward's ops checked inside, beside the probes (``replica/inner_ops.py``); none where nothing is."""
+    inner = inner_ops.sums(net, asked[-probe.WHERE :], douts)
+    return {"inner": inner} if inner.size else {}
 
 
 def _replica(state: WorkerState, spec: Any, batch: int) -> Network:
