@@ -137,6 +137,19 @@ def test_a_result_far_off_is_lost_at_its_first_step_whatever_the_credit(parallel
     assert run.spot.samples == 2 and run.spot.backwards == 0, (run.spot.samples, run.spot.backwards)
 
 
+def test_the_hybrids_features_below_0_after_relu_lrn_and_max_pool_are_lost_at_their_first_step_whatever_the_credit():
+    """With LRN there is no last norm to check: features x -50 from the third step are below 0, which ReLU, LRN and
+    a max pool never leave (free_checks.last_signs), and the floor loses the worker at that step on a budget that
+    pays for nothing else."""
+    make = lambda i: Wrong("features", lambda f: f * np.float32(-50), at=3) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime("hybrid", transport, workers, budget=1e-6)
+        train(run, 4, "lrn", every_image=False, every_kernel=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 2 and event["reason"].startswith("wrong result: its smallest feature"), event
+    assert run.spot.samples == 2 and run.spot.backwards == 0, (run.spot.samples, run.spot.backwards)
+
+
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_a_replay_waits_for_credit_that_pays_for_what_the_last_one_cost(parallel):
     """After the first step's replay, a worker's task is replayed again only when its replay credit holds what the

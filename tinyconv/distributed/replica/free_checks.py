@@ -3,6 +3,7 @@ what the master holds, recomputing none of the network (docs/how-it-works.md, "S
 
     last_bias   data parallelism: the classifier's bias gradient follows from the logits the worker sent
     last_norm   the hybrid: its last batch norm's dbeta and dgamma follow from its features and dL/dfeatures
+    last_signs  the hybrid whose features come from ReLU through LRN and max pool alone (no last norm): none < 0
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from backends.conformance.checks import FN, float32_tolerance
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
 from tinyconv.distributed.spot_sample import Pair
-from tinyconv.layers import BatchNorm2D, MaxPool2D
+from tinyconv.layers import BatchNorm2D, Conv2D, LocalResponseNorm, MaxPool2D, ReLU
 from tinyconv.model import Network
 from transports.base import Message
 
@@ -73,11 +74,12 @@ def last_norm(
     (f[:, c] - beta[c]) / gamma[c]. The rigorous form on the terms' sizes, k: the sum over the norm's n H W
     outputs, the pool's windows that took the same value (K K at most), the few roundings of f, and the
     master's own sums over the n H' W' features. An eighth of the channels (at least 8), a run of them from a
-    random start (views, not copies): a whole gradient changed shows in any of them."""
+    random start (views, not copies): a whole gradient changed shows in any of them. Without that norm: the
+    features' signs (``last_signs``)."""
     layout = _norm_layout(net, first.arrays["x"].shape[1:])
     grads, features = reply.arrays.get("grads"), answer.arrays.get("features")
     if layout is None or grads is None or features is None:
-        return []
+        return last_signs(answer, net) if layout is None else []
     norm, pool, (c, h, w), per_channel, at, total = layout
     n = len(first.arrays["x"])
     if grads.shape != (total,) or features.size != n * c * h * w:
@@ -100,3 +102,22 @@ def last_norm(
         (what % "beta", (grads[at["beta"]], dsum, float32_tolerance(k, dabs))),
         (what % "gamma", (grads[at["gamma"]], (df - beta * dsum) / g, gamma_tol)),
     ]
+
+
+@functools.lru_cache(maxsize=2)
+def _unsigned(net: Network) -> bool:
+    """Whether the replica's conv part ends in a plain ReLU and then only plain LRNs and max pools (``last_signs``)."""
+    layers = conv_part(net).layers
+    tail = layers[max(i for i, layer in enumerate(layers) if isinstance(layer, Conv2D)) + 1 :]
+    return bool(tail) and type(tail[0]) is ReLU and all(type(t) in (LocalResponseNorm, MaxPool2D) for t in tail[1:])
+
+
+def last_signs(answer: Message, net: Network) -> list[tuple[str, Pair]]:
+    """The hybrid's features where ``_unsigned``: none below 0 (ReLU leaves none, LRN scales each by s^-beta > 0, a
+    max pool takes one of them; in float32 as in the math), so one is wrong whatever its size: a result x -50 is
+    caught at its first step where there is no last norm to check. Nothing else: 1 % off keeps every sign."""
+    features = answer.arrays.get("features")
+    if not _unsigned(net) or features is None or not features.size:
+        return []
+    low = np.minimum(features.min(), np.float32(0)).reshape(1)
+    return [("its smallest feature, which ReLU, LRN and max pool leave at 0 or above", (low, np.zeros(1), 0.0))]

@@ -76,8 +76,8 @@ class ReplayCheck:
                 net = self._replicas["checks"][1]
                 self._charged(k, task.kind, lambda: last_norm(first, answer, task, reply, net, self._rng), floor=True)
                 self._charged(k, task.kind, lambda: self._sums(k, first, answer, reply, net), due)
-                d = task.arrays["dfeatures"]
                 if _fits(first, answer, net):
+                    d = task.arrays["dfeatures"]
                     self._backward_check(
                         k, task.kind, lambda: self._image_back(k, first, answer, reply, conv_part(net), d)
                     )
@@ -200,13 +200,13 @@ class ReplayCheck:
 
     def _sums(self, k: int, first: Message, answer: Message, reply: Message, net: Network) -> list[tuple[str, Pair]]:
         """The sums worker k sent beside its gradient (``reply``; ``answer`` its step's first), for the replica ``net``:
-        each convolution's u^T dW v against its own sum s of the products, within ``probe.tolerance`` (k its
-        ``roundings``; s rounded to float32 once more), its next probe from this dW; the ops inside (``inner_ops``)."""
+        each dW's projection (``_projections``), and the ops inside its backward (``inner_ops.py``)."""
         part = net if first.kind == "replica_step" else conv_part(net)
         return self._projections(k, first, reply, part) + inner_ops.check(first, answer, reply, net)
 
     def _projections(self, k: int, first: Message, reply: Message, part: Network) -> list[tuple[str, Pair]]:
-        """``_sums``' projections, of ``part`` (the replica or its conv part)."""
+        """Each convolution's u^T dW v of ``part`` (the replica or its conv part) against the worker's sum s, within
+        ``probe.tolerance`` (k its ``roundings``; s rounded to float32 once more); its next probe from this dW."""
         grads, got, sent = reply.arrays.get("grads"), reply.arrays.get("probes"), first.arrays.get("probe")
         if grads is None or grads.shape != (sum(flat.sizes(part)),):
             return []
