@@ -105,7 +105,7 @@ def last_norm(
 
 
 @functools.lru_cache(maxsize=2)
-def _unsigned(net: Network) -> bool:
+def _never_negative(net: Network) -> bool:
     """Whether the replica's conv part ends in a plain ReLU and then only plain LRNs and max pools (``last_signs``)."""
     layers = conv_part(net).layers
     tail = layers[max(i for i, layer in enumerate(layers) if isinstance(layer, Conv2D)) + 1 :]
@@ -113,11 +113,11 @@ def _unsigned(net: Network) -> bool:
 
 
 def last_signs(answer: Message, net: Network) -> list[tuple[str, Pair]]:
-    """The hybrid's features where ``_unsigned``: none below 0 (ReLU leaves none, LRN scales each by s^-beta > 0, a
+    """The hybrid's features where ``_never_negative``: none below 0 (ReLU leaves none, LRN scales by s^-beta > 0, a
     max pool takes one of them; in float32 as in the math), so one is wrong whatever its size: a result x -50 is
     caught at its first step where there is no last norm to check. Nothing else: 1 % off keeps every sign."""
     features = answer.arrays.get("features")
-    if not _unsigned(net) or features is None or not features.size:
+    if not _never_negative(net) or features is None or not features.size:
         return []
     low = np.minimum(features.min(), np.float32(0)).reshape(1)
     return [("its smallest feature, which ReLU, LRN and max pool leave at 0 or above", (low, np.zeros(1), 0.0))]

@@ -192,8 +192,8 @@ class ReplayCheck:
                     paying[k] -= dt * share
 
     def probe_for(self, k: int, part: Network) -> dict[str, np.ndarray]:
-        """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its
-        conv part): the top singular pair of each convolution's dW it last sent (``probe.py``); none before."""
+        """The ``probe`` for worker k's next ``replica_step`` (``part``: the network) or ``hybrid_forward`` (its conv
+        part): the top singular pair of each dW it last sent, then where to sample dX (``inner_ops``); none before."""
         pairs = self._top.get(k)
         sent = np.concatenate([*(np.concatenate([u, v]) for u, v in pairs or []), self._rng.random(probe.WHERE)])
         return {"probe": sent.astype(np.float32)} if pairs and sent.size == probe.size(part) else {}

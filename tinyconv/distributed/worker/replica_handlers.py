@@ -64,7 +64,7 @@ def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: No
 
 
 def _probe(net: Network, a: dict[str, Any]) -> Any:
-    """The task's ``probe`` (``replica/probe.py``), if it has one, of the size ``net``'s convolutions take."""
+    """The task's ``probe`` (``replica/probe.py``), if it has one, of the size ``probe.size(net)`` gives."""
     if "probe" in a and a["probe"].shape != (probe.size(net),):
         want = f"({probe.size(net)},), F + C K K for each convolution and {probe.WHERE}"
         raise TaskError(f"probe must be {want}; got {a['probe'].shape}")
