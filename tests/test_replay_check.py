@@ -18,7 +18,7 @@ from test_data_parallel import SIZE, TIMEOUT, batch, data_parallel_step, inproc_
 
 from backends.conformance.checks import FN, float32_tolerance
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed.replica import flat, probe
+from tinyconv.distributed.replica import flat, inner_ops, one_image, probe
 from tinyconv.distributed.replica.batch import UNIT
 from tinyconv.distributed.replica.conv_part import conv_part
 from tinyconv.distributed.replica.hybrid import Hybrid
@@ -26,7 +26,9 @@ from tinyconv.distributed.replica.one_image import roundings
 from tinyconv.distributed.replica.replay_check import ReplayCheck
 from tinyconv.distributed.replica.replica import slice_gradients
 from tinyconv.distributed.replica.server import Replicas
+from tinyconv.distributed.spot_sample import pair
 from tinyconv.distributed.worker.handler import Worker
+from tinyconv.layers import LocalResponseNorm
 from tinyconv.model import paper_net
 from tinyconv.optim import SGD
 
@@ -212,11 +214,17 @@ def test_a_replayed_gradient_within_the_rigorous_bound_is_forgiven_not_lost(para
 
 
 def train(
-    run, steps: int, norm: str = "lrn", every_image: bool = True, every_kernel: bool = True, replays: bool = True
+    run,
+    steps: int,
+    norm: str = "lrn",
+    every_image: bool = True,
+    every_kernel: bool | None = True,
+    replays: bool = True,
 ) -> list[float]:
     """``steps`` SGD steps of paper_net 6:10 under ``run``, on a new batch of 8 each: the losses. ``every_image``,
     ``every_kernel``: that credit made ample before each step, so that an image (the hybrid: a kernel sample) is
-    checked whatever the machine's speed; ``replays=False``: none but each worker's first."""
+    checked whatever the machine's speed (``every_kernel=None``: no kernel sample); ``replays=False``: none but each
+    worker's first."""
     net = paper_net("6:10", NumpyBackend(), norm, seed=0, image_size=SIZE)
     opt = SGD(net, lr=0.05, momentum=0.9)
     losses = []
@@ -226,6 +234,8 @@ def train(
             run.spot.back_credit.update(dict.fromkeys(run.spot.credit, 1.0))
         if every_kernel:
             run.spot.kernel_credit.clear()
+        elif every_kernel is None:
+            run.spot.kernel_credit.update(dict.fromkeys(run.spot.credit, -1e9))
         if not replays:
             run.spot.credit.update(dict.fromkeys(run.spot.credit, -1e9))
         losses.append(run.train_batch(net, *batch(8, step))[0])
@@ -304,8 +314,26 @@ def test_the_hybrids_kernel_sample_alone_catches_wrong_features_at_their_first_s
         train(run, 6, norm, every_image=False)
     (event,) = run.pop_events()
     assert event["step"] == 4 and event["worker"] == "worker1", event
-    assert event["reason"].startswith("wrong result: image ") and "'s features of kernel " in event["reason"], event
+    assert event["reason"].startswith("wrong result: image ") and "'s feature of kernel " in event["reason"], event
     assert run.spot.images == 0
+
+
+@pytest.mark.parametrize("norm", ["lrn", "batch"])
+def test_the_kernel_samples_receptive_field_gives_the_whole_images_feature_at_every_position(norm):
+    """One feature from its receptive field alone (one_image.feature: the padding made by hand at the borders)
+    equals the whole image's forward at every kernel and position, within the round-off it is held to."""
+    rng = np.random.default_rng(3)
+    conv = conv_part(paper_net("6:10", NumpyBackend(), norm, seed=0, image_size=SIZE))
+    for layer in (layer for layer in conv.layers if layer.kind == "bn"):  # statistics of a slice, not 0 and 1
+        layer.buffers["running_mean"] = rng.standard_normal(layer.channels).astype(np.float32) * np.float32(0.1)
+        layer.buffers["running_var"] = (1 + rng.random(layer.channels)).astype(np.float32)
+    x = rng.standard_normal((1, 3, SIZE, SIZE)).astype(np.float32)
+    whole = conv.forward(x)[0]
+    k = roundings(conv, x.shape)[0]
+    for j, r, c in itertools.product(*map(range, whole.shape)):
+        mine, top = one_image.feature(conv, x, j, r, c)
+        got, ref, tol = pair(whole[j, r, c].reshape(1), mine, k, top)
+        assert abs(float(got[0]) - float(ref[0])) <= tol, (j, r, c, got, ref, tol)
 
 
 @pytest.mark.parametrize("parallel", PARALLEL)
@@ -468,6 +496,55 @@ def test_a_wrong_batch_norm_dx_the_workers_sums_follow_is_lost_by_its_sums_at_it
     (event,) = run.pop_events()
     assert event["step"] == 4 and event["worker"] == "worker1", event
     assert event["reason"].startswith("wrong result: bn1's sum dx dy against its dbeta and dgamma"), event
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_wrong_lrn_dx_the_workers_sums_follow_is_lost_by_its_sample_at_its_first_step(parallel):
+    """ReLU + LRN's dx 1 % off inside the worker (both pairs', from the 9th call: the 5th step): the dx it returns at
+    one position no longer follows from the input and dy it returns there (replica/inner_ops.py), checked with the
+    projections."""
+    make = lambda i: Worker(WrongDx("relu_lrn_backward", 1.01, at=9)) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers)
+        train(run, 6, "lrn", every_kernel=False, replays=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 4 and event["worker"] == "worker1", event
+    assert event["reason"].startswith("wrong result: lrn1's dx at one position against its input and dy"), event
+
+
+def test_the_hybrids_features_off_alone_are_lost_at_their_first_step_by_the_lrn_output_its_pool_took():
+    """The hybrid's features 1 % noise alone, with no kernel sample and no image checked: the last LRN's output at the
+    position the worker samples (from its input there) is the feature its max pool took (replica/inner_ops.py)."""
+    noisy = lambda a: a * (1 + np.float32(0.01) * np.random.default_rng(0).standard_normal(a.shape))  # noqa: E731
+    make = lambda i: Wrong("features", noisy, at=5) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime("hybrid", transport, workers)
+        run.spot._image_s = np.inf  # credit for the free checks, none of it enough for an image forward
+        train(run, 6, "lrn", every_kernel=None, replays=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 4 and event["worker"] == "worker1" and run.spot.images == 0, event
+    assert event["reason"].startswith("wrong result: lrn2's output at one position against the features"), event
+
+
+@pytest.mark.parametrize("pair_with_relu", [True, False])
+def test_an_lrns_dx_at_one_position_is_its_backwards_alone_or_after_a_relu(pair_with_relu):
+    """inner_ops.lrn_column, from one position's input and dy, against the backend's backward of the whole map
+    there: the LRN's alone (an input of both signs), or ReLU + LRN's (its mask), within the bound the check uses."""
+    rng, be = np.random.default_rng(4), NumpyBackend()
+    lrn = LocalResponseNorm(be, size=5, alpha=0.5, beta=0.75, k=2.0)  # alpha large: the window's term matters
+    x, dy = (rng.standard_normal((2, 9, 3, 3)).astype(np.float32) * np.float32(2) for _ in range(2))
+    if pair_with_relu:
+        _, cache = be.relu_lrn_forward(x, lrn.size, lrn.alpha, lrn.beta, lrn.k)
+        dx = be.relu_lrn_backward(dy, cache)
+    else:
+        _, cache = be.lrn_forward(x, lrn.size, lrn.alpha, lrn.beta, lrn.k)
+        dx = be.lrn_backward(dy, cache)
+    for i, r, c in itertools.product(range(2), range(3), range(3)):
+        ref, size, _ = inner_ops.lrn_column(
+            lrn, x[i, :, r, c].astype(np.float64), dy[i, :, r, c].astype(np.float64), pair_with_relu
+        )
+        assert np.all(np.abs(dx[i, :, r, c] - ref) <= float32_tolerance(2 * lrn.size + 3 * FN + 8, size))
+        assert pair_with_relu or np.all(ref[x[i, :, r, c] <= 0] != 0)  # alone: no mask where the input is < 0
 
 
 @pytest.mark.parametrize("norm", ["lrn", "batch"])

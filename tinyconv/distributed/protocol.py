@@ -31,7 +31,7 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol, wire_codec.py's ``narrow`` and ``reply`` included: one more for any change to a task or
 # result; a worker's hello says which it speaks, the transport admits equals
-VERSION = 13
+VERSION = 14
 
 
 class TaskError(ValueError):

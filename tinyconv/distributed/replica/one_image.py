@@ -13,7 +13,7 @@ from backends.conformance.checks import FN, scale
 from tinyconv.distributed.replica import flat
 from tinyconv.distributed.replica.conv_part import conv_part, feature_shape
 from tinyconv.distributed.spot_sample import Pair, pair
-from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm
+from tinyconv.layers import BatchNorm2D, Conv2D, Linear, LocalResponseNorm, MaxPool2D
 from tinyconv.model import Network
 from transports.base import Message
 
@@ -72,34 +72,78 @@ def image(task: Message, reply: Message, part: Network, extra: int, j: int) -> t
     return f"image {j}'s {name}", pair(got, mine.reshape(got.shape), roundings(part, x.shape)[0] + extra)
 
 
+def field(layers: list, shape: tuple[int, ...], at: tuple[int, int]) -> list[tuple[tuple[int, int], ...]]:
+    """The rows and columns [lo, hi] of each layer's input that the output at ``at`` (row, column) of the last one
+    reads, from x of ``shape`` (N, C, H, W): its receptive field, walked back. A convolution or pool reads its
+    padding too (lo below 0, hi past the map); the layer before it makes only the part on its map."""
+    shapes = [shape]
+    for layer in layers[:-1]:
+        shapes.append(layer.output_shape(shapes[-1]))
+    out, reads = [(a, a) for a in at], []
+    for layer, size in zip(reversed(layers), reversed(shapes), strict=True):
+        k, s, p = (layer.kernel, layer.stride, layer.padding) if isinstance(layer, (Conv2D, MaxPool2D)) else (1, 1, 0)
+        need = tuple((lo * s - p, hi * s - p + k - 1) for lo, hi in out)
+        reads.append(need)
+        out = [(max(lo, 0), min(hi, n - 1)) for (lo, hi), n in zip(need, size[2:], strict=True)]
+    return reads[::-1]
+
+
 def kernel(task: Message, reply: Message, net: Network, extra: int, rng: np.random.Generator) -> tuple[str, Pair]:
-    """The hybrid's features of one random image and one random kernel j of its last convolution, on the
-    master: the layers before that convolution on the one image, then of it only the kernels j's tail reads
-    ([j - E, j + E], E the LRN's half-window; batch norm at the worker's statistics, as an evaluation). j is
-    drawn among the kernels whose plane the worker sent is not all zeros (the whole image checks those).
-    ``net``'s conv part is loaded as ``image``'s, ``extra`` its roundings; ``rng`` draws i and j."""
-    be, x = net.backend, task.arrays["x"]
-    conv = conv_part(net)
-    last = max(i for i, layer in enumerate(conv.layers) if isinstance(layer, Conv2D))
-    layer, tail = conv.layers[last], conv.layers[last + 1 :]
+    """The hybrid's feature of one random image, kernel j and position on the master (``feature``), against the
+    worker's. j is drawn among the kernels whose plane the worker sent is not constant (the whole image checks
+    those), the position among that plane's entries at least halfway from its least to its largest (where 1 %
+    shows above round-off).
+    ``net``'s conv part is loaded as ``image``'s, ``extra`` its roundings; ``rng`` draws."""
+    x, conv = task.arrays["x"], conv_part(net)
     i = int(rng.integers(len(x)))
     planes = reply.arrays["features"][i].reshape(feature_shape(net, task.header["net"]["image_size"]))
-    live = np.flatnonzero(np.any(planes != 0, axis=(1, 2)))  # a plane ReLU silenced shows no scaling
-    j = int(rng.choice(live)) if live.size else int(rng.integers(layer.out_channels))
-    e = max((t.size // 2 for t in tail if isinstance(t, LocalResponseNorm)), default=0)
-    span = slice(max(0, j - e), min(layer.out_channels, j + e + 1))
-    h = Network(be, conv.layers[:last]).forward(be.asarray(x[i : i + 1].copy()), training=False)
-    w, b = (be.asarray(be.to_numpy(layer.params[p])[span].copy()) for p in ("w", "b"))
-    out, _ = be.conv2d_forward(h, w, b, layer.stride, layer.padding)
-    top = scale(be.to_numpy(out))  # ReLU can leave far less than the sums it cut: the forward's scale
-    for t in tail:
-        if isinstance(t, BatchNorm2D):  # its entries over the span, in a norm of their own
-            part = BatchNorm2D(be, span.stop - span.start, t.momentum, t.eps)
+    live = np.flatnonzero(np.ptp(planes, axis=(1, 2)) > 0)  # a plane ReLU silenced (batch norm: beta) shows nothing
+    j = int(rng.choice(live)) if live.size else int(rng.integers(planes.shape[0]))
+    big = planes[j] - planes[j].min()
+    r, c = divmod(int(rng.choice(np.flatnonzero(big >= big.max() / 2))), planes.shape[2])
+    mine, top = feature(conv, x[i : i + 1], j, r, c)
+    k = roundings(conv, x.shape)[0] + extra
+    return f"image {i}'s feature of kernel {j} at ({r}, {c})", pair(planes[j, r, c].reshape(1), mine, k, top)
+
+
+def feature(conv: Network, x: np.ndarray, j: int, r: int, c: int) -> tuple[np.ndarray, float]:
+    """The output of the conv part ``conv`` on one image x (1, C, H, W) at kernel j, row r and column c (1,), and
+    its scale: of every layer only its receptive field (``field``), and of the last convolution only the kernels
+    j's tail reads ([j - E, j + E], E the LRN's half-window; batch norm as an evaluation). The scale: that
+    convolution's terms there, max |W| * |input| + |b|, times the tail's batch norm's largest gain (ReLU can leave
+    far less than the sums it cut)."""
+    be = conv.backend
+    last = max(i for i, layer in enumerate(conv.layers) if isinstance(layer, Conv2D))
+    e = max((t.size // 2 for t in conv.layers[last + 1 :] if isinstance(t, LocalResponseNorm)), default=0)
+    span = slice(max(0, j - e), min(conv.layers[last].out_channels, j + e + 1))
+    reads, shape = field(conv.layers, x.shape, (r, c)), x.shape
+    (rows, cols), top = reads[0], 0.0
+    h = be.asarray(x[:, :, max(rows[0], 0) : rows[1] + 1, max(cols[0], 0) : cols[1] + 1].copy())
+    for at, layer in enumerate(conv.layers):
+        if isinstance(layer, (Conv2D, MaxPool2D)):  # its padding made here, the op then runs without any
+            (top_rows, bottom), (left, right) = reads[at]
+            fill = 0.0 if isinstance(layer, Conv2D) else -np.inf  # a pool's padding is never selected
+            held = be.to_numpy(h)
+            padded = np.full((*held.shape[:2], bottom - top_rows + 1, right - left + 1), fill, np.float32)
+            padded[:, :, max(-top_rows, 0) :, max(-left, 0) :][:, :, : held.shape[2], : held.shape[3]] = held
+            h = be.asarray(padded)
+        if isinstance(layer, MaxPool2D):
+            h, _ = be.maxpool_forward(h, layer.kernel, layer.stride, 0)
+        elif isinstance(layer, Conv2D):
+            w, b = (be.to_numpy(layer.params[p])[span if at == last else slice(None)] for p in ("w", "b"))
+            if at == last:  # its terms: the scale the tail's output is held to
+                size = be.conv2d_forward(*(be.asarray(np.abs(a)) for a in (be.to_numpy(h), w, b)), layer.stride, 0)
+                top = scale(be.to_numpy(size[0]))
+            h, _ = be.conv2d_forward(h, be.asarray(w.copy()), be.asarray(b.copy()), layer.stride, 0)
+        elif isinstance(layer, BatchNorm2D) and at > last:  # its entries over the span, in a norm of their own
+            part = BatchNorm2D(be, span.stop - span.start, layer.momentum, layer.eps)
             for table in ("params", "buffers"):
-                for name, a in getattr(t, table).items():
+                for name, a in getattr(layer, table).items():
                     getattr(part, table)[name] = be.asarray(be.to_numpy(a)[span].copy())
-            t = part
-        out = t.forward(out, training=False)
-    mine = np.asarray(be.to_numpy(out), np.float32)[0, j - span.start]
-    got = planes[j]
-    return f"image {i}'s features of kernel {j}", pair(got, mine, roundings(conv, x.shape)[0] + extra, top)
+            h = part.forward(h, training=False)
+            gain = be.to_numpy(part.params["gamma"]) / np.sqrt(be.to_numpy(part.buffers["running_var"]) + part.eps)
+            top *= float(np.abs(gain).max())
+        else:
+            h = layer.forward(h, training=False)
+        shape = layer.output_shape(shape)
+    return np.asarray(be.to_numpy(h), np.float32)[0, j - span.start].reshape(1), top

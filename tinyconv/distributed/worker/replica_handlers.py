@@ -59,7 +59,7 @@ def replica_step(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: No
         raise TaskError(str(e)) from None
     out = {"grads": flat.pack(net, "grads"), "logits": logits}
     if seen is not None:
-        out |= {"probes": probe.project(net, a["probe"], *seen)} | _inner(net, a["probe"], seen[1])
+        out |= {"probes": probe.project(net, a["probe"], *seen)} | _inner(net, a["probe"], *seen)
     return out | ({"stats": flat.pack(net, "buffers")} if buffers else {})
 
 
@@ -128,14 +128,13 @@ def hybrid_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], ke
     out = {"grads": flat.pack(conv, "grads")}
     if kept.probe is None:
         return out
-    return (
-        out | {"probes": probe.project(conv, kept.probe[0], kept.probe[1], douts)} | _inner(conv, kept.probe[0], douts)
-    )
+    return out | {"probes": probe.project(conv, kept.probe[0], kept.probe[1], douts)} | _inner(conv, *kept.probe, douts)
 
 
-def _inner(net: Network, asked: np.ndarray, douts: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The backward's ops checked inside, beside the probes (``replica/inner_ops.py``); none where nothing is."""
-    inner = inner_ops.sums(net, asked[-probe.WHERE :], douts)
+def _inner(net: Network, asked: np.ndarray, inputs: dict[str, Any], douts: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The backward's ops checked inside, beside the probes (``replica/inner_ops.py``), from the forward's ``seen``
+    and the backward's; none where nothing is."""
+    inner = inner_ops.sums(net, asked[-probe.WHERE :], inputs, douts)
     return {"inner": inner} if inner.size else {}
 
 
