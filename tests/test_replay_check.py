@@ -484,32 +484,25 @@ def test_a_wrong_dX_the_workers_sums_follow_is_lost_by_its_sample_at_its_first_s
     assert event["reason"].startswith("wrong result: conv2's dX at one position against its window of dY"), event
 
 
+@pytest.mark.parametrize(
+    ("op", "norm", "what"),
+    [
+        ("batchnorm_backward", "batch", "bn1's sum dx dy against its dbeta and dgamma"),
+        ("relu_lrn_backward", "lrn", "lrn1's dx at one position against its input and dy"),
+    ],
+)
 @pytest.mark.parametrize("parallel", PARALLEL)
-def test_a_wrong_batch_norm_dx_the_workers_sums_follow_is_lost_by_its_sums_at_its_first_step(parallel):
-    """Batch norm's dx 1 % off inside the worker (both norms', from the 9th call: the 5th step): its sum dx dy no
-    longer equals g (e - dbeta^2 / M - dgamma^2 / M) from the gradient it sent (replica/inner_ops.py), checked
-    with the projections."""
-    make = lambda i: Worker(WrongDx("batchnorm_backward", 1.01, at=9)) if i == 1 else Worker(NumpyBackend())  # noqa: E731
+def test_a_wrong_norm_dx_the_workers_sums_follow_is_lost_by_its_check_at_its_first_step(parallel, op, norm, what):
+    """A norm's dx 1 % off inside the worker (both norms', from the 9th call: the 5th step), checked with the
+    projections (replica/inner_ops.py): batch norm's sum dx dy no longer equals g (e - dbeta^2 / M - dgamma^2 / M)
+    from the gradient it sent; ReLU + LRN's dx at one position no longer follows from the input and dy there."""
+    make = lambda i: Worker(WrongDx(op, 1.01, at=9)) if i == 1 else Worker(NumpyBackend())  # noqa: E731
     with inproc_pool(2, make) as (transport, workers):
         run = runtime(parallel, transport, workers)
-        train(run, 6, "batch", every_kernel=False, replays=False)
+        train(run, 6, norm, every_kernel=False, replays=False)
     (event,) = run.pop_events()
     assert event["step"] == 4 and event["worker"] == "worker1", event
-    assert event["reason"].startswith("wrong result: bn1's sum dx dy against its dbeta and dgamma"), event
-
-
-@pytest.mark.parametrize("parallel", PARALLEL)
-def test_a_wrong_lrn_dx_the_workers_sums_follow_is_lost_by_its_sample_at_its_first_step(parallel):
-    """ReLU + LRN's dx 1 % off inside the worker (both pairs', from the 9th call: the 5th step): the dx it returns at
-    one position no longer follows from the input and dy it returns there (replica/inner_ops.py), checked with the
-    projections."""
-    make = lambda i: Worker(WrongDx("relu_lrn_backward", 1.01, at=9)) if i == 1 else Worker(NumpyBackend())  # noqa: E731
-    with inproc_pool(2, make) as (transport, workers):
-        run = runtime(parallel, transport, workers)
-        train(run, 6, "lrn", every_kernel=False, replays=False)
-    (event,) = run.pop_events()
-    assert event["step"] == 4 and event["worker"] == "worker1", event
-    assert event["reason"].startswith("wrong result: lrn1's dx at one position against its input and dy"), event
+    assert event["reason"].startswith(f"wrong result: {what}"), event
 
 
 def test_the_hybrids_features_off_alone_are_lost_at_their_first_step_by_the_lrn_output_its_pool_took():
