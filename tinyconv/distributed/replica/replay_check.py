@@ -32,14 +32,14 @@ from transports.base import Message
 REPLAYS = 1 / 6  # the budget's share kept for replays
 BACKWARDS = 2 / 3  # for one image's backward, the check of a wrong dY its layers' sums follow: 8 % of a task
 IMAGES = 1 - REPLAYS - BACKWARDS  # the image credit's, for the free checks and the images (and the kernels)
-KERNELS = 1 / 12  # the hybrid's share for its kernel samples: 1-2 % of a task each at 50:500 on 21 images
+KERNELS = 1 / 12  # the hybrid's share for its kernel samples (one feature): 0.3 % of a task each at 50:500, 21 images
 
 
 class ReplayCheck:
     """Checks every worker's replica tasks within ``budget`` of its work; raises Lost on a wrong one.
 
     Each step of a worker, the last bias against its logits or the hybrid's last norm against its features; as
-    its credit allows, the hybrid's features of one image and kernel, one random image forward, each dW against
+    its credit allows, the hybrid's feature of one image and kernel at one place, one image forward, each dW against
     its probe and the ops inside (``_sums``), from two thirds of the budget one image forward and backward
     (``image_backward.py``), from a sixth (always at the first step) its whole task replayed. ``images`` checked
     forward alone, ``backwards`` forward and backward, ``samples`` (tasks replayed), ``seconds`` the master spent
