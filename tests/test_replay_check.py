@@ -28,7 +28,7 @@ from tinyconv.distributed.replica.replica import slice_gradients
 from tinyconv.distributed.replica.server import Replicas
 from tinyconv.distributed.spot_sample import pair
 from tinyconv.distributed.worker.handler import Worker
-from tinyconv.layers import LocalResponseNorm
+from tinyconv.layers import LocalResponseNorm, MaxPool2D
 from tinyconv.model import paper_net
 from tinyconv.optim import SGD
 
@@ -517,6 +517,16 @@ def test_the_hybrids_features_off_alone_are_lost_at_their_first_step_by_the_lrn_
     (event,) = run.pop_events()
     assert event["step"] == 4 and event["worker"] == "worker1" and run.spot.images == 0, event
     assert event["reason"].startswith("wrong result: lrn2's output at one position against the features"), event
+
+
+def test_an_lrn_output_no_pool_window_reads_yet_with_a_gradient_is_wrong_not_a_crash():
+    """inner_ops.took where the worker's position lies outside every window of the pool after the LRN (a 2 x 2 pool,
+    stride 2, leaves a 5 x 5 map's last row out) and it still claims a dy there: a disagreement, not an error."""
+    pool, y = MaxPool2D(NumpyBackend(), 2, 2, 0), np.ones(3)
+    got, ref, tol = inner_ops.took(pool, np.ones(3 * 2 * 2, np.float32), (3, 5, 5), (4, 0), y, y > 0, 5)
+    assert not np.all(np.abs(got - ref) <= tol)
+    got, ref, tol = inner_ops.took(pool, np.ones(3 * 2 * 2, np.float32), (3, 5, 5), (3, 0), y, y > 0, 5)
+    assert np.all(np.abs(got - ref) <= tol)  # a window holds it, and its feature is y
 
 
 @pytest.mark.parametrize("pair_with_relu", [True, False])

@@ -122,6 +122,8 @@ def took(
     _, _, fh, fw = pool.output_shape((1, c, h, w))
     k, s, p = pool.kernel, pool.stride, pool.padding
     holds = [[o for o in range(m) if 0 <= a + p - o * s < k] for a, m in zip(at, (fh, fw), strict=True)]
+    if not all(holds):  # no window reads the position (a pool that leaves an edge out): no dy reaches it
+        return np.ones(1), np.zeros(1), 0.0
     near = features.reshape(c, fh, fw)[live][:, holds[0]][:, :, holds[1]].reshape(int(live.sum()), -1)
     near = np.take_along_axis(near, np.abs(near - y[live, None]).argmin(axis=1)[:, None], axis=1)[:, 0]
     return near, y[live], float32_tolerance(n + 3 + FN, np.abs(y[live]))

@@ -91,15 +91,15 @@ def field(layers: list, shape: tuple[int, ...], at: tuple[int, int]) -> list[tup
 def kernel(task: Message, reply: Message, net: Network, extra: int, rng: np.random.Generator) -> tuple[str, Pair]:
     """The hybrid's feature of one random image, kernel j and position on the master (``feature``), against the
     worker's. j is drawn among the kernels whose plane the worker sent is not constant (the whole image checks
-    those), the position among that plane's entries at least halfway from its least to its largest (where 1 %
-    shows above round-off).
-    ``net``'s conv part is loaded as ``image``'s, ``extra`` its roundings; ``rng`` draws."""
+    those), the position among that plane's entries at least half as far from its median as the farthest (where
+    1 % shows above round-off, whatever the sign). ``net``'s conv part is loaded as ``image``'s, ``extra`` its
+    roundings; ``rng`` draws."""
     x, conv = task.arrays["x"], conv_part(net)
     i = int(rng.integers(len(x)))
     planes = reply.arrays["features"][i].reshape(feature_shape(net, task.header["net"]["image_size"]))
     live = np.flatnonzero(np.ptp(planes, axis=(1, 2)) > 0)  # a plane ReLU silenced (batch norm: beta) shows nothing
     j = int(rng.choice(live)) if live.size else int(rng.integers(planes.shape[0]))
-    big = planes[j] - planes[j].min()
+    big = np.abs(planes[j] - np.median(planes[j]))
     r, c = divmod(int(rng.choice(np.flatnonzero(big >= big.max() / 2))), planes.shape[2])
     mine, top = feature(conv, x[i : i + 1], j, r, c)
     k = roundings(conv, x.shape)[0] + extra
