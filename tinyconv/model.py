@@ -68,12 +68,12 @@ class Network:
 
     def forward(self, x: Array, training: bool = False, seen: dict[str, np.ndarray] | None = None) -> Array:
         """x (N, C, H, W) backend array -> logits (N, classes). ``training=True`` uses and updates
-        batch statistics (batch norm); the default is inference. ``seen`` gets a host copy of each
-        convolution's and LRN's input (its run's: a ReLU's before it), by layer name (for the checks of their
-        backward: distributed/replica/probe.py, inner_ops.py)."""
+        batch statistics (batch norm); the default is inference. ``seen`` gets each convolution's and LRN's
+        input (its run's: a ReLU's before it) on the host, by layer name, for the checks of their backward
+        (distributed/replica/probe.py, inner_ops.py): numpy's own arrays, not copied (no op writes its inputs)."""
         for run in self.runs():
             if seen is not None and (isinstance(run[0], Conv2D) or isinstance(run[-1], LocalResponseNorm)):
-                seen[run[-1].name] = np.array(self.backend.to_numpy(x), dtype=np.float32)
+                seen[run[-1].name] = np.asarray(self.backend.to_numpy(x), dtype=np.float32)
             x = relu_lrn_forward(*run, x) if len(run) == 2 else run[0].forward(x, training)
         return x
 
@@ -87,16 +87,16 @@ class Network:
         return x
 
     def backward(self, dlogits: Array, seen: dict[str, np.ndarray] | None = None) -> None:
-        """Backprop dloss/dlogits through every layer, filling each layer's grads. ``seen`` gets host copies of
+        """Backprop dloss/dlogits through every layer, filling each layer's grads. ``seen`` gets, on the host,
         the gradients each convolution or norm got and gave, by name ('bn1', 'bn1.dx'; as ``forward``'s; an LRN
         after a ReLU gives the pair's)."""
         d = dlogits
         for layer in reversed(self.layers):
             if seen is not None and isinstance(layer, (Conv2D, BatchNorm2D, LocalResponseNorm)):
-                seen[layer.name] = np.array(self.backend.to_numpy(d), dtype=np.float32)
+                seen[layer.name] = np.asarray(self.backend.to_numpy(d), dtype=np.float32)
             d = layer.backward(d)
             if seen is not None and d is not None and isinstance(layer, (Conv2D, BatchNorm2D, LocalResponseNorm)):
-                seen[f"{layer.name}.dx"] = np.array(self.backend.to_numpy(d), dtype=np.float32)
+                seen[f"{layer.name}.dx"] = np.asarray(self.backend.to_numpy(d), dtype=np.float32)
             if d is None:  # the first conv does not compute dX
                 break
 
