@@ -57,11 +57,11 @@ def position(dx: np.ndarray, where: np.ndarray) -> tuple[int, int, int]:
 
 
 def sums(net: Network, where: np.ndarray, inputs: dict[str, np.ndarray], douts: dict[str, np.ndarray]) -> np.ndarray:
-    """The worker's: (sum dx dy, e) per channel of each batch norm, (2 C,) each; each LRN's input, dy and dx at
-    one position (``position``), (3 C,); each dX-computing convolution's dX at one position and its window of dY,
-    (C + F K K,); float32. From the input each LRN got (``Network.forward``'s ``seen``: its run's, a ReLU's
-    before it) and the gradient each layer got and gave (``Network.backward``'s: 'bn1' and 'bn1.dx'), each sum
-    one BLAS dot a row."""
+    """The worker's: (sum dx dy, e) per channel of each batch norm, (2 C,) each; each LRN's position (``position``:
+    its image, row and column) and its input, dy and dx there, (3 + 3 C,); each dX-computing convolution's dX at
+    one position and its window of dY, (C + F K K,); float32. From the input each LRN got (``Network.forward``'s
+    ``seen``: its run's, a ReLU's before it) and the gradient each layer got and gave (``Network.backward``'s: 'bn1'
+    and 'bn1.dx'), each sum one BLAS dot a row."""
     out = []
     for norm in (layer for layer in net.layers if isinstance(layer, BatchNorm2D)):
         dy, dx = douts[norm.name], douts[f"{norm.name}.dx"]
@@ -102,10 +102,10 @@ def lrn_column(
         return ends[np.minimum(i + hi + 1, len(a))] - ends[np.maximum(i - lo, 0)]
 
     s = lrn.k + lrn.alpha / lrn.size * window(r * r, before, after)
-    p, t, c = s**-lrn.beta, dy * r * s ** (-lrn.beta - 1), 2 * lrn.alpha * lrn.beta / lrn.size
+    p, t, cross = s**-lrn.beta, dy * r * s ** (-lrn.beta - 1), 2 * lrn.alpha * lrn.beta / lrn.size
     dx, size = (
-        dy * p - c * r * window(t, after, before),
-        np.abs(dy) * p + c * np.abs(r) * window(np.abs(t), after, before),
+        dy * p - cross * r * window(t, after, before),
+        np.abs(dy) * p + cross * np.abs(r) * window(np.abs(t), after, before),
     )
     return (dx * (r > 0), size * (r > 0), r * p) if pair else (dx, size, r * p)
 

@@ -121,11 +121,11 @@ def feature(conv: Network, x: np.ndarray, j: int, r: int, c: int) -> tuple[np.nd
     h = be.asarray(x[:, :, max(rows[0], 0) : rows[1] + 1, max(cols[0], 0) : cols[1] + 1].copy())
     for at, layer in enumerate(conv.layers):
         if isinstance(layer, (Conv2D, MaxPool2D)):  # its padding made here, the op then runs without any
-            (top_rows, bottom), (left, right) = reads[at]
+            (first_row, last_row), (first_col, last_col) = reads[at]
             fill = 0.0 if isinstance(layer, Conv2D) else -np.inf  # a pool's padding is never selected
             held = be.to_numpy(h)
-            padded = np.full((*held.shape[:2], bottom - top_rows + 1, right - left + 1), fill, np.float32)
-            padded[:, :, max(-top_rows, 0) :, max(-left, 0) :][:, :, : held.shape[2], : held.shape[3]] = held
+            padded = np.full((*held.shape[:2], last_row - first_row + 1, last_col - first_col + 1), fill, np.float32)
+            padded[:, :, max(-first_row, 0) :, max(-first_col, 0) :][:, :, : held.shape[2], : held.shape[3]] = held
             h = be.asarray(padded)
         if isinstance(layer, MaxPool2D):
             h, _ = be.maxpool_forward(h, layer.kernel, layer.stride, 0)
