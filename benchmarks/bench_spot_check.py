@@ -212,6 +212,8 @@ def steps(args: argparse.Namespace, spot: Check, n_steps: int, spoil: Spoil | st
             if isinstance(spot, ReplayCheck) and kind in ("replica_step", "hybrid_forward"):  # as the runtime's
                 arrays = arrays | spot.probe_for(1, probed)
             task = Message(kind, {**header, "task": task_id, "step": step} | layer, arrays)
+            if isinstance(spot, SpotCheck):  # its probe of dw, as the runtime's Op.send asks for it
+                task.arrays = task.arrays | spot.ask(1, task)
             reply = handler.handle(task)
             took += reply.header["compute_s"]
             if spoil is not None and step >= args.fault_from:
@@ -330,10 +332,12 @@ def main() -> None:
     )
     images = f", images checked {spot.images}, backward {spot.backwards}" if isinstance(spot, ReplayCheck) else ""
     print(f"  samples {spot.samples}{images}, forgiven {getattr(spot, 'forgiven', 0)}")
+    free, cost = getattr(spot, "free_seconds", 0.0), spot.seconds  # free: a model split's checks of every step
     print(
-        f"  cost: {spot.seconds:.3f} s of the master against {honest['compute_s']:.3f} s of the worker "
-        f"({100 * spot.seconds / honest['compute_s']:.2f} %; budget {100 * args.spot_check:g} % of the worker's "
+        f"  cost: {cost:.3f} s of the master against {honest['compute_s']:.3f} s of the worker "
+        f"({100 * cost / honest['compute_s']:.2f} %; budget {100 * args.spot_check:g} % of the worker's "
         f"work at the master's speed: {spot.earned:.3f} s)"
+        + (f"; of it the floors and projections {free:.3f} s" if free else "")
     )
     rows = []
     faults = FAULTS | ({"1 % on conv1's dw alone": first_conv_off(args)} | INSIDE if args.way == "images" else {})
@@ -343,7 +347,7 @@ def main() -> None:
         early = sum(s is not None and s < args.fault_from for s in lost)  # lost while still honest: false alarms
         found = f"{len(caught)}/{len(lost)}" + (f" ({early} early)" if early else "")
         rows.append([name, found, statistics.median(caught) if caught else "-", max(caught, default="-")])
-    print(f"wrong from step {args.fault_from} (x -50 and 1 % on every result show in the forward samples):")
+    print(f"wrong from step {args.fault_from}:")
     print(format_table(["wrong worker", "caught", "median steps to catch", "worst"], rows))
 
 

@@ -125,7 +125,7 @@ LOST = {  # worker -> the step it is lost in, and what its reason says
     3: (30, "failed the forward of conv1: block_forward failed: MemoryError: out of device memory"),
     4: (40, "for 'y' in the forward of conv1, expected shape (8, "),  # one kernel short of its share
     5: (50, "returned non-finite values in y for the forward of conv1, from finite inputs"),
-    8: (66, "wrong result: its forward, in "),
+    8: (66, "wrong result: its smallest output, which ReLU, LRN and max pool leave at 0 or above, is "),
 }
 
 

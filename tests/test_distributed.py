@@ -176,7 +176,8 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
     # maps of its partial convolution, gets those others' partials summed on its kernels and its
     # b rows (tail_forward) and returns its y channels; backward, it gets its dy channels and returns
     # its conv-output gradient (the size of its y channels, tail_backward), gets the others'
-    # (partial_backward) and returns dx and dw of its input channels and all of db
+    # (partial_backward) and returns dx and dw of its input channels and all of db. From the second step
+    # the spot check asks each for its dw's sums along a probe (replica/probe.py): u and v go, two sums return
     worker = slice(1, None) if master_share == "auto" else slice(None)
     y_k = y_ref.value.nbytes // 7  # one kernel's maps
     sent, recv = [], []  # per worker
@@ -190,9 +191,11 @@ def test_sharded_conv_equals_unsharded(rng, n, master_share, plan, need_dx, stri
             to += k * y_k + others  # backward: dy of its kernels, then the others' dyc
             back += others + k * y_k  # p_lo and p_hi; y
             back += k * y_k + 7 * c * 9 * F4 + 7 * F4 + x.nbytes // 3 * c  # dyc; dw, db, dx
+            to, back = to + (7 + c * 9) * F4, back + 2 * F4  # the probe: u (F,), v (c K K,); s, a
         elif k:
             to += x.nbytes + k * 3 * 9 * F4 + k * F4 + k * y_k
             back += k * y_k + k * 3 * 9 * F4 + k * F4
+            to, back = to + (k + 3 * 9) * F4, back + 2 * F4  # the probe: u (own,), v (C K K,); s, a
             if need_dx:
                 back += x.nbytes
         sent.append(to)
@@ -402,7 +405,9 @@ def test_a_forward_without_backward_is_not_counted_in_a_step(rng):
             records.append(sharded.last_step)
     assert sharded.step == 2 and records[0]["shares"] == {"conv1": [4, 3]} and records[0]["rebalanced"] == {}
     assert [(op["layer"], op["op"]) for op in records[0]["ops"]] == [("conv1", "forward"), ("conv1", "backward")]
-    assert records[0]["bytes_sent"] == records[1]["bytes_sent"]  # the evaluation's forward is in neither
+    # the evaluation's forward is in neither; the second step's backward carries the spot check's probe of dw,
+    # split by input channels (auto, workers in this process): u of all 7 kernels, v of the worker's 1 channel
+    assert records[1]["bytes_sent"] - records[0]["bytes_sent"] == (7 + 1 * 3 * 3) * 4
 
 
 # ---- the whole network, trained ------------------------------------------------------------------

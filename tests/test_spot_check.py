@@ -8,6 +8,7 @@ import pytest
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed import spot_check, spot_sample
 from tinyconv.distributed.protocol import VERSION
+from tinyconv.distributed.replica import free_checks
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.shard.cluster import Cluster
 from tinyconv.distributed.spot_check import SpotCheck
@@ -29,8 +30,8 @@ class Steps:
     """A worker's block tasks, step after step (N images, C channels, F' kernels of which it owns [2, F'-2)),
     answered by a real worker and then, maybe, spoilt by ``spoil(name, array, step)``."""
 
-    def __init__(self, n: int = 8, c: int = 3, f: int = 12, hw: int = 10, seed: int = 0, tail=TAIL) -> None:
-        self.rng = np.random.default_rng(seed)
+    def __init__(self, n: int = 8, c: int = 3, f: int = 12, hw: int = 10, seed: int = 0, tail=TAIL, same=False) -> None:
+        self.rng, self.seed, self.same = np.random.default_rng(seed), seed, same  # same: each step's arrays alike
         self.n, self.c, self.f, self.hw, self.tail = n, c, f, hw, tail
         self.worker = Worker(BE)
         self.task = 0
@@ -38,13 +39,16 @@ class Steps:
     def _send(self, kind: str, header: dict, arrays: dict, step: int) -> tuple[Message, Message]:
         self.task += 1
         msg = Message(kind, {**header, "task": self.task, "step": step, "layer": 0}, arrays)
+        msg.arrays |= self.spot.ask(7, msg)  # its probe, as the runtime's Op.send asks for it
         reply = self.worker.handle(msg)
         assert reply.kind == "result", reply.header
         return msg, reply
 
     def run(self, spot: SpotCheck, steps: int, spoil=lambda name, a, step: a) -> int:
         """Steps until the spot check loses the worker (its step), or ``steps`` + 1 if it never does."""
+        self.spot = spot
         for step in range(1, steps + 1):
+            self.rng = np.random.default_rng(self.seed) if self.same else self.rng  # a gradient that turns slowly
             x = self.rng.standard_normal((self.n, self.c, self.hw, self.hw), dtype=np.float32)
             w = self.rng.standard_normal((self.f, self.c, 5, 5), dtype=np.float32) * 0.2
             b = self.rng.standard_normal(self.f, dtype=np.float32) * 0.1
@@ -54,13 +58,14 @@ class Steps:
             fwd, y = self._send("block_forward", header, {"x": x, "w": w, "b": b} | norm, step)
             y.arrays = {k: spoil(k, a, step) for k, a in y.arrays.items()}
             dy = self.rng.standard_normal((self.n, self.f, 5, 5), dtype=np.float32)
-            bwd, grads = self._send("block_backward", {"need_dx": True}, {"dy": dy}, step)
-            grads.arrays = {k: spoil(k, a, step) for k, a in grads.arrays.items()}
             try:
-                spot(7, fwd, y, BE)
+                spot(7, fwd, y, BE)  # as the cluster's gather does, before the backward goes (with its probe)
+                bwd, grads = self._send("block_backward", {"need_dx": True}, {"dy": dy}, step)
+                grads.arrays = {k: spoil(k, a, step) for k, a in grads.arrays.items()}
                 spot(7, bwd, grads, BE)
             except Lost as e:
                 assert list(e.workers) == [7] and e.workers[7].startswith("wrong result: "), e.workers
+                self.why = e.workers[7]
                 return step
         return steps + 1
 
@@ -122,16 +127,6 @@ def test_a_batch_norm_tail_honest_passes_and_its_statistics_and_gradients_are_ch
     assert Steps(tail=BN_TAIL).run(SpotCheck(budget=1.0), 5, noise) == 3
 
 
-def test_a_wrong_backward_alone_is_caught():
-    """A worker whose forward is right but whose dw is 1 % off is caught by a kernel sample within the budget."""
-
-    def spoil(name, a, step):
-        return a * np.float32(1.01) if name == "dw" else a
-
-    lost_at = Steps(n=32, f=40).run(SpotCheck(budget=0.03, seed=3), 60, spoil)
-    assert lost_at <= 20
-
-
 def test_a_backward_sample_that_disagrees_is_confirmed_on_two_more_images():
     """Round-off may flip a tie (max pool's argmax) in an image's backward: a disagreement is taken again on up
     to two more images, so two images off of three forgive the worker, while the fault in every image loses it."""
@@ -150,17 +145,19 @@ def test_a_backward_sample_that_disagrees_is_confirmed_on_two_more_images():
 
 
 def test_the_budget_holds_and_is_spent(monkeypatch):
-    """The samples' seconds stay within the budget of the worker's work at the master's rate, but for one sample
-    of each kind ahead; and the budget is spent, not hoarded. A fake clock makes every sample cost the same."""
+    """The checks' seconds stay within the budget of the worker's work at the master's rate, but for one sample
+    of each kind and one step's floor and projection ahead; and the budget is spent, not hoarded. A fake clock
+    makes every check cost the same, 1 s: at a budget of 0.1 a step earns 4.8 s, its floor and projection take 2."""
     ticks = iter(range(10**6))
     monkeypatch.setattr(spot_check.time, "perf_counter", lambda: float(next(ticks)))
-    spot = SpotCheck(budget=0.03)
+    spot = SpotCheck(budget=0.1)
     Steps(n=16, f=24).run(spot, 200)
     # each sample reads the clock twice forward and twice backward: 1 s forward + 1 s backward
     credit = spot.workers[7].credit[0]
     assert spot.seconds - spot.earned == pytest.approx(-sum(credit.values()))
-    assert all(c >= -2 for c in credit.values())  # at most one sample ahead of the budget
-    assert spot.earned - spot.seconds < 2 * 2  # and at most one behind: what it earns, it spends
+    assert spot.free_seconds == 2 * 200  # the floor and the projection of every step
+    assert all(c >= -(2 + 2) for c in credit.values())  # at most one sample and a step's free checks ahead
+    assert spot.earned - spot.seconds < 2 * 2  # and at most one sample behind: what it earns, it spends
     assert spot.samples > 10
 
 
@@ -176,8 +173,8 @@ class ChannelSteps:
 
     F, HALO, OWN, GIVE = 16, [2, 14], [4, 8], [10, 6]  # its halo in F; its own in the halo; rows the others need
 
-    def __init__(self, backend=BE, n: int = 8, chunk: int = 4, c: int = 3, hw: int = 10, seed: int = 0, tail=TAIL):
-        self.rng = np.random.default_rng(seed)
+    def __init__(self, backend=BE, n=8, chunk=4, c=3, hw=10, seed=0, tail=TAIL, same=False):
+        self.rng, self.seed, self.same = np.random.default_rng(seed), seed, same
         self.n, self.chunk, self.c, self.hw, self.tail = n, chunk, c, hw, tail
         self.worker = Worker(backend)
         self.task = 0
@@ -185,6 +182,7 @@ class ChannelSteps:
     def _send(self, kind: str, header: dict, arrays: dict, step: int, spot: SpotCheck, spoil) -> Message:
         self.task += 1
         msg = Message(kind, {**header, "task": self.task, "step": step, "layer": 1}, arrays)
+        msg.arrays |= spot.ask(7, msg)
         reply = self.worker.handle(msg)
         assert reply.kind == "result", reply.header
         reply.arrays = {k: spoil(k, a) for k, a in reply.arrays.items()}
@@ -192,7 +190,8 @@ class ChannelSteps:
         return reply
 
     def step(self, spot: SpotCheck, step: int, spoil=lambda name, a: a) -> None:
-        r, f, n, hw = self.rng, self.F, self.n, self.hw
+        self.rng = np.random.default_rng(self.seed) if self.same else self.rng
+        self.now, (r, f, n, hw) = step, (self.rng, self.F, self.n, self.hw)
         x = r.standard_normal((n, self.c, hw, hw), dtype=np.float32)
         w = r.standard_normal((f, self.c, 5, 5), dtype=np.float32) * 0.2
         chunks = [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
@@ -221,6 +220,7 @@ class ChannelSteps:
                 self.step(spot, step, spoil)
             except Lost as e:
                 assert list(e.workers) == [7] and e.workers[7].startswith("wrong result: "), e.workers
+                self.why = e.workers[7]
                 return step
         return steps + 1
 
@@ -306,6 +306,65 @@ def _without(reply: Message, name: str) -> Message:
     return reply
 
 
+def test_a_wrong_backward_alone_is_caught_by_its_projection_at_its_first_step():
+    """A worker whose forward is right but whose dw is 1 % off from step 3: its dw against the sums it sent along
+    the probe (the top singular pair of its last dw), both splits, at a budget too small for any sample after the
+    first step's. Each step's arrays are the last's, as a slowly turning gradient's would be nearly."""
+    by_kernels, by_channels = Steps(n=32, f=40, same=True), ChannelSteps(n=32, same=True)
+    for steps, spoil in (
+        (by_kernels, lambda name, a, step: a * np.float32(1.01) if name == "dw" and step >= 3 else a),
+        (by_channels, lambda name, a: a * np.float32(1.01) if name == "dw" and by_channels.now >= 3 else a),
+    ):
+        spot = SpotCheck(budget=1e-6, seed=3)
+        assert steps.run(spot, 6, spoil) == 3 and "against its projection" in steps.why
+        assert spot.samples == 2  # the first step's, which price the budget; then none
+
+
+@pytest.mark.parametrize("split", ["kernels", "channels"])
+@pytest.mark.parametrize("spoil, says", [(lambda a: None, "it sent none"), (lambda a: a[:1], "it sent (1,)")])
+def test_a_worker_that_skips_or_mangles_its_projection_is_lost(split, spoil, says):
+    """Asked for its dw's sums along a probe (every step after the first), it must send them: else it is lost."""
+    steps = Steps() if split == "kernels" else ChannelSteps()
+    answer = steps.worker.handle
+
+    def handle(msg):
+        reply = answer(msg)
+        if "probes" in reply.arrays:
+            got = spoil(reply.arrays.pop("probes"))
+            reply.arrays |= {} if got is None else {"probes": got}
+        return reply
+
+    steps.worker.handle = handle
+    assert steps.run(SpotCheck(budget=1e-6), 3) == 2 and f"asked for its dw's projection, {says}" in steps.why
+
+
+def test_the_floor_catches_a_sign_or_a_variance_below_0_whatever_the_credit():
+    """x -50 from step 4, at a budget that pays for no sample after the first: the outputs' signs behind ReLU, LRN
+    and max pool, and batch norm's batch variances, are checked every step."""
+    for tail, says in ((TAIL, "its smallest output, which ReLU"), (BN_TAIL, "its smallest batch variance")):
+        steps, spot = Steps(tail=tail), SpotCheck(budget=1e-6)
+        spoil = lambda name, a, step: a * np.float32(-50) if step >= 4 else a  # noqa: E731
+        assert steps.run(spot, 6, spoil) == 4 and spot.samples == 2 and steps.why.startswith(f"wrong result: {says}")
+    steps = Steps(tail=BN_TAIL)
+    only_var = lambda name, a, step: -a if name == "var" and step >= 2 else a  # noqa: E731
+    assert steps.run(SpotCheck(budget=1e-6), 3, only_var) == 2 and "a mean of squares, is -" in steps.why
+
+
+@pytest.mark.parametrize(
+    "ops, never",
+    [
+        (["relu", "lrn", "maxpool"], True),
+        (["bn", "relu", "maxpool"], True),
+        (["relu"], True),
+        (["relu", "bn", "maxpool"], False),
+        (["lrn", "maxpool"], False),
+        ([], False),
+    ],
+)
+def test_a_tail_leaves_nothing_below_0_when_only_lrn_and_max_pool_follow_its_last_relu(ops, never):
+    assert free_checks.never_negative(ops) is never
+
+
 @pytest.fixture
 def opencl(tmp_path_factory):
     pytest.importorskip("pyopencl")
@@ -367,5 +426,5 @@ def test_a_run_split_by_channels_with_the_check_on_equals_the_unsharded_one():
 def test_a_worker_split_by_channels_scaled_x_minus_50_is_caught_at_its_first_step():
     _, cluster, events = train([Worker, ScaledByChannels], 1)
     assert [(e["event"], e["worker"], e["step"]) for e in events] == [("worker_lost", "worker1", 0)]
-    assert events[0]["reason"].startswith("wrong result: its forward, in ")
+    assert events[0]["reason"].startswith("wrong result: its smallest output, which ReLU, LRN and max pool leave at 0")
     assert cluster.step == 1

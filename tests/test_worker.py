@@ -19,6 +19,7 @@ from float32_expected import Expected, assert_close, conv2d_expected
 from backends.conformance.runner import FN
 from backends.numpy_backend import NumpyBackend
 from tinyconv.distributed.protocol import TASKS, VERSION, TaskError
+from tinyconv.distributed.replica import probe
 from tinyconv.distributed.shard.block import block_forward, halo_span, tail_backward
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.distributed.worker.main import THREAD_ENV_VARS, main
@@ -288,6 +289,30 @@ def test_a_batch_in_chunks_gives_the_whole_batchs_numbers():
     close(grads["db"], db_ref)
 
 
+def test_a_probed_backward_returns_its_dws_sums_along_the_probe():
+    """Asked a probe (u, v) with a backward, both splits (the second by chunks of one image), the worker returns s
+    and a (replica/probe.py) with dw: s = u^T dw v within the probe's bound, on a's scale."""
+    dy = RNG.standard_normal((2, 5, 8, 8), dtype=np.float32)
+    u, v = RNG.standard_normal(5, dtype=np.float32), RNG.standard_normal(3 * 3 * 3, dtype=np.float32)
+    by_kernels = Worker(NumpyBackend())
+    ok(by_kernels, forward())
+    kernels = ok(by_kernels, task("block_backward", {"dy": dy, "probe": np.concatenate([u, v])}))
+    by_channels = Worker(NumpyBackend())
+    ok(by_channels, partial(x=X[:1], images=[0, 1, 2]))
+    ok(by_channels, task("partial_forward", {"x": X[1:]}, images=[1, 2, 2]))
+    ok(by_channels, tail(images=[0, 1, 2]))
+    ok(by_channels, task("tail_forward", {}, images=[1, 2, 2]))
+    for i in range(2):
+        ok(by_channels, task("tail_backward", {"dy": dy[i : i + 1]}, images=[i, i + 1, 2]))
+    asked = {"probe": np.concatenate([u, v])}
+    ok(by_channels, task("partial_backward", asked, images=[0, 1, 2]))
+    channels = ok(by_channels, task("partial_backward", {}, images=[1, 2, 2]))
+    for grads, chunks in ((kernels, 1), (channels, 2)):
+        (s, a), dw = grads["probes"], grads["dw"].reshape(5, -1)
+        one, _ = probe.compared(dw, u, v, float(s), float(a), probe.length(2 * 8 * 8, 5, 27) + chunks)
+        assert abs(one[0] - one[1])[0] <= one[2] and a > abs(s) > 0
+
+
 @pytest.mark.parametrize(
     "steps, complaint",
     [
@@ -387,8 +412,20 @@ CALIBRATE_0 = {"layer": 0, "x": [1, 3, 8, 8], "w": [1, 3, 3, 3], "stride": 1, "p
             r"around this worker's kernels \[0, 5\) of 5, dyc_lo those before and dyc_hi those after: "
             r"dyc_hi must be absent, got \(2, 1, 8, 8\)",
         ),
-        ([forward(), task("block_backward")], r"block_backward takes the arrays \['dy'\], got none"),
+        (
+            [forward(), task("block_backward")],
+            r"block_backward takes the arrays \['dy'\] and optionally \['probe'\], got none",
+        ),
         ([forward(), task("block_backward", {"dy": np.ones((2, 5, 7, 8), np.float32)})], r"dy \(2, 5, 7, 8\) does"),
+        ([forward(), task("block_backward", {"dy": DY, "probe": np.ones(5, np.float32)})], r"probe must be u \(5,\)"),
+        (
+            [
+                *BY_CHANNELS,
+                task("tail_backward", {"dy": DY}),
+                task("partial_backward", {"probe": np.ones(3, np.float32)}),
+            ],
+            r"a probe, u \(5,\) then v \(3, 3, 3\), comes with the first chunk",
+        ),
         ([forward(), task("block_backward", {"dy": DY.astype(np.float64)})], "dy must be float32"),
         ([forward(x=X[:, :2])], "matching C and F"),
         ([forward(b=B[:3])], "matching C and F"),

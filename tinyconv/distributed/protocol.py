@@ -14,8 +14,9 @@ The paper's split by kernels (``by_kernels.py``)::
                       -> y (N, own, OH', OW'): the block of F' kernels (own and halo), the own ones' output;
                          a bn in training: the batch's mean, var (F',), unbiased
     block_backward    need_dx                        dy (N, F', OH', OW'), over every computed kernel
+                                                     maybe probe (own + C K K,): the spot check's u, v
                       -> dx (N, C, H, W) if need_dx, a partial sum; dw (own, C, K, K), db (own,);
-                         a bn: dgamma, dbeta (own,)
+                         a bn: dgamma, dbeta (own,); a probe's sums s, a (2,) (replica/probe.py)
 
 The other tasks (calibration, the split by input channels, data parallelism, the hybrid) are laid out in
 docs/how-it-works.md. All arrays are float32 but labels (int32 or int64). Which task may follow which is
@@ -31,7 +32,7 @@ from transports.wire import Int, Num, ProtocolError, check_fields
 
 # of this task protocol, wire_codec.py's ``narrow`` and ``reply`` included: one more for any change to a task or
 # result; a worker's hello says which it speaks, the transport admits equals
-VERSION = 14
+VERSION = 15
 
 
 class TaskError(ValueError):
@@ -62,13 +63,15 @@ _NORM = " ".join(NORM_INPUTS)
 TASKS: dict[str, Schema] = {
     "calibrate": Schema({"task": Int, "layers": list, "repeats": Int}, timed=True),
     "block_forward": Schema(_CONV | {"own": list}, "x w b", _NORM, result="y mean var"),
-    "block_backward": Schema(_LAYER | {"need_dx": bool}, "dy", result="dx dw db dgamma dbeta"),
+    "block_backward": Schema(_LAYER | {"need_dx": bool}, "dy", "probe", result="dx dw db dgamma dbeta probes"),
     "partial_forward": Schema(
         _CONV | {"halo": list, "own": list, "give": list}, "x", optional="w", result="p_lo p_hi", extra=_CHUNK
     ),
     "tail_forward": Schema(_LAYER, optional="b sum " + _NORM, result="y mean var", extra=_CHUNK),
     "tail_backward": Schema(_LAYER, "dy", result="dyc dgamma dbeta", extra=_CHUNK),
-    "partial_backward": Schema(_LAYER | {"need_dx": bool}, optional="dyc_lo dyc_hi", result="dx dw db", extra=_CHUNK),
+    "partial_backward": Schema(
+        _LAYER | {"need_dx": bool}, optional="dyc_lo dyc_hi probe", result="dx dw db probes", extra=_CHUNK
+    ),
     "replica_calibrate": Schema(_NET | {"repeats": Int}, timed=True),
     "replica_step": Schema(
         _NET | {"step": Int}, "x y params", "buffers probe", "grads logits stats probes inner", "y", {"smoothing": Num}

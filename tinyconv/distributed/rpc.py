@@ -63,6 +63,8 @@ class Rpc:
         self.aside: Callable[[int, Message], bool] | None = None  # takes a reply no op waits for: joiners.py
         # (worker, task, its result, the master's backend) -> None, or Lost for a wrong result: spot_check.py
         self.check: Callable[[int, Message, Message, Backend], None] | None = None
+        # (worker, task) -> arrays the spot check asks to go with the task (its probe: spot_check.SpotCheck.ask)
+        self.ask: Callable[[int, Message], dict[str, np.ndarray]] | None = None
         self.task_ids = itertools.count(1)
 
     def link(self, k: int) -> LinkSpeed:
@@ -120,6 +122,8 @@ class Op:
         """Send ``msg`` (float32 arrays) to ``worker`` as a new task, encoded by the op's codec; its task id."""
         task = next(self.rpc.task_ids)
         msg.header.update(self.fields, task=task)
+        if self.rpc.ask is not None and self.codec is None:  # a narrowed op is not checked
+            msg.arrays.update(self.rpc.ask(worker, msg))
         wire, fell_back = self.codec.encode(msg) if self.codec else (msg, 0)
         self.fallbacks += fell_back
         at = self.rpc.clock()

@@ -84,7 +84,7 @@ class Runtime:
         self.workers = sorted(workers, key=lambda w: w.index)
         self.rpc = Rpc(transport, self.workers, recv_timeout)
         self.spot = self.checker(spot_check) if spot_check else None  # raises ValueError for a bad fraction
-        self.rpc.check = self.spot
+        self.rpc.check, self.rpc.ask = self.spot, getattr(self.spot, "ask", None)
         self.placement: list[tuple[str, int | None]] = [("master", None)] if master_share == "auto" else []
         self.placement += [(f"worker{w.index}", w.index) for w in self.workers]
         self.rebalancer = (rebalancer or Rebalancer()) if rebalance else None

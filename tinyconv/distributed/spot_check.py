@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
+from tinyconv.distributed.replica import probe
 from tinyconv.distributed.rpc import Lost
 from tinyconv.distributed.spot_sample import Pair, Sample
 from tinyconv.distributed.spot_views import ByChannels, ByKernels
@@ -48,6 +49,18 @@ class SpotCheck:
         self.seconds = self.earned = 0.0
         self._image: dict[int, list[float]] = {}  # layer -> its image samples' seconds and kernel-channel-images
         self.master_rate: dict[int, float] = {}  # layer -> the master's seconds per kernel-channel-image, own share
+        self.free_seconds = 0.0  # of the seconds, those of the checks of every step (floors, projections: _free)
+        self._top: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (worker, layer) -> its next probe
+        self._trails = probe.Trails()  # (worker, layer) -> its projections' last rows
+
+    def ask(self, k: int, task: Message) -> dict[str, np.ndarray]:
+        """What goes with worker k's ``task``: with its layer's backward, the probe of its dW (``replica/probe.py``),
+        u and v of the top singular pair of the last one it sent, if it owns as many kernels; none else."""
+        layer = task.header.get("layer")
+        view, top = self.workers.get(k, _Worker()).views.get(layer), self._top.get((k, layer))
+        if view is None or top is None or view.step != task.header.get("step"):
+            return {}
+        return {"probe": np.concatenate([top[0], top[1]])} if view.asks(task) == (len(top[0]), len(top[1])) else {}
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
@@ -65,9 +78,52 @@ class SpotCheck:
         if reached == "unfit":  # not this file's to judge: the split's shape check loses the worker
             del state.views[layer]
         elif reached == "forward":
+            t0 = time.perf_counter()
+            floor = view.floor()
+            self._free(state, layer, t0)
+            for where, (low, _, _) in floor:
+                if not low[0] >= 0:
+                    self._lose(k, f"wrong result: {where}, is {low[0]:.3g}")
             self._forward(k, state, layer, be)
         elif reached == "backward":
+            self._projected(k, layer, view)
             self._backward(k, state, layer, be)
+
+    def _projected(self, k: int, layer: int, view: Any) -> None:
+        """Every step: the dW worker k sent against the sums along the probe it sent beside it (``replica/probe.py``),
+        alone and summed over its last steps; its next probe from this dW."""
+        t0 = time.perf_counter()
+        dw, sent, got, n = view.projection()
+        key, what = (k, layer), f"its backward, the gradient of layer {layer}'s w against its projection"
+        checks = []
+        if sent is not None and (got is None or got.shape != (2,)):
+            self._lose(
+                k, f"wrong result: asked for its dw's projection, it sent {'none' if got is None else got.shape}"
+            )
+        if sent is not None:
+            one, row = probe.compared(dw, sent[: len(dw)], sent[len(dw) :], float(got[0]), float(got[1]), n)
+            checks = [(what, one), *self._trails(key, [what], [row])]
+        last = self._top.get(key)
+        self._top[key] = probe.top_pair(dw, last if last is not None and len(last[0]) == len(dw) else None)
+        self._free(self.workers[k], layer, t0)
+        for where, p in checks:
+            self._judge(k, where, [p])
+
+    def _rate(self, layer: int) -> float:
+        """The master's seconds per kernel-channel-image of ``layer``: as the cluster timed its share, or its image
+        samples so far (0: none yet)."""
+        spent, cells = self._image.get(layer, (0.0, 0.0))
+        return self.master_rate.get(layer) or (spent / cells if cells else 0.0)
+
+    def _free(self, state: _Worker, layer: int, t0: float) -> None:
+        """Take a check of every step's seconds since ``t0`` off each kind's credit, in proportion to its share: they
+        run whatever the credit, and the samples wait while it is spent (within the budget while they cost less)."""
+        dt = time.perf_counter() - t0
+        credit = state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))
+        for kind, share in SHARES.items():
+            credit[kind] -= dt * share
+        self.seconds += dt
+        self.free_seconds += dt
 
     def _place(self, view: Any, kind: str, besides: list[int], among: range | None = None) -> int | None:
         choices = [i for i in (view.places(kind) if among is None else among) if i not in besides]
@@ -84,9 +140,7 @@ class SpotCheck:
             spent[1] += cells
 
     def _forward(self, k: int, state: _Worker, layer: int, be: Backend) -> None:
-        view = state.views[layer]
-        spent, cells = self._image.get(layer, (0.0, 0.0))
-        rate = self.master_rate.get(layer) or (spent / cells if cells else 0.0)  # master s per kernel-channel-image
+        view, rate = state.views[layer], self._rate(layer)
         credit = state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))
         step = self.budget * 3 * view.work * rate  # this step's credit, in master seconds
         for kind, share in SHARES.items():
@@ -95,7 +149,7 @@ class SpotCheck:
             earned = share * step
             credit[kind] += earned
             self.earned += earned
-            if credit[kind] < 0 or (at := self._place(view, kind, [])) is None:
+            if (credit[kind] < 0 and rate) or (at := self._place(view, kind, [])) is None:  # unpriced: one runs
                 continue
             t0 = time.perf_counter()
             sample = view.sample(kind, at, be)
@@ -122,11 +176,20 @@ class SpotCheck:
 
     def _judge(self, k: int, where: str, pairs: list[Pair]) -> None:
         for got, ref, tol in pairs:
-            err = float(np.max(np.abs(got - ref), initial=0.0))
-            if not err <= tol:
-                self.workers.pop(k, None)
-                why = f"wrong result: {where} differs from the master's by {err:.3g} (round-off allows {tol:.3g})"
-                raise Lost({k: why}, wrong=True)
+            gap = np.abs(got.astype(np.float64) - ref)
+            if not (gap <= tol).all():  # NaN is not <= anything
+                i = int(np.argmax(np.nan_to_num(gap - tol, nan=np.inf)))
+                err, allowed = gap.flat[i], np.broadcast_to(tol, gap.shape).flat[i]
+                self._lose(
+                    k, f"wrong result: {where} differs from the master's by {err:.3g} (round-off allows {allowed:.3g})"
+                )
+
+    def _lose(self, k: int, why: str) -> None:
+        self.workers.pop(k, None)
+        self._trails.forget(k)
+        for key in [key for key in self._top if key[0] == k]:
+            del self._top[key]
+        raise Lost({k: why}, wrong=True)
 
 
 def _agree(pairs: list[Pair]) -> bool:

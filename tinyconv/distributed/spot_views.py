@@ -6,11 +6,15 @@ Their tasks, their samples and the round-off of each entry: docs/how-it-works.md
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from backends.base import Backend, conv_output_size
 from backends.conformance.checks import scale
 from tinyconv.distributed.protocol import NORM_INPUTS
+from tinyconv.distributed.replica import probe
+from tinyconv.distributed.replica.free_checks import floor
 from tinyconv.distributed.shard.block import tail_backward, tail_forward, tail_output_hw
 from tinyconv.distributed.shard.by_channels import per_image
 from tinyconv.distributed.spot_norm import (
@@ -71,6 +75,20 @@ class ByKernels:
             return "unfit"
         self.bwd, self.grads = task, reply.arrays
         return "backward"
+
+    def floor(self) -> list[tuple[str, Pair]]:
+        """What its forward's results can never be (``free_checks.floor``)."""
+        return floor(self.y, self.stats, self.fwd.header["tail"])
+
+    def asks(self, task: Message) -> tuple[int, int] | None:
+        """The shape of the dW (own, C K K) that ``task`` may carry a probe of (``replica/probe.py``): a backward."""
+        return (self.hi - self.lo, math.prod(self.fwd.arrays["w"].shape[1:])) if task.kind == "block_backward" else None
+
+    def projection(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+        """Its dW (own, C K K), the probe its backward carried and the sums s, a it answered (None: none), and k of
+        their check (``probe.length``)."""
+        dw = self.grads["dw"].reshape(self.hi - self.lo, -1)
+        return dw, self.bwd.arrays.get("probe"), self.grads.get("probes"), probe.length(self.m, *dw.shape)
 
     def places(self, kind: str) -> range:
         """Where a sample of ``kind`` may be: the images, or the kernels it answers for."""
@@ -159,7 +177,7 @@ class ByChannels:
         self.chunks: list[tuple[int, int]] = []
         self.x, self.p, self.sums, self.around, self.dx = [], [], [], [], []
         self.ys, self.dys, self.dycs = [], [], []  # y, dy and dyc chunk by chunk, until the batch is whole
-        self.b = self.y = self.dy = self.dyc = self.dw = self.db = None
+        self.b = self.y = self.dy = self.dyc = self.dw = self.db = self.probes = None
         self.need_dx = False
         self.bn, self.m = batch_norm(self.tail), self.images * int(np.prod(self.conv_hw))
         # a batch norm's arrays over its halo, as the first tail_forward brought them
@@ -216,9 +234,24 @@ class ByChannels:
             self.around.append(a)
             self.dx.append(r.get("dx"))
             if "dw" in r and "db" in r:
-                self.dw, self.db = r["dw"], r["db"]
+                self.dw, self.db, self.probes = r["dw"], r["db"], r.get("probes")
                 return "backward"
         return None
+
+    def floor(self) -> list[tuple[str, Pair]]:
+        """What its forward's results can never be (``free_checks.floor``)."""
+        return floor(self.y, self.stats, self.tail)
+
+    def asks(self, task: Message) -> tuple[int, int] | None:
+        """The shape of the dW (F, c K K) that ``task`` may carry a probe of (``replica/probe.py``): its backward's
+        first chunk's."""
+        first = task.kind == "partial_backward" and task.header.get("images", [0])[0] == 0
+        return (self.f, self.c * self.k * self.k) if first else None
+
+    def projection(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+        """As :meth:`ByKernels.projection`, dW (F, c K K) summed over the chunks: one rounding more each."""
+        dw = self.dw.reshape(self.f, -1)
+        return dw, self.around[0].get("probe"), self.probes, probe.length(self.m, *dw.shape) + len(self.chunks)
 
     def places(self, kind: str) -> range:
         return range(self.images if kind == "image" else self.f)

@@ -1,9 +1,11 @@
-"""The free checks of the splits by images: an answer of a worker against another of its answers, or against
+"""The free checks, of the splits by images first: an answer of a worker against another of its answers, or against
 what the master holds, recomputing none of the network (docs/how-it-works.md, "Spot checks").
 
     last_bias   data parallelism: the classifier's bias gradient follows from the logits the worker sent
     last_norm   the hybrid: its last batch norm's dbeta and dgamma follow from its features and dL/dfeatures
     last_signs  the hybrid whose features come from ReLU through LRN and max pool alone (no last norm): none < 0
+
+and the model split's floor, by kernels or by input channels: its outputs' signs, its batch variances (``floor``).
 """
 
 from __future__ import annotations
@@ -104,20 +106,46 @@ def last_norm(
     ]
 
 
+def never_negative(ops: list[str | None]) -> bool:
+    """Whether a tail of ``ops`` (as block.py's specs name them) leaves nothing below 0: a ReLU that only LRNs and
+    max pools follow (LRN scales by s^-beta > 0, a max pool takes one of its inputs; in float32 as in the math)."""
+    after = ops[len(ops) - ops[::-1].index("relu") :] if "relu" in ops else [None]
+    return all(op in ("lrn", "maxpool") for op in after)
+
+
 @functools.lru_cache(maxsize=2)
 def _never_negative(net: Network) -> bool:
-    """Whether the replica's conv part ends in a plain ReLU and then only plain LRNs and max pools (``last_signs``)."""
+    """Whether the replica's conv part ends in a plain ReLU, then only plain LRNs and max pools (``last_signs``)."""
     layers = conv_part(net).layers
     tail = layers[max(i for i, layer in enumerate(layers) if isinstance(layer, Conv2D)) + 1 :]
-    return bool(tail) and type(tail[0]) is ReLU and all(type(t) in (LocalResponseNorm, MaxPool2D) for t in tail[1:])
+    return never_negative([_OPS.get(type(layer)) for layer in tail])
+
+
+_OPS = {ReLU: "relu", LocalResponseNorm: "lrn", MaxPool2D: "maxpool"}  # the plain layers, by their specs' names
 
 
 def last_signs(answer: Message, net: Network) -> list[tuple[str, Pair]]:
-    """The hybrid's features where ``_never_negative``: none below 0 (ReLU leaves none, LRN scales by s^-beta > 0, a
-    max pool takes one of them; in float32 as in the math), so one is wrong whatever its size: a result x -50 is
-    caught at its first step where there is no last norm to check. Nothing else: 1 % off keeps every sign."""
+    """The hybrid's features where ``_never_negative``: none below 0 (:func:`floor`). Nothing else: 1 % off keeps
+    every sign."""
     features = answer.arrays.get("features")
     if not _never_negative(net) or features is None or not features.size:
         return []
-    low = np.minimum(features.min(), np.float32(0)).reshape(1)
-    return [("its smallest feature, which ReLU, LRN and max pool leave at 0 or above", (low, np.zeros(1), 0.0))]
+    return [("its smallest feature, which ReLU, LRN and max pool leave at 0 or above", _at_least_0(features))]
+
+
+def floor(y: np.ndarray, stats: dict[str, np.ndarray], tail: list[dict]) -> list[tuple[str, Pair]]:
+    """The model split's floor, a block's output y and a training batch norm's batch variances (``stats``' var)
+    as its ``tail`` (block.py's specs) made them: y none below 0 where :func:`never_negative`, no variance below 0
+    (the backends sum centred squares). So one is wrong whatever its size: a result x -50 is caught at its first
+    step on any tail."""
+    out = []
+    if never_negative([spec["op"] for spec in tail]):
+        out.append(("its smallest output, which ReLU, LRN and max pool leave at 0 or above", _at_least_0(y)))
+    if "var" in stats:
+        out.append(("its smallest batch variance, a mean of squares", _at_least_0(stats["var"])))
+    return out
+
+
+def _at_least_0(a: np.ndarray) -> Pair:
+    """a's smallest entry, or 0 where none is negative, against 0 exactly."""
+    return np.min(a, initial=0.0).reshape(1), np.zeros(1), 0.0

@@ -20,7 +20,7 @@ values (``magnitudes.py``), gives that scale A, and e_j is held to the projectio
 (``probe.tolerance``, lambda sqrt(k) u in place of k u) on 2 sum |dY| A. (The rigorous gamma_k is 100 times
 larger, more than the fault.) Batch norm's cancellation makes A 70 times |dY| at conv1 of 50:500, so dY 1 %
 off below conv2 alone moves e_j by about its bound; the master also sums e_j's disagreements over its last
-checks (``ReplayCheck._summed``). Honest disagreements, OpenCL against numpy, stayed under 0.03 of the bound.
+checks (``probe.Trails``). Honest disagreements, OpenCL against numpy, stayed under 0.03 of the bound.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def energies(
 ) -> tuple[list[tuple[str, Pair]], list[tuple[float, float, int, float]]]:
     """Each convolution's e_j the worker sent (``got``: its rows (s, a, e_1, ..., e_n)) against the master's, from
     ``forward_backward``'s output gradients for image j and their magnitudes A, within the module's bound; and the rows
-    (the worker's e_j, the master's, k, 2 sum |dY| A) for a sum over checks (``probe.window_tolerance``)."""
+    (the worker's e_j, the master's, k, 2 sum |dY| A) for a sum over checks (``probe.Trails``)."""
     out: list[tuple[str, Pair]] = []
     rows = []
     for c, row in zip(probe.convs(part), got, strict=True):

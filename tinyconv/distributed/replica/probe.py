@@ -27,21 +27,25 @@ martingale in the independent deltas, so by Azuma's inequality the disagreements
 
 (the second term the rest of each product of (1 + delta)s, at most k^2 u^2 of its term), failing with
 probability 2 exp(-lambda^2 / 2) per window. A fault that keeps its sign (u, v turn with dW: u^T dW v > 0)
-grows as L, the bound as sqrt(L): the master checks the last 2 to WINDOW steps too (:func:`window_tolerance`).
+grows as L, the bound as sqrt(L): the master checks the last 2 to WINDOW steps too (:class:`Trails`).
 
 The master sends u and v with the task (``probe``), the worker returns s and a for each convolution, and each
 image's sum of dY squared (``probes``; ``image_backward.py``) beside its gradient, and the master compares s
 with u^T dW v of the dW it got. A dW changed after the sums (a faulty GEMM, 1 % on every entry) shows unless
 u^T dW v is small against a: so u, v are the top singular pair of that worker's last dW (:func:`top_pair`),
-along which the sum does not cancel.
+along which the sum does not cancel. The model split's tasks carry one too, of the one convolution they are
+(``spot_check.SpotCheck.ask``): the worker returns s and a from the conv-output gradient of its kernels and the
+input it holds (:func:`sums`), by kernels, or summed over the chunks, by input channels.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
 
+from tinyconv.distributed.spot_sample import Pair
 from tinyconv.layers import Conv2D
 from tinyconv.model import Network
 
@@ -55,15 +59,6 @@ def tolerance(k: int, a: float) -> float:
     """How far apart an honest worker's s and the master's u^T dW v may be: the module's bound, for each of the two
     computations."""
     return 2 * math.expm1(LAMBDA * math.sqrt(k) * U + k * U * U / (1 - U)) * a
-
-
-def window_tolerance(rows: np.ndarray) -> np.ndarray:
-    """How far the sums over the last 1, 2, ..., L steps of an honest worker's s and the master's u^T dW v may be
-    apart, ``rows`` (L, ..., 4) each step's (s, u^T dW v, k, a), oldest first: the module's bound over each of
-    those windows, and s rounded to float32 once each step. Shape (L, ...)."""
-    s, _, k, a = np.moveaxis(np.asarray(rows, np.float64)[::-1], -1, 0)
-    first, second = LAMBDA * U * np.sqrt(np.cumsum(k * a * a, axis=0)), U * U * np.cumsum(k * k * a, axis=0)
-    return 2 * (first + second) + 2**-23 * np.cumsum(np.abs(s), axis=0)
 
 
 def convs(net: Network) -> list[Conv2D]:
@@ -90,44 +85,99 @@ def pairs(net: Network, probe: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]
 def project(net: Network, probe: np.ndarray, inputs: dict[str, np.ndarray], douts: dict[str, np.ndarray]) -> np.ndarray:
     """(s, a, e_1, ..., e_n) of each convolution (L (2 + n),), from the input x (n, C, H, W) it saw and the
     gradient dY (n, F, OH, OW) its output got (``Network.forward`` and ``backward``'s ``seen``), and the probe's
-    u, v; e_i = sum dY[i]^2, image i's (``image_backward.py``). In float32, with BLAS: s adds F + C K K
-    roundings of its own to dW's n OH OW (:func:`roundings`)."""
+    u, v (:func:`sums`); e_i = sum dY[i]^2, image i's (``image_backward.py``)."""
     out = []
     for c, (u, v) in zip(convs(net), pairs(net, probe), strict=True):
         x, dy = inputs[c.name], douts[c.name]
-        d = dy.reshape(dy.shape[0], dy.shape[1], -1)  # (n, F, OH OW)
-        s = (u @ d) * one_kernel(x, v, c.stride, c.padding).reshape(len(x), -1)
-        a = (np.abs(u) @ np.abs(d)) * one_kernel(np.abs(x), np.abs(v), c.stride, c.padding).reshape(len(x), -1)
-        out += [s.sum(dtype=np.float64), a.sum(dtype=np.float64), *np.square(d, dtype=np.float64).sum(axis=(1, 2))]
+        out += [*sums(x, dy, u, v, c.stride, c.padding), *np.square(dy, dtype=np.float64).sum(axis=(1, 2, 3))]
     return np.array(out, np.float32)
 
 
-def one_kernel(x: np.ndarray, v: np.ndarray, stride: int, padding: int) -> np.ndarray:
+def sums(x: np.ndarray, dy: np.ndarray, u: np.ndarray, v: np.ndarray, stride: int, padding: int) -> tuple[float, float]:
+    """s and a (the module's docstring) of a convolution's dW = dY cols^T, from its input x (n, C, H, W) and output
+    gradient dY (n, F, OH, OW), u (F,) and v (C, K, K). In float32, with BLAS: s adds F + C K K roundings of its own
+    to dW's n OH OW (:func:`roundings`)."""
+    d = dy.reshape(dy.shape[0], dy.shape[1], -1)  # (n, F, OH OW)
+    conv, terms = one_kernel(x, v, stride, padding, also_abs=True).reshape(2, len(x), -1)
+    s = (u @ d) * conv
+    a = (np.abs(u) @ np.abs(d)) * terms
+    return float(s.sum(dtype=np.float64)), float(a.sum(dtype=np.float64))
+
+
+def one_kernel(x: np.ndarray, v: np.ndarray, stride: int, padding: int, also_abs: bool = False) -> np.ndarray:
     """x (n, C, H, W) convolved with the one kernel v (C, K, K), no bias -> (n, OH, OW): the channels contracted
-    first, one GEMM (K K, C) x (C, n HP WP), then the K K shifted planes added."""
+    first, one GEMM (K K, C) x (C, n HP WP), then the K K shifted planes added. ``also_abs``: |x| with |v| too,
+    stacked after it -> (2, n, OH, OW) (an optimisation: one padding and one pass of the shifts for both)."""
     n, c, h, w = x.shape
     k = v.shape[-1]
-    xp = np.pad(x.transpose(1, 0, 2, 3), ((0, 0), (0, 0), (padding, padding), (padding, padding)))
-    z = (v.reshape(c, k * k).T @ xp.reshape(c, -1)).reshape(k * k, n, h + 2 * padding, w + 2 * padding)
+    xp = np.pad(x.transpose(1, 0, 2, 3), ((0, 0), (0, 0), (padding, padding), (padding, padding))).reshape(c, -1)
+    z = np.empty((1 + also_abs, k * k, n, h + 2 * padding, w + 2 * padding), np.float32)
+    np.matmul(v.reshape(c, k * k).T, xp, out=z[0].reshape(k * k, -1))
+    if also_abs:
+        np.matmul(np.abs(v).reshape(c, k * k).T, np.abs(xp), out=z[1].reshape(k * k, -1))
     oh, ow = (h + 2 * padding - k) // stride + 1, (w + 2 * padding - k) // stride + 1
-    out = np.zeros((n, oh, ow), np.float32)
+    out = np.zeros((len(z), n, oh, ow), np.float32)
     for i in range(k):
         for j in range(k):
-            out += z[i * k + j, :, i : i + stride * oh : stride, j : j + stride * ow : stride]
-    return out
+            out += z[:, i * k + j, :, i : i + stride * oh : stride, j : j + stride * ow : stride]
+    return out if also_abs else out[0]
 
 
 def roundings(net: Network, x_shape: tuple[int, ...]) -> list[int]:
-    """k of each convolution's check on x (n, C, H, W): dW's sums of n OH OW products; s's F + C K K + 1, and as
-    many for the master's u^T dW v in float32 (its products' terms are a's too, so a bounds their round-off)."""
+    """k of each convolution's check on x (n, C, H, W) (:func:`length`)."""
     out, shape = [], x_shape
     for layer in net.layers:
         shape = layer.output_shape(shape)
         if isinstance(layer, Conv2D):
-            out.append(
-                shape[0] * shape[2] * shape[3] + 2 * (layer.out_channels + layer.in_channels * layer.kernel**2 + 1)
-            )
+            out.append(length(shape[0] * shape[2] * shape[3], layer.out_channels, layer.in_channels * layer.kernel**2))
     return out
+
+
+def length(terms: int, f: int, ckk: int) -> int:
+    """k of one check of a dW (f, ckk) summed over ``terms`` products (n OH OW): dW's sums; s's F + C K K + 1, and
+    as many for the master's u^T dW v in float32 (its products' terms are a's too, so a bounds their round-off)."""
+    return terms + 2 * (f + ckk + 1)
+
+
+def compared(dw: np.ndarray, u: np.ndarray, v: np.ndarray, s: float, a: float, k: int) -> tuple[Pair, tuple]:
+    """The worker's s against u^T dW v of the dW (F, C K K) it sent, within :func:`tolerance` (s rounded to float32
+    once more), and the row :class:`Trails` keeps of it: (s, u^T dW v, k, a)."""
+    ref = float(u @ (dw @ v.ravel()))
+    return (np.array([s]), np.array([ref]), tolerance(k, a) + 2**-23 * abs(s)), (s, ref, k, a)
+
+
+class Trails:
+    """Each check's last rows (the worker's number s, the master's, k, a; one per convolution), by key (a worker and
+    a check), and their disagreements summed over the last 2 to ``WINDOW`` of them, each sum held to the module's
+    windowed bound and s rounded to float32 once each step: a fault that keeps its sign grows as the checks, their
+    bound as its root. (In Python floats: at most ``WINDOW`` rows, where numpy's calls cost more than the sums.)"""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple, collections.deque] = {}
+
+    def __call__(self, key: tuple, names: list[str], rows: list[tuple]) -> list[tuple[str, Pair]]:
+        """Keep ``rows`` under ``key``; the sums' checks, named after ``names`` (one per row)."""
+        trail = self.kept.setdefault(key, collections.deque(maxlen=WINDOW))
+        if trail and len(trail[-1]) != len(rows):  # another network: its sums start again
+            trail.clear()
+        trail.append(rows)
+        out = []
+        for i, what in enumerate(names if len(trail) > 1 else []):
+            sums, total = [], [0.0] * 5  # s, u^T dW v, k a^2, k^2 a, |s|: over the newest 1, 2, ... rows
+            for row in reversed(trail):
+                s, ref, k, a = (float(v) for v in row[i])
+                for j, term in enumerate((s, ref, k * a * a, k * k * a, abs(s))):
+                    total[j] += term
+                bound = 2 * (LAMBDA * U * math.sqrt(total[2]) + U * U * total[3]) + 2**-23 * total[4]
+                sums.append((total[0], total[1], bound))
+            got, ref, tol = (np.array(column) for column in zip(*sums[1:], strict=True))
+            out.append((f"{what}, summed over its last 2 to {len(trail)} checks", (got, ref, tol)))
+        return out
+
+    def forget(self, worker: int) -> None:
+        """Drop a lost worker's trails (keys that start with it)."""
+        for key in [key for key in self.kept if key[0] == worker]:
+            del self.kept[key]
 
 
 def top_pair(

@@ -7,7 +7,6 @@ Its budget and tolerances: docs/how-it-works.md, "Spot checks".
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import time
@@ -66,7 +65,7 @@ class ReplayCheck:
         self._rng = np.random.default_rng(seed)  # the image: the master's choice, made after the answer came
         self._replicas: dict[str, tuple[str, Network]] = {}  # use -> (its description, the replica: _built)
         self._top: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # worker -> its next probe's (u, v)s
-        self._trail: dict[tuple[int, str], collections.deque] = {}  # (worker, check) -> its last rows (_summed)
+        self._trails = probe.Trails()  # (worker, check) -> its last rows
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
@@ -219,31 +218,13 @@ class ReplayCheck:
             for what, dw, (u, v), (s, a), n in zip(
                 names, dws, probe.pairs(part, sent), got.reshape(len(dws), -1)[:, :2], lengths, strict=True
             ):
-                ref = float(u @ (dw @ v.ravel()))
-                tol = probe.tolerance(n, float(a)) + 2**-23 * abs(float(s))
-                out.append((what, (s.reshape(1), np.array([ref]), tol)))
-                rows.append((float(s), ref, n, float(a)))
-            out += self._summed((k, "dW"), names, rows)
+                one, row = probe.compared(dw, u, v, float(s), float(a), n)
+                out.append((what, one))
+                rows.append(row)
+            out += self._trails((k, "dW"), names, rows)
         last = self._top.get(k) or [None] * len(dws)
         self._top[k] = [probe.top_pair(dw, start) for dw, start in zip(dws, last, strict=True)]
         return out
-
-    def _summed(self, key: tuple[int, str], names: list[str], rows: list[tuple]) -> list[tuple[str, Pair]]:
-        """A check's ``rows`` (one per convolution: the worker's number, the master's, k, a) kept
-        with the last ones of its kind (``key``: the worker, the check), and their disagreements summed over the
-        last 2 to ``probe.WINDOW`` of them, each within ``probe.window_tolerance``: a fault that keeps its sign
-        grows as the checks, their bound as its root."""
-        trail = self._trail.setdefault(key, collections.deque(maxlen=probe.WINDOW))
-        if trail and trail[-1].shape != np.shape(rows):  # another network: its sums start again
-            trail.clear()
-        trail.append(np.array(rows, np.float64))
-        checks = np.stack(trail)  # (L, convolutions, 4), oldest first
-        sums, tol = np.cumsum(checks[::-1, :, :2], axis=0)[1:], probe.window_tolerance(checks)[1:]  # the last 2..L
-        return [
-            (f"{what}, summed over its last 2 to {len(checks)} checks", (sums[:, i, 0], sums[:, i, 1], tol[:, i]))
-            for i, what in enumerate(names)
-            if len(checks) > 1
-        ]
 
     def _image_back(
         self,
@@ -282,7 +263,7 @@ class ReplayCheck:
                 return parts[:1]
             j = (j + 1 + int(self._rng.integers(len(x) - 1))) % len(x)
         self.forgiven += doubted and not bad
-        return parts + self._summed((k, "dY"), [f"one image's sum of dY^2 at {c.name}" for c in convs], rows)
+        return parts + self._trails((k, "dY"), [f"one image's sum of dY^2 at {c.name}" for c in convs], rows)
 
     def _built(self, task: Message, be: Backend, use: str = "checks") -> Network | None:
         """The replica ``task`` describes, on ``be``, kept for ``use`` ("checks": the image checks', on the
@@ -352,8 +333,7 @@ class ReplayCheck:
             self.back_credit.pop(k, None)
             self._top.pop(k, None)
             self._doubted.discard(k)
-            for key in [key for key in self._trail if key[0] == k]:
-                del self._trail[key]
+            self._trails.forget(k)
             why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
             raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
 

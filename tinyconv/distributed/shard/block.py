@@ -128,8 +128,14 @@ def tail_forward(
 def block_backward(be: Backend, dy: Array, cache: BlockCache, need_dx: bool) -> tuple[Array | None, Array, Array]:
     """dy (N, computed, OH, OW), the tail-output gradient of every kernel the forward computed ->
     (partial dx (N, C, H, W) or None, dw (hi - lo, C, K, K), db (hi - lo,)) of the owned kernels [lo, hi)."""
+    return conv_backward(be, tail_backward(be, dy, cache), cache, need_dx)
+
+
+def conv_backward(be: Backend, d: Array, cache: BlockCache, need_dx: bool) -> tuple[Array | None, Array, Array]:
+    """The convolution's backward from d (N, computed, OH, OW), the conv-output gradient :func:`tail_backward` gives:
+    (partial dx or None, dw, db) of the owned kernels, as :func:`block_backward` returns them."""
     lo, hi = cache.own
-    dx, dw, db = be.conv2d_backward(tail_backward(be, dy, cache), cache.conv, need_dx)
+    dx, dw, db = be.conv2d_backward(d, cache.conv, need_dx)
     if (lo, hi) != (0, cache.out_shape[1]):
         dw, db = be.take_kernels(dw, lo, hi), be.take_kernels(db, lo, hi)
     return dx, dw, db

@@ -7,11 +7,13 @@ other splits". What crosses of the conv output is kernel-major, (kernels, N, OH,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from tinyconv.distributed.protocol import NORM_INPUTS, TaskError
+from tinyconv.distributed.replica import probe
 from tinyconv.distributed.shard.block import tail_backward as run_tail_backward
 from tinyconv.distributed.shard.block import tail_forward as run_tail
 from tinyconv.distributed.shard.by_channels import halo_sum, owned, per_image
@@ -50,7 +52,7 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
         give = h["give"]
         if not (isinstance(give, list) and len(give) == 2 and all(Int.accepts(v) and 0 <= v <= f for v in give)):
             raise TaskError(f"layer {h['layer']}: give must be [lo_end, hi_start] within [0, {f}], got {give!r}")
-        kept = OpenStep("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=w)
+        kept = OpenStep("partial", h["step"], conv=[], tail=tail, own=own, kernels=f, w=w, probe={"x": []})
         kept.settings, kept.halo = settings, (cs, ce)
     else:
         kept = state.open.get(task_slot(h))
@@ -69,6 +71,7 @@ def partial_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _:
         kept.summed = np.empty((n, ce - cs, *p.shape[2:]), np.float32)
     kept.partial.append(p[cs:ce])  # a view; p is not written again, so the parts below go out uncopied
     kept.conv.append(conv)
+    kept.probe["x"].append(x)
     kept.chunks.append((first, stop))
     state.advance(h, "partial_forward", kept)
     lo_end, hi_start = h["give"]
@@ -138,9 +141,15 @@ def tail_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept
 def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
     """With the others' dyc before and after its own (dyc_lo, dyc_hi: all of dY_conv, F x N), the
     conv backward through its partial, one forward chunk at a time: the chunk's dx of its input
-    channels (if need_dx); dw (F, c, K, K) and db (F,), summed over the chunks, with the last."""
+    channels (if need_dx); dw (F, c, K, K) and db (F,), summed over the chunks, with the last, and asked a
+    ``probe`` (u, v) with the first, the sums s, a of that dw along them (``replica/probe.py``)."""
     f, n, oh, ow = kept.dyc.shape
     first, stop = _next_chunk(h, kept.chunks, kept.done, n, "partial_backward goes by the forward's chunks")
+    ckk = tuple(kept.w.shape[1:])
+    if "probe" in a and (first > 0 or a["probe"].shape != (f + math.prod(ckk),)):
+        raise TaskError(
+            f"layer {h['layer']}: a probe, u ({f},) then v {ckk}, comes with the first chunk (images from 0)"
+        )
     start, end = _own_kernels(kept)
     around = {"dyc_lo": slice(0, start), "dyc_hi": slice(end, f)}  # the others' kernels: rows of dY_conv
     for key, rows in around.items():
@@ -157,6 +166,11 @@ def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], k
     be = state.backend
     whole = kept.dyc[:, first:stop].transpose(1, 0, 2, 3)  # (images, F, OH, OW), a view
     dx, dw, db = be.conv2d_backward(be.asarray(whole), kept.conv[kept.done], h["need_dx"])
+    if "probe" in a:
+        kept.probe |= {"u": a["probe"][:f], "v": a["probe"][f:].reshape(ckk), "sums": np.zeros(2)}
+    if "u" in kept.probe:  # its dw's sums along the probe (replica/probe.py), chunk by chunk
+        x = be.to_numpy(kept.probe["x"][kept.done])
+        kept.probe["sums"] += probe.sums(x, whole, kept.probe["u"], kept.probe["v"], *kept.settings[:2])
     kept.done += 1
     if len(kept.chunks) > 1:  # summed over the chunks on the host
         dw, db = be.to_numpy(dw), be.to_numpy(db)
@@ -166,7 +180,7 @@ def partial_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], k
     if kept.done < len(kept.chunks):
         return out
     state.advance(h, "partial_backward", kept)
-    return {"dw": dw, "db": db} | out
+    return {"dw": dw, "db": db} | out | ({"probes": kept.probe["sums"].astype(np.float32)} if "u" in kept.probe else {})
 
 
 def _own_kernels(kept: OpenStep) -> tuple[int, int]:

@@ -23,8 +23,9 @@ import numpy as np
 from backends.base import Backend
 from tinyconv.distributed.calibrate import calibrate, default_max_calibrate_bytes
 from tinyconv.distributed.protocol import NORM_INPUTS, VERSION, TaskError, check_task
-from tinyconv.distributed.shard.block import block_backward as run_block_backward
+from tinyconv.distributed.replica import probe
 from tinyconv.distributed.shard.block import block_forward as run_block_forward
+from tinyconv.distributed.shard.block import conv_backward, tail_backward
 from tinyconv.distributed.wire_codec import decode_task, encode_result, read_back
 from tinyconv.distributed.worker import channel_handlers, replica_handlers
 from tinyconv.distributed.worker.state import Handler, OpenStep, WorkerState, checked_tail, header_span, norm_arrays
@@ -44,19 +45,30 @@ def block_forward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], _: N
     own = header_span(h, "own", w.shape[0])
     norm = norm_arrays(tail, a, w.shape[0], f"layer {h['layer']}")
     y, cache = run_block_forward(state.backend, x, w, b, h["stride"], h["padding"], tail, own, norm)
-    state.advance(h, "block_forward", OpenStep("block", h["step"], cache=cache))
+    kept = OpenStep("block", h["step"], cache=cache, probe=(x, h["stride"], h["padding"], tuple(w.shape[1:])))
+    state.advance(h, "block_forward", kept)
     return {"y": y} | {k: norm[k] for k in ("mean", "var") if k in norm}  # a training batch norm's statistics
 
 
 def block_backward(state: WorkerState, h: dict[str, Any], a: dict[str, Any], kept: OpenStep) -> dict[str, Any]:
-    """dw, db of its own kernels and a partial dx, from dy over every kernel its forward computed."""
+    """dw, db of its own kernels and a partial dx, from dy over every kernel its forward computed; asked a
+    ``probe`` (u, v), the sums s, a of its dw along them (``replica/probe.py``)."""
+    be, (lo, hi), (x, stride, padding, ckk) = state.backend, kept.cache.own, kept.probe
+    if "probe" in a and a["probe"].shape != (hi - lo + math.prod(ckk),):
+        raise TaskError(f"layer {h['layer']}: probe must be u ({hi - lo},), then v {ckk}; got {a['probe'].shape}")
     try:
-        dx, dw, db = run_block_backward(state.backend, a["dy"], kept.cache, h["need_dx"])
+        d = tail_backward(be, a["dy"], kept.cache)
     except ValueError as e:  # a dy that does not fit the forward, which stays for a good one
         raise TaskError(f"layer {h['layer']} step {h['step']}: {e}") from None
+    dx, dw, db = conv_backward(be, d, kept.cache, h["need_dx"])
     state.advance(h, "block_backward", kept)
     dnorm = {"d" + k: v for k, v in kept.cache.dnorm.items()}  # batch norm's dgamma, dbeta
-    return {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {}) | dnorm
+    out = {"dw": dw, "db": db} | ({"dx": dx} if h["need_dx"] else {}) | dnorm
+    if "probe" not in a:
+        return out
+    u, v = a["probe"][: hi - lo], a["probe"][hi - lo :].reshape(ckk)
+    s = probe.sums(be.to_numpy(x), be.to_numpy(d)[:, lo:hi], u, v, stride, padding)
+    return out | {"probes": np.array(s, np.float32)}
 
 
 HANDLERS: dict[str, Handler] = {
@@ -70,7 +82,7 @@ HANDLERS: dict[str, Handler] = {
 # widened there, wire_codec.py); the others meet numpy arithmetic first, so they stay on the host
 ON_BACKEND: dict[str, frozenset[str]] = {
     "block_forward": frozenset({"x", "w", "b", *NORM_INPUTS}),
-    "block_backward": frozenset({"dy"}),
+    "block_backward": frozenset({"dy"}),  # its probe is read on the host
     **channel_handlers.ON_BACKEND,
 }
 

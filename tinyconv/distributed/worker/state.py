@@ -59,7 +59,8 @@ class OpenStep:
     norm: dict[str, np.ndarray] = field(default_factory=dict)  # tail_forward on
     settings: list[Any] = field(default_factory=list)  # "partial": the first chunk's, which the others repeat
     halo: tuple[int, int] = (0, 0)  # "partial": the computed kernels [cs, ce) of F
-    probe: Any = None  # "hybrid": the forward's probe and each convolution's input (replica/probe.py), if asked
+    probe: Any = None  # what a probe's sums read (replica/probe.py): "hybrid", the forward's probe and each
+    #                    convolution's input, if asked; "block", its input x, stride, padding and w's (C, K, K)
     chunks: list[tuple[int, int]] = field(default_factory=list)  # the image ranges of its partial_forwards
     done: int = 0  # chunks through tail_forward, then through tail_backward, then through partial_backward
     dw: np.ndarray | None = None  # partial_backward's sums over the chunks so far
