@@ -148,8 +148,10 @@ def test_a_worker_whose_bytes_take_minutes_is_not_lost_and_a_hung_one_is_at_twic
         starts.append(clock.now)
         step(net, rng)
     assert cluster.pop_events() == [] and cluster.participants == ["worker0"]
-    op_s = (clock.now - starts[-1]) / 2  # a forward or a backward: each moves 6528 bytes
-    assert op_s == pytest.approx(65.28 + 8e-3)  # bytes at 100/s and 8 kernels' compute: a minute past its deadline
+    # a forward or a backward: each moves 6528 bytes, and the backward the spot check's probe of dw too (u, v:
+    # 8 + 3 3 3 floats) and its two sums back, 148 bytes; at 100/s, with 8 kernels' compute: a minute past its deadline
+    op_s = (clock.now - starts[-1]) / 2
+    assert op_s == pytest.approx(65.28 + 1.48 / 2 + 8e-3)
     assert cluster.rpc.link(0).seconds_per_byte() == pytest.approx(0.01)
     expected = MS_PER_KERNEL * 8  # its compute per kernel and image, measured, for its 8 kernels of 2 images
     assert cluster.expect(block, 2, "forward")[0] == {0: pytest.approx(expected)}
