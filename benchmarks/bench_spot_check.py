@@ -162,17 +162,19 @@ def tasks(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[tupl
     for a, b in parts:
         arrays = {"x": x[a:b]} | ({"w": w} if a == 0 else {})
         out.append(("partial_forward", settings | {"images": [a, b, n]}, arrays))
-    for a, b in parts:  # the others' partials over its halo, and its biases with the last chunk
+    for a, b in parts:  # the others' partials over its halo, and its biases with the first chunk (the protocol)
         arrays = {"sum": rng.standard_normal((own + 2 * e, b - a, hw, hw), dtype=np.float32)}
         out.append(
             (
                 "tail_forward",
                 {"images": [a, b, n]},
                 arrays
-                | ({"b": np.zeros(own + 2 * e, np.float32)} | norm_arrays(tail, own + 2 * e, rng) if b == n else {}),
+                | ({"b": np.zeros(own + 2 * e, np.float32)} | norm_arrays(tail, own + 2 * e, rng) if a == 0 else {}),
             )
         )
-    out.append(("tail_backward", {}, {"dy": rng.standard_normal((n, own + 2 * e, 8, 8), dtype=np.float32)}))
+    dy = rng.standard_normal((n, own + 2 * e, 8, 8), dtype=np.float32)
+    for a, b in parts if tail is TAIL else [(0, n)]:  # by the tail's chunks: batch norm's are the whole batch
+        out.append(("tail_backward", {"images": [a, b, n]}, {"dy": dy[a:b]}))
     for a, b in parts:  # the others' conv-output gradients
         arrays = {"dyc_lo": rng.standard_normal((lo, b - a, hw, hw), dtype=np.float32)}
         arrays["dyc_hi"] = rng.standard_normal((total - hi, b - a, hw, hw), dtype=np.float32)
