@@ -152,6 +152,29 @@ def test_the_hybrids_features_below_0_after_relu_lrn_and_max_pool_are_lost_at_th
     assert run.spot.samples == 2 and run.spot.backwards == 0, (run.spot.samples, run.spot.backwards)
 
 
+class NoSums(Worker):
+    """Answers every task, but never with the sums along the probe it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__(NumpyBackend())
+
+    def handle(self, msg):
+        reply = super().handle(msg)
+        reply.arrays.pop("probes", None)
+        return reply
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_worker_asked_for_its_sums_along_a_probe_that_sends_none_is_lost_whatever_the_credit(parallel):
+    """Dropping the projections would dodge every check on them: its first step with a probe (the second) loses it."""
+    make = lambda i: NoSums() if i == 1 else Worker(NumpyBackend())  # noqa: E731
+    with inproc_pool(2, make) as (transport, workers):
+        run = runtime(parallel, transport, workers, budget=1e-6)
+        train(run, 3, every_image=False, every_kernel=False)
+    (event,) = run.pop_events()
+    assert event["step"] == 1 and "wrong result: asked for the sums along its probe" in event["reason"], event
+
+
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_a_replay_waits_for_credit_that_pays_for_what_the_last_one_cost(parallel):
     """After the first step's replay, a worker's task is replayed again only when its replay credit holds what the

@@ -76,8 +76,8 @@ class ByKernels:
         self.bwd, self.grads = task, reply.arrays
         return "backward"
 
-    def floor(self) -> list[tuple[str, Pair]]:
-        """What its forward's results can never be (``free_checks.floor``)."""
+    def floor(self) -> list[tuple[str, float]]:
+        """What of its forward's results may not be below 0, and its smallest value (``free_checks.floor``)."""
         return floor(self.y, self.stats, self.fwd.header["tail"])
 
     def asks(self, task: Message) -> tuple[int, int] | None:
@@ -238,8 +238,8 @@ class ByChannels:
                 return "backward"
         return None
 
-    def floor(self) -> list[tuple[str, Pair]]:
-        """What its forward's results can never be (``free_checks.floor``)."""
+    def floor(self) -> list[tuple[str, float]]:
+        """As :meth:`ByKernels.floor`."""
         return floor(self.y, self.stats, self.tail)
 
     def asks(self, task: Message) -> tuple[int, int] | None:

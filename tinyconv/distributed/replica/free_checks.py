@@ -133,16 +133,16 @@ def last_signs(answer: Message, net: Network) -> list[tuple[str, Pair]]:
     return [("its smallest feature, which ReLU, LRN and max pool leave at 0 or above", _at_least_0(features))]
 
 
-def floor(y: np.ndarray, stats: dict[str, np.ndarray], tail: list[dict]) -> list[tuple[str, Pair]]:
-    """The model split's floor, a block's output y and a training batch norm's batch variances (``stats``' var)
-    as its ``tail`` (block.py's specs) made them: y none below 0 where :func:`never_negative`, no variance below 0
-    (the backends sum centred squares). So one is wrong whatever its size: a result x -50 is caught at its first
-    step on any tail."""
+def floor(y: np.ndarray, stats: dict[str, np.ndarray], tail: list[dict]) -> list[tuple[str, float]]:
+    """The model split's floor, what may not be below 0 and its smallest value (or 0): a block's output y and a
+    training batch norm's batch variances (``stats``' var) as its ``tail`` (block.py's specs) made them, y where
+    :func:`never_negative`, every variance (the backends sum centred squares). So one is wrong whatever its size:
+    a result x -50 is caught at its first step on any tail."""
     out = []
     if never_negative([spec["op"] for spec in tail]):
-        out.append(("its smallest output, which ReLU, LRN and max pool leave at 0 or above", _at_least_0(y)))
+        out.append(("its smallest output, which ReLU, LRN and max pool leave at 0 or above", float(y.min(initial=0))))
     if "var" in stats:
-        out.append(("its smallest batch variance, a mean of squares", _at_least_0(stats["var"])))
+        out.append(("its smallest batch variance, a mean of squares", float(stats["var"].min(initial=0))))
     return out
 
 

@@ -69,6 +69,9 @@ class ReplayCheck:
 
     def __call__(self, k: int, task: Message, reply: Message, be: Backend) -> None:
         """Check worker ``k``'s ``reply`` (float32, well formed) to ``task`` on the master's backend ``be``."""
+        asked = self.forward[k][0] if task.kind == "hybrid_backward" and k in self.forward else task
+        if task.kind != "hybrid_forward" and "probe" in asked.arrays and "probes" not in reply.arrays:
+            self._lose(k, f"wrong result: asked for the sums along its probe, its {task.kind} sent none")
         if task.kind == "hybrid_backward" and k in self.forward:
             first, answer, due = self.forward.pop(k)
             if "checks" in self._replicas:
@@ -328,14 +331,15 @@ class ReplayCheck:
         if bad is not None:
             (what, (got, ref, tol)), i = bad
             gap = np.abs(got.astype(np.float64) - ref)
-            self.credit.pop(k, None)
-            self.image_credit.pop(k, None)
-            self.back_credit.pop(k, None)
-            self._top.pop(k, None)
-            self._doubted.discard(k)
-            self._trails.forget(k)
             why = f"wrong result: {what} in its {kind} differs from the master's by {gap.flat[i]:.3g}"
-            raise Lost({k: f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})"}, wrong=True)
+            self._lose(k, f"{why} (round-off allows {np.broadcast_to(tol, gap.shape).flat[i]:.3g})")
+
+    def _lose(self, k: int, why: str) -> None:
+        for kept in (self.credit, self.image_credit, self.back_credit, self._top, self.forward):
+            kept.pop(k, None)
+        self._doubted.discard(k)
+        self._trails.forget(k)
+        raise Lost({k: why}, wrong=True)
 
 
 def _worst(parts: list[tuple[str, Pair]]) -> tuple[tuple[str, Pair], int] | None:
