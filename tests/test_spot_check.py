@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from backends.conformance.checks import float32_tolerance
 from backends.numpy_backend import NumpyBackend
-from tinyconv.distributed import spot_check, spot_sample
+from tinyconv.distributed import spot_check, spot_place, spot_sample
 from tinyconv.distributed.protocol import VERSION
 from tinyconv.distributed.replica import free_checks
 from tinyconv.distributed.rpc import Lost
@@ -147,10 +148,11 @@ def test_a_backward_sample_that_disagrees_is_confirmed_on_two_more_images():
 def test_the_budget_holds_and_is_spent(monkeypatch):
     """The checks' seconds stay within the budget of the worker's work at the master's rate, but for one sample
     of each kind and one step's floor and projection ahead; and the budget is spent, not hoarded. A fake clock
-    makes every check cost the same, 1 s: at a budget of 0.1 a step earns 4.8 s, its floor and projection take 2."""
+    makes every check cost the same, 1 s: at a budget of 0.15 a step earns 4.8 s, half of it for the checks of
+    every step, whose floor and projection take 2 (what they leave goes to the samples)."""
     ticks = iter(range(10**6))
     monkeypatch.setattr(spot_check.time, "perf_counter", lambda: float(next(ticks)))
-    spot = SpotCheck(budget=0.1)
+    spot = SpotCheck(budget=0.15)
     Steps(n=16, f=24).run(spot, 200)
     # each sample reads the clock twice forward and twice backward: 1 s forward + 1 s backward
     credit = spot.workers[7].credit[0]
@@ -308,16 +310,25 @@ def _without(reply: Message, name: str) -> Message:
 
 def test_a_wrong_backward_alone_is_caught_by_its_projection_at_its_first_step():
     """A worker whose forward is right but whose dw is 1 % off from step 3: its dw against the sums it sent along
-    the probe (the top singular pair of its last dw), both splits, at a budget too small for any sample after the
-    first step's. Each step's arrays are the last's, as a slowly turning gradient's would be nearly."""
+    the probe (the top singular pair of its last dw), both splits, before any sample of that step's backward. Each
+    step's arrays are the last's, as a slowly turning gradient's would be nearly."""
     by_kernels, by_channels = Steps(n=32, f=40, same=True), ChannelSteps(n=32, same=True)
     for steps, spoil in (
         (by_kernels, lambda name, a, step: a * np.float32(1.01) if name == "dw" and step >= 3 else a),
         (by_channels, lambda name, a: a * np.float32(1.01) if name == "dw" and by_channels.now >= 3 else a),
     ):
-        spot = SpotCheck(budget=1e-6, seed=3)
-        assert steps.run(spot, 6, spoil) == 3 and "against its projection" in steps.why
-        assert spot.samples == 2  # the first step's, which price the budget; then none
+        assert steps.run(SpotCheck(budget=1.0, seed=3), 6, spoil) == 3 and "against its projection" in steps.why
+
+
+@pytest.mark.parametrize("fault", ["1 % on every result", "noise on dx", "1 % on one p_hi row"])
+def test_the_split_by_channels_checks_its_partials_or_dx_at_one_place_each_step(fault):
+    """Its P rows the others read, or its dx, each at one image, row and column, every step that pays for one (a
+    coin picks which): a worker 1 % off from step 3 is lost within a few steps, with no sample taken."""
+    steps, spot = ChannelSteps(), SpotCheck(budget=1.0)
+    spot._place = lambda *where: None  # no image or kernel to sample: the places alone
+    spoil = lambda name, a: CHANNEL_FAULTS[fault](name, a) if steps.now >= 3 else a  # noqa: E731
+    assert 3 <= steps.run(spot, 10, spoil) <= 8 and spot.samples == 0
+    assert ("at (" in steps.why) and ("dx" in steps.why) == (fault == "noise on dx"), steps.why
 
 
 @pytest.mark.parametrize("split", ["kernels", "channels"])
@@ -335,7 +346,7 @@ def test_a_worker_that_skips_or_mangles_its_projection_is_lost(split, spoil, say
         return reply
 
     steps.worker.handle = handle
-    assert steps.run(SpotCheck(budget=1e-6), 3) == 2 and f"asked for its dw's projection, {says}" in steps.why
+    assert steps.run(SpotCheck(budget=1.0), 3) == 2 and f"asked for its dw's projection, {says}" in steps.why
 
 
 def test_the_floor_catches_a_sign_or_a_variance_below_0_whatever_the_credit():
@@ -348,6 +359,25 @@ def test_the_floor_catches_a_sign_or_a_variance_below_0_whatever_the_credit():
     steps = Steps(tail=BN_TAIL)
     only_var = lambda name, a, step: -a if name == "var" and step >= 2 else a  # noqa: E731
     assert steps.run(SpotCheck(budget=1e-6), 3, only_var) == 2 and "a mean of squares, is -" in steps.why
+
+
+@pytest.mark.parametrize("stride, padding", [(1, 2), (2, 1), (2, 0)])
+def test_one_place_of_a_convolution_is_the_backends_there_within_its_bound(stride, padding):
+    """spot_place's output and input gradient at every place of an image equal the backend's convolution and its
+    dx there, within float32 round-off of their terms (the border's padding made by hand)."""
+    rng = np.random.default_rng(6)
+    x, w = rng.standard_normal((2, 3, 9, 9), dtype=np.float32), rng.standard_normal((4, 3, 5, 5), dtype=np.float32)
+    y, cache = BE.conv2d_forward(x, w, np.zeros(4, np.float32), stride, padding)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    dx, _, _ = BE.conv2d_backward(dy, cache, True)
+    for r in range(y.shape[2]):
+        for c in range(y.shape[3]):
+            ref, terms = spot_place.output_at(w, x[1], r, c, stride, padding)
+            assert np.all(np.abs(y[1, :, r, c] - ref) <= float32_tolerance(3 * 25, terms))
+    for r in range(9):
+        for c in range(9):
+            ref, terms = spot_place.dx_at(w, dy[1], r, c, stride, padding)
+            assert np.all(np.abs(dx[1, :, r, c] - ref) <= float32_tolerance(4 * 25 + 25 + 2, terms))
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,10 @@ from tinyconv.distributed.spot_sample import Pair, Sample
 from tinyconv.distributed.spot_views import ByChannels, ByKernels
 from transports.base import Message
 
-# of the budget: image samples, cheap (1/N of a task), check the forward and dx; kernel samples, dw and db
-SHARES = {"image": 2 / 3, "kernel": 1 / 3}
+# of the budget, each kind's spare beyond a step's share going to the next: the checks of every step (the floor
+# whatever the credit, each dW's projection while they are paid for); by input channels one place of P and of dx;
+# image samples, cheap (1/N of a task), the forward and dx; kernel samples, dw and db
+SHARES = {"every": 1 / 2, "place": 1 / 4, "image": 1 / 6, "kernel": 1 / 12}
 
 # the tasks it samples: by kernels (block.py), by input channels (by_channels.py)
 TASKS = ("block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward", "partial_backward")
@@ -31,6 +33,7 @@ class _Worker:
     credit: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> kind -> master seconds
     views: dict[int, Any] = field(default_factory=dict)  # layer -> a view of its tasks of the step under way
     samples: dict[int, list[Sample]] = field(default_factory=dict)  # layer -> that forward's, for its backward
+    place: set[int] = field(default_factory=set)  # layers whose one place is due after the backward, not the forward
 
 
 class SpotCheck:
@@ -58,9 +61,9 @@ class SpotCheck:
         u and v of the top singular pair of the last one it sent, if it owns as many kernels; none else."""
         if task.kind not in ("block_backward", "partial_backward"):
             return {}
-        layer = task.header.get("layer")
-        view, top = self.workers.get(k, _Worker()).views.get(layer), self._top.get((k, layer))
-        if view is None or top is None or view.step != task.header.get("step"):
+        layer, state = task.header.get("layer"), self.workers.get(k, _Worker())
+        view, top = state.views.get(layer), self._top.get((k, layer))
+        if view is None or top is None or view.step != task.header.get("step") or not self._paid(state, layer):
             return {}
         return {"probe": np.concatenate([top[0], top[1]])} if view.asks(task) == (len(top[0]), len(top[1])) else {}
 
@@ -80,12 +83,6 @@ class SpotCheck:
         if reached == "unfit":  # not this file's to judge: the split's shape check loses the worker
             del state.views[layer]
         elif reached == "forward":
-            t0 = time.perf_counter()
-            floor = view.floor()
-            self._free(state, layer, t0)
-            for where, low in floor:
-                if not low >= 0:
-                    self._lose(k, f"wrong result: {where}, is {low:.3g}")
             self._forward(k, state, layer, be)
         elif reached == "backward":
             self._projected(k, layer, view)
@@ -110,6 +107,26 @@ class SpotCheck:
         self._free(self.workers[k], layer, t0)
         for where, p in checks:
             self._judge(k, where, [p])
+        if layer in self.workers[k].place:
+            self.workers[k].place.discard(layer)
+            self._at_one_place(k, self.workers[k], layer, "backward")
+
+    def _at_one_place(self, k: int, state: _Worker, layer: int, after: str) -> None:
+        """One place of the results after the ``forward`` or the ``backward`` (``ByChannels.at_one_place``), while
+        its credit is not negative; which one, the forward's turn decides by a coin (both would spend the credit on
+        the forward's)."""
+        if after == "forward" and state.credit[layer]["place"] < 0 and self._rate(layer):
+            return
+        if after == "forward" and self.rng.random() < 0.5:
+            state.place.add(layer)  # the backward's turn
+            return
+        t0 = time.perf_counter()
+        checks = state.views[layer].at_one_place(after, self.rng)
+        dt = time.perf_counter() - t0
+        state.credit[layer]["place"] -= dt
+        self.seconds += dt
+        for where, p in checks:
+            self._judge(k, f"its {after}, {where}", [p])
 
     def _rate(self, layer: int) -> float:
         """The master's seconds per kernel-channel-image of ``layer``: as the cluster timed its share, or its image
@@ -117,13 +134,14 @@ class SpotCheck:
         spent, cells = self._image.get(layer, (0.0, 0.0))
         return self.master_rate.get(layer) or (spent / cells if cells else 0.0)
 
+    def _paid(self, state: _Worker, layer: int) -> bool:
+        """Whether the checks of every step are paid for on ``layer`` (none before a sample prices the budget)."""
+        return state.credit.get(layer, {}).get("every", 0.0) >= 0 or not self._rate(layer)
+
     def _free(self, state: _Worker, layer: int, t0: float) -> None:
-        """Take a check of every step's seconds since ``t0`` off each kind's credit, in proportion to its share: they
-        run whatever the credit, and the samples wait while it is spent (within the budget while they cost less)."""
+        """Take a check of every step's seconds since ``t0`` off their credit."""
         dt = time.perf_counter() - t0
-        credit = state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))
-        for kind, share in SHARES.items():
-            credit[kind] -= dt * share
+        state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))["every"] -= dt
         self.seconds += dt
         self.free_seconds += dt
 
@@ -146,11 +164,20 @@ class SpotCheck:
         credit = state.credit.setdefault(layer, dict.fromkeys(SHARES, 0.0))
         step = self.budget * 3 * view.work * rate  # this step's credit, in master seconds
         for kind, share in SHARES.items():
-            if kind == "kernel" and (spare := credit["image"] - SHARES["image"] * step) > 0:  # to dw's samples
-                credit["kernel"], credit["image"] = credit["kernel"] + spare, credit["image"] - spare
-            earned = share * step
-            credit[kind] += earned
-            self.earned += earned
+            credit[kind] += share * step
+            self.earned += share * step
+        t0 = time.perf_counter()
+        floor = view.floor()
+        self._free(state, layer, t0)
+        for where, low in floor:
+            if not low >= 0:
+                self._lose(k, f"wrong result: {where}, is {low:.3g}")
+        for kind, was in (("place", "every"), ("image", "place"), ("kernel", "image")):
+            if (spare := credit[was] - SHARES[was] * step) > 0:  # what a kind leaves beyond a step's share
+                credit[kind], credit[was] = credit[kind] + spare, credit[was] - spare
+            if kind == "place":
+                self._at_one_place(k, state, layer, "forward")
+                continue
             if (credit[kind] < 0 and rate) or (at := self._place(view, kind, [])) is None:  # unpriced: one runs
                 continue
             t0 = time.perf_counter()

@@ -11,7 +11,8 @@ import math
 import numpy as np
 
 from backends.base import Backend, conv_output_size
-from backends.conformance.checks import scale
+from backends.conformance.checks import float32_tolerance, scale
+from tinyconv.distributed import spot_place
 from tinyconv.distributed.protocol import NORM_INPUTS
 from tinyconv.distributed.replica import probe
 from tinyconv.distributed.replica.free_checks import floor
@@ -79,6 +80,10 @@ class ByKernels:
     def floor(self) -> list[tuple[str, float]]:
         """What of its forward's results may not be below 0, and its smallest value (``free_checks.floor``)."""
         return floor(self.y, self.stats, self.fwd.header["tail"])
+
+    def at_one_place(self, after: str, rng: np.random.Generator) -> list[tuple[str, Pair]]:
+        """None: all it returns comes through its tail, which one place does not show (``ByChannels.at_one_place``)."""
+        return []
 
     def asks(self, task: Message) -> tuple[int, int] | None:
         """The shape of the dW (own, C K K) that ``task`` may carry a probe of (``replica/probe.py``): a backward."""
@@ -241,6 +246,31 @@ class ByChannels:
     def floor(self) -> list[tuple[str, float]]:
         """As :meth:`ByKernels.floor`."""
         return floor(self.y, self.stats, self.tail)
+
+    def at_one_place(self, after: str, rng: np.random.Generator) -> list[tuple[str, Pair]]:
+        """After the ``forward``, the rows of P it sent (p_lo, p_hi) at one image, row and column; after the
+        ``backward``, its dx at one, from all of dY_conv as the worker had it (``spot_place.py``); each held to the
+        rigorous bound on its terms' sizes (k: c K K products; F K K, col2im's K K and 2 more)."""
+        n = int(rng.integers(self.images))
+        (i, j), s, pad = self._chunk(n), self.h["stride"], self.h["padding"]
+        if after == "forward" and self.h["give"] != [0, self.f]:
+            lo_end, hi_start = self.h["give"]
+            r, c = (int(rng.integers(v)) for v in self.conv_hw)
+            ref, terms = spot_place.output_at(self.w, self.x[i][j], r, c, s, pad)
+            got = np.concatenate([self.p[i][name][:, j, r, c] for name in ("p_lo", "p_hi") if name in self.p[i]])
+            rows, k = np.r_[0:lo_end, hi_start : self.f], self.c * self.k * self.k
+            return [
+                (
+                    f"its partial convolution of image {n} at ({r}, {c})",
+                    (got, ref[rows], float32_tolerance(k, terms[rows])),
+                )
+            ]
+        if after == "forward" or not (self.need_dx and self.dx[i] is not None):
+            return []
+        r, c = (int(rng.integers(v)) for v in self.x_shape[1:])
+        ref, terms = spot_place.dx_at(self.w, self._dy_conv_image(n)[0], r, c, s, pad)
+        tol = float32_tolerance(self.f * self.k * self.k + self.k * self.k + 2, terms)
+        return [(f"its dx of image {n} at ({r}, {c})", (self.dx[i][j, :, r, c], ref, tol))]
 
     def asks(self, task: Message) -> tuple[int, int] | None:
         """The shape of the dW (F, c K K) that ``task`` may carry a probe of (``replica/probe.py``): its backward's
