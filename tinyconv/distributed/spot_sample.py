@@ -31,6 +31,15 @@ def pair(got: np.ndarray, ref: np.ndarray, k: int, top: float = 0.0) -> Pair:
     return got, ref, float(float32_tolerance(min(k, 2**22), max(scale(ref), top)))
 
 
+def worst(parts: list[tuple[str, Pair]]) -> tuple[tuple[str, Pair], int] | None:
+    """The first part with an entry beyond its tolerance (NaN is), and that entry's flat index; None if none."""
+    for what, (got, ref, tol) in parts:
+        gap = np.abs(got.astype(np.float64) - ref)
+        if not (gap <= tol).all():  # most calls: one pass, and NaN is not <= anything
+            return (what, (got, ref, tol)), int(np.argmax(np.nan_to_num(gap - tol, nan=np.inf)))
+    return None
+
+
 def sum_pair(got: np.ndarray, terms: np.ndarray, k: int) -> Pair:
     """``got`` (1,) against the sum of ``terms`` (a db entry) in the rigorous form, 2 gamma_k sum|terms|: one sum
     of terms of random signs can cancel far below its terms, and the master has them."""

@@ -23,7 +23,7 @@ from tinyconv.distributed.replica.free_checks import last_bias, last_norm
 from tinyconv.distributed.replica.one_image import roundings
 from tinyconv.distributed.replica.replica import build
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.spot_sample import Pair, pair
+from tinyconv.distributed.spot_sample import Pair, pair, worst
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.model import Network
 from transports.base import Message
@@ -257,7 +257,7 @@ class ReplayCheck:
         while True:
             self.backwards += 1
             parts, rows = image_backward.check(first, answer, reply, part, j, extra, dfeatures)
-            bad = _worst(parts[1:]) is not None
+            bad = worst(parts[1:]) is not None
             if not bad or doubted:
                 break
             doubted = True  # a tie (ReLU's sign, a pool's maximum) moves a whole entry: another image decides
@@ -312,12 +312,12 @@ class ReplayCheck:
                 if name in ("probes", "inner"):  # judged each step: the dW they project, one image's backward, dx
                     continue
                 parts = _parts(part, name, ref, answer, backward if name == "grads" else forward)
-                if name == "grads" and _worst(parts) is not None:  # beyond the scale form: the rigorous one
+                if name == "grads" and worst(parts) is not None:  # beyond the scale form: the rigorous one
                     t0 = time.perf_counter()
                     parts = _parts(part, name, ref, answer, backward, self._magnitudes(got))
                     dt = time.perf_counter() - t0
                     self.credit[k], self.seconds = self.credit[k] - dt, self.seconds + dt
-                    self.forgiven += _worst(parts) is None
+                    self.forgiven += worst(parts) is None
                 self._judge(k, first.kind, parts)
 
     def _magnitudes(self, got: list[tuple[Message, Message]]) -> dict[str, np.ndarray]:
@@ -327,7 +327,7 @@ class ReplayCheck:
 
     def _judge(self, k: int, kind: str, parts: list[tuple[str, Pair]]) -> None:
         """Lose worker ``k`` ("wrong result") at the first entry beyond its tolerance (a scalar or one per entry)."""
-        bad = _worst(parts)
+        bad = worst(parts)
         if bad is not None:
             (what, (got, ref, tol)), i = bad
             gap = np.abs(got.astype(np.float64) - ref)
@@ -340,15 +340,6 @@ class ReplayCheck:
         self._doubted.discard(k)
         self._trails.forget(k)
         raise Lost({k: why}, wrong=True)
-
-
-def _worst(parts: list[tuple[str, Pair]]) -> tuple[tuple[str, Pair], int] | None:
-    """The first part with an entry beyond its tolerance (NaN is), and that entry's flat index; None if none."""
-    for what, (got, ref, tol) in parts:
-        gap = np.abs(got.astype(np.float64) - ref)
-        if not (gap <= tol).all():  # most calls: one pass, and NaN is not <= anything
-            return (what, (got, ref, tol)), int(np.argmax(np.nan_to_num(gap - tol, nan=np.inf)))
-    return None
 
 
 def _fits(task: Message, reply: Message, net: Network) -> bool:
