@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -23,7 +22,7 @@ from tinyconv.distributed.replica.free_checks import last_bias, last_norm
 from tinyconv.distributed.replica.one_image import roundings
 from tinyconv.distributed.replica.replica import build
 from tinyconv.distributed.rpc import Lost
-from tinyconv.distributed.spot_sample import Pair, pair, worst
+from tinyconv.distributed.spot_sample import Pair, clock, pair, worst
 from tinyconv.distributed.worker.handler import Worker
 from tinyconv.model import Network
 from transports.base import Message
@@ -119,15 +118,15 @@ class ReplayCheck:
         if task.kind == "hybrid_forward":  # a few kernels of one image: at the paper's sizes, most steps
             kernels = self.kernel_credit.get(k, 0.0) + earned * KERNELS
             if not first and kernels >= 0:
-                t0 = time.perf_counter()
+                t0 = clock()
                 self._judge(k, task.kind, [one_image.kernel(task, reply, net, extra(), self._rng)])
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 kernels -= dt
                 self.seconds += dt
             self.kernel_credit[k] = min(kernels, earned * KERNELS)  # a step's share kept, the rest to the images
             share += kernels - self.kernel_credit[k] - earned * KERNELS
         mine = self.image_credit.get(k, 0.0) + share
-        t0 = time.perf_counter()
+        t0 = clock()
         if not first and mine >= self._image_s:  # what it last cost: the next steps' free checks keep theirs
             self.images += 1
             self._judge(
@@ -135,8 +134,8 @@ class ReplayCheck:
                 task.kind,
                 [one_image.image(task, reply, part, extra(), int(self._rng.integers(len(task.arrays["x"]))))],
             )
-            self._image_s = time.perf_counter() - t0
-        dt = time.perf_counter() - t0
+            self._image_s = clock() - t0
+        dt = clock() - t0
         self.seconds += dt
         spare = max(0.0, mine - dt - max(share, self._image_s))  # kept: a step's share or an image's, the rest
         self.image_credit[k] = mine - dt - spare  # to the replays
@@ -152,12 +151,12 @@ class ReplayCheck:
         if credit is None:
             return
         if credit >= self._back_s:
-            t0 = time.perf_counter()
+            t0 = clock()
             ran = self.backwards
             try:
                 self._judge(k, kind, parts())
             finally:
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 self._back_s = dt / (self.backwards - ran) if self.backwards > ran else self._back_s  # none: no probe
                 self.seconds += dt
                 credit -= dt
@@ -183,11 +182,11 @@ class ReplayCheck:
         if credits.get(k, 0.0) < 0 and not (replayed or floor):
             return
         pay = [(self.credit, REPLAYS), (self.back_credit, BACKWARDS), (self.image_credit, IMAGES)] if floor else []
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             self._judge(k, kind, parts())
         finally:
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             self.seconds += dt
             for paying, share in pay or [(credits, 1.0)]:
                 if k in paying:
@@ -289,11 +288,11 @@ class ReplayCheck:
 
     def _replay(self, k: int, got: list[tuple[Message, Message]], be: Backend) -> None:
         """Run the worker's own handler on the tasks it got, and judge every array of its answers."""
-        t0 = time.perf_counter()
+        t0 = clock()
         if self.local is None:
             self.local = Worker(be)
         pairs = [(mine, theirs) for sent, theirs in got for mine in [self.local.handle(sent)]]
-        dt = self._replay_s = time.perf_counter() - t0
+        dt = self._replay_s = clock() - t0
         self.credit[k] = self.credit.get(k, 0.0) - dt
         self.seconds += dt
         self.samples += 1
@@ -313,9 +312,9 @@ class ReplayCheck:
                     continue
                 parts = _parts(part, name, ref, answer, backward if name == "grads" else forward)
                 if name == "grads" and worst(parts) is not None:  # beyond the scale form: the rigorous one
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     parts = _parts(part, name, ref, answer, backward, self._magnitudes(got))
-                    dt = time.perf_counter() - t0
+                    dt = clock() - t0
                     self.credit[k], self.seconds = self.credit[k] - dt, self.seconds + dt
                     self.forgiven += worst(parts) is None
                 self._judge(k, first.kind, parts)
