@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -149,18 +151,52 @@ def test_the_budget_holds_and_is_spent(monkeypatch):
     """The checks' seconds stay within the budget of the worker's work at the master's rate, but for one sample
     of each kind and one step's floor and projection ahead; and the budget is spent, not hoarded. A fake clock
     makes every check cost the same, 1 s: at a budget of 0.15 a step earns 4.8 s, half of it for the checks of
-    every step, whose floor and projection take 2 (what they leave goes to the samples)."""
+    every step, whose floor and projection take 2, and the next probe 1 more while they are paid for (what they
+    leave goes to the samples)."""
     ticks = iter(range(10**6))
-    monkeypatch.setattr(spot_check.time, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(spot_check, "clock", lambda: float(next(ticks)))
     spot = SpotCheck(budget=0.15)
     Steps(n=16, f=24).run(spot, 200)
     # each sample reads the clock twice forward and twice backward: 1 s forward + 1 s backward
     credit = spot.workers[7].credit[0]
     assert spot.seconds - spot.earned == pytest.approx(-sum(credit.values()))
-    assert spot.free_seconds == 2 * 200  # the floor and the projection of every step
-    assert all(c >= -(2 + 2) for c in credit.values())  # at most one sample and a step's free checks ahead
+    assert 2 * 200 < spot.free_seconds <= 3 * 200  # the floor and the projection of every step, and some probes
+    assert all(c >= -(2 + 3) for c in credit.values())  # at most one sample and a step's free checks ahead
     assert spot.earned - spot.seconds < 2 * 2  # and at most one sample behind: what it earns, it spends
     assert spot.samples > 10
+
+
+def test_one_dear_step_does_not_cost_the_next_its_projection(monkeypatch):
+    """The checks of every step keep a few steps' share in hand (``HAND``): after steps that leave them some, a step
+    dearer than theirs by 1.5 shares still leaves the next its probe. A fake clock: every check costs 1 s, the
+    checks of every step 3 (the floor, the projection, the next probe) of a share of 5.2."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(spot_check, "clock", lambda: float(next(ticks)))
+    spot, steps = SpotCheck(budget=0.3), Steps(n=16, f=24)
+    spot.master_rate[0] = 1e-2  # a step earns the same every step: 10.4 s
+    steps.run(spot, 8)
+    share = spot_check.SHARES["every"] * spot.earned / 8
+    assert share > 3
+    spot.workers[7].credit[0]["every"] -= 3 + 1.5 * share  # a dear step
+    asked, ask = [], spot.ask
+    spot.ask = lambda k, task: asked.append(ask(k, task)) or asked[-1]
+    steps.run(spot, 1)
+    assert [set(a) for a in asked] == [set(), {"probe"}]  # the forward none, the backward its probe
+
+
+def test_a_garbage_collection_inside_a_check_is_not_charged_to_it(monkeypatch):
+    """The checks' clock leaves out the collector's seconds: of three ticks, the one a collection took."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(spot_sample.time, "perf_counter", lambda: float(next(ticks)))
+    was = gc.isenabled()
+    gc.disable()  # no collection but the one below
+    try:
+        t0 = spot_sample.clock()
+        gc.collect()  # its start and its end read the clock
+        assert spot_sample.clock() - t0 == 2.0
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_the_budget_must_be_a_fraction():

@@ -150,7 +150,8 @@ class Trails:
     """Each check's last rows (the worker's number s, the master's, k, a; one per convolution), by key (a worker and
     a check), and their disagreements summed over the last 2 to ``WINDOW`` of them, each sum held to the module's
     windowed bound and s rounded to float32 once each step: a fault that keeps its sign grows as the checks, their
-    bound as its root. (In Python floats: at most ``WINDOW`` rows, where numpy's calls cost more than the sums.)"""
+    bound as its root. (In Python floats, each row kept as the terms its sums add, s, u^T dW v, k a^2, k^2 a and |s|:
+    at most ``WINDOW`` rows, where numpy's calls cost more than the sums.)"""
 
     def __init__(self) -> None:
         self.kept: dict[tuple, collections.deque] = {}
@@ -161,16 +162,16 @@ class Trails:
         trail = self.kept.setdefault(key, collections.deque(maxlen=WINDOW))
         if trail and len(trail[-1]) != len(rows):  # another network: its sums start again
             trail.clear()
-        trail.append(rows)
+        trail.append(
+            [(float(s), float(ref), k * float(a) ** 2, k * k * float(a), abs(float(s))) for s, ref, k, a in rows]
+        )
         out = []
         for i, what in enumerate(names if len(trail) > 1 else []):
-            sums, total = [], [0.0] * 5  # s, u^T dW v, k a^2, k^2 a, |s|: over the newest 1, 2, ... rows
+            sums, got, want, ka2, k2a, size = [], 0.0, 0.0, 0.0, 0.0, 0.0  # over the newest 1, 2, ... rows
             for row in reversed(trail):
-                s, ref, k, a = (float(v) for v in row[i])
-                for j, term in enumerate((s, ref, k * a * a, k * k * a, abs(s))):
-                    total[j] += term
-                bound = 2 * (LAMBDA * U * math.sqrt(total[2]) + U * U * total[3]) + 2**-23 * total[4]
-                sums.append((total[0], total[1], bound))
+                s, ref, k_a2, k2_a, abs_s = row[i]
+                got, want, ka2, k2a, size = got + s, want + ref, ka2 + k_a2, k2a + k2_a, size + abs_s
+                sums.append((got, want, 2 * (LAMBDA * U * math.sqrt(ka2) + U * U * k2a) + 2**-23 * size))
             if all(abs(got - ref) <= tol for got, ref, tol in sums[1:]):  # an optimisation: most steps, no arrays
                 continue
             got, ref, tol = (np.array(column) for column in zip(*sums[1:], strict=True))
