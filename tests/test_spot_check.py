@@ -167,9 +167,9 @@ def test_the_budget_holds_and_is_spent(monkeypatch):
 
 
 def test_one_dear_step_does_not_cost_the_next_its_projection(monkeypatch):
-    """The checks of every step keep a few steps' share in hand (``HAND``): after steps that leave them some, a step
-    dearer than theirs by 1.5 shares still leaves the next its probe. A fake clock: every check costs 1 s, the
-    checks of every step 3 (the floor, the projection, the next probe) of a share of 5.2."""
+    """The checks of every step keep in hand four times what they cost the last step (``HAND``): after steps that
+    leave them some, a step dearer than theirs by 1.5 shares still leaves the next its probe. A fake clock: every
+    check costs 1 s, the checks of every step 3 (the floor, the projection, the next probe) of a share of 5.2."""
     ticks = iter(range(10**6))
     monkeypatch.setattr(spot_check, "clock", lambda: float(next(ticks)))
     spot, steps = SpotCheck(budget=0.3), Steps(n=16, f=24)

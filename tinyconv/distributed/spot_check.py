@@ -18,13 +18,13 @@ from tinyconv.distributed.spot_sample import Pair, Sample, clock, worst
 from tinyconv.distributed.spot_views import ByChannels, ByKernels
 from transports.base import Message
 
-# of the budget, each kind's spare beyond its hand (HAND) going to the next: the checks of every step (the floor
+# of the budget, each kind's spare beyond a step's share going to the next: the checks of every step (the floor
 # whatever the credit, each dW's projection while they are paid for); by input channels one place of P and of dx;
 # image samples, cheap (1/N of a task), the forward and dx; kernel samples, dw and db
 SHARES = {"every": 1 / 2, "place": 1 / 4, "image": 1 / 6, "kernel": 1 / 12}
-# steps' shares a kind keeps in hand before passing the rest on: the checks of every step cost about their share at
-# 16:32, and a step dearer than its share would otherwise cost the next step its projection
-HAND = {"every": 4, "place": 1, "image": 1}
+# the checks of every step keep in hand HAND times what they cost the last step, where that is more than a step's
+# share: at 16:32 they cost about their share, and one dear step would otherwise cost the next its projection
+HAND = 4
 
 # the tasks it samples: by kernels (block.py), by input channels (by_channels.py)
 TASKS = ("block_forward", "block_backward", "partial_forward", "tail_forward", "tail_backward", "partial_backward")
@@ -36,6 +36,7 @@ class _Worker:
     views: dict[int, Any] = field(default_factory=dict)  # layer -> a view of its tasks of the step under way
     samples: dict[int, list[Sample]] = field(default_factory=dict)  # layer -> that forward's, for its backward
     place: set[int] = field(default_factory=set)  # layers whose one place is due after the backward, not the forward
+    every: dict[int, float] = field(default_factory=dict)  # layer -> its checks of every step's seconds, this step
 
 
 class SpotCheck:
@@ -149,7 +150,9 @@ class SpotCheck:
         dt = clock() - t0
         state.credit[layer][kind] -= dt
         self.seconds += dt
-        self.free_seconds += dt if kind == "every" else 0.0
+        if kind == "every":
+            self.free_seconds += dt
+            state.every[layer] = state.every.get(layer, 0.0) + dt
         if kind == "image":
             spent = self._image.setdefault(layer, [0.0, 0.0])
             spent[0] += dt
@@ -162,13 +165,14 @@ class SpotCheck:
         for kind, share in SHARES.items():
             credit[kind] += share * step
             self.earned += share * step
-        t0 = clock()
+        last, t0 = state.every.pop(layer, 0.0), clock()  # what the checks of every step cost the last step
         for where, low in view.floor():
             if not low >= 0:
                 self._lose(k, f"wrong result: {where}, is {low:.3g}")
         self._spend(state, "every", t0, 0, layer)
         for kind, was in (("place", "every"), ("image", "place"), ("kernel", "image")):
-            if (spare := credit[was] - HAND[was] * SHARES[was] * step) > 0:  # what a kind leaves beyond its hand
+            hand = max(SHARES[was] * step, HAND * last if was == "every" else 0.0)
+            if (spare := credit[was] - hand) > 0:  # what a kind leaves beyond a step's share (or its hand)
                 credit[kind], credit[was] = credit[kind] + spare, credit[was] - spare
             if kind == "place":
                 self._at_one_place(k, state, layer, "forward")
