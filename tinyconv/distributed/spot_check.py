@@ -35,8 +35,8 @@ class _Worker:
     credit: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> kind -> master seconds
     views: dict[int, Any] = field(default_factory=dict)  # layer -> a view of its tasks of the step under way
     samples: dict[int, list[Sample]] = field(default_factory=dict)  # layer -> that forward's, for its backward
-    place: set[int] = field(default_factory=set)  # layers whose one place is due after the backward, not the forward
-    turn: set[int] = field(default_factory=set)  # layers whose next place is the backward's
+    place_after_backward: set[int] = field(default_factory=set)  # layers whose place this step is the backward's
+    backward_next: set[int] = field(default_factory=set)  # layers whose next paid place is the backward's
     every: dict[int, float] = field(default_factory=dict)  # layer -> its checks of every step's seconds, this step
 
 
@@ -114,22 +114,22 @@ class SpotCheck:
             t0 = clock()
             self._top[key] = probe.top_pair(dw, last, steps=1)
             self._spend(state, "every", t0, 0, layer)
-        if layer in state.place:
-            state.place.discard(layer)
+        if layer in state.place_after_backward:
+            state.place_after_backward.discard(layer)
             self._at_one_place(k, state, layer, "backward")
 
     def _at_one_place(self, k: int, state: _Worker, layer: int, after: str) -> None:
         """One place of the results after the ``forward`` or the ``backward`` (``ByChannels.at_one_place``), while
         its credit is not negative; the forward's and the backward's take turns, decided at the forward (both would
-        spend the credit on the forward's; a coin left dx unchecked for 10 steps in some runs at 16:32)."""
+        spend the credit on the forward's; a coin can leave dx unchecked for 10 steps at 16:32)."""
         if after == "forward" and state.credit[layer]["place"] < 0 and self._rate(layer):
             return
-        if after == "forward" and layer in state.turn:
-            state.turn.discard(layer)
-            state.place.add(layer)  # the backward's turn
+        if after == "forward" and layer in state.backward_next:
+            state.backward_next.discard(layer)
+            state.place_after_backward.add(layer)
             return
         if after == "forward":
-            state.turn.add(layer)  # the next is the backward's
+            state.backward_next.add(layer)
         t0 = clock()
         for where, p in state.views[layer].at_one_place(after, self.rng):
             self._judge(k, f"its {after}, {where}", [p])

@@ -31,8 +31,8 @@ _COLLECTED = [0.0, 0.0]  # the seconds Python's garbage collector has taken, the
 
 def clock() -> float:
     """The seconds the checks are charged by: time.perf_counter, less the garbage collector's. A collection that
-    happens to run inside a check frees the whole process's garbage, and is not the check's cost: one took 15 ms
-    inside a 1 ms image sample at 16:32, and the debt held that kind's samples back for 40 steps."""
+    happens to run inside a check frees the whole process's garbage, and is not the check's cost: a 15 ms one
+    inside a 1 ms image sample at 16:32 would hold that kind's samples back for 40 steps."""
     return time.perf_counter() - _COLLECTED[0]
 
 
